@@ -1,0 +1,308 @@
+"""Counting training memory tensor by tensor: parameters, gradients, optimizer state, activations.
+
+Every count is deduplicated by storage (``untyped_storage().data_ptr()``) and covers only tensors on
+the monitored device, so views, tied weights and Adam's CPU ``step`` counters on a GPU run are not
+counted twice or at all. Activations are the tensors autograd saves for backward, seen through
+``torch.autograd.graph.saved_tensors_hooks`` on sampled steps only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_vram.records import Attribution, Breakdown, ModuleActivations, Phase
+
+OUTSIDE_MODULES = "(training_step)"
+"""Name given to activations saved outside any submodule's forward, such as the loss computation."""
+
+StorageBytes = dict[int, int]
+"""Storage address -> storage size in bytes."""
+
+
+def on_device(tensor: Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` lives on ``device`` (an index-less device matches any index of its type)."""
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
+
+
+def add_storage(storages: StorageBytes, tensor: Tensor, device: torch.device, exclude: Iterable[int] = ()) -> None:
+    """Add ``tensor``'s storage to ``storages`` unless it is elsewhere, empty, or in ``exclude``."""
+    if not on_device(tensor, device):
+        return
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    if key and key not in exclude:
+        storages[key] = storage.nbytes()
+
+
+def iter_tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (an optimizer's state entries)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from iter_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from iter_tensors(item)
+
+
+def parameter_storages(module: nn.Module, device: torch.device) -> StorageBytes:
+    """Storages of the module's parameters on ``device`` (tied weights once)."""
+    storages: StorageBytes = {}
+    for parameter in module.parameters():
+        add_storage(storages, parameter, device)
+    return storages
+
+
+def gradient_storages(module: nn.Module, device: torch.device) -> StorageBytes:
+    """Storages of the gradients alive now on the module's parameters."""
+    storages: StorageBytes = {}
+    for parameter in module.parameters():
+        if parameter.grad is not None:
+            add_storage(storages, parameter.grad, device)
+    return storages
+
+
+def optimizer_state_storages(
+    optimizers: Iterable[torch.optim.Optimizer], device: torch.device, exclude: Iterable[int]
+) -> StorageBytes:
+    """Storages of every optimizer's state on ``device``, minus those in ``exclude`` (parameters, gradients)."""
+    excluded = set(exclude)
+    storages: StorageBytes = {}
+    for optimizer in optimizers:
+        for tensor in iter_tensors(list(optimizer.state.values())):
+            add_storage(storages, tensor, device, excluded)
+    return storages
+
+
+class _SavedActivation:
+    """What autograd keeps instead of a saved tensor while the ledger watches; freed when autograd frees it."""
+
+    __slots__ = ("_key", "_ledger", "tensor")
+
+    def __init__(self, tensor: Tensor, ledger: ActivationLedger, key: int) -> None:
+        self.tensor = tensor
+        self._ledger = ledger
+        self._key = key
+
+    def __del__(self) -> None:
+        self._ledger.release(self._key)
+
+
+class ActivationLedger:
+    """Live bytes of the storages autograd holds for backward.
+
+    A storage saved several times counts once; it is released when autograd drops its last saved
+    reference (node by node during backward). Thread-safe: the autograd engine may release from
+    its own threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._references: dict[int, int] = {}
+        self._sizes: StorageBytes = {}
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.saved_bytes_by_module: dict[str, int] = {}
+
+    def acquire(self, key: int, nbytes: int, module_name: str) -> None:
+        """Autograd saved a reference to storage ``key`` of ``nbytes`` bytes inside ``module_name``."""
+        with self._lock:
+            count = self._references.get(key, 0)
+            self._references[key] = count + 1
+            if count == 0:
+                self._sizes[key] = nbytes
+                self.live_bytes += nbytes
+                self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+                self.saved_bytes_by_module[module_name] = self.saved_bytes_by_module.get(module_name, 0) + nbytes
+
+    def release(self, key: int) -> None:
+        """Autograd dropped one saved reference to storage ``key``."""
+        with self._lock:
+            count = self._references.get(key, 0) - 1
+            if count > 0:
+                self._references[key] = count
+            elif count == 0:
+                del self._references[key]
+                self.live_bytes -= self._sizes.pop(key)
+
+
+class _GradientLedger:
+    """Live gradient bytes during backward, and the highest activations + gradients seen together."""
+
+    def __init__(self, gradients: StorageBytes, activations: ActivationLedger, device: torch.device) -> None:
+        self._gradients = dict(gradients)
+        self._activations = activations
+        self._device = device
+        self.peak_bytes = -1
+        self.gradients_at_peak = 0
+        self.activations_at_peak = 0
+        self.observe()
+
+    def add(self, gradient: Tensor) -> None:
+        """A gradient was accumulated into a parameter."""
+        add_storage(self._gradients, gradient, self._device)
+        self.observe()
+
+    def observe(self) -> None:
+        """Record the current total if it is the highest so far."""
+        gradient_bytes = sum(self._gradients.values())
+        activation_bytes = self._activations.live_bytes
+        if gradient_bytes + activation_bytes > self.peak_bytes:
+            self.peak_bytes = gradient_bytes + activation_bytes
+            self.gradients_at_peak = gradient_bytes
+            self.activations_at_peak = activation_bytes
+
+
+class StepAttributor:
+    """Counts one sampled training step, phase by phase, tensor by tensor.
+
+    Call ``begin_forward`` at batch start, ``begin_backward`` before backward, ``begin_optimizer`` before
+    the optimizer step and ``finish`` at batch end; ``close`` removes every hook and is safe at any time.
+    The counted peak of each phase is:
+
+    - forward: parameters + gradients alive at batch start (the previous step's, unless freed) +
+      optimizer state + the highest live bytes of saved activations;
+    - backward: parameters + optimizer state + the highest sum of live activations and gradients
+      while backward frees one and creates the other;
+    - optimizer: parameters + gradients + optimizer state after the update + activations still held.
+    """
+
+    def __init__(self, step: int, module: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device):
+        self._step = step
+        self._module = module
+        self._optimizers = optimizers
+        self._device = device
+        self._parameters = parameter_storages(module, device)
+        self._ledger = ActivationLedger()
+        self._module_stack: list[str] = []
+        self._module_types = {name or "(root)": type(child).__name__ for name, child in module.named_modules()}
+        self._handles: list[RemovableHandle] = []
+        self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._gradients: _GradientLedger | None = None
+        self._forward_state: tuple[int, int] = (0, 0)
+        self._phases: dict[Phase, Breakdown] = {}
+
+    def _model_state(self) -> tuple[int, int]:
+        """(gradient bytes, optimizer-state bytes) alive now."""
+        gradients = gradient_storages(self._module, self._device)
+        state = optimizer_state_storages(self._optimizers, self._device, set(self._parameters) | set(gradients))
+        return sum(gradients.values()), sum(state.values())
+
+    def begin_forward(self) -> None:
+        """Count the state alive at batch start and start watching saved tensors and module calls."""
+        self._forward_state = self._model_state()
+        for name, child in self._module.named_modules():
+            label = name or "(root)"
+            self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
+            self._handles.append(child.register_forward_hook(self._leave, always_call=True))
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._saved_tensors_hooks = hooks
+
+    def _make_enter(self, label: str) -> Any:
+        def enter(_module: nn.Module, _args: Any) -> None:
+            self._module_stack.append(label)
+
+        return enter
+
+    def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def _pack(self, tensor: Tensor) -> Any:
+        if not on_device(tensor, self._device):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if not key or key in self._parameters:
+            return tensor
+        owner = self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
+        self._ledger.acquire(key, storage.nbytes(), owner)
+        return _SavedActivation(tensor, self._ledger, key)
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        return packed.tensor if isinstance(packed, _SavedActivation) else packed
+
+    def _stop_watching_forward(self) -> None:
+        hooks, self._saved_tensors_hooks = self._saved_tensors_hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._module_stack.clear()
+
+    def end_forward(self) -> None:
+        """Close the forward phase: record its counted peak."""
+        if Phase.FORWARD in self._phases:
+            return
+        self._stop_watching_forward()
+        gradient_bytes, state_bytes = self._forward_state
+        self._phases[Phase.FORWARD] = self._breakdown(gradient_bytes, state_bytes, self._ledger.peak_live_bytes)
+
+    def begin_backward(self) -> None:
+        """Close forward and watch gradients appear while activations are released."""
+        self.end_forward()
+        gradients = gradient_storages(self._module, self._device)
+        self._gradients = _GradientLedger(gradients, self._ledger, self._device)
+        for parameter in self._module.parameters():
+            if parameter.requires_grad:
+                # torch ships this method without annotations.
+                handle = parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
+                self._handles.append(handle)
+
+    def _on_gradient(self, parameter: Tensor) -> None:
+        if self._gradients is not None and parameter.grad is not None:
+            self._gradients.add(parameter.grad)
+
+    def end_backward(self) -> None:
+        """Close the backward phase: record the highest activations + gradients seen together."""
+        gradients = self._gradients
+        if gradients is None or Phase.BACKWARD in self._phases:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        _, state_bytes = self._model_state()
+        self._phases[Phase.BACKWARD] = self._breakdown(
+            gradients.gradients_at_peak, state_bytes, gradients.activations_at_peak
+        )
+
+    def finish(self, optimizer_stepped: bool) -> Attribution:
+        """Close the step; the optimizer phase is counted only when an optimizer stepped."""
+        self.end_forward()
+        self.end_backward()
+        if optimizer_stepped:
+            gradient_bytes, state_bytes = self._model_state()
+            self._phases[Phase.OPTIMIZER] = self._breakdown(gradient_bytes, state_bytes, self._ledger.live_bytes)
+        return Attribution(step=self._step, phases=dict(self._phases), modules=self._module_table())
+
+    def _breakdown(self, gradient_bytes: int, state_bytes: int, activation_bytes: int) -> Breakdown:
+        return Breakdown(
+            parameters=sum(self._parameters.values()),
+            gradients=gradient_bytes,
+            optimizer_state=state_bytes,
+            activations=activation_bytes,
+            other=None,
+        )
+
+    def _module_table(self) -> tuple[ModuleActivations, ...]:
+        rows = [
+            ModuleActivations(name, self._module_types.get(name, "-"), nbytes)
+            for name, nbytes in self._ledger.saved_bytes_by_module.items()
+            if nbytes > 0
+        ]
+        return tuple(sorted(rows, key=lambda row: (-row.activation_bytes, row.name)))
+
+    def close(self) -> None:
+        """Remove every hook this step installed. Safe to call at any point, more than once."""
+        self._stop_watching_forward()
+        self._gradients = None

@@ -1,0 +1,296 @@
+"""``VramMonitor``: the Lightning callback. Glue only: hooks in, measurements out to the parts below it."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_vram.accounting import StepAttributor
+from lightning_vram.config import MonitorConfig
+from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.metrics import interval_scalars
+from lightning_vram.probes import Probe, probe_for
+from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, Phase
+from lightning_vram.report import RankSummary, Report, TimingSummary, summary_text
+from lightning_vram.timing import StepTimer
+from lightning_vram.tracker import MeasuredPhase, MemoryTracker, phase_peak_bytes
+
+ATTRIBUTION_FAILED = "per-module activations"
+
+
+class VramMonitor(Callback):
+    """Where GPU memory goes during training, phase by phase, and how busy the GPU is.
+
+    Every training step, the allocator's peak is read at Lightning's phase boundaries (forward,
+    backward, optimizer step) from host-side counters, without synchronising the device. On sampled
+    steps the tensors are counted one by one: parameters, gradients, optimizer state and the
+    activations each module saves for backward. Scalars go to the Trainer's loggers every
+    ``log_every_n_steps``; after fit, :attr:`report` holds the :class:`~lightning_vram.report.Report`
+    and ``vram_report.json`` is written to the Trainer's ``log_dir`` (``default_root_dir`` without a logger).
+
+    Args:
+        log_every_n_steps: training batches between logged scalars; ``None`` uses the Trainer's setting.
+        attribution_start_step: the first training batch (0-based, over the whole run) counted tensor by
+            tensor. The default, 2, skips the first step, where optimizer state is still being created.
+        attribution_every_n_steps: batches between counted steps after the first; ``None`` counts one step.
+            A counted step costs extra Python time per saved tensor.
+        reset_peak_stats: reset the CUDA allocator's peak at each phase boundary to measure exact phase
+            peaks. This is process-wide: code of yours that reads ``torch.cuda.max_memory_allocated()``
+            sees the peak since the last boundary. ``False`` leaves it untouched; phase peaks are then
+            exact when they set a new process peak and a lower bound otherwise.
+        utilization_interval_seconds: seconds between NVML utilization samples (background thread).
+        top_modules: how many modules the report lists by saved activation bytes.
+        recent_steps: how many recent step peaks are kept for charts (memory stays bounded).
+        console_summary: print a short summary at the end of training (global rank zero).
+        probe: read the device through this probe instead of the one that fits the device; for tests,
+            see :class:`lightning_vram.testing.ScriptedProbe`.
+    """
+
+    def __init__(
+        self,
+        *,
+        log_every_n_steps: int | None = None,
+        attribution_start_step: int = 2,
+        attribution_every_n_steps: int | None = 100,
+        reset_peak_stats: bool = True,
+        utilization_interval_seconds: float = 0.5,
+        top_modules: int = 10,
+        recent_steps: int = 512,
+        console_summary: bool = True,
+        probe: Probe | None = None,
+    ) -> None:
+        self.config = MonitorConfig(
+            log_every_n_steps=log_every_n_steps,
+            attribution_start_step=attribution_start_step,
+            attribution_every_n_steps=attribution_every_n_steps,
+            reset_peak_stats=reset_peak_stats,
+            utilization_interval_seconds=utilization_interval_seconds,
+            top_modules=top_modules,
+            recent_steps=recent_steps,
+            console_summary=console_summary,
+        )
+        if probe is not None and not isinstance(probe, Probe):
+            raise TypeError(f"probe must implement lightning_vram.probes.Probe, got {type(probe).__name__}")
+        self._probe_override = probe
+        self.report: Report | None = None
+        """The report of the last fit, set when training ends (also when it ends by an exception)."""
+        self.report_path: Path | None = None
+        """Where ``vram_report.json`` was written, on global rank zero."""
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._probe: Probe | None = None
+        self._device = torch.device("cpu")
+        self._device_info: DeviceInfo | None = None
+        self._report_dir: Path | None = None
+        self._log_every: int | None = None
+        self._tracker = MemoryTracker(self.config.recent_steps)
+        self._timer = StepTimer(self.config.recent_steps)
+        self._attributor: StepAttributor | None = None
+        self._attribution_disabled: NotMeasured | None = None
+        self._phase: Phase | None = None
+        self._boundary: AllocatorReading | None = None
+        self._measured: dict[Phase, MeasuredPhase] = {}
+        self._optimizer_stepped = False
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_run_state()
+        self.report = None
+        self._device = pl_module.device
+        probe = self._probe_override or probe_for(self._device, self.config.utilization_interval_seconds)
+        device_info = probe.open(self._device)
+        self._device_info = device_info
+        self._probe = probe
+        if device_info.type != "cuda":
+            warnings.warn(
+                f"VramMonitor: the model trains on {self._device}, not a CUDA GPU: allocator peaks, 'other' memory"
+                " and GPU utilization are not measured; tensors are still counted.",
+                VramMonitorWarning,
+                stacklevel=2,
+            )
+        # Lightning sets this plain attribute on every Trainer; 0 means logging is off (barebones).
+        trainer_interval = int(getattr(trainer, "log_every_n_steps", 50))
+        self._log_every = self.config.log_every_n_steps or trainer_interval or None
+        self._report_dir = Path(trainer.log_dir or trainer.default_root_dir)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.break_continuity()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.break_continuity()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        probe = self._probe
+        if probe is None:
+            return
+        self._timer.batch_started(time.perf_counter())
+        self._phase = Phase.FORWARD
+        self._measured = {}
+        self._optimizer_stepped = False
+        self._boundary = probe.read_allocator(self.config.reset_peak_stats)
+        if self._attribution_disabled is None and self.config.is_sampled(self._tracker.steps):
+            self._start_attribution(trainer, pl_module)
+
+    def _start_attribution(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        attributor = StepAttributor(self._tracker.steps, pl_module, list(trainer.optimizers), self._device)
+        try:
+            attributor.begin_forward()
+        except RuntimeError as error:  # saved-tensor hooks refused (disabled by the user's code or a compiler)
+            attributor.close()
+            self._attribution_disabled = NotMeasured(ATTRIBUTION_FAILED, f"saved-tensor hooks unavailable: {error}")
+            warnings.warn(
+                f"VramMonitor: {self._attribution_disabled.reason}; activations are not attributed.",
+                VramMonitorWarning,
+                stacklevel=2,
+            )
+            return
+        self._attributor = attributor
+
+    def _close_phase(self, next_phase: Phase | None) -> None:
+        """End the current phase at this boundary: read the allocator once and remember its peak."""
+        phase, probe = self._phase, self._probe
+        if phase is None or probe is None:
+            return
+        reading = probe.read_allocator(self.config.reset_peak_stats)
+        if reading is not None and self._boundary is not None:
+            self._measured[phase] = MeasuredPhase(
+                peak_bytes=phase_peak_bytes(self._boundary, reading, self.config.reset_peak_stats),
+                allocated_bytes=reading.allocated_bytes,
+                reserved_bytes=reading.reserved_bytes,
+                alloc_retries=reading.alloc_retries,
+            )
+        self._boundary = reading
+        self._phase = next_phase
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._phase is not Phase.FORWARD:
+            return
+        self._close_phase(Phase.BACKWARD)
+        if self._attributor is not None:
+            self._attributor.begin_backward()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._phase is None or self._phase is Phase.OPTIMIZER:
+            return
+        self._close_phase(Phase.OPTIMIZER)
+        self._optimizer_stepped = True
+        if self._attributor is not None:
+            self._attributor.end_backward()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        if self._phase is None:
+            return
+        step = self._tracker.steps
+        self._close_phase(None)
+        attribution = None
+        if self._attributor is not None:
+            attribution = self._attributor.finish(self._optimizer_stepped)
+            self._attributor.close()
+            self._attributor = None
+        self._tracker.update(step, self._measured, attribution)
+        self._timer.batch_ended(time.perf_counter())
+        if self._log_every is not None and self._tracker.steps % self._log_every == 0:
+            self._log_interval(trainer)
+
+    def _log_interval(self, trainer: pl.Trainer) -> None:
+        probe = self._probe
+        if probe is None or not trainer.is_global_zero or not trainer.loggers:
+            return
+        scalars = interval_scalars(
+            self._tracker.take_interval(), self._timer.take_interval(), probe.take_utilization(), probe.host_rss_bytes()
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer)
+        if self.report is not None and self.config.console_summary and trainer.is_global_zero:
+            print(summary_text(self.report))
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Write the report of the run so far; never raise here, so the user's exception reaches them unchanged."""
+        if self._attributor is not None:
+            self._attributor.close()
+            self._attributor = None
+        self._phase = None
+        try:
+            self._finish(trainer)
+        except Exception as error:  # noqa: BLE001 -- raising here would replace the user's exception
+            warnings.warn(f"VramMonitor: the report could not be written: {error!r}", VramMonitorWarning, stacklevel=2)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._attributor is not None:
+            self._attributor.close()
+            self._attributor = None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        probe, device_info = self._probe, self._device_info
+        if probe is None or device_info is None:
+            return
+        self.report = self._build_report(trainer, probe, device_info)
+        if trainer.is_global_zero and self._report_dir is not None:
+            self.report_path = self.report.write_json(self._report_dir)
+
+    def _build_report(self, trainer: pl.Trainer, probe: Probe, device_info: DeviceInfo) -> Report:
+        tracker = self._tracker
+        modules = tracker.largest_activation_attribution.modules if tracker.largest_activation_attribution else ()
+        not_measured = probe.unavailable()
+        if self._attribution_disabled is not None:
+            not_measured += (self._attribution_disabled,)
+        elif tracker.latest_attribution is None:
+            not_measured += (
+                NotMeasured(
+                    "tensor-by-tensor attribution",
+                    f"no training batch reached attribution_start_step={self.config.attribution_start_step}",
+                ),
+            )
+        peak = tracker.peak
+        return Report(
+            device=device_info,
+            steps=tracker.steps,
+            peak=peak,
+            phases=dict(tracker.phase_peaks),
+            modules=modules[: self.config.top_modules],
+            timing=TimingSummary(
+                step_seconds_median=self._timer.median_step_seconds(),
+                data_wait_fraction=self._timer.data_wait_fraction(),
+                gpu_utilization_mean=probe.mean_utilization_percent(),
+            ),
+            advice=(),
+            ranks=(
+                RankSummary(
+                    rank=trainer.global_rank,
+                    device_index=device_info.index,
+                    peak_bytes=peak.peak_bytes if peak is not None else None,
+                    steps=tracker.steps,
+                ),
+            ),
+            not_measured=not_measured,
+        )

@@ -1,0 +1,66 @@
+"""The monitor's settings, checked when the callback is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _require_positive_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number of seconds, got {value!r} ({type(value).__name__})")
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Settings of :class:`~lightning_vram.VramMonitor`; see its docstring for each one."""
+
+    log_every_n_steps: int | None = None
+    attribution_start_step: int = 2
+    attribution_every_n_steps: int | None = 100
+    reset_peak_stats: bool = True
+    utilization_interval_seconds: float = 0.5
+    top_modules: int = 10
+    recent_steps: int = 512
+    console_summary: bool = True
+
+    def __post_init__(self) -> None:
+        _require_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
+        _require_int("attribution_start_step", self.attribution_start_step, 0)
+        _require_int("attribution_every_n_steps", self.attribution_every_n_steps, 1, allow_none=True)
+        _require_bool("reset_peak_stats", self.reset_peak_stats)
+        _require_positive_number("utilization_interval_seconds", self.utilization_interval_seconds)
+        _require_int("top_modules", self.top_modules, 1)
+        _require_int("recent_steps", self.recent_steps, 1)
+        _require_bool("console_summary", self.console_summary)
+
+    def is_sampled(self, step: int) -> bool:
+        """Whether ``step`` (0-based training batch of the run) gets tensor-by-tensor attribution.
+
+        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=10).is_sampled(12)
+        True
+        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=None).is_sampled(12)
+        False
+        """
+        offset = step - self.attribution_start_step
+        if offset < 0:
+            return False
+        if self.attribution_every_n_steps is None:
+            return offset == 0
+        return offset % self.attribution_every_n_steps == 0

@@ -1,0 +1,162 @@
+"""NVML sampling on a background timer: GPU utilization and this process's device memory.
+
+NVML reports utilization as the percent of time one or more kernels ran over its own sample window
+(1/6 s to 1 s), so it is sampled on a timer and averaged per interval, never read per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+
+from lightning_vram.records import UtilizationReading
+
+
+class NvmlUnavailableError(RuntimeError):
+    """NVML cannot be used here: no library, no driver, or the device was not found."""
+
+
+def _load_pynvml() -> ModuleType:
+    try:
+        module: ModuleType = importlib.import_module("pynvml")
+    except ImportError as error:
+        raise NvmlUnavailableError(
+            f"the NVML bindings are not installed ({error}); pip install nvidia-ml-py"
+        ) from error
+    return module
+
+
+def normalise_uuid(uuid: str) -> str:
+    """A device UUID without NVML's ``GPU-``/``MIG-`` prefix, lower case, for comparison.
+
+    >>> normalise_uuid("GPU-ABCD-01")
+    'abcd-01'
+    """
+    text = uuid.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
+@dataclass
+class _Accumulator:
+    utilization_sum: float = 0.0
+    utilization_count: int = 0
+    process_memory_bytes: int | None = None
+
+    def mean(self) -> float | None:
+        return self.utilization_sum / self.utilization_count if self.utilization_count else None
+
+
+class NvmlSampler:
+    """Samples one GPU through NVML every ``interval_seconds`` on a daemon thread.
+
+    The device is found by UUID, so the mapping is right under ``CUDA_VISIBLE_DEVICES``
+    (the NVML index is not the CUDA index there).
+    """
+
+    def __init__(self, device_uuid: str, interval_seconds: float) -> None:
+        self._device_uuid = device_uuid
+        self._interval_seconds = interval_seconds
+        self._lock = threading.Lock()
+        self._interval = _Accumulator()
+        self._run = _Accumulator()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pynvml: ModuleType | None = None
+        self._handle: object | None = None
+        self.error: str | None = None
+
+    def start(self) -> None:
+        """Initialise NVML once, find the device and start sampling.
+
+        Raises:
+            NvmlUnavailableError: the bindings, the driver or the device are missing.
+        """
+        pynvml = _load_pynvml()
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as error:
+            raise NvmlUnavailableError(f"NVML could not start: {error}") from error
+        self._pynvml = pynvml
+        try:
+            self._handle = self._find_handle(pynvml)
+        except pynvml.NVMLError as error:
+            self._shutdown()
+            raise NvmlUnavailableError(f"NVML could not list devices: {error}") from error
+        if self._handle is None:
+            self._shutdown()
+            raise NvmlUnavailableError(f"NVML has no device with UUID {self._device_uuid}")
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="lightning-vram-nvml", daemon=True)
+        self._thread.start()
+
+    def _find_handle(self, pynvml: ModuleType) -> object | None:
+        wanted = normalise_uuid(self._device_uuid)
+        for nvml_index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            if normalise_uuid(uuid.decode() if isinstance(uuid, bytes) else uuid) == wanted:
+                found: object = handle
+                return found
+        return None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_seconds):
+            if not self._sample():
+                return
+
+    def _sample(self) -> bool:
+        pynvml = self._pynvml
+        assert pynvml is not None  # set by start() before any sample
+        try:
+            utilization = float(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            process_bytes = self._process_memory(pynvml)
+        except pynvml.NVMLError as error:
+            self.error = f"NVML sampling failed: {error}"
+            return False
+        with self._lock:
+            for accumulator in (self._interval, self._run):
+                accumulator.utilization_sum += utilization
+                accumulator.utilization_count += 1
+                accumulator.process_memory_bytes = process_bytes
+        return True
+
+    def _process_memory(self, pynvml: ModuleType) -> int | None:
+        pid = os.getpid()
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+            if process.pid == pid:
+                used = process.usedGpuMemory
+                return int(used) if used is not None else None
+        return None  # another PID namespace (containers): NVML cannot tell which process is ours
+
+    def take(self) -> UtilizationReading:
+        """The mean utilization since the last ``take`` and the latest process memory."""
+        with self._lock:
+            reading = UtilizationReading(self._interval.mean(), self._interval.process_memory_bytes)
+            self._interval = _Accumulator(process_memory_bytes=self._interval.process_memory_bytes)
+        return reading
+
+    def run_mean_percent(self) -> float | None:
+        """Mean utilization over every sample since ``start``, in percent."""
+        with self._lock:
+            return self._run.mean()
+
+    def stop(self) -> None:
+        """Stop the thread and release NVML. Safe to call twice."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self._interval_seconds + 1)
+            self._thread = None
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        pynvml, self._pynvml = self._pynvml, None
+        if pynvml is not None:
+            with contextlib.suppress(pynvml.NVMLError):  # already shut down elsewhere: nothing left to release
+                pynvml.nvmlShutdown()

@@ -1,0 +1,175 @@
+"""Device probes: what the monitor reads from the device, one class per kind of device.
+
+``read_allocator`` runs at every phase boundary of every step, so it reads host-side counters only
+and never synchronises the device. Utilization and host memory are read once per log interval.
+"""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from typing import Protocol, runtime_checkable
+
+import psutil
+import torch
+
+from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.nvml import NvmlSampler, NvmlUnavailableError
+from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
+
+ALLOCATOR_NOT_ON_CPU = NotMeasured(
+    "allocator peaks, reserved memory and 'other'",
+    "training runs on the CPU, which has no caching allocator: phase peaks are the sum of counted tensors",
+)
+UTILIZATION_NOT_ON_CPU = NotMeasured("GPU utilization", "training runs on the CPU")
+
+
+@runtime_checkable
+class Probe(Protocol):
+    """Reads one device. Implemented by :class:`CudaProbe`, :class:`CpuProbe` and ``testing.ScriptedProbe``."""
+
+    def open(self, device: torch.device) -> DeviceInfo:
+        """Start measuring ``device`` (the LightningModule's device) and describe it."""
+        ...
+
+    def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:
+        """Allocator counters now; with ``reset_peak`` the peak restarts from the current value.
+
+        ``None`` where the device has no caching allocator. Called on the hot path: no device sync.
+        """
+        ...
+
+    def take_utilization(self) -> UtilizationReading | None:
+        """Utilization averaged since the last call, or ``None`` where it is not measured."""
+        ...
+
+    def mean_utilization_percent(self) -> float | None:
+        """Utilization averaged over the whole run, in percent, or ``None``."""
+        ...
+
+    def host_rss_bytes(self) -> int | None:
+        """Resident memory of this process on the host, in bytes."""
+        ...
+
+    def unavailable(self) -> tuple[NotMeasured, ...]:
+        """What this probe could not measure, and why."""
+        ...
+
+    def close(self) -> None:
+        """Stop background work. Safe to call twice."""
+        ...
+
+
+def _host_rss_bytes() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+class CpuProbe:
+    """Training on the CPU: no allocator counters and no utilization, only host memory."""
+
+    def open(self, device: torch.device) -> DeviceInfo:
+        """Describe the host as the device; capacity is the machine's physical memory."""
+        name = platform.processor() or platform.machine() or "cpu"
+        return DeviceInfo(type=device.type, name=name, index=None, total_bytes=int(psutil.virtual_memory().total))
+
+    def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:
+        """The CPU has no caching allocator: always ``None``."""
+        return None
+
+    def take_utilization(self) -> UtilizationReading | None:
+        """Not measured on the CPU."""
+        return None
+
+    def mean_utilization_percent(self) -> float | None:
+        """Not measured on the CPU."""
+        return None
+
+    def host_rss_bytes(self) -> int | None:
+        """Resident memory of this process, in bytes."""
+        return _host_rss_bytes()
+
+    def unavailable(self) -> tuple[NotMeasured, ...]:
+        """Allocator peaks and GPU utilization."""
+        return (ALLOCATOR_NOT_ON_CPU, UTILIZATION_NOT_ON_CPU)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class CudaProbe:
+    """A CUDA device: the caching allocator's counters, and NVML on a background timer."""
+
+    def __init__(self, utilization_interval_seconds: float) -> None:
+        self._utilization_interval_seconds = utilization_interval_seconds
+        self._index = 0
+        self._sampler: NvmlSampler | None = None
+        self._unavailable: list[NotMeasured] = []
+        self._sampler_error_reported = False
+
+    def open(self, device: torch.device) -> DeviceInfo:
+        """Describe the device and start NVML; a missing NVML warns once and is reported as not measured."""
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(self._index)
+        sampler = NvmlSampler(str(properties.uuid), self._utilization_interval_seconds)
+        try:
+            sampler.start()
+        except NvmlUnavailableError as error:
+            self._unavailable.append(NotMeasured("GPU utilization and process memory (NVML)", str(error)))
+            warnings.warn(
+                f"VramMonitor: {error}. GPU utilization is not measured; memory is.", VramMonitorWarning, stacklevel=2
+            )
+        else:
+            self._sampler = sampler
+        return DeviceInfo(
+            type="cuda", name=properties.name, index=self._index, total_bytes=int(properties.total_memory)
+        )
+
+    def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:
+        """One host-side read of the allocator's statistics (no device synchronisation)."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self._index)
+        reading = AllocatorReading(
+            allocated_bytes=int(stats["allocated_bytes"]["all"]["current"]),
+            reserved_bytes=int(stats["reserved_bytes"]["all"]["current"]),
+            peak_allocated_bytes=int(stats["allocated_bytes"]["all"]["peak"]),
+            alloc_retries=int(stats["num_alloc_retries"]),
+        )
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(self._index)
+        return reading
+
+    def take_utilization(self) -> UtilizationReading | None:
+        """NVML's utilization averaged since the last call."""
+        sampler = self._sampler
+        if sampler is None:
+            return None
+        if sampler.error is not None and not self._sampler_error_reported:
+            self._sampler_error_reported = True
+            self._unavailable.append(NotMeasured("GPU utilization after the error", sampler.error))
+            warnings.warn(
+                f"VramMonitor: {sampler.error}; utilization sampling stopped.", VramMonitorWarning, stacklevel=2
+            )
+        return sampler.take()
+
+    def mean_utilization_percent(self) -> float | None:
+        """NVML's utilization averaged over the run."""
+        return self._sampler.run_mean_percent() if self._sampler is not None else None
+
+    def host_rss_bytes(self) -> int | None:
+        """Resident memory of this process on the host, in bytes."""
+        return _host_rss_bytes()
+
+    def unavailable(self) -> tuple[NotMeasured, ...]:
+        """NVML, when it could not be used."""
+        return tuple(self._unavailable)
+
+    def close(self) -> None:
+        """Stop the NVML thread."""
+        if self._sampler is not None:
+            self._sampler.stop()
+
+
+def probe_for(device: torch.device, utilization_interval_seconds: float) -> Probe:
+    """The probe that fits the device the LightningModule lives on."""
+    if device.type == "cuda":
+        return CudaProbe(utilization_interval_seconds)
+    return CpuProbe()

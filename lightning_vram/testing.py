@@ -1,0 +1,115 @@
+"""A public scripted probe: drive the monitor's CUDA code path on any machine, in your tests and ours.
+
+The probe plays back allocator values the way the CUDA caching allocator would report them, including
+the peak-reset semantics of ``torch.cuda.reset_peak_memory_stats``. Tensor counting stays real.
+
+>>> probe = ScriptedProbe([ScriptedBoundary(allocated_bytes=100, reserved_bytes=256, highest_bytes=100),
+...                        ScriptedBoundary(allocated_bytes=120, reserved_bytes=256, highest_bytes=180)])
+>>> probe.read_allocator(reset_peak=True).peak_allocated_bytes
+100
+>>> probe.read_allocator(reset_peak=True).peak_allocated_bytes
+180
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
+
+SCRIPTED_DEVICE = DeviceInfo(type="cuda", name="Scripted GPU", index=0, total_bytes=16 * 1024**3)
+
+
+@dataclass(frozen=True)
+class ScriptedBoundary:
+    """The allocator at one phase boundary: ``highest_bytes`` is the most allocated since the previous boundary."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    highest_bytes: int
+    alloc_retries: int = 0
+
+
+class ScriptedProbe:
+    """Plays back one :class:`ScriptedBoundary` per allocator read, then repeats the last one.
+
+    Args:
+        boundaries: the allocator at each successive read (four reads per training step: batch start,
+            before backward, before the optimizer step, batch end).
+        device: what ``open`` reports.
+        utilization: one reading per log interval, then the last one again; ``None`` for "not measured".
+        not_measured: what the probe reports as unavailable (for example a failing NVML).
+    """
+
+    def __init__(
+        self,
+        boundaries: Sequence[ScriptedBoundary],
+        device: DeviceInfo = SCRIPTED_DEVICE,
+        utilization: Sequence[UtilizationReading | None] = (),
+        not_measured: Sequence[NotMeasured] = (),
+    ) -> None:
+        if not boundaries:
+            raise ValueError("boundaries must hold at least one ScriptedBoundary, got an empty sequence")
+        self._boundaries = tuple(boundaries)
+        self._device = device
+        self._utilization = tuple(utilization)
+        self._not_measured = tuple(not_measured)
+        self._peak = 0
+        self.reads = 0
+        self.resets = 0
+        self.utilization_reads = 0
+        self.opened_with: torch.device | None = None
+        self.closed = False
+
+    def open(self, device: torch.device) -> DeviceInfo:
+        """Record the device the monitor asked for and describe the scripted one."""
+        self.opened_with = device
+        return self._device
+
+    def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:
+        """The next scripted boundary, with the peak an allocator would report."""
+        boundary = self._boundaries[min(self.reads, len(self._boundaries) - 1)]
+        self.reads += 1
+        self._peak = max(self._peak, boundary.highest_bytes, boundary.allocated_bytes)
+        reading = AllocatorReading(
+            allocated_bytes=boundary.allocated_bytes,
+            reserved_bytes=boundary.reserved_bytes,
+            peak_allocated_bytes=self._peak,
+            alloc_retries=boundary.alloc_retries,
+        )
+        if reset_peak:
+            self.resets += 1
+            self._peak = boundary.allocated_bytes
+        return reading
+
+    def take_utilization(self) -> UtilizationReading | None:
+        """The next scripted utilization reading."""
+        if not self._utilization:
+            return None
+        reading = self._utilization[min(self.utilization_reads, len(self._utilization) - 1)]
+        self.utilization_reads += 1
+        return reading
+
+    def mean_utilization_percent(self) -> float | None:
+        """Mean of the scripted utilization readings handed out so far."""
+        handed = [
+            reading.gpu_utilization_percent
+            for reading in self._utilization[: self.utilization_reads]
+            if reading is not None and reading.gpu_utilization_percent is not None
+        ]
+        return sum(handed) / len(handed) if handed else None
+
+    def host_rss_bytes(self) -> int | None:
+        """Not scripted: ``None``."""
+        return None
+
+    def unavailable(self) -> tuple[NotMeasured, ...]:
+        """The scripted ``not_measured`` entries."""
+        return self._not_measured
+
+    def close(self) -> None:
+        """Record that the monitor closed the probe."""
+        self.closed = True

@@ -1,0 +1,80 @@
+"""Step time and data wait, measured on the host with ``time.perf_counter`` (no device synchronisation).
+
+Data wait is the time between one training batch's end and the next one's start: the DataLoader's
+fetch and the transfer to the device (and other callbacks' batch-end work). It is not measured across
+epoch boundaries or validation runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IntervalTiming:
+    """Timing over one log interval: mean step time in seconds and the share of it spent waiting for data."""
+
+    step_seconds: float | None
+    data_wait_fraction: float | None
+
+
+class StepTimer:
+    """Accumulates busy and waiting time per interval and over the run; keeps a fixed window of step times."""
+
+    def __init__(self, window: int) -> None:
+        self._window: deque[float] = deque(maxlen=window)
+        self._started_at: float | None = None
+        self._ended_at: float | None = None
+        self._wait_seconds: float | None = None
+        self._interval_wait = 0.0
+        self._interval_total = 0.0
+        self._interval_steps = 0
+        self._run_wait = 0.0
+        self._run_total = 0.0
+
+    def batch_started(self, now: float) -> None:
+        """A training batch starts at ``now`` (seconds)."""
+        self._wait_seconds = now - self._ended_at if self._ended_at is not None else None
+        self._started_at = now
+
+    def batch_ended(self, now: float) -> None:
+        """The batch that started last ends at ``now`` (seconds).
+
+        Only a batch that followed another one directly counts: its step is the wait plus the work.
+        """
+        started_at, wait_seconds = self._started_at, self._wait_seconds
+        self._started_at = None
+        self._ended_at = now
+        if started_at is None or wait_seconds is None:
+            return
+        step_seconds = wait_seconds + (now - started_at)
+        self._window.append(step_seconds)
+        self._interval_wait += wait_seconds
+        self._interval_total += step_seconds
+        self._interval_steps += 1
+        self._run_wait += wait_seconds
+        self._run_total += step_seconds
+
+    def break_continuity(self) -> None:
+        """Time until the next batch is not data wait (an epoch boundary, a validation run)."""
+        self._ended_at = None
+
+    def take_interval(self) -> IntervalTiming:
+        """Timing since the last call, then start a new interval."""
+        timing = IntervalTiming(
+            step_seconds=self._interval_total / self._interval_steps if self._interval_steps else None,
+            data_wait_fraction=self._interval_wait / self._interval_total if self._interval_total > 0 else None,
+        )
+        self._interval_wait = self._interval_total = 0.0
+        self._interval_steps = 0
+        return timing
+
+    def median_step_seconds(self) -> float | None:
+        """Median step time over the recent window, in seconds."""
+        return statistics.median(self._window) if self._window else None
+
+    def data_wait_fraction(self) -> float | None:
+        """Share of the run's step time spent waiting for data."""
+        return self._run_wait / self._run_total if self._run_total > 0 else None

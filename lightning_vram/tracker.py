@@ -1,0 +1,161 @@
+"""Per-step phase peaks and bounded aggregates over the run.
+
+Memory held by the tracker does not grow with the run: maxima, the record of the peak step, the
+sampled attributions it needs, and a fixed-size window of recent step peaks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+from lightning_vram.records import AllocatorReading, Attribution, Breakdown, Phase, PhasePeak
+
+
+def phase_peak_bytes(start: AllocatorReading, end: AllocatorReading, peak_was_reset: bool) -> int:
+    """The allocator's peak during a phase that began at ``start`` and ended at ``end``, in bytes.
+
+    With the peak reset at every boundary, the end reading's peak is exactly the phase's peak. Left
+    untouched, the process-wide peak is exact when it rose during the phase; otherwise the phase
+    stayed below an older peak and the higher of its two boundary values is a lower bound.
+
+    >>> a = AllocatorReading(100, 200, 150, 0)
+    >>> phase_peak_bytes(a, AllocatorReading(120, 200, 180, 0), peak_was_reset=True)
+    180
+    >>> phase_peak_bytes(a, AllocatorReading(120, 200, 150, 0), peak_was_reset=False)
+    120
+    """
+    if peak_was_reset or end.peak_allocated_bytes > start.peak_allocated_bytes:
+        return end.peak_allocated_bytes
+    return max(start.allocated_bytes, end.allocated_bytes)
+
+
+@dataclass(frozen=True)
+class MeasuredPhase:
+    """What the allocator saw during one phase: its peak, and the counters at its end, in bytes."""
+
+    peak_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    alloc_retries: int
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """The peak of one step, for charts of memory over steps."""
+
+    step: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class IntervalMemory:
+    """Memory over one log interval: the counters at its end and its highest peaks, in bytes."""
+
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    peak: PhasePeak | None
+    phase_peak_bytes: dict[Phase, int]
+
+
+class MemoryTracker:
+    """Folds each step's phase peaks into run maxima, the peak step's record and a recent window."""
+
+    def __init__(self, recent_steps: int) -> None:
+        self.steps = 0
+        self.peak: PhasePeak | None = None
+        self.peak_step: tuple[PhasePeak, ...] = ()
+        self.phase_peaks: dict[Phase, PhasePeak] = {}
+        self.recent: deque[StepPoint] = deque(maxlen=recent_steps)
+        self.latest_attribution: Attribution | None = None
+        self.largest_activation_attribution: Attribution | None = None
+        self.alloc_retries: int | None = None
+        self._interval_end: MeasuredPhase | None = None
+        self._interval_peak: PhasePeak | None = None
+        self._interval_phase_peaks: dict[Phase, int] = {}
+
+    def update(self, step: int, measured: dict[Phase, MeasuredPhase], attribution: Attribution | None) -> None:
+        """Fold one finished step: allocator phases (CUDA) and, on sampled steps, the counted parts."""
+        self.steps += 1
+        if attribution is not None:
+            self._remember(attribution)
+        peaks = [peak for phase in Phase if (peak := self._phase_peak(step, phase, measured, attribution))]
+        if not peaks:
+            return
+        for phase_measure in measured.values():
+            self._interval_end = phase_measure
+            self.alloc_retries = phase_measure.alloc_retries
+        step_peak = max(peaks, key=lambda peak: peak.peak_bytes)
+        self.recent.append(StepPoint(step, step_peak.peak_bytes))
+        if self.peak is None or step_peak.peak_bytes > self.peak.peak_bytes:
+            self.peak = step_peak
+            self.peak_step = tuple(peaks)
+        if self._interval_peak is None or step_peak.peak_bytes > self._interval_peak.peak_bytes:
+            self._interval_peak = step_peak
+        for peak in peaks:
+            best = self.phase_peaks.get(peak.phase)
+            if best is None or peak.peak_bytes > best.peak_bytes:
+                self.phase_peaks[peak.phase] = peak
+            self._interval_phase_peaks[peak.phase] = max(self._interval_phase_peaks.get(peak.phase, 0), peak.peak_bytes)
+
+    def _phase_peak(
+        self, step: int, phase: Phase, measured: dict[Phase, MeasuredPhase], attribution: Attribution | None
+    ) -> PhasePeak | None:
+        counted = attribution.phases.get(phase) if attribution is not None else None
+        allocator = measured.get(phase)
+        if allocator is None:
+            if counted is None:
+                return None
+            return PhasePeak(step, phase, counted.counted_bytes, None, counted)
+        return PhasePeak(
+            step,
+            phase,
+            allocator.peak_bytes,
+            allocator.reserved_bytes,
+            self._attribute(phase, allocator.peak_bytes, counted),
+        )
+
+    def _attribute(self, phase: Phase, peak_bytes: int, counted: Breakdown | None) -> Breakdown | None:
+        """Counted parts for a measured peak: this step's when sampled, else the latest sample's."""
+        if counted is None and self.latest_attribution is not None:
+            counted = self.latest_attribution.phases.get(phase)
+        return counted.with_measured_peak(peak_bytes) if counted is not None else None
+
+    def _remember(self, attribution: Attribution) -> None:
+        first = self.latest_attribution is None
+        self.latest_attribution = attribution
+        largest = self.largest_activation_attribution
+        if largest is None or _activation_bytes(attribution) > _activation_bytes(largest):
+            self.largest_activation_attribution = attribution
+        if first:
+            # Steps measured before the first sample get its counts: model state is the same size after warm-up.
+            self.peak = self._with_breakdown(self.peak)
+            self.peak_step = tuple(filter(None, (self._with_breakdown(peak) for peak in self.peak_step)))
+            self.phase_peaks = {
+                phase: attributed
+                for phase, peak in self.phase_peaks.items()
+                if (attributed := self._with_breakdown(peak)) is not None
+            }
+
+    def _with_breakdown(self, peak: PhasePeak | None) -> PhasePeak | None:
+        if peak is None or peak.breakdown is not None:
+            return peak
+        return replace(peak, breakdown=self._attribute(peak.phase, peak.peak_bytes, None))
+
+    def take_interval(self) -> IntervalMemory:
+        """Memory since the last call, then start a new interval."""
+        end = self._interval_end
+        interval = IntervalMemory(
+            allocated_bytes=end.allocated_bytes if end is not None else None,
+            reserved_bytes=end.reserved_bytes if end is not None else None,
+            peak=self._interval_peak,
+            phase_peak_bytes=dict(self._interval_phase_peaks),
+        )
+        self._interval_peak = None
+        self._interval_phase_peaks.clear()
+        return interval
+
+
+def _activation_bytes(attribution: Attribution) -> int:
+    forward = attribution.phases.get(Phase.FORWARD)
+    return forward.activations if forward is not None else 0

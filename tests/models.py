@@ -1,0 +1,146 @@
+"""Tiny LightningModules whose bytes can be worked out by hand, and helpers to train them on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+FLOAT32 = 4
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.01),
+}
+
+
+class Classifier(pl.LightningModule):
+    """A network, a loss and an optimizer; the batch is ``(inputs, targets)``."""
+
+    def __init__(self, network: nn.Module, optimizer: OptimizerFactory = OPTIMIZERS["sgd"]) -> None:
+        super().__init__()
+        self.network = network
+        self.optimizer_factory = optimizer
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.network(inputs)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.cross_entropy(self(inputs), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer_factory(self.parameters())
+
+
+class LastStep(nn.Module):
+    """Keeps the last time step of an LSTM's output: ``(batch, time, hidden) -> (batch, hidden)``."""
+
+    def forward(self, outputs: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        return outputs[0][:, -1]
+
+
+def linear_net() -> nn.Module:
+    """Linear(32, 10): 32*10 + 10 = 330 parameters."""
+    return nn.Sequential(nn.Linear(32, 10))
+
+
+def cnn_net() -> nn.Module:
+    """Conv2d(3, 8, 3) + BatchNorm2d(8) + ReLU + pool + Linear(8, 10)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, kernel_size=3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+
+
+def lstm_net() -> nn.Module:
+    """Embedding(50, 16) + LSTM(16, 24) + Linear(24, 10), on token ids."""
+    return nn.Sequential(nn.Embedding(50, 16), nn.LSTM(16, 24, batch_first=True), LastStep(), nn.Linear(24, 10))
+
+
+def transformer_net() -> nn.Module:
+    """One TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32), mean-pooled, + Linear(16, 10)."""
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+    return nn.Sequential(
+        nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False), MeanOverTime(), nn.Linear(16, 10)
+    )
+
+
+class MeanOverTime(nn.Module):
+    """``(batch, time, features) -> (batch, features)``."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs.mean(dim=1)
+
+
+# Parameter counts from the layer formulas (DOMAIN.md), not from the modules.
+PARAMETER_COUNTS = {
+    "linear": 32 * 10 + 10,
+    "cnn": (3 * 8 * 3 * 3 + 8) + 2 * 8 + (8 * 10 + 10),
+    # LSTM: 4 gates, W_ih (4H x I) + W_hh (4H x H) + two biases of 4H.
+    "lstm": 50 * 16 + (4 * 24 * 16 + 4 * 24 * 24 + 2 * 4 * 24) + (24 * 10 + 10),
+    # Encoder layer: in_proj (3d x d + 3d), out_proj (d x d + d), linear1 (f x d + f), linear2 (d x f + d),
+    # two LayerNorms (2d each); then the head.
+    "transformer": (3 * 16 * 16 + 3 * 16)
+    + (16 * 16 + 16)
+    + (32 * 16 + 32)
+    + (16 * 32 + 16)
+    + 2 * (2 * 16)
+    + (16 * 10 + 10),
+}
+
+NETWORKS: dict[str, Callable[[], nn.Module]] = {
+    "linear": linear_net,
+    "cnn": cnn_net,
+    "lstm": lstm_net,
+    "transformer": transformer_net,
+}
+
+
+def dataset_for(name: str, samples: int = 64, seed: int = 0) -> TensorDataset:
+    """Synthetic inputs shaped for network ``name`` and random class targets."""
+    generator = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, 10, (samples,), generator=generator)
+    if name == "linear":
+        inputs = torch.randn(samples, 32, generator=generator)
+    elif name == "cnn":
+        inputs = torch.randn(samples, 3, 8, 8, generator=generator)
+    elif name == "lstm":
+        inputs = torch.randint(0, 50, (samples, 7), generator=generator)
+    else:
+        inputs = torch.randn(samples, 6, 16, generator=generator)
+    return TensorDataset(inputs, targets)
+
+
+def loader(dataset: Dataset[Any], batch_size: int = 8) -> DataLoader[Any]:
+    """A plain, unshuffled DataLoader (same batch shapes every step)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+def trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 4, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer for tests."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": max_steps,
+        "default_root_dir": root,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)

@@ -1,0 +1,142 @@
+"""The CUDA code path on any machine, driven through the public ScriptedProbe; tensor counting stays real."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, dataset_for, linear_net, loader, trainer
+
+from lightning_vram import VramMonitor
+from lightning_vram.records import NotMeasured, Phase, UtilizationReading
+from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
+
+MIB = 1024**2
+
+
+def scripted_steps(steps: list[tuple[int, int, int]], base: int = 100 * MIB) -> list[ScriptedBoundary]:
+    """Four reads per step: batch start, before backward, before the optimizer step, batch end.
+
+    Each step is (forward high, backward high, optimizer high); reserved grows with the step index.
+    """
+    boundaries = []
+    for index, (forward, backward, optimizer) in enumerate(steps):
+        reserved = 512 * MIB + index * MIB
+        boundaries += [
+            ScriptedBoundary(base, reserved, base),
+            ScriptedBoundary(base + 10 * MIB, reserved, forward),
+            ScriptedBoundary(base + 20 * MIB, reserved, backward),
+            ScriptedBoundary(base, reserved + MIB // 2, optimizer),
+        ]
+    return boundaries
+
+
+STEPS = [(300 * MIB, 350 * MIB, 200 * MIB), (320 * MIB, 340 * MIB, 210 * MIB), (310 * MIB, 330 * MIB, 400 * MIB)]
+
+
+def run(tmp_path: Path, probe: ScriptedProbe, **monitor_options: object) -> VramMonitor:
+    options = {"attribution_start_step": 100, "console_summary": False, **monitor_options}
+    monitor = VramMonitor(probe=probe, **options)  # type: ignore[arg-type]
+    trainer(tmp_path, [monitor], max_steps=len(STEPS)).fit(Classifier(linear_net()), loader(dataset_for("linear")))
+    return monitor
+
+
+def test_phase_peaks_come_from_the_allocator_at_each_boundary(tmp_path: Path) -> None:
+    probe = ScriptedProbe(scripted_steps(STEPS))
+    monitor = run(tmp_path, probe)
+    report = monitor.report
+    assert report is not None
+    assert probe.reads == 4 * len(STEPS)
+    assert probe.resets == probe.reads  # reset_peak_stats=True resets at every boundary
+    assert report.phases[Phase.FORWARD].peak_bytes == 320 * MIB
+    assert report.phases[Phase.FORWARD].step == 1
+    assert report.phases[Phase.BACKWARD].peak_bytes == 350 * MIB
+    assert report.phases[Phase.OPTIMIZER].peak_bytes == 400 * MIB
+    assert report.peak is not None
+    assert (report.peak.step, report.peak.phase, report.peak.peak_bytes) == (2, Phase.OPTIMIZER, 400 * MIB)
+    # Reserved is read at the end of the peak phase, allocated is the peak: two different numbers.
+    assert report.peak.reserved_bytes == 512 * MIB + 2 * MIB + MIB // 2
+    assert report.device.name == "Scripted GPU"
+    assert probe.closed
+
+
+def test_without_reset_the_process_peak_is_left_alone(tmp_path: Path) -> None:
+    probe = ScriptedProbe(scripted_steps(STEPS))
+    report = run(tmp_path, probe, reset_peak_stats=False).report
+    assert report is not None
+    assert probe.resets == 0
+    # Exact where a phase set a new process-wide peak (350 MiB in step 0's backward, 400 MiB in step 2's
+    # optimizer step); elsewhere the higher boundary value is the lower bound it can prove.
+    assert report.phases[Phase.BACKWARD].peak_bytes == 350 * MIB
+    assert report.phases[Phase.OPTIMIZER].peak_bytes == 400 * MIB
+    # Step 0's forward rose to 300 MiB. Steps 1 and 2 (320 and 310 MiB) stayed under the 350 MiB process
+    # peak, so they only prove max(100, 110) MiB: the forward maximum stays step 0's, unlike with resets.
+    forward = report.phases[Phase.FORWARD]
+    assert (forward.step, forward.peak_bytes) == (0, 300 * MIB)
+
+
+def test_other_is_the_measured_peak_beyond_the_counted_tensors(tmp_path: Path) -> None:
+    probe = ScriptedProbe(scripted_steps(STEPS))
+    report = run(tmp_path, probe, attribution_start_step=1, attribution_every_n_steps=None).report
+    assert report is not None
+    forward = report.phases[Phase.FORWARD]
+    assert forward.step == 1 and forward.peak_bytes == 320 * MIB
+    breakdown = forward.breakdown
+    assert breakdown is not None
+    parameter_bytes = PARAMETER_COUNTS["linear"] * FLOAT32
+    assert (breakdown.parameters, breakdown.gradients, breakdown.optimizer_state) == (
+        parameter_bytes,
+        parameter_bytes,
+        0,
+    )
+    assert breakdown.activations == 8 * 32 * FLOAT32 + 8 * 10 * FLOAT32 + 8 * 8 + FLOAT32
+    assert breakdown.other == 320 * MIB - breakdown.counted_bytes
+    # Steps measured before the first sample get its counts (the backward peak is step 0's).
+    backward = report.phases[Phase.BACKWARD]
+    assert backward.step == 0 and backward.breakdown is not None
+    assert backward.breakdown.other == 350 * MIB - backward.breakdown.counted_bytes
+
+
+def test_scalars_and_utilization_reach_the_logger(tmp_path: Path) -> None:
+    probe = ScriptedProbe(
+        scripted_steps(STEPS),
+        utilization=[UtilizationReading(40.0, 700 * MIB), UtilizationReading(60.0, 720 * MIB)],
+    )
+    monitor = VramMonitor(probe=probe, log_every_n_steps=1, attribution_start_step=100, console_summary=False)
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer(tmp_path, [monitor], max_steps=3, logger=logger).fit(
+        Classifier(linear_net()), loader(dataset_for("linear"))
+    )
+    rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").read_text().splitlines()))
+    assert [float(row["vram/phase_peak/forward_bytes"]) for row in rows] == [300 * MIB, 320 * MIB, 310 * MIB]
+    assert [float(row["vram/peak_bytes"]) for row in rows] == [350 * MIB, 340 * MIB, 400 * MIB]
+    assert [float(row["vram/allocated_bytes"]) for row in rows] == [100 * MIB] * 3
+    assert [float(row["vram/reserved_bytes"]) for row in rows] == [512 * MIB + i * MIB + MIB // 2 for i in range(3)]
+    assert [float(row["vram/gpu_utilization_percent"]) for row in rows] == [40.0, 60.0, 60.0]
+    assert float(rows[0]["vram/process_memory_bytes"]) == 700 * MIB
+    assert monitor.report is not None
+    assert monitor.report.timing.gpu_utilization_mean == pytest.approx(50.0)
+
+
+def test_failing_nvml_is_reported_and_everything_else_still_measured(tmp_path: Path) -> None:
+    missing = NotMeasured("GPU utilization and process memory (NVML)", "NVML could not start: Driver Not Loaded")
+    probe = ScriptedProbe(scripted_steps(STEPS), not_measured=[missing])
+    report = run(tmp_path, probe).report
+    assert report is not None
+    assert report.timing.gpu_utilization_mean is None
+    assert report.phases[Phase.OPTIMIZER].peak_bytes == 400 * MIB
+    entries = report.to_dict()["not_measured"]
+    assert {"what": missing.what, "reason": missing.reason} in entries
+
+
+def test_optimizer_phase_only_on_batches_that_step(tmp_path: Path) -> None:
+    probe = ScriptedProbe(scripted_steps([(300 * MIB, 350 * MIB, 200 * MIB)]))
+    monitor = VramMonitor(probe=probe, attribution_start_step=100, console_summary=False)
+    fit = trainer(tmp_path, [monitor], max_steps=2, accumulate_grad_batches=2)
+    fit.fit(Classifier(linear_net(), OPTIMIZERS["sgd"]), loader(dataset_for("linear")))
+    # max_steps counts optimizer steps: 4 batches, of which 2 step. A batch that does not step has
+    # three boundaries (start, before backward, end); one that steps has four.
+    assert monitor.report is not None and monitor.report.steps == 4
+    assert probe.reads == 3 + 4 + 3 + 4

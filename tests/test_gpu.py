@@ -1,0 +1,106 @@
+"""Real CUDA allocator and NVML paths. Run on a machine with a CUDA GPU (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from models import FLOAT32, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+
+from lightning_vram import VramMonitor
+from lightning_vram.probes import CudaProbe
+from lightning_vram.records import Phase
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+MIB = 1024**2
+
+
+def test_allocator_counters_and_peak_reset() -> None:
+    probe = CudaProbe(utilization_interval_seconds=0.1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    info = probe.open(device)
+    try:
+        assert info.type == "cuda" and info.total_bytes == torch.cuda.get_device_properties(device).total_memory
+        kept = torch.empty(64 * MIB, dtype=torch.uint8, device=device)
+        probe.read_allocator(reset_peak=True)
+        temporary = torch.empty(128 * MIB, dtype=torch.uint8, device=device)
+        del temporary
+        reading = probe.read_allocator(reset_peak=True)
+        assert reading is not None
+        assert reading.allocated_bytes == torch.cuda.memory_allocated(device)
+        assert reading.reserved_bytes == torch.cuda.memory_reserved(device)
+        assert reading.peak_allocated_bytes >= reading.allocated_bytes + 128 * MIB
+        after_reset = probe.read_allocator(reset_peak=False)
+        assert after_reset is not None and after_reset.peak_allocated_bytes == after_reset.allocated_bytes
+        del kept
+    finally:
+        probe.close()
+
+
+def test_nvml_sees_this_process_and_its_work() -> None:
+    probe = CudaProbe(utilization_interval_seconds=0.05)
+    device = torch.device("cuda", torch.cuda.current_device())
+    probe.open(device)
+    try:
+        assert probe.unavailable() == ()
+        matrix = torch.randn(4096, 4096, device=device)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            matrix = (matrix @ matrix).tanh_()
+        torch.cuda.synchronize(device)
+        reading = probe.take_utilization()
+        assert reading is not None and reading.gpu_utilization_percent is not None
+        assert reading.gpu_utilization_percent > 10
+        if reading.process_memory_bytes is not None:  # None where NVML runs in another PID namespace
+            assert reading.process_memory_bytes >= torch.cuda.memory_reserved(device)
+    finally:
+        probe.close()
+
+
+def test_fit_on_gpu_attributes_the_peak(tmp_path: Path) -> None:
+    monitor = VramMonitor(attribution_start_step=2, console_summary=False)
+    fit = trainer(tmp_path, [monitor], max_steps=6, accelerator="gpu")
+    fit.fit(Classifier(cnn_net()), loader(dataset_for("cnn"), batch_size=64))
+    report = monitor.report
+    assert report is not None and report.device.type == "cuda" and report.peak is not None
+    assert report.not_measured == ()
+    assert set(report.phases) == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
+    breakdown = report.peak.breakdown
+    assert breakdown is not None and breakdown.other is not None and breakdown.other >= 0
+    assert breakdown.parameters == PARAMETER_COUNTS["cnn"] * FLOAT32
+    assert report.peak.reserved_bytes is not None and report.peak.reserved_bytes >= report.peak.peak_bytes
+    assert report.device.total_bytes is not None and report.peak.peak_bytes < report.device.total_bytes
+
+
+class SyncGuard(pl.Callback):
+    """Turns synchronisation into an error just before VramMonitor's hooks and back to normal just after."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def _set(self, *_: Any) -> None:
+        torch.cuda.set_sync_debug_mode(self.mode)
+
+    on_train_batch_start = on_before_backward = on_before_optimizer_step = on_train_batch_end = _set
+
+
+def test_monitor_hooks_never_synchronise(tmp_path: Path) -> None:
+    monitor = VramMonitor(
+        attribution_start_step=1, attribution_every_n_steps=2, log_every_n_steps=1, console_summary=False
+    )
+    callbacks: list[pl.Callback] = [SyncGuard("error"), monitor, SyncGuard("default")]
+    try:
+        trainer(tmp_path, callbacks, max_steps=6, accelerator="gpu", logger=CSVLogger(tmp_path)).fit(
+            Classifier(cnn_net()), loader(dataset_for("cnn"), batch_size=64)
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert monitor.report is not None and monitor.report.steps == 6
