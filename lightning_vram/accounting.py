@@ -16,10 +16,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_vram.records import Attribution, Breakdown, ModuleActivations, Phase
+from lightning_vram.records import Attribution, Breakdown, ModuleProfile, Phase
 
 OUTSIDE_MODULES = "(training_step)"
 """Name given to activations saved outside any submodule's forward, such as the loss computation."""
+
+ROOT_MODULE = "(root)"
+"""Name given to the LightningModule itself."""
 
 StorageBytes = dict[int, int]
 """Storage address -> storage size in bytes."""
@@ -50,6 +53,18 @@ def iter_tensors(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from iter_tensors(item)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The first dimension of the first tensor in a batch (nested containers), or ``None``.
+
+    >>> batch_size_of((torch.zeros(8, 3), torch.zeros(8)))
+    8
+    """
+    for tensor in iter_tensors(batch):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
+    return None
 
 
 def parameter_storages(module: nn.Module, device: torch.device) -> StorageBytes:
@@ -122,6 +137,11 @@ class ActivationLedger:
                 self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
                 self.saved_bytes_by_module[module_name] = self.saved_bytes_by_module.get(module_name, 0) + nbytes
 
+    def holds(self, key: int) -> bool:
+        """Whether autograd holds storage ``key`` for backward now."""
+        with self._lock:
+            return key in self._references
+
     def release(self, key: int) -> None:
         """Autograd dropped one saved reference to storage ``key``."""
         with self._lock:
@@ -131,6 +151,25 @@ class ActivationLedger:
             elif count == 0:
                 del self._references[key]
                 self.live_bytes -= self._sizes.pop(key)
+
+
+def storage_bytes(value: Any, device: torch.device) -> StorageBytes:
+    """Unique storages of every tensor inside ``value`` (nested containers) on ``device``."""
+    storages: StorageBytes = {}
+    for tensor in iter_tensors(value):
+        add_storage(storages, tensor, device)
+    return storages
+
+
+class _ModuleCounter:
+    """Mutable tallies of one module during a sampled forward pass."""
+
+    __slots__ = ("input_bytes", "input_saved_for_backward", "output_bytes")
+
+    def __init__(self) -> None:
+        self.input_bytes = 0
+        self.output_bytes = 0
+        self.input_saved_for_backward = False
 
 
 class _GradientLedger:
@@ -182,7 +221,9 @@ class StepAttributor:
         self._parameters = parameter_storages(module, device)
         self._ledger = ActivationLedger()
         self._module_stack: list[str] = []
-        self._module_types = {name or "(root)": type(child).__name__ for name, child in module.named_modules()}
+        self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
+        self._counters: dict[str, _ModuleCounter] = {}
+        self._batch_size: int | None = None
         self._handles: list[RemovableHandle] = []
         self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._gradients: _GradientLedger | None = None
@@ -195,11 +236,11 @@ class StepAttributor:
         state = optimizer_state_storages(self._optimizers, self._device, set(self._parameters) | set(gradients))
         return sum(gradients.values()), sum(state.values())
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, batch: Any = None) -> None:
         """Count the state alive at batch start and start watching saved tensors and module calls."""
         self._forward_state = self._model_state()
-        for name, child in self._module.named_modules():
-            label = name or "(root)"
+        self._batch_size = batch_size_of(batch)
+        for label, child in self._modules.items():
             self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
             self._handles.append(child.register_forward_hook(self._leave, always_call=True))
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -207,14 +248,25 @@ class StepAttributor:
         self._saved_tensors_hooks = hooks
 
     def _make_enter(self, label: str) -> Any:
-        def enter(_module: nn.Module, _args: Any) -> None:
+        watch_inplace = isinstance(getattr(self._modules[label], "inplace", None), bool)
+
+        def enter(_module: nn.Module, args: Any) -> None:
+            counter = self._counters.get(label)
+            if counter is None:
+                counter = self._counters[label] = _ModuleCounter()
+            inputs = storage_bytes(args, self._device)
+            counter.input_bytes += sum(inputs.values())
+            if watch_inplace and any(self._ledger.holds(key) for key in inputs):
+                counter.input_saved_for_backward = True
             self._module_stack.append(label)
 
         return enter
 
-    def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+    def _leave(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if self._module_stack:
-            self._module_stack.pop()
+            counter = self._counters.get(self._module_stack.pop())
+            if counter is not None:
+                counter.output_bytes += sum(storage_bytes(output, self._device).values())
 
     def _pack(self, tensor: Tensor) -> Any:
         if not on_device(tensor, self._device):
@@ -283,7 +335,9 @@ class StepAttributor:
         if optimizer_stepped:
             gradient_bytes, state_bytes = self._model_state()
             self._phases[Phase.OPTIMIZER] = self._breakdown(gradient_bytes, state_bytes, self._ledger.live_bytes)
-        return Attribution(step=self._step, phases=dict(self._phases), modules=self._module_table())
+        return Attribution(
+            step=self._step, phases=dict(self._phases), modules=self._module_profiles(), batch_size=self._batch_size
+        )
 
     def _breakdown(self, gradient_bytes: int, state_bytes: int, activation_bytes: int) -> Breakdown:
         return Breakdown(
@@ -294,13 +348,28 @@ class StepAttributor:
             other=None,
         )
 
-    def _module_table(self) -> tuple[ModuleActivations, ...]:
-        rows = [
-            ModuleActivations(name, self._module_types.get(name, "-"), nbytes)
-            for name, nbytes in self._ledger.saved_bytes_by_module.items()
-            if nbytes > 0
-        ]
-        return tuple(sorted(rows, key=lambda row: (-row.activation_bytes, row.name)))
+    def _module_profiles(self) -> tuple[ModuleProfile, ...]:
+        """Every module called during the forward pass, in registration order, then code outside modules."""
+        saved = self._ledger.saved_bytes_by_module
+        profiles = []
+        for label, counter in self._counters.items():
+            inplace = getattr(self._modules[label], "inplace", None)
+            profiles.append(
+                ModuleProfile(
+                    name=label,
+                    type=type(self._modules[label]).__name__,
+                    activation_bytes=saved.get(label, 0),
+                    input_bytes=counter.input_bytes,
+                    output_bytes=counter.output_bytes,
+                    inplace=inplace if isinstance(inplace, bool) else None,
+                    input_saved_for_backward=counter.input_saved_for_backward,
+                )
+            )
+        order = {label: index for index, label in enumerate(self._modules)}
+        profiles.sort(key=lambda profile: order[profile.name])
+        if saved.get(OUTSIDE_MODULES):
+            profiles.append(ModuleProfile(OUTSIDE_MODULES, "-", saved[OUTSIDE_MODULES]))
+        return tuple(profiles)
 
     def close(self) -> None:
         """Remove every hook this step installed. Safe to call at any point, more than once."""

@@ -10,18 +10,22 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_vram.accounting import StepAttributor
+from lightning_vram.advice import RunSummary, advise, fit_table
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.metrics import interval_scalars
 from lightning_vram.probes import Probe, probe_for
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, Phase
-from lightning_vram.report import RankSummary, Report, TimingSummary, summary_text
+from lightning_vram.report import RankSummary, Report, TimingSummary, largest_savers, summary_text
+from lightning_vram.tensorboard import write_advice
 from lightning_vram.timing import StepTimer
 from lightning_vram.tracker import MeasuredPhase, MemoryTracker, phase_peak_bytes
+from lightning_vram.training_setup import training_setup
 
 ATTRIBUTION_FAILED = "per-module activations"
 
@@ -100,6 +104,7 @@ class VramMonitor(Callback):
         self._boundary: AllocatorReading | None = None
         self._measured: dict[Phase, MeasuredPhase] = {}
         self._optimizer_stepped = False
+        self._cuda_context_bytes: int | None = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -143,12 +148,12 @@ class VramMonitor(Callback):
         self._optimizer_stepped = False
         self._boundary = probe.read_allocator(self.config.reset_peak_stats)
         if self._attribution_disabled is None and self.config.is_sampled(self._tracker.steps):
-            self._start_attribution(trainer, pl_module)
+            self._start_attribution(trainer, pl_module, batch)
 
-    def _start_attribution(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _start_attribution(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         attributor = StepAttributor(self._tracker.steps, pl_module, list(trainer.optimizers), self._device)
         try:
-            attributor.begin_forward()
+            attributor.begin_forward(batch)
         except RuntimeError as error:  # saved-tensor hooks refused (disabled by the user's code or a compiler)
             attributor.close()
             self._attribution_disabled = NotMeasured(ATTRIBUTION_FAILED, f"saved-tensor hooks unavailable: {error}")
@@ -215,17 +220,40 @@ class VramMonitor(Callback):
 
     def _log_interval(self, trainer: pl.Trainer) -> None:
         probe = self._probe
-        if probe is None or not trainer.is_global_zero or not trainer.loggers:
+        if probe is None:
             return
-        scalars = interval_scalars(
-            self._tracker.take_interval(), self._timer.take_interval(), probe.take_utilization(), probe.host_rss_bytes()
+        memory, timing, utilization = (
+            self._tracker.take_interval(),
+            self._timer.take_interval(),
+            probe.take_utilization(),
         )
+        if utilization is not None and utilization.process_memory_bytes is not None and memory.reserved_bytes:
+            # What NVML sees beyond the allocator's reserve: the CUDA context and library workspaces.
+            self._cuda_context_bytes = max(utilization.process_memory_bytes - memory.reserved_bytes, 0)
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
+        scalars = interval_scalars(memory, timing, utilization, probe.host_rss_bytes())
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=trainer.global_step)
 
     @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_advice_text(trainer, pl_module)
+
+    def _write_advice_text(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The advice so far, as text in every TensorBoard logger (global rank zero)."""
+        probe, device_info = self._probe, self._device_info
+        writers = [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if probe is None or device_info is None or not writers or not trainer.is_global_zero:
+            return
+        advice = advise(self._run_summary(probe, device_info), training_setup(trainer, pl_module))
+        for writer in writers:
+            write_advice(writer, advice, trainer.global_step)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(trainer)
+        self._finish(trainer, pl_module)
+        self._write_advice_text(trainer, pl_module)
         if self.report is not None and self.config.console_summary and trainer.is_global_zero:
             print(summary_text(self.report))
 
@@ -237,7 +265,7 @@ class VramMonitor(Callback):
             self._attributor = None
         self._phase = None
         try:
-            self._finish(trainer)
+            self._finish(trainer, pl_module)
         except Exception as error:  # noqa: BLE001 -- raising here would replace the user's exception
             warnings.warn(f"VramMonitor: the report could not be written: {error!r}", VramMonitorWarning, stacklevel=2)
 
@@ -250,17 +278,37 @@ class VramMonitor(Callback):
             self._probe.close()
             self._probe = None
 
-    def _finish(self, trainer: pl.Trainer) -> None:
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probe, device_info = self._probe, self._device_info
         if probe is None or device_info is None:
             return
-        self.report = self._build_report(trainer, probe, device_info)
+        self.report = self._build_report(trainer, pl_module, probe, device_info)
         if trainer.is_global_zero and self._report_dir is not None:
-            self.report_path = self.report.write_json(self._report_dir)
+            self.report_path = self.report.write(self._report_dir)
 
-    def _build_report(self, trainer: pl.Trainer, probe: Probe, device_info: DeviceInfo) -> Report:
+    def _run_summary(self, probe: Probe, device_info: DeviceInfo) -> RunSummary:
+        tracker, timer = self._tracker, self._timer
+        largest = tracker.largest_activation_attribution
+        return RunSummary(
+            device=device_info,
+            peak=tracker.peak,
+            phases=dict(tracker.phase_peaks),
+            modules=largest.modules if largest is not None else (),
+            batch_size=largest.batch_size if largest is not None else None,
+            step_seconds_median=timer.median_step_seconds(),
+            data_wait_fraction=timer.data_wait_fraction(),
+            recent_data_wait_fraction=timer.recent_data_wait_fraction(),
+            timed_steps=timer.timed_steps,
+            gpu_utilization_mean=probe.mean_utilization_percent(),
+            alloc_retries=tracker.alloc_retries,
+            cuda_context_bytes=self._cuda_context_bytes,
+        )
+
+    def _build_report(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, probe: Probe, device_info: DeviceInfo
+    ) -> Report:
         tracker = self._tracker
-        modules = tracker.largest_activation_attribution.modules if tracker.largest_activation_attribution else ()
+        summary = self._run_summary(probe, device_info)
         not_measured = probe.unavailable()
         if self._attribution_disabled is not None:
             not_measured += (self._attribution_disabled,)
@@ -274,16 +322,19 @@ class VramMonitor(Callback):
         peak = tracker.peak
         return Report(
             device=device_info,
+            precision=str(trainer.precision),
             steps=tracker.steps,
             peak=peak,
-            phases=dict(tracker.phase_peaks),
-            modules=modules[: self.config.top_modules],
+            phases=summary.phases,
+            modules=largest_savers(summary.modules)[: self.config.top_modules],
             timing=TimingSummary(
-                step_seconds_median=self._timer.median_step_seconds(),
-                data_wait_fraction=self._timer.data_wait_fraction(),
-                gpu_utilization_mean=probe.mean_utilization_percent(),
+                step_seconds_median=summary.step_seconds_median,
+                data_wait_fraction=summary.data_wait_fraction,
+                gpu_utilization_mean=summary.gpu_utilization_mean,
             ),
-            advice=(),
+            advice=advise(summary, training_setup(trainer, pl_module)),
+            fit=fit_table(summary),
+            batch_size=summary.batch_size,
             ranks=(
                 RankSummary(
                     rank=trainer.global_rank,

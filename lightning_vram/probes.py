@@ -121,7 +121,11 @@ class CudaProbe:
         else:
             self._sampler = sampler
         return DeviceInfo(
-            type="cuda", name=properties.name, index=self._index, total_bytes=int(properties.total_memory)
+            type="cuda",
+            name=properties.name,
+            index=self._index,
+            total_bytes=int(properties.total_memory),
+            compute_capability=(int(properties.major), int(properties.minor)),
         )
 
     def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:

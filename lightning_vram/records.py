@@ -19,12 +19,16 @@ class Phase(str, Enum):
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """The monitored device: ``type`` is a torch device type, ``total_bytes`` its memory capacity."""
+    """The monitored device: ``type`` is a torch device type, ``total_bytes`` its memory capacity.
+
+    ``compute_capability`` is CUDA's ``(major, minor)``, ``None`` elsewhere.
+    """
 
     type: str
     name: str
     index: int | None
     total_bytes: int | None
+    compute_capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,21 +111,37 @@ class Breakdown:
 
 
 @dataclass(frozen=True)
-class ModuleActivations:
-    """Bytes of tensors a module saved for backward during one forward pass (its own, not its children's)."""
+class ModuleProfile:
+    """What one module did during a sampled forward pass, in bytes, summed over its calls.
+
+    ``activation_bytes``: tensors it saved for backward itself (not its children's).
+    ``input_bytes`` / ``output_bytes``: unique storages of its tensor arguments and results.
+    ``inplace``: its ``inplace`` flag where it has one (activation modules), else ``None``.
+    ``input_saved_for_backward``: autograd already held its input for an earlier op when it ran,
+    so an inplace version would break backward.
+    """
 
     name: str
     type: str
     activation_bytes: int
+    input_bytes: int = 0
+    output_bytes: int = 0
+    inplace: bool | None = None
+    input_saved_for_backward: bool = False
 
 
 @dataclass(frozen=True)
 class Attribution:
-    """Tensor-by-tensor counts of one sampled step: the counted parts at each phase's counted peak."""
+    """Tensor-by-tensor counts of one sampled step.
+
+    The counted parts at each phase's counted peak, every module called in its forward pass (in
+    registration order), and the batch's first dimension.
+    """
 
     step: int
     phases: dict[Phase, Breakdown]
-    modules: tuple[ModuleActivations, ...]
+    modules: tuple[ModuleProfile, ...]
+    batch_size: int | None = None
 
 
 @dataclass(frozen=True)

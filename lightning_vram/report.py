@@ -1,4 +1,4 @@
-"""The end-of-run report: one ``Report`` value, its JSON (schema ``lightning_vram.report/1``), a console summary."""
+"""The end-of-run report: one ``Report``; its JSON (schema ``lightning_vram.report/1``), Markdown and console text."""
 
 from __future__ import annotations
 
@@ -7,23 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_vram.records import DeviceInfo, ModuleActivations, NotMeasured, Phase, PhasePeak
+from lightning_vram.advice import Advice, FitRow
+from lightning_vram.records import Breakdown, DeviceInfo, ModuleProfile, NotMeasured, Phase, PhasePeak
 from lightning_vram.units import format_bytes, format_percent
 
 SCHEMA = "lightning_vram.report/1"
-REPORT_FILENAME = "vram_report.json"
-
-
-@dataclass(frozen=True)
-class Advice:
-    """One piece of advice: what to change, the figures that fired it, and what it should save (bytes)."""
-
-    id: str
-    severity: str
-    title: str
-    detail: str
-    evidence: str
-    estimated_saving_bytes: int | None
+JSON_FILENAME = "vram_report.json"
+MARKDOWN_FILENAME = "vram_report.md"
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 
 
 @dataclass(frozen=True)
@@ -50,17 +41,21 @@ class Report:
     """Everything the monitor learned about one run."""
 
     device: DeviceInfo
+    precision: str | None
     steps: int
     peak: PhasePeak | None
     phases: dict[Phase, PhasePeak]
-    modules: tuple[ModuleActivations, ...]
+    modules: tuple[ModuleProfile, ...]
     timing: TimingSummary
     advice: tuple[Advice, ...]
+    fit: tuple[FitRow, ...]
+    batch_size: int | None
     ranks: tuple[RankSummary, ...]
     not_measured: tuple[NotMeasured, ...]
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data, exactly as written to ``vram_report.json``."""
+        capability = self.device.compute_capability
         return {
             "schema": SCHEMA,
             "device": {
@@ -68,15 +63,15 @@ class Report:
                 "name": self.device.name,
                 "index": self.device.index,
                 "total_bytes": self.device.total_bytes,
+                "compute_capability": f"{capability[0]}.{capability[1]}" if capability else None,
             },
+            "precision": self.precision,
             "steps": self.steps,
+            "batch_size": self.batch_size,
             "peak": _peak_dict(self.peak),
             "phases": {
-                phase.value: {
-                    "peak_bytes": peak.peak_bytes,
-                    "breakdown": peak.breakdown.to_dict() if peak.breakdown is not None else None,
-                }
-                for phase, peak in sorted(self.phases.items(), key=lambda item: list(Phase).index(item[0]))
+                phase.value: {"peak_bytes": peak.peak_bytes, "breakdown": _breakdown_dict(peak.breakdown)}
+                for phase, peak in _in_phase_order(self.phases)
             },
             "modules": [
                 {"name": row.name, "type": row.type, "activation_bytes": row.activation_bytes} for row in self.modules
@@ -94,8 +89,13 @@ class Report:
                     "detail": advice.detail,
                     "evidence": advice.evidence,
                     "estimated_saving_bytes": advice.estimated_saving_bytes,
+                    "estimated_saving_seconds": advice.estimated_saving_seconds,
                 }
                 for advice in self.advice
+            ],
+            "fit": [
+                {"device": row.device, "capacity_bytes": row.capacity_bytes, "max_batch_size": row.max_batch_size}
+                for row in self.fit
             ],
             "ranks": [
                 {
@@ -109,12 +109,30 @@ class Report:
             "not_measured": [{"what": item.what, "reason": item.reason} for item in self.not_measured],
         }
 
-    def write_json(self, directory: Path) -> Path:
-        """Write ``vram_report.json`` into ``directory`` (created if needed) and return its path."""
+    def write(self, directory: Path) -> Path:
+        """Write ``vram_report.json`` and ``vram_report.md`` into ``directory`` (created if needed).
+
+        Returns the JSON file's path.
+        """
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / REPORT_FILENAME
+        path = directory / JSON_FILENAME
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        (directory / MARKDOWN_FILENAME).write_text(markdown(self), encoding="utf-8")
         return path
+
+
+def largest_savers(profiles: tuple[ModuleProfile, ...]) -> tuple[ModuleProfile, ...]:
+    """The modules that saved activations themselves, largest first (ties by name)."""
+    savers = [profile for profile in profiles if profile.activation_bytes > 0]
+    return tuple(sorted(savers, key=lambda profile: (-profile.activation_bytes, profile.name)))
+
+
+def _in_phase_order(phases: dict[Phase, PhasePeak]) -> list[tuple[Phase, PhasePeak]]:
+    return [(phase, phases[phase]) for phase in Phase if phase in phases]
+
+
+def _breakdown_dict(breakdown: Breakdown | None) -> dict[str, int | None] | None:
+    return breakdown.to_dict() if breakdown is not None else None
 
 
 def _peak_dict(peak: PhasePeak | None) -> dict[str, Any] | None:
@@ -125,20 +143,38 @@ def _peak_dict(peak: PhasePeak | None) -> dict[str, Any] | None:
         "phase": peak.phase.value,
         "allocated_bytes": peak.peak_bytes,
         "reserved_bytes": peak.reserved_bytes,
-        "breakdown": peak.breakdown.to_dict() if peak.breakdown is not None else None,
+        "breakdown": _breakdown_dict(peak.breakdown),
     }
+
+
+def headline(report: Report) -> str:
+    """One sentence: the peak, where it happened, and what held most of it."""
+    peak = report.peak
+    if peak is None:
+        return "No step was measured."
+    capacity = report.device.total_bytes
+    share = f" ({format_percent(peak.peak_bytes / capacity)} of {format_bytes(capacity)})" if capacity else ""
+    text = f"Peak {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
+    if peak.breakdown is None:
+        return text + "."
+    parts = {name: value for name, value in peak.breakdown.to_dict().items() if value is not None}
+    largest = max(parts, key=lambda name: parts[name])
+    return f"{text}; {largest.replace('_', ' ')} held {format_bytes(parts[largest])}."
+
+
+def _timing_line(report: Report) -> str:
+    timing = report.timing
+    step = f"{1000 * timing.step_seconds_median:.1f} ms" if timing.step_seconds_median is not None else "n/a"
+    utilization = f"{timing.gpu_utilization_mean:.0f}%" if timing.gpu_utilization_mean is not None else "n/a"
+    return f"step {step} median, data wait {format_percent(timing.data_wait_fraction)}, GPU utilization {utilization}"
 
 
 def summary_text(report: Report, top_modules: int = 3) -> str:
     """A few lines for the console at the end of training."""
     device = report.device
-    lines = [f"VRAM report: {device.name} ({device.type}), {report.steps} steps"]
+    lines = [f"VRAM report: {device.name} ({device.type}), {report.steps} steps", f"  {headline(report)}"]
     peak = report.peak
-    if peak is None:
-        lines.append("  no step was measured")
-    else:
-        capacity = f" of {format_bytes(device.total_bytes)}" if device.total_bytes else ""
-        lines.append(f"  peak {format_bytes(peak.peak_bytes)}{capacity} in {peak.phase.value} of step {peak.step}")
+    if peak is not None:
         if peak.breakdown is not None:
             parts = peak.breakdown
             lines.append(
@@ -146,21 +182,70 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
                 f" | optimizer state {format_bytes(parts.optimizer_state)}"
                 f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
             )
-        phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in report.phases.items())
+        phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in _in_phase_order(report.phases))
         lines.append(f"  phase peaks: {phases}")
     if report.modules:
         top = ", ".join(
             f"{row.name} ({row.type}) {format_bytes(row.activation_bytes)}" for row in report.modules[:top_modules]
         )
         lines.append(f"  most activations saved by: {top}")
-    timing = report.timing
-    step = f"{1000 * timing.step_seconds_median:.1f} ms" if timing.step_seconds_median is not None else "n/a"
-    utilization = f"{timing.gpu_utilization_mean:.0f}%" if timing.gpu_utilization_mean is not None else "n/a"
-    lines.append(
-        f"  step {step} median, data wait {format_percent(timing.data_wait_fraction)}, GPU utilization {utilization}"
-    )
+    lines.append(f"  {_timing_line(report)}")
     for advice in report.advice:
         lines.append(f"  advice [{advice.id}]: {advice.title}")
     for item in report.not_measured:
         lines.append(f"  not measured: {item.what} ({item.reason})")
     return "\n".join(lines)
+
+
+def advice_markdown(advice: tuple[Advice, ...]) -> str:
+    """The advice as Markdown: one section each with evidence, saving and the change to make."""
+    if not advice:
+        return "No advice: no rule found a change worth making in this run's measurements.\n"
+    sections = []
+    for item in advice:
+        saving = []
+        if item.estimated_saving_bytes is not None:
+            saving.append(f"about {format_bytes(item.estimated_saving_bytes)} of peak memory")
+        if item.estimated_saving_seconds is not None:
+            saving.append(f"up to {1000 * item.estimated_saving_seconds:.1f} ms per step")
+        saving_line = f"\n**Expected saving:** {', '.join(saving)}\n" if saving else "\n"
+        sections.append(
+            f"### {item.title}\n\n`{item.id}` · {item.severity}\n\n**Evidence:** {item.evidence}\n"
+            f"{saving_line}\n{item.detail}\n"
+        )
+    return "\n".join(sections)
+
+
+def markdown(report: Report) -> str:
+    """The whole report as Markdown, for a terminal or a pull-request comment."""
+    device = report.device
+    lines = [
+        "# VRAM report",
+        "",
+        f"**{headline(report)}**",
+        "",
+        f"{device.name} ({device.type}), capacity {format_bytes(device.total_bytes)}; precision"
+        f" {report.precision or 'n/a'}; batch size {report.batch_size or 'n/a'}; {report.steps} steps; "
+        + _timing_line(report)
+        + ".",
+        "",
+        "## Breakdown at each phase's peak",
+        "",
+        "| phase | peak | " + " | ".join(name.replace("_", " ") for name in CATEGORIES) + " |",
+        "|---|---:|" + "---:|" * len(CATEGORIES),
+    ]
+    for phase, peak in _in_phase_order(report.phases):
+        values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
+        cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
+        lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
+    if report.modules:
+        lines += ["", "## Modules saving the most activations", "", "| module | type | saved |", "|---|---|---:|"]
+        lines += [f"| `{row.name}` | {row.type} | {format_bytes(row.activation_bytes)} |" for row in report.modules]
+    lines += ["", "## Advice", "", advice_markdown(report.advice).rstrip()]
+    if report.fit:
+        lines += ["", "## Largest batch of this run per GPU", "", "| GPU | capacity | batch |", "|---|---:|---:|"]
+        lines += [f"| {row.device} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size} |" for row in report.fit]
+    if report.not_measured:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {item.what}: {item.reason}" for item in report.not_measured]
+    return "\n".join(lines) + "\n"

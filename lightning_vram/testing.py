@@ -20,7 +20,9 @@ import torch
 
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
 
-SCRIPTED_DEVICE = DeviceInfo(type="cuda", name="Scripted GPU", index=0, total_bytes=16 * 1024**3)
+SCRIPTED_DEVICE = DeviceInfo(
+    type="cuda", name="Scripted GPU", index=0, total_bytes=16 * 1024**3, compute_capability=(8, 0)
+)
 
 
 @dataclass(frozen=True)

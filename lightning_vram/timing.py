@@ -24,7 +24,7 @@ class StepTimer:
     """Accumulates busy and waiting time per interval and over the run; keeps a fixed window of step times."""
 
     def __init__(self, window: int) -> None:
-        self._window: deque[float] = deque(maxlen=window)
+        self._window: deque[tuple[float, float]] = deque(maxlen=window)  # (wait, step) seconds
         self._started_at: float | None = None
         self._ended_at: float | None = None
         self._wait_seconds: float | None = None
@@ -33,6 +33,8 @@ class StepTimer:
         self._interval_steps = 0
         self._run_wait = 0.0
         self._run_total = 0.0
+        self.timed_steps = 0
+        """Steps timed over the run (those that directly followed another batch)."""
 
     def batch_started(self, now: float) -> None:
         """A training batch starts at ``now`` (seconds)."""
@@ -50,12 +52,13 @@ class StepTimer:
         if started_at is None or wait_seconds is None:
             return
         step_seconds = wait_seconds + (now - started_at)
-        self._window.append(step_seconds)
+        self._window.append((wait_seconds, step_seconds))
         self._interval_wait += wait_seconds
         self._interval_total += step_seconds
         self._interval_steps += 1
         self._run_wait += wait_seconds
         self._run_total += step_seconds
+        self.timed_steps += 1
 
     def break_continuity(self) -> None:
         """Time until the next batch is not data wait (an epoch boundary, a validation run)."""
@@ -73,7 +76,12 @@ class StepTimer:
 
     def median_step_seconds(self) -> float | None:
         """Median step time over the recent window, in seconds."""
-        return statistics.median(self._window) if self._window else None
+        return statistics.median(step for _, step in self._window) if self._window else None
+
+    def recent_data_wait_fraction(self) -> float | None:
+        """Share of step time spent waiting for data over the recent window."""
+        total = sum(step for _, step in self._window)
+        return sum(wait for wait, _ in self._window) / total if total > 0 else None
 
     def data_wait_fraction(self) -> float | None:
         """Share of the run's step time spent waiting for data."""

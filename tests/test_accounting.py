@@ -144,6 +144,18 @@ def test_activation_ledger_counts_a_storage_once_until_its_last_reference_goes()
     assert (ledger.live_bytes, ledger.peak_live_bytes) == (0, 150)
 
 
+def test_inplace_would_break_backward_where_the_input_was_saved() -> None:
+    network = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), nn.ReLU())  # sigmoid saves its output
+    attributor = StepAttributor(0, network, [], torch.device("cpu"))
+    attributor.begin_forward()
+    try:
+        network(torch.randn(2, 4)).sum()
+    finally:
+        attributor.close()
+    relu = next(profile for profile in attributor.finish(False).modules if profile.name == "2")
+    assert (relu.inplace, relu.input_saved_for_backward) == (False, True)
+
+
 def test_module_table_names_the_module_that_saved_each_tensor() -> None:
     network = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     attributor = StepAttributor(0, network, [], torch.device("cpu"))
@@ -163,7 +175,12 @@ def test_module_table_names_the_module_that_saved_each_tensor() -> None:
     assert by_name["0"].activation_bytes == 8 * 16 * FLOAT32
     assert by_name["1"].activation_bytes == 8 * 32 * FLOAT32
     assert by_name["1"].type == "ReLU"
-    assert "2" not in by_name
+    assert by_name["2"].activation_bytes == 0
+    # What each module took and gave, and whether an inplace ReLU would have broken backward.
+    assert (by_name["0"].input_bytes, by_name["0"].output_bytes) == (8 * 16 * FLOAT32, 8 * 32 * FLOAT32)
+    assert (by_name["1"].inplace, by_name["1"].input_saved_for_backward) == (False, False)
+    assert by_name["(root)"].input_bytes == 8 * 16 * FLOAT32
+    assert [profile.name for profile in attribution.modules] == ["(root)", "0", "1", "2", "(training_step)"]
     assert by_name["(training_step)"].activation_bytes == 8 * 4 * FLOAT32
     assert attribution.phases[Phase.FORWARD].activations == (8 * 16 + 8 * 32 + 8 * 4) * FLOAT32
     with torch.autograd.graph.disable_saved_tensors_hooks("no hook may be left behind"):

@@ -14,6 +14,7 @@ def test_wait_counts_only_between_consecutive_batches() -> None:
     timer.batch_ended(15.0)  # 3.0 s wait + 1.0 s work
     assert timer.median_step_seconds() == 2.75
     assert timer.data_wait_fraction() == 3.5 / 5.5
+    assert timer.recent_data_wait_fraction() == 3.5 / 5.5
     interval = timer.take_interval()
     assert interval.step_seconds == 2.75
     assert interval.data_wait_fraction == 3.5 / 5.5
@@ -29,3 +30,5 @@ def test_window_is_bounded() -> None:
         now += work
         timer.batch_ended(now)
     assert timer.median_step_seconds() == 5.0  # only the last three steps remain
+    assert timer.recent_data_wait_fraction() == 0.0
+    assert timer.data_wait_fraction() == 0.0
