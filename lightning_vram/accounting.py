@@ -96,6 +96,16 @@ def optimizer_state_storages(
     return storages
 
 
+def model_state_bytes(
+    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], device: torch.device
+) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes alive now on ``device``, each storage counted once."""
+    parameters = parameter_storages(module, device)
+    gradients = gradient_storages(module, device)
+    state = optimizer_state_storages(optimizers, device, set(parameters) | set(gradients))
+    return sum(parameters.values()), sum(gradients.values()), sum(state.values())
+
+
 class _SavedActivation:
     """What autograd keeps instead of a saved tensor while the ledger watches; freed when autograd frees it."""
 
@@ -232,9 +242,8 @@ class StepAttributor:
 
     def _model_state(self) -> tuple[int, int]:
         """(gradient bytes, optimizer-state bytes) alive now."""
-        gradients = gradient_storages(self._module, self._device)
-        state = optimizer_state_storages(self._optimizers, self._device, set(self._parameters) | set(gradients))
-        return sum(gradients.values()), sum(state.values())
+        _, gradient_bytes, state_bytes = model_state_bytes(self._module, self._optimizers, self._device)
+        return gradient_bytes, state_bytes
 
     def begin_forward(self, batch: Any = None) -> None:
         """Count the state alive at batch start and start watching saved tensors and module calls."""

@@ -128,6 +128,8 @@ class RunSummary:
     gpu_utilization_mean: float | None
     alloc_retries: int | None
     cuda_context_bytes: int | None
+    recovered_ooms: int | None = None
+    last_step: tuple[PhasePeak, ...] = ()
 
     @property
     def on_cuda(self) -> bool:
@@ -640,14 +642,15 @@ def batch_size_headroom(summary: RunSummary, setup: TrainingSetup) -> Advice | N
 
 
 def near_capacity(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """The peak is above 90% of the device, or the allocator had to retry: list the remedies, largest first."""
+    """The peak is above 90% of the device, or the allocator retried or ran out: list the remedies, largest first."""
     attributed = _attributed_peak(summary)
     capacity = summary.device.total_bytes
     if not summary.on_cuda or attributed is None or capacity is None:
         return None
     peak, breakdown = attributed
     retries = summary.alloc_retries or 0
-    if peak.peak_bytes < NEAR_CAPACITY_SHARE * capacity and retries == 0:
+    ooms = summary.recovered_ooms or 0
+    if peak.peak_bytes < NEAR_CAPACITY_SHARE * capacity and retries == 0 and ooms == 0:
         return None
     remedies: list[tuple[int, str]] = []
     for rule in (activation_checkpointing, mixed_precision, optimizer_state, allocator_fragmentation):
@@ -666,9 +669,33 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
         detail=f"Remedies this run's measurements support, largest saving first: {listed}.",
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
-            f" {peak.step}; {retries} allocation retries"
+            f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"
         ),
         estimated_saving_bytes=remedies[0][0] if remedies else None,
+    )
+
+
+def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
+    """Advice for an out-of-memory error in validation: evaluate with a smaller batch."""
+    peak_text = (
+        f"training peaked at {format_bytes(training_peak.peak_bytes)} ({training_peak.phase.value} of step"
+        f" {training_peak.step})"
+        if training_peak is not None
+        else "no training step was measured before it"
+    )
+    return Advice(
+        id="evaluation-batch-size",
+        severity="critical",
+        title="Validate with a smaller batch",
+        detail=(
+            "Lightning already runs validation without autograd, so no activations are kept for backward; what"
+            " filled the device is the validation batch and its forward pass on top of the model state (and the"
+            " cache training left). Give validation its own, smaller batch size:\n"
+            "```python\ndef val_dataloader(self):\n"
+            "    return DataLoader(val_set, batch_size=train_batch_size // 2)\n```"
+        ),
+        evidence=f"out of memory in validation after step {step}; {peak_text}",
+        estimated_saving_bytes=None,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -14,13 +15,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_vram.accounting import StepAttributor
+from lightning_vram import history
+from lightning_vram.accounting import StepAttributor, model_state_bytes
 from lightning_vram.advice import RunSummary, advise, fit_table
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.metrics import interval_scalars
+from lightning_vram.oom import SNAPSHOT_STEM, OomDiagnosis, diagnose, report_stem, write_diagnosis
 from lightning_vram.probes import Probe, probe_for
-from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, Phase
+from lightning_vram.records import AllocatorReading, Breakdown, DeviceInfo, NotMeasured, Phase
 from lightning_vram.report import RankSummary, Report, TimingSummary, largest_savers, summary_text
 from lightning_vram.tensorboard import write_advice
 from lightning_vram.timing import StepTimer
@@ -54,6 +57,11 @@ class VramMonitor(Callback):
         top_modules: how many modules the report lists by saved activation bytes.
         recent_steps: how many recent step peaks are kept for charts (memory stays bounded).
         console_summary: print a short summary at the end of training (global rank zero).
+        record_history: record the CUDA allocator's history (every allocation and free with its Python stack)
+            so that an out-of-memory error also leaves a snapshot for PyTorch's memory visualizer. Off by
+            default: recording costs host time on every allocation and holds up to ``history_max_entries``
+            events in memory.
+        history_max_entries: allocation events the history keeps (the oldest are dropped).
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
     """
@@ -69,6 +77,8 @@ class VramMonitor(Callback):
         top_modules: int = 10,
         recent_steps: int = 512,
         console_summary: bool = True,
+        record_history: bool = False,
+        history_max_entries: int = 100_000,
         probe: Probe | None = None,
     ) -> None:
         self.config = MonitorConfig(
@@ -80,6 +90,8 @@ class VramMonitor(Callback):
             top_modules=top_modules,
             recent_steps=recent_steps,
             console_summary=console_summary,
+            record_history=record_history,
+            history_max_entries=history_max_entries,
         )
         if probe is not None and not isinstance(probe, Probe):
             raise TypeError(f"probe must implement lightning_vram.probes.Probe, got {type(probe).__name__}")
@@ -88,6 +100,8 @@ class VramMonitor(Callback):
         """The report of the last fit, set when training ends (also when it ends by an exception)."""
         self.report_path: Path | None = None
         """Where ``vram_report.json`` was written, on global rank zero."""
+        self.oom_diagnosis: OomDiagnosis | None = None
+        """This rank's diagnosis when fit ended with a CUDA out-of-memory error."""
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -105,11 +119,15 @@ class VramMonitor(Callback):
         self._measured: dict[Phase, MeasuredPhase] = {}
         self._optimizer_stepped = False
         self._cuda_context_bytes: int | None = None
+        self._in_validation = False
+        self._history_unavailable: NotMeasured | None = None
+        self._recording_history = False
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_run_state()
         self.report = None
+        self.oom_diagnosis = None
         self._device = pl_module.device
         probe = self._probe_override or probe_for(self._device, self.config.utilization_interval_seconds)
         device_info = probe.open(self._device)
@@ -126,6 +144,17 @@ class VramMonitor(Callback):
         trainer_interval = int(getattr(trainer, "log_every_n_steps", 50))
         self._log_every = self.config.log_every_n_steps or trainer_interval or None
         self._report_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        if self.config.record_history:
+            self._start_history(device_info)
+
+    def _start_history(self, device_info: DeviceInfo) -> None:
+        reason = history.unavailable_reason() if device_info.type == "cuda" else "training does not run on CUDA"
+        if reason is None:
+            history.start_recording(self.config.history_max_entries)
+            self._recording_history = True
+            return
+        self._history_unavailable = NotMeasured("allocator history (record_history=True)", reason)
+        warnings.warn(f"VramMonitor: record_history is off: {reason}.", VramMonitorWarning, stacklevel=3)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -134,6 +163,11 @@ class VramMonitor(Callback):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._timer.break_continuity()
+        self._in_validation = True
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_validation = False
 
     @override
     def on_train_batch_start(
@@ -147,6 +181,8 @@ class VramMonitor(Callback):
         self._measured = {}
         self._optimizer_stepped = False
         self._boundary = probe.read_allocator(self.config.reset_peak_stats)
+        if self._boundary is not None:
+            self._tracker.observe_ooms(self._boundary.ooms)
         if self._attribution_disabled is None and self.config.is_sampled(self._tracker.steps):
             self._start_attribution(trainer, pl_module, batch)
 
@@ -171,6 +207,8 @@ class VramMonitor(Callback):
         if phase is None or probe is None:
             return
         reading = probe.read_allocator(self.config.reset_peak_stats)
+        if reading is not None:
+            self._tracker.observe_ooms(reading.ooms)
         if reading is not None and self._boundary is not None:
             self._measured[phase] = MeasuredPhase(
                 peak_bytes=phase_peak_bytes(self._boundary, reading, self.config.reset_peak_stats),
@@ -259,15 +297,59 @@ class VramMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Write the report of the run so far; never raise here, so the user's exception reaches them unchanged."""
+        """Write the report of the run so far, and on CUDA out-of-memory this rank's diagnosis.
+
+        Never raises, and runs no collective: the user's exception reaches them unchanged.
+        """
         if self._attributor is not None:
             self._attributor.close()
             self._attributor = None
+        if isinstance(exception, torch.cuda.OutOfMemoryError):
+            try:
+                self._diagnose_oom(trainer, pl_module, exception)
+            except Exception as error:  # noqa: BLE001 -- raising here would replace the user's exception
+                warnings.warn(f"VramMonitor: no OOM diagnosis: {error!r}", VramMonitorWarning, stacklevel=2)
         self._phase = None
         try:
             self._finish(trainer, pl_module)
         except Exception as error:  # noqa: BLE001 -- raising here would replace the user's exception
             warnings.warn(f"VramMonitor: the report could not be written: {error!r}", VramMonitorWarning, stacklevel=2)
+
+    def _diagnose_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        probe, device_info, directory = self._probe, self._device_info, self._report_dir
+        if probe is None or device_info is None or directory is None:
+            return
+        where = "validation" if self._in_validation else self._phase.value if self._phase is not None else "training"
+        parameters, gradients, state = model_state_bytes(pl_module, trainer.optimizers, self._device)
+        latest = self._tracker.latest_attribution
+        sampled = latest.phases.get(self._phase) if latest is not None and self._phase is not None else None
+        notes = []
+        if sampled is None:
+            notes.append(
+                "activations are counted in 'other': no sampled step measured this phase before the failure"
+                f" (attribution_start_step={self.config.attribution_start_step})"
+            )
+        elif latest is not None:
+            notes.append(f"activations as counted on sampled step {latest.step}")
+        snapshot = None
+        if self._recording_history:
+            name = report_stem(SNAPSHOT_STEM, trainer.global_rank, trainer.world_size) + ".pickle"
+            directory.mkdir(parents=True, exist_ok=True)
+            snapshot = history.dump_snapshot(directory / name)
+        self.oom_diagnosis = diagnose(
+            error_text=str(exception),
+            where=where,
+            step=self._tracker.steps,
+            rank=trainer.global_rank,
+            model_state=Breakdown(parameters, gradients, state, sampled.activations if sampled else 0, None),
+            last_reading=self._boundary,
+            summary=self._run_summary(probe, device_info),
+            setup=training_setup(trainer, pl_module),
+            notes=tuple(notes),
+            snapshot=snapshot,
+        )
+        path = write_diagnosis(self.oom_diagnosis, directory, trainer.world_size)
+        print(f"VramMonitor (rank {trainer.global_rank}): {self.oom_diagnosis.headline()}; see {path}", file=sys.stderr)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -277,6 +359,9 @@ class VramMonitor(Callback):
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        if self._recording_history:
+            history.stop_recording()
+            self._recording_history = False
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probe, device_info = self._probe, self._device_info
@@ -302,6 +387,8 @@ class VramMonitor(Callback):
             gpu_utilization_mean=probe.mean_utilization_percent(),
             alloc_retries=tracker.alloc_retries,
             cuda_context_bytes=self._cuda_context_bytes,
+            recovered_ooms=tracker.recovered_ooms,
+            last_step=tracker.last_step,
         )
 
     def _build_report(
@@ -310,6 +397,8 @@ class VramMonitor(Callback):
         tracker = self._tracker
         summary = self._run_summary(probe, device_info)
         not_measured = probe.unavailable()
+        if self._history_unavailable is not None:
+            not_measured += (self._history_unavailable,)
         if self._attribution_disabled is not None:
             not_measured += (self._attribution_disabled,)
         elif tracker.latest_attribution is None:
@@ -335,6 +424,7 @@ class VramMonitor(Callback):
             advice=advise(summary, training_setup(trainer, pl_module)),
             fit=fit_table(summary),
             batch_size=summary.batch_size,
+            recovered_ooms=summary.recovered_ooms,
             ranks=(
                 RankSummary(
                     rank=trainer.global_rank,

@@ -39,6 +39,8 @@ class MonitorConfig:
     top_modules: int = 10
     recent_steps: int = 512
     console_summary: bool = True
+    record_history: bool = False
+    history_max_entries: int = 100_000
 
     def __post_init__(self) -> None:
         _require_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
@@ -49,6 +51,8 @@ class MonitorConfig:
         _require_int("top_modules", self.top_modules, 1)
         _require_int("recent_steps", self.recent_steps, 1)
         _require_bool("console_summary", self.console_summary)
+        _require_bool("record_history", self.record_history)
+        _require_int("history_max_entries", self.history_max_entries, 1)
 
     def is_sampled(self, step: int) -> bool:
         """Whether ``step`` (0-based training batch of the run) gets tensor-by-tensor attribution.

@@ -136,6 +136,7 @@ class CudaProbe:
             reserved_bytes=int(stats["reserved_bytes"]["all"]["current"]),
             peak_allocated_bytes=int(stats["allocated_bytes"]["all"]["peak"]),
             alloc_retries=int(stats["num_alloc_retries"]),
+            ooms=int(stats["num_ooms"]),
         )
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(self._index)

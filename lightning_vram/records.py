@@ -37,13 +37,15 @@ class AllocatorReading:
 
     ``peak_allocated_bytes`` is the highest allocated value since the last peak reset (or since the
     process started, when the monitor leaves the process-wide peak untouched).
-    ``alloc_retries`` counts allocations that had to free cached blocks and retry (a sign of pressure).
+    ``alloc_retries`` counts allocations that had to free cached blocks and retry (a sign of pressure);
+    ``ooms`` counts out-of-memory errors the allocator raised since the process started.
     """
 
     allocated_bytes: int
     reserved_bytes: int
     peak_allocated_bytes: int
     alloc_retries: int
+    ooms: int = 0
 
 
 @dataclass(frozen=True)

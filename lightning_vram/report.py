@@ -50,6 +50,7 @@ class Report:
     advice: tuple[Advice, ...]
     fit: tuple[FitRow, ...]
     batch_size: int | None
+    recovered_ooms: int | None
     ranks: tuple[RankSummary, ...]
     not_measured: tuple[NotMeasured, ...]
 
@@ -68,6 +69,7 @@ class Report:
             "precision": self.precision,
             "steps": self.steps,
             "batch_size": self.batch_size,
+            "recovered_ooms": self.recovered_ooms,
             "peak": _peak_dict(self.peak),
             "phases": {
                 phase.value: {"peak_bytes": peak.peak_bytes, "breakdown": _breakdown_dict(peak.breakdown)}
@@ -190,6 +192,10 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
         )
         lines.append(f"  most activations saved by: {top}")
     lines.append(f"  {_timing_line(report)}")
+    if report.recovered_ooms:
+        lines.append(
+            f"  recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
+        )
     for advice in report.advice:
         lines.append(f"  advice [{advice.id}]: {advice.title}")
     for item in report.not_measured:

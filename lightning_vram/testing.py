@@ -33,6 +33,7 @@ class ScriptedBoundary:
     reserved_bytes: int
     highest_bytes: int
     alloc_retries: int = 0
+    ooms: int = 0
 
 
 class ScriptedProbe:
@@ -81,6 +82,7 @@ class ScriptedProbe:
             reserved_bytes=boundary.reserved_bytes,
             peak_allocated_bytes=self._peak,
             alloc_retries=boundary.alloc_retries,
+            ooms=boundary.ooms,
         )
         if reset_peak:
             self.resets += 1

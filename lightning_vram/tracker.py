@@ -70,6 +70,9 @@ class MemoryTracker:
         self.latest_attribution: Attribution | None = None
         self.largest_activation_attribution: Attribution | None = None
         self.alloc_retries: int | None = None
+        self.last_step: tuple[PhasePeak, ...] = ()
+        self.recovered_ooms: int | None = None
+        self._ooms_seen: int | None = None
         self._interval_end: MeasuredPhase | None = None
         self._interval_peak: PhasePeak | None = None
         self._interval_phase_peaks: dict[Phase, int] = {}
@@ -85,6 +88,7 @@ class MemoryTracker:
         for phase_measure in measured.values():
             self._interval_end = phase_measure
             self.alloc_retries = phase_measure.alloc_retries
+        self.last_step = tuple(peaks)
         step_peak = max(peaks, key=lambda peak: peak.peak_bytes)
         self.recent.append(StepPoint(step, step_peak.peak_bytes))
         if self.peak is None or step_peak.peak_bytes > self.peak.peak_bytes:
@@ -97,6 +101,14 @@ class MemoryTracker:
             if best is None or peak.peak_bytes > best.peak_bytes:
                 self.phase_peaks[peak.phase] = peak
             self._interval_phase_peaks[peak.phase] = max(self._interval_phase_peaks.get(peak.phase, 0), peak.peak_bytes)
+
+    def observe_ooms(self, count: int) -> None:
+        """The allocator's out-of-memory count at a boundary: a rise since the last one is an OOM training survived."""
+        if self._ooms_seen is None:
+            self.recovered_ooms = 0
+        elif count > self._ooms_seen:
+            self.recovered_ooms = (self.recovered_ooms or 0) + count - self._ooms_seen
+        self._ooms_seen = count
 
     def _phase_peak(
         self, step: int, phase: Phase, measured: dict[Phase, MeasuredPhase], attribution: Attribution | None

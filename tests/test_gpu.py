@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,32 @@ def test_monitor_hooks_never_synchronise(tmp_path: Path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert monitor.report is not None and monitor.report.steps == 6
+
+
+class AllocatesTooMuch(Classifier):
+    """Asks for twice the device's memory at batch 3."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 3:
+            capacity = torch.cuda.get_device_properties(self.device).total_memory
+            torch.empty(2 * capacity, dtype=torch.uint8, device=self.device)
+        return super().training_step(batch, batch_idx)
+
+
+def test_real_oom_leaves_a_diagnosis_and_a_snapshot(tmp_path: Path) -> None:
+    monitor = VramMonitor(record_history=True, console_summary=False)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        trainer(tmp_path, [monitor], max_steps=6, accelerator="gpu").fit(
+            AllocatesTooMuch(cnn_net()), loader(dataset_for("cnn"), batch_size=64)
+        )
+    diagnosis = monitor.oom_diagnosis
+    assert diagnosis is not None and (diagnosis.where, diagnosis.step) == ("forward", 3)
+    capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    assert diagnosis.message.tried_bytes is not None
+    assert abs(diagnosis.message.tried_bytes - 2 * capacity) < 0.01 * capacity  # torch prints 2 decimals
+    assert diagnosis.capacity_bytes is not None and abs(diagnosis.capacity_bytes - capacity) < 0.01 * capacity
+    assert (tmp_path / "vram_oom_report.md").read_text().startswith("# Out of memory: ")
+    snapshot = tmp_path / "vram_oom_snapshot.pickle"
+    assert snapshot.read_bytes()[:2] == b"\x80\x04"  # pickle protocol 4
+    with snapshot.open("rb") as file:
+        assert "segments" in pickle.load(file)
