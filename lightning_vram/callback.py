@@ -19,13 +19,15 @@ from lightning_vram import history
 from lightning_vram.accounting import StepAttributor, model_state_bytes
 from lightning_vram.advice import RunSummary, advise, fit_table
 from lightning_vram.config import MonitorConfig
+from lightning_vram.console import print_summary
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.metrics import interval_scalars
 from lightning_vram.oom import SNAPSHOT_STEM, OomDiagnosis, diagnose, report_stem, write_diagnosis
 from lightning_vram.probes import Probe, probe_for
 from lightning_vram.records import AllocatorReading, Breakdown, DeviceInfo, NotMeasured, Phase
-from lightning_vram.report import RankSummary, Report, TimingSummary, largest_savers, summary_text
-from lightning_vram.tensorboard import write_advice
+from lightning_vram.report import RankSummary, Report, TimingSummary, largest_savers
+from lightning_vram.report_files import write_report_files
+from lightning_vram.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
 from lightning_vram.timing import StepTimer
 from lightning_vram.tracker import MeasuredPhase, MemoryTracker, phase_peak_bytes
 from lightning_vram.training_setup import training_setup
@@ -144,6 +146,8 @@ class VramMonitor(Callback):
         trainer_interval = int(getattr(trainer, "log_every_n_steps", 50))
         self._log_every = self.config.log_every_n_steps or trainer_interval or None
         self._report_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        for writer in self._tensorboard_writers(trainer):
+            write_layout(writer)
         if self.config.record_history:
             self._start_history(device_info)
 
@@ -278,11 +282,18 @@ class VramMonitor(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write_advice_text(trainer, pl_module)
 
+    @staticmethod
+    def _tensorboard_writers(trainer: pl.Trainer) -> list[TensorBoardWriter]:
+        """The SummaryWriters of the Trainer's TensorBoard loggers, on global rank zero (none elsewhere)."""
+        if not trainer.is_global_zero:
+            return []
+        return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
     def _write_advice_text(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The advice so far, as text in every TensorBoard logger (global rank zero)."""
         probe, device_info = self._probe, self._device_info
-        writers = [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
-        if probe is None or device_info is None or not writers or not trainer.is_global_zero:
+        writers = self._tensorboard_writers(trainer)
+        if probe is None or device_info is None or not writers:
             return
         advice = advise(self._run_summary(probe, device_info), training_setup(trainer, pl_module))
         for writer in writers:
@@ -291,9 +302,14 @@ class VramMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer, pl_module)
-        self._write_advice_text(trainer, pl_module)
-        if self.report is not None and self.config.console_summary and trainer.is_global_zero:
-            print(summary_text(self.report))
+        report = self.report
+        if report is None or not trainer.is_global_zero:
+            return
+        for writer in self._tensorboard_writers(trainer):
+            write_advice(writer, report.advice, trainer.global_step)
+            write_figures(writer, report, trainer.global_step)
+        if self.config.console_summary:
+            print_summary(report)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -369,7 +385,7 @@ class VramMonitor(Callback):
             return
         self.report = self._build_report(trainer, pl_module, probe, device_info)
         if trainer.is_global_zero and self._report_dir is not None:
-            self.report_path = self.report.write(self._report_dir)
+            self.report_path = write_report_files(self.report, self._report_dir)
 
     def _run_summary(self, probe: Probe, device_info: DeviceInfo) -> RunSummary:
         tracker, timer = self._tracker, self._timer
@@ -425,6 +441,7 @@ class VramMonitor(Callback):
             fit=fit_table(summary),
             batch_size=summary.batch_size,
             recovered_ooms=summary.recovered_ooms,
+            recent_peaks=tuple(tracker.recent),
             ranks=(
                 RankSummary(
                     rank=trainer.global_rank,

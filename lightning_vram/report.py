@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lightning_vram.advice import Advice, FitRow
 from lightning_vram.records import Breakdown, DeviceInfo, ModuleProfile, NotMeasured, Phase, PhasePeak
+from lightning_vram.tracker import StepPoint
 from lightning_vram.units import format_bytes, format_percent
 
 SCHEMA = "lightning_vram.report/1"
 JSON_FILENAME = "vram_report.json"
 MARKDOWN_FILENAME = "vram_report.md"
+HTML_FILENAME = "vram_report.html"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 
 
@@ -51,6 +51,7 @@ class Report:
     fit: tuple[FitRow, ...]
     batch_size: int | None
     recovered_ooms: int | None
+    recent_peaks: tuple[StepPoint, ...]
     ranks: tuple[RankSummary, ...]
     not_measured: tuple[NotMeasured, ...]
 
@@ -72,8 +73,12 @@ class Report:
             "recovered_ooms": self.recovered_ooms,
             "peak": _peak_dict(self.peak),
             "phases": {
-                phase.value: {"peak_bytes": peak.peak_bytes, "breakdown": _breakdown_dict(peak.breakdown)}
-                for phase, peak in _in_phase_order(self.phases)
+                phase.value: {
+                    "step": peak.step,
+                    "peak_bytes": peak.peak_bytes,
+                    "breakdown": _breakdown_dict(peak.breakdown),
+                }
+                for phase, peak in in_phase_order(self.phases)
             },
             "modules": [
                 {"name": row.name, "type": row.type, "activation_bytes": row.activation_bytes} for row in self.modules
@@ -99,6 +104,7 @@ class Report:
                 {"device": row.device, "capacity_bytes": row.capacity_bytes, "max_batch_size": row.max_batch_size}
                 for row in self.fit
             ],
+            "recent_peaks": [{"step": point.step, "peak_bytes": point.peak_bytes} for point in self.recent_peaks],
             "ranks": [
                 {
                     "rank": rank.rank,
@@ -111,16 +117,113 @@ class Report:
             "not_measured": [{"what": item.what, "reason": item.reason} for item in self.not_measured],
         }
 
-    def write(self, directory: Path) -> Path:
-        """Write ``vram_report.json`` and ``vram_report.md`` into ``directory`` (created if needed).
 
-        Returns the JSON file's path.
-        """
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / JSON_FILENAME
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        (directory / MARKDOWN_FILENAME).write_text(markdown(self), encoding="utf-8")
-        return path
+class ReportFormatError(ValueError):
+    """A file is not a readable ``lightning_vram.report/1`` report."""
+
+
+def _breakdown_from(data: dict[str, Any] | None) -> Breakdown | None:
+    if data is None:
+        return None
+    return Breakdown(
+        parameters=int(data["parameters"]),
+        gradients=int(data["gradients"]),
+        optimizer_state=int(data["optimizer_state"]),
+        activations=int(data["activations"]),
+        other=None if data["other"] is None else int(data["other"]),
+    )
+
+
+def _capability_from(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    major, minor = text.split(".")
+    return int(major), int(minor)
+
+
+def report_from_dict(data: Any) -> Report:
+    """Rebuild a :class:`Report` from its JSON form (what ``to_dict`` wrote).
+
+    Raises:
+        ReportFormatError: not a JSON object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
+    """
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ReportFormatError(f"not a lightning_vram report (schema {SCHEMA!r} expected, found {found!r})")
+    try:
+        device = data["device"]
+        capability = device["compute_capability"]
+        peak = data["peak"]
+        timing = data["timing"]
+        return Report(
+            device=DeviceInfo(
+                type=str(device["type"]),
+                name=str(device["name"]),
+                index=device["index"],
+                total_bytes=device["total_bytes"],
+                compute_capability=_capability_from(capability),
+            ),
+            precision=data["precision"],
+            steps=int(data["steps"]),
+            peak=None
+            if peak is None
+            else PhasePeak(
+                step=int(peak["step"]),
+                phase=Phase(peak["phase"]),
+                peak_bytes=int(peak["allocated_bytes"]),
+                reserved_bytes=peak["reserved_bytes"],
+                breakdown=_breakdown_from(peak["breakdown"]),
+            ),
+            phases={
+                Phase(name): PhasePeak(
+                    step=int(value["step"]),
+                    phase=Phase(name),
+                    peak_bytes=int(value["peak_bytes"]),
+                    reserved_bytes=None,
+                    breakdown=_breakdown_from(value["breakdown"]),
+                )
+                for name, value in data["phases"].items()
+            },
+            modules=tuple(
+                ModuleProfile(str(row["name"]), str(row["type"]), int(row["activation_bytes"]))
+                for row in data["modules"]
+            ),
+            timing=TimingSummary(
+                step_seconds_median=timing["step_seconds_median"],
+                data_wait_fraction=timing["data_wait_fraction"],
+                gpu_utilization_mean=timing["gpu_utilization_mean"],
+            ),
+            advice=tuple(
+                Advice(
+                    id=str(item["id"]),
+                    severity=str(item["severity"]),
+                    title=str(item["title"]),
+                    detail=str(item["detail"]),
+                    evidence=str(item["evidence"]),
+                    estimated_saving_bytes=item["estimated_saving_bytes"],
+                    estimated_saving_seconds=item["estimated_saving_seconds"],
+                )
+                for item in data["advice"]
+            ),
+            fit=tuple(
+                FitRow(str(row["device"]), int(row["capacity_bytes"]), int(row["max_batch_size"]))
+                for row in data["fit"]
+            ),
+            batch_size=data["batch_size"],
+            recovered_ooms=data["recovered_ooms"],
+            recent_peaks=tuple(
+                StepPoint(int(point["step"]), int(point["peak_bytes"])) for point in data["recent_peaks"]
+            ),
+            ranks=tuple(
+                RankSummary(int(rank["rank"]), rank["device_index"], rank["peak_bytes"], int(rank["steps"]))
+                for rank in data["ranks"]
+            ),
+            not_measured=tuple(NotMeasured(str(item["what"]), str(item["reason"])) for item in data["not_measured"]),
+        )
+    except KeyError as error:
+        raise ReportFormatError(f"malformed lightning_vram report: missing field {error}") from error
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ReportFormatError(f"malformed lightning_vram report: {error}") from error
 
 
 def largest_savers(profiles: tuple[ModuleProfile, ...]) -> tuple[ModuleProfile, ...]:
@@ -129,7 +232,8 @@ def largest_savers(profiles: tuple[ModuleProfile, ...]) -> tuple[ModuleProfile, 
     return tuple(sorted(savers, key=lambda profile: (-profile.activation_bytes, profile.name)))
 
 
-def _in_phase_order(phases: dict[Phase, PhasePeak]) -> list[tuple[Phase, PhasePeak]]:
+def in_phase_order(phases: dict[Phase, PhasePeak]) -> list[tuple[Phase, PhasePeak]]:
+    """The phases present, in the order a training step runs them."""
     return [(phase, phases[phase]) for phase in Phase if phase in phases]
 
 
@@ -184,7 +288,7 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
                 f" | optimizer state {format_bytes(parts.optimizer_state)}"
                 f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
             )
-        phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in _in_phase_order(report.phases))
+        phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
         lines.append(f"  phase peaks: {phases}")
     if report.modules:
         top = ", ".join(
@@ -240,7 +344,7 @@ def markdown(report: Report) -> str:
         "| phase | peak | " + " | ".join(name.replace("_", " ") for name in CATEGORIES) + " |",
         "|---|---:|" + "---:|" * len(CATEGORIES),
     ]
-    for phase, peak in _in_phase_order(report.phases):
+    for phase, peak in in_phase_order(report.phases):
         values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
         cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
         lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")

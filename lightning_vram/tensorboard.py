@@ -1,23 +1,79 @@
-"""TensorBoard output beyond scalars: advice as text. Used only when a TensorBoardLogger is present."""
+"""TensorBoard output beyond scalars: a custom-scalars layout, advice as text, and figures.
+
+Used only when a TensorBoardLogger is present; works with any writer that has these methods of
+``torch.utils.tensorboard.SummaryWriter``.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 from lightning_vram.advice import Advice
-from lightning_vram.report import advice_markdown
+from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
+from lightning_vram.report import Report, advice_markdown
 
 ADVICE_TAG = "vram/advice"
+FIGURE_TAGS = ("vram/figures/breakdown", "vram/figures/memory_over_steps", "vram/figures/top_modules")
+
+LAYOUT: dict[str, dict[str, list[Any]]] = {
+    "VRAM memory": {
+        "allocated, reserved and step peak (bytes)": [
+            "Multiline",
+            ["vram/allocated_bytes", "vram/reserved_bytes", "vram/peak_bytes"],
+        ],
+        "what held the peak (bytes)": ["Multiline", [r"vram/peak/.*_bytes"]],
+        "peak of each phase (bytes)": ["Multiline", [r"vram/phase_peak/.*_bytes"]],
+    },
+    "VRAM speed": {
+        "GPU utilization (percent)": ["Multiline", ["vram/gpu_utilization_percent"]],
+        "data wait (fraction of step time)": ["Multiline", ["vram/data_wait_fraction"]],
+        "step time (seconds)": ["Multiline", ["vram/step_seconds"]],
+    },
+}
+"""Charts grouped for TensorBoard's Custom Scalars tab: memory together, speed together."""
 
 
-class TextWriter(Protocol):
+class TensorBoardWriter(Protocol):
     """The part of ``torch.utils.tensorboard.SummaryWriter`` this module uses."""
 
     def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None:
         """Write Markdown text under ``tag`` at ``global_step``."""
         ...
 
+    def add_custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
+        """Write the Custom Scalars layout."""
+        ...
 
-def write_advice(writer: TextWriter, advice: tuple[Advice, ...], step: int) -> None:
+    def add_image(self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW") -> None:
+        """Write an image under ``tag`` at ``global_step``."""
+        ...
+
+
+def write_layout(writer: TensorBoardWriter) -> None:
+    """The custom-scalars layout of the ``vram/...`` scalars."""
+    writer.add_custom_scalars(LAYOUT)
+
+
+def write_advice(writer: TensorBoardWriter, advice: tuple[Advice, ...], step: int) -> None:
     """The run's advice so far, as Markdown text under ``vram/advice``."""
     writer.add_text(ADVICE_TAG, advice_markdown(advice), global_step=step)
+
+
+def report_images(report: Report) -> dict[str, np.ndarray]:
+    """The report's figures as ``(height, width, 3)`` pixels, by TensorBoard tag; absent figures are left out."""
+    images: dict[str, np.ndarray] = {}
+    if report.phases:
+        images[FIGURE_TAGS[0]] = rgb_pixels(breakdown_figure(report.phases))
+    if report.recent_peaks:
+        images[FIGURE_TAGS[1]] = rgb_pixels(memory_over_steps_figure(report.recent_peaks, report.device.total_bytes))
+    if report.modules:
+        images[FIGURE_TAGS[2]] = rgb_pixels(modules_figure(report.modules))
+    return images
+
+
+def write_figures(writer: TensorBoardWriter, report: Report, step: int) -> None:
+    """The breakdown per phase, memory over steps and the top modules, as images."""
+    for tag, pixels in report_images(report).items():
+        writer.add_image(tag, pixels, global_step=step, dataformats="HWC")

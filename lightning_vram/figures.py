@@ -1,0 +1,102 @@
+"""Figures of a report, drawn with matplotlib for TensorBoard and the HTML page.
+
+Figures are built as ``Figure`` objects and saved to PNG directly: headless, and without pyplot, so the user's
+matplotlib backend and pyplot state are left alone.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib import image
+from matplotlib.figure import Figure
+
+from lightning_vram.records import ModuleProfile, Phase, PhasePeak
+from lightning_vram.tracker import StepPoint
+
+CATEGORY_COLOURS = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer_state": "#55A868",
+    "activations": "#C44E52",
+    "other": "#8C8C8C",
+}
+
+
+def _binary_scale(largest: float) -> tuple[float, str]:
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if largest >= factor:
+            return factor, unit
+    return 1, "B"
+
+
+def breakdown_figure(phases: dict[Phase, PhasePeak]) -> Figure:
+    """Stacked bars: what held memory at each phase's peak."""
+    figure = Figure(figsize=(6.4, 3.6), layout="constrained")
+    axes = figure.subplots()
+    present = [(phase, phases[phase]) for phase in Phase if phase in phases]
+    factor, unit = _binary_scale(max((peak.peak_bytes for _, peak in present), default=1))
+    labels = [phase.value for phase, _ in present]
+    bottoms = [0.0] * len(present)
+    for category, colour in CATEGORY_COLOURS.items():
+        values = []
+        for _, peak in present:
+            value = peak.breakdown.to_dict()[category] if peak.breakdown is not None else None
+            values.append((value or 0) / factor)
+        if any(values):
+            axes.bar(labels, values, bottom=bottoms, color=colour, label=category.replace("_", " "))
+            bottoms = [bottom + value for bottom, value in zip(bottoms, values, strict=True)]
+    for index, (_, peak) in enumerate(present):
+        if peak.breakdown is None:
+            axes.bar(labels[index], peak.peak_bytes / factor, color="#DDDDDD", label="not attributed")
+    axes.set_ylabel(f"memory at the phase's peak ({unit})")
+    axes.set_title("What held memory at each phase's peak")
+    axes.legend(fontsize="small", loc="upper right")
+    return figure
+
+
+def memory_over_steps_figure(points: Sequence[StepPoint], capacity_bytes: int | None) -> Figure:
+    """The peak of each recent step."""
+    figure = Figure(figsize=(6.4, 3.2), layout="constrained")
+    axes = figure.subplots()
+    factor, unit = _binary_scale(max((point.peak_bytes for point in points), default=1))
+    axes.plot([point.step for point in points], [point.peak_bytes / factor for point in points], color="#4C72B0")
+    axes.set_xlabel("training batch")
+    axes.set_ylabel(f"step peak ({unit})")
+    title = "Peak memory of each step"
+    if capacity_bytes:
+        title += f" (device: {capacity_bytes / factor:.1f} {unit})"
+    axes.set_title(title)
+    axes.set_ylim(bottom=0)
+    return figure
+
+
+def modules_figure(modules: Sequence[ModuleProfile]) -> Figure:
+    """Horizontal bars: the modules that saved the most activations for backward, largest on top."""
+    shown = list(modules)[::-1]
+    figure = Figure(figsize=(6.4, 0.4 * len(shown) + 1.2), layout="constrained")
+    axes = figure.subplots()
+    factor, unit = _binary_scale(max((row.activation_bytes for row in shown), default=1))
+    axes.barh([f"{row.name} ({row.type})" for row in shown], [row.activation_bytes / factor for row in shown])
+    axes.set_xlabel(f"activations saved for backward ({unit})")
+    axes.set_title("Modules saving the most activations")
+    axes.tick_params(axis="y", labelsize="small")
+    return figure
+
+
+DPI = 96
+
+
+def png_bytes(figure: Figure) -> bytes:
+    """The figure as PNG bytes (``savefig`` renders PNG on an Agg canvas of its own)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def rgb_pixels(figure: Figure) -> np.ndarray:
+    """The figure as an ``(height, width, 3)`` uint8 array, as TensorBoard's ``add_image`` takes it (HWC)."""
+    rgba = image.imread(io.BytesIO(png_bytes(figure)), format="png")
+    return np.asarray(np.round(rgba[:, :, :3] * 255), dtype=np.uint8)

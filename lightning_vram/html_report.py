@@ -1,0 +1,135 @@
+"""The report as one self-contained HTML page: styles and figures inline, nothing fetched from a network."""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+
+from lightning_vram.advice import Advice
+from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
+from lightning_vram.report import CATEGORIES, Report, headline, in_phase_order
+from lightning_vram.units import format_bytes, format_percent
+
+STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
+h1 { font-size: 1.4rem; } h2 { font-size: 1.15rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
+.headline { font-size: 1.2rem; font-weight: 600; background: #f3f6fb; padding: .8rem 1rem; border-radius: 6px; }
+table { border-collapse: collapse; margin: .5rem 0; } td, th { padding: .25rem .6rem; border-bottom: 1px solid #eee; }
+td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
+.advice { border-left: 4px solid #4C72B0; padding: .2rem 1rem; margin: 1rem 0; background: #fafafa; }
+.advice.critical { border-color: #C44E52; } .advice.warning { border-color: #DD8452; }
+.meta { color: #555; } pre { background: #f0f0f0; padding: .6rem; overflow-x: auto; } img { max-width: 100%; }
+"""
+
+
+def _image(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def inline_markdown(text: str) -> str:
+    """Escaped text with Markdown's inline code and bold.
+
+    >>> inline_markdown("use `a<b` **now**")
+    'use <code>a&lt;b</code> <strong>now</strong>'
+    """
+    escaped = html.escape(text)
+    escaped = re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", escaped)
+
+
+def markdown_to_html(text: str) -> str:
+    r"""The little Markdown advice uses: fenced code blocks, inline code, bold, paragraphs.
+
+    >>> markdown_to_html("Use `x`.\n```python\nf(x)\n```")
+    '<p>Use <code>x</code>.</p>\n<pre><code class="language-python">f(x)</code></pre>'
+    """
+    parts = []
+    for index, chunk in enumerate(re.split(r"```(\w*)\n(.*?)\n?```", text, flags=re.DOTALL)):
+        kind = index % 3
+        if kind == 0 and chunk.strip():
+            parts.append(f"<p>{inline_markdown(chunk.strip())}</p>")
+        elif kind == 1:
+            language = chunk
+        elif kind == 2:
+            parts.append(f'<pre><code class="language-{language or "text"}">{html.escape(chunk)}</code></pre>')
+    return "\n".join(parts)
+
+
+def _advice_html(item: Advice) -> str:
+    savings = []
+    if item.estimated_saving_bytes is not None:
+        savings.append(f"about {format_bytes(item.estimated_saving_bytes)} of peak memory")
+    if item.estimated_saving_seconds is not None:
+        savings.append(f"up to {1000 * item.estimated_saving_seconds:.1f} ms per step")
+    saving = f"<p><strong>Expected saving:</strong> {html.escape(', '.join(savings))}</p>" if savings else ""
+    return (
+        f'<div class="advice {html.escape(item.severity)}" id="{html.escape(item.id)}">'
+        f"<h3>{inline_markdown(item.title)}</h3>"
+        f'<p class="meta"><code>{html.escape(item.id)}</code> · {html.escape(item.severity)}</p>'
+        f"<p><strong>Evidence:</strong> {html.escape(item.evidence)}</p>{saving}{markdown_to_html(item.detail)}</div>"
+    )
+
+
+def render_html(report: Report) -> str:
+    """The whole report as a standalone HTML page."""
+    device = report.device
+    rows = []
+    for phase, peak in in_phase_order(report.phases):
+        values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
+        cells = "".join(f'<td class="n">{format_bytes(values.get(name))}</td>' for name in CATEGORIES)
+        rows.append(f'<tr><td>{phase.value}</td><td class="n">{format_bytes(peak.peak_bytes)}</td>{cells}</tr>')
+    header = "".join(f'<th class="n">{name.replace("_", " ")}</th>' for name in CATEGORIES)
+    sections = [
+        f"<h1>VRAM report</h1><p class='headline'>{html.escape(headline(report))}</p>",
+        "<p class='meta'>"
+        + html.escape(
+            f"{device.name} ({device.type}), capacity {format_bytes(device.total_bytes)}; precision "
+            f"{report.precision or 'n/a'}; batch size {report.batch_size or 'n/a'}; {report.steps} steps; data wait "
+            f"{format_percent(report.timing.data_wait_fraction)}"
+        )
+        + "</p>",
+        "<h2>Breakdown at each phase's peak</h2>",
+    ]
+    if report.phases:
+        sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
+        sections.append(f'<table><tr><th>phase</th><th class="n">peak</th>{header}</tr>{"".join(rows)}</table>')
+    if report.recent_peaks:
+        figure = memory_over_steps_figure(report.recent_peaks, device.total_bytes)
+        sections += ["<h2>Memory over steps</h2>", _image(png_bytes(figure), "memory over steps")]
+    if report.modules:
+        table = "".join(
+            f"<tr><td><code>{html.escape(row.name)}</code></td><td>{html.escape(row.type)}</td>"
+            f'<td class="n">{format_bytes(row.activation_bytes)}</td></tr>'
+            for row in report.modules
+        )
+        sections += [
+            "<h2>Modules saving the most activations</h2>",
+            _image(png_bytes(modules_figure(report.modules)), "top modules"),
+            f'<table id="modules"><tr><th>module</th><th>type</th><th class="n">saved</th></tr>{table}</table>',
+        ]
+    sections.append("<h2>Advice</h2>")
+    if report.advice:
+        sections += [_advice_html(item) for item in report.advice]
+    else:
+        sections.append("<p>No advice: no rule found a change worth making in this run's measurements.</p>")
+    if report.fit:
+        fit = "".join(
+            f'<tr><td>{html.escape(row.device)}</td><td class="n">{format_bytes(row.capacity_bytes)}</td>'
+            f'<td class="n">{row.max_batch_size}</td></tr>'
+            for row in report.fit
+        )
+        sections.append(
+            "<h2>Largest batch of this run per GPU</h2>"
+            f'<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th></tr>{fit}</table>'
+        )
+    if report.not_measured:
+        items = "".join(
+            f"<li>{html.escape(item.what)}: {html.escape(item.reason)}</li>" for item in report.not_measured
+        )
+        sections.append(f"<h2>Not measured</h2><ul>{items}</ul>")
+    body = "\n".join(sections)
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>VRAM report</title>'
+        f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n"
+    )

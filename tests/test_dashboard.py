@@ -1,0 +1,184 @@
+"""TensorBoard dashboard, HTML page and console summary, read back through real readers."""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+from matplotlib import image
+from models import Classifier, cnn_net, dataset_for, loader, trainer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.console import print_summary
+from lightning_vram.html_report import render_html
+from lightning_vram.records import Phase
+from lightning_vram.report import report_from_dict
+from lightning_vram.tensorboard import FIGURE_TAGS, LAYOUT
+from lightning_vram.units import format_bytes
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tensorboard_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[VramMonitor, Path]:
+    root = tmp_path_factory.mktemp("dashboard")
+    logger = TensorBoardLogger(root, name="tb")
+    monitor = VramMonitor(
+        log_every_n_steps=2, attribution_start_step=1, attribution_every_n_steps=2, console_summary=False
+    )
+    trainer(root, [monitor], max_steps=6, logger=logger).fit(Classifier(cnn_net()), loader(dataset_for("cnn"), 16))
+    return monitor, Path(logger.log_dir)
+
+
+def events_of(log_dir: Path) -> EventAccumulator:
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "images": 0, "scalars": 0})
+    events.Reload()
+    return events
+
+
+def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    monitor, log_dir = tensorboard_run
+    events = events_of(log_dir)
+    assert set(FIGURE_TAGS) <= set(events.Tags()["images"])
+    for tag in FIGURE_TAGS:
+        (picture,) = events.Images(tag)  # once, at train end
+        assert picture.step == 6
+        assert picture.encoded_image_string.startswith(PNG_MAGIC)
+        pixels = image.imread(io.BytesIO(picture.encoded_image_string), format="png")
+        assert pixels.shape[:2] == (picture.height, picture.width)
+        assert pixels.std() > 0.05  # a drawing, not a blank canvas
+
+
+def test_custom_scalars_layout_groups_the_charts(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    _, log_dir = tensorboard_run
+    events = events_of(log_dir)
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(config.tensor_proto.string_val[0])
+    categories = {
+        category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
+        for category in layout.category
+    }
+    assert categories == {title: {chart: spec[1] for chart, spec in charts.items()} for title, charts in LAYOUT.items()}
+    assert categories["VRAM memory"]["allocated, reserved and step peak (bytes)"] == [
+        "vram/allocated_bytes",
+        "vram/reserved_bytes",
+        "vram/peak_bytes",
+    ]
+    # The layout's tags name scalars that were logged (on CPU: those measured there).
+    logged = set(events.Tags()["scalars"])
+    assert "vram/peak_bytes" in logged and "vram/data_wait_fraction" in logged
+
+
+class PageParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[str] = []
+        self.external: list[str] = []
+        self.text: list[str] = []
+        self.advice_ids: list[str] = []
+        self.module_cells: list[str] = []
+        self._in_modules = False
+        self._in_code = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        for name in ("src", "href"):
+            value = values.get(name) or ""
+            if value.startswith(("http:", "https:", "//")):
+                self.external.append(value)
+        if tag == "img":
+            self.images.append(values.get("src") or "")
+        if tag == "div" and "advice" in (values.get("class") or ""):
+            self.advice_ids.append(values.get("id") or "")
+        if tag == "table" and values.get("id") == "modules":
+            self._in_modules = True
+        self._in_code = tag == "code"
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self._in_modules = False
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+        if self._in_modules and self._in_code:
+            self.module_cells.append(data)
+
+
+def test_html_page_is_self_contained_and_complete(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    monitor, log_dir = tensorboard_run
+    report = monitor.report
+    assert report is not None
+    page = (log_dir / "vram_report.html").read_text()
+    assert page == render_html(report)
+    parser = PageParser()
+    parser.feed(page)
+    assert parser.external == []
+    assert len(parser.images) == 3 and all(src.startswith("data:image/png;base64,") for src in parser.images)
+    text = " ".join(parser.text)
+    assert "Peak " in text and f"of step {report.peak.step}" in text  # type: ignore[union-attr]
+    assert parser.module_cells == [row.name for row in report.modules]
+    assert parser.advice_ids == [item.id for item in report.advice]
+    for item in report.advice:
+        assert item.evidence in text
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium package is not installed")
+def test_html_page_renders_in_headless_chromium(tensorboard_run: tuple[VramMonitor, Path], tmp_path: Path) -> None:
+    _, log_dir = tensorboard_run
+    screenshot = tmp_path / "page.png"
+    command = [
+        "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={screenshot}", "--window-size=1000,1400",
+        (log_dir / "vram_report.html").as_uri(),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    pixels = image.imread(str(screenshot))
+    assert pixels.shape[:2] == (1400, 1000)
+    assert pixels.std() > 0.05  # text and figures, not an empty page
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_table_on_a_terminal_and_plain_text_elsewhere(
+    tensorboard_run: tuple[VramMonitor, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = tensorboard_run[0].report
+    assert report is not None
+    terminal = Terminal()
+    print_summary(report, terminal)
+    table = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())  # drop the terminal's colour codes
+    header = next(line for line in table.splitlines() if "phase" in line)
+    cells = [cell.strip() for cell in header.split("┃")[1:-1]]
+    assert cells == ["phase", "peak", "params", "grads", "optimizer", "activations", "other"]
+    rows = [line for line in table.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["forward", "backward", "optimizer"]
+    assert format_bytes(report.phases[Phase.FORWARD].peak_bytes) in rows[0]
+    assert len(table.splitlines()) <= 14 + len(report.advice)  # no noisier than Lightning's model summary
+    piped = io.StringIO()
+    print_summary(report, piped)
+    assert piped.getvalue().startswith("VRAM report:") and "┃" not in piped.getvalue()
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # rich not installed
+    without_rich = Terminal()
+    print_summary(report, without_rich)
+    assert without_rich.getvalue() == piped.getvalue()
+
+
+def test_report_round_trips_through_json(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    report = tensorboard_run[0].report
+    assert report is not None
+    rebuilt: Report = report_from_dict(report.to_dict())
+    assert rebuilt.to_dict() == report.to_dict()
