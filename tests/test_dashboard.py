@@ -46,7 +46,7 @@ def events_of(log_dir: Path) -> EventAccumulator:
 
 
 def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, Path]) -> None:
-    monitor, log_dir = tensorboard_run
+    _, log_dir = tensorboard_run
     events = events_of(log_dir)
     assert set(FIGURE_TAGS) <= set(events.Tags()["images"])
     for tag in FIGURE_TAGS:
