@@ -15,6 +15,10 @@ from matplotlib.figure import Figure
 
 from lightning_vram.records import ModuleProfile, Phase, PhasePeak
 from lightning_vram.tracker import StepPoint
+from lightning_vram.units import format_bytes
+
+SHOW_MARKERS_BELOW = 50
+"""Series with this many points or fewer get a marker on each."""
 
 CATEGORY_COLOURS = {
     "parameters": "#4C72B0",
@@ -62,12 +66,18 @@ def memory_over_steps_figure(points: Sequence[StepPoint], capacity_bytes: int | 
     figure = Figure(figsize=(6.4, 3.2), layout="constrained")
     axes = figure.subplots()
     factor, unit = _binary_scale(max((point.peak_bytes for point in points), default=1))
-    axes.plot([point.step for point in points], [point.peak_bytes / factor for point in points], color="#4C72B0")
+    marker = "o" if len(points) <= SHOW_MARKERS_BELOW else None  # sparse series (CPU: sampled steps only)
+    axes.plot(
+        [point.step for point in points],
+        [point.peak_bytes / factor for point in points],
+        color="#4C72B0",
+        marker=marker,
+    )
     axes.set_xlabel("training batch")
     axes.set_ylabel(f"step peak ({unit})")
     title = "Peak memory of each step"
     if capacity_bytes:
-        title += f" (device: {capacity_bytes / factor:.1f} {unit})"
+        title += f" (device: {format_bytes(capacity_bytes)})"
     axes.set_title(title)
     axes.set_ylim(bottom=0)
     return figure
