@@ -27,6 +27,7 @@ from lightning_vram.probes import Probe, probe_for
 from lightning_vram.records import AllocatorReading, Breakdown, DeviceInfo, NotMeasured, Phase
 from lightning_vram.report import RankSummary, Report, TimingSummary, largest_savers
 from lightning_vram.report_files import write_report_files
+from lightning_vram.state import STATE_VERSION
 from lightning_vram.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
 from lightning_vram.timing import StepTimer
 from lightning_vram.tracker import MeasuredPhase, MemoryTracker, phase_peak_bytes
@@ -104,6 +105,7 @@ class VramMonitor(Callback):
         """Where ``vram_report.json`` was written, on global rank zero."""
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when fit ended with a CUDA out-of-memory error."""
+        self._resumed_state: dict[str, Any] | None = None
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -128,6 +130,9 @@ class VramMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_run_state()
+        if self._resumed_state is not None:
+            self._apply_state(self._resumed_state)
+            self._resumed_state = None
         self.report = None
         self.oom_diagnosis = None
         self._device = pl_module.device
@@ -159,6 +164,32 @@ class VramMonitor(Callback):
             return
         self._history_unavailable = NotMeasured("allocator history (record_history=True)", reason)
         warnings.warn(f"VramMonitor: record_history is off: {reason}.", VramMonitorWarning, stacklevel=3)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The run's aggregates, so that the report after a resume covers the whole run."""
+        return {"version": STATE_VERSION, "tracker": self._tracker.state_dict(), "timer": self._timer.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks before on_fit_start (which starts a new run state) for most strategies,
+        # and after it for those that restore after setup (FSDP, DeepSpeed).
+        if self._probe is None:
+            self._resumed_state = state_dict
+        else:
+            self._apply_state(state_dict)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            warnings.warn(
+                f"VramMonitor: checkpoint state version {state.get('version')!r} is not {STATE_VERSION};"
+                " the report covers only the run since the resume.",
+                VramMonitorWarning,
+                stacklevel=2,
+            )
+            return
+        self._tracker.load_state_dict(state["tracker"])
+        self._timer.load_state_dict(state["timer"])
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,23 @@ class StepTimer:
     def break_continuity(self) -> None:
         """Time until the next batch is not data wait (an epoch boundary, a validation run)."""
         self._ended_at = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's timing as plain data (the interval in progress is not kept)."""
+        return {
+            "window": [list(pair) for pair in self._window],
+            "run_wait": self._run_wait,
+            "run_total": self._run_total,
+            "timed_steps": self.timed_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the run that :meth:`state_dict` saved."""
+        self._window.clear()
+        self._window.extend((wait, step) for wait, step in state["window"])
+        self._run_wait = state["run_wait"]
+        self._run_total = state["run_total"]
+        self.timed_steps = state["timed_steps"]
 
     def take_interval(self) -> IntervalTiming:
         """Timing since the last call, then start a new interval."""

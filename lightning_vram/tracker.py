@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_vram.records import AllocatorReading, Attribution, Breakdown, Phase, PhasePeak
+from lightning_vram.state import (
+    attribution_from_state,
+    attribution_state,
+    phase_peak_from_state,
+    phase_peak_state,
+)
 
 
 def phase_peak_bytes(start: AllocatorReading, end: AllocatorReading, peak_was_reset: bool) -> int:
@@ -153,6 +160,35 @@ class MemoryTracker:
         if peak is None or peak.breakdown is not None:
             return peak
         return replace(peak, breakdown=self._attribute(peak.phase, peak.peak_bytes, None))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run aggregates as plain data (the current interval and the OOM counter's baseline are not kept)."""
+        return {
+            "steps": self.steps,
+            "peak": phase_peak_state(self.peak) if self.peak is not None else None,
+            "peak_step": [phase_peak_state(peak) for peak in self.peak_step],
+            "phase_peaks": [phase_peak_state(peak) for peak in self.phase_peaks.values()],
+            "recent": [[point.step, point.peak_bytes] for point in self.recent],
+            "latest_attribution": attribution_state(self.latest_attribution),
+            "largest_activation_attribution": attribution_state(self.largest_activation_attribution),
+            "alloc_retries": self.alloc_retries,
+            "last_step": [phase_peak_state(peak) for peak in self.last_step],
+            "recovered_ooms": self.recovered_ooms,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the run that :meth:`state_dict` saved."""
+        self.steps = state["steps"]
+        self.peak = phase_peak_from_state(state["peak"]) if state["peak"] is not None else None
+        self.peak_step = tuple(phase_peak_from_state(peak) for peak in state["peak_step"])
+        self.phase_peaks = {peak.phase: peak for peak in map(phase_peak_from_state, state["phase_peaks"])}
+        self.recent.clear()
+        self.recent.extend(StepPoint(step, peak_bytes) for step, peak_bytes in state["recent"])
+        self.latest_attribution = attribution_from_state(state["latest_attribution"])
+        self.largest_activation_attribution = attribution_from_state(state["largest_activation_attribution"])
+        self.alloc_retries = state["alloc_retries"]
+        self.last_step = tuple(phase_peak_from_state(peak) for peak in state["last_step"])
+        self.recovered_ooms = state["recovered_ooms"]
 
     def take_interval(self) -> IntervalMemory:
         """Memory since the last call, then start a new interval."""
