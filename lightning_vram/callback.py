@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import warnings
@@ -21,7 +22,7 @@ from lightning_vram.advice import RunSummary, advise, fit_table
 from lightning_vram.config import MonitorConfig
 from lightning_vram.console import print_summary
 from lightning_vram.exceptions import VramMonitorWarning
-from lightning_vram.metrics import interval_scalars
+from lightning_vram.metrics import interval_scalars, reduce_over_ranks, scalar_vector
 from lightning_vram.oom import SNAPSHOT_STEM, OomDiagnosis, diagnose, report_stem, write_diagnosis
 from lightning_vram.probes import Probe, probe_for
 from lightning_vram.records import AllocatorReading, Breakdown, DeviceInfo, NotMeasured, Phase
@@ -303,11 +304,21 @@ class VramMonitor(Callback):
         if utilization is not None and utilization.process_memory_bytes is not None and memory.reserved_bytes:
             # What NVML sees beyond the allocator's reserve: the CUDA context and library workspaces.
             self._cuda_context_bytes = max(utilization.process_memory_bytes - memory.reserved_bytes, 0)
+        scalars = interval_scalars(memory, timing, utilization, probe.host_rss_bytes())
+        if trainer.world_size > 1:  # every rank reaches this at the same step: one gather per interval
+            scalars = reduce_over_ranks(self._gather_rows(trainer, scalar_vector(scalars)))
         if not trainer.is_global_zero or not trainer.loggers:
             return
-        scalars = interval_scalars(memory, timing, utilization, probe.host_rss_bytes())
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=trainer.global_step)
+
+    @staticmethod
+    def _gather_rows(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (NaN for not measured), through the strategy's all_gather. A collective."""
+        local = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local)
+        rows: list[list[float]] = gathered.reshape(trainer.world_size, len(values)).cpu().tolist()
+        return rows
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -332,7 +343,7 @@ class VramMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish(trainer, pl_module)
+        self._finish(trainer, pl_module, gather_ranks=True)
         report = self.report
         if report is None or not trainer.is_global_zero:
             return
@@ -358,7 +369,7 @@ class VramMonitor(Callback):
                 warnings.warn(f"VramMonitor: no OOM diagnosis: {error!r}", VramMonitorWarning, stacklevel=2)
         self._phase = None
         try:
-            self._finish(trainer, pl_module)
+            self._finish(trainer, pl_module, gather_ranks=False)  # no collective: other ranks may be gone
         except Exception as error:  # noqa: BLE001 -- raising here would replace the user's exception
             warnings.warn(f"VramMonitor: the report could not be written: {error!r}", VramMonitorWarning, stacklevel=2)
 
@@ -410,11 +421,21 @@ class VramMonitor(Callback):
             history.stop_recording()
             self._recording_history = False
 
-    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, gather_ranks: bool) -> None:
         probe, device_info = self._probe, self._device_info
         if probe is None or device_info is None:
             return
-        self.report = self._build_report(trainer, pl_module, probe, device_info)
+        peak = self._tracker.peak
+        own = RankSummary(
+            rank=trainer.global_rank,
+            device_index=device_info.index,
+            peak_bytes=peak.peak_bytes if peak is not None else None,
+            steps=self._tracker.steps,
+        )
+        ranks: tuple[RankSummary, ...] = (own,)
+        if gather_ranks and trainer.world_size > 1:
+            ranks = tuple(map(_rank_from_row, enumerate(self._gather_rows(trainer, _rank_row(own)))))
+        self.report = self._build_report(trainer, pl_module, probe, device_info, ranks)
         if trainer.is_global_zero and self._report_dir is not None:
             self.report_path = write_report_files(self.report, self._report_dir)
 
@@ -439,7 +460,12 @@ class VramMonitor(Callback):
         )
 
     def _build_report(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, probe: Probe, device_info: DeviceInfo
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        probe: Probe,
+        device_info: DeviceInfo,
+        ranks: tuple[RankSummary, ...],
     ) -> Report:
         tracker = self._tracker
         summary = self._run_summary(probe, device_info)
@@ -455,12 +481,11 @@ class VramMonitor(Callback):
                     f"no training batch reached attribution_start_step={self.config.attribution_start_step}",
                 ),
             )
-        peak = tracker.peak
         return Report(
             device=device_info,
             precision=str(trainer.precision),
             steps=tracker.steps,
-            peak=peak,
+            peak=tracker.peak,
             phases=summary.phases,
             modules=largest_savers(summary.modules)[: self.config.top_modules],
             timing=TimingSummary(
@@ -473,13 +498,25 @@ class VramMonitor(Callback):
             batch_size=summary.batch_size,
             recovered_ooms=summary.recovered_ooms,
             recent_peaks=tuple(tracker.recent),
-            ranks=(
-                RankSummary(
-                    rank=trainer.global_rank,
-                    device_index=device_info.index,
-                    peak_bytes=peak.peak_bytes if peak is not None else None,
-                    steps=tracker.steps,
-                ),
-            ),
+            ranks=ranks,
             not_measured=not_measured,
         )
+
+
+def _rank_row(summary: RankSummary) -> list[float]:
+    """A rank's summary as numbers for a gather (NaN for not measured)."""
+    return [
+        math.nan if summary.peak_bytes is None else float(summary.peak_bytes),
+        float(summary.steps),
+        math.nan if summary.device_index is None else float(summary.device_index),
+    ]
+
+
+def _rank_from_row(item: tuple[int, list[float]]) -> RankSummary:
+    rank, (peak_bytes, steps, device_index) = item
+    return RankSummary(
+        rank=rank,
+        device_index=None if math.isnan(device_index) else int(device_index),
+        peak_bytes=None if math.isnan(peak_bytes) else int(peak_bytes),
+        steps=int(steps),
+    )

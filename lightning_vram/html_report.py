@@ -8,7 +8,7 @@ import re
 
 from lightning_vram.advice import Advice
 from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
-from lightning_vram.report import CATEGORIES, Report, headline, in_phase_order
+from lightning_vram.report import CATEGORIES, Report, headline, in_phase_order, ranks_line
 from lightning_vram.units import format_bytes, format_percent
 
 STYLE = """
@@ -89,8 +89,10 @@ def render_html(report: Report) -> str:
             f"{format_percent(report.timing.data_wait_fraction)}"
         )
         + "</p>",
-        "<h2>Breakdown at each phase's peak</h2>",
     ]
+    if (ranks := ranks_line(report)) is not None:
+        sections.append(f"<p class='headline'>{html.escape(ranks)}</p>")
+    sections.append("<h2>Breakdown at each phase's peak</h2>")
     if report.phases:
         sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
         sections.append(f'<table><tr><th>phase</th><th class="n">peak</th>{header}</tr>{"".join(rows)}</table>')

@@ -268,6 +268,20 @@ def headline(report: Report) -> str:
     return f"{text}; {largest.replace('_', ' ')} held {format_bytes(parts[largest])}."
 
 
+def ranks_line(report: Report) -> str | None:
+    """Under distributed training: the rank with the highest peak and the spread between ranks."""
+    measured = [rank for rank in report.ranks if rank.peak_bytes is not None]
+    if len(report.ranks) < 2 or not measured:
+        return None
+    highest = max(measured, key=lambda rank: rank.peak_bytes or 0)
+    lowest = min(measured, key=lambda rank: rank.peak_bytes or 0)
+    spread = (highest.peak_bytes or 0) - (lowest.peak_bytes or 0)
+    return (
+        f"{len(report.ranks)} ranks: rank {highest.rank} peaked highest ({format_bytes(highest.peak_bytes)}),"
+        f" {format_bytes(spread)} above rank {lowest.rank}"
+    )
+
+
 def _timing_line(report: Report) -> str:
     timing = report.timing
     step = f"{1000 * timing.step_seconds_median:.1f} ms" if timing.step_seconds_median is not None else "n/a"
@@ -279,6 +293,8 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
     """A few lines for the console at the end of training."""
     device = report.device
     lines = [f"VRAM report: {device.name} ({device.type}), {report.steps} steps", f"  {headline(report)}"]
+    if (ranks := ranks_line(report)) is not None:
+        lines.append(f"  {ranks}")
     peak = report.peak
     if peak is not None:
         if peak.breakdown is not None:
@@ -334,6 +350,7 @@ def markdown(report: Report) -> str:
         "",
         f"**{headline(report)}**",
         "",
+        *([ranks, ""] if (ranks := ranks_line(report)) is not None else []),
         f"{device.name} ({device.type}), capacity {format_bytes(device.total_bytes)}; precision"
         f" {report.precision or 'n/a'}; batch size {report.batch_size or 'n/a'}; {report.steps} steps; "
         + _timing_line(report)
