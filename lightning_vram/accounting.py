@@ -147,6 +147,11 @@ class ActivationLedger:
                 self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
                 self.saved_bytes_by_module[module_name] = self.saved_bytes_by_module.get(module_name, 0) + nbytes
 
+    def start_segment(self) -> None:
+        """Start measuring the highest live bytes again from what is live now."""
+        with self._lock:
+            self.peak_live_bytes = self.live_bytes
+
     def holds(self, key: int) -> bool:
         """Whether autograd holds storage ``key`` for backward now."""
         with self._lock:
@@ -212,12 +217,14 @@ class _GradientLedger:
 class StepAttributor:
     """Counts one sampled training step, phase by phase, tensor by tensor.
 
-    Call ``begin_forward`` at batch start, ``begin_backward`` before backward, ``begin_optimizer`` before
-    the optimizer step and ``finish`` at batch end; ``close`` removes every hook and is safe at any time.
-    The counted peak of each phase is:
+    Call ``begin_forward`` at batch start, ``before_backward`` and ``before_optimizer_step`` at those hooks
+    (as often as they come: manual optimization may run several of each) and ``finish`` at batch end;
+    ``close`` removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a
+    backward is a forward pass, one that ends at an optimizer step is the backward before it, the last one
+    is whatever phase ran. The counted peak of each phase is:
 
-    - forward: parameters + gradients alive at batch start (the previous step's, unless freed) +
-      optimizer state + the highest live bytes of saved activations;
+    - forward: parameters + gradients alive when the segment began (the previous step's, unless freed) +
+      optimizer state + the highest live bytes of saved activations in the segment;
     - backward: parameters + optimizer state + the highest sum of live activations and gradients
       while backward frees one and creates the other;
     - optimizer: parameters + gradients + optimizer state after the update + activations still held.
@@ -236,8 +243,10 @@ class StepAttributor:
         self._batch_size: int | None = None
         self._handles: list[RemovableHandle] = []
         self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._gradient_handles: list[RemovableHandle] = []
         self._gradients: _GradientLedger | None = None
-        self._forward_state: tuple[int, int] = (0, 0)
+        self._segment_state: tuple[int, int] = (0, 0)
+        self._phase = Phase.FORWARD
         self._phases: dict[Phase, Breakdown] = {}
 
     def _model_state(self) -> tuple[int, int]:
@@ -246,8 +255,12 @@ class StepAttributor:
         return gradient_bytes, state_bytes
 
     def begin_forward(self, batch: Any = None) -> None:
-        """Count the state alive at batch start and start watching saved tensors and module calls."""
-        self._forward_state = self._model_state()
+        """Count the state alive at batch start and watch saved tensors and module calls until ``finish``.
+
+        Backward passes and optimizer updates (under ``no_grad``) save nothing, so the hooks can stay for the
+        whole step and see every forward pass of it, as in a GAN's manual optimization.
+        """
+        self._segment_state = self._model_state()
         self._batch_size = batch_size_of(batch)
         for label, child in self._modules.items():
             self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
@@ -292,61 +305,54 @@ class StepAttributor:
     def _unpack(packed: Any) -> Tensor:
         return packed.tensor if isinstance(packed, _SavedActivation) else packed
 
-    def _stop_watching_forward(self) -> None:
-        hooks, self._saved_tensors_hooks = self._saved_tensors_hooks, None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._module_stack.clear()
-
-    def end_forward(self) -> None:
-        """Close the forward phase: record its counted peak."""
-        if Phase.FORWARD in self._phases:
-            return
-        self._stop_watching_forward()
-        gradient_bytes, state_bytes = self._forward_state
-        self._phases[Phase.FORWARD] = self._breakdown(gradient_bytes, state_bytes, self._ledger.peak_live_bytes)
-
-    def begin_backward(self) -> None:
-        """Close forward and watch gradients appear while activations are released."""
-        self.end_forward()
-        gradients = gradient_storages(self._module, self._device)
-        self._gradients = _GradientLedger(gradients, self._ledger, self._device)
-        for parameter in self._module.parameters():
-            if parameter.requires_grad:
-                # torch ships this method without annotations.
-                handle = parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
-                self._handles.append(handle)
+    def before_backward(self) -> None:
+        """A backward pass starts: what ran since the last boundary was a forward pass."""
+        self._close_segment(Phase.FORWARD)
+        self._phase = Phase.BACKWARD
+        self._gradients = _GradientLedger(gradient_storages(self._module, self._device), self._ledger, self._device)
+        if not self._gradient_handles:
+            for parameter in self._module.parameters():
+                if parameter.requires_grad:
+                    # torch ships this method without annotations.
+                    handle = parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
+                    self._gradient_handles.append(handle)
 
     def _on_gradient(self, parameter: Tensor) -> None:
         if self._gradients is not None and parameter.grad is not None:
             self._gradients.add(parameter.grad)
 
-    def end_backward(self) -> None:
-        """Close the backward phase: record the highest activations + gradients seen together."""
-        gradients = self._gradients
-        if gradients is None or Phase.BACKWARD in self._phases:
-            return
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        _, state_bytes = self._model_state()
-        self._phases[Phase.BACKWARD] = self._breakdown(
-            gradients.gradients_at_peak, state_bytes, gradients.activations_at_peak
-        )
+    def before_optimizer_step(self) -> None:
+        """An optimizer is about to step: close the segment that ran since the last boundary."""
+        self._close_segment(self._phase)
+        self._phase = Phase.OPTIMIZER
 
-    def finish(self, optimizer_stepped: bool) -> Attribution:
-        """Close the step; the optimizer phase is counted only when an optimizer stepped."""
-        self.end_forward()
-        self.end_backward()
-        if optimizer_stepped:
-            gradient_bytes, state_bytes = self._model_state()
-            self._phases[Phase.OPTIMIZER] = self._breakdown(gradient_bytes, state_bytes, self._ledger.live_bytes)
+    def finish(self) -> Attribution:
+        """Close the step's last segment, remove every hook, and return the counts."""
+        self._close_segment(self._phase)
+        self.close()
         return Attribution(
             step=self._step, phases=dict(self._phases), modules=self._module_profiles(), batch_size=self._batch_size
         )
+
+    def _close_segment(self, phase: Phase) -> None:
+        """Count the segment that ends now as ``phase``; a phase met twice in a step keeps its highest count."""
+        gradient_bytes, state_bytes = self._model_state()
+        start_gradients, start_state = self._segment_state
+        gradients = self._gradients
+        if phase is Phase.BACKWARD and gradients is not None:
+            counted = self._breakdown(
+                gradients.gradients_at_peak, max(start_state, state_bytes), gradients.activations_at_peak
+            )
+        elif phase is Phase.OPTIMIZER:
+            counted = self._breakdown(gradient_bytes, state_bytes, self._ledger.live_bytes)
+        else:  # a forward pass: the gradients alive when it began stayed alive through it
+            counted = self._breakdown(start_gradients, max(start_state, state_bytes), self._ledger.peak_live_bytes)
+        known = self._phases.get(phase)
+        if known is None or counted.counted_bytes > known.counted_bytes:
+            self._phases[phase] = counted
+        self._gradients = None
+        self._segment_state = (gradient_bytes, state_bytes)
+        self._ledger.start_segment()
 
     def _breakdown(self, gradient_bytes: int, state_bytes: int, activation_bytes: int) -> Breakdown:
         return Breakdown(
@@ -382,5 +388,12 @@ class StepAttributor:
 
     def close(self) -> None:
         """Remove every hook this step installed. Safe to call at any point, more than once."""
-        self._stop_watching_forward()
+        hooks, self._saved_tensors_hooks = self._saved_tensors_hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        for handle in (*self._handles, *self._gradient_handles):
+            handle.remove()
+        self._handles.clear()
+        self._gradient_handles.clear()
+        self._module_stack.clear()
         self._gradients = None

@@ -122,7 +122,6 @@ class VramMonitor(Callback):
         self._phase: Phase | None = None
         self._boundary: AllocatorReading | None = None
         self._measured: dict[Phase, MeasuredPhase] = {}
-        self._optimizer_stepped = False
         self._cuda_context_bytes: int | None = None
         self._in_validation = False
         self._history_unavailable: NotMeasured | None = None
@@ -215,7 +214,6 @@ class VramMonitor(Callback):
         self._timer.batch_started(time.perf_counter())
         self._phase = Phase.FORWARD
         self._measured = {}
-        self._optimizer_stepped = False
         self._boundary = probe.read_allocator(self.config.reset_peak_stats)
         if self._boundary is not None:
             self._tracker.observe_ooms(self._boundary.ooms)
@@ -237,17 +235,22 @@ class VramMonitor(Callback):
             return
         self._attributor = attributor
 
-    def _close_phase(self, next_phase: Phase | None) -> None:
-        """End the current phase at this boundary: read the allocator once and remember its peak."""
-        phase, probe = self._phase, self._probe
-        if phase is None or probe is None:
+    def _close_segment(self, label: Phase, next_phase: Phase | None) -> None:
+        """End the segment since the last boundary as ``label``: read the allocator once and keep its peak.
+
+        A phase met twice in one step (manual optimization) keeps its highest peak and its latest counters.
+        """
+        probe = self._probe
+        if self._phase is None or probe is None:
             return
         reading = probe.read_allocator(self.config.reset_peak_stats)
         if reading is not None:
             self._tracker.observe_ooms(reading.ooms)
         if reading is not None and self._boundary is not None:
-            self._measured[phase] = MeasuredPhase(
-                peak_bytes=phase_peak_bytes(self._boundary, reading, self.config.reset_peak_stats),
+            peak = phase_peak_bytes(self._boundary, reading, self.config.reset_peak_stats)
+            known = self._measured.get(label)
+            self._measured[label] = MeasuredPhase(
+                peak_bytes=max(peak, known.peak_bytes) if known is not None else peak,
                 allocated_bytes=reading.allocated_bytes,
                 reserved_bytes=reading.reserved_bytes,
                 alloc_retries=reading.alloc_retries,
@@ -257,22 +260,23 @@ class VramMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._phase is not Phase.FORWARD:
+        # What ran since the last boundary ended in a loss: a forward pass (with manual optimization it may
+        # also hold the previous optimizer's update).
+        if self._phase is None:
             return
-        self._close_phase(Phase.BACKWARD)
+        self._close_segment(Phase.FORWARD, Phase.BACKWARD)
         if self._attributor is not None:
-            self._attributor.begin_backward()
+            self._attributor.before_backward()
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._phase is None or self._phase is Phase.OPTIMIZER:
+        if self._phase is None:
             return
-        self._close_phase(Phase.OPTIMIZER)
-        self._optimizer_stepped = True
+        self._close_segment(self._phase, Phase.OPTIMIZER)
         if self._attributor is not None:
-            self._attributor.end_backward()
+            self._attributor.before_optimizer_step()
 
     @override
     def on_train_batch_end(
@@ -281,11 +285,10 @@ class VramMonitor(Callback):
         if self._phase is None:
             return
         step = self._tracker.steps
-        self._close_phase(None)
+        self._close_segment(self._phase, None)
         attribution = None
         if self._attributor is not None:
-            attribution = self._attributor.finish(self._optimizer_stepped)
-            self._attributor.close()
+            attribution = self._attributor.finish()
             self._attributor = None
         self._tracker.update(step, self._measured, attribution)
         self._timer.batch_ended(time.perf_counter())

@@ -152,7 +152,7 @@ def test_inplace_would_break_backward_where_the_input_was_saved() -> None:
         network(torch.randn(2, 4)).sum()
     finally:
         attributor.close()
-    relu = next(profile for profile in attributor.finish(False).modules if profile.name == "2")
+    relu = next(profile for profile in attributor.finish().modules if profile.name == "2")
     assert (relu.inplace, relu.input_saved_for_backward) == (False, True)
 
 
@@ -161,14 +161,10 @@ def test_module_table_names_the_module_that_saved_each_tensor() -> None:
     attributor = StepAttributor(0, network, [], torch.device("cpu"))
     inputs = torch.randn(8, 16)
     attributor.begin_forward()
-    try:
-        loss = network(inputs).square().sum()
-    finally:
-        attributor.end_forward()
-    attributor.begin_backward()
+    loss = network(inputs).square().sum()
+    attributor.before_backward()
     loss.backward()
-    attribution = attributor.finish(optimizer_stepped=False)
-    attributor.close()
+    attribution = attributor.finish()
     by_name = {row.name: row for row in attribution.modules}
     # Linear 0 saves its input (8x16); ReLU saves its output (8x32), which Linear 2 saves again (counted once);
     # the square saves the network's output (8x4) outside any module.

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, linear_net, loader, trainer
 from test_cuda_path import scripted_steps
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from lightning_vram import VramMonitor
 from lightning_vram.records import Phase
-from lightning_vram.testing import ScriptedProbe
+from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 MIB = 1024**2
 
@@ -76,3 +80,70 @@ def test_bytes_are_counted_in_each_tensors_real_dtype(tmp_path: Path) -> None:
     assert half.gradients == parameters * 2
     # Autocast runs the convolution and the linear layer in bfloat16: their saved tensors shrink, BatchNorm's do not.
     assert half.activations < mixed.activations < full.activations
+
+
+class Gan(pl.LightningModule):
+    """A tiny GAN with manual optimization: discriminator step, then generator step, in every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.discriminator = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        generator_optimizer, discriminator_optimizer = self.optimizers()  # type: ignore[misc]
+        fake = self.generator(torch.randn(real.shape[0], 8))
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        discriminator_loss = bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros)
+        discriminator_optimizer.zero_grad()
+        self.manual_backward(discriminator_loss)
+        discriminator_optimizer.step()
+        generator_loss = bce(self.discriminator(fake), ones)
+        generator_optimizer.zero_grad()
+        self.manual_backward(generator_loss)
+        generator_optimizer.step()
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return torch.optim.Adam(self.generator.parameters()), torch.optim.Adam(self.discriminator.parameters())
+
+
+def gan_data(batch_size: int = 8) -> Any:
+    return loader(TensorDataset(torch.randn(64, 16)), batch_size)
+
+
+def test_manual_optimization_with_two_optimizers_counts_both_networks(tmp_path: Path) -> None:
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=8).fit(Gan(), gan_data())  # max_steps counts both optimizers' steps
+    report = monitor.report
+    assert report is not None and report.steps == 4
+    parameter_bytes = ((8 * 32 + 32) + (32 * 16 + 16) + (16 * 64 + 64) + (64 + 1)) * FLOAT32
+    optimizer = report.phases[Phase.OPTIMIZER].breakdown
+    assert optimizer is not None
+    assert optimizer.parameters == parameter_bytes
+    assert optimizer.optimizer_state == 2 * parameter_bytes + 8 * FLOAT32  # two Adams, 8 parameter tensors
+    saved = {row.name: row.activation_bytes for row in report.modules}
+    # The discriminator's first layer saves its input three times a step: real, fake (discriminator loss), and
+    # fake again in the generator's pass, after the discriminator's backward released it. The hooks see all.
+    assert saved["discriminator.0"] == 3 * 8 * 16 * FLOAT32
+    assert saved["generator.0"] == 8 * 8 * FLOAT32
+    forward = report.phases[Phase.FORWARD].breakdown
+    assert forward is not None and forward.activations > 0
+
+
+def test_manual_optimization_phases_follow_backward_and_optimizer_calls(tmp_path: Path) -> None:
+    # Six boundaries a step: start, before backward (D), before step (D), before backward (G), before step (G), end.
+    highs = [100, 300, 500, 350, 450, 200]
+    boundaries = [ScriptedBoundary(100 * MIB, 600 * MIB, high * MIB) for high in highs] * 4
+    probe = ScriptedProbe(boundaries)
+    monitor = VramMonitor(probe=probe, attribution_start_step=100, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=8).fit(Gan(), gan_data())
+    report = monitor.report
+    assert report is not None and probe.reads == 6 * 4
+    # The segment between the discriminator's step and the generator's backward ends in a loss: it counts as
+    # forward (350 MiB beats the first forward's 300); the two backward segments keep the higher (500).
+    assert report.phases[Phase.FORWARD].peak_bytes == 350 * MIB
+    assert report.phases[Phase.BACKWARD].peak_bytes == 500 * MIB
+    assert report.phases[Phase.OPTIMIZER].peak_bytes == 200 * MIB
