@@ -25,8 +25,8 @@ from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.metrics import interval_scalars, reduce_over_ranks, scalar_vector
 from lightning_vram.oom import SNAPSHOT_STEM, OomDiagnosis, diagnose, report_stem, write_diagnosis
 from lightning_vram.probes import Probe, probe_for
-from lightning_vram.records import AllocatorReading, Breakdown, DeviceInfo, NotMeasured, Phase
-from lightning_vram.report import RankSummary, Report, TimingSummary, largest_savers
+from lightning_vram.records import AllocatorReading, Breakdown, DeviceInfo, EvaluationPeak, NotMeasured, Phase
+from lightning_vram.report import RankSummary, Report, TimingSummary, evaluation_text, largest_savers
 from lightning_vram.report_files import write_report_files
 from lightning_vram.state import STATE_VERSION
 from lightning_vram.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
@@ -107,6 +107,8 @@ class VramMonitor(Callback):
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when fit ended with a CUDA out-of-memory error."""
         self._resumed_state: dict[str, Any] | None = None
+        self.evaluation_peaks: dict[str, EvaluationPeak] = {}
+        """The highest evaluation-batch peak of each stage (validation, test, predict) last measured (CUDA)."""
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -123,7 +125,9 @@ class VramMonitor(Callback):
         self._boundary: AllocatorReading | None = None
         self._measured: dict[Phase, MeasuredPhase] = {}
         self._cuda_context_bytes: int | None = None
-        self._in_validation = False
+        self._evaluating: str | None = None
+        self._evaluation_boundary: AllocatorReading | None = None
+        self._standalone_evaluation = False
         self._history_unavailable: NotMeasured | None = None
         self._recording_history = False
 
@@ -198,11 +202,126 @@ class VramMonitor(Callback):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._timer.break_continuity()
-        self._in_validation = True
+        self._start_evaluation(pl_module, "validation")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._in_validation = False
+        self._end_evaluation(trainer)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_evaluation(pl_module, "test")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_evaluation(trainer)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_evaluation(pl_module, "predict")
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_evaluation(trainer)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._evaluation_batch_start()
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._evaluation_batch_end()
+
+    @override
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._evaluation_batch_start()
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._evaluation_batch_end()
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._evaluation_batch_start()
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._evaluation_batch_end()
+
+    def _start_evaluation(self, pl_module: pl.LightningModule, stage: str) -> None:
+        self._evaluating = stage
+        if self._probe is None:  # trainer.validate/test/predict outside fit: measure this loop alone
+            self._device = pl_module.device
+            probe = self._probe_override or probe_for(self._device, self.config.utilization_interval_seconds)
+            self._device_info = probe.open(self._device)
+            self._probe = probe
+            self._standalone_evaluation = True
+
+    def _evaluation_batch_start(self) -> None:
+        if self._probe is not None:
+            self._evaluation_boundary = self._probe.read_allocator(self.config.reset_peak_stats)
+
+    def _evaluation_batch_end(self) -> None:
+        probe, start, stage = self._probe, self._evaluation_boundary, self._evaluating
+        if probe is None or stage is None:
+            return
+        reading = probe.read_allocator(self.config.reset_peak_stats)
+        if reading is None or start is None:
+            return
+        peak_bytes = phase_peak_bytes(start, reading, self.config.reset_peak_stats)
+        peak = EvaluationPeak(stage, peak_bytes, reading.reserved_bytes, self._tracker.steps)
+        known = self.evaluation_peaks.get(stage)
+        if known is None or peak.peak_bytes > known.peak_bytes:
+            self.evaluation_peaks[stage] = peak
+        if not self._standalone_evaluation:
+            self._tracker.record_evaluation(peak)
+
+    def _end_evaluation(self, trainer: pl.Trainer) -> None:
+        stage, self._evaluating = self._evaluating, None
+        if not self._standalone_evaluation or stage is None:
+            return
+        peak = self.evaluation_peaks.get(stage)
+        if peak is not None and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {f"vram/evaluation/{stage}_peak_bytes": float(peak.peak_bytes)}, step=trainer.global_step
+                )
+            if self.config.console_summary:
+                print(f"VRAM: {evaluation_text((peak,))} on {self._device}")
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        self._standalone_evaluation = False
 
     @override
     def on_train_batch_start(
@@ -380,7 +499,7 @@ class VramMonitor(Callback):
         probe, device_info, directory = self._probe, self._device_info, self._report_dir
         if probe is None or device_info is None or directory is None:
             return
-        where = "validation" if self._in_validation else self._phase.value if self._phase is not None else "training"
+        where = self._evaluating or (self._phase.value if self._phase is not None else "training")
         parameters, gradients, state = model_state_bytes(pl_module, trainer.optimizers, self._device)
         latest = self._tracker.latest_attribution
         sampled = latest.phases.get(self._phase) if latest is not None and self._phase is not None else None
@@ -501,6 +620,7 @@ class VramMonitor(Callback):
             batch_size=summary.batch_size,
             recovered_ooms=summary.recovered_ooms,
             recent_peaks=tuple(tracker.recent),
+            evaluation=tuple(tracker.evaluation.values()),
             ranks=ranks,
             not_measured=not_measured,
         )

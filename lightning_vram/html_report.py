@@ -8,7 +8,7 @@ import re
 
 from lightning_vram.advice import Advice
 from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
-from lightning_vram.report import CATEGORIES, Report, headline, in_phase_order, ranks_line
+from lightning_vram.report import CATEGORIES, Report, evaluation_text, headline, in_phase_order, ranks_line
 from lightning_vram.units import format_bytes, format_percent
 
 STYLE = """
@@ -96,6 +96,8 @@ def render_html(report: Report) -> str:
     if report.phases:
         sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
         sections.append(f'<table><tr><th>phase</th><th class="n">peak</th>{header}</tr>{"".join(rows)}</table>')
+    if report.evaluation:
+        sections.append(f"<p>Evaluation peaks: {html.escape(evaluation_text(report.evaluation))}.</p>")
     if report.recent_peaks:
         figure = memory_over_steps_figure(report.recent_peaks, device.total_bytes)
         sections += ["<h2>Memory over steps</h2>", _image(png_bytes(figure), "memory over steps")]

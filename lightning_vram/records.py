@@ -147,6 +147,19 @@ class Attribution:
 
 
 @dataclass(frozen=True)
+class EvaluationPeak:
+    """The highest allocator peak of one evaluation batch: ``stage`` is validation, test or predict.
+
+    ``after_step`` is the number of training batches run before it (0 for a sanity check or a standalone run).
+    """
+
+    stage: str
+    peak_bytes: int
+    reserved_bytes: int
+    after_step: int
+
+
+@dataclass(frozen=True)
 class PhasePeak:
     """The peak of one phase of one step.
 

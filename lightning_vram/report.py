@@ -6,7 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_vram.advice import Advice, FitRow
-from lightning_vram.records import Breakdown, DeviceInfo, ModuleProfile, NotMeasured, Phase, PhasePeak
+from lightning_vram.records import (
+    Breakdown,
+    DeviceInfo,
+    EvaluationPeak,
+    ModuleProfile,
+    NotMeasured,
+    Phase,
+    PhasePeak,
+)
 from lightning_vram.tracker import StepPoint
 from lightning_vram.units import format_bytes, format_percent
 
@@ -52,6 +60,7 @@ class Report:
     batch_size: int | None
     recovered_ooms: int | None
     recent_peaks: tuple[StepPoint, ...]
+    evaluation: tuple[EvaluationPeak, ...]
     ranks: tuple[RankSummary, ...]
     not_measured: tuple[NotMeasured, ...]
 
@@ -105,6 +114,14 @@ class Report:
                 for row in self.fit
             ],
             "recent_peaks": [{"step": point.step, "peak_bytes": point.peak_bytes} for point in self.recent_peaks],
+            "evaluation": {
+                peak.stage: {
+                    "peak_bytes": peak.peak_bytes,
+                    "reserved_bytes": peak.reserved_bytes,
+                    "after_step": peak.after_step,
+                }
+                for peak in self.evaluation
+            },
             "ranks": [
                 {
                     "rank": rank.rank,
@@ -214,6 +231,10 @@ def report_from_dict(data: Any) -> Report:
             recent_peaks=tuple(
                 StepPoint(int(point["step"]), int(point["peak_bytes"])) for point in data["recent_peaks"]
             ),
+            evaluation=tuple(
+                EvaluationPeak(stage, int(peak["peak_bytes"]), int(peak["reserved_bytes"]), int(peak["after_step"]))
+                for stage, peak in data["evaluation"].items()
+            ),
             ranks=tuple(
                 RankSummary(int(rank["rank"]), rank["device_index"], rank["peak_bytes"], int(rank["steps"]))
                 for rank in data["ranks"]
@@ -268,6 +289,15 @@ def headline(report: Report) -> str:
     return f"{text}; {largest.replace('_', ' ')} held {format_bytes(parts[largest])}."
 
 
+def evaluation_text(peaks: tuple[EvaluationPeak, ...]) -> str:
+    """Each evaluation stage's peak, in one line."""
+    return ", ".join(
+        f"{peak.stage} {format_bytes(peak.peak_bytes)}"
+        + (f" (after step {peak.after_step})" if peak.after_step else "")
+        for peak in peaks
+    )
+
+
 def ranks_line(report: Report) -> str | None:
     """Under distributed training: the rank with the highest peak and the spread between ranks."""
     measured = [rank for rank in report.ranks if rank.peak_bytes is not None]
@@ -306,6 +336,8 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
             )
         phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
         lines.append(f"  phase peaks: {phases}")
+    if report.evaluation:
+        lines.append(f"  evaluation peaks: {evaluation_text(report.evaluation)}")
     if report.modules:
         top = ", ".join(
             f"{row.name} ({row.type}) {format_bytes(row.activation_bytes)}" for row in report.modules[:top_modules]
@@ -365,6 +397,8 @@ def markdown(report: Report) -> str:
         values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
         cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
         lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
+    if report.evaluation:
+        lines += ["", f"Evaluation peaks: {evaluation_text(report.evaluation)}."]
     if report.modules:
         lines += ["", "## Modules saving the most activations", "", "| module | type | saved |", "|---|---|---:|"]
         lines += [f"| `{row.name}` | {row.type} | {format_bytes(row.activation_bytes)} |" for row in report.modules]

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_vram.records import AllocatorReading, Attribution, Breakdown, Phase, PhasePeak
+from lightning_vram.records import AllocatorReading, Attribution, Breakdown, EvaluationPeak, Phase, PhasePeak
 from lightning_vram.state import (
     attribution_from_state,
     attribution_state,
@@ -79,6 +79,7 @@ class MemoryTracker:
         self.alloc_retries: int | None = None
         self.last_step: tuple[PhasePeak, ...] = ()
         self.recovered_ooms: int | None = None
+        self.evaluation: dict[str, EvaluationPeak] = {}
         self._ooms_seen: int | None = None
         self._interval_end: MeasuredPhase | None = None
         self._interval_peak: PhasePeak | None = None
@@ -108,6 +109,12 @@ class MemoryTracker:
             if best is None or peak.peak_bytes > best.peak_bytes:
                 self.phase_peaks[peak.phase] = peak
             self._interval_phase_peaks[peak.phase] = max(self._interval_phase_peaks.get(peak.phase, 0), peak.peak_bytes)
+
+    def record_evaluation(self, peak: EvaluationPeak) -> None:
+        """One evaluation batch's peak; each stage keeps its highest."""
+        known = self.evaluation.get(peak.stage)
+        if known is None or peak.peak_bytes > known.peak_bytes:
+            self.evaluation[peak.stage] = peak
 
     def observe_ooms(self, count: int) -> None:
         """The allocator's out-of-memory count at a boundary: a rise since the last one is an OOM training survived."""
@@ -174,6 +181,9 @@ class MemoryTracker:
             "alloc_retries": self.alloc_retries,
             "last_step": [phase_peak_state(peak) for peak in self.last_step],
             "recovered_ooms": self.recovered_ooms,
+            "evaluation": [
+                [peak.stage, peak.peak_bytes, peak.reserved_bytes, peak.after_step] for peak in self.evaluation.values()
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -189,6 +199,7 @@ class MemoryTracker:
         self.alloc_retries = state["alloc_retries"]
         self.last_step = tuple(phase_peak_from_state(peak) for peak in state["last_step"])
         self.recovered_ooms = state["recovered_ooms"]
+        self.evaluation = {row[0]: EvaluationPeak(*row) for row in state["evaluation"]}
 
     def take_interval(self) -> IntervalMemory:
         """Memory since the last call, then start a new interval."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, linear_net, loader, trainer
 from test_cuda_path import scripted_steps
 from torch import nn
@@ -14,6 +17,8 @@ from torch.utils.data import TensorDataset
 
 from lightning_vram import VramMonitor
 from lightning_vram.records import Phase
+from lightning_vram.report import summary_text
+from lightning_vram.units import format_bytes
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 MIB = 1024**2
@@ -147,3 +152,58 @@ def test_manual_optimization_phases_follow_backward_and_optimizer_calls(tmp_path
     assert report.phases[Phase.FORWARD].peak_bytes == 350 * MIB
     assert report.phases[Phase.BACKWARD].peak_bytes == 500 * MIB
     assert report.phases[Phase.OPTIMIZER].peak_bytes == 200 * MIB
+
+
+class WithEvaluation(Classifier):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.training_step(batch, batch_idx)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.training_step(batch, batch_idx)
+
+
+def evaluation_boundaries(highs: list[int]) -> list[ScriptedBoundary]:
+    """Two reads per evaluation batch (start, end); the end read carries the batch's highest allocation."""
+    boundaries = []
+    for high in highs:
+        boundaries += [
+            ScriptedBoundary(100 * MIB, 2048 * MIB, 100 * MIB),
+            ScriptedBoundary(100 * MIB, 2048 * MIB, high),
+        ]
+    return boundaries
+
+
+def test_validation_peaks_are_reported_apart_from_training(tmp_path: Path) -> None:
+    # Reads in order: steps 0-1 (8), validation (2 batches: 4), steps 2-3 (8), validation (4).
+    training = scripted_steps([(300 * MIB, 350 * MIB, 200 * MIB)] * 2)
+    boundaries = (
+        training
+        + evaluation_boundaries([700 * MIB, 600 * MIB])
+        + training
+        + evaluation_boundaries([500 * MIB, 1200 * MIB])
+    )
+    monitor = VramMonitor(probe=ScriptedProbe(boundaries), attribution_start_step=100, console_summary=False)
+    data = loader(dataset_for("linear"))
+    trainer(tmp_path, [monitor], max_steps=4, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0).fit(
+        WithEvaluation(linear_net()), data, data
+    )
+    report = monitor.report
+    assert report is not None
+    assert report.peak is not None and report.peak.peak_bytes == 350 * MIB  # training alone
+    assert report.to_dict()["evaluation"] == {
+        "validation": {"peak_bytes": 1200 * MIB, "reserved_bytes": 2048 * MIB, "after_step": 4}
+    }
+    assert f"evaluation peaks: validation {format_bytes(1200 * MIB)} (after step 4)" in summary_text(report)
+
+
+def test_a_standalone_test_run_reports_its_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    probe = ScriptedProbe(evaluation_boundaries([300 * MIB, 900 * MIB, 400 * MIB]))
+    monitor = VramMonitor(probe=probe)
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer(tmp_path, [monitor], logger=logger).test(WithEvaluation(linear_net()), loader(dataset_for("linear", 24)))
+    assert monitor.evaluation_peaks["test"].peak_bytes == 900 * MIB
+    assert probe.reads == 6 and probe.closed
+    assert "VRAM: test 900.0 MiB" in capsys.readouterr().out
+    rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").read_text().splitlines()))
+    assert [float(row["vram/evaluation/test_peak_bytes"]) for row in rows] == [900 * MIB]
+    assert not (tmp_path / "vram_report.json").exists()  # a fit's report in the same dir stays the fit's
