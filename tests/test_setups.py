@@ -18,8 +18,8 @@ from torch.utils.data import TensorDataset
 from lightning_vram import VramMonitor
 from lightning_vram.records import Phase
 from lightning_vram.report import summary_text
-from lightning_vram.units import format_bytes
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
+from lightning_vram.units import format_bytes
 
 MIB = 1024**2
 
