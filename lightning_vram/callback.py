@@ -448,10 +448,20 @@ class VramMonitor(Callback):
 
     @staticmethod
     def _tensorboard_writers(trainer: pl.Trainer) -> list[TensorBoardWriter]:
-        """The SummaryWriters of the Trainer's TensorBoard loggers, on global rank zero (none elsewhere)."""
+        """The SummaryWriters of the Trainer's TensorBoard loggers (``lightning``'s or ``pytorch_lightning``'s).
+
+        None but on global rank zero.
+        """
         if not trainer.is_global_zero:
             return []
-        return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        classic = sys.modules.get("pytorch_lightning.loggers")  # only when the user's code imported it
+        writers: list[TensorBoardWriter] = []
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) or (
+                classic is not None and isinstance(logger, classic.TensorBoardLogger)
+            ):
+                writers.append(logger.experiment)
+        return writers
 
     def _write_advice_text(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The advice so far, as text in every TensorBoard logger (global rank zero)."""
