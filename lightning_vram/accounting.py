@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_vram.compiled import compiled_module_names
 from lightning_vram.records import Attribution, Breakdown, ModuleProfile, Phase
 
 OUTSIDE_MODULES = "(training_step)"
@@ -239,6 +240,8 @@ class StepAttributor:
         self._ledger = ActivationLedger()
         self._module_stack: list[str] = []
         self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
+        self.compiled = compiled_module_names(module)
+        """Modules run by torch.compile: their saved tensors are counted, charged to the module as a whole."""
         self._counters: dict[str, _ModuleCounter] = {}
         self._batch_size: int | None = None
         self._handles: list[RemovableHandle] = []
@@ -263,6 +266,8 @@ class StepAttributor:
         self._segment_state = self._model_state()
         self._batch_size = batch_size_of(batch)
         for label, child in self._modules.items():
+            if any(label.startswith(f"{outer}.") for outer in self.compiled):
+                continue  # inside a compiled graph the hooks would not fire, and adding them forces recompiles
             self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
             self._handles.append(child.register_forward_hook(self._leave, always_call=True))
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -128,6 +128,7 @@ class VramMonitor(Callback):
         self._evaluating: str | None = None
         self._evaluation_boundary: AllocatorReading | None = None
         self._standalone_evaluation = False
+        self._compiled_note: NotMeasured | None = None
         self._history_unavailable: NotMeasured | None = None
         self._recording_history = False
 
@@ -353,6 +354,12 @@ class VramMonitor(Callback):
             )
             return
         self._attributor = attributor
+        if attributor.compiled and self._compiled_note is None:
+            self._compiled_note = NotMeasured(
+                "per-module activations inside compiled modules",
+                f"{', '.join(attributor.compiled)} run(s) as torch.compile graphs: their saved tensors are counted"
+                " and charged to the compiled module as a whole",
+            )
 
     def _close_segment(self, label: Phase, next_phase: Phase | None) -> None:
         """End the segment since the last boundary as ``label``: read the allocator once and keep its peak.
@@ -604,6 +611,8 @@ class VramMonitor(Callback):
         not_measured = probe.unavailable()
         if self._history_unavailable is not None:
             not_measured += (self._history_unavailable,)
+        if self._compiled_note is not None:
+            not_measured += (self._compiled_note,)
         if self._attribution_disabled is not None:
             not_measured += (self._attribution_disabled,)
         elif tracker.latest_attribution is None:

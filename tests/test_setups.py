@@ -207,3 +207,20 @@ def test_a_standalone_test_run_reports_its_peak(tmp_path: Path, capsys: pytest.C
     rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").read_text().splitlines()))
     assert [float(row["vram/evaluation/test_peak_bytes"]) for row in rows] == [900 * MIB]
     assert not (tmp_path / "vram_report.json").exists()  # a fit's report in the same dir stays the fit's
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_module_is_counted_as_a_whole(tmp_path: Path, backend: str) -> None:
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=1, console_summary=False)
+    module = Classifier(torch.compile(cnn_net(), backend=backend))
+    trainer(tmp_path, [monitor], max_steps=4).fit(module, loader(dataset_for("cnn"), batch_size=16))
+    report = monitor.report
+    assert report is not None and report.steps == 4
+    forward = report.phases[Phase.FORWARD].breakdown
+    assert forward is not None and forward.parameters == PARAMETER_COUNTS["cnn"] * FLOAT32
+    saved = {row.name: row.activation_bytes for row in report.modules}
+    # The compiled graph's saved tensors are seen, charged to the compiled module; its layers get no rows.
+    assert saved["network"] > 0 and not any(name.startswith("network._orig_mod") for name in saved)
+    assert forward.activations == saved["network"] + saved["(training_step)"]
+    note = next(item for item in report.not_measured if item.what.startswith("per-module activations inside"))
+    assert "network run(s) as torch.compile graphs" in note.reason
