@@ -2,7 +2,9 @@
 
 Every count is deduplicated by storage (``untyped_storage().data_ptr()``) and covers only tensors on
 the monitored device, so views, tied weights and Adam's CPU ``step`` counters on a GPU run are not
-counted twice or at all. Activations are the tensors autograd saves for backward, seen through
+counted twice or at all. Sharded tensors count as the shard this rank holds: a DTensor's local tensor
+(FSDP2), FSDP1's flat parameter shard (its parameters are views of it). Activations are the tensors
+autograd saves for backward, seen through
 ``torch.autograd.graph.saved_tensors_hooks`` on sampled steps only.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -25,8 +27,31 @@ OUTSIDE_MODULES = "(training_step)"
 ROOT_MODULE = "(root)"
 """Name given to the LightningModule itself."""
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 StorageBytes = dict[int, int]
 """Storage address -> storage size in bytes."""
+
+
+def _dtensor_type() -> type[DTensor] | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+DTENSOR = _dtensor_type()
+"""``torch.distributed.tensor.DTensor`` (FSDP2 and tensor-parallel parameters), or ``None`` without distributed."""
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local shard, any other tensor itself."""
+    if DTENSOR is not None and isinstance(tensor, DTENSOR):
+        local: Tensor = tensor.to_local()
+        return local
+    return tensor
 
 
 def on_device(tensor: Tensor, device: torch.device) -> bool:
@@ -35,7 +60,8 @@ def on_device(tensor: Tensor, device: torch.device) -> bool:
 
 
 def add_storage(storages: StorageBytes, tensor: Tensor, device: torch.device, exclude: Iterable[int] = ()) -> None:
-    """Add ``tensor``'s storage to ``storages`` unless it is elsewhere, empty, or in ``exclude``."""
+    """Add ``tensor``'s storage (a DTensor's local shard) unless it is elsewhere, empty, or in ``exclude``."""
+    tensor = local_tensor(tensor)
     if not on_device(tensor, device):
         return
     storage = tensor.untyped_storage()
@@ -296,9 +322,10 @@ class StepAttributor:
                 counter.output_bytes += sum(storage_bytes(output, self._device).values())
 
     def _pack(self, tensor: Tensor) -> Any:
-        if not on_device(tensor, self._device):
+        local = local_tensor(tensor)
+        if not on_device(local, self._device):
             return tensor
-        storage = tensor.untyped_storage()
+        storage = local.untyped_storage()
         key = storage.data_ptr()
         if not key or key in self._parameters:
             return tensor

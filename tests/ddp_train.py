@@ -1,7 +1,7 @@
-"""Two-process DDP on the CPU (gloo), run by tests/test_distributed.py: ``python tests/ddp_train.py OUT_DIR``.
+"""Two-process DDP on the CPU (gloo): ``python tests/ddp_train.py OUT_DIR STRATEGY``, run by test_distributed.py.
 
-Lightning starts the second rank by running this script again. Rank 1 doubles its batch inside the step, so the
-ranks' memory differs and the reduction has something to show.
+With ``ddp`` Lightning starts the second rank by running this script again; with ``ddp_spawn`` it spawns both.
+Rank 1 doubles its batch inside the step, so the ranks' memory differs and the reduction has something to show.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,24 +28,34 @@ class RankDependent(Classifier):
         return super().training_step((inputs, targets), batch_idx)
 
 
+class RecordSteps(Callback):
+    """After the monitor's own train-end hook, in each rank's process: how many steps its report covers."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (monitor,) = (callback for callback in trainer.callbacks if isinstance(callback, VramMonitor))  # type: ignore[attr-defined]
+        assert monitor.report is not None
+        (self.out / f"rank{trainer.global_rank}.steps").write_text(str(monitor.report.steps))
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
+    out, strategy = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
     monitor = VramMonitor(log_every_n_steps=2, attribution_start_step=1, attribution_every_n_steps=1)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy,
         max_steps=4,
         logger=CSVLogger(out, name="ddp"),
-        callbacks=[monitor],
+        callbacks=[monitor, RecordSteps(out)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
     trainer.fit(RankDependent(linear_net()), loader(dataset_for("linear", samples=128)))
-    assert monitor.report is not None
-    (out / f"rank{trainer.global_rank}.steps").write_text(str(monitor.report.steps))
 
 
 if __name__ == "__main__":

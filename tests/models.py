@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,13 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 FLOAT32 = 4
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
+# partials, not lambdas: modules holding them pickle (ddp_spawn sends the module to its workers).
 OPTIMIZERS: dict[str, OptimizerFactory] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
-    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.01),
+    "sgd": partial(torch.optim.SGD, lr=0.01),
+    "sgd_momentum": partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    "adam": partial(torch.optim.Adam, lr=1e-3),
+    "adamw": partial(torch.optim.AdamW, lr=1e-3),
+    "adagrad": partial(torch.optim.Adagrad, lr=0.01),
 }
 
 

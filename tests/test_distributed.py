@@ -5,19 +5,27 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lightning_vram.oom import report_stem
 
 
-def test_two_process_ddp_reduces_over_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> None:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "ddp_train.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=environment
+        [sys.executable, str(script), str(tmp_path), strategy],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "rank0.steps").read_text() == (tmp_path / "rank1.steps").read_text() == "4"
@@ -46,3 +54,24 @@ def test_each_rank_writes_its_own_files() -> None:
         "vram_oom_report.rank0",
         "vram_oom_report.rank1",
     ]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_fsdp2_shards_count_what_each_rank_holds(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "shard_accounting.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        half = counts["full_bytes"] // 2  # every sharded dimension divides by 2
+        assert counts["parameters"] == half == counts["local_elements"] * 4
+        assert counts["gradients"] == half
+        assert counts["optimizer_state"] == 2 * half + 4 * 4  # Adam's moments of the shard, four step counters
+        assert counts["model_state"] == [half, half, 2 * half + 16]
