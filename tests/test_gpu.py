@@ -134,3 +134,17 @@ def test_real_oom_leaves_a_diagnosis_and_a_snapshot(tmp_path: Path) -> None:
     assert snapshot.read_bytes()[:2] == b"\x80\x04"  # pickle protocol 4
     with snapshot.open("rb") as file:
         assert "segments" in pickle.load(file)
+
+
+def test_lightning_fsdp_counts_this_ranks_shards(tmp_path: Path) -> None:
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    fit = trainer(tmp_path, [monitor], max_steps=3, accelerator="gpu", devices=1, strategy="fsdp")
+    fit.fit(Classifier(cnn_net()), loader(dataset_for("cnn"), batch_size=64))
+    report = monitor.report
+    assert report is not None and report.peak is not None and report.peak.breakdown is not None
+    optimizer = report.phases[Phase.OPTIMIZER].breakdown
+    assert optimizer is not None
+    # One device holds the whole flat parameter: every byte of the model once, plus FSDP's alignment padding.
+    exact = PARAMETER_COUNTS["cnn"] * FLOAT32
+    assert exact <= optimizer.parameters <= exact + 4096
+    assert exact <= optimizer.gradients <= exact + 4096
