@@ -8,7 +8,15 @@ import re
 
 from lightning_vram.advice import Advice
 from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
-from lightning_vram.report import CATEGORIES, Report, evaluation_text, headline, in_phase_order, ranks_line
+from lightning_vram.report import (
+    CATEGORIES,
+    Report,
+    evaluation_text,
+    headline,
+    in_phase_order,
+    ranks_line,
+    saving_text,
+)
 from lightning_vram.units import format_bytes, format_percent
 
 STYLE = """
@@ -57,12 +65,8 @@ def markdown_to_html(text: str) -> str:
 
 
 def _advice_html(item: Advice) -> str:
-    savings = []
-    if item.estimated_saving_bytes is not None:
-        savings.append(f"about {format_bytes(item.estimated_saving_bytes)} of peak memory")
-    if item.estimated_saving_seconds is not None:
-        savings.append(f"up to {1000 * item.estimated_saving_seconds:.1f} ms per step")
-    saving = f"<p><strong>Expected saving:</strong> {html.escape(', '.join(savings))}</p>" if savings else ""
+    savings = saving_text(item)
+    saving = f"<p><strong>Expected saving:</strong> {html.escape(savings)}</p>" if savings else ""
     return (
         f'<div class="advice {html.escape(item.severity)}" id="{html.escape(item.id)}">'
         f"<h3>{inline_markdown(item.title)}</h3>"

@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_vram.advice import Advice, RunSummary, TrainingSetup, advise, evaluation_batch_size
 from lightning_vram.records import AllocatorReading, Breakdown, Phase, PhasePeak
-from lightning_vram.report import advice_markdown
+from lightning_vram.report import advice_markdown, advice_to_dict
 from lightning_vram.units import format_bytes
 
 JSON_STEM = "vram_oom_report"
@@ -132,17 +132,7 @@ class OomDiagnosis:
                 {"step": peak.step, "phase": peak.phase.value, "peak_bytes": peak.peak_bytes}
                 for peak in self.last_good_step
             ],
-            "advice": [
-                {
-                    "id": item.id,
-                    "severity": item.severity,
-                    "title": item.title,
-                    "detail": item.detail,
-                    "evidence": item.evidence,
-                    "estimated_saving_bytes": item.estimated_saving_bytes,
-                }
-                for item in self.advice
-            ],
+            "advice": [advice_to_dict(item) for item in self.advice],
             "notes": list(self.notes),
             "snapshot": str(self.snapshot) if self.snapshot is not None else None,
         }

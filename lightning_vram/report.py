@@ -97,18 +97,7 @@ class Report:
                 "data_wait_fraction": self.timing.data_wait_fraction,
                 "gpu_utilization_mean": self.timing.gpu_utilization_mean,
             },
-            "advice": [
-                {
-                    "id": advice.id,
-                    "severity": advice.severity,
-                    "title": advice.title,
-                    "detail": advice.detail,
-                    "evidence": advice.evidence,
-                    "estimated_saving_bytes": advice.estimated_saving_bytes,
-                    "estimated_saving_seconds": advice.estimated_saving_seconds,
-                }
-                for advice in self.advice
-            ],
+            "advice": [advice_to_dict(advice) for advice in self.advice],
             "fit": [
                 {"device": row.device, "capacity_bytes": row.capacity_bytes, "max_batch_size": row.max_batch_size}
                 for row in self.fit
@@ -133,6 +122,29 @@ class Report:
             ],
             "not_measured": [{"what": item.what, "reason": item.reason} for item in self.not_measured],
         }
+
+
+def advice_to_dict(advice: Advice) -> dict[str, Any]:
+    """One piece of advice as JSON-ready data (the schema's ``advice`` entries)."""
+    return {
+        "id": advice.id,
+        "severity": advice.severity,
+        "title": advice.title,
+        "detail": advice.detail,
+        "evidence": advice.evidence,
+        "estimated_saving_bytes": advice.estimated_saving_bytes,
+        "estimated_saving_seconds": advice.estimated_saving_seconds,
+    }
+
+
+def saving_text(advice: Advice) -> str | None:
+    """The expected saving in words, or ``None`` when the advice estimates none."""
+    savings = []
+    if advice.estimated_saving_bytes is not None:
+        savings.append(f"about {format_bytes(advice.estimated_saving_bytes)} of peak memory")
+    if advice.estimated_saving_seconds is not None:
+        savings.append(f"up to {1000 * advice.estimated_saving_seconds:.1f} ms per step")
+    return ", ".join(savings) if savings else None
 
 
 class ReportFormatError(ValueError):
@@ -361,12 +373,8 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
         return "No advice: no rule found a change worth making in this run's measurements.\n"
     sections = []
     for item in advice:
-        saving = []
-        if item.estimated_saving_bytes is not None:
-            saving.append(f"about {format_bytes(item.estimated_saving_bytes)} of peak memory")
-        if item.estimated_saving_seconds is not None:
-            saving.append(f"up to {1000 * item.estimated_saving_seconds:.1f} ms per step")
-        saving_line = f"\n**Expected saving:** {', '.join(saving)}\n" if saving else "\n"
+        saving = saving_text(item)
+        saving_line = f"\n**Expected saving:** {saving}\n" if saving else "\n"
         sections.append(
             f"### {item.title}\n\n`{item.id}` · {item.severity}\n\n**Evidence:** {item.evidence}\n"
             f"{saving_line}\n{item.detail}\n"
