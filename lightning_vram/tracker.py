@@ -1,7 +1,7 @@
 """Per-step phase peaks and bounded aggregates over the run.
 
-Memory held by the tracker does not grow with the run: maxima, the record of the peak step, the
-sampled attributions it needs, and a fixed-size window of recent step peaks.
+Memory held by the tracker does not grow with the run: maxima, the last step's phases, the sampled
+attributions it needs, evaluation peaks per stage, and a fixed-size window of recent step peaks.
 """
 
 from __future__ import annotations
@@ -66,12 +66,11 @@ class IntervalMemory:
 
 
 class MemoryTracker:
-    """Folds each step's phase peaks into run maxima, the peak step's record and a recent window."""
+    """Folds each step's phase peaks into run maxima, the last step, evaluation peaks and a recent window."""
 
     def __init__(self, recent_steps: int) -> None:
         self.steps = 0
         self.peak: PhasePeak | None = None
-        self.peak_step: tuple[PhasePeak, ...] = ()
         self.phase_peaks: dict[Phase, PhasePeak] = {}
         self.recent: deque[StepPoint] = deque(maxlen=recent_steps)
         self.latest_attribution: Attribution | None = None
@@ -101,7 +100,6 @@ class MemoryTracker:
         self.recent.append(StepPoint(step, step_peak.peak_bytes))
         if self.peak is None or step_peak.peak_bytes > self.peak.peak_bytes:
             self.peak = step_peak
-            self.peak_step = tuple(peaks)
         if self._interval_peak is None or step_peak.peak_bytes > self._interval_peak.peak_bytes:
             self._interval_peak = step_peak
         for peak in peaks:
@@ -156,7 +154,6 @@ class MemoryTracker:
         if first:
             # Steps measured before the first sample get its counts: model state is the same size after warm-up.
             self.peak = self._with_breakdown(self.peak)
-            self.peak_step = tuple(filter(None, (self._with_breakdown(peak) for peak in self.peak_step)))
             self.phase_peaks = {
                 phase: attributed
                 for phase, peak in self.phase_peaks.items()
@@ -173,7 +170,6 @@ class MemoryTracker:
         return {
             "steps": self.steps,
             "peak": phase_peak_state(self.peak) if self.peak is not None else None,
-            "peak_step": [phase_peak_state(peak) for peak in self.peak_step],
             "phase_peaks": [phase_peak_state(peak) for peak in self.phase_peaks.values()],
             "recent": [[point.step, point.peak_bytes] for point in self.recent],
             "latest_attribution": attribution_state(self.latest_attribution),
@@ -190,7 +186,6 @@ class MemoryTracker:
         """Continue the run that :meth:`state_dict` saved."""
         self.steps = state["steps"]
         self.peak = phase_peak_from_state(state["peak"]) if state["peak"] is not None else None
-        self.peak_step = tuple(phase_peak_from_state(peak) for peak in state["peak_step"])
         self.phase_peaks = {peak.phase: peak for peak in map(phase_peak_from_state, state["phase_peaks"])}
         self.recent.clear()
         self.recent.extend(StepPoint(step, peak_bytes) for step, peak_bytes in state["recent"])
