@@ -12,6 +12,7 @@ from models import FLOAT32, PARAMETER_COUNTS, Classifier, dataset_for, linear_ne
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.oom import parse_oom_message
+from lightning_vram.records import Phase
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 GIB = 1024**3
@@ -123,8 +124,10 @@ def test_training_oom_is_diagnosed(tmp_path: Path, where: str, capsys: pytest.Ca
     breakdown = written["breakdown"]
     parameter_bytes = PARAMETER_COUNTS["linear"] * FLOAT32
     assert breakdown["parameters"] == parameter_bytes
-    sampled = monitor.report.phases  # type: ignore[union-attr]
-    assert sampled  # the sampled step 2 measured every phase
+    report = monitor.report
+    assert report is not None
+    sampled = report.phases[Phase(where)].breakdown  # counted on the sampled step 2
+    assert sampled is not None and breakdown["activations"] == sampled.activations
     counted = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"] + breakdown["activations"]
     assert breakdown["other"] == round(14.75 * GIB) - counted
     assert written["headline"] == f"needed 1.00 GiB more in {where} of step 3; other held 14.75 GiB"
