@@ -4,6 +4,6 @@ from lightning_vram.callback import VramMonitor
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.report import Report
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = ["Report", "VramMonitor", "VramMonitorWarning", "__version__"]

@@ -3,15 +3,15 @@
 Every count is deduplicated by storage (``untyped_storage().data_ptr()``) and covers only tensors on
 the monitored device, so views, tied weights and Adam's CPU ``step`` counters on a GPU run are not
 counted twice or at all. Sharded tensors count as the shard this rank holds: a DTensor's local tensor
-(FSDP2), FSDP1's flat parameter shard (its parameters are views of it). Activations are the tensors
-autograd saves for backward, seen through
+(FSDP2), FSDP1's flat parameter shard (its parameters are views of it), DeepSpeed ZeRO's partitions
+(see ``deepspeed_zero``). Activations are the tensors autograd saves for backward, seen through
 ``torch.autograd.graph.saved_tensors_hooks`` on sampled steps only.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vram.compiled import compiled_module_names
+from lightning_vram.deepspeed_zero import master_weights, parameter_partition, partition_gradients
 from lightning_vram.records import Attribution, Breakdown, ModuleProfile, Phase
+from lightning_vram.tensors import iter_tensors
 
 OUTSIDE_MODULES = "(training_step)"
 """Name given to activations saved outside any submodule's forward, such as the loss computation."""
@@ -70,18 +72,6 @@ def add_storage(storages: StorageBytes, tensor: Tensor, device: torch.device, ex
         storages[key] = storage.nbytes()
 
 
-def iter_tensors(value: Any) -> Iterator[Tensor]:
-    """Every tensor inside nested dicts, lists and tuples (an optimizer's state entries)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from iter_tensors(item)
-
-
 def batch_size_of(batch: Any) -> int | None:
     """The first dimension of the first tensor in a batch (nested containers), or ``None``.
 
@@ -95,30 +85,43 @@ def batch_size_of(batch: Any) -> int | None:
 
 
 def parameter_storages(module: nn.Module, device: torch.device) -> StorageBytes:
-    """Storages of the module's parameters on ``device`` (tied weights once)."""
+    """Storages of the module's parameters on ``device`` (tied weights once), with ZeRO-3's partitions."""
     storages: StorageBytes = {}
     for parameter in module.parameters():
         add_storage(storages, parameter, device)
+        partition = parameter_partition(parameter)
+        if partition is not None:
+            add_storage(storages, partition, device)
     return storages
 
 
-def gradient_storages(module: nn.Module, device: torch.device) -> StorageBytes:
-    """Storages of the gradients alive now on the module's parameters."""
+def gradient_storages(
+    module: nn.Module, device: torch.device, optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> StorageBytes:
+    """Storages of the gradients alive now: on the module's parameters, and in ZeRO optimizers' partitions."""
     storages: StorageBytes = {}
     for parameter in module.parameters():
         if parameter.grad is not None:
             add_storage(storages, parameter.grad, device)
+    for optimizer in optimizers:
+        for gradient in partition_gradients(optimizer):
+            add_storage(storages, gradient, device)
     return storages
 
 
 def optimizer_state_storages(
     optimizers: Iterable[torch.optim.Optimizer], device: torch.device, exclude: Iterable[int]
 ) -> StorageBytes:
-    """Storages of every optimizer's state on ``device``, minus those in ``exclude`` (parameters, gradients)."""
+    """Storages of every optimizer's state on ``device``, minus those in ``exclude`` (parameters, gradients).
+
+    A ZeRO optimizer's state includes its fp32 master copy of this rank's partition.
+    """
     excluded = set(exclude)
     storages: StorageBytes = {}
     for optimizer in optimizers:
         for tensor in iter_tensors(list(optimizer.state.values())):
+            add_storage(storages, tensor, device, excluded)
+        for tensor in master_weights(optimizer):
             add_storage(storages, tensor, device, excluded)
     return storages
 
@@ -127,8 +130,9 @@ def model_state_bytes(
     module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], device: torch.device
 ) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes alive now on ``device``, each storage counted once."""
+    optimizers = list(optimizers)
     parameters = parameter_storages(module, device)
-    gradients = gradient_storages(module, device)
+    gradients = gradient_storages(module, device, optimizers)
     state = optimizer_state_storages(optimizers, device, set(parameters) | set(gradients))
     return sum(parameters.values()), sum(gradients.values()), sum(state.values())
 
@@ -254,7 +258,8 @@ class StepAttributor:
       optimizer state + the highest live bytes of saved activations in the segment;
     - backward: parameters + optimizer state + the highest sum of live activations and gradients
       while backward frees one and creates the other;
-    - optimizer: parameters + gradients + optimizer state after the update + activations still held.
+    - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
+      update + activations still held.
     """
 
     def __init__(self, step: int, module: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device):
@@ -322,6 +327,8 @@ class StepAttributor:
                 counter.output_bytes += sum(storage_bytes(output, self._device).values())
 
     def _pack(self, tensor: Tensor) -> Any:
+        if parameter_partition(tensor) is not None:
+            return tensor  # a ZeRO-3 parameter, gathered for this layer: DeepSpeed frees it and gathers it again
         local = local_tensor(tensor)
         if not on_device(local, self._device):
             return tensor
@@ -341,7 +348,9 @@ class StepAttributor:
         """A backward pass starts: what ran since the last boundary was a forward pass."""
         self._close_segment(Phase.FORWARD)
         self._phase = Phase.BACKWARD
-        self._gradients = _GradientLedger(gradient_storages(self._module, self._device), self._ledger, self._device)
+        self._gradients = _GradientLedger(
+            gradient_storages(self._module, self._device, self._optimizers), self._ledger, self._device
+        )
         if not self._gradient_handles:
             for parameter in self._module.parameters():
                 if parameter.requires_grad:
@@ -375,8 +384,8 @@ class StepAttributor:
             counted = self._breakdown(
                 gradients.gradients_at_peak, max(start_state, state_bytes), gradients.activations_at_peak
             )
-        elif phase is Phase.OPTIMIZER:
-            counted = self._breakdown(gradient_bytes, state_bytes, self._ledger.live_bytes)
+        elif phase is Phase.OPTIMIZER:  # the gradients it consumes, even if it frees them (DeepSpeed ZeRO-1/2)
+            counted = self._breakdown(max(start_gradients, gradient_bytes), state_bytes, self._ledger.live_bytes)
         else:  # a forward pass: the gradients alive when it began stayed alive through it
             counted = self._breakdown(start_gradients, max(start_state, state_bytes), self._ledger.peak_live_bytes)
         known = self._phases.get(phase)

@@ -54,6 +54,8 @@ DEFAULT_CUDA_CONTEXT_BYTES = 512 * MIB
 EIGHT_BIT_ADAM_STATE_SHARE = 0.25
 """8-bit Adam keeps 2 bytes of state per parameter instead of 8."""
 
+SHARDING_STRATEGIES = frozenset({"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"})
+"""Lightning strategies whose optimizer state is already sharded: the counts are this rank's shard."""
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "FusedAdam"})
 FULL_PRECISIONS = frozenset({"32-true", "32", "64-true", "64"})
 COMMON_GPUS: tuple[tuple[str, int], ...] = (
@@ -488,20 +490,25 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     if any(name in ADAM_FAMILY for name in setup.optimizers):
         options.append((int(state * (1 - EIGHT_BIT_ADAM_STATE_SHARE)), "8-bit Adam (bitsandbytes.optim.Adam8bit)"))
         options.append((state // 2, "SGD with momentum (one buffer per parameter instead of two)"))
-    if setup.world_size > 1:
+    sharded = setup.strategy in SHARDING_STRATEGIES  # then the state counted is already this rank's shard
+    if not sharded and setup.world_size > 1:
         options.append((state - state // setup.world_size, f"shard it across {setup.world_size} devices (FSDP)"))
-    else:
+    elif not sharded:
         options.append((state // 2, "shard it with FSDP or DeepSpeed ZeRO: 1/N of it on each of N devices"))
+    if not options:
+        return None
     options.sort(reverse=True)
     listed = "; ".join(f"{text}: saves {format_bytes(saving)}" for saving, text in options)
+    example = (
+        ""
+        if sharded
+        else '\n```python\nTrainer(strategy="fsdp")  # with several GPUs: each holds 1/N of the optimizer state\n```'
+    )
     return Advice(
         id="optimizer-state",
         severity="info",
         title=f"Optimizer state is the largest part of the peak ({format_bytes(state)}): shrink or shard it",
-        detail=(
-            f"Options, largest saving first: {listed}.\n"
-            '```python\nTrainer(strategy="fsdp")  # with several GPUs: each holds 1/N of the optimizer state\n```'
-        ),
+        detail=f"Options, largest saving first: {listed}.{example}",
         evidence=(
             f"optimizer state ({', '.join(setup.optimizers)}) is {format_bytes(state)},"
             f" {_share(state, peak.peak_bytes)} of the {peak.phase.value} peak; parameters"

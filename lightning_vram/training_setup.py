@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_vram.advice import LinearLayer, TrainingSetup
+from lightning_vram.deepspeed_zero import parameter_bytes, wrapped_optimizer
 
 
 def _first_dataloader(loaders: Any) -> DataLoader[Any] | None:
@@ -36,13 +37,12 @@ def _cpu_cores() -> int:
 def training_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainingSetup:
     """What the rules need to know about how training is set up."""
     loader = _first_dataloader(trainer.train_dataloader)
-    parameters = {id(p): p for p in pl_module.parameters()}
     linear_layers = tuple(
         LinearLayer(
             name=name,
             in_features=module.in_features,
             out_features=module.out_features,
-            parameter_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+            parameter_bytes=parameter_bytes(module),
         )
         for name, module in pl_module.named_modules()
         if isinstance(module, nn.Linear)
@@ -51,12 +51,12 @@ def training_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Traini
         precision=str(trainer.precision),
         automatic_optimization=pl_module.automatic_optimization,
         accumulate_grad_batches=trainer.accumulate_grad_batches,
-        optimizers=tuple(type(optimizer).__name__ for optimizer in trainer.optimizers),
+        optimizers=tuple(type(wrapped_optimizer(optimizer)).__name__ for optimizer in trainer.optimizers),
         num_workers=loader.num_workers if loader is not None else None,
         pin_memory=loader.pin_memory if loader is not None else None,
         cpu_cores_per_device=max(1, _cpu_cores() // max(1, trainer.num_devices)),
         world_size=trainer.world_size,
         strategy=type(trainer.strategy).__name__,
-        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters.values()),
+        parameter_bytes=parameter_bytes(pl_module),
         linear_layers=linear_layers,
     )

@@ -246,6 +246,16 @@ def test_optimizer_state_lists_options_largest_first() -> None:
     assert sharded is not None and sharded.estimated_saving_bytes == 3 * GIB  # 3/4 of it lives on other devices
 
 
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
+def test_optimizer_state_already_sharded(strategy: str) -> None:
+    state_heavy = replace(HEALTHY_BREAKDOWN, optimizer_state=4 * GIB, activations=GIB, other=GIB)
+    summary = healthy_summary(peak=peak(Phase.BACKWARD, 8 * GIB, state_heavy))
+    adam = optimizer_state(summary, healthy_setup(optimizers=("AdamW",), world_size=4, strategy=strategy))
+    assert adam is not None and adam.estimated_saving_bytes == 3 * GIB  # 8-bit Adam, not sharding again
+    assert "shard it" not in adam.detail and "fsdp" not in adam.detail
+    assert optimizer_state(summary, healthy_setup(optimizers=("SGD",), world_size=4, strategy=strategy)) is None
+
+
 def test_optimizer_state_near_miss() -> None:
     almost = replace(HEALTHY_BREAKDOWN, optimizer_state=3 * GIB - 1)  # just under the activations
     assert optimizer_state(healthy_summary(peak=peak(Phase.BACKWARD, 8 * GIB, almost)), healthy_setup()) is None

@@ -1,4 +1,4 @@
-"""Distributed training: a real two-process DDP run on the CPU (gloo), and the per-rank file names."""
+"""Distributed training on the CPU (gloo): two-process DDP, FSDP2 and DeepSpeed ZeRO runs, and per-rank file names."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trainer
 
+from lightning_vram import VramMonitor
 from lightning_vram.oom import report_stem
+from lightning_vram.records import Phase
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
@@ -75,3 +78,86 @@ def test_fsdp2_shards_count_what_each_rank_holds(tmp_path: Path) -> None:
         assert counts["gradients"] == half
         assert counts["optimizer_state"] == 2 * half + 4 * 4  # Adam's moments of the shard, four step counters
         assert counts["model_state"] == [half, half, 2 * half + 16]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_counts_this_ranks_partitions(tmp_path: Path, stage: int) -> None:
+    script = Path(__file__).parent / "zero_accounting.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(stage), str(free_port()), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        numel, partition = counts["numel"], counts["partition_numel"]
+        assert numel == 100 * 200 + 200 + 200 * 50 + 50
+        assert counts["wrapped_optimizer"] == "AdamW"  # DeepSpeed's "Adam" with torch_adam, inside the ZeRO optimizer
+        phases = counts["phases"]
+        activations = 4 * (100 + 200 + 50) * 4  # batch 4: the input, the ReLU's output, the last Linear's output
+        assert phases["forward"][3] == activations
+        if stage == 3:  # each rank holds ceil(numel / 2) of every parameter, its gradients and fp32 master copy
+            shard = 4 * partition
+            state = 3 * shard + 4  # master copy, Adam's two moments, one step counter
+            assert counts["after_backward"] == counts["after_step"] == [shard, shard, state]
+            assert phases["forward"] == [shard, shard, state, activations]
+            assert phases["optimizer"] == [shard, shard, state, 0]
+            assert phases["backward"][1] > shard  # plus the reduction bucket gradients pass through
+        else:  # whole parameters (padded to a multiple of 2 x world size elements); state of this rank's half
+            parameters = counts["after_step"][0]
+            assert 4 * numel <= parameters <= 4 * (numel + 2 * 2)
+            state = 3 * (parameters // 2) + 4
+            assert counts["after_step"] == [parameters, 0, state]  # ZeRO-1/2 free the gradients at the step
+            assert 4 * partition <= counts["after_backward"][1] <= parameters
+            assert phases["forward"] == [parameters, 0, state, activations]
+            assert phases["optimizer"] == [parameters, counts["after_backward"][1], state, 0]
+            if stage == 1:  # ZeRO-1 keeps whole gradients through backward
+                assert phases["backward"][1] == 4 * numel
+            else:  # ZeRO-2 copies them into its reduction bucket
+                assert phases["backward"][1] > 4 * numel
+
+
+def single_process_activations(root: Path, batch_size: int) -> int:
+    """Forward activations of the DeepSpeed script's model and batch, trained the plain way."""
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    model = Classifier(linear_net(), OPTIMIZERS["adam"])
+    trainer(root, [monitor], max_steps=2).fit(model, loader(dataset_for("linear"), batch_size=batch_size))
+    assert monitor.report is not None
+    forward = monitor.report.phases[Phase.FORWARD].breakdown
+    assert forward is not None
+    return forward.activations
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_deepspeed_reports_this_ranks_partitions(tmp_path: Path, stage: int) -> None:
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    script = Path(__file__).parent / "deepspeed_train.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(stage)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    activations = single_process_activations(tmp_path / "plain", batch_size=16)
+    bucket = 1000 * 4  # reduce_bucket_size elements of float32, the buffer gradients are reduced through
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["ranks"] == 2 and record["steps"] == 4
+        phases = record["phases"]
+        if stage == 3:  # Linear(32, 10): each rank holds 160 of the weight's 320 elements and 5 of the bias's 10
+            shard = (160 + 5) * 4
+            state = 3 * shard + 4  # the fp32 master copy, Adam's two moments, one step counter
+            assert phases["forward"] == [shard, shard, state, activations]  # gathered weights are not activations
+            assert phases["backward"] == [shard, shard + bucket, state, 0]
+            assert phases["optimizer"] == [shard, shard, state, 0]
+        else:  # whole parameters, padded to 332 elements; the state of this rank's 166
+            whole = 332 * 4
+            state = 3 * 166 * 4 + 4
+            assert phases["forward"] == [whole, 0, state, activations]
+            assert phases["backward"] == [whole, bucket, state, 0]
+            assert phases["optimizer"][::2] == [whole, state]
+            assert 166 * 4 <= phases["optimizer"][1] <= whole  # the storages under this rank's gradient partition

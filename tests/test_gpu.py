@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from models import FLOAT32, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
 
 from lightning_vram import VramMonitor
 from lightning_vram.probes import CudaProbe
@@ -148,3 +148,29 @@ def test_lightning_fsdp_counts_this_ranks_shards(tmp_path: Path) -> None:
     exact = PARAMETER_COUNTS["cnn"] * FLOAT32
     assert exact <= optimizer.parameters <= exact + 4096
     assert exact <= optimizer.gradients <= exact + 4096
+
+
+def test_lightning_deepspeed_stage_3_counts_this_ranks_partitions(tmp_path: Path) -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1_000_000},
+        "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": 64,
+    }
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    fit = trainer(
+        tmp_path, [monitor], max_steps=3, accelerator="gpu", devices=1, strategy=DeepSpeedStrategy(config=config)
+    )
+    fit.fit(Classifier(cnn_net(), OPTIMIZERS["adam"]), loader(dataset_for("cnn"), batch_size=64))
+    report = monitor.report
+    assert report is not None and report.peak is not None and report.peak.breakdown is not None
+    forward = report.phases[Phase.FORWARD].breakdown
+    assert forward is not None
+    # One device holds every partition: the whole model in ds_tensor (param.data is empty), its gradient buffer,
+    # and the ZeRO optimizer's fp32 master copy beside Adam's two moments.
+    exact = PARAMETER_COUNTS["cnn"] * FLOAT32
+    assert exact <= forward.parameters <= exact + 4096
+    assert exact <= forward.gradients <= exact + 4096
+    assert 3 * exact <= forward.optimizer_state <= 3 * exact + 8192
+    assert report.peak.breakdown.other is not None and report.peak.breakdown.other >= 0

@@ -1,0 +1,106 @@
+"""Lightning's DeepSpeed strategy on two CPU processes (gloo): ``python tests/deepspeed_train.py OUT_DIR STAGE``.
+
+Run by test_distributed.py. Lightning allows DeepSpeed on CUDA only; ``CpuDeepSpeedStrategy`` lifts that check and
+nothing else, so the Trainer, DeepSpeed's engine and ZeRO optimizer and VramMonitor's hooks all run as on GPUs
+(tests/test_gpu.py has the GPU run). Each rank writes its report's phase breakdowns to ``rankN.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # type: ignore[import-untyped]
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader
+
+from lightning_vram import VramMonitor
+
+BATCH_SIZE = 16
+
+
+class CpuDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy without its CUDA-only checks."""
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's "only supported on CUDA GPUs"
+
+    def setup_distributed(self) -> None:
+        reset_seed()  # as DeepSpeedStrategy does, less the check that device indices match local ranks
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        # As DeepSpeedStrategy does, with the local rank for device_rank (a CPU device has no index).
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+
+class RecordReport(Callback):
+    """After the monitor's own train-end hook, in each rank's process: its report's numbers."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (monitor,) = (callback for callback in trainer.callbacks if isinstance(callback, VramMonitor))  # type: ignore[attr-defined]
+        report = monitor.report
+        assert report is not None
+        record = {
+            "phases": {
+                phase.value: [b.parameters, b.gradients, b.optimizer_state, b.activations]
+                for phase, peak in report.phases.items()
+                if (b := peak.breakdown) is not None
+            },
+            "ranks": len(report.ranks),
+            "steps": report.steps,
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    out, stage = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    config = {
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1000},
+        "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": BATCH_SIZE,
+    }
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=1, console_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CpuDeepSpeedStrategy(config=config),
+        max_steps=4,
+        logger=False,
+        default_root_dir=out,
+        callbacks=[monitor, RecordReport(out)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    model = Classifier(linear_net(), OPTIMIZERS["adam"])
+    trainer.fit(model, loader(dataset_for("linear", samples=128), batch_size=BATCH_SIZE))
+
+
+if __name__ == "__main__":
+    main()
