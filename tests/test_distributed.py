@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trainer
@@ -130,23 +131,37 @@ def single_process_activations(root: Path, batch_size: int) -> int:
     return forward.activations
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_lightning_deepspeed_reports_this_ranks_partitions(tmp_path: Path, stage: int) -> None:
+def run_sharded(out: Path, strategy: str) -> list[dict[str, Any]]:
+    """Train with ``strategy`` on two CPU processes (tests/sharded_train.py); each rank's record."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    script = Path(__file__).parent / "deepspeed_train.py"
+    script = Path(__file__).parent / "sharded_train.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(stage)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=environment,
+        [sys.executable, str(script), str(out), strategy], capture_output=True, text=True, timeout=300, env=environment
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        assert record["ranks"] == 2 and record["steps"] == 4
+    return records
+
+
+def test_lightning_fsdp2_reports_this_ranks_shards(tmp_path: Path) -> None:
+    activations = single_process_activations(tmp_path / "plain", batch_size=16)
+    shard = (160 + 5) * 4  # Linear(32, 10) sharded on dim 0: 5 of the weight's 10 rows, 5 of the bias's 10 values
+    state = 2 * shard + 2 * 4  # Adam's two moments of the shard, a step counter for each of the two parameters
+    for record in run_sharded(tmp_path, "fsdp2"):
+        phases = record["phases"]
+        assert phases["forward"] == [shard, shard, state, activations]  # the previous step's gradients still held
+        assert phases["optimizer"] == [shard, shard, state, 0]
+        # FSDP2 sets the sharded gradients after reduce-scatter, when the activations are already freed.
+        assert phases["backward"] == [shard, 0, state, activations]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_deepspeed_reports_this_ranks_partitions(tmp_path: Path, stage: int) -> None:
     activations = single_process_activations(tmp_path / "plain", batch_size=16)
     bucket = 1000 * 4  # reduce_bucket_size elements of float32, the buffer gradients are reduced through
-    for rank in (0, 1):
-        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert record["ranks"] == 2 and record["steps"] == 4
+    for record in run_sharded(tmp_path, f"deepspeed_stage_{stage}"):
         phases = record["phases"]
         if stage == 3:  # Linear(32, 10): each rank holds 160 of the weight's 320 elements and 5 of the bias's 10
             shard = (160 + 5) * 4

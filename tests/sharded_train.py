@@ -1,8 +1,9 @@
-"""Lightning's DeepSpeed strategy on two CPU processes (gloo): ``python tests/deepspeed_train.py OUT_DIR STAGE``.
+"""Lightning's sharded strategies on two CPU processes (gloo): ``python tests/sharded_train.py OUT_DIR STRATEGY``.
 
-Run by test_distributed.py. Lightning allows DeepSpeed on CUDA only; ``CpuDeepSpeedStrategy`` lifts that check and
-nothing else, so the Trainer, DeepSpeed's engine and ZeRO optimizer and VramMonitor's hooks all run as on GPUs
-(tests/test_gpu.py has the GPU run). Each rank writes its report's phase breakdowns to ``rankN.json``.
+Run by test_distributed.py. STRATEGY is ``fsdp2`` (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``)
+or ``deepspeed_stage_2`` / ``deepspeed_stage_3``. Lightning allows DeepSpeed on CUDA only; ``CpuDeepSpeedStrategy``
+lifts that check and nothing else, so the Trainer, DeepSpeed's engine and ZeRO optimizer and VramMonitor's hooks all
+run as on GPUs (tests/test_gpu.py has the GPU run). Each rank writes its report's phase breakdowns to ``rankN.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import deepspeed  # type: ignore[import-untyped]
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, Strategy
+from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader
@@ -55,6 +57,16 @@ class CpuDeepSpeedStrategy(DeepSpeedStrategy):
         return engine, deepspeed_optimizer
 
 
+class ShardedClassifier(Classifier):
+    """Shards each layer and the network with FSDP2 over the strategy's data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.network:  # linear_net() is a Sequential
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.network, mesh=mesh)
+
+
 class RecordReport(Callback):
     """After the monitor's own train-end hook, in each rank's process: its report's numbers."""
 
@@ -77,19 +89,26 @@ class RecordReport(Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def main() -> None:
-    out, stage = Path(sys.argv[1]), int(sys.argv[2])
-    torch.set_num_threads(1)
+def strategy_named(name: str) -> Strategy:
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    stage = int(name.removeprefix("deepspeed_stage_"))
     config = {
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1000},
         "zero_allow_untested_optimizer": True,
         "train_micro_batch_size_per_gpu": BATCH_SIZE,
     }
+    return CpuDeepSpeedStrategy(config=config)
+
+
+def main() -> None:
+    out, name = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
     monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=1, console_summary=False)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CpuDeepSpeedStrategy(config=config),
+        strategy=strategy_named(name),
         max_steps=4,
         logger=False,
         default_root_dir=out,
@@ -98,7 +117,7 @@ def main() -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    model = Classifier(linear_net(), OPTIMIZERS["adam"])
+    model = (ShardedClassifier if name == "fsdp2" else Classifier)(linear_net(), OPTIMIZERS["adam"])
     trainer.fit(model, loader(dataset_for("linear", samples=128), batch_size=BATCH_SIZE))
 
 
