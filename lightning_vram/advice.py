@@ -499,6 +499,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
         return None
     options.sort(reverse=True)
     listed = "; ".join(f"{text}: saves {format_bytes(saving)}" for saving, text in options)
+    remedy = "shrink it" if sharded else "shrink or shard it"
     example = (
         ""
         if sharded
@@ -507,7 +508,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     return Advice(
         id="optimizer-state",
         severity="info",
-        title=f"Optimizer state is the largest part of the peak ({format_bytes(state)}): shrink or shard it",
+        title=f"Optimizer state is the largest part of the peak ({format_bytes(state)}): {remedy}",
         detail=f"Options, largest saving first: {listed}.{example}",
         evidence=(
             f"optimizer state ({', '.join(setup.optimizers)}) is {format_bytes(state)},"

@@ -2,8 +2,9 @@
 
 Run by test_distributed.py. STRATEGY is ``fsdp2`` (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``)
 or ``deepspeed_stage_2`` / ``deepspeed_stage_3``. Lightning allows DeepSpeed on CUDA only; ``CpuDeepSpeedStrategy``
-lifts that check and nothing else, so the Trainer, DeepSpeed's engine and ZeRO optimizer and VramMonitor's hooks all
-run as on GPUs (tests/test_gpu.py has the GPU run). Each rank writes its report's phase breakdowns to ``rankN.json``.
+lifts its CUDA-only checks (the three overrides below) and nothing else, so the Trainer, DeepSpeed's engine and ZeRO
+optimizer and VramMonitor's hooks all run as on GPUs (tests/test_gpu.py has the GPU run). Each rank writes its
+report's phase breakdowns to ``rankN.json``.
 """
 
 from __future__ import annotations
