@@ -11,26 +11,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from lightning_vram.html_report import render_html
-from lightning_vram.report import (
-    JSON_FILENAME,
-    Report,
-    ReportFormatError,
-    in_phase_order,
-    report_from_dict,
-    summary_text,
-)
+from lightning_vram.codec import CATEGORIES, FormatError, in_phase_order, report_from_dict
+from lightning_vram.records import Report
+from lightning_vram.render.files import JSON_FILENAME
+from lightning_vram.render.html import render_html
+from lightning_vram.render.text import summary_text
 from lightning_vram.units import format_bytes
 
 USAGE_ERROR = 2
+MAX_REPORT_BYTES = 64 * 1024**2
+"""A report is a few hundred KiB at most; a larger file is not one, and is not read into memory."""
 
 
 class CommandError(Exception):
     """A problem with the user's input, reported in one line."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _read_text(path: Path) -> str:
+    """The file's text: a regular file of at most :data:`MAX_REPORT_BYTES`, in UTF-8."""
+    try:
+        status = path.stat()
+        if not stat.S_ISREG(status.st_mode):
+            raise CommandError(f"{path}: not a regular file")
+        if status.st_size > MAX_REPORT_BYTES:
+            raise CommandError(f"{path}: {format_bytes(status.st_size)} is too large for a report")
+        with path.open("rb") as file:
+            data = file.read(MAX_REPORT_BYTES + 1)
+    except FileNotFoundError as error:
+        raise CommandError(f"{path}: no such file or directory") from error
+    except OSError as error:
+        raise CommandError(f"{path}: {error.strerror or error}") from error
+    if len(data) > MAX_REPORT_BYTES:
+        raise CommandError(f"{path}: too large for a report")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CommandError(f"{path}: not UTF-8 text (byte {error.start})") from error
 
 
 def load_report(path: Path) -> Report:
@@ -40,17 +66,18 @@ def load_report(path: Path) -> Report:
         if not found:
             raise CommandError(f"{path}: no {JSON_FILENAME} in this directory or below it")
         path = found[-1]
+    text = _read_text(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as error:
-        raise CommandError(f"{path}: no such file or directory") from error
-    except OSError as error:
-        raise CommandError(f"{path}: {error.strerror}") from error
-    try:
-        return report_from_dict(json.loads(text))
+        data = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as error:
         raise CommandError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
-    except ReportFormatError as error:
+    except ValueError as error:  # Infinity/NaN, or an integer too long to convert
+        raise CommandError(f"{path}: not a report ({error})") from error
+    except RecursionError as error:
+        raise CommandError(f"{path}: not a report (nested too deeply)") from error
+    try:
+        return report_from_dict(data)
+    except FormatError as error:
         raise CommandError(f"{path}: {error}") from error
 
 
@@ -68,7 +95,7 @@ def diff_text(before: Report, after: Report) -> str:
     lines = [f"peak: {_change(_peak(before), _peak(after))}"]
     parts_before = before.peak.breakdown.to_dict() if before.peak and before.peak.breakdown else {}
     parts_after = after.peak.breakdown.to_dict() if after.peak and after.peak.breakdown else {}
-    for name in ("parameters", "gradients", "optimizer_state", "activations", "other"):
+    for name in CATEGORIES:
         lines.append(f"  {name.replace('_', ' ')}: {_change(parts_before.get(name), parts_after.get(name))}")
     phases_after = dict(in_phase_order(after.phases))
     for phase, peak in in_phase_order(before.phases):

@@ -16,7 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_vram.accounting import gradient_storages, model_state_bytes, optimizer_state_storages, parameter_storages
+from lightning_vram.measure.accounting import (
+    gradient_storages,
+    model_state_bytes,
+    optimizer_state_storages,
+    parameter_storages,
+)
 
 
 def run(rank: int, port: int, out: Path) -> None:

@@ -11,7 +11,7 @@ from models import FLOAT32, NETWORKS, OPTIMIZERS, PARAMETER_COUNTS, Classifier, 
 from torch import nn
 
 from lightning_vram import VramMonitor
-from lightning_vram.accounting import (
+from lightning_vram.measure.accounting import (
     ActivationLedger,
     StepAttributor,
     gradient_storages,

@@ -7,11 +7,8 @@ from typing import Any
 
 import pytest
 
-from lightning_vram.advice import (
+from lightning_vram.advice.rules import (
     COMMON_GPUS,
-    LinearLayer,
-    RunSummary,
-    TrainingSetup,
     activation_checkpointing,
     advise,
     allocator_fragmentation,
@@ -27,7 +24,16 @@ from lightning_vram.advice import (
     pin_memory,
     stale_gradients,
 )
-from lightning_vram.records import Breakdown, DeviceInfo, ModuleProfile, Phase, PhasePeak
+from lightning_vram.records import (
+    Breakdown,
+    DeviceInfo,
+    LinearLayer,
+    ModuleProfile,
+    Phase,
+    PhasePeak,
+    RunSummary,
+    TrainingSetup,
+)
 
 GIB = 1024**3
 MIB = 1024**2

@@ -183,7 +183,7 @@ def test_data_wait_is_measured_between_batches(tmp_path: Path) -> None:
         ({"top_modules": 0}, ValueError, "top_modules must be >= 1, got 0"),
         ({"recent_steps": None}, TypeError, "recent_steps must be an int >= 1, got None"),
         ({"console_summary": 1}, TypeError, "console_summary must be True or False, got 1"),
-        ({"probe": object()}, TypeError, "probe must implement lightning_vram.probes.Probe, got object"),
+        ({"probe": object()}, TypeError, "probe must implement lightning_vram.measure.probes.Probe, got object"),
         ({"log_every": 5}, TypeError, "unexpected keyword argument 'log_every'"),
     ],
 )

@@ -18,11 +18,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_vram import Report, VramMonitor
-from lightning_vram.console import print_summary
-from lightning_vram.html_report import render_html
+from lightning_vram.codec import report_from_dict
 from lightning_vram.records import Phase
-from lightning_vram.report import report_from_dict
-from lightning_vram.tensorboard import FIGURE_TAGS, LAYOUT
+from lightning_vram.render.console import print_summary
+from lightning_vram.render.html import render_html
+from lightning_vram.render.tensorboard import FIGURE_TAGS, LAYOUT
 from lightning_vram.units import format_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -15,8 +15,8 @@ import pytest
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trainer
 
 from lightning_vram import VramMonitor
-from lightning_vram.oom import report_stem
 from lightning_vram.records import Phase
+from lightning_vram.render.files import report_stem
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])

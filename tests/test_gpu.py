@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
 
 from lightning_vram import VramMonitor
-from lightning_vram.probes import CudaProbe
+from lightning_vram.measure.probes import CudaProbe
 from lightning_vram.records import Phase
 
 pytestmark = [

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from lightning_vram.nvml import NvmlSampler, NvmlUnavailableError
+from lightning_vram.measure._nvml import NvmlSampler, NvmlUnavailableError
 
 
 class FakeNvmlError(Exception):

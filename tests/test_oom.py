@@ -11,7 +11,7 @@ import torch
 from models import FLOAT32, PARAMETER_COUNTS, Classifier, dataset_for, linear_net, loader, trainer
 
 from lightning_vram import VramMonitor, VramMonitorWarning
-from lightning_vram.oom import parse_oom_message
+from lightning_vram.advice.oom import parse_oom_message
 from lightning_vram.records import Phase
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
@@ -205,5 +205,7 @@ def test_a_failing_diagnosis_never_replaces_the_users_error(tmp_path: Path) -> N
         trainer(blocked / "logs", [monitor], max_steps=8).fit(module, loader(dataset_for("linear")))
     assert caught.value is module.raised
     messages = [str(item.message) for item in warned]
-    assert any(message.startswith("VramMonitor: no OOM diagnosis") for message in messages)
-    assert any("the report could not be written" in str(item.message) for item in warned)
+    assert any(message.startswith("VramMonitor: out-of-memory diagnosis failed with") for message in messages)
+    assert any(message.startswith("VramMonitor: report files failed with") for message in messages)
+    assert monitor.report is not None
+    assert {"out-of-memory diagnosis", "report files"} <= {item.what for item in monitor.report.not_measured}

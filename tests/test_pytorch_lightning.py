@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_vram.pytorch_lightning import VramMonitor
 from lightning_vram.records import Phase
-from lightning_vram.tensorboard import FIGURE_TAGS
+from lightning_vram.render.tensorboard import FIGURE_TAGS
 
 
 class ClassicModule(pl.LightningModule):

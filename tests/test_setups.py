@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_vram import VramMonitor
 from lightning_vram.records import Phase
-from lightning_vram.report import summary_text
+from lightning_vram.render.text import summary_text
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 from lightning_vram.units import format_bytes
 
@@ -37,7 +37,7 @@ def test_resume_from_a_checkpoint_covers_the_whole_run(tmp_path: Path) -> None:
     checkpoint = tmp_path / "run.ckpt"
     fit.save_checkpoint(checkpoint)
     saved = torch.load(checkpoint, weights_only=True)  # plain data only: loads under the safe unpickler
-    assert saved["callbacks"]["VramMonitor"]["tracker"]["steps"] == 4
+    assert saved["callbacks"][first.state_key]["tracker"]["steps"] == 4
 
     # Resumed run: 4 more steps, none above 400 MiB.
     second = VramMonitor(

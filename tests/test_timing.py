@@ -1,4 +1,4 @@
-from lightning_vram.timing import StepTimer
+from lightning_vram.measure.timing import StepTimer
 
 
 def test_wait_counts_only_between_consecutive_batches() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from lightning_vram.tensors import iter_tensors
+from lightning_vram.measure.tensors import iter_tensors
 
 MASTER_WEIGHT_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 """ZeRO optimizer attributes holding the fp32 master copy of this rank's partition."""

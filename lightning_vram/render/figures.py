@@ -13,8 +13,7 @@ import numpy as np
 from matplotlib import image
 from matplotlib.figure import Figure
 
-from lightning_vram.records import ModuleProfile, Phase, PhasePeak
-from lightning_vram.tracker import StepPoint
+from lightning_vram.records import ModuleProfile, Phase, PhasePeak, StepPoint
 from lightning_vram.units import format_bytes
 
 SHOW_MARKERS_BELOW = 50

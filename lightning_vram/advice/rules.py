@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from lightning_vram.records import Breakdown, DeviceInfo, ModuleProfile, Phase, PhasePeak
+from lightning_vram.records import (
+    Advice,
+    Breakdown,
+    CheckpointPlan,
+    FitRow,
+    ModuleProfile,
+    Phase,
+    PhasePeak,
+    RunSummary,
+    TrainingSetup,
+)
 from lightning_vram.units import format_bytes, format_percent
 
 GIB = 1024**3
@@ -71,116 +80,11 @@ COMMON_GPUS: tuple[tuple[str, int], ...] = (
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
-@dataclass(frozen=True)
-class Advice:
-    """One piece of advice: what to change, the figures that fired it, and what it should save.
-
-    ``estimated_saving_bytes`` is peak memory; ``estimated_saving_seconds`` is time per step (speed advice).
-    """
-
-    id: str
-    severity: str
-    title: str
-    detail: str
-    evidence: str
-    estimated_saving_bytes: int | None
-    estimated_saving_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class LinearLayer:
-    """One ``nn.Linear`` of the model and its parameter bytes."""
-
-    name: str
-    in_features: int
-    out_features: int
-    parameter_bytes: int
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """How the user set up training, read from the Trainer and the model at the end of an epoch."""
-
-    precision: str
-    automatic_optimization: bool
-    accumulate_grad_batches: int
-    optimizers: tuple[str, ...]
-    num_workers: int | None
-    pin_memory: bool | None
-    cpu_cores_per_device: int
-    world_size: int
-    strategy: str
-    parameter_bytes: int
-    linear_layers: tuple[LinearLayer, ...]
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """What the run measured, as the rules need it. ``None`` means not measured here."""
-
-    device: DeviceInfo
-    peak: PhasePeak | None
-    phases: dict[Phase, PhasePeak]
-    modules: tuple[ModuleProfile, ...]
-    batch_size: int | None
-    step_seconds_median: float | None
-    data_wait_fraction: float | None
-    recent_data_wait_fraction: float | None
-    timed_steps: int
-    gpu_utilization_mean: float | None
-    alloc_retries: int | None
-    cuda_context_bytes: int | None
-    recovered_ooms: int | None = None
-    last_step: tuple[PhasePeak, ...] = ()
-
-    @property
-    def on_cuda(self) -> bool:
-        """Whether the run trained on a CUDA device."""
-        return self.device.type == "cuda"
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """Which modules to checkpoint, and the activation bytes that should save at the peak."""
-
-    container: str
-    units: tuple[tuple[str, ...], ...]
-    sequential_segments: int | None
-    saving_bytes: int
-
-
-@dataclass(frozen=True)
-class FitRow:
-    """The largest batch of this run predicted to fit on a device of ``capacity_bytes``."""
-
-    device: str
-    capacity_bytes: int
-    max_batch_size: int
-
-
 def _attributed_peak(summary: RunSummary) -> tuple[PhasePeak, Breakdown] | None:
     peak = summary.peak
     if peak is None or peak.breakdown is None or peak.peak_bytes <= 0:
         return None
     return peak, peak.breakdown
-
-
-def _parts(breakdown: Breakdown) -> dict[str, int]:
-    parts = {
-        "parameters": breakdown.parameters,
-        "gradients": breakdown.gradients,
-        "optimizer_state": breakdown.optimizer_state,
-        "activations": breakdown.activations,
-    }
-    if breakdown.other is not None:
-        parts["other"] = breakdown.other
-    return parts
-
-
-def largest_part(breakdown: Breakdown) -> str:
-    """The breakdown category holding the most bytes."""
-    parts = _parts(breakdown)
-    return max(parts, key=lambda name: parts[name])
 
 
 def _share(part: int, whole: int) -> str:
@@ -256,7 +160,7 @@ def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan 
 def activation_checkpointing(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     """Activations hold the largest part of the peak and checkpointing some modules would free a tenth of it."""
     attributed = _attributed_peak(summary)
-    if attributed is None or largest_part(attributed[1]) != "activations":
+    if attributed is None or attributed[1].largest_part != "activations":
         return None
     peak, breakdown = attributed
     plan = best_checkpoint_plan(summary.modules)
@@ -482,7 +386,7 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
 def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     """Optimizer state is the largest part of the peak: name smaller or sharded alternatives with their savings."""
     attributed = _attributed_peak(summary)
-    if attributed is None or largest_part(attributed[1]) != "optimizer_state":
+    if attributed is None or attributed[1].largest_part != "optimizer_state":
         return None
     peak, breakdown = attributed
     state = breakdown.optimizer_state

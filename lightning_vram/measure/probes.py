@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from lightning_vram.exceptions import VramMonitorWarning
-from lightning_vram.nvml import NvmlSampler, NvmlUnavailableError
+from lightning_vram.measure._nvml import NvmlSampler, NvmlUnavailableError
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
 
 ALLOCATOR_NOT_ON_CPU = NotMeasured(

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_vram.compiled import compiled_module_names
-from lightning_vram.deepspeed_zero import master_weights, parameter_partition, partition_gradients
+from lightning_vram.measure._compiled import compiled_module_names
+from lightning_vram.measure.deepspeed_zero import master_weights, parameter_partition, partition_gradients
+from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.records import Attribution, Breakdown, ModuleProfile, Phase
-from lightning_vram.tensors import iter_tensors
 
 OUTSIDE_MODULES = "(training_step)"
 """Name given to activations saved outside any submodule's forward, such as the loss computation."""
@@ -282,6 +282,8 @@ class StepAttributor:
         self._segment_state: tuple[int, int] = (0, 0)
         self._phase = Phase.FORWARD
         self._phases: dict[Phase, Breakdown] = {}
+        self.error: Exception | None = None
+        """The first error raised inside the hooks; from then on they pass everything through untouched."""
 
     def _model_state(self) -> tuple[int, int]:
         """(gradient bytes, optimizer-state bytes) alive now."""
@@ -309,6 +311,14 @@ class StepAttributor:
         watch_inplace = isinstance(getattr(self._modules[label], "inplace", None), bool)
 
         def enter(_module: nn.Module, args: Any) -> None:
+            if self.error is not None:
+                return
+            try:
+                count(args)
+            except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
+                self.error = error
+
+        def count(args: Any) -> None:
             counter = self._counters.get(label)
             if counter is None:
                 counter = self._counters[label] = _ModuleCounter()
@@ -321,12 +331,29 @@ class StepAttributor:
         return enter
 
     def _leave(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._count_output(output)
+        except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
+            self.error = error
+
+    def _count_output(self, output: Any) -> None:
         if self._module_stack:
             counter = self._counters.get(self._module_stack.pop())
             if counter is not None:
                 counter.output_bytes += sum(storage_bytes(output, self._device).values())
 
     def _pack(self, tensor: Tensor) -> Any:
+        if self.error is not None:
+            return tensor
+        try:
+            return self._pack_counted(tensor)
+        except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
+            self.error = error
+            return tensor
+
+    def _pack_counted(self, tensor: Tensor) -> Any:
         if parameter_partition(tensor) is not None:
             return tensor  # a ZeRO-3 parameter, gathered for this layer: DeepSpeed frees it and gathers it again
         local = local_tensor(tensor)
@@ -359,8 +386,12 @@ class StepAttributor:
                     self._gradient_handles.append(handle)
 
     def _on_gradient(self, parameter: Tensor) -> None:
-        if self._gradients is not None and parameter.grad is not None:
+        if self.error is not None or self._gradients is None or parameter.grad is None:
+            return
+        try:
             self._gradients.add(parameter.grad)
+        except Exception as error:  # noqa: BLE001 -- inside the user's backward: report, never raise
+            self.error = error
 
     def before_optimizer_step(self) -> None:
         """An optimizer is about to step: close the segment that ran since the last boundary."""

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class IntervalTiming:
-    """Timing over one log interval: mean step time in seconds and the share of it spent waiting for data."""
-
-    step_seconds: float | None
-    data_wait_fraction: float | None
+from lightning_vram.codec import FormatError, Reader
+from lightning_vram.records import IntervalTiming
 
 
 class StepTimer:
@@ -74,13 +68,19 @@ class StepTimer:
             "timed_steps": self.timed_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the run that :meth:`state_dict` saved."""
+    def load_state_dict(self, state: Any) -> None:
+        """Continue the run that :meth:`state_dict` saved.
+
+        Raises:
+            FormatError: ``state`` is not what :meth:`state_dict` wrote; nothing is changed then.
+        """
+        fields = Reader(state, "timer")
+        window = fields.each("window", _wait_and_step)
+        run_wait, run_total = fields.number("run_wait"), fields.number("run_total")
+        timed_steps = fields.integer("timed_steps")
         self._window.clear()
-        self._window.extend((wait, step) for wait, step in state["window"])
-        self._run_wait = state["run_wait"]
-        self._run_total = state["run_total"]
-        self.timed_steps = state["timed_steps"]
+        self._window.extend(window)
+        self._run_wait, self._run_total, self.timed_steps = run_wait, run_total, timed_steps
 
     def take_interval(self) -> IntervalTiming:
         """Timing since the last call, then start a new interval."""
@@ -104,3 +104,13 @@ class StepTimer:
     def data_wait_fraction(self) -> float | None:
         """Share of the run's step time spent waiting for data."""
         return self._run_wait / self._run_total if self._run_total > 0 else None
+
+
+def _wait_and_step(data: Any, where: str) -> tuple[float, float]:
+    if (
+        not isinstance(data, list)
+        or len(data) != 2
+        or not all(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 for value in data)
+    ):
+        raise FormatError(f"{where} must be [wait_seconds, step_seconds], two numbers >= 0, got {data!r}")
+    return float(data[0]), float(data[1])

@@ -10,9 +10,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lightning_vram.advice import Advice
-from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
-from lightning_vram.report import Report, advice_markdown
+from lightning_vram.records import Advice, Report
+from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
+from lightning_vram.render.text import advice_markdown
 
 ADVICE_TAG = "vram/advice"
 FIGURE_TAGS = ("vram/figures/breakdown", "vram/figures/memory_over_steps", "vram/figures/top_modules")

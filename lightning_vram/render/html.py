@@ -6,17 +6,10 @@ import base64
 import html
 import re
 
-from lightning_vram.advice import Advice
-from lightning_vram.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
-from lightning_vram.report import (
-    CATEGORIES,
-    Report,
-    evaluation_text,
-    headline,
-    in_phase_order,
-    ranks_line,
-    saving_text,
-)
+from lightning_vram.codec import CATEGORIES, in_phase_order
+from lightning_vram.records import Advice, Report
+from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
+from lightning_vram.render.text import evaluation_text, headline, ranks_line, saving_text
 from lightning_vram.units import format_bytes, format_percent
 
 STYLE = """

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_vram.records import UtilizationReading
-from lightning_vram.timing import IntervalTiming
-from lightning_vram.tracker import IntervalMemory
+from lightning_vram.records import IntervalMemory, IntervalTiming, UtilizationReading
 
 PREFIX = "vram/"
 

@@ -6,7 +6,9 @@ import importlib
 import sys
 from typing import TextIO
 
-from lightning_vram.report import CATEGORIES, Report, headline, in_phase_order, summary_text
+from lightning_vram.codec import CATEGORIES, in_phase_order
+from lightning_vram.records import Report
+from lightning_vram.render.text import headline, summary_text
 from lightning_vram.units import format_bytes
 
 SHORT_LABELS = {

@@ -1,0 +1,62 @@
+"""One guard for the monitor's own code: a part that fails warns once, is switched off, and is reported.
+
+The monitor runs inside the user's training. An error raised by its own code (a probe read, the tracker,
+attribution, logging, writing files) must never stop that training: the guard catches it where the part is
+called, warns once naming the part, disables the part for the rest of the run, and lists it in the report's
+``not_measured``. Errors of the user's own code never pass through a guarded block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from enum import Enum
+
+from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.records import NotMeasured
+
+
+class Part(str, Enum):
+    """A part of the monitor that can fail on its own; the value is how the report names it."""
+
+    ALLOCATOR = "allocator readings"
+    UTILIZATION = "GPU utilization and host memory"
+    TRACKER = "phase peaks"
+    ATTRIBUTION = "tensor-by-tensor attribution"
+    TIMING = "step timing"
+    SCALARS = "logged scalars"
+    REPORT = "the report"
+    FILES = "report files"
+    TENSORBOARD = "TensorBoard text and figures"
+    CONSOLE = "console summary"
+    OOM = "out-of-memory diagnosis"
+    HISTORY = "allocator history"
+    STATE = "checkpoint state"
+
+
+class Guard:
+    """Which parts failed, and why. ``enabled(part)`` is a set lookup, cheap enough for every step."""
+
+    def __init__(self) -> None:
+        self._failed: dict[Part, NotMeasured] = {}
+
+    def enabled(self, part: Part) -> bool:
+        """Whether ``part`` still runs."""
+        return part not in self._failed
+
+    def fail(self, part: Part, error: BaseException) -> None:
+        """``part`` raised ``error``: warn (once per part) and switch the part off for the rest of the run."""
+        if part in self._failed:
+            return
+        reason = f"failed with {type(error).__name__}: {error}"
+        self._failed[part] = NotMeasured(part.value, f"{reason}; off for the rest of the run")
+        warnings.warn(
+            f"VramMonitor: {part.value} {reason}. It is off for the rest of the run; training goes on and the"
+            " report lists it under not_measured.",
+            VramMonitorWarning,
+            stacklevel=3,
+        )
+
+    @property
+    def not_measured(self) -> tuple[NotMeasured, ...]:
+        """The failed parts, in the order they failed."""
+        return tuple(self._failed.values())

@@ -1,0 +1,78 @@
+"""What the callback reads from Lightning: the training set-up, TensorBoard writers, the rank gather, the log dir.
+
+With callback.py, the only module that imports Lightning.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_vram.measure.setup import training_setup
+from lightning_vram.records import TrainingSetup
+from lightning_vram.render.tensorboard import TensorBoardWriter
+from lightning_vram.session import Gather
+
+
+def trainer_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainingSetup:
+    """How the Trainer trains ``pl_module``, for the advice rules."""
+    return training_setup(
+        pl_module,
+        trainer.optimizers,
+        dataloaders=trainer.train_dataloader,
+        precision=str(trainer.precision),
+        automatic_optimization=pl_module.automatic_optimization,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        devices_per_node=trainer.num_devices,
+        world_size=trainer.world_size,
+        strategy=type(trainer.strategy).__name__,
+    )
+
+
+def tensorboard_writers(trainer: pl.Trainer) -> list[TensorBoardWriter]:
+    """The SummaryWriters of the Trainer's TensorBoard loggers (``lightning``'s or ``pytorch_lightning``'s).
+
+    None but on global rank zero.
+    """
+    if not trainer.is_global_zero:
+        return []
+    classic = sys.modules.get("pytorch_lightning.loggers")  # only when the user's code imported it
+    writers: list[TensorBoardWriter] = []
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger) or (
+            classic is not None and isinstance(logger, classic.TensorBoardLogger)
+        ):
+            writers.append(logger.experiment)
+    return writers
+
+
+def strategy_gather(trainer: pl.Trainer) -> Gather:
+    """Every rank's list of numbers through the strategy's all_gather (NaN for not measured). A collective."""
+
+    def gather(values: list[float]) -> list[list[float]]:
+        local = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local)
+        rows: list[list[float]] = gathered.reshape(trainer.world_size, len(values)).cpu().tolist()
+        return rows
+
+    return gather
+
+
+def report_dir(trainer: pl.Trainer) -> Path | None:
+    """Where the report files go: the logger's ``log_dir``, else ``default_root_dir``; none under fast_dev_run.
+
+    Lightning turns logging off for ``fast_dev_run``; the monitor writes no files then either.
+    """
+    if getattr(trainer, "fast_dev_run", False):  # set by the Trainer at run time (not in its annotations)
+        return None
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+def log_interval(trainer: pl.Trainer) -> int | None:
+    """The Trainer's ``log_every_n_steps``; ``None`` where logging is off (0, a barebones Trainer)."""
+    # Lightning sets this plain attribute on every Trainer.
+    return int(getattr(trainer, "log_every_n_steps", 50)) or None

@@ -1,0 +1,109 @@
+"""Out-of-memory diagnosis: where the run died, what it asked for, what held the memory, and what to change."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from lightning_vram.advice.rules import advise, evaluation_batch_size
+from lightning_vram.records import (
+    AllocatorReading,
+    Breakdown,
+    OomDiagnosis,
+    OomMessage,
+    Phase,
+    PhasePeak,
+    RunSummary,
+    TrainingSetup,
+)
+
+_UNITS = {"bytes": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+_SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
+_FIELDS = {
+    "tried_bytes": rf"Tried to allocate {_SIZE}",
+    "capacity_bytes": rf"total capacity of {_SIZE}",
+    "free_bytes": rf"of which {_SIZE} is free",
+    "process_bytes": rf"this process has {_SIZE} memory in use",
+    "allocated_bytes": rf"{_SIZE} is allocated by PyTorch",
+    "reserved_unallocated_bytes": rf"{_SIZE} is reserved by PyTorch but unallocated",
+}
+
+
+def parse_size(number: str, unit: str) -> int:
+    """Bytes of a size as torch prints it.
+
+    >>> parse_size("1.50", "GiB")
+    1610612736
+    """
+    return round(float(number) * _UNITS[unit])
+
+
+def parse_oom_message(text: str) -> OomMessage:
+    """Read the figures out of a CUDA out-of-memory message.
+
+    >>> parse_oom_message("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+    ...                   "8.00 GiB of which 0 bytes is free.").tried_bytes
+    20971520
+    """
+    values: dict[str, int] = {}
+    for field, pattern in _FIELDS.items():
+        match = re.search(pattern, text)
+        if match is not None:
+            values[field] = parse_size(match.group(1), match.group(2))
+    return OomMessage(**values)
+
+
+def diagnose(
+    *,
+    error_text: str,
+    where: str,
+    step: int,
+    rank: int,
+    model_state: Breakdown,
+    last_reading: AllocatorReading | None,
+    summary: RunSummary,
+    setup: TrainingSetup,
+    notes: tuple[str, ...],
+    snapshot: Path | None,
+) -> OomDiagnosis:
+    """Put together what was known when the error came.
+
+    ``model_state`` holds the parts counted at the failure (``other`` unset); ``summary`` is the run so far. The
+    advice is the run's own, judged as if the failing step had reached what it asked for (allocated + the failed
+    request), largest saving first; validation failures get ``evaluation-batch-size`` first.
+    """
+    message = parse_oom_message(error_text)
+    allocated = message.allocated_bytes
+    if allocated is None and last_reading is not None:
+        allocated = last_reading.allocated_bytes
+    reserved = (
+        message.allocated_bytes + message.reserved_unallocated_bytes
+        if message.allocated_bytes is not None and message.reserved_unallocated_bytes is not None
+        else (last_reading.reserved_bytes if last_reading is not None else None)
+    )
+    capacity = message.capacity_bytes or summary.device.total_bytes
+    breakdown = model_state.with_measured_peak(allocated) if allocated is not None else model_state
+    phase = next((candidate for candidate in Phase if candidate.value == where), None)
+    judged = summary
+    if phase is not None and allocated is not None:
+        need = allocated + (message.tried_bytes or 0)
+        failing = PhasePeak(step, phase, need, reserved, model_state.with_measured_peak(need))
+        judged = replace(summary, peak=failing, device=replace(summary.device, total_bytes=capacity))
+    advice = sorted(advise(judged, setup), key=lambda item: -(item.estimated_saving_bytes or 0))
+    if where == "validation":
+        advice.insert(0, evaluation_batch_size(step, summary.peak))
+    return OomDiagnosis(
+        where=where,
+        step=step,
+        rank=rank,
+        message=message,
+        capacity_bytes=capacity,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        breakdown=breakdown,
+        last_good_step=summary.last_step,
+        advice=tuple(advice),
+        notes=notes,
+        snapshot=snapshot,
+    )

@@ -1,0 +1,38 @@
+"""The report: a run's summary with what is derived from it (advice, the fit table, the top modules)."""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules import advise, fit_table
+from lightning_vram.records import ModuleProfile, NotMeasured, RankSummary, Report, RunSummary, TrainingSetup
+
+
+def largest_savers(profiles: tuple[ModuleProfile, ...]) -> tuple[ModuleProfile, ...]:
+    """The modules that saved activations themselves, largest first; ties keep the order the modules ran in.
+
+    >>> rows = (ModuleProfile("blocks.2", "Block", 5), ModuleProfile("blocks.10", "Block", 5),
+    ...         ModuleProfile("head", "Linear", 9), ModuleProfile("act", "ReLU", 0))
+    >>> [row.name for row in largest_savers(rows)]
+    ['head', 'blocks.2', 'blocks.10']
+    """
+    savers = [profile for profile in profiles if profile.activation_bytes > 0]
+    return tuple(sorted(savers, key=lambda profile: -profile.activation_bytes))
+
+
+def build_report(
+    summary: RunSummary,
+    setup: TrainingSetup | None,
+    *,
+    top_modules: int,
+    ranks: tuple[RankSummary, ...],
+    not_measured: tuple[NotMeasured, ...],
+) -> Report:
+    """The report of ``summary``: advice needs the training set-up (without one, no advice is given)."""
+    return Report(
+        summary=summary,
+        precision=setup.precision if setup is not None else None,
+        modules=largest_savers(summary.modules)[:top_modules],
+        advice=advise(summary, setup) if setup is not None else (),
+        fit=fit_table(summary),
+        ranks=ranks,
+        not_measured=not_measured,
+    )

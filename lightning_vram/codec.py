@@ -1,0 +1,496 @@
+"""One codec for every record the monitor writes down: the JSON report, checkpoint state and the OOM diagnosis.
+
+Encoding gives plain Python data (dicts, lists, strings, numbers, ``None``), so a checkpoint carrying the monitor's
+state loads with ``torch.load(weights_only=True)`` and a report is ``json.dumps``-able. Decoding checks every
+field's type and raises :class:`FormatError` naming the field: a report or a checkpoint edited by hand, truncated
+or written by something else is refused in one sentence, never half-read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lightning_vram.records import (
+    Advice,
+    Attribution,
+    Breakdown,
+    DeviceInfo,
+    EvaluationPeak,
+    FitRow,
+    ModuleProfile,
+    NotMeasured,
+    OomDiagnosis,
+    Phase,
+    PhasePeak,
+    RankSummary,
+    Report,
+    RunSummary,
+    StepPoint,
+)
+
+SCHEMA = "lightning_vram.report/1"
+OOM_SCHEMA = "lightning_vram.oom_report/1"
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+"""The parts of a breakdown, in the order every table shows them."""
+SEVERITIES = ("critical", "warning", "info")
+
+T = TypeVar("T")
+
+
+class FormatError(ValueError):
+    """Data is not what the codec wrote: a field is missing, of the wrong type, or out of range."""
+
+
+# ---------------------------------------------------------------------------------------------------------- encoding
+
+
+def breakdown_to_dict(breakdown: Breakdown | None) -> dict[str, int | None] | None:
+    """The schema's ``breakdown`` object."""
+    return breakdown.to_dict() if breakdown is not None else None
+
+
+def phase_peak_to_dict(peak: PhasePeak | None, peak_key: str = "peak_bytes") -> dict[str, Any] | None:
+    """A phase peak; the report's top-level ``peak`` names its bytes ``allocated_bytes`` (``peak_key``)."""
+    if peak is None:
+        return None
+    return {
+        "step": peak.step,
+        "phase": peak.phase.value,
+        peak_key: peak.peak_bytes,
+        "reserved_bytes": peak.reserved_bytes,
+        "breakdown": breakdown_to_dict(peak.breakdown),
+    }
+
+
+def advice_to_dict(advice: Advice) -> dict[str, Any]:
+    """One piece of advice (the schema's ``advice`` entries)."""
+    return {
+        "id": advice.id,
+        "severity": advice.severity,
+        "title": advice.title,
+        "detail": advice.detail,
+        "evidence": advice.evidence,
+        "estimated_saving_bytes": advice.estimated_saving_bytes,
+        "estimated_saving_seconds": advice.estimated_saving_seconds,
+    }
+
+
+def module_to_dict(profile: ModuleProfile) -> dict[str, Any]:
+    """Everything a sampled step learned about one module."""
+    return {
+        "name": profile.name,
+        "type": profile.type,
+        "activation_bytes": profile.activation_bytes,
+        "input_bytes": profile.input_bytes,
+        "output_bytes": profile.output_bytes,
+        "inplace": profile.inplace,
+        "input_saved_for_backward": profile.input_saved_for_backward,
+    }
+
+
+def attribution_to_dict(attribution: Attribution | None) -> dict[str, Any] | None:
+    """A sampled step's counts."""
+    if attribution is None:
+        return None
+    return {
+        "step": attribution.step,
+        "phases": {phase.value: breakdown_to_dict(parts) for phase, parts in attribution.phases.items()},
+        "modules": [module_to_dict(profile) for profile in attribution.modules],
+        "batch_size": attribution.batch_size,
+    }
+
+
+def evaluation_to_dict(peaks: tuple[EvaluationPeak, ...]) -> dict[str, Any]:
+    """Evaluation peaks by stage."""
+    return {
+        peak.stage: {
+            "peak_bytes": peak.peak_bytes,
+            "reserved_bytes": peak.reserved_bytes,
+            "after_step": peak.after_step,
+        }
+        for peak in peaks
+    }
+
+
+def step_point_to_dict(point: StepPoint) -> dict[str, int]:
+    """One recent step's peak."""
+    return {"step": point.step, "peak_bytes": point.peak_bytes}
+
+
+def report_to_dict(report: Report) -> dict[str, Any]:
+    """The report as JSON-ready data (schema ``lightning_vram.report/1``)."""
+    device = report.device
+    capability = device.compute_capability
+    timing = report.timing
+    return {
+        "schema": SCHEMA,
+        "device": {
+            "type": device.type,
+            "name": device.name,
+            "index": device.index,
+            "total_bytes": device.total_bytes,
+            "compute_capability": f"{capability[0]}.{capability[1]}" if capability else None,
+        },
+        "precision": report.precision,
+        "steps": report.steps,
+        "batch_size": report.batch_size,
+        "recovered_ooms": report.recovered_ooms,
+        "peak": phase_peak_to_dict(report.peak, peak_key="allocated_bytes"),
+        "phases": {phase.value: phase_peak_to_dict(peak) for phase, peak in in_phase_order(report.phases)},
+        "modules": [
+            {"name": row.name, "type": row.type, "activation_bytes": row.activation_bytes} for row in report.modules
+        ],
+        "timing": {
+            "step_seconds_median": timing.step_seconds_median,
+            "data_wait_fraction": timing.data_wait_fraction,
+            "gpu_utilization_mean": timing.gpu_utilization_mean,
+        },
+        "advice": [advice_to_dict(advice) for advice in report.advice],
+        "fit": [
+            {"device": row.device, "capacity_bytes": row.capacity_bytes, "max_batch_size": row.max_batch_size}
+            for row in report.fit
+        ],
+        "recent_peaks": [step_point_to_dict(point) for point in report.recent_peaks],
+        "evaluation": evaluation_to_dict(report.evaluation),
+        "ranks": [
+            {"rank": rank.rank, "device_index": rank.device_index, "peak_bytes": rank.peak_bytes, "steps": rank.steps}
+            for rank in report.ranks
+        ],
+        "not_measured": [{"what": item.what, "reason": item.reason} for item in report.not_measured],
+    }
+
+
+def oom_diagnosis_to_dict(diagnosis: OomDiagnosis, headline: str) -> dict[str, Any]:
+    """JSON-ready form of a diagnosis, as written to ``vram_oom_report.json``."""
+    return {
+        "schema": OOM_SCHEMA,
+        "headline": headline,
+        "where": diagnosis.where,
+        "step": diagnosis.step,
+        "rank": diagnosis.rank,
+        "tried_bytes": diagnosis.message.tried_bytes,
+        "free_bytes": diagnosis.message.free_bytes,
+        "needed_more_bytes": diagnosis.needed_more_bytes,
+        "capacity_bytes": diagnosis.capacity_bytes,
+        "allocated_bytes": diagnosis.allocated_bytes,
+        "reserved_bytes": diagnosis.reserved_bytes,
+        "process_bytes": diagnosis.message.process_bytes,
+        "breakdown": breakdown_to_dict(diagnosis.breakdown),
+        "last_good_step": [phase_peak_to_dict(peak) for peak in diagnosis.last_good_step],
+        "advice": [advice_to_dict(item) for item in diagnosis.advice],
+        "notes": list(diagnosis.notes),
+        "snapshot": str(diagnosis.snapshot) if diagnosis.snapshot is not None else None,
+    }
+
+
+def in_phase_order(phases: dict[Phase, PhasePeak]) -> list[tuple[Phase, PhasePeak]]:
+    """The phases present, in the order a training step runs them."""
+    return [(phase, phases[phase]) for phase in Phase if phase in phases]
+
+
+# ---------------------------------------------------------------------------------------------------------- decoding
+
+
+class Reader:
+    """Typed access to one JSON object, naming the field (``where.key``) in every error."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise FormatError(f"{where} must be an object, got {_kind(data)}")
+        self._data = data
+        self._where = where
+
+    def raw(self, key: str) -> Any:
+        """The field's value as it is (its type unchecked)."""
+        if key not in self._data:
+            raise FormatError(f"{self._where}: missing field {key!r}")
+        return self._data[key]
+
+    def _path(self, key: str) -> str:
+        return f"{self._where}.{key}"
+
+    def integer(self, key: str, minimum: int | None = 0) -> int:
+        """An integer field (bools refused), at least ``minimum``."""
+        return _as_int(self.raw(key), self._path(key), minimum)
+
+    def optional_integer(self, key: str, minimum: int | None = 0) -> int | None:
+        """An integer field or ``null``."""
+        value = self.raw(key)
+        return None if value is None else _as_int(value, self._path(key), minimum)
+
+    def optional_number(self, key: str, minimum: float | None = 0.0) -> float | None:
+        """A finite number or ``null``."""
+        value = self.raw(key)
+        return None if value is None else _as_float(value, self._path(key), minimum)
+
+    def number(self, key: str, minimum: float | None = 0.0) -> float:
+        """A finite number."""
+        return _as_float(self.raw(key), self._path(key), minimum)
+
+    def text(self, key: str) -> str:
+        """A string field."""
+        value = self.raw(key)
+        if not isinstance(value, str):
+            raise FormatError(f"{self._path(key)} must be a string, got {_kind(value)}")
+        return value
+
+    def optional_text(self, key: str) -> str | None:
+        """A string field or ``null``."""
+        return None if self.raw(key) is None else self.text(key)
+
+    def optional_flag(self, key: str) -> bool | None:
+        """``true``, ``false`` or ``null``."""
+        value = self.raw(key)
+        if value is not None and not isinstance(value, bool):
+            raise FormatError(f"{self._path(key)} must be true, false or null, got {_kind(value)}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        """``true`` or ``false``."""
+        value = self.optional_flag(key)
+        if value is None:
+            raise FormatError(f"{self._path(key)} must be true or false, got null")
+        return value
+
+    def child(self, key: str) -> Reader:
+        """A nested object."""
+        return Reader(self.raw(key), self._path(key))
+
+    def optional_child(self, key: str) -> Reader | None:
+        """A nested object or ``null``."""
+        value = self.raw(key)
+        return None if value is None else Reader(value, self._path(key))
+
+    def entries(self, key: str) -> list[tuple[str, Any]]:
+        """The entries of a nested object."""
+        value = self.raw(key)
+        if not isinstance(value, dict):
+            raise FormatError(f"{self._path(key)} must be an object, got {_kind(value)}")
+        return list(value.items())
+
+    def each(self, key: str, decode: Callable[[Any, str], T]) -> list[T]:
+        """A list field, each item decoded by ``decode(item, where)``."""
+        value = self.raw(key)
+        if not isinstance(value, list):
+            raise FormatError(f"{self._path(key)} must be a list, got {_kind(value)}")
+        return [decode(item, f"{self._path(key)}[{index}]") for index, item in enumerate(value)]
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _as_int(value: Any, where: str, minimum: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"{where} must be an integer, got {_kind(value)}")
+    if minimum is not None and value < minimum:
+        raise FormatError(f"{where} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_float(value: Any, where: str, minimum: float | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FormatError(f"{where} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise FormatError(f"{where} must be >= {minimum}, got {value}")
+    return float(value)
+
+
+def _phase(text: str, where: str) -> Phase:
+    try:
+        return Phase(text)
+    except ValueError:
+        raise FormatError(f"{where} must be one of {[phase.value for phase in Phase]}, got {text!r}") from None
+
+
+def breakdown_from_dict(data: Any, where: str) -> Breakdown | None:
+    """The breakdown :func:`breakdown_to_dict` wrote."""
+    if data is None:
+        return None
+    fields = Reader(data, where)
+    return Breakdown(
+        parameters=fields.integer("parameters"),
+        gradients=fields.integer("gradients"),
+        optimizer_state=fields.integer("optimizer_state"),
+        activations=fields.integer("activations"),
+        other=fields.optional_integer("other"),
+    )
+
+
+def phase_peak_from_dict(data: Any, where: str, peak_key: str = "peak_bytes", phase: Phase | None = None) -> PhasePeak:
+    """The phase peak :func:`phase_peak_to_dict` wrote (``phase`` given where the key names it)."""
+    fields = Reader(data, where)
+    return PhasePeak(
+        step=fields.integer("step"),
+        phase=phase if phase is not None else _phase(fields.text("phase"), f"{where}.phase"),
+        peak_bytes=fields.integer(peak_key),
+        reserved_bytes=fields.optional_integer("reserved_bytes"),
+        breakdown=breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown"),
+    )
+
+
+def optional_phase_peak_from_dict(data: Any, where: str) -> PhasePeak | None:
+    """A phase peak or ``null``."""
+    return None if data is None else phase_peak_from_dict(data, where)
+
+
+def step_pair_from_list(data: Any, where: str) -> tuple[int, int]:
+    """A ``[step, peak_bytes]`` pair (the compact form checkpoint state keeps recent peaks in)."""
+    if not isinstance(data, list) or len(data) != 2:
+        raise FormatError(f"{where} must be [step, peak_bytes], got {_kind(data)}")
+    return _as_int(data[0], f"{where}[0]", 0), _as_int(data[1], f"{where}[1]", 0)
+
+
+def advice_from_dict(data: Any, where: str) -> Advice:
+    """The advice :func:`advice_to_dict` wrote."""
+    fields = Reader(data, where)
+    severity = fields.text("severity")
+    if severity not in SEVERITIES:
+        raise FormatError(f"{where}.severity must be one of {list(SEVERITIES)}, got {severity!r}")
+    return Advice(
+        id=fields.text("id"),
+        severity=severity,
+        title=fields.text("title"),
+        detail=fields.text("detail"),
+        evidence=fields.text("evidence"),
+        estimated_saving_bytes=fields.optional_integer("estimated_saving_bytes", minimum=None),
+        estimated_saving_seconds=fields.optional_number("estimated_saving_seconds", minimum=None),
+    )
+
+
+def module_from_dict(data: Any, where: str) -> ModuleProfile:
+    """A module profile: the report's three fields, or all of them as :func:`module_to_dict` wrote."""
+    fields = Reader(data, where)
+    name, type_name, saved = fields.text("name"), fields.text("type"), fields.integer("activation_bytes")
+    if "input_bytes" not in data:  # the report lists only what a reader needs
+        return ModuleProfile(name, type_name, saved)
+    return ModuleProfile(
+        name=name,
+        type=type_name,
+        activation_bytes=saved,
+        input_bytes=fields.integer("input_bytes"),
+        output_bytes=fields.integer("output_bytes"),
+        inplace=fields.optional_flag("inplace"),
+        input_saved_for_backward=fields.flag("input_saved_for_backward"),
+    )
+
+
+def attribution_from_dict(data: Any, where: str) -> Attribution | None:
+    """The counts :func:`attribution_to_dict` wrote."""
+    if data is None:
+        return None
+    fields = Reader(data, where)
+    phases = {}
+    for name, parts in fields.entries("phases"):
+        breakdown = breakdown_from_dict(parts, f"{where}.phases.{name}")
+        if breakdown is not None:
+            phases[_phase(name, f"{where}.phases")] = breakdown
+    return Attribution(
+        step=fields.integer("step"),
+        phases=phases,
+        modules=tuple(fields.each("modules", module_from_dict)),
+        batch_size=fields.optional_integer("batch_size"),
+    )
+
+
+def evaluation_from_dict(fields: Reader, key: str) -> tuple[EvaluationPeak, ...]:
+    """Evaluation peaks by stage, as :func:`evaluation_to_dict` wrote them."""
+    peaks = []
+    for stage, value in fields.entries(key):
+        peak = Reader(value, f"evaluation.{stage}")
+        peaks.append(
+            EvaluationPeak(
+                stage, peak.integer("peak_bytes"), peak.integer("reserved_bytes"), peak.integer("after_step")
+            )
+        )
+    return tuple(peaks)
+
+
+def step_point_from_dict(data: Any, where: str) -> StepPoint:
+    """One recent step's peak."""
+    fields = Reader(data, where)
+    return StepPoint(fields.integer("step"), fields.integer("peak_bytes"))
+
+
+def _capability(text: str | None, where: str) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()) or len(text) > 9:
+        raise FormatError(f"{where} must look like '8.0', got {text!r}")
+    return int(major), int(minor)
+
+
+def _fit_row(data: Any, where: str) -> FitRow:
+    fields = Reader(data, where)
+    return FitRow(fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"))
+
+
+def _rank(data: Any, where: str) -> RankSummary:
+    fields = Reader(data, where)
+    return RankSummary(
+        fields.integer("rank"),
+        fields.optional_integer("device_index"),
+        fields.optional_integer("peak_bytes"),
+        fields.integer("steps"),
+    )
+
+
+def _not_measured(data: Any, where: str) -> NotMeasured:
+    fields = Reader(data, where)
+    return NotMeasured(fields.text("what"), fields.text("reason"))
+
+
+def report_from_dict(data: Any) -> Report:
+    """Rebuild a :class:`Report` from its JSON form (what :func:`report_to_dict` wrote).
+
+    Fields the JSON does not carry (the run's timing window, allocator retries) come back as not measured.
+
+    Raises:
+        FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
+    """
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else _kind(data)
+        raise FormatError(f"not a lightning_vram report (schema {SCHEMA!r} expected, found {found!r})")
+    fields = Reader(data, "report")
+    device = fields.child("device")
+    timing = fields.child("timing")
+    peak = fields.raw("peak")
+    summary = RunSummary(
+        device=DeviceInfo(
+            type=device.text("type"),
+            name=device.text("name"),
+            index=device.optional_integer("index"),
+            total_bytes=device.optional_integer("total_bytes"),
+            compute_capability=_capability(device.optional_text("compute_capability"), "device.compute_capability"),
+        ),
+        peak=None if peak is None else phase_peak_from_dict(peak, "peak", peak_key="allocated_bytes"),
+        phases={
+            (phase := _phase(name, "phases")): phase_peak_from_dict(value, f"phases.{name}", phase=phase)
+            for name, value in fields.entries("phases")
+        },
+        modules=tuple(fields.each("modules", module_from_dict)),
+        batch_size=fields.optional_integer("batch_size"),
+        step_seconds_median=timing.optional_number("step_seconds_median"),
+        data_wait_fraction=timing.optional_number("data_wait_fraction"),
+        recent_data_wait_fraction=None,
+        timed_steps=0,
+        gpu_utilization_mean=timing.optional_number("gpu_utilization_mean"),
+        alloc_retries=None,
+        cuda_context_bytes=None,
+        recovered_ooms=fields.optional_integer("recovered_ooms"),
+        steps=fields.integer("steps"),
+        recent_peaks=tuple(fields.each("recent_peaks", step_point_from_dict)),
+        evaluation=evaluation_from_dict(fields, "evaluation"),
+    )
+    return Report(
+        summary=summary,
+        precision=fields.optional_text("precision"),
+        modules=summary.modules,
+        advice=tuple(fields.each("advice", advice_from_dict)),
+        fit=tuple(fields.each("fit", _fit_row)),
+        ranks=tuple(fields.each("ranks", _rank)),
+        not_measured=tuple(fields.each("not_measured", _not_measured)),
+    )

@@ -1,0 +1,1 @@
+"""Measuring: device probes, NVML, timing, tensor counting and attribution, and the run's aggregates."""

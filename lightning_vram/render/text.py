@@ -1,0 +1,196 @@
+"""The report in words: the headline, the console summary and the Markdown report (and the OOM diagnosis's).
+
+Every string that comes from the user's model (module names, class names) is escaped before it enters Markdown.
+"""
+
+from __future__ import annotations
+
+from lightning_vram.codec import CATEGORIES, in_phase_order
+from lightning_vram.records import Advice, EvaluationPeak, OomDiagnosis, Report
+from lightning_vram.units import format_bytes, format_percent
+
+
+def saving_text(advice: Advice) -> str | None:
+    """The expected saving in words, or ``None`` when the advice estimates none."""
+    savings = []
+    if advice.estimated_saving_bytes is not None:
+        savings.append(f"about {format_bytes(advice.estimated_saving_bytes)} of peak memory")
+    if advice.estimated_saving_seconds is not None:
+        savings.append(f"up to {1000 * advice.estimated_saving_seconds:.1f} ms per step")
+    return ", ".join(savings) if savings else None
+
+
+def headline(report: Report) -> str:
+    """One sentence: the peak, where it happened, and what held most of it."""
+    peak = report.peak
+    if peak is None:
+        return "No step was measured."
+    capacity = report.device.total_bytes
+    share = f" ({format_percent(peak.peak_bytes / capacity)} of {format_bytes(capacity)})" if capacity else ""
+    text = f"Peak {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
+    if peak.breakdown is None:
+        return text + "."
+    largest = peak.breakdown.largest_part
+    return f"{text}; {largest.replace('_', ' ')} held {format_bytes(peak.breakdown.to_dict()[largest])}."
+
+
+def evaluation_text(peaks: tuple[EvaluationPeak, ...]) -> str:
+    """Each evaluation stage's peak, in one line."""
+    return ", ".join(
+        f"{peak.stage} {format_bytes(peak.peak_bytes)}"
+        + (f" (after step {peak.after_step})" if peak.after_step else "")
+        for peak in peaks
+    )
+
+
+def ranks_line(report: Report) -> str | None:
+    """Under distributed training: the rank with the highest peak and the spread between ranks."""
+    measured = [rank for rank in report.ranks if rank.peak_bytes is not None]
+    if len(report.ranks) < 2 or not measured:
+        return None
+    highest = max(measured, key=lambda rank: rank.peak_bytes or 0)
+    lowest = min(measured, key=lambda rank: rank.peak_bytes or 0)
+    spread = (highest.peak_bytes or 0) - (lowest.peak_bytes or 0)
+    return (
+        f"{len(report.ranks)} ranks: rank {highest.rank} peaked highest ({format_bytes(highest.peak_bytes)}),"
+        f" {format_bytes(spread)} above rank {lowest.rank}"
+    )
+
+
+def _timing_line(report: Report) -> str:
+    timing = report.timing
+    step = f"{1000 * timing.step_seconds_median:.1f} ms" if timing.step_seconds_median is not None else "n/a"
+    utilization = f"{timing.gpu_utilization_mean:.0f}%" if timing.gpu_utilization_mean is not None else "n/a"
+    return f"step {step} median, data wait {format_percent(timing.data_wait_fraction)}, GPU utilization {utilization}"
+
+
+def summary_text(report: Report, top_modules: int = 3) -> str:
+    """A few lines for the console at the end of training."""
+    device = report.device
+    lines = [f"VRAM report: {device.name} ({device.type}), {report.steps} steps", f"  {headline(report)}"]
+    if (ranks := ranks_line(report)) is not None:
+        lines.append(f"  {ranks}")
+    peak = report.peak
+    if peak is not None:
+        if peak.breakdown is not None:
+            parts = peak.breakdown
+            lines.append(
+                f"  parameters {format_bytes(parts.parameters)} | gradients {format_bytes(parts.gradients)}"
+                f" | optimizer state {format_bytes(parts.optimizer_state)}"
+                f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
+            )
+        phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
+        lines.append(f"  phase peaks: {phases}")
+    if report.evaluation:
+        lines.append(f"  evaluation peaks: {evaluation_text(report.evaluation)}")
+    if report.modules:
+        top = ", ".join(
+            f"{row.name} ({row.type}) {format_bytes(row.activation_bytes)}" for row in report.modules[:top_modules]
+        )
+        lines.append(f"  most activations saved by: {top}")
+    lines.append(f"  {_timing_line(report)}")
+    if report.recovered_ooms:
+        lines.append(
+            f"  recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
+        )
+    for advice in report.advice:
+        lines.append(f"  advice [{advice.id}]: {advice.title}")
+    for item in report.not_measured:
+        lines.append(f"  not measured: {item.what} ({item.reason})")
+    return "\n".join(lines)
+
+
+def advice_markdown(advice: tuple[Advice, ...]) -> str:
+    """The advice as Markdown: one section each with evidence, saving and the change to make."""
+    if not advice:
+        return "No advice: no rule found a change worth making in this run's measurements.\n"
+    sections = []
+    for item in advice:
+        saving = saving_text(item)
+        saving_line = f"\n**Expected saving:** {saving}\n" if saving else "\n"
+        sections.append(
+            f"### {item.title}\n\n`{item.id}` · {item.severity}\n\n**Evidence:** {item.evidence}\n"
+            f"{saving_line}\n{item.detail}\n"
+        )
+    return "\n".join(sections)
+
+
+def markdown(report: Report) -> str:
+    """The whole report as Markdown, for a terminal or a pull-request comment."""
+    device = report.device
+    lines = [
+        "# VRAM report",
+        "",
+        f"**{headline(report)}**",
+        "",
+        *([ranks, ""] if (ranks := ranks_line(report)) is not None else []),
+        f"{device.name} ({device.type}), capacity {format_bytes(device.total_bytes)}; precision"
+        f" {report.precision or 'n/a'}; batch size {report.batch_size or 'n/a'}; {report.steps} steps; "
+        + _timing_line(report)
+        + ".",
+        "",
+        "## Breakdown at each phase's peak",
+        "",
+        "| phase | peak | " + " | ".join(name.replace("_", " ") for name in CATEGORIES) + " |",
+        "|---|---:|" + "---:|" * len(CATEGORIES),
+    ]
+    for phase, peak in in_phase_order(report.phases):
+        values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
+        cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
+        lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
+    if report.evaluation:
+        lines += ["", f"Evaluation peaks: {evaluation_text(report.evaluation)}."]
+    if report.modules:
+        lines += ["", "## Modules saving the most activations", "", "| module | type | saved |", "|---|---|---:|"]
+        lines += [f"| `{row.name}` | {row.type} | {format_bytes(row.activation_bytes)} |" for row in report.modules]
+    lines += ["", "## Advice", "", advice_markdown(report.advice).rstrip()]
+    if report.fit:
+        lines += ["", "## Largest batch of this run per GPU", "", "| GPU | capacity | batch |", "|---|---:|---:|"]
+        lines += [f"| {row.device} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size} |" for row in report.fit]
+    if report.not_measured:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {item.what}: {item.reason}" for item in report.not_measured]
+    return "\n".join(lines) + "\n"
+
+
+def oom_headline(diagnosis: OomDiagnosis) -> str:
+    """One line: what was needed, where, and what held the most."""
+    more = diagnosis.needed_more_bytes
+    if more is not None:
+        need = f"needed {format_bytes(more)} more"
+    elif diagnosis.message.tried_bytes is not None:
+        need = f"tried to allocate {format_bytes(diagnosis.message.tried_bytes)}"
+    else:
+        need = "ran out of memory"
+    text = f"{need} in {diagnosis.where} of step {diagnosis.step}"
+    if diagnosis.breakdown is not None:
+        largest = diagnosis.breakdown.largest_part
+        text += f"; {largest.replace('_', ' ')} held {format_bytes(diagnosis.breakdown.to_dict()[largest])}"
+    return text
+
+
+def oom_markdown(diagnosis: OomDiagnosis) -> str:
+    """The diagnosis as Markdown; its first line is the headline."""
+    message = diagnosis.message
+    lines = [
+        f"# Out of memory: {oom_headline(diagnosis)}",
+        "",
+        f"Rank {diagnosis.rank}. Tried to allocate {format_bytes(message.tried_bytes)} with"
+        f" {format_bytes(message.free_bytes)} free of {format_bytes(diagnosis.capacity_bytes)};"
+        f" allocated {format_bytes(diagnosis.allocated_bytes)}, reserved {format_bytes(diagnosis.reserved_bytes)}.",
+    ]
+    if diagnosis.breakdown is not None:
+        lines += ["", "| at the failure | bytes |", "|---|---:|"]
+        lines += [
+            f"| {name.replace('_', ' ')} | {format_bytes(value)} |"
+            for name, value in diagnosis.breakdown.to_dict().items()
+        ]
+    if diagnosis.last_good_step:
+        peaks = ", ".join(f"{peak.phase.value} {format_bytes(peak.peak_bytes)}" for peak in diagnosis.last_good_step)
+        lines += ["", f"Last good step ({diagnosis.last_good_step[0].step}): {peaks}."]
+    lines += ["", "## What to change, largest saving first", "", advice_markdown(diagnosis.advice).rstrip()]
+    if diagnosis.notes or diagnosis.snapshot is not None:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in diagnosis.notes]
+        if diagnosis.snapshot is not None:
+            lines.append(f"- Allocator history: `{diagnosis.snapshot}`; open it at https://pytorch.org/memory_viz")
+    return "\n".join(lines) + "\n"
