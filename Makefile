@@ -1,35 +1,43 @@
-# Two commands set up a fresh machine: `make demo` and `make test` (each builds .venv first if needed).
+# Two commands set up a fresh machine: `make demo` and `make test` (each builds .venv first with what it needs).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 # torch==2.13.0 from PyPI is a CUDA build on Linux x86_64; on machines with a local CPU wheel it takes that.
 # Override for another build, e.g. `make test TORCH="torch==2.5.1"`.
 TORCH ?= torch==2.13.0
-# DeepSpeed for the ZeRO tests (they run it on the CPU). Its setup.py imports torch, so it builds without isolation.
+# DeepSpeed for the ZeRO tests only (they run it on the CPU). Its setup.py imports torch: no build isolation.
 DEEPSPEED ?= deepspeed==0.19.8
-STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
+TEST_STAMP := $(VENV)/.test-installed
 
 .PHONY: demo test benchmark clean
 
-$(STAMP): pyproject.toml
+# The demo needs torch, the package and rich (the console table): nothing the tests alone need.
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[test]"
-	$(BIN)/pip install --quiet --disable-pip-version-check "setuptools>=69"
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-build-isolation "$(DEEPSPEED)"
-	touch $(STAMP)
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[rich]"
+	touch $(DEMO_STAMP)
 
-demo: $(STAMP)
+$(TEST_STAMP): $(DEMO_STAMP) pyproject.toml
+	$(PIP) -e ".[test]"
+	$(PIP) "setuptools>=69"
+	$(PIP) --no-build-isolation "$(DEEPSPEED)"
+	touch $(TEST_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/quickstart.py
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
-benchmark: $(STAMP)
+benchmark: $(TEST_STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/hot_path.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .mypy_cache .ruff_cache .pytest_cache

@@ -69,11 +69,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     loader = DataLoader(synthetic_images(arguments.batch_size * 16), batch_size=arguments.batch_size, shuffle=True)
-    monitor = VramMonitor(log_every_n_steps=10, attribution_every_n_steps=20)
+    monitor = VramMonitor(attribution_every_n_steps=20)
     trainer = pl.Trainer(
         accelerator="auto",
         devices=1,
         max_steps=arguments.max_steps,
+        log_every_n_steps=10,  # 16 batches an epoch: Lightning's default of 50 would log nothing (and warn)
         logger=TensorBoardLogger(arguments.root_dir, name="quickstart"),
         callbacks=[monitor],
         enable_progress_bar=False,

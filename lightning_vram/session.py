@@ -370,6 +370,8 @@ class VramSession:
                 self._tracker.end_step(attribution)
             except Exception as error:  # noqa: BLE001 -- the guard
                 guard.fail(Part.TRACKER, error)
+        else:
+            self._tracker.count_step()  # peaks are off, the step count still drives sampling and the report
         if guard.enabled(Part.TIMING):
             try:
                 self._timer.batch_ended(time.perf_counter())

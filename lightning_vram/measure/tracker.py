@@ -140,6 +140,10 @@ class MemoryTracker:
             self.recovered_ooms = (self.recovered_ooms or 0) + count - seen
         self._ooms_seen = count
 
+    def count_step(self) -> None:
+        """A step ended that is not folded (the tracker failed): it still counts."""
+        self.steps += 1
+
     def end_step(self, attribution: Attribution | None) -> None:
         """Fold the step that ends now: its allocator peaks (CUDA) and, on sampled steps, its counted parts."""
         step = self.steps

@@ -1,0 +1,119 @@
+"""Runs that train nothing, fast_dev_run, checkpoint state that cannot be used, and two monitors in one Trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trainer
+
+from lightning_vram import VramMonitor, VramMonitorWarning
+from lightning_vram.session import NO_STEP
+
+
+@pytest.mark.parametrize("options", [{"limit_train_batches": 0}, {"max_epochs": 0, "max_steps": -1}])
+def test_a_run_that_trains_nothing_gives_an_empty_report(tmp_path: Path, options: dict[str, Any]) -> None:
+    monitor = VramMonitor(console_summary=False)
+    trainer(tmp_path, [monitor], **options).fit(Classifier(linear_net()), loader(dataset_for("linear")))
+    report = monitor.report
+    assert report is not None
+    assert report.steps == 0 and report.peak is None and report.advice == ()
+    assert NO_STEP in report.not_measured
+    assert json.loads((tmp_path / "vram_report.json").read_text())["steps"] == 0
+    assert report.to_dict()["peak"] is None
+
+
+def test_fast_dev_run_writes_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monitor = VramMonitor(attribution_start_step=0, console_summary=False)
+    trainer(tmp_path / "root", [monitor], fast_dev_run=True).fit(
+        Classifier(linear_net()), loader(dataset_for("linear"))
+    )
+    assert monitor.report is not None and monitor.report.steps == 1
+    assert monitor.report_path is None
+    assert list(tmp_path.rglob("vram_report.*")) == []
+
+
+def checkpoint_of_a_run(tmp_path: Path, monitor: VramMonitor | None) -> tuple[Path, str]:
+    callbacks = [monitor] if monitor is not None else []
+    fit = trainer(tmp_path / "first", callbacks, max_steps=4)
+    fit.fit(Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)))
+    path = tmp_path / "run.ckpt"
+    fit.save_checkpoint(path)
+    return path, monitor.state_key if monitor is not None else ""
+
+
+CORRUPTIONS: dict[str, Any] = {
+    "a string": "not a state",
+    "another version": {"version": 1, "tracker": {}, "timer": {}},
+    "a missing key": {"version": 2, "timer": {}},
+    "a negative step count": "negative",
+    "a string where bytes go": "string-bytes",
+    "a list where seconds go": "list-seconds",
+}
+
+
+def corrupted(state: dict[str, Any], how: str) -> Any:
+    corruption = CORRUPTIONS[how]
+    if corruption == "negative":
+        state["tracker"]["steps"] = -3
+    elif corruption == "string-bytes":
+        state["tracker"]["peak"]["peak_bytes"] = "900"
+    elif corruption == "list-seconds":
+        state["timer"]["run_total"] = [1.0]
+    else:
+        return corruption
+    return state
+
+
+@pytest.mark.parametrize("how", list(CORRUPTIONS))
+def test_corrupted_monitor_state_warns_once_and_starts_fresh(tmp_path: Path, how: str) -> None:
+    first = VramMonitor(attribution_start_step=0, console_summary=False)
+    path, key = checkpoint_of_a_run(tmp_path, first)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"][key] = corrupted(checkpoint["callbacks"][key], how)
+    torch.save(checkpoint, path)
+
+    second = VramMonitor(attribution_start_step=0, console_summary=False)
+    with pytest.warns(VramMonitorWarning, match="monitor state cannot be used") as warned:
+        trainer(tmp_path / "second", [second], max_steps=6).fit(
+            Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)), ckpt_path=path
+        )
+    assert sum("monitor state cannot be used" in str(item.message) for item in warned) == 1
+    assert second.report is not None and second.report.steps == 2  # fresh: only the steps since the resume
+
+
+def test_resuming_from_a_checkpoint_written_without_the_monitor_says_so(tmp_path: Path) -> None:
+    path, _ = checkpoint_of_a_run(tmp_path, None)
+    monitor = VramMonitor(console_summary=False)
+    with pytest.warns(VramMonitorWarning, match="carries no state of this monitor"):
+        trainer(tmp_path / "second", [monitor], max_steps=6).fit(
+            Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)), ckpt_path=path
+        )
+    assert monitor.report is not None and monitor.report.steps == 2
+
+
+def test_two_monitors_with_different_settings_work_in_one_trainer_and_resume(tmp_path: Path) -> None:
+    often = VramMonitor(attribution_start_step=0, attribution_every_n_steps=1, console_summary=False)
+    once = VramMonitor(attribution_start_step=3, attribution_every_n_steps=None, console_summary=False)
+    assert often.state_key != once.state_key
+    fit = trainer(tmp_path / "first", [often, once], max_steps=4)
+    fit.fit(Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)))
+    assert often.report is not None and once.report is not None
+    assert often.report.steps == once.report.steps == 4
+    path = tmp_path / "run.ckpt"
+    fit.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["callbacks"]
+    assert saved[often.state_key]["tracker"]["steps"] == saved[once.state_key]["tracker"]["steps"] == 4
+
+    again = [
+        VramMonitor(attribution_start_step=0, attribution_every_n_steps=1, console_summary=False),
+        VramMonitor(attribution_start_step=3, attribution_every_n_steps=None, console_summary=False),
+    ]
+    trainer(tmp_path / "second", list(again), max_steps=6).fit(
+        Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)), ckpt_path=path
+    )
+    assert [monitor.report.steps for monitor in again if monitor.report is not None] == [6, 6]

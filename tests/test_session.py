@@ -1,0 +1,162 @@
+"""VramSession without a Trainer: a plain loop gives the callback's report; the examples run and count exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+from torch import nn
+
+from lightning_vram import VramMonitor, VramSession
+from lightning_vram.records import Phase
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+TIMING_FIELDS = ("step_seconds_median", "data_wait_fraction")
+
+
+def plain_loop(session: VramSession, module: Classifier, steps: int) -> None:
+    """Lightning's automatic optimization, written out: forward, zero_grad, backward, step."""
+    optimizer = module.configure_optimizers()
+    data = loader(dataset_for("cnn"))
+    session.start(module, optimizers=[optimizer], dataloader=data)
+    for step, batch in enumerate(data):
+        if step == steps:
+            break
+        session.batch_start(batch)
+        loss = module.training_step(batch, step)
+        optimizer.zero_grad()
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        optimizer.step()
+        session.batch_end()
+    session.finish()
+
+
+def without_timing(report: dict[str, Any]) -> dict[str, Any]:
+    report = dict(report)
+    report["timing"] = {key: value for key, value in report["timing"].items() if key not in TIMING_FIELDS}
+    return report
+
+
+def test_monitor_and_session_give_the_same_report_on_the_same_training(tmp_path: Path) -> None:
+    options: dict[str, Any] = {"attribution_start_step": 1, "attribution_every_n_steps": 2, "console_summary": False}
+    torch.manual_seed(0)
+    monitor = VramMonitor(**options)
+    trainer(tmp_path / "trainer", [monitor], max_steps=5).fit(
+        Classifier(cnn_net(), OPTIMIZERS["adam"]), loader(dataset_for("cnn"))
+    )
+    torch.manual_seed(0)
+    session = VramSession(log_dir=tmp_path / "plain", **options)
+    plain_loop(session, Classifier(cnn_net(), OPTIMIZERS["adam"]), steps=5)
+
+    assert monitor.report is not None and session.report is not None
+    by_trainer, by_session = monitor.report.to_dict(), session.report.to_dict()
+    assert by_trainer["steps"] == by_session["steps"] == 5
+    assert by_trainer["phases"]["forward"]["breakdown"]["parameters"] == PARAMETER_COUNTS["cnn"] * FLOAT32
+    assert without_timing(by_trainer) == without_timing(by_session)
+    assert json.loads((tmp_path / "plain" / "vram_report.json").read_text()) == by_session
+
+
+def test_session_returns_interval_scalars_at_each_interval_end() -> None:
+    session = VramSession(log_every_n_steps=2, attribution_start_step=0, attribution_every_n_steps=1)
+    module = Classifier(cnn_net())
+    optimizer = module.configure_optimizers()
+    session.start(module, optimizers=[optimizer])
+    returned = []
+    for step, batch in enumerate(loader(dataset_for("cnn"))):
+        if step == 4:
+            break
+        session.batch_start(batch)
+        loss = module.training_step(batch, step)
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        returned.append(dict(session.batch_end()))
+    report = session.finish(gather_ranks=False)
+    assert [bool(scalars) for scalars in returned] == [False, True, False, True]
+    assert report is not None and report.peak is not None
+    assert returned[3]["vram/peak/parameters_bytes"] == PARAMETER_COUNTS["cnn"] * FLOAT32
+    assert returned[1]["vram/phase_peak/optimizer_bytes"] > 0
+    assert not any(name.startswith("vram/allocated") for name in returned[3])  # not measured on the CPU
+
+
+def tiny_transformer_parameters(width: int = 64, vocabulary: int = 1000, layers: int = 2) -> tuple[int, int]:
+    """(elements, tensors) of examples/plain_pytorch.py's TinyTransformer, from the layer formulas (DOMAIN.md)."""
+    feedforward = 4 * width
+    layer = (3 * width * width + 3 * width) + (width * width + width)  # attention in/out projections
+    layer += (feedforward * width + feedforward) + (width * feedforward + width) + 2 * (2 * width)  # FFN, norms
+    elements = vocabulary * width + layers * layer + (width * 10 + 10)
+    return elements, 1 + 12 * layers + 2
+
+
+def small_cnn_parameters() -> tuple[int, int]:
+    """(elements, tensors) of examples/fabric_loop.py's small CNN."""
+    elements = (3 * 32 * 9 + 32) + 2 * 32 + (32 * 64 * 9 + 64) + 2 * 64 + (64 * 10 + 10)
+    return elements, 10
+
+
+@pytest.mark.parametrize(
+    ("script", "parameters"),
+    [("plain_pytorch.py", tiny_transformer_parameters), ("fabric_loop.py", small_cnn_parameters)],
+)
+def test_examples_write_reports_with_exact_model_state(tmp_path: Path, script: str, parameters: Any) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--log-dir", str(tmp_path), "--steps", "6", "--batch-size", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "vram_report.json").read_text())
+    elements, tensors = parameters()
+    parameter_bytes = elements * FLOAT32
+    optimizer = report["phases"][Phase.OPTIMIZER.value]["breakdown"]
+    assert report["steps"] == 6
+    assert optimizer["parameters"] == parameter_bytes
+    assert optimizer["gradients"] == parameter_bytes  # every gradient is alive when the optimizer steps
+    # Adam(W): two moments per parameter and one 4-byte `step` tensor per parameter tensor.
+    assert optimizer["optimizer_state"] == 2 * parameter_bytes + FLOAT32 * tensors
+    # zero_grad() sets gradients to None: the forward pass sees none.
+    assert report["phases"][Phase.FORWARD.value]["breakdown"]["gradients"] == 0
+    assert (tmp_path / "vram_report.md").exists() and (tmp_path / "vram_report.html").exists()
+
+
+def test_a_session_used_out_of_order_does_nothing_and_raises_nothing() -> None:
+    session = VramSession()
+    session.before_backward()
+    session.before_optimizer_step()
+    assert session.batch_end() == {}
+    assert session.finish() is None
+    session.close()
+    session.fail(RuntimeError("not started"))
+    assert session.report is None
+
+
+def test_session_arguments_fail_at_construction_naming_the_argument() -> None:
+    with pytest.raises(TypeError, match="log_dir must be a path"):
+        VramSession(log_dir=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="top_modules must be >= 1, got 0"):
+        VramSession(top_modules=0)
+
+
+def test_a_model_without_parameters_reports_zero_model_state(tmp_path: Path) -> None:
+    session = VramSession(log_dir=tmp_path, attribution_start_step=0, console_summary=False)
+    model = nn.ReLU()
+    session.start(model)
+    session.batch_start(torch.ones(2, 3))
+    model(torch.ones(2, 3, requires_grad=True)).sum()
+    session.before_backward()
+    session.batch_end()
+    report = session.finish()
+    assert report is not None and report.peak is not None and report.peak.breakdown is not None
+    assert report.peak.breakdown.parameters == 0
