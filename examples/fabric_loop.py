@@ -13,7 +13,7 @@ import argparse
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import TensorBoardLogger
+from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,6 +34,14 @@ def small_cnn() -> nn.Module:
         nn.Flatten(),
         nn.Linear(64, 10),
     )
+
+
+def gather_floats(fabric: Fabric, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values``, rank by rank, through Fabric's all_gather (one collective)."""
+    gathered = fabric.all_gather(torch.tensor(values, dtype=torch.float64))
+    assert isinstance(gathered, torch.Tensor)  # a tensor in, a tensor out
+    rows: list[list[float]] = gathered.reshape(fabric.world_size, len(values)).tolist()
+    return rows
 
 
 def synthetic_images(samples: int, seed: int = 0) -> TensorDataset:
@@ -70,11 +78,7 @@ def main() -> None:
         precision=str(arguments.precision),
         rank=fabric.global_rank,
         world_size=fabric.world_size,
-        gather=lambda values: (
-            fabric.all_gather(torch.tensor(values, dtype=torch.float64))
-            .reshape(fabric.world_size, len(values))
-            .tolist()
-        ),
+        gather=lambda values: gather_floats(fabric, values),
     )
     try:
         for step, (images, labels) in enumerate(loader):

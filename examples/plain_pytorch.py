@@ -68,7 +68,7 @@ def main() -> None:
             tokens, labels = tokens.to(device), labels.to(device)
             loss = nn.functional.cross_entropy(model(tokens), labels)
             session.before_backward()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated
             session.before_optimizer_step()
             optimizer.step()
             optimizer.zero_grad()

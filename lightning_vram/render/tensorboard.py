@@ -46,7 +46,7 @@ class TensorBoardWriter(Protocol):
         """Write the Custom Scalars layout."""
         ...
 
-    def add_image(self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW") -> None:
+    def add_image(self, tag: str, img_tensor: Any, global_step: int | None = None, *, dataformats: str = "CHW") -> None:
         """Write an image under ``tag`` at ``global_step``."""
         ...
 
