@@ -207,9 +207,6 @@ class VramMonitor(Callback):
 
     # Evaluation: validation inside fit is recorded beside training; a standalone validate/test/predict alone.
 
-    def _start_evaluation(self, pl_module: pl.LightningModule, stage: str) -> None:
-        self.session.start_evaluation(stage, pl_module)
-
     def _end_evaluation(self, trainer: pl.Trainer) -> None:
         peak = self.session.end_evaluation()
         if peak is None or not trainer.is_global_zero:
@@ -224,7 +221,7 @@ class VramMonitor(Callback):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.break_continuity()
-        self._start_evaluation(pl_module, "validation")
+        self.session.start_evaluation("validation", pl_module)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -232,7 +229,7 @@ class VramMonitor(Callback):
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_evaluation(pl_module, "test")
+        self.session.start_evaluation("test", pl_module)
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -240,7 +237,7 @@ class VramMonitor(Callback):
 
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_evaluation(pl_module, "predict")
+        self.session.start_evaluation("predict", pl_module)
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
