@@ -6,7 +6,6 @@ With callback.py, the only module that imports Lightning.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -14,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import TrainingSetup
+from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.tensorboard import TensorBoardWriter
 from lightning_vram.session import Gather
 
@@ -62,14 +62,15 @@ def strategy_gather(trainer: pl.Trainer) -> Gather:
     return gather
 
 
-def report_dir(trainer: pl.Trainer) -> Path | None:
+def report_dir(trainer: pl.Trainer) -> Location | None:
     """Where the report files go: the logger's ``log_dir``, else ``default_root_dir``; none under fast_dev_run.
 
-    Lightning turns logging off for ``fast_dev_run``; the monitor writes no files then either.
+    Lightning turns logging off for ``fast_dev_run``; the monitor writes no files then either. A remote log dir
+    (``TensorBoardLogger("s3://...")``) stays its URL, written through fsspec as Lightning writes there.
     """
     if getattr(trainer, "fast_dev_run", False):  # set by the Trainer at run time (not in its annotations)
         return None
-    return Path(trainer.log_dir or trainer.default_root_dir)
+    return as_location(trainer.log_dir or trainer.default_root_dir)
 
 
 def log_interval(trainer: pl.Trainer) -> int | None:

@@ -90,8 +90,8 @@ class VramMonitor(Callback):
         return self.session.report
 
     @property
-    def report_path(self) -> Path | None:
-        """Where ``vram_report.json`` was written, on global rank zero."""
+    def report_path(self) -> Path | str | None:
+        """Where ``vram_report.json`` was written, on global rank zero: a ``Path``, or a URL for a remote log dir."""
         return self.session.report_path
 
     @property

@@ -4,29 +4,40 @@
     lightning-vram html PATH -o FILE    the report as a standalone HTML page
     lightning-vram diff A B             what changed from run A to run B: peak, each part, advice
 
-A missing path or a file that is not a report prints one line and exits with status 2.
+A missing path, or a file that is not a report (not a regular file, too large, not UTF-8 JSON, or a field missing,
+of the wrong type or out of range), prints one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from lightning_vram.codec import CATEGORIES, FormatError, in_phase_order, report_from_dict
 from lightning_vram.records import Report
 from lightning_vram.render.files import JSON_FILENAME
 from lightning_vram.render.html import render_html
+from lightning_vram.render.markup import printable
 from lightning_vram.render.text import summary_text
 from lightning_vram.units import format_bytes
 
 USAGE_ERROR = 2
-MAX_REPORT_BYTES = 64 * 1024**2
+MAX_REPORT_BYTES = 16 * 1024**2
 """A report is a few hundred KiB at most; a larger file is not one, and is not read into memory."""
+SEARCH_DEPTH = 4
+"""How many directory levels below a given directory are searched for a report (Lightning writes it two down)."""
+SEARCH_DIRECTORIES = 10_000
+"""How many directories are searched at most, so that ``show ~`` answers in a moment."""
+MAX_MESSAGE_CHARACTERS = 1000
+MAX_INTEGER_DIGITS = 19
+"""No field holds more (integers are int64); longer ones are refused before Python converts them."""
 
 
 class CommandError(Exception):
@@ -37,15 +48,25 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits")
+    return int(text)
+
+
 def _read_text(path: Path) -> str:
-    """The file's text: a regular file of at most :data:`MAX_REPORT_BYTES`, in UTF-8."""
+    """The file's text: a regular file of at most :data:`MAX_REPORT_BYTES`, in UTF-8.
+
+    Opened without blocking and checked on the open file, so a FIFO or a device is refused, never waited on.
+    """
     try:
-        status = path.stat()
-        if not stat.S_ISREG(status.st_mode):
-            raise CommandError(f"{path}: not a regular file")
-        if status.st_size > MAX_REPORT_BYTES:
-            raise CommandError(f"{path}: {format_bytes(status.st_size)} is too large for a report")
-        with path.open("rb") as file:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(descriptor, "rb") as file:
+            status = os.fstat(file.fileno())
+            if not stat.S_ISREG(status.st_mode):
+                raise CommandError(f"{path}: not a regular file")
+            if status.st_size > MAX_REPORT_BYTES:
+                raise CommandError(f"{path}: {format_bytes(status.st_size)} is too large for a report")
             data = file.read(MAX_REPORT_BYTES + 1)
     except FileNotFoundError as error:
         raise CommandError(f"{path}: no such file or directory") from error
@@ -59,26 +80,59 @@ def _read_text(path: Path) -> str:
         raise CommandError(f"{path}: not UTF-8 text (byte {error.start})") from error
 
 
+def find_report(directory: Path) -> Path:
+    """The newest ``vram_report.json`` in ``directory`` or up to :data:`SEARCH_DEPTH` levels below it.
+
+    Symbolic links to directories are not followed (no loops); unreadable directories are skipped.
+    """
+    found: list[tuple[float, str]] = []
+    for searched, (root, directories, files) in enumerate(os.walk(directory), start=1):
+        if JSON_FILENAME in files:
+            candidate = os.path.join(root, JSON_FILENAME)
+            with contextlib.suppress(OSError):  # a dangling link or a file gone since: not a report
+                found.append((os.stat(candidate).st_mtime, candidate))
+        if searched >= SEARCH_DIRECTORIES:
+            break
+        if len(Path(root).relative_to(directory).parts) >= SEARCH_DEPTH:
+            directories.clear()
+    if not found:
+        raise CommandError(f"{directory}: no {JSON_FILENAME} in this directory or {SEARCH_DEPTH} levels below it")
+    return Path(max(found)[1])
+
+
 def load_report(path: Path) -> Report:
     """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it)."""
     if path.is_dir():
-        found = sorted(path.rglob(JSON_FILENAME), key=lambda candidate: candidate.stat().st_mtime)
-        if not found:
-            raise CommandError(f"{path}: no {JSON_FILENAME} in this directory or below it")
-        path = found[-1]
+        path = find_report(path)
     text = _read_text(path)
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=_refuse_constant, parse_int=_parse_int)
     except json.JSONDecodeError as error:
         raise CommandError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
-    except ValueError as error:  # Infinity/NaN, or an integer too long to convert
-        raise CommandError(f"{path}: not a report ({error})") from error
     except RecursionError as error:
         raise CommandError(f"{path}: not a report (nested too deeply)") from error
+    except ValueError as error:  # Infinity/NaN, or an integer too long
+        raise CommandError(f"{path}: not a report ({error})") from error
     try:
         return report_from_dict(data)
     except FormatError as error:
         raise CommandError(f"{path}: {error}") from error
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARACTERS) -> str:
+    r"""``message`` as one printable line: control characters escaped, at most ``limit`` characters.
+
+    >>> print(one_line("a\nb\x1b[31m"))
+    a\nb\x1b[31m
+    """
+    text = printable(message)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _print(text: str, stream: TextIO) -> None:
+    """Print ``text``; characters the stream's encoding lacks are written as escapes, never an error."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    print(text.encode(encoding, errors="backslashreplace").decode(encoding), file=stream)
 
 
 def _change(before: int | None, after: int | None) -> str:
@@ -133,18 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
     try:
         if arguments.command == "show":
-            print(summary_text(load_report(arguments.path)))
+            _print(summary_text(load_report(arguments.path)), sys.stdout)
         elif arguments.command == "html":
             page = render_html(load_report(arguments.path))
             try:
-                arguments.output.write_text(page, encoding="utf-8")
+                arguments.output.write_bytes(page.encode("utf-8", errors="backslashreplace"))
             except OSError as error:
-                raise CommandError(f"{arguments.output}: {error.strerror}") from error
-            print(f"wrote {arguments.output}")
+                raise CommandError(f"{arguments.output}: {error.strerror or error}") from error
+            _print(f"wrote {arguments.output}", sys.stdout)
         else:
-            print(diff_text(load_report(arguments.before), load_report(arguments.after)))
+            _print(diff_text(load_report(arguments.before), load_report(arguments.after)), sys.stdout)
     except CommandError as error:
-        print(f"lightning-vram: error: {error}", file=sys.stderr)
+        _print(one_line(f"lightning-vram: error: {error}"), sys.stderr)
         return USAGE_ERROR
     return 0
 

@@ -35,6 +35,10 @@ OOM_SCHEMA = "lightning_vram.oom_report/1"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 """The parts of a breakdown, in the order every table shows them."""
 SEVERITIES = ("critical", "warning", "info")
+MAX_INTEGER = 2**63 - 1
+"""The largest integer a field may hold: byte counts and steps are int64 in torch, and beyond it floats overflow."""
+SHOWN_CHARACTERS = 60
+"""How much of a bad value an error message quotes."""
 
 T = TypeVar("T")
 
@@ -87,6 +91,10 @@ def module_to_dict(profile: ModuleProfile) -> dict[str, Any]:
         "output_bytes": profile.output_bytes,
         "inplace": profile.inplace,
         "input_saved_for_backward": profile.input_saved_for_backward,
+        "input_saved_bytes": profile.input_saved_bytes,
+        "output_saved_bytes": profile.output_saved_bytes,
+        "output_saved_for_backward": profile.output_saved_for_backward,
+        "input_feature_map": list(profile.input_feature_map) if profile.input_feature_map is not None else None,
     }
 
 
@@ -209,7 +217,7 @@ class Reader:
         return self._data[key]
 
     def _path(self, key: str) -> str:
-        return f"{self._where}.{key}"
+        return member(self._where, key)
 
     def integer(self, key: str, minimum: int | None = 0) -> int:
         """An integer field (bools refused), at least ``minimum``."""
@@ -282,19 +290,46 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def shown(value: Any) -> str:
+    """``repr(value)``, shortened to :data:`SHOWN_CHARACTERS`: an error message quotes a bad value, not a file.
+
+    >>> print(shown("x" * 100), shown([1, 2]))
+    'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx… a list of length 2
+    """
+    if isinstance(value, (list, dict)):
+        return f"a {_kind(value)} of length {len(value)}"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARACTERS else text[: SHOWN_CHARACTERS - 1] + "…"
+
+
+def member(where: str, key: str) -> str:
+    r"""The path of ``key`` in ``where`` for an error message: ``where.key``, or ``where['odd key']``.
+
+    >>> print(member("evaluation", "validation"), member("evaluation", "a.b\nc"))
+    evaluation.validation evaluation['a.b\nc']
+    """
+    if key.isidentifier() and key.isascii():
+        return f"{where}.{key}"
+    return f"{where}[{shown(key)}]"
+
+
 def _as_int(value: Any, where: str, minimum: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FormatError(f"{where} must be an integer, got {_kind(value)}")
     if minimum is not None and value < minimum:
-        raise FormatError(f"{where} must be >= {minimum}, got {value}")
+        raise FormatError(f"{where} must be >= {minimum}, got {shown(value)}")
+    if value > MAX_INTEGER:
+        raise FormatError(f"{where} must be at most 2**63 - 1, got {shown(value)}")
     return value
 
 
 def _as_float(value: Any, where: str, minimum: float | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise FormatError(f"{where} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FormatError(f"{where} must be a number, got {_kind(value)}")
+    if (isinstance(value, int) and abs(value) > MAX_INTEGER) or not math.isfinite(value):
+        raise FormatError(f"{where} must be a finite number, got {shown(value)}")
     if minimum is not None and value < minimum:
-        raise FormatError(f"{where} must be >= {minimum}, got {value}")
+        raise FormatError(f"{where} must be >= {minimum}, got {shown(value)}")
     return float(value)
 
 
@@ -302,7 +337,7 @@ def _phase(text: str, where: str) -> Phase:
     try:
         return Phase(text)
     except ValueError:
-        raise FormatError(f"{where} must be one of {[phase.value for phase in Phase]}, got {text!r}") from None
+        raise FormatError(f"{where} must be one of {[phase.value for phase in Phase]}, got {shown(text)}") from None
 
 
 def breakdown_from_dict(data: Any, where: str) -> Breakdown | None:
@@ -348,7 +383,7 @@ def advice_from_dict(data: Any, where: str) -> Advice:
     fields = Reader(data, where)
     severity = fields.text("severity")
     if severity not in SEVERITIES:
-        raise FormatError(f"{where}.severity must be one of {list(SEVERITIES)}, got {severity!r}")
+        raise FormatError(f"{where}.severity must be one of {list(SEVERITIES)}, got {shown(severity)}")
     return Advice(
         id=fields.text("id"),
         severity=severity,
@@ -374,7 +409,19 @@ def module_from_dict(data: Any, where: str) -> ModuleProfile:
         output_bytes=fields.integer("output_bytes"),
         inplace=fields.optional_flag("inplace"),
         input_saved_for_backward=fields.flag("input_saved_for_backward"),
+        input_saved_bytes=fields.integer("input_saved_bytes"),
+        output_saved_bytes=fields.integer("output_saved_bytes"),
+        output_saved_for_backward=fields.flag("output_saved_for_backward"),
+        input_feature_map=_feature_map(fields.raw("input_feature_map"), f"{where}.input_feature_map"),
     )
+
+
+def _feature_map(data: Any, where: str) -> tuple[int, int] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list) or len(data) != 2:
+        raise FormatError(f"{where} must be [channels, positions] or null, got {_kind(data)}")
+    return _as_int(data[0], f"{where}[0]", 1), _as_int(data[1], f"{where}[1]", 1)
 
 
 def attribution_from_dict(data: Any, where: str) -> Attribution | None:
@@ -384,7 +431,7 @@ def attribution_from_dict(data: Any, where: str) -> Attribution | None:
     fields = Reader(data, where)
     phases = {}
     for name, parts in fields.entries("phases"):
-        breakdown = breakdown_from_dict(parts, f"{where}.phases.{name}")
+        breakdown = breakdown_from_dict(parts, member(f"{where}.phases", name))
         if breakdown is not None:
             phases[_phase(name, f"{where}.phases")] = breakdown
     return Attribution(
@@ -399,7 +446,7 @@ def evaluation_from_dict(fields: Reader, key: str) -> tuple[EvaluationPeak, ...]
     """Evaluation peaks by stage, as :func:`evaluation_to_dict` wrote them."""
     peaks = []
     for stage, value in fields.entries(key):
-        peak = Reader(value, f"evaluation.{stage}")
+        peak = Reader(value, member(key, stage))
         peaks.append(
             EvaluationPeak(
                 stage, peak.integer("peak_bytes"), peak.integer("reserved_bytes"), peak.integer("after_step")
@@ -419,7 +466,7 @@ def _capability(text: str | None, where: str) -> tuple[int, int] | None:
         return None
     major, dot, minor = text.partition(".")
     if not (dot and major.isdigit() and minor.isdigit()) or len(text) > 9:
-        raise FormatError(f"{where} must look like '8.0', got {text!r}")
+        raise FormatError(f"{where} must look like '8.0', got {shown(text)}")
     return int(major), int(minor)
 
 
@@ -452,8 +499,8 @@ def report_from_dict(data: Any) -> Report:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
     """
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else _kind(data)
-        raise FormatError(f"not a lightning_vram report (schema {SCHEMA!r} expected, found {found!r})")
+        found = shown(data.get("schema")) if isinstance(data, dict) else _kind(data)
+        raise FormatError(f"not a lightning_vram report (schema {SCHEMA!r} expected, found {found})")
     fields = Reader(data, "report")
     device = fields.child("device")
     timing = fields.child("timing")
@@ -468,7 +515,7 @@ def report_from_dict(data: Any) -> Report:
         ),
         peak=None if peak is None else phase_peak_from_dict(peak, "peak", peak_key="allocated_bytes"),
         phases={
-            (phase := _phase(name, "phases")): phase_peak_from_dict(value, f"phases.{name}", phase=phase)
+            (phase := _phase(name, "phases")): phase_peak_from_dict(value, member("phases", name), phase=phase)
             for name, value in fields.entries("phases")
         },
         modules=tuple(fields.each("modules", module_from_dict)),

@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_STEPS = 10**12
+"""Upper bound of every option counted in training steps (a trillion steps: far beyond any run)."""
+MAX_RECENT_STEPS = 10**6
+"""Upper bound of ``recent_steps``: the recent step peaks kept in memory for charts."""
+MAX_TOP_MODULES = 10**4
+"""Upper bound of ``top_modules``: rows of the module table in the report."""
+MAX_HISTORY_ENTRIES = 10**7
+"""Upper bound of ``history_max_entries``: allocation events (each with its Python stack) kept in memory."""
+MIN_INTERVAL_SECONDS = 0.01
+"""Lower bound of ``utilization_interval_seconds``: NVML's own sample window is 1/6 s to 1 s."""
+MAX_INTERVAL_SECONDS = 60.0
+"""Upper bound of ``utilization_interval_seconds``: a longer wait leaves most log intervals without a sample."""
 
-def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
+
+def _require_int(name: str, value: object, minimum: int, maximum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -13,13 +26,17 @@ def _require_int(name: str, value: object, minimum: int, allow_none: bool = Fals
         raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
 
 
-def _require_positive_number(name: str, value: object) -> None:
+def _require_seconds(name: str, value: object, minimum: float, maximum: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a positive number of seconds, got {value!r} ({type(value).__name__})")
     if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not minimum <= value <= maximum:  # also infinity; NaN failed the test above
+        raise ValueError(f"{name} must be a positive number of seconds from {minimum} to {maximum}, got {value!r}")
 
 
 def _require_bool(name: str, value: object) -> None:
@@ -43,16 +60,17 @@ class MonitorConfig:
     history_max_entries: int = 100_000
 
     def __post_init__(self) -> None:
-        _require_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
-        _require_int("attribution_start_step", self.attribution_start_step, 0)
-        _require_int("attribution_every_n_steps", self.attribution_every_n_steps, 1, allow_none=True)
+        _require_int("log_every_n_steps", self.log_every_n_steps, 1, MAX_STEPS, allow_none=True)
+        _require_int("attribution_start_step", self.attribution_start_step, 0, MAX_STEPS)
+        _require_int("attribution_every_n_steps", self.attribution_every_n_steps, 1, MAX_STEPS, allow_none=True)
         _require_bool("reset_peak_stats", self.reset_peak_stats)
-        _require_positive_number("utilization_interval_seconds", self.utilization_interval_seconds)
-        _require_int("top_modules", self.top_modules, 1)
-        _require_int("recent_steps", self.recent_steps, 1)
+        interval = self.utilization_interval_seconds
+        _require_seconds("utilization_interval_seconds", interval, MIN_INTERVAL_SECONDS, MAX_INTERVAL_SECONDS)
+        _require_int("top_modules", self.top_modules, 1, MAX_TOP_MODULES)
+        _require_int("recent_steps", self.recent_steps, 1, MAX_RECENT_STEPS)
         _require_bool("console_summary", self.console_summary)
         _require_bool("record_history", self.record_history)
-        _require_int("history_max_entries", self.history_max_entries, 1)
+        _require_int("history_max_entries", self.history_max_entries, 1, MAX_HISTORY_ENTRIES)
 
     def is_sampled(self, step: int) -> bool:
         """Whether ``step`` (0-based training batch of the run) gets tensor-by-tensor attribution.

@@ -128,6 +128,12 @@ class ModuleProfile:
     ``inplace``: its ``inplace`` flag where it has one (activation modules), else ``None``.
     ``input_saved_for_backward``: autograd already held its input for an earlier op when it ran,
     so an inplace version would break backward.
+    ``input_saved_bytes`` / ``output_saved_bytes``: its input / output storages that it or its submodules
+    saved for backward during its calls.
+    ``output_saved_for_backward``: autograd held its output when the forward pass ended, saved by it or by a
+    later op (observed for modules with an ``inplace`` flag only).
+    ``input_feature_map``: ``(channels, positions)`` of the convolutional feature map (the output of a Conv,
+    Pool or BatchNorm layer) a ``Linear`` read flattened, else ``None``.
     """
 
     name: str
@@ -137,6 +143,10 @@ class ModuleProfile:
     output_bytes: int = 0
     inplace: bool | None = None
     input_saved_for_backward: bool = False
+    input_saved_bytes: int = 0
+    output_saved_bytes: int = 0
+    output_saved_for_backward: bool = False
+    input_feature_map: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,12 +235,17 @@ class Advice:
 
 @dataclass(frozen=True)
 class LinearLayer:
-    """One ``nn.Linear`` of the model and its parameter bytes."""
+    """One ``nn.Linear`` of the model and its parameter bytes.
+
+    ``weight_bytes``: bytes of its own weight; 0 where the weight is shared with another module (tied weights
+    count once, with the module they are tied to).
+    """
 
     name: str
     in_features: int
     out_features: int
     parameter_bytes: int
+    weight_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,6 +263,9 @@ class TrainingSetup:
     strategy: str
     parameter_bytes: int
     linear_layers: tuple[LinearLayer, ...]
+    inplace_keeps_result: tuple[str, ...] = ()
+    """Out-of-place activation modules (by name) whose inplace variant saves only its result for backward,
+    as tried on a small tensor: inplace, their input and output become one saved tensor."""
 
 
 @dataclass(frozen=True)
@@ -284,12 +302,19 @@ class RunSummary:
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """Which modules to checkpoint, and the activation bytes that should save at the peak."""
+    """Which modules to checkpoint, and the activation bytes that should save at the peak.
+
+    ``units`` are the checkpointed units, each the names of the children of ``container`` it runs, in order;
+    ``forward_of`` is the module whose forward calls them (``container`` itself, or the parent of an
+    ``nn.ModuleList``; ``""`` for the LightningModule). With ``sequential_segments``, ``container`` is an
+    ``nn.Sequential`` run by ``checkpoint_sequential`` with that many segments (the last one not checkpointed).
+    """
 
     container: str
     units: tuple[tuple[str, ...], ...]
     sequential_segments: int | None
     saving_bytes: int
+    forward_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -444,3 +469,192 @@ class OomDiagnosis:
         from lightning_vram.codec import oom_diagnosis_to_dict  # the codec imports this module
 
         return oom_diagnosis_to_dict(self, self.headline())
+
+
+# ---------------------------------------------------------------------------------------------------- step replay
+
+
+@dataclass(frozen=True)
+class PrecisionChange:
+    """Replay the step in another precision, named as Lightning names it (``"bf16-mixed"``, ``"bf16-true"``...)."""
+
+    precision: str
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f'precision="{self.precision}"'
+
+
+@dataclass(frozen=True)
+class CheckpointChange:
+    """Replay the step with ``plan``'s units wrapped in non-reentrant activation checkpointing."""
+
+    plan: CheckpointPlan
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        plan = self.plan
+        where = plan.container or "(root)"
+        if plan.sequential_segments is not None:
+            return f"checkpoint {where} in {plan.sequential_segments} segments"
+        return f"checkpoint {len(plan.units)} units of {where}"
+
+
+@dataclass(frozen=True)
+class InplaceChange:
+    """Replay the step with ``inplace=True`` set on the named activation modules."""
+
+    modules: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f"inplace activations in {len(self.modules)} module(s)"
+
+
+@dataclass(frozen=True)
+class FreeGradientsChange:
+    """Replay the step with the previous step's gradients set to ``None`` before the forward pass."""
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return "gradients set to None before forward"
+
+
+@dataclass(frozen=True)
+class BatchSizeChange:
+    """Replay the step with every batch tensor's first dimension (the batch size) set to ``batch_size``."""
+
+    batch_size: int
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f"batch size {self.batch_size}"
+
+
+StepChange = PrecisionChange | CheckpointChange | InplaceChange | FreeGradientsChange | BatchSizeChange
+"""One change a replay can apply to the step."""
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    """One training step replayed under fake tensors: what it would hold, without holding it.
+
+    ``phases``: each phase's predicted allocator peak (every live tensor on the device, temporaries included, in
+    the CUDA allocator's 512-byte blocks) and its counted parts, with ``other`` the peak beyond them; ``step`` is
+    the step replayed. ``modules``: what each module saved, as a sampled step's profile. ``loss_activation_bytes``:
+    activations the loss's own ops saved (the log-softmax over the classes or vocabulary). ``seconds``: host time
+    the replay took. ``notes``: what the replay could not size (an op whose fake kernel leaves out a workspace).
+    """
+
+    device_type: str
+    precision: str
+    batch_size: int | None
+    phases: dict[Phase, PhasePeak]
+    modules: tuple[ModuleProfile, ...]
+    loss_activation_bytes: int
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak(self) -> PhasePeak:
+        """The phase with the highest predicted peak (the first in step order on a tie)."""
+        return max(self.phases.values(), key=lambda phase: phase.peak_bytes)
+
+    @property
+    def loss_activation_share(self) -> float:
+        """The loss's share of the forward pass's saved activations (0 when there are none)."""
+        forward = self.phases.get(Phase.FORWARD)
+        activations = forward.breakdown.activations if forward is not None and forward.breakdown else 0
+        return self.loss_activation_bytes / activations if activations else 0.0
+
+
+@dataclass(frozen=True)
+class ReplaySkipped:
+    """A replay that could not run, or whose baseline did not match the measured step: ``reason`` says why."""
+
+    reason: str
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PartMatch:
+    """One counted part of one phase: the sampled step's bytes against the replay's."""
+
+    phase: Phase
+    part: str
+    measured_bytes: int
+    replayed_bytes: int
+
+    @property
+    def relative_error(self) -> float:
+        """``|replayed - measured| / measured``; 0 when both are 0, infinite when only the measured is 0."""
+        difference = abs(self.replayed_bytes - self.measured_bytes)
+        if self.measured_bytes == 0:
+            return 0.0 if difference == 0 else float("inf")
+        return difference / self.measured_bytes
+
+
+@dataclass(frozen=True)
+class BaselineMatch:
+    """The replay of a sampled step against that step's counts, part by part, and the tolerance it must meet."""
+
+    step: int
+    parts: tuple[PartMatch, ...]
+    tolerance: float
+
+    @property
+    def matches(self) -> bool:
+        """Whether every part is within the tolerance."""
+        return all(part.relative_error <= self.tolerance for part in self.parts)
+
+    @property
+    def worst(self) -> PartMatch | None:
+        """The part furthest from the measured count."""
+        return max(self.parts, key=lambda part: part.relative_error, default=None)
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """One change replayed: the step it predicts, or why it was discarded (it raised, or the time ran out)."""
+
+    change: StepChange
+    replayed: ReplayedStep | None
+    discarded: str | None = None
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The replay of a run's sampled step and of each change tried on it.
+
+    ``baseline`` is the replayed step, ``match`` its comparison with the sampled step's counts (``None`` when no
+    counts were given), ``skipped`` why nothing was replayed or trusted (then ``variants`` is empty), and
+    ``seconds`` the host time of all of it.
+    """
+
+    device_type: str
+    baseline: ReplayedStep | None
+    match: BaselineMatch | None
+    skipped: str | None
+    variants: tuple[VariantResult, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
+
+    ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
+    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
+    the prediction could not reproduce.
+    """
+
+    step: ReplayedStep | None
+    fit: tuple[FitRow, ...]
+    cuda_context_bytes: int
+    skipped: str | None = None
+    notes: tuple[str, ...] = ()

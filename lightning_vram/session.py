@@ -61,7 +61,15 @@ from lightning_vram.records import (
     TrainingSetup,
 )
 from lightning_vram.render.console import print_summary
-from lightning_vram.render.files import SNAPSHOT_STEM, report_stem, write_diagnosis, write_report_files
+from lightning_vram.render.files import (
+    SNAPSHOT_STEM,
+    FilesNotWritten,
+    Location,
+    as_location,
+    report_stem,
+    write_diagnosis,
+    write_report_files,
+)
 from lightning_vram.render.scalars import interval_scalars, reduce_over_ranks, scalar_vector
 from lightning_vram.render.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
 from lightning_vram.render.text import evaluation_text, oom_headline
@@ -89,7 +97,8 @@ class VramSession:
     and writes ``vram_report.json``, ``.md`` and ``.html`` into ``log_dir``.
 
     Args:
-        log_dir: directory for the report files; ``None`` writes none (the report is still returned).
+        log_dir: directory for the report files: a local path, or a URL fsspec can write to (``s3://...``, as
+            Lightning's loggers take it); ``None`` writes none (the report is still returned).
         log_every_n_steps: steps between interval scalars (returned by :meth:`batch_end`); ``None`` is 50, or the
             Trainer's setting under :class:`~lightning_vram.VramMonitor`.
         attribution_start_step, attribution_every_n_steps, reset_peak_stats, utilization_interval_seconds,
@@ -129,13 +138,14 @@ class VramSession:
             raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got {type(log_dir).__name__}")
         if probe is not None and not isinstance(probe, Probe):
             raise TypeError(f"probe must implement lightning_vram.measure.probes.Probe, got {type(probe).__name__}")
-        self.log_dir: Path | None = Path(log_dir) if log_dir is not None else None
-        """Where :meth:`finish` writes the report files; ``None`` writes none."""
+        self.log_dir: Location | None = as_location(log_dir) if log_dir is not None else None
+        """Where :meth:`finish` writes the report files: a ``Path``, a remote URL as a string, or ``None`` for none."""
         self._probe_override = probe
         self.report: Report | None = None
         """The report of the last run, set by :meth:`finish` (also after :meth:`fail`)."""
-        self.report_path: Path | None = None
-        """Where ``vram_report.json`` was written (rank zero, with a ``log_dir``)."""
+        self.report_path: Location | None = None
+        """Where ``vram_report.json`` was written (rank zero, with a ``log_dir``): a ``Path`` on a local disk, the URL
+        as a string on a remote filesystem (a ``Path`` would collapse its ``//``); ``None`` when it was not written."""
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when the run ended with a CUDA out-of-memory error."""
         self._pending_state: Any = None
@@ -162,6 +172,7 @@ class VramSession:
         self._evaluating: str | None = None
         self._standalone_evaluation = False
         self._compiled_note: NotMeasured | None = None
+        self._attribution_notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with attributors
         self._history_note: NotMeasured | None = None
         self._recording_history = False
         self._finished = False
@@ -295,7 +306,9 @@ class VramSession:
             return
         attributor = None
         try:
-            attributor = StepAttributor(self._tracker.steps, model, self._current_optimizers(), self._device)
+            attributor = StepAttributor(
+                self._tracker.steps, model, self._current_optimizers(), self._device, self._attribution_notes
+            )
             attributor.begin_forward(batch)
         except Exception as error:  # noqa: BLE001 -- the guard (saved-tensor hooks refused, a model it cannot read)
             if attributor is not None:
@@ -508,6 +521,7 @@ class VramSession:
         if self._tracker.steps == 0:
             notes.append(NO_STEP)
         notes += [note for note in (self._history_note, self._compiled_note) if note is not None]
+        notes += self._attribution_notes.values()
         if self._tracker.latest_attribution is None and self._tracker.steps and self._guard.enabled(Part.ATTRIBUTION):
             notes.append(
                 NotMeasured(
@@ -569,8 +583,12 @@ class VramSession:
         self.close()
         return self.report
 
-    def _write_files(self, report: Report, directory: Path) -> None:
-        self.report_path = write_report_files(report, directory)
+    def _write_files(self, report: Report, directory: Location) -> None:
+        try:
+            self.report_path = write_report_files(report, directory)
+        except FilesNotWritten as error:  # the others were written: say where, then let the guard report it
+            self.report_path = error.json_path
+            raise
 
     def fail(self, error: BaseException) -> None:
         """The run ends with ``error``: write the report so far and, on CUDA out-of-memory, this rank's diagnosis.
@@ -603,10 +621,12 @@ class VramSession:
         elif latest is not None:
             notes.append(f"activations as counted on sampled step {latest.step}")
         snapshot = None
-        if self._recording_history and directory is not None:
+        if self._recording_history and isinstance(directory, Path):
             name = report_stem(SNAPSHOT_STEM, self._rank, self._world_size) + ".pickle"
             directory.mkdir(parents=True, exist_ok=True)
             snapshot = history.dump_snapshot(directory / name)
+        elif self._recording_history and directory is not None:
+            notes.append(f"allocator history not saved: torch writes it to local files, and {directory} is remote")
         self.oom_diagnosis = diagnose(
             error_text=str(error),
             where=where,

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from lightning_vram.advice import checkpointing
 from lightning_vram.advice.rules import (
     COMMON_GPUS,
     activation_checkpointing,
@@ -122,39 +123,208 @@ def test_activation_checkpointing_near_misses() -> None:
     assert activation_checkpointing(healthy_summary(modules=blocks(4, 200 * MIB, 200 * MIB)), healthy_setup()) is None
 
 
-def test_checkpoint_sequential_leaves_the_last_segment_alone() -> None:
-    # An nn.Sequential of 4 layers saving 100 MiB each, 10 MiB inputs. In 2 segments: forward keeps 10 MiB for
-    # the first segment and 200 MiB for the last; recomputing the first holds 200 MiB: peak 210 MiB of 400.
+def test_checkpoint_sequential_splits_as_torch_does() -> None:
+    # An nn.Sequential of 4 layers saving 100 MiB each, 10 MiB inputs (not saved by the layers). torch gives each of
+    # the first segments len // segments layers. 2 segments: forward keeps 10 MiB + the last segment's 200 MiB, and
+    # recomputing the first holds 10 + 200: 190 MiB of 400 saved. 4 segments (one layer each, the last not
+    # checkpointed): forward keeps 3 x 10 + 100, recomputing layer 2 holds 20 + 10 + 100: 270 MiB saved.
     layers = tuple(ModuleProfile(f"net.{index}", "Block", 100 * MIB, input_bytes=10 * MIB) for index in range(4))
     plan = best_checkpoint_plan((ModuleProfile("net", "Sequential", 0, input_bytes=10 * MIB), *layers))
     assert plan is not None
-    # Each layer checkpointed alone: peak = max(100, 10 + 100, 20 + 100, 30 + 100) = 130 MiB -> saves 270 MiB.
-    assert (plan.sequential_segments, plan.saving_bytes) == (None, 270 * MIB)
+    assert (plan.sequential_segments, plan.saving_bytes) == (4, 270 * MIB)
+    assert plan.units == (("net.0",), ("net.1",), ("net.2",))
     two = best_checkpoint_plan((ModuleProfile("net", "Sequential", 0), *layers[:2]))
-    assert two is not None and two.saving_bytes == 90 * MIB  # peak max(100, 10 + 100) = 110 MiB of 200
+    assert two is not None and two.saving_bytes == 90 * MIB  # peak max(10 + 100, 10 + 100) = 110 MiB of 200
     assert best_checkpoint_plan((ModuleProfile("net", "Sequential", 0), layers[0])) is None  # one child: nothing
 
 
-def test_inplace_activations_fires_on_large_safe_outputs_and_names_unsafe_ones() -> None:
-    relu = ModuleProfile("body.1", "ReLU", 200 * MIB, input_bytes=200 * MIB, output_bytes=200 * MIB, inplace=False)
-    unsafe = ModuleProfile("body.3", "ReLU", 0, output_bytes=300 * MIB, inplace=False, input_saved_for_backward=True)
-    already = ModuleProfile("body.5", "ReLU", 0, output_bytes=400 * MIB, inplace=True)
-    advice = inplace_activations(healthy_summary(modules=(relu, unsafe, already)), healthy_setup())
+def resnet_profiles() -> tuple[ModuleProfile, ...]:
+    """A ResNet's sampled step, in MiB: stem conv-BN-ReLU(inplace), two stages, pooling and a head.
+
+    The conv saves its input (the batch), BatchNorm its input and its statistics, the inplace ReLU its result (its
+    input's storage); each stage's first conv saves the stage's input (the ReLU saved it first) and its last
+    inplace ReLU its output.
+    """
+
+    def stage(name: str) -> ModuleProfile:
+        return ModuleProfile(
+            name,
+            "Sequential",
+            200 * MIB,
+            input_bytes=40 * MIB,
+            output_bytes=40 * MIB,
+            input_saved_for_backward=True,
+            input_saved_bytes=40 * MIB,
+            output_saved_bytes=40 * MIB,
+        )
+
+    return (
+        ModuleProfile("network", "ResNet", 0, input_bytes=10 * MIB, input_saved_bytes=10 * MIB),
+        ModuleProfile("network.conv1", "Conv2d", 10 * MIB, input_bytes=10 * MIB, input_saved_bytes=10 * MIB),
+        ModuleProfile("network.bn1", "BatchNorm2d", 50 * MIB, input_bytes=40 * MIB, input_saved_bytes=40 * MIB),
+        ModuleProfile(
+            "network.relu",
+            "ReLU",
+            40 * MIB,
+            input_bytes=40 * MIB,
+            output_bytes=40 * MIB,
+            inplace=True,
+            input_saved_bytes=40 * MIB,
+            output_saved_bytes=40 * MIB,
+        ),
+        stage("network.layer1"),
+        stage("network.layer2"),
+        ModuleProfile("network.avgpool", "AdaptiveAvgPool2d", 0, input_bytes=40 * MIB, input_saved_for_backward=True),
+        ModuleProfile("network.fc", "Linear", MIB, input_bytes=MIB, input_saved_bytes=MIB),
+        ModuleProfile("(training_step)", "-", MIB),
+    )
+
+
+def test_checkpoint_units_never_start_with_an_inplace_op() -> None:
+    # Checkpointing the stem's inplace relu alone overwrites the input its checkpoint keeps: backward raises. It
+    # joins bn1's unit. Units bn1+relu, layer1, layer2, avgpool checkpointed (fc not): forward keeps the inputs
+    # 10 (conv1's, saved by it) + 4 x 40 + 1 (fc's) + 1 (loss) = 172 MiB; recomputing layer2 holds 10 + 40 + 40 +
+    # 40 kept and its 160 + 40 again: 330 MiB, the peak, of 502: 172 MiB saved. Adding conv1 saves no more.
+    plan = best_checkpoint_plan(resnet_profiles())
+    assert plan is not None
+    assert plan.units == (
+        ("network.bn1", "network.relu"),
+        ("network.layer1",),
+        ("network.layer2",),
+        ("network.avgpool",),
+    )
+    assert (plan.container, plan.forward_of, plan.saving_bytes) == ("network", "network", 172 * MIB)
+    activations = Breakdown(
+        parameters=30 * MIB, gradients=30 * MIB, optimizer_state=30 * MIB, activations=502 * MIB, other=8 * MIB
+    )
+    summary = healthy_summary(modules=resnet_profiles(), peak=peak(Phase.FORWARD, 600 * MIB, activations))
+    advice = activation_checkpointing(summary, healthy_setup())
+    assert advice is not None and advice.estimated_saving_bytes == 172 * MIB
+    assert "# in the forward of `network`" in advice.detail
+    assert "x = checkpoint(lambda t: self.relu(self.bn1(t)), x, use_reentrant=False)" in advice.detail
+    assert "x = checkpoint(self.layer1, x, use_reentrant=False)" in advice.detail
+    assert "self.fc" not in advice.detail
+
+
+def test_checkpoint_sequential_skips_segments_that_start_inplace() -> None:
+    # conv, relu_, conv, relu_, conv, relu_ in MiB: each conv saves its input (10) and 20 more, each relu_ its
+    # result (10). With 4, 5 or 6 segments a checkpointed segment starts with a relu_: not proposed. 2 segments:
+    # forward keeps 10 + the last segment's 40; recomputing the first holds 10 + 50: 60 of 100. 3 segments also
+    # peak at 60; the tie goes to fewer checkpointed modules.
+    layers = []
+    for index in range(3):
+        conv_saves = 30 * MIB if index == 0 else 20 * MIB
+        layers.append(
+            ModuleProfile(
+                f"net.{2 * index}",
+                "Conv2d",
+                conv_saves,
+                input_bytes=10 * MIB,
+                input_saved_for_backward=index > 0,
+                input_saved_bytes=10 * MIB,
+            )
+        )
+        layers.append(
+            ModuleProfile(
+                f"net.{2 * index + 1}",
+                "ReLU",
+                10 * MIB,
+                input_bytes=10 * MIB,
+                inplace=True,
+                input_saved_bytes=10 * MIB,
+                output_saved_bytes=10 * MIB,
+            )
+        )
+    plan = best_checkpoint_plan((ModuleProfile("net", "Sequential", 0), *layers))
+    assert plan is not None
+    assert (plan.sequential_segments, plan.units, plan.saving_bytes) == (2, (("net.0", "net.1", "net.2"),), 40 * MIB)
+    assert plan.forward_of == ""
+
+
+def test_a_modulelist_plan_is_written_in_the_forward_that_loops() -> None:
+    # model.layers is an nn.ModuleList: never called, its blocks are, in model's forward. Blocks save 100 MiB, of
+    # which their 10 MiB input; the embedding before saves 5, the head after 1. All four checkpointed: forward
+    # keeps 5 + 4 x 10 + 1, recomputing the last block holds 5 + 40 + 90: 135 of 406 -> 271 MiB saved.
+    blocks = tuple(
+        ModuleProfile(f"model.layers.{index}", "Block", 100 * MIB, input_bytes=10 * MIB, input_saved_bytes=10 * MIB)
+        for index in range(4)
+    )
+    profiles = (
+        ModuleProfile("model", "Encoder", 0),
+        ModuleProfile("model.embed", "Embedding", 5 * MIB),
+        *blocks,
+        ModuleProfile("model.head", "Linear", MIB),
+    )
+    plan = best_checkpoint_plan(profiles)
+    assert plan is not None
+    assert (plan.container, plan.forward_of, plan.saving_bytes) == ("model.layers", "model", 271 * MIB)
+    summary = healthy_summary(
+        modules=profiles,
+        peak=peak(Phase.FORWARD, GIB, replace(HEALTHY_BREAKDOWN, parameters=0, gradients=0, optimizer_state=0)),
+    )
+    advice = activation_checkpointing(summary, healthy_setup())
     assert advice is not None
-    assert advice.estimated_saving_bytes == 200 * MIB
-    assert "1 activation module(s) run out of place (ReLU)" in advice.evidence
-    assert "the largest output is 200.0 MiB (body.1), 2.4% of the peak" in advice.evidence
-    assert "autograd saved their input for an earlier op: body.3" in advice.evidence
+    assert "# in the forward of `model`, in its loop over self.layers:" in advice.detail
+    assert "if 0 <= index <= 3 else block(x)" in advice.detail
+
+
+def test_plan_peak_without_checkpoints_is_what_was_saved() -> None:
+    # Each boundary storage between two units counted once, whichever unit saved it first.
+    profiles = resnet_profiles()
+    groups = [["network.conv1"], ["network.bn1", "network.relu"], *[[profile.name] for profile in profiles[4:-1]]]
+    indexed = checkpointing.ProfileIndex(profiles)
+    units = [indexed.unit(group) for group in groups]
+    before, after = indexed.outside([name for group in groups for name in group])
+    assert (before, after) == (0, MIB)
+    assert checkpointing.plan_peak(units, [False] * len(units), before, after) == 502 * MIB
+
+
+def leaky_relu() -> ModuleProfile:
+    """An out-of-place LeakyReLU that saved its 200 MiB input; the next op saved its output."""
+    return ModuleProfile(
+        "body.1",
+        "LeakyReLU",
+        200 * MIB,
+        input_bytes=200 * MIB,
+        output_bytes=200 * MIB,
+        inplace=False,
+        input_saved_bytes=200 * MIB,
+        output_saved_for_backward=True,
+    )
+
+
+def test_inplace_activations_promises_the_saved_input_it_merges() -> None:
+    # Out of place, LeakyReLU saves its input and the next op its output; leaky_relu_ computes its gradient from
+    # its result: one tensor instead of two, the input's bytes saved.
+    leaky = leaky_relu()
+    second = replace(leaky, name="body.3", activation_bytes=100 * MIB, input_saved_bytes=100 * MIB)
+    unsafe = replace(leaky, name="body.5", input_saved_for_backward=True)
+    setup = healthy_setup(inplace_keeps_result=("body.1", "body.3", "body.5"))
+    advice = inplace_activations(healthy_summary(modules=(leaky, second, unsafe)), setup)
+    assert advice is not None
+    assert advice.estimated_saving_bytes == 300 * MIB
+    assert "2 activation module(s) run out of place (LeakyReLU)" in advice.evidence
+    assert "300.0 MiB of saved inputs, 3.7% of the peak (largest body.1, 200.0 MiB)" in advice.evidence
+    assert "autograd saved their input for an earlier op: body.5" in advice.evidence
     assert "residual connection" in advice.detail
 
 
 def test_inplace_activations_near_misses() -> None:
-    small = ModuleProfile("body.1", "ReLU", 0, output_bytes=150 * MIB, inplace=False)  # 1.8% of 8 GiB
-    assert inplace_activations(healthy_summary(modules=(small,)), healthy_setup()) is None
-    unsafe = ModuleProfile("body.1", "ReLU", 0, output_bytes=GIB, inplace=False, input_saved_for_backward=True)
-    assert inplace_activations(healthy_summary(modules=(unsafe,)), healthy_setup()) is None
-    dropout = ModuleProfile("drop", "Dropout", 0, output_bytes=GIB, inplace=False)
-    assert inplace_activations(healthy_summary(modules=(dropout,)), healthy_setup()) is None
+    leaky = leaky_relu()
+    setup = healthy_setup(inplace_keeps_result=("body.1",))
+    assert inplace_activations(healthy_summary(modules=(leaky,)), setup) is not None
+    # ReLU saves its output, not its input: inplace keeps the same saved tensor (the old advice promised its output).
+    relu = replace(leaky, type="ReLU", input_saved_bytes=0, output_saved_bytes=200 * MIB)
+    assert inplace_activations(healthy_summary(modules=(relu,)), setup) is None
+    # Its inplace variant keeps a copy of the input (SiLU, Hardtanh): not in inplace_keeps_result.
+    assert inplace_activations(healthy_summary(modules=(leaky,)), healthy_setup()) is None
+    # Nothing saves its output: out of place it keeps one tensor already.
+    alone = replace(leaky, output_saved_for_backward=False)
+    assert inplace_activations(healthy_summary(modules=(alone,)), setup) is None
+    small = replace(leaky, input_saved_bytes=150 * MIB)  # 1.8% of 8 GiB
+    assert inplace_activations(healthy_summary(modules=(small,)), setup) is None
+    dropout = replace(leaky, type="Dropout")
+    assert inplace_activations(healthy_summary(modules=(dropout,)), setup) is None
 
 
 @pytest.mark.parametrize(
@@ -267,14 +437,37 @@ def test_optimizer_state_near_miss() -> None:
     assert optimizer_state(healthy_summary(peak=peak(Phase.BACKWARD, 8 * GIB, almost)), healthy_setup()) is None
 
 
-def test_large_linear() -> None:
-    head = LinearLayer("head", 65536, 4096, 644 * MIB)
-    advice = large_linear(healthy_summary(), healthy_setup(parameter_bytes=GIB, linear_layers=(head,)))
+def vgg_head(feature_map: tuple[int, int] | None) -> ModuleProfile:
+    return ModuleProfile("classifier.0", "Linear", 0, input_feature_map=feature_map)
+
+
+def test_large_linear_saves_the_pooled_weights_with_their_state() -> None:
+    # VGG's first Linear(512 * 7 * 7, 4096) reads a flattened 512 x 49 map: pooled, Linear(512, 4096) keeps 1/49
+    # of the 392 MiB weight. Parameters, gradients and state are 3 GiB for 1 GiB of parameters: 3x.
+    weight = 4096 * 512 * 49 * 4
+    head = LinearLayer("classifier.0", 512 * 49, 4096, weight + 4096 * 4, weight)
+    summary = healthy_summary(modules=(vgg_head((512, 49)),))
+    advice = large_linear(summary, healthy_setup(linear_layers=(head,)))
     assert advice is not None
-    assert advice.estimated_saving_bytes == int(644 / 1024 * 3 * GIB)  # its share of parameters+gradients+state
-    assert "head: Linear(65536 -> 4096) has 644.0 MiB of 1.00 GiB parameters" in advice.evidence
-    half = LinearLayer("head", 65536, 4096, 512 * MIB)
-    assert large_linear(healthy_summary(), healthy_setup(linear_layers=(half,))) is None
+    assert advice.estimated_saving_bytes == 3 * (weight - weight // 49)
+    assert "Linear(25088, 4096) becomes Linear(512, 4096)" in advice.detail
+    assert "map of 512 channels x 49 positions; its weight is 392.0 MiB, pooling removes 384.0 MiB" in advice.evidence
+
+
+def test_large_linear_near_misses() -> None:
+    weight = 4096 * 512 * 49 * 4
+    head = LinearLayer("classifier.0", 512 * 49, 4096, weight, weight)
+    setup = healthy_setup(linear_layers=(head,))
+    # A Linear reading anything but a convolutional map (an MLP's first layer, a language model's lm_head).
+    assert large_linear(healthy_summary(modules=(vgg_head(None),)), setup) is None
+    # Already pooled to one position.
+    assert large_linear(healthy_summary(modules=(vgg_head((25088, 1)),)), setup) is None
+    # Its weight is tied to another module: no bytes of its own.
+    tied = replace(head, parameter_bytes=0, weight_bytes=0)
+    assert large_linear(healthy_summary(modules=(vgg_head((512, 49)),)), healthy_setup(linear_layers=(tied,))) is None
+    # A small map: 2 x 2 positions of a 16 MiB weight save 3 x 12 MiB, under 5% of the 8 GiB peak.
+    small = replace(head, in_features=4096 * 4, weight_bytes=16 * MIB)
+    assert large_linear(healthy_summary(modules=(vgg_head((4096, 4)),)), healthy_setup(linear_layers=(small,))) is None
 
 
 def test_allocator_fragmentation() -> None:

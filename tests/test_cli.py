@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import subprocess
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,7 +105,7 @@ def test_bad_input_is_one_line_and_status_2(
 
 def test_a_dir_without_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diff", str(tmp_path), str(tmp_path)]) == 2
-    assert "no vram_report.json in this directory or below it" in capsys.readouterr().err
+    assert "no vram_report.json in this directory or 4 levels below it" in capsys.readouterr().err
 
 
 def test_the_installed_command(tmp_path: Path) -> None:
@@ -115,3 +119,218 @@ def test_the_installed_command(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------- hostile and broken reports
+
+SENTINEL = "@@replace-me@@"
+
+
+def with_raw_field(report: dict[str, Any], path: tuple[str | int, ...], raw: str) -> bytes:
+    """The report's JSON with the field at ``path`` replaced by the raw JSON text ``raw``."""
+    data = copy.deepcopy(report)
+    target: Any = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = SENTINEL
+    return json.dumps(data).replace(json.dumps(SENTINEL), raw).encode()
+
+
+# (id, field, raw JSON put there, what the one line must say)
+BAD_FIELDS = [
+    ("infinity", ("timing", "step_seconds_median"), "Infinity", "Infinity is not a number JSON allows"),
+    ("nan", ("timing", "data_wait_fraction"), "NaN", "NaN is not a number JSON allows"),
+    ("integer-too-long", ("peak", "allocated_bytes"), "9" * 5000, "an integer of 5000 digits"),
+    ("beyond-int64", ("peak", "allocated_bytes"), str(2**63), "peak.allocated_bytes must be at most 2**63 - 1"),
+    ("float-overflow", ("timing", "step_seconds_median"), "1e999", "step_seconds_median must be a finite number"),
+    ("deep-nesting", ("precision",), "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("bytes-as-string", ("peak", "allocated_bytes"), '"12"', "peak.allocated_bytes must be an integer, got str"),
+    ("seconds-as-list", ("timing", "step_seconds_median"), "[1, 2]", "step_seconds_median must be a number, got list"),
+    ("negative-bytes", ("phases", "forward", "breakdown", "parameters"), "-5", "parameters must be >= 0, got -5"),
+    ("bool-as-count", ("steps",), "true", "report.steps must be an integer, got bool"),
+    ("object-as-list", ("device",), "[]", "report.device must be an object, got list"),
+    ("module-name-number", ("modules", 0, "name"), "1", "modules[0].name must be a string, got int"),
+    ("module-bytes-float", ("modules", 0, "activation_bytes"), "1.5", "activation_bytes must be an integer, got float"),
+    (
+        "inner-list-wrong",
+        ("recent_peaks",),
+        '[{"step": "a", "peak_bytes": 1}]',
+        "recent_peaks[0].step must be an integer",
+    ),
+    ("not-measured-null", ("not_measured", 0, "reason"), "null", "not_measured[0].reason must be a string, got null"),
+    ("unknown-phase", ("peak", "phase"), '"sideways"', "peak.phase must be one of"),
+    ("odd-key", ("evaluation",), '{"val\\nidation": {"peak_bytes": "x"}}', "peak_bytes must be an integer, got str"),
+    ("huge-string", ("schema",), json.dumps("x" * 1_000_000), "not a lightning_vram report"),
+]
+
+
+def command_for(name: str, bad: Path, good: Path, output: Path) -> list[str]:
+    if name == "show":
+        return ["show", str(bad)]
+    if name == "html":
+        return ["html", str(bad), "-o", str(output)]
+    return ["diff", str(good), str(bad)]
+
+
+def assert_one_line_error(captured: pytest.CaptureFixture[str], *fragments: str) -> str:
+    out, err = captured.readouterr()
+    assert out == ""
+    assert err.startswith("lightning-vram: error: ") and err.endswith("\n") and err.count("\n") == 1, err[:500]
+    assert "Traceback" not in err and len(err) <= 1100
+    for fragment in fragments:
+        assert fragment in err
+    return err
+
+
+@pytest.mark.parametrize("command", ["show", "html", "diff"])
+@pytest.mark.parametrize(("field", "raw", "message"), [case[1:] for case in BAD_FIELDS], ids=[c[0] for c in BAD_FIELDS])
+def test_a_report_wrong_inside_is_one_line_and_status_2(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    field: tuple[str | int, ...],
+    raw: str,
+    message: str,
+) -> None:
+    (_, root), _ = two_runs
+    good = root / "vram_report.json"
+    report = json.loads(good.read_text())
+    assert report["modules"] and report["not_measured"] and report["recent_peaks"]  # the fields edited exist
+    bad = tmp_path / "vram_report.json"
+    bad.write_bytes(with_raw_field(report, field, raw))
+    output = tmp_path / "page.html"
+    assert main(command_for(command, bad, good, output)) == 2
+    assert_one_line_error(capsys, str(bad), message)
+    assert not output.exists()
+
+
+def sparse_file(path: Path, size: int) -> Path:
+    with path.open("wb") as file:
+        file.truncate(size)
+    return path
+
+
+def dangling_link(directory: Path) -> Path:
+    directory.mkdir()
+    (directory / "vram_report.json").symlink_to(directory / "missing")
+    return directory
+
+
+def link_loop(directory: Path) -> Path:
+    directory.mkdir()
+    (directory / "a").symlink_to(directory / "b")
+    (directory / "b").symlink_to(directory / "a")
+    return directory / "a"
+
+
+def directory_linking_to_itself(directory: Path) -> Path:
+    (directory / "deeper").mkdir(parents=True)
+    (directory / "deeper" / "back").symlink_to(directory)
+    return directory
+
+
+BAD_FILES = {
+    "not-utf8": (lambda d: write(d / "r.json", b'{"schema": "\xff\xfe"}'), "not UTF-8 text (byte 12)"),
+    "empty": (lambda d: write(d / "r.json", b""), "not JSON"),
+    "huge-file": (lambda d: sparse_file(d / "r.json", 100 * 1024**2), "100.0 MiB is too large for a report"),
+    "device": (lambda d: Path(os.devnull), "not a regular file"),
+    "dangling-link-in-dir": (lambda d: dangling_link(d / "run"), "no vram_report.json in this directory"),
+    "symlink-loop": (lambda d: link_loop(d / "loop"), "Too many levels of symbolic links"),
+    "dir-linking-to-itself": (
+        lambda d: directory_linking_to_itself(d / "run"),
+        "no vram_report.json in this directory",
+    ),
+}
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("command", ["show", "html", "diff"])
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_path_that_is_not_a_report_is_one_line_and_status_2(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    case: str,
+) -> None:
+    (_, root), _ = two_runs
+    make, message = BAD_FILES[case]
+    bad = make(tmp_path)
+    output = tmp_path / "page.html"
+    assert main(command_for(command, bad, root, output)) == 2
+    assert_one_line_error(capsys, message)
+    assert not output.exists()
+
+
+def show_into(path: Path, statuses: list[int]) -> None:
+    statuses.append(main(["show", str(path)]))
+
+
+def test_a_fifo_is_refused_without_waiting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "run" / "vram_report.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    for path in (fifo, fifo.parent):  # named, and found in a log dir
+        statuses: list[int] = []
+        worker = threading.Thread(target=show_into, args=(path, statuses), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        if worker.is_alive():  # blocked opening the FIFO: a writer lets it go, so that the test ends
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(timeout=30)
+            pytest.fail("lightning-vram waited on a FIFO")
+        assert statuses == [2]
+        assert_one_line_error(capsys, f"{fifo}: not a regular file")
+
+
+def test_an_unwritable_output_is_one_line_and_status_2(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (_, root), _ = two_runs
+    assert main(["html", str(root), "-o", str(tmp_path / "missing" / "page.html")]) == 2
+    assert_one_line_error(capsys, "No such file or directory")
+    assert main(["html", str(root), "-o", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, "Is a directory")
+
+
+def test_a_path_with_a_line_break_stays_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(tmp_path / "two\nlines\x1b[2J.json")]) == 2
+    err = assert_one_line_error(capsys, "two\\nlines\\x1b[2J.json: no such file or directory")
+    assert "\x1b" not in err
+
+
+def test_show_keeps_a_hostile_module_name_on_its_line(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (_, root), _ = two_runs
+    assert main(["show", str(root)]) == 0
+    plain = capsys.readouterr().out
+    report = json.loads((root / "vram_report.json").read_text())
+    report["modules"][0]["name"] = "evil\nadvice [fake]: run rm -rf\x1b[2J"
+    (tmp_path / "vram_report.json").write_text(json.dumps(report))
+    assert main(["show", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and shown.count("\n") == plain.count("\n")
+    assert "evil\\nadvice [fake]: run rm -rf\\x1b[2J" in shown
+
+
+def test_html_of_a_report_with_many_long_module_names(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (_, root), _ = two_runs
+    report = json.loads((root / "vram_report.json").read_text())
+    report["modules"] = [
+        {"name": f"blocks.{index}." + "x" * 5000, "type": "$\\frac{a}{$", "activation_bytes": 1000 - index}
+        for index in range(500)
+    ]
+    (tmp_path / "vram_report.json").write_text(json.dumps(report))
+    output = tmp_path / "page.html"
+    assert main(["html", str(tmp_path), "-o", str(output)]) == 0
+    assert capsys.readouterr().err == ""  # no matplotlib warning either
+    page = output.read_text()
+    assert page.count("<tr><td><code>blocks.") == 500  # the table lists every module; the figure the largest 30

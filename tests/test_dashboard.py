@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from matplotlib import image
 from models import Classifier, cnn_net, dataset_for, loader, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
+from torch import nn
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.codec import report_from_dict
@@ -23,6 +25,7 @@ from lightning_vram.records import Phase
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.html import render_html
 from lightning_vram.render.tensorboard import FIGURE_TAGS, LAYOUT
+from lightning_vram.render.text import headline, markdown, summary_text
 from lightning_vram.units import format_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -182,3 +185,49 @@ def test_report_round_trips_through_json(tensorboard_run: tuple[VramMonitor, Pat
     assert report is not None
     rebuilt: Report = report_from_dict(report.to_dict())
     assert rebuilt.to_dict() == report.to_dict()
+
+
+def test_html_page_puts_the_headline_and_advice_first(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    monitor, log_dir = tensorboard_run
+    report = monitor.report
+    assert report is not None and report.timing.step_seconds_median is not None
+    page = (log_dir / "vram_report.html").read_text()
+    advice = page.index("<h2>Advice</h2>")
+    assert page.index("class='headline'") < advice < page.index("<h2>Breakdown") < page.index("<img")
+    meta = re.search(r"<p class='meta'>(.*?)</p>", page)
+    assert meta is not None
+    assert f"; step {1000 * report.timing.step_seconds_median:.1f} ms median, data wait " in meta.group(1)
+
+
+def test_capacity_on_the_cpu_is_called_host_ram(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    report = tensorboard_run[0].report
+    assert report is not None and report.device.type == "cpu" and report.peak is not None
+    capacity = format_bytes(report.device.total_bytes)
+    share = f"% of {capacity} host RAM) in {report.peak.phase.value}"
+    terminal = Terminal()
+    print_summary(report, terminal)
+    table = re.sub(r"\s+", " ", re.sub(r"\x1b\[[0-9;]*m|[│┃]", "", terminal.getvalue()))  # the title may wrap
+    for rendered in (headline(report), summary_text(report), markdown(report), render_html(report), table):
+        assert share in rendered
+    assert f"capacity {capacity} host RAM;" in markdown(report) and f"capacity {capacity} host RAM;" in render_html(
+        report
+    )
+    on_a_gpu = replace(report, summary=replace(report.summary, device=replace(report.device, type="cuda")))
+    assert f"% of {capacity}) in " in headline(on_a_gpu) and "host RAM" not in markdown(on_a_gpu)
+
+
+def test_modules_tied_on_bytes_keep_the_order_they_ran_in(tmp_path: Path) -> None:
+    blocks = nn.Sequential(*(nn.Linear(32, 32) for _ in range(12)))  # each saves its 8 x 32 float32 input
+    monitor = VramMonitor(console_summary=False, attribution_start_step=1, top_modules=11)
+    trainer(tmp_path, [monitor], max_steps=2).fit(Classifier(blocks), loader(dataset_for("linear")))
+    report = monitor.report
+    assert report is not None
+    # The loss's own saved tensors come first; then the first ten blocks (by name, 10 and 11 would come before 2).
+    in_order = ["(training_step)"] + [f"network.{index}" for index in range(10)]
+    assert [row.name for row in report.modules] == in_order
+    assert {row.activation_bytes for row in report.modules[1:]} == {8 * 32 * 4}
+    rows = [line for line in markdown(report).splitlines() if line.startswith("| `")]
+    assert [line.split("`")[1] for line in rows] == in_order
+    parser = PageParser()
+    parser.feed(render_html(report))
+    assert parser.module_cells == in_order

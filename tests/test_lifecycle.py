@@ -117,3 +117,30 @@ def test_two_monitors_with_different_settings_work_in_one_trainer_and_resume(tmp
         Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)), ckpt_path=path
     )
     assert [monitor.report.steps for monitor in again if monitor.report is not None] == [6, 6]
+
+
+def test_checkpoint_state_round_trips_every_field_of_a_sampled_step() -> None:
+    from lightning_vram.measure.tracker import MemoryTracker
+    from lightning_vram.records import Attribution, Breakdown, ModuleProfile, Phase
+
+    profile = ModuleProfile(
+        name="head",
+        type="Linear",
+        activation_bytes=4096,
+        input_bytes=8192,
+        output_bytes=40,
+        inplace=None,
+        input_saved_for_backward=True,
+        input_saved_bytes=8192,
+        output_saved_bytes=0,
+        output_saved_for_backward=False,
+        input_feature_map=(64, 16),
+    )
+    attribution = Attribution(3, {Phase.FORWARD: Breakdown(10, 0, 20, 4096, None)}, (profile,), batch_size=8)
+    tracker = MemoryTracker(recent_steps=4, peak_was_reset=True)
+    tracker.start_step(None)
+    tracker.end_step(attribution)
+    restored = MemoryTracker(recent_steps=4, peak_was_reset=True)
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.latest_attribution == attribution
+    assert restored.peak == tracker.peak and restored.steps == 1

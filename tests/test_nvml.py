@@ -1,4 +1,6 @@
 """NVML sampling against a stand-in ``pynvml`` module: device mapping by UUID, averaging, missing or failing NVML."""
+# The stand-in module gets its functions by attribute assignment, which mypy cannot see on a ModuleType.
+# mypy: disable-error-code="attr-defined"
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import sys
 import time
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure._nvml import NvmlSampler, NvmlUnavailableError
+from lightning_vram.measure.probes import NvmlUtilization
 
 
 class FakeNvmlError(Exception):
@@ -34,29 +39,45 @@ class FakeNvml:
     fail_after_samples: int | None = None
     samples: int = 0
     shutdowns: int = 0
+    init_error: Exception | None = None
+    """Raised by nvmlInit, as bindings do that raise something other than NVMLError."""
+    count_error: Exception | None = None
+    """Raised by nvmlDeviceGetCount."""
+    sample_error: Exception = field(default_factory=lambda: FakeNvmlError("GPU is lost"))
+    """Raised by the utilization read once ``fail_after_samples`` samples were taken."""
+    shutdown_error: Exception | None = None
 
     def module(self) -> types.ModuleType:
         module = types.ModuleType("pynvml")
-        module.NVMLError = FakeNvmlError  # type: ignore[attr-defined]
-        module.nvmlInit = self.init  # type: ignore[attr-defined]
-        module.nvmlShutdown = self.shutdown  # type: ignore[attr-defined]
-        module.nvmlDeviceGetCount = lambda: len(self.uuids)  # type: ignore[attr-defined]
-        module.nvmlDeviceGetHandleByIndex = lambda index: index  # type: ignore[attr-defined]
-        module.nvmlDeviceGetUUID = lambda handle: self.uuids[handle]  # type: ignore[attr-defined]
-        module.nvmlDeviceGetUtilizationRates = self.rates  # type: ignore[attr-defined]
-        module.nvmlDeviceGetComputeRunningProcesses = lambda handle: self.processes  # type: ignore[attr-defined]
+        module.NVMLError = FakeNvmlError
+        module.nvmlInit = self.init
+        module.nvmlShutdown = self.shutdown
+        module.nvmlDeviceGetCount = self.count
+        module.nvmlDeviceGetHandleByIndex = lambda index: index
+        module.nvmlDeviceGetUUID = lambda handle: self.uuids[handle]
+        module.nvmlDeviceGetUtilizationRates = self.rates
+        module.nvmlDeviceGetComputeRunningProcesses = lambda handle: self.processes
         return module
 
     def init(self) -> None:
         if self.fail_init:
             raise FakeNvmlError("Driver Not Loaded")
+        if self.init_error is not None:
+            raise self.init_error
+
+    def count(self) -> int:
+        if self.count_error is not None:
+            raise self.count_error
+        return len(self.uuids)
 
     def shutdown(self) -> None:
         self.shutdowns += 1
+        if self.shutdown_error is not None:
+            raise self.shutdown_error
 
     def rates(self, handle: int) -> types.SimpleNamespace:
         if self.fail_after_samples is not None and self.samples >= self.fail_after_samples:
-            raise FakeNvmlError("GPU is lost")
+            raise self.sample_error
         values = self.utilization[handle]
         value = values[min(self.samples, len(values) - 1)]
         self.samples += 1
@@ -135,3 +156,83 @@ def test_process_in_another_pid_namespace_is_not_measured(nvml: FakeNvml) -> Non
     sampler.start()
     assert sampler.take().process_memory_bytes is None
     sampler.stop()
+
+
+# What NVML bindings raise besides NVMLError: a missing symbol in an old library, a broken driver install, a
+# malformed answer, a bug in the bindings.
+OTHER_FAILURES = [
+    RuntimeError("NVML library version mismatch"),
+    AttributeError("module 'pynvml' has no attribute 'nvmlDeviceGetUtilizationRates'"),
+    OSError("libnvidia-ml.so.1: cannot open shared object file"),
+    ValueError("invalid literal for int()"),
+    KeyError("gpu"),
+    TypeError("'NoneType' object is not subscriptable"),
+]
+
+
+@pytest.mark.parametrize("error", OTHER_FAILURES, ids=lambda error: type(error).__name__)
+def test_any_failure_of_the_bindings_at_start_means_unavailable(nvml: FakeNvml, error: Exception) -> None:
+    nvml.init_error = error
+    with pytest.raises(NvmlUnavailableError, match=f"NVML could not start: {type(error).__name__}"):
+        NvmlSampler("bbbb-1111", 0.1).start()
+    nvml.init_error, nvml.count_error = None, error
+    with pytest.raises(NvmlUnavailableError, match=f"NVML could not list devices: {type(error).__name__}"):
+        NvmlSampler("bbbb-1111", 0.1).start()
+    assert nvml.shutdowns == 1  # initialised the second time, so released again
+
+
+@pytest.mark.parametrize("error", OTHER_FAILURES, ids=lambda error: type(error).__name__)
+def test_any_failure_while_sampling_ends_the_thread_quietly(nvml: FakeNvml, error: Exception) -> None:
+    # A thread dying with a traceback would reach pytest's threadexception plugin and fail this test.
+    nvml.fail_after_samples, nvml.sample_error = 2, error
+    sampler = NvmlSampler("bbbb-1111", interval_seconds=0.01)
+    sampler.start()
+    wait_for(lambda: sampler.error is not None)
+    assert sampler.error == f"NVML sampling failed: {type(error).__name__}: {error}"
+    assert sampler.take().gpu_utilization_percent == pytest.approx(40.0)  # mean of 30 and 50
+    nvml.shutdown_error = error  # and a teardown that fails as well
+    sampler.stop()
+    assert nvml.shutdowns == 1
+
+
+def test_a_first_sample_that_fails_means_unavailable(nvml: FakeNvml) -> None:
+    nvml.fail_after_samples, nvml.sample_error = 0, RuntimeError("Unknown Error")
+    with pytest.raises(NvmlUnavailableError, match="NVML sampling failed: RuntimeError: Unknown Error"):
+        NvmlSampler("bbbb-1111", 0.1).start()
+    assert nvml.shutdowns == 1
+
+
+def test_bindings_that_fail_on_import_mean_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pynvml.py").write_text('raise OSError("NVML Shared Library Not Found")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    with pytest.raises(NvmlUnavailableError, match="failed to load: OSError: NVML Shared Library Not Found"):
+        NvmlSampler("bbbb-1111", 0.1).start()
+
+
+def test_the_probe_turns_a_failed_start_into_one_warning_and_one_note(nvml: FakeNvml) -> None:
+    nvml.init_error = RuntimeError("NVML library version mismatch")
+    utilization = NvmlUtilization(interval_seconds=0.01)
+    with pytest.warns(VramMonitorWarning, match="NVML could not start: RuntimeError") as warned:
+        utilization.start("bbbb-1111")
+    assert len(warned) == 1
+    assert utilization.take() is None and utilization.run_mean_percent() is None
+    [note] = utilization.unavailable()
+    assert note.reason == "NVML could not start: RuntimeError: NVML library version mismatch"
+    utilization.stop()
+
+
+def test_the_probe_turns_a_sampling_failure_into_one_warning_and_one_note(nvml: FakeNvml) -> None:
+    nvml.fail_after_samples, nvml.sample_error = 2, AttributeError("'NoneType' object has no attribute 'gpu'")
+    utilization = NvmlUtilization(interval_seconds=0.01)
+    utilization.start("bbbb-1111")
+    wait_for(lambda: nvml.samples >= 2 and utilization._sampler is not None and utilization._sampler.error is not None)
+    with pytest.warns(VramMonitorWarning, match="utilization sampling stopped") as warned:
+        notes = utilization.unavailable()  # the report asks at the end, even if no log interval took a reading
+    assert utilization.take() is not None  # no second warning from here on (warnings are errors in the tests)
+    assert utilization.run_mean_percent() == pytest.approx(40.0)
+    assert len(warned) == 1
+    assert [note.what for note in notes] == ["GPU utilization after the error"]
+    assert "AttributeError" in notes[0].reason
+    assert utilization.unavailable() == notes
+    utilization.stop()

@@ -8,9 +8,9 @@ reason for each).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
+from lightning_vram.advice.checkpointing import best_checkpoint_plan
 from lightning_vram.records import (
     Advice,
     Breakdown,
@@ -31,10 +31,8 @@ MIN_SAVING_SHARE = 0.05
 """Advice that would save less than this share of the peak is noise next to run-to-run variation."""
 CHECKPOINT_MIN_SAVING_SHARE = 0.10
 """Checkpointing costs about one extra forward pass per step: advise it only for a tenth of the peak or more."""
-CHECKPOINT_SEGMENTS = (2, 3, 4, 6, 8)
-"""Segment counts tried for ``checkpoint_sequential`` on an ``nn.Sequential``."""
 INPLACE_MIN_SHARE = 0.02
-"""An inplace activation saves one transient copy: small, but free; advise it from 2% of the peak."""
+"""Inplace activations save one saved tensor each: small, but free; advise it from 2% of the peak."""
 DATA_WAIT_WORKERS_SHARE = 0.10
 """A GPU idle a tenth of every step waiting for data is worth more DataLoader workers."""
 DATA_WAIT_PIN_SHARE = 0.05
@@ -54,8 +52,6 @@ HEADROOM_MAX_UTILIZATION_PERCENT = 70.0
 """Above this utilization a larger batch mostly makes each step longer, not the run shorter."""
 NEAR_CAPACITY_SHARE = 0.9
 """A peak above 90% of capacity is one larger batch or input away from out-of-memory."""
-LARGE_LINEAR_SHARE = 0.5
-"""One Linear holding more than half of the parameters usually flattens a large feature map."""
 BATCH_SAFETY_MARGIN = 0.10
 """Share of capacity kept free when predicting the largest batch (allocator rounding, other processes)."""
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * MIB
@@ -91,70 +87,74 @@ def _share(part: int, whole: int) -> str:
     return format_percent(part / whole) if whole else "n/a"
 
 
-def _parent(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
+def _code_path(name: str, forward_of: str) -> str:
+    """Module ``name`` as code in the forward of ``forward_of``.
 
-
-def activations_peak_with_checkpoints(units: list[tuple[int, int, bool]]) -> int:
-    """Highest activation bytes of a chain of units, each ``(saved, input, checkpointed)``, over forward and backward.
-
-    A checkpointed unit keeps only its input after forward; backward visits the units last to first,
-    recomputing a checkpointed one, so while unit ``i`` is processed the earlier units hold what they kept and
-    unit ``i`` holds everything it saves (later units are already freed).
-
-    >>> activations_peak_with_checkpoints([(20, 1, True), (12, 2, False)])  # 32 without checkpoints
-    20
+    >>> _code_path("transformer.h.3", "transformer"), _code_path("network.conv1", "")
+    ('self.h[3]', 'self.network.conv1')
     """
-    kept_before = 0
-    peak = 0
-    for saved, input_bytes, checkpointed in units:
-        peak = max(peak, kept_before + saved)
-        kept_before += input_bytes if checkpointed else saved
-    return max(peak, kept_before)
+    relative = name[len(forward_of) + 1 :] if forward_of else name
+    return "self" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
 
 
-def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan | None:
-    """The checkpointing plan that frees the most activation bytes at the peak.
+def _unit_call(unit: tuple[str, ...], forward_of: str) -> str:
+    """The callable ``checkpoint`` gets for one unit: the module, or a lambda running its modules in order."""
+    if len(unit) == 1:
+        return _code_path(unit[0], forward_of)
+    call = "t"
+    for name in unit:
+        call = f"{_code_path(name, forward_of)}({call})"
+    return f"lambda t: {call}"
 
-    Units are either all the children of one module, each checkpointed (``checkpoint(block, x)``), or the
-    children of an ``nn.Sequential`` in contiguous segments, all but the last checkpointed, as
-    ``checkpoint_sequential`` does. A unit's saved bytes include its submodules'; the saving is the units'
-    saved bytes minus :func:`activations_peak_with_checkpoints` of them.
-    """
-    called = {profile.name: profile for profile in profiles if profile.name not in ("(root)", "(training_step)")}
-    inclusive = dict.fromkeys(called, 0)
-    for profile in called.values():
-        name = profile.name
-        while name:
-            if name in inclusive:
-                inclusive[name] += profile.activation_bytes
-            name = _parent(name)
-    children: dict[str, list[str]] = {}
-    for name in called:
-        children.setdefault(_parent(name), []).append(name)
 
-    def plan(container: str, units: list[list[str]], segments: int | None) -> CheckpointPlan:
-        chain = []
-        for index, unit in enumerate(units):
-            checkpointed = segments is None or index < len(units) - 1
-            chain.append((sum(inclusive[name] for name in unit), called[unit[0]].input_bytes, checkpointed))
-        saving = sum(saved for saved, _, _ in chain) - activations_peak_with_checkpoints(chain)
-        return CheckpointPlan(container, tuple(tuple(unit) for unit in units), segments, saving)
+CHECKPOINT_LINES = 6
+"""Units spelled out one line each in the advice's code; the rest are named."""
 
-    plans = []
-    for container, names in children.items():
-        if len(names) < 2:
-            continue
-        plans.append(plan(container, [[name] for name in names], None))
-        container_profile = called.get(container)
-        if container_profile is not None and container_profile.type == "Sequential":
-            for segments in CHECKPOINT_SEGMENTS:
-                if segments < len(names):
-                    size = math.ceil(len(names) / segments)
-                    units = [names[start : start + size] for start in range(0, len(names), size)]
-                    plans.append(plan(container, units, len(units)))
-    best = max(plans, key=lambda candidate: candidate.saving_bytes, default=None)
-    return best if best is not None and best.saving_bytes > 0 else None
+
+def _checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
+    """What the plan checkpoints, in words (for the title), and the code to write (for the detail)."""
+    forward_of = plan.forward_of or ""
+    where = f"the forward of `{forward_of}`" if forward_of else "the LightningModule's forward (or training_step)"
+    if plan.sequential_segments is not None:
+        path = _code_path(plan.container, forward_of)
+        what = f"`{plan.container}` (an nn.Sequential) in {plan.sequential_segments} segments"
+        code = (
+            "from torch.utils.checkpoint import checkpoint_sequential\n"
+            f"# in {where}, instead of {path}(x); the last segment runs without checkpointing:\n"
+            f"x = checkpoint_sequential({path}, segments={plan.sequential_segments}, input=x, use_reentrant=False)"
+        )
+        return what, code
+    first, last = plan.units[0][0], plan.units[-1][-1]
+    what = (
+        f"`{first}`"
+        if len(plan.units) == 1
+        else f"{len(plan.units)} units of `{plan.container}`, `{first}` to `{last}`"
+    )
+    indices = [unit[0].rsplit(".", 1)[-1] for unit in plan.units]
+    if plan.container != forward_of and all(len(unit) == 1 for unit in plan.units) and all(map(str.isdigit, indices)):
+        loop = _code_path(plan.container, forward_of)
+        code = (
+            "from torch.utils.checkpoint import checkpoint\n"
+            f"# in {where}, in its loop over {loop}:\n"
+            f"for index, block in enumerate({loop}):\n"
+            f"    x = checkpoint(block, x, use_reentrant=False) if {indices[0]} <= index <= {indices[-1]} else block(x)"
+        )
+        return what, code
+    lines = [f"x = checkpoint({_unit_call(unit, forward_of)}, x, use_reentrant=False)" for unit in plan.units]
+    if len(lines) > CHECKPOINT_LINES:
+        rest = ", ".join(f"`{unit[0]}`" for unit in plan.units[CHECKPOINT_LINES:])
+        lines = [*lines[:CHECKPOINT_LINES], f"# ... and the same for {rest}"]
+    merged = [f"`{name}`" for unit in plan.units for name in unit[1:]]
+    note = (
+        f"# ({', '.join(merged)} run(s) inplace: each stays in the unit before it, which recomputes it)\n"
+        if merged
+        else ""
+    )
+    code = (
+        "from torch.utils.checkpoint import checkpoint\n"
+        f"# in {where}, replace the call of each unit by (everything else runs as before):\n{note}" + "\n".join(lines)
+    )
+    return what, code
 
 
 def activation_checkpointing(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
@@ -168,30 +168,16 @@ def activation_checkpointing(summary: RunSummary, setup: TrainingSetup) -> Advic
         return None
     top = sorted(summary.modules, key=lambda profile: -profile.activation_bytes)[:3]
     top_text = ", ".join(f"{profile.name} {format_bytes(profile.activation_bytes)}" for profile in top)
-    container = plan.container or "the LightningModule"
-    if plan.sequential_segments is not None:
-        what = f"`{container}` (an nn.Sequential) in {plan.sequential_segments} segments"
-        snippet = (
-            "from torch.utils.checkpoint import checkpoint_sequential\n"
-            f"x = checkpoint_sequential(self.{plan.container}, segments={plan.sequential_segments}, input=x,"
-            " use_reentrant=False)"
-        )
-    else:
-        names = [unit[0] for unit in plan.units]
-        what = ", ".join(f"`{name}`" for name in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        snippet = (
-            "from torch.utils.checkpoint import checkpoint\n"
-            f"# in the forward of {container}, for each of its blocks:\n"
-            "x = checkpoint(block, x, use_reentrant=False)"
-        )
+    what, code = _checkpoint_snippet(plan)
     return Advice(
         id="activation-checkpointing",
         severity="info",
         title=f"Checkpoint {what} to free about {format_bytes(plan.saving_bytes)} of activations",
         detail=(
-            "Activation checkpointing keeps only each block's inputs in forward and recomputes the rest during"
-            " backward, one block at a time: about one extra forward pass of compute for the memory.\n"
-            f"```python\n{snippet}\n```"
+            "Activation checkpointing keeps only each unit's input in forward and recomputes the rest during"
+            " backward, one unit at a time: about one extra forward pass of the checkpointed units for the memory."
+            " No unit starts with an inplace op (backward would find its kept input overwritten).\n"
+            f"```python\n{code}\n```"
         ),
         evidence=(
             f"activations are {_share(breakdown.activations, peak.peak_bytes)} of the {peak.phase.value} peak"
@@ -206,24 +192,37 @@ def _is_activation(profile: ModuleProfile) -> bool:
 
 
 def inplace_activations(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """Out-of-place activation modules whose output copy is a visible part of the peak."""
+    """Out-of-place activations that save their input while a later op saves their output: inplace, one tensor.
+
+    Only activations whose inplace variant saves just its result count (``TrainingSetup.inplace_keeps_result``:
+    LeakyReLU, ELU...); a ReLU saves its output already, so inplace it frees no saved memory, only a transient
+    copy that the counts cannot show at the peak: it is not advised.
+    """
     attributed = _attributed_peak(summary)
     if attributed is None:
         return None
     peak, _ = attributed
-    out_of_place = [profile for profile in summary.modules if _is_activation(profile)]
-    safe = [profile for profile in out_of_place if not profile.input_saved_for_backward]
-    if not safe:
+    merging = set(setup.inplace_keeps_result)
+    candidates = [
+        profile
+        for profile in summary.modules
+        if _is_activation(profile)
+        and profile.name in merging
+        and profile.input_saved_bytes > 0
+        and profile.output_saved_for_backward
+    ]
+    safe = [profile for profile in candidates if not profile.input_saved_for_backward]
+    saving = sum(profile.input_saved_bytes for profile in safe)
+    if not safe or saving < INPLACE_MIN_SHARE * peak.peak_bytes:
         return None
-    largest = max(safe, key=lambda profile: profile.output_bytes)
-    if largest.output_bytes < INPLACE_MIN_SHARE * peak.peak_bytes:
-        return None
-    unsafe = [profile.name for profile in out_of_place if profile.input_saved_for_backward]
+    unsafe = [profile.name for profile in candidates if profile.input_saved_for_backward]
     types = sorted({profile.type for profile in safe})
+    largest = max(safe, key=lambda profile: profile.input_saved_bytes)
     evidence = (
-        f"{len(safe)} activation module(s) run out of place ({', '.join(types)}); the largest output is"
-        f" {format_bytes(largest.output_bytes)} ({largest.name}), {_share(largest.output_bytes, peak.peak_bytes)}"
-        " of the peak"
+        f"{len(safe)} activation module(s) run out of place ({', '.join(types)}), each saving its input for"
+        f" backward while a later op saves its output: {format_bytes(saving)} of saved inputs,"
+        f" {_share(saving, peak.peak_bytes)} of the peak (largest {largest.name},"
+        f" {format_bytes(largest.input_saved_bytes)})"
     )
     if unsafe:
         evidence += f"; left out because autograd saved their input for an earlier op: {', '.join(unsafe[:5])}"
@@ -232,15 +231,14 @@ def inplace_activations(summary: RunSummary, setup: TrainingSetup) -> Advice | N
         severity="info",
         title=f"Use inplace activations (e.g. `{largest.type}(inplace=True)`) in {len(safe)} module(s)",
         detail=(
-            "An out-of-place activation allocates a new output while its input is still alive. Inplace, the"
-            " transient copy goes away; the tensors saved for backward stay the same, so the peak drops by up to"
-            " one such output only when the peak falls on it. Inplace is safe here for autograd (no earlier op"
-            " saved these inputs), but whether the input is used again later, as in a residual connection, cannot"
-            " be told from measurements: check that first.\n"
+            "Out of place, these activations save their input for backward and the next op saves their output:"
+            " two tensors. Inplace, they compute the gradient from their result, so one tensor serves both. This is"
+            " safe for autograd here (no earlier op saved these inputs), but whether an input is used again later,"
+            " as in a residual connection, cannot be told from measurements: check that first.\n"
             f"```python\nnn.{largest.type}(inplace=True)\n```"
         ),
         evidence=evidence,
-        estimated_saving_bytes=largest.output_bytes,
+        estimated_saving_bytes=saving,
     )
 
 
@@ -424,34 +422,56 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
 
 
 def large_linear(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """One Linear holds most of the parameters, and with its gradients and state a visible part of the peak."""
+    """A Linear reads a flattened convolutional feature map: pooling it first removes most of the Linear's weights.
+
+    Global average pooling over the map's ``positions`` (H x W) turns ``Linear(C * positions, N)`` into
+    ``Linear(C, N)``: it removes ``(positions - 1) / positions`` of the weight, with their gradients and optimizer
+    state (the model-state bytes per parameter byte measured at the peak). A weight tied to another module has
+    no bytes of its own and is never advised here.
+    """
     attributed = _attributed_peak(summary)
-    if attributed is None or not setup.linear_layers or setup.parameter_bytes <= 0:
+    if attributed is None or attributed[1].parameters <= 0:
         return None
     peak, breakdown = attributed
-    layer = max(setup.linear_layers, key=lambda linear: linear.parameter_bytes)
-    share = layer.parameter_bytes / setup.parameter_bytes
+    maps = {profile.name: profile.input_feature_map for profile in summary.modules}
+    candidates = []
+    for layer in setup.linear_layers:
+        feature_map = maps.get(layer.name)
+        if feature_map is None or feature_map[1] <= 1 or layer.weight_bytes <= 0:
+            continue
+        removed = layer.weight_bytes - layer.weight_bytes // feature_map[1]
+        candidates.append((removed, layer, feature_map))
+    if not candidates:
+        return None
+    removed, layer, (channels, positions) = max(candidates, key=lambda candidate: candidate[0])
     model_state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
-    footprint = int(share * model_state)
-    if share <= LARGE_LINEAR_SHARE or footprint < MIN_SAVING_SHARE * peak.peak_bytes:
+    saving = removed * model_state // breakdown.parameters
+    if saving < MIN_SAVING_SHARE * peak.peak_bytes:
         return None
     return Advice(
         id="large-linear",
         severity="info",
-        title=f"`{layer.name}` holds {format_percent(share)} of the parameters: pool before it or shrink it",
+        title=(
+            f"`{layer.name}` reads a flattened feature map of {positions} positions: pool it first to save"
+            f" about {format_bytes(saving)}"
+        ),
         detail=(
-            f"A Linear({layer.in_features}, {layer.out_features}) usually reads a flattened feature map. Global"
-            " average pooling before it divides its inputs by the map's area (H x W), and its weights,"
-            " gradients and optimizer state with them.\n"
-            "```python\nnn.Sequential(..., nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))\n```"
+            f"Global average pooling before it averages each of the {channels} channels over the map's {positions}"
+            f" positions, so Linear({layer.in_features}, {layer.out_features}) becomes"
+            f" Linear({channels}, {layer.out_features}) and its weight, gradients and optimizer state shrink"
+            f" {positions}-fold. Pooling drops where things are in the map: accuracy may change, so validate.\n"
+            "```python\n"
+            f"nn.Sequential(..., nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear({channels}, {layer.out_features}))"
+            "  # AdaptiveAvgPool1d/3d for 1-D/3-D maps\n```"
         ),
         evidence=(
-            f"{layer.name}: Linear({layer.in_features} -> {layer.out_features}) has"
-            f" {format_bytes(layer.parameter_bytes)} of {format_bytes(setup.parameter_bytes)} parameters; with its"
-            f" gradients and optimizer state about {format_bytes(footprint)} of the"
-            f" {format_bytes(peak.peak_bytes)} peak"
+            f"{layer.name}: Linear({layer.in_features} -> {layer.out_features}) reads the flattened output of a"
+            f" convolutional map of {channels} channels x {positions} positions; its weight is"
+            f" {format_bytes(layer.weight_bytes)}, pooling removes {format_bytes(removed)} of it; parameters,"
+            f" gradients and optimizer state are {model_state / breakdown.parameters:.2f}x the parameters at the"
+            f" {peak.phase.value} peak ({format_bytes(peak.peak_bytes)})"
         ),
-        estimated_saving_bytes=footprint,
+        estimated_saving_bytes=saving,
     )
 
 

@@ -27,7 +27,18 @@ def _load_pynvml() -> ModuleType:
         raise NvmlUnavailableError(
             f"the NVML bindings are not installed ({error}); pip install nvidia-ml-py"
         ) from error
+    except Exception as error:  # bindings that fail on import: NVML is unavailable, training goes on
+        raise NvmlUnavailableError(f"the NVML bindings failed to load: {_describe(error)}") from error
     return module
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` as one line naming its type, for a warning and the report's ``not_measured``.
+
+    >>> _describe(OSError("libnvidia-ml.so.1: cannot open shared object file"))
+    'OSError: libnvidia-ml.so.1: cannot open shared object file'
+    """
+    return f"{type(error).__name__}: {error}"
 
 
 def normalise_uuid(uuid: str) -> str:
@@ -73,26 +84,30 @@ class NvmlSampler:
         self.error: str | None = None
 
     def start(self) -> None:
-        """Initialise NVML once, find the device and start sampling.
+        """Initialise NVML once, find the device, take a first sample and start sampling.
+
+        Any failure of the bindings (``NVMLError`` or anything else they raise) leaves NVML released.
 
         Raises:
-            NvmlUnavailableError: the bindings, the driver or the device are missing.
+            NvmlUnavailableError: the bindings, the driver or the device are missing, or the first sample failed.
         """
         pynvml = _load_pynvml()
         try:
             pynvml.nvmlInit()
-        except pynvml.NVMLError as error:
-            raise NvmlUnavailableError(f"NVML could not start: {error}") from error
+        except Exception as error:  # whatever the bindings raise, NVML is unavailable
+            raise NvmlUnavailableError(f"NVML could not start: {_describe(error)}") from error
         self._pynvml = pynvml
         try:
             self._handle = self._find_handle(pynvml)
-        except pynvml.NVMLError as error:
+        except Exception as error:  # whatever the bindings raise, NVML is unavailable
             self._shutdown()
-            raise NvmlUnavailableError(f"NVML could not list devices: {error}") from error
+            raise NvmlUnavailableError(f"NVML could not list devices: {_describe(error)}") from error
         if self._handle is None:
             self._shutdown()
             raise NvmlUnavailableError(f"NVML has no device with UUID {self._device_uuid}")
-        self._sample()
+        if not self._sample():
+            self._shutdown()
+            raise NvmlUnavailableError(self.error or "NVML sampling failed")
         self._thread = threading.Thread(target=self._loop, name="lightning-vram-nvml", daemon=True)
         self._thread.start()
 
@@ -107,18 +122,24 @@ class NvmlSampler:
         return None
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval_seconds):
-            if not self._sample():
-                return
+        """The thread: sample until stopped or until a sample fails (``error`` then says why). Never raises."""
+        try:
+            while not self._stop.wait(self._interval_seconds):
+                if not self._sample():
+                    return
+        except Exception as error:  # noqa: BLE001 -- a dying sampler thread would print a traceback into training
+            self.error = f"NVML sampling stopped: {_describe(error)}"
 
     def _sample(self) -> bool:
+        """Add one sample; ``False`` (with ``error`` set) when the bindings raised anything at all."""
         pynvml = self._pynvml
-        assert pynvml is not None  # set by start() before any sample
+        if pynvml is None:
+            return False  # stopped meanwhile
         try:
             utilization = float(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
             process_bytes = self._process_memory(pynvml)
-        except pynvml.NVMLError as error:
-            self.error = f"NVML sampling failed: {error}"
+        except Exception as error:  # noqa: BLE001 -- a dying sampler thread would print a traceback into training
+            self.error = f"NVML sampling failed: {_describe(error)}"
             return False
         with self._lock:
             for accumulator in (self._interval, self._run):
@@ -158,5 +179,6 @@ class NvmlSampler:
     def _shutdown(self) -> None:
         pynvml, self._pynvml = self._pynvml, None
         if pynvml is not None:
-            with contextlib.suppress(pynvml.NVMLError):  # already shut down elsewhere: nothing left to release
+            # Already shut down elsewhere, or bindings failing at the end: nothing is left to measure or release.
+            with contextlib.suppress(Exception):
                 pynvml.nvmlShutdown()

@@ -6,22 +6,31 @@ counted twice or at all. Sharded tensors count as the shard this rank holds: a D
 (FSDP2), FSDP1's flat parameter shard (its parameters are views of it), DeepSpeed ZeRO's partitions
 (see ``deepspeed_zero``). Activations are the tensors autograd saves for backward, seen through
 ``torch.autograd.graph.saved_tensors_hooks`` on sampled steps only.
+
+Tensors without one dense storage count by the storages that hold their data: a sparse tensor its indices and
+values, a tensor subclass that flattens (``__tensor_flatten__``) its inner tensors. Uninitialised parameters
+(``nn.LazyLinear`` before its first forward) hold nothing yet and count once materialised. A tensor whose data
+cannot be reached at all (an opaque MKL-DNN tensor) is skipped, and the counting says which kinds it skipped.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vram.measure._compiled import compiled_module_names
+from lightning_vram.measure._recompute import OutputWatch, running_backward
 from lightning_vram.measure.deepspeed_zero import master_weights, parameter_partition, partition_gradients
+from lightning_vram.measure.observations import ModuleObserver
 from lightning_vram.measure.tensors import iter_tensors
-from lightning_vram.records import Attribution, Breakdown, ModuleProfile, Phase
+from lightning_vram.records import Attribution, Breakdown, ModuleProfile, NotMeasured, Phase
 
 OUTSIDE_MODULES = "(training_step)"
 """Name given to activations saved outside any submodule's forward, such as the loss computation."""
@@ -32,8 +41,14 @@ ROOT_MODULE = "(root)"
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-StorageBytes = dict[int, int]
-"""Storage address -> storage size in bytes."""
+
+class StorageBytes(dict[int, int]):
+    """Storage address -> storage size in bytes, and the kinds of tensors met whose data could not be reached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uncounted: set[str] = set()
+        """Kinds of tensors skipped (``tensor_kind``): they have no storage the counting can read."""
 
 
 def _dtensor_type() -> type[DTensor] | None:
@@ -61,15 +76,75 @@ def on_device(tensor: Tensor, device: torch.device) -> bool:
     return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
 
 
+SPARSE_COMPONENTS: dict[torch.layout, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),  # the public indices() refuses the uncoalesced gradients of Embedding
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+"""The methods giving a sparse tensor's dense components, by layout."""
+
+
+def tensor_storages(tensor: Tensor) -> list[torch.UntypedStorage] | None:
+    """The storages holding ``tensor``'s data, or ``None`` where they cannot be reached.
+
+    A dense tensor has one; a sparse one the storages of its indices and values; a tensor subclass that
+    flattens (``__tensor_flatten__``: DTensor, jagged nested tensors) those of its inner tensors. An
+    uninitialised parameter has none yet.
+
+    >>> dense = torch.zeros(4, 4)
+    >>> [storage.nbytes() for storage in tensor_storages(dense)]
+    [64]
+    >>> [storage.nbytes() for storage in tensor_storages(torch.eye(3).to_sparse())]  # 2 x 3 int64, 3 float32
+    [48, 12]
+    """
+    if is_lazy(tensor):
+        return []
+    components = SPARSE_COMPONENTS.get(tensor.layout)
+    if components is not None:
+        return [getattr(tensor, name)().untyped_storage() for name in components]
+    if type(tensor) is not Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _context = tensor.__tensor_flatten__()
+        storages: list[torch.UntypedStorage] = []
+        for name in names:
+            inner = getattr(tensor, name, None)
+            found = tensor_storages(inner) if isinstance(inner, Tensor) else []
+            if found is None:
+                return None
+            storages += found
+        return storages
+    try:
+        return [tensor.untyped_storage()]
+    except (NotImplementedError, RuntimeError):  # an opaque tensor (MKL-DNN) or a subclass without real storage
+        return None
+
+
+def tensor_kind(tensor: Tensor) -> str:
+    """How the report names a kind of tensor: its class and layout.
+
+    >>> tensor_kind(torch.eye(2).to_sparse())
+    'Tensor (torch.sparse_coo)'
+    """
+    return f"{type(tensor).__name__} ({tensor.layout})"
+
+
 def add_storage(storages: StorageBytes, tensor: Tensor, device: torch.device, exclude: Iterable[int] = ()) -> None:
-    """Add ``tensor``'s storage (a DTensor's local shard) unless it is elsewhere, empty, or in ``exclude``."""
+    """Add ``tensor``'s storages (a DTensor's local shard) unless they are elsewhere, empty, or in ``exclude``.
+
+    A tensor whose data cannot be reached is noted in ``storages.uncounted`` instead.
+    """
     tensor = local_tensor(tensor)
     if not on_device(tensor, device):
         return
-    storage = tensor.untyped_storage()
-    key = storage.data_ptr()
-    if key and key not in exclude:
-        storages[key] = storage.nbytes()
+    found = tensor_storages(tensor)
+    if found is None:
+        storages.uncounted.add(tensor_kind(tensor))
+        return
+    for storage in found:
+        key = storage.data_ptr()
+        if key and key not in exclude:
+            storages[key] = storage.nbytes()
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -86,7 +161,7 @@ def batch_size_of(batch: Any) -> int | None:
 
 def parameter_storages(module: nn.Module, device: torch.device) -> StorageBytes:
     """Storages of the module's parameters on ``device`` (tied weights once), with ZeRO-3's partitions."""
-    storages: StorageBytes = {}
+    storages = StorageBytes()
     for parameter in module.parameters():
         add_storage(storages, parameter, device)
         partition = parameter_partition(parameter)
@@ -99,7 +174,7 @@ def gradient_storages(
     module: nn.Module, device: torch.device, optimizers: Iterable[torch.optim.Optimizer] = ()
 ) -> StorageBytes:
     """Storages of the gradients alive now: on the module's parameters, and in ZeRO optimizers' partitions."""
-    storages: StorageBytes = {}
+    storages = StorageBytes()
     for parameter in module.parameters():
         if parameter.grad is not None:
             add_storage(storages, parameter.grad, device)
@@ -117,7 +192,7 @@ def optimizer_state_storages(
     A ZeRO optimizer's state includes its fp32 master copy of this rank's partition.
     """
     excluded = set(exclude)
-    storages: StorageBytes = {}
+    storages = StorageBytes()
     for optimizer in optimizers:
         for tensor in iter_tensors(list(optimizer.state.values())):
             add_storage(storages, tensor, device, excluded)
@@ -126,57 +201,95 @@ def optimizer_state_storages(
     return storages
 
 
-def model_state_bytes(
+def model_state_storages(
     module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], device: torch.device
-) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes alive now on ``device``, each storage counted once."""
+) -> tuple[StorageBytes, StorageBytes, StorageBytes]:
+    """(parameter, gradient, optimizer-state) storages alive now on ``device``, each storage in one of them."""
     optimizers = list(optimizers)
     parameters = parameter_storages(module, device)
     gradients = gradient_storages(module, device, optimizers)
     state = optimizer_state_storages(optimizers, device, set(parameters) | set(gradients))
+    return parameters, gradients, state
+
+
+def model_state_bytes(
+    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], device: torch.device
+) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes alive now on ``device``, each storage counted once."""
+    parameters, gradients, state = model_state_storages(module, optimizers, device)
     return sum(parameters.values()), sum(gradients.values()), sum(state.values())
 
 
 class _SavedActivation:
     """What autograd keeps instead of a saved tensor while the ledger watches; freed when autograd frees it."""
 
-    __slots__ = ("_key", "_ledger", "tensor")
+    __slots__ = ("_keys", "_ledger", "tensor")
 
-    def __init__(self, tensor: Tensor, ledger: ActivationLedger, key: int) -> None:
+    def __init__(self, tensor: Tensor, ledger: ActivationLedger, keys: tuple[int, ...]) -> None:
         self.tensor = tensor
         self._ledger = ledger
-        self._key = key
+        self._keys = keys
 
     def __del__(self) -> None:
-        self._ledger.release(self._key)
+        for key in self._keys:
+            self._ledger.release(key)
 
 
 class ActivationLedger:
     """Live bytes of the storages autograd holds for backward.
 
     A storage saved several times counts once; it is released when autograd drops its last saved
-    reference (node by node during backward). Thread-safe: the autograd engine may release from
-    its own threads.
+    reference (node by node during backward). Storages a recomputation under activation checkpointing
+    holds (``hold_recomputed``) count as well, until they are freed. Thread-safe: the autograd engine
+    may release from its own threads.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._references: dict[int, int] = {}
-        self._sizes: StorageBytes = {}
+        self._recomputed: set[int] = set()
+        self._sizes: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.saved_bytes_by_module: dict[str, int] = {}
 
-    def acquire(self, key: int, nbytes: int, module_name: str) -> None:
-        """Autograd saved a reference to storage ``key`` of ``nbytes`` bytes inside ``module_name``."""
+    def _add_live(self, key: int, nbytes: int) -> None:
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def acquire(self, key: int, nbytes: int, module_name: str | None) -> None:
+        """Autograd saved a reference to storage ``key`` of ``nbytes`` bytes inside ``module_name``.
+
+        ``None`` for a tensor saved during backward (a reentrant checkpoint's recomputation): it counts as live
+        but is not what the module saves in its forward pass.
+        """
         with self._lock:
             count = self._references.get(key, 0)
             self._references[key] = count + 1
             if count == 0:
-                self._sizes[key] = nbytes
-                self.live_bytes += nbytes
-                self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-                self.saved_bytes_by_module[module_name] = self.saved_bytes_by_module.get(module_name, 0) + nbytes
+                if key not in self._recomputed:
+                    self._add_live(key, nbytes)
+                if module_name is not None:
+                    by_module = self.saved_bytes_by_module
+                    by_module[module_name] = by_module.get(module_name, 0) + nbytes
+
+    def hold_recomputed(self, key: int, nbytes: int) -> bool:
+        """A recomputation created storage ``key`` of ``nbytes`` bytes; ``False`` if it is held already."""
+        with self._lock:
+            if key in self._references or key in self._recomputed:
+                return False
+            self._recomputed.add(key)
+            self._add_live(key, nbytes)
+            return True
+
+    def free_recomputed(self, key: int) -> None:
+        """Storage ``key`` that a recomputation created was freed (or is no longer watched)."""
+        with self._lock:
+            if key in self._recomputed:
+                self._recomputed.discard(key)
+                if key not in self._references:
+                    self.live_bytes -= self._sizes.pop(key)
 
     def start_segment(self) -> None:
         """Start measuring the highest live bytes again from what is live now."""
@@ -186,7 +299,7 @@ class ActivationLedger:
     def holds(self, key: int) -> bool:
         """Whether autograd holds storage ``key`` for backward now."""
         with self._lock:
-            return key in self._references
+            return key in self._references or key in self._recomputed
 
     def release(self, key: int) -> None:
         """Autograd dropped one saved reference to storage ``key``."""
@@ -196,12 +309,13 @@ class ActivationLedger:
                 self._references[key] = count
             elif count == 0:
                 del self._references[key]
-                self.live_bytes -= self._sizes.pop(key)
+                if key not in self._recomputed:
+                    self.live_bytes -= self._sizes.pop(key)
 
 
 def storage_bytes(value: Any, device: torch.device) -> StorageBytes:
     """Unique storages of every tensor inside ``value`` (nested containers) on ``device``."""
-    storages: StorageBytes = {}
+    storages = StorageBytes()
     for tensor in iter_tensors(value):
         add_storage(storages, tensor, device)
     return storages
@@ -219,30 +333,77 @@ class _ModuleCounter:
 
 
 class _GradientLedger:
-    """Live gradient bytes during backward, and the highest activations + gradients seen together."""
+    """Live gradient bytes during backward, and the highest activations + gradients seen together.
 
-    def __init__(self, gradients: StorageBytes, activations: ActivationLedger, device: torch.device) -> None:
-        self._gradients = dict(gradients)
-        self._activations = activations
+    Gradients are kept per parameter, so a gradient that accumulation replaces by a new tensor (a sparse one)
+    stops counting when it is replaced.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        activations: ActivationLedger,
+        device: torch.device,
+    ) -> None:
         self._device = device
+        self._activations = activations
+        self._by_tensor: dict[int, StorageBytes] = {}
+        for parameter in module.parameters():
+            if parameter.grad is not None:
+                self._by_tensor[id(parameter)] = self._storages(parameter.grad)
+        partitions = StorageBytes()  # ZeRO's gradient partitions, read once at the start of backward
+        for optimizer in optimizers:
+            for gradient in partition_gradients(optimizer):
+                add_storage(partitions, gradient, device)
+        self._by_tensor[id(self)] = partitions
         self.peak_bytes = -1
         self.gradients_at_peak = 0
         self.activations_at_peak = 0
         self.observe()
 
-    def add(self, gradient: Tensor) -> None:
-        """A gradient was accumulated into a parameter."""
-        add_storage(self._gradients, gradient, self._device)
+    def _storages(self, gradient: Tensor) -> StorageBytes:
+        storages = StorageBytes()
+        add_storage(storages, gradient, self._device)
+        return storages
+
+    @property
+    def uncounted(self) -> set[str]:
+        """Kinds of gradient tensors whose data could not be reached."""
+        return {kind for storages in self._by_tensor.values() for kind in storages.uncounted}
+
+    def add(self, parameter: Tensor, gradient: Tensor) -> None:
+        """``parameter``'s gradient is now ``gradient``."""
+        self._by_tensor[id(parameter)] = self._storages(gradient)
         self.observe()
 
     def observe(self) -> None:
         """Record the current total if it is the highest so far."""
-        gradient_bytes = sum(self._gradients.values())
+        unique: dict[int, int] = {}
+        for storages in self._by_tensor.values():
+            unique.update(storages)
+        gradient_bytes = sum(unique.values())
         activation_bytes = self._activations.live_bytes
         if gradient_bytes + activation_bytes > self.peak_bytes:
             self.peak_bytes = gradient_bytes + activation_bytes
             self.gradients_at_peak = gradient_bytes
             self.activations_at_peak = activation_bytes
+
+
+class _Recomputation:
+    """One module's forward re-run during backward (activation checkpointing): what it creates is held or freed."""
+
+    def __init__(self, depth: int, on_output: Any) -> None:
+        self.depth = depth
+        """Length of the module stack outside the recomputed module: when it is back to this, the re-run ended."""
+        self.thread = threading.get_ident()
+        self.watch = OutputWatch(on_output)
+        self.watch.start()
+
+    def end(self) -> None:
+        """Stop watching (on the thread that started, where the dispatch mode is)."""
+        if threading.get_ident() == self.thread:
+            self.watch.stop()
 
 
 class StepAttributor:
@@ -254,49 +415,87 @@ class StepAttributor:
     backward is a forward pass, one that ends at an optimizer step is the backward before it, the last one
     is whatever phase ran. The counted peak of each phase is:
 
-    - forward: parameters + gradients alive when the segment began (the previous step's, unless freed) +
-      optimizer state + the highest live bytes of saved activations in the segment;
+    - forward: parameters + gradients alive when the forward pass began (at its first module call, which
+      is after the LightningModule's own ``on_train_batch_start``: the previous step's gradients, unless
+      freed) + optimizer state + the highest live bytes of saved activations in the segment;
     - backward: parameters + optimizer state + the highest sum of live activations and gradients
-      while backward frees one and creates the other;
+      while backward frees one and creates the other; a module's forward re-run during backward by
+      activation checkpointing adds what it creates and still holds when it ends;
     - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
       update + activations still held.
+
+    Uninitialised parameters count once materialised; tensors whose data cannot be reached are skipped and
+    listed in ``notes``.
     """
 
-    def __init__(self, step: int, module: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device):
+    def __init__(
+        self,
+        step: int,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        device: torch.device,
+        notes: dict[str, NotMeasured] | None = None,
+    ):
         self._step = step
         self._module = module
         self._optimizers = optimizers
         self._device = device
-        self._parameters = parameter_storages(module, device)
+        self.notes: dict[str, NotMeasured] = notes if notes is not None else {}
+        """What the counting skipped and why, by what; shared with the caller when it passes its own dict."""
+        self._lazy_parameters = True
+        self._parameters = StorageBytes()
+        self._refresh_parameters()
         self._ledger = ActivationLedger()
         self._module_stack: list[str] = []
         self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
         self.compiled = compiled_module_names(module)
         """Modules run by torch.compile: their saved tensors are counted, charged to the module as a whole."""
         self._counters: dict[str, _ModuleCounter] = {}
+        self._observer = ModuleObserver()
         self._batch_size: int | None = None
         self._handles: list[RemovableHandle] = []
         self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._gradient_handles: list[RemovableHandle] = []
         self._gradients: _GradientLedger | None = None
         self._segment_state: tuple[int, int] = (0, 0)
+        self._awaiting_forward = False
+        self._recomputation: _Recomputation | None = None
+        self._recomputed_finalizers: list[weakref.finalize[Any, Any]] = []
         self._phase = Phase.FORWARD
         self._phases: dict[Phase, Breakdown] = {}
         self.error: Exception | None = None
         """The first error raised inside the hooks; from then on they pass everything through untouched."""
 
+    def _note_uncounted(self, kinds: Iterable[str]) -> None:
+        for kind in kinds:
+            what = f"{kind} tensors"
+            if what not in self.notes:
+                self.notes[what] = NotMeasured(
+                    what, "their data has no storage the monitor can read: left out of the tensor counts"
+                )
+
+    def _refresh_parameters(self) -> None:
+        """Read the parameters' storages again while some are uninitialised (lazy modules materialise later)."""
+        if self._lazy_parameters:
+            self._parameters = parameter_storages(self._module, self._device)
+            self._note_uncounted(self._parameters.uncounted)
+            self._lazy_parameters = any(is_lazy(parameter) for parameter in self._module.parameters())
+
     def _model_state(self) -> tuple[int, int]:
         """(gradient bytes, optimizer-state bytes) alive now."""
-        _, gradient_bytes, state_bytes = model_state_bytes(self._module, self._optimizers, self._device)
-        return gradient_bytes, state_bytes
+        self._refresh_parameters()
+        _, gradients, state = model_state_storages(self._module, self._optimizers, self._device)
+        self._note_uncounted(gradients.uncounted | state.uncounted)
+        return sum(gradients.values()), sum(state.values())
 
     def begin_forward(self, batch: Any = None) -> None:
-        """Count the state alive at batch start and watch saved tensors and module calls until ``finish``.
+        """Watch saved tensors and module calls until ``finish``; the state alive is counted at the first module call.
 
         Backward passes and optimizer updates (under ``no_grad``) save nothing, so the hooks can stay for the
         whole step and see every forward pass of it, as in a GAN's manual optimization.
         """
-        self._segment_state = self._model_state()
+        self._segment_state = self._model_state()  # kept if no module is called before the next boundary
+        self._awaiting_forward = True
         self._batch_size = batch_size_of(batch)
         for label, child in self._modules.items():
             if any(label.startswith(f"{outer}.") for outer in self.compiled):
@@ -308,24 +507,35 @@ class StepAttributor:
         self._saved_tensors_hooks = hooks
 
     def _make_enter(self, label: str) -> Any:
-        watch_inplace = isinstance(getattr(self._modules[label], "inplace", None), bool)
-
         def enter(_module: nn.Module, args: Any) -> None:
             if self.error is not None:
                 return
             try:
-                count(args)
+                if running_backward(default=self._phase is Phase.BACKWARD):
+                    enter_recomputation()
+                else:
+                    count(args)
             except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
                 self.error = error
 
+        def enter_recomputation() -> None:
+            if self._recomputation is None:
+                self._recomputation = _Recomputation(len(self._module_stack), self._on_recomputed)
+            self._module_stack.append(label)
+
         def count(args: Any) -> None:
+            if self._awaiting_forward:  # the first module call of a forward pass: the state it really runs with
+                self._awaiting_forward = False
+                self._segment_state = self._model_state()
             counter = self._counters.get(label)
             if counter is None:
                 counter = self._counters[label] = _ModuleCounter()
             inputs = storage_bytes(args, self._device)
+            self._note_uncounted(inputs.uncounted)
             counter.input_bytes += sum(inputs.values())
-            if watch_inplace and any(self._ledger.holds(key) for key in inputs):
+            if any(self._ledger.holds(key) for key in inputs):
                 counter.input_saved_for_backward = True
+            self._observer.enter(label, self._modules[label], args, inputs)
             self._module_stack.append(label)
 
         return enter
@@ -339,10 +549,46 @@ class StepAttributor:
             self.error = error
 
     def _count_output(self, output: Any) -> None:
-        if self._module_stack:
-            counter = self._counters.get(self._module_stack.pop())
-            if counter is not None:
-                counter.output_bytes += sum(storage_bytes(output, self._device).values())
+        if not self._module_stack:
+            return
+        label = self._module_stack.pop()
+        recomputation = self._recomputation
+        if recomputation is not None:
+            if len(self._module_stack) <= recomputation.depth:  # the recomputed module's forward ended
+                self._recomputation = None
+                recomputation.end()
+                if self._gradients is not None:
+                    self._gradients.observe()
+            return
+        outputs = storage_bytes(output, self._device)
+        counter = self._counters.get(label)
+        if counter is not None:
+            counter.output_bytes += sum(outputs.values())
+        module = self._modules[label]
+        self._observer.leave(label, module, output, outputs, isinstance(getattr(module, "inplace", None), bool))
+
+    def _on_recomputed(self, output: Any) -> None:
+        """An operator of a recomputation created ``output``: hold its new storages until they are freed."""
+        if self.error is not None or self._recomputation is None:
+            return
+        try:
+            for tensor in iter_tensors(output):
+                self._hold_recomputed(tensor)
+        except Exception as error:  # noqa: BLE001 -- inside the user's backward: report, never raise
+            self.error = error
+
+    def _hold_recomputed(self, tensor: Tensor) -> None:
+        local = local_tensor(tensor)
+        if not on_device(local, self._device):
+            return
+        found = tensor_storages(local)
+        if found is None:
+            self._note_uncounted([tensor_kind(local)])
+            return
+        for storage in found:
+            key = storage.data_ptr()
+            if key and key not in self._parameters and self._ledger.hold_recomputed(key, storage.nbytes()):
+                self._recomputed_finalizers.append(weakref.finalize(storage, self._ledger.free_recomputed, key))
 
     def _pack(self, tensor: Tensor) -> Any:
         if self.error is not None:
@@ -359,13 +605,22 @@ class StepAttributor:
         local = local_tensor(tensor)
         if not on_device(local, self._device):
             return tensor
-        storage = local.untyped_storage()
-        key = storage.data_ptr()
-        if not key or key in self._parameters:
+        found = tensor_storages(local)
+        if found is None:
+            self._note_uncounted([tensor_kind(local)])
             return tensor
-        owner = self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
-        self._ledger.acquire(key, storage.nbytes(), owner)
-        return _SavedActivation(tensor, self._ledger, key)
+        self._refresh_parameters()
+        keys = [(storage.data_ptr(), storage.nbytes()) for storage in found]
+        keys = [(key, nbytes) for key, nbytes in keys if key and key not in self._parameters]
+        if not keys:
+            return tensor
+        owner: str | None = self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
+        if running_backward(default=self._recomputation is not None):
+            owner = None  # saved by a recomputation in backward, not by the forward pass
+        for key, nbytes in keys:
+            self._ledger.acquire(key, nbytes, owner)
+            self._observer.saved(key)
+        return _SavedActivation(tensor, self._ledger, tuple(key for key, _ in keys))
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
@@ -373,14 +628,13 @@ class StepAttributor:
 
     def before_backward(self) -> None:
         """A backward pass starts: what ran since the last boundary was a forward pass."""
+        self._observer.forward_ended(self._ledger.holds)
         self._close_segment(Phase.FORWARD)
         self._phase = Phase.BACKWARD
-        self._gradients = _GradientLedger(
-            gradient_storages(self._module, self._device, self._optimizers), self._ledger, self._device
-        )
+        self._gradients = _GradientLedger(self._module, self._optimizers, self._ledger, self._device)
         if not self._gradient_handles:
             for parameter in self._module.parameters():
-                if parameter.requires_grad:
+                if parameter.requires_grad and not is_lazy(parameter):
                     # torch ships this method without annotations.
                     handle = parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
                     self._gradient_handles.append(handle)
@@ -389,7 +643,7 @@ class StepAttributor:
         if self.error is not None or self._gradients is None or parameter.grad is None:
             return
         try:
-            self._gradients.add(parameter.grad)
+            self._gradients.add(parameter, parameter.grad)
         except Exception as error:  # noqa: BLE001 -- inside the user's backward: report, never raise
             self.error = error
 
@@ -397,6 +651,7 @@ class StepAttributor:
         """An optimizer is about to step: close the segment that ran since the last boundary."""
         self._close_segment(self._phase)
         self._phase = Phase.OPTIMIZER
+        self._awaiting_forward = True  # manual optimization may run another forward pass next
 
     def finish(self) -> Attribution:
         """Close the step's last segment, remove every hook, and return the counts."""
@@ -412,6 +667,7 @@ class StepAttributor:
         start_gradients, start_state = self._segment_state
         gradients = self._gradients
         if phase is Phase.BACKWARD and gradients is not None:
+            self._note_uncounted(gradients.uncounted)
             counted = self._breakdown(
                 gradients.gradients_at_peak, max(start_state, state_bytes), gradients.activations_at_peak
             )
@@ -424,6 +680,7 @@ class StepAttributor:
             self._phases[phase] = counted
         self._gradients = None
         self._segment_state = (gradient_bytes, state_bytes)
+        self._awaiting_forward = False
         self._ledger.start_segment()
 
     def _breakdown(self, gradient_bytes: int, state_bytes: int, activation_bytes: int) -> Breakdown:
@@ -441,6 +698,7 @@ class StepAttributor:
         profiles = []
         for label, counter in self._counters.items():
             inplace = getattr(self._modules[label], "inplace", None)
+            facts = self._observer.facts(label)
             profiles.append(
                 ModuleProfile(
                     name=label,
@@ -450,6 +708,10 @@ class StepAttributor:
                     output_bytes=counter.output_bytes,
                     inplace=inplace if isinstance(inplace, bool) else None,
                     input_saved_for_backward=counter.input_saved_for_backward,
+                    input_saved_bytes=facts.input_saved_bytes,
+                    output_saved_bytes=facts.output_saved_bytes,
+                    output_saved_for_backward=facts.output_saved_for_backward,
+                    input_feature_map=facts.input_feature_map,
                 )
             )
         order = {label: index for index, label in enumerate(self._modules)}
@@ -463,6 +725,12 @@ class StepAttributor:
         hooks, self._saved_tensors_hooks = self._saved_tensors_hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+        recomputation, self._recomputation = self._recomputation, None
+        if recomputation is not None:
+            recomputation.end()
+        for finalizer in self._recomputed_finalizers:
+            finalizer.detach()
+        self._recomputed_finalizers.clear()
         for handle in (*self._handles, *self._gradient_handles):
             handle.remove()
         self._handles.clear()

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from lightning_vram.measure.tensors import iter_tensors
 
@@ -69,5 +70,10 @@ def wrapped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
 
 
 def parameter_bytes(module: nn.Module) -> int:
-    """Bytes of the module's whole parameters in their dtypes, whether or not ZeRO-3 has them partitioned."""
-    return sum(full_numel(parameter) * parameter.element_size() for parameter in module.parameters())
+    """Bytes of the module's whole parameters in their dtypes, whether or not ZeRO-3 has them partitioned.
+
+    Uninitialised parameters (``nn.LazyLinear`` before its first forward) have no size yet and count 0.
+    """
+    return sum(
+        full_numel(parameter) * parameter.element_size() for parameter in module.parameters() if not is_lazy(parameter)
+    )

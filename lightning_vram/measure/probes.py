@@ -96,30 +96,73 @@ class CpuProbe:
         """Nothing to stop."""
 
 
-class CudaProbe:
-    """A CUDA device: the caching allocator's counters, and NVML on a background timer."""
+class NvmlUtilization:
+    """GPU utilization and this process's device memory, sampled by NVML on a background thread.
 
-    def __init__(self, utilization_interval_seconds: float) -> None:
-        self._utilization_interval_seconds = utilization_interval_seconds
-        self._index = 0
+    Whatever NVML's bindings raise, at start or later on the sampling thread, becomes one warning and one
+    ``not_measured`` entry; the memory readings of the allocator go on.
+    """
+
+    def __init__(self, interval_seconds: float) -> None:
+        self._interval_seconds = interval_seconds
         self._sampler: NvmlSampler | None = None
         self._unavailable: list[NotMeasured] = []
         self._sampler_error_reported = False
 
-    def open(self, device: torch.device) -> DeviceInfo:
-        """Describe the device and start NVML; a missing NVML warns once and is reported as not measured."""
-        self._index = device.index if device.index is not None else torch.cuda.current_device()
-        properties = torch.cuda.get_device_properties(self._index)
-        sampler = NvmlSampler(str(properties.uuid), self._utilization_interval_seconds)
+    def start(self, device_uuid: str) -> None:
+        """Start sampling the GPU with this UUID; when NVML cannot be used, warn once and note why."""
+        sampler = NvmlSampler(device_uuid, self._interval_seconds)
         try:
             sampler.start()
         except NvmlUnavailableError as error:
             self._unavailable.append(NotMeasured("GPU utilization and process memory (NVML)", str(error)))
             warnings.warn(
-                f"VramMonitor: {error}. GPU utilization is not measured; memory is.", VramMonitorWarning, stacklevel=2
+                f"VramMonitor: {error}. GPU utilization is not measured; memory is.", VramMonitorWarning, stacklevel=3
             )
         else:
             self._sampler = sampler
+
+    def _note_sampler_error(self) -> None:
+        sampler = self._sampler
+        if sampler is None or sampler.error is None or self._sampler_error_reported:
+            return
+        self._sampler_error_reported = True
+        self._unavailable.append(NotMeasured("GPU utilization after the error", sampler.error))
+        warnings.warn(f"VramMonitor: {sampler.error}; utilization sampling stopped.", VramMonitorWarning, stacklevel=3)
+
+    def take(self) -> UtilizationReading | None:
+        """Utilization averaged since the last call (``None`` without NVML)."""
+        self._note_sampler_error()
+        return self._sampler.take() if self._sampler is not None else None
+
+    def run_mean_percent(self) -> float | None:
+        """Utilization averaged over the run, in percent (``None`` without NVML or without a sample)."""
+        self._note_sampler_error()
+        return self._sampler.run_mean_percent() if self._sampler is not None else None
+
+    def unavailable(self) -> tuple[NotMeasured, ...]:
+        """Why NVML could not be used, or stopped sampling."""
+        self._note_sampler_error()
+        return tuple(self._unavailable)
+
+    def stop(self) -> None:
+        """Stop the sampling thread and release NVML. Safe to call twice."""
+        if self._sampler is not None:
+            self._sampler.stop()
+
+
+class CudaProbe:
+    """A CUDA device: the caching allocator's counters, and NVML on a background timer."""
+
+    def __init__(self, utilization_interval_seconds: float) -> None:
+        self._index = 0
+        self._nvml = NvmlUtilization(utilization_interval_seconds)
+
+    def open(self, device: torch.device) -> DeviceInfo:
+        """Describe the device and start NVML; a failing NVML warns once and is reported as not measured."""
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(self._index)
+        self._nvml.start(str(properties.uuid))
         return DeviceInfo(
             type="cuda",
             name=properties.name,
@@ -144,33 +187,23 @@ class CudaProbe:
 
     def take_utilization(self) -> UtilizationReading | None:
         """NVML's utilization averaged since the last call."""
-        sampler = self._sampler
-        if sampler is None:
-            return None
-        if sampler.error is not None and not self._sampler_error_reported:
-            self._sampler_error_reported = True
-            self._unavailable.append(NotMeasured("GPU utilization after the error", sampler.error))
-            warnings.warn(
-                f"VramMonitor: {sampler.error}; utilization sampling stopped.", VramMonitorWarning, stacklevel=2
-            )
-        return sampler.take()
+        return self._nvml.take()
 
     def mean_utilization_percent(self) -> float | None:
         """NVML's utilization averaged over the run."""
-        return self._sampler.run_mean_percent() if self._sampler is not None else None
+        return self._nvml.run_mean_percent()
 
     def host_rss_bytes(self) -> int | None:
         """Resident memory of this process on the host, in bytes."""
         return _host_rss_bytes()
 
     def unavailable(self) -> tuple[NotMeasured, ...]:
-        """NVML, when it could not be used."""
-        return tuple(self._unavailable)
+        """NVML, when it could not be used or stopped sampling."""
+        return self._nvml.unavailable()
 
     def close(self) -> None:
         """Stop the NVML thread."""
-        if self._sampler is not None:
-            self._sampler.stop()
+        self._nvml.stop()
 
 
 def probe_for(device: torch.device, utilization_interval_seconds: float) -> Probe:

@@ -6,15 +6,19 @@ plain loop or a Fabric loop passes what it has, and the rest keeps its single-pr
 
 from __future__ import annotations
 
+import copy
 import os
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 
-from lightning_vram.measure.deepspeed_zero import parameter_bytes, wrapped_optimizer
+from lightning_vram.measure.accounting import local_tensor
+from lightning_vram.measure.deepspeed_zero import full_numel, parameter_bytes, wrapped_optimizer
 from lightning_vram.records import LinearLayer, TrainingSetup
 
 
@@ -37,18 +41,91 @@ def cpu_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def _parameter_key(parameter: Tensor) -> int:
+    """What identifies a parameter's memory: its (local shard's) storage address, or the object where it has none.
+
+    A DTensor (FSDP2) is identified by its local shard; ZeRO-3 and uninitialised (lazy) parameters have no storage.
+    """
+    if is_lazy(parameter):  # uninitialised (a lazy module before its first forward): no storage yet
+        return id(parameter)
+    address = local_tensor(parameter).untyped_storage().data_ptr()
+    return address if address else id(parameter)
+
+
+def _whole_bytes(parameter: Tensor) -> int:
+    if is_lazy(parameter):  # uninitialised: no size yet
+        return 0
+    return full_numel(parameter) * parameter.element_size()
+
+
 def linear_layers(module: nn.Module) -> tuple[LinearLayer, ...]:
-    """Every ``nn.Linear`` of ``module`` with its own parameter bytes."""
+    """Every ``nn.Linear`` of ``module`` with the bytes of the parameters it owns alone.
+
+    A parameter that another module holds too (a language model's ``lm_head`` tied to its embedding) is not
+    the Linear's own: it counts once, with the module it is tied to, and the Linear's own bytes exclude it.
+
+    >>> embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    >>> head.weight = embedding.weight
+    >>> [(layer.name, layer.weight_bytes) for layer in linear_layers(nn.ModuleDict({"wte": embedding, "head": head}))]
+    [('head', 0)]
+    """
+    owners = Counter(
+        _parameter_key(parameter)
+        for child in module.modules(remove_duplicate=False)
+        for parameter in child.parameters(recurse=False)
+    )
+
+    def own_bytes(parameter: Tensor | None) -> int:
+        if parameter is None or owners[_parameter_key(parameter)] > 1:
+            return 0
+        return _whole_bytes(parameter)
+
     return tuple(
         LinearLayer(
             name=name,
             in_features=child.in_features,
             out_features=child.out_features,
-            parameter_bytes=parameter_bytes(child),
+            parameter_bytes=own_bytes(child.weight) + own_bytes(child.bias),
+            weight_bytes=own_bytes(child.weight),
         )
         for name, child in module.named_modules()
         if isinstance(child, nn.Linear)
     )
+
+
+def inplace_keeps_result(module: nn.Module) -> bool:
+    """Whether the inplace variant of activation module ``module`` saves only its result, tried on 16 numbers.
+
+    ``relu_``, ``leaky_relu_`` and ``elu_`` compute their gradient from their result, so inplace the input and the
+    output become one saved tensor; others (``hardtanh_``, ``silu_``) keep a copy of the input they overwrite, or
+    refuse backward (``leaky_relu_`` with a negative slope), and inplace saves nothing there. The trial runs a copy
+    of the module's ``forward`` (no hooks, the module itself untouched) on a CPU tensor.
+
+    >>> inplace_keeps_result(nn.LeakyReLU()), inplace_keeps_result(nn.SiLU()), inplace_keeps_result(nn.Linear(2, 2))
+    (True, False, False)
+    """
+    if getattr(module, "inplace", None) is not False or any(True for _ in (*module.parameters(), *module.buffers())):
+        return False
+    trial = copy.copy(module)
+    trial.inplace = True  # type: ignore[assignment]  # nn.Module annotates attributes as tensors or modules
+    saved: set[int] = set()
+
+    def pack(tensor: Tensor) -> Tensor:
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    start = torch.linspace(-2.0, 2.0, 16, requires_grad=True)  # both sides of zero
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            values = start.clone()
+            result = trial.forward(values)
+        if not isinstance(result, Tensor):
+            return False
+        torch.autograd.grad(result.sum(), start)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):  # an activation that refuses this trial
+        return False
+    address = values.untyped_storage().data_ptr()
+    return result.untyped_storage().data_ptr() == address and saved == {address}
 
 
 def training_setup(
@@ -77,4 +154,5 @@ def training_setup(
         strategy=strategy,
         parameter_bytes=parameter_bytes(module),
         linear_layers=linear_layers(module),
+        inplace_keeps_result=tuple(name for name, child in module.named_modules() if inplace_keeps_result(child)),
     )

@@ -1,4 +1,8 @@
-"""The end-of-training summary on the console: a rich table on a terminal, plain text elsewhere or without rich."""
+"""The end-of-training summary on the console: a rich table on a terminal, plain text elsewhere or without rich.
+
+Everything printed through rich is a ``Text`` or printed with ``markup=False``: a device or module name holding
+``[...]`` is shown as it is, never read as rich markup.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import TextIO
 
 from lightning_vram.codec import CATEGORIES, in_phase_order
 from lightning_vram.records import Report
+from lightning_vram.render.markup import printable
 from lightning_vram.render.text import headline, summary_text
 from lightning_vram.units import format_bytes
 
@@ -26,13 +31,14 @@ def _rich_summary(report: Report, stream: TextIO) -> bool:
     try:
         console_module = importlib.import_module("rich.console")
         table_module = importlib.import_module("rich.table")
+        text_module = importlib.import_module("rich.text")
     except ImportError:
         return False
     console = console_module.Console(file=stream)
     device = report.device
     table = table_module.Table(
-        title=f"VRAM: {headline(report)}",
-        caption=f"{device.name} ({device.type}), {report.steps} steps",
+        title=text_module.Text(f"VRAM: {headline(report)}"),
+        caption=text_module.Text(printable(f"{device.name} ({device.type}), {report.steps} steps")),
         title_justify="left",
     )
     table.add_column("phase")
@@ -46,7 +52,7 @@ def _rich_summary(report: Report, stream: TextIO) -> bool:
         )
     console.print(table)
     for advice in report.advice:
-        console.print(f"  {advice.id}: {advice.title}", markup=False, highlight=False)
+        console.print(printable(f"  {advice.id}: {advice.title}"), markup=False, highlight=False)
     return True
 
 

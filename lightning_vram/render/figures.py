@@ -1,7 +1,9 @@
 """Figures of a report, drawn with matplotlib for TensorBoard and the HTML page.
 
 Figures are built as ``Figure`` objects and saved to PNG directly: headless, and without pyplot, so the user's
-matplotlib backend and pyplot state are left alone.
+matplotlib backend and pyplot state are left alone. Text from the user's model (module and class names) is drawn
+literally (``parse_math=False``: a ``$`` never starts mathtext) and shortened; a figure's size is bounded whatever the
+report holds.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from matplotlib import image
 from matplotlib.figure import Figure
 
 from lightning_vram.records import ModuleProfile, Phase, PhasePeak, StepPoint
-from lightning_vram.units import format_bytes
 
 SHOW_MARKERS_BELOW = 50
 """Series with this many points or fewer get a marker on each."""
+MAX_MODULE_BARS = 30
+"""The modules figure shows at most this many (the largest); the tables list them all."""
+MAX_LABEL_CHARACTERS = 60
+"""Longer module labels are shortened in the middle."""
 
 CATEGORY_COLOURS = {
     "parameters": "#4C72B0",
@@ -60,8 +65,21 @@ def breakdown_figure(phases: dict[Phase, PhasePeak]) -> Figure:
     return figure
 
 
-def memory_over_steps_figure(points: Sequence[StepPoint], capacity_bytes: int | None) -> Figure:
-    """The peak of each recent step."""
+def short_label(text: str, limit: int = MAX_LABEL_CHARACTERS) -> str:
+    """``text`` on one line, at most ``limit`` characters: the middle gives way to an ellipsis.
+
+    >>> short_label("encoder.layers.11.attention.output.dense", limit=20)
+    'encoder.l…tput.dense'
+    """
+    text = " ".join(text.splitlines()).encode("utf-8", "backslashreplace").decode("utf-8")  # no font has surrogates
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return f"{text[:head]}…{text[len(text) - (limit - 1 - head) :]}"
+
+
+def memory_over_steps_figure(points: Sequence[StepPoint], capacity: str | None) -> Figure:
+    """The peak of each recent step; ``capacity`` (in words, see ``render.text.capacity_text``) goes in the title."""
     figure = Figure(figsize=(6.4, 3.2), layout="constrained")
     axes = figure.subplots()
     factor, unit = _binary_scale(max((point.peak_bytes for point in points), default=1))
@@ -75,22 +93,30 @@ def memory_over_steps_figure(points: Sequence[StepPoint], capacity_bytes: int | 
     axes.set_xlabel("training batch")
     axes.set_ylabel(f"step peak ({unit})")
     title = "Peak memory of each step"
-    if capacity_bytes:
-        title += f" (device: {format_bytes(capacity_bytes)})"
-    axes.set_title(title)
+    if capacity:
+        title += f" (capacity {capacity})"
+    axes.set_title(title, parse_math=False)
     axes.set_ylim(bottom=0)
     return figure
 
 
 def modules_figure(modules: Sequence[ModuleProfile]) -> Figure:
-    """Horizontal bars: the modules that saved the most activations for backward, largest on top."""
-    shown = list(modules)[::-1]
+    """Horizontal bars: the modules that saved the most activations for backward, largest on top, in their order.
+
+    At most :data:`MAX_MODULE_BARS` bars; names are drawn as plain text (never mathtext) and shortened.
+    """
+    shown = list(modules)[:MAX_MODULE_BARS][::-1]
     figure = Figure(figsize=(6.4, 0.4 * len(shown) + 1.2), layout="constrained")
     axes = figure.subplots()
     factor, unit = _binary_scale(max((row.activation_bytes for row in shown), default=1))
-    axes.barh([f"{row.name} ({row.type})" for row in shown], [row.activation_bytes / factor for row in shown])
+    positions = list(range(len(shown)))
+    axes.barh(positions, [row.activation_bytes / factor for row in shown])
+    axes.set_yticks(positions, [short_label(f"{row.name} ({row.type})") for row in shown], parse_math=False)
     axes.set_xlabel(f"activations saved for backward ({unit})")
-    axes.set_title("Modules saving the most activations")
+    title = "Modules saving the most activations"
+    if len(modules) > len(shown):
+        title += f" (largest {len(shown)} of {len(modules)})"
+    axes.set_title(title)
     axes.tick_params(axis="y", labelsize="small")
     return figure
 

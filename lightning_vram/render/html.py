@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import base64
 import html
-import re
+from collections.abc import Iterable
 
 from lightning_vram.codec import CATEGORIES, in_phase_order
 from lightning_vram.records import Advice, Report
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
-from lightning_vram.render.text import evaluation_text, headline, ranks_line, saving_text
-from lightning_vram.units import format_bytes, format_percent
+from lightning_vram.render.markup import Token, advice_tokens
+from lightning_vram.render.text import capacity_text, evaluation_text, headline, ranks_line, saving_text, timing_line
+from lightning_vram.units import format_bytes
 
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
@@ -28,15 +29,23 @@ def _image(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
+def _inline_html(tokens: Iterable[Token]) -> str:
+    tags = {"code": "code", "bold": "strong"}
+    return "".join(
+        f"<{tags[token.kind]}>{html.escape(token.text)}</{tags[token.kind]}>"
+        if token.kind in tags
+        else html.escape(token.text)
+        for token in tokens
+    )
+
+
 def inline_markdown(text: str) -> str:
-    """Escaped text with Markdown's inline code and bold.
+    """Escaped text with Markdown's inline code and bold (read as :func:`~lightning_vram.render.markup.advice_tokens`).
 
     >>> inline_markdown("use `a<b` **now**")
     'use <code>a&lt;b</code> <strong>now</strong>'
     """
-    escaped = html.escape(text)
-    escaped = re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped)
-    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", escaped)
+    return _inline_html(advice_tokens(text))
 
 
 def markdown_to_html(text: str) -> str:
@@ -45,15 +54,22 @@ def markdown_to_html(text: str) -> str:
     >>> markdown_to_html("Use `x`.\n```python\nf(x)\n```")
     '<p>Use <code>x</code>.</p>\n<pre><code class="language-python">f(x)</code></pre>'
     """
-    parts = []
-    for index, chunk in enumerate(re.split(r"```(\w*)\n(.*?)\n?```", text, flags=re.DOTALL)):
-        kind = index % 3
-        if kind == 0 and chunk.strip():
-            parts.append(f"<p>{inline_markdown(chunk.strip())}</p>")
-        elif kind == 1:
-            language = chunk
-        elif kind == 2:
-            parts.append(f'<pre><code class="language-{language or "text"}">{html.escape(chunk)}</code></pre>')
+    parts: list[str] = []
+    paragraph: list[Token] = []
+
+    def end_paragraph() -> None:
+        if "".join(piece.text for piece in paragraph).strip():
+            parts.append(f"<p>{_inline_html(paragraph).strip()}</p>")
+        paragraph.clear()
+
+    for token in advice_tokens(text):
+        if token.kind != "block":
+            paragraph.append(token)
+            continue
+        end_paragraph()
+        language = html.escape(token.language or "text")
+        parts.append(f'<pre><code class="language-{language}">{html.escape(token.text)}</code></pre>')
+    end_paragraph()
     return "\n".join(parts)
 
 
@@ -69,34 +85,38 @@ def _advice_html(item: Advice) -> str:
 
 
 def render_html(report: Report) -> str:
-    """The whole report as a standalone HTML page."""
+    """The whole report as a standalone HTML page: the headline and the advice first, then the measurements."""
     device = report.device
-    rows = []
-    for phase, peak in in_phase_order(report.phases):
-        values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
-        cells = "".join(f'<td class="n">{format_bytes(values.get(name))}</td>' for name in CATEGORIES)
-        rows.append(f'<tr><td>{phase.value}</td><td class="n">{format_bytes(peak.peak_bytes)}</td>{cells}</tr>')
-    header = "".join(f'<th class="n">{name.replace("_", " ")}</th>' for name in CATEGORIES)
     sections = [
         f"<h1>VRAM report</h1><p class='headline'>{html.escape(headline(report))}</p>",
         "<p class='meta'>"
         + html.escape(
-            f"{device.name} ({device.type}), capacity {format_bytes(device.total_bytes)}; precision "
-            f"{report.precision or 'n/a'}; batch size {report.batch_size or 'n/a'}; {report.steps} steps; data wait "
-            f"{format_percent(report.timing.data_wait_fraction)}"
+            f"{device.name} ({device.type}), capacity {capacity_text(device)}; precision {report.precision or 'n/a'};"
+            f" batch size {report.batch_size or 'n/a'}; {report.steps} steps; {timing_line(report)}"
         )
         + "</p>",
     ]
     if (ranks := ranks_line(report)) is not None:
         sections.append(f"<p class='headline'>{html.escape(ranks)}</p>")
+    sections.append("<h2>Advice</h2>")
+    if report.advice:
+        sections += [_advice_html(item) for item in report.advice]
+    else:
+        sections.append("<p>No advice: no rule found a change worth making in this run's measurements.</p>")
     sections.append("<h2>Breakdown at each phase's peak</h2>")
     if report.phases:
-        sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
+        rows = []
+        for phase, peak in in_phase_order(report.phases):
+            values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
+            cells = "".join(f'<td class="n">{format_bytes(values.get(name))}</td>' for name in CATEGORIES)
+            rows.append(f'<tr><td>{phase.value}</td><td class="n">{format_bytes(peak.peak_bytes)}</td>{cells}</tr>')
+        header = "".join(f'<th class="n">{name.replace("_", " ")}</th>' for name in CATEGORIES)
         sections.append(f'<table><tr><th>phase</th><th class="n">peak</th>{header}</tr>{"".join(rows)}</table>')
+        sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
     if report.evaluation:
         sections.append(f"<p>Evaluation peaks: {html.escape(evaluation_text(report.evaluation))}.</p>")
     if report.recent_peaks:
-        figure = memory_over_steps_figure(report.recent_peaks, device.total_bytes)
+        figure = memory_over_steps_figure(report.recent_peaks, capacity_text(device) if device.total_bytes else None)
         sections += ["<h2>Memory over steps</h2>", _image(png_bytes(figure), "memory over steps")]
     if report.modules:
         table = "".join(
@@ -106,14 +126,9 @@ def render_html(report: Report) -> str:
         )
         sections += [
             "<h2>Modules saving the most activations</h2>",
-            _image(png_bytes(modules_figure(report.modules)), "top modules"),
             f'<table id="modules"><tr><th>module</th><th>type</th><th class="n">saved</th></tr>{table}</table>',
+            _image(png_bytes(modules_figure(report.modules)), "top modules"),
         ]
-    sections.append("<h2>Advice</h2>")
-    if report.advice:
-        sections += [_advice_html(item) for item in report.advice]
-    else:
-        sections.append("<p>No advice: no rule found a change worth making in this run's measurements.</p>")
     if report.fit:
         fit = "".join(
             f'<tr><td>{html.escape(row.device)}</td><td class="n">{format_bytes(row.capacity_bytes)}</td>'

@@ -12,7 +12,7 @@ import numpy as np
 
 from lightning_vram.records import Advice, Report
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
-from lightning_vram.render.text import advice_markdown
+from lightning_vram.render.text import advice_markdown, capacity_text
 
 ADVICE_TAG = "vram/advice"
 FIGURE_TAGS = ("vram/figures/breakdown", "vram/figures/memory_over_steps", "vram/figures/top_modules")
@@ -67,7 +67,8 @@ def report_images(report: Report) -> dict[str, np.ndarray]:
     if report.phases:
         images[FIGURE_TAGS[0]] = rgb_pixels(breakdown_figure(report.phases))
     if report.recent_peaks:
-        images[FIGURE_TAGS[1]] = rgb_pixels(memory_over_steps_figure(report.recent_peaks, report.device.total_bytes))
+        capacity = capacity_text(report.device) if report.device.total_bytes else None
+        images[FIGURE_TAGS[1]] = rgb_pixels(memory_over_steps_figure(report.recent_peaks, capacity))
     if report.modules:
         images[FIGURE_TAGS[2]] = rgb_pixels(modules_figure(report.modules))
     return images

@@ -1,12 +1,15 @@
 """The report in words: the headline, the console summary and the Markdown report (and the OOM diagnosis's).
 
-Every string that comes from the user's model (module names, class names) is escaped before it enters Markdown.
+Every string that comes from the user's model or machine (module names, class names, device names, error messages)
+enters Markdown through :mod:`lightning_vram.render.markup`, which escapes it; advice enters through
+:func:`~lightning_vram.render.markup.safe_markdown`.
 """
 
 from __future__ import annotations
 
 from lightning_vram.codec import CATEGORIES, in_phase_order
-from lightning_vram.records import Advice, EvaluationPeak, OomDiagnosis, Report
+from lightning_vram.records import Advice, DeviceInfo, EvaluationPeak, OomDiagnosis, Report
+from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
 from lightning_vram.units import format_bytes, format_percent
 
 
@@ -20,13 +23,26 @@ def saving_text(advice: Advice) -> str | None:
     return ", ".join(savings) if savings else None
 
 
+def capacity_text(device: DeviceInfo) -> str:
+    """The memory the device's share is of: a GPU's memory, or on the CPU the host's RAM, said so.
+
+    >>> capacity_text(DeviceInfo("cpu", "x86_64", None, 8 * 1024**3))
+    '8.00 GiB host RAM'
+    >>> capacity_text(DeviceInfo("cuda", "NVIDIA A100", 0, 80 * 1024**3))
+    '80.00 GiB'
+    """
+    if device.total_bytes is None:
+        return "n/a"
+    return format_bytes(device.total_bytes) + (" host RAM" if device.type != "cuda" else "")
+
+
 def headline(report: Report) -> str:
     """One sentence: the peak, where it happened, and what held most of it."""
     peak = report.peak
     if peak is None:
         return "No step was measured."
     capacity = report.device.total_bytes
-    share = f" ({format_percent(peak.peak_bytes / capacity)} of {format_bytes(capacity)})" if capacity else ""
+    share = f" ({format_percent(peak.peak_bytes / capacity)} of {capacity_text(report.device)})" if capacity else ""
     text = f"Peak {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
     if peak.breakdown is None:
         return text + "."
@@ -57,7 +73,8 @@ def ranks_line(report: Report) -> str | None:
     )
 
 
-def _timing_line(report: Report) -> str:
+def timing_line(report: Report) -> str:
+    """Median step time, data wait and GPU utilization, in one line."""
     timing = report.timing
     step = f"{1000 * timing.step_seconds_median:.1f} ms" if timing.step_seconds_median is not None else "n/a"
     utilization = f"{timing.gpu_utilization_mean:.0f}%" if timing.gpu_utilization_mean is not None else "n/a"
@@ -65,7 +82,7 @@ def _timing_line(report: Report) -> str:
 
 
 def summary_text(report: Report, top_modules: int = 3) -> str:
-    """A few lines for the console at the end of training."""
+    """A few lines for the console at the end of training (plain text: control characters shown as escapes)."""
     device = report.device
     lines = [f"VRAM report: {device.name} ({device.type}), {report.steps} steps", f"  {headline(report)}"]
     if (ranks := ranks_line(report)) is not None:
@@ -88,7 +105,7 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
             f"{row.name} ({row.type}) {format_bytes(row.activation_bytes)}" for row in report.modules[:top_modules]
         )
         lines.append(f"  most activations saved by: {top}")
-    lines.append(f"  {_timing_line(report)}")
+    lines.append(f"  {timing_line(report)}")
     if report.recovered_ooms:
         lines.append(
             f"  recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
@@ -97,7 +114,7 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
         lines.append(f"  advice [{advice.id}]: {advice.title}")
     for item in report.not_measured:
         lines.append(f"  not measured: {item.what} ({item.reason})")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # a name holding a line break or an escape sequence stays on its line
 
 
 def advice_markdown(advice: tuple[Advice, ...]) -> str:
@@ -109,8 +126,9 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
         saving = saving_text(item)
         saving_line = f"\n**Expected saving:** {saving}\n" if saving else "\n"
         sections.append(
-            f"### {item.title}\n\n`{item.id}` · {item.severity}\n\n**Evidence:** {item.evidence}\n"
-            f"{saving_line}\n{item.detail}\n"
+            f"### {safe_markdown(item.title, keep_lines=False)}\n\n{code_span(item.id)} ·"
+            f" {escape_markdown(item.severity)}\n\n**Evidence:** {escape_markdown(item.evidence)}\n{saving_line}\n"
+            f"{safe_markdown(item.detail)}\n"
         )
     return "\n".join(sections)
 
@@ -121,13 +139,12 @@ def markdown(report: Report) -> str:
     lines = [
         "# VRAM report",
         "",
-        f"**{headline(report)}**",
+        f"**{escape_markdown(headline(report))}**",
         "",
         *([ranks, ""] if (ranks := ranks_line(report)) is not None else []),
-        f"{device.name} ({device.type}), capacity {format_bytes(device.total_bytes)}; precision"
-        f" {report.precision or 'n/a'}; batch size {report.batch_size or 'n/a'}; {report.steps} steps; "
-        + _timing_line(report)
-        + ".",
+        f"Device: {escape_markdown(f'{device.name} ({device.type})')}, capacity {capacity_text(device)}; precision"
+        f" {escape_markdown(report.precision or 'n/a')}; batch size {report.batch_size or 'n/a'}; {report.steps}"
+        f" steps; {timing_line(report)}.",
         "",
         "## Breakdown at each phase's peak",
         "",
@@ -139,17 +156,24 @@ def markdown(report: Report) -> str:
         cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
         lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
     if report.evaluation:
-        lines += ["", f"Evaluation peaks: {evaluation_text(report.evaluation)}."]
+        lines += ["", f"Evaluation peaks: {escape_markdown(evaluation_text(report.evaluation))}."]
     if report.modules:
         lines += ["", "## Modules saving the most activations", "", "| module | type | saved |", "|---|---|---:|"]
-        lines += [f"| `{row.name}` | {row.type} | {format_bytes(row.activation_bytes)} |" for row in report.modules]
+        lines += [
+            f"| {code_span(row.name, in_table=True)} | {escape_markdown(row.type)}"
+            f" | {format_bytes(row.activation_bytes)} |"
+            for row in report.modules
+        ]
     lines += ["", "## Advice", "", advice_markdown(report.advice).rstrip()]
     if report.fit:
         lines += ["", "## Largest batch of this run per GPU", "", "| GPU | capacity | batch |", "|---|---:|---:|"]
-        lines += [f"| {row.device} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size} |" for row in report.fit]
+        lines += [
+            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size} |"
+            for row in report.fit
+        ]
     if report.not_measured:
         lines += ["", "## Not measured", ""]
-        lines += [f"- {item.what}: {item.reason}" for item in report.not_measured]
+        lines += [f"- {escape_markdown(item.what)}: {escape_markdown(item.reason)}" for item in report.not_measured]
     return "\n".join(lines) + "\n"
 
 
@@ -173,7 +197,7 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
     """The diagnosis as Markdown; its first line is the headline."""
     message = diagnosis.message
     lines = [
-        f"# Out of memory: {oom_headline(diagnosis)}",
+        f"# Out of memory: {escape_markdown(oom_headline(diagnosis))}",
         "",
         f"Rank {diagnosis.rank}. Tried to allocate {format_bytes(message.tried_bytes)} with"
         f" {format_bytes(message.free_bytes)} free of {format_bytes(diagnosis.capacity_bytes)};"
@@ -190,7 +214,9 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
         lines += ["", f"Last good step ({diagnosis.last_good_step[0].step}): {peaks}."]
     lines += ["", "## What to change, largest saving first", "", advice_markdown(diagnosis.advice).rstrip()]
     if diagnosis.notes or diagnosis.snapshot is not None:
-        lines += ["", "## Notes", ""] + [f"- {note}" for note in diagnosis.notes]
+        lines += ["", "## Notes", ""] + [f"- {escape_markdown(note)}" for note in diagnosis.notes]
         if diagnosis.snapshot is not None:
-            lines.append(f"- Allocator history: `{diagnosis.snapshot}`; open it at https://pytorch.org/memory_viz")
+            lines.append(
+                f"- Allocator history: {code_span(str(diagnosis.snapshot))}; open it at https://pytorch.org/memory_viz"
+            )
     return "\n".join(lines) + "\n"

@@ -1,0 +1,251 @@
+"""Activation checkpointing plans from one sampled step's module profiles, and what each frees at the peak.
+
+A plan checkpoints consecutive children ("units") of one module, in the order they run:
+
+- the children of a called ``nn.Sequential``, in ``checkpoint_sequential``'s segments (``len // segments``
+  children each, the last segment not checkpointed, exactly as torch splits them);
+- a contiguous range of the children of any other module, each unit through ``checkpoint(unit, x)``, written in
+  the forward that calls them: the module itself, or for an ``nn.ModuleList`` (which has no forward) the nearest
+  ancestor that was called.
+
+A unit never starts with an inplace op: ``checkpoint`` keeps the unit's input to recompute it, and an op that
+overwrites that input makes backward raise "modified by an inplace operation". Such a child (a ResNet stem's
+``ReLU(inplace=True)``) joins the unit before it; ``checkpoint_sequential`` segments cannot move, so a segment
+count that would start a checkpointed segment with one is not proposed.
+
+What a plan frees is modelled storage by storage (:func:`plan_peak`): in forward a checkpointed unit keeps only
+its input; storages at a unit's boundary stay while a neighbour that is not checkpointed saves them; in backward
+each checkpointed unit is recomputed in turn while the earlier units keep what they keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_vram.records import CheckpointPlan, ModuleProfile
+
+ROOT = "(root)"
+OUTSIDE = "(training_step)"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One checkpointing unit: consecutive children of one module, with what the sampled step saw, in bytes.
+
+    ``saved``: what the unit's modules saved themselves (each storage charged to the first module that saved it).
+    ``input_bytes``: its input; ``input_held``: an earlier op held that input already when it ran.
+    ``input_saved`` / ``output_saved``: its input / output storages the unit itself saved.
+    """
+
+    names: tuple[str, ...]
+    saved: int
+    input_bytes: int
+    input_held: bool
+    input_saved: int
+    output_saved: int
+
+    @property
+    def charged_input(self) -> int:
+        """Bytes of its input charged to this unit (it saved them first)."""
+        return 0 if self.input_held else min(self.input_saved, self.saved)
+
+    @property
+    def internal(self) -> int:
+        """What it saves besides its input and output."""
+        return max(self.saved - self.charged_input - self.output_saved, 0)
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def plan_peak(units: Sequence[Unit], checkpointed: Sequence[bool], before: int, after: int) -> int:
+    """Highest activation bytes, over forward and backward, with the ``checkpointed`` units checkpointed.
+
+    ``before`` / ``after``: activations saved outside the units before / after them (after ones are freed by
+    the time backward reaches the units). A boundary storage between units ``i - 1`` and ``i`` stays after
+    forward when unit ``i - 1`` is not checkpointed and saved it, or unit ``i`` keeps it (as a checkpointed
+    input, or saving it). Recomputing unit ``i`` holds what the units before it keep, and everything unit ``i``
+    saves again (its input is the one it kept).
+
+    >>> block = Unit(("b",), saved=20, input_bytes=2, input_held=False, input_saved=0, output_saved=0)
+    >>> plan_peak([block, block, block], [True, True, False], before=0, after=0)  # 2 + 2 + 20, 60 unchanged
+    24
+    """
+    boundaries = []
+    for index, unit in enumerate(units):
+        if index == 0:
+            # The units' input: outside ``before`` when an earlier op saved it, else kept by the first unit.
+            kept = not unit.input_held and (checkpointed[0] or unit.input_saved > 0)
+        else:
+            kept = (
+                (not checkpointed[index - 1] and units[index - 1].output_saved > 0)
+                or checkpointed[index]
+                or unit.input_saved > 0
+            )
+        boundaries.append(unit.input_bytes if kept else 0)
+    last = units[-1]
+    # The last unit's output: the consumer after the units is unknown; assume it keeps what was kept before.
+    output_kept = last.output_saved
+    forward = before + after + sum(boundaries) + output_kept
+    forward += sum(unit.internal for unit, flag in zip(units, checkpointed, strict=True) if not flag)
+    peak = forward
+    held_before = before
+    for index, unit in enumerate(units):
+        held_before += boundaries[index]
+        if checkpointed[index]:
+            peak = max(peak, held_before + unit.internal + unit.output_saved)
+        else:
+            held_before += unit.internal
+    return peak
+
+
+def _starts_inplace(name: str, called: dict[str, ModuleProfile], children: dict[str, list[str]]) -> bool:
+    """Whether the first op ``name`` runs is an inplace module (itself, or its first child, recursively)."""
+    while True:
+        if called[name].inplace is True:
+            return True
+        first_children = children.get(name)
+        if not first_children:
+            return False
+        name = first_children[0]
+
+
+class ProfileIndex:
+    """The sampled step's module profiles, indexed for planning: what each module saved with its submodules."""
+
+    def __init__(self, profiles: tuple[ModuleProfile, ...]) -> None:
+        self.order = {profile.name: index for index, profile in enumerate(profiles)}
+        self.called = {profile.name: profile for profile in profiles if profile.name not in (ROOT, OUTSIDE)}
+        self.own = {profile.name: profile.activation_bytes for profile in profiles}
+        self.inclusive = dict.fromkeys(self.called, 0)
+        for name, profile in self.called.items():
+            while name:
+                if name in self.inclusive:
+                    self.inclusive[name] += profile.activation_bytes
+                name = _parent(name)
+        self.children: dict[str, list[str]] = {}
+        for name in self.called:
+            self.children.setdefault(_parent(name), []).append(name)
+
+    def caller(self, name: str) -> str:
+        """The nearest called ancestor of ``name`` (``""``: the LightningModule)."""
+        parent = _parent(name)
+        while parent and parent not in self.called:
+            parent = _parent(parent)
+        return parent
+
+    def unit(self, names: Sequence[str]) -> Unit:
+        """The unit of consecutive modules ``names``: its input is the first's, its output the last's."""
+        first, last = self.called[names[0]], self.called[names[-1]]
+        return Unit(
+            names=tuple(names),
+            saved=sum(self.inclusive[name] for name in names),
+            input_bytes=first.input_bytes,
+            input_held=first.input_saved_for_backward,
+            input_saved=first.input_saved_bytes,
+            output_saved=last.output_saved_bytes,
+        )
+
+    def outside(self, names: Sequence[str]) -> tuple[int, int]:
+        """Activations saved outside the units' modules: (before them, after them) in the order modules run.
+
+        Modules registered before the first unit, and the enclosing modules' own saves, count as before;
+        those registered after the last unit and the training step's own (the loss) as after.
+        """
+        units = set(names)
+        first = self.order[names[0]]
+        before = after = 0
+        for name, saved in self.own.items():
+            enclosing = name
+            while enclosing and enclosing not in units:
+                enclosing = _parent(enclosing)
+            if enclosing:
+                continue  # inside a unit
+            ancestor = name == ROOT or names[0].startswith(f"{name}.")
+            if name != OUTSIDE and (ancestor or self.order[name] < first):
+                before += saved
+            else:
+                after += saved
+        return before, after
+
+
+def _plan(
+    container: str,
+    units: list[Unit],
+    flags: list[bool],
+    outside: tuple[int, int],
+    segments: int | None,
+    forward_of: str,
+) -> CheckpointPlan:
+    before, after = outside
+    plain = before + after + sum(unit.saved for unit in units)
+    saving = plain - plan_peak(units, flags, before, after)
+    chosen = tuple(unit.names for unit, flag in zip(units, flags, strict=True) if flag)
+    return CheckpointPlan(container, chosen, segments, saving, forward_of)
+
+
+def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
+    """``checkpoint_sequential`` with every segment count whose checkpointed segments start without an inplace op."""
+    plans = []
+    outside = profiles.outside(names)
+    for segments in range(2, len(names) + 1):
+        size = len(names) // segments
+        groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
+        groups.append(names[size * (segments - 1) :])
+        if any(_starts_inplace(group[0], profiles.called, profiles.children) for group in groups[:-1]):
+            continue
+        units = [profiles.unit(group) for group in groups]
+        flags = [True] * (len(units) - 1) + [False]
+        plans.append(_plan(container, units, flags, outside, segments, profiles.caller(container)))
+    return plans
+
+
+def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
+    """Checkpoint a contiguous range of units that ends at the last unit or the one before it.
+
+    A child that starts with an inplace op joins the unit before it; the first child cannot start a range then.
+    """
+    groups: list[list[str]] = []
+    for name in names:
+        if groups and _starts_inplace(name, profiles.called, profiles.children):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    if len(groups) < 2:
+        return []
+    units = [profiles.unit(group) for group in groups]
+    forward_of = container if container in profiles.called else profiles.caller(container)
+    outside = profiles.outside(names)
+    plans = []
+    for end in (len(units) - 2, len(units) - 1):
+        for start in range(end + 1):
+            if _starts_inplace(groups[start][0], profiles.called, profiles.children):
+                continue  # the first child runs inplace and has no unit before it to join
+            flags = [start <= index <= end for index in range(len(units))]
+            plans.append(_plan(container, units, flags, outside, None, forward_of))
+    return plans
+
+
+def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan | None:
+    """The applicable checkpointing plan that frees the most activation bytes at the peak.
+
+    Ties go to the plan that checkpoints fewer modules (less recomputation). ``None`` when no plan frees anything.
+    """
+    indexed = ProfileIndex(profiles)
+    plans: list[CheckpointPlan] = []
+    for container, names in indexed.children.items():
+        if len(names) < 2:
+            continue
+        profile = indexed.called.get(container)
+        if profile is not None and profile.type == "Sequential":
+            plans += _sequential_plans(indexed, container, names)
+        else:
+            plans += _range_plans(indexed, container, names)
+
+    def rank(plan: CheckpointPlan) -> tuple[int, int]:
+        return plan.saving_bytes, -sum(len(unit) for unit in plan.units)
+
+    best = max(plans, key=rank, default=None)
+    return best if best is not None and best.saving_bytes > 0 else None

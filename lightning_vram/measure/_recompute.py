@@ -1,0 +1,59 @@
+"""What a recomputation under non-reentrant activation checkpointing creates during backward.
+
+Non-reentrant ``torch.utils.checkpoint`` saves what its recomputed forward saves through saved-tensor hooks of its
+own, which hide those tensors from the monitor's hooks. What the recomputation creates is seen one level lower, as
+the outputs of the operators it runs (a ``TorchDispatchMode``); the storages among them that stay alive are what it
+holds for backward. torch's dispatch-mode base class and its graph-task id are private: this module is the only one
+that names them. Without the graph-task id (a torch that lacks it), a module's forward during the backward phase is
+taken for a recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def running_backward(default: bool) -> bool:
+    """Whether the autograd engine is running a backward pass on this thread now (``default`` if torch cannot tell).
+
+    >>> running_backward(default=True)
+    False
+    """
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if graph_task_id is None:
+        return default
+    running: bool = graph_task_id() != -1
+    return running
+
+
+# torch ships TorchDispatchMode without annotations.
+class OutputWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Hands every operator's output to ``on_output`` between ``start`` and ``stop`` (called on one thread)."""
+
+    def __init__(self, on_output: Callable[[Any], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._on_output = on_output
+
+    def start(self) -> None:
+        """Push the mode: from now on this thread's operators are shown to ``on_output``."""
+        self.__enter__()  # type: ignore[no-untyped-call]
+
+    def stop(self) -> None:
+        """Pop the mode (it must be the innermost one)."""
+        self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run the operator and show its output."""
+        output = func(*args, **(kwargs or {}))
+        self._on_output(output)
+        return output

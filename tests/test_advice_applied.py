@@ -1,0 +1,352 @@
+"""Advice judged by applying it: each run's advice is applied to the model that produced it, the run is repeated
+with a real Trainer on the CPU, and the saving the advice estimated must show in the measured counts, the advice
+must go away, and backward must still work.
+
+Activation savings are read at the step's activation peak over all its phases: the backward phase's count includes
+what a checkpointed unit's recomputation holds, so a plan whose recomputation outweighs the forward pass shows it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from models import OPTIMIZERS, Classifier, OptimizerFactory, loader, trainer
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.data import TensorDataset
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.advice.checkpointing import best_checkpoint_plan
+from lightning_vram.measure.setup import training_setup
+from lightning_vram.records import Advice, CheckpointPlan
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU(inplace)-conv-BN, the input added back, ReLU(inplace)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(inputs)))
+        out = self.bn2(self.conv2(out))
+        out += inputs
+        return self.relu(out)  # type: ignore[no-any-return]
+
+
+class ResNetStyle(nn.Module):
+    """A torchvision-style ResNet: a stem whose ReLU is inplace, stages of basic blocks, pooling and a head."""
+
+    def __init__(self, width: int = 8, blocks: int = 2, stages: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        for stage in range(1, stages + 1):
+            self.add_module(f"layer{stage}", nn.Sequential(*(BasicBlock(width) for _ in range(blocks))))
+        self.stages = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(inputs)))
+        for stage in range(1, self.stages + 1):
+            x = getattr(self, f"layer{stage}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm transformer block: attention and an MLP, each added back to its input."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = self.ln_1(x)
+        x = x + self.attn(normed, normed, normed, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))  # type: ignore[no-any-return]
+
+
+class TinyGPT(nn.Module):
+    """GPT-2-like: an ``nn.ModuleList`` of blocks looped in this forward, and ``lm_head`` tied to ``wte``."""
+
+    def __init__(self, vocab: int = 512, width: int = 32, layers: int = 4, context: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.h = nn.ModuleList(TransformerBlock(width) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # type: ignore[no-any-return]
+
+
+class LanguageModel(pl.LightningModule):
+    """Next-token prediction over ``(ids, targets)`` batches."""
+
+    def __init__(self, network: nn.Module, optimizer: OptimizerFactory = OPTIMIZERS["sgd"]) -> None:
+        super().__init__()
+        self.network = network
+        self.optimizer_factory = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        logits = self.network(ids)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer_factory(self.parameters())
+
+
+def sequential_cnn(width: int = 8, blocks: int = 4) -> nn.Sequential:
+    """Conv-BN-ReLU(inplace) blocks in one ``nn.Sequential``, pooled, and a head."""
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1)]
+    layers += [nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+    for _ in range(blocks - 1):
+        layers += [nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+
+
+def images(samples: int, size: int = 16) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(samples, 3, size, size, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
+
+
+def tokens(samples: int, length: int = 32, vocab: int = 512) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (samples, length + 1), generator=generator)
+    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+# ------------------------------------------------------------------------------------------------ running and applying
+
+
+def run(tmp_path: Path, module: pl.LightningModule, data: TensorDataset, batch_size: int) -> Report:
+    """Three steps on the CPU, step 2 counted tensor by tensor; the report."""
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=3).fit(module, loader(data, batch_size))
+    assert monitor.report is not None
+    return monitor.report
+
+
+def advice_of(report: Report, advice_id: str) -> Advice | None:
+    return next((advice for advice in report.advice if advice.id == advice_id), None)
+
+
+def peak_activations(report: Report) -> int:
+    """The highest activations of the sampled step over its phases (backward's include recomputations)."""
+    counts = [peak.breakdown.activations for peak in report.phases.values() if peak.breakdown is not None]
+    assert counts
+    return max(counts)
+
+
+def model_state(report: Report) -> int:
+    assert report.peak is not None and report.peak.breakdown is not None
+    breakdown = report.peak.breakdown
+    return breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
+
+
+class Checkpointed(nn.Module):
+    """``checkpoint(unit, x, use_reentrant=False)`` in place of the unit's call."""
+
+    def __init__(self, unit: nn.Module) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.unit, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+class CheckpointedSequential(nn.Module):
+    """``checkpoint_sequential(sequential, segments, x, use_reentrant=False)`` in place of the Sequential's call."""
+
+    def __init__(self, sequential: nn.Sequential, segments: int) -> None:
+        super().__init__()
+        self.sequential = sequential
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+def apply_plan(module: nn.Module, plan: CheckpointPlan) -> None:
+    """Apply the plan as its advice says: each unit's call becomes ``checkpoint(unit, x)`` (a unit of several
+    modules runs them in order inside one checkpoint, the later ones' own calls becoming the identity), or the
+    Sequential's call becomes ``checkpoint_sequential`` with the plan's segments."""
+    if plan.sequential_segments is not None:
+        sequential = module.get_submodule(plan.container)
+        assert isinstance(sequential, nn.Sequential)
+        module.set_submodule(plan.container, CheckpointedSequential(sequential, plan.sequential_segments))
+        return
+    for unit in plan.units:
+        modules = [module.get_submodule(name) for name in unit]
+        module.set_submodule(unit[0], Checkpointed(modules[0] if len(modules) == 1 else nn.Sequential(*modules)))
+        for name in unit[1:]:
+            module.set_submodule(name, nn.Identity())
+
+
+# -------------------------------------------------------------------------------------- activation-checkpointing
+
+
+CHECKPOINT_CASES = {
+    "resnet": (lambda: Classifier(ResNetStyle()), lambda: images(64), 32),
+    "transformer-modulelist": (lambda: LanguageModel(TinyGPT()), lambda: tokens(32), 16),
+    "sequential-cnn": (lambda: Classifier(sequential_cnn()), lambda: images(64), 32),
+}
+CHECKPOINT_CODE = {
+    # The stem's inplace relu runs inside bn1's unit, never as a unit of its own.
+    "resnet": "# in the forward of `network`, replace the call of each unit by",
+    # The blocks' loop is in TinyGPT's forward: the ModuleList has none.
+    "transformer-modulelist": "# in the forward of `network`, in its loop over self.h:",
+    "sequential-cnn": "x = checkpoint_sequential(self.network, segments=",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
+def test_activation_checkpointing_applied(tmp_path: Path, case: str) -> None:
+    make_module, make_data, batch_size = CHECKPOINT_CASES[case]
+    before = run(tmp_path, make_module(), make_data(), batch_size)
+    advice = advice_of(before, "activation-checkpointing")
+    assert advice is not None and advice.estimated_saving_bytes is not None
+    plan = best_checkpoint_plan(before.summary.modules)
+    assert plan is not None and plan.saving_bytes == advice.estimated_saving_bytes
+    inplace = {profile.name for profile in before.summary.modules if profile.inplace is True}
+    assert not any(unit[0] in inplace for unit in plan.units)
+    assert CHECKPOINT_CODE[case] in advice.detail
+    module = make_module()
+    apply_plan(module, plan)
+    after = run(tmp_path, module, make_data(), batch_size)  # backward raises here if a unit starts inplace
+    realised = peak_activations(before) - peak_activations(after)
+    assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    assert before.peak is not None and after.peak is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    assert advice_of(after, "activation-checkpointing") is None  # nothing left worth a tenth of the peak
+
+
+# ------------------------------------------------------------------------------------------------ large-linear
+
+
+def flatten_head_cnn(pooled: bool = False) -> nn.Sequential:
+    """A conv stage on 16 x 16 images, max-pooled to 16 channels x 8 x 8, flattened into Linear(1024, 512).
+
+    ``pooled``: the large-linear advice applied, global average pooling first and Linear(16, 512).
+    """
+    stage = [nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2)]
+    pooling = [nn.AdaptiveAvgPool2d(1)] if pooled else []
+    head = [nn.Linear(16 if pooled else 16 * 8 * 8, 512), nn.ReLU(), nn.Linear(512, 10)]
+    return nn.Sequential(*stage, *pooling, nn.Flatten(), *head)
+
+
+def test_large_linear_fires_on_a_flattened_feature_map_with_the_exact_saving(tmp_path: Path) -> None:
+    # SGD with momentum: gradients (the previous step's, alive in forward) and momentum are one copy each of the
+    # parameters, so model state is exactly 3 bytes per parameter byte. Pooling turns Linear(16 * 64, 512) into
+    # Linear(16, 512): it removes 512 * (1024 - 16) float32 weights.
+    report = run(tmp_path, Classifier(flatten_head_cnn(), OPTIMIZERS["sgd_momentum"]), images(64), 8)
+    advice = advice_of(report, "large-linear")
+    assert advice is not None
+    assert advice.estimated_saving_bytes == 3 * 512 * (1024 - 16) * 4
+    assert "`network.5` reads a flattened feature map of 64 positions" in advice.title
+    assert "Linear(1024, 512) becomes Linear(16, 512)" in advice.detail
+    assert "convolutional map of 16 channels x 64 positions" in advice.evidence
+
+
+def test_large_linear_applied_saves_what_it_estimated(tmp_path: Path) -> None:
+    before = run(tmp_path, Classifier(flatten_head_cnn(), OPTIMIZERS["adam"]), images(64), 8)
+    advice = advice_of(before, "large-linear")
+    assert advice is not None and advice.estimated_saving_bytes is not None
+    after = run(tmp_path, Classifier(flatten_head_cnn(pooled=True), OPTIMIZERS["adam"]), images(64), 8)
+    realised = model_state(before) - model_state(after)
+    assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    assert advice_of(after, "large-linear") is None
+
+
+def mlp_head() -> nn.Sequential:
+    """Most parameters in the first Linear, which reads raw features: no map to pool."""
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def features(samples: int, width: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(samples, width, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
+
+
+def test_large_linear_is_silent_without_a_feature_map(tmp_path: Path) -> None:
+    # The MLP's first layer holds 99% of its parameters; the language model's lm_head is tied to its embedding
+    # (no bytes of its own) and reads hidden states, not a convolutional map. Pooling is no remedy for either.
+    mlp = run(tmp_path, Classifier(mlp_head()), features(32, 1024), 4)
+    assert advice_of(mlp, "large-linear") is None
+    language = run(tmp_path, LanguageModel(TinyGPT(vocab=4096)), tokens(16, vocab=4096), 4)
+    assert advice_of(language, "large-linear") is None
+    layers = training_setup(LanguageModel(TinyGPT(vocab=4096)), []).linear_layers
+    head = next(layer for layer in layers if layer.name == "network.lm_head")
+    assert (head.weight_bytes, head.parameter_bytes) == (0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ inplace-activations
+
+
+def activation_mlp(
+    activation: type[nn.Module], inplace: bool = False, depth: int = 4, width: int = 256
+) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), activation(inplace=inplace)]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def test_inplace_relu_frees_nothing_the_counts_see_so_it_is_not_advised(tmp_path: Path) -> None:
+    # ReLU saves its output, which the next Linear saves too: out of place or inplace, one saved tensor per
+    # layer. The transient copy out of place is not in any measured peak (on the CPU it is not counted at all).
+    out_of_place = run(tmp_path, Classifier(activation_mlp(nn.ReLU)), features(1024, 256), 512)
+    assert advice_of(out_of_place, "inplace-activations") is None
+    inplace = run(tmp_path, Classifier(activation_mlp(nn.ReLU, inplace=True)), features(1024, 256), 512)
+    assert out_of_place.peak is not None and inplace.peak is not None
+    assert inplace.peak.peak_bytes == out_of_place.peak.peak_bytes
+
+
+def test_inplace_activations_applied_saves_what_it_estimated(tmp_path: Path) -> None:
+    # LeakyReLU out of place saves its input and the next Linear its output: two 512 x 256 float32 tensors per
+    # layer. leaky_relu_ computes its gradient from its result: one tensor. Four layers: 4 x 512 KiB.
+    module = Classifier(activation_mlp(nn.LeakyReLU))
+    before = run(tmp_path, module, features(1024, 256), 512)
+    assert not any(child.inplace for child in module.modules() if isinstance(child, nn.LeakyReLU))  # tried on copies
+    advice = advice_of(before, "inplace-activations")
+    assert advice is not None
+    assert advice.estimated_saving_bytes == 4 * 512 * 256 * 4
+    assert "4 activation module(s) run out of place (LeakyReLU)" in advice.evidence
+    after = run(tmp_path, Classifier(activation_mlp(nn.LeakyReLU, inplace=True)), features(1024, 256), 512)
+    assert peak_activations(before) - peak_activations(after) == advice.estimated_saving_bytes
+    assert before.peak is not None and after.peak is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == advice.estimated_saving_bytes
+    assert advice_of(after, "inplace-activations") is None
+
+
+def test_inplace_is_not_advised_where_it_keeps_a_copy(tmp_path: Path) -> None:
+    # silu_ keeps a copy of the input it overwrites for its gradient: inplace saves nothing there.
+    report = run(tmp_path, Classifier(activation_mlp(nn.SiLU)), features(1024, 256), 512)
+    assert advice_of(report, "inplace-activations") is None
