@@ -1,0 +1,119 @@
+"""The replay's optimizers: the user's rebuilt on fake parameters, or the module's own ``configure_optimizers``.
+
+An optimizer is rebuilt from its class and its param groups' settings, with its state faked from the real state.
+One-element CPU tensors (Adam's ``step``) become fake *constants*, whose value the optimizer may read
+(``step.item()``) without a real tensor behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_vram.advice.replay._fake import FakeTensorMode
+
+CONSTANT_MAX_NUMEL = 1
+"""Tensors up to this many elements on the CPU are faked as constants (fake tensors that keep their value)."""
+
+
+@dataclass(frozen=True)
+class _Constant:
+    """A small CPU tensor's value, read before the fake mode starts, to become a fake constant inside it."""
+
+    values: Any
+    dtype: torch.dtype
+
+
+def read_constants(value: Any) -> Any:
+    """``value`` with every small CPU tensor replaced by its value; call it outside the fake mode."""
+
+    def read(tensor: Tensor) -> Any:
+        if tensor.device.type == "cpu" and tensor.numel() <= CONSTANT_MAX_NUMEL:
+            return _Constant(tensor.detach().tolist(), tensor.dtype)
+        return tensor
+
+    return apply_to_collection(value, Tensor, read)
+
+
+def fake_value(value: Any, mode: FakeTensorMode) -> Any:
+    """``value`` (after :func:`read_constants`) with every tensor faked, constants as fake constants; in the mode."""
+
+    def fake(item: Tensor | _Constant) -> Tensor:
+        if isinstance(item, _Constant):
+            return torch.tensor(item.values, dtype=item.dtype)
+        return mode.from_tensor(item, static_shapes=True)
+
+    return apply_to_collection(value, (Tensor, _Constant), fake)
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, parameters: Mapping[int, Tensor], mode: FakeTensorMode
+) -> torch.optim.Optimizer:
+    """``type(optimizer)`` over the fake parameters, with each param group's settings and the state faked.
+
+    Call it outside ``mode`` (it reads small state tensors' values first). State tensors follow their parameter's
+    dtype where a replay changed it (``bf16-true``).
+    """
+    settings = [
+        read_constants({key: value for key, value in group.items() if key != "params"})
+        for group in optimizer.param_groups
+    ]
+    states = [(parameter, read_constants(dict(state))) for parameter, state in optimizer.state.items()]
+    with mode:
+        groups = [
+            {**fake_value(group_settings, mode), "params": [parameters[id(parameter)] for parameter in group["params"]]}
+            for group_settings, group in zip(settings, optimizer.param_groups, strict=True)
+        ]
+        # Every setting lives in each group, so the class needs no other argument (custom ones may: then it raises).
+        optimizer_class = cast(Callable[[list[dict[str, Any]]], torch.optim.Optimizer], type(optimizer))
+        rebuilt = optimizer_class(groups)
+        for parameter, state in states:
+            fake_parameter = parameters[id(parameter)]
+            rebuilt.state[fake_parameter] = {
+                key: _follow_dtype(value, parameter, fake_parameter) for key, value in fake_value(state, mode).items()
+            }
+    return rebuilt
+
+
+def _follow_dtype(value: Any, real: Tensor, fake: Tensor) -> Any:
+    """A parameter-shaped floating state tensor in the dtype of the fake parameter, when the replay cast it."""
+    if (
+        isinstance(value, Tensor)
+        and value.is_floating_point()
+        and value.shape == real.shape
+        and real.dtype != fake.dtype
+        and fake.is_floating_point()
+    ):
+        return value.to(fake.dtype)
+    return value
+
+
+def configured_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers a LightningModule's ``configure_optimizers`` returns, in any of Lightning's formats.
+
+    An optimizer; a list or tuple of them; ``(optimizers, schedulers)``; a dict with ``"optimizer"``; a list of
+    such dicts; ``None`` (no optimizer). Schedulers are left out: they hold no memory on the device.
+    """
+    configure = getattr(module, "configure_optimizers", None)
+    if not callable(configure):
+        raise TypeError(f"{type(module).__name__} has no configure_optimizers: pass its optimizers")
+    return _optimizers_in(configure())
+
+
+def _optimizers_in(value: Any) -> list[torch.optim.Optimizer]:
+    if value is None:
+        return []
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, Mapping):
+        return _optimizers_in(value.get("optimizer"))
+    if isinstance(value, (list, tuple)):
+        if len(value) == 2 and isinstance(value[0], (list, tuple)):  # (optimizers, schedulers)
+            return _optimizers_in(value[0])
+        return [optimizer for item in value for optimizer in _optimizers_in(item)]
+    raise TypeError(f"configure_optimizers returned {type(value).__name__}, which holds no optimizer Lightning knows")

@@ -1,0 +1,90 @@
+"""Lightning's precision settings as a replay applies them: autocast around ``training_step``, or a cast model.
+
+As Lightning's plugins do: ``*-mixed`` runs the training step under ``torch.autocast`` on the device type (backward
+and the optimizer outside it); ``*-true`` casts the module's floating parameters and buffers, the batch's floating
+tensors, and makes the dtype the default while the training step runs. ``16-mixed`` replays without the gradient
+scaler: its few scalar tensors do not change the counted parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How to replay one precision: an autocast dtype, or a dtype the whole model is cast to (or neither)."""
+
+    name: str
+    autocast_dtype: torch.dtype | None = None
+    true_dtype: torch.dtype | None = None
+
+    @contextlib.contextmanager
+    def forward_context(self, device_type: str) -> Iterator[None]:
+        """Around ``training_step``: autocast, or the true dtype as the default dtype."""
+        if self.autocast_dtype is not None:
+            with torch.autocast(device_type, dtype=self.autocast_dtype):
+                yield
+        elif self.true_dtype is not None:
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.true_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(previous)
+        else:
+            yield
+
+    def cast_module(self, module: nn.Module) -> None:
+        """Cast the (fake) module's floating parameters and buffers to the true dtype, if there is one, in place.
+
+        In place (``.data``), as ``module.to(dtype)`` would, but keeping each parameter object: the replay maps
+        the user's parameters to these.
+        """
+        dtype = self.true_dtype
+        if dtype is None:
+            return
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+
+    def cast_batch(self, batch: Any) -> Any:
+        """The batch with its floating tensors in the true dtype, if there is one (Lightning's ``convert_input``)."""
+        dtype = self.true_dtype
+        if dtype is None:
+            return batch
+        return apply_to_collection(
+            batch, Tensor, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        )
+
+
+PLANS = {
+    "bf16-mixed": PrecisionPlan("bf16-mixed", autocast_dtype=torch.bfloat16),
+    "16-mixed": PrecisionPlan("16-mixed", autocast_dtype=torch.float16),
+    "bf16-true": PrecisionPlan("bf16-true", true_dtype=torch.bfloat16),
+    "16-true": PrecisionPlan("16-true", true_dtype=torch.float16),
+    "64-true": PrecisionPlan("64-true", true_dtype=torch.float64),
+}
+
+
+def precision_plan(precision: str) -> PrecisionPlan:
+    """The plan for a Lightning precision name; ``ValueError`` for one a replay cannot reproduce.
+
+    >>> precision_plan("bf16-mixed").autocast_dtype
+    torch.bfloat16
+    """
+    name = f"{precision}-true" if precision in ("32", "64") else precision
+    if name == "32-true":
+        return PrecisionPlan(name)
+    plan = PLANS.get(name)
+    if plan is None:
+        supported = ", ".join(sorted({"32-true", *PLANS}))
+        raise ValueError(f"precision {precision!r} cannot be replayed (supported: {supported})")
+    return plan

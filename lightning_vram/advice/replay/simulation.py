@@ -1,0 +1,94 @@
+"""A run's sampled step replayed, checked against its counts, and each candidate change tried on it.
+
+The entry point the monitor calls once a sampled step has been counted: :func:`simulate`. Nothing is trusted
+before the baseline matches; each change is then replayed within the time budget, and one that raises (a
+checkpointing plan that breaks backward, an optimizer that cannot run in that precision) is discarded with the
+reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.advice.replay.baseline import BASELINE_TOLERANCE, match_baseline, mismatch_reason
+from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
+from lightning_vram.advice.replay.twin import module_device
+from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
+
+
+def simulate(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Any,
+    attribution: Attribution | None,
+    changes: Sequence[StepChange] = (),
+    *,
+    precision: str = "32-true",
+    device: torch.device | None = None,
+    step_function: StepFunction = lightning_training_step,
+    time_budget_seconds: float | None = None,
+    tolerance: float = BASELINE_TOLERANCE,
+) -> Simulation:
+    """Replay the step, compare it with ``attribution`` (the sampled step's counts), then replay each change.
+
+    Safe to call inside the user's training: it never raises, and leaves the module, optimizers, gradients and
+    random number generators as they were. Without ``attribution`` (nothing counted yet, as before the first
+    step) the baseline is trusted as replayed and ``match`` is ``None``.
+
+    Args:
+        module: the module trained (left untouched).
+        optimizers: its optimizers (rebuilt on the replay's fake parameters, their state faked).
+        batch: the sampled step's batch.
+        attribution: the sampled step's counts, or ``None``.
+        changes: the changes to try, each replayed on its own.
+        time_budget_seconds: host seconds for all of it; changes not reached in time are discarded saying so.
+        precision: the run's precision, as Lightning names it.
+        device: the device whose memory is counted; default: the module's.
+        step_function: runs the training step (default: ``training_step``), as for
+            :func:`~lightning_vram.advice.replay.step.replay_step`.
+        tolerance: how far each part may be from the count (a share of it) for the baseline to match.
+    """
+    started = time.perf_counter()
+    step = attribution.step if attribution is not None else 0
+    device_type = (device or module_device(module)).type
+
+    def replay(change: StepChange | None) -> ReplayedStep | str:
+        result = replay_step(
+            module,
+            optimizers,
+            batch,
+            precision=precision,
+            change=change,
+            device=device,
+            step_function=step_function,
+            step=step,
+        )
+        return result if isinstance(result, ReplayedStep) else result.reason
+
+    def finished(baseline: ReplayedStep | None, match: Any, skipped: str | None, variants: Any = ()) -> Simulation:
+        return Simulation(device_type, baseline, match, skipped, tuple(variants), time.perf_counter() - started)
+
+    baseline = replay(None)
+    if isinstance(baseline, str):
+        return finished(None, None, baseline)
+    match = match_baseline(baseline, attribution, tolerance) if attribution is not None else None
+    if match is not None and not match.matches:
+        return finished(baseline, match, mismatch_reason(match))
+    variants = []
+    for change in changes:
+        spent = time.perf_counter() - started
+        if time_budget_seconds is not None and spent >= time_budget_seconds:
+            variants.append(
+                VariantResult(change, None, f"not replayed: the time budget of {time_budget_seconds} s ran out")
+            )
+            continue
+        result = replay(change)
+        variants.append(
+            VariantResult(change, None, result) if isinstance(result, str) else VariantResult(change, result)
+        )
+    return finished(baseline, match, None, variants)

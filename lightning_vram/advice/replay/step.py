@@ -1,0 +1,223 @@
+"""One training step replayed under fake tensors, counted as the monitor counts a sampled step.
+
+The step follows Lightning's automatic optimization: ``training_step`` (under the precision's forward context),
+``optimizer_zero_grad`` (``set_to_none`` by default), backward, each optimizer's ``step``. Only the replay's fake
+copy runs (:mod:`~lightning_vram.advice.replay.twin`); process-wide state is restored afterwards
+(:mod:`~lightning_vram.advice.replay.isolation`). Whatever fails (an op without a fake kernel, a value read with
+``.item()``, a shape that depends on data) ends the replay with a :class:`~lightning_vram.records.ReplaySkipped`
+saying why: :func:`replay_step` never raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_vram.advice.replay._fake import FakeTensorMode
+from lightning_vram.advice.replay.batches import move_batch, resize_batch
+from lightning_vram.advice.replay.changes import change_module
+from lightning_vram.advice.replay.counting import ReplayCounter
+from lightning_vram.advice.replay.isolation import isolated
+from lightning_vram.advice.replay.live import LiveMemory
+from lightning_vram.advice.replay.precision import PrecisionPlan, precision_plan
+from lightning_vram.advice.replay.skips import skip_reason
+from lightning_vram.advice.replay.twin import Twin, make_twin, module_device, move_module, state_tensors
+from lightning_vram.advice.replay.workspaces import WorkspaceProbe
+from lightning_vram.measure.accounting import batch_size_of
+from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.records import (
+    BatchSizeChange,
+    FreeGradientsChange,
+    Phase,
+    PhasePeak,
+    PrecisionChange,
+    ReplayedStep,
+    ReplaySkipped,
+    StepChange,
+)
+
+LOSS_OPS = frozenset({"_log_softmax"})
+"""Ops whose saved outputs are the loss's own activations (cross-entropy's log-probabilities)."""
+
+StepFunction = Callable[[nn.Module, Any], Any]
+"""Runs the training step on the replay's module and batch; returns the loss, or a dict with ``"loss"``."""
+
+
+def lightning_training_step(module: nn.Module, batch: Any) -> Any:
+    """Call ``module.training_step`` as Lightning does: with ``batch_idx`` when its signature takes one."""
+    training_step = getattr(module, "training_step", None)
+    if not callable(training_step):
+        raise TypeError(f"{type(module).__name__} has no training_step: pass step_function")
+    parameters = inspect.signature(training_step).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_index = len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    return training_step(batch, 0) if takes_index else training_step(batch)
+
+
+def loss_of(output: Any) -> Tensor:
+    """The loss in a training step's output (a tensor, or a mapping with ``"loss"``); ``TypeError`` without one."""
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    if not isinstance(output, Tensor):
+        raise TypeError(f"training_step returned {type(output).__name__}, not a loss: Lightning skips such a step")
+    return output
+
+
+def _zero_grad(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Lightning's ``optimizer_zero_grad`` hook of the (fake) module, or the optimizers' own ``zero_grad``."""
+    hook = getattr(module, "optimizer_zero_grad", None)
+    for optimizer in optimizers:
+        if callable(hook):
+            hook(0, 0, optimizer)
+        else:
+            optimizer.zero_grad()
+
+
+class _Run:
+    """One replay's settings: the precision, the change, the step function and the counted device."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        precision: PrecisionPlan,
+        change: StepChange | None,
+        step_function: StepFunction,
+        placement: torch.device | None,
+    ) -> None:
+        self.device = device
+        self.precision = precision
+        self.change = change
+        self.step_function = step_function
+        self.placement = placement
+
+    def prepare_module(self, module: nn.Module) -> None:
+        if self.placement is not None:
+            move_module(module, self.placement)
+        self.precision.cast_module(module)
+        change_module(module, self.change)
+
+    def prepare_batch(self, batch: Any) -> Any:
+        change = self.change
+        if isinstance(change, BatchSizeChange):
+            size = batch_size_of(batch)
+            if size is None:
+                raise ValueError("the batch has no tensor with a batch dimension to resize")
+            batch = resize_batch(batch, size, change.batch_size)
+        if self.placement is not None:
+            batch = move_batch(batch, self.placement)
+        return self.precision.cast_batch(batch)
+
+    def run_step(self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None) -> None:
+        """Forward, zero_grad, backward and optimizer step, with the counters told of each boundary."""
+        if counter is not None and live is not None:
+            counter.begin_forward()
+            live.start_phase(Phase.FORWARD)
+        with self.precision.forward_context(self.device.type):
+            output = self.step_function(twin.module, batch)
+        loss = loss_of(output)
+        _zero_grad(twin.module, twin.optimizers)
+        if counter is not None and live is not None:
+            counter.before_backward()
+            live.start_phase(Phase.BACKWARD)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+        if counter is not None and live is not None:
+            counter.before_optimizer_step()
+            live.start_phase(Phase.OPTIMIZER)
+        for optimizer in twin.optimizers:
+            optimizer.step()
+
+
+def replay_step(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] | None,
+    batch: Any,
+    *,
+    precision: str = "32-true",
+    change: StepChange | None = None,
+    device: torch.device | None = None,
+    step_function: StepFunction = lightning_training_step,
+    warm_up: bool = False,
+    step: int = 0,
+    placement: torch.device | None = None,
+) -> ReplayedStep | ReplaySkipped:
+    """Replay one training step of ``module`` on fake tensors and count it; never raises.
+
+    Args:
+        module: the module trained (a LightningModule, or any module with ``step_function``); left untouched.
+        optimizers: its optimizers: each is rebuilt from its class and param groups, its state faked; ``None``
+            builds them with the module's ``configure_optimizers`` on the replay's fake parameters.
+        batch: a batch as ``training_step`` receives it (on the training device); only shapes and dtypes are used.
+        precision: the run's precision, as Lightning names it; a :class:`PrecisionChange` replaces it.
+        change: one change to replay (``None``: the step as it is).
+        device: the device whose memory is counted; default: where the module's first parameter is.
+        step_function: runs the training step; default: ``module.training_step(batch, batch_idx)``.
+        warm_up: replay one uncounted step first, so that gradients and optimizer state exist as in a steady
+            step (for a module that has not trained yet).
+        step: the step number the result carries.
+        placement: replay on this device rather than where the module is (its copy and the batch are moved there).
+
+    Returns:
+        The replayed step, or why it could not be replayed.
+    """
+    started = time.perf_counter()
+    if getattr(module, "automatic_optimization", True) is False:
+        return ReplaySkipped("manual optimization: the replay reproduces Lightning's automatic optimization only")
+    try:
+        plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else precision)
+    except ValueError as error:
+        return ReplaySkipped(str(error))
+    counted_device = device or placement or module_device(module)
+    run = _Run(counted_device, plan, change, step_function, placement)
+    counter: ReplayCounter | None = None
+    try:
+        with isolated():
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            twin = make_twin(module, None if optimizers is None else list(optimizers), batch, mode, run.prepare_module)
+            with mode:
+                fake_batch = run.prepare_batch(twin.batch)
+                if warm_up:
+                    run.run_step(twin, fake_batch, None, None)
+                if isinstance(change, FreeGradientsChange):
+                    for parameter in twin.module.parameters():
+                        parameter.grad = None
+                live = LiveMemory(counted_device)
+                live.track(state_tensors(twin))
+                live.track(iter_tensors(fake_batch))
+                counter = ReplayCounter(twin.module, twin.optimizers, counted_device, live.producer, LOSS_OPS)
+                live.add_listener(counter.on_output)
+                probe = WorkspaceProbe()
+                with probe, live:
+                    run.run_step(twin, fake_batch, counter, live)
+                phases, modules = counter.finish()
+    except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
+        return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
+    finally:
+        if counter is not None:
+            counter.close()
+    return ReplayedStep(
+        device_type=counted_device.type,
+        precision=plan.name,
+        batch_size=batch_size_of(fake_batch),
+        phases={
+            phase: PhasePeak(
+                step=step,
+                phase=phase,
+                peak_bytes=live.phase_peaks[phase],
+                reserved_bytes=None,
+                breakdown=breakdown.with_measured_peak(live.phase_peaks[phase]),
+            )
+            for phase, breakdown in phases.items()
+        },
+        modules=modules,
+        loss_activation_bytes=counter.loss_activation_bytes,
+        seconds=time.perf_counter() - started,
+        notes=tuple(
+            f"{op} keeps a workspace for backward that fake tensors do not size: left out"
+            for op in sorted(probe.unmeasured)
+        ),
+    )

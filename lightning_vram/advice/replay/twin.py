@@ -1,0 +1,105 @@
+"""The replay's own copy of the training state, made of fake tensors: module, gradients, optimizers, batch.
+
+The module is deep-copied under :class:`~torch._subclasses.fake_tensor.FakeCopyMode`: every tensor it holds becomes
+a fake one of the same shape, dtype and device, and nothing of the user's module is shared or changed (a
+LightningModule's copy drops its Trainer, as its pickling does; its ``log`` and ``log_dict`` do nothing).
+Gradients are faked from the real ones; optimizers come from :mod:`~lightning_vram.advice.replay.optimizers`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_vram.advice.replay._fake import FakeCopyMode, FakeTensorMode
+from lightning_vram.advice.replay.batches import fake_batch
+from lightning_vram.advice.replay.optimizers import configured_optimizers, rebuild_optimizer
+from lightning_vram.measure.tensors import iter_tensors
+
+
+@dataclass
+class Twin:
+    """The fake copy one replay runs on."""
+
+    module: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    batch: Any
+
+
+def _no_logging(*_args: Any, **_kwargs: Any) -> None:
+    """Stands in for ``self.log`` and ``self.log_dict`` during a replay: nothing is logged."""
+
+
+def fake_module(module: nn.Module, mode: FakeTensorMode) -> tuple[nn.Module, dict[int, Any]]:
+    """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy)."""
+    memo: dict[int, Any] = {}
+    fabric = getattr(module, "fabric", None)
+    if fabric is not None:
+        memo[id(fabric)] = None
+    with FakeCopyMode(mode):
+        copied = copy.deepcopy(module, memo)
+    for child in copied.modules():
+        if callable(getattr(child, "log", None)):
+            child.log = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
+        if callable(getattr(child, "log_dict", None)):
+            child.log_dict = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
+    return copied, memo
+
+
+def move_module(module: nn.Module, device: torch.device) -> None:
+    """Move the (fake) module's parameters and buffers to ``device`` in place (``.data``, keeping each object)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device != device:
+            tensor.data = tensor.data.to(device)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where the module's first parameter (or buffer) is; the CPU for a module without tensors."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def make_twin(
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer] | None,
+    batch: Any,
+    mode: FakeTensorMode,
+    prepare_module: Callable[[nn.Module], None] = lambda _module: None,
+) -> Twin:
+    """The fake copy of ``module``, its gradients, ``optimizers`` and ``batch``.
+
+    ``prepare_module`` changes the fake module before gradients and optimizers are attached (a replay's variant:
+    a cast, inplace flags, checkpointed units). ``optimizers=None`` builds them with the copy's own
+    ``configure_optimizers``, on its fake parameters.
+    """
+    copied, memo = fake_module(module, mode)
+    with mode:
+        prepare_module(copied)
+        parameters: dict[int, Tensor] = {}
+        for real in module.parameters():
+            fake = memo.get(id(real))
+            if not isinstance(fake, Tensor):
+                raise RuntimeError("a parameter of the module was not copied (a parameter held outside the module?)")
+            parameters[id(real)] = fake
+            if real.grad is not None:
+                grad = mode.from_tensor(real.grad, static_shapes=True)
+                fake.grad = grad if grad.dtype == fake.dtype else grad.to(fake.dtype)
+        configured = configured_optimizers(copied) if optimizers is None else None
+    if configured is None:
+        configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
+    return Twin(module=copied, optimizers=configured, batch=fake_batch(batch, mode))
+
+
+def state_tensors(twin: Twin) -> list[Tensor]:
+    """The twin's tensors alive when a step starts: parameters, buffers, gradients, optimizer state."""
+    tensors = [*twin.module.parameters(), *twin.module.buffers()]
+    tensors += [parameter.grad for parameter in twin.module.parameters() if parameter.grad is not None]
+    for optimizer in twin.optimizers:
+        tensors += iter_tensors(list(optimizer.state.values()))
+    return tensors

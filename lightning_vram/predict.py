@@ -1,0 +1,86 @@
+"""What a training step would hold on a GPU, predicted without training and without the model's memory.
+
+For a notebook or a laptop deciding which GPU to rent::
+
+    from lightning_vram import predict
+
+    prediction = predict(model, batch, precision="bf16-mixed")
+    prediction.step.peak            # the highest phase: predicted allocator peak and its breakdown
+    prediction.fit                  # the largest batch that fits each common GPU
+
+The step is replayed under fake tensors (:mod:`lightning_vram.advice.replay`): the model's own ``training_step``,
+loss and ``configure_optimizers``, on the batch's shapes and dtypes, after one uncounted warm-up step so that
+gradients and optimizer state exist as in every later step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.advice.replay.fit import replayed_fit_table
+from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.advice.rules import DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.records import FitRow, Prediction, ReplayedStep
+
+
+def predict(
+    module: nn.Module,
+    batch: Any,
+    *,
+    precision: str = "32-true",
+    device_type: str = "cuda",
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES,
+    fit_table: bool = True,
+) -> Prediction:
+    """Predict one steady training step's memory, phase by phase, and the largest batch per common GPU.
+
+    Nothing is trained and no tensor of the model's size is allocated; the module is left as it was.
+
+    Args:
+        module: a LightningModule (its ``training_step`` and ``configure_optimizers`` are used), on any device.
+        batch: one batch as ``training_step`` receives it; only its shapes and dtypes matter.
+        precision: the precision to train in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
+        device_type: the device to predict for. Without a CUDA device torch cannot fake CUDA tensors (a CPU-only
+            build aborts): the step is replayed on the CPU then, and the prediction says so in its notes.
+        cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
+            table.
+        fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.rules.COMMON_GPUS`
+            (a few replays per GPU).
+
+    Returns:
+        The prediction, or one whose ``skipped`` says why the step could not be replayed.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module (a LightningModule), got {type(module).__name__}")
+    if not isinstance(cuda_context_bytes, int) or cuda_context_bytes < 0:
+        raise ValueError(f"cuda_context_bytes must be an int >= 0, got {cuda_context_bytes!r}")
+    device, notes = _replay_device(device_type)
+
+    step = replay_step(module, None, batch, precision=precision, placement=device, warm_up=True)
+    if not isinstance(step, ReplayedStep):
+        return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
+    rows: tuple[FitRow, ...] = ()
+    if fit_table:
+        rows = replayed_fit_table(
+            module, None, batch, context_bytes=cuda_context_bytes, precision=precision, placement=device, warm_up=True
+        )
+    return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
+
+
+def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
+    """The device to replay on for ``device_type``, and a note where it is another one."""
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str such as 'cuda' or 'cpu', got {type(device_type).__name__}")
+    if device_type.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    device = torch.device(device_type)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        note = (
+            "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"
+            " CPU kernels' (CUDA kernels such as attention's may save other tensors)"
+        )
+        return torch.device("cpu"), (note,)
+    return device, ()

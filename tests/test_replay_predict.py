@@ -1,0 +1,117 @@
+"""Predicting a step without training: the public ``predict`` and the batch-size search behind its fit table."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import OPTIMIZERS, Classifier
+from test_replay_models import ARCHITECTURES, counted_step
+from torch import nn
+
+from lightning_vram import predict
+from lightning_vram.advice.replay.search import largest_batch_that_fits
+from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.advice.rules import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.records import BatchSizeChange, ReplayedStep
+
+CONTEXT = 300 * 1024**2
+
+
+def test_prediction_equals_the_step_the_monitor_counts(tmp_path: Path) -> None:
+    architecture = ARCHITECTURES["resnet"]
+    torch.manual_seed(0)
+    module = architecture.build()
+    untrained = copy.deepcopy(module.state_dict())
+    batch = next(iter(torch.utils.data.DataLoader(architecture.data(8), batch_size=8)))
+    prediction = predict(module, batch, device_type="cpu", fit_table=False)
+    assert prediction.skipped is None and prediction.step is not None and prediction.fit == ()
+    assert all(parameter.grad is None for parameter in module.parameters())  # nothing ran on the module itself
+    assert all(torch.equal(value, untrained[key]) for key, value in module.state_dict().items())
+    measured, _ = counted_step(tmp_path, module, architecture.data(64), 8)
+    for phase, counted in measured.phases.items():
+        predicted = prediction.step.phases[phase].breakdown
+        assert predicted is not None
+        assert (predicted.parameters, predicted.gradients, predicted.optimizer_state, predicted.activations) == (
+            counted.parameters,
+            counted.gradients,
+            counted.optimizer_state,
+            counted.activations,
+        )
+
+
+def test_fit_table_gives_the_largest_batch_whose_replayed_peak_fits_each_gpu() -> None:
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    module = Classifier(nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 10)), OPTIMIZERS["adam"])
+    prediction = predict(module, batch, device_type="cpu", cuda_context_bytes=CONTEXT)
+    assert prediction.step is not None and len(prediction.fit) == len(COMMON_GPUS)
+    assert [row.device for row in prediction.fit] == [name for name, _ in COMMON_GPUS]
+
+    def peak(size: int) -> int:
+        replayed = replay_step(module, None, batch, change=BatchSizeChange(size), warm_up=True)
+        assert isinstance(replayed, ReplayedStep)
+        return replayed.peak.peak_bytes
+
+    for row in prediction.fit:
+        budget = int(row.capacity_bytes * (1 - BATCH_SAFETY_MARGIN)) - CONTEXT
+        assert peak(row.max_batch_size) <= budget < peak(row.max_batch_size + 1)
+    sizes = [row.max_batch_size for row in prediction.fit]
+    assert sizes == sorted(sizes) and sizes[0] > 16
+
+
+def test_cuda_prediction_without_a_cuda_device_replays_on_the_cpu_and_says_so() -> None:
+    module = Classifier(nn.Linear(8, 10), OPTIMIZERS["sgd"])
+    prediction = predict(module, (torch.randn(4, 8), torch.randint(0, 10, (4,))), fit_table=False)
+    assert prediction.step is not None
+    if torch.cuda.is_available():
+        assert prediction.step.device_type == "cuda" and prediction.notes == ()
+    else:
+        assert prediction.step.device_type == "cpu"
+        assert any("replayed on the CPU" in note for note in prediction.notes)
+
+
+class ReadsLoss(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss.item())
+        return loss
+
+
+def test_prediction_that_cannot_replay_says_why() -> None:
+    prediction = predict(ReadsLoss(nn.Linear(8, 10)), (torch.randn(4, 8), torch.randint(0, 10, (4,))))
+    assert prediction.step is None and prediction.fit == ()
+    assert prediction.skipped is not None and ".item()" in prediction.skipped
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
+        ({"cuda_context_bytes": -1}, ValueError, "cuda_context_bytes must be an int >= 0, got -1"),
+        ({"device_type": "tpu"}, ValueError, "device_type must be 'cuda' or 'cpu', got 'tpu'"),
+    ],
+)
+def test_bad_arguments_name_what_they_must_be(arguments: dict[str, Any], error: type[Exception], message: str) -> None:
+    call: dict[str, Any] = {"module": Classifier(nn.Linear(8, 10)), "batch": (torch.randn(2, 8),), **arguments}
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        predict(call.pop("module"), call.pop("batch"), **call)
+
+
+def test_search_finds_the_exact_largest_batch() -> None:
+    calls: list[int] = []
+
+    def peak(size: int) -> int:
+        calls.append(size)
+        return 10_000 + 300 * size + (512 if size > 1000 else 0)  # almost linear
+
+    assert largest_batch_that_fits(peak, budget_bytes=400_000, start=32) == 1298
+    assert len(calls) == len(set(calls))  # every batch size replayed once
+    assert len(calls) < 20
+    assert largest_batch_that_fits(peak, budget_bytes=10_000, start=32) == 0  # even one sample does not fit
+    assert largest_batch_that_fits(lambda size: 5, budget_bytes=10, start=4, limit=100) == 100  # all fit
+    assert largest_batch_that_fits(lambda size: None if size > 40 else size, budget_bytes=1000, start=32) is None
+    staircase = largest_batch_that_fits(lambda size: 1000 * (size // 64 + 1), budget_bytes=5000, start=8)
+    assert staircase == 319  # 319 // 64 + 1 = 5 steps of 1000 bytes fit; 320 needs a sixth
