@@ -31,6 +31,7 @@ class Part(str, Enum):
     OOM = "out-of-memory diagnosis"
     HISTORY = "allocator history"
     STATE = "checkpoint state"
+    REPLAY = "step replay"
 
 
 class Guard:

@@ -48,6 +48,12 @@ class VramMonitor(Callback):
             default: recording costs host time on every allocation and holds up to ``history_max_entries``
             events in memory.
         history_max_entries: allocation events the history keeps (the oldest are dropped).
+        replay_budget_seconds: host seconds the monitor may spend, once per run, replaying the first sampled step
+            under fake tensors (no device memory) to try each change it could advise; advice whose change was
+            replayed says "simulated". 0 turns replays off (advice is then modelled).
+        preflight: on a CUDA device, replay the first step before it runs and warn when it is predicted not to fit
+            the free memory, with the replayed changes that would make it fit. On by default: it costs one replay
+            of host time, once, and can save a run from dying at its first step.
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
     """
@@ -65,6 +71,8 @@ class VramMonitor(Callback):
         console_summary: bool = True,
         record_history: bool = False,
         history_max_entries: int = 100_000,
+        replay_budget_seconds: float = 30.0,
+        preflight: bool = True,
         probe: Probe | None = None,
     ) -> None:
         self.session = VramSession(
@@ -78,6 +86,8 @@ class VramMonitor(Callback):
             console_summary=console_summary,
             record_history=record_history,
             history_max_entries=history_max_entries,
+            replay_budget_seconds=replay_budget_seconds,
+            preflight=preflight,
             probe=probe,
         )
         """The measuring session every hook forwards to."""
@@ -261,38 +271,8 @@ class VramMonitor(Callback):
     ) -> None:
         self.session.evaluation_batch_end()
 
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.session.evaluation_batch_start()
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self.session.evaluation_batch_end()
-
-    @override
-    def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.session.evaluation_batch_start()
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self.session.evaluation_batch_end()
+    # The same forwarding for every evaluation loop (the signatures are the same).
+    on_test_batch_start = on_validation_batch_start
+    on_predict_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_end = on_validation_batch_end

@@ -15,19 +15,31 @@ from typing import Any, TypeVar
 from lightning_vram.records import (
     Advice,
     Attribution,
+    BaselineMatch,
+    BatchSizeChange,
     Breakdown,
+    CheckpointChange,
+    CheckpointPlan,
     DeviceInfo,
     EvaluationPeak,
     FitRow,
+    FreeGradientsChange,
+    InplaceChange,
     ModuleProfile,
     NotMeasured,
     OomDiagnosis,
+    PartMatch,
     Phase,
     PhasePeak,
+    PrecisionChange,
     RankSummary,
+    ReplayedStep,
     Report,
     RunSummary,
+    Simulation,
+    StepChange,
     StepPoint,
+    VariantResult,
 )
 
 SCHEMA = "lightning_vram.report/1"
@@ -35,6 +47,10 @@ OOM_SCHEMA = "lightning_vram.oom_report/1"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 """The parts of a breakdown, in the order every table shows them."""
 SEVERITIES = ("critical", "warning", "info")
+SAVING_BASES = ("simulated", "modelled")
+"""Where an advice's byte saving, or a fit row's batch, comes from: replayed on the run's step, or a formula."""
+COUNTED_PARTS = CATEGORIES[:4]
+"""The parts a replay's baseline is compared with the measured step on (``other`` is not counted)."""
 MAX_INTEGER = 2**63 - 1
 """The largest integer a field may hold: byte counts and steps are int64 in torch, and beyond it floats overflow."""
 SHOWN_CHARACTERS = 60
@@ -78,6 +94,8 @@ def advice_to_dict(advice: Advice) -> dict[str, Any]:
         "evidence": advice.evidence,
         "estimated_saving_bytes": advice.estimated_saving_bytes,
         "estimated_saving_seconds": advice.estimated_saving_seconds,
+        "saving_basis": advice.saving_basis,
+        "predicted_peak_bytes": advice.predicted_peak_bytes,
     }
 
 
@@ -127,6 +145,107 @@ def step_point_to_dict(point: StepPoint) -> dict[str, int]:
     return {"step": point.step, "peak_bytes": point.peak_bytes}
 
 
+def change_kind(change: StepChange) -> str:
+    """The name the report gives a change's kind."""
+    if isinstance(change, PrecisionChange):
+        return "precision"
+    if isinstance(change, CheckpointChange):
+        return "checkpoint"
+    if isinstance(change, InplaceChange):
+        return "inplace"
+    if isinstance(change, FreeGradientsChange):
+        return "free-gradients"
+    return "batch-size"
+
+
+def change_parameters(change: StepChange) -> dict[str, Any]:
+    """What the change sets, enough to rebuild it (the checkpointing plan whole)."""
+    if isinstance(change, PrecisionChange):
+        return {"precision": change.precision}
+    if isinstance(change, CheckpointChange):
+        plan = change.plan
+        return {
+            "container": plan.container,
+            "units": [list(unit) for unit in plan.units],
+            "sequential_segments": plan.sequential_segments,
+            "forward_of": plan.forward_of,
+            "modelled_saving_bytes": plan.saving_bytes,
+        }
+    if isinstance(change, InplaceChange):
+        return {"modules": list(change.modules)}
+    if isinstance(change, FreeGradientsChange):
+        return {}
+    return {"batch_size": change.batch_size}
+
+
+def replayed_phases_to_dict(step: ReplayedStep) -> dict[str, Any]:
+    """A replayed step's phases: each one's predicted allocator peak and counted parts."""
+    return {
+        phase.value: {"peak_bytes": peak.peak_bytes, "breakdown": breakdown_to_dict(peak.breakdown)}
+        for phase, peak in in_phase_order(step.phases)
+    }
+
+
+def variant_to_dict(variant: VariantResult) -> dict[str, Any]:
+    """One change tried by replay: its predicted peak (as the report measures peaks) and parts, or why discarded."""
+    replayed = variant.replayed
+    peak = replayed.reported_peak if replayed is not None else None
+    return {
+        "change": variant.change.label,
+        "kind": change_kind(variant.change),
+        "parameters": change_parameters(variant.change),
+        "predicted_peak_bytes": replayed.reported_bytes(peak) if replayed is not None and peak is not None else None,
+        "peak_phase": peak.phase.value if peak is not None else None,
+        "breakdown": breakdown_to_dict(peak.breakdown) if peak is not None else None,
+        "phases": replayed_phases_to_dict(replayed) if replayed is not None else None,
+        "discarded": variant.discarded,
+    }
+
+
+def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None:
+    """The replayed baseline against the measured step, part by part."""
+    if match is None:
+        return None
+    return {
+        "step": match.step,
+        "matches": match.matches,
+        "tolerance": match.tolerance,
+        "parts": [
+            {
+                "phase": part.phase.value,
+                "part": part.part,
+                "measured_bytes": part.measured_bytes,
+                "replayed_bytes": part.replayed_bytes,
+            }
+            for part in match.parts
+        ],
+    }
+
+
+def simulation_to_dict(simulation: Simulation | None) -> dict[str, Any] | None:
+    """The report's ``simulation`` section: the replayed baseline, its match, and each change tried."""
+    if simulation is None:
+        return None
+    baseline = simulation.baseline
+    peak = baseline.reported_peak if baseline is not None and baseline.phases else None
+    return {
+        "device_type": simulation.device_type,
+        "seconds": simulation.seconds,
+        "skipped": simulation.skipped,
+        "step": next(iter(baseline.phases.values())).step if baseline is not None and baseline.phases else None,
+        "precision": baseline.precision if baseline is not None else None,
+        "batch_size": baseline.batch_size if baseline is not None else None,
+        "peak_bytes": baseline.reported_bytes(peak) if baseline is not None and peak is not None else None,
+        "peak_phase": peak.phase.value if peak is not None else None,
+        "loss_activation_bytes": baseline.loss_activation_bytes if baseline is not None else None,
+        "notes": list(baseline.notes) if baseline is not None else [],
+        "baseline": baseline_match_to_dict(simulation.match),
+        "phases": replayed_phases_to_dict(baseline) if baseline is not None else None,
+        "device_max_batch_size": simulation.device_max_batch_size,
+        "variants": [variant_to_dict(variant) for variant in simulation.variants],
+    }
+
+
 def report_to_dict(report: Report) -> dict[str, Any]:
     """The report as JSON-ready data (schema ``lightning_vram.report/1``)."""
     device = report.device
@@ -157,7 +276,12 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         },
         "advice": [advice_to_dict(advice) for advice in report.advice],
         "fit": [
-            {"device": row.device, "capacity_bytes": row.capacity_bytes, "max_batch_size": row.max_batch_size}
+            {
+                "device": row.device,
+                "capacity_bytes": row.capacity_bytes,
+                "max_batch_size": row.max_batch_size,
+                "basis": row.basis,
+            }
             for row in report.fit
         ],
         "recent_peaks": [step_point_to_dict(point) for point in report.recent_peaks],
@@ -167,6 +291,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             for rank in report.ranks
         ],
         "not_measured": [{"what": item.what, "reason": item.reason} for item in report.not_measured],
+        "simulation": simulation_to_dict(report.simulation),
     }
 
 
@@ -209,6 +334,10 @@ class Reader:
             raise FormatError(f"{where} must be an object, got {_kind(data)}")
         self._data = data
         self._where = where
+
+    def has(self, key: str) -> bool:
+        """Whether the object has the field (fields added in later versions are absent from older files)."""
+        return key in self._data
 
     def raw(self, key: str) -> Any:
         """The field's value as it is (its type unchecked)."""
@@ -278,6 +407,10 @@ class Reader:
             raise FormatError(f"{self._path(key)} must be an object, got {_kind(value)}")
         return list(value.items())
 
+    def texts(self, key: str) -> list[str]:
+        """A list of strings."""
+        return _text_list(self.raw(key), self._path(key))
+
     def each(self, key: str, decode: Callable[[Any, str], T]) -> list[T]:
         """A list field, each item decoded by ``decode(item, where)``."""
         value = self.raw(key)
@@ -311,6 +444,24 @@ def member(where: str, key: str) -> str:
     if key.isidentifier() and key.isascii():
         return f"{where}.{key}"
     return f"{where}[{shown(key)}]"
+
+
+def _as_text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise FormatError(f"{where} must be a string, got {_kind(value)}")
+    return value
+
+
+def _text_list(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list):
+        raise FormatError(f"{where} must be a list, got {_kind(value)}")
+    return [_as_text(item, f"{where}[{index}]") for index, item in enumerate(value)]
+
+
+def _one_of(value: str | None, choices: tuple[str, ...], where: str) -> str | None:
+    if value is not None and value not in choices:
+        raise FormatError(f"{where} must be one of {list(choices)} or null, got {shown(value)}")
+    return value
 
 
 def _as_int(value: Any, where: str, minimum: int | None) -> int:
@@ -392,6 +543,15 @@ def advice_from_dict(data: Any, where: str) -> Advice:
         evidence=fields.text("evidence"),
         estimated_saving_bytes=fields.optional_integer("estimated_saving_bytes", minimum=None),
         estimated_saving_seconds=fields.optional_number("estimated_saving_seconds", minimum=None),
+        # Both absent from reports written by 0.7.0 and earlier.
+        saving_basis=(
+            _one_of(fields.optional_text("saving_basis"), SAVING_BASES, f"{where}.saving_basis")
+            if fields.has("saving_basis")
+            else None
+        ),
+        predicted_peak_bytes=fields.optional_integer("predicted_peak_bytes")
+        if fields.has("predicted_peak_bytes")
+        else None,
     )
 
 
@@ -472,7 +632,132 @@ def _capability(text: str | None, where: str) -> tuple[int, int] | None:
 
 def _fit_row(data: Any, where: str) -> FitRow:
     fields = Reader(data, where)
-    return FitRow(fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"))
+    basis = fields.text("basis") if fields.has("basis") else "modelled"  # absent up to 0.7.0: extrapolated
+    if basis not in SAVING_BASES:
+        raise FormatError(f"{where}.basis must be one of {list(SAVING_BASES)}, got {shown(basis)}")
+    return FitRow(fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis)
+
+
+def _change(kind: str, parameters: Reader, where: str) -> StepChange:
+    """The change :func:`change_kind` and :func:`change_parameters` described."""
+    if kind == "precision":
+        return PrecisionChange(parameters.text("precision"))
+    if kind == "checkpoint":
+        units = parameters.each("units", lambda unit, at: tuple(_text_list(unit, at)))
+        plan = CheckpointPlan(
+            container=parameters.text("container"),
+            units=tuple(units),
+            sequential_segments=parameters.optional_integer("sequential_segments", minimum=1),
+            saving_bytes=parameters.integer("modelled_saving_bytes", minimum=None),
+            forward_of=parameters.optional_text("forward_of"),
+        )
+        return CheckpointChange(plan)
+    if kind == "inplace":
+        return InplaceChange(tuple(parameters.texts("modules")))
+    if kind == "free-gradients":
+        return FreeGradientsChange()
+    if kind == "batch-size":
+        return BatchSizeChange(parameters.integer("batch_size", minimum=1))
+    kinds = ["precision", "checkpoint", "inplace", "free-gradients", "batch-size"]
+    raise FormatError(f"{where}.kind must be one of {kinds}, got {shown(kind)}")
+
+
+def _replayed_phases(fields: Reader, key: str, step: int) -> dict[Phase, PhasePeak]:
+    phases = {}
+    for name, value in fields.entries(key):
+        where = member(key, name)
+        phase = _phase(name, key)
+        peak = Reader(value, where)
+        breakdown = breakdown_from_dict(peak.raw("breakdown"), f"{where}.breakdown")
+        phases[phase] = PhasePeak(step, phase, peak.integer("peak_bytes"), None, breakdown)
+    return phases
+
+
+def _part_match(data: Any, where: str) -> PartMatch:
+    fields = Reader(data, where)
+    part = fields.text("part")
+    if part not in COUNTED_PARTS:
+        raise FormatError(f"{where}.part must be one of {list(COUNTED_PARTS)}, got {shown(part)}")
+    return PartMatch(
+        _phase(fields.text("phase"), f"{where}.phase"),
+        part,
+        fields.integer("measured_bytes"),
+        fields.integer("replayed_bytes"),
+    )
+
+
+def _baseline_match(fields: Reader | None) -> BaselineMatch | None:
+    if fields is None:
+        return None
+    fields.flag("matches")  # derived from the parts; checked for its type only
+    return BaselineMatch(
+        step=fields.integer("step"),
+        parts=tuple(fields.each("parts", _part_match)),
+        tolerance=fields.number("tolerance"),
+    )
+
+
+def _variant(data: Any, where: str, baseline: ReplayedStep) -> VariantResult:
+    """One change tried; its replayed step takes what the JSON leaves out (precision, batch) from ``baseline``."""
+    fields = Reader(data, where)
+    fields.text("change")  # the change's label, derived from it
+    change = _change(fields.text("kind"), fields.child("parameters"), where)
+    fields.optional_integer("predicted_peak_bytes")  # derived from the phases
+    _phase_or_none(fields.optional_text("peak_phase"), f"{where}.peak_phase")  # derived
+    breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown")  # derived
+    discarded = fields.optional_text("discarded")
+    if fields.raw("phases") is None:
+        if discarded is None:
+            raise FormatError(f"{where}: a change neither replayed (phases) nor discarded")
+        return VariantResult(change, None, discarded)
+    step = next(iter(baseline.phases.values())).step if baseline.phases else 0
+    replayed = ReplayedStep(
+        device_type=baseline.device_type,
+        precision=change.precision if isinstance(change, PrecisionChange) else baseline.precision,
+        batch_size=change.batch_size if isinstance(change, BatchSizeChange) else baseline.batch_size,
+        phases=_replayed_phases(fields, "phases", step),
+        modules=(),
+        loss_activation_bytes=0,
+        seconds=0.0,
+    )
+    return VariantResult(change, replayed, discarded)
+
+
+def _simulation(fields: Reader | None) -> Simulation | None:
+    """The ``simulation`` section :func:`simulation_to_dict` wrote; its derived fields are checked for type only."""
+    if fields is None:
+        return None
+    device_type = fields.text("device_type")
+    step = fields.optional_integer("step")
+    fields.optional_integer("peak_bytes")  # derived from the phases
+    _phase_or_none(fields.optional_text("peak_phase"), "simulation.peak_phase")  # derived
+    baseline = None
+    if fields.raw("phases") is not None:
+        baseline = ReplayedStep(
+            device_type=device_type,
+            precision=fields.text("precision"),
+            batch_size=fields.optional_integer("batch_size"),
+            phases=_replayed_phases(fields, "phases", step or 0),
+            modules=(),
+            loss_activation_bytes=fields.integer("loss_activation_bytes"),
+            seconds=0.0,
+            notes=tuple(fields.texts("notes")),
+        )
+    # A variant is replayed against the baseline; without one (skipped), none can have been.
+    context = baseline or ReplayedStep(device_type, "", None, {}, (), 0, 0.0)
+    return Simulation(
+        device_type=device_type,
+        baseline=baseline,
+        match=_baseline_match(fields.optional_child("baseline")),
+        skipped=fields.optional_text("skipped"),
+        variants=tuple(fields.each("variants", lambda data, where: _variant(data, where, context))),
+        seconds=fields.number("seconds"),
+        device_max_batch_size=fields.optional_integer("device_max_batch_size"),
+    )
+
+
+def _phase_or_none(text: str | None, where: str) -> Phase | None:
+    return None if text is None else _phase(text, where)
 
 
 def _rank(data: Any, where: str) -> RankSummary:
@@ -540,4 +825,6 @@ def report_from_dict(data: Any) -> Report:
         fit=tuple(fields.each("fit", _fit_row)),
         ranks=tuple(fields.each("ranks", _rank)),
         not_measured=tuple(fields.each("not_measured", _not_measured)),
+        # Absent from reports written by 0.7.0 and earlier (no replay).
+        simulation=_simulation(fields.optional_child("simulation")) if fields.has("simulation") else None,
     )

@@ -16,6 +16,8 @@ MIN_INTERVAL_SECONDS = 0.01
 """Lower bound of ``utilization_interval_seconds``: NVML's own sample window is 1/6 s to 1 s."""
 MAX_INTERVAL_SECONDS = 60.0
 """Upper bound of ``utilization_interval_seconds``: a longer wait leaves most log intervals without a sample."""
+MAX_REPLAY_BUDGET_SECONDS = 3600.0
+"""Upper bound of ``replay_budget_seconds``: an hour of host time, far above what a replay of a large model takes."""
 
 
 def _require_int(name: str, value: object, minimum: int, maximum: int, allow_none: bool = False) -> None:
@@ -39,6 +41,15 @@ def _require_seconds(name: str, value: object, minimum: float, maximum: float) -
         raise ValueError(f"{name} must be a positive number of seconds from {minimum} to {maximum}, got {value!r}")
 
 
+def _require_budget(name: str, value: object, maximum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a number of seconds from 0 to {maximum}, got {value!r} ({type(value).__name__})"
+        )
+    if not 0 <= value <= maximum:  # NaN fails too
+        raise ValueError(f"{name} must be a number of seconds from 0 (off) to {maximum}, got {value!r}")
+
+
 def _require_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
@@ -58,6 +69,8 @@ class MonitorConfig:
     console_summary: bool = True
     record_history: bool = False
     history_max_entries: int = 100_000
+    replay_budget_seconds: float = 30.0
+    preflight: bool = True
 
     def __post_init__(self) -> None:
         _require_int("log_every_n_steps", self.log_every_n_steps, 1, MAX_STEPS, allow_none=True)
@@ -71,6 +84,8 @@ class MonitorConfig:
         _require_bool("console_summary", self.console_summary)
         _require_bool("record_history", self.record_history)
         _require_int("history_max_entries", self.history_max_entries, 1, MAX_HISTORY_ENTRIES)
+        _require_budget("replay_budget_seconds", self.replay_budget_seconds, MAX_REPLAY_BUDGET_SECONDS)
+        _require_bool("preflight", self.preflight)
 
     def is_sampled(self, step: int) -> bool:
         """Whether ``step`` (0-based training batch of the run) gets tensor-by-tensor attribution.

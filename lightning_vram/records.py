@@ -222,6 +222,10 @@ class Advice:
     """One piece of advice: what to change, the figures that fired it, and what it should save.
 
     ``estimated_saving_bytes`` is peak memory; ``estimated_saving_seconds`` is time per step (speed advice).
+    ``saving_basis`` says where the byte saving comes from: ``"simulated"`` (the change was replayed on the run's own
+    step under fake tensors), ``"modelled"`` (a formula over the measurements), ``None`` without a byte saving.
+    ``predicted_peak_bytes`` is the replayed peak after the change, wherever the change was replayed (also without a
+    byte saving: mixed precision advised for speed says what its replay predicts).
     """
 
     id: str
@@ -231,6 +235,8 @@ class Advice:
     evidence: str
     estimated_saving_bytes: int | None
     estimated_saving_seconds: float | None = None
+    saving_basis: str | None = None
+    predicted_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +330,8 @@ class FitRow:
     device: str
     capacity_bytes: int
     max_batch_size: int
+    basis: str = "modelled"
+    """``"simulated"`` when each batch size was replayed (a bisection), ``"modelled"`` when extrapolated linearly."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +367,8 @@ class Report:
     fit: tuple[FitRow, ...]
     ranks: tuple[RankSummary, ...]
     not_measured: tuple[NotMeasured, ...] = field(default=())
+    simulation: Simulation | None = None
+    """The replay of the run's sampled step and of each change tried on it (``None`` when none ran)."""
 
     @property
     def device(self) -> DeviceInfo:
@@ -565,6 +575,21 @@ class ReplayedStep:
         """The phase with the highest predicted peak (the first in step order on a tie)."""
         return max(self.phases.values(), key=lambda phase: phase.peak_bytes)
 
+    def reported_bytes(self, phase: PhasePeak) -> int:
+        """One of its phases' peak as the monitor's report measures peaks, in bytes.
+
+        On CUDA the report's peaks are the allocator's, so this is the predicted allocator peak; elsewhere they are
+        the sums of the counted parts, so this is the phase's counted parts.
+        """
+        if self.device_type == "cuda" or phase.breakdown is None:
+            return phase.peak_bytes
+        return phase.breakdown.counted_bytes
+
+    @property
+    def reported_peak(self) -> PhasePeak:
+        """The phase with the highest :meth:`reported_bytes` (the first in step order on a tie)."""
+        return max(self.phases.values(), key=self.reported_bytes)
+
     @property
     def loss_activation_share(self) -> float:
         """The loss's share of the forward pass's saved activations (0 when there are none)."""
@@ -642,6 +667,10 @@ class Simulation:
     skipped: str | None
     variants: tuple[VariantResult, ...]
     seconds: float
+    fit: tuple[FitRow, ...] = ()
+    """The largest batch per common GPU, each found by replaying batch sizes (empty when not searched)."""
+    device_max_batch_size: int | None = None
+    """The largest batch predicted to fit the run's own device, by replay (``None`` when not searched)."""
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,17 @@ from torch import nn
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
+from lightning_vram.advice.preflight import PreflightVerdict, candidate_changes, preflight
+from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
 from lightning_vram.advice.report import build_report
 from lightning_vram.advice.rules import advise
+from lightning_vram.advice.trials import try_changes
 from lightning_vram.codec import FormatError
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
-from lightning_vram.measure.accounting import StepAttributor, model_state_bytes
+from lightning_vram.measure.accounting import StepAttributor, batch_size_of, model_state_bytes
+from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.probes import Probe, probe_for
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.measure.timing import StepTimer
@@ -58,6 +62,7 @@ from lightning_vram.records import (
     RankSummary,
     Report,
     RunSummary,
+    Simulation,
     TrainingSetup,
 )
 from lightning_vram.render.console import print_summary
@@ -102,8 +107,8 @@ class VramSession:
         log_every_n_steps: steps between interval scalars (returned by :meth:`batch_end`); ``None`` is 50, or the
             Trainer's setting under :class:`~lightning_vram.VramMonitor`.
         attribution_start_step, attribution_every_n_steps, reset_peak_stats, utilization_interval_seconds,
-        top_modules, recent_steps, console_summary, record_history, history_max_entries, probe: as for
-            :class:`~lightning_vram.VramMonitor`.
+        top_modules, recent_steps, console_summary, record_history, history_max_entries, replay_budget_seconds,
+            preflight, probe: as for :class:`~lightning_vram.VramMonitor`.
     """
 
     def __init__(
@@ -120,6 +125,8 @@ class VramSession:
         console_summary: bool = True,
         record_history: bool = False,
         history_max_entries: int = 100_000,
+        replay_budget_seconds: float = 30.0,
+        preflight: bool = True,
         probe: Probe | None = None,
     ) -> None:
         self.config = MonitorConfig(
@@ -133,6 +140,8 @@ class VramSession:
             console_summary=console_summary,
             record_history=record_history,
             history_max_entries=history_max_entries,
+            replay_budget_seconds=replay_budget_seconds,
+            preflight=preflight,
         )
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got {type(log_dir).__name__}")
@@ -148,6 +157,8 @@ class VramSession:
         as a string on a remote filesystem (a ``Path`` would collapse its ``//``); ``None`` when it was not written."""
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when the run ended with a CUDA out-of-memory error."""
+        self.preflight_verdict: PreflightVerdict | None = None
+        """The first step replayed against the device's free memory before it ran (CUDA, ``preflight=True``)."""
         self._pending_state: Any = None
         self._reset_run_state()
 
@@ -176,6 +187,10 @@ class VramSession:
         self._history_note: NotMeasured | None = None
         self._recording_history = False
         self._finished = False
+        self._step_function: StepFunction | None = None
+        self._simulation: Simulation | None = None
+        self._sampled_batch: Any = None
+        self._preflight_pending = True
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -193,6 +208,7 @@ class VramSession:
         gather: Gather | None = None,
         tensorboard: Sequence[TensorBoardWriter] = (),
         default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
+        step_function: StepFunction | None = None,
     ) -> None:
         """Start measuring a run of ``model`` (on its device) with ``optimizers``.
 
@@ -209,9 +225,11 @@ class VramSession:
             gather: every rank's numbers (one collective); needed when ``world_size > 1``.
             tensorboard: SummaryWriters that get the custom-scalars layout, the advice text and the figures.
             default_log_every_n_steps: the interval when ``log_every_n_steps`` was not given; ``None`` logs none.
+            step_function: ``(module, batch) -> loss``: the forward pass and loss of one step, so that advice can be
+                replayed on it under fake tensors; a module with a ``training_step`` (a LightningModule) needs none.
         """
         self._reset_run_state()
-        self.report = self.oom_diagnosis = None
+        self.report = self.oom_diagnosis = self.preflight_verdict = None
         self.report_path = None
         self._model = model
         self._optimizers = optimizers
@@ -222,6 +240,9 @@ class VramSession:
             lambda: training_setup(model, self._current_optimizers(), dataloaders=dataloader, precision=precision)
         )
         self._log_every = self.config.log_every_n_steps or default_log_every_n_steps
+        if step_function is None and callable(getattr(model, "training_step", None)):
+            step_function = lightning_training_step
+        self._step_function = step_function
         self._open_probe()
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -297,8 +318,13 @@ class VramSession:
             except Exception as error:  # noqa: BLE001 -- the guard
                 guard.fail(Part.TRACKER, error)
         self._phase = Phase.FORWARD
+        if self._preflight_pending:
+            self._preflight_pending = False
+            self._preflight(batch, reading)
         if self.config.is_sampled(self._tracker.steps) and guard.enabled(Part.ATTRIBUTION):
             self._start_attribution(batch)
+            if self._simulation is None:
+                self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
 
     def _start_attribution(self, batch: Any) -> None:
         model = self._model
@@ -385,6 +411,9 @@ class VramSession:
                 guard.fail(Part.TRACKER, error)
         else:
             self._tracker.count_step()  # peaks are off, the step count still drives sampling and the report
+        if attribution is not None and self._sampled_batch is not None:
+            self._replay(attribution, self._sampled_batch)
+        self._sampled_batch = None
         if guard.enabled(Part.TIMING):
             try:
                 self._timer.batch_ended(time.perf_counter())
@@ -394,6 +423,70 @@ class VramSession:
         if every is not None and self._tracker.steps % every == 0:
             return self._interval_scalars()
         return NO_SCALARS
+
+    def _preflight(self, batch: Any, reading: AllocatorReading | None) -> None:
+        """Before the first step on a CUDA device: replay it, and warn if it is predicted not to fit."""
+        probe, device, model, setup = self._probe, self._device_info, self._model, self._setup
+        budget = self.config.replay_budget_seconds
+        if not self.config.preflight or budget <= 0 or device is None or device.type != "cuda":
+            return
+        if probe is None or model is None or setup is None or reading is None or self._step_function is None:
+            return
+        if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
+            return
+        if not self._guard.enabled(Part.REPLAY):
+            return
+        try:
+            free = probe.free_bytes()
+            if free is None:
+                return
+            training = setup()
+            changes = candidate_changes(training.precision, batch_size_of(batch), device.compute_capability)
+            verdict = preflight(
+                model,
+                self._current_optimizers(),
+                batch,
+                reading=reading,
+                free_bytes=free,
+                changes=changes,
+                precision=training.precision,
+                step_function=self._step_function,
+                budget_seconds=budget,
+            )
+        except Exception as error:  # noqa: BLE001 -- the guard
+            self._guard.fail(Part.REPLAY, error)
+            return
+        self.preflight_verdict = verdict if isinstance(verdict, PreflightVerdict) else None
+        if isinstance(verdict, PreflightVerdict) and not verdict.fits:
+            warning = verdict.warning(f"{device.name} ({device.type}:{device.index})")
+            warnings.warn(warning, VramMonitorWarning, stacklevel=4)
+
+    def _replay(self, attribution: Any, batch: Any) -> None:
+        """After the first sampled step past step 0: replay it and every change the rules could advise."""
+        model, setup, budget = self._model, self._setup, self.config.replay_budget_seconds
+        if model is None or setup is None or budget <= 0 or attribution.step < 1:
+            return
+        if not self._guard.enabled(Part.REPLAY):
+            return
+        try:
+            self._simulation = try_changes(
+                model,
+                self._current_optimizers(),
+                batch,
+                attribution,
+                self.summary(),
+                setup(),
+                device=self._device,
+                step_function=self._step_function,
+                budget_seconds=budget,
+            )
+        except Exception as error:  # noqa: BLE001 -- the guard
+            self._guard.fail(Part.REPLAY, error)
+
+    @property
+    def simulation(self) -> Simulation | None:
+        """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
+        return self._simulation
 
     def break_continuity(self) -> None:
         """The time until the next training step is not data wait (an epoch boundary, a validation run)."""
@@ -436,7 +529,7 @@ class VramSession:
         if self._guard.enabled(Part.TENSORBOARD):
             try:
                 setup = self._setup() if self._setup is not None else None
-                advice = advise(self.summary(), setup) if setup is not None else ()
+                advice = advise(self.summary(), setup, self._simulation) if setup is not None else ()
                 for writer in self._writers:
                     write_advice(writer, advice, step)
             except Exception as error:  # noqa: BLE001 -- the guard
@@ -565,6 +658,7 @@ class VramSession:
                 top_modules=self.config.top_modules,
                 ranks=ranks,
                 not_measured=self._not_measured(),
+                simulation=self._simulation,
             )
         except Exception as error:  # noqa: BLE001 -- the guard
             self._guard.fail(Part.REPORT, error)
@@ -638,6 +732,7 @@ class VramSession:
             setup=setup(),
             notes=tuple(notes),
             snapshot=snapshot,
+            simulation=self._simulation,
         )
         if directory is not None:
             path = write_diagnosis(self.oom_diagnosis, directory, self._world_size)

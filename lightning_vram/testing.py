@@ -45,6 +45,8 @@ class ScriptedProbe:
         device: what ``open`` reports.
         utilization: one reading per log interval, then the last one again; ``None`` for "not measured".
         not_measured: what the probe reports as unavailable (for example a failing NVML).
+        free_bytes: what :meth:`free_bytes` reports (the preflight check reads it once); by default the device's
+            capacity less the last boundary's reserve.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class ScriptedProbe:
         device: DeviceInfo = SCRIPTED_DEVICE,
         utilization: Sequence[UtilizationReading | None] = (),
         not_measured: Sequence[NotMeasured] = (),
+        free_bytes: int | None = None,
     ) -> None:
         if not boundaries:
             raise ValueError("boundaries must hold at least one ScriptedBoundary, got an empty sequence")
@@ -60,6 +63,8 @@ class ScriptedProbe:
         self._device = device
         self._utilization = tuple(utilization)
         self._not_measured = tuple(not_measured)
+        self._free_bytes = free_bytes
+        self._reserved = 0
         self._peak = 0
         self.reads = 0
         self.resets = 0
@@ -76,6 +81,7 @@ class ScriptedProbe:
         """The next scripted boundary, with the peak an allocator would report."""
         boundary = self._boundaries[min(self.reads, len(self._boundaries) - 1)]
         self.reads += 1
+        self._reserved = boundary.reserved_bytes
         self._peak = max(self._peak, boundary.highest_bytes, boundary.allocated_bytes)
         reading = AllocatorReading(
             allocated_bytes=boundary.allocated_bytes,
@@ -109,6 +115,13 @@ class ScriptedProbe:
     def host_rss_bytes(self) -> int | None:
         """Not scripted: ``None``."""
         return None
+
+    def free_bytes(self) -> int | None:
+        """The scripted ``free_bytes``, else the device's capacity less what the last boundary reserved."""
+        if self._free_bytes is not None:
+            return self._free_bytes
+        total = self._device.total_bytes
+        return None if total is None else max(total - self._reserved, 0)
 
     def unavailable(self) -> tuple[NotMeasured, ...]:
         """The scripted ``not_measured`` entries."""

@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
-from lightning_vram.advice.checkpointing import best_checkpoint_plan
+from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.rules import checkpoint_snippet
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, CheckpointPlan
 
@@ -211,6 +212,17 @@ def apply_plan(module: nn.Module, plan: CheckpointPlan) -> None:
 # -------------------------------------------------------------------------------------- activation-checkpointing
 
 
+def planned(report: Report, advice: Advice) -> CheckpointPlan:
+    """The candidate plan whose code the advice's detail gives (as a user reads it); its saving when modelled."""
+    plans = [
+        plan for plan in checkpoint_candidates(report.summary.modules) if checkpoint_snippet(plan)[1] in advice.detail
+    ]
+    assert len(plans) == 1, advice.detail
+    if advice.saving_basis == "modelled":
+        assert plans[0].saving_bytes == advice.estimated_saving_bytes
+    return plans[0]
+
+
 CHECKPOINT_CASES = {
     "resnet": (lambda: Classifier(ResNetStyle()), lambda: images(64), 32),
     "transformer-modulelist": (lambda: LanguageModel(TinyGPT()), lambda: tokens(32), 16),
@@ -231,8 +243,7 @@ def test_activation_checkpointing_applied(tmp_path: Path, case: str) -> None:
     before = run(tmp_path, make_module(), make_data(), batch_size)
     advice = advice_of(before, "activation-checkpointing")
     assert advice is not None and advice.estimated_saving_bytes is not None
-    plan = best_checkpoint_plan(before.summary.modules)
-    assert plan is not None and plan.saving_bytes == advice.estimated_saving_bytes
+    plan = planned(before, advice)
     inplace = {profile.name for profile in before.summary.modules if profile.inplace is True}
     assert not any(unit[0] in inplace for unit in plan.units)
     assert CHECKPOINT_CODE[case] in advice.detail

@@ -80,6 +80,23 @@ def test_diff_shows_what_changed(
     assert "advice removed: inplace-activations" in lines
 
 
+def test_show_reads_a_report_written_before_the_replay(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 0.7.0 wrote no simulation section, no advice basis or predicted peak, no fit basis.
+    (_, root), _ = two_runs
+    data = json.loads((root / "vram_report.json").read_text())
+    data.pop("simulation", None)
+    for entry in data["advice"]:
+        del entry["saving_basis"], entry["predicted_peak_bytes"]
+    old = tmp_path / "vram_report.json"
+    old.write_text(json.dumps(data))
+    assert main(["show", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("VRAM report:") and "advice [inplace-activations]: Use inplace activations" in out
+    assert "(simulated)" not in out and "(modelled)" not in out
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -161,6 +178,8 @@ BAD_FIELDS = [
     ("unknown-phase", ("peak", "phase"), '"sideways"', "peak.phase must be one of"),
     ("odd-key", ("evaluation",), '{"val\\nidation": {"peak_bytes": "x"}}', "peak_bytes must be an integer, got str"),
     ("huge-string", ("schema",), json.dumps("x" * 1_000_000), "not a lightning_vram report"),
+    ("basis-unknown", ("advice", 0, "saving_basis"), '"guessed"', "advice[0].saving_basis must be one of"),
+    ("simulation-list", ("simulation",), "[]", "report.simulation must be an object, got list"),
 ]
 
 
@@ -196,7 +215,7 @@ def test_a_report_wrong_inside_is_one_line_and_status_2(
     (_, root), _ = two_runs
     good = root / "vram_report.json"
     report = json.loads(good.read_text())
-    assert report["modules"] and report["not_measured"] and report["recent_peaks"]  # the fields edited exist
+    assert report["modules"] and report["not_measured"] and report["recent_peaks"] and report["advice"]  # edited
     bad = tmp_path / "vram_report.json"
     bad.write_bytes(with_raw_field(report, field, raw))
     output = tmp_path / "page.html"

@@ -61,6 +61,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
         Part.FILES: lambda: monkeypatch.setattr(session_module, "write_report_files", boom),
         Part.TENSORBOARD: lambda: monkeypatch.setattr(session_module, "write_layout", boom),
         Part.CONSOLE: lambda: monkeypatch.setattr(session_module, "print_summary", boom),
+        Part.REPLAY: lambda: monkeypatch.setattr(session_module, "try_changes", boom),
     }
     if part is Part.ALLOCATOR:
         return FailingProbe("read_allocator", after=5)

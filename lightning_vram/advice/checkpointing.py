@@ -228,10 +228,15 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     return plans
 
 
-def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan | None:
-    """The applicable checkpointing plan that frees the most activation bytes at the peak.
+CANDIDATE_PLANS = 3
+"""Plans offered to the step replay: the best few by modelled saving, so that one that breaks backward has a
+runner-up."""
 
-    Ties go to the plan that checkpoints fewer modules (less recomputation). ``None`` when no plan frees anything.
+
+def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
+    """Every applicable plan that frees something, the largest modelled saving first.
+
+    Ties go to the plan that checkpoints fewer modules (less recomputation), then to the order plans were found.
     """
     indexed = ProfileIndex(profiles)
     plans: list[CheckpointPlan] = []
@@ -243,9 +248,19 @@ def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan 
             plans += _sequential_plans(indexed, container, names)
         else:
             plans += _range_plans(indexed, container, names)
+    useful = [plan for plan in plans if plan.saving_bytes > 0]
+    return sorted(useful, key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
 
-    def rank(plan: CheckpointPlan) -> tuple[int, int]:
-        return plan.saving_bytes, -sum(len(unit) for unit in plan.units)
 
-    best = max(plans, key=rank, default=None)
-    return best if best is not None and best.saving_bytes > 0 else None
+def checkpoint_candidates(profiles: tuple[ModuleProfile, ...], limit: int = CANDIDATE_PLANS) -> list[CheckpointPlan]:
+    """Up to ``limit`` applicable plans, the largest modelled saving first: what the step replay should try."""
+    return _ranked_plans(profiles)[:limit]
+
+
+def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan | None:
+    """The applicable checkpointing plan that frees the most activation bytes at the peak.
+
+    Ties go to the plan that checkpoints fewer modules (less recomputation). ``None`` when no plan frees anything.
+    """
+    ranked = _ranked_plans(profiles)
+    return ranked[0] if ranked else None

@@ -15,6 +15,7 @@ from lightning_vram.records import (
     Phase,
     PhasePeak,
     RunSummary,
+    Simulation,
     TrainingSetup,
 )
 
@@ -66,12 +67,14 @@ def diagnose(
     setup: TrainingSetup,
     notes: tuple[str, ...],
     snapshot: Path | None,
+    simulation: Simulation | None = None,
 ) -> OomDiagnosis:
     """Put together what was known when the error came.
 
     ``model_state`` holds the parts counted at the failure (``other`` unset); ``summary`` is the run so far. The
     advice is the run's own, judged as if the failing step had reached what it asked for (allocated + the failed
-    request), largest saving first; validation failures get ``evaluation-batch-size`` first.
+    request), largest saving first, with the run's replayed changes where it had them (``simulation``);
+    validation failures get ``evaluation-batch-size`` first.
     """
     message = parse_oom_message(error_text)
     allocated = message.allocated_bytes
@@ -90,7 +93,7 @@ def diagnose(
         need = allocated + (message.tried_bytes or 0)
         failing = PhasePeak(step, phase, need, reserved, model_state.with_measured_peak(need))
         judged = replace(summary, peak=failing, device=replace(summary.device, total_bytes=capacity))
-    advice = sorted(advise(judged, setup), key=lambda item: -(item.estimated_saving_bytes or 0))
+    advice = sorted(advise(judged, setup, simulation), key=lambda item: -(item.estimated_saving_bytes or 0))
     if where == "validation":
         advice.insert(0, evaluation_batch_size(step, summary.peak))
     return OomDiagnosis(

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from lightning_vram.advice.rules import advise, fit_table
-from lightning_vram.records import ModuleProfile, NotMeasured, RankSummary, Report, RunSummary, TrainingSetup
+from lightning_vram.records import (
+    ModuleProfile,
+    NotMeasured,
+    RankSummary,
+    Report,
+    RunSummary,
+    Simulation,
+    TrainingSetup,
+)
 
 
 def largest_savers(profiles: tuple[ModuleProfile, ...]) -> tuple[ModuleProfile, ...]:
@@ -25,14 +33,20 @@ def build_report(
     top_modules: int,
     ranks: tuple[RankSummary, ...],
     not_measured: tuple[NotMeasured, ...],
+    simulation: Simulation | None = None,
 ) -> Report:
-    """The report of ``summary``: advice needs the training set-up (without one, no advice is given)."""
+    """The report of ``summary``: advice needs the training set-up (without one, no advice is given).
+
+    ``simulation`` is the replay of the run's sampled step and of the changes tried on it: the advice and the fit
+    table use its savings where it has them, and the report carries it.
+    """
     return Report(
         summary=summary,
         precision=setup.precision if setup is not None else None,
         modules=largest_savers(summary.modules)[:top_modules],
-        advice=advise(summary, setup) if setup is not None else (),
-        fit=fit_table(summary),
+        advice=advise(summary, setup, simulation) if setup is not None else (),
+        fit=fit_table(summary, simulation),
         ranks=ranks,
         not_measured=not_measured,
+        simulation=simulation,
     )

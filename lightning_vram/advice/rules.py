@@ -1,25 +1,41 @@
-"""Advice from this run's measurements: pure rules over a :class:`RunSummary` and a :class:`TrainingSetup`.
+"""Advice from this run's measurements: pure rules over the run's summary, set-up and replayed step.
+
+Each rule reads a :class:`RunSummary`, a :class:`TrainingSetup` and the replay of the run's step (a
+:class:`Simulation`, or ``None``).
 
 Every rule returns one :class:`Advice` with the figures that fired it and the saving it expects, or ``None``.
-A rule whose evidence was not measured here (no GPU, no NVML, no sampled step) stays silent; so does a rule
-whose saving would be too small to matter. Thresholds are the named constants below (the README gives the
-reason for each).
+Where the simulation replayed the rule's change on the run's own step (and its baseline matched the measured step),
+the saving is the replayed one (``saving_basis="simulated"``, with the predicted peak); a change whose replay saves
+less than the rule's threshold is not advised, and one whose replay raised is never advised. Without such a replay
+the saving is modelled from the measurements (``saving_basis="modelled"``). A rule whose evidence was not measured
+here (no GPU, no NVML, no sampled step) stays silent; so does a rule whose saving would be too small to matter.
+Thresholds are the named constants below (the README gives the reason for each).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import NamedTuple
 
-from lightning_vram.advice.checkpointing import best_checkpoint_plan
+from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.simulated import Discarded, Replayed, trial, trusted
 from lightning_vram.records import (
     Advice,
+    BatchSizeChange,
     Breakdown,
+    CheckpointChange,
     CheckpointPlan,
     FitRow,
+    FreeGradientsChange,
+    InplaceChange,
     ModuleProfile,
     Phase,
     PhasePeak,
+    PrecisionChange,
+    ReplayedStep,
     RunSummary,
+    Simulation,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes, format_percent
@@ -56,8 +72,26 @@ BATCH_SAFETY_MARGIN = 0.10
 """Share of capacity kept free when predicting the largest batch (allocator rounding, other processes)."""
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * MIB
 """CUDA context and library workspaces when NVML could not measure them (typically a few hundred MiB)."""
+TENSOR_CORE_CAPABILITY = (7, 0)
+"""CUDA compute capability from which GPUs have tensor cores (Volta); mixed precision is advised for speed there."""
+AUTOCAST_MEMORY = (
+    "Autocast does not halve activations: it saves 16-bit copies of the weights for backward and keeps"
+    " normalisation, softmax and the loss in float32."
+)
+"""Why mixed precision promises no memory saving that a replay has not shown."""
+CHUNKED_LOSS_MIN_SHARE = 0.25
+"""The loss's own saved tensors must be a quarter of the forward pass's activations to be worth chunking."""
+LOSS_CHUNKS = 8
+"""Chunks the chunked-loss advice computes the loss in: one eighth of its log-probabilities kept at a time."""
 EIGHT_BIT_ADAM_STATE_SHARE = 0.25
 """8-bit Adam keeps 2 bytes of state per parameter instead of 8."""
+SHOWN_REASON_CHARACTERS = 160
+"""How much of a discarded replay's reason the evidence quotes (an exception's text can be long)."""
+MODELLED_CHECKPOINT = (
+    "saving modelled storage by storage from the sampled step's saved tensors (not replayed): each checkpointed"
+    " unit keeps its input, and backward recomputes one unit at a time"
+)
+"""How the checkpointing advice's evidence says its saving is known, when no candidate plan was replayed."""
 
 SHARDING_STRATEGIES = frozenset({"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"})
 """Lightning strategies whose optimizer state is already sharded: the counts are this rank's shard."""
@@ -87,6 +121,28 @@ def _share(part: int, whole: int) -> str:
     return format_percent(part / whole) if whole else "n/a"
 
 
+def _replay_evidence(replayed: Replayed) -> str:
+    """The replayed peaks before and after a change, in words."""
+    before, after = replayed.baseline.reported_peak, replayed.predicted.reported_peak
+    measure = "allocator peak" if replayed.device_type == "cuda" else "peak of the counted parts"
+    return (
+        f"replayed on this run's step, {replayed.change.label} takes the {measure} from"
+        f" {format_bytes(replayed.baseline_bytes)} in {before.phase.value} to {format_bytes(replayed.predicted_bytes)}"
+        f" in {after.phase.value}"
+    )
+
+
+def _discarded_text(discarded: list[Discarded]) -> str:
+    """The changes the replay discarded, each with its (shortened) reason; empty without any."""
+    texts = []
+    for item in discarded:
+        reason = item.reason
+        if len(reason) > SHOWN_REASON_CHARACTERS:
+            reason = reason[: SHOWN_REASON_CHARACTERS - 1] + "…"
+        texts.append(f"; not advised, its replay raised: {item.change.label} ({reason})")
+    return "".join(texts)
+
+
 def _code_path(name: str, forward_of: str) -> str:
     """Module ``name`` as code in the forward of ``forward_of``.
 
@@ -111,7 +167,7 @@ CHECKPOINT_LINES = 6
 """Units spelled out one line each in the advice's code; the rest are named."""
 
 
-def _checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
+def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
     """What the plan checkpoints, in words (for the title), and the code to write (for the detail)."""
     forward_of = plan.forward_of or ""
     where = f"the forward of `{forward_of}`" if forward_of else "the LightningModule's forward (or training_step)"
@@ -157,22 +213,43 @@ def _checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
     return what, code
 
 
-def activation_checkpointing(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """Activations hold the largest part of the peak and checkpointing some modules would free a tenth of it."""
+def activation_checkpointing(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """Activations hold the largest part of the peak and checkpointing some modules would free a tenth of it.
+
+    Up to :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans are candidates. Where the simulation
+    replayed any of them, only a replayed plan can be advised (the one whose replay lowers the peak most); a plan
+    whose replay raised would break backward and is never advised. Without a replay of any candidate, the best
+    modelled plan is advised with its modelled saving.
+    """
     attributed = _attributed_peak(summary)
     if attributed is None or attributed[1].largest_part != "activations":
         return None
     peak, breakdown = attributed
-    plan = best_checkpoint_plan(summary.modules)
-    if plan is None or plan.saving_bytes < CHECKPOINT_MIN_SAVING_SHARE * peak.peak_bytes:
+    candidates = checkpoint_candidates(summary.modules)
+    trials = [(plan, trial(simulation, CheckpointChange(plan))) for plan in candidates]
+    replayed = [(plan, found) for plan, found in trials if isinstance(found, Replayed)]
+    discarded = [found for _, found in trials if isinstance(found, Discarded)]
+    if replayed:
+        plan, best = max(replayed, key=lambda pair: pair[1].saving_bytes)  # the first on a tie: best modelled
+        if best.saving_bytes < CHECKPOINT_MIN_SAVING_SHARE * best.baseline_bytes:
+            return None
+        saving, predicted, basis_text = best.saving_bytes, best.predicted_bytes, _replay_evidence(best)
+    elif discarded or not candidates:
         return None
+    else:
+        plan = candidates[0]
+        if plan.saving_bytes < CHECKPOINT_MIN_SAVING_SHARE * peak.peak_bytes:
+            return None
+        saving, predicted, basis_text = plan.saving_bytes, None, MODELLED_CHECKPOINT
     top = sorted(summary.modules, key=lambda profile: -profile.activation_bytes)[:3]
     top_text = ", ".join(f"{profile.name} {format_bytes(profile.activation_bytes)}" for profile in top)
-    what, code = _checkpoint_snippet(plan)
+    what, code = checkpoint_snippet(plan)
     return Advice(
         id="activation-checkpointing",
         severity="info",
-        title=f"Checkpoint {what} to free about {format_bytes(plan.saving_bytes)} of activations",
+        title=f"Checkpoint {what} to free about {format_bytes(saving)}",
         detail=(
             "Activation checkpointing keeps only each unit's input in forward and recomputes the rest during"
             " backward, one unit at a time: about one extra forward pass of the checkpointed units for the memory."
@@ -181,9 +258,12 @@ def activation_checkpointing(summary: RunSummary, setup: TrainingSetup) -> Advic
         ),
         evidence=(
             f"activations are {_share(breakdown.activations, peak.peak_bytes)} of the {peak.phase.value} peak"
-            f" ({format_bytes(breakdown.activations)} of {format_bytes(peak.peak_bytes)}); top modules: {top_text}"
+            f" ({format_bytes(breakdown.activations)} of {format_bytes(peak.peak_bytes)}); top modules: {top_text};"
+            f" {basis_text}{_discarded_text(discarded)}"
         ),
-        estimated_saving_bytes=plan.saving_bytes,
+        estimated_saving_bytes=saving,
+        saving_basis="modelled" if predicted is None else "simulated",
+        predicted_peak_bytes=predicted,
     )
 
 
@@ -191,19 +271,10 @@ def _is_activation(profile: ModuleProfile) -> bool:
     return profile.inplace is False and "Dropout" not in profile.type
 
 
-def inplace_activations(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """Out-of-place activations that save their input while a later op saves their output: inplace, one tensor.
-
-    Only activations whose inplace variant saves just its result count (``TrainingSetup.inplace_keeps_result``:
-    LeakyReLU, ELU...); a ReLU saves its output already, so inplace it frees no saved memory, only a transient
-    copy that the counts cannot show at the peak: it is not advised.
-    """
-    attributed = _attributed_peak(summary)
-    if attributed is None:
-        return None
-    peak, _ = attributed
+def _inplace_profiles(summary: RunSummary, setup: TrainingSetup) -> list[ModuleProfile]:
+    """Out-of-place activations whose inplace variant would merge their saved input with their saved output."""
     merging = set(setup.inplace_keeps_result)
-    candidates = [
+    return [
         profile
         for profile in summary.modules
         if _is_activation(profile)
@@ -211,18 +282,51 @@ def inplace_activations(summary: RunSummary, setup: TrainingSetup) -> Advice | N
         and profile.input_saved_bytes > 0
         and profile.output_saved_for_backward
     ]
+
+
+def inplace_candidates(summary: RunSummary, setup: TrainingSetup) -> tuple[str, ...]:
+    """The modules inplace-activations would name: safe for autograd (no earlier op saved their input)."""
+    return tuple(profile.name for profile in _inplace_profiles(summary, setup) if not profile.input_saved_for_backward)
+
+
+def inplace_activations(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """Out-of-place activations that save their input while a later op saves their output: inplace, one tensor.
+
+    Only activations whose inplace variant saves just its result count (``TrainingSetup.inplace_keeps_result``:
+    LeakyReLU, ELU...); a ReLU saves its output already, so inplace it frees no saved memory, only a transient
+    copy that the counts cannot show at the peak: it is not advised. The saving is the replayed one where the
+    simulation made these modules inplace (a replay that raised means no advice), else the saved inputs merged.
+    """
+    attributed = _attributed_peak(summary)
+    if attributed is None:
+        return None
+    peak, _ = attributed
+    candidates = _inplace_profiles(summary, setup)
     safe = [profile for profile in candidates if not profile.input_saved_for_backward]
-    saving = sum(profile.input_saved_bytes for profile in safe)
-    if not safe or saving < INPLACE_MIN_SHARE * peak.peak_bytes:
+    if not safe:
+        return None
+    found = trial(simulation, InplaceChange(tuple(profile.name for profile in safe)))
+    merged = sum(profile.input_saved_bytes for profile in safe)
+    if isinstance(found, Discarded):
+        return None
+    if isinstance(found, Replayed):
+        saving, predicted, basis_text = found.saving_bytes, found.predicted_bytes, _replay_evidence(found)
+        enough = saving >= INPLACE_MIN_SHARE * found.baseline_bytes
+    else:
+        saving, predicted, basis_text = merged, None, "saving modelled: the saved inputs merged (not replayed)"
+        enough = saving >= INPLACE_MIN_SHARE * peak.peak_bytes
+    if not enough:
         return None
     unsafe = [profile.name for profile in candidates if profile.input_saved_for_backward]
     types = sorted({profile.type for profile in safe})
     largest = max(safe, key=lambda profile: profile.input_saved_bytes)
     evidence = (
         f"{len(safe)} activation module(s) run out of place ({', '.join(types)}), each saving its input for"
-        f" backward while a later op saves its output: {format_bytes(saving)} of saved inputs,"
-        f" {_share(saving, peak.peak_bytes)} of the peak (largest {largest.name},"
-        f" {format_bytes(largest.input_saved_bytes)})"
+        f" backward while a later op saves its output: {format_bytes(merged)} of saved inputs,"
+        f" {_share(merged, peak.peak_bytes)} of the peak (largest {largest.name},"
+        f" {format_bytes(largest.input_saved_bytes)}); {basis_text}"
     )
     if unsafe:
         evidence += f"; left out because autograd saved their input for an earlier op: {', '.join(unsafe[:5])}"
@@ -239,37 +343,87 @@ def inplace_activations(summary: RunSummary, setup: TrainingSetup) -> Advice | N
         ),
         evidence=evidence,
         estimated_saving_bytes=saving,
+        saving_basis="modelled" if predicted is None else "simulated",
+        predicted_peak_bytes=predicted,
     )
 
 
-def mixed_precision(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """32-bit training on a CUDA GPU, where 16-bit activations would halve a visible part of the peak."""
+def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """32-bit training on a CUDA GPU: 16-bit matmuls on tensor cores, and the memory the replay shows it frees.
+
+    Autocast does not halve activations (it saves 16-bit copies of the weights for backward and keeps
+    normalisation, softmax and the loss in float32), so no memory saving is promised unless the step was replayed
+    in that precision and its peak fell by :data:`MIN_SAVING_SHARE` or more. Otherwise the advice is for speed, on
+    devices with tensor cores (compute capability 7.0 or higher) only, and says what the replay found; a replay
+    that raised, or one whose peak would rise to near the device's capacity, means no advice.
+    """
     attributed = _attributed_peak(summary)
     if not summary.on_cuda or setup.precision not in FULL_PRECISIONS or attributed is None:
         return None
     peak, breakdown = attributed
-    saving = breakdown.activations // 2
-    if saving < MIN_SAVING_SHARE * peak.peak_bytes:
-        return None
     capability = summary.device.compute_capability
     use_bf16 = capability is not None and capability >= (8, 0)
+    tensor_cores = capability is not None and capability >= TENSOR_CORE_CAPABILITY
     precision = "bf16-mixed" if use_bf16 else "16-mixed"
+    found = trial(simulation, PrecisionChange(precision))
+    if isinstance(found, Discarded):
+        return None
+    replay = found if isinstance(found, Replayed) else None
+    saving = (
+        replay.saving_bytes
+        if replay is not None and replay.saving_bytes >= MIN_SAVING_SHARE * replay.baseline_bytes
+        else None
+    )
+    capacity = summary.device.total_bytes
+    rises_near_capacity = (
+        replay is not None
+        and capacity is not None
+        and replay.saving_bytes < 0
+        and replay.predicted_bytes >= NEAR_CAPACITY_SHARE * capacity
+    )
+    if rises_near_capacity or (saving is None and not tensor_cores):
+        return None
     capability_text = f"compute capability {capability[0]}.{capability[1]}" if capability else "compute capability n/a"
     reason = "supports bfloat16, which needs no loss scaling" if use_bf16 else "has no fast bfloat16: use float16"
+    if replay is not None:
+        moved = f"{format_bytes(abs(replay.saving_bytes))} {'lower' if replay.saving_bytes >= 0 else 'higher'}"
+        replayed = (
+            f"replayed on this run's step in {precision}, the peak is {format_bytes(replay.predicted_bytes)} instead"
+            f" of {format_bytes(replay.baseline_bytes)} ({moved})."
+        )
+        memory = (
+            f"Memory is not the reason to change: {replayed} {AUTOCAST_MEMORY}"
+            if saving is None
+            else f"Memory: {replayed}"
+        )
+        evidence_tail = f"; {_replay_evidence(replay)}"
+    else:
+        memory = f"No memory saving is promised: the step was not replayed in {precision}. {AUTOCAST_MEMORY}"
+        evidence_tail = "; not replayed in 16 bits, so no memory saving is estimated"
+    speed = " and run matmuls on tensor cores" if tensor_cores else ""
+    title = (
+        f'Train with precision="{precision}" to lower the peak by about {format_bytes(saving)}{speed}'
+        if saving is not None
+        else f'Train with precision="{precision}" to run matmuls on tensor cores'
+    )
+    faster = ", which tensor cores run several times faster" if tensor_cores else ""
     return Advice(
         id="mixed-precision",
         severity="info",
-        title=f'Train with precision="{precision}" to halve activation memory and use tensor cores',
+        title=title,
         detail=(
             f"{summary.device.name} ({capability_text}) {reason}. Weights and optimizer state stay in float32;"
-            " activations and matmuls run in 16 bits, which tensor cores run several times faster.\n"
+            f" matmuls and convolutions run in 16 bits{faster}. {memory}\n"
             f'```python\nTrainer(precision="{precision}")\n```'
         ),
         evidence=(
-            f"training in {setup.precision} on {summary.device.name}; activations are"
-            f" {format_bytes(breakdown.activations)} of the {format_bytes(peak.peak_bytes)} {peak.phase.value} peak"
+            f"training in {setup.precision} on {summary.device.name} ({capability_text}"
+            f"{': tensor cores' if tensor_cores else ''}); activations are {format_bytes(breakdown.activations)}"
+            f" of the {format_bytes(peak.peak_bytes)} {peak.phase.value} peak{evidence_tail}"
         ),
         estimated_saving_bytes=saving,
+        saving_basis="simulated" if saving is not None else None,
+        predicted_peak_bytes=replay.predicted_bytes if replay is not None else None,
     )
 
 
@@ -295,7 +449,9 @@ def suggested_num_workers(cpu_cores_per_device: int) -> int:
     return max(1, min(8, cpu_cores_per_device - 1))
 
 
-def dataloader_workers(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
+def dataloader_workers(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
     """The step waits for data a tenth of the time or more, sustained, with spare cores for workers."""
     if setup.num_workers is None or not _sustained_data_wait(summary, DATA_WAIT_WORKERS_SHARE):
         return None
@@ -325,7 +481,7 @@ def dataloader_workers(summary: RunSummary, setup: TrainingSetup) -> Advice | No
     )
 
 
-def pin_memory(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
+def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """CUDA training with pin_memory off while the step measurably waits for data."""
     if not summary.on_cuda or setup.pin_memory is not False or not _sustained_data_wait(summary, DATA_WAIT_PIN_SHARE):
         return None
@@ -346,8 +502,12 @@ def pin_memory(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     )
 
 
-def stale_gradients(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """Last step's gradients are alive at a forward-phase peak under automatic optimization."""
+def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """Last step's gradients are alive at a forward-phase peak under automatic optimization.
+
+    The saving is the replayed one where the simulation set the gradients to ``None`` before forward (a replay that
+    raised means no advice); otherwise modelled: the gradients, down to the next highest phase's peak.
+    """
     attributed = _attributed_peak(summary)
     if not setup.automatic_optimization or attributed is None:
         return None
@@ -355,8 +515,17 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     if peak.phase is not Phase.FORWARD or breakdown.gradients <= 0:
         return None
     next_highest = max((p.peak_bytes for phase, p in summary.phases.items() if phase is not Phase.FORWARD), default=0)
-    saving = min(breakdown.gradients, peak.peak_bytes - next_highest)
-    if saving < MIN_SAVING_SHARE * peak.peak_bytes:
+    found = trial(simulation, FreeGradientsChange())
+    if isinstance(found, Discarded):
+        return None
+    if isinstance(found, Replayed):
+        saving, predicted, basis_text = found.saving_bytes, found.predicted_bytes, _replay_evidence(found)
+        enough = saving >= MIN_SAVING_SHARE * found.baseline_bytes
+    else:
+        saving = min(breakdown.gradients, peak.peak_bytes - next_highest)
+        predicted, basis_text = None, "saving modelled: the gradients, down to the next highest phase (not replayed)"
+        enough = saving >= MIN_SAVING_SHARE * peak.peak_bytes
+    if not enough:
         return None
     return Advice(
         id="stale-gradients",
@@ -375,13 +544,83 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
         evidence=(
             f"the peak ({format_bytes(peak.peak_bytes)}) is in forward of step {peak.step}, with"
             f" {format_bytes(breakdown.gradients)} of gradients alive; the next highest phase peaks at"
-            f" {format_bytes(next_highest)}"
+            f" {format_bytes(next_highest)}; {basis_text}"
         ),
         estimated_saving_bytes=saving,
+        saving_basis="modelled" if predicted is None else "simulated",
+        predicted_peak_bytes=predicted,
     )
 
 
-def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
+def _chunked_loss_peak(baseline: ReplayedStep, peak: PhasePeak, loss_bytes: int) -> int:
+    """A replayed phase's peak with the loss computed in :data:`LOSS_CHUNKS` chunks, each recomputed in backward.
+
+    Forward keeps none of the loss's log-probabilities (each chunk keeps only its inputs). Backward starts with the
+    loss: where the phase's counted peak is at its start (no gradient yet), one chunk's are held again instead of
+    all; a later backward peak is left as it is. The optimizer step holds no activations.
+    """
+    peak_bytes = baseline.reported_bytes(peak)
+    if peak.phase is Phase.FORWARD:
+        return peak_bytes - loss_bytes
+    if peak.phase is Phase.BACKWARD and peak.breakdown is not None and peak.breakdown.gradients == 0:
+        return peak_bytes - loss_bytes + loss_bytes // LOSS_CHUNKS
+    return peak_bytes
+
+
+def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """The loss's own saved tensors (its log-probabilities over the classes or vocabulary) are a large share.
+
+    Read from the replayed baseline (``ReplayedStep.loss_activation_bytes``): it fires where the loss holds
+    :data:`CHUNKED_LOSS_MIN_SHARE` of the forward pass's activations and :data:`MIN_SAVING_SHARE` of the peak, and
+    the modelled saving is as large. No replay applies the change, so the saving is modelled phase by phase from
+    the replayed baseline (:func:`_chunked_loss_peak`). It counts the saved log-probabilities only: the logits and
+    their gradient, also computed one chunk at a time, free more on a GPU.
+    """
+    baseline = trusted(simulation)
+    if baseline is None:
+        return None
+    loss_bytes = baseline.loss_activation_bytes
+    share = baseline.loss_activation_share
+    peak = baseline.reported_peak
+    peak_bytes = baseline.reported_bytes(peak)
+    if share < CHUNKED_LOSS_MIN_SHARE or loss_bytes < MIN_SAVING_SHARE * peak_bytes:
+        return None
+    saving = peak_bytes - max(_chunked_loss_peak(baseline, phase, loss_bytes) for phase in baseline.phases.values())
+    if saving < MIN_SAVING_SHARE * peak_bytes:
+        return None
+    return Advice(
+        id="chunked-loss",
+        severity="info",
+        title=f"Compute the loss in chunks to lower the peak by about {format_bytes(saving)}",
+        detail=(
+            "Cross-entropy keeps the log-probabilities of every position over every class (the vocabulary of a"
+            " language model) for backward, in float32. Computed chunk by chunk over the positions, each chunk"
+            " recomputed in backward, it keeps one chunk's at a time; a fused linear cross-entropy kernel"
+            " (Liger-Kernel's LigerFusedLinearCrossEntropyLoss) does the same without materialising the logits.\n"
+            "```python\n"
+            "import torch.nn.functional as F\n"
+            "from torch.utils.checkpoint import checkpoint\n\n"
+            f"def chunked_cross_entropy(hidden, head, targets, chunks={LOSS_CHUNKS}):\n"
+            "    # hidden: (positions, width), the input of the output layer `head`; targets: (positions,)\n"
+            "    def chunk_loss(h, t):\n"
+            '        return F.cross_entropy(head(h).float(), t, reduction="sum")\n'
+            "    total = sum(checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
+            "                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))\n"
+            "    return total / targets.numel()  # with ignore_index, divide by the targets counted instead\n"
+            "```"
+        ),
+        evidence=(
+            f"replayed on this run's step: the loss's own ops saved {format_bytes(loss_bytes)},"
+            f" {format_percent(share)} of the forward pass's activations and {_share(loss_bytes, peak_bytes)} of the"
+            f" replayed {peak.phase.value} peak ({format_bytes(peak_bytes)}); saving modelled (not replayed): none of"
+            f" them kept in forward, one chunk of {LOSS_CHUNKS} recomputed at a time in backward"
+        ),
+        estimated_saving_bytes=saving,
+        saving_basis="modelled",
+    )
+
+
+def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Optimizer state is the largest part of the peak: name smaller or sharded alternatives with their savings."""
     attributed = _attributed_peak(summary)
     if attributed is None or attributed[1].largest_part != "optimizer_state":
@@ -418,10 +657,11 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
             f" {format_bytes(breakdown.parameters)}, activations {format_bytes(breakdown.activations)}"
         ),
         estimated_saving_bytes=options[0][0],
+        saving_basis="modelled",
     )
 
 
-def large_linear(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
+def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """A Linear reads a flattened convolutional feature map: pooling it first removes most of the Linear's weights.
 
     Global average pooling over the map's ``positions`` (H x W) turns ``Linear(C * positions, N)`` into
@@ -472,10 +712,13 @@ def large_linear(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
             f" {peak.phase.value} peak ({format_bytes(peak.peak_bytes)})"
         ),
         estimated_saving_bytes=saving,
+        saving_basis="modelled",
     )
 
 
-def allocator_fragmentation(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
+def allocator_fragmentation(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
     """The allocator reserves far more than the peak allocation, or had to retry allocations."""
     peak = summary.peak
     if not summary.on_cuda or peak is None or peak.reserved_bytes is None:
@@ -500,6 +743,7 @@ def allocator_fragmentation(summary: RunSummary, setup: TrainingSetup) -> Advice
             f" {retries} allocation retries"
         ),
         estimated_saving_bytes=cached,
+        saving_basis="modelled",
     )
 
 
@@ -524,8 +768,14 @@ def predict_max_batch_size(summary: RunSummary, capacity_bytes: int) -> int | No
     return int(usable // per_sample)
 
 
-def fit_table(summary: RunSummary) -> tuple[FitRow, ...]:
-    """The largest batch of this run predicted to fit on each of :data:`COMMON_GPUS` (CUDA runs only)."""
+def fit_table(summary: RunSummary, simulation: Simulation | None = None) -> tuple[FitRow, ...]:
+    """The largest batch of this run per GPU of :data:`COMMON_GPUS`: replayed where the simulation searched it.
+
+    Replayed rows (``basis`` ``"simulated"``) come from a trusted simulation's ``fit``; otherwise each row is
+    modelled linearly from the measured peak (``basis`` ``"modelled"``, CUDA runs only).
+    """
+    if trusted(simulation) is not None and simulation is not None and simulation.fit:
+        return tuple(replace(row, basis="simulated") for row in simulation.fit)
     if not summary.on_cuda:
         return ()
     rows = []
@@ -533,12 +783,18 @@ def fit_table(summary: RunSummary) -> tuple[FitRow, ...]:
         batch = predict_max_batch_size(summary, capacity)
         if batch is None:
             return ()
-        rows.append(FitRow(name, capacity, batch))
+        rows.append(FitRow(name, capacity, batch, basis="modelled"))
     return tuple(rows)
 
 
-def batch_size_headroom(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """The peak is under half the device, the GPU is not busy, and the data keeps up: a larger batch fits."""
+def batch_size_headroom(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """The peak is under half the device, the GPU is not busy, and the data keeps up: a larger batch fits.
+
+    The largest batch is the replayed one (``Simulation.device_max_batch_size``, found by replaying batch sizes)
+    where the simulation searched it, else modelled linearly from the measured peak.
+    """
     attributed = _attributed_peak(summary)
     capacity = summary.device.total_bytes
     utilization = summary.gpu_utilization_mean
@@ -551,13 +807,22 @@ def batch_size_headroom(summary: RunSummary, setup: TrainingSetup) -> Advice | N
         return None
     if summary.data_wait_fraction is None or summary.data_wait_fraction >= DATA_WAIT_WORKERS_SHARE:
         return None
-    largest = predict_max_batch_size(summary, capacity)
+    replayed = simulation.device_max_batch_size if simulation is not None and trusted(simulation) else None
+    largest = replayed if replayed is not None else predict_max_batch_size(summary, capacity)
     if largest is None or largest < 2 * summary.batch_size:
         return None
+    how = (
+        "largest batch found by replaying this step at each batch size tried (a bisection)"
+        if replayed is not None
+        else "largest batch modelled linearly from the measured peak (not replayed)"
+    )
     return Advice(
         id="batch-size-headroom",
         severity="info",
-        title=f"A batch of up to {largest} should fit (now {summary.batch_size}): the GPU is underused",
+        title=(
+            f"A batch of up to {largest} {'fits, replayed' if replayed is not None else 'should fit'}"
+            f" (now {summary.batch_size}): the GPU is underused"
+        ),
         detail=(
             "A larger batch gives each kernel more work. Raise it and scale the learning rate, or keep the batch"
             " and train a larger model. Once the GPU is busy, a larger batch makes steps longer, not training"
@@ -566,15 +831,42 @@ def batch_size_headroom(summary: RunSummary, setup: TrainingSetup) -> Advice | N
         ),
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} ({_share(peak.peak_bytes, capacity)});"
-            f" GPU utilization {utilization:.0f}%; data wait {format_percent(summary.data_wait_fraction)};"
-            f" prediction keeps {format_percent(BATCH_SAFETY_MARGIN)} of the device free"
+            f" GPU utilization {utilization:.0f}%; data wait {format_percent(summary.data_wait_fraction)}; {how},"
+            f" keeping {format_percent(BATCH_SAFETY_MARGIN)} of the device free"
         ),
         estimated_saving_bytes=None,
     )
 
 
-def near_capacity(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
-    """The peak is above 90% of the device, or the allocator retried or ran out: list the remedies, largest first."""
+class Remedy(NamedTuple):
+    """One way out of near-capacity: what to do, what it saves in bytes, and how that saving is known."""
+
+    name: str
+    saving_bytes: int
+    basis: str
+    predicted_peak_bytes: int | None
+
+
+def _halved_batch(summary: RunSummary, breakdown: Breakdown, simulation: Simulation | None) -> Remedy | None:
+    """Halving the batch: replayed where the simulation tried that batch, else half of what grows with the batch."""
+    if summary.batch_size is None or summary.batch_size < 2:
+        return None
+    half = summary.batch_size // 2
+    name = f"halve the batch to {half} (with accumulate_grad_batches=2)"
+    found = trial(simulation, BatchSizeChange(half))
+    if isinstance(found, Replayed):
+        return Remedy(name, found.saving_bytes, "simulated", found.predicted_bytes)
+    if breakdown.other is None:
+        return None
+    return Remedy(name, (breakdown.activations + breakdown.other) // 2, "modelled", None)
+
+
+def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """The peak is above 90% of the device, or the allocator retried or ran out: list the remedies, largest first.
+
+    Each remedy is another rule's advice (:data:`NEAR_CAPACITY_REMEDIES`) or a halved batch, with its saving
+    simulated where the replay tried it, and its basis named.
+    """
     attributed = _attributed_peak(summary)
     capacity = summary.device.total_bytes
     if not summary.on_cuda or attributed is None or capacity is None:
@@ -584,26 +876,31 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup) -> Advice | None:
     ooms = summary.recovered_ooms or 0
     if peak.peak_bytes < NEAR_CAPACITY_SHARE * capacity and retries == 0 and ooms == 0:
         return None
-    remedies: list[tuple[int, str]] = []
-    for rule in (activation_checkpointing, mixed_precision, optimizer_state, allocator_fragmentation):
-        advice = rule(summary, setup)
-        if advice is not None and advice.estimated_saving_bytes:
-            remedies.append((advice.estimated_saving_bytes, advice.id))
-    if summary.batch_size is not None and summary.batch_size >= 2 and breakdown.other is not None:
-        half = (breakdown.activations + breakdown.other) // 2
-        remedies.append((half, f"halve the batch to {summary.batch_size // 2} (with accumulate_grad_batches=2)"))
-    remedies.sort(reverse=True)
-    listed = "; ".join(f"{name}: about {format_bytes(saving)}" for saving, name in remedies) or "none measured"
+    remedies = [
+        Remedy(advice.id, advice.estimated_saving_bytes, advice.saving_basis or "modelled", advice.predicted_peak_bytes)
+        for rule in NEAR_CAPACITY_REMEDIES
+        if (advice := rule(summary, setup, simulation)) is not None and advice.estimated_saving_bytes
+    ]
+    halved = _halved_batch(summary, breakdown, simulation)
+    if halved is not None and halved.saving_bytes > 0:
+        remedies.append(halved)
+    remedies.sort(key=lambda remedy: -remedy.saving_bytes)
+    listed = "; ".join(
+        f"{remedy.name}: about {format_bytes(remedy.saving_bytes)} ({remedy.basis})" for remedy in remedies
+    )
+    best = remedies[0] if remedies else None
     return Advice(
         id="near-capacity",
         severity="critical",
         title=f"Memory is near capacity ({_share(peak.peak_bytes, capacity)} of the device): one step from OOM",
-        detail=f"Remedies this run's measurements support, largest saving first: {listed}.",
+        detail=f"Remedies this run's measurements support, largest saving first: {listed or 'none measured'}.",
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
             f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"
         ),
-        estimated_saving_bytes=remedies[0][0] if remedies else None,
+        estimated_saving_bytes=best.saving_bytes if best is not None else None,
+        saving_basis=best.basis if best is not None else None,
+        predicted_peak_bytes=best.predicted_peak_bytes if best is not None else None,
     )
 
 
@@ -631,11 +928,26 @@ def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
     )
 
 
-RULES: tuple[Callable[[RunSummary, TrainingSetup], Advice | None], ...] = (
+Rule = Callable[[RunSummary, TrainingSetup, Simulation | None], Advice | None]
+"""A rule: the run's summary, its training set-up and the replay of its step (``None`` without one) -> advice."""
+
+NEAR_CAPACITY_REMEDIES: tuple[Rule, ...] = (
+    activation_checkpointing,
+    mixed_precision,
+    inplace_activations,
+    stale_gradients,
+    chunked_loss,
+    optimizer_state,
+    allocator_fragmentation,
+)
+"""The rules whose savings near-capacity lists as remedies."""
+
+RULES: tuple[Rule, ...] = (
     near_capacity,
     activation_checkpointing,
     mixed_precision,
     inplace_activations,
+    chunked_loss,
     dataloader_workers,
     pin_memory,
     stale_gradients,
@@ -646,9 +958,13 @@ RULES: tuple[Callable[[RunSummary, TrainingSetup], Advice | None], ...] = (
 )
 
 
-def advise(summary: RunSummary, setup: TrainingSetup) -> tuple[Advice, ...]:
-    """Every rule's advice for this run, most severe first, then by estimated saving."""
-    found = [advice for rule in RULES if (advice := rule(summary, setup)) is not None]
+def advise(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> tuple[Advice, ...]:
+    """Every rule's advice for this run, most severe first, then by estimated saving.
+
+    ``simulation`` is the replay of the run's sampled step and of the changes tried on it: where it replayed a
+    change and its baseline matched, the rule's saving is the replayed one (``saving_basis`` ``"simulated"``).
+    """
+    found = [advice for rule in RULES if (advice := rule(summary, setup, simulation)) is not None]
     return tuple(
         sorted(found, key=lambda advice: (SEVERITY_ORDER[advice.severity], -(advice.estimated_saving_bytes or 0)))
     )

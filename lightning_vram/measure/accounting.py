@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from lightning_vram.measure._compiled import compiled_module_names
 from lightning_vram.measure._recompute import OutputWatch, running_backward
+from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.deepspeed_zero import master_weights, parameter_partition, partition_gradients
 from lightning_vram.measure.observations import ModuleObserver
 from lightning_vram.measure.tensors import iter_tensors

@@ -51,6 +51,13 @@ class Probe(Protocol):
         """Resident memory of this process on the host, in bytes."""
         ...
 
+    def free_bytes(self) -> int | None:
+        """Device memory free now outside this process's allocator, in bytes (``None`` where not known).
+
+        Read once, before the first step (preflight); it may cost a driver call, never a synchronisation.
+        """
+        ...
+
     def unavailable(self) -> tuple[NotMeasured, ...]:
         """What this probe could not measure, and why."""
         ...
@@ -87,6 +94,10 @@ class CpuProbe:
     def host_rss_bytes(self) -> int | None:
         """Resident memory of this process, in bytes."""
         return _host_rss_bytes()
+
+    def free_bytes(self) -> int | None:
+        """Not used on the CPU (no preflight there): ``None``."""
+        return None
 
     def unavailable(self) -> tuple[NotMeasured, ...]:
         """Allocator peaks and GPU utilization."""
@@ -196,6 +207,11 @@ class CudaProbe:
     def host_rss_bytes(self) -> int | None:
         """Resident memory of this process on the host, in bytes."""
         return _host_rss_bytes()
+
+    def free_bytes(self) -> int | None:
+        """Free device memory as the driver reports it (``cudaMemGetInfo``: no synchronisation)."""
+        free, _total = torch.cuda.mem_get_info(self._index)
+        return int(free)
 
     def unavailable(self) -> tuple[NotMeasured, ...]:
         """NVML, when it could not be used or stopped sampling."""

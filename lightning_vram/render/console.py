@@ -13,7 +13,7 @@ from typing import TextIO
 from lightning_vram.codec import CATEGORIES, in_phase_order
 from lightning_vram.records import Report
 from lightning_vram.render.markup import printable
-from lightning_vram.render.text import headline, summary_text
+from lightning_vram.render.text import advice_line, headline, summary_text
 from lightning_vram.units import format_bytes
 
 SHORT_LABELS = {
@@ -52,7 +52,7 @@ def _rich_summary(report: Report, stream: TextIO) -> bool:
         )
     console.print(table)
     for advice in report.advice:
-        console.print(printable(f"  {advice.id}: {advice.title}"), markup=False, highlight=False)
+        console.print(printable(f"  {advice_line(advice)}"), markup=False, highlight=False)
     return True
 
 

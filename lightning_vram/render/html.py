@@ -10,6 +10,7 @@ from lightning_vram.codec import CATEGORIES, in_phase_order
 from lightning_vram.records import Advice, Report
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
 from lightning_vram.render.markup import Token, advice_tokens
+from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.render.text import capacity_text, evaluation_text, headline, ranks_line, saving_text, timing_line
 from lightning_vram.units import format_bytes
 
@@ -84,6 +85,33 @@ def _advice_html(item: Advice) -> str:
     )
 
 
+def table_html(table: Table, table_id: str) -> str:
+    """A table of plain-text cells as HTML, every cell escaped; numeric columns aligned right."""
+
+    def cells(values: tuple[str, ...], tag: str) -> str:
+        return "".join(
+            f'<{tag} class="n">{html.escape(value)}</{tag}>' if numeric else f"<{tag}>{html.escape(value)}</{tag}>"
+            for value, numeric in zip(values, table.numeric, strict=True)
+        )
+
+    rows = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in table.rows)
+    return f'<table id="{table_id}"><tr>{cells(table.header, "th")}</tr>{rows}</table>'
+
+
+def _simulation_html(report: Report) -> list[str]:
+    view = simulation_view(report)
+    if view is None:
+        return []
+    sections = ["<h2>Simulation</h2>", f"<p>{html.escape(view.summary)}</p>"]
+    if view.baseline is not None:
+        sections.append(table_html(view.baseline, "simulation-baseline"))
+    if view.variants is not None:
+        sections.append(table_html(view.variants, "simulation-variants"))
+    if view.notes:
+        sections.append("<ul>" + "".join(f"<li>{html.escape(note)}</li>" for note in view.notes) + "</ul>")
+    return sections
+
+
 def render_html(report: Report) -> str:
     """The whole report as a standalone HTML page: the headline and the advice first, then the measurements."""
     device = report.device
@@ -132,13 +160,15 @@ def render_html(report: Report) -> str:
     if report.fit:
         fit = "".join(
             f'<tr><td>{html.escape(row.device)}</td><td class="n">{format_bytes(row.capacity_bytes)}</td>'
-            f'<td class="n">{row.max_batch_size}</td></tr>'
+            f'<td class="n">{row.max_batch_size}</td><td>{html.escape(row.basis)}</td></tr>'
             for row in report.fit
         )
         sections.append(
             "<h2>Largest batch of this run per GPU</h2>"
-            f'<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th></tr>{fit}</table>'
+            '<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th><th>basis</th></tr>'
+            f"{fit}</table>"
         )
+    sections += _simulation_html(report)
     if report.not_measured:
         items = "".join(
             f"<li>{html.escape(item.what)}: {html.escape(item.reason)}</li>" for item in report.not_measured

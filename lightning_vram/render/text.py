@@ -10,17 +10,46 @@ from __future__ import annotations
 from lightning_vram.codec import CATEGORIES, in_phase_order
 from lightning_vram.records import Advice, DeviceInfo, EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
+from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
 
+def basis_word(advice: Advice) -> str | None:
+    """How the advice's memory figure is known, in a word: ``simulated``, ``modelled``, or ``None`` without one."""
+    if advice.saving_basis is not None:
+        return advice.saving_basis
+    return "simulated" if advice.predicted_peak_bytes is not None else None
+
+
 def saving_text(advice: Advice) -> str | None:
-    """The expected saving in words, or ``None`` when the advice estimates none."""
+    """The expected saving in words, with how it is known; ``None`` when the advice estimates none.
+
+    >>> saving_text(Advice("x", "info", "t", "d", "e", 2048, saving_basis="simulated", predicted_peak_bytes=8192))
+    'about 2.0 KiB of peak memory (simulated: replayed peak 8.0 KiB after the change)'
+    >>> saving_text(Advice("x", "info", "t", "d", "e", 2048, saving_basis="modelled"))
+    'about 2.0 KiB of peak memory (modelled)'
+    """
     savings = []
+    replayed = (
+        f"replayed peak {format_bytes(advice.predicted_peak_bytes)} after the change"
+        if advice.predicted_peak_bytes is not None
+        else None
+    )
     if advice.estimated_saving_bytes is not None:
-        savings.append(f"about {format_bytes(advice.estimated_saving_bytes)} of peak memory")
+        basis = advice.saving_basis
+        how = f" ({basis}: {replayed})" if basis == "simulated" and replayed else f" ({basis})" if basis else ""
+        savings.append(f"about {format_bytes(advice.estimated_saving_bytes)} of peak memory{how}")
+    elif replayed is not None:
+        savings.append(f"no memory to speak of (simulated: {replayed})")
     if advice.estimated_saving_seconds is not None:
         savings.append(f"up to {1000 * advice.estimated_saving_seconds:.1f} ms per step")
     return ", ".join(savings) if savings else None
+
+
+def advice_line(advice: Advice) -> str:
+    """One advice in one line: its id, its title and, where it has a memory figure, how that is known."""
+    word = basis_word(advice)
+    return f"[{advice.id}]: {advice.title}" + (f" ({word})" if word else "")
 
 
 def capacity_text(device: DeviceInfo) -> str:
@@ -111,7 +140,7 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
             f"  recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
         )
     for advice in report.advice:
-        lines.append(f"  advice [{advice.id}]: {advice.title}")
+        lines.append(f"  advice {advice_line(advice)}")
     for item in report.not_measured:
         lines.append(f"  not measured: {item.what} ({item.reason})")
     return "\n".join(map(printable, lines))  # a name holding a line break or an escape sequence stays on its line
@@ -131,6 +160,14 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
             f"{safe_markdown(item.detail)}\n"
         )
     return "\n".join(sections)
+
+
+def markdown_table(table: Table) -> list[str]:
+    """A table of plain-text cells as Markdown lines, every cell escaped."""
+    align = "|" + "".join("---:|" if numeric else "---|" for numeric in table.numeric)
+    lines = ["| " + " | ".join(escape_markdown(cell) for cell in table.header) + " |", align]
+    lines += ["| " + " | ".join(escape_markdown(cell) for cell in row) + " |" for row in table.rows]
+    return lines
 
 
 def markdown(report: Report) -> str:
@@ -166,11 +203,25 @@ def markdown(report: Report) -> str:
         ]
     lines += ["", "## Advice", "", advice_markdown(report.advice).rstrip()]
     if report.fit:
-        lines += ["", "## Largest batch of this run per GPU", "", "| GPU | capacity | batch |", "|---|---:|---:|"]
         lines += [
-            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size} |"
+            "",
+            "## Largest batch of this run per GPU",
+            "",
+            "| GPU | capacity | batch | basis |",
+            "|---|---:|---:|---|",
+        ]
+        lines += [
+            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size}"
+            f" | {row.basis} |"
             for row in report.fit
         ]
+    if (view := simulation_view(report)) is not None:
+        lines += ["", "## Simulation", "", escape_markdown(view.summary)]
+        for table in (view.baseline, view.variants):
+            if table is not None:
+                lines += ["", *markdown_table(table)]
+        if view.notes:
+            lines += ["", *(f"- {escape_markdown(note)}" for note in view.notes)]
     if report.not_measured:
         lines += ["", "## Not measured", ""]
         lines += [f"- {escape_markdown(item.what)}: {escape_markdown(item.reason)}" for item in report.not_measured]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,11 +28,13 @@ def replayed_fit_table(
     step_function: StepFunction = lightning_training_step,
     warm_up: bool = False,
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
+    deadline: float | None = None,
 ) -> tuple[FitRow, ...]:
     """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
 
-    Each batch size the search tries is replayed once (a few per GPU). Empty when the batch has no batch dimension
-    or a replay fails. The other arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
+    Each batch size the search tries is replayed once (a few per GPU). Empty when the batch has no batch dimension,
+    a replay fails, or ``time.perf_counter()`` passes ``deadline`` (seconds) before the search ends. The other
+    arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
     """
     start = batch_size_of(batch)
     if start is None:
@@ -39,6 +42,8 @@ def replayed_fit_table(
     peaks: dict[int, int | None] = {}
 
     def peak_bytes(size: int) -> int | None:
+        if deadline is not None and time.perf_counter() > deadline:
+            return None
         if size not in peaks:
             result = replay_step(
                 module,
@@ -60,5 +65,5 @@ def replayed_fit_table(
         largest = largest_batch_that_fits(peak_bytes, budget, start)
         if largest is None:
             return ()
-        rows.append(FitRow(name, capacity, largest))
+        rows.append(FitRow(name, capacity, largest, basis="simulated"))
     return tuple(rows)

@@ -33,6 +33,7 @@ def simulate(
     step_function: StepFunction = lightning_training_step,
     time_budget_seconds: float | None = None,
     tolerance: float = BASELINE_TOLERANCE,
+    gradients_at_forward: bool = True,
 ) -> Simulation:
     """Replay the step, compare it with ``attribution`` (the sampled step's counts), then replay each change.
 
@@ -52,6 +53,8 @@ def simulate(
         step_function: runs the training step (default: ``training_step``), as for
             :func:`~lightning_vram.advice.replay.step.replay_step`.
         tolerance: how far each part may be from the count (a share of it) for the baseline to match.
+        gradients_at_forward: whether the run's forward pass starts with the previous step's gradients alive (see
+            :func:`~lightning_vram.advice.replay.step.replay_step`).
     """
     started = time.perf_counter()
     step = attribution.step if attribution is not None else 0
@@ -67,6 +70,7 @@ def simulate(
             device=device,
             step_function=step_function,
             step=step,
+            gradients_at_forward=gradients_at_forward,
         )
         return result if isinstance(result, ReplayedStep) else result.reason
 

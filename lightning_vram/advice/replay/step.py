@@ -144,6 +144,7 @@ def replay_step(
     warm_up: bool = False,
     step: int = 0,
     placement: torch.device | None = None,
+    gradients_at_forward: bool = True,
 ) -> ReplayedStep | ReplaySkipped:
     """Replay one training step of ``module`` on fake tensors and count it; never raises.
 
@@ -160,6 +161,8 @@ def replay_step(
             step (for a module that has not trained yet).
         step: the step number the result carries.
         placement: replay on this device rather than where the module is (its copy and the batch are moved there).
+        gradients_at_forward: whether the previous step's gradients are alive when the forward pass starts, as under
+            Lightning's default; ``False`` where the run frees them first (its own ``on_train_batch_start``).
 
     Returns:
         The replayed step, or why it could not be replayed.
@@ -182,7 +185,7 @@ def replay_step(
                 fake_batch = run.prepare_batch(twin.batch)
                 if warm_up:
                     run.run_step(twin, fake_batch, None, None)
-                if isinstance(change, FreeGradientsChange):
+                if isinstance(change, FreeGradientsChange) or not gradients_at_forward:
                     for parameter in twin.module.parameters():
                         parameter.grad = None
                 live = LiveMemory(counted_device)

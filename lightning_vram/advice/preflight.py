@@ -1,0 +1,141 @@
+"""Out-of-memory foreseen: before the first step on a CUDA device, replay it and warn when it cannot fit.
+
+The first step is replayed under fake tensors with one uncounted warm-up step (so gradients and optimizer state
+exist as they will from step 1 on). Memory already allocated (the model, the batch) is in the replay too, so what
+the step still needs is the replayed peak minus what is allocated now; what it can have is the driver's free
+memory plus the allocator's cached, unused blocks. When it does not fit, each candidate change is replayed the
+same way and the warning lists them, largest saving first, marking those that make the step fit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.advice.replay.step import StepFunction, replay_step
+from lightning_vram.advice.rules import FULL_PRECISIONS
+from lightning_vram.records import (
+    AllocatorReading,
+    BatchSizeChange,
+    FreeGradientsChange,
+    PrecisionChange,
+    ReplayedStep,
+    StepChange,
+)
+from lightning_vram.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A change replayed on the first step: its label and the replayed peak with it, in bytes."""
+
+    label: str
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class PreflightVerdict:
+    """The first step replayed against the device: what it needs beyond what is allocated, and what is available.
+
+    ``needed_bytes`` = replayed peak - allocated now; ``available_bytes`` = free + cached but unallocated.
+    ``remedies`` are the changes replayed, largest saving first.
+    """
+
+    step: ReplayedStep
+    needed_bytes: int
+    available_bytes: int
+    remedies: tuple[Remedy, ...]
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step is predicted to fit."""
+        return self.needed_bytes <= self.available_bytes
+
+    def warning(self, device: str) -> str:
+        """The warning to give before the step runs."""
+        peak = self.step.peak
+        shortfall = self.needed_bytes - self.available_bytes
+        allocated = peak.peak_bytes - self.needed_bytes
+        text = (
+            f"VramMonitor: the first training step is predicted to run out of memory in {peak.phase.value} on"
+            f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
+            f" allocated already; {format_bytes(self.available_bytes)} more is available, {format_bytes(shortfall)}"
+            " short."
+        )
+        if not self.remedies:
+            return text + " No replayed change saves memory."
+        listed = "; ".join(
+            f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}"
+            + (" (fits)" if remedy.peak_bytes - allocated <= self.available_bytes else "")
+            for remedy in self.remedies
+        )
+        return f"{text} Replayed changes, largest saving first: {listed}."
+
+
+def candidate_changes(
+    precision: str, batch_size: int | None, compute_capability: tuple[int, int] | None
+) -> list[StepChange]:
+    """The changes preflight tries on a CUDA device: 16-bit mixed precision, freed gradients, half the batch."""
+    changes: list[StepChange] = []
+    if precision in FULL_PRECISIONS:
+        bf16 = compute_capability is not None and compute_capability >= (8, 0)
+        changes.append(PrecisionChange("bf16-mixed" if bf16 else "16-mixed"))
+    changes.append(FreeGradientsChange())
+    if batch_size is not None and batch_size >= 2:
+        changes.append(BatchSizeChange(batch_size // 2))
+    return changes
+
+
+def preflight(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Any,
+    *,
+    reading: AllocatorReading,
+    free_bytes: int,
+    changes: Sequence[StepChange],
+    precision: str,
+    step_function: StepFunction,
+    budget_seconds: float,
+) -> PreflightVerdict | str:
+    """Replay the first step; the verdict, or why it could not be replayed. Never raises.
+
+    Args:
+        module: the module about to train (left untouched).
+        optimizers: its optimizers (their state is created in the replay's warm-up step).
+        batch: the first batch, on the device.
+        reading: the allocator now (what is allocated and cached).
+        free_bytes: the device's free memory now.
+        changes: the changes to replay when the step does not fit.
+        precision: the run's precision, as Lightning names it.
+        step_function: runs the training step on the replay's module.
+        budget_seconds: host seconds for all the replays (changes not reached in time are left out).
+    """
+    started = time.perf_counter()
+    replayed = replay_step(module, optimizers, batch, precision=precision, step_function=step_function, warm_up=True)
+    if not isinstance(replayed, ReplayedStep):
+        return replayed.reason
+    verdict = PreflightVerdict(
+        step=replayed,
+        needed_bytes=max(replayed.peak.peak_bytes - reading.allocated_bytes, 0),
+        available_bytes=free_bytes + max(reading.reserved_bytes - reading.allocated_bytes, 0),
+        remedies=(),
+    )
+    if verdict.fits:
+        return verdict
+    remedies = []
+    for change in changes:
+        if time.perf_counter() - started > budget_seconds:
+            break
+        result = replay_step(
+            module, optimizers, batch, precision=precision, step_function=step_function, warm_up=True, change=change
+        )
+        if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
+            remedies.append(Remedy(change.label, result.peak.peak_bytes))
+    remedies.sort(key=lambda remedy: remedy.peak_bytes)
+    return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))

@@ -1,0 +1,145 @@
+"""Which changes to try on a run's sampled step, and the replay of them: what the advice rules then read.
+
+Called once per run, after the first sampled step past step 0 (so optimizer state exists and the counts are those
+of a steady step), under the time budget the user set. A set-up the replay does not reproduce is skipped with the
+reason, and the rules keep their modelled estimates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.replay.fit import replayed_fit_table
+from lightning_vram.advice.replay.simulation import simulate
+from lightning_vram.advice.replay.step import StepFunction
+from lightning_vram.advice.rules import (
+    COMMON_GPUS,
+    DEFAULT_CUDA_CONTEXT_BYTES,
+    FULL_PRECISIONS,
+    SHARDING_STRATEGIES,
+    inplace_candidates,
+)
+from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.records import (
+    Attribution,
+    CheckpointChange,
+    DeviceInfo,
+    FreeGradientsChange,
+    InplaceChange,
+    Phase,
+    PrecisionChange,
+    RunSummary,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
+
+
+def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None) -> str | None:
+    """Why the replay cannot reproduce this set-up's step, or ``None`` when it can."""
+    compiled = compiled_module_names(module)
+    if compiled:
+        return (
+            f"torch.compile ({', '.join(compiled)}): replaying compiled graphs under fake tensors would make them"
+            " recompile"
+        )
+    if step_function is None:
+        return "the model has no training_step: pass step_function to VramSession.start to replay its step"
+    if not setup.automatic_optimization:
+        return "manual optimization: the replay follows Lightning's automatic optimization only"
+    if setup.accumulate_grad_batches > 1:
+        return "gradient accumulation: the replay runs one optimizer step per batch"
+    if setup.strategy in SHARDING_STRATEGIES:
+        return f"{setup.strategy}: sharded steps need the other ranks' collectives"
+    if setup.world_size > 1:
+        return "distributed training: the replay runs one process"
+    return None
+
+
+def trial_changes(summary: RunSummary, setup: TrainingSetup) -> list[StepChange]:
+    """The changes the rules can advise, to replay: 16-bit precision, checkpointing plans, inplace, freed grads."""
+    changes: list[StepChange] = []
+    if setup.precision in FULL_PRECISIONS:
+        capability = summary.device.compute_capability
+        bf16 = not summary.on_cuda or (capability is not None and capability >= (8, 0))
+        changes.append(PrecisionChange("bf16-mixed" if bf16 else "16-mixed"))
+    changes += [CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules)]
+    inplace = inplace_candidates(summary, setup)
+    if inplace:
+        changes.append(InplaceChange(inplace))
+    forward = summary.phases.get(Phase.FORWARD)
+    if setup.automatic_optimization and forward is not None and forward.breakdown and forward.breakdown.gradients:
+        changes.append(FreeGradientsChange())
+    return changes
+
+
+def try_changes(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Any,
+    attribution: Attribution,
+    summary: RunSummary,
+    setup: TrainingSetup,
+    *,
+    device: torch.device,
+    step_function: StepFunction | None,
+    budget_seconds: float,
+) -> Simulation:
+    """Replay the sampled step and each change the rules could advise; on CUDA also the largest batch per GPU.
+
+    Never raises (the replay never does; what it cannot run it skips with the reason).
+    """
+    reason = unsupported(module, setup, step_function)
+    if reason is not None or step_function is None:
+        return Simulation(device.type, None, None, reason, (), 0.0)
+    started = time.perf_counter()
+    simulation = simulate(
+        module,
+        optimizers,
+        batch,
+        attribution,
+        trial_changes(summary, setup),
+        precision=setup.precision,
+        device=device,
+        step_function=step_function,
+        time_budget_seconds=budget_seconds,
+        gradients_at_forward=_gradients_at_forward(attribution),
+    )
+    remaining = budget_seconds - (time.perf_counter() - started)
+    if simulation.skipped is not None or not summary.on_cuda or remaining <= 0:
+        return simulation
+    rows = replayed_fit_table(
+        module,
+        optimizers,
+        batch,
+        context_bytes=summary.cuda_context_bytes or DEFAULT_CUDA_CONTEXT_BYTES,
+        precision=setup.precision,
+        device=device,
+        step_function=step_function,
+        gpus=(*_own_device(summary.device), *COMMON_GPUS),
+        deadline=time.perf_counter() + remaining,
+    )
+    own = rows[0].max_batch_size if rows and summary.device.total_bytes else None
+    return replace(
+        simulation,
+        fit=rows[1:] if summary.device.total_bytes else rows,
+        device_max_batch_size=own,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _gradients_at_forward(attribution: Attribution) -> bool:
+    """Whether the sampled step's forward pass started with gradients alive (the run may free them first)."""
+    forward = attribution.phases.get(Phase.FORWARD)
+    return forward is None or forward.gradients > 0
+
+
+def _own_device(device: DeviceInfo) -> tuple[tuple[str, int], ...]:
+    return ((device.name, device.total_bytes),) if device.total_bytes else ()

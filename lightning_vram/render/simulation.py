@@ -1,0 +1,148 @@
+"""The report's simulation section as plain-text tables: the replayed baseline, and each change replayed on it.
+
+The replayed baseline is set against the measured step; the Markdown and HTML reports render the same tables, each
+escaping the cells its own way.
+
+Peaks are read as the report measures them: on CUDA the allocator's, elsewhere the sum of the counted parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_vram.codec import in_phase_order
+from lightning_vram.records import BaselineMatch, Phase, ReplayedStep, Report, Simulation
+from lightning_vram.units import format_bytes
+
+SHOWN_REASON_CHARACTERS = 200
+"""How much of a discarded change's reason a table cell quotes."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows of plain-text cells under a header; ``numeric`` marks the columns aligned right."""
+
+    header: tuple[str, ...]
+    numeric: tuple[bool, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class SimulationView:
+    """What the report says about its simulation: a sentence, the baseline's table, the changes' table, notes."""
+
+    summary: str
+    baseline: Table | None
+    variants: Table | None
+    notes: tuple[str, ...]
+
+
+def signed_bytes(num_bytes: int) -> str:
+    """A change in bytes with its sign.
+
+    >>> signed_bytes(-2048), signed_bytes(0), signed_bytes(512)
+    ('-2.0 KiB', '+0 B', '+512 B')
+    """
+    return ("-" if num_bytes < 0 else "+") + format_bytes(abs(num_bytes))
+
+
+def shortened(text: str, limit: int = SHOWN_REASON_CHARACTERS) -> str:
+    """``text`` cut to ``limit`` characters, marked where cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _summary(simulation: Simulation) -> str:
+    baseline = simulation.baseline
+    if baseline is None:
+        return f"The step was not replayed: {simulation.skipped}. Every saving in this report is modelled."
+    step = next(iter(baseline.phases.values())).step if baseline.phases else 0
+    batch = f", batch size {baseline.batch_size}" if baseline.batch_size is not None else ""
+    replayed = (
+        f"Step {step} was replayed under fake tensors on {simulation.device_type} in {simulation.seconds:.2f} s"
+        f" (precision {baseline.precision}{batch})"
+    )
+    if simulation.skipped is not None:
+        return f"{replayed}, but not trusted: {simulation.skipped}. Every saving in this report is modelled."
+    measure = "the allocator's peak" if simulation.device_type == "cuda" else "the sum of the counted parts"
+    match = simulation.match
+    compared = (
+        "; no measured counts to compare it with"
+        if match is None
+        else f"; it matches the measured step, every counted part within {match.tolerance:.0%}"
+    )
+    return f"{replayed}{compared}. Each change below was replayed on it; a peak is {measure}."
+
+
+def _largest_difference(match: BaselineMatch, phase: Phase) -> str:
+    parts = [part for part in match.parts if part.phase is phase]
+    worst = max(parts, key=lambda part: part.relative_error, default=None)
+    if worst is None or worst.replayed_bytes == worst.measured_bytes:
+        return "none"
+    if worst.measured_bytes == 0:
+        return f"{worst.part.replace('_', ' ')} {signed_bytes(worst.replayed_bytes)}"
+    share = (worst.replayed_bytes - worst.measured_bytes) / worst.measured_bytes
+    return f"{worst.part.replace('_', ' ')} {share:+.2%}"
+
+
+def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedStep) -> Table:
+    match = simulation.match
+    on_cuda = simulation.device_type == "cuda"
+    header = ["phase", "measured counted", "replayed counted", "largest difference"]
+    if on_cuda:
+        header += ["measured peak (run's highest)", "replayed allocator peak"]
+    rows = []
+    for phase, peak in in_phase_order(baseline.phases):
+        measured = (
+            format_bytes(sum(part.measured_bytes for part in match.parts if part.phase is phase))
+            if match is not None
+            else "n/a"
+        )
+        counted = format_bytes(peak.breakdown.counted_bytes) if peak.breakdown is not None else "n/a"
+        row = [phase.value, measured, counted, _largest_difference(match, phase) if match is not None else "n/a"]
+        if on_cuda:
+            run_peak = report.phases.get(phase)
+            row += [format_bytes(run_peak.peak_bytes if run_peak is not None else None), format_bytes(peak.peak_bytes)]
+        rows.append(tuple(row))
+    numeric = tuple(name not in ("phase", "largest difference") for name in header)
+    return Table(tuple(header), numeric, tuple(rows))
+
+
+def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | None:
+    if not simulation.variants:
+        return None
+    baseline_bytes = baseline.reported_bytes(baseline.reported_peak)
+    rows = []
+    for variant in simulation.variants:
+        replayed = variant.replayed
+        if replayed is None:
+            rows.append((variant.change.label, "n/a", "n/a", f"discarded: {shortened(variant.discarded or '')}"))
+            continue
+        peak = replayed.reported_peak
+        predicted = replayed.reported_bytes(peak)
+        rows.append(
+            (
+                variant.change.label,
+                format_bytes(predicted),
+                signed_bytes(predicted - baseline_bytes),
+                f"replayed, peak in {peak.phase.value}",
+            )
+        )
+    header = ("change", "predicted peak", "against the replayed baseline", "result")
+    return Table(header, (False, True, True, False), tuple(rows))
+
+
+def simulation_view(report: Report) -> SimulationView | None:
+    """The report's simulation in words and tables, or ``None`` when the report has none."""
+    simulation = report.simulation
+    if simulation is None:
+        return None
+    baseline = simulation.baseline
+    if baseline is None:
+        return SimulationView(_summary(simulation), None, None, ())
+    trusted = simulation.skipped is None
+    return SimulationView(
+        summary=_summary(simulation),
+        baseline=_baseline_table(report, simulation, baseline),
+        variants=_variants_table(baseline, simulation) if trusted else None,
+        notes=baseline.notes,
+    )
