@@ -6,8 +6,8 @@ boundary, phase peaks, the tracker), and every hook of the monitor is wrapped in
 inside the monitor's hooks per step, as the mean over the ordinary steps of a round: step 0 (the preflight replay,
 once per run) and the one sampled step (counted tensor by tensor and replayed, as with
 ``attribution_every_n_steps=None``, so every later step attributes its peak to the sampled counts) are left out;
-``benchmarks/replay_cost.py`` prices those. Median over rounds, with the range. Logging runs at Lightning's default interval of 50 steps, so its work is amortised
-as in a real run.
+``benchmarks/replay_cost.py`` prices those. Median over rounds, with the range. Logging runs at Lightning's default
+interval of 50 steps, so its work is amortised as in a real run.
 
     python benchmarks/hot_path.py
 """
