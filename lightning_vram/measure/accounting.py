@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_vram.measure._recompute import OutputWatch, running_backward
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.deepspeed_zero import master_weights, parameter_partition, partition_gradients
-from lightning_vram.measure.observations import ModuleObserver
+from lightning_vram.measure.observations import ModuleFacts, ModuleObserver
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.records import Attribution, Breakdown, ModuleProfile, NotMeasured, Phase
 
@@ -321,8 +321,8 @@ def storage_bytes(value: Any, device: torch.device) -> StorageBytes:
     return storages
 
 
-class _ModuleCounter:
-    """Mutable tallies of one module during a sampled forward pass."""
+class ModuleTally:
+    """Mutable tallies of one module during a sampled (or replayed) forward pass, in bytes."""
 
     __slots__ = ("input_bytes", "input_saved_for_backward", "output_bytes")
 
@@ -330,6 +330,52 @@ class _ModuleCounter:
         self.input_bytes = 0
         self.output_bytes = 0
         self.input_saved_for_backward = False
+
+
+def phase_breakdown(
+    phase: Phase,
+    parameter_bytes: int,
+    start: tuple[int, int],
+    now: tuple[int, int],
+    activations: ActivationLedger,
+    backward_peak: tuple[int, int] | None,
+) -> Breakdown:
+    """The counted peak of a segment of a step that ran ``phase`` (the definitions in :class:`StepAttributor`).
+
+    ``start`` and ``now`` are (gradient bytes, optimizer-state bytes) when the segment began and now;
+    ``backward_peak`` is (gradients, activations) at backward's highest sum of the two, where it was followed.
+    The same rule counts sampled steps and replayed ones.
+    """
+    (start_gradients, start_state), (gradient_bytes, state_bytes) = start, now
+    if phase is Phase.BACKWARD and backward_peak is not None:
+        gradients, live = backward_peak
+        return Breakdown(parameter_bytes, gradients, max(start_state, state_bytes), live, None)
+    if phase is Phase.OPTIMIZER:  # the gradients it consumes, even if it frees them (DeepSpeed ZeRO-1/2)
+        return Breakdown(
+            parameter_bytes, max(start_gradients, gradient_bytes), state_bytes, activations.live_bytes, None
+        )
+    # A forward pass: the gradients alive when it began stayed alive through it.
+    return Breakdown(parameter_bytes, start_gradients, max(start_state, state_bytes), activations.peak_live_bytes, None)
+
+
+def module_profile(
+    label: str, module: nn.Module, saved_bytes: int, tally: ModuleTally, facts: ModuleFacts
+) -> ModuleProfile:
+    """What module ``label`` did in a counted forward pass, from its tally and what the observer saw of it."""
+    inplace = getattr(module, "inplace", None)
+    return ModuleProfile(
+        name=label,
+        type=type(module).__name__,
+        activation_bytes=saved_bytes,
+        input_bytes=tally.input_bytes,
+        output_bytes=tally.output_bytes,
+        inplace=inplace if isinstance(inplace, bool) else None,
+        input_saved_for_backward=tally.input_saved_for_backward,
+        input_saved_bytes=facts.input_saved_bytes,
+        output_saved_bytes=facts.output_saved_bytes,
+        output_saved_for_backward=facts.output_saved_for_backward,
+        input_feature_map=facts.input_feature_map,
+    )
 
 
 class _GradientLedger:
@@ -450,7 +496,7 @@ class StepAttributor:
         self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
         self.compiled = compiled_module_names(module)
         """Modules run by torch.compile: their saved tensors are counted, charged to the module as a whole."""
-        self._counters: dict[str, _ModuleCounter] = {}
+        self._counters: dict[str, ModuleTally] = {}
         self._observer = ModuleObserver()
         self._batch_size: int | None = None
         self._handles: list[RemovableHandle] = []
@@ -529,7 +575,7 @@ class StepAttributor:
                 self._segment_state = self._model_state()
             counter = self._counters.get(label)
             if counter is None:
-                counter = self._counters[label] = _ModuleCounter()
+                counter = self._counters[label] = ModuleTally()
             inputs = storage_bytes(args, self._device)
             self._note_uncounted(inputs.uncounted)
             counter.input_bytes += sum(inputs.values())
@@ -663,57 +709,28 @@ class StepAttributor:
 
     def _close_segment(self, phase: Phase) -> None:
         """Count the segment that ends now as ``phase``; a phase met twice in a step keeps its highest count."""
-        gradient_bytes, state_bytes = self._model_state()
-        start_gradients, start_state = self._segment_state
+        now = self._model_state()
         gradients = self._gradients
-        if phase is Phase.BACKWARD and gradients is not None:
+        if gradients is not None:
             self._note_uncounted(gradients.uncounted)
-            counted = self._breakdown(
-                gradients.gradients_at_peak, max(start_state, state_bytes), gradients.activations_at_peak
-            )
-        elif phase is Phase.OPTIMIZER:  # the gradients it consumes, even if it frees them (DeepSpeed ZeRO-1/2)
-            counted = self._breakdown(max(start_gradients, gradient_bytes), state_bytes, self._ledger.live_bytes)
-        else:  # a forward pass: the gradients alive when it began stayed alive through it
-            counted = self._breakdown(start_gradients, max(start_state, state_bytes), self._ledger.peak_live_bytes)
+        backward_peak = (gradients.gradients_at_peak, gradients.activations_at_peak) if gradients else None
+        parameter_bytes = sum(self._parameters.values())
+        counted = phase_breakdown(phase, parameter_bytes, self._segment_state, now, self._ledger, backward_peak)
         known = self._phases.get(phase)
         if known is None or counted.counted_bytes > known.counted_bytes:
             self._phases[phase] = counted
         self._gradients = None
-        self._segment_state = (gradient_bytes, state_bytes)
+        self._segment_state = now
         self._awaiting_forward = False
         self._ledger.start_segment()
-
-    def _breakdown(self, gradient_bytes: int, state_bytes: int, activation_bytes: int) -> Breakdown:
-        return Breakdown(
-            parameters=sum(self._parameters.values()),
-            gradients=gradient_bytes,
-            optimizer_state=state_bytes,
-            activations=activation_bytes,
-            other=None,
-        )
 
     def _module_profiles(self) -> tuple[ModuleProfile, ...]:
         """Every module called during the forward pass, in registration order, then code outside modules."""
         saved = self._ledger.saved_bytes_by_module
         profiles = []
         for label, counter in self._counters.items():
-            inplace = getattr(self._modules[label], "inplace", None)
-            facts = self._observer.facts(label)
-            profiles.append(
-                ModuleProfile(
-                    name=label,
-                    type=type(self._modules[label]).__name__,
-                    activation_bytes=saved.get(label, 0),
-                    input_bytes=counter.input_bytes,
-                    output_bytes=counter.output_bytes,
-                    inplace=inplace if isinstance(inplace, bool) else None,
-                    input_saved_for_backward=counter.input_saved_for_backward,
-                    input_saved_bytes=facts.input_saved_bytes,
-                    output_saved_bytes=facts.output_saved_bytes,
-                    output_saved_for_backward=facts.output_saved_for_backward,
-                    input_feature_map=facts.input_feature_map,
-                )
-            )
+            module = self._modules[label]
+            profiles.append(module_profile(label, module, saved.get(label, 0), counter, self._observer.facts(label)))
         order = {label: index for index, label in enumerate(self._modules)}
         profiles.sort(key=lambda profile: order[profile.name])
         if saved.get(OUTSIDE_MODULES):

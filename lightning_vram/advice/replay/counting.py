@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,7 +37,15 @@ from lightning_vram.advice.replay.storages import (
     storage_bytes,
     storage_key,
 )
-from lightning_vram.measure.accounting import OUTSIDE_MODULES, ROOT_MODULE, ActivationLedger, on_device
+from lightning_vram.measure.accounting import (
+    OUTSIDE_MODULES,
+    ROOT_MODULE,
+    ActivationLedger,
+    ModuleTally,
+    module_profile,
+    on_device,
+    phase_breakdown,
+)
 from lightning_vram.measure.observations import ModuleObserver
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
@@ -75,17 +84,6 @@ class _Saved:
         self._ledger.release(self._key)
 
 
-class _ModuleTally:
-    """Mutable tallies of one module during the replayed forward pass."""
-
-    __slots__ = ("input_bytes", "input_saved_for_backward", "output_bytes")
-
-    def __init__(self) -> None:
-        self.input_bytes = 0
-        self.output_bytes = 0
-        self.input_saved_for_backward = False
-
-
 class ReplayCounter:
     """Counts one replayed step: call the boundaries in order, then :meth:`finish`; :meth:`close` is always safe.
 
@@ -110,7 +108,7 @@ class ReplayCounter:
         self._ledger = ActivationLedger()
         self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
         self._stack: list[str] = []
-        self._tallies: dict[str, _ModuleTally] = {}
+        self._tallies: dict[str, ModuleTally] = {}
         self._observer = ModuleObserver()
         self._phase = Phase.FORWARD
         self._awaiting_forward = False
@@ -152,7 +150,7 @@ class ReplayCounter:
             if self._awaiting_forward:
                 self._awaiting_forward = False
                 self._segment_state = self._model_state()
-            tally = self._tallies.setdefault(label, _ModuleTally())
+            tally = self._tallies.setdefault(label, ModuleTally())
             inputs = storage_bytes(args, self._device)
             tally.input_bytes += sum(inputs.values())
             if any(self._ledger.holds(key) for key in inputs):
@@ -246,50 +244,26 @@ class ReplayCounter:
         return dict(self._phases), self._module_profiles()
 
     def _close_segment(self, phase: Phase) -> None:
-        gradient_bytes, state_bytes = self._model_state()
-        start_gradients, start_state = self._segment_state
-        if phase is Phase.BACKWARD and self._backward_peak is not None:
-            gradients, activations = self._backward_peak
-            counted = self._breakdown(gradients, max(start_state, state_bytes), activations)
-        elif phase is Phase.OPTIMIZER:
-            counted = self._breakdown(max(start_gradients, gradient_bytes), state_bytes, self._ledger.live_bytes)
-        else:
-            counted = self._breakdown(start_gradients, max(start_state, state_bytes), self._ledger.peak_live_bytes)
-        self._phases[phase] = counted
-        self._segment_state = (gradient_bytes, state_bytes)
+        now = self._model_state()
+        parameter_bytes = sum(self._parameters.values())
+        self._phases[phase] = phase_breakdown(
+            phase, parameter_bytes, self._segment_state, now, self._ledger, self._backward_peak
+        )
+        self._segment_state = now
         self._awaiting_forward = False
         self._ledger.start_segment()
-
-    def _breakdown(self, gradient_bytes: int, state_bytes: int, activation_bytes: int) -> Breakdown:
-        return Breakdown(
-            parameters=sum(self._parameters.values()),
-            gradients=gradient_bytes,
-            optimizer_state=state_bytes,
-            activations=activation_bytes,
-            other=None,
-        )
 
     def _module_profiles(self) -> tuple[ModuleProfile, ...]:
         saved = self._ledger.saved_bytes_by_module
         order = {label: index for index, label in enumerate(self._modules)}
         profiles = []
         for label in sorted(self._tallies, key=order.__getitem__):
-            tally, module = self._tallies[label], self._modules[label]
-            inplace = getattr(module, "inplace", None)
-            facts = self._observer.facts(label)
-            profiles.append(
-                ModuleProfile(
-                    name=label,
-                    type=type(module).__name__,
-                    activation_bytes=saved.get(label, 0),
-                    input_bytes=tally.input_bytes,
-                    output_bytes=tally.output_bytes,
-                    inplace=inplace if isinstance(inplace, bool) else None,
-                    input_saved_for_backward=tally.input_saved_for_backward,
-                    input_saved_bytes=facts.input_saved_bytes,
-                    output_saved_bytes=facts.output_saved_bytes,
-                )
+            profile = module_profile(
+                label, self._modules[label], saved.get(label, 0), self._tallies[label], self._observer.facts(label)
             )
+            # Whether an output stayed saved and which feature map a Linear read are told by data pointers, which
+            # fake storages lack: a replay leaves them unknown (their defaults).
+            profiles.append(replace(profile, output_saved_for_backward=False, input_feature_map=None))
         if saved.get(OUTSIDE_MODULES):
             profiles.append(ModuleProfile(OUTSIDE_MODULES, "-", saved[OUTSIDE_MODULES]))
         return tuple(profiles)
