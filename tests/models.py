@@ -44,6 +44,24 @@ class Classifier(pl.LightningModule):
         return self.optimizer_factory(self.parameters())
 
 
+class BasicBlock(nn.Module):
+    """A torchvision-style ResNet basic block: conv-BN-ReLU(inplace)-conv-BN, the input added back, ReLU(inplace)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(inputs)))
+        out = self.bn2(self.conv2(out))
+        out += inputs
+        return self.relu(out)  # type: ignore[no-any-return]
+
+
 class LastStep(nn.Module):
     """Keeps the last time step of an LSTM's output: ``(batch, time, hidden) -> (batch, hidden)``."""
 

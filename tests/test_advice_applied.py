@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import OPTIMIZERS, Classifier, OptimizerFactory, loader, trainer
+from models import OPTIMIZERS, BasicBlock, Classifier, OptimizerFactory, loader, trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import TensorDataset
@@ -26,24 +26,6 @@ from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, CheckpointPlan
 
 # ------------------------------------------------------------------------------------------------ models
-
-
-class BasicBlock(nn.Module):
-    """A ResNet basic block: conv-BN-ReLU(inplace)-conv-BN, the input added back, ReLU(inplace)."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(inputs)))
-        out = self.bn2(self.conv2(out))
-        out += inputs
-        return self.relu(out)  # type: ignore[no-any-return]
 
 
 class ResNetStyle(nn.Module):

@@ -10,29 +10,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from models import OPTIMIZERS, Classifier, LastStep, MeanOverTime, OptimizerFactory, loader, trainer
+from models import OPTIMIZERS, BasicBlock, Classifier, LastStep, MeanOverTime, OptimizerFactory, loader, trainer
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_vram import VramMonitor
 from lightning_vram.records import Attribution
-
-
-class BasicBlock(nn.Module):
-    """A ResNet basic block: two 3x3 convolutions with BatchNorm, inplace ReLU, and the identity shortcut."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(inputs)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + inputs)  # type: ignore[no-any-return]
 
 
 def resnet(channels: int = 16, blocks: int = 2) -> nn.Module:
