@@ -164,3 +164,14 @@ def test_a_model_without_parameters_reports_zero_model_state(tmp_path: Path) -> 
     report = session.finish()
     assert report is not None and report.peak is not None and report.peak.breakdown is not None
     assert report.peak.breakdown.parameters == 0
+
+
+def test_a_fabric_wrapped_optimizer_is_named_as_the_users() -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_vram.measure.setup import training_setup
+
+    network = nn.Linear(4, 2)
+    _, optimizer = Fabric(accelerator="cpu", devices=1).setup(network, torch.optim.AdamW(network.parameters()))
+    assert type(optimizer).__name__ == "FabricAdamW"  # Fabric's wrapper class
+    assert training_setup(network, [optimizer]).optimizers == ("AdamW",)

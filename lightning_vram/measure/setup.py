@@ -128,6 +128,19 @@ def inplace_keeps_result(module: nn.Module) -> bool:
     return result.untyped_storage().data_ptr() == address and saved == {address}
 
 
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The class name of the user's optimizer inside the wrappers around it (Fabric's, DeepSpeed's ZeRO optimizer).
+
+    >>> optimizer_name(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    'SGD'
+    """
+    inner = wrapped_optimizer(optimizer)
+    nested = getattr(inner, "optimizer", None)  # Fabric's wrapper exposes the optimizer it wraps here
+    while isinstance(nested, torch.optim.Optimizer) and nested is not inner:
+        inner, nested = nested, getattr(nested, "optimizer", None)
+    return type(inner).__name__
+
+
 def training_setup(
     module: nn.Module,
     optimizers: Iterable[torch.optim.Optimizer],
@@ -146,7 +159,7 @@ def training_setup(
         precision=precision,
         automatic_optimization=automatic_optimization,
         accumulate_grad_batches=accumulate_grad_batches,
-        optimizers=tuple(type(wrapped_optimizer(optimizer)).__name__ for optimizer in optimizers),
+        optimizers=tuple(optimizer_name(optimizer) for optimizer in optimizers),
         num_workers=loader.num_workers if loader is not None else None,
         pin_memory=loader.pin_memory if loader is not None else None,
         cpu_cores_per_device=max(1, cpu_cores() // max(1, devices_per_node)),
