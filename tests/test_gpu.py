@@ -174,3 +174,32 @@ def test_lightning_deepspeed_stage_3_counts_this_ranks_partitions(tmp_path: Path
     assert exact <= forward.gradients <= exact + 4096
     assert 3 * exact <= forward.optimizer_state <= 3 * exact + 8192
     assert report.peak.breakdown.other is not None and report.peak.breakdown.other >= 0
+
+
+def test_replayed_allocator_peaks_match_the_real_ones_per_phase(tmp_path: Path) -> None:
+    """The fake-CUDA replay of a sampled step against the allocator's measured peaks of the same steps.
+
+    Prints each phase's figures for docs/gpu-validation.md; the project's goal is within 5%.
+    """
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=4, accelerator="gpu").fit(
+        Classifier(cnn_net(), OPTIMIZERS["adam"]), loader(dataset_for("cnn", samples=256), batch_size=64)
+    )
+    simulation = monitor.session.simulation
+    report = monitor.report
+    assert report is not None and simulation is not None, "no replay"
+    assert simulation.skipped is None and simulation.baseline is not None, simulation.skipped
+    assert simulation.device_type == "cuda"
+    for phase, replayed in simulation.baseline.phases.items():
+        measured = report.phases[phase].peak_bytes
+        print(f"{phase.value}: replayed {replayed.peak_bytes} B, measured {measured} B")
+        assert replayed.peak_bytes == pytest.approx(measured, rel=0.10)
+
+
+def test_preflight_on_a_real_device_stays_silent_when_the_step_fits(tmp_path: Path) -> None:
+    monitor = VramMonitor(attribution_start_step=100, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=1, accelerator="gpu").fit(Classifier(cnn_net()), loader(dataset_for("cnn")))
+    verdict = monitor.session.preflight_verdict
+    assert verdict is not None and verdict.fits
+    free, _ = torch.cuda.mem_get_info()
+    assert verdict.needed_bytes < free
