@@ -14,9 +14,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from models import OPTIMIZERS, Classifier
-from test_replay_models import ARCHITECTURES, CausalLM, counted_step, mlp, resnet
+from test_replay_models import ARCHITECTURES, CausalLM, counted_step, lstm, mlp, resnet
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.records import (
@@ -77,6 +77,21 @@ def checkpointed_gpt2() -> CausalLM:
     return module
 
 
+class CheckpointedLstm(Classifier):
+    """The LSTM of ``lstm()`` run as ``checkpoint(self.network[1], x)``, as the advice's snippet for a unit says."""
+
+    def __init__(self) -> None:
+        super().__init__(lstm(), OPTIMIZERS["adam"])
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        embedding, recurrent, last, head = self.network
+        hidden = checkpoint(recurrent, embedding(inputs), use_reentrant=False)
+        return head(last(hidden))  # type: ignore[no-any-return]
+
+
+LSTM_UNIT = CheckpointPlan("network", (("network.1",),), None, 0, "network")
+"""A plan whose unit is one recurrent module: backward recomputes all of it at once (little to save)."""
+
 GPT2_BLOCKS = CheckpointPlan(
     "model.transformer.h",
     (("model.transformer.h.0",), ("model.transformer.h.1",)),
@@ -113,6 +128,8 @@ CASES: list[tuple[str, str, StepChange, Callable[[], pl.LightningModule], dict[s
         None,
     ),
     ("checkpoint gpt2 blocks", "gpt2", CheckpointChange(GPT2_BLOCKS), checkpointed_gpt2, {}, None),
+    # Backward recomputes the checkpointed LSTM whole: the replay must count what that recomputation keeps.
+    ("checkpoint lstm unit", "lstm", CheckpointChange(LSTM_UNIT), CheckpointedLstm, {}, None),
     ("inplace mlp", "mlp", InplaceChange(("network.1", "network.3", "network.5")), inplace_mlp, {}, None),
     (
         "free gradients encoder",

@@ -2,9 +2,10 @@
 
 Checkpointing runs an ``nn.Sequential`` through ``checkpoint_sequential`` in the plan's number of segments, as the
 advice's snippet does; otherwise each unit runs in non-reentrant ``torch.utils.checkpoint.checkpoint`` wherever its
-parent calls it. A unit of several consecutive children is run whole, under one checkpoint, at its first child's
-call; the parent's following calls of the others then pass their input through once (the plan's units are
-children the parent calls one after the other). Inplace sets the modules' ``inplace`` flag. Only the replay's copy
+parent calls it, the module itself called (hooks and all) as ``checkpoint(self.block, x)`` calls it. A unit of
+several consecutive children is run whole, under one checkpoint, at its first child's call; the parent's following
+calls of the others then pass their input through once (the plan's units are children the parent calls one after
+the other). Inplace sets the modules' ``inplace`` flag. Only the replay's copy
 changes.
 """
 
@@ -26,25 +27,41 @@ def _submodule(module: nn.Module, name: str, what: str) -> nn.Module:
         raise ValueError(f"{what} names a module the model does not have: {name!r}") from None
 
 
-def _checkpoint_unit(modules: list[nn.Module]) -> None:
-    """Run ``modules`` (consecutive children) as one checkpointed unit at the first one's call."""
-    first, rest = modules[0], modules[1:]
-    forward = first.forward
-    passing: dict[int, bool] = {}
+class _CheckpointedCall(nn.Module):
+    """Stands where a unit's first module was and calls it through non-reentrant checkpointing, as user code does.
 
-    def run_unit(*args: Any, **kwargs: Any) -> Any:
-        output = forward(*args, **kwargs)
-        for module in rest:
+    ``checkpoint(first, x)`` calls the module itself (with its hooks), in forward and again when backward recomputes
+    it, so the replay sees the recomputation as the monitor sees it in a real run. The unit's other modules stay
+    where their parent has them; they run inside the checkpoint and pass their input through once afterwards.
+    """
+
+    def __init__(self, first: nn.Module, rest: list[nn.Module], passing: dict[int, bool]) -> None:
+        super().__init__()
+        self.first = first
+        self._rest = list(rest)  # a plain list: their parent keeps them registered
+        self._passing = passing
+
+    def _unit(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.first(*args, **kwargs)
+        for module in self._rest:
             output = module(output)
         return output
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        output = checkpoint(run_unit, *args, use_reentrant=False, **kwargs)
-        passing.update(dict.fromkeys(map(id, rest), True))
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The unit, under ``checkpoint(..., use_reentrant=False)``."""
+        output = checkpoint(self._unit, *args, use_reentrant=False, **kwargs)
+        self._passing.update(dict.fromkeys(map(id, self._rest), True))
         return output
 
-    first.forward = run
-    for module in rest:
+
+def _checkpoint_unit(root: nn.Module, names: tuple[str, ...]) -> None:
+    """Run the modules ``names`` (consecutive children of one parent) as one checkpointed unit."""
+    modules = [_submodule(root, name, "the checkpointing plan") for name in names]
+    passing: dict[int, bool] = {}
+    parent_name, _, child = names[0].rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing))
+    for module in modules[1:]:
         module.forward = _passing_once(module.forward, module, passing)
 
 
@@ -79,7 +96,7 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
         container.forward = run_segments  # type: ignore[method-assign]
         return
     for unit in plan.units:
-        _checkpoint_unit([_submodule(module, name, "the checkpointing plan") for name in unit])
+        _checkpoint_unit(module, unit)
 
 
 def apply_inplace(module: nn.Module, names: tuple[str, ...]) -> None:
