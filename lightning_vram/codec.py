@@ -723,6 +723,11 @@ def _variant(data: Any, where: str, baseline: ReplayedStep) -> VariantResult:
     return VariantResult(change, replayed, discarded)
 
 
+def simulation_from_dict(data: Any, where: str = "simulation") -> Simulation | None:
+    """The simulation :func:`simulation_to_dict` wrote (``None`` for null), as checkpoint state carries it."""
+    return None if data is None else _simulation(Reader(data, where))
+
+
 def _simulation(fields: Reader | None) -> Simulation | None:
     """The ``simulation`` section :func:`simulation_to_dict` wrote; its derived fields are checked for type only."""
     if fields is None:

@@ -41,7 +41,7 @@ from lightning_vram.advice.replay.step import StepFunction, lightning_training_s
 from lightning_vram.advice.report import build_report
 from lightning_vram.advice.rules import advise
 from lightning_vram.advice.trials import try_changes
-from lightning_vram.codec import FormatError
+from lightning_vram.codec import FormatError, simulation_from_dict, simulation_to_dict
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
@@ -757,7 +757,12 @@ class VramSession:
 
     def state_dict(self) -> dict[str, Any]:
         """The run's aggregates as plain data, so that a report after a resume covers the whole run."""
-        return {"version": STATE_VERSION, "tracker": self._tracker.state_dict(), "timer": self._timer.state_dict()}
+        return {
+            "version": STATE_VERSION,
+            "tracker": self._tracker.state_dict(),
+            "timer": self._timer.state_dict(),
+            "simulation": simulation_to_dict(self._simulation),  # a resumed run keeps its replayed advice
+        }
 
     def load_state_dict(self, state: Any) -> None:
         """Continue the run :meth:`state_dict` saved; before :meth:`start`, it is applied when the run starts.
@@ -777,10 +782,11 @@ class VramSession:
         try:
             tracker.load_state_dict(state.get("tracker"))
             timer.load_state_dict(state.get("timer"))
+            simulation = simulation_from_dict(state.get("simulation"))
         except FormatError as error:
             _warn_fresh(str(error))
             return
-        self._tracker, self._timer = tracker, timer
+        self._tracker, self._timer, self._simulation = tracker, timer, simulation
 
 
 def _warn_fresh(reason: str) -> None:

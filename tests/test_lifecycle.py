@@ -144,3 +144,20 @@ def test_checkpoint_state_round_trips_every_field_of_a_sampled_step() -> None:
     restored.load_state_dict(tracker.state_dict())
     assert restored.latest_attribution == attribution
     assert restored.peak == tracker.peak and restored.steps == 1
+
+
+def test_a_resumed_run_keeps_the_replay_of_the_run_before(tmp_path: Path) -> None:
+    first = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    fit = trainer(tmp_path / "first", [first], max_steps=4)
+    fit.fit(Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)))
+    path = tmp_path / "run.ckpt"
+    fit.save_checkpoint(path)
+    assert first.report is not None and first.report.simulation is not None
+    assert first.report.simulation.match is not None and first.report.simulation.match.matches
+
+    second = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path / "second", [second], max_steps=6).fit(
+        Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)), ckpt_path=path
+    )
+    assert second.report is not None and second.report.simulation is not None
+    assert second.report.to_dict()["simulation"] == first.report.to_dict()["simulation"]
