@@ -62,15 +62,23 @@ def strategy_gather(trainer: pl.Trainer) -> Gather:
     return gather
 
 
-def report_dir(trainer: pl.Trainer) -> Location | None:
+def report_dir(trainer: pl.Trainer, monitor_index: int = 0) -> Location | None:
     """Where the report files go: the logger's ``log_dir``, else ``default_root_dir``; none under fast_dev_run.
 
     Lightning turns logging off for ``fast_dev_run``; the monitor writes no files then either. A remote log dir
-    (``TensorBoardLogger("s3://...")``) stays its URL, written through fsspec as Lightning writes there.
+    (``TensorBoardLogger("s3://...")``) stays its URL, written through fsspec as Lightning writes there. The second
+    and later monitors of one Trainer (``monitor_index`` >= 1) write into ``vram_monitor_<index>`` below it.
     """
     if getattr(trainer, "fast_dev_run", False):  # set by the Trainer at run time (not in its annotations)
         return None
-    return as_location(trainer.log_dir or trainer.default_root_dir)
+    directory = str(trainer.log_dir or trainer.default_root_dir)
+    return as_location(directory if monitor_index == 0 else f"{directory}/vram_monitor_{monitor_index}")
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
+    """The Trainer's callbacks, in the order it calls them."""
+    callbacks: list[pl.Callback] = getattr(trainer, "callbacks", [])  # set at run time (not in its annotations)
+    return callbacks
 
 
 def log_interval(trainer: pl.Trainer) -> int | None:

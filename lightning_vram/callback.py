@@ -12,7 +12,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_vram._lightning import log_interval, report_dir, strategy_gather, tensorboard_writers, trainer_setup
+from lightning_vram._lightning import (
+    log_interval,
+    report_dir,
+    strategy_gather,
+    tensorboard_writers,
+    trainer_callbacks,
+    trainer_setup,
+)
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.probes import Probe
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
@@ -93,6 +100,7 @@ class VramMonitor(Callback):
         """The measuring session every hook forwards to."""
         self.config = self.session.config
         self._state_loaded = False
+        self._logs = True
 
     @property
     def report(self) -> Report | None:
@@ -129,7 +137,11 @@ class VramMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.session.log_dir = report_dir(trainer)
+        # With several monitors, the first logs and writes as usual; each other one writes its files to a folder
+        # of its own and leaves the loggers alone (the same scalar names would collide).
+        order = [callback for callback in trainer_callbacks(trainer) if isinstance(callback, VramMonitor)].index(self)
+        self._logs = order == 0
+        self.session.log_dir = report_dir(trainer, order)
         self.session.start(
             pl_module,
             lambda: trainer.optimizers,
@@ -138,7 +150,7 @@ class VramMonitor(Callback):
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             gather=strategy_gather(trainer),
-            tensorboard=tensorboard_writers(trainer),
+            tensorboard=tensorboard_writers(trainer) if self._logs else (),
             default_log_every_n_steps=log_interval(trainer),
         )
 
@@ -189,7 +201,7 @@ class VramMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
         scalars = self.session.batch_end()
-        if scalars and trainer.is_global_zero:
+        if scalars and self._logs and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(dict(scalars), step=trainer.global_step)
 

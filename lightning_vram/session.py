@@ -88,6 +88,9 @@ Gather = Callable[[list[float]], list[list[float]]]
 """Every rank's list of numbers (the same length on each), rank by rank: one collective."""
 Optimizers = Sequence[torch.optim.Optimizer] | Callable[[], Sequence[torch.optim.Optimizer]]
 
+_ATTRIBUTING: set[int] = set()
+"""Sessions whose attributor is counting a step now (one at a time per process)."""
+
 NO_STEP = NotMeasured(
     "training steps", "no training step ran (max_steps=0, max_epochs=0, limit_train_batches=0 or an empty loader)"
 )
@@ -330,6 +333,16 @@ class VramSession:
         model = self._model
         if model is None:
             return
+        if _ATTRIBUTING:  # another session's hooks count this step: saved-tensor hooks do not nest
+            self._attribution_notes.setdefault(
+                "busy",
+                NotMeasured(
+                    "tensor-by-tensor attribution on some sampled steps",
+                    "another monitor in this process was counting the same step (saved-tensor hooks do not nest);"
+                    " those steps were not counted here",
+                ),
+            )
+            return
         attributor = None
         try:
             attributor = StepAttributor(
@@ -342,6 +355,7 @@ class VramSession:
             self._guard.fail(Part.ATTRIBUTION, error)
             return
         self._attributor = attributor
+        _ATTRIBUTING.add(id(self))
         if attributor.compiled and self._compiled_note is None:
             self._compiled_note = NotMeasured(
                 "per-module activations inside compiled modules",
@@ -369,8 +383,7 @@ class VramSession:
                 raise attributor.error
             return method()
         except Exception as error:  # noqa: BLE001 -- the guard
-            attributor.close()
-            self._attributor = None
+            self._close_attributor()
             self._guard.fail(Part.ATTRIBUTION, error)
             return None
 
@@ -402,7 +415,7 @@ class VramSession:
         attribution = None
         if self._attributor is not None:
             attribution = self._attribution_call(self._attributor.finish)
-            self._attributor = None
+            self._close_attributor()  # finish removed its hooks already; this frees the process-wide slot
         guard = self._guard
         if guard.enabled(Part.TRACKER):
             try:
@@ -740,6 +753,7 @@ class VramSession:
 
     def _close_attributor(self) -> None:
         attributor, self._attributor = self._attributor, None
+        _ATTRIBUTING.discard(id(self))
         if attributor is not None:
             attributor.close()
 

@@ -11,6 +11,7 @@ import torch
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trainer
 
 from lightning_vram import VramMonitor, VramMonitorWarning
+from lightning_vram.records import Phase
 from lightning_vram.session import NO_STEP
 
 
@@ -104,6 +105,13 @@ def test_two_monitors_with_different_settings_work_in_one_trainer_and_resume(tmp
     fit.fit(Classifier(linear_net(), OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=32)))
     assert often.report is not None and once.report is not None
     assert often.report.steps == once.report.steps == 4
+    # Step 3 is sampled by both: the first monitor counts it (saved-tensor hooks do not nest), the second says so.
+    assert often.report.peak is not None and often.report.peak.breakdown is not None
+    assert often.report.phases[Phase.FORWARD].breakdown.activations > 0  # type: ignore[union-attr]
+    assert "another monitor" in " ".join(item.reason for item in once.report.not_measured)
+    # Each writes its own files: the second into a folder of its own.
+    assert often.report_path == tmp_path / "first" / "vram_report.json"
+    assert once.report_path == tmp_path / "first" / "vram_monitor_1" / "vram_report.json"
     path = tmp_path / "run.ckpt"
     fit.save_checkpoint(path)
     saved = torch.load(path, weights_only=True)["callbacks"]
