@@ -79,10 +79,12 @@ def main() -> None:
         rank=fabric.global_rank,
         world_size=fabric.world_size,
         gather=lambda values: gather_floats(fabric, values),
+        # The forward pass and loss of one step, so that advice is tried on it under fake tensors (no memory).
+        step_function=lambda module, batch: nn.functional.cross_entropy(module(batch[0]), batch[1]),
     )
     try:
         for step, (images, labels) in enumerate(loader):
-            session.batch_start(images)
+            session.batch_start((images, labels))
             loss = nn.functional.cross_entropy(model(images), labels)
             session.before_backward()
             fabric.backward(loss)

@@ -61,11 +61,18 @@ def main() -> None:
     writer = SummaryWriter(arguments.log_dir)
 
     session = VramSession(log_dir=arguments.log_dir, log_every_n_steps=5)
-    session.start(model, optimizers=[optimizer], dataloader=loader, tensorboard=[writer])
+    session.start(
+        model,
+        optimizers=[optimizer],
+        dataloader=loader,
+        tensorboard=[writer],
+        # The forward pass and loss of one step, so that advice is tried on it under fake tensors (no memory).
+        step_function=lambda module, batch: nn.functional.cross_entropy(module(batch[0]), batch[1]),
+    )
     try:
         for step, (tokens, labels) in enumerate(loader):
-            session.batch_start(tokens)
             tokens, labels = tokens.to(device), labels.to(device)
+            session.batch_start((tokens, labels))
             loss = nn.functional.cross_entropy(model(tokens), labels)
             session.before_backward()
             loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated

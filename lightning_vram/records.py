@@ -506,10 +506,13 @@ class CheckpointChange:
     def label(self) -> str:
         """How the report names the change."""
         plan = self.plan
-        where = plan.container or "(root)"
+        where = plan.container or "the model"
         if plan.sequential_segments is not None:
             return f"checkpoint {where} in {plan.sequential_segments} segments"
-        return f"checkpoint {len(plan.units)} units of {where}"
+        first, last = plan.units[0][0], plan.units[-1][-1]
+        if len(plan.units) == 1:
+            return f"checkpoint {'+'.join(plan.units[0])}"
+        return f"checkpoint {len(plan.units)} units of {where} ({first} to {last})"
 
 
 @dataclass(frozen=True)

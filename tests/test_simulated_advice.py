@@ -677,7 +677,10 @@ def test_markdown_html_and_console_show_predicted_against_measured() -> None:
     assert "| forward | 6.00 GiB | 6.00 GiB | activations +0.10% | 7.00 GiB | 7.00 GiB |" in text
     assert "| backward | 6.00 GiB | 6.00 GiB | none | 8.00 GiB | 8.00 GiB |" in text
     assert "| batch size 16 | 5.00 GiB | -3.00 GiB | replayed, peak in backward |" in text
-    assert "| checkpoint 4 units of encoder.layers | n/a | n/a | discarded: RuntimeError: one of the" in text
+    assert (
+        "| checkpoint 4 units of encoder.layers (encoder.layers.0 to encoder.layers.3) | n/a | n/a | discarded:" in text
+    )
+    assert "discarded: RuntimeError: one of the" in text
     assert "| T4 (16 GiB) | 16.00 GiB | 60 | simulated |" in text
     assert "- aten.\\_cudnn_rnn keeps a workspace" in text
     page = render_html(report)

@@ -184,7 +184,8 @@ def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
     what = (
         f"`{first}`"
         if len(plan.units) == 1
-        else f"{len(plan.units)} units of `{plan.container}`, `{first}` to `{last}`"
+        else f"{len(plan.units)} units of {f'`{plan.container}`' if plan.container else 'the model'}, `{first}` to"
+        f" `{last}`"
     )
     indices = [unit[0].rsplit(".", 1)[-1] for unit in plan.units]
     if plan.container != forward_of and all(len(unit) == 1 for unit in plan.units) and all(map(str.isdigit, indices)):

@@ -128,17 +128,22 @@ def inplace_keeps_result(module: nn.Module) -> bool:
     return result.untyped_storage().data_ptr() == address and saved == {address}
 
 
-def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
-    """The class name of the user's optimizer inside the wrappers around it (Fabric's, DeepSpeed's ZeRO optimizer).
-
-    >>> optimizer_name(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
-    'SGD'
-    """
+def user_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The user's optimizer inside the wrappers around it (Fabric's, DeepSpeed's ZeRO optimizer)."""
     inner = wrapped_optimizer(optimizer)
     nested = getattr(inner, "optimizer", None)  # Fabric's wrapper exposes the optimizer it wraps here
     while isinstance(nested, torch.optim.Optimizer) and nested is not inner:
         inner, nested = nested, getattr(nested, "optimizer", None)
-    return type(inner).__name__
+    return inner
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The class name of the user's optimizer inside the wrappers around it.
+
+    >>> optimizer_name(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    'SGD'
+    """
+    return type(user_optimizer(optimizer)).__name__
 
 
 def training_setup(

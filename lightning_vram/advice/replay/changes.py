@@ -41,6 +41,15 @@ class _CheckpointedCall(nn.Module):
         self._rest = list(rest)  # a plain list: their parent keeps them registered
         self._passing = passing
 
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the module it stands for (a parent's forward may read its children's settings)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "first":  # not set yet: nothing to look through
+                raise
+            return getattr(self.first, name)
+
     def _unit(self, *args: Any, **kwargs: Any) -> Any:
         output = self.first(*args, **kwargs)
         for module in self._rest:

@@ -16,6 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_vram.advice.replay._fake import FakeTensorMode
+from lightning_vram.measure.setup import user_optimizer
 
 CONSTANT_MAX_NUMEL = 1
 """Tensors up to this many elements on the CPU are faked as constants (fake tensors that keep their value)."""
@@ -57,8 +58,9 @@ def rebuild_optimizer(
     """``type(optimizer)`` over the fake parameters, with each param group's settings and the state faked.
 
     Call it outside ``mode`` (it reads small state tensors' values first). State tensors follow their parameter's
-    dtype where a replay changed it (``bf16-true``).
+    dtype where a replay changed it (``bf16-true``). A wrapper (Fabric's) is looked through to the user's optimizer.
     """
+    optimizer = user_optimizer(optimizer)
     settings = [
         read_constants({key: value for key, value in group.items() if key != "params"})
         for group in optimizer.param_groups
