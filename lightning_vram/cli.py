@@ -97,7 +97,10 @@ def find_report(directory: Path) -> Path:
             directories.clear()
     if not found:
         raise CommandError(f"{directory}: no {JSON_FILENAME} in this directory or {SEARCH_DEPTH} levels below it")
-    return Path(max(found)[1])
+    newest = Path(max(found)[1])
+    if len(found) > 1:  # say which one was taken, on stderr so that the output stays the report's
+        _print(one_line(f"lightning-vram: reading {newest}, the newest of {len(found)} reports"), sys.stderr)
+    return newest
 
 
 def load_report(path: Path) -> Report:

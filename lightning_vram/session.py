@@ -148,6 +148,8 @@ class VramSession:
         )
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got {type(log_dir).__name__}")
+        if log_dir is not None and not os.fspath(log_dir):
+            raise ValueError("log_dir must be a directory path or None, got an empty path ''")
         if probe is not None and not isinstance(probe, Probe):
             raise TypeError(f"probe must implement lightning_vram.measure.probes.Probe, got {type(probe).__name__}")
         self.log_dir: Location | None = as_location(log_dir) if log_dir is not None else None

@@ -353,3 +353,23 @@ def test_html_of_a_report_with_many_long_module_names(
     assert capsys.readouterr().err == ""  # no matplotlib warning either
     page = output.read_text()
     assert page.count("<tr><td><code>blocks.") == 500  # the table lists every module; the figure the largest 30
+
+
+def test_a_log_dir_with_several_reports_says_which_one_it_read(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import shutil
+
+    (_, first), (after, second) = two_runs
+    shutil.copy(first / "vram_report.json", tmp_path / "vram_report.json")
+    (tmp_path / "later").mkdir()
+    shutil.copy(second / "vram_report.json", tmp_path / "later" / "vram_report.json")
+    os.utime(tmp_path / "vram_report.json", (1, 1))  # the older one
+    assert main(["show", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert (
+        captured.err.strip()
+        == f"lightning-vram: reading {tmp_path / 'later' / 'vram_report.json'}, the newest of 2 reports"
+    )
+    assert f"{after.steps} steps" in captured.out

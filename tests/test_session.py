@@ -151,6 +151,8 @@ def test_session_arguments_fail_at_construction_naming_the_argument() -> None:
         VramSession(log_dir=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top_modules must be >= 1, got 0"):
         VramSession(top_modules=0)
+    with pytest.raises(ValueError, match="log_dir must be a directory path or None, got an empty path"):
+        VramSession(log_dir="")
 
 
 def test_a_model_without_parameters_reports_zero_model_state(tmp_path: Path) -> None:
