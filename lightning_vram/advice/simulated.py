@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_vram.advice.replay.simulation import NOT_REPLAYED
 from lightning_vram.records import (
     CheckpointChange,
     ReplayedStep,
@@ -17,9 +18,6 @@ from lightning_vram.records import (
     StepChange,
     VariantResult,
 )
-
-NOT_REPLAYED = "not replayed"
-"""How the replay starts the reason of a change it did not reach (the time budget ran out): untried, not failed."""
 
 
 def trusted(simulation: Simulation | None) -> ReplayedStep | None:

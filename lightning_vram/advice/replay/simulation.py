@@ -20,6 +20,9 @@ from lightning_vram.advice.replay.step import StepFunction, lightning_training_s
 from lightning_vram.advice.replay.twin import module_device
 from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
 
+NOT_REPLAYED = "not replayed"
+"""How the reason of a change the time budget never reached starts: untried, not failed (the rules read it)."""
+
 
 def simulate(
     module: nn.Module,
@@ -88,7 +91,7 @@ def simulate(
         spent = time.perf_counter() - started
         if time_budget_seconds is not None and spent >= time_budget_seconds:
             variants.append(
-                VariantResult(change, None, f"not replayed: the time budget of {time_budget_seconds} s ran out")
+                VariantResult(change, None, f"{NOT_REPLAYED}: the time budget of {time_budget_seconds} s ran out")
             )
             continue
         result = replay(change)
