@@ -768,6 +768,10 @@ class VramSession:
         if self._recording_history:
             self._recording_history = False
             self._guarded(Part.HISTORY, history.stop_recording)
+        # Let go of the run: the model, its optimizers and the callables that hold the Trainer (and through it the
+        # process group, whose teardown must not wait for this object).
+        self._model, self._optimizers, self._setup, self._gather = None, (), None, None
+        self._writers, self._step_function, self._sampled_batch = (), None, None
 
     # ------------------------------------------------------------------------------------------------ state
 
