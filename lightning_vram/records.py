@@ -690,3 +690,30 @@ class Prediction:
     cuda_context_bytes: int
     skipped: str | None = None
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreflightRemedy:
+    """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes."""
+
+    label: str
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class PreflightVerdict:
+    """The first step replayed against the device before it ran (preflight), in bytes.
+
+    ``needed_bytes`` = replayed peak - allocated now; ``available_bytes`` = free + cached but unallocated.
+    ``remedies`` are the changes replayed, largest saving first (only when the step does not fit).
+    """
+
+    step: ReplayedStep
+    needed_bytes: int
+    available_bytes: int
+    remedies: tuple[PreflightRemedy, ...]
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step is predicted to fit."""
+        return self.needed_bytes <= self.available_bytes

@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
-from lightning_vram.advice.preflight import PreflightVerdict, candidate_changes, preflight
+from lightning_vram.advice.preflight import candidate_changes, preflight
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
 from lightning_vram.advice.report import build_report
 from lightning_vram.advice.rules import advise
@@ -59,6 +59,7 @@ from lightning_vram.records import (
     NotMeasured,
     OomDiagnosis,
     Phase,
+    PreflightVerdict,
     RankSummary,
     Report,
     RunSummary,
@@ -77,7 +78,7 @@ from lightning_vram.render.files import (
 )
 from lightning_vram.render.scalars import interval_scalars, reduce_over_ranks, scalar_vector
 from lightning_vram.render.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
-from lightning_vram.render.text import evaluation_text, oom_headline
+from lightning_vram.render.text import evaluation_text, oom_headline, preflight_warning
 
 STATE_VERSION = 2
 """Version of :meth:`VramSession.state_dict`'s layout; a checkpoint with another one starts the aggregates fresh."""
@@ -473,7 +474,7 @@ class VramSession:
             return
         self.preflight_verdict = verdict if isinstance(verdict, PreflightVerdict) else None
         if isinstance(verdict, PreflightVerdict) and not verdict.fits:
-            warning = verdict.warning(f"{device.name} ({device.type}:{device.index})")
+            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})")
             warnings.warn(warning, VramMonitorWarning, stacklevel=4)
 
     def _replay(self, attribution: Any, batch: Any) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram.records import CheckpointChange, FreeGradientsChange, PrecisionChange
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
+from lightning_vram.units import format_bytes
 
 MIB = 1024**2
 
@@ -128,7 +129,7 @@ def test_a_plain_loop_replays_with_a_step_function_and_says_why_not_without() ->
     assert simulation.match is not None and simulation.match.matches
 
 
-def preflight_run(tmp_path: Path, free_bytes: int) -> tuple[VramMonitor, list[int]]:
+def preflight_run(tmp_path: Path, free_bytes: int) -> tuple[VramMonitor, list[int], list[str]]:
     """A run on the scripted CUDA device; records how many monitor warnings existed when training_step first ran."""
     seen_at_first_step: list[int] = []
     caught: list[warnings.WarningMessage] = []
@@ -148,23 +149,27 @@ def preflight_run(tmp_path: Path, free_bytes: int) -> tuple[VramMonitor, list[in
             Recorder(cnn_net(), OPTIMIZERS["adam"]), loader(dataset_for("cnn"), batch_size=16)
         )
         messages = [str(item.message) for item in recorded if issubclass(item.category, VramMonitorWarning)]
-    return monitor, [len(messages), *seen_at_first_step]
+    return monitor, [len(messages), *seen_at_first_step], messages
 
 
 def test_preflight_warns_before_the_first_step_when_it_cannot_fit(tmp_path: Path) -> None:
-    monitor, (warned, before_first_step) = preflight_run(tmp_path, free_bytes=64 * 1024)
+    monitor, (warned, before_first_step), messages = preflight_run(tmp_path, free_bytes=64 * 1024)
     verdict = monitor.session.preflight_verdict
     assert verdict is not None and not verdict.fits
     assert verdict.needed_bytes == verdict.step.peak.peak_bytes  # nothing allocated on the scripted device
     assert verdict.available_bytes == 64 * 1024
     assert warned == 1 and before_first_step == 1  # the warning came before training_step ran
     assert "batch size 8" in {remedy.label for remedy in verdict.remedies}  # half the batch of 16
+    shortfall = verdict.needed_bytes - verdict.available_bytes
+    assert f"predicted to run out of memory in {verdict.step.peak.phase.value} on Scripted GPU" in messages[0]
+    assert f"{format_bytes(shortfall)} short" in messages[0]
+    assert f"{verdict.remedies[0].label}: peak {format_bytes(verdict.remedies[0].peak_bytes)}" in messages[0]
     peaks = [remedy.peak_bytes for remedy in verdict.remedies]
     assert peaks == sorted(peaks) and all(peak < verdict.step.peak.peak_bytes for peak in peaks)
 
 
 def test_preflight_stays_silent_when_the_step_fits(tmp_path: Path) -> None:
-    monitor, (warned, before_first_step) = preflight_run(tmp_path, free_bytes=8 * 1024**3)
+    monitor, (warned, before_first_step), _ = preflight_run(tmp_path, free_bytes=8 * 1024**3)
     verdict = monitor.session.preflight_verdict
     assert verdict is not None and verdict.fits and verdict.remedies == ()
     assert warned == 0 and before_first_step == 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,57 +23,11 @@ from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,
     PrecisionChange,
+    PreflightRemedy,
+    PreflightVerdict,
     ReplayedStep,
     StepChange,
 )
-from lightning_vram.units import format_bytes
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """A change replayed on the first step: its label and the replayed peak with it, in bytes."""
-
-    label: str
-    peak_bytes: int
-
-
-@dataclass(frozen=True)
-class PreflightVerdict:
-    """The first step replayed against the device: what it needs beyond what is allocated, and what is available.
-
-    ``needed_bytes`` = replayed peak - allocated now; ``available_bytes`` = free + cached but unallocated.
-    ``remedies`` are the changes replayed, largest saving first.
-    """
-
-    step: ReplayedStep
-    needed_bytes: int
-    available_bytes: int
-    remedies: tuple[Remedy, ...]
-
-    @property
-    def fits(self) -> bool:
-        """Whether the step is predicted to fit."""
-        return self.needed_bytes <= self.available_bytes
-
-    def warning(self, device: str) -> str:
-        """The warning to give before the step runs."""
-        peak = self.step.peak
-        shortfall = self.needed_bytes - self.available_bytes
-        allocated = peak.peak_bytes - self.needed_bytes
-        text = (
-            f"VramMonitor: the first training step is predicted to run out of memory in {peak.phase.value} on"
-            f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
-            f" allocated already; {format_bytes(self.available_bytes)} more is available, {format_bytes(shortfall)}"
-            " short."
-        )
-        if not self.remedies:
-            return text + " No replayed change saves memory."
-        listed = "; ".join(
-            f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}"
-            + (" (fits)" if remedy.peak_bytes - allocated <= self.available_bytes else "")
-            for remedy in self.remedies
-        )
-        return f"{text} Replayed changes, largest saving first: {listed}."
 
 
 def candidate_changes(
@@ -128,7 +81,7 @@ def preflight(
     )
     if verdict.fits:
         return verdict
-    remedies = []
+    remedies: list[PreflightRemedy] = []
     for change in changes:
         if time.perf_counter() - started > budget_seconds:
             break
@@ -136,6 +89,6 @@ def preflight(
             module, optimizers, batch, precision=precision, step_function=step_function, warm_up=True, change=change
         )
         if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
-            remedies.append(Remedy(change.label, result.peak.peak_bytes))
+            remedies.append(PreflightRemedy(change.label, result.peak.peak_bytes))
     remedies.sort(key=lambda remedy: remedy.peak_bytes)
     return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))

@@ -8,7 +8,7 @@ enters Markdown through :mod:`lightning_vram.render.markup`, which escapes it; a
 from __future__ import annotations
 
 from lightning_vram.codec import CATEGORIES, in_phase_order
-from lightning_vram.records import Advice, DeviceInfo, EvaluationPeak, OomDiagnosis, Report
+from lightning_vram.records import Advice, DeviceInfo, EvaluationPeak, OomDiagnosis, PreflightVerdict, Report
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.units import format_bytes, format_percent
@@ -271,3 +271,24 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
                 f"- Allocator history: {code_span(str(diagnosis.snapshot))}; open it at https://pytorch.org/memory_viz"
             )
     return "\n".join(lines) + "\n"
+
+
+def preflight_warning(verdict: PreflightVerdict, device: str) -> str:
+    """The warning given before a first step that is predicted not to fit on ``device``."""
+    peak = verdict.step.peak
+    shortfall = verdict.needed_bytes - verdict.available_bytes
+    allocated = peak.peak_bytes - verdict.needed_bytes
+    text = (
+        f"VramMonitor: the first training step is predicted to run out of memory in {peak.phase.value} on"
+        f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
+        f" allocated already; {format_bytes(verdict.available_bytes)} more is available, {format_bytes(shortfall)}"
+        " short."
+    )
+    if not verdict.remedies:
+        return text + " No replayed change saves memory."
+    listed = "; ".join(
+        f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}"
+        + (" (fits)" if remedy.peak_bytes - allocated <= verdict.available_bytes else "")
+        for remedy in verdict.remedies
+    )
+    return f"{text} Replayed changes, largest saving first: {listed}."
