@@ -212,6 +212,10 @@ class VramMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.finish()
+        if trainer.world_size > 1:
+            # Rank zero writes the files while the others wait: a rank that leaves first tears down its side of the
+            # process group under rank zero (gloo aborts the process then).
+            trainer.strategy.barrier("vram_report_written")
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
