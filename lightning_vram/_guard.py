@@ -32,6 +32,8 @@ class Part(str, Enum):
     HISTORY = "allocator history"
     STATE = "checkpoint state"
     REPLAY = "step replay"
+    PROBE = "the device probe"
+    RANKS = "the exchange between ranks"
 
 
 class Guard:

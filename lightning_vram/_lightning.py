@@ -1,4 +1,4 @@
-"""What the callback reads from Lightning: the training set-up, TensorBoard writers, the rank gather, the log dir.
+"""What the callback reads from Lightning: the training set-up, TensorBoard writers, the rank collectives, the log dir.
 
 With callback.py, the only module that imports Lightning.
 """
@@ -6,6 +6,7 @@ With callback.py, the only module that imports Lightning.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
@@ -60,6 +61,15 @@ def strategy_gather(trainer: pl.Trainer) -> Gather:
         return rows
 
     return gather
+
+
+def strategy_barrier(trainer: pl.Trainer) -> Callable[[], None]:
+    """The strategy's barrier: every rank waits there for the others. A collective.
+
+    At train end rank zero writes the report files while the others wait: a rank that leaves first tears down its side
+    of the process group under rank zero (gloo aborts the process then).
+    """
+    return lambda: trainer.strategy.barrier("vram_report_written")
 
 
 def report_dir(trainer: pl.Trainer, monitor_index: int = 0) -> Location | None:

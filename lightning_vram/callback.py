@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing_extensions import override
 from lightning_vram._lightning import (
     log_interval,
     report_dir,
+    strategy_barrier,
     strategy_gather,
     tensorboard_writers,
     trainer_callbacks,
@@ -22,6 +24,7 @@ from lightning_vram._lightning import (
 )
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.probes import Probe
+from lightning_vram.measure.timing import Clock
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.session import VramSession
 
@@ -63,6 +66,8 @@ class VramMonitor(Callback):
             of host time, once, and can save a run from dying at its first step.
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
+        clock: the host clock step times and data wait are read from, in seconds; for tests, which script it
+            (the default is ``time.perf_counter``).
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class VramMonitor(Callback):
         replay_budget_seconds: float = 30.0,
         preflight: bool = True,
         probe: Probe | None = None,
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.session = VramSession(
             log_every_n_steps=log_every_n_steps,
@@ -96,6 +102,7 @@ class VramMonitor(Callback):
             replay_budget_seconds=replay_budget_seconds,
             preflight=preflight,
             probe=probe,
+            clock=clock,
         )
         """The measuring session every hook forwards to."""
         self.config = self.session.config
@@ -150,6 +157,7 @@ class VramMonitor(Callback):
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             gather=strategy_gather(trainer),
+            barrier=strategy_barrier(trainer),
             tensorboard=tensorboard_writers(trainer) if self._logs else (),
             default_log_every_n_steps=log_interval(trainer),
         )
@@ -211,11 +219,7 @@ class VramMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.session.finish()
-        if trainer.world_size > 1:
-            # Rank zero writes the files while the others wait: a rank that leaves first tears down its side of the
-            # process group under rank zero (gloo aborts the process then).
-            trainer.strategy.barrier("vram_report_written")
+        self.session.finish()  # with several ranks, the others wait at the barrier while rank zero writes the files
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -4,6 +4,8 @@
     lightning-vram html PATH -o FILE    the report as a standalone HTML page
     lightning-vram diff A B             what changed from run A to run B: peak, each part, advice
 
+Every report written under schema ``lightning_vram.report/1`` reads, from 0.1.0 on: a field added by a later release
+takes its default where a file lacks it (listed in :func:`lightning_vram.codec.report_from_dict`).
 A missing path, or a file that is not a report (not a regular file, too large, not UTF-8 JSON, or a field missing,
 of the wrong type or out of range), prints one line on stderr and exits with status 2.
 """
@@ -29,8 +31,9 @@ from lightning_vram.render.text import summary_text
 from lightning_vram.units import format_bytes
 
 USAGE_ERROR = 2
-MAX_REPORT_BYTES = 16 * 1024**2
-"""A report is a few hundred KiB at most; a larger file is not one, and is not read into memory."""
+MAX_REPORT_BYTES = 128 * 1024**2
+"""Above the largest report the monitor writes (its ``recent_steps`` <= 10**6 recent peaks take at most 80 MiB, the
+rest a few MiB); a larger file is not one, and is not read into memory."""
 SEARCH_DEPTH = 4
 """How many directory levels below a given directory are searched for a report (Lightning writes it two down)."""
 SEARCH_DIRECTORIES = 10_000

@@ -281,6 +281,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
                 "capacity_bytes": row.capacity_bytes,
                 "max_batch_size": row.max_batch_size,
                 "basis": row.basis,
+                "at_least": row.at_least,
             }
             for row in report.fit
         ],
@@ -338,6 +339,14 @@ class Reader:
     def has(self, key: str) -> bool:
         """Whether the object has the field (fields added in later versions are absent from older files)."""
         return key in self._data
+
+    def added(self, key: str, read: Callable[[Reader, str], T], default: T) -> T:
+        """A field a later release added: ``read(self, key)``, or ``default`` where an older file lacks it.
+
+        >>> Reader({"steps": 3}, "report").added("precision", Reader.optional_text, None) is None
+        True
+        """
+        return read(self, key) if key in self._data else default
 
     def raw(self, key: str) -> Any:
         """The field's value as it is (its type unchecked)."""
@@ -505,12 +514,12 @@ def breakdown_from_dict(data: Any, where: str) -> Breakdown | None:
     )
 
 
-def phase_peak_from_dict(data: Any, where: str, peak_key: str = "peak_bytes", phase: Phase | None = None) -> PhasePeak:
-    """The phase peak :func:`phase_peak_to_dict` wrote (``phase`` given where the key names it)."""
+def phase_peak_from_dict(data: Any, where: str, peak_key: str = "peak_bytes") -> PhasePeak:
+    """The phase peak :func:`phase_peak_to_dict` wrote."""
     fields = Reader(data, where)
     return PhasePeak(
         step=fields.integer("step"),
-        phase=phase if phase is not None else _phase(fields.text("phase"), f"{where}.phase"),
+        phase=_phase(fields.text("phase"), f"{where}.phase"),
         peak_bytes=fields.integer(peak_key),
         reserved_bytes=fields.optional_integer("reserved_bytes"),
         breakdown=breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown"),
@@ -542,7 +551,9 @@ def advice_from_dict(data: Any, where: str) -> Advice:
         detail=fields.text("detail"),
         evidence=fields.text("evidence"),
         estimated_saving_bytes=fields.optional_integer("estimated_saving_bytes", minimum=None),
-        estimated_saving_seconds=fields.optional_number("estimated_saving_seconds", minimum=None),
+        estimated_saving_seconds=fields.added(
+            "estimated_saving_seconds", lambda reader, key: reader.optional_number(key, minimum=None), None
+        ),
         # Both absent from reports written by 0.7.0 and earlier.
         saving_basis=(
             _one_of(fields.optional_text("saving_basis"), SAVING_BASES, f"{where}.saving_basis")
@@ -635,7 +646,10 @@ def _fit_row(data: Any, where: str) -> FitRow:
     basis = fields.text("basis") if fields.has("basis") else "modelled"  # absent up to 0.7.0: extrapolated
     if basis not in SAVING_BASES:
         raise FormatError(f"{where}.basis must be one of {list(SAVING_BASES)}, got {shown(basis)}")
-    return FitRow(fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis)
+    at_least = fields.flag("at_least") if fields.has("at_least") else False  # absent up to 0.7.0: exact
+    return FitRow(
+        fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis, at_least
+    )
 
 
 def _change(kind: str, parameters: Reader, where: str) -> StepChange:
@@ -780,10 +794,32 @@ def _not_measured(data: Any, where: str) -> NotMeasured:
     return NotMeasured(fields.text("what"), fields.text("reason"))
 
 
+def _report_phase(data: Any, where: str, phase: Phase, peak: PhasePeak | None) -> PhasePeak:
+    """One entry of the report's ``phases``; ``peak`` (the run's) gives the step a file before 0.4.0 lacks."""
+    fields = Reader(data, where)
+    return PhasePeak(
+        step=fields.added("step", Reader.integer, peak.step if peak is not None else 0),
+        phase=phase,
+        peak_bytes=fields.integer("peak_bytes"),
+        reserved_bytes=fields.added("reserved_bytes", Reader.optional_integer, None),
+        breakdown=breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown"),
+    )
+
+
 def report_from_dict(data: Any) -> Report:
     """Rebuild a :class:`Report` from its JSON form (what :func:`report_to_dict` wrote).
 
     Fields the JSON does not carry (the run's timing window, allocator retries) come back as not measured.
+    Every release since 0.1.0 wrote this schema; a field a later release added reads, where a file lacks it, as:
+
+    - 0.2.0: ``device.compute_capability``, ``precision``, ``batch_size``, ``advice[].estimated_saving_seconds``:
+      ``None``; ``fit``: empty;
+    - 0.3.0: ``recovered_ooms``: ``None``;
+    - 0.4.0: ``recent_peaks``: empty; ``phases.<phase>.step``: the step of the run's peak (not recorded before);
+    - 0.5.0: ``evaluation``: empty;
+    - 0.7.0: ``phases.<phase>.reserved_bytes``: ``None`` (not measured);
+    - the step replay: ``simulation``: ``None``; ``advice[].saving_basis``, ``advice[].predicted_peak_bytes``:
+      ``None``; ``fit[].basis``: ``"modelled"``.
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
@@ -794,22 +830,24 @@ def report_from_dict(data: Any) -> Report:
     fields = Reader(data, "report")
     device = fields.child("device")
     timing = fields.child("timing")
-    peak = fields.raw("peak")
+    peak_data = fields.raw("peak")
+    peak = None if peak_data is None else phase_peak_from_dict(peak_data, "peak", peak_key="allocated_bytes")
+    capability = device.added("compute_capability", Reader.optional_text, None)
     summary = RunSummary(
         device=DeviceInfo(
             type=device.text("type"),
             name=device.text("name"),
             index=device.optional_integer("index"),
             total_bytes=device.optional_integer("total_bytes"),
-            compute_capability=_capability(device.optional_text("compute_capability"), "device.compute_capability"),
+            compute_capability=_capability(capability, "device.compute_capability"),
         ),
-        peak=None if peak is None else phase_peak_from_dict(peak, "peak", peak_key="allocated_bytes"),
+        peak=peak,
         phases={
-            (phase := _phase(name, "phases")): phase_peak_from_dict(value, member("phases", name), phase=phase)
+            (phase := _phase(name, "phases")): _report_phase(value, member("phases", name), phase, peak)
             for name, value in fields.entries("phases")
         },
         modules=tuple(fields.each("modules", module_from_dict)),
-        batch_size=fields.optional_integer("batch_size"),
+        batch_size=fields.added("batch_size", Reader.optional_integer, None),
         step_seconds_median=timing.optional_number("step_seconds_median"),
         data_wait_fraction=timing.optional_number("data_wait_fraction"),
         recent_data_wait_fraction=None,
@@ -817,17 +855,17 @@ def report_from_dict(data: Any) -> Report:
         gpu_utilization_mean=timing.optional_number("gpu_utilization_mean"),
         alloc_retries=None,
         cuda_context_bytes=None,
-        recovered_ooms=fields.optional_integer("recovered_ooms"),
+        recovered_ooms=fields.added("recovered_ooms", Reader.optional_integer, None),
         steps=fields.integer("steps"),
-        recent_peaks=tuple(fields.each("recent_peaks", step_point_from_dict)),
-        evaluation=evaluation_from_dict(fields, "evaluation"),
+        recent_peaks=tuple(fields.each("recent_peaks", step_point_from_dict)) if fields.has("recent_peaks") else (),
+        evaluation=evaluation_from_dict(fields, "evaluation") if fields.has("evaluation") else (),
     )
     return Report(
         summary=summary,
-        precision=fields.optional_text("precision"),
+        precision=fields.added("precision", Reader.optional_text, None),
         modules=summary.modules,
         advice=tuple(fields.each("advice", advice_from_dict)),
-        fit=tuple(fields.each("fit", _fit_row)),
+        fit=tuple(fields.each("fit", _fit_row)) if fields.has("fit") else (),
         ranks=tuple(fields.each("ranks", _rank)),
         not_measured=tuple(fields.each("not_measured", _not_measured)),
         # Absent from reports written by 0.7.0 and earlier (no replay).

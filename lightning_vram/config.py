@@ -1,8 +1,12 @@
-"""The monitor's settings, checked when the callback is built."""
+"""The monitor's settings, checked when the callback is built, and the arguments of a run, checked when it starts."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 MAX_STEPS = 10**12
 """Upper bound of every option counted in training steps (a trillion steps: far beyond any run)."""
@@ -16,11 +20,14 @@ MIN_INTERVAL_SECONDS = 0.01
 """Lower bound of ``utilization_interval_seconds``: NVML's own sample window is 1/6 s to 1 s."""
 MAX_INTERVAL_SECONDS = 60.0
 """Upper bound of ``utilization_interval_seconds``: a longer wait leaves most log intervals without a sample."""
+MAX_WORLD_SIZE = 10**7
+"""Upper bound of ``world_size`` (and of a rank): processes training together, far beyond any cluster."""
 MAX_REPLAY_BUDGET_SECONDS = 3600.0
 """Upper bound of ``replay_budget_seconds``: an hour of host time, far above what a replay of a large model takes."""
 
 
-def _require_int(name: str, value: object, minimum: int, maximum: int, allow_none: bool = False) -> None:
+def require_int(name: str, value: object, minimum: int, maximum: int, allow_none: bool = False) -> None:
+    """Check that ``value`` is an int from ``minimum`` to ``maximum`` (or ``None`` where allowed), naming ``name``."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -73,17 +80,17 @@ class MonitorConfig:
     preflight: bool = True
 
     def __post_init__(self) -> None:
-        _require_int("log_every_n_steps", self.log_every_n_steps, 1, MAX_STEPS, allow_none=True)
-        _require_int("attribution_start_step", self.attribution_start_step, 0, MAX_STEPS)
-        _require_int("attribution_every_n_steps", self.attribution_every_n_steps, 1, MAX_STEPS, allow_none=True)
+        require_int("log_every_n_steps", self.log_every_n_steps, 1, MAX_STEPS, allow_none=True)
+        require_int("attribution_start_step", self.attribution_start_step, 0, MAX_STEPS)
+        require_int("attribution_every_n_steps", self.attribution_every_n_steps, 1, MAX_STEPS, allow_none=True)
         _require_bool("reset_peak_stats", self.reset_peak_stats)
         interval = self.utilization_interval_seconds
         _require_seconds("utilization_interval_seconds", interval, MIN_INTERVAL_SECONDS, MAX_INTERVAL_SECONDS)
-        _require_int("top_modules", self.top_modules, 1, MAX_TOP_MODULES)
-        _require_int("recent_steps", self.recent_steps, 1, MAX_RECENT_STEPS)
+        require_int("top_modules", self.top_modules, 1, MAX_TOP_MODULES)
+        require_int("recent_steps", self.recent_steps, 1, MAX_RECENT_STEPS)
         _require_bool("console_summary", self.console_summary)
         _require_bool("record_history", self.record_history)
-        _require_int("history_max_entries", self.history_max_entries, 1, MAX_HISTORY_ENTRIES)
+        require_int("history_max_entries", self.history_max_entries, 1, MAX_HISTORY_ENTRIES)
         _require_budget("replay_budget_seconds", self.replay_budget_seconds, MAX_REPLAY_BUDGET_SECONDS)
         _require_bool("preflight", self.preflight)
 
@@ -101,3 +108,94 @@ class MonitorConfig:
         if self.attribution_every_n_steps is None:
             return offset == 0
         return offset % self.attribution_every_n_steps == 0
+
+
+WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "close")
+"""What the monitor calls on a TensorBoard writer (``torch.utils.tensorboard``'s and ``tensorboardX``'s have them)."""
+
+
+def _shown(value: object) -> str:
+    return "None" if value is None else f"{value!r} ({type(value).__name__})"
+
+
+def _require_callable(name: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a callable or None, got {_shown(value)}")
+
+
+def _require_list(name: str, value: object, what: str) -> Sequence[object]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        shown = repr(value) if isinstance(value, (str, bytes)) else type(value).__name__
+        raise TypeError(f"{name} must be a list of {what}, got {shown}")
+    return value
+
+
+def _require_optimizers(optimizers: object) -> None:
+    if callable(optimizers):
+        return  # read on each sampled step
+    items = _require_list("optimizers", optimizers, "optimizers or a callable returning them")
+    for index, optimizer in enumerate(items):
+        if not hasattr(optimizer, "param_groups"):
+            raise TypeError(f"optimizers[{index}] must be an optimizer (with param_groups), got {_shown(optimizer)}")
+
+
+def _require_writers(writers: object) -> None:
+    for index, writer in enumerate(_require_list("tensorboard", writers, "SummaryWriters")):
+        if not all(callable(getattr(writer, method, None)) for method in WRITER_METHODS):
+            raise TypeError(
+                f"tensorboard[{index}] must be a SummaryWriter (with {', '.join(WRITER_METHODS)}),"
+                f" got {type(writer).__name__}"
+            )
+
+
+def start_device(device: object) -> torch.device | None:
+    """``VramSession.start``'s ``device``: a ``torch.device``, a device string (``"cuda:1"``) made one, or ``None``.
+
+    >>> start_device("cuda:1")
+    device(type='cuda', index=1)
+    """
+    if device is None or isinstance(device, torch.device):
+        return device
+    message = f"device must be a torch.device or a device string such as 'cuda:1', got {_shown(device)}"
+    if not isinstance(device, str):
+        raise TypeError(message)
+    try:
+        return torch.device(device)
+    except RuntimeError:  # torch's "Invalid device string"
+        raise ValueError(message.removesuffix(" (str)")) from None
+
+
+def check_start(
+    model: object,
+    optimizers: object,
+    *,
+    precision: object,
+    setup: object,
+    rank: object,
+    world_size: object,
+    gather: object,
+    barrier: object,
+    tensorboard: object,
+    default_log_every_n_steps: object,
+    step_function: object,
+) -> None:
+    """Check ``VramSession.start``'s arguments; the first bad one raises a TypeError or ValueError naming it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {_shown(model)}")
+    _require_optimizers(optimizers)
+    if not isinstance(precision, str) or not precision:
+        error = ValueError if isinstance(precision, str) else TypeError
+        raise error(f"precision must be a str such as '32-true' or 'bf16-mixed', got {_shown(precision)}")
+    require_int("rank", rank, 0, MAX_WORLD_SIZE)
+    require_int("world_size", world_size, 1, MAX_WORLD_SIZE)
+    if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size:  # ints: checked above
+        raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
+    for name, function in (
+        ("setup", setup),
+        ("gather", gather),
+        ("barrier", barrier),
+        ("step_function", step_function),
+    ):
+        _require_callable(name, function)
+    _require_writers(tensorboard)
+    require_int("default_log_every_n_steps", default_log_every_n_steps, 1, MAX_STEPS, allow_none=True)

@@ -15,11 +15,13 @@ gradients and optimizer state exist as in every later step.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_vram.advice.replay.escapes import check_no_escape
 from lightning_vram.advice.replay.fit import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.advice.rules import DEFAULT_CUDA_CONTEXT_BYTES
@@ -34,6 +36,7 @@ def predict(
     device_type: str = "cuda",
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES,
     fit_table: bool = True,
+    budget_seconds: float = 60.0,
 ) -> Prediction:
     """Predict one steady training step's memory, phase by phase, and the largest batch per common GPU.
 
@@ -49,6 +52,8 @@ def predict(
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.rules.COMMON_GPUS`
             (a few replays per GPU).
+        budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
+            prediction says what the budget left out.
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
@@ -57,17 +62,31 @@ def predict(
         raise TypeError(f"module must be a torch.nn.Module (a LightningModule), got {type(module).__name__}")
     if not isinstance(cuda_context_bytes, int) or cuda_context_bytes < 0:
         raise ValueError(f"cuda_context_bytes must be an int >= 0, got {cuda_context_bytes!r}")
+    if isinstance(budget_seconds, bool) or not isinstance(budget_seconds, (int, float)) or not budget_seconds > 0:
+        raise ValueError(f"budget_seconds must be a number of seconds > 0, got {budget_seconds!r}")
     device, notes = _replay_device(device_type)
-
-    step = replay_step(module, None, batch, precision=precision, placement=device, warm_up=True)
-    if not isinstance(step, ReplayedStep):
-        return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
-    rows: tuple[FitRow, ...] = ()
-    if fit_table:
-        rows = replayed_fit_table(
-            module, None, batch, context_bytes=cuda_context_bytes, precision=precision, placement=device, warm_up=True
-        )
-    return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
+    deadline = time.perf_counter() + budget_seconds
+    try:
+        step = replay_step(module, None, batch, precision=precision, placement=device, warm_up=True, deadline=deadline)
+        if not isinstance(step, ReplayedStep):
+            return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
+        rows: tuple[FitRow, ...] = ()
+        if fit_table:
+            rows = replayed_fit_table(
+                module,
+                None,
+                batch,
+                context_bytes=cuda_context_bytes,
+                precision=precision,
+                placement=device,
+                warm_up=True,
+                deadline=deadline,
+            )
+            if not rows and time.perf_counter() > deadline:
+                notes += (f"no fit table: the time budget of {budget_seconds} s ran out before its search ended",)
+        return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
+    finally:
+        check_no_escape()
 
 
 def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
@@ -76,7 +95,12 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
         raise TypeError(f"device_type must be a str such as 'cuda' or 'cpu', got {type(device_type).__name__}")
     if device_type.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
-    device = torch.device(device_type)
+    try:
+        device = torch.device(device_type)
+    except RuntimeError:  # torch's "Invalid device string": a bad index
+        raise ValueError(
+            f"device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got {device_type!r}"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         note = (
             "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"

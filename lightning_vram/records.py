@@ -332,6 +332,17 @@ class FitRow:
     max_batch_size: int
     basis: str = "modelled"
     """``"simulated"`` when each batch size was replayed (a bisection), ``"modelled"`` when extrapolated linearly."""
+    at_least: bool = False
+    """The search stopped at its largest batch size, which still fit: the largest that fits is this or more."""
+
+    @property
+    def batch_text(self) -> str:
+        """The batch size as a report shows it: ``"at least 65536"`` where the search hit its bound.
+
+        >>> FitRow("A100", 80, 65536, "simulated", at_least=True).batch_text
+        'at least 65536'
+        """
+        return f"at least {self.max_batch_size}" if self.at_least else str(self.max_batch_size)
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,19 @@ report's ``not_measured``; training goes on.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
 import time
+import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,15 +45,16 @@ from lightning_vram.advice.report import build_report
 from lightning_vram.advice.rules import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.codec import FormatError, simulation_from_dict, simulation_to_dict
-from lightning_vram.config import MonitorConfig
+from lightning_vram.config import MonitorConfig, check_start, start_device
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
 from lightning_vram.measure.accounting import StepAttributor, batch_size_of, model_state_bytes
 from lightning_vram.measure.compiled import compiled_module_names
-from lightning_vram.measure.probes import Probe, probe_for
+from lightning_vram.measure.probes import BlindProbe, Probe, probe_for
 from lightning_vram.measure.setup import training_setup
-from lightning_vram.measure.timing import StepTimer
+from lightning_vram.measure.timing import Clock, StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.measure.user_code import code_roots, inside_ids, is_user_file, reach_of
 from lightning_vram.records import (
     AllocatorReading,
     Breakdown,
@@ -88,9 +92,10 @@ NO_SCALARS: Mapping[str, float] = MappingProxyType({})
 Gather = Callable[[list[float]], list[list[float]]]
 """Every rank's list of numbers (the same length on each), rank by rank: one collective."""
 Optimizers = Sequence[torch.optim.Optimizer] | Callable[[], Sequence[torch.optim.Optimizer]]
+T = TypeVar("T")
 
-_ATTRIBUTING: set[int] = set()
-"""Sessions whose attributor is counting a step now (one at a time per process)."""
+_ATTRIBUTING: weakref.WeakSet[VramSession] = weakref.WeakSet()
+"""Sessions whose attributor is counting a step now (one at a time per process); a session dropped mid-step leaves."""
 
 NO_STEP = NotMeasured(
     "training steps", "no training step ran (max_steps=0, max_epochs=0, limit_train_batches=0 or an empty loader)"
@@ -112,7 +117,7 @@ class VramSession:
             Trainer's setting under :class:`~lightning_vram.VramMonitor`.
         attribution_start_step, attribution_every_n_steps, reset_peak_stats, utilization_interval_seconds,
         top_modules, recent_steps, console_summary, record_history, history_max_entries, replay_budget_seconds,
-            preflight, probe: as for :class:`~lightning_vram.VramMonitor`.
+            preflight, probe, clock: as for :class:`~lightning_vram.VramMonitor`.
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class VramSession:
         replay_budget_seconds: float = 30.0,
         preflight: bool = True,
         probe: Probe | None = None,
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.config = MonitorConfig(
             log_every_n_steps=log_every_n_steps,
@@ -151,8 +157,15 @@ class VramSession:
             raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got {type(log_dir).__name__}")
         if log_dir is not None and not os.fspath(log_dir):
             raise ValueError("log_dir must be a directory path or None, got an empty path ''")
+        if isinstance(probe, type):
+            raise TypeError(
+                f"probe must be a probe such as ScriptedProbe([...]), got the class {probe.__name__}: create one"
+            )
         if probe is not None and not isinstance(probe, Probe):
             raise TypeError(f"probe must implement lightning_vram.measure.probes.Probe, got {type(probe).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
+        self._clock = clock
         self.log_dir: Location | None = as_location(log_dir) if log_dir is not None else None
         """Where :meth:`finish` writes the report files: a ``Path``, a remote URL as a string, or ``None`` for none."""
         self._probe_override = probe
@@ -179,10 +192,11 @@ class VramSession:
         self._rank = 0
         self._world_size = 1
         self._gather: Gather | None = None
+        self._barrier: Callable[[], None] | None = None
         self._writers: Sequence[TensorBoardWriter] = ()
         self._log_every: int | None = None
         self._tracker = MemoryTracker(self.config.recent_steps, self.config.reset_peak_stats)
-        self._timer = StepTimer(self.config.recent_steps)
+        self._timer = StepTimer(self.config.recent_steps, self._clock)
         self._attributor: StepAttributor | None = None
         self._phase: Phase | None = None
         self._cuda_context_bytes: int | None = None
@@ -190,6 +204,7 @@ class VramSession:
         self._standalone_evaluation = False
         self._compiled_note: NotMeasured | None = None
         self._attribution_notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with attributors
+        self._hook_apis: tuple[str, ...] | None = None  # saved-tensor-hook APIs the training code uses, once known
         self._history_note: NotMeasured | None = None
         self._recording_history = False
         self._finished = False
@@ -212,6 +227,7 @@ class VramSession:
         rank: int = 0,
         world_size: int = 1,
         gather: Gather | None = None,
+        barrier: Callable[[], None] | None = None,
         tensorboard: Sequence[TensorBoardWriter] = (),
         default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
         step_function: StepFunction | None = None,
@@ -223,24 +239,46 @@ class VramSession:
             optimizers: its optimizers, or a callable returning them (read again on each sampled step).
             dataloader: the training DataLoader, so advice can read ``num_workers`` and ``pin_memory``.
             precision: the precision trained in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
-            device: the device to measure, when the model's first parameter is not on it.
+            device: the device to measure, when the model's first parameter is not on it (a ``torch.device`` or a
+                device string such as ``"cuda:1"``).
             setup: a callable returning the training set-up for advice (the callback reads its Trainer); default:
                 one read from ``model``, ``optimizers``, ``dataloader`` and ``precision``.
             rank: this process's global rank.
             world_size: the number of processes training together.
             gather: every rank's numbers (one collective); needed when ``world_size > 1``.
+            barrier: waits until every rank calls it (one collective): with ``world_size > 1``, :meth:`finish`
+                holds the other ranks there until rank zero has written the files. A collective that fails (a rank
+                gone) warns once; the monitor runs no other one, and its report covers this rank.
             tensorboard: SummaryWriters that get the custom-scalars layout, the advice text and the figures.
             default_log_every_n_steps: the interval when ``log_every_n_steps`` was not given; ``None`` logs none.
             step_function: ``(module, batch) -> loss``: the forward pass and loss of one step, so that advice can be
                 replayed on it under fake tensors; a module with a ``training_step`` (a LightningModule) needs none.
+
+        Raises:
+            TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
         """
+        check_start(
+            model,
+            optimizers,
+            precision=precision,
+            setup=setup,
+            rank=rank,
+            world_size=world_size,
+            gather=gather,
+            barrier=barrier,
+            tensorboard=tensorboard,
+            default_log_every_n_steps=default_log_every_n_steps,
+            step_function=step_function,
+        )
+        device = start_device(device)
+        self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         self._reset_run_state()
         self.report = self.oom_diagnosis = self.preflight_verdict = None
         self.report_path = None
         self._model = model
         self._optimizers = optimizers
         self._device = device if device is not None else _model_device(model)
-        self._rank, self._world_size, self._gather = rank, world_size, gather
+        self._rank, self._world_size, self._gather, self._barrier = rank, world_size, gather, barrier
         self._writers = tensorboard
         self._setup = setup or (
             lambda: training_setup(model, self._current_optimizers(), dataloaders=dataloader, precision=precision)
@@ -260,7 +298,12 @@ class VramSession:
 
     def _open_probe(self) -> None:
         probe = self._probe_override or probe_for(self._device, self.config.utilization_interval_seconds)
-        self._device_info = probe.open(self._device)
+        try:
+            self._device_info = probe.open(self._device)
+        except Exception as error:  # noqa: BLE001 -- the guard: the run goes on, read by a probe that reads nothing
+            self._guard.fail(Part.PROBE, error)
+            probe = BlindProbe()
+            self._device_info = probe.open(self._device)
         self._probe = probe
         if self._device_info.type != "cuda":
             warnings.warn(
@@ -310,11 +353,13 @@ class VramSession:
         """A training step starts (before its forward pass). ``batch`` gives the batch size on sampled steps."""
         if self._probe is None or self._finished:
             return
-        now = time.perf_counter()
+        if self._attributor is not None:  # the last sampled step never ended (its batch stopped at its start hook)
+            self._close_attributor()
+            self._sampled_batch = None
         guard = self._guard
         if guard.enabled(Part.TIMING):
             try:
-                self._timer.batch_started(now)
+                self._timer.batch_started()
             except Exception as error:  # noqa: BLE001 -- the guard
                 guard.fail(Part.TIMING, error)
         reading = self._read_allocator()
@@ -334,9 +379,9 @@ class VramSession:
 
     def _start_attribution(self, batch: Any) -> None:
         model = self._model
-        if model is None:
+        if model is None or self._stands_aside(model):
             return
-        if _ATTRIBUTING:  # another session's hooks count this step: saved-tensor hooks do not nest
+        if any(other is not self for other in _ATTRIBUTING):  # saved-tensor hooks do not nest
             self._attribution_notes.setdefault(
                 "busy",
                 NotMeasured(
@@ -358,13 +403,31 @@ class VramSession:
             self._guard.fail(Part.ATTRIBUTION, error)
             return
         self._attributor = attributor
-        _ATTRIBUTING.add(id(self))
+        _ATTRIBUTING.add(self)
         if attributor.compiled and self._compiled_note is None:
             self._compiled_note = NotMeasured(
                 "per-module activations inside compiled modules",
                 f"{', '.join(attributor.compiled)} run(s) as torch.compile graphs: their saved tensors are counted"
                 " and charged to the compiled module as a whole",
             )
+
+    def _stands_aside(self, model: nn.Module) -> bool:
+        """Whether the training code uses saved-tensor-hook APIs the attribution's hooks would break or miss.
+
+        Decided once per run, before any sampled step, from the code (``torch.func.grad`` and ``vjp`` refuse to run
+        under saved-tensor hooks, ``disable_saved_tensors_hooks`` refuses them, the code's own hooks hide what they
+        pack); the report says so.
+        """
+        if self._hook_apis is None:
+            roots = code_roots(model, self._step_function, self._current_optimizers())
+            self._hook_apis = tuple(sorted(reach_of(roots, inside_ids(model)).hook_apis))
+            if self._hook_apis:
+                self._attribution_notes["hook-apis"] = NotMeasured(
+                    "tensor-by-tensor attribution (parts, activations per module)",
+                    f"the training code uses {', '.join(self._hook_apis)}, which the monitor's saved-tensor hooks"
+                    " would break or not see: sampled steps were not counted tensor by tensor",
+                )
+        return bool(self._hook_apis)
 
     def _boundary(self, label: Phase, next_phase: Phase | None) -> None:
         """End the segment since the last boundary as ``label``: one allocator read, folded by the tracker."""
@@ -432,7 +495,7 @@ class VramSession:
         self._sampled_batch = None
         if guard.enabled(Part.TIMING):
             try:
-                self._timer.batch_ended(time.perf_counter())
+                self._timer.batch_ended()
             except Exception as error:  # noqa: BLE001 -- the guard
                 guard.fail(Part.TIMING, error)
         every = self._log_every
@@ -521,7 +584,10 @@ class VramSession:
         gather = self._gather
         if self._world_size > 1 and gather is not None:
             # Every rank reaches this at the same step and joins the gather, whatever failed on it: one collective.
-            scalars = reduce_over_ranks(gather(scalar_vector(scalars)))
+            vector = scalar_vector(scalars)
+            rows = self._exchange(lambda: gather(vector))
+            if rows is not None:
+                scalars = reduce_over_ranks(rows)
         return scalars
 
     def _local_scalars(self) -> dict[str, float]:
@@ -602,7 +668,10 @@ class VramSession:
         largest = tracker.largest_activation_attribution
         utilization = None
         if probe is not None and self._guard.enabled(Part.UTILIZATION):
-            utilization = probe.mean_utilization_percent()
+            try:
+                utilization = probe.mean_utilization_percent()
+            except Exception as error:  # noqa: BLE001 -- the guard
+                self._guard.fail(Part.UTILIZATION, error)
         return RunSummary(
             device=device,
             peak=tracker.peak,
@@ -625,8 +694,11 @@ class VramSession:
 
     def _not_measured(self) -> tuple[NotMeasured, ...]:
         notes: list[NotMeasured] = []
-        if self._probe is not None:
-            notes += self._probe.unavailable()
+        if self._probe is not None and self._guard.enabled(Part.PROBE):
+            try:
+                notes += self._probe.unavailable()
+            except Exception as error:  # noqa: BLE001 -- the guard
+                self._guard.fail(Part.PROBE, error)
         if self._tracker.steps == 0:
             notes.append(NO_STEP)
         notes += [note for note in (self._history_note, self._compiled_note) if note is not None]
@@ -648,9 +720,30 @@ class VramSession:
             peak_bytes=peak.peak_bytes if peak is not None else None,
             steps=self._tracker.steps,
         )
-        if not gather_ranks or self._world_size <= 1 or self._gather is None:
+        gather = self._gather
+        if not gather_ranks or self._world_size <= 1 or gather is None:
             return (own,)
-        return tuple(map(_rank_from_row, enumerate(self._gather(_rank_row(own)))))
+        rows = self._exchange(lambda: gather(_rank_row(own)))
+        return (own,) if rows is None else tuple(map(_rank_from_row, enumerate(rows)))
+
+    def _exchange(self, collective: Callable[[], T]) -> T | None:
+        """Run one collective with the other ranks; ``None`` where one failed, before or now (a rank gone).
+
+        A failure warns once and ends the monitor's collectives for the run: its report covers this rank.
+        """
+        if not self._guard.enabled(Part.RANKS):
+            return None
+        try:
+            return collective()
+        except Exception as error:  # noqa: BLE001 -- the guard: another rank's failure must not cost this one its report
+            self._guard.fail(Part.RANKS, error)
+            return None
+
+    def _meet_ranks(self, gather_ranks: bool) -> None:
+        """With ``world_size > 1``, wait at the barrier until every rank is there (after rank zero wrote its files)."""
+        barrier = self._barrier
+        if gather_ranks and self._world_size > 1 and barrier is not None:
+            self._exchange(barrier)
 
     def finish(self, *, gather_ranks: bool = True) -> Report | None:
         """Build the report, write its files (rank zero, with a ``log_dir``), show it, and stop measuring.
@@ -678,6 +771,7 @@ class VramSession:
             )
         except Exception as error:  # noqa: BLE001 -- the guard
             self._guard.fail(Part.REPORT, error)
+            self._meet_ranks(gather_ranks)
             self.close()
             return None
         if self._rank == 0:
@@ -690,6 +784,7 @@ class VramSession:
             if self.log_dir is not None:
                 self._guarded(Part.FILES, self._write_files, self.report, self.log_dir)
             self.report = replace(self.report, not_measured=self._not_measured())
+        self._meet_ranks(gather_ranks)
         self.close()
         return self.report
 
@@ -756,7 +851,7 @@ class VramSession:
 
     def _close_attributor(self) -> None:
         attributor, self._attributor = self._attributor, None
-        _ATTRIBUTING.discard(id(self))
+        _ATTRIBUTING.discard(self)
         if attributor is not None:
             attributor.close()
 
@@ -764,14 +859,17 @@ class VramSession:
         """Stop measuring: remove every hook, stop NVML's thread and the allocator history. Safe to call twice."""
         self._close_attributor()
         probe, self._probe = self._probe, None
-        if probe is not None:
-            self._guarded(Part.UTILIZATION, probe.close)
+        if probe is not None:  # closed whatever failed before: its background thread must stop
+            try:
+                probe.close()
+            except Exception as error:  # noqa: BLE001 -- the guard
+                self._guard.fail(Part.PROBE, error)
         if self._recording_history:
             self._recording_history = False
             self._guarded(Part.HISTORY, history.stop_recording)
         # Let go of the run: the model, its optimizers and the callables that hold the Trainer (and through it the
         # process group, whose teardown must not wait for this object).
-        self._model, self._optimizers, self._setup, self._gather = None, (), None, None
+        self._model, self._optimizers, self._setup, self._gather, self._barrier = None, (), None, None, None
         self._writers, self._step_function, self._sampled_batch = (), None, None
 
     # ------------------------------------------------------------------------------------------------ state
@@ -799,7 +897,7 @@ class VramSession:
             _warn_fresh(f"its version is {version!r}, not {STATE_VERSION}")
             return
         tracker = MemoryTracker(self.config.recent_steps, self.config.reset_peak_stats)
-        timer = StepTimer(self.config.recent_steps)
+        timer = StepTimer(self.config.recent_steps, self._clock)
         try:
             tracker.load_state_dict(state.get("tracker"))
             timer.load_state_dict(state.get("timer"))
@@ -825,8 +923,13 @@ def _write_tensorboard(writer: TensorBoardWriter, report: Report, step: int) -> 
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter or buffer (a LightningModule's ``device``), else the CPU."""
-    device = getattr(model, "device", None)
+    """A LightningModule's ``device``, else the device of the model's first parameter or buffer, else the CPU.
+
+    A ``device`` property of the user's own class is not run (it may compute anything); Lightning's is.
+    """
+    device = inspect.getattr_static(model, "device", None)
+    if isinstance(device, property) and isinstance(device.fget, types.FunctionType):
+        device = None if is_user_file(device.fget.__code__.co_filename) else device.fget(model)
     if isinstance(device, torch.device):
         return device
     for tensor in (*model.parameters(), *model.buffers()):

@@ -1,12 +1,17 @@
-"""Two-process DDP on the CPU (gloo): ``python tests/ddp_train.py OUT_DIR STRATEGY``, run by test_distributed.py.
+"""Two-process DDP on the CPU (gloo): ``python tests/ddp_train.py OUT_DIR STRATEGY [peer-fails]``, run by
+test_distributed.py.
 
 With ``ddp`` Lightning starts the second rank by running this script again; with ``ddp_spawn`` it spawns both.
 Rank 1 doubles its batch inside the step, so the ranks' memory differs and the reduction has something to show.
+With ``peer-fails``, rank 1 raises at train end before its monitor's hook, and its process ends; each rank writes
+how its fit ended to ``rankN.outcome`` and the monitor's warnings to ``rankN.warnings``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 sys.path.insert(0, str(Path(__file__).parent))
 from models import Classifier, dataset_for, linear_net, loader
 
-from lightning_vram import VramMonitor
+from lightning_vram import VramMonitor, VramMonitorWarning
 
 
 class RankDependent(Classifier):
@@ -40,8 +45,17 @@ class RecordSteps(Callback):
         (self.out / f"rank{trainer.global_rank}.steps").write_text(str(monitor.report.steps))
 
 
+class PeerFails(Callback):
+    """Rank 1 raises at train end, before the monitor's own hook: rank 0's monitor then gathers from a rank gone."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_rank == 1:
+            raise RuntimeError("rank 1 fails at train end")
+
+
 def main() -> None:
     out, strategy = Path(sys.argv[1]), sys.argv[2]
+    peer_fails = sys.argv[3:] == ["peer-fails"]
     torch.set_num_threads(1)
     monitor = VramMonitor(log_every_n_steps=2, attribution_start_step=1, attribution_every_n_steps=1)
     trainer = Trainer(
@@ -50,12 +64,22 @@ def main() -> None:
         strategy=strategy,
         max_steps=4,
         logger=CSVLogger(out, name="ddp"),
-        callbacks=[monitor, RecordSteps(out)],
+        callbacks=[*([PeerFails()] if peer_fails else []), monitor, RecordSteps(out)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(RankDependent(linear_net()), loader(dataset_for("linear", samples=128)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", VramMonitorWarning)
+        try:
+            trainer.fit(RankDependent(linear_net()), loader(dataset_for("linear", samples=128)))
+        except BaseException as error:
+            (out / f"rank{trainer.global_rank}.outcome").write_text(f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            ours = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
+            (out / f"rank{trainer.global_rank}.warnings").write_text(json.dumps(ours))
+    (out / f"rank{trainer.global_rank}.outcome").write_text("finished")
 
 
 if __name__ == "__main__":

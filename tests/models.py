@@ -164,3 +164,40 @@ def trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 4, **kwar
     }
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
+
+
+class ScriptedClock:
+    """A host clock for ``VramMonitor(clock=...)``: the time in seconds moves only when the test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowToLoad(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Each sample takes ``seconds`` of the scripted clock to load, like decoding an image from disk."""
+
+    def __init__(self, data: TensorDataset, clock: ScriptedClock, seconds: float) -> None:
+        self.data, self.clock, self.seconds = data, clock, seconds
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.clock.now += self.seconds
+        inputs, target = self.data[index]
+        return inputs, target
+
+
+class TimedClassifier(Classifier):
+    """A Classifier whose training step takes ``seconds`` of the scripted clock."""
+
+    def __init__(self, network: nn.Module, clock: ScriptedClock, seconds: float) -> None:
+        super().__init__(network)
+        self.clock, self.seconds = clock, seconds
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.clock.now += self.seconds
+        return super().training_step(batch, batch_idx)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from models import OPTIMIZERS, Classifier, loader, trainer
+from models import OPTIMIZERS, Classifier, ScriptedClock, SlowToLoad, TimedClassifier, loader, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -21,22 +20,6 @@ from lightning_vram.measure.setup import training_setup
 def dataset(width: int, samples: int, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(samples, width, generator=generator), torch.randint(0, 10, (samples,)))
-
-
-class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Each sample takes ``delay_seconds`` to load, like decoding an image from disk."""
-
-    def __init__(self, data: TensorDataset, delay_seconds: float) -> None:
-        self.data = data
-        self.delay_seconds = delay_seconds
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.delay_seconds)
-        inputs, target = self.data[index]
-        return inputs, target
 
 
 def mlp(width: int, depth: int, inplace: bool = False, activation: type[nn.Module] = nn.LeakyReLU) -> nn.Sequential:
@@ -69,37 +52,28 @@ def ids(report: Report) -> set[str]:
 
 
 def test_data_starved_run_gets_dataloader_workers(tmp_path: Path) -> None:
-    # 16 samples of 5 ms each: 80 ms of loading per batch against about a millisecond of work. Only that robust
-    # decision is asserted on measured times; the thresholds are tested with injected times below.
-    data = dataset(512, 16 * 64)
-    starved = fit(
-        tmp_path, Classifier(mlp(512, 4)), SlowDataset(data, delay_seconds=0.005), batch_size=16, max_steps=14
-    )
-    assert starved.timing.data_wait_fraction is not None and starved.timing.data_wait_fraction > 0.5
+    # 16 samples of 5 ms each: 80 ms of loading per batch against a millisecond of work, on a scripted clock.
+    clock = ScriptedClock()
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=5, console_summary=False, clock=clock)
+    module = TimedClassifier(mlp(512, 4), clock, seconds=0.001)
+    data = SlowToLoad(dataset(512, 16 * 64), clock, seconds=0.005)
+    trainer(tmp_path, [monitor], max_steps=14).fit(module, loader(data, batch_size=16))
+    starved = monitor.report
+    assert starved is not None
+    assert starved.timing.data_wait_fraction == pytest.approx(0.080 / 0.081)
     assert "dataloader-workers" in ids(starved)
     advice = next(item for item in starved.advice if item.id == "dataloader-workers")
     assert "num_workers=0" in advice.evidence and advice.estimated_saving_seconds is not None
     assert "pin-memory" not in ids(starved)  # CPU training: nothing to pin for
 
 
-class ScriptedClock:
-    """Stands in for the ``time`` module of ``lightning_vram.session``: ``perf_counter`` reads a time the test sets."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-def timed_report(monkeypatch: pytest.MonkeyPatch, waits_and_work: list[tuple[float, float]]) -> Report:
+def timed_report(waits_and_work: list[tuple[float, float]]) -> Report:
     """A session over real training steps of a tiny model whose data wait and work take the given seconds."""
     clock = ScriptedClock()
-    monkeypatch.setattr("lightning_vram.session.time", clock)
     model = nn.Linear(8, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = loader(dataset(8, 128), batch_size=4)  # 32 batches, num_workers=0
-    session = VramSession(console_summary=False, recent_steps=8)
+    session = VramSession(console_summary=False, recent_steps=8, clock=clock)
     # Eight cores per device, whatever this machine has: the advice suggests 7 workers.
     session.start(
         model,
@@ -124,9 +98,9 @@ def timed_report(monkeypatch: pytest.MonkeyPatch, waits_and_work: list[tuple[flo
     return report
 
 
-def test_dataloader_workers_fires_on_a_sustained_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dataloader_workers_fires_on_a_sustained_wait() -> None:
     # 30 ms waiting and 10 ms working per step: 75% of every step; the first batch has no wait to time.
-    report = timed_report(monkeypatch, [(0.030, 0.010)] * 12)
+    report = timed_report([(0.030, 0.010)] * 12)
     assert report.summary.timed_steps == 11
     assert report.timing.data_wait_fraction == pytest.approx(0.75)
     advice = next(item for item in report.advice if item.id == "dataloader-workers")
@@ -150,10 +124,8 @@ def test_dataloader_workers_fires_on_a_sustained_wait(monkeypatch: pytest.Monkey
         ("few steps", [(0.030, 0.010)] * 10),
     ],
 )
-def test_dataloader_workers_stays_silent(
-    monkeypatch: pytest.MonkeyPatch, case: str, waits_and_work: list[tuple[float, float]]
-) -> None:
-    report = timed_report(monkeypatch, waits_and_work)
+def test_dataloader_workers_stays_silent(case: str, waits_and_work: list[tuple[float, float]]) -> None:
+    report = timed_report(waits_and_work)
     assert report.summary.timed_steps == len(waits_and_work) - 1
     assert "dataloader-workers" not in ids(report), case
 

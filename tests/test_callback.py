@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from models import Classifier, cnn_net, dataset_for, linear_net, loader, trainer
+from models import (
+    Classifier,
+    ScriptedClock,
+    SlowToLoad,
+    TimedClassifier,
+    cnn_net,
+    dataset_for,
+    linear_net,
+    loader,
+    trainer,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.data import Dataset
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.records import Phase
@@ -139,31 +147,18 @@ def test_sampling_schedule_and_report_without_sample(tmp_path: Path) -> None:
     assert any("attribution_start_step=50" in item.reason for item in monitor.report.not_measured)
 
 
-class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, delay_seconds: float) -> None:
-        self.data = dataset_for("linear", samples=16)
-        self.delay_seconds = delay_seconds
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.delay_seconds)
-        return self.data[index]  # type: ignore[no-any-return]
-
-
-def test_data_wait_is_measured_between_batches(tmp_path: Path) -> None:
-    fractions = {}
-    for delay in (0.0, 0.03):
-        monitor = VramMonitor(attribution_start_step=100, console_summary=False)
-        trainer(tmp_path, [monitor], max_steps=8).fit(
-            Classifier(linear_net()), loader(SlowDataset(delay), batch_size=2)
-        )
-        assert monitor.report is not None
-        fractions[delay] = monitor.report.timing.data_wait_fraction
-    # 2 samples x 30 ms of fetching against a step of about a millisecond: the wait dominates.
-    assert fractions[0.03] is not None and fractions[0.03] > 0.6
-    assert fractions[0.0] is not None and fractions[0.0] < fractions[0.03]
+@pytest.mark.parametrize(("load_seconds", "share"), [(0.0, 0.0), (0.03, 0.06 / 0.062)])
+def test_data_wait_is_measured_between_batches(tmp_path: Path, load_seconds: float, share: float) -> None:
+    # Batches of 2 samples, each taking load_seconds to load, and steps of 2 ms, on a scripted clock.
+    clock = ScriptedClock()
+    monitor = VramMonitor(attribution_start_step=100, console_summary=False, clock=clock)
+    data = SlowToLoad(dataset_for("linear", samples=16), clock, load_seconds)
+    trainer(tmp_path, [monitor], max_steps=8).fit(
+        TimedClassifier(linear_net(), clock, seconds=0.002), loader(data, batch_size=2)
+    )
+    assert monitor.report is not None
+    assert monitor.report.timing.data_wait_fraction == pytest.approx(share)
+    assert monitor.report.timing.step_seconds_median == pytest.approx(2 * load_seconds + 0.002)
 
 
 @pytest.mark.parametrize(

@@ -252,7 +252,7 @@ def directory_linking_to_itself(directory: Path) -> Path:
 BAD_FILES = {
     "not-utf8": (lambda d: write(d / "r.json", b'{"schema": "\xff\xfe"}'), "not UTF-8 text (byte 12)"),
     "empty": (lambda d: write(d / "r.json", b""), "not JSON"),
-    "huge-file": (lambda d: sparse_file(d / "r.json", 100 * 1024**2), "100.0 MiB is too large for a report"),
+    "huge-file": (lambda d: sparse_file(d / "r.json", 200 * 1024**2), "200.0 MiB is too large for a report"),
     "device": (lambda d: Path(os.devnull), "not a regular file"),
     "dangling-link-in-dir": (lambda d: dangling_link(d / "run"), "no vram_report.json in this directory"),
     "symlink-loop": (lambda d: link_loop(d / "loop"), "Too many levels of symbolic links"),
@@ -298,7 +298,7 @@ def test_a_fifo_is_refused_without_waiting(tmp_path: Path, capsys: pytest.Captur
         statuses: list[int] = []
         worker = threading.Thread(target=show_into, args=(path, statuses), daemon=True)
         worker.start()
-        worker.join(timeout=30)
+        worker.join(timeout=120)  # a refusal takes a moment; only a wait on the FIFO lasts this long
         if worker.is_alive():  # blocked opening the FIFO: a writer lets it go, so that the test ends
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
             worker.join(timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
 import subprocess
@@ -11,12 +12,17 @@ from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib import image
 from models import Classifier, cnn_net, dataset_for, loader, trainer
+from tensorboard import context
+from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins import base_plugin
+from tensorboard.plugins.custom_scalar.custom_scalars_plugin import CustomScalarsPlugin
 from torch import nn
 
 from lightning_vram import Report, VramMonitor
@@ -48,6 +54,25 @@ def events_of(log_dir: Path) -> EventAccumulator:
     return events
 
 
+class WritesLayout(Callback):
+    """Writes the user's Custom Scalars layout when training starts (after the monitor's fit start)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.logger.experiment.add_custom_scalars(USER_LAYOUT)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("user_writes", ["before the monitor", "after the monitor"])
+def test_a_layout_of_the_user_is_merged_with_the_monitor_s(tmp_path: Path, user_writes: str) -> None:
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    callbacks: list[Callback] = [VramMonitor(console_summary=False)]
+    if user_writes == "before the monitor":
+        logger.experiment.add_custom_scalars(USER_LAYOUT)
+    else:
+        callbacks.append(WritesLayout())
+    trainer(tmp_path, callbacks, max_steps=2, logger=logger).fit(Classifier(cnn_net()), loader(dataset_for("cnn")))
+    assert custom_scalars_tab(Path(logger.log_dir)) == {**USER_TAB, **MONITOR_TAB}
+
+
 def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     _, log_dir = tensorboard_run
     events = events_of(log_dir)
@@ -61,17 +86,30 @@ def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, P
         assert pixels.std() > 0.05  # a drawing, not a blank canvas
 
 
+def custom_scalars_tab(log_dir: Path) -> dict[str, dict[str, list[str]]]:
+    """The layout TensorBoard's Custom Scalars tab shows for ``log_dir`` (its plugin merges every run's layout)."""
+    runs = plugin_event_multiplexer.EventMultiplexer()
+    runs.AddRunsFromDirectory(str(log_dir))
+    runs.Reload()
+    provider = data_provider.MultiplexerDataProvider(runs, str(log_dir))
+    plugin = CustomScalarsPlugin(base_plugin.TBContext(data_provider=provider, multiplexer=runs, logdir=str(log_dir)))
+    layout = json.loads(plugin.layout_impl(context.RequestContext(), experiment="") or "{}")
+    return {
+        category["title"]: {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
+        for category in layout.get("category", [])
+    }
+
+
+MONITOR_TAB = {title: {chart: spec[1] for chart, spec in charts.items()} for title, charts in LAYOUT.items()}
+USER_LAYOUT = {"My losses": {"train and validation": ["Multiline", ["train_loss", "val_loss"]]}}
+USER_TAB = {"My losses": {"train and validation": ["train_loss", "val_loss"]}}
+
+
 def test_custom_scalars_layout_groups_the_charts(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     _, log_dir = tensorboard_run
     events = events_of(log_dir)
-    (config,) = events.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout()
-    layout.ParseFromString(config.tensor_proto.string_val[0])
-    categories = {
-        category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
-        for category in layout.category
-    }
-    assert categories == {title: {chart: spec[1] for chart, spec in charts.items()} for title, charts in LAYOUT.items()}
+    categories = custom_scalars_tab(log_dir)
+    assert categories == MONITOR_TAB
     assert categories["VRAM memory"]["allocated, reserved and step peak (bytes)"] == [
         "vram/allocated_bytes",
         "vram/reserved_bytes",

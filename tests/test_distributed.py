@@ -18,6 +18,9 @@ from lightning_vram import VramMonitor
 from lightning_vram.records import Phase
 from lightning_vram.render.files import report_stem
 
+HANG = 900
+"""Seconds a subprocess test may take: ten times what a loaded 2-core machine needs, so only a hang reaches it."""
+
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> None:
@@ -28,7 +31,7 @@ def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> No
         [sys.executable, str(script), str(tmp_path), strategy],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
         env=environment,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -53,6 +56,30 @@ def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> No
     assert not list(log_dir.glob("vram_oom_report*"))
 
 
+def test_a_rank_that_fails_leaves_rank_zero_its_own_report(tmp_path: Path) -> None:
+    # Rank 1 raises at train end and its process ends; rank 0's monitor then gathers from a rank that is gone.
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    environment.pop("CUDA_VISIBLE_DEVICES", None)
+    script = Path(__file__).parent / "ddp_train.py"
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "ddp", "peer-fails"],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        env=environment,
+        check=False,
+    )
+    assert (tmp_path / "rank1.outcome").read_text() == "RuntimeError: rank 1 fails at train end"
+    assert (tmp_path / "rank0.outcome").read_text() == "finished"  # no gloo error reached rank 0's fit
+    warned = [text for text in json.loads((tmp_path / "rank0.warnings").read_text()) if "trains on cpu" not in text]
+    assert len(warned) == 1 and warned[0].startswith("VramMonitor: the exchange between ranks failed with")
+    (log_dir,) = (tmp_path / "ddp").iterdir()
+    report = json.loads((log_dir / "vram_report.json").read_text())
+    assert [rank["rank"] for rank in report["ranks"]] == [0] and report["ranks"][0]["steps"] == report["steps"] == 4
+    assert "the exchange between ranks" in [item["what"] for item in report["not_measured"]]
+    assert (tmp_path / "rank0.steps").read_text() == "4"  # the hooks after the monitor's ran
+
+
 def test_each_rank_writes_its_own_files() -> None:
     assert [report_stem("vram_oom_report", rank, 2) for rank in (0, 1)] == [
         "vram_oom_report.rank0",
@@ -69,7 +96,7 @@ def free_port() -> int:
 def test_fsdp2_shards_count_what_each_rank_holds(tmp_path: Path) -> None:
     script = Path(__file__).parent / "shard_accounting.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True, text=True, timeout=HANG
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
@@ -88,7 +115,7 @@ def test_deepspeed_zero_counts_this_ranks_partitions(tmp_path: Path, stage: int)
         [sys.executable, str(script), str(stage), str(free_port()), str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
@@ -136,7 +163,7 @@ def run_sharded(out: Path, strategy: str) -> list[dict[str, Any]]:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "sharded_train.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(out), strategy], capture_output=True, text=True, timeout=300, env=environment
+        [sys.executable, str(script), str(out), strategy], capture_output=True, text=True, timeout=HANG, env=environment
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]

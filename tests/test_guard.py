@@ -18,6 +18,7 @@ from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram._guard import Part
 from lightning_vram.measure import history
 from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -67,11 +68,13 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
         return FailingProbe("read_allocator", after=5)
     if part is Part.UTILIZATION:
         return FailingProbe("take_utilization")
+    if part is Part.PROBE:
+        return FailingProbe("unavailable")
     targets[part]()
     return None
 
 
-GUARDED_IN_A_FIT = [part for part in Part if part not in (Part.OOM, Part.HISTORY, Part.STATE)]
+GUARDED_IN_A_FIT = [part for part in Part if part not in (Part.OOM, Part.HISTORY, Part.STATE, Part.RANKS)]
 
 
 @pytest.mark.parametrize("part", GUARDED_IN_A_FIT, ids=[part.name for part in GUARDED_IN_A_FIT])
@@ -95,6 +98,34 @@ def test_a_failing_part_warns_once_is_switched_off_and_training_finishes(
     assert monitor.report is not None
     assert [item.what for item in monitor.report.not_measured if "failed with" in item.reason] == [part.value]
     assert monitor.report.steps == STEPS
+
+
+PROBE_METHODS = {
+    "open": Part.PROBE,
+    "read_allocator": Part.ALLOCATOR,
+    "take_utilization": Part.UTILIZATION,
+    "mean_utilization_percent": Part.UTILIZATION,
+    "host_rss_bytes": Part.UTILIZATION,
+    "free_bytes": Part.REPLAY,  # read once, by the preflight replay
+    "unavailable": Part.PROBE,
+    "close": Part.PROBE,
+}
+
+
+@pytest.mark.parametrize("method", list(PROBE_METHODS))
+def test_a_probe_raising_in_any_method_warns_once_and_the_report_is_written(tmp_path: Path, method: str) -> None:
+    assert set(PROBE_METHODS) == {name for name in dir(Probe) if not name.startswith("_")}
+    monitor = VramMonitor(probe=FailingProbe(method), log_every_n_steps=2, attribution_start_step=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit = trainer(tmp_path, [monitor], max_steps=STEPS)
+        fit.fit(Classifier(linear_net()), loader(dataset_for("linear")))
+    assert fit.global_step == STEPS
+    ours = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
+    ours = [text for text in ours if "trains on cpu" not in text]  # the model does: said when the probe cannot
+    assert len(ours) == 1 and ours[0].startswith(f"VramMonitor: {PROBE_METHODS[method].value} failed with Boom")
+    assert monitor.report is not None and monitor.report.steps == STEPS
+    assert (tmp_path / "vram_report.json").exists()
 
 
 def test_a_failing_allocator_history_is_reported_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:

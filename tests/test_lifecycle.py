@@ -169,3 +169,23 @@ def test_a_resumed_run_keeps_the_replay_of_the_run_before(tmp_path: Path) -> Non
     )
     assert second.report is not None and second.report.simulation is not None
     assert second.report.to_dict()["simulation"] == first.report.to_dict()["simulation"]
+
+
+class StopsAnEpochAtItsThirdBatch(Classifier):
+    """Ends the first epoch at batch 2 from ``on_train_batch_start`` (Lightning then skips that batch's end hooks)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch == 0 and batch_idx == 2 else None
+
+
+def test_a_batch_stopped_at_its_start_blames_no_other_monitor(tmp_path: Path) -> None:
+    # Batch 2 is sampled and never ends; each later batch is sampled too and counted by this, the only, monitor.
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=1, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=6, max_epochs=3).fit(
+        StopsAnEpochAtItsThirdBatch(linear_net()), loader(dataset_for("linear"))
+    )
+    report = monitor.report
+    assert report is not None and report.steps == 6
+    assert not [item for item in report.not_measured if "another monitor" in item.reason]
+    assert report.phases[Phase.FORWARD].breakdown is not None
+    assert report.phases[Phase.FORWARD].breakdown.activations > 0

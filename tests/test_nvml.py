@@ -91,7 +91,8 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
     return fake
 
 
-def wait_for(condition: object, timeout: float = 5.0) -> None:
+def wait_for(condition: object, timeout: float = 120.0) -> None:
+    """Poll until ``condition()``; the timeout is reached only by a sampler that never samples, not by a slow one."""
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "the sampler did not sample in time"

@@ -13,7 +13,7 @@ from test_replay_models import ARCHITECTURES, counted_step
 from torch import nn
 
 from lightning_vram import predict
-from lightning_vram.advice.replay.search import largest_batch_that_fits
+from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.advice.rules import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.records import BatchSizeChange, ReplayedStep
@@ -45,7 +45,7 @@ def test_prediction_equals_the_step_the_monitor_counts(tmp_path: Path) -> None:
 
 def test_fit_table_gives_the_largest_batch_whose_replayed_peak_fits_each_gpu() -> None:
     batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
-    module = Classifier(nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 10)), OPTIMIZERS["adam"])
+    module = Classifier(nn.Sequential(nn.Linear(64, 65536), nn.ReLU(), nn.Linear(65536, 10)), OPTIMIZERS["adam"])
     prediction = predict(module, batch, device_type="cpu", cuda_context_bytes=CONTEXT)
     assert prediction.step is not None and len(prediction.fit) == len(COMMON_GPUS)
     assert [row.device for row in prediction.fit] == [name for name, _ in COMMON_GPUS]
@@ -57,9 +57,14 @@ def test_fit_table_gives_the_largest_batch_whose_replayed_peak_fits_each_gpu() -
 
     for row in prediction.fit:
         budget = int(row.capacity_bytes * (1 - BATCH_SAFETY_MARGIN)) - CONTEXT
-        assert peak(row.max_batch_size) <= budget < peak(row.max_batch_size + 1)
+        assert peak(row.max_batch_size) <= budget
+        if row.at_least:  # the search stopped at its bound: a larger batch may fit too, and the row says so
+            assert row.max_batch_size == MAX_BATCH_SIZE
+        else:
+            assert budget < peak(row.max_batch_size + 1)
     sizes = [row.max_batch_size for row in prediction.fit]
     assert sizes == sorted(sizes) and sizes[0] > 16
+    assert any(not row.at_least for row in prediction.fit)
 
 
 def test_cuda_prediction_without_a_cuda_device_replays_on_the_cpu_and_says_so() -> None:
@@ -92,6 +97,7 @@ def test_prediction_that_cannot_replay_says_why() -> None:
         ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
         ({"cuda_context_bytes": -1}, ValueError, "cuda_context_bytes must be an int >= 0, got -1"),
         ({"device_type": "tpu"}, ValueError, "device_type must be 'cuda' or 'cpu', got 'tpu'"),
+        ({"device_type": "cpu:abc"}, ValueError, "device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got"),
     ],
 )
 def test_bad_arguments_name_what_they_must_be(arguments: dict[str, Any], error: type[Exception], message: str) -> None:

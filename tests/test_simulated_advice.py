@@ -553,7 +553,13 @@ def test_report_json_carries_the_simulation_and_each_advice_basis() -> None:
     assert advice["activation-checkpointing"]["predicted_peak_bytes"] == 6 * GIB
     assert advice["mixed-precision"]["saving_basis"] == "simulated"
     assert data["fit"] == [
-        {"device": "T4 (16 GiB)", "capacity_bytes": 16 * GIB, "max_batch_size": 60, "basis": "simulated"}
+        {
+            "device": "T4 (16 GiB)",
+            "capacity_bytes": 16 * GIB,
+            "max_batch_size": 60,
+            "basis": "simulated",
+            "at_least": False,
+        }
     ]
     section = data["simulation"]
     assert {key: section[key] for key in ("device_type", "seconds", "skipped", "step", "peak_bytes", "peak_phase")} == {

@@ -27,8 +27,8 @@ pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", {tests!r}], plugi
 
 def test_helper_scripts_are_not_imported_while_collecting() -> None:
     code = COLLECT_AND_REPORT.format(helpers=set(HELPER_SCRIPTS), tests=str(TESTS))
-    completed = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, cwd=TESTS.parent
+    completed = subprocess.run(  # only a hang takes 900 s, even on a loaded 2-core machine
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=False, cwd=TESTS.parent
     )
     line = next(line for line in completed.stdout.splitlines() if line.startswith("IMPORTED "))
     found = json.loads(line.removeprefix("IMPORTED "))

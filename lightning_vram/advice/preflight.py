@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.advice.replay.escapes import check_no_escape
 from lightning_vram.advice.replay.step import StepFunction, replay_step
 from lightning_vram.advice.rules import FULL_PRECISIONS
 from lightning_vram.records import (
@@ -26,6 +27,7 @@ from lightning_vram.records import (
     PreflightRemedy,
     PreflightVerdict,
     ReplayedStep,
+    ReplaySkipped,
     StepChange,
 )
 
@@ -56,7 +58,11 @@ def preflight(
     step_function: StepFunction,
     budget_seconds: float,
 ) -> PreflightVerdict | str:
-    """Replay the first step; the verdict, or why it could not be replayed. Never raises.
+    """Replay the first step; the verdict, or why it could not be replayed.
+
+    Raises only when a replay left something behind it could not take back
+    (:class:`~lightning_vram.advice.replay.containment.ContainmentError`,
+    :class:`~lightning_vram.advice.replay.escapes.ReplayEscapeError`): the caller turns replays off.
 
     Args:
         module: the module about to train (left untouched).
@@ -67,10 +73,41 @@ def preflight(
         changes: the changes to replay when the step does not fit.
         precision: the run's precision, as Lightning names it.
         step_function: runs the training step on the replay's module.
-        budget_seconds: host seconds for all the replays (changes not reached in time are left out).
+        budget_seconds: host seconds for all the replays; one running when they end stops at its next op, and
+            changes not reached in time are left out.
     """
     started = time.perf_counter()
-    replayed = replay_step(module, optimizers, batch, precision=precision, step_function=step_function, warm_up=True)
+    deadline = started + budget_seconds
+    try:
+        return _preflight(module, optimizers, batch, reading, free_bytes, changes, precision, step_function, deadline)
+    finally:
+        check_no_escape()
+
+
+def _preflight(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Any,
+    reading: AllocatorReading,
+    free_bytes: int,
+    changes: Sequence[StepChange],
+    precision: str,
+    step_function: StepFunction,
+    deadline: float,
+) -> PreflightVerdict | str:
+    def replay(change: StepChange | None) -> ReplayedStep | ReplaySkipped:
+        return replay_step(
+            module,
+            optimizers,
+            batch,
+            precision=precision,
+            step_function=step_function,
+            warm_up=True,
+            change=change,
+            deadline=deadline,
+        )
+
+    replayed = replay(None)
     if not isinstance(replayed, ReplayedStep):
         return replayed.reason
     verdict = PreflightVerdict(
@@ -83,11 +120,9 @@ def preflight(
         return verdict
     remedies: list[PreflightRemedy] = []
     for change in changes:
-        if time.perf_counter() - started > budget_seconds:
+        if time.perf_counter() > deadline:
             break
-        result = replay_step(
-            module, optimizers, batch, precision=precision, step_function=step_function, warm_up=True, change=change
-        )
+        result = replay(change)
         if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
             remedies.append(PreflightRemedy(change.label, result.peak.peak_bytes))
     remedies.sort(key=lambda remedy: remedy.peak_bytes)

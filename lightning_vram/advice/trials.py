@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.replay.escapes import check_no_escape
 from lightning_vram.advice.replay.fit import replayed_fit_table
 from lightning_vram.advice.replay.simulation import simulate
 from lightning_vram.advice.replay.step import StepFunction
@@ -94,11 +95,32 @@ def try_changes(
 ) -> Simulation:
     """Replay the sampled step and each change the rules could advise; on CUDA also the largest batch per GPU.
 
-    Never raises (the replay never does; what it cannot run it skips with the reason).
+    What it cannot run it skips with the reason. Raises only when a replay left something behind it could not take
+    back (:class:`~lightning_vram.advice.replay.containment.ContainmentError`,
+    :class:`~lightning_vram.advice.replay.escapes.ReplayEscapeError`): the caller turns replays off.
     """
     reason = unsupported(module, setup, step_function)
     if reason is not None or step_function is None:
         return Simulation(device.type, None, None, reason, (), 0.0)
+    try:
+        return _try_changes(
+            module, optimizers, batch, attribution, summary, setup, device, step_function, budget_seconds
+        )
+    finally:
+        check_no_escape()
+
+
+def _try_changes(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Any,
+    attribution: Attribution,
+    summary: RunSummary,
+    setup: TrainingSetup,
+    device: torch.device,
+    step_function: StepFunction,
+    budget_seconds: float,
+) -> Simulation:
     started = time.perf_counter()
     simulation = simulate(
         module,

@@ -28,8 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_vram.measure._recompute import OutputWatch, running_backward
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.deepspeed_zero import master_weights, parameter_partition, partition_gradients
-from lightning_vram.measure.observations import ModuleFacts, ModuleObserver
-from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.measure.observations import ModuleFacts, ModuleObserver, stored_attribute
+from lightning_vram.measure.tensors import iter_tensors, without_history
 from lightning_vram.records import Attribution, Breakdown, ModuleProfile, NotMeasured, Phase
 
 OUTSIDE_MODULES = "(training_step)"
@@ -226,7 +226,7 @@ class _SavedActivation:
     __slots__ = ("_keys", "_ledger", "tensor")
 
     def __init__(self, tensor: Tensor, ledger: ActivationLedger, keys: tuple[int, ...]) -> None:
-        self.tensor = tensor
+        self.tensor = without_history(tensor)
         self._ledger = ledger
         self._keys = keys
 
@@ -362,7 +362,7 @@ def module_profile(
     label: str, module: nn.Module, saved_bytes: int, tally: ModuleTally, facts: ModuleFacts
 ) -> ModuleProfile:
     """What module ``label`` did in a counted forward pass, from its tally and what the observer saw of it."""
-    inplace = getattr(module, "inplace", None)
+    inplace = stored_attribute(module, "inplace")
     return ModuleProfile(
         name=label,
         type=type(module).__name__,
@@ -611,7 +611,7 @@ class StepAttributor:
         if counter is not None:
             counter.output_bytes += sum(outputs.values())
         module = self._modules[label]
-        self._observer.leave(label, module, output, outputs, isinstance(getattr(module, "inplace", None), bool))
+        self._observer.leave(label, module, output, outputs, isinstance(stored_attribute(module, "inplace"), bool))
 
     def _on_recomputed(self, output: Any) -> None:
         """An operator of a recomputation created ``output``: hold its new storages until they are freed."""
@@ -638,28 +638,28 @@ class StepAttributor:
 
     def _pack(self, tensor: Tensor) -> Any:
         if self.error is not None:
-            return tensor
+            return without_history(tensor)
         try:
             return self._pack_counted(tensor)
         except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
             self.error = error
-            return tensor
+            return without_history(tensor)
 
     def _pack_counted(self, tensor: Tensor) -> Any:
         if parameter_partition(tensor) is not None:
             return tensor  # a ZeRO-3 parameter, gathered for this layer: DeepSpeed frees it and gathers it again
         local = local_tensor(tensor)
         if not on_device(local, self._device):
-            return tensor
+            return without_history(tensor)
         found = tensor_storages(local)
         if found is None:
             self._note_uncounted([tensor_kind(local)])
-            return tensor
+            return without_history(tensor)
         self._refresh_parameters()
         keys = [(storage.data_ptr(), storage.nbytes()) for storage in found]
         keys = [(key, nbytes) for key, nbytes in keys if key and key not in self._parameters]
         if not keys:
-            return tensor
+            return without_history(tensor)
         owner: str | None = self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
         if running_backward(default=self._recomputation is not None):
             owner = None  # saved by a recomputation in backward, not by the forward pass

@@ -14,6 +14,7 @@ tensor reuses is never taken for the tensor that lived there.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -93,14 +94,45 @@ class _Alive:
         return not expired
 
 
-def _storage_key(tensor: Tensor) -> tuple[int, _Alive] | None:
-    """The address of ``tensor``'s dense storage and a weak check that it lives, or ``None`` without one."""
+StorageKey = Callable[[torch.UntypedStorage], int]
+"""How a caller identifies a storage: its data pointer (real tensors), or its ``StorageWeakRef`` (fake ones too)."""
+
+
+def data_pointer(storage: torch.UntypedStorage) -> int:
+    """A real storage's address, the sampled step's key (0 for an empty one)."""
+    return int(storage.data_ptr())
+
+
+def _storage_key(tensor: Tensor, key_of: StorageKey) -> tuple[int, _Alive] | None:
+    """The key of ``tensor``'s dense storage and a weak check that it lives, or ``None`` without one."""
     try:
         storage = tensor.untyped_storage()
     except (NotImplementedError, RuntimeError):  # sparse and opaque tensors: no feature maps there
         return None
-    key = storage.data_ptr()
+    if not storage.nbytes():
+        return None
+    key = key_of(storage)
     return (key, _Alive(storage)) if key else None
+
+
+def stored_attribute(module: nn.Module, name: str) -> object | None:
+    """The plain value ``module`` stores under ``name`` (its own or its class's), read without running user code.
+
+    ``inspect.getattr_static`` reads the instance and class dictionaries as they are: a property, a ``__getattr__``
+    or any other descriptor is never run (a user's module may compute anything there), and reads as ``None``, as
+    does a name that is not stored. Torch's modules store their constructor arguments (``inplace``,
+    ``in_features``, ``negative_slope``) as plain instance attributes.
+
+    >>> stored_attribute(nn.ReLU(), "inplace"), stored_attribute(nn.Linear(3, 2), "in_features")
+    (False, 3)
+    >>> stored_attribute(nn.Linear(3, 2), "weight") is None  # in ``_parameters``: nn.Module.__getattr__ finds it
+    True
+    """
+    try:
+        value = inspect.getattr_static(module, name)
+    except AttributeError:
+        return None
+    return None if hasattr(type(value), "__get__") else value
 
 
 def _first_tensor(value: Any) -> Tensor | None:
@@ -109,9 +141,13 @@ def _first_tensor(value: Any) -> Tensor | None:
 
 
 class ModuleObserver:
-    """Collects :class:`ModuleFacts` while a sampled forward pass runs; call in the module hooks' order."""
+    """Collects :class:`ModuleFacts` while a sampled forward pass runs; call in the module hooks' order.
 
-    def __init__(self) -> None:
+    ``key_of`` identifies storages the way the caller's keys (``inputs``, :meth:`saved`) do.
+    """
+
+    def __init__(self, key_of: StorageKey = data_pointer) -> None:
+        self._key_of = key_of
         self._calls: list[_Call] = []
         self._facts: dict[str, ModuleFacts] = {}
         self._feature_maps: dict[int, tuple[_Alive, int, int]] = {}
@@ -126,7 +162,7 @@ class ModuleObserver:
         first = _first_tensor(args)
         first_input = None
         if first is not None:
-            found = _storage_key(first)
+            found = _storage_key(first, self._key_of)
             if found is not None:
                 first_input = (found[0], first.numel())
                 if isinstance(module, nn.Linear) and first.dim() == 2:
@@ -138,7 +174,7 @@ class ModuleObserver:
         if known is None or not known[0]:
             return
         _, channels, positions = known
-        if channels * positions == linear.in_features:
+        if channels * positions == stored_attribute(linear, "in_features"):
             self._facts.setdefault(label, ModuleFacts()).input_feature_map = (channels, positions)
 
     def saved(self, key: int) -> None:
@@ -159,7 +195,7 @@ class ModuleObserver:
         if self._calls:
             self._calls[-1].saved |= call.saved
         first = _first_tensor(output)
-        found = _storage_key(first) if first is not None else None
+        found = _storage_key(first, self._key_of) if first is not None else None
         if first is None or found is None:
             return
         if watch_output:

@@ -107,6 +107,25 @@ class CpuProbe:
         """Nothing to stop."""
 
 
+class BlindProbe(CpuProbe):
+    """Reads nothing: stands in for a probe that failed to open, so that the run and its report go on.
+
+    The guard warned and lists the failed probe in the report; this one adds nothing to ``not_measured``.
+    """
+
+    def open(self, device: torch.device) -> DeviceInfo:
+        """The device as torch names it; its model and capacity are not known."""
+        return DeviceInfo(type=device.type, name=str(device), index=device.index, total_bytes=None)
+
+    def host_rss_bytes(self) -> int | None:
+        """Not read: ``None``."""
+        return None
+
+    def unavailable(self) -> tuple[NotMeasured, ...]:
+        """Nothing beyond the failed probe the guard reports."""
+        return ()
+
+
 class NvmlUtilization:
     """GPU utilization and this process's device memory, sampled by NVML on a background thread.
 

@@ -2,23 +2,30 @@
 
 Lightning-free: the callback fills in what its Trainer knows (precision, accumulation, strategy, world size); a
 plain loop or a Fabric loop passes what it has, and the rest keeps its single-process default.
+
+Reading the set-up runs none of the user's code: no module is called (a ``Dropout`` would draw from torch's
+generator, a user's module may refuse a probe), no property or ``__getattr__`` is run, and a parametrized tensor
+(``spectral_norm``, ``weight_norm``) is read through its originals, since reading it runs the parametrization
+(spectral norm's power iteration rewrites its ``_u`` and ``_v`` buffers in training mode).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader
 
 from lightning_vram.measure.accounting import local_tensor
 from lightning_vram.measure.deepspeed_zero import full_numel, parameter_bytes, wrapped_optimizer
+from lightning_vram.measure.observations import stored_attribute
 from lightning_vram.records import LinearLayer, TrainingSetup
 
 
@@ -58,11 +65,29 @@ def _whole_bytes(parameter: Tensor) -> int:
     return full_numel(parameter) * parameter.element_size()
 
 
+def tensors_behind(module: nn.Module, name: str) -> list[Tensor]:
+    """The parameters holding ``module``'s tensor ``name``, found without computing it.
+
+    Its own parameter; for a parametrized tensor the originals its parametrization computes it from
+    (``original``, or ``original0``, ``original1``... where it keeps several), which are what training updates.
+
+    >>> from torch.nn.utils.parametrizations import weight_norm
+    >>> [tuple(tensor.shape) for tensor in tensors_behind(weight_norm(nn.Linear(3, 2)), "weight")]  # g, then v
+    [(2, 1), (2, 3)]
+    """
+    if parametrize.is_parametrized(module, name):
+        originals = cast(nn.ModuleDict, module.parametrizations)[name]
+        return [parameter for _, parameter in originals.named_parameters(recurse=False)]
+    own = dict(module.named_parameters(recurse=False)).get(name)
+    return [own] if own is not None else []
+
+
 def linear_layers(module: nn.Module) -> tuple[LinearLayer, ...]:
     """Every ``nn.Linear`` of ``module`` with the bytes of the parameters it owns alone.
 
     A parameter that another module holds too (a language model's ``lm_head`` tied to its embedding) is not
     the Linear's own: it counts once, with the module it is tied to, and the Linear's own bytes exclude it.
+    A parametrized weight counts the bytes of its originals (``tensors_behind``).
 
     >>> embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
     >>> head.weight = embedding.weight
@@ -75,57 +100,74 @@ def linear_layers(module: nn.Module) -> tuple[LinearLayer, ...]:
         for parameter in child.parameters(recurse=False)
     )
 
-    def own_bytes(parameter: Tensor | None) -> int:
-        if parameter is None or owners[_parameter_key(parameter)] > 1:
-            return 0
-        return _whole_bytes(parameter)
-
-    return tuple(
-        LinearLayer(
-            name=name,
-            in_features=child.in_features,
-            out_features=child.out_features,
-            parameter_bytes=own_bytes(child.weight) + own_bytes(child.bias),
-            weight_bytes=own_bytes(child.weight),
+    def own_bytes(child: nn.Module, name: str) -> int:
+        return sum(
+            _whole_bytes(parameter)
+            for parameter in tensors_behind(child, name)
+            if owners[_parameter_key(parameter)] == 1
         )
-        for name, child in module.named_modules()
-        if isinstance(child, nn.Linear)
-    )
+
+    layers = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear):
+            continue
+        in_features, out_features = stored_attribute(child, "in_features"), stored_attribute(child, "out_features")
+        if isinstance(in_features, int) and isinstance(out_features, int):
+            weight_bytes = own_bytes(child, "weight")
+            total = weight_bytes + own_bytes(child, "bias")
+            layers.append(LinearLayer(name, in_features, out_features, total, weight_bytes))
+    return tuple(layers)
+
+
+@dataclass(frozen=True)
+class ResultOnly:
+    """When a torch activation's inplace variant saves only its result for backward: always, or within one setting.
+
+    ``setting``: the constructor argument it depends on, as the module stores it (``None``: always); the value must
+    be above ``bound`` (or equal to it, with ``bound_included``).
+    """
+
+    setting: str | None = None
+    bound: float = 0.0
+    bound_included: bool = True
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module``'s stored setting is in range (``False`` where it stores no plain number)."""
+        if self.setting is None:
+            return True
+        value = stored_attribute(module, self.setting)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        return value >= self.bound if self.bound_included else value > self.bound
+
+
+RESULT_ONLY_INPLACE: dict[type[nn.Module], ResultOnly] = {
+    nn.ReLU: ResultOnly(),
+    nn.SELU: ResultOnly(),
+    nn.LeakyReLU: ResultOnly("negative_slope"),  # a negative slope: backward refuses the inplace variant
+    nn.ELU: ResultOnly("alpha"),  # a negative alpha: backward refuses the inplace variant
+    nn.CELU: ResultOnly("alpha", bound_included=False),  # alpha 0 divides by zero
+}
+"""Torch's activation classes whose inplace variant computes its gradient from its result alone, and when.
+
+Checked against torch by the tests, which run each op on a throwaway tensor and watch what autograd saves. The
+others' inplace variants keep a copy of the input they overwrite, or refuse backward (``Hardtanh``, ``ReLU6``,
+``SiLU``, ``Mish``, ``Threshold``, ``RReLU``...), and dropout is no activation.
+"""
 
 
 def inplace_keeps_result(module: nn.Module) -> bool:
-    """Whether the inplace variant of activation module ``module`` saves only its result, tried on 16 numbers.
+    """Whether out-of-place activation ``module``'s inplace variant would save only its result for backward.
 
-    ``relu_``, ``leaky_relu_`` and ``elu_`` compute their gradient from their result, so inplace the input and the
-    output become one saved tensor; others (``hardtanh_``, ``silu_``) keep a copy of the input they overwrite, or
-    refuse backward (``leaky_relu_`` with a negative slope), and inplace saves nothing there. The trial runs a copy
-    of the module's ``forward`` (no hooks, the module itself untouched) on a CPU tensor.
+    Inplace, its input and output then become one saved tensor. Decided from the module's type and the settings
+    torch's constructor stored (``RESULT_ONLY_INPLACE``), never by running it: any other class, subclasses of
+    these included (their ``forward`` may differ), is unknown and answers ``False`` (nothing to advise).
 
-    >>> inplace_keeps_result(nn.LeakyReLU()), inplace_keeps_result(nn.SiLU()), inplace_keeps_result(nn.Linear(2, 2))
-    (True, False, False)
+    >>> [inplace_keeps_result(module) for module in (nn.LeakyReLU(), nn.LeakyReLU(-0.1), nn.SiLU(), nn.Linear(2, 2))]
+    [True, False, False, False]
     """
-    if getattr(module, "inplace", None) is not False or any(True for _ in (*module.parameters(), *module.buffers())):
-        return False
-    trial = copy.copy(module)
-    trial.inplace = True  # type: ignore[assignment]  # nn.Module annotates attributes as tensors or modules
-    saved: set[int] = set()
-
-    def pack(tensor: Tensor) -> Tensor:
-        saved.add(tensor.untyped_storage().data_ptr())
-        return tensor
-
-    start = torch.linspace(-2.0, 2.0, 16, requires_grad=True)  # both sides of zero
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            values = start.clone()
-            result = trial.forward(values)
-        if not isinstance(result, Tensor):
-            return False
-        torch.autograd.grad(result.sum(), start)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):  # an activation that refuses this trial
-        return False
-    address = values.untyped_storage().data_ptr()
-    return result.untyped_storage().data_ptr() == address and saved == {address}
+    rule = RESULT_ONLY_INPLACE.get(type(module))
+    return rule is not None and stored_attribute(module, "inplace") is False and rule.holds(module)
 
 
 def user_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -8,6 +8,17 @@ from typing import Any
 from torch import Tensor
 
 
+def without_history(tensor: Tensor) -> Tensor:
+    """``tensor``, or an alias of it without its ``grad_fn`` (same storage, same version counter) where it has one.
+
+    What a saved-tensor pack hook returns is held by the autograd node that saved it: the tensor itself (or an object
+    holding it) would make a reference cycle through C++ (tensor -> grad_fn -> saved -> tensor) that Python's garbage
+    collector cannot free, so a forward pass whose backward never runs (a ``training_step`` returning ``None``, a
+    replay stopped half-way) would keep its whole graph, activations included, alive.
+    """
+    return tensor.detach() if tensor.grad_fn is not None else tensor
+
+
 def iter_tensors(value: Any) -> Iterator[Tensor]:
     """Every tensor inside nested dicts, lists and tuples (an optimizer's state entries).
 

@@ -1,5 +1,7 @@
 """Step time and data wait, measured on the host with ``time.perf_counter`` (no device synchronisation).
 
+The clock is the timer's argument, so that tests script the times instead of measuring them.
+
 Data wait is the time between one training batch's end and the next one's start: the DataLoader's
 fetch and the transfer to the device (and other callbacks' batch-end work). It is not measured across
 epoch boundaries or validation runs.
@@ -8,17 +10,28 @@ epoch boundaries or validation runs.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from lightning_vram.codec import FormatError, Reader
 from lightning_vram.records import IntervalTiming
 
+Clock = Callable[[], float]
+"""A monotonic host clock, in seconds (``time.perf_counter``)."""
+
 
 class StepTimer:
-    """Accumulates busy and waiting time per interval and over the run; keeps a fixed window of step times."""
+    """Accumulates busy and waiting time per interval and over the run; keeps a fixed window of step times.
 
-    def __init__(self, window: int) -> None:
+    Args:
+        window: how many recent steps' times are kept.
+        clock: read at each batch's start and end, in seconds.
+    """
+
+    def __init__(self, window: int, clock: Clock = time.perf_counter) -> None:
+        self._clock = clock
         self._window: deque[tuple[float, float]] = deque(maxlen=window)  # (wait, step) seconds
         self._started_at: float | None = None
         self._ended_at: float | None = None
@@ -31,16 +44,18 @@ class StepTimer:
         self.timed_steps = 0
         """Steps timed over the run (those that directly followed another batch)."""
 
-    def batch_started(self, now: float) -> None:
-        """A training batch starts at ``now`` (seconds)."""
+    def batch_started(self) -> None:
+        """A training batch starts now."""
+        now = self._clock()
         self._wait_seconds = now - self._ended_at if self._ended_at is not None else None
         self._started_at = now
 
-    def batch_ended(self, now: float) -> None:
-        """The batch that started last ends at ``now`` (seconds).
+    def batch_ended(self) -> None:
+        """The batch that started last ends now.
 
         Only a batch that followed another one directly counts: its step is the wait plus the work.
         """
+        now = self._clock()
         started_at, wait_seconds = self._started_at, self._wait_seconds
         self._started_at = None
         self._ended_at = now

@@ -160,7 +160,7 @@ def render_html(report: Report) -> str:
     if report.fit:
         fit = "".join(
             f'<tr><td>{html.escape(row.device)}</td><td class="n">{format_bytes(row.capacity_bytes)}</td>'
-            f'<td class="n">{row.max_batch_size}</td><td>{html.escape(row.basis)}</td></tr>'
+            f'<td class="n">{row.batch_text}</td><td>{html.escape(row.basis)}</td></tr>'
             for row in report.fit
         )
         sections.append(

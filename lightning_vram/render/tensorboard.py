@@ -6,7 +6,8 @@ Used only when a TensorBoardLogger is present; works with any writer that has th
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -33,6 +34,10 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
     },
 }
 """Charts grouped for TensorBoard's Custom Scalars tab: memory together, speed together."""
+LAYOUT_RUN = "vram_layout"
+"""The run, below the writer's, that holds :data:`LAYOUT`. TensorBoard keeps one layout per run (the last one written)
+and merges the layouts of all runs by category: in a run of its own, the monitor's layout neither replaces a layout
+the user writes in theirs nor is replaced by it, whichever comes first."""
 
 
 class TensorBoardWriter(Protocol):
@@ -50,10 +55,27 @@ class TensorBoardWriter(Protocol):
         """Write an image under ``tag`` at ``global_step``."""
         ...
 
+    def get_logdir(self) -> str:
+        """The directory (or URL) of the run this writer writes."""
+        ...
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        ...
+
 
 def write_layout(writer: TensorBoardWriter) -> None:
-    """The custom-scalars layout of the ``vram/...`` scalars."""
-    writer.add_custom_scalars(LAYOUT)
+    """The custom-scalars layout of the ``vram/...`` scalars, in the run :data:`LAYOUT_RUN` below ``writer``'s.
+
+    Written by a new writer of ``writer``'s class (``torch.utils.tensorboard``'s or ``tensorboardX``'s
+    ``SummaryWriter``, which both take the run's directory first), closed at once.
+    """
+    new_writer = cast(Callable[[str], TensorBoardWriter], type(writer))
+    layout_writer = new_writer(f"{writer.get_logdir().rstrip('/')}/{LAYOUT_RUN}")
+    try:
+        layout_writer.add_custom_scalars(LAYOUT)
+    finally:
+        layout_writer.close()
 
 
 def write_advice(writer: TensorBoardWriter, advice: tuple[Advice, ...], step: int) -> None:

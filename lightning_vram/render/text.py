@@ -211,8 +211,7 @@ def markdown(report: Report) -> str:
             "|---|---:|---:|---|",
         ]
         lines += [
-            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.max_batch_size}"
-            f" | {row.basis} |"
+            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.batch_text} | {row.basis} |"
             for row in report.fit
         ]
     if (view := simulation_view(report)) is not None:

@@ -1,4 +1,4 @@
-"""The replay's batch: the real one's shapes and dtypes as fake tensors, resized or moved for a change."""
+"""The replay's batch (a fake copy, see ``twin.fake_batch``) resized or moved for a change."""
 
 from __future__ import annotations
 
@@ -7,13 +7,6 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-
-from lightning_vram.advice.replay._fake import FakeTensorMode
-
-
-def fake_batch(batch: Any, mode: FakeTensorMode) -> Any:
-    """The batch with every tensor faked (no constants: a batch's values are not read by a replay)."""
-    return apply_to_collection(batch, Tensor, lambda tensor: mode.from_tensor(tensor, static_shapes=True))
 
 
 def resize_batch(batch: Any, old_size: int, new_size: int) -> Any:

@@ -35,6 +35,7 @@ from lightning_vram.advice.replay.storages import (
     optimizer_state_storages,
     parameter_storages,
     storage_bytes,
+    storage_identity,
     storage_key,
 )
 from lightning_vram.measure.accounting import (
@@ -47,7 +48,7 @@ from lightning_vram.measure.accounting import (
     phase_breakdown,
 )
 from lightning_vram.measure.observations import ModuleObserver
-from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.measure.tensors import iter_tensors, without_history
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
 
 Producer = Callable[[int], str | None]
@@ -65,7 +66,7 @@ class _Saved:
     __slots__ = ("_key", "_ledger", "_version", "tensor")
 
     def __init__(self, tensor: Tensor, ledger: ActivationLedger, key: int) -> None:
-        self.tensor = tensor
+        self.tensor = without_history(tensor)
         self._ledger = ledger
         self._key = key
         self._version = tensor._version
@@ -109,7 +110,7 @@ class ReplayCounter:
         self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
         self._stack: list[str] = []
         self._tallies: dict[str, ModuleTally] = {}
-        self._observer = ModuleObserver()
+        self._observer = ModuleObserver(storage_identity)
         self._phase = Phase.FORWARD
         self._awaiting_forward = False
         self._recomputing_depth: int | None = None
@@ -191,11 +192,11 @@ class ReplayCounter:
 
     def _pack(self, tensor: Tensor) -> Any:
         if not on_device(tensor, self._device):
-            return tensor
+            return without_history(tensor)
         key = storage_key(tensor)
         nbytes = tensor.untyped_storage().nbytes()
         if not nbytes or key in self._parameters:
-            return tensor
+            return without_history(tensor)
         if not self._ledger.holds(key) and self._producer(key) in self._loss_ops:
             self.loss_activation_bytes += nbytes
         self._ledger.acquire(key, nbytes, self._stack[-1] if self._stack else OUTSIDE_MODULES)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.replay.search import largest_batch_that_fits
+from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.advice.rules import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.measure.accounting import batch_size_of
@@ -55,6 +55,7 @@ def replayed_fit_table(
                 placement=placement,
                 step_function=step_function,
                 warm_up=warm_up,
+                deadline=deadline,
             )
             peaks[size] = result.peak.peak_bytes if isinstance(result, ReplayedStep) else None
         return peaks[size]
@@ -65,5 +66,5 @@ def replayed_fit_table(
         largest = largest_batch_that_fits(peak_bytes, budget, start)
         if largest is None:
             return ()
-        rows.append(FitRow(name, capacity, largest, basis="simulated"))
+        rows.append(FitRow(name, capacity, largest, basis="simulated", at_least=largest >= MAX_BATCH_SIZE))
     return tuple(rows)

@@ -1,24 +1,69 @@
-"""What a replay must leave as it found it: random number generators, default dtype, grad mode, output, warnings.
+"""What a replay must leave as it found it: random number generators, default dtype, grad mode; and its output.
 
 The replay runs the user's ``training_step`` on a fake copy, so the user's module, optimizer and gradients are never
-touched; the process-wide state below is what such code could still change.
+touched; the process-wide state below is what such code could still change (what else it reaches is saved and
+put back by :mod:`~lightning_vram.advice.replay.containment`). The replayed code's prints and warnings are not
+shown, but only the replaying thread's: other threads keep writing to the same streams and warning as before
+(no process-wide redirection, no change to the warnings filters).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import random
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any, TextIO
 
 import torch
 
 
+class _OtherThreadsOnly:
+    """A stream that drops what one thread writes and passes everything else to the stream it stands in for."""
+
+    def __init__(self, stream: TextIO, silenced: int) -> None:
+        self._stream = stream
+        self._silenced = silenced
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self._silenced:
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _quiet_thread() -> Iterator[None]:
+    """Silence this thread's prints and warnings; other threads' still reach their streams and handlers."""
+    me = threading.get_ident()
+    stdout, stderr, showwarning = sys.stdout, sys.stderr, warnings.showwarning
+
+    def show(*args: Any, **kwargs: Any) -> None:
+        if threading.get_ident() != me:
+            showwarning(*args, **kwargs)
+
+    sys.stdout = _OtherThreadsOnly(stdout, me)
+    sys.stderr = _OtherThreadsOnly(stderr, me)
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        # Put each back only if nobody replaced it meanwhile (another thread's own redirection stays).
+        if isinstance(sys.stdout, _OtherThreadsOnly):
+            sys.stdout = stdout
+        if isinstance(sys.stderr, _OtherThreadsOnly):
+            sys.stderr = stderr
+        if warnings.showwarning is show:
+            warnings.showwarning = showwarning
+
+
 @contextlib.contextmanager
 def isolated() -> Iterator[None]:
-    """Restore the process-wide state on exit; silence the replayed code's prints and warnings meanwhile.
+    """Restore the process-wide state on exit; silence the replayed code's prints and shown warnings meanwhile.
 
     Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
     global generator (when NumPy is imported), the default dtype and grad mode.
@@ -33,12 +78,7 @@ def isolated() -> Iterator[None]:
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
     try:
-        with (
-            warnings.catch_warnings(),
-            contextlib.redirect_stdout(io.StringIO()),
-            contextlib.redirect_stderr(io.StringIO()),
-        ):
-            warnings.simplefilter("ignore")
+        with _quiet_thread():
             yield
     finally:
         torch.set_grad_enabled(grad_enabled)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-MAX_BATCH_SIZE = 1 << 24
-"""The largest batch size searched (a bound for models whose peak hardly grows with the batch)."""
+MAX_BATCH_SIZE = 1 << 16
+"""The largest batch size searched (65,536): a bound for models whose peak hardly grows with the batch, and for
+steps whose replay time grows with it (a loop over the samples). A search that ends there reports "at least"."""
 
 
 class _Peaks:

@@ -40,9 +40,11 @@ def simulate(
 ) -> Simulation:
     """Replay the step, compare it with ``attribution`` (the sampled step's counts), then replay each change.
 
-    Safe to call inside the user's training: it never raises, and leaves the module, optimizers, gradients and
-    random number generators as they were. Without ``attribution`` (nothing counted yet, as before the first
-    step) the baseline is trusted as replayed and ``match`` is ``None``.
+    Safe to call inside the user's training: it leaves the module, optimizers, gradients, random number generators
+    and what the user's code reaches as they were; it raises only what
+    :func:`~lightning_vram.advice.replay.step.replay_step` raises (something it could not put back). Without
+    ``attribution`` (nothing counted yet, as before the first step) the baseline is trusted as replayed and
+    ``match`` is ``None``.
 
     Args:
         module: the module trained (left untouched).
@@ -50,7 +52,8 @@ def simulate(
         batch: the sampled step's batch.
         attribution: the sampled step's counts, or ``None``.
         changes: the changes to try, each replayed on its own.
-        time_budget_seconds: host seconds for all of it; changes not reached in time are discarded saying so.
+        time_budget_seconds: host seconds for all of it, the baseline included: a replay running when it ends stops
+            at its next op; changes not reached in time are discarded saying so.
         precision: the run's precision, as Lightning names it.
         device: the device whose memory is counted; default: the module's.
         step_function: runs the training step (default: ``training_step``), as for
@@ -60,6 +63,7 @@ def simulate(
             :func:`~lightning_vram.advice.replay.step.replay_step`).
     """
     started = time.perf_counter()
+    deadline = None if time_budget_seconds is None else started + time_budget_seconds
     step = attribution.step if attribution is not None else 0
     device_type = (device or module_device(module)).type
 
@@ -74,6 +78,7 @@ def simulate(
             step_function=step_function,
             step=step,
             gradients_at_forward=gradients_at_forward,
+            deadline=deadline,
         )
         return result if isinstance(result, ReplayedStep) else result.reason
 

@@ -7,11 +7,14 @@ from lightning_vram.advice.replay._fake import (
     DynamicOutputShapeException,
     UnsupportedFakeTensorException,
 )
+from lightning_vram.advice.replay.deadline import ReplayDeadlineError
 
 
 def skip_reason(error: BaseException) -> str:
     """The reason a replay stopped at ``error``, naming what fake tensors cannot do where that was the cause."""
     text = f"{type(error).__name__}: {error}".strip()
+    if isinstance(error, ReplayDeadlineError):
+        return str(error)
     if isinstance(error, DataDependentOutputException):
         return (
             "the step reads a tensor's value (.item(), bool(), a Python condition on a tensor); fake tensors have"

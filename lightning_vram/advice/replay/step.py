@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,15 +22,26 @@ from torch import Tensor, nn
 from lightning_vram.advice.replay._fake import FakeTensorMode
 from lightning_vram.advice.replay.batches import move_batch, resize_batch
 from lightning_vram.advice.replay.changes import change_module
+from lightning_vram.advice.replay.containment import ContainmentError, contained
 from lightning_vram.advice.replay.counting import ReplayCounter
+from lightning_vram.advice.replay.deadline import Deadline
+from lightning_vram.advice.replay.escapes import register
 from lightning_vram.advice.replay.isolation import isolated
 from lightning_vram.advice.replay.live import LiveMemory
 from lightning_vram.advice.replay.precision import PrecisionPlan, precision_plan
 from lightning_vram.advice.replay.skips import skip_reason
-from lightning_vram.advice.replay.twin import Twin, make_twin, module_device, move_module, state_tensors
+from lightning_vram.advice.replay.twin import (
+    Twin,
+    make_twin,
+    module_device,
+    move_module,
+    shared_arrays,
+    state_tensors,
+)
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
 from lightning_vram.measure.accounting import batch_size_of
 from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.measure.user_code import Reach, code_roots, inside_ids, reach_of
 from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,
@@ -132,6 +144,49 @@ class _Run:
             optimizer.step()
 
 
+def _release_frames(error: BaseException) -> None:
+    """Clear the locals of every frame ``error`` (and what it chains) passed through.
+
+    An error raised inside autograd's engine (a replay's deadline during backward) is kept by C++ beyond the
+    ``except`` clause; its frames would keep the replay's copy, its graph and its fake tensors alive.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+
+
+def _drain_autograd() -> None:
+    """Run one tiny backward on the CPU, so that autograd lets go of a replay's graph that stopped in backward.
+
+    A backward that raised (a replay's deadline) leaves its pending tasks in this thread's ready queue, holding the
+    graph and its fake tensors, until the next backward drains it.
+    """
+    with torch.enable_grad():
+        leaf = torch.zeros((), requires_grad=True)
+        (leaf * 1.0).backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+
+
+def _refusal(reach: Reach) -> str | None:
+    """Why the code ``reach`` describes must not be replayed, decided before it runs; ``None`` when it may."""
+    if reach.real_modules:
+        return (
+            f"the step's code reaches the trained model itself ({reach.real_modules[0]}), which a replay must not"
+            " run: a step_function should call the module it is given"
+        )
+    if reach.hook_apis:
+        return (
+            f"the step's code uses {', '.join(sorted(reach.hook_apis))}, which refuses or hides the saved-tensor hooks"
+            " a replay counts with"
+        )
+    return None
+
+
 def replay_step(
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer] | None,
@@ -145,8 +200,14 @@ def replay_step(
     step: int = 0,
     placement: torch.device | None = None,
     gradients_at_forward: bool = True,
+    deadline: float | None = None,
 ) -> ReplayedStep | ReplaySkipped:
-    """Replay one training step of ``module`` on fake tensors and count it; never raises.
+    """Replay one training step of ``module`` on fake tensors and count it.
+
+    The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
+    (:mod:`~lightning_vram.advice.replay.containment`). A step whose code reaches the trained model itself is not
+    replayed. The only error raised is :class:`~lightning_vram.advice.replay.containment.ContainmentError`, when
+    something outside could not be put back; every other failure is a :class:`ReplaySkipped`.
 
     Args:
         module: the module trained (a LightningModule, or any module with ``step_function``); left untouched.
@@ -163,6 +224,7 @@ def replay_step(
         placement: replay on this device rather than where the module is (its copy and the batch are moved there).
         gradients_at_forward: whether the previous step's gradients are alive when the forward pass starts, as under
             Lightning's default; ``False`` where the run frees them first (its own ``on_train_batch_start``).
+        deadline: ``time.perf_counter()`` (seconds) past which the replay stops at its next op; ``None``: no limit.
 
     Returns:
         The replayed step, or why it could not be replayed.
@@ -176,12 +238,20 @@ def replay_step(
         return ReplaySkipped(str(error))
     counted_device = device or placement or module_device(module)
     run = _Run(counted_device, plan, change, step_function, placement)
+    shared = [*shared_arrays(module), *shared_arrays(batch)]
+    reach = reach_of(code_roots(module, step_function, optimizers or (), batch), inside_ids(module))
+    refusal = _refusal(reach)
+    if refusal is not None:
+        return ReplaySkipped(refusal)
+    reach.arrays += shared
     counter: ReplayCounter | None = None
     try:
-        with isolated():
+        with isolated(), contained(reach) as containment:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            twin = make_twin(module, None if optimizers is None else list(optimizers), batch, mode, run.prepare_module)
-            with mode:
+            register(mode)
+            optimizer_list = None if optimizers is None else list(optimizers)
+            twin = make_twin(module, optimizer_list, batch, mode, run.prepare_module, shared)
+            with mode, Deadline(deadline):
                 fake_batch = run.prepare_batch(twin.batch)
                 if warm_up:
                     run.run_step(twin, fake_batch, None, None)
@@ -190,14 +260,18 @@ def replay_step(
                         parameter.grad = None
                 live = LiveMemory(counted_device)
                 live.track(state_tensors(twin))
-                live.track(iter_tensors(fake_batch))
+                live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
                 counter = ReplayCounter(twin.module, twin.optimizers, counted_device, live.producer, LOSS_OPS)
                 live.add_listener(counter.on_output)
                 probe = WorkspaceProbe()
                 with probe, live:
                     run.run_step(twin, fake_batch, counter, live)
                 phases, modules = counter.finish()
+    except ContainmentError:
+        raise
     except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
+        _release_frames(error)
+        _drain_autograd()
         return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
     finally:
         if counter is not None:
@@ -219,8 +293,11 @@ def replay_step(
         modules=modules,
         loss_activation_bytes=counter.loss_activation_bytes,
         seconds=time.perf_counter() - started,
-        notes=tuple(
-            f"{op} keeps a workspace for backward that fake tensors do not size: left out"
-            for op in sorted(probe.unmeasured)
+        notes=(
+            *(
+                f"{op} keeps a workspace for backward that fake tensors do not size: left out"
+                for op in sorted(probe.unmeasured)
+            ),
+            *(f"the replayed code changed {place}; put back as it was" for place in containment.restored),
         ),
     )

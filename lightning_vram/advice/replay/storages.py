@@ -26,7 +26,12 @@ StorageBytes = dict[int, int]
 
 def storage_key(tensor: Tensor) -> int:
     """The identity of ``tensor``'s storage: the same for every view of it, for real and fake tensors."""
-    return int(StorageWeakRef(tensor.untyped_storage()).cdata)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+    return storage_identity(tensor.untyped_storage())
+
+
+def storage_identity(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage, real or fake: the address of its C++ object."""
+    return int(StorageWeakRef(storage).cdata)  # type: ignore[no-untyped-call]  # torch ships it unannotated
 
 
 def allocator_bytes(nbytes: int) -> int:

@@ -1,14 +1,18 @@
 """The replay's own copy of the training state, made of fake tensors: module, gradients, optimizers, batch.
 
 The module is deep-copied under :class:`~torch._subclasses.fake_tensor.FakeCopyMode`: every tensor it holds becomes
-a fake one of the same shape, dtype and device, and nothing of the user's module is shared or changed (a
-LightningModule's copy drops its Trainer, as its pickling does; its ``log`` and ``log_dict`` do nothing).
-Gradients are faked from the real ones; optimizers come from :mod:`~lightning_vram.advice.replay.optimizers`.
+a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does;
+its ``log`` and ``log_dict`` do nothing). NumPy arrays the module or the batch hold are shared, not copied (a 400 MB
+table would be copied on every replay): the replay makes them read-only while it runs. The batch is deep-copied
+the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
+the copy. Gradients are faked from the real ones; optimizers come from
+:mod:`~lightning_vram.advice.replay.optimizers`.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.advice.replay._fake import FakeCopyMode, FakeTensorMode
-from lightning_vram.advice.replay.batches import fake_batch
 from lightning_vram.advice.replay.optimizers import configured_optimizers, rebuild_optimizer
 from lightning_vram.measure.tensors import iter_tensors
+
+_ARRAY_DEPTH = 3
+"""How deep into attributes, lists and dicts :func:`shared_arrays` looks for NumPy arrays."""
 
 
 @dataclass
@@ -29,15 +35,41 @@ class Twin:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     batch: Any
+    batch_tensors: list[Tensor]
 
 
 def _no_logging(*_args: Any, **_kwargs: Any) -> None:
     """Stands in for ``self.log`` and ``self.log_dict`` during a replay: nothing is logged."""
 
 
-def fake_module(module: nn.Module, mode: FakeTensorMode) -> tuple[nn.Module, dict[int, Any]]:
-    """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy)."""
-    memo: dict[int, Any] = {}
+def shared_arrays(value: Any) -> list[Any]:
+    """The NumPy arrays a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return []
+    found: dict[int, Any] = {}
+    pending = [vars(child) for child in value.modules()] if isinstance(value, nn.Module) else [value]
+    for _ in range(_ARRAY_DEPTH):
+        nested: list[Any] = []
+        for item in pending:
+            if isinstance(item, numpy.ndarray):
+                found[id(item)] = item
+            elif isinstance(item, dict):
+                nested += item.values()
+            elif isinstance(item, (list, tuple)):
+                nested += item
+            elif hasattr(item, "__dict__") and not isinstance(item, (nn.Module, Tensor, type)):
+                nested += vars(item).values()
+        pending = nested
+    return list(found.values())
+
+
+def fake_module(module: nn.Module, mode: FakeTensorMode, shared: list[Any]) -> tuple[nn.Module, dict[int, Any]]:
+    """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy).
+
+    The objects in ``shared`` are not copied: the copy holds the same ones.
+    """
+    memo: dict[int, Any] = {id(item): item for item in shared}
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
@@ -65,20 +97,33 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def fake_batch(batch: Any, mode: FakeTensorMode, shared: list[Any]) -> tuple[Any, list[Tensor]]:
+    """A deep copy of ``batch`` with fake tensors (any structure: plain objects and dataclasses too), and its tensors.
+
+    The objects in ``shared`` are not copied.
+    """
+    memo: dict[int, Any] = {id(item): item for item in shared}
+    with FakeCopyMode(mode):
+        return copy.deepcopy(batch, memo), [item for item in memo.values() if isinstance(item, Tensor)]
+
+
 def make_twin(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer] | None,
     batch: Any,
     mode: FakeTensorMode,
     prepare_module: Callable[[nn.Module], None] = lambda _module: None,
+    shared: list[Any] | None = None,
 ) -> Twin:
     """The fake copy of ``module``, its gradients, ``optimizers`` and ``batch``.
 
     ``prepare_module`` changes the fake module before gradients and optimizers are attached (a replay's variant:
     a cast, inplace flags, checkpointed units). ``optimizers=None`` builds them with the copy's own
-    ``configure_optimizers``, on its fake parameters.
+    ``configure_optimizers``, on its fake parameters. ``shared``: objects the copies hold rather than copy
+    (:func:`shared_arrays`).
     """
-    copied, memo = fake_module(module, mode)
+    shared = shared or []
+    copied, memo = fake_module(module, mode, shared)
     with mode:
         prepare_module(copied)
         parameters: dict[int, Tensor] = {}
@@ -93,7 +138,8 @@ def make_twin(
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
-    return Twin(module=copied, optimizers=configured, batch=fake_batch(batch, mode))
+    batch_copy, batch_tensors = fake_batch(batch, mode, shared)
+    return Twin(module=copied, optimizers=configured, batch=batch_copy, batch_tensors=batch_tensors)
 
 
 def state_tensors(twin: Twin) -> list[Tensor]:

@@ -1,0 +1,229 @@
+"""What a replay's run of the user's code may change outside its copy, saved before and put back after.
+
+:func:`~lightning_vram.measure.user_code.reach_of` lists what the code can reach; :func:`contained` saves each
+place's state, gives the code a fresh ``lru_cache`` for each of the user's (so no fake tensor is ever cached where
+the real step will read it), makes reachable NumPy arrays read-only, and on exit puts back every place the replay
+changed: a global or closure rebound, a list, dict or set changed, an object's attributes, a random generator's
+state, a one-element tensor (fake tensors compute those for real). What it put back is listed, for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import sys
+import types
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_vram.measure.user_code import Reach, Slot, contents, dict_items, instance_dict
+
+_MISSING = object()
+CONSTANT_NUMEL = 1
+"""Tensors with at most this many elements are computed for real under fake tensors: saved and put back."""
+
+
+def _same(saved: Any, now: Any) -> bool:
+    """Whether two snapshots hold the very same objects (identity, not equality)."""
+    if isinstance(saved, list) and isinstance(now, list):
+        return len(saved) == len(now) and all(a is b or _same(a, b) for a, b in zip(saved, now, strict=True))
+    if isinstance(saved, tuple) and isinstance(now, tuple):
+        return len(saved) == len(now) and all(a is b or _same(a, b) for a, b in zip(saved, now, strict=True))
+    return saved is now
+
+
+def _is_numpy_rng(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, (numpy.random.Generator, numpy.random.RandomState))
+
+
+class _Saved:
+    """One object's state: how to read it, whether it changed, and how to put it back."""
+
+    def __init__(self, target: Any, read: Callable[[], Any], write: Callable[[Any], object], changed: bool) -> None:
+        self.target = target
+        self._read = read
+        self._write = write
+        self._always = changed  # generators: their states are compared by restoring them
+        self.state = read()
+
+    def restore(self) -> bool:
+        """Put the state back if it changed; whether it had."""
+        if self._always:
+            self._write(self.state)
+            return False
+        if _same(self.state, self._read()):
+            return False
+        self._write(self.state)
+        return True
+
+
+def _set_list(target: list[Any], items: list[Any]) -> None:
+    list.__setitem__(target, slice(None), items)
+
+
+def _set_deque(target: deque[Any], items: list[Any]) -> None:
+    deque.clear(target)
+    deque.extend(target, items)
+
+
+def _set_set(target: set[Any], items: list[Any]) -> None:
+    set.clear(target)
+    set.update(target, items)
+
+
+def _set_items(target: dict[Any, Any], items: list[tuple[Any, Any]]) -> None:
+    dict.clear(target)
+    dict.update(target, items)
+
+
+def _set_attributes(target: Any, items: list[tuple[str, Any]]) -> None:
+    attributes = instance_dict(target)
+    if attributes is not None:
+        _set_items(attributes, items)
+
+
+def _saver(target: Any) -> _Saved | None:
+    """How to save and restore ``target``'s state; ``None`` for a kind of object it does not know.
+
+    Containers are read and written through their built-in type, so a subclass's overridden methods never run.
+    """
+    if isinstance(target, list):
+        return _Saved(target, lambda: contents(target), lambda state: _set_list(target, state), False)
+    if isinstance(target, deque):
+        return _Saved(target, lambda: contents(target), lambda state: _set_deque(target, state), False)
+    if isinstance(target, set):
+        return _Saved(target, lambda: sorted(contents(target), key=id), lambda state: _set_set(target, state), False)
+    if isinstance(target, dict):
+        return _Saved(target, lambda: dict_items(target), lambda state: _set_items(target, state), False)
+    if isinstance(target, bytearray):
+        return _Saved(target, lambda: bytes(target), lambda state: target.__setitem__(slice(None), state), True)
+    if isinstance(target, random.Random):
+        return _Saved(target, target.getstate, target.setstate, True)
+    if isinstance(target, torch.Generator):
+        return _Saved(target, target.get_state, target.set_state, True)
+    if _is_numpy_rng(target):
+        if hasattr(target, "bit_generator"):  # numpy.random.Generator
+            generator = target.bit_generator
+            return _Saved(target, lambda: generator.state, lambda state: setattr(generator, "state", state), True)
+        return _Saved(target, target.get_state, target.set_state, True)
+    attributes = instance_dict(target)
+    if attributes is not None:
+        return _Saved(target, lambda: dict_items(attributes), lambda state: _set_attributes(target, state), False)
+    return None
+
+
+def _slot_saver(slot: Slot) -> _Saved:
+    def read() -> Any:
+        try:
+            return slot.get()
+        except (KeyError, AttributeError, ValueError):
+            return _MISSING
+
+    def write(value: Any) -> None:
+        if value is not _MISSING:
+            slot.set(value)
+        elif isinstance(slot.holder, dict):
+            slot.holder.pop(slot.key, None)
+        elif isinstance(slot.holder, types.CellType):
+            with contextlib.suppress(ValueError):
+                del slot.holder.cell_contents
+        else:
+            with contextlib.suppress(AttributeError):
+                delattr(slot.holder, slot.key or "")
+
+    return _Saved(slot, read, write, False)
+
+
+class _TensorSaved:
+    """A tensor held outside the module: its version counter, and a copy where fake tensors compute it for real."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+        self.version = _version(tensor)
+        with torch.no_grad():
+            self.copy = tensor.detach().clone() if tensor.numel() <= CONSTANT_NUMEL else None
+
+    def restore(self) -> bool | None:
+        """``True`` when put back, ``False`` when unchanged, ``None`` when changed and not restorable."""
+        if _version(self.tensor) == self.version:
+            return False
+        if self.copy is None:
+            return None
+        with torch.no_grad():
+            self.tensor.copy_(self.copy)
+        return True
+
+
+def _version(tensor: Tensor) -> int | None:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be changed in place)
+        return None
+
+
+class ContainmentError(RuntimeError):
+    """The replay changed something outside its copy that could not be put back."""
+
+
+class Containment:
+    """What :func:`contained` put back after the replay (``restored``: a line for each place)."""
+
+    def __init__(self) -> None:
+        self.restored: list[str] = []
+
+
+def _describe(target: Any) -> str:
+    if isinstance(target, Slot):
+        holder = target.holder
+        if isinstance(holder, dict):
+            return f"the global {target.key!r}"
+        if target.key is None:
+            return "a closure variable"
+        return f"{getattr(holder, '__qualname__', type(holder).__name__)}.{target.key}"
+    return f"a {type(target).__name__} held outside the module"
+
+
+@contextlib.contextmanager
+def contained(reach: Reach) -> Iterator[Containment]:
+    """Save what ``reach`` lists, run the body with fresh caches and read-only arrays, then put back what changed.
+
+    Raises :class:`ContainmentError` after the body when a tensor outside the module changed and has no copy.
+    """
+    cache_slots = {id(slot) for slot, _cache in reach.caches}
+    savers: list[_Saved] = [_slot_saver(slot) for slot in reach.slots]
+    savers += [saver for saver in map(_saver, reach.objects) if saver is not None]
+    tensors = [_TensorSaved(tensor) for tensor in reach.tensors]
+    writeable = [(array, bool(array.flags.writeable)) for array in reach.arrays]
+    containment = Containment()
+    try:
+        for array, _ in writeable:
+            array.flags.writeable = False
+        for slot, cache in reach.caches:
+            fresh = functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__)
+            slot.set(fresh)
+        yield containment
+    finally:
+        for array, flag in writeable:
+            with contextlib.suppress(ValueError):  # a view of a read-only base stays read-only
+                array.flags.writeable = flag
+        lost: list[str] = []
+        for saver in reversed(savers):
+            try:
+                if saver.restore() and id(saver.target) not in cache_slots:
+                    containment.restored.append(_describe(saver.target))
+            except Exception as error:  # noqa: BLE001 -- a state the object refused back: reported below
+                lost.append(f"{_describe(saver.target)} ({type(error).__name__}: {error})")
+        for saved in tensors:
+            outcome = saved.restore()
+            if outcome is None:
+                lost.append(f"a {tuple(saved.tensor.shape)} tensor held outside the module, changed in place")
+            elif outcome:
+                containment.restored.append(f"a {tuple(saved.tensor.shape)} tensor held outside the module")
+    if lost:
+        raise ContainmentError(f"the replay changed what it cannot put back: {'; '.join(lost)}")
