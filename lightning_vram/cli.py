@@ -206,7 +206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as error:
         _print(one_line(f"lightning-vram: error: {error}"), sys.stderr)
         return USAGE_ERROR
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, and no traceback at exit
+        _silence_stdout()
     return 0
+
+
+def _silence_stdout() -> None:
+    """Point standard output at the null device, so that Python's flush at exit does not fail on the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.replay.escapes import check_no_escape
+from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.fit import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.advice.rules import DEFAULT_CUDA_CONTEXT_BYTES
@@ -66,7 +66,7 @@ def predict(
         raise ValueError(f"budget_seconds must be a number of seconds > 0, got {budget_seconds!r}")
     device, notes = _replay_device(device_type)
     deadline = time.perf_counter() + budget_seconds
-    try:
+    with round_of_replays():
         step = replay_step(module, None, batch, precision=precision, placement=device, warm_up=True, deadline=deadline)
         if not isinstance(step, ReplayedStep):
             return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
@@ -85,8 +85,6 @@ def predict(
             if not rows and time.perf_counter() > deadline:
                 notes += (f"no fit table: the time budget of {budget_seconds} s ran out before its search ended",)
         return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
-    finally:
-        check_no_escape()
 
 
 def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:

@@ -138,6 +138,28 @@ def test_the_installed_command(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
+def test_output_to_a_reader_that_went_away_is_no_traceback(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+) -> None:
+    (_, root), _ = two_runs
+    path = root / "vram_report.json"
+    reader, writer = os.pipe()
+    os.close(reader)  # `lightning-vram show ... | head -0`: every write meets a closed pipe
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "lightning_vram.cli", "show", str(path)],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=900,  # only a hang reaches it
+        )
+    finally:
+        os.close(writer)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+    assert result.returncode == 0
+
+
 # ---------------------------------------------------------------------------------------- hostile and broken reports
 
 SENTINEL = "@@replace-me@@"

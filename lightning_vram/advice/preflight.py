@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.replay.escapes import check_no_escape
+from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.step import StepFunction, replay_step
 from lightning_vram.advice.rules import FULL_PRECISIONS
 from lightning_vram.records import (
@@ -78,10 +78,8 @@ def preflight(
     """
     started = time.perf_counter()
     deadline = started + budget_seconds
-    try:
+    with round_of_replays():
         return _preflight(module, optimizers, batch, reading, free_bytes, changes, precision, step_function, deadline)
-    finally:
-        check_no_escape()
 
 
 def _preflight(

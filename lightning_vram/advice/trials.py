@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_vram.advice.checkpointing import checkpoint_candidates
-from lightning_vram.advice.replay.escapes import check_no_escape
+from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.fit import replayed_fit_table
 from lightning_vram.advice.replay.simulation import simulate
 from lightning_vram.advice.replay.step import StepFunction
@@ -102,12 +102,10 @@ def try_changes(
     reason = unsupported(module, setup, step_function)
     if reason is not None or step_function is None:
         return Simulation(device.type, None, None, reason, (), 0.0)
-    try:
+    with round_of_replays():
         return _try_changes(
             module, optimizers, batch, attribution, summary, setup, device, step_function, budget_seconds
         )
-    finally:
-        check_no_escape()
 
 
 def _try_changes(

@@ -18,6 +18,7 @@ counting must stand aside for.
 
 from __future__ import annotations
 
+import array
 import collections
 import dis
 import functools
@@ -26,6 +27,7 @@ import random
 import sys
 import sysconfig
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,9 @@ from lightning_vram.measure._torch_hooks import global_hooks, module_hooks_of
 
 WALK_LIMIT = 20_000
 """The most objects one walk visits; past it the walk stops and says it is incomplete."""
+
+DYNAMIC_NAMES = frozenset({"globals", "vars", "setattr", "getattr", "delattr", "exec", "eval", "sys"})
+"""Global names through which code reaches names it computes at run time (``globals()["n"]``, ``sys.modules``)."""
 
 SAVED_TENSOR_HOOK_NAMES = frozenset(
     {
@@ -149,7 +154,8 @@ class Reach:
     attributes, random generators). ``tensors``: tensors held outside the module. ``arrays``: NumPy arrays.
     ``caches``: ``functools.lru_cache`` functions and the place each is read from. ``real_modules``: where the code
     reaches the trained module itself (a ``step_function`` closing over it), by path. ``hook_apis``: the
-    saved-tensor-hook APIs the code names. ``complete``: the walk ended before :data:`WALK_LIMIT`.
+    saved-tensor-hook APIs the code names. ``unrestorable``: what the code reaches whose state cannot be saved (an
+    iterator, a generator), by path. ``complete``: the walk ended before :data:`WALK_LIMIT`.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -159,32 +165,55 @@ class Reach:
     caches: list[tuple[Slot, Any]] = field(default_factory=list)
     real_modules: list[str] = field(default_factory=list)
     hook_apis: set[str] = field(default_factory=set)
+    unrestorable: list[str] = field(default_factory=list)
     complete: bool = True
+
+    def add(self, other: Reach) -> None:
+        """Take in what ``other`` (another walk) found."""
+        self.slots += other.slots
+        self.objects += other.objects
+        self.tensors += other.tensors
+        self.arrays += other.arrays
+        self.caches += other.caches
+        self.real_modules += other.real_modules
+        self.hook_apis |= other.hook_apis
+        self.unrestorable += other.unrestorable
+        self.complete = self.complete and other.complete
 
 
 class _Walk:
-    def __init__(self, inside: set[int], limit: int) -> None:
+    """One walk from code and data roots.
+
+    An object reached through the module's own attributes (``data``) is a copy in the replay unless ``deepcopy``
+    shares it; one reached through code (a closure, a global) is the user's own object.
+    """
+
+    def __init__(self, inside: set[int], limit: int, ignore: set[int]) -> None:
         self.reach = Reach()
         self._inside = inside
-        self._seen: set[int] = set()
+        self._ignore = ignore
+        self._seen: set[tuple[int, bool]] = set()
         self._slots: set[tuple[int, str | None]] = set()
         self._limit = limit
-        self._queue: collections.deque[tuple[Any, str, frozenset[str]]] = collections.deque()
+        self._namespaces: set[int] = set()
+        self._queue: collections.deque[tuple[Any, str, frozenset[str], bool]] = collections.deque()
 
-    def run(self, roots: Iterable[tuple[str, Any]]) -> Reach:
+    def run(self, roots: Iterable[tuple[str, Any]], data: Iterable[tuple[str, Any]] = ()) -> Reach:
         for path, root in roots:
-            self._queue.append((root, path, frozenset()))
+            self._queue.append((root, path, frozenset(), False))
+        for path, value in data:
+            self._queue.append((value, path, frozenset(), True))
         while self._queue:
             if len(self._seen) >= self._limit:
                 self.reach.complete = False
                 break
-            value, path, names = self._queue.popleft()
-            self._visit(value, path, names)
+            value, path, names, data_path = self._queue.popleft()
+            self._visit(value, path, names, data_path)
         return self.reach
 
-    def _push(self, value: Any, path: str, names: frozenset[str] = frozenset()) -> None:
+    def _push(self, value: Any, path: str, names: frozenset[str] = frozenset(), data: bool = False) -> None:
         if not isinstance(value, _ATOMS):
-            self._queue.append((value, path, names))
+            self._queue.append((value, path, names, data))
 
     def _slot(self, holder: Any, key: str | None, path: str) -> None:
         marker = (id(holder), key)
@@ -200,18 +229,22 @@ class _Walk:
                 self.reach.caches.append((slot, value))
             self._push(value, path)
 
-    def _visit(self, value: Any, path: str, names: frozenset[str]) -> None:
-        if id(value) in self._seen:
+    def _visit(self, value: Any, path: str, names: frozenset[str], data: bool) -> None:
+        if (id(value), data) in self._seen:
             return
-        self._seen.add(id(value))
+        self._seen.add((id(value), data))
+        if id(value) in self._ignore:
+            return
         if id(value) in self._inside:
-            self.reach.real_modules.append(path)
+            if not data:  # code reaching the trained model; through its own attributes it is the copy's
+                self.reach.real_modules.append(path)
             return
         if isinstance(value, types.FunctionType):
             self._function(value, path)
         elif isinstance(value, types.MethodType):
             self._push(value.__func__, path)
-            self._push(value.__self__, f"{path}.__self__")
+            if not (data and id(value.__self__) in self._inside):  # deepcopy rebinds it to the copy
+                self._push(value.__self__, f"{path}.__self__", data=data)
         elif isinstance(value, _Remapped):
             self._push(value.function, path)
         elif isinstance(value, (staticmethod, classmethod)):
@@ -222,38 +255,48 @@ class _Walk:
                     self._push(accessor, path)
         elif isinstance(value, functools.partial):
             self._push(value.func, path)
-            self._push(value.args, path)
-            self._push(value.keywords, path)
+            self._push(value.args, path, data=data)
+            self._push(value.keywords, path, data=data)
         elif isinstance(value, functools._lru_cache_wrapper):
             self._push(getattr(value, "__wrapped__", None), path)
+        elif isinstance(value, weakref.ref):
+            self._push(value(), f"{path}()", data=data)
         elif isinstance(value, type):
             self._class(value, path)
         elif isinstance(value, types.ModuleType):
             self._module(value, path, names)
-        elif isinstance(value, Tensor):
+        else:
+            self._state(value, path, data)
+
+    def _state(self, value: Any, path: str, data: bool) -> None:
+        """An object that holds state: saved, or (an iterator, a generator) a reason the replay must not run."""
+        if isinstance(value, Tensor):
             self.reach.tensors.append(value)
         elif _is_numpy_array(value):
             self.reach.arrays.append(value)
-        elif (
-            isinstance(value, (random.Random, torch.Generator))
-            or _is_numpy_generator(value)
-            or isinstance(value, bytearray)
-        ):
+            if value.dtype == object:
+                for index, item in enumerate(value.flat):
+                    self._push(item, f"{path}[{index}]", data=data)
+        elif isinstance(value, (random.Random, torch.Generator, bytearray, array.array)) or _is_numpy_generator(value):
             self.reach.objects.append(value)
         elif isinstance(value, (list, set, collections.deque)):
             self.reach.objects.append(value)
             for index, item in enumerate(contents(value)):
-                self._push(item, f"{path}[{index}]")
+                self._push(item, f"{path}[{index}]", data=data)
         elif isinstance(value, dict):
             self.reach.objects.append(value)
             for key, item in dict_items(value):
-                self._push(key, f"{path} key")
-                self._push(item, f"{path}[{_key_text(key)}]")
+                self._push(key, f"{path} key", data=data)
+                self._push(item, f"{path}[{_key_text(key)}]", data=data)
         elif isinstance(value, (tuple, frozenset)):
             for index, item in enumerate(contents(value)):
-                self._push(item, f"{path}[{index}]")
+                self._push(item, f"{path}[{index}]", data=data)
+        elif hasattr(type(value), "__next__"):  # an iterator or a generator: what it has yielded cannot be put back
+            self.reach.unrestorable.append(f"{path} (a {type(value).__name__})")
+        elif data and not _is_user_class(type(value)):
+            return  # a library's object held by the module: the replay's deep copy holds its own copy
         else:
-            self._instance(value, path)
+            self._instance(value, path, data)
 
     def _function(self, function: types.FunctionType, path: str) -> None:
         wrapped = getattr(function, "__wrapped__", None)
@@ -266,12 +309,19 @@ class _Walk:
         self._note_hook_apis(global_names | attribute_names, function.__globals__)
         where = f"{function.__qualname__}"
         namespace = function.__globals__
+        if namespace is not None and id(namespace) not in self._namespaces:
+            self._namespaces.add(id(namespace))
+            self.reach.objects.append(namespace)  # a global rebound by any name (globals()[...], sys.modules)
         for name in sorted(global_names):
             if name in namespace:
                 value = namespace[name]
                 if isinstance(value, types.ModuleType):
                     self._push(value, f"{where}: {name}", attribute_names)
                 elif not name.startswith("__"):
+                    self._slot(namespace, name, f"{where}: global {name}")
+        if global_names & DYNAMIC_NAMES:  # names computed at run time: every global of the module is in reach
+            for name, value in dict_items(namespace):
+                if not name.startswith("__") and not isinstance(value, types.ModuleType):
                     self._slot(namespace, name, f"{where}: global {name}")
         for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
             self._slot(cell, None, f"{where}: closure {name}")
@@ -303,7 +353,7 @@ class _Walk:
                 self._slot(cls, name, f"{cls.__qualname__}.{name}")
 
     def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
-        self._seen.discard(id(module))  # another function may read other names of the same module
+        self._seen.discard((id(module), False))  # another function may read other names of the same module
         filename = getattr(module, "__file__", None)
         if filename is not None and not is_user_file(filename):
             return
@@ -313,12 +363,20 @@ class _Walk:
             if not isinstance(value, types.ModuleType):
                 self._slot(namespace, name, f"{path}.{name}")
 
-    def _instance(self, value: Any, path: str) -> None:
+    def _instance(self, value: Any, path: str, data: bool) -> None:
         attributes = instance_dict(value)
         if attributes is not None:
             self.reach.objects.append(value)
             for name, item in dict_items(attributes):
-                self._push(item, f"{path}.{name}")
+                self._push(item, f"{path}.{name}", data=data)
+        if slot_names(type(value)):
+            self.reach.objects.append(value)
+            for name in slot_names(type(value)):
+                try:
+                    item = object.__getattribute__(value, name)
+                except AttributeError:
+                    continue
+                self._push(item, f"{path}.{name}", data=data)
         self._push(type(value), path)
 
 
@@ -330,6 +388,16 @@ def contents(value: Any) -> list[Any]:
             iterate: Callable[[Any], Iterable[Any]] = base.__iter__
             return list(iterate(value))
     return []
+
+
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` names of ``cls`` and its bases (``__dict__`` and ``__weakref__`` left out)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        declared = vars(klass).get("__slots__", ())
+        declared = (declared,) if isinstance(declared, str) else declared
+        names += [name for name in declared if name not in ("__dict__", "__weakref__") and name not in names]
+    return tuple(names)
 
 
 def dict_items(value: dict[Any, Any]) -> list[tuple[Any, Any]]:
@@ -390,26 +458,18 @@ def code_roots(
     optimizers: Iterable[Any] = (),
     batch: Any = None,
 ) -> list[tuple[str, Any]]:
-    """Where the code a replay runs starts.
+    """Where the code a replay runs starts, before any copy exists.
 
-    Each submodule's class, its callable attributes and its hooks (a method bound to one of the module's own
-    objects is rebound to the copy's by the copy), torch's process-wide module and optimizer hooks, the step
-    function, the optimizers' classes and the batch's class.
+    Each submodule's class, torch's process-wide module and optimizer hooks, the step function, the optimizers'
+    classes and the batch's class. What the module's instances hold (hooks, callables, data) is walked on the copy:
+    :func:`instance_roots`.
     """
-    inside = {id(child) for child in module.modules()}
     roots: list[tuple[str, Any]] = []
     classes: set[type] = set()
-    for name, child in module.named_modules():
-        label = name or "the model"
+    for child in module.modules():
         if type(child) not in classes:
             classes.add(type(child))
             roots.append((type(child).__qualname__, type(child)))
-        attributes = vars(child)
-        for kind, hook in module_hooks_of(attributes):
-            roots.append((f"{label}: {kind}", _root(hook, inside)))
-        for attribute, value in attributes.items():
-            if callable(value) and not isinstance(value, (nn.Module, Tensor, type, dict)):
-                roots.append((f"{label}.{attribute}", _root(value, inside)))
     roots += [(f"torch's {kind}", hook) for kind, hook in global_hooks()]
     if step_function is not None:
         roots.append(("step_function", step_function))
@@ -419,6 +479,54 @@ def code_roots(
     return roots
 
 
-def reach_of(roots: Iterable[tuple[str, Any]], inside: set[int], limit: int = WALK_LIMIT) -> Reach:
-    """Walk from ``roots`` (``(path, object)``); objects whose id is in ``inside`` are the module's own."""
-    return _Walk(inside, limit).run(roots)
+def instance_roots(module: nn.Module) -> list[tuple[str, Any]]:
+    """The hooks and callables each submodule of ``module`` (the replay's copy) holds as instance attributes.
+
+    A method bound to one of the copy's own objects is its code only; anything else the copy shares with the
+    user's module (a function closing over the real one) is reached through it.
+    """
+    inside = {id(child) for child in module.modules()}
+    roots: list[tuple[str, Any]] = []
+    for name, child in module.named_modules():
+        label = name or "the model"
+        attributes = vars(child)
+        for kind, hook in module_hooks_of(attributes):
+            roots.append((f"{label}: {kind}", _root(hook, inside)))
+        for attribute, value in attributes.items():
+            if callable(value) and not isinstance(value, (nn.Module, Tensor, type, dict)):
+                roots.append((f"{label}.{attribute}", _root(value, inside)))
+    return roots
+
+
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
+
+
+def data_roots(module: nn.Module) -> list[tuple[str, Any]]:
+    """The attributes of ``module`` (the replay's copy) that are neither tensors nor submodules.
+
+    ``deepcopy`` copied most of them; what it shares (classes, weak references' targets, an object whose
+    ``__deepcopy__`` returns itself) is the user's.
+    """
+    return [
+        (f"{name or 'the model'}.{attribute}", value)
+        for name, child in module.named_modules()
+        for attribute, value in vars(child).items()
+        if attribute not in _MODULE_INTERNALS
+        and not attribute.endswith("_hooks")
+        and not isinstance(value, (Tensor, nn.Module))
+    ]
+
+
+def reach_of(
+    roots: Iterable[tuple[str, Any]],
+    inside: set[int],
+    data: Iterable[tuple[str, Any]] = (),
+    ignore: set[int] | None = None,
+    limit: int = WALK_LIMIT,
+) -> Reach:
+    """Walk from the code ``roots`` and the ``data`` roots (``(path, object)``).
+
+    ``inside``: the ids of the trained module's own objects (code reaching one reaches the real model); ``ignore``:
+    ids not to walk (the replay's copy of the module, whose state is its own).
+    """
+    return _Walk(inside, limit, ignore or set()).run(roots, data)

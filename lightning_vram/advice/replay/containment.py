@@ -9,6 +9,7 @@ state, a one-element tensor (fake tensors compute those for real). What it put b
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import random
@@ -21,11 +22,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_vram.measure.user_code import Reach, Slot, contents, dict_items, instance_dict
+from lightning_vram.measure.user_code import Reach, Slot, contents, dict_items, instance_dict, slot_names
 
 _MISSING = object()
-CONSTANT_NUMEL = 1
-"""Tensors with at most this many elements are computed for real under fake tensors: saved and put back."""
+OUTSIDE_TENSOR_BYTES = 64 * 1024**2
+"""The most bytes of tensors held outside the module a replay copies to put back (64 MiB); past it, no replay."""
 
 
 def _same(saved: Any, now: Any) -> bool:
@@ -82,10 +83,34 @@ def _set_items(target: dict[Any, Any], items: list[tuple[Any, Any]]) -> None:
     dict.update(target, items)
 
 
-def _set_attributes(target: Any, items: list[tuple[str, Any]]) -> None:
+def _set_array(target: array.array[Any], state: bytes) -> None:
+    del target[:]
+    target.frombytes(state)
+
+
+def _object_state(target: Any, names: tuple[str, ...]) -> list[Any]:
+    """An object's attributes: its ``__dict__`` items and its ``__slots__`` values (read without running its code)."""
+    attributes = instance_dict(target)
+    slots = []
+    for name in names:
+        try:
+            slots.append(object.__getattribute__(target, name))
+        except AttributeError:
+            slots.append(_MISSING)
+    return [dict_items(attributes) if attributes is not None else [], slots]
+
+
+def _set_object_state(target: Any, names: tuple[str, ...], state: list[Any]) -> None:
+    items, slots = state
     attributes = instance_dict(target)
     if attributes is not None:
         _set_items(attributes, items)
+    for name, value in zip(names, slots, strict=True):
+        if value is _MISSING:
+            with contextlib.suppress(AttributeError):
+                object.__delattr__(target, name)
+        else:
+            object.__setattr__(target, name, value)
 
 
 def _saver(target: Any) -> _Saved | None:
@@ -101,6 +126,8 @@ def _saver(target: Any) -> _Saved | None:
         return _Saved(target, lambda: sorted(contents(target), key=id), lambda state: _set_set(target, state), False)
     if isinstance(target, dict):
         return _Saved(target, lambda: dict_items(target), lambda state: _set_items(target, state), False)
+    if isinstance(target, array.array):
+        return _Saved(target, target.tobytes, lambda state: _set_array(target, state), True)
     if isinstance(target, bytearray):
         return _Saved(target, lambda: bytes(target), lambda state: target.__setitem__(slice(None), state), True)
     if isinstance(target, random.Random):
@@ -112,9 +139,10 @@ def _saver(target: Any) -> _Saved | None:
             generator = target.bit_generator
             return _Saved(target, lambda: generator.state, lambda state: setattr(generator, "state", state), True)
         return _Saved(target, target.get_state, target.set_state, True)
-    attributes = instance_dict(target)
-    if attributes is not None:
-        return _Saved(target, lambda: dict_items(attributes), lambda state: _set_attributes(target, state), False)
+    names = slot_names(type(target))
+    if instance_dict(target) is not None or names:
+        read = lambda: _object_state(target, names)  # noqa: E731 -- a closure over the names, read twice
+        return _Saved(target, read, lambda state: _set_object_state(target, names, state), False)
     return None
 
 
@@ -141,20 +169,21 @@ def _slot_saver(slot: Slot) -> _Saved:
 
 
 class _TensorSaved:
-    """A tensor held outside the module: its version counter, and a copy where fake tensors compute it for real."""
+    """A tensor held outside the module: its version counter and a copy of its values (on its own device, no sync).
+
+    Fake tensors compute in-place ops on a real tensor for real; the copy puts its values back.
+    """
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
         self.version = _version(tensor)
         with torch.no_grad():
-            self.copy = tensor.detach().clone() if tensor.numel() <= CONSTANT_NUMEL else None
+            self.copy = tensor.detach().clone()
 
-    def restore(self) -> bool | None:
-        """``True`` when put back, ``False`` when unchanged, ``None`` when changed and not restorable."""
+    def restore(self) -> bool:
+        """Whether the tensor changed (and was put back)."""
         if _version(self.tensor) == self.version:
             return False
-        if self.copy is None:
-            return None
         with torch.no_grad():
             self.tensor.copy_(self.copy)
         return True
@@ -165,6 +194,11 @@ def _version(tensor: Tensor) -> int | None:
         return int(tensor._version)
     except RuntimeError:  # an inference tensor keeps no version counter (and cannot be changed in place)
         return None
+
+
+def fresh_cache(cache: Any) -> Any:
+    """A new, empty ``functools.lru_cache`` of the same function and settings."""
+    return functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__)
 
 
 class ContainmentError(RuntimeError):
@@ -205,8 +239,7 @@ def contained(reach: Reach) -> Iterator[Containment]:
         for array, _ in writeable:
             array.flags.writeable = False
         for slot, cache in reach.caches:
-            fresh = functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__)
-            slot.set(fresh)
+            slot.set(fresh_cache(cache))
         yield containment
     finally:
         for array, flag in writeable:
@@ -220,10 +253,7 @@ def contained(reach: Reach) -> Iterator[Containment]:
             except Exception as error:  # noqa: BLE001 -- a state the object refused back: reported below
                 lost.append(f"{_describe(saver.target)} ({type(error).__name__}: {error})")
         for saved in tensors:
-            outcome = saved.restore()
-            if outcome is None:
-                lost.append(f"a {tuple(saved.tensor.shape)} tensor held outside the module, changed in place")
-            elif outcome:
+            if saved.restore():
                 containment.restored.append(f"a {tuple(saved.tensor.shape)} tensor held outside the module")
     if lost:
         raise ContainmentError(f"the replay changed what it cannot put back: {'; '.join(lost)}")

@@ -1,7 +1,8 @@
-"""What a replay must leave as it found it: random number generators, default dtype, grad mode; and its output.
+"""What a replay must leave as it found it: process-wide settings and generators; and its output.
 
 The replay runs the user's ``training_step`` on a fake copy, so the user's module, optimizer and gradients are never
-touched; the process-wide state below is what such code could still change (what else it reaches is saved and
+touched; the process-wide state below (generators, default dtype, grad mode, threads, environment) is what such
+code could still change (what else it reaches is saved and
 put back by :mod:`~lightning_vram.advice.replay.containment`). The replayed code's prints and warnings are not
 shown, but only the replaying thread's: other threads keep writing to the same streams and warning as before
 (no process-wide redirection, no change to the warnings filters).
@@ -10,6 +11,7 @@ shown, but only the replaying thread's: other threads keep writing to the same s
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import threading
@@ -61,12 +63,22 @@ def _quiet_thread() -> Iterator[None]:
             warnings.showwarning = showwarning
 
 
+def _restore_environment(saved: dict[str, str]) -> None:
+    """Make ``os.environ`` (and the process's environment) equal ``saved`` again."""
+    for name in [name for name in os.environ if name not in saved]:
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 @contextlib.contextmanager
 def isolated() -> Iterator[None]:
     """Restore the process-wide state on exit; silence the replayed code's prints and shown warnings meanwhile.
 
     Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
-    global generator (when NumPy is imported), the default dtype and grad mode.
+    global generator (when NumPy is imported), the default dtype, grad mode, torch's intra-op thread count and the
+    process environment (``os.environ``).
     """
     cpu_state = torch.get_rng_state()
     # torch ships is_initialized without annotations.
@@ -77,10 +89,16 @@ def isolated() -> Iterator[None]:
     numpy_state = numpy.random.get_state() if numpy is not None else None
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
+    threads = torch.get_num_threads()
+    environment = dict(os.environ)
     try:
         with _quiet_thread():
             yield
     finally:
+        if dict(os.environ) != environment:
+            _restore_environment(environment)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         torch.set_grad_enabled(grad_enabled)
         torch.set_default_dtype(default_dtype)
         torch.set_rng_state(cpu_state)

@@ -10,6 +10,7 @@ saying why: :func:`replay_step` never raises.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import traceback
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_vram.advice.replay._fake import FakeTensorMode
+from lightning_vram.advice.replay._fake import FakeTensor, FakeTensorMode
 from lightning_vram.advice.replay.batches import move_batch, resize_batch
 from lightning_vram.advice.replay.changes import change_module
-from lightning_vram.advice.replay.containment import ContainmentError, contained
+from lightning_vram.advice.replay.containment import OUTSIDE_TENSOR_BYTES, ContainmentError, contained, fresh_cache
 from lightning_vram.advice.replay.counting import ReplayCounter
 from lightning_vram.advice.replay.deadline import Deadline
 from lightning_vram.advice.replay.escapes import register
@@ -41,7 +42,7 @@ from lightning_vram.advice.replay.twin import (
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
 from lightning_vram.measure.accounting import batch_size_of
 from lightning_vram.measure.tensors import iter_tensors
-from lightning_vram.measure.user_code import Reach, code_roots, inside_ids, reach_of
+from lightning_vram.measure.user_code import Reach, code_roots, data_roots, inside_ids, instance_roots, reach_of
 from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,
@@ -172,6 +173,26 @@ def _drain_autograd() -> None:
         (leaf * 1.0).backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
 
 
+class _RefusedError(Exception):
+    """What the copy of the module holds rules the replay out (its message says why)."""
+
+
+def _held_by(copy: nn.Module, inside: set[int]) -> Reach:
+    """What the replay's ``copy`` of the module shares with the user's objects, found on the copy itself.
+
+    Its hooks and callables (a function closing over the real module reaches it), and what ``deepcopy`` shared
+    instead of copying. Each ``functools.lru_cache`` the copy holds as an attribute becomes a fresh one.
+    """
+    for child in copy.modules():
+        attributes = vars(child)
+        for name, value in list(attributes.items()):
+            if isinstance(value, functools._lru_cache_wrapper):
+                attributes[name] = fresh_cache(value)
+    held = reach_of(instance_roots(copy), inside, data_roots(copy), ignore=inside_ids(copy))
+    held.tensors = [tensor for tensor in held.tensors if not isinstance(tensor, FakeTensor)]
+    return held
+
+
 def _refusal(reach: Reach) -> str | None:
     """Why the code ``reach`` describes must not be replayed, decided before it runs; ``None`` when it may."""
     if reach.real_modules:
@@ -183,6 +204,17 @@ def _refusal(reach: Reach) -> str | None:
         return (
             f"the step's code uses {', '.join(sorted(reach.hook_apis))}, which refuses or hides the saved-tensor hooks"
             " a replay counts with"
+        )
+    if reach.unrestorable:
+        return (
+            f"the step's code reaches {reach.unrestorable[0]}, whose state a replay cannot save and put back (what an"
+            " iterator or a generator yielded to the replay would be missing from training)"
+        )
+    tensor_bytes = sum(tensor.untyped_storage().nbytes() for tensor in reach.tensors)
+    if tensor_bytes > OUTSIDE_TENSOR_BYTES:
+        return (
+            f"the step's code reaches {tensor_bytes} bytes of tensors held outside the module; a replay saves at most"
+            f" {OUTSIDE_TENSOR_BYTES} bytes to put back what it changes in place"
         )
     return None
 
@@ -239,19 +271,24 @@ def replay_step(
     counted_device = device or placement or module_device(module)
     run = _Run(counted_device, plan, change, step_function, placement)
     shared = [*shared_arrays(module), *shared_arrays(batch)]
-    reach = reach_of(code_roots(module, step_function, optimizers or (), batch), inside_ids(module))
+    inside = inside_ids(module)
+    reach = reach_of(code_roots(module, step_function, optimizers or (), batch), inside)
     refusal = _refusal(reach)
     if refusal is not None:
         return ReplaySkipped(refusal)
-    reach.arrays += shared
     counter: ReplayCounter | None = None
     try:
-        with isolated(), contained(reach) as containment:
+        with isolated():
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             register(mode)
             optimizer_list = None if optimizers is None else list(optimizers)
-            twin = make_twin(module, optimizer_list, batch, mode, run.prepare_module, shared)
-            with mode, Deadline(deadline):
+            twin = make_twin(module, optimizer_list, batch, mode, run.prepare_module, {id(a): a for a in shared})
+            reach.add(_held_by(twin.module, inside))
+            refusal = _refusal(reach)
+            if refusal is not None:
+                raise _RefusedError(refusal)
+            reach.arrays += shared
+            with contained(reach) as containment, mode, Deadline(deadline):
                 fake_batch = run.prepare_batch(twin.batch)
                 if warm_up:
                     run.run_step(twin, fake_batch, None, None)
@@ -269,6 +306,8 @@ def replay_step(
                 phases, modules = counter.finish()
     except ContainmentError:
         raise
+    except _RefusedError as refused:
+        return ReplaySkipped(str(refused), time.perf_counter() - started)
     except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
         _release_frames(error)
         _drain_autograd()

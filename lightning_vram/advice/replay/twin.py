@@ -64,12 +64,16 @@ def shared_arrays(value: Any) -> list[Any]:
     return list(found.values())
 
 
-def fake_module(module: nn.Module, mode: FakeTensorMode, shared: list[Any]) -> tuple[nn.Module, dict[int, Any]]:
+Substitutes = dict[int, Any]
+"""What the copies hold instead of an object, by the object's ``id``: itself (shared), or a stand-in."""
+
+
+def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitutes) -> tuple[nn.Module, dict[int, Any]]:
     """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy).
 
-    The objects in ``shared`` are not copied: the copy holds the same ones.
+    The objects in ``substitutes`` are not copied: the copy holds their substitutes.
     """
-    memo: dict[int, Any] = {id(item): item for item in shared}
+    memo: dict[int, Any] = dict(substitutes)
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
@@ -97,12 +101,12 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def fake_batch(batch: Any, mode: FakeTensorMode, shared: list[Any]) -> tuple[Any, list[Tensor]]:
+def fake_batch(batch: Any, mode: FakeTensorMode, substitutes: Substitutes) -> tuple[Any, list[Tensor]]:
     """A deep copy of ``batch`` with fake tensors (any structure: plain objects and dataclasses too), and its tensors.
 
-    The objects in ``shared`` are not copied.
+    The objects in ``substitutes`` are not copied: the copy holds their substitutes.
     """
-    memo: dict[int, Any] = {id(item): item for item in shared}
+    memo: dict[int, Any] = dict(substitutes)
     with FakeCopyMode(mode):
         return copy.deepcopy(batch, memo), [item for item in memo.values() if isinstance(item, Tensor)]
 
@@ -113,17 +117,17 @@ def make_twin(
     batch: Any,
     mode: FakeTensorMode,
     prepare_module: Callable[[nn.Module], None] = lambda _module: None,
-    shared: list[Any] | None = None,
+    substitutes: Substitutes | None = None,
 ) -> Twin:
     """The fake copy of ``module``, its gradients, ``optimizers`` and ``batch``.
 
     ``prepare_module`` changes the fake module before gradients and optimizers are attached (a replay's variant:
     a cast, inplace flags, checkpointed units). ``optimizers=None`` builds them with the copy's own
-    ``configure_optimizers``, on its fake parameters. ``shared``: objects the copies hold rather than copy
-    (:func:`shared_arrays`).
+    ``configure_optimizers``, on its fake parameters. ``substitutes``: objects the copies hold instead of copying
+    them (the arrays of :func:`shared_arrays`, themselves; the user's caches, fresh ones).
     """
-    shared = shared or []
-    copied, memo = fake_module(module, mode, shared)
+    substitutes = substitutes or {}
+    copied, memo = fake_module(module, mode, substitutes)
     with mode:
         prepare_module(copied)
         parameters: dict[int, Tensor] = {}
@@ -138,7 +142,7 @@ def make_twin(
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
-    batch_copy, batch_tensors = fake_batch(batch, mode, shared)
+    batch_copy, batch_tensors = fake_batch(batch, mode, substitutes)
     return Twin(module=copied, optimizers=configured, batch=batch_copy, batch_tensors=batch_tensors)
 
 
