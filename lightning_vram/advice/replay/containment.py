@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_vram.measure.user_code import Reach, Slot, contents, dict_items, instance_dict, slot_names
+from lightning_vram.measure.plain_reads import contents, dict_items, instance_dict, slot_names
+from lightning_vram.measure.reach import Reach, Slot
 
 _MISSING = object()
 OUTSIDE_TENSOR_BYTES = 64 * 1024**2

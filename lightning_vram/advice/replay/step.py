@@ -41,8 +41,9 @@ from lightning_vram.advice.replay.twin import (
 )
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
 from lightning_vram.measure.accounting import batch_size_of
+from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
+from lightning_vram.measure.reach import Reach, reach_of
 from lightning_vram.measure.tensors import iter_tensors
-from lightning_vram.measure.user_code import Reach, code_roots, data_roots, inside_ids, instance_roots, reach_of
 from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,

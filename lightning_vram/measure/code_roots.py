@@ -1,0 +1,100 @@
+"""Where a replay's walk starts: the code a replay runs, and what the replay's copy of the module holds."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_vram.measure._torch_hooks import global_hooks, module_hooks_of
+
+
+def inside_ids(module: nn.Module) -> set[int]:
+    """The ids of ``module``'s own objects: itself, its submodules, parameters, buffers and their ``.grad``."""
+    ids = {id(child) for child in module.modules()}
+    for tensor in (*module.parameters(), *module.buffers()):
+        ids.add(id(tensor))
+        if tensor.grad is not None:
+            ids.add(id(tensor.grad))
+    return ids
+
+
+@dataclass(frozen=True)
+class Remapped:
+    """A method bound to the module's own object: the copy the replay runs rebinds it to the copy's object."""
+
+    function: Any
+
+
+def _root(value: Any, inside: set[int]) -> Any:
+    if isinstance(value, types.MethodType) and id(value.__self__) in inside:
+        return Remapped(value.__func__)
+    return value
+
+
+def code_roots(
+    module: nn.Module,
+    step_function: Callable[..., Any] | None,
+    optimizers: Iterable[Any] = (),
+    batch: Any = None,
+) -> list[tuple[str, Any]]:
+    """Where the code a replay runs starts, before any copy exists.
+
+    Each submodule's class, torch's process-wide module and optimizer hooks, the step function, the optimizers'
+    classes and the batch's class. What the module's instances hold (hooks, callables, data) is walked on the copy:
+    :func:`instance_roots`.
+    """
+    roots: list[tuple[str, Any]] = []
+    classes: set[type] = set()
+    for child in module.modules():
+        if type(child) not in classes:
+            classes.add(type(child))
+            roots.append((type(child).__qualname__, type(child)))
+    roots += [(f"torch's {kind}", hook) for kind, hook in global_hooks()]
+    if step_function is not None:
+        roots.append(("step_function", step_function))
+    roots += [(type(optimizer).__qualname__, type(optimizer)) for optimizer in optimizers]
+    if batch is not None and not isinstance(batch, (Tensor, list, tuple, dict)):
+        roots.append(("the batch's class", type(batch)))
+    return roots
+
+
+def instance_roots(module: nn.Module) -> list[tuple[str, Any]]:
+    """The hooks and callables each submodule of ``module`` (the replay's copy) holds as instance attributes.
+
+    A method bound to one of the copy's own objects is its code only; anything else the copy shares with the
+    user's module (a function closing over the real one) is reached through it.
+    """
+    inside = {id(child) for child in module.modules()}
+    roots: list[tuple[str, Any]] = []
+    for name, child in module.named_modules():
+        label = name or "the model"
+        attributes = vars(child)
+        for kind, hook in module_hooks_of(attributes):
+            roots.append((f"{label}: {kind}", _root(hook, inside)))
+        for attribute, value in attributes.items():
+            if callable(value) and not isinstance(value, (nn.Module, Tensor, type, dict)):
+                roots.append((f"{label}.{attribute}", _root(value, inside)))
+    return roots
+
+
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
+
+
+def data_roots(module: nn.Module) -> list[tuple[str, Any]]:
+    """The attributes of ``module`` (the replay's copy) that are neither tensors nor submodules.
+
+    ``deepcopy`` copied most of them; what it shares (classes, weak references' targets, an object whose
+    ``__deepcopy__`` returns itself) is the user's.
+    """
+    return [
+        (f"{name or 'the model'}.{attribute}", value)
+        for name, child in module.named_modules()
+        for attribute, value in vars(child).items()
+        if attribute not in _MODULE_INTERNALS
+        and not attribute.endswith("_hooks")
+        and not isinstance(value, (Tensor, nn.Module))
+    ]

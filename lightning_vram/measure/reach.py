@@ -1,0 +1,337 @@
+"""What the user's training code can reach beyond the module it runs on, found without running it.
+
+A replay runs the user's Python a second time (``training_step``, every ``forward``, a ``step_function``), on a
+fake copy of the module. The copy holds the module's own state, but the code also reaches what the copy does not:
+its closures, the globals its functions name, class attributes, random generators held outside, ``lru_cache``
+functions. :func:`reach_of` walks the code objects from a set of roots (:mod:`~lightning_vram.measure.code_roots`),
+reading names, closure cells and attributes (never calling a property, a ``__getattr__`` or any user function), and
+lists those places so that the replay can save and restore them, give the code fresh caches, or decide not to run
+at all.
+
+The same walk tells whether the code uses APIs that refuse saved-tensor hooks (``torch.func``'s ``grad``,
+``vjp``, ``jacrev``, ``hessian``; ``disable_saved_tensors_hooks``) or installs its own, which the sampled step's
+counting must stand aside for.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import functools
+import random
+import types
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_vram.measure.code_roots import Remapped
+from lightning_vram.measure.plain_reads import (
+    contents,
+    dict_items,
+    instance_dict,
+    is_numpy_array,
+    is_numpy_generator,
+    key_text,
+    slot_names,
+)
+from lightning_vram.measure.user_code import code_names, is_user_class, is_user_file, is_user_function
+
+WALK_LIMIT = 20_000
+"""The most objects one walk visits; past it the walk stops and says it is incomplete."""
+
+DYNAMIC_NAMES = frozenset({"globals", "vars", "setattr", "getattr", "delattr", "exec", "eval", "sys"})
+"""Global names through which code reaches names it computes at run time (``globals()["n"]``, ``sys.modules``)."""
+
+SAVED_TENSOR_HOOK_NAMES = frozenset(
+    {
+        "vjp",
+        "jacrev",
+        "hessian",
+        "grad_and_value",
+        "disable_saved_tensors_hooks",
+        "saved_tensors_hooks",
+        "save_on_cpu",
+    }
+)
+"""Names whose use conflicts with the monitor's saved-tensor hooks (``torch.func.grad`` is matched as a pair)."""
+
+_ATOMS = (int, float, complex, str, bytes, bool, type(None), range, torch.dtype, torch.device, torch.Size)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place holding a reference: a namespace's entry, a closure cell, or an object's attribute."""
+
+    holder: Any
+    key: str | None = None
+
+    def get(self) -> Any:
+        """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``)."""
+        if isinstance(self.holder, types.CellType):
+            return self.holder.cell_contents
+        if isinstance(self.holder, dict):
+            return self.holder[self.key]
+        return getattr(self.holder, self.key or "")
+
+    def set(self, value: Any) -> None:
+        """Point the place at ``value``."""
+        if isinstance(self.holder, types.CellType):
+            self.holder.cell_contents = value
+        elif isinstance(self.holder, dict):
+            self.holder[self.key] = value
+        else:
+            setattr(self.holder, self.key or "", value)
+
+
+@dataclass
+class Reach:
+    """What the walked code can reach outside the module it runs on.
+
+    ``slots``: global names, closure cells and class attributes it reads (rebinding one, ``global n; n += 1``,
+    changes the user's state). ``objects``: mutable objects it can change in place (lists, dicts, sets, objects'
+    attributes, random generators). ``tensors``: tensors held outside the module. ``arrays``: NumPy arrays.
+    ``caches``: ``functools.lru_cache`` functions and the place each is read from. ``real_modules``: where the code
+    reaches the trained module itself (a ``step_function`` closing over it), by path. ``hook_apis``: the
+    saved-tensor-hook APIs the code names. ``unrestorable``: what the code reaches whose state cannot be saved (an
+    iterator, a generator), by path. ``complete``: the walk ended before :data:`WALK_LIMIT`.
+    """
+
+    slots: list[Slot] = field(default_factory=list)
+    objects: list[Any] = field(default_factory=list)
+    tensors: list[Tensor] = field(default_factory=list)
+    arrays: list[Any] = field(default_factory=list)
+    caches: list[tuple[Slot, Any]] = field(default_factory=list)
+    real_modules: list[str] = field(default_factory=list)
+    hook_apis: set[str] = field(default_factory=set)
+    unrestorable: list[str] = field(default_factory=list)
+    complete: bool = True
+
+    def add(self, other: Reach) -> None:
+        """Take in what ``other`` (another walk) found."""
+        self.slots += other.slots
+        self.objects += other.objects
+        self.tensors += other.tensors
+        self.arrays += other.arrays
+        self.caches += other.caches
+        self.real_modules += other.real_modules
+        self.hook_apis |= other.hook_apis
+        self.unrestorable += other.unrestorable
+        self.complete = self.complete and other.complete
+
+
+class _Walk:
+    """One walk from code and data roots.
+
+    An object reached through the module's own attributes (``data``) is a copy in the replay unless ``deepcopy``
+    shares it; one reached through code (a closure, a global) is the user's own object.
+    """
+
+    def __init__(self, inside: set[int], limit: int, ignore: set[int]) -> None:
+        self.reach = Reach()
+        self._inside = inside
+        self._ignore = ignore
+        self._seen: set[tuple[int, bool]] = set()
+        self._slots: set[tuple[int, str | None]] = set()
+        self._limit = limit
+        self._namespaces: set[int] = set()
+        self._queue: collections.deque[tuple[Any, str, frozenset[str], bool]] = collections.deque()
+
+    def run(self, roots: Iterable[tuple[str, Any]], data: Iterable[tuple[str, Any]] = ()) -> Reach:
+        for path, root in roots:
+            self._queue.append((root, path, frozenset(), False))
+        for path, value in data:
+            self._queue.append((value, path, frozenset(), True))
+        while self._queue:
+            if len(self._seen) >= self._limit:
+                self.reach.complete = False
+                break
+            value, path, names, data_path = self._queue.popleft()
+            self._visit(value, path, names, data_path)
+        return self.reach
+
+    def _push(self, value: Any, path: str, names: frozenset[str] = frozenset(), data: bool = False) -> None:
+        if not isinstance(value, _ATOMS):
+            self._queue.append((value, path, names, data))
+
+    def _slot(self, holder: Any, key: str | None, path: str) -> None:
+        marker = (id(holder), key)
+        if marker not in self._slots:
+            self._slots.add(marker)
+            slot = Slot(holder, key)
+            self.reach.slots.append(slot)
+            try:
+                value = slot.get()
+            except (KeyError, AttributeError, ValueError):  # an empty cell, a name bound later
+                return
+            if isinstance(value, functools._lru_cache_wrapper):
+                self.reach.caches.append((slot, value))
+            self._push(value, path)
+
+    def _visit(self, value: Any, path: str, names: frozenset[str], data: bool) -> None:
+        if (id(value), data) in self._seen:
+            return
+        self._seen.add((id(value), data))
+        if id(value) in self._ignore:
+            return
+        if id(value) in self._inside:
+            if not data:  # code reaching the trained model; through its own attributes it is the copy's
+                self.reach.real_modules.append(path)
+            return
+        if isinstance(value, types.FunctionType):
+            self._function(value, path)
+        elif isinstance(value, types.MethodType):
+            self._push(value.__func__, path)
+            if not (data and id(value.__self__) in self._inside):  # deepcopy rebinds it to the copy
+                self._push(value.__self__, f"{path}.__self__", data=data)
+        elif isinstance(value, Remapped):
+            self._push(value.function, path)
+        elif isinstance(value, (staticmethod, classmethod)):
+            self._push(value.__func__, path)
+        elif isinstance(value, property):
+            for accessor in (value.fget, value.fset, value.fdel):
+                if accessor is not None:
+                    self._push(accessor, path)
+        elif isinstance(value, functools.partial):
+            self._push(value.func, path)
+            self._push(value.args, path, data=data)
+            self._push(value.keywords, path, data=data)
+        elif isinstance(value, functools._lru_cache_wrapper):
+            self._push(getattr(value, "__wrapped__", None), path)
+        elif isinstance(value, weakref.ref):
+            self._push(value(), f"{path}()", data=data)
+        elif isinstance(value, type):
+            self._class(value, path)
+        elif isinstance(value, types.ModuleType):
+            self._module(value, path, names)
+        else:
+            self._state(value, path, data)
+
+    def _state(self, value: Any, path: str, data: bool) -> None:
+        """An object that holds state: saved, or (an iterator, a generator) a reason the replay must not run."""
+        if isinstance(value, Tensor):
+            self.reach.tensors.append(value)
+        elif is_numpy_array(value):
+            self.reach.arrays.append(value)
+            if value.dtype == object:
+                for index, item in enumerate(value.flat):
+                    self._push(item, f"{path}[{index}]", data=data)
+        elif isinstance(value, (random.Random, torch.Generator, bytearray, array.array)) or is_numpy_generator(value):
+            self.reach.objects.append(value)
+        elif isinstance(value, (list, set, collections.deque)):
+            self.reach.objects.append(value)
+            for index, item in enumerate(contents(value)):
+                self._push(item, f"{path}[{index}]", data=data)
+        elif isinstance(value, dict):
+            self.reach.objects.append(value)
+            for key, item in dict_items(value):
+                self._push(key, f"{path} key", data=data)
+                self._push(item, f"{path}[{key_text(key)}]", data=data)
+        elif isinstance(value, (tuple, frozenset)):
+            for index, item in enumerate(contents(value)):
+                self._push(item, f"{path}[{index}]", data=data)
+        elif hasattr(type(value), "__next__"):  # an iterator or a generator: what it has yielded cannot be put back
+            self.reach.unrestorable.append(f"{path} (a {type(value).__name__})")
+        elif data and not is_user_class(type(value)):
+            return  # a library's object held by the module: the replay's deep copy holds its own copy
+        else:
+            self._instance(value, path, data)
+
+    def _function(self, function: types.FunctionType, path: str) -> None:
+        wrapped = getattr(function, "__wrapped__", None)
+        if wrapped is not None:
+            self._push(wrapped, path)
+        if not is_user_function(function):
+            return
+        code = function.__code__
+        global_names, attribute_names = code_names(code)
+        self._note_hook_apis(global_names | attribute_names, function.__globals__)
+        where = f"{function.__qualname__}"
+        namespace = function.__globals__
+        if namespace is not None and id(namespace) not in self._namespaces:
+            self._namespaces.add(id(namespace))
+            self.reach.objects.append(namespace)  # a global rebound by any name (globals()[...], sys.modules)
+        for name in sorted(global_names):
+            if name in namespace:
+                value = namespace[name]
+                if isinstance(value, types.ModuleType):
+                    self._push(value, f"{where}: {name}", attribute_names)
+                elif not name.startswith("__"):
+                    self._slot(namespace, name, f"{where}: global {name}")
+        if global_names & DYNAMIC_NAMES:  # names computed at run time: every global of the module is in reach
+            for name, value in dict_items(namespace):
+                if not name.startswith("__") and not isinstance(value, types.ModuleType):
+                    self._slot(namespace, name, f"{where}: global {name}")
+        for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
+            self._slot(cell, None, f"{where}: closure {name}")
+        self._push(function.__defaults__, f"{where}: defaults")
+        self._push(function.__kwdefaults__, f"{where}: defaults")
+
+    def _note_hook_apis(self, names: frozenset[str], namespace: dict[str, Any]) -> None:
+        found = names & SAVED_TENSOR_HOOK_NAMES
+        if "func" in names and "grad" in names:
+            found |= {"torch.func.grad"}
+        for name in names:
+            value = namespace.get(name)
+            module = getattr(value, "__module__", None) or ""
+            if callable(value) and module.startswith(("torch._functorch", "functorch")) and name != "vmap":
+                found |= {f"torch.func.{name}"}
+        self.reach.hook_apis |= found
+
+    def _class(self, cls: type, path: str) -> None:
+        if not is_user_class(cls) or issubclass(cls, BaseException):
+            return
+        for base in cls.__mro__[1:]:
+            self._push(base, path)
+        for name, attribute in list(vars(cls).items()):
+            if name.startswith("__") and name.endswith("__") and not callable(attribute):
+                continue
+            if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property)):
+                self._push(attribute, f"{cls.__qualname__}.{name}")
+            elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
+                self._slot(cls, name, f"{cls.__qualname__}.{name}")
+
+    def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
+        self._seen.discard((id(module), False))  # another function may read other names of the same module
+        filename = getattr(module, "__file__", None)
+        if filename is not None and not is_user_file(filename):
+            return
+        namespace = vars(module)
+        for name in sorted(names & namespace.keys()):
+            value = namespace[name]
+            if not isinstance(value, types.ModuleType):
+                self._slot(namespace, name, f"{path}.{name}")
+
+    def _instance(self, value: Any, path: str, data: bool) -> None:
+        attributes = instance_dict(value)
+        if attributes is not None:
+            self.reach.objects.append(value)
+            for name, item in dict_items(attributes):
+                self._push(item, f"{path}.{name}", data=data)
+        if slot_names(type(value)):
+            self.reach.objects.append(value)
+            for name in slot_names(type(value)):
+                try:
+                    item = object.__getattribute__(value, name)
+                except AttributeError:
+                    continue
+                self._push(item, f"{path}.{name}", data=data)
+        self._push(type(value), path)
+
+
+def reach_of(
+    roots: Iterable[tuple[str, Any]],
+    inside: set[int],
+    data: Iterable[tuple[str, Any]] = (),
+    ignore: set[int] | None = None,
+    limit: int = WALK_LIMIT,
+) -> Reach:
+    """Walk from the code ``roots`` and the ``data`` roots (``(path, object)``).
+
+    ``inside``: the ids of the trained module's own objects (code reaching one reaches the real model); ``ignore``:
+    ids not to walk (the replay's copy of the module, whose state is its own).
+    """
+    return _Walk(inside, limit, ignore or set()).run(roots, data)
