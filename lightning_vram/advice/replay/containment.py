@@ -1,10 +1,11 @@
 """What a replay's run of the user's code may change outside its copy, saved before and put back after.
 
-:func:`~lightning_vram.measure.user_code.reach_of` lists what the code can reach; :func:`contained` saves each
+:func:`~lightning_vram.measure.reach.reach_of` lists what the code can reach; :func:`contained` saves each
 place's state, gives the code a fresh ``lru_cache`` for each of the user's (so no fake tensor is ever cached where
 the real step will read it), makes reachable NumPy arrays read-only, and on exit puts back every place the replay
-changed: a global or closure rebound, a list, dict or set changed, an object's attributes, a random generator's
-state, a one-element tensor (fake tensors compute those for real). What it put back is listed, for the report.
+changed: a global or closure rebound, a list, dict, set or array changed, an object's attributes, a random
+generator's state, a tensor held outside the module (fake tensors run in-place ops on a real tensor for real).
+What it put back is listed, for the report.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import array
 import contextlib
 import functools
 import random
-import sys
 import types
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_vram.measure.plain_reads import contents, dict_items, instance_dict, slot_names
+from lightning_vram.measure.plain_reads import contents, dict_items, instance_dict, is_numpy_generator, slot_names
 from lightning_vram.measure.reach import Reach, Slot
 
 _MISSING = object()
@@ -39,19 +39,14 @@ def _same(saved: Any, now: Any) -> bool:
     return saved is now
 
 
-def _is_numpy_rng(value: Any) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, (numpy.random.Generator, numpy.random.RandomState))
-
-
 class _Saved:
     """One object's state: how to read it, whether it changed, and how to put it back."""
 
-    def __init__(self, target: Any, read: Callable[[], Any], write: Callable[[Any], object], changed: bool) -> None:
+    def __init__(self, target: Any, read: Callable[[], Any], write: Callable[[Any], object], always: bool) -> None:
         self.target = target
         self._read = read
         self._write = write
-        self._always = changed  # generators: their states are compared by restoring them
+        self._always = always  # generators and byte buffers: put back unconditionally, not compared
         self.state = read()
 
     def restore(self) -> bool:
@@ -135,7 +130,7 @@ def _saver(target: Any) -> _Saved | None:
         return _Saved(target, target.getstate, target.setstate, True)
     if isinstance(target, torch.Generator):
         return _Saved(target, target.get_state, target.set_state, True)
-    if _is_numpy_rng(target):
+    if is_numpy_generator(target):
         if hasattr(target, "bit_generator"):  # numpy.random.Generator
             generator = target.bit_generator
             return _Saved(target, lambda: generator.state, lambda state: setattr(generator, "state", state), True)
@@ -228,7 +223,7 @@ def _describe(target: Any) -> str:
 def contained(reach: Reach) -> Iterator[Containment]:
     """Save what ``reach`` lists, run the body with fresh caches and read-only arrays, then put back what changed.
 
-    Raises :class:`ContainmentError` after the body when a tensor outside the module changed and has no copy.
+    Raises :class:`ContainmentError` after the body when a place refused its saved state back.
     """
     cache_slots = {id(slot) for slot, _cache in reach.caches}
     savers: list[_Saved] = [_slot_saver(slot) for slot in reach.slots]

@@ -279,17 +279,17 @@ def replay_step(
         return ReplaySkipped(refusal)
     counter: ReplayCounter | None = None
     try:
-        with isolated():
+        reach.arrays += shared
+        with isolated(), contained(reach) as containment:  # the copy's configure_optimizers is user code too
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             register(mode)
             optimizer_list = None if optimizers is None else list(optimizers)
             twin = make_twin(module, optimizer_list, batch, mode, run.prepare_module, {id(a): a for a in shared})
-            reach.add(_held_by(twin.module, inside))
-            refusal = _refusal(reach)
+            held = _held_by(twin.module, inside)
+            refusal = _refusal(held)
             if refusal is not None:
                 raise _RefusedError(refusal)
-            reach.arrays += shared
-            with contained(reach) as containment, mode, Deadline(deadline):
+            with contained(held) as held_containment, mode, Deadline(deadline):
                 fake_batch = run.prepare_batch(twin.batch)
                 if warm_up:
                     run.run_step(twin, fake_batch, None, None)
@@ -338,6 +338,9 @@ def replay_step(
                 f"{op} keeps a workspace for backward that fake tensors do not size: left out"
                 for op in sorted(probe.unmeasured)
             ),
-            *(f"the replayed code changed {place}; put back as it was" for place in containment.restored),
+            *(
+                f"the replayed code changed {place}; put back as it was"
+                for place in (*containment.restored, *held_containment.restored)
+            ),
         ),
     )
