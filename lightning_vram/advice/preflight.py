@@ -76,23 +76,8 @@ def preflight(
         budget_seconds: host seconds for all the replays; one running when they end stops at its next op, and
             changes not reached in time are left out.
     """
-    started = time.perf_counter()
-    deadline = started + budget_seconds
-    with round_of_replays():
-        return _preflight(module, optimizers, batch, reading, free_bytes, changes, precision, step_function, deadline)
+    deadline = time.perf_counter() + budget_seconds
 
-
-def _preflight(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    batch: Any,
-    reading: AllocatorReading,
-    free_bytes: int,
-    changes: Sequence[StepChange],
-    precision: str,
-    step_function: StepFunction,
-    deadline: float,
-) -> PreflightVerdict | str:
     def replay(change: StepChange | None) -> ReplayedStep | ReplaySkipped:
         return replay_step(
             module,
@@ -105,23 +90,24 @@ def _preflight(
             deadline=deadline,
         )
 
-    replayed = replay(None)
-    if not isinstance(replayed, ReplayedStep):
-        return replayed.reason
-    verdict = PreflightVerdict(
-        step=replayed,
-        needed_bytes=max(replayed.peak.peak_bytes - reading.allocated_bytes, 0),
-        available_bytes=free_bytes + max(reading.reserved_bytes - reading.allocated_bytes, 0),
-        remedies=(),
-    )
-    if verdict.fits:
-        return verdict
-    remedies: list[PreflightRemedy] = []
-    for change in changes:
-        if time.perf_counter() > deadline:
-            break
-        result = replay(change)
-        if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
-            remedies.append(PreflightRemedy(change.label, result.peak.peak_bytes))
-    remedies.sort(key=lambda remedy: remedy.peak_bytes)
-    return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))
+    with round_of_replays():
+        replayed = replay(None)
+        if not isinstance(replayed, ReplayedStep):
+            return replayed.reason
+        verdict = PreflightVerdict(
+            step=replayed,
+            needed_bytes=max(replayed.peak.peak_bytes - reading.allocated_bytes, 0),
+            available_bytes=free_bytes + max(reading.reserved_bytes - reading.allocated_bytes, 0),
+            remedies=(),
+        )
+        if verdict.fits:
+            return verdict
+        remedies: list[PreflightRemedy] = []
+        for change in changes:
+            if time.perf_counter() > deadline:
+                break
+            result = replay(change)
+            if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
+                remedies.append(PreflightRemedy(change.label, result.peak.peak_bytes))
+        remedies.sort(key=lambda remedy: remedy.peak_bytes)
+        return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))

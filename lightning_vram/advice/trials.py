@@ -103,56 +103,40 @@ def try_changes(
     if reason is not None or step_function is None:
         return Simulation(device.type, None, None, reason, (), 0.0)
     with round_of_replays():
-        return _try_changes(
-            module, optimizers, batch, attribution, summary, setup, device, step_function, budget_seconds
+        started = time.perf_counter()
+        simulation = simulate(
+            module,
+            optimizers,
+            batch,
+            attribution,
+            trial_changes(summary, setup),
+            precision=setup.precision,
+            device=device,
+            step_function=step_function,
+            time_budget_seconds=budget_seconds,
+            gradients_at_forward=_gradients_at_forward(attribution),
         )
-
-
-def _try_changes(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    batch: Any,
-    attribution: Attribution,
-    summary: RunSummary,
-    setup: TrainingSetup,
-    device: torch.device,
-    step_function: StepFunction,
-    budget_seconds: float,
-) -> Simulation:
-    started = time.perf_counter()
-    simulation = simulate(
-        module,
-        optimizers,
-        batch,
-        attribution,
-        trial_changes(summary, setup),
-        precision=setup.precision,
-        device=device,
-        step_function=step_function,
-        time_budget_seconds=budget_seconds,
-        gradients_at_forward=_gradients_at_forward(attribution),
-    )
-    remaining = budget_seconds - (time.perf_counter() - started)
-    if simulation.skipped is not None or not summary.on_cuda or remaining <= 0:
-        return simulation
-    rows = replayed_fit_table(
-        module,
-        optimizers,
-        batch,
-        context_bytes=summary.cuda_context_bytes or DEFAULT_CUDA_CONTEXT_BYTES,
-        precision=setup.precision,
-        device=device,
-        step_function=step_function,
-        gpus=(*_own_device(summary.device), *COMMON_GPUS),
-        deadline=time.perf_counter() + remaining,
-    )
-    own = rows[0].max_batch_size if rows and summary.device.total_bytes else None
-    return replace(
-        simulation,
-        fit=rows[1:] if summary.device.total_bytes else rows,
-        device_max_batch_size=own,
-        seconds=time.perf_counter() - started,
-    )
+        remaining = budget_seconds - (time.perf_counter() - started)
+        if simulation.skipped is not None or not summary.on_cuda or remaining <= 0:
+            return simulation
+        rows = replayed_fit_table(
+            module,
+            optimizers,
+            batch,
+            context_bytes=summary.cuda_context_bytes or DEFAULT_CUDA_CONTEXT_BYTES,
+            precision=setup.precision,
+            device=device,
+            step_function=step_function,
+            gpus=(*_own_device(summary.device), *COMMON_GPUS),
+            deadline=time.perf_counter() + remaining,
+        )
+        own = rows[0].max_batch_size if rows and summary.device.total_bytes else None
+        return replace(
+            simulation,
+            fit=rows[1:] if summary.device.total_bytes else rows,
+            device_max_batch_size=own,
+            seconds=time.perf_counter() - started,
+        )
 
 
 def _gradients_at_forward(attribution: Attribution) -> bool:

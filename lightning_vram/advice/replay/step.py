@@ -42,7 +42,7 @@ from lightning_vram.advice.replay.twin import (
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
 from lightning_vram.measure.accounting import batch_size_of
 from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
-from lightning_vram.measure.reach import Reach, reach_of
+from lightning_vram.measure.reach import WALK_LIMIT, Reach, reach_of
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.records import (
     BatchSizeChange,
@@ -205,6 +205,11 @@ def _refusal(reach: Reach) -> str | None:
         return (
             f"the step's code uses {', '.join(sorted(reach.hook_apis))}, which refuses or hides the saved-tensor hooks"
             " a replay counts with"
+        )
+    if not reach.complete:
+        return (
+            f"the step's code reaches more than {WALK_LIMIT} objects beyond the module; a replay could not save and"
+            " put back all of them"
         )
     if reach.unrestorable:
         return (
