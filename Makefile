@@ -11,7 +11,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 DEMO_STAMP := $(VENV)/.demo-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: demo test benchmark clean
+.PHONY: demo test test-fast benchmark clean
 
 # The demo needs torch, the package and rich (the console table): nothing the tests alone need.
 $(DEMO_STAMP): pyproject.toml
@@ -34,6 +34,10 @@ test: $(TEST_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# The inner loop: everything but the multi-process tests (CI and `make test` run all).
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -m "not distributed"
 
 benchmark: $(TEST_STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -21,6 +21,8 @@ from lightning_vram.render.files import report_stem
 HANG = 900
 """Seconds a subprocess test may take: ten times what a loaded 2-core machine needs, so only a hang reaches it."""
 
+pytestmark = pytest.mark.distributed
+
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> None:
