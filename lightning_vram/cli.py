@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from lightning_vram.codec import CATEGORIES, FormatError, in_phase_order, report_from_dict
-from lightning_vram.records import Report
+from lightning_vram.codec import FormatError, report_from_dict
+from lightning_vram.records import CATEGORIES, Report, in_phase_order
 from lightning_vram.render.files import JSON_FILENAME
 from lightning_vram.render.html import render_html
 from lightning_vram.render.markup import printable

@@ -44,7 +44,6 @@ from lightning_vram.advice.replay.step import StepFunction, lightning_training_s
 from lightning_vram.advice.report import build_report
 from lightning_vram.advice.rules import advise
 from lightning_vram.advice.trials import try_changes
-from lightning_vram.codec import FormatError, simulation_from_dict, simulation_to_dict
 from lightning_vram.config import MonitorConfig, check_start, start_device
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
@@ -72,6 +71,9 @@ from lightning_vram.records import (
     Simulation,
     TrainingSetup,
 )
+from lightning_vram.records.json_reader import FormatError
+from lightning_vram.records.oom import oom_headline
+from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.files import (
     SNAPSHOT_STEM,
@@ -84,7 +86,7 @@ from lightning_vram.render.files import (
 )
 from lightning_vram.render.scalars import interval_scalars, reduce_over_ranks, scalar_vector
 from lightning_vram.render.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
-from lightning_vram.render.text import evaluation_text, oom_headline, preflight_warning
+from lightning_vram.render.text import evaluation_text, preflight_warning
 
 STATE_VERSION = 2
 """Version of :meth:`VramSession.state_dict`'s layout; a checkpoint with another one starts the aggregates fresh."""

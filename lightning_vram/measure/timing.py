@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from lightning_vram.codec import FormatError, Reader
 from lightning_vram.records import IntervalTiming
+from lightning_vram.records.json_reader import FormatError, Reader
 
 Clock = Callable[[], float]
 """A monotonic host clock, in seconds (``time.perf_counter``)."""

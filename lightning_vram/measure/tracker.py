@@ -12,17 +12,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from lightning_vram.codec import (
-    Reader,
-    attribution_from_dict,
-    attribution_to_dict,
-    evaluation_from_dict,
-    evaluation_to_dict,
-    optional_phase_peak_from_dict,
-    phase_peak_from_dict,
-    phase_peak_to_dict,
-    step_pair_from_list,
-)
 from lightning_vram.records import (
     AllocatorReading,
     Attribution,
@@ -32,6 +21,17 @@ from lightning_vram.records import (
     Phase,
     PhasePeak,
     StepPoint,
+)
+from lightning_vram.records.json_reader import Reader
+from lightning_vram.records.measured_json import (
+    attribution_from_dict,
+    attribution_to_dict,
+    evaluation_from_dict,
+    evaluation_to_dict,
+    optional_phase_peak_from_dict,
+    phase_peak_from_dict,
+    phase_peak_to_dict,
+    step_pair_from_list,
 )
 
 PHASES = tuple(Phase)

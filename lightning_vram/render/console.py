@@ -10,8 +10,7 @@ import importlib
 import sys
 from typing import TextIO
 
-from lightning_vram.codec import CATEGORIES, in_phase_order
-from lightning_vram.records import Report
+from lightning_vram.records import CATEGORIES, Report, in_phase_order
 from lightning_vram.render.markup import printable
 from lightning_vram.render.text import advice_line, headline, summary_text
 from lightning_vram.units import format_bytes

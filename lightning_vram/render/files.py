@@ -22,10 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
-from lightning_vram.codec import oom_diagnosis_to_dict, report_to_dict
 from lightning_vram.records import OomDiagnosis, Report
 from lightning_vram.render.html import render_html
-from lightning_vram.render.text import markdown, oom_headline, oom_markdown
+from lightning_vram.render.text import markdown, oom_markdown
 
 JSON_FILENAME = "vram_report.json"
 MARKDOWN_FILENAME = "vram_report.md"
@@ -183,7 +182,7 @@ def write_report_files(report: Report, directory: Location) -> Location:
     write_files(
         directory,
         [
-            (JSON_FILENAME, _text(lambda: json.dumps(report_to_dict(report), indent=2) + "\n")),
+            (JSON_FILENAME, _text(lambda: json.dumps(report.to_dict(), indent=2) + "\n")),
             (MARKDOWN_FILENAME, _text(lambda: markdown(report))),
             (HTML_FILENAME, _text(lambda: render_html(report))),
         ],
@@ -207,7 +206,7 @@ def write_diagnosis(diagnosis: OomDiagnosis, directory: Location, world_size: in
         FilesNotWritten: as :func:`write_report_files`.
     """
     stem = report_stem(OOM_STEM, diagnosis.rank, world_size)
-    data = oom_diagnosis_to_dict(diagnosis, oom_headline(diagnosis))
+    data = diagnosis.to_dict()
     write_files(
         directory,
         [

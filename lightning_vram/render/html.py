@@ -6,8 +6,7 @@ import base64
 import html
 from collections.abc import Iterable
 
-from lightning_vram.codec import CATEGORIES, in_phase_order
-from lightning_vram.records import Advice, Report
+from lightning_vram.records import CATEGORIES, Advice, Report, in_phase_order
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
 from lightning_vram.render.markup import Token, advice_tokens
 from lightning_vram.render.simulation import Table, simulation_view

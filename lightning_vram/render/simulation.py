@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_vram.codec import in_phase_order
-from lightning_vram.records import BaselineMatch, Phase, ReplayedStep, Report, Simulation
+from lightning_vram.records import BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 200

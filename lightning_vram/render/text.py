@@ -7,8 +7,17 @@ enters Markdown through :mod:`lightning_vram.render.markup`, which escapes it; a
 
 from __future__ import annotations
 
-from lightning_vram.codec import CATEGORIES, in_phase_order
-from lightning_vram.records import Advice, DeviceInfo, EvaluationPeak, OomDiagnosis, PreflightVerdict, Report
+from lightning_vram.records import (
+    CATEGORIES,
+    Advice,
+    DeviceInfo,
+    EvaluationPeak,
+    OomDiagnosis,
+    PreflightVerdict,
+    Report,
+    in_phase_order,
+)
+from lightning_vram.records.oom import oom_headline
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.units import format_bytes, format_percent
@@ -225,22 +234,6 @@ def markdown(report: Report) -> str:
         lines += ["", "## Not measured", ""]
         lines += [f"- {escape_markdown(item.what)}: {escape_markdown(item.reason)}" for item in report.not_measured]
     return "\n".join(lines) + "\n"
-
-
-def oom_headline(diagnosis: OomDiagnosis) -> str:
-    """One line: what was needed, where, and what held the most."""
-    more = diagnosis.needed_more_bytes
-    if more is not None:
-        need = f"needed {format_bytes(more)} more"
-    elif diagnosis.message.tried_bytes is not None:
-        need = f"tried to allocate {format_bytes(diagnosis.message.tried_bytes)}"
-    else:
-        need = "ran out of memory"
-    text = f"{need} in {diagnosis.where} of step {diagnosis.step}"
-    if diagnosis.breakdown is not None:
-        largest = diagnosis.breakdown.largest_part
-        text += f"; {largest.replace('_', ' ')} held {format_bytes(diagnosis.breakdown.to_dict()[largest])}"
-    return text
 
 
 def oom_markdown(diagnosis: OomDiagnosis) -> str:

@@ -1,0 +1,96 @@
+"""Frozen records that pass between the monitor's parts: what is measured, advised and reported.
+
+All sizes are integer bytes, all times seconds. ``None`` means "not measured here", never zero. The records and the
+domain facts they carry (the parts of a breakdown, the phases in step order, advice severities) are imported from
+here; each topic's module sits beside the JSON form of its records (``<topic>_json.py``; the report's and the OOM
+diagnosis's in their own module), and :mod:`~lightning_vram.records.json_reader` reads JSON field by field.
+"""
+
+from lightning_vram.records.advice import SAVING_BASES, SEVERITIES, Advice, CheckpointPlan, FitRow
+from lightning_vram.records.measured import (
+    CATEGORIES,
+    COUNTED_PARTS,
+    AllocatorReading,
+    Attribution,
+    Breakdown,
+    DeviceInfo,
+    EvaluationPeak,
+    IntervalMemory,
+    IntervalTiming,
+    LinearLayer,
+    ModuleProfile,
+    NotMeasured,
+    Phase,
+    PhasePeak,
+    RunSummary,
+    StepPoint,
+    TrainingSetup,
+    UtilizationReading,
+    in_phase_order,
+)
+from lightning_vram.records.oom import OomDiagnosis, OomMessage
+from lightning_vram.records.report import RankSummary, Report, TimingSummary
+from lightning_vram.records.simulation import (
+    BaselineMatch,
+    BatchSizeChange,
+    CheckpointChange,
+    FreeGradientsChange,
+    InplaceChange,
+    PartMatch,
+    PrecisionChange,
+    Prediction,
+    PreflightRemedy,
+    PreflightVerdict,
+    ReplayedStep,
+    ReplaySkipped,
+    Simulation,
+    StepChange,
+    VariantResult,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "COUNTED_PARTS",
+    "SAVING_BASES",
+    "SEVERITIES",
+    "Advice",
+    "AllocatorReading",
+    "Attribution",
+    "BaselineMatch",
+    "BatchSizeChange",
+    "Breakdown",
+    "CheckpointChange",
+    "CheckpointPlan",
+    "DeviceInfo",
+    "EvaluationPeak",
+    "FitRow",
+    "FreeGradientsChange",
+    "InplaceChange",
+    "IntervalMemory",
+    "IntervalTiming",
+    "LinearLayer",
+    "ModuleProfile",
+    "NotMeasured",
+    "OomDiagnosis",
+    "OomMessage",
+    "PartMatch",
+    "Phase",
+    "PhasePeak",
+    "PrecisionChange",
+    "Prediction",
+    "PreflightRemedy",
+    "PreflightVerdict",
+    "RankSummary",
+    "ReplaySkipped",
+    "ReplayedStep",
+    "Report",
+    "RunSummary",
+    "Simulation",
+    "StepChange",
+    "StepPoint",
+    "TimingSummary",
+    "TrainingSetup",
+    "UtilizationReading",
+    "VariantResult",
+    "in_phase_order",
+]

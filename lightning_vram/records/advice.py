@@ -1,0 +1,75 @@
+"""What the monitor advises: advice, a checkpointing plan, and the largest batch that fits a device.
+
+Also the domain facts of advice: its severities (:data:`SEVERITIES`) and where a saving comes from
+(:data:`SAVING_BASES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEVERITIES = ("critical", "warning", "info")
+"""How much an advice matters, most first."""
+SAVING_BASES = ("simulated", "modelled")
+"""Where an advice's byte saving, or a fit row's batch, comes from: replayed on the run's step, or a formula."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One piece of advice: what to change, the figures that fired it, and what it should save.
+
+    ``estimated_saving_bytes`` is peak memory; ``estimated_saving_seconds`` is time per step (speed advice).
+    ``saving_basis`` says where the byte saving comes from: ``"simulated"`` (the change was replayed on the run's own
+    step under fake tensors), ``"modelled"`` (a formula over the measurements), ``None`` without a byte saving.
+    ``predicted_peak_bytes`` is the replayed peak after the change, wherever the change was replayed (also without a
+    byte saving: mixed precision advised for speed says what its replay predicts).
+    """
+
+    id: str
+    severity: str
+    title: str
+    detail: str
+    evidence: str
+    estimated_saving_bytes: int | None
+    estimated_saving_seconds: float | None = None
+    saving_basis: str | None = None
+    predicted_peak_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Which modules to checkpoint, and the activation bytes that should save at the peak.
+
+    ``units`` are the checkpointed units, each the names of the children of ``container`` it runs, in order;
+    ``forward_of`` is the module whose forward calls them (``container`` itself, or the parent of an
+    ``nn.ModuleList``; ``""`` for the LightningModule). With ``sequential_segments``, ``container`` is an
+    ``nn.Sequential`` run by ``checkpoint_sequential`` with that many segments (the last one not checkpointed).
+    """
+
+    container: str
+    units: tuple[tuple[str, ...], ...]
+    sequential_segments: int | None
+    saving_bytes: int
+    forward_of: str | None = None
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """The largest batch of this run predicted to fit on a device of ``capacity_bytes``."""
+
+    device: str
+    capacity_bytes: int
+    max_batch_size: int
+    basis: str = "modelled"
+    """``"simulated"`` when each batch size was replayed (a bisection), ``"modelled"`` when extrapolated linearly."""
+    at_least: bool = False
+    """The search stopped at its largest batch size, which still fit: the largest that fits is this or more."""
+
+    @property
+    def batch_text(self) -> str:
+        """The batch size as a report shows it: ``"at least 65536"`` where the search hit its bound.
+
+        >>> FitRow("A100", 80, 65536, "simulated", at_least=True).batch_text
+        'at least 65536'
+        """
+        return f"at least {self.max_batch_size}" if self.at_least else str(self.max_batch_size)

@@ -1,0 +1,74 @@
+"""The JSON form of advice and fit rows, both ways."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_vram.records.advice import SAVING_BASES, SEVERITIES, Advice, FitRow
+from lightning_vram.records.json_reader import FormatError, Reader, one_of, shown
+
+
+def advice_to_dict(advice: Advice) -> dict[str, Any]:
+    """One piece of advice (the schema's ``advice`` entries)."""
+    return {
+        "id": advice.id,
+        "severity": advice.severity,
+        "title": advice.title,
+        "detail": advice.detail,
+        "evidence": advice.evidence,
+        "estimated_saving_bytes": advice.estimated_saving_bytes,
+        "estimated_saving_seconds": advice.estimated_saving_seconds,
+        "saving_basis": advice.saving_basis,
+        "predicted_peak_bytes": advice.predicted_peak_bytes,
+    }
+
+
+def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
+    """One row of the report's ``fit`` table."""
+    return {
+        "device": row.device,
+        "capacity_bytes": row.capacity_bytes,
+        "max_batch_size": row.max_batch_size,
+        "basis": row.basis,
+        "at_least": row.at_least,
+    }
+
+
+def advice_from_dict(data: Any, where: str) -> Advice:
+    """The advice :func:`advice_to_dict` wrote."""
+    fields = Reader(data, where)
+    severity = fields.text("severity")
+    if severity not in SEVERITIES:
+        raise FormatError(f"{where}.severity must be one of {list(SEVERITIES)}, got {shown(severity)}")
+    return Advice(
+        id=fields.text("id"),
+        severity=severity,
+        title=fields.text("title"),
+        detail=fields.text("detail"),
+        evidence=fields.text("evidence"),
+        estimated_saving_bytes=fields.optional_integer("estimated_saving_bytes", minimum=None),
+        estimated_saving_seconds=fields.added(
+            "estimated_saving_seconds", lambda reader, key: reader.optional_number(key, minimum=None), None
+        ),
+        # Both absent from reports written by 0.7.0 and earlier.
+        saving_basis=(
+            one_of(fields.optional_text("saving_basis"), SAVING_BASES, f"{where}.saving_basis")
+            if fields.has("saving_basis")
+            else None
+        ),
+        predicted_peak_bytes=fields.optional_integer("predicted_peak_bytes")
+        if fields.has("predicted_peak_bytes")
+        else None,
+    )
+
+
+def fit_row_from_dict(data: Any, where: str) -> FitRow:
+    """The fit row :func:`fit_row_to_dict` wrote (a row from 0.7.0 or earlier: modelled, exact)."""
+    fields = Reader(data, where)
+    basis = fields.text("basis") if fields.has("basis") else "modelled"  # absent up to 0.7.0: extrapolated
+    if basis not in SAVING_BASES:
+        raise FormatError(f"{where}.basis must be one of {list(SAVING_BASES)}, got {shown(basis)}")
+    at_least = fields.flag("at_least") if fields.has("at_least") else False  # absent up to 0.7.0: exact
+    return FitRow(
+        fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis, at_least
+    )

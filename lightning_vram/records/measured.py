@@ -1,0 +1,296 @@
+"""What the monitor measures: phases, devices, readings, breakdowns, module profiles, peaks, set-up, the run.
+
+Also the domain facts every part shares: the parts of a breakdown (:data:`CATEGORIES`), the parts counted tensor by
+tensor (:data:`COUNTED_PARTS`) and the phases in step order (:func:`in_phase_order`).
+All sizes are integer bytes, all times seconds. ``None`` means "not measured here", never zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+
+class Phase(str, Enum):
+    """A part of one training step, in Lightning's hook order."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+"""The parts of a breakdown, in the order every table shows them."""
+COUNTED_PARTS = CATEGORIES[:4]
+"""The parts a replay's baseline is compared with the measured step on (``other`` is not counted)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The monitored device: ``type`` is a torch device type, ``total_bytes`` its memory capacity.
+
+    ``compute_capability`` is CUDA's ``(major, minor)``, ``None`` elsewhere.
+    """
+
+    type: str
+    name: str
+    index: int | None
+    total_bytes: int | None
+    compute_capability: tuple[int, int] | None = None
+
+
+class AllocatorReading(NamedTuple):
+    """CUDA caching-allocator counters read at one phase boundary, in bytes.
+
+    ``peak_allocated_bytes`` is the highest allocated value since the last peak reset (or since the
+    process started, when the monitor leaves the process-wide peak untouched).
+    ``alloc_retries`` counts allocations that had to free cached blocks and retry (a sign of pressure);
+    ``ooms`` counts out-of-memory errors the allocator raised since the process started.
+    """
+
+    allocated_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+    alloc_retries: int
+    ooms: int = 0
+
+
+@dataclass(frozen=True)
+class UtilizationReading:
+    """NVML samples averaged over one interval.
+
+    ``gpu_utilization_percent``: mean percent of time one or more kernels ran (NVML's definition).
+    ``process_memory_bytes``: this process's device memory as NVML sees it (CUDA context included).
+    """
+
+    gpu_utilization_percent: float | None
+    process_memory_bytes: int | None
+
+
+@dataclass(frozen=True)
+class NotMeasured:
+    """Something the report could not measure in this environment, and why."""
+
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Memory held at one moment, split by what holds it, in bytes.
+
+    ``other`` is what the allocator saw beyond the counted parts (batch, temporaries, workspaces);
+    it is ``None`` where no allocator peak exists (CPU).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    other: int | None
+
+    @property
+    def largest_part(self) -> str:
+        """The category holding the most bytes (``other`` only where measured); ties go to the first listed."""
+        parts = {name: value for name, value in self.to_dict().items() if value is not None}
+        return max(parts, key=lambda name: parts[name])
+
+    @property
+    def counted_bytes(self) -> int:
+        """Bytes of the parts counted tensor by tensor (everything but ``other``)."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+    def with_measured_peak(self, peak_bytes: int) -> Breakdown:
+        """The same breakdown with ``other`` set to what an allocator peak holds beyond the counted parts.
+
+        Counts and the allocator are read at different instants of a phase, so the remainder is
+        clamped at zero.
+        """
+        return Breakdown(
+            parameters=self.parameters,
+            gradients=self.gradients,
+            optimizer_state=self.optimizer_state,
+            activations=self.activations,
+            other=max(peak_bytes - self.counted_bytes, 0),
+        )
+
+    def to_dict(self) -> dict[str, int | None]:
+        """The schema's ``breakdown`` object."""
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "activations": self.activations,
+            "other": self.other,
+        }
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """What one module did during a sampled forward pass, in bytes, summed over its calls.
+
+    ``activation_bytes``: tensors it saved for backward itself (not its children's).
+    ``input_bytes`` / ``output_bytes``: unique storages of its tensor arguments and results.
+    ``inplace``: its ``inplace`` flag where it has one (activation modules), else ``None``.
+    ``input_saved_for_backward``: autograd already held its input for an earlier op when it ran,
+    so an inplace version would break backward.
+    ``input_saved_bytes`` / ``output_saved_bytes``: its input / output storages that it or its submodules
+    saved for backward during its calls.
+    ``output_saved_for_backward``: autograd held its output when the forward pass ended, saved by it or by a
+    later op (observed for modules with an ``inplace`` flag only).
+    ``input_feature_map``: ``(channels, positions)`` of the convolutional feature map (the output of a Conv,
+    Pool or BatchNorm layer) a ``Linear`` read flattened, else ``None``.
+    """
+
+    name: str
+    type: str
+    activation_bytes: int
+    input_bytes: int = 0
+    output_bytes: int = 0
+    inplace: bool | None = None
+    input_saved_for_backward: bool = False
+    input_saved_bytes: int = 0
+    output_saved_bytes: int = 0
+    output_saved_for_backward: bool = False
+    input_feature_map: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Tensor-by-tensor counts of one sampled step.
+
+    The counted parts at each phase's counted peak, every module called in its forward pass (in
+    registration order), and the batch's first dimension.
+    """
+
+    step: int
+    phases: dict[Phase, Breakdown]
+    modules: tuple[ModuleProfile, ...]
+    batch_size: int | None = None
+
+
+@dataclass(frozen=True)
+class EvaluationPeak:
+    """The highest allocator peak of one evaluation batch: ``stage`` is validation, test or predict.
+
+    ``after_step`` is the number of training batches run before it (0 for a sanity check or a standalone run).
+    """
+
+    stage: str
+    peak_bytes: int
+    reserved_bytes: int
+    after_step: int
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """The peak of one phase of one step.
+
+    ``peak_bytes`` is the allocator's peak on CUDA and the sum of the counted parts on CPU;
+    ``reserved_bytes`` is the allocator's reserve at the end of the phase (``None`` on CPU).
+    """
+
+    step: int
+    phase: Phase
+    peak_bytes: int
+    reserved_bytes: int | None
+    breakdown: Breakdown | None
+
+
+def in_phase_order(phases: dict[Phase, PhasePeak]) -> list[tuple[Phase, PhasePeak]]:
+    """The phases present, in the order a training step runs them."""
+    return [(phase, phases[phase]) for phase in Phase if phase in phases]
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """The peak of one step, for charts of memory over steps."""
+
+    step: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class IntervalMemory:
+    """Memory over one log interval: the counters at its end and its highest peaks, in bytes."""
+
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    peak: PhasePeak | None
+    phase_peak_bytes: dict[Phase, int]
+
+
+@dataclass(frozen=True)
+class IntervalTiming:
+    """Timing over one log interval: mean step time in seconds and the share of it spent waiting for data."""
+
+    step_seconds: float | None
+    data_wait_fraction: float | None
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """One ``nn.Linear`` of the model and its parameter bytes.
+
+    ``weight_bytes``: bytes of its own weight; 0 where the weight is shared with another module (tied weights
+    count once, with the module they are tied to).
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    parameter_bytes: int
+    weight_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the user set up training, read from the Trainer (or given to a session) and the model."""
+
+    precision: str
+    automatic_optimization: bool
+    accumulate_grad_batches: int
+    optimizers: tuple[str, ...]
+    num_workers: int | None
+    pin_memory: bool | None
+    cpu_cores_per_device: int
+    world_size: int
+    strategy: str
+    parameter_bytes: int
+    linear_layers: tuple[LinearLayer, ...]
+    inplace_keeps_result: tuple[str, ...] = ()
+    """Out-of-place activation modules (by name) whose inplace variant saves only its result for backward,
+    as tried on a small tensor: inplace, their input and output become one saved tensor."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What the run measured, as the rules and the report need it. ``None`` means not measured here.
+
+    ``modules`` holds every module of the sampled step with the most activations (registration order);
+    ``recent_peaks`` the last steps' peaks; ``evaluation`` each evaluation stage's highest batch peak.
+    """
+
+    device: DeviceInfo
+    peak: PhasePeak | None
+    phases: dict[Phase, PhasePeak]
+    modules: tuple[ModuleProfile, ...]
+    batch_size: int | None
+    step_seconds_median: float | None
+    data_wait_fraction: float | None
+    recent_data_wait_fraction: float | None
+    timed_steps: int
+    gpu_utilization_mean: float | None
+    alloc_retries: int | None
+    cuda_context_bytes: int | None
+    recovered_ooms: int | None = None
+    last_step: tuple[PhasePeak, ...] = ()
+    steps: int = 0
+    recent_peaks: tuple[StepPoint, ...] = ()
+    evaluation: tuple[EvaluationPeak, ...] = ()
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the run trained on a CUDA device."""
+        return self.device.type == "cuda"

@@ -1,0 +1,247 @@
+"""What a replay of the step tells: the changes it tries, the replayed step, and what is built on it.
+
+That is its match with the measured step, the simulation of a run, the prediction without training and the preflight
+verdict. All sizes are integer bytes, all times seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_vram.records.advice import CheckpointPlan, FitRow
+from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
+
+
+@dataclass(frozen=True)
+class PrecisionChange:
+    """Replay the step in another precision, named as Lightning names it (``"bf16-mixed"``, ``"bf16-true"``...)."""
+
+    precision: str
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f'precision="{self.precision}"'
+
+
+@dataclass(frozen=True)
+class CheckpointChange:
+    """Replay the step with ``plan``'s units wrapped in non-reentrant activation checkpointing."""
+
+    plan: CheckpointPlan
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        plan = self.plan
+        where = plan.container or "the model"
+        if plan.sequential_segments is not None:
+            return f"checkpoint {where} in {plan.sequential_segments} segments"
+        first, last = plan.units[0][0], plan.units[-1][-1]
+        if len(plan.units) == 1:
+            return f"checkpoint {'+'.join(plan.units[0])}"
+        return f"checkpoint {len(plan.units)} units of {where} ({first} to {last})"
+
+
+@dataclass(frozen=True)
+class InplaceChange:
+    """Replay the step with ``inplace=True`` set on the named activation modules."""
+
+    modules: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f"inplace activations in {len(self.modules)} module(s)"
+
+
+@dataclass(frozen=True)
+class FreeGradientsChange:
+    """Replay the step with the previous step's gradients set to ``None`` before the forward pass."""
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return "gradients set to None before forward"
+
+
+@dataclass(frozen=True)
+class BatchSizeChange:
+    """Replay the step with every batch tensor's first dimension (the batch size) set to ``batch_size``."""
+
+    batch_size: int
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f"batch size {self.batch_size}"
+
+
+StepChange = PrecisionChange | CheckpointChange | InplaceChange | FreeGradientsChange | BatchSizeChange
+"""One change a replay can apply to the step."""
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    """One training step replayed under fake tensors: what it would hold, without holding it.
+
+    ``phases``: each phase's predicted allocator peak (every live tensor on the device, temporaries included, in
+    the CUDA allocator's 512-byte blocks) and its counted parts, with ``other`` the peak beyond them; ``step`` is
+    the step replayed. ``modules``: what each module saved, as a sampled step's profile. ``loss_activation_bytes``:
+    activations the loss's own ops saved (the log-softmax over the classes or vocabulary). ``seconds``: host time
+    the replay took. ``notes``: what the replay could not size (an op whose fake kernel leaves out a workspace).
+    """
+
+    device_type: str
+    precision: str
+    batch_size: int | None
+    phases: dict[Phase, PhasePeak]
+    modules: tuple[ModuleProfile, ...]
+    loss_activation_bytes: int
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak(self) -> PhasePeak:
+        """The phase with the highest predicted peak (the first in step order on a tie)."""
+        return max(self.phases.values(), key=lambda phase: phase.peak_bytes)
+
+    def reported_bytes(self, phase: PhasePeak) -> int:
+        """One of its phases' peak as the monitor's report measures peaks, in bytes.
+
+        On CUDA the report's peaks are the allocator's, so this is the predicted allocator peak; elsewhere they are
+        the sums of the counted parts, so this is the phase's counted parts.
+        """
+        if self.device_type == "cuda" or phase.breakdown is None:
+            return phase.peak_bytes
+        return phase.breakdown.counted_bytes
+
+    @property
+    def reported_peak(self) -> PhasePeak:
+        """The phase with the highest :meth:`reported_bytes` (the first in step order on a tie)."""
+        return max(self.phases.values(), key=self.reported_bytes)
+
+    @property
+    def loss_activation_share(self) -> float:
+        """The loss's share of the forward pass's saved activations (0 when there are none)."""
+        forward = self.phases.get(Phase.FORWARD)
+        activations = forward.breakdown.activations if forward is not None and forward.breakdown else 0
+        return self.loss_activation_bytes / activations if activations else 0.0
+
+
+@dataclass(frozen=True)
+class ReplaySkipped:
+    """A replay that could not run, or whose baseline did not match the measured step: ``reason`` says why."""
+
+    reason: str
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PartMatch:
+    """One counted part of one phase: the sampled step's bytes against the replay's."""
+
+    phase: Phase
+    part: str
+    measured_bytes: int
+    replayed_bytes: int
+
+    @property
+    def relative_error(self) -> float:
+        """``|replayed - measured| / measured``; 0 when both are 0, infinite when only the measured is 0."""
+        difference = abs(self.replayed_bytes - self.measured_bytes)
+        if self.measured_bytes == 0:
+            return 0.0 if difference == 0 else float("inf")
+        return difference / self.measured_bytes
+
+
+@dataclass(frozen=True)
+class BaselineMatch:
+    """The replay of a sampled step against that step's counts, part by part, and the tolerance it must meet."""
+
+    step: int
+    parts: tuple[PartMatch, ...]
+    tolerance: float
+
+    @property
+    def matches(self) -> bool:
+        """Whether every part is within the tolerance."""
+        return all(part.relative_error <= self.tolerance for part in self.parts)
+
+    @property
+    def worst(self) -> PartMatch | None:
+        """The part furthest from the measured count."""
+        return max(self.parts, key=lambda part: part.relative_error, default=None)
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """One change replayed: the step it predicts, or why it was discarded (it raised, or the time ran out)."""
+
+    change: StepChange
+    replayed: ReplayedStep | None
+    discarded: str | None = None
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The replay of a run's sampled step and of each change tried on it.
+
+    ``baseline`` is the replayed step, ``match`` its comparison with the sampled step's counts (``None`` when no
+    counts were given), ``skipped`` why nothing was replayed or trusted (then ``variants`` is empty), and
+    ``seconds`` the host time of all of it.
+    """
+
+    device_type: str
+    baseline: ReplayedStep | None
+    match: BaselineMatch | None
+    skipped: str | None
+    variants: tuple[VariantResult, ...]
+    seconds: float
+    fit: tuple[FitRow, ...] = ()
+    """The largest batch per common GPU, each found by replaying batch sizes (empty when not searched)."""
+    device_max_batch_size: int | None = None
+    """The largest batch predicted to fit the run's own device, by replay (``None`` when not searched)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
+
+    ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
+    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
+    the prediction could not reproduce.
+    """
+
+    step: ReplayedStep | None
+    fit: tuple[FitRow, ...]
+    cuda_context_bytes: int
+    skipped: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreflightRemedy:
+    """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes."""
+
+    label: str
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class PreflightVerdict:
+    """The first step replayed against the device before it ran (preflight), in bytes.
+
+    ``needed_bytes`` = replayed peak - allocated now; ``available_bytes`` = free + cached but unallocated.
+    ``remedies`` are the changes replayed, largest saving first (only when the step does not fit).
+    """
+
+    step: ReplayedStep
+    needed_bytes: int
+    available_bytes: int
+    remedies: tuple[PreflightRemedy, ...]
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step is predicted to fit."""
+        return self.needed_bytes <= self.available_bytes

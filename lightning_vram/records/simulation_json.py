@@ -1,0 +1,255 @@
+"""The JSON form of a simulation, both ways: the report's ``simulation`` section and the session's checkpoint state.
+
+A replayed step's derived fields (its peak, the change's label) are written for readers and, read back, checked for
+their type only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_vram.records.advice import CheckpointPlan
+from lightning_vram.records.json_reader import FormatError, Reader, member, shown, text_list
+from lightning_vram.records.measured import COUNTED_PARTS, Phase, PhasePeak, in_phase_order
+from lightning_vram.records.measured_json import breakdown_from_dict, breakdown_to_dict, phase_from_text
+from lightning_vram.records.simulation import (
+    BaselineMatch,
+    BatchSizeChange,
+    CheckpointChange,
+    FreeGradientsChange,
+    InplaceChange,
+    PartMatch,
+    PrecisionChange,
+    ReplayedStep,
+    Simulation,
+    StepChange,
+    VariantResult,
+)
+
+
+def change_kind(change: StepChange) -> str:
+    """The name the report gives a change's kind."""
+    if isinstance(change, PrecisionChange):
+        return "precision"
+    if isinstance(change, CheckpointChange):
+        return "checkpoint"
+    if isinstance(change, InplaceChange):
+        return "inplace"
+    if isinstance(change, FreeGradientsChange):
+        return "free-gradients"
+    return "batch-size"
+
+
+def change_parameters(change: StepChange) -> dict[str, Any]:
+    """What the change sets, enough to rebuild it (the checkpointing plan whole)."""
+    if isinstance(change, PrecisionChange):
+        return {"precision": change.precision}
+    if isinstance(change, CheckpointChange):
+        plan = change.plan
+        return {
+            "container": plan.container,
+            "units": [list(unit) for unit in plan.units],
+            "sequential_segments": plan.sequential_segments,
+            "forward_of": plan.forward_of,
+            "modelled_saving_bytes": plan.saving_bytes,
+        }
+    if isinstance(change, InplaceChange):
+        return {"modules": list(change.modules)}
+    if isinstance(change, FreeGradientsChange):
+        return {}
+    return {"batch_size": change.batch_size}
+
+
+def replayed_phases_to_dict(step: ReplayedStep) -> dict[str, Any]:
+    """A replayed step's phases: each one's predicted allocator peak and counted parts."""
+    return {
+        phase.value: {"peak_bytes": peak.peak_bytes, "breakdown": breakdown_to_dict(peak.breakdown)}
+        for phase, peak in in_phase_order(step.phases)
+    }
+
+
+def variant_to_dict(variant: VariantResult) -> dict[str, Any]:
+    """One change tried by replay: its predicted peak (as the report measures peaks) and parts, or why discarded."""
+    replayed = variant.replayed
+    peak = replayed.reported_peak if replayed is not None else None
+    return {
+        "change": variant.change.label,
+        "kind": change_kind(variant.change),
+        "parameters": change_parameters(variant.change),
+        "predicted_peak_bytes": replayed.reported_bytes(peak) if replayed is not None and peak is not None else None,
+        "peak_phase": peak.phase.value if peak is not None else None,
+        "breakdown": breakdown_to_dict(peak.breakdown) if peak is not None else None,
+        "phases": replayed_phases_to_dict(replayed) if replayed is not None else None,
+        "discarded": variant.discarded,
+    }
+
+
+def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None:
+    """The replayed baseline against the measured step, part by part."""
+    if match is None:
+        return None
+    return {
+        "step": match.step,
+        "matches": match.matches,
+        "tolerance": match.tolerance,
+        "parts": [
+            {
+                "phase": part.phase.value,
+                "part": part.part,
+                "measured_bytes": part.measured_bytes,
+                "replayed_bytes": part.replayed_bytes,
+            }
+            for part in match.parts
+        ],
+    }
+
+
+def simulation_to_dict(simulation: Simulation | None) -> dict[str, Any] | None:
+    """The report's ``simulation`` section: the replayed baseline, its match, and each change tried."""
+    if simulation is None:
+        return None
+    baseline = simulation.baseline
+    peak = baseline.reported_peak if baseline is not None and baseline.phases else None
+    return {
+        "device_type": simulation.device_type,
+        "seconds": simulation.seconds,
+        "skipped": simulation.skipped,
+        "step": next(iter(baseline.phases.values())).step if baseline is not None and baseline.phases else None,
+        "precision": baseline.precision if baseline is not None else None,
+        "batch_size": baseline.batch_size if baseline is not None else None,
+        "peak_bytes": baseline.reported_bytes(peak) if baseline is not None and peak is not None else None,
+        "peak_phase": peak.phase.value if peak is not None else None,
+        "loss_activation_bytes": baseline.loss_activation_bytes if baseline is not None else None,
+        "notes": list(baseline.notes) if baseline is not None else [],
+        "baseline": baseline_match_to_dict(simulation.match),
+        "phases": replayed_phases_to_dict(baseline) if baseline is not None else None,
+        "device_max_batch_size": simulation.device_max_batch_size,
+        "variants": [variant_to_dict(variant) for variant in simulation.variants],
+    }
+
+
+def _change(kind: str, parameters: Reader, where: str) -> StepChange:
+    """The change :func:`change_kind` and :func:`change_parameters` described."""
+    if kind == "precision":
+        return PrecisionChange(parameters.text("precision"))
+    if kind == "checkpoint":
+        units = parameters.each("units", lambda unit, at: tuple(text_list(unit, at)))
+        plan = CheckpointPlan(
+            container=parameters.text("container"),
+            units=tuple(units),
+            sequential_segments=parameters.optional_integer("sequential_segments", minimum=1),
+            saving_bytes=parameters.integer("modelled_saving_bytes", minimum=None),
+            forward_of=parameters.optional_text("forward_of"),
+        )
+        return CheckpointChange(plan)
+    if kind == "inplace":
+        return InplaceChange(tuple(parameters.texts("modules")))
+    if kind == "free-gradients":
+        return FreeGradientsChange()
+    if kind == "batch-size":
+        return BatchSizeChange(parameters.integer("batch_size", minimum=1))
+    kinds = ["precision", "checkpoint", "inplace", "free-gradients", "batch-size"]
+    raise FormatError(f"{where}.kind must be one of {kinds}, got {shown(kind)}")
+
+
+def _replayed_phases(fields: Reader, key: str, step: int) -> dict[Phase, PhasePeak]:
+    phases = {}
+    for name, value in fields.entries(key):
+        where = member(key, name)
+        phase = phase_from_text(name, key)
+        peak = Reader(value, where)
+        breakdown = breakdown_from_dict(peak.raw("breakdown"), f"{where}.breakdown")
+        phases[phase] = PhasePeak(step, phase, peak.integer("peak_bytes"), None, breakdown)
+    return phases
+
+
+def _part_match(data: Any, where: str) -> PartMatch:
+    fields = Reader(data, where)
+    part = fields.text("part")
+    if part not in COUNTED_PARTS:
+        raise FormatError(f"{where}.part must be one of {list(COUNTED_PARTS)}, got {shown(part)}")
+    return PartMatch(
+        phase_from_text(fields.text("phase"), f"{where}.phase"),
+        part,
+        fields.integer("measured_bytes"),
+        fields.integer("replayed_bytes"),
+    )
+
+
+def _baseline_match(fields: Reader | None) -> BaselineMatch | None:
+    if fields is None:
+        return None
+    fields.flag("matches")  # derived from the parts; checked for its type only
+    return BaselineMatch(
+        step=fields.integer("step"),
+        parts=tuple(fields.each("parts", _part_match)),
+        tolerance=fields.number("tolerance"),
+    )
+
+
+def _variant(data: Any, where: str, baseline: ReplayedStep) -> VariantResult:
+    """One change tried; its replayed step takes what the JSON leaves out (precision, batch) from ``baseline``."""
+    fields = Reader(data, where)
+    fields.text("change")  # the change's label, derived from it
+    change = _change(fields.text("kind"), fields.child("parameters"), where)
+    fields.optional_integer("predicted_peak_bytes")  # derived from the phases
+    _phase_or_none(fields.optional_text("peak_phase"), f"{where}.peak_phase")  # derived
+    breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown")  # derived
+    discarded = fields.optional_text("discarded")
+    if fields.raw("phases") is None:
+        if discarded is None:
+            raise FormatError(f"{where}: a change neither replayed (phases) nor discarded")
+        return VariantResult(change, None, discarded)
+    step = next(iter(baseline.phases.values())).step if baseline.phases else 0
+    replayed = ReplayedStep(
+        device_type=baseline.device_type,
+        precision=change.precision if isinstance(change, PrecisionChange) else baseline.precision,
+        batch_size=change.batch_size if isinstance(change, BatchSizeChange) else baseline.batch_size,
+        phases=_replayed_phases(fields, "phases", step),
+        modules=(),
+        loss_activation_bytes=0,
+        seconds=0.0,
+    )
+    return VariantResult(change, replayed, discarded)
+
+
+def simulation_from_dict(data: Any, where: str = "simulation") -> Simulation | None:
+    """The simulation :func:`simulation_to_dict` wrote (``None`` for null), as checkpoint state carries it."""
+    return None if data is None else _simulation(Reader(data, where))
+
+
+def _simulation(fields: Reader | None) -> Simulation | None:
+    """The ``simulation`` section :func:`simulation_to_dict` wrote; its derived fields are checked for type only."""
+    if fields is None:
+        return None
+    device_type = fields.text("device_type")
+    step = fields.optional_integer("step")
+    fields.optional_integer("peak_bytes")  # derived from the phases
+    _phase_or_none(fields.optional_text("peak_phase"), "simulation.peak_phase")  # derived
+    baseline = None
+    if fields.raw("phases") is not None:
+        baseline = ReplayedStep(
+            device_type=device_type,
+            precision=fields.text("precision"),
+            batch_size=fields.optional_integer("batch_size"),
+            phases=_replayed_phases(fields, "phases", step or 0),
+            modules=(),
+            loss_activation_bytes=fields.integer("loss_activation_bytes"),
+            seconds=0.0,
+            notes=tuple(fields.texts("notes")),
+        )
+    # A variant is replayed against the baseline; without one (skipped), none can have been.
+    context = baseline or ReplayedStep(device_type, "", None, {}, (), 0, 0.0)
+    return Simulation(
+        device_type=device_type,
+        baseline=baseline,
+        match=_baseline_match(fields.optional_child("baseline")),
+        skipped=fields.optional_text("skipped"),
+        variants=tuple(fields.each("variants", lambda data, where: _variant(data, where, context))),
+        seconds=fields.number("seconds"),
+        device_max_batch_size=fields.optional_integer("device_max_batch_size"),
+    )
+
+
+def _phase_or_none(text: str | None, where: str) -> Phase | None:
+    return None if text is None else phase_from_text(text, where)
