@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.advice.catalogue import DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.advice.replay.escapes import round_of_replays
-from lightning_vram.advice.replay.fit import replayed_fit_table
+from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
-from lightning_vram.advice.rules import DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
 

@@ -42,7 +42,7 @@ from lightning_vram.advice.oom import diagnose
 from lightning_vram.advice.preflight import candidate_changes, preflight
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
 from lightning_vram.advice.report import build_report
-from lightning_vram.advice.rules import advise
+from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig, check_start, start_device
 from lightning_vram.exceptions import VramMonitorWarning

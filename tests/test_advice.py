@@ -8,23 +8,21 @@ from typing import Any
 import pytest
 
 from lightning_vram.advice import checkpointing
+from lightning_vram.advice.capacity import fit_table
+from lightning_vram.advice.catalogue import COMMON_GPUS
 from lightning_vram.advice.checkpointing import best_checkpoint_plan
-from lightning_vram.advice.rules import (
-    COMMON_GPUS,
-    activation_checkpointing,
-    advise,
-    allocator_fragmentation,
-    batch_size_headroom,
-    dataloader_workers,
-    fit_table,
-    inplace_activations,
-    large_linear,
-    mixed_precision,
-    near_capacity,
-    optimizer_state,
-    pin_memory,
-    stale_gradients,
-)
+from lightning_vram.advice.rules.activation_checkpointing import activation_checkpointing
+from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
+from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
+from lightning_vram.advice.rules.dataloader_workers import dataloader_workers
+from lightning_vram.advice.rules.inplace_activations import inplace_activations
+from lightning_vram.advice.rules.large_linear import large_linear
+from lightning_vram.advice.rules.mixed_precision import mixed_precision
+from lightning_vram.advice.rules.near_capacity import near_capacity
+from lightning_vram.advice.rules.optimizer_state import optimizer_state
+from lightning_vram.advice.rules.pin_memory import pin_memory
+from lightning_vram.advice.rules.registry import advise
+from lightning_vram.advice.rules.stale_gradients import stale_gradients
 from lightning_vram.records import (
     Breakdown,
     DeviceInfo,

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
+from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
-from lightning_vram.advice.rules import checkpoint_snippet
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, CheckpointPlan
 

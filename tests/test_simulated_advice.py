@@ -36,28 +36,25 @@ from torch.utils.data import Dataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram._lightning import trainer_setup
+from lightning_vram.advice.capacity import fit_table
+from lightning_vram.advice.catalogue import FULL_PRECISIONS
+from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.advice.replay.simulation import simulate
 from lightning_vram.advice.report import build_report
-from lightning_vram.advice.rules import (
-    FULL_PRECISIONS,
-    activation_checkpointing,
-    advise,
-    allocator_fragmentation,
-    batch_size_headroom,
-    checkpoint_snippet,
-    chunked_loss,
-    dataloader_workers,
-    fit_table,
-    inplace_activations,
-    inplace_candidates,
-    large_linear,
-    mixed_precision,
-    near_capacity,
-    optimizer_state,
-    pin_memory,
-    stale_gradients,
-)
+from lightning_vram.advice.rules.activation_checkpointing import activation_checkpointing
+from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
+from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
+from lightning_vram.advice.rules.chunked_loss import chunked_loss
+from lightning_vram.advice.rules.dataloader_workers import dataloader_workers
+from lightning_vram.advice.rules.inplace_activations import inplace_activations, inplace_candidates
+from lightning_vram.advice.rules.large_linear import large_linear
+from lightning_vram.advice.rules.mixed_precision import mixed_precision
+from lightning_vram.advice.rules.near_capacity import near_capacity
+from lightning_vram.advice.rules.optimizer_state import optimizer_state
+from lightning_vram.advice.rules.pin_memory import pin_memory
+from lightning_vram.advice.rules.registry import advise
+from lightning_vram.advice.rules.stale_gradients import stale_gradients
 from lightning_vram.codec import FormatError, report_from_dict
 from lightning_vram.records import (
     Advice,

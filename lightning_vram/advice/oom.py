@@ -6,8 +6,9 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from lightning_vram.advice.rules import advise, evaluation_batch_size
+from lightning_vram.advice.rules.registry import advise
 from lightning_vram.records import (
+    Advice,
     AllocatorReading,
     Breakdown,
     OomDiagnosis,
@@ -18,6 +19,7 @@ from lightning_vram.records import (
     Simulation,
     TrainingSetup,
 )
+from lightning_vram.units import format_bytes
 
 _UNITS = {"bytes": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 _SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
@@ -53,6 +55,30 @@ def parse_oom_message(text: str) -> OomMessage:
         if match is not None:
             values[field] = parse_size(match.group(1), match.group(2))
     return OomMessage(**values)
+
+
+def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
+    """Advice for an out-of-memory error in validation: evaluate with a smaller batch (id ``evaluation-batch-size``)."""
+    peak_text = (
+        f"training peaked at {format_bytes(training_peak.peak_bytes)} ({training_peak.phase.value} of step"
+        f" {training_peak.step})"
+        if training_peak is not None
+        else "no training step was measured before it"
+    )
+    return Advice(
+        id="evaluation-batch-size",
+        severity="critical",
+        title="Validate with a smaller batch",
+        detail=(
+            "Lightning already runs validation without autograd, so no activations are kept for backward; what"
+            " filled the device is the validation batch and its forward pass on top of the model state (and the"
+            " cache training left). Give validation its own, smaller batch size:\n"
+            "```python\ndef val_dataloader(self):\n"
+            "    return DataLoader(val_set, batch_size=train_batch_size // 2)\n```"
+        ),
+        evidence=f"out of memory in validation after step {step}; {peak_text}",
+        estimated_saving_bytes=None,
+    )
 
 
 def diagnose(

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.advice.catalogue import FULL_PRECISIONS, mixed_precision_for
 from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.step import StepFunction, replay_step
-from lightning_vram.advice.rules import FULL_PRECISIONS
 from lightning_vram.records import (
     AllocatorReading,
     BatchSizeChange,
@@ -38,8 +38,7 @@ def candidate_changes(
     """The changes preflight tries on a CUDA device: 16-bit mixed precision, freed gradients, half the batch."""
     changes: list[StepChange] = []
     if precision in FULL_PRECISIONS:
-        bf16 = compute_capability is not None and compute_capability >= (8, 0)
-        changes.append(PrecisionChange("bf16-mixed" if bf16 else "16-mixed"))
+        changes.append(PrecisionChange(mixed_precision_for("cuda", compute_capability)))
     changes.append(FreeGradientsChange())
     if batch_size is not None and batch_size >= 2:
         changes.append(BatchSizeChange(batch_size // 2))

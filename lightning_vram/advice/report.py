@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules import advise, fit_table
+from lightning_vram.advice.capacity import fit_table
+from lightning_vram.advice.rules.registry import advise
 from lightning_vram.records import (
     ModuleProfile,
     NotMeasured,

@@ -1,4 +1,8 @@
-"""Which changes to try on a run's sampled step, and the replay of them: what the advice rules then read.
+"""The replay of a run's sampled step and of the changes the rules declared, and the batch-size search.
+
+The changes are the union of those every rule declares
+(:func:`~lightning_vram.advice.rules.registry.changes_to_replay`), so each rule finds its own change replayed when
+the time budget allows.
 
 Called once per run, after the first sampled step past step 0 (so optimizer state exists and the counts are those
 of a steady step), under the time budget the user set. A set-up the replay does not reproduce is skipped with the
@@ -15,32 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.catalogue import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES, SHARDING_STRATEGIES
 from lightning_vram.advice.replay.escapes import round_of_replays
-from lightning_vram.advice.replay.fit import replayed_fit_table
+from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.simulation import simulate
 from lightning_vram.advice.replay.step import StepFunction
-from lightning_vram.advice.rules import (
-    COMMON_GPUS,
-    DEFAULT_CUDA_CONTEXT_BYTES,
-    FULL_PRECISIONS,
-    SHARDING_STRATEGIES,
-    inplace_candidates,
-)
+from lightning_vram.advice.rules.registry import changes_to_replay
 from lightning_vram.measure.compiled import compiled_module_names
-from lightning_vram.records import (
-    Attribution,
-    CheckpointChange,
-    DeviceInfo,
-    FreeGradientsChange,
-    InplaceChange,
-    Phase,
-    PrecisionChange,
-    RunSummary,
-    Simulation,
-    StepChange,
-    TrainingSetup,
-)
+from lightning_vram.records import Attribution, DeviceInfo, Phase, RunSummary, Simulation, TrainingSetup
 
 
 def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None) -> str | None:
@@ -64,23 +50,6 @@ def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunc
     return None
 
 
-def trial_changes(summary: RunSummary, setup: TrainingSetup) -> list[StepChange]:
-    """The changes the rules can advise, to replay: 16-bit precision, checkpointing plans, inplace, freed grads."""
-    changes: list[StepChange] = []
-    if setup.precision in FULL_PRECISIONS:
-        capability = summary.device.compute_capability
-        bf16 = not summary.on_cuda or (capability is not None and capability >= (8, 0))
-        changes.append(PrecisionChange("bf16-mixed" if bf16 else "16-mixed"))
-    changes += [CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules)]
-    inplace = inplace_candidates(summary, setup)
-    if inplace:
-        changes.append(InplaceChange(inplace))
-    forward = summary.phases.get(Phase.FORWARD)
-    if setup.automatic_optimization and forward is not None and forward.breakdown and forward.breakdown.gradients:
-        changes.append(FreeGradientsChange())
-    return changes
-
-
 def try_changes(
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
@@ -93,7 +62,7 @@ def try_changes(
     step_function: StepFunction | None,
     budget_seconds: float,
 ) -> Simulation:
-    """Replay the sampled step and each change the rules could advise; on CUDA also the largest batch per GPU.
+    """Replay the sampled step and each change the rules declared; on CUDA also the largest batch per GPU.
 
     What it cannot run it skips with the reason. Raises only when a replay left something behind it could not take
     back (:class:`~lightning_vram.advice.replay.containment.ContainmentError`,
@@ -109,7 +78,7 @@ def try_changes(
             optimizers,
             batch,
             attribution,
-            trial_changes(summary, setup),
+            changes_to_replay(summary, setup),
             precision=setup.precision,
             device=device,
             step_function=step_function,

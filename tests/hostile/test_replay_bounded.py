@@ -15,7 +15,7 @@ from lightning_vram import predict
 from lightning_vram.advice.replay import deadline as deadline_module
 from lightning_vram.advice.replay._fake import FakeTensorMode
 from lightning_vram.advice.replay.deadline import Deadline, ReplayDeadlineError
-from lightning_vram.advice.replay.fit import replayed_fit_table
+from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.search import MAX_BATCH_SIZE
 
 

@@ -1,0 +1,82 @@
+"""Activation checkpointing: activations hold the largest part of the peak, and checkpointing frees a tenth of it.
+
+Up to :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans are candidates, each declared for replay.
+Where the simulation replayed any of them, only a replayed plan can be advised (the one whose replay lowers the
+peak most); a plan whose replay raised would break backward and is never advised. Without a replay of any
+candidate, the best modelled plan is advised with its modelled saving.
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.checkpoint_code import checkpoint_snippet
+from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.rules.base import Rule, attributed_peak, share_text
+from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
+from lightning_vram.records import Advice, CheckpointChange, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.units import format_bytes
+
+ID = "activation-checkpointing"
+CHECKPOINT_MIN_SAVING_SHARE = 0.10
+"""Checkpointing costs about one extra forward pass per step: advise it only for a tenth of the peak or more."""
+MODELLED_CHECKPOINT = (
+    "saving modelled storage by storage from the sampled step's saved tensors (not replayed): each checkpointed"
+    " unit keeps its input, and backward recomputes one unit at a time"
+)
+"""How the checkpointing advice's evidence says its saving is known, when no candidate plan was replayed."""
+
+
+def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
+    """Each candidate checkpointing plan of the sampled step's modules."""
+    return tuple(CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules))
+
+
+def activation_checkpointing(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """Activations hold the largest part of the peak and checkpointing some modules would free a tenth of it."""
+    attributed = attributed_peak(summary)
+    if attributed is None or attributed[1].largest_part != "activations":
+        return None
+    peak, breakdown = attributed
+    candidates = checkpoint_candidates(summary.modules)
+    modelled = [Modelled(plan.saving_bytes, peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates]
+    found = [
+        (plan, resolve_saving(simulation, CheckpointChange(plan), model))
+        for plan, model in zip(candidates, modelled, strict=True)
+    ]
+    savings = [(plan, saving) for plan, saving in found if isinstance(saving, Saving)]
+    discarded = [saving for _, saving in found if isinstance(saving, Discarded)]
+    replayed = [(plan, saving) for plan, saving in savings if saving.basis == "simulated"]
+    if replayed:
+        plan, best = max(replayed, key=lambda pair: pair[1].saving_bytes)  # the first on a tie: best modelled
+    elif discarded or not savings:
+        return None
+    else:
+        plan, best = savings[0]
+    if not best.at_least(CHECKPOINT_MIN_SAVING_SHARE):
+        return None
+    top = sorted(summary.modules, key=lambda profile: -profile.activation_bytes)[:3]
+    top_text = ", ".join(f"{profile.name} {format_bytes(profile.activation_bytes)}" for profile in top)
+    what, code = checkpoint_snippet(plan)
+    return Advice(
+        id=ID,
+        severity="info",
+        title=f"Checkpoint {what} to free about {format_bytes(best.saving_bytes)}",
+        detail=(
+            "Activation checkpointing keeps only each unit's input in forward and recomputes the rest during"
+            " backward, one unit at a time: about one extra forward pass of the checkpointed units for the memory."
+            " No unit starts with an inplace op (backward would find its kept input overwritten).\n"
+            f"```python\n{code}\n```"
+        ),
+        evidence=(
+            f"activations are {share_text(breakdown.activations, peak.peak_bytes)} of the {peak.phase.value} peak"
+            f" ({format_bytes(breakdown.activations)} of {format_bytes(peak.peak_bytes)}); top modules: {top_text};"
+            f" {best.evidence}{''.join(item.evidence for item in discarded)}"
+        ),
+        estimated_saving_bytes=best.saving_bytes,
+        saving_basis=best.basis,
+        predicted_peak_bytes=best.predicted_peak_bytes,
+    )
+
+
+RULE = Rule(ID, activation_checkpointing, changes)

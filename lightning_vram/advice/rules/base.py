@@ -1,0 +1,84 @@
+"""The rule protocol, and the readings and thresholds several rules share.
+
+A rule reads a :class:`~lightning_vram.records.RunSummary`, a :class:`~lightning_vram.records.TrainingSetup` and
+the replay of the run's step (a :class:`~lightning_vram.records.Simulation`, or ``None``), and returns one
+:class:`~lightning_vram.records.Advice` with the figures that fired it and the saving it expects, or ``None``. A
+rule whose evidence was not measured here (no GPU, no NVML, no sampled step) stays silent; so does one whose saving
+would be too small to matter. Thresholds are named constants (the README gives the reason for each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_vram.records import Advice, Breakdown, PhasePeak, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.units import format_percent
+
+MIN_SAVING_SHARE = 0.05
+"""Advice that would save less than this share of the peak is noise next to run-to-run variation."""
+NEAR_CAPACITY_SHARE = 0.9
+"""A peak above 90% of capacity is one larger batch or input away from out-of-memory."""
+DATA_WAIT_WORKERS_SHARE = 0.10
+"""A GPU idle a tenth of every step waiting for data is worth more DataLoader workers."""
+DATA_WAIT_MIN_SECONDS = 0.002
+"""...and from 2 ms of waiting per step: Lightning's own loop takes about 0.5 ms between batches (measured on a
+small CPU, with fast in-memory data), which no DataLoader setting removes."""
+MIN_TIMED_STEPS = 10
+"""Data-wait rules need at least this many timed steps, so one slow start does not fire them."""
+
+Advise = Callable[[RunSummary, TrainingSetup, Simulation | None], Advice | None]
+"""The run's summary, its training set-up and the replay of its step (``None`` without one) -> advice or ``None``."""
+Changes = Callable[[RunSummary, TrainingSetup], tuple[StepChange, ...]]
+"""The run's summary and training set-up -> the changes a rule wants replayed on the run's step."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One piece of advice: its stable ``id``, the ``changes`` it wants replayed, and the function that advises.
+
+    ``advise`` reads the saving of each change it declared through
+    :func:`~lightning_vram.advice.savings.resolve_saving`; the session replays the union of every rule's
+    ``changes`` (:func:`~lightning_vram.advice.rules.registry.changes_to_replay`), so a declared change is
+    replayed whenever the time budget allows.
+    """
+
+    id: str
+    advise: Advise
+    changes: Changes
+
+
+def no_changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
+    """The changes of a rule that wants none replayed (it advises from the measurements alone)."""
+    return ()
+
+
+def attributed_peak(summary: RunSummary) -> tuple[PhasePeak, Breakdown] | None:
+    """The run's peak with its breakdown into parts, or ``None`` when either was not measured."""
+    peak = summary.peak
+    if peak is None or peak.breakdown is None or peak.peak_bytes <= 0:
+        return None
+    return peak, peak.breakdown
+
+
+def share_text(part: int, whole: int) -> str:
+    """``part`` as a percentage of ``whole`` (both in bytes), in words.
+
+    >>> share_text(1, 4), share_text(1, 0)
+    ('25.0%', 'n/a')
+    """
+    return format_percent(part / whole) if whole else "n/a"
+
+
+def sustained_data_wait(summary: RunSummary, threshold: float) -> bool:
+    """Whether the step waited for data ``threshold`` of its time or more, over the run and recently, long enough."""
+    run, recent, step = summary.data_wait_fraction, summary.recent_data_wait_fraction, summary.step_seconds_median
+    return (
+        summary.timed_steps >= MIN_TIMED_STEPS
+        and run is not None
+        and recent is not None
+        and step is not None
+        and run >= threshold
+        and recent >= threshold
+        and run * step >= DATA_WAIT_MIN_SECONDS
+    )

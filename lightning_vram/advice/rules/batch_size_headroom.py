@@ -1,0 +1,72 @@
+"""Batch-size headroom: the peak is under half the device, the GPU is not busy, and the data keeps up.
+
+The largest batch is the replayed one (``Simulation.device_max_batch_size``, found by the replay's batch-size
+search) where the simulation searched it, else modelled linearly from the measured peak
+(:func:`~lightning_vram.advice.capacity.predict_max_batch_size`).
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.capacity import predict_max_batch_size
+from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN
+from lightning_vram.advice.rules.base import DATA_WAIT_WORKERS_SHARE, Rule, attributed_peak, no_changes, share_text
+from lightning_vram.advice.savings import trusted
+from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.units import format_bytes, format_percent
+
+ID = "batch-size-headroom"
+HEADROOM_MAX_PEAK_SHARE = 0.5
+"""A peak under half the capacity leaves room for at least twice the batch."""
+HEADROOM_MAX_UTILIZATION_PERCENT = 70.0
+"""Above this utilization a larger batch mostly makes each step longer, not the run shorter."""
+
+
+def batch_size_headroom(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """The peak is under half the device, the GPU is not busy, and the data keeps up: a larger batch fits."""
+    attributed = attributed_peak(summary)
+    capacity = summary.device.total_bytes
+    utilization = summary.gpu_utilization_mean
+    if not summary.on_cuda or attributed is None or capacity is None or summary.batch_size is None:
+        return None
+    peak, _ = attributed
+    if peak.peak_bytes >= HEADROOM_MAX_PEAK_SHARE * capacity:
+        return None
+    if utilization is None or utilization >= HEADROOM_MAX_UTILIZATION_PERCENT:
+        return None
+    if summary.data_wait_fraction is None or summary.data_wait_fraction >= DATA_WAIT_WORKERS_SHARE:
+        return None
+    replayed = simulation.device_max_batch_size if simulation is not None and trusted(simulation) else None
+    largest = replayed if replayed is not None else predict_max_batch_size(summary, capacity)
+    if largest is None or largest < 2 * summary.batch_size:
+        return None
+    how = (
+        "largest batch found by replaying this step at each batch size tried (a bisection)"
+        if replayed is not None
+        else "largest batch modelled linearly from the measured peak (not replayed)"
+    )
+    return Advice(
+        id=ID,
+        severity="info",
+        title=(
+            f"A batch of up to {largest} {'fits, replayed' if replayed is not None else 'should fit'}"
+            f" (now {summary.batch_size}): the GPU is underused"
+        ),
+        detail=(
+            "A larger batch gives each kernel more work. Raise it and scale the learning rate, or keep the batch"
+            " and train a larger model. Once the GPU is busy, a larger batch makes steps longer, not training"
+            " faster.\n"
+            f"```python\nDataLoader(dataset, batch_size={largest})\n```"
+        ),
+        evidence=(
+            f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)}"
+            f" ({share_text(peak.peak_bytes, capacity)}); GPU utilization {utilization:.0f}%; data wait"
+            f" {format_percent(summary.data_wait_fraction)}; {how}, keeping {format_percent(BATCH_SAFETY_MARGIN)} of"
+            " the device free"
+        ),
+        estimated_saving_bytes=None,
+    )
+
+
+RULE = Rule(ID, batch_size_headroom, no_changes)

@@ -1,0 +1,86 @@
+"""Chunked loss: the loss's own saved tensors (its log-probabilities over the classes or vocabulary) are large.
+
+Read from the replayed baseline (``ReplayedStep.loss_activation_bytes``): it fires where the loss holds
+:data:`CHUNKED_LOSS_MIN_SHARE` of the forward pass's activations and
+:data:`~lightning_vram.advice.rules.base.MIN_SAVING_SHARE` of the peak, and the modelled saving is as large. No
+replay applies the change, so the saving is modelled phase by phase from the replayed baseline
+(:func:`_chunked_loss_peak`). It counts the saved log-probabilities only: the logits and their gradient, also
+computed one chunk at a time, free more on a GPU.
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, share_text
+from lightning_vram.advice.savings import trusted
+from lightning_vram.records import Advice, Phase, PhasePeak, ReplayedStep, RunSummary, Simulation, TrainingSetup
+from lightning_vram.units import format_bytes, format_percent
+
+ID = "chunked-loss"
+CHUNKED_LOSS_MIN_SHARE = 0.25
+"""The loss's own saved tensors must be a quarter of the forward pass's activations to be worth chunking."""
+LOSS_CHUNKS = 8
+"""Chunks the chunked-loss advice computes the loss in: one eighth of its log-probabilities kept at a time."""
+
+
+def _chunked_loss_peak(baseline: ReplayedStep, peak: PhasePeak, loss_bytes: int) -> int:
+    """A replayed phase's peak in bytes with the loss computed in :data:`LOSS_CHUNKS` chunks, each recomputed.
+
+    Forward keeps none of the loss's log-probabilities (each chunk keeps only its inputs). Backward starts with the
+    loss: where the phase's counted peak is at its start (no gradient yet), one chunk's are held again instead of
+    all; a later backward peak is left as it is. The optimizer step holds no activations.
+    """
+    peak_bytes = baseline.reported_bytes(peak)
+    if peak.phase is Phase.FORWARD:
+        return peak_bytes - loss_bytes
+    if peak.phase is Phase.BACKWARD and peak.breakdown is not None and peak.breakdown.gradients == 0:
+        return peak_bytes - loss_bytes + loss_bytes // LOSS_CHUNKS
+    return peak_bytes
+
+
+def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """The loss's own saved tensors are a large share of the replayed step's activations and of its peak."""
+    baseline = trusted(simulation)
+    if baseline is None:
+        return None
+    loss_bytes = baseline.loss_activation_bytes
+    share = baseline.loss_activation_share
+    peak = baseline.reported_peak
+    peak_bytes = baseline.reported_bytes(peak)
+    if share < CHUNKED_LOSS_MIN_SHARE or loss_bytes < MIN_SAVING_SHARE * peak_bytes:
+        return None
+    saving = peak_bytes - max(_chunked_loss_peak(baseline, phase, loss_bytes) for phase in baseline.phases.values())
+    if saving < MIN_SAVING_SHARE * peak_bytes:
+        return None
+    return Advice(
+        id=ID,
+        severity="info",
+        title=f"Compute the loss in chunks to lower the peak by about {format_bytes(saving)}",
+        detail=(
+            "Cross-entropy keeps the log-probabilities of every position over every class (the vocabulary of a"
+            " language model) for backward, in float32. Computed chunk by chunk over the positions, each chunk"
+            " recomputed in backward, it keeps one chunk's at a time; a fused linear cross-entropy kernel"
+            " (Liger-Kernel's LigerFusedLinearCrossEntropyLoss) does the same without materialising the logits.\n"
+            "```python\n"
+            "import torch.nn.functional as F\n"
+            "from torch.utils.checkpoint import checkpoint\n\n"
+            f"def chunked_cross_entropy(hidden, head, targets, chunks={LOSS_CHUNKS}):\n"
+            "    # hidden: (positions, width), the input of the output layer `head`; targets: (positions,)\n"
+            "    def chunk_loss(h, t):\n"
+            '        return F.cross_entropy(head(h).float(), t, reduction="sum")\n'
+            "    total = sum(checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
+            "                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))\n"
+            "    return total / targets.numel()  # with ignore_index, divide by the targets counted instead\n"
+            "```"
+        ),
+        evidence=(
+            f"replayed on this run's step: the loss's own ops saved {format_bytes(loss_bytes)},"
+            f" {format_percent(share)} of the forward pass's activations and {share_text(loss_bytes, peak_bytes)} of"
+            f" the replayed {peak.phase.value} peak ({format_bytes(peak_bytes)}); saving modelled (not replayed):"
+            f" none of them kept in forward, one chunk of {LOSS_CHUNKS} recomputed at a time in backward"
+        ),
+        estimated_saving_bytes=saving,
+        saving_basis="modelled",
+    )
+
+
+RULE = Rule(ID, chunked_loss, no_changes)

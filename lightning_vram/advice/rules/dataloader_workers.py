@@ -1,0 +1,53 @@
+"""DataLoader workers: the step waits for data a tenth of the time or more, sustained, with spare cores."""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules.base import DATA_WAIT_WORKERS_SHARE, Rule, no_changes, sustained_data_wait
+from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.units import format_percent
+
+ID = "dataloader-workers"
+
+
+def suggested_num_workers(cpu_cores_per_device: int) -> int:
+    """Workers for one device's DataLoader: the cores it has, one left for the training process, at most 8.
+
+    >>> suggested_num_workers(16), suggested_num_workers(2), suggested_num_workers(1)
+    (8, 1, 1)
+    """
+    return max(1, min(8, cpu_cores_per_device - 1))
+
+
+def dataloader_workers(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """The step waits for data a tenth of the time or more, sustained, with spare cores for workers."""
+    if setup.num_workers is None or not sustained_data_wait(summary, DATA_WAIT_WORKERS_SHARE):
+        return None
+    workers = suggested_num_workers(setup.cpu_cores_per_device)
+    if workers <= setup.num_workers:
+        return None
+    wait = summary.data_wait_fraction or 0.0
+    step = summary.step_seconds_median or 0.0
+    pin = ", pin_memory=True" if summary.on_cuda else ""
+    return Advice(
+        id=ID,
+        severity="warning",
+        title=f"Load data in parallel: DataLoader(num_workers={workers}, persistent_workers=True)",
+        detail=(
+            "Each step waits while the main process loads the next batch. Worker processes load batches ahead"
+            " of time; persistent workers are not restarted every epoch.\n"
+            f"```python\nDataLoader(dataset, batch_size=..., num_workers={workers}, persistent_workers=True{pin})\n```"
+        ),
+        evidence=(
+            f"data wait is {format_percent(wait)} of step time over the run and"
+            f" {format_percent(summary.recent_data_wait_fraction)} recently ({summary.timed_steps} timed steps), about"
+            f" {1000 * step * wait:.1f} ms per step;"
+            f" num_workers={setup.num_workers}, {setup.cpu_cores_per_device} CPU cores per device"
+        ),
+        estimated_saving_bytes=None,
+        estimated_saving_seconds=step * wait,
+    )
+
+
+RULE = Rule(ID, dataloader_workers, no_changes)

@@ -1,0 +1,103 @@
+"""Inplace activations: out-of-place activations that save their input while a later op saves their output.
+
+Only activations whose inplace variant saves just its result count (``TrainingSetup.inplace_keeps_result``:
+LeakyReLU, ELU...); a ReLU saves its output already, so inplace it frees no saved memory, only a transient copy
+that the counts cannot show at the peak: it is not advised. The saving is the replayed one where the simulation
+made these modules inplace (a replay that raised means no advice), else the saved inputs merged.
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules.base import Rule, attributed_peak, share_text
+from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
+from lightning_vram.records import (
+    Advice,
+    InplaceChange,
+    ModuleProfile,
+    RunSummary,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
+from lightning_vram.units import format_bytes
+
+ID = "inplace-activations"
+INPLACE_MIN_SHARE = 0.02
+"""Inplace activations save one saved tensor each: small, but free; advise it from 2% of the peak."""
+
+
+def _is_activation(profile: ModuleProfile) -> bool:
+    return profile.inplace is False and "Dropout" not in profile.type
+
+
+def _inplace_profiles(summary: RunSummary, setup: TrainingSetup) -> list[ModuleProfile]:
+    """Out-of-place activations whose inplace variant would merge their saved input with their saved output."""
+    merging = set(setup.inplace_keeps_result)
+    return [
+        profile
+        for profile in summary.modules
+        if _is_activation(profile)
+        and profile.name in merging
+        and profile.input_saved_bytes > 0
+        and profile.output_saved_for_backward
+    ]
+
+
+def inplace_candidates(summary: RunSummary, setup: TrainingSetup) -> tuple[str, ...]:
+    """The modules inplace-activations would name: safe for autograd (no earlier op saved their input)."""
+    return tuple(profile.name for profile in _inplace_profiles(summary, setup) if not profile.input_saved_for_backward)
+
+
+def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
+    """The candidate modules made inplace, together, when there are any."""
+    candidates = inplace_candidates(summary, setup)
+    return (InplaceChange(candidates),) if candidates else ()
+
+
+def inplace_activations(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None
+) -> Advice | None:
+    """Out-of-place activations that save their input while a later op saves their output: inplace, one tensor."""
+    attributed = attributed_peak(summary)
+    if attributed is None:
+        return None
+    peak, _ = attributed
+    candidates = _inplace_profiles(summary, setup)
+    safe = [profile for profile in candidates if not profile.input_saved_for_backward]
+    if not safe:
+        return None
+    merged = sum(profile.input_saved_bytes for profile in safe)
+    modelled = Modelled(merged, peak.peak_bytes, "saving modelled: the saved inputs merged (not replayed)")
+    saving = resolve_saving(simulation, InplaceChange(tuple(profile.name for profile in safe)), modelled)
+    if not isinstance(saving, Saving) or not saving.at_least(INPLACE_MIN_SHARE):
+        return None
+    unsafe = [profile.name for profile in candidates if profile.input_saved_for_backward]
+    types = sorted({profile.type for profile in safe})
+    largest = max(safe, key=lambda profile: profile.input_saved_bytes)
+    evidence = (
+        f"{len(safe)} activation module(s) run out of place ({', '.join(types)}), each saving its input for"
+        f" backward while a later op saves its output: {format_bytes(merged)} of saved inputs,"
+        f" {share_text(merged, peak.peak_bytes)} of the peak (largest {largest.name},"
+        f" {format_bytes(largest.input_saved_bytes)}); {saving.evidence}"
+    )
+    if unsafe:
+        evidence += f"; left out because autograd saved their input for an earlier op: {', '.join(unsafe[:5])}"
+    return Advice(
+        id=ID,
+        severity="info",
+        title=f"Use inplace activations (e.g. `{largest.type}(inplace=True)`) in {len(safe)} module(s)",
+        detail=(
+            "Out of place, these activations save their input for backward and the next op saves their output:"
+            " two tensors. Inplace, they compute the gradient from their result, so one tensor serves both. This is"
+            " safe for autograd here (no earlier op saved these inputs), but whether an input is used again later,"
+            " as in a residual connection, cannot be told from measurements: check that first.\n"
+            f"```python\nnn.{largest.type}(inplace=True)\n```"
+        ),
+        evidence=evidence,
+        estimated_saving_bytes=saving.saving_bytes,
+        saving_basis=saving.basis,
+        predicted_peak_bytes=saving.predicted_peak_bytes,
+    )
+
+
+RULE = Rule(ID, inplace_activations, changes)

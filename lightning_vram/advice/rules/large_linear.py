@@ -1,0 +1,67 @@
+"""Large linear: a Linear reads a flattened convolutional feature map; pooling it first removes most of its weights.
+
+Global average pooling over the map's ``positions`` (H x W) turns ``Linear(C * positions, N)`` into
+``Linear(C, N)``: it removes ``(positions - 1) / positions`` of the weight, with their gradients and optimizer state
+(the model-state bytes per parameter byte measured at the peak). A weight tied to another module has no bytes of
+its own and is never advised here. The saving is modelled: no replay changes the model's layers.
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak, no_changes
+from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.units import format_bytes
+
+ID = "large-linear"
+
+
+def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """A Linear reads a flattened convolutional feature map: pooling it first removes most of the Linear's weights."""
+    attributed = attributed_peak(summary)
+    if attributed is None or attributed[1].parameters <= 0:
+        return None
+    peak, breakdown = attributed
+    maps = {profile.name: profile.input_feature_map for profile in summary.modules}
+    candidates = []
+    for layer in setup.linear_layers:
+        feature_map = maps.get(layer.name)
+        if feature_map is None or feature_map[1] <= 1 or layer.weight_bytes <= 0:
+            continue
+        removed = layer.weight_bytes - layer.weight_bytes // feature_map[1]
+        candidates.append((removed, layer, feature_map))
+    if not candidates:
+        return None
+    removed, layer, (channels, positions) = max(candidates, key=lambda candidate: candidate[0])
+    model_state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
+    saving = removed * model_state // breakdown.parameters
+    if saving < MIN_SAVING_SHARE * peak.peak_bytes:
+        return None
+    return Advice(
+        id=ID,
+        severity="info",
+        title=(
+            f"`{layer.name}` reads a flattened feature map of {positions} positions: pool it first to save"
+            f" about {format_bytes(saving)}"
+        ),
+        detail=(
+            f"Global average pooling before it averages each of the {channels} channels over the map's {positions}"
+            f" positions, so Linear({layer.in_features}, {layer.out_features}) becomes"
+            f" Linear({channels}, {layer.out_features}) and its weight, gradients and optimizer state shrink"
+            f" {positions}-fold. Pooling drops where things are in the map: accuracy may change, so validate.\n"
+            "```python\n"
+            f"nn.Sequential(..., nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear({channels}, {layer.out_features}))"
+            "  # AdaptiveAvgPool1d/3d for 1-D/3-D maps\n```"
+        ),
+        evidence=(
+            f"{layer.name}: Linear({layer.in_features} -> {layer.out_features}) reads the flattened output of a"
+            f" convolutional map of {channels} channels x {positions} positions; its weight is"
+            f" {format_bytes(layer.weight_bytes)}, pooling removes {format_bytes(removed)} of it; parameters,"
+            f" gradients and optimizer state are {model_state / breakdown.parameters:.2f}x the parameters at the"
+            f" {peak.phase.value} peak ({format_bytes(peak.peak_bytes)})"
+        ),
+        estimated_saving_bytes=saving,
+        saving_basis="modelled",
+    )
+
+
+RULE = Rule(ID, large_linear, no_changes)

@@ -1,0 +1,105 @@
+"""Mixed precision: 32-bit training on a CUDA GPU, advised for tensor cores and for the memory a replay shows.
+
+Autocast does not halve activations (it saves 16-bit copies of the weights for backward and keeps normalisation,
+softmax and the loss in float32), so no memory saving is promised unless the step was replayed in 16 bits and its
+peak fell by :data:`~lightning_vram.advice.rules.base.MIN_SAVING_SHARE` or more. Otherwise the advice is for
+speed, on devices with tensor cores (compute capability 7.0 or higher) only, and says what the replay found; a
+replay that raised, or one whose peak would rise to near the device's capacity, means no advice.
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.catalogue import FULL_PRECISIONS, TENSOR_CORE_CAPABILITY, mixed_precision_for
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, NEAR_CAPACITY_SHARE, Rule, attributed_peak
+from lightning_vram.advice.savings import Saving, resolve_saving
+from lightning_vram.records import Advice, PrecisionChange, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.units import format_bytes
+
+ID = "mixed-precision"
+AUTOCAST_MEMORY = (
+    "Autocast does not halve activations: it saves 16-bit copies of the weights for backward and keeps"
+    " normalisation, softmax and the loss in float32."
+)
+"""Why mixed precision promises no memory saving that a replay has not shown."""
+
+
+def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
+    """The 16-bit mixed precision this device should train in, when the run trains in full precision."""
+    if setup.precision not in FULL_PRECISIONS:
+        return ()
+    return (PrecisionChange(mixed_precision_for(summary.device.type, summary.device.compute_capability)),)
+
+
+def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """32-bit training on a CUDA GPU: 16-bit matmuls on tensor cores, and the memory the replay shows it frees."""
+    attributed = attributed_peak(summary)
+    if not summary.on_cuda or setup.precision not in FULL_PRECISIONS or attributed is None:
+        return None
+    peak, breakdown = attributed
+    capability = summary.device.compute_capability
+    precision = mixed_precision_for(summary.device.type, capability)
+    tensor_cores = capability is not None and capability >= TENSOR_CORE_CAPABILITY
+    found = resolve_saving(simulation, PrecisionChange(precision), modelled=None)
+    if found is not None and not isinstance(found, Saving):
+        return None
+    replay = found
+    saving = replay.saving_bytes if replay is not None and replay.at_least(MIN_SAVING_SHARE) else None
+    capacity = summary.device.total_bytes
+    rises_near_capacity = (
+        replay is not None
+        and capacity is not None
+        and replay.saving_bytes < 0
+        and replay.predicted_peak_bytes is not None
+        and replay.predicted_peak_bytes >= NEAR_CAPACITY_SHARE * capacity
+    )
+    if rises_near_capacity or (saving is None and not tensor_cores):
+        return None
+    capability_text = f"compute capability {capability[0]}.{capability[1]}" if capability else "compute capability n/a"
+    reason = (
+        "supports bfloat16, which needs no loss scaling"
+        if precision == "bf16-mixed"
+        else "has no fast bfloat16: use float16"
+    )
+    if replay is not None:
+        moved = f"{format_bytes(abs(replay.saving_bytes))} {'lower' if replay.saving_bytes >= 0 else 'higher'}"
+        replayed = (
+            f"replayed on this run's step in {precision}, the peak is {format_bytes(replay.predicted_peak_bytes)}"
+            f" instead of {format_bytes(replay.peak_bytes)} ({moved})."
+        )
+        memory = (
+            f"Memory is not the reason to change: {replayed} {AUTOCAST_MEMORY}"
+            if saving is None
+            else f"Memory: {replayed}"
+        )
+        evidence_tail = f"; {replay.evidence}"
+    else:
+        memory = f"No memory saving is promised: the step was not replayed in {precision}. {AUTOCAST_MEMORY}"
+        evidence_tail = "; not replayed in 16 bits, so no memory saving is estimated"
+    speed = " and run matmuls on tensor cores" if tensor_cores else ""
+    title = (
+        f'Train with precision="{precision}" to lower the peak by about {format_bytes(saving)}{speed}'
+        if saving is not None
+        else f'Train with precision="{precision}" to run matmuls on tensor cores'
+    )
+    faster = ", which tensor cores run several times faster" if tensor_cores else ""
+    return Advice(
+        id=ID,
+        severity="info",
+        title=title,
+        detail=(
+            f"{summary.device.name} ({capability_text}) {reason}. Weights and optimizer state stay in float32;"
+            f" matmuls and convolutions run in 16 bits{faster}. {memory}\n"
+            f'```python\nTrainer(precision="{precision}")\n```'
+        ),
+        evidence=(
+            f"training in {setup.precision} on {summary.device.name} ({capability_text}"
+            f"{': tensor cores' if tensor_cores else ''}); activations are {format_bytes(breakdown.activations)}"
+            f" of the {format_bytes(peak.peak_bytes)} {peak.phase.value} peak{evidence_tail}"
+        ),
+        estimated_saving_bytes=saving,
+        saving_basis="simulated" if saving is not None else None,
+        predicted_peak_bytes=replay.predicted_peak_bytes if replay is not None else None,
+    )
+
+
+RULE = Rule(ID, mixed_precision, changes)

@@ -1,0 +1,135 @@
+"""Near capacity: the peak is above 90% of the device, or the allocator retried or ran out; remedies, largest first.
+
+Each remedy is another rule's advice (:data:`NEAR_CAPACITY_REMEDIES`), with the saving and basis that rule
+resolved, or a halved batch, declared for replay here: its saving is the replayed one where the simulation tried
+that batch, else half of what grows with the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from lightning_vram.advice.rules import (
+    activation_checkpointing,
+    allocator_fragmentation,
+    chunked_loss,
+    inplace_activations,
+    mixed_precision,
+    optimizer_state,
+    stale_gradients,
+)
+from lightning_vram.advice.rules.base import NEAR_CAPACITY_SHARE, Rule, attributed_peak, share_text
+from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
+from lightning_vram.records import (
+    Advice,
+    BatchSizeChange,
+    Breakdown,
+    PhasePeak,
+    RunSummary,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
+from lightning_vram.units import format_bytes
+
+ID = "near-capacity"
+NEAR_CAPACITY_REMEDIES: tuple[Rule, ...] = (
+    activation_checkpointing.RULE,
+    mixed_precision.RULE,
+    inplace_activations.RULE,
+    stale_gradients.RULE,
+    chunked_loss.RULE,
+    optimizer_state.RULE,
+    allocator_fragmentation.RULE,
+)
+"""The rules whose savings near-capacity lists as remedies."""
+
+
+class Remedy(NamedTuple):
+    """One way out of near-capacity: what to do, what it saves in bytes, and how that saving is known."""
+
+    name: str
+    saving_bytes: int
+    basis: str
+    predicted_peak_bytes: int | None
+
+
+def _near_capacity_peak(summary: RunSummary) -> tuple[PhasePeak, Breakdown] | None:
+    """The run's attributed peak when the run is near capacity on a CUDA device, else ``None``."""
+    attributed = attributed_peak(summary)
+    capacity = summary.device.total_bytes
+    if not summary.on_cuda or attributed is None or capacity is None:
+        return None
+    near = attributed[0].peak_bytes >= NEAR_CAPACITY_SHARE * capacity
+    return attributed if near or (summary.alloc_retries or 0) > 0 or (summary.recovered_ooms or 0) > 0 else None
+
+
+def _halved(summary: RunSummary) -> BatchSizeChange | None:
+    """Half the run's batch, when it has one of 2 or more."""
+    if summary.batch_size is None or summary.batch_size < 2:
+        return None
+    return BatchSizeChange(summary.batch_size // 2)
+
+
+def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
+    """Half the batch, when the run so far is near capacity."""
+    halved = _halved(summary)
+    return (halved,) if halved is not None and _near_capacity_peak(summary) is not None else ()
+
+
+def _halved_batch(
+    summary: RunSummary, peak: PhasePeak, breakdown: Breakdown, simulation: Simulation | None
+) -> Remedy | None:
+    """Halving the batch: replayed where the simulation tried that batch, else half of what grows with the batch."""
+    halved = _halved(summary)
+    if halved is None:
+        return None
+    modelled = (
+        Modelled((breakdown.activations + breakdown.other) // 2, peak.peak_bytes, "half of what grows with the batch")
+        if breakdown.other is not None
+        else None
+    )
+    saving = resolve_saving(simulation, halved, modelled)
+    if not isinstance(saving, Saving):
+        return None
+    name = f"halve the batch to {halved.batch_size} (with accumulate_grad_batches=2)"
+    return Remedy(name, saving.saving_bytes, saving.basis, saving.predicted_peak_bytes)
+
+
+def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """The peak is above 90% of the device, or the allocator retried or ran out: list the remedies, largest first."""
+    attributed = _near_capacity_peak(summary)
+    capacity = summary.device.total_bytes
+    if attributed is None or capacity is None:
+        return None
+    peak, breakdown = attributed
+    remedies = [
+        Remedy(advice.id, advice.estimated_saving_bytes, advice.saving_basis or "modelled", advice.predicted_peak_bytes)
+        for rule in NEAR_CAPACITY_REMEDIES
+        if (advice := rule.advise(summary, setup, simulation)) is not None and advice.estimated_saving_bytes
+    ]
+    halved = _halved_batch(summary, peak, breakdown, simulation)
+    if halved is not None and halved.saving_bytes > 0:
+        remedies.append(halved)
+    remedies.sort(key=lambda remedy: -remedy.saving_bytes)
+    listed = "; ".join(
+        f"{remedy.name}: about {format_bytes(remedy.saving_bytes)} ({remedy.basis})" for remedy in remedies
+    )
+    best = remedies[0] if remedies else None
+    retries, ooms = summary.alloc_retries or 0, summary.recovered_ooms or 0
+    return Advice(
+        id=ID,
+        severity="critical",
+        title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
+        detail=f"Remedies this run's measurements support, largest saving first: {listed or 'none measured'}.",
+        evidence=(
+            f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
+            f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"
+        ),
+        estimated_saving_bytes=best.saving_bytes if best is not None else None,
+        saving_basis=best.basis if best is not None else None,
+        predicted_peak_bytes=best.predicted_peak_bytes if best is not None else None,
+    )
+
+
+RULE = Rule(ID, near_capacity, changes)

@@ -1,0 +1,35 @@
+"""Pinned memory: CUDA training with pin_memory off while the step measurably waits for data."""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules.base import Rule, no_changes, sustained_data_wait
+from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.units import format_percent
+
+ID = "pin-memory"
+DATA_WAIT_PIN_SHARE = 0.05
+"""Pinned memory is a one-word change; advise it from 5% of step time (the bar of TensorBoard's old profiler plugin)."""
+
+
+def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """CUDA training with pin_memory off while the step measurably waits for data."""
+    if not summary.on_cuda or setup.pin_memory is not False or not sustained_data_wait(summary, DATA_WAIT_PIN_SHARE):
+        return None
+    return Advice(
+        id=ID,
+        severity="info",
+        title="Pin host memory: DataLoader(pin_memory=True)",
+        detail=(
+            "Pageable host memory is copied once more before the transfer to the GPU; pinned batches are copied"
+            " straight away, and Lightning moves them with non_blocking transfers.\n"
+            "```python\nDataLoader(dataset, batch_size=..., pin_memory=True)\n```"
+        ),
+        evidence=(
+            f"data wait is {format_percent(summary.data_wait_fraction)} of step time on {summary.device.name};"
+            " pin_memory=False. The transfer's own share of the wait is not measured separately."
+        ),
+        estimated_saving_bytes=None,
+    )
+
+
+RULE = Rule(ID, pin_memory, no_changes)

@@ -1,0 +1,131 @@
+"""What a change saves, and how that is known: replayed, else discarded, else modelled.
+
+A rule declares the changes it wants replayed (:attr:`~lightning_vram.advice.rules.base.Rule.changes`) and reads
+each one's saving back through :func:`resolve_saving`, the one place that decides where a saving comes from:
+
+- replayed: the simulation's baseline was trusted (replayed and matched) and it replayed the change; the saving is
+  the replayed one, peaks read as the report measures them (on CUDA the predicted allocator peak, every live tensor
+  in 512-byte blocks; on the CPU the highest sum of the counted parts,
+  :meth:`~lightning_vram.records.ReplayedStep.reported_bytes`);
+- discarded: the change's replay raised, so it would break the user's step: it is never advised;
+- modelled: not replayed (no trusted simulation, or the time budget ran out before the change); the rule's own
+  model of the saving from the measurements, where it has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_vram.advice.replay.simulation import NOT_REPLAYED
+from lightning_vram.records import CheckpointChange, ReplayedStep, Simulation, StepChange, VariantResult
+from lightning_vram.units import format_bytes
+
+SHOWN_REASON_CHARACTERS = 160
+"""How much of a discarded replay's reason the evidence quotes (an exception's text can be long)."""
+
+
+def trusted(simulation: Simulation | None) -> ReplayedStep | None:
+    """The simulation's baseline when it can be trusted (replayed and matched), else ``None``."""
+    if simulation is None or simulation.skipped is not None:
+        return None
+    return simulation.baseline
+
+
+def change_key(change: StepChange) -> object:
+    """What identifies a change: a checkpointing plan by the modules it checkpoints, not by its modelled saving.
+
+    The plan the session replayed and the plan the rules pick come from the module profiles of different sampled
+    steps; their modelled savings may differ where the modules are the same.
+    """
+    if isinstance(change, CheckpointChange):
+        plan = change.plan
+        return ("checkpoint", plan.container, plan.units, plan.sequential_segments, plan.forward_of or "")
+    return change
+
+
+def _variant(simulation: Simulation, change: StepChange) -> VariantResult | None:
+    """The variant that replayed ``change``, or ``None`` when it was not requested."""
+    key = change_key(change)
+    return next((variant for variant in simulation.variants if change_key(variant.change) == key), None)
+
+
+@dataclass(frozen=True)
+class Saving:
+    """What a change takes off the peak and how that is known.
+
+    ``saving_bytes``: the saving (negative when a replayed peak rises); ``peak_bytes``: the peak it is taken off, the
+    replayed baseline's or the measured one; ``predicted_peak_bytes``: the replayed peak with the change made
+    (``None`` when modelled); ``evidence``: how the saving is known, in words.
+    """
+
+    saving_bytes: int
+    peak_bytes: int
+    predicted_peak_bytes: int | None
+    basis: Literal["simulated", "modelled"]
+    evidence: str
+
+    def at_least(self, share: float) -> bool:
+        """Whether the saving is at least ``share`` of the peak it is taken off."""
+        return self.saving_bytes >= share * self.peak_bytes
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A change whose replay raised (it would break the user's step): ``reason`` says how."""
+
+    change: StepChange
+    reason: str
+
+    @property
+    def evidence(self) -> str:
+        """That the change is not advised, with its replay's reason (shortened)."""
+        reason = self.reason
+        if len(reason) > SHOWN_REASON_CHARACTERS:
+            reason = reason[: SHOWN_REASON_CHARACTERS - 1] + "…"
+        return f"; not advised, its replay raised: {self.change.label} ({reason})"
+
+
+@dataclass(frozen=True)
+class Modelled:
+    """A rule's model of a change's saving from the measurements: ``saving_bytes`` off the measured ``peak_bytes``."""
+
+    saving_bytes: int
+    peak_bytes: int
+    evidence: str
+
+
+def resolve_saving(
+    simulation: Simulation | None, change: StepChange, modelled: Modelled | None
+) -> Saving | Discarded | None:
+    """The saving of ``change``: replayed, else discarded, else ``modelled`` (``None`` without a model).
+
+    Args:
+        simulation: the replay of the run's step and of the changes tried on it, or ``None``.
+        change: the change, as the rule declared it for replay.
+        modelled: the rule's own estimate, used only when the change was not replayed.
+    """
+    baseline = trusted(simulation)
+    variant = _variant(simulation, change) if simulation is not None and baseline is not None else None
+    if baseline is not None and variant is not None and variant.replayed is not None:
+        return _replayed_saving(change, baseline, variant.replayed)
+    if variant is not None:
+        reason = variant.discarded or "the replay gave no result"
+        if not reason.startswith(NOT_REPLAYED):
+            return Discarded(change, reason)
+    if modelled is None:
+        return None
+    return Saving(modelled.saving_bytes, modelled.peak_bytes, None, "modelled", modelled.evidence)
+
+
+def _replayed_saving(change: StepChange, baseline: ReplayedStep, predicted: ReplayedStep) -> Saving:
+    """A replayed change's saving, with the replayed peaks before and after it in words."""
+    before, after = baseline.reported_peak, predicted.reported_peak
+    baseline_bytes, predicted_bytes = baseline.reported_bytes(before), predicted.reported_bytes(after)
+    measure = "allocator peak" if baseline.device_type == "cuda" else "peak of the counted parts"
+    evidence = (
+        f"replayed on this run's step, {change.label} takes the {measure} from"
+        f" {format_bytes(baseline_bytes)} in {before.phase.value} to {format_bytes(predicted_bytes)}"
+        f" in {after.phase.value}"
+    )
+    return Saving(baseline_bytes - predicted_bytes, baseline_bytes, predicted_bytes, "simulated", evidence)
