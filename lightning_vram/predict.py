@@ -50,7 +50,7 @@ def predict(
             build aborts): the step is replayed on the CPU then, and the prediction says so in its notes.
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
-        fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.rules.COMMON_GPUS`
+        fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.catalogue.COMMON_GPUS`
             (a few replays per GPU).
         budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
             prediction says what the budget left out.
