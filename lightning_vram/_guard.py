@@ -9,10 +9,14 @@ called, warns once naming the part, disables the part for the rest of the run, a
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from enum import Enum
+from typing import Any, TypeVar
 
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.records import NotMeasured
+
+T = TypeVar("T")
 
 
 class Part(str, Enum):
@@ -46,6 +50,19 @@ class Guard:
         """Whether ``part`` still runs."""
         return part not in self._failed
 
+    def call(self, part: Part, function: Callable[..., T], *args: Any) -> T | None:
+        """``function(*args)`` run as ``part``; ``None`` when the part is off or fails now (it warns once).
+
+        The one guard every part of the monitor goes through: ``enabled(part)`` tells afterwards whether it ran.
+        """
+        if part in self._failed:
+            return None
+        try:
+            return function(*args)
+        except Exception as error:  # noqa: BLE001 -- the guard: the monitor's own failure must not stop training
+            self.fail(part, error)
+            return None
+
     def fail(self, part: Part, error: BaseException) -> None:
         """``part`` raised ``error``: warn (once per part) and switch the part off for the rest of the run."""
         if part in self._failed:
@@ -56,7 +73,7 @@ class Guard:
             f"VramMonitor: {part.value} {reason}. It is off for the rest of the run; training goes on and the"
             " report lists it under not_measured.",
             VramMonitorWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     @property
