@@ -20,7 +20,7 @@ from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
-from lightning_vram.session import advisor, assembly, core, sinks
+from lightning_vram.session import advisor, assembly, sinks
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 MIB = 1024**2
@@ -58,7 +58,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
         Part.ATTRIBUTION: lambda: monkeypatch.setattr(StepAttributor, "_pack_counted", boom),
         Part.TIMING: lambda: monkeypatch.setattr(StepTimer, "batch_ended", boom),
         Part.SCALARS: lambda: monkeypatch.setattr(assembly, "interval_scalars", boom),
-        Part.REPORT: lambda: monkeypatch.setattr(core, "build_report", boom),
+        Part.REPORT: lambda: monkeypatch.setattr(assembly, "build_report", boom),
         Part.FILES: lambda: monkeypatch.setattr(sinks, "write_report_files", boom),
         Part.TENSORBOARD: lambda: monkeypatch.setattr(sinks, "write_layout", boom),
         Part.CONSOLE: lambda: monkeypatch.setattr(sinks, "print_summary", boom),

@@ -1,5 +1,21 @@
 """The Lightning-free measuring core: :class:`VramSession` and the parts it wires, each with one job.
 
+A session's calls mirror the phase boundaries of a training step::
+
+    session = VramSession(log_dir="runs/plain")
+    session.start(model, optimizers=[optimizer])
+    for batch in loader:
+        session.batch_start(batch)
+        loss = loss_fn(model(batch))
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        optimizer.step(); optimizer.zero_grad()
+        scalars = session.batch_end()          # the vram/... scalars at the end of each log interval, else {}
+    report = session.finish()                  # writes vram_report.json/.md/.html into log_dir
+
+The parts, each guarded through the run's one :class:`~lightning_vram._guard.Guard`:
+
 - :mod:`~lightning_vram.session.recorder`: the hot path (allocator readings at the phase boundaries, the step timer)
   and the allocator history;
 - :mod:`~lightning_vram.session.sampling`: sampled steps counted tensor by tensor;

@@ -122,17 +122,15 @@ class Advisor:
     def diagnose_oom(
         self,
         error: BaseException,
-        *,
         where: str,
         phase: Phase | None,
         tracker: MemoryTracker,
         summary: RunSummary,
-        snapshot: Path | None,
-        snapshot_notes: tuple[str, ...],
+        snapshot: tuple[Path | None, tuple[str, ...]] | None,
     ) -> OomDiagnosis | None:
         """The rank's diagnosis of a CUDA out-of-memory ``error`` raised in ``where`` (``None`` after close).
 
-        ``snapshot`` is the allocator history saved beside it, ``snapshot_notes`` why none was where none was.
+        ``snapshot`` is the allocator history saved beside it and the notes on saving it (``None``: not recorded).
         """
         context = self._context
         model, setup = context.model, context.setup()
@@ -158,7 +156,7 @@ class Advisor:
             last_reading=tracker.boundary,
             summary=summary,
             setup=setup,
-            notes=notes + snapshot_notes,
-            snapshot=snapshot,
+            notes=notes + (snapshot[1] if snapshot is not None else ()),
+            snapshot=snapshot[0] if snapshot is not None else None,
             simulation=self.simulation,
         )

@@ -11,7 +11,18 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from lightning_vram._guard import Guard, Part
-from lightning_vram.records import IntervalMemory, NotMeasured, RankSummary, RunSummary, UtilizationReading
+from lightning_vram.advice.report import build_report
+from lightning_vram.config import MonitorConfig
+from lightning_vram.records import (
+    IntervalMemory,
+    NotMeasured,
+    RankSummary,
+    Report,
+    RunSummary,
+    Simulation,
+    TrainingSetup,
+    UtilizationReading,
+)
 from lightning_vram.render.scalars import interval_scalars, reduce_over_ranks, scalar_vector
 from lightning_vram.session.recorder import Interval, StepRecorder
 
@@ -35,53 +46,118 @@ def cuda_context_bytes(utilization: UtilizationReading | None, memory: IntervalM
     return max(utilization.process_memory_bytes - memory.reserved_bytes, 0)
 
 
-def run_summary(recorder: StepRecorder, context_bytes: int | None) -> RunSummary:
-    """What the run measured so far (after the recorder opened its probe)."""
-    tracker, timer, device = recorder.tracker, recorder.timer, recorder.device
-    if device is None:
-        raise RuntimeError("VramSession.summary() needs start() first")
-    largest = tracker.largest_activation_attribution
-    return RunSummary(
-        device=device,
-        peak=tracker.peak,
-        phases=tracker.phase_peaks,
-        modules=largest.modules if largest is not None else (),
-        batch_size=largest.batch_size if largest is not None else None,
-        step_seconds_median=timer.median_step_seconds(),
-        data_wait_fraction=timer.data_wait_fraction(),
-        recent_data_wait_fraction=timer.recent_data_wait_fraction(),
-        timed_steps=timer.timed_steps,
-        gpu_utilization_mean=recorder.mean_utilization_percent(),
-        alloc_retries=tracker.alloc_retries,
-        cuda_context_bytes=context_bytes,
-        recovered_ooms=tracker.recovered_ooms,
-        last_step=tracker.last_step,
-        steps=tracker.steps,
-        recent_peaks=tracker.recent,
-        evaluation=tuple(tracker.evaluation.values()),
-    )
+class Assembly:
+    """Puts one run's measurements together: its summary, scalars, ``not_measured`` and report.
 
+    Args:
+        config: the monitor's settings (``top_modules``, ``attribution_start_step``).
+        guard: the run's guard (scalars, the report).
+        recorder: the run's readings, peaks and times.
+        ranks: this rank among the others.
+        notes: what the other parts could not measure, read when the report is built.
+    """
 
-def not_measured(
-    recorder: StepRecorder,
-    guard: Guard,
-    notes: list[NotMeasured],
-    attribution_start_step: int,
-) -> tuple[NotMeasured, ...]:
-    """The report's ``not_measured``: the probe's gaps, the parts' notes (``notes``) and every part that failed."""
-    tracker = recorder.tracker
-    found = recorder.unavailable()
-    if tracker.steps == 0:
-        found.append(NO_STEP)
-    found += notes
-    if tracker.latest_attribution is None and tracker.steps and guard.enabled(Part.ATTRIBUTION):
-        found.append(
-            NotMeasured(
-                "tensor-by-tensor attribution",
-                f"no training batch reached attribution_start_step={attribution_start_step}",
-            )
+    def __init__(
+        self,
+        config: MonitorConfig,
+        guard: Guard,
+        recorder: StepRecorder,
+        ranks: Ranks,
+        notes: Callable[[], list[NotMeasured]],
+    ) -> None:
+        self._config, self._guard, self._recorder, self._ranks, self._notes = config, guard, recorder, ranks, notes
+        self.cuda_context_bytes: int | None = None
+        """The CUDA context's estimate from the last log interval that measured it, bytes (``None`` before)."""
+
+    def interval_scalars(self) -> Mapping[str, float]:
+        """The ``vram/...`` scalars of the log interval that ends now (over every rank: one gather).
+
+        The interval's readings also update :attr:`cuda_context_bytes`.
+        """
+        guard = self._guard
+        interval = guard.call(Part.SCALARS, self._recorder.take_interval)
+        scalars: dict[str, float] = {}
+        if interval is not None:
+            estimate = cuda_context_bytes(interval.utilization, interval.memory)
+            if estimate is not None:
+                self.cuda_context_bytes = estimate
+            scalars = guard.call(Part.SCALARS, local_scalars, interval) or {}
+        return self._ranks.reduce_scalars(scalars)
+
+    def summary(self) -> RunSummary:
+        """What the run measured so far.
+
+        Raises:
+            RuntimeError: the recorder never opened a probe (``VramSession.start`` was not called).
+        """
+        recorder = self._recorder
+        tracker, timer, device = recorder.tracker, recorder.timer, recorder.device
+        if device is None:
+            raise RuntimeError("VramSession.summary() needs start() first")
+        largest = tracker.largest_activation_attribution
+        return RunSummary(
+            device=device,
+            peak=tracker.peak,
+            phases=tracker.phase_peaks,
+            modules=largest.modules if largest is not None else (),
+            batch_size=largest.batch_size if largest is not None else None,
+            step_seconds_median=timer.median_step_seconds(),
+            data_wait_fraction=timer.data_wait_fraction(),
+            recent_data_wait_fraction=timer.recent_data_wait_fraction(),
+            timed_steps=timer.timed_steps,
+            gpu_utilization_mean=recorder.mean_utilization_percent(),
+            alloc_retries=tracker.alloc_retries,
+            cuda_context_bytes=self.cuda_context_bytes,
+            recovered_ooms=tracker.recovered_ooms,
+            last_step=tracker.last_step,
+            steps=tracker.steps,
+            recent_peaks=tracker.recent,
+            evaluation=tuple(tracker.evaluation.values()),
         )
-    return (*found, *guard.not_measured)
+
+    def not_measured(self) -> tuple[NotMeasured, ...]:
+        """The report's ``not_measured``: the probe's gaps, the parts' notes and every part that failed."""
+        recorder, guard = self._recorder, self._guard
+        tracker = recorder.tracker
+        found = recorder.unavailable()
+        if tracker.steps == 0:
+            found.append(NO_STEP)
+        found += self._notes()
+        if tracker.latest_attribution is None and tracker.steps and guard.enabled(Part.ATTRIBUTION):
+            start = self._config.attribution_start_step
+            found.append(
+                NotMeasured("tensor-by-tensor attribution", f"no training batch reached attribution_start_step={start}")
+            )
+        return (*found, *guard.not_measured)
+
+    def report(
+        self, setup: Callable[[], TrainingSetup | None], simulation: Simulation | None, gather_ranks: bool
+    ) -> Report | None:
+        """The run's report; ``None`` where it could not be built.
+
+        With ``gather_ranks``, it carries every rank's headline (one gather every rank joins).
+        """
+        recorder = self._recorder
+        peak, device = recorder.tracker.peak, recorder.device
+        own = RankSummary(
+            rank=self._ranks.rank,
+            device_index=device.index if device is not None else None,
+            peak_bytes=peak.peak_bytes if peak is not None else None,
+            steps=recorder.tracker.steps,
+        )
+        ranks = self._ranks.summaries(own, gather_ranks)
+
+        def build() -> Report:
+            return build_report(
+                self.summary(),
+                setup(),
+                top_modules=self._config.top_modules,
+                ranks=ranks,
+                not_measured=self.not_measured(),
+                simulation=simulation,
+            )
+
+        return self._guard.call(Part.REPORT, build)
 
 
 def local_scalars(interval: Interval) -> dict[str, float]:
@@ -111,7 +187,8 @@ class Ranks:
         gather: Gather | None = None,
         barrier: Callable[[], None] | None = None,
     ) -> None:
-        self._guard = guard
+        self.guard = guard
+        """The run's guard: the parts of a run share it."""
         self.rank, self.world_size = rank, world_size
         self._gather, self._barrier = gather, barrier
 
@@ -122,7 +199,7 @@ class Ranks:
             return scalars
         # Every rank reaches this at the same step and joins the gather, whatever failed on it: one collective.
         vector = scalar_vector(scalars)
-        rows = self._guard.call(Part.RANKS, gather, vector)
+        rows = self.guard.call(Part.RANKS, gather, vector)
         return scalars if rows is None else reduce_over_ranks(rows)
 
     def summaries(self, own: RankSummary, gather_ranks: bool) -> tuple[RankSummary, ...]:
@@ -130,14 +207,14 @@ class Ranks:
         gather = self._gather
         if not gather_ranks or self.world_size <= 1 or gather is None:
             return (own,)
-        rows = self._guard.call(Part.RANKS, gather, _rank_row(own))
+        rows = self.guard.call(Part.RANKS, gather, _rank_row(own))
         return (own,) if rows is None else tuple(map(_rank_from_row, enumerate(rows)))
 
     def meet(self, gather_ranks: bool) -> None:
         """With several ranks and ``gather_ranks``, wait at the barrier until every rank is there."""
         barrier = self._barrier
         if gather_ranks and self.world_size > 1 and barrier is not None:
-            self._guard.call(Part.RANKS, barrier)
+            self.guard.call(Part.RANKS, barrier)
 
     def release(self) -> None:
         """Let go of the collectives (they hold the Trainer, and through it the process group)."""

@@ -6,11 +6,13 @@ import inspect
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_vram.advice.replay.step import StepFunction
+from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
+from lightning_vram.measure.setup import training_setup
 from lightning_vram.measure.user_code import is_user_file
 from lightning_vram.records import TrainingSetup
 
@@ -59,6 +61,31 @@ class RunContext:
     def release(self) -> None:
         """Let go of the model, its optimizers and the callables that may hold a Trainer (and its process group)."""
         self.model, self.optimizers, self.read_setup, self.step_function = None, (), None, None
+
+
+def run_context(
+    model: nn.Module,
+    optimizers: Optimizers,
+    dataloader: Any,
+    precision: str,
+    device: torch.device | None,
+    setup: Callable[[], TrainingSetup] | None,
+    step_function: StepFunction | None,
+) -> RunContext:
+    """The facts of a run as ``VramSession.start`` takes them (checked).
+
+    The device defaults to the model's, the set-up to one read from the model, optimizers, ``dataloader`` and
+    ``precision``, the step function to a LightningModule's ``training_step``.
+    """
+    if step_function is None and callable(getattr(model, "training_step", None)):
+        step_function = lightning_training_step
+    context = RunContext(
+        model, optimizers, device if device is not None else model_device(model), step_function=step_function
+    )
+    context.read_setup = setup or (
+        lambda: training_setup(model, context.current_optimizers(), dataloaders=dataloader, precision=precision)
+    )
+    return context
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -1,19 +1,5 @@
 """``VramSession``: the Lightning-free measuring core, wiring the parts of :mod:`lightning_vram.session`.
 
-A session's calls mirror the phase boundaries of a training step::
-
-    session = VramSession(log_dir="runs/plain")
-    session.start(model, optimizers=[optimizer])
-    for batch in loader:
-        session.batch_start(batch)
-        loss = loss_fn(model(batch))
-        session.before_backward()
-        loss.backward()
-        session.before_optimizer_step()
-        optimizer.step(); optimizer.zero_grad()
-        scalars = session.batch_end()          # the vram/... scalars at the end of each log interval, else {}
-    report = session.finish()                  # writes vram_report.json/.md/.html into log_dir
-
 Every part is guarded by the run's one :class:`~lightning_vram._guard.Guard`: an error in the monitor's own code
 warns once, switches that part off and is listed in the report's ``not_measured``; training goes on.
 """
@@ -29,19 +15,15 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_vram._guard import Guard, Part
-from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
-from lightning_vram.advice.report import build_report
+from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.config import MonitorConfig, MonitorOptions, check_start, start_device
 from lightning_vram.measure.accounting import StepAttributor
-from lightning_vram.measure.setup import training_setup
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.records import (
     EvaluationPeak,
-    NotMeasured,
     OomDiagnosis,
     Phase,
     PreflightVerdict,
-    RankSummary,
     Report,
     RunSummary,
     Simulation,
@@ -51,10 +33,9 @@ from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.tensorboard import TensorBoardWriter
 from lightning_vram.render.text import evaluation_text
 from lightning_vram.session.advisor import Advisor
-from lightning_vram.session.assembly import NO_SCALARS, Gather, Ranks, cuda_context_bytes, local_scalars, run_summary
-from lightning_vram.session.assembly import not_measured as assemble_not_measured
+from lightning_vram.session.assembly import NO_SCALARS, Assembly, Gather, Ranks
 from lightning_vram.session.checkpoint_state import RunState, restored_state, saved_state
-from lightning_vram.session.context import Optimizers, RunContext, model_device
+from lightning_vram.session.context import Optimizers, RunContext, model_device, run_context
 from lightning_vram.session.recorder import AllocatorHistory, StepRecorder
 from lightning_vram.session.sampling import Sampler
 from lightning_vram.session.sinks import Sinks
@@ -97,21 +78,23 @@ class VramSession:
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when the run ended with a CUDA out-of-memory error."""
         self._pending_state: Any = None
-        self._new_run()
+        self._new_run(RunContext(), Ranks(Guard()))
 
-    def _new_run(self) -> None:
-        """Fresh parts for a run, sharing one guard and one context."""
+    def _new_run(self, context: RunContext, ranks: Ranks, writers: Sequence[TensorBoardWriter] = ()) -> None:
+        """Fresh parts for the run of ``context``, sharing one guard; ``writers`` are its TensorBoard writers."""
         config = self.config
-        self._guard = guard = Guard()
-        self._context = context = RunContext()
-        self._recorder = StepRecorder(config, guard)
-        self._sampler = Sampler(config, guard, context)
+        self._guard = guard = ranks.guard
+        self._context = context
+        self._recorder = recorder = StepRecorder(config, guard)
+        self._sampler = sampler = Sampler(config, guard, context)
         self._advisor = Advisor(config, guard, context)
-        self._ranks = Ranks(guard)
-        self._sinks = Sinks(guard, self.log_dir, (), config.console_summary)
-        self._history = AllocatorHistory(guard)
+        self._history = history = AllocatorHistory(guard)
+        self._ranks = ranks
+        self._sinks = Sinks(guard, writers, config.console_summary)
+        self._assembly = Assembly(
+            config, guard, recorder, self._ranks, lambda: [*([history.note] if history.note else []), *sampler.notes()]
+        )
         self._log_every: int | None = None
-        self._cuda_context_bytes: int | None = None
         self._evaluating: str | None = None
         self._standalone_evaluation = False
         self._finished = False
@@ -204,21 +187,12 @@ class VramSession:
             default_log_every_n_steps=default_log_every_n_steps,
             step_function=step_function,
         )
-        device = start_device(device)
+        context = run_context(model, optimizers, dataloader, precision, start_device(device), setup, step_function)
+        context.rank, context.world_size = rank, world_size
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
-        self._new_run()
+        self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), tensorboard)
         self.report = self.oom_diagnosis = None
-        config, context = self.config, self._context
-        context.model, context.optimizers, context.rank, context.world_size = model, optimizers, rank, world_size
-        context.device = device if device is not None else model_device(model)
-        context.read_setup = setup or (
-            lambda: training_setup(model, context.current_optimizers(), dataloaders=dataloader, precision=precision)
-        )
-        if step_function is None and callable(getattr(model, "training_step", None)):
-            step_function = lightning_training_step
-        context.step_function = step_function
-        self._ranks = Ranks(self._guard, rank, world_size, gather, barrier)
-        self._sinks = Sinks(self._guard, self.log_dir, tensorboard, config.console_summary)
+        config = self.config
         self._log_every = config.log_every_n_steps or default_log_every_n_steps
         self._recorder.open(config.probe, context.device, config.utilization_interval_seconds)
         if self._pending_state is not None:
@@ -235,7 +209,7 @@ class VramSession:
         recorder, sampler = self._recorder, self._sampler
         if recorder.probe is None or self._finished:
             return
-        if sampler.counting:  # the last sampled step never ended (its batch stopped at its start hook)
+        if sampler.attributor is not None:  # the last sampled step never ended (its batch stopped at its start hook)
             sampler.close()
             self._sampled_batch = None
         reading = recorder.start_step()
@@ -251,7 +225,8 @@ class VramSession:
         if self._recorder.phase is None:
             return
         self._recorder.boundary(Phase.FORWARD, Phase.BACKWARD)
-        self._sampler.before_backward()
+        if self._sampler.attributor is not None:
+            self._sampler.before_backward()
 
     def before_optimizer_step(self) -> None:
         """An optimizer is about to step: the segment since the last boundary (usually backward) ends."""
@@ -260,7 +235,8 @@ class VramSession:
         if phase is None:
             return
         recorder.boundary(phase, Phase.OPTIMIZER)
-        self._sampler.before_optimizer_step()
+        if self._sampler.attributor is not None:
+            self._sampler.before_optimizer_step()
 
     def batch_end(self) -> Mapping[str, float]:
         """The training step ended. Returns the ``vram/...`` scalars when a log interval ends, else an empty dict.
@@ -273,7 +249,7 @@ class VramSession:
             return NO_SCALARS
         recorder.boundary(phase, None)
         sampler = self._sampler
-        attribution = sampler.finish() if sampler.counting else None
+        attribution = sampler.finish() if sampler.attributor is not None else None
         steps = recorder.fold_step(attribution)
         if attribution is not None and self._sampled_batch is not None:
             self._advisor.replay(attribution, self._sampled_batch, self.summary)
@@ -281,7 +257,7 @@ class VramSession:
         recorder.end_timing()
         every = self._log_every
         if every is not None and steps % every == 0:
-            return self._interval_scalars()
+            return self._assembly.interval_scalars()
         return NO_SCALARS
 
     def break_continuity(self) -> None:
@@ -289,17 +265,6 @@ class VramSession:
         self._recorder.timer.break_continuity()
 
     # ------------------------------------------------------------------------------------------------ intervals
-
-    def _interval_scalars(self) -> Mapping[str, float]:
-        guard = self._guard
-        interval = guard.call(Part.SCALARS, self._recorder.take_interval)
-        scalars: dict[str, float] = {}
-        if interval is not None:
-            estimate = cuda_context_bytes(interval.utilization, interval.memory)
-            if estimate is not None:
-                self._cuda_context_bytes = estimate
-            scalars = guard.call(Part.SCALARS, local_scalars, interval) or {}
-        return self._ranks.reduce_scalars(scalars)
 
     def epoch_end(self, step: int) -> None:
         """Write the advice so far as TensorBoard text (with ``tensorboard`` writers given to :meth:`start`)."""
@@ -361,12 +326,7 @@ class VramSession:
         Raises:
             RuntimeError: :meth:`start` was never called.
         """
-        return run_summary(self._recorder, self._cuda_context_bytes)
-
-    def _not_measured(self) -> tuple[NotMeasured, ...]:
-        history = [self._history.note] if self._history.note is not None else []
-        notes = history + self._sampler.notes()
-        return assemble_not_measured(self._recorder, self._guard, notes, self.config.attribution_start_step)
+        return self._assembly.summary()
 
     def finish(self, *, gather_ranks: bool = True) -> Report | None:
         """Build the report, write its files (rank zero, with a ``log_dir``), show it, and stop measuring.
@@ -377,36 +337,20 @@ class VramSession:
         Returns:
             The report, or ``None`` when :meth:`start` was never called or the report could not be built.
         """
-        recorder, ranks = self._recorder, self._ranks
+        recorder = self._recorder
         if recorder.probe is None or recorder.device is None or self._finished:
             return self.report
         self._finished = True
         self._sampler.close()
-        peak = recorder.tracker.peak
-        own = RankSummary(
-            rank=ranks.rank,
-            device_index=recorder.device.index,
-            peak_bytes=peak.peak_bytes if peak is not None else None,
-            steps=recorder.tracker.steps,
-        )
-        summaries = ranks.summaries(own, gather_ranks)
-
-        def build() -> Report:
-            return build_report(
-                self.summary(),
-                self._context.setup(),
-                top_modules=self.config.top_modules,
-                ranks=summaries,
-                not_measured=self._not_measured(),
-                simulation=self._advisor.simulation,
-            )
-
-        report = self._guard.call(Part.REPORT, build)
+        assembly = self._assembly
+        report = assembly.report(self._context.setup, self._advisor.simulation, gather_ranks)
         if report is not None:
-            self.report = self._sinks.publish(report, self._not_measured) if ranks.rank == 0 else report
-        ranks.meet(gather_ranks)
+            self.report = report
+            if self._context.rank == 0:
+                self.report = self._sinks.publish(report, self.log_dir, assembly.not_measured)
+        self._ranks.meet(gather_ranks)
         self.close()
-        return report and self.report
+        return self.report if report is not None else None
 
     def fail(self, error: BaseException) -> None:
         """The run ends with ``error``: write the report so far and, on CUDA out-of-memory, this rank's diagnosis.
@@ -420,22 +364,16 @@ class VramSession:
         self.finish(gather_ranks=False)
 
     def _diagnose_oom(self, error: BaseException) -> None:
-        context, recorder, sinks = self._context, self._recorder, self._sinks
+        context, recorder, sinks, directory = self._context, self._recorder, self._sinks, self.log_dir
         if recorder.device is None or context.model is None or context.read_setup is None:
             return
         phase = recorder.phase
-        snapshot, notes = sinks.snapshot(context.rank, context.world_size) if self._history.recording else (None, ())
-        self.oom_diagnosis = self._advisor.diagnose_oom(
-            error,
-            where=self._evaluating or (phase.value if phase is not None else "training"),
-            phase=phase,
-            tracker=recorder.tracker,
-            summary=self.summary(),
-            snapshot=snapshot,
-            snapshot_notes=notes,
-        )
-        if self.oom_diagnosis is not None:
-            sinks.diagnosis(self.oom_diagnosis, context.rank, context.world_size)
+        where = self._evaluating or (phase.value if phase is not None else "training")
+        snapshot = sinks.snapshot(directory, context.rank, context.world_size) if self._history.recording else None
+        diagnosis = self._advisor.diagnose_oom(error, where, phase, recorder.tracker, self.summary(), snapshot)
+        if diagnosis is not None:
+            self.oom_diagnosis = diagnosis
+            sinks.diagnosis(diagnosis, directory, context.rank, context.world_size)
 
     def close(self) -> None:
         """Stop measuring: remove every hook, stop NVML's thread and the allocator history. Safe to call twice."""

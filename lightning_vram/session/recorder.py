@@ -94,14 +94,17 @@ class StepRecorder:
         """A training step starts: time it, read the allocator, open its forward phase. Returns the reading."""
         guard = self._guard
         guard.call(TIMING, self.timer.batch_started)
-        reading = self.read()
+        probe = self.probe
+        reading = guard.call(ALLOCATOR, probe.read_allocator, self._reset_peak) if probe is not None else None
         guard.call(TRACKER, self.tracker.start_step, reading)
         self.phase = FORWARD
         return reading
 
     def boundary(self, label: Phase, next_phase: Phase | None) -> None:
         """End the segment since the last boundary as ``label``: one allocator read, folded by the tracker."""
-        self._guard.call(TRACKER, self.tracker.close_phase, label, self.read())
+        guard, probe = self._guard, self.probe
+        reading = guard.call(ALLOCATOR, probe.read_allocator, self._reset_peak) if probe is not None else None
+        guard.call(TRACKER, self.tracker.close_phase, label, reading)
         self.phase = next_phase
 
     def fold_step(self, attribution: Attribution | None) -> int:

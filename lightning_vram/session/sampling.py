@@ -48,11 +48,6 @@ class Sampler:
         self._compiled_note: NotMeasured | None = None
         self._hook_apis: tuple[str, ...] | None = None  # saved-tensor-hook APIs the training code uses, once known
 
-    @property
-    def counting(self) -> bool:
-        """Whether a step is being counted now."""
-        return self.attributor is not None
-
     def begin(self, step: int, batch: Any) -> bool:
         """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on)."""
         if not self._config.is_sampled(step) or not self._guard.enabled(Part.ATTRIBUTION):

@@ -31,15 +31,12 @@ class Sinks:
 
     Args:
         guard: the run's guard (files, TensorBoard, console).
-        log_dir: where the report files go; ``None`` writes none.
         writers: TensorBoard SummaryWriters for the layout, the advice text and the figures.
         console_summary: print the summary at the end.
     """
 
-    def __init__(
-        self, guard: Guard, log_dir: Location | None, writers: Sequence[TensorBoardWriter], console_summary: bool
-    ) -> None:
-        self._guard, self.log_dir, self.writers, self._console = guard, log_dir, writers, console_summary
+    def __init__(self, guard: Guard, writers: Sequence[TensorBoardWriter], console_summary: bool) -> None:
+        self._guard, self.writers, self._console = guard, writers, console_summary
         self.report_path: Location | None = None
         """Where ``vram_report.json`` was written; ``None`` when it was not."""
 
@@ -53,9 +50,12 @@ class Sinks:
         for writer in self.writers:
             write_advice(writer, advice, step)
 
-    def publish(self, report: Report, not_measured: Callable[[], tuple[NotMeasured, ...]]) -> Report:
-        """Show ``report`` (TensorBoard, console) and write its files; returns it with ``not_measured`` read again.
+    def publish(
+        self, report: Report, directory: Location | None, not_measured: Callable[[], tuple[NotMeasured, ...]]
+    ) -> Report:
+        """Show ``report`` (TensorBoard, console), write its files; returns it with ``not_measured`` read again.
 
+        ``directory`` is where the files go (``None``: none).
         The files come last, so that they list every part that failed (or they are what failed).
         """
         guard = self._guard
@@ -64,8 +64,8 @@ class Sinks:
         if self._console:
             guard.call(Part.CONSOLE, print_summary, report)
         report = replace(report, not_measured=not_measured())
-        if self.log_dir is not None:
-            guard.call(Part.FILES, self._write_files, report, self.log_dir)
+        if directory is not None:
+            guard.call(Part.FILES, self._write_files, report, directory)
         return replace(report, not_measured=not_measured())
 
     def _write_files(self, report: Report, directory: Location) -> None:
@@ -75,9 +75,8 @@ class Sinks:
             self.report_path = error.json_path
             raise
 
-    def snapshot(self, rank: int, world_size: int) -> tuple[Path | None, tuple[str, ...]]:
-        """Save the allocator history (being recorded) beside the report: its path, or a note why it was not."""
-        directory = self.log_dir
+    def snapshot(self, directory: Location | None, rank: int, world_size: int) -> tuple[Path | None, tuple[str, ...]]:
+        """Save the allocator history (being recorded) into ``directory``: its path, or a note why it was not."""
         if isinstance(directory, Path):
             directory.mkdir(parents=True, exist_ok=True)
             return history.dump_snapshot(directory / (report_stem(SNAPSHOT_STEM, rank, world_size) + ".pickle")), ()
@@ -85,10 +84,10 @@ class Sinks:
             return None, (f"allocator history not saved: torch writes it to local files, and {directory} is remote",)
         return None, ()
 
-    def diagnosis(self, diagnosis: OomDiagnosis, rank: int, world_size: int) -> None:
-        """Write this rank's OOM diagnosis files and say where on stderr (with a ``log_dir``)."""
-        if self.log_dir is not None:
-            path = write_diagnosis(diagnosis, self.log_dir, world_size)
+    def diagnosis(self, diagnosis: OomDiagnosis, directory: Location | None, rank: int, world_size: int) -> None:
+        """Write the rank's OOM diagnosis files into ``directory`` and say where on stderr (``None``: nothing)."""
+        if directory is not None:
+            path = write_diagnosis(diagnosis, directory, world_size)
             print(f"VramMonitor (rank {rank}): {oom_headline(diagnosis)}; see {path}", file=sys.stderr)
 
 
