@@ -1,9 +1,10 @@
 """One guard for the monitor's own code: a part that fails warns once, is switched off, and is reported.
 
 The monitor runs inside the user's training. An error raised by its own code (a probe read, the tracker,
-attribution, logging, writing files) must never stop that training: the guard catches it where the part is
-called, warns once naming the part, disables the part for the rest of the run, and lists it in the report's
-``not_measured``. Errors of the user's own code never pass through a guarded block.
+attribution, logging, writing files) must never stop that training: every part of the session calls its work
+through :meth:`Guard.call`, which catches it, warns once naming the part, disables the part for the rest of the
+run, and lists it in the report's ``not_measured``. Errors of the user's own code never pass through a guarded
+call.
 """
 
 from __future__ import annotations

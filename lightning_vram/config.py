@@ -169,20 +169,21 @@ class MonitorConfig:
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(self.clock).__name__}")
 
-    def is_sampled(self, step: int) -> bool:
-        """Whether ``step`` (0-based training batch of the run) gets tensor-by-tensor attribution.
+    def next_sampled_step(self, step: int) -> int | None:
+        """The first training batch from ``step`` on (0-based, over the run) that gets tensor-by-tensor attribution.
 
-        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=10).is_sampled(12)
+        ``None`` when no later batch does.
+
+        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=10).next_sampled_step(13)
+        22
+        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=None).next_sampled_step(3) is None
         True
-        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=None).is_sampled(12)
-        False
         """
         offset = step - self.attribution_start_step
-        if offset < 0:
-            return False
-        if self.attribution_every_n_steps is None:
-            return offset == 0
-        return offset % self.attribution_every_n_steps == 0
+        if offset <= 0:
+            return self.attribution_start_step
+        every = self.attribution_every_n_steps
+        return None if every is None else step + -offset % every
 
 
 WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "close")
