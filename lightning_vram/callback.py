@@ -53,6 +53,14 @@ class VramMonitor(Callback):
         self.session = VramSession(**options)
         """The measuring session every hook forwards to."""
         self.config = self.session.config
+        config = self.config
+        self._state_key = self._generate_state_key(
+            attribution_start_step=config.attribution_start_step,
+            attribution_every_n_steps=config.attribution_every_n_steps,
+            log_every_n_steps=config.log_every_n_steps,
+            reset_peak_stats=config.reset_peak_stats,
+            top_modules=config.top_modules,
+        )
         self._state_loaded = False
         self._logs = True
 
@@ -79,15 +87,9 @@ class VramMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Two monitors in one Trainer keep apart in the checkpoint when their settings differ.
-        config = self.config
-        return self._generate_state_key(
-            attribution_start_step=config.attribution_start_step,
-            attribution_every_n_steps=config.attribution_every_n_steps,
-            log_every_n_steps=config.log_every_n_steps,
-            reset_peak_stats=config.reset_peak_stats,
-            top_modules=config.top_modules,
-        )
+        # Two monitors in one Trainer keep apart in the checkpoint when their settings differ. Lightning reads the key
+        # on every hook it calls (to name the profiler's span): built once, from the frozen settings.
+        return self._state_key
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
