@@ -1,15 +1,21 @@
-"""The monitor's own Python work per training step, with the scripted probe standing in for CUDA.
+"""The monitor's own cost per training step, over a run without it and over a run with an empty callback.
 
-A real Trainer trains a tiny model on the CPU for many steps; VramMonitor reads a
-:class:`~lightning_vram.testing.ScriptedProbe` (so the CUDA code path runs: allocator reads at every phase
-boundary, phase peaks, the tracker), and every hook of the monitor is wrapped in a timer. Prints the time spent
-inside the monitor's hooks per step, as the mean over the ordinary steps of a round: step 0 (the preflight replay,
-once per run) and the one sampled step (counted tensor by tensor and replayed, as with
-``attribution_every_n_steps=None``, so every later step attributes its peak to the sampled counts) are left out;
-``benchmarks/replay_cost.py`` prices those. Median over rounds, with the range. Logging runs at Lightning's default
-interval of 50 steps, so its work is amortised as in a real run.
+A real Trainer trains a tiny model on the CPU. Four kinds of run, interleaved round by round so that a load on the
+machine falls on each alike:
 
-    python benchmarks/hot_path.py
+- ``bare``: no callback;
+- ``empty``: a callback that overrides nothing (what Lightning's dispatch of the hooks costs any callback);
+- ``cuda``: VramMonitor reading a :class:`~lightning_vram.testing.ScriptedProbe`, so the CUDA code path runs
+  (allocator reads at every phase boundary, phase peaks, the tracker);
+- ``cpu``: VramMonitor on the CPU path (the CPU probe: no allocator, tensors counted on sampled steps only).
+
+For each, the wall time per step over the ordinary steps (from step ``SKIP`` on: step 0's preflight and the one
+sampled step, counted and replayed once per run, are left out; ``benchmarks/replay_cost.py`` prices those). The
+monitor's cost is its run's step time less the empty callback's; beside it, the time spent inside the monitor's own
+hooks, timed one by one (no dispatch). Logging runs at Lightning's default interval of 50 steps, so its work is
+amortised as in a real run. Median over rounds, with the range: microseconds per step.
+
+    python benchmarks/hot_path.py [--steps 2000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ HOOKS = (
     "on_train_epoch_end",
 )
 """The monitor's hooks that run during training steps and epochs."""
+SAMPLED_STEP = 2
+"""The one step counted tensor by tensor (and replayed)."""
+SKIP = 10
+"""Steps left out at the start of each run: warm-up, the preflight and the sampled step."""
+KINDS = ("bare", "empty", "cuda", "cpu")
 
 
 class Tiny(pl.LightningModule):
@@ -55,7 +66,23 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-SAMPLED_STEP = 2
+class Stopwatch(pl.Callback):
+    """Reads the clock when step ``SKIP`` starts and when each later step ends (every kind of run carries one).
+
+    The last step's end, not the end of training: the monitor builds and writes its report then.
+    """
+
+    def __init__(self) -> None:
+        self.started = self.ended = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if i == SKIP:
+            self.started = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.ended = time.perf_counter()
 
 
 def timed(method: Callable[..., Any], per_step: list[float], starts_step: bool) -> Callable[..., Any]:
@@ -74,36 +101,56 @@ def timed(method: Callable[..., Any], per_step: list[float], starts_step: bool) 
     return wrapper
 
 
-def one_round(steps: int) -> float:
-    """Mean seconds spent inside the monitor's hooks per ordinary training step, over one fit of ``steps`` steps."""
+def monitor(kind: str, per_step: list[float] | None) -> pl.Callback:
+    """The callback of a ``kind`` of run; a monitor's hooks add their own time to ``per_step`` when one is given."""
+    if kind == "empty":
+        return pl.Callback()
     boundaries = [
         ScriptedBoundary(allocated_bytes=1000 + 10 * i, reserved_bytes=4096, highest_bytes=1500 + 10 * i)
         for i in range(4)
     ]
-    monitor = VramMonitor(
+    built = VramMonitor(
         attribution_start_step=SAMPLED_STEP,
         attribution_every_n_steps=None,
         console_summary=False,
-        probe=ScriptedProbe(boundaries),
+        probe=ScriptedProbe(boundaries) if kind == "cuda" else None,
     )
+    if per_step is not None:
+        for name in HOOKS:
+            setattr(built, name, timed(getattr(built, name), per_step, starts_step=name == "on_train_batch_start"))
+    return built
+
+
+def one_round(kind: str, steps: int, time_hooks: bool) -> tuple[float, float | None]:
+    """Seconds per ordinary step of one fit of ``steps`` steps, and the seconds inside the monitor's hooks.
+
+    The hooks are timed only where ``time_hooks`` (the wrappers cost time of their own).
+    """
     per_step: list[float] = []
-    for name in HOOKS:
-        setattr(monitor, name, timed(getattr(monitor, name), per_step, starts_step=name == "on_train_batch_start"))
+    callbacks = [] if kind == "bare" else [monitor(kind, per_step if time_hooks else None)]
+    stopwatch = Stopwatch()
     data = TensorDataset(torch.randn(steps, 4), torch.randint(0, 2, (steps,)))
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
             accelerator="cpu",
             max_steps=steps,
             logger=CSVLogger(root),
-            callbacks=[monitor],
+            callbacks=[*callbacks, stopwatch],
             enable_progress_bar=False,
             enable_model_summary=False,
             enable_checkpointing=False,
             default_root_dir=root,
         )
         trainer.fit(Tiny(), DataLoader(data, batch_size=1))
-    ordinary = per_step[1:SAMPLED_STEP] + per_step[SAMPLED_STEP + 1 :]
-    return statistics.fmean(ordinary)
+    step_seconds = (stopwatch.ended - stopwatch.started) / (steps - SKIP)  # from step SKIP to the last, both in
+    inside = statistics.fmean(per_step[SKIP:]) if per_step else None
+    return step_seconds, inside
+
+
+def shown(seconds: list[float]) -> str:
+    """Median and range of ``seconds``, in microseconds."""
+    micro = [1e6 * value for value in seconds]
+    return f"{statistics.median(micro):7.1f} us [{min(micro):.1f} - {max(micro):.1f}]"
 
 
 def main() -> None:
@@ -112,13 +159,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")
-    one_round(200)  # warm-up: imports, first-call costs
-    per_step = [one_round(arguments.steps) for _ in range(arguments.rounds)]
-    micro = [1e6 * seconds for seconds in per_step]
-    print(
-        f"monitor's own work per step (scripted CUDA probe, {arguments.steps} steps x {arguments.rounds} rounds):"
-        f" median {statistics.median(micro):.1f} us [range {min(micro):.1f} - {max(micro):.1f}]"
-    )
+    for kind in KINDS:  # warm-up: imports, first-call costs
+        one_round(kind, 200, time_hooks=kind in ("cuda", "cpu"))
+    step: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    inside: dict[str, list[float]] = {"cuda": [], "cpu": []}
+    over: dict[str, list[float]] = {"cuda": [], "cpu": []}
+    for _ in range(arguments.rounds):
+        for kind in KINDS:
+            step[kind].append(one_round(kind, arguments.steps, time_hooks=False)[0])
+        for kind in ("cuda", "cpu"):
+            over[kind].append(step[kind][-1] - step["empty"][-1])
+            hooks = one_round(kind, arguments.steps, time_hooks=True)[1]
+            inside[kind].append(hooks if hooks is not None else float("nan"))
+    print(f"per training step, {arguments.steps} steps x {arguments.rounds} rounds: median [range]")
+    print(f"  bare run (no callback)          {shown(step['bare'])}")
+    print(f"  empty callback                  {shown(step['empty'])}")
+    for kind, path in (("cuda", "CUDA path, scripted probe"), ("cpu", "CPU path")):
+        print(f"  monitor, {path:<23}{shown(step[kind])}")
+        print(f"    over the empty callback       {shown(over[kind])}")
+        print(f"    inside its hooks              {shown(inside[kind])}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 """One guard for the monitor's own code: a part that fails warns once, is switched off, and is reported.
 
 The monitor runs inside the user's training. An error raised by its own code (a probe read, the tracker,
-attribution, logging, writing files) must never stop that training: the guard catches it where the part is
-called, warns once naming the part, disables the part for the rest of the run, and lists it in the report's
-``not_measured``. Errors of the user's own code never pass through a guarded block.
+attribution, logging, writing files) must never stop that training: every part of the session calls its work
+through :meth:`Guard.call`, which catches it, warns once naming the part, disables the part for the rest of the
+run, and lists it in the report's ``not_measured``. Errors of the user's own code never pass through a guarded
+call.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from enum import Enum
+from typing import Any, TypeVar
 
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.records import NotMeasured
+
+T = TypeVar("T")
 
 
 class Part(str, Enum):
@@ -46,6 +51,19 @@ class Guard:
         """Whether ``part`` still runs."""
         return part not in self._failed
 
+    def call(self, part: Part, function: Callable[..., T], *args: Any) -> T | None:
+        """``function(*args)`` run as ``part``; ``None`` when the part is off or fails now (it warns once).
+
+        The one guard every part of the monitor goes through: ``enabled(part)`` tells afterwards whether it ran.
+        """
+        if part in self._failed:
+            return None
+        try:
+            return function(*args)
+        except Exception as error:  # noqa: BLE001 -- the guard: the monitor's own failure must not stop training
+            self.fail(part, error)
+            return None
+
     def fail(self, part: Part, error: BaseException) -> None:
         """``part`` raised ``error``: warn (once per part) and switch the part off for the rest of the run."""
         if part in self._failed:
@@ -56,7 +74,7 @@ class Guard:
             f"VramMonitor: {part.value} {reason}. It is off for the rest of the run; training goes on and the"
             " report lists it under not_measured.",
             VramMonitorWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     @property

@@ -16,7 +16,7 @@ from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import TrainingSetup
 from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.tensorboard import TensorBoardWriter
-from lightning_vram.session import Gather
+from lightning_vram.session.assembly import Gather
 
 
 def trainer_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainingSetup:

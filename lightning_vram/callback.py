@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_vram._lightning import (
     log_interval,
@@ -22,9 +21,8 @@ from lightning_vram._lightning import (
     trainer_callbacks,
     trainer_setup,
 )
+from lightning_vram.config import MonitorOptions
 from lightning_vram.exceptions import VramMonitorWarning
-from lightning_vram.measure.probes import Probe
-from lightning_vram.measure.timing import Clock
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.session import VramSession
 
@@ -40,72 +38,29 @@ class VramMonitor(Callback):
     and ``vram_report.json`` is written to the Trainer's ``log_dir`` (``default_root_dir`` without a logger).
 
     Args:
-        log_every_n_steps: training batches between logged scalars; ``None`` uses the Trainer's setting.
-        attribution_start_step: the first training batch (0-based, over the whole run) counted tensor by
-            tensor. The default, 2, skips the first step, where optimizer state is still being created.
-        attribution_every_n_steps: batches between counted steps after the first; ``None`` counts one step.
-            A counted step costs extra Python time per saved tensor.
-        reset_peak_stats: reset the CUDA allocator's peak at each phase boundary to measure exact phase
-            peaks. This is process-wide: code of yours that reads ``torch.cuda.max_memory_allocated()``
-            sees the peak since the last boundary. ``False`` leaves it untouched; phase peaks are then
-            exact when they set a new process peak and a lower bound otherwise.
-        utilization_interval_seconds: seconds between NVML utilization samples (background thread).
-        top_modules: how many modules the report lists by saved activation bytes.
-        recent_steps: how many recent step peaks are kept for charts (memory stays bounded).
-        console_summary: print a short summary at the end of training (global rank zero).
-        record_history: record the CUDA allocator's history (every allocation and free with its Python stack)
-            so that an out-of-memory error also leaves a snapshot for PyTorch's memory visualizer. Off by
-            default: recording costs host time on every allocation and holds up to ``history_max_entries``
-            events in memory.
-        history_max_entries: allocation events the history keeps (the oldest are dropped).
-        replay_budget_seconds: host seconds the monitor may spend, once per run, replaying the first sampled step
-            under fake tensors (no device memory) to try each change it could advise; advice whose change was
-            replayed says "simulated". 0 turns replays off (advice is then modelled).
-        preflight: on a CUDA device, replay the first step before it runs and warn when it is predicted not to fit
-            the free memory, with the replayed changes that would make it fit. On by default: it costs one replay
-            of host time, once, and can save a run from dying at its first step.
-        probe: read the device through this probe instead of the one that fits the device; for tests,
-            see :class:`lightning_vram.testing.ScriptedProbe`.
-        clock: the host clock step times and data wait are read from, in seconds; for tests, which script it
-            (the default is ``time.perf_counter``).
+        **options: the monitor's options, documented in :class:`~lightning_vram.config.MonitorOptions`.
+
+    Raises:
+        TypeError, ValueError: an option is not what it must be (the message names it, what it must be and what it
+            got).
     """
 
-    def __init__(
-        self,
-        *,
-        log_every_n_steps: int | None = None,
-        attribution_start_step: int = 2,
-        attribution_every_n_steps: int | None = 100,
-        reset_peak_stats: bool = True,
-        utilization_interval_seconds: float = 0.5,
-        top_modules: int = 10,
-        recent_steps: int = 512,
-        console_summary: bool = True,
-        record_history: bool = False,
-        history_max_entries: int = 100_000,
-        replay_budget_seconds: float = 30.0,
-        preflight: bool = True,
-        probe: Probe | None = None,
-        clock: Clock = time.perf_counter,
-    ) -> None:
-        self.session = VramSession(
-            log_every_n_steps=log_every_n_steps,
-            attribution_start_step=attribution_start_step,
-            attribution_every_n_steps=attribution_every_n_steps,
-            reset_peak_stats=reset_peak_stats,
-            utilization_interval_seconds=utilization_interval_seconds,
-            top_modules=top_modules,
-            recent_steps=recent_steps,
-            console_summary=console_summary,
-            record_history=record_history,
-            history_max_entries=history_max_entries,
-            replay_budget_seconds=replay_budget_seconds,
-            preflight=preflight,
-            probe=probe,
-            clock=clock,
-        )
+    def __init__(self, **options: Unpack[MonitorOptions]) -> None:
+        if "log_dir" in options:  # VramSession's own argument: the callback writes into the Trainer's log dir
+            raise TypeError(
+                "VramMonitor got an unexpected keyword argument 'log_dir': it writes to the Trainer's log_dir"
+            )
+        self.session = VramSession(**options)
         """The measuring session every hook forwards to."""
         self.config = self.session.config
+        config = self.config
+        self._state_key = self._generate_state_key(
+            attribution_start_step=config.attribution_start_step,
+            attribution_every_n_steps=config.attribution_every_n_steps,
+            log_every_n_steps=config.log_every_n_steps,
+            reset_peak_stats=config.reset_peak_stats,
+            top_modules=config.top_modules,
+        )
         self._state_loaded = False
         self._logs = True
 
@@ -132,15 +87,9 @@ class VramMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Two monitors in one Trainer keep apart in the checkpoint when their settings differ.
-        config = self.config
-        return self._generate_state_key(
-            attribution_start_step=config.attribution_start_step,
-            attribution_every_n_steps=config.attribution_every_n_steps,
-            log_every_n_steps=config.log_every_n_steps,
-            reset_peak_stats=config.reset_peak_stats,
-            top_modules=config.top_modules,
-        )
+        # Two monitors in one Trainer keep apart in the checkpoint when their settings differ. Lightning reads the key
+        # on every hook it calls (to name the profiler's span): built once, from the frozen settings.
+        return self._state_key
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

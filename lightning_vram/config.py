@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 from torch import nn
+
+from lightning_vram.measure.probes import Probe
+from lightning_vram.measure.timing import Clock
 
 MAX_STEPS = 10**12
 """Upper bound of every option counted in training steps (a trillion steps: far beyond any run)."""
@@ -62,9 +67,68 @@ def _require_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
+class MonitorOptions(TypedDict, total=False):
+    """The monitor's options, documented here once.
+
+    Keywords of :class:`~lightning_vram.VramMonitor`, :class:`~lightning_vram.VramSession` and
+    :class:`MonitorConfig` (which holds their defaults and checks them).
+
+    Attributes:
+        log_every_n_steps: training batches between logged scalars; ``None`` uses the Trainer's setting (50 outside
+            a Trainer).
+        attribution_start_step: the first training batch (0-based, over the whole run) counted tensor by
+            tensor. The default, 2, skips the first step, where optimizer state is still being created.
+        attribution_every_n_steps: batches between counted steps after the first; ``None`` counts one step.
+            A counted step costs extra Python time per saved tensor.
+        reset_peak_stats: reset the CUDA allocator's peak at each phase boundary to measure exact phase
+            peaks. This is process-wide: code of yours that reads ``torch.cuda.max_memory_allocated()``
+            sees the peak since the last boundary. ``False`` leaves it untouched; phase peaks are then
+            exact when they set a new process peak and a lower bound otherwise.
+        utilization_interval_seconds: seconds between NVML utilization samples (background thread).
+        top_modules: how many modules the report lists by saved activation bytes.
+        recent_steps: how many recent step peaks are kept for charts (memory stays bounded).
+        console_summary: print a short summary at the end of training (global rank zero).
+        record_history: record the CUDA allocator's history (every allocation and free with its Python stack)
+            so that an out-of-memory error also leaves a snapshot for PyTorch's memory visualizer. Off by
+            default: recording costs host time on every allocation and holds up to ``history_max_entries``
+            events in memory.
+        history_max_entries: allocation events the history keeps (the oldest are dropped).
+        replay_budget_seconds: host seconds the monitor may spend, once per run, replaying the first sampled step
+            under fake tensors (no device memory) to try each change it could advise; advice whose change was
+            replayed says "simulated". 0 turns replays off (advice is then modelled).
+        preflight: on a CUDA device, replay the first step before it runs and warn when it is predicted not to fit
+            the free memory, with the replayed changes that would make it fit. On by default: it costs one replay
+            of host time, once, and can save a run from dying at its first step.
+        probe: read the device through this probe instead of the one that fits the device; for tests,
+            see :class:`lightning_vram.testing.ScriptedProbe`.
+        clock: the host clock step times and data wait are read from, in seconds; for tests, which script it
+            (the default is ``time.perf_counter``).
+    """
+
+    log_every_n_steps: int | None
+    attribution_start_step: int
+    attribution_every_n_steps: int | None
+    reset_peak_stats: bool
+    utilization_interval_seconds: float
+    top_modules: int
+    recent_steps: int
+    console_summary: bool
+    record_history: bool
+    history_max_entries: int
+    replay_budget_seconds: float
+    preflight: bool
+    probe: Probe | None
+    clock: Clock
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
-    """Settings of :class:`~lightning_vram.VramMonitor`; see its docstring for each one."""
+    """The options of :class:`MonitorOptions` with their defaults, checked when built.
+
+    Raises:
+        TypeError, ValueError: an option is not what it must be (the message names it, what it must be and what
+            it got), or is not an option.
+    """
 
     log_every_n_steps: int | None = None
     attribution_start_step: int = 2
@@ -78,6 +142,8 @@ class MonitorConfig:
     history_max_entries: int = 100_000
     replay_budget_seconds: float = 30.0
     preflight: bool = True
+    probe: Probe | None = field(default=None, compare=False)
+    clock: Clock = field(default=time.perf_counter, compare=False)
 
     def __post_init__(self) -> None:
         require_int("log_every_n_steps", self.log_every_n_steps, 1, MAX_STEPS, allow_none=True)
@@ -93,21 +159,31 @@ class MonitorConfig:
         require_int("history_max_entries", self.history_max_entries, 1, MAX_HISTORY_ENTRIES)
         _require_budget("replay_budget_seconds", self.replay_budget_seconds, MAX_REPLAY_BUDGET_SECONDS)
         _require_bool("preflight", self.preflight)
+        probe = self.probe
+        if isinstance(probe, type):
+            raise TypeError(
+                f"probe must be a probe such as ScriptedProbe([...]), got the class {probe.__name__}: create one"
+            )
+        if probe is not None and not isinstance(probe, Probe):
+            raise TypeError(f"probe must implement lightning_vram.measure.probes.Probe, got {type(probe).__name__}")
+        if not callable(self.clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(self.clock).__name__}")
 
-    def is_sampled(self, step: int) -> bool:
-        """Whether ``step`` (0-based training batch of the run) gets tensor-by-tensor attribution.
+    def next_sampled_step(self, step: int) -> int | None:
+        """The first training batch from ``step`` on (0-based, over the run) that gets tensor-by-tensor attribution.
 
-        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=10).is_sampled(12)
+        ``None`` when no later batch does.
+
+        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=10).next_sampled_step(13)
+        22
+        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=None).next_sampled_step(3) is None
         True
-        >>> MonitorConfig(attribution_start_step=2, attribution_every_n_steps=None).is_sampled(12)
-        False
         """
         offset = step - self.attribution_start_step
-        if offset < 0:
-            return False
-        if self.attribution_every_n_steps is None:
-            return offset == 0
-        return offset % self.attribution_every_n_steps == 0
+        if offset <= 0:
+            return self.attribution_start_step
+        every = self.attribution_every_n_steps
+        return None if every is None else step + -offset % every
 
 
 WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "close")

@@ -13,7 +13,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from models import Classifier, dataset_for, linear_net, loader, trainer
 
-import lightning_vram.session as session_module
 from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram._guard import Part
 from lightning_vram.measure import history
@@ -21,6 +20,7 @@ from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.session import advisor, assembly, sinks
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 MIB = 1024**2
@@ -57,12 +57,12 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
         Part.TRACKER: lambda: monkeypatch.setattr(MemoryTracker, "close_phase", boom),
         Part.ATTRIBUTION: lambda: monkeypatch.setattr(StepAttributor, "_pack_counted", boom),
         Part.TIMING: lambda: monkeypatch.setattr(StepTimer, "batch_ended", boom),
-        Part.SCALARS: lambda: monkeypatch.setattr(session_module, "interval_scalars", boom),
-        Part.REPORT: lambda: monkeypatch.setattr(session_module, "build_report", boom),
-        Part.FILES: lambda: monkeypatch.setattr(session_module, "write_report_files", boom),
-        Part.TENSORBOARD: lambda: monkeypatch.setattr(session_module, "write_layout", boom),
-        Part.CONSOLE: lambda: monkeypatch.setattr(session_module, "print_summary", boom),
-        Part.REPLAY: lambda: monkeypatch.setattr(session_module, "try_changes", boom),
+        Part.SCALARS: lambda: monkeypatch.setattr(assembly, "interval_scalars", boom),
+        Part.REPORT: lambda: monkeypatch.setattr(assembly, "build_report", boom),
+        Part.FILES: lambda: monkeypatch.setattr(sinks, "write_report_files", boom),
+        Part.TENSORBOARD: lambda: monkeypatch.setattr(sinks, "write_layout", boom),
+        Part.CONSOLE: lambda: monkeypatch.setattr(sinks, "print_summary", boom),
+        Part.REPLAY: lambda: monkeypatch.setattr(advisor, "try_changes", boom),
     }
     if part is Part.ALLOCATOR:
         return FailingProbe("read_allocator", after=5)

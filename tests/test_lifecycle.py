@@ -12,7 +12,7 @@ from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trai
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.records import Phase
-from lightning_vram.session import NO_STEP
+from lightning_vram.session.assembly import NO_STEP
 
 
 @pytest.mark.parametrize("options", [{"limit_train_batches": 0}, {"max_epochs": 0, "max_steps": -1}])

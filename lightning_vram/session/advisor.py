@@ -1,0 +1,162 @@
+"""Advice for one run: the preflight check before step 0, the replay of the first sampled step, the OOM diagnosis.
+
+Replays run the user's step under fake tensors (host time only, within ``replay_budget_seconds``); the advice itself
+comes from :func:`~lightning_vram.advice.rules.advise` on the run's summary, set-up and replay.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_vram._guard import Guard, Part
+from lightning_vram.advice.oom import diagnose
+from lightning_vram.advice.preflight import candidate_changes, preflight
+from lightning_vram.advice.rules.registry import advise
+from lightning_vram.advice.trials import try_changes
+from lightning_vram.config import MonitorConfig
+from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.measure.accounting import batch_size_of, model_state_bytes
+from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.measure.probes import Probe
+from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.records import (
+    Advice,
+    AllocatorReading,
+    Attribution,
+    Breakdown,
+    DeviceInfo,
+    OomDiagnosis,
+    Phase,
+    PreflightVerdict,
+    RunSummary,
+    Simulation,
+    TrainingSetup,
+)
+from lightning_vram.render.text import preflight_warning
+from lightning_vram.session.context import RunContext
+
+
+class Advisor:
+    """The run's replays and advice.
+
+    Args:
+        config: the monitor's settings (``preflight``, ``replay_budget_seconds``, ``attribution_start_step``).
+        guard: the run's guard (:attr:`~lightning_vram._guard.Part.REPLAY`).
+        context: the run's model, optimizers, device, set-up and step function.
+    """
+
+    def __init__(self, config: MonitorConfig, guard: Guard, context: RunContext) -> None:
+        self._config, self._guard, self._context = config, guard, context
+        self.simulation: Simulation | None = None
+        """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
+        self.preflight_verdict: PreflightVerdict | None = None
+        """The first step replayed against the device's free memory before it ran (CUDA, ``preflight=True``)."""
+
+    def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
+        """Before the first step on a CUDA device: replay it, and warn if it is predicted not to fit."""
+        context, budget = self._context, self._config.replay_budget_seconds
+        if not self._config.preflight or budget <= 0 or device.type != "cuda":
+            return
+        model, step_function = context.model, context.step_function
+        if probe is None or model is None or context.read_setup is None or reading is None or step_function is None:
+            return
+        if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
+            return
+
+        def replay() -> PreflightVerdict | None:
+            free = probe.free_bytes()
+            training = context.setup()
+            if free is None or training is None:
+                return None
+            verdict = preflight(
+                model,
+                context.current_optimizers(),
+                batch,
+                reading=reading,
+                free_bytes=free,
+                changes=candidate_changes(training.precision, batch_size_of(batch), device.compute_capability),
+                precision=training.precision,
+                step_function=step_function,
+                budget_seconds=budget,
+            )
+            return verdict if isinstance(verdict, PreflightVerdict) else None
+
+        self.preflight_verdict = verdict = self._guard.call(Part.REPLAY, replay)
+        if verdict is not None and not verdict.fits:
+            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})")
+            warnings.warn(warning, VramMonitorWarning, stacklevel=4)
+
+    def replay(self, attribution: Attribution, batch: Any, summary: Callable[[], RunSummary]) -> None:
+        """After the first sampled step past step 0: replay it and every change the rules could advise."""
+        context, budget = self._context, self._config.replay_budget_seconds
+        model = context.model
+        if model is None or context.read_setup is None or budget <= 0 or attribution.step < 1:
+            return
+
+        def replay() -> Simulation | None:
+            training = context.setup()
+            if training is None:
+                return None
+            return try_changes(
+                model,
+                context.current_optimizers(),
+                batch,
+                attribution,
+                summary(),
+                training,
+                device=context.device,
+                step_function=context.step_function,
+                budget_seconds=budget,
+            )
+
+        if self._guard.enabled(Part.REPLAY):
+            self.simulation = self._guard.call(Part.REPLAY, replay)
+
+    def advice(self, summary: RunSummary, setup: TrainingSetup) -> tuple[Advice, ...]:
+        """The advice so far."""
+        return tuple(advise(summary, setup, self.simulation))
+
+    def diagnose_oom(
+        self,
+        error: BaseException,
+        where: str,
+        phase: Phase | None,
+        tracker: MemoryTracker,
+        summary: RunSummary,
+        snapshot: tuple[Path | None, tuple[str, ...]] | None,
+    ) -> OomDiagnosis | None:
+        """The rank's diagnosis of a CUDA out-of-memory ``error`` raised in ``where`` (``None`` after close).
+
+        ``snapshot`` is the allocator history saved beside it and the notes on saving it (``None``: not recorded).
+        """
+        context = self._context
+        model, setup = context.model, context.setup()
+        if model is None or setup is None:
+            return None
+        parameters, gradients, state = model_state_bytes(model, context.current_optimizers(), context.device)
+        latest = tracker.latest_attribution
+        sampled = latest.phases.get(phase) if latest is not None and phase is not None else None
+        notes: tuple[str, ...] = ()
+        if sampled is None:
+            notes += (
+                "activations are counted in 'other': no sampled step measured this phase before the failure"
+                f" (attribution_start_step={self._config.attribution_start_step})",
+            )
+        elif latest is not None:
+            notes += (f"activations as counted on sampled step {latest.step}",)
+        return diagnose(
+            error_text=str(error),
+            where=where,
+            step=tracker.steps,
+            rank=context.rank,
+            model_state=Breakdown(parameters, gradients, state, sampled.activations if sampled else 0, None),
+            last_reading=tracker.boundary,
+            summary=summary,
+            setup=setup,
+            notes=notes + (snapshot[1] if snapshot is not None else ()),
+            snapshot=snapshot[0] if snapshot is not None else None,
+            simulation=self.simulation,
+        )

@@ -1,0 +1,103 @@
+"""The facts of one run, fixed when it starts: the model, its optimizers and device, ranks, and the training set-up."""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
+from lightning_vram.measure.setup import training_setup
+from lightning_vram.measure.user_code import is_user_file
+from lightning_vram.records import TrainingSetup
+
+Optimizers = Sequence[torch.optim.Optimizer] | Callable[[], Sequence[torch.optim.Optimizer]]
+"""A run's optimizers, or a callable returning them (read again each time they are needed)."""
+
+
+@dataclass
+class RunContext:
+    """What every part of a run reads: set by ``VramSession.start``, let go of by ``close``.
+
+    Args:
+        model: the module trained.
+        optimizers: its optimizers, or a callable returning them.
+        device: the device measured.
+        read_setup: returns the training set-up; read once, the first time a part needs it (see :meth:`setup`).
+        step_function: ``(module, batch) -> loss`` for the replays; ``None`` where none can run.
+        rank: this process's global rank.
+        world_size: the number of processes training together.
+    """
+
+    model: nn.Module | None = None
+    optimizers: Optimizers = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    read_setup: Callable[[], TrainingSetup] | None = None
+    step_function: StepFunction | None = None
+    rank: int = 0
+    world_size: int = 1
+    _setup: TrainingSetup | None = None
+
+    def current_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers now (a callable is read again)."""
+        optimizers = self.optimizers
+        return list(optimizers() if callable(optimizers) else optimizers)
+
+    def setup(self) -> TrainingSetup | None:
+        """The training set-up, computed once per run (the first time training has started); ``None`` after close.
+
+        Raises:
+            Exception: whatever reading it raised; the caller's guard handles it, and the next call reads again.
+        """
+        if self._setup is None and self.read_setup is not None:
+            self._setup = self.read_setup()
+        return self._setup
+
+    def release(self) -> None:
+        """Let go of the model, its optimizers and the callables that may hold a Trainer (and its process group)."""
+        self.model, self.optimizers, self.read_setup, self.step_function = None, (), None, None
+
+
+def run_context(
+    model: nn.Module,
+    optimizers: Optimizers,
+    dataloader: Any,
+    precision: str,
+    device: torch.device | None,
+    setup: Callable[[], TrainingSetup] | None,
+    step_function: StepFunction | None,
+) -> RunContext:
+    """The facts of a run as ``VramSession.start`` takes them (checked).
+
+    The device defaults to the model's, the set-up to one read from the model, optimizers, ``dataloader`` and
+    ``precision``, the step function to a LightningModule's ``training_step``.
+    """
+    if step_function is None and callable(getattr(model, "training_step", None)):
+        step_function = lightning_training_step
+    context = RunContext(
+        model, optimizers, device if device is not None else model_device(model), step_function=step_function
+    )
+    context.read_setup = setup or (
+        lambda: training_setup(model, context.current_optimizers(), dataloaders=dataloader, precision=precision)
+    )
+    return context
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """A LightningModule's ``device``, else the device of the model's first parameter or buffer, else the CPU.
+
+    A ``device`` property of the user's own class is not run (it may compute anything); Lightning's is.
+    """
+    device = inspect.getattr_static(model, "device", None)
+    if isinstance(device, property) and isinstance(device.fget, types.FunctionType):
+        device = None if is_user_file(device.fget.__code__.co_filename) else device.fget(model)
+    if isinstance(device, torch.device):
+        return device
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")

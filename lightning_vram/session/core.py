@@ -1,0 +1,409 @@
+"""``VramSession``: the Lightning-free measuring core, wiring the parts of :mod:`lightning_vram.session`.
+
+Every part is guarded by the run's one :class:`~lightning_vram._guard.Guard`: an error in the monitor's own code
+warns once, switches that part off and is listed in the report's ``not_measured``; training goes on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import Unpack
+
+from lightning_vram._guard import Guard, Part
+from lightning_vram.advice.replay.step import StepFunction
+from lightning_vram.config import MonitorConfig, MonitorOptions, check_start, start_device
+from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.records import (
+    EvaluationPeak,
+    OomDiagnosis,
+    Phase,
+    PreflightVerdict,
+    Report,
+    RunSummary,
+    Simulation,
+    TrainingSetup,
+)
+from lightning_vram.render.files import Location, as_location
+from lightning_vram.render.tensorboard import TensorBoardWriter
+from lightning_vram.render.text import evaluation_text
+from lightning_vram.session.advisor import Advisor
+from lightning_vram.session.assembly import NO_SCALARS, Assembly, Gather, Ranks
+from lightning_vram.session.checkpoint_state import RunState, restored_state, saved_state
+from lightning_vram.session.context import Optimizers, RunContext, model_device, run_context
+from lightning_vram.session.recorder import AllocatorHistory, StepRecorder
+from lightning_vram.session.sampling import Sampler
+from lightning_vram.session.sinks import Sinks
+
+DEFAULT_LOG_EVERY_N_STEPS = 50
+"""Steps between interval scalars when neither the session nor a Trainer sets it (Lightning's default)."""
+
+
+class VramSession:
+    """Where device memory goes during training, phase by phase, for any training loop.
+
+    Every step, the allocator's peak is read at the phase boundaries from host-side counters, without synchronising
+    the device. On sampled steps the tensors are counted one by one: parameters, gradients, optimizer state and the
+    activations each module saves for backward. :meth:`finish` builds the :class:`~lightning_vram.records.Report`
+    and writes ``vram_report.json``, ``.md`` and ``.html`` into ``log_dir``.
+
+    Args:
+        log_dir: directory for the report files: a local path, or a URL fsspec can write to (``s3://...``, as
+            Lightning's loggers take it); ``None`` writes none (the report is still returned).
+        **options: the monitor's options, documented in :class:`~lightning_vram.config.MonitorOptions`
+            (``log_every_n_steps`` is 50 here when not given, the Trainer's setting under
+            :class:`~lightning_vram.VramMonitor`).
+
+    Raises:
+        TypeError, ValueError: an argument is not what it must be (the message names it, what it must be and what it
+            got).
+    """
+
+    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, **options: Unpack[MonitorOptions]) -> None:
+        self.config = MonitorConfig(**options)
+        """The options, checked."""
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"log_dir must be a path (str or os.PathLike) or None, got {type(log_dir).__name__}")
+        if log_dir is not None and not os.fspath(log_dir):
+            raise ValueError("log_dir must be a directory path or None, got an empty path ''")
+        self.log_dir: Location | None = as_location(log_dir) if log_dir is not None else None
+        """Where :meth:`finish` writes the report files: a ``Path``, a remote URL as a string, or ``None`` for none."""
+        self.report: Report | None = None
+        """The report of the last run, set by :meth:`finish` (also after :meth:`fail`)."""
+        self.oom_diagnosis: OomDiagnosis | None = None
+        """This rank's diagnosis when the run ended with a CUDA out-of-memory error."""
+        self._pending_state: Any = None
+        self._new_run(RunContext(), Ranks(Guard()))
+
+    def _new_run(self, context: RunContext, ranks: Ranks, writers: Sequence[TensorBoardWriter] = ()) -> None:
+        """Fresh parts for the run of ``context``, sharing one guard; ``writers`` are its TensorBoard writers."""
+        config = self.config
+        self._guard = guard = ranks.guard
+        self._context = context
+        self._recorder = recorder = StepRecorder(config, guard)
+        self._sampler = sampler = Sampler(config, guard, context)
+        self._advisor = Advisor(config, guard, context)
+        self._history = history = AllocatorHistory(guard)
+        self._ranks = ranks
+        self._sinks = Sinks(guard, writers, config.console_summary)
+        self._assembly = Assembly(
+            config, guard, recorder, self._ranks, lambda: [*([history.note] if history.note else []), *sampler.notes()]
+        )
+        self._log_every: int | None = None
+        self._evaluating: str | None = None
+        self._standalone_evaluation = False
+        self._finished = False
+        self._sampled_batch: Any = None
+        self._preflight_pending = True
+
+    @property
+    def report_path(self) -> Location | None:
+        """Where ``vram_report.json`` was written (rank zero, with a ``log_dir``); ``None`` when it was not.
+
+        A ``Path`` on a local disk, the URL as a string on a remote filesystem (a ``Path`` would collapse its ``//``).
+        """
+        return self._sinks.report_path
+
+    @property
+    def preflight_verdict(self) -> PreflightVerdict | None:
+        """The first step replayed against the device's free memory before it ran (CUDA, ``preflight=True``)."""
+        return self._advisor.preflight_verdict
+
+    @property
+    def simulation(self) -> Simulation | None:
+        """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
+        return self._advisor.simulation
+
+    @property
+    def _tracker(self) -> MemoryTracker:
+        """The run's phase peaks and sampled counts (tests read the latest attribution from it)."""
+        return self._recorder.tracker
+
+    @property
+    def _attributor(self) -> StepAttributor | None:
+        """The attributor counting a sampled step now (tests close one a dropped session left on torch's stack)."""
+        return self._sampler.attributor
+
+    # ------------------------------------------------------------------------------------------------ set-up
+
+    def start(
+        self,
+        model: nn.Module,
+        optimizers: Optimizers = (),
+        *,
+        dataloader: Any = None,
+        precision: str = "32-true",
+        device: torch.device | None = None,
+        setup: Callable[[], TrainingSetup] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        gather: Gather | None = None,
+        barrier: Callable[[], None] | None = None,
+        tensorboard: Sequence[TensorBoardWriter] = (),
+        default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
+        step_function: StepFunction | None = None,
+    ) -> None:
+        """Start measuring a run of ``model`` (on its device) with ``optimizers``.
+
+        Args:
+            model: the module trained; its parameters' device is the one measured unless ``device`` is given.
+            optimizers: its optimizers, or a callable returning them (read again on each sampled step).
+            dataloader: the training DataLoader, so advice can read ``num_workers`` and ``pin_memory``.
+            precision: the precision trained in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
+            device: the device to measure, when the model's first parameter is not on it (a ``torch.device`` or a
+                device string such as ``"cuda:1"``).
+            setup: a callable returning the training set-up for advice (the callback reads its Trainer); default:
+                one read from ``model``, ``optimizers``, ``dataloader`` and ``precision``. Read once per run, the
+                first time advice needs it (training has started then).
+            rank: this process's global rank.
+            world_size: the number of processes training together.
+            gather: every rank's numbers (one collective); needed when ``world_size > 1``.
+            barrier: waits until every rank calls it (one collective): with ``world_size > 1``, :meth:`finish`
+                holds the other ranks there until rank zero has written the files. A collective that fails (a rank
+                gone) warns once; the monitor runs no other one, and its report covers this rank.
+            tensorboard: SummaryWriters that get the custom-scalars layout, the advice text and the figures.
+            default_log_every_n_steps: the interval when ``log_every_n_steps`` was not given; ``None`` logs none.
+            step_function: ``(module, batch) -> loss``: the forward pass and loss of one step, so that advice can be
+                replayed on it under fake tensors; a module with a ``training_step`` (a LightningModule) needs none.
+
+        Raises:
+            TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
+        """
+        check_start(
+            model,
+            optimizers,
+            precision=precision,
+            setup=setup,
+            rank=rank,
+            world_size=world_size,
+            gather=gather,
+            barrier=barrier,
+            tensorboard=tensorboard,
+            default_log_every_n_steps=default_log_every_n_steps,
+            step_function=step_function,
+        )
+        context = run_context(model, optimizers, dataloader, precision, start_device(device), setup, step_function)
+        context.rank, context.world_size = rank, world_size
+        self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
+        self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), tensorboard)
+        self.report = self.oom_diagnosis = None
+        config = self.config
+        self._log_every = config.log_every_n_steps or default_log_every_n_steps
+        self._recorder.open(config.probe, context.device, config.utilization_interval_seconds)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+        self._sinks.layout()
+        if config.record_history:
+            self._history.start(context.device, config.history_max_entries)
+
+    # ------------------------------------------------------------------------------------------------ hot path
+
+    def batch_start(self, batch: Any = None) -> None:
+        """A training step starts (before its forward pass). ``batch`` gives the batch size on sampled steps."""
+        recorder, sampler = self._recorder, self._sampler
+        if recorder.probe is None or self._finished:
+            return
+        if sampler.attributor is not None:  # the last sampled step never ended (its batch stopped at its start hook)
+            sampler.close()
+            self._sampled_batch = None
+        reading = recorder.start_step()
+        if self._preflight_pending:
+            self._preflight_pending = False
+            if recorder.device is not None:
+                self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
+        if sampler.begin(recorder.tracker.steps, batch) and self._advisor.simulation is None:
+            self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
+
+    def before_backward(self) -> None:
+        """A backward pass is about to run: what ran since the last boundary was a forward pass."""
+        if self._recorder.phase is None:
+            return
+        self._recorder.boundary(Phase.FORWARD, Phase.BACKWARD)
+        if self._sampler.attributor is not None:
+            self._sampler.before_backward()
+
+    def before_optimizer_step(self) -> None:
+        """An optimizer is about to step: the segment since the last boundary (usually backward) ends."""
+        recorder = self._recorder
+        phase = recorder.phase
+        if phase is None:
+            return
+        recorder.boundary(phase, Phase.OPTIMIZER)
+        if self._sampler.attributor is not None:
+            self._sampler.before_optimizer_step()
+
+    def batch_end(self) -> Mapping[str, float]:
+        """The training step ended. Returns the ``vram/...`` scalars when a log interval ends, else an empty dict.
+
+        With ``world_size > 1`` every rank must call it at the same steps: an interval's end is one gather.
+        """
+        recorder = self._recorder
+        phase = recorder.phase
+        if phase is None:
+            return NO_SCALARS
+        recorder.boundary(phase, None)
+        sampler = self._sampler
+        attribution = sampler.finish() if sampler.attributor is not None else None
+        steps = recorder.fold_step(attribution)
+        if attribution is not None and self._sampled_batch is not None:
+            self._advisor.replay(attribution, self._sampled_batch, self.summary)
+        self._sampled_batch = None
+        recorder.end_timing()
+        every = self._log_every
+        if every is not None and steps % every == 0:
+            return self._assembly.interval_scalars()
+        return NO_SCALARS
+
+    def break_continuity(self) -> None:
+        """The time until the next training step is not data wait (an epoch boundary, a validation run)."""
+        self._recorder.timer.break_continuity()
+
+    # ------------------------------------------------------------------------------------------------ intervals
+
+    def epoch_end(self, step: int) -> None:
+        """Write the advice so far as TensorBoard text (with ``tensorboard`` writers given to :meth:`start`)."""
+        recorder = self._recorder
+        if not self._sinks.writers or recorder.probe is None or recorder.device is None:
+            return
+
+        def write_advice() -> None:
+            setup = self._context.setup()
+            self._sinks.advice(self._advisor.advice(self.summary(), setup) if setup is not None else (), step)
+
+        self._guard.call(Part.TENSORBOARD, write_advice)
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+
+    def start_evaluation(self, stage: str, model: nn.Module | None = None) -> None:
+        """An evaluation loop (``validation``, ``test`` or ``predict``) starts; outside a run it is measured alone."""
+        self._evaluating = stage
+        if self._recorder.probe is None and model is not None:
+            self._context.device = model_device(model)
+            self._recorder.open(self.config.probe, self._context.device, self.config.utilization_interval_seconds)
+            self._standalone_evaluation = True
+
+    def evaluation_batch_start(self) -> None:
+        """An evaluation batch starts."""
+        if self._evaluating is not None:
+            self._recorder.evaluation_batch_start()
+
+    def evaluation_batch_end(self) -> None:
+        """The evaluation batch ends: its allocator peak is kept if it is its stage's highest."""
+        stage = self._evaluating
+        if stage is not None:
+            self._recorder.evaluation_batch_end(stage)
+
+    def end_evaluation(self) -> EvaluationPeak | None:
+        """The evaluation loop ends; returns its stage's peak when it was measured alone (else ``None``)."""
+        stage, self._evaluating = self._evaluating, None
+        if not self._standalone_evaluation or stage is None:
+            return None
+        self._standalone_evaluation = False
+        self.close()
+        return self._recorder.tracker.evaluation.get(stage)
+
+    @property
+    def evaluation_peaks(self) -> dict[str, EvaluationPeak]:
+        """The highest evaluation-batch peak of each stage (validation, test, predict) measured (CUDA)."""
+        return dict(self._recorder.tracker.evaluation)
+
+    @staticmethod
+    def evaluation_line(peak: EvaluationPeak, device: torch.device) -> str:
+        """The console line for a standalone evaluation's peak."""
+        return f"VRAM: {evaluation_text((peak,))} on {device}"
+
+    # ------------------------------------------------------------------------------------------------ the end
+
+    def summary(self) -> RunSummary:
+        """What the run measured so far.
+
+        Raises:
+            RuntimeError: :meth:`start` was never called.
+        """
+        return self._assembly.summary()
+
+    def finish(self, *, gather_ranks: bool = True) -> Report | None:
+        """Build the report, write its files (rank zero, with a ``log_dir``), show it, and stop measuring.
+
+        Args:
+            gather_ranks: with ``world_size > 1``, exchange each rank's headline (one collective every rank joins).
+
+        Returns:
+            The report, or ``None`` when :meth:`start` was never called or the report could not be built.
+        """
+        recorder = self._recorder
+        if recorder.probe is None or recorder.device is None or self._finished:
+            return self.report
+        self._finished = True
+        self._sampler.close()
+        assembly = self._assembly
+        report = assembly.report(self._context.setup, self._advisor.simulation, gather_ranks)
+        if report is not None:
+            self.report = report
+            if self._context.rank == 0:
+                self.report = self._sinks.publish(report, self.log_dir, assembly.not_measured)
+        self._ranks.meet(gather_ranks)
+        self.close()
+        return self.report if report is not None else None
+
+    def fail(self, error: BaseException) -> None:
+        """The run ends with ``error``: write the report so far and, on CUDA out-of-memory, this rank's diagnosis.
+
+        Never raises and runs no collective (other ranks may be gone): re-raise ``error`` yourself.
+        """
+        self._sampler.close()
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            self._guard.call(Part.OOM, self._diagnose_oom, error)
+        self._recorder.phase = None
+        self.finish(gather_ranks=False)
+
+    def _diagnose_oom(self, error: BaseException) -> None:
+        context, recorder, sinks, directory = self._context, self._recorder, self._sinks, self.log_dir
+        if recorder.device is None or context.model is None or context.read_setup is None:
+            return
+        phase = recorder.phase
+        where = self._evaluating or (phase.value if phase is not None else "training")
+        snapshot = sinks.snapshot(directory, context.rank, context.world_size) if self._history.recording else None
+        diagnosis = self._advisor.diagnose_oom(error, where, phase, recorder.tracker, self.summary(), snapshot)
+        if diagnosis is not None:
+            self.oom_diagnosis = diagnosis
+            sinks.diagnosis(diagnosis, directory, context.rank, context.world_size)
+
+    def close(self) -> None:
+        """Stop measuring: remove every hook, stop NVML's thread and the allocator history. Safe to call twice."""
+        self._sampler.close()
+        self._recorder.close()
+        self._history.stop()
+        # Let go of the run: the model, its optimizers and the callables that hold the Trainer (and through it the
+        # process group, whose teardown must not wait for this object).
+        self._context.release()
+        self._ranks.release()
+        self._sinks.writers = ()
+        self._sampled_batch = None
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's aggregates as plain data, so that a report after a resume covers the whole run."""
+        recorder = self._recorder
+        return saved_state(RunState(recorder.tracker, recorder.timer, self._advisor.simulation))
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continue the run :meth:`state_dict` saved; before :meth:`start`, it is applied when the run starts.
+
+        State that is not what :meth:`state_dict` wrote (another version, a missing or mistyped field) warns once
+        and leaves the aggregates fresh.
+        """
+        if self._recorder.probe is None:
+            self._pending_state = state
+            return
+        restored = restored_state(state, self.config)
+        if restored is not None:
+            self._recorder.restore(restored.tracker, restored.timer)
+            self._advisor.simulation = restored.simulation

@@ -1,0 +1,154 @@
+"""Sampled steps: the tensors of a few steps counted one by one (parameters, gradients, optimizer state, activations).
+
+A :class:`Sampler` opens a :class:`~lightning_vram.measure.accounting.StepAttributor` at the start of a sampled step,
+passes it the step's phase boundaries and closes it at the step's end; what sampled steps skipped is listed in
+:meth:`Sampler.notes`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from lightning_vram._guard import Guard, Part
+from lightning_vram.config import MonitorConfig
+from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.code_roots import code_roots, inside_ids
+from lightning_vram.measure.reach import reach_of
+from lightning_vram.records import Attribution, NotMeasured
+from lightning_vram.session.context import RunContext
+
+_ATTRIBUTING: weakref.WeakSet[Sampler] = weakref.WeakSet()
+"""Samplers whose attributor is counting a step now (one at a time per process); a sampler dropped mid-step leaves."""
+
+BUSY = NotMeasured(
+    "tensor-by-tensor attribution on some sampled steps",
+    "another monitor in this process was counting the same step (saved-tensor hooks do not nest);"
+    " those steps were not counted here",
+)
+
+
+class Sampler:
+    """Counts the sampled steps of one run tensor by tensor.
+
+    Args:
+        config: the monitor's settings (which steps are sampled).
+        guard: the run's guard (:attr:`~lightning_vram._guard.Part.ATTRIBUTION`).
+        context: the run's model, optimizers, device and step function.
+    """
+
+    def __init__(self, config: MonitorConfig, guard: Guard, context: RunContext) -> None:
+        self._config, self._guard, self._context = config, guard, context
+        self.attributor: StepAttributor | None = None
+        """The attributor counting a step now."""
+        self._notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with the attributors
+        self._compiled_note: NotMeasured | None = None
+        self._hook_apis: tuple[str, ...] | None = None  # saved-tensor-hook APIs the training code uses, once known
+        self._next: int | None = config.attribution_start_step  # the next sampled step (None: none)
+
+    def begin(self, step: int, batch: Any) -> bool:
+        """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on)."""
+        sampled = self._next
+        if sampled is None or step < sampled:  # every step but a few ends here
+            return False
+        if step > sampled:  # steps restored from a checkpoint
+            sampled = self._config.next_sampled_step(step)
+        self._next = self._config.next_sampled_step(step + 1) if sampled == step else sampled
+        if sampled != step or not self._guard.enabled(Part.ATTRIBUTION):
+            return False
+        model = self._context.model
+        if model is None or self._stands_aside(model):
+            return True
+        if any(other is not self for other in _ATTRIBUTING):  # saved-tensor hooks do not nest
+            self._notes.setdefault("busy", BUSY)
+            return True
+        context = self._context
+        started: list[StepAttributor] = []
+
+        def open_attributor() -> StepAttributor:
+            attributor = StepAttributor(step, model, context.current_optimizers(), context.device, self._notes)
+            started.append(attributor)
+            attributor.begin_forward(batch)
+            return attributor
+
+        attributor = self._guard.call(Part.ATTRIBUTION, open_attributor)
+        if attributor is None:  # saved-tensor hooks refused, a model it cannot read: let go of what it hooked
+            for opened in started:
+                opened.close()
+            return True
+        self.attributor = attributor
+        _ATTRIBUTING.add(self)
+        if attributor.compiled and self._compiled_note is None:
+            self._compiled_note = NotMeasured(
+                "per-module activations inside compiled modules",
+                f"{', '.join(attributor.compiled)} run(s) as torch.compile graphs: their saved tensors are counted"
+                " and charged to the compiled module as a whole",
+            )
+        return True
+
+    def _stands_aside(self, model: nn.Module) -> bool:
+        """Whether the training code uses saved-tensor-hook APIs the attribution's hooks would break or miss.
+
+        Decided once per run, before any sampled step, from the code (``torch.func.grad`` and ``vjp`` refuse to run
+        under saved-tensor hooks, ``disable_saved_tensors_hooks`` refuses them, the code's own hooks hide what they
+        pack); the report says so.
+        """
+        if self._hook_apis is None:
+            context = self._context
+            roots = code_roots(model, context.step_function, context.current_optimizers())
+            self._hook_apis = tuple(sorted(reach_of(roots, inside_ids(model)).hook_apis))
+            if self._hook_apis:
+                self._notes["hook-apis"] = NotMeasured(
+                    "tensor-by-tensor attribution (parts, activations per module)",
+                    f"the training code uses {', '.join(self._hook_apis)}, which the monitor's saved-tensor hooks"
+                    " would break or not see: sampled steps were not counted tensor by tensor",
+                )
+        return bool(self._hook_apis)
+
+    def _call(self, method: Callable[[StepAttributor], Any]) -> Any:
+        attributor = self.attributor
+        if attributor is None:
+            return None
+
+        def run() -> Any:
+            if attributor.error is not None:
+                raise attributor.error
+            return method(attributor)
+
+        result = self._guard.call(Part.ATTRIBUTION, run)
+        if not self._guard.enabled(Part.ATTRIBUTION):
+            self.close()
+        return result
+
+    def before_backward(self) -> None:
+        """The counted step's backward pass is about to run."""
+        if self.attributor is not None:
+            self._call(StepAttributor.before_backward)
+
+    def before_optimizer_step(self) -> None:
+        """The counted step's optimizer is about to step."""
+        if self.attributor is not None:
+            self._call(StepAttributor.before_optimizer_step)
+
+    def finish(self) -> Attribution | None:
+        """The counted step ended: its counts (``None`` when no step was counted, or counting failed)."""
+        if self.attributor is None:
+            return None
+        attribution: Attribution | None = self._call(StepAttributor.finish)
+        self.close()  # finish removed its hooks already; this frees the process-wide slot
+        return attribution
+
+    def close(self) -> None:
+        """Stop counting: remove the attributor's hooks (safe when none is open)."""
+        attributor, self.attributor = self.attributor, None
+        _ATTRIBUTING.discard(self)
+        if attributor is not None:
+            attributor.close()
+
+    def notes(self) -> list[NotMeasured]:
+        """What sampled steps could not count, for the report's ``not_measured``."""
+        compiled = [self._compiled_note] if self._compiled_note is not None else []
+        return [*compiled, *self._notes.values()]
