@@ -12,7 +12,7 @@ from dataclasses import replace
 from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.advice.rules.base import attributed_peak
 from lightning_vram.advice.savings import trusted
-from lightning_vram.records import FitRow, RunSummary, Simulation
+from lightning_vram.records import FitRow, RunSummary, SavingBasis, Simulation
 
 
 def predict_max_batch_size(summary: RunSummary, capacity_bytes: int) -> int | None:
@@ -43,7 +43,7 @@ def fit_table(summary: RunSummary, simulation: Simulation | None = None) -> tupl
     modelled linearly from the measured peak (``basis`` ``"modelled"``, CUDA runs only).
     """
     if trusted(simulation) is not None and simulation is not None and simulation.fit:
-        return tuple(replace(row, basis="simulated") for row in simulation.fit)
+        return tuple(replace(row, basis=SavingBasis.SIMULATED) for row in simulation.fit)
     if not summary.on_cuda:
         return ()
     rows = []
@@ -51,5 +51,5 @@ def fit_table(summary: RunSummary, simulation: Simulation | None = None) -> tupl
         batch = predict_max_batch_size(summary, capacity)
         if batch is None:
             return ()
-        rows.append(FitRow(name, capacity, batch, basis="modelled"))
+        rows.append(FitRow(name, capacity, batch, basis=SavingBasis.MODELLED))
     return tuple(rows)

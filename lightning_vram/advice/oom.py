@@ -9,6 +9,7 @@ from pathlib import Path
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.records import (
     Advice,
+    AdviceId,
     AllocatorReading,
     Breakdown,
     OomDiagnosis,
@@ -16,6 +17,7 @@ from lightning_vram.records import (
     Phase,
     PhasePeak,
     RunSummary,
+    Severity,
     Simulation,
     TrainingSetup,
 )
@@ -66,8 +68,8 @@ def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
         else "no training step was measured before it"
     )
     return Advice(
-        id="evaluation-batch-size",
-        severity="critical",
+        id=AdviceId.EVALUATION_BATCH_SIZE,
+        severity=Severity.CRITICAL,
         title="Validate with a smaller batch",
         detail=(
             "Lightning already runs validation without autograd, so no activations are kept for backward; what"

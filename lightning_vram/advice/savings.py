@@ -15,10 +15,9 @@ each one's saving back through :func:`resolve_saving`, the one place that decide
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from lightning_vram.advice.replay.simulation import NOT_REPLAYED
-from lightning_vram.records import CheckpointChange, ReplayedStep, Simulation, StepChange, VariantResult
+from lightning_vram.records import CheckpointChange, ReplayedStep, SavingBasis, Simulation, StepChange, VariantResult
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 160
@@ -62,7 +61,7 @@ class Saving:
     saving_bytes: int
     peak_bytes: int
     predicted_peak_bytes: int | None
-    basis: Literal["simulated", "modelled"]
+    basis: SavingBasis
     evidence: str
 
     def at_least(self, share: float) -> bool:
@@ -115,7 +114,7 @@ def resolve_saving(
             return Discarded(change, reason)
     if modelled is None:
         return None
-    return Saving(modelled.saving_bytes, modelled.peak_bytes, None, "modelled", modelled.evidence)
+    return Saving(modelled.saving_bytes, modelled.peak_bytes, None, SavingBasis.MODELLED, modelled.evidence)
 
 
 def _replayed_saving(change: StepChange, baseline: ReplayedStep, predicted: ReplayedStep) -> Saving:
@@ -128,4 +127,4 @@ def _replayed_saving(change: StepChange, baseline: ReplayedStep, predicted: Repl
         f" {format_bytes(baseline_bytes)} in {before.phase.value} to {format_bytes(predicted_bytes)}"
         f" in {after.phase.value}"
     )
-    return Saving(baseline_bytes - predicted_bytes, baseline_bytes, predicted_bytes, "simulated", evidence)
+    return Saving(baseline_bytes - predicted_bytes, baseline_bytes, predicted_bytes, SavingBasis.SIMULATED, evidence)

@@ -6,7 +6,7 @@ here; each topic's module sits beside the JSON form of its records (``<topic>_js
 diagnosis's in their own module), and :mod:`~lightning_vram.records.json_reader` reads JSON field by field.
 """
 
-from lightning_vram.records.advice import SAVING_BASES, SEVERITIES, Advice, CheckpointPlan, FitRow
+from lightning_vram.records.advice import Advice, AdviceId, CheckpointPlan, FitRow, SavingBasis, Severity
 from lightning_vram.records.measured import (
     CATEGORIES,
     COUNTED_PARTS,
@@ -33,6 +33,7 @@ from lightning_vram.records.report import RankSummary, Report, TimingSummary
 from lightning_vram.records.simulation import (
     BaselineMatch,
     BatchSizeChange,
+    ChangeKind,
     CheckpointChange,
     FreeGradientsChange,
     InplaceChange,
@@ -51,14 +52,14 @@ from lightning_vram.records.simulation import (
 __all__ = [
     "CATEGORIES",
     "COUNTED_PARTS",
-    "SAVING_BASES",
-    "SEVERITIES",
     "Advice",
+    "AdviceId",
     "AllocatorReading",
     "Attribution",
     "BaselineMatch",
     "BatchSizeChange",
     "Breakdown",
+    "ChangeKind",
     "CheckpointChange",
     "CheckpointPlan",
     "DeviceInfo",
@@ -85,6 +86,8 @@ __all__ = [
     "ReplayedStep",
     "Report",
     "RunSummary",
+    "SavingBasis",
+    "Severity",
     "Simulation",
     "StepChange",
     "StepPoint",

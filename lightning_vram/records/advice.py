@@ -1,17 +1,53 @@
 """What the monitor advises: advice, a checkpointing plan, and the largest batch that fits a device.
 
-Also the domain facts of advice: its severities (:data:`SEVERITIES`) and where a saving comes from
-(:data:`SAVING_BASES`).
+Also the closed sets of advice, as enums whose values are the report's texts: its ids (:class:`AdviceId`), its
+severities (:class:`Severity`) and where a saving comes from (:class:`SavingBasis`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-SEVERITIES = ("critical", "warning", "info")
-"""How much an advice matters, most first."""
-SAVING_BASES = ("simulated", "modelled")
-"""Where an advice's byte saving, or a fit row's batch, comes from: replayed on the run's step, or a formula."""
+
+class ReportText(str, Enum):
+    """A member of a closed set, compared, hashed, written to JSON and formatted as its text in the report."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class AdviceId(ReportText):
+    """The stable id of a piece of advice: new rules get new ids, an id never changes meaning."""
+
+    ACTIVATION_CHECKPOINTING = "activation-checkpointing"
+    MIXED_PRECISION = "mixed-precision"
+    INPLACE_ACTIVATIONS = "inplace-activations"
+    DATALOADER_WORKERS = "dataloader-workers"
+    PIN_MEMORY = "pin-memory"
+    STALE_GRADIENTS = "stale-gradients"
+    CHUNKED_LOSS = "chunked-loss"
+    OPTIMIZER_STATE = "optimizer-state"
+    LARGE_LINEAR = "large-linear"
+    ALLOCATOR_FRAGMENTATION = "allocator-fragmentation"
+    BATCH_SIZE_HEADROOM = "batch-size-headroom"
+    NEAR_CAPACITY = "near-capacity"
+    EVALUATION_BATCH_SIZE = "evaluation-batch-size"
+
+
+class Severity(ReportText):
+    """How much an advice matters, most first (the order advice is listed in)."""
+
+    CRITICAL = "critical"
+    WARNING = "warning"
+    INFO = "info"
+
+
+class SavingBasis(ReportText):
+    """Where an advice's byte saving, or a fit row's batch, comes from: replayed on the run's step, or a formula."""
+
+    SIMULATED = "simulated"
+    MODELLED = "modelled"
 
 
 @dataclass(frozen=True)
@@ -25,14 +61,14 @@ class Advice:
     byte saving: mixed precision advised for speed says what its replay predicts).
     """
 
-    id: str
-    severity: str
+    id: AdviceId
+    severity: Severity
     title: str
     detail: str
     evidence: str
     estimated_saving_bytes: int | None
     estimated_saving_seconds: float | None = None
-    saving_basis: str | None = None
+    saving_basis: SavingBasis | None = None
     predicted_peak_bytes: int | None = None
 
 
@@ -60,7 +96,7 @@ class FitRow:
     device: str
     capacity_bytes: int
     max_batch_size: int
-    basis: str = "modelled"
+    basis: SavingBasis = SavingBasis.MODELLED
     """``"simulated"`` when each batch size was replayed (a bisection), ``"modelled"`` when extrapolated linearly."""
     at_least: bool = False
     """The search stopped at its largest batch size, which still fit: the largest that fits is this or more."""
@@ -69,7 +105,7 @@ class FitRow:
     def batch_text(self) -> str:
         """The batch size as a report shows it: ``"at least 65536"`` where the search hit its bound.
 
-        >>> FitRow("A100", 80, 65536, "simulated", at_least=True).batch_text
+        >>> FitRow("A100", 80, 65536, SavingBasis.SIMULATED, at_least=True).batch_text
         'at least 65536'
         """
         return f"at least {self.max_batch_size}" if self.at_least else str(self.max_batch_size)

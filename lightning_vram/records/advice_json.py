@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.records.advice import SAVING_BASES, SEVERITIES, Advice, FitRow
-from lightning_vram.records.json_reader import FormatError, Reader, one_of, shown
+from lightning_vram.records.advice import Advice, AdviceId, FitRow, SavingBasis, Severity
+from lightning_vram.records.json_reader import Reader, member_of
 
 
 def advice_to_dict(advice: Advice) -> dict[str, Any]:
     """One piece of advice (the schema's ``advice`` entries)."""
     return {
-        "id": advice.id,
-        "severity": advice.severity,
+        "id": str(advice.id),
+        "severity": str(advice.severity),
         "title": advice.title,
         "detail": advice.detail,
         "evidence": advice.evidence,
         "estimated_saving_bytes": advice.estimated_saving_bytes,
         "estimated_saving_seconds": advice.estimated_saving_seconds,
-        "saving_basis": advice.saving_basis,
+        "saving_basis": None if advice.saving_basis is None else str(advice.saving_basis),
         "predicted_peak_bytes": advice.predicted_peak_bytes,
     }
 
@@ -29,7 +29,7 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
         "device": row.device,
         "capacity_bytes": row.capacity_bytes,
         "max_batch_size": row.max_batch_size,
-        "basis": row.basis,
+        "basis": str(row.basis),
         "at_least": row.at_least,
     }
 
@@ -37,12 +37,9 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
 def advice_from_dict(data: Any, where: str) -> Advice:
     """The advice :func:`advice_to_dict` wrote."""
     fields = Reader(data, where)
-    severity = fields.text("severity")
-    if severity not in SEVERITIES:
-        raise FormatError(f"{where}.severity must be one of {list(SEVERITIES)}, got {shown(severity)}")
     return Advice(
-        id=fields.text("id"),
-        severity=severity,
+        id=member_of(AdviceId, fields.text("id"), f"{where}.id"),
+        severity=member_of(Severity, fields.text("severity"), f"{where}.severity"),
         title=fields.text("title"),
         detail=fields.text("detail"),
         evidence=fields.text("evidence"),
@@ -52,8 +49,8 @@ def advice_from_dict(data: Any, where: str) -> Advice:
         ),
         # Both absent from reports written by 0.7.0 and earlier.
         saving_basis=(
-            one_of(fields.optional_text("saving_basis"), SAVING_BASES, f"{where}.saving_basis")
-            if fields.has("saving_basis")
+            member_of(SavingBasis, fields.text("saving_basis"), f"{where}.saving_basis")
+            if fields.has("saving_basis") and fields.raw("saving_basis") is not None
             else None
         ),
         predicted_peak_bytes=fields.optional_integer("predicted_peak_bytes")
@@ -65,9 +62,9 @@ def advice_from_dict(data: Any, where: str) -> Advice:
 def fit_row_from_dict(data: Any, where: str) -> FitRow:
     """The fit row :func:`fit_row_to_dict` wrote (a row from 0.7.0 or earlier: modelled, exact)."""
     fields = Reader(data, where)
-    basis = fields.text("basis") if fields.has("basis") else "modelled"  # absent up to 0.7.0: extrapolated
-    if basis not in SAVING_BASES:
-        raise FormatError(f"{where}.basis must be one of {list(SAVING_BASES)}, got {shown(basis)}")
+    basis = SavingBasis.MODELLED  # absent up to 0.7.0: extrapolated
+    if fields.has("basis"):
+        basis = member_of(SavingBasis, fields.text("basis"), f"{where}.basis")
     at_least = fields.flag("at_least") if fields.has("at_least") else False  # absent up to 0.7.0: exact
     return FitRow(
         fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis, at_least

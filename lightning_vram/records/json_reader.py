@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from enum import Enum
 from typing import Any, TypeVar
 
 MAX_INTEGER = 2**63 - 1
@@ -21,6 +22,7 @@ SHOWN_CHARACTERS = 60
 
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Enum)
 
 
 class FormatError(ValueError):
@@ -169,11 +171,17 @@ def text_list(value: Any, where: str) -> list[str]:
     return [_as_text(item, f"{where}[{index}]") for index, item in enumerate(value)]
 
 
-def one_of(value: str | None, choices: tuple[str, ...], where: str) -> str | None:
-    """``value`` when it is ``None`` or one of ``choices``."""
-    if value is not None and value not in choices:
-        raise FormatError(f"{where} must be one of {list(choices)} or null, got {shown(value)}")
-    return value
+def member_of(closed_set: type[E], text: str, where: str) -> E:
+    """The member of ``closed_set`` whose value is ``text``.
+
+    >>> from lightning_vram.records.measured import Phase
+    >>> member_of(Phase, "backward", "peak.phase")
+    <Phase.BACKWARD: 'backward'>
+    """
+    for member in closed_set:
+        if member.value == text:
+            return member
+    raise FormatError(f"{where} must be one of {[member.value for member in closed_set]}, got {shown(text)}")
 
 
 def as_int(value: Any, where: str, minimum: int | None) -> int:

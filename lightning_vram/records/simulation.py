@@ -7,14 +7,27 @@ verdict. All sizes are integer bytes, all times seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from lightning_vram.records.advice import CheckpointPlan, FitRow
+from lightning_vram.records.advice import CheckpointPlan, FitRow, ReportText
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
+
+
+class ChangeKind(ReportText):
+    """What a replayed change alters, as the report's ``variants[].kind`` names it."""
+
+    PRECISION = "precision"
+    CHECKPOINT = "checkpoint"
+    INPLACE = "inplace"
+    FREE_GRADIENTS = "free-gradients"
+    BATCH_SIZE = "batch-size"
 
 
 @dataclass(frozen=True)
 class PrecisionChange:
     """Replay the step in another precision, named as Lightning names it (``"bf16-mixed"``, ``"bf16-true"``...)."""
+
+    kind: ClassVar[ChangeKind] = ChangeKind.PRECISION
 
     precision: str
 
@@ -27,6 +40,8 @@ class PrecisionChange:
 @dataclass(frozen=True)
 class CheckpointChange:
     """Replay the step with ``plan``'s units wrapped in non-reentrant activation checkpointing."""
+
+    kind: ClassVar[ChangeKind] = ChangeKind.CHECKPOINT
 
     plan: CheckpointPlan
 
@@ -47,6 +62,8 @@ class CheckpointChange:
 class InplaceChange:
     """Replay the step with ``inplace=True`` set on the named activation modules."""
 
+    kind: ClassVar[ChangeKind] = ChangeKind.INPLACE
+
     modules: tuple[str, ...]
 
     @property
@@ -59,6 +76,8 @@ class InplaceChange:
 class FreeGradientsChange:
     """Replay the step with the previous step's gradients set to ``None`` before the forward pass."""
 
+    kind: ClassVar[ChangeKind] = ChangeKind.FREE_GRADIENTS
+
     @property
     def label(self) -> str:
         """How the report names the change."""
@@ -68,6 +87,8 @@ class FreeGradientsChange:
 @dataclass(frozen=True)
 class BatchSizeChange:
     """Replay the step with every batch tensor's first dimension (the batch size) set to ``batch_size``."""
+
+    kind: ClassVar[ChangeKind] = ChangeKind.BATCH_SIZE
 
     batch_size: int
 

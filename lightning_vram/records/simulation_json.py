@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_vram.records.advice import CheckpointPlan
-from lightning_vram.records.json_reader import FormatError, Reader, member, shown, text_list
+from lightning_vram.records.json_reader import FormatError, Reader, member, member_of, shown, text_list
 from lightning_vram.records.measured import COUNTED_PARTS, Phase, PhasePeak, in_phase_order
 from lightning_vram.records.measured_json import breakdown_from_dict, breakdown_to_dict, phase_from_text
 from lightning_vram.records.simulation import (
     BaselineMatch,
     BatchSizeChange,
+    ChangeKind,
     CheckpointChange,
     FreeGradientsChange,
     InplaceChange,
@@ -25,19 +26,6 @@ from lightning_vram.records.simulation import (
     StepChange,
     VariantResult,
 )
-
-
-def change_kind(change: StepChange) -> str:
-    """The name the report gives a change's kind."""
-    if isinstance(change, PrecisionChange):
-        return "precision"
-    if isinstance(change, CheckpointChange):
-        return "checkpoint"
-    if isinstance(change, InplaceChange):
-        return "inplace"
-    if isinstance(change, FreeGradientsChange):
-        return "free-gradients"
-    return "batch-size"
 
 
 def change_parameters(change: StepChange) -> dict[str, Any]:
@@ -74,7 +62,7 @@ def variant_to_dict(variant: VariantResult) -> dict[str, Any]:
     peak = replayed.reported_peak if replayed is not None else None
     return {
         "change": variant.change.label,
-        "kind": change_kind(variant.change),
+        "kind": str(variant.change.kind),
         "parameters": change_parameters(variant.change),
         "predicted_peak_bytes": replayed.reported_bytes(peak) if replayed is not None and peak is not None else None,
         "peak_phase": peak.phase.value if peak is not None else None,
@@ -128,11 +116,11 @@ def simulation_to_dict(simulation: Simulation | None) -> dict[str, Any] | None:
     }
 
 
-def _change(kind: str, parameters: Reader, where: str) -> StepChange:
-    """The change :func:`change_kind` and :func:`change_parameters` described."""
-    if kind == "precision":
+def _change(kind: ChangeKind, parameters: Reader) -> StepChange:
+    """The change of ``kind`` that :func:`change_parameters` described."""
+    if kind == ChangeKind.PRECISION:
         return PrecisionChange(parameters.text("precision"))
-    if kind == "checkpoint":
+    if kind == ChangeKind.CHECKPOINT:
         units = parameters.each("units", lambda unit, at: tuple(text_list(unit, at)))
         plan = CheckpointPlan(
             container=parameters.text("container"),
@@ -142,14 +130,11 @@ def _change(kind: str, parameters: Reader, where: str) -> StepChange:
             forward_of=parameters.optional_text("forward_of"),
         )
         return CheckpointChange(plan)
-    if kind == "inplace":
+    if kind == ChangeKind.INPLACE:
         return InplaceChange(tuple(parameters.texts("modules")))
-    if kind == "free-gradients":
+    if kind == ChangeKind.FREE_GRADIENTS:
         return FreeGradientsChange()
-    if kind == "batch-size":
-        return BatchSizeChange(parameters.integer("batch_size", minimum=1))
-    kinds = ["precision", "checkpoint", "inplace", "free-gradients", "batch-size"]
-    raise FormatError(f"{where}.kind must be one of {kinds}, got {shown(kind)}")
+    return BatchSizeChange(parameters.integer("batch_size", minimum=1))
 
 
 def _replayed_phases(fields: Reader, key: str, step: int) -> dict[Phase, PhasePeak]:
@@ -191,7 +176,7 @@ def _variant(data: Any, where: str, baseline: ReplayedStep) -> VariantResult:
     """One change tried; its replayed step takes what the JSON leaves out (precision, batch) from ``baseline``."""
     fields = Reader(data, where)
     fields.text("change")  # the change's label, derived from it
-    change = _change(fields.text("kind"), fields.child("parameters"), where)
+    change = _change(member_of(ChangeKind, fields.text("kind"), f"{where}.kind"), fields.child("parameters"))
     fields.optional_integer("predicted_peak_bytes")  # derived from the phases
     _phase_or_none(fields.optional_text("peak_phase"), f"{where}.peak_phase")  # derived
     breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown")  # derived

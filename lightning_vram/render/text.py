@@ -15,6 +15,7 @@ from lightning_vram.records import (
     OomDiagnosis,
     PreflightVerdict,
     Report,
+    SavingBasis,
     in_phase_order,
 )
 from lightning_vram.records.oom import oom_headline
@@ -23,19 +24,21 @@ from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
 
-def basis_word(advice: Advice) -> str | None:
+def basis_word(advice: Advice) -> SavingBasis | None:
     """How the advice's memory figure is known, in a word: ``simulated``, ``modelled``, or ``None`` without one."""
     if advice.saving_basis is not None:
         return advice.saving_basis
-    return "simulated" if advice.predicted_peak_bytes is not None else None
+    return SavingBasis.SIMULATED if advice.predicted_peak_bytes is not None else None
 
 
 def saving_text(advice: Advice) -> str | None:
     """The expected saving in words, with how it is known; ``None`` when the advice estimates none.
 
-    >>> saving_text(Advice("x", "info", "t", "d", "e", 2048, saving_basis="simulated", predicted_peak_bytes=8192))
+    >>> from lightning_vram.records import AdviceId, Severity
+    >>> fired = AdviceId.LARGE_LINEAR, Severity.INFO, "t", "d", "e", 2048
+    >>> saving_text(Advice(*fired, saving_basis=SavingBasis.SIMULATED, predicted_peak_bytes=8192))
     'about 2.0 KiB of peak memory (simulated: replayed peak 8.0 KiB after the change)'
-    >>> saving_text(Advice("x", "info", "t", "d", "e", 2048, saving_basis="modelled"))
+    >>> saving_text(Advice(*fired, saving_basis=SavingBasis.MODELLED))
     'about 2.0 KiB of peak memory (modelled)'
     """
     savings = []
@@ -46,7 +49,9 @@ def saving_text(advice: Advice) -> str | None:
     )
     if advice.estimated_saving_bytes is not None:
         basis = advice.saving_basis
-        how = f" ({basis}: {replayed})" if basis == "simulated" and replayed else f" ({basis})" if basis else ""
+        how = (
+            f" ({basis}: {replayed})" if basis == SavingBasis.SIMULATED and replayed else f" ({basis})" if basis else ""
+        )
         savings.append(f"about {format_bytes(advice.estimated_saving_bytes)} of peak memory{how}")
     elif replayed is not None:
         savings.append(f"no memory to speak of (simulated: {replayed})")

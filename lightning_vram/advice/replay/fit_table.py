@@ -13,7 +13,7 @@ from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.measure.accounting import batch_size_of
-from lightning_vram.records import BatchSizeChange, FitRow, ReplayedStep
+from lightning_vram.records import BatchSizeChange, FitRow, ReplayedStep, SavingBasis
 
 
 def replayed_fit_table(
@@ -66,5 +66,5 @@ def replayed_fit_table(
         largest = largest_batch_that_fits(peak_bytes, budget, start)
         if largest is None:
             return ()
-        rows.append(FitRow(name, capacity, largest, basis="simulated", at_least=largest >= MAX_BATCH_SIZE))
+        rows.append(FitRow(name, capacity, largest, basis=SavingBasis.SIMULATED, at_least=largest >= MAX_BATCH_SIZE))
     return tuple(rows)

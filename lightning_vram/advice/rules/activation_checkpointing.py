@@ -12,10 +12,20 @@ from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.advice.rules.base import Rule, attributed_peak, share_text
 from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
-from lightning_vram.records import Advice, CheckpointChange, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    CheckpointChange,
+    RunSummary,
+    SavingBasis,
+    Severity,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
 from lightning_vram.units import format_bytes
 
-ID = "activation-checkpointing"
+ID = AdviceId.ACTIVATION_CHECKPOINTING
 CHECKPOINT_MIN_SAVING_SHARE = 0.10
 """Checkpointing costs about one extra forward pass per step: advise it only for a tenth of the peak or more."""
 MODELLED_CHECKPOINT = (
@@ -46,7 +56,7 @@ def activation_checkpointing(
     ]
     savings = [(plan, saving) for plan, saving in found if isinstance(saving, Saving)]
     discarded = [saving for _, saving in found if isinstance(saving, Discarded)]
-    replayed = [(plan, saving) for plan, saving in savings if saving.basis == "simulated"]
+    replayed = [(plan, saving) for plan, saving in savings if saving.basis == SavingBasis.SIMULATED]
     if replayed:
         plan, best = max(replayed, key=lambda pair: pair[1].saving_bytes)  # the first on a tie: best modelled
     elif discarded or not savings:
@@ -60,7 +70,7 @@ def activation_checkpointing(
     what, code = checkpoint_snippet(plan)
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=f"Checkpoint {what} to free about {format_bytes(best.saving_bytes)}",
         detail=(
             "Activation checkpointing keeps only each unit's input in forward and recomputes the rest during"

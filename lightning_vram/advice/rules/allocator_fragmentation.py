@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from lightning_vram.advice.catalogue import MIB
 from lightning_vram.advice.rules.base import Rule, no_changes, share_text
-from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import Advice, AdviceId, RunSummary, SavingBasis, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_bytes
 
-ID = "allocator-fragmentation"
+ID = AdviceId.ALLOCATOR_FRAGMENTATION
 FRAGMENTATION_SHARE = 0.25
 """Cached-but-unused memory above this share of the reserve at the peak suggests fragmentation..."""
 FRAGMENTATION_MIN_BYTES = 256 * MIB
@@ -28,7 +28,7 @@ def allocator_fragmentation(
         return None
     return Advice(
         id=ID,
-        severity="warning",
+        severity=Severity.WARNING,
         title="Let the allocator grow segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
         detail=(
             "The caching allocator keeps freed blocks; when sizes vary, blocks cannot be reused and the reserve"
@@ -41,7 +41,7 @@ def allocator_fragmentation(
             f" {retries} allocation retries"
         ),
         estimated_saving_bytes=cached,
-        saving_basis="modelled",
+        saving_basis=SavingBasis.MODELLED,
     )
 
 

@@ -11,10 +11,10 @@ from lightning_vram.advice.capacity import predict_max_batch_size
 from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN
 from lightning_vram.advice.rules.base import DATA_WAIT_WORKERS_SHARE, Rule, attributed_peak, no_changes, share_text
 from lightning_vram.advice.savings import trusted
-from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import Advice, AdviceId, RunSummary, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_bytes, format_percent
 
-ID = "batch-size-headroom"
+ID = AdviceId.BATCH_SIZE_HEADROOM
 HEADROOM_MAX_PEAK_SHARE = 0.5
 """A peak under half the capacity leaves room for at least twice the batch."""
 HEADROOM_MAX_UTILIZATION_PERCENT = 70.0
@@ -48,7 +48,7 @@ def batch_size_headroom(
     )
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=(
             f"A batch of up to {largest} {'fits, replayed' if replayed is not None else 'should fit'}"
             f" (now {summary.batch_size}): the GPU is underused"

@@ -12,10 +12,21 @@ from __future__ import annotations
 
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, share_text
 from lightning_vram.advice.savings import trusted
-from lightning_vram.records import Advice, Phase, PhasePeak, ReplayedStep, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    Phase,
+    PhasePeak,
+    ReplayedStep,
+    RunSummary,
+    SavingBasis,
+    Severity,
+    Simulation,
+    TrainingSetup,
+)
 from lightning_vram.units import format_bytes, format_percent
 
-ID = "chunked-loss"
+ID = AdviceId.CHUNKED_LOSS
 CHUNKED_LOSS_MIN_SHARE = 0.25
 """The loss's own saved tensors must be a quarter of the forward pass's activations to be worth chunking."""
 LOSS_CHUNKS = 8
@@ -53,7 +64,7 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
         return None
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=f"Compute the loss in chunks to lower the peak by about {format_bytes(saving)}",
         detail=(
             "Cross-entropy keeps the log-probabilities of every position over every class (the vocabulary of a"
@@ -79,7 +90,7 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             f" none of them kept in forward, one chunk of {LOSS_CHUNKS} recomputed at a time in backward"
         ),
         estimated_saving_bytes=saving,
-        saving_basis="modelled",
+        saving_basis=SavingBasis.MODELLED,
     )
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from lightning_vram.advice.rules.base import DATA_WAIT_WORKERS_SHARE, Rule, no_changes, sustained_data_wait
-from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import Advice, AdviceId, RunSummary, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_percent
 
-ID = "dataloader-workers"
+ID = AdviceId.DATALOADER_WORKERS
 
 
 def suggested_num_workers(cpu_cores_per_device: int) -> int:
@@ -32,7 +32,7 @@ def dataloader_workers(
     pin = ", pin_memory=True" if summary.on_cuda else ""
     return Advice(
         id=ID,
-        severity="warning",
+        severity=Severity.WARNING,
         title=f"Load data in parallel: DataLoader(num_workers={workers}, persistent_workers=True)",
         detail=(
             "Each step waits while the main process loads the next batch. Worker processes load batches ahead"

@@ -12,16 +12,18 @@ from lightning_vram.advice.rules.base import Rule, attributed_peak, share_text
 from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
+    AdviceId,
     InplaceChange,
     ModuleProfile,
     RunSummary,
+    Severity,
     Simulation,
     StepChange,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes
 
-ID = "inplace-activations"
+ID = AdviceId.INPLACE_ACTIVATIONS
 INPLACE_MIN_SHARE = 0.02
 """Inplace activations save one saved tensor each: small, but free; advise it from 2% of the peak."""
 
@@ -84,7 +86,7 @@ def inplace_activations(
         evidence += f"; left out because autograd saved their input for an earlier op: {', '.join(unsafe[:5])}"
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=f"Use inplace activations (e.g. `{largest.type}(inplace=True)`) in {len(safe)} module(s)",
         detail=(
             "Out of place, these activations save their input for backward and the next op saves their output:"

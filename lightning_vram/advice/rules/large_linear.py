@@ -9,10 +9,10 @@ its own and is never advised here. The saving is modelled: no replay changes the
 from __future__ import annotations
 
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak, no_changes
-from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import Advice, AdviceId, RunSummary, SavingBasis, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_bytes
 
-ID = "large-linear"
+ID = AdviceId.LARGE_LINEAR
 
 
 def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
@@ -38,7 +38,7 @@ def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
         return None
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=(
             f"`{layer.name}` reads a flattened feature map of {positions} positions: pool it first to save"
             f" about {format_bytes(saving)}"
@@ -60,7 +60,7 @@ def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             f" {peak.phase.value} peak ({format_bytes(peak.peak_bytes)})"
         ),
         estimated_saving_bytes=saving,
-        saving_basis="modelled",
+        saving_basis=SavingBasis.MODELLED,
     )
 
 

@@ -12,10 +12,20 @@ from __future__ import annotations
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, TENSOR_CORE_CAPABILITY, mixed_precision_for
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, NEAR_CAPACITY_SHARE, Rule, attributed_peak
 from lightning_vram.advice.savings import Saving, resolve_saving
-from lightning_vram.records import Advice, PrecisionChange, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    PrecisionChange,
+    RunSummary,
+    SavingBasis,
+    Severity,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
 from lightning_vram.units import format_bytes
 
-ID = "mixed-precision"
+ID = AdviceId.MIXED_PRECISION
 AUTOCAST_MEMORY = (
     "Autocast does not halve activations: it saves 16-bit copies of the weights for backward and keeps"
     " normalisation, softmax and the loss in float32."
@@ -84,7 +94,7 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     faster = ", which tensor cores run several times faster" if tensor_cores else ""
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=title,
         detail=(
             f"{summary.device.name} ({capability_text}) {reason}. Weights and optimizer state stay in float32;"
@@ -97,7 +107,7 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
             f" of the {format_bytes(peak.peak_bytes)} {peak.phase.value} peak{evidence_tail}"
         ),
         estimated_saving_bytes=saving,
-        saving_basis="simulated" if saving is not None else None,
+        saving_basis=SavingBasis.SIMULATED if saving is not None else None,
         predicted_peak_bytes=replay.predicted_peak_bytes if replay is not None else None,
     )
 

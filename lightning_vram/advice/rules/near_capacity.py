@@ -22,17 +22,20 @@ from lightning_vram.advice.rules.base import NEAR_CAPACITY_SHARE, Rule, attribut
 from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
+    AdviceId,
     BatchSizeChange,
     Breakdown,
     PhasePeak,
     RunSummary,
+    SavingBasis,
+    Severity,
     Simulation,
     StepChange,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes
 
-ID = "near-capacity"
+ID = AdviceId.NEAR_CAPACITY
 NEAR_CAPACITY_REMEDIES: tuple[Rule, ...] = (
     activation_checkpointing.RULE,
     mixed_precision.RULE,
@@ -50,7 +53,7 @@ class Remedy(NamedTuple):
 
     name: str
     saving_bytes: int
-    basis: str
+    basis: SavingBasis
     predicted_peak_bytes: int | None
 
 
@@ -104,7 +107,12 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         return None
     peak, breakdown = attributed
     remedies = [
-        Remedy(advice.id, advice.estimated_saving_bytes, advice.saving_basis or "modelled", advice.predicted_peak_bytes)
+        Remedy(
+            advice.id,
+            advice.estimated_saving_bytes,
+            advice.saving_basis or SavingBasis.MODELLED,
+            advice.predicted_peak_bytes,
+        )
         for rule in NEAR_CAPACITY_REMEDIES
         if (advice := rule.advise(summary, setup, simulation)) is not None and advice.estimated_saving_bytes
     ]
@@ -119,7 +127,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
     retries, ooms = summary.alloc_retries or 0, summary.recovered_ooms or 0
     return Advice(
         id=ID,
-        severity="critical",
+        severity=Severity.CRITICAL,
         title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
         detail=f"Remedies this run's measurements support, largest saving first: {listed or 'none measured'}.",
         evidence=(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
 from lightning_vram.advice.rules.base import Rule, attributed_peak, no_changes, share_text
-from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import Advice, AdviceId, RunSummary, SavingBasis, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_bytes
 
-ID = "optimizer-state"
+ID = AdviceId.OPTIMIZER_STATE
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "FusedAdam"})
 """Optimizers that keep two buffers per parameter (exp_avg and exp_avg_sq)."""
 EIGHT_BIT_ADAM_STATE_SHARE = 0.25
@@ -42,7 +42,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     )
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title=f"Optimizer state is the largest part of the peak ({format_bytes(state)}): {remedy}",
         detail=f"Options, largest saving first: {listed}.{example}",
         evidence=(
@@ -51,7 +51,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
             f" {format_bytes(breakdown.parameters)}, activations {format_bytes(breakdown.activations)}"
         ),
         estimated_saving_bytes=options[0][0],
-        saving_basis="modelled",
+        saving_basis=SavingBasis.MODELLED,
     )
 
 

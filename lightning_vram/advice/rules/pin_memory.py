@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from lightning_vram.advice.rules.base import Rule, no_changes, sustained_data_wait
-from lightning_vram.records import Advice, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import Advice, AdviceId, RunSummary, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_percent
 
-ID = "pin-memory"
+ID = AdviceId.PIN_MEMORY
 DATA_WAIT_PIN_SHARE = 0.05
 """Pinned memory is a one-word change; advise it from 5% of step time (the bar of TensorBoard's old profiler plugin)."""
 
@@ -17,7 +17,7 @@ def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation
         return None
     return Advice(
         id=ID,
-        severity="info",
+        severity=Severity.INFO,
         title="Pin host memory: DataLoader(pin_memory=True)",
         detail=(
             "Pageable host memory is copied once more before the transfer to the GPU; pinned batches are copied"

@@ -23,7 +23,7 @@ from lightning_vram.advice.rules import (
 )
 from lightning_vram.advice.rules.base import Rule
 from lightning_vram.advice.savings import change_key
-from lightning_vram.records import Advice, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.records import Advice, RunSummary, Severity, Simulation, StepChange, TrainingSetup
 
 RULES: tuple[Rule, ...] = (
     mixed_precision.RULE,
@@ -40,7 +40,7 @@ RULES: tuple[Rule, ...] = (
     near_capacity.RULE,
 )
 
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+SEVERITY_ORDER = {severity: rank for rank, severity in enumerate(Severity)}
 """Advice is listed most severe first."""
 
 

@@ -10,16 +10,18 @@ from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_
 from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
+    AdviceId,
     FreeGradientsChange,
     Phase,
     RunSummary,
+    Severity,
     Simulation,
     StepChange,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes
 
-ID = "stale-gradients"
+ID = AdviceId.STALE_GRADIENTS
 
 
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
@@ -49,7 +51,7 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         return None
     return Advice(
         id=ID,
-        severity="warning",
+        severity=Severity.WARNING,
         title="Free the previous step's gradients before the forward pass",
         detail=(
             "Lightning zeroes gradients after training_step, so the last step's gradients stay allocated through"
