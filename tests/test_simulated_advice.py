@@ -16,8 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import OPTIMIZERS, Classifier, loader, trainer
-from test_advice import (
+from advice_models import LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
+from advice_summaries import (
     CPU,
     GPU,
     HEALTHY_BREAKDOWN,
@@ -29,8 +29,8 @@ from test_advice import (
     leaky_relu,
     peak,
 )
-from test_advice_applied import LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
-from test_replay_models import images, resnet
+from models import OPTIMIZERS, Classifier, loader, trainer
+from replay_models import images, resnet
 from torch import nn
 from torch.utils.data import Dataset
 
