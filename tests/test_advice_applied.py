@@ -9,9 +9,11 @@ what a checkpointed unit's recomputation holds, so a plan whose recomputation ou
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from advice_models import (
     LanguageModel,
     ResNetStyle,
@@ -31,7 +33,7 @@ from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.advice.rules import checkpoint_snippet
 from lightning_vram.measure.setup import training_setup
-from lightning_vram.records import Advice, CheckpointPlan
+from lightning_vram.records import Advice, CheckpointPlan, Phase
 
 # ------------------------------------------------------------------------------------------------ running and applying
 
@@ -197,3 +199,66 @@ def test_inplace_is_not_advised_where_it_keeps_a_copy(tmp_path: Path) -> None:
     # silu_ keeps a copy of the input it overwrites for its gradient: inplace saves nothing there.
     report = run(tmp_path, Classifier(activation_mlp(nn.SiLU)), features(1024, 256), 512)
     assert advice_of(report, "inplace-activations") is None
+
+
+# ------------------------------------------------------------------------------------------------ stale-gradients
+
+
+class FreesGradientsAtBatchStart(Classifier):
+    """The stale-gradients advice applied as its detail says."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            for optimizer in self.trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+
+def mlp(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def adam_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: int, batch_size: int) -> Report:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(4 * batch_size, width, generator=generator), torch.randint(0, 10, (4 * batch_size,))
+    )
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=5, console_summary=False)
+    module = module_class(mlp(width, depth), OPTIMIZERS["adam"])
+    trainer(tmp_path, [monitor], max_steps=4).fit(module, loader(data, batch_size))
+    assert monitor.report is not None
+    return monitor.report
+
+
+@pytest.mark.parametrize(
+    ("width", "depth", "batch_size"),
+    [(256, 2, 512), (256, 1, 64)],
+    ids=["activations-dominate", "gradients-dominate"],
+)
+def test_applying_the_stale_gradients_advice_removes_it_and_saves_what_it_said(
+    tmp_path: Path, width: int, depth: int, batch_size: int
+) -> None:
+    before = adam_run(tmp_path / "before", Classifier, width, depth, batch_size)
+    [advice] = [item for item in before.advice if item.id == "stale-gradients"]
+    assert "def on_train_batch_start(self, batch, batch_idx):" in advice.detail
+    assert "optimizer.zero_grad(set_to_none=True)" in advice.detail
+    assert advice.estimated_saving_bytes is not None and advice.estimated_saving_bytes > 0
+    stale = before.phases[Phase.FORWARD].breakdown
+    assert stale is not None and stale.gradients > 0
+
+    after = adam_run(tmp_path / "after", FreesGradientsAtBatchStart, width, depth, batch_size)
+    assert "stale-gradients" not in {item.id for item in after.advice}
+    forward = after.phases[Phase.FORWARD].breakdown
+    assert forward is not None and forward.gradients == 0
+    # The forward pass no longer holds the last step's gradients ...
+    forward_drop = before.phases[Phase.FORWARD].peak_bytes - after.phases[Phase.FORWARD].peak_bytes
+    assert forward_drop == stale.gradients
+    # ... and the run's peak falls by what the advice promised (the forward peak's excess over the next phase,
+    # when the gradients are more than that).
+    assert before.peak is not None and after.peak is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    if stale.gradients <= advice.estimated_saving_bytes:
+        assert forward_drop == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
