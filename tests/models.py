@@ -201,3 +201,19 @@ class TimedClassifier(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.clock.now += self.seconds
         return super().training_step(batch, batch_idx)
+
+
+def dataset(width: int, samples: int, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(samples, width, generator=generator), torch.randint(0, 10, (samples,)))
+
+
+def mlp(width: int, depth: int, inplace: bool = False, activation: type[nn.Module] = nn.LeakyReLU) -> nn.Sequential:
+    """``depth`` times Linear + activation, then Linear(width, 10).
+
+    LeakyReLU out of place saves its input while the next Linear saves its output: inplace frees one of the two.
+    """
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), activation(inplace=inplace)]
+    return nn.Sequential(*layers, nn.Linear(width, 10))

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import pytest
+from advice_summaries import (
+    CPU,
+    GIB,
+    GPU,
+    HEALTHY_BREAKDOWN,
+    MIB,
+    blocks,
+    forward_peak_summary,
+    headroom_summary,
+    healthy_setup,
+    healthy_summary,
+    leaky_relu,
+    peak,
+)
 
 from lightning_vram.advice import checkpointing
 from lightning_vram.advice.capacity import fit_table
@@ -25,78 +38,14 @@ from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.rules.stale_gradients import stale_gradients
 from lightning_vram.records import (
     Breakdown,
-    DeviceInfo,
     LinearLayer,
     ModuleProfile,
     Phase,
-    PhasePeak,
-    RunSummary,
-    TrainingSetup,
 )
-
-GIB = 1024**3
-MIB = 1024**2
-GPU = DeviceInfo("cuda", "NVIDIA A100", 0, 16 * GIB, (8, 0))
-CPU = DeviceInfo("cpu", "x86_64", None, 64 * GIB)
-HEALTHY_BREAKDOWN = Breakdown(parameters=GIB, gradients=GIB, optimizer_state=GIB, activations=3 * GIB, other=2 * GIB)
-
-
-def peak(
-    phase: Phase, total: int, breakdown: Breakdown | None = HEALTHY_BREAKDOWN, reserved: int | None = None
-) -> PhasePeak:
-    return PhasePeak(step=5, phase=phase, peak_bytes=total, reserved_bytes=reserved, breakdown=breakdown)
-
-
-def healthy_summary(**changes: Any) -> RunSummary:
-    """A run no rule should comment on: 8 of 16 GiB at the backward peak, busy GPU, no data wait, bf16."""
-    summary = RunSummary(
-        device=GPU,
-        peak=peak(Phase.BACKWARD, 8 * GIB, reserved=8 * GIB + 512 * MIB),
-        phases={
-            Phase.FORWARD: peak(Phase.FORWARD, 7 * GIB),
-            Phase.BACKWARD: peak(Phase.BACKWARD, 8 * GIB),
-            Phase.OPTIMIZER: peak(Phase.OPTIMIZER, 4 * GIB),
-        },
-        modules=(),
-        batch_size=32,
-        step_seconds_median=0.1,
-        data_wait_fraction=0.01,
-        recent_data_wait_fraction=0.01,
-        timed_steps=200,
-        gpu_utilization_mean=92.0,
-        alloc_retries=0,
-        cuda_context_bytes=300 * MIB,
-    )
-    return replace(summary, **changes)
-
-
-def healthy_setup(**changes: Any) -> TrainingSetup:
-    setup = TrainingSetup(
-        precision="bf16-mixed",
-        automatic_optimization=True,
-        accumulate_grad_batches=1,
-        optimizers=("SGD",),
-        num_workers=7,
-        pin_memory=True,
-        cpu_cores_per_device=8,
-        world_size=1,
-        strategy="SingleDeviceStrategy",
-        parameter_bytes=GIB,
-        linear_layers=(LinearLayer("head", 512, 10, 20_520),),
-    )
-    return replace(setup, **changes)
 
 
 def test_a_healthy_run_gets_no_advice() -> None:
     assert advise(healthy_summary(), healthy_setup()) == ()
-
-
-def blocks(count: int, saved: int, input_bytes: int) -> tuple[ModuleProfile, ...]:
-    # The blocks of an nn.ModuleList: the list itself is never called, so it has no profile.
-    return tuple(
-        ModuleProfile(f"encoder.layers.{index}", "TransformerEncoderLayer", saved, input_bytes=input_bytes)
-        for index in range(count)
-    )
 
 
 def test_activation_checkpointing_names_the_blocks_and_the_saving() -> None:
@@ -277,20 +226,6 @@ def test_plan_peak_without_checkpoints_is_what_was_saved() -> None:
     assert checkpointing.plan_peak(units, [False] * len(units), before, after) == 502 * MIB
 
 
-def leaky_relu() -> ModuleProfile:
-    """An out-of-place LeakyReLU that saved its 200 MiB input; the next op saved its output."""
-    return ModuleProfile(
-        "body.1",
-        "LeakyReLU",
-        200 * MIB,
-        input_bytes=200 * MIB,
-        output_bytes=200 * MIB,
-        inplace=False,
-        input_saved_bytes=200 * MIB,
-        output_saved_for_backward=True,
-    )
-
-
 def test_inplace_activations_promises_the_saved_input_it_merges() -> None:
     # Out of place, LeakyReLU saves its input and the next op its output; leaky_relu_ computes its gradient from
     # its result: one tensor instead of two, the input's bytes saved.
@@ -392,17 +327,6 @@ def test_pin_memory() -> None:
     assert pin_memory(barely, healthy_setup(pin_memory=False)) is None
 
 
-def forward_peak_summary(backward_bytes: int) -> RunSummary:
-    return healthy_summary(
-        peak=peak(Phase.FORWARD, 8 * GIB),
-        phases={
-            Phase.FORWARD: peak(Phase.FORWARD, 8 * GIB),
-            Phase.BACKWARD: peak(Phase.BACKWARD, backward_bytes),
-            Phase.OPTIMIZER: peak(Phase.OPTIMIZER, 4 * GIB),
-        },
-    )
-
-
 def test_stale_gradients_saves_down_to_the_next_phase() -> None:
     advice = stale_gradients(forward_peak_summary(7 * GIB + 512 * MIB), healthy_setup())
     assert advice is not None
@@ -486,11 +410,6 @@ def test_allocator_fragmentation() -> None:
     within = healthy_summary(peak=peak(Phase.BACKWARD, 8 * GIB, reserved=10 * GIB + 512 * MIB))  # 23.8%
     assert allocator_fragmentation(within, healthy_setup()) is None
     assert allocator_fragmentation(replace(within, alloc_retries=2), healthy_setup()) is not None
-
-
-def headroom_summary(**changes: Any) -> RunSummary:
-    small = Breakdown(parameters=GIB, gradients=GIB, optimizer_state=GIB, activations=600 * MIB, other=424 * MIB)
-    return healthy_summary(**{"peak": peak(Phase.BACKWARD, 4 * GIB, small), "gpu_utilization_mean": 40.0, **changes})
 
 
 def test_batch_size_headroom_predicts_the_batch() -> None:

@@ -14,115 +14,26 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import OPTIMIZERS, BasicBlock, Classifier, OptimizerFactory, loader, trainer
+from advice_models import (
+    LanguageModel,
+    ResNetStyle,
+    TinyGPT,
+    activation_mlp,
+    apply_plan,
+    features,
+    images,
+    sequential_cnn,
+    tokens,
+)
+from models import OPTIMIZERS, Classifier, loader, trainer
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.measure.setup import training_setup
-from lightning_vram.records import Advice, CheckpointPlan
-
-# ------------------------------------------------------------------------------------------------ models
-
-
-class ResNetStyle(nn.Module):
-    """A torchvision-style ResNet: a stem whose ReLU is inplace, stages of basic blocks, pooling and a head."""
-
-    def __init__(self, width: int = 8, blocks: int = 2, stages: int = 3) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.relu = nn.ReLU(inplace=True)
-        for stage in range(1, stages + 1):
-            self.add_module(f"layer{stage}", nn.Sequential(*(BasicBlock(width) for _ in range(blocks))))
-        self.stages = stages
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(width, 10)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        x = self.relu(self.bn1(self.conv1(inputs)))
-        for stage in range(1, self.stages + 1):
-            x = getattr(self, f"layer{stage}")(x)
-        return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
-
-
-class TransformerBlock(nn.Module):
-    """A pre-norm transformer block: attention and an MLP, each added back to its input."""
-
-    def __init__(self, width: int, heads: int = 2) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(width)
-        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.ln_1(x)
-        x = x + self.attn(normed, normed, normed, need_weights=False)[0]
-        return x + self.mlp(self.ln_2(x))  # type: ignore[no-any-return]
-
-
-class TinyGPT(nn.Module):
-    """GPT-2-like: an ``nn.ModuleList`` of blocks looped in this forward, and ``lm_head`` tied to ``wte``."""
-
-    def __init__(self, vocab: int = 512, width: int = 32, layers: int = 4, context: int = 32) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, width)
-        self.wpe = nn.Embedding(context, width)
-        self.h = nn.ModuleList(TransformerBlock(width) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        x = self.wte(ids) + self.wpe(positions)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # type: ignore[no-any-return]
-
-
-class LanguageModel(pl.LightningModule):
-    """Next-token prediction over ``(ids, targets)`` batches."""
-
-    def __init__(self, network: nn.Module, optimizer: OptimizerFactory = OPTIMIZERS["sgd"]) -> None:
-        super().__init__()
-        self.network = network
-        self.optimizer_factory = optimizer
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        logits = self.network(ids)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return self.optimizer_factory(self.parameters())
-
-
-def sequential_cnn(width: int = 8, blocks: int = 4) -> nn.Sequential:
-    """Conv-BN-ReLU(inplace) blocks in one ``nn.Sequential``, pooled, and a head."""
-    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1)]
-    layers += [nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
-    for _ in range(blocks - 1):
-        layers += [nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
-
-
-def images(samples: int, size: int = 16) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    return TensorDataset(
-        torch.randn(samples, 3, size, size, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
-    )
-
-
-def tokens(samples: int, length: int = 32, vocab: int = 512) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (samples, length + 1), generator=generator)
-    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
-
+from lightning_vram.records import Advice, CheckpointPlan, Phase
 
 # ------------------------------------------------------------------------------------------------ running and applying
 
@@ -150,45 +61,6 @@ def model_state(report: Report) -> int:
     assert report.peak is not None and report.peak.breakdown is not None
     breakdown = report.peak.breakdown
     return breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
-
-
-class Checkpointed(nn.Module):
-    """``checkpoint(unit, x, use_reentrant=False)`` in place of the unit's call."""
-
-    def __init__(self, unit: nn.Module) -> None:
-        super().__init__()
-        self.unit = unit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.unit, x, use_reentrant=False)  # type: ignore[no-any-return]
-
-
-class CheckpointedSequential(nn.Module):
-    """``checkpoint_sequential(sequential, segments, x, use_reentrant=False)`` in place of the Sequential's call."""
-
-    def __init__(self, sequential: nn.Sequential, segments: int) -> None:
-        super().__init__()
-        self.sequential = sequential
-        self.segments = segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)  # type: ignore[no-any-return]
-
-
-def apply_plan(module: nn.Module, plan: CheckpointPlan) -> None:
-    """Apply the plan as its advice says: each unit's call becomes ``checkpoint(unit, x)`` (a unit of several
-    modules runs them in order inside one checkpoint, the later ones' own calls becoming the identity), or the
-    Sequential's call becomes ``checkpoint_sequential`` with the plan's segments."""
-    if plan.sequential_segments is not None:
-        sequential = module.get_submodule(plan.container)
-        assert isinstance(sequential, nn.Sequential)
-        module.set_submodule(plan.container, CheckpointedSequential(sequential, plan.sequential_segments))
-        return
-    for unit in plan.units:
-        modules = [module.get_submodule(name) for name in unit]
-        module.set_submodule(unit[0], Checkpointed(modules[0] if len(modules) == 1 else nn.Sequential(*modules)))
-        for name in unit[1:]:
-            module.set_submodule(name, nn.Identity())
 
 
 # -------------------------------------------------------------------------------------- activation-checkpointing
@@ -281,13 +153,6 @@ def mlp_head() -> nn.Sequential:
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def features(samples: int, width: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    return TensorDataset(
-        torch.randn(samples, width, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
-    )
-
-
 def test_large_linear_is_silent_without_a_feature_map(tmp_path: Path) -> None:
     # The MLP's first layer holds 99% of its parameters; the language model's lm_head is tied to its embedding
     # (no bytes of its own) and reads hidden states, not a convolutional map. Pooling is no remedy for either.
@@ -301,15 +166,6 @@ def test_large_linear_is_silent_without_a_feature_map(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ inplace-activations
-
-
-def activation_mlp(
-    activation: type[nn.Module], inplace: bool = False, depth: int = 4, width: int = 256
-) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), activation(inplace=inplace)]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def test_inplace_relu_frees_nothing_the_counts_see_so_it_is_not_advised(tmp_path: Path) -> None:
@@ -343,3 +199,66 @@ def test_inplace_is_not_advised_where_it_keeps_a_copy(tmp_path: Path) -> None:
     # silu_ keeps a copy of the input it overwrites for its gradient: inplace saves nothing there.
     report = run(tmp_path, Classifier(activation_mlp(nn.SiLU)), features(1024, 256), 512)
     assert advice_of(report, "inplace-activations") is None
+
+
+# ------------------------------------------------------------------------------------------------ stale-gradients
+
+
+class FreesGradientsAtBatchStart(Classifier):
+    """The stale-gradients advice applied as its detail says."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            for optimizer in self.trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+
+def mlp(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def adam_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: int, batch_size: int) -> Report:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(4 * batch_size, width, generator=generator), torch.randint(0, 10, (4 * batch_size,))
+    )
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=5, console_summary=False)
+    module = module_class(mlp(width, depth), OPTIMIZERS["adam"])
+    trainer(tmp_path, [monitor], max_steps=4).fit(module, loader(data, batch_size))
+    assert monitor.report is not None
+    return monitor.report
+
+
+@pytest.mark.parametrize(
+    ("width", "depth", "batch_size"),
+    [(256, 2, 512), (256, 1, 64)],
+    ids=["activations-dominate", "gradients-dominate"],
+)
+def test_applying_the_stale_gradients_advice_removes_it_and_saves_what_it_said(
+    tmp_path: Path, width: int, depth: int, batch_size: int
+) -> None:
+    before = adam_run(tmp_path / "before", Classifier, width, depth, batch_size)
+    [advice] = [item for item in before.advice if item.id == "stale-gradients"]
+    assert "def on_train_batch_start(self, batch, batch_idx):" in advice.detail
+    assert "optimizer.zero_grad(set_to_none=True)" in advice.detail
+    assert advice.estimated_saving_bytes is not None and advice.estimated_saving_bytes > 0
+    stale = before.phases[Phase.FORWARD].breakdown
+    assert stale is not None and stale.gradients > 0
+
+    after = adam_run(tmp_path / "after", FreesGradientsAtBatchStart, width, depth, batch_size)
+    assert "stale-gradients" not in {item.id for item in after.advice}
+    forward = after.phases[Phase.FORWARD].breakdown
+    assert forward is not None and forward.gradients == 0
+    # The forward pass no longer holds the last step's gradients ...
+    forward_drop = before.phases[Phase.FORWARD].peak_bytes - after.phases[Phase.FORWARD].peak_bytes
+    assert forward_drop == stale.gradients
+    # ... and the run's peak falls by what the advice promised (the forward peak's excess over the next phase,
+    # when the gradients are more than that).
+    assert before.peak is not None and after.peak is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    if stale.gradients <= advice.estimated_saving_bytes:
+        assert forward_drop == pytest.approx(advice.estimated_saving_bytes, rel=0.1)

@@ -8,29 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from models import OPTIMIZERS, Classifier, ScriptedClock, SlowToLoad, TimedClassifier, loader, trainer
+from models import OPTIMIZERS, Classifier, ScriptedClock, SlowToLoad, TimedClassifier, dataset, loader, mlp, trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 from lightning_vram import Report, VramMonitor, VramSession
 from lightning_vram.measure.setup import training_setup
-
-
-def dataset(width: int, samples: int, seed: int = 0) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(samples, width, generator=generator), torch.randint(0, 10, (samples,)))
-
-
-def mlp(width: int, depth: int, inplace: bool = False, activation: type[nn.Module] = nn.LeakyReLU) -> nn.Sequential:
-    """``depth`` times Linear + activation, then Linear(width, 10).
-
-    LeakyReLU out of place saves its input while the next Linear saves its output: inplace frees one of the two.
-    """
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), activation(inplace=inplace)]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def fit(

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import Classifier, loader, trainer
-from test_advice_end_to_end import dataset, mlp
+from models import Classifier, dataset, loader, mlp, trainer
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.cli import main

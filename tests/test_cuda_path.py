@@ -8,30 +8,11 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, dataset_for, linear_net, loader, trainer
+from scripted import MIB, scripted_steps
 
 from lightning_vram import VramMonitor
 from lightning_vram.records import NotMeasured, Phase, UtilizationReading
-from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
-
-MIB = 1024**2
-
-
-def scripted_steps(steps: list[tuple[int, int, int]], base: int = 100 * MIB) -> list[ScriptedBoundary]:
-    """Four reads per step: batch start, before backward, before the optimizer step, batch end.
-
-    Each step is (forward high, backward high, optimizer high); reserved grows with the step index.
-    """
-    boundaries = []
-    for index, (forward, backward, optimizer) in enumerate(steps):
-        reserved = 512 * MIB + index * MIB
-        boundaries += [
-            ScriptedBoundary(base, reserved, base),
-            ScriptedBoundary(base + 10 * MIB, reserved, forward),
-            ScriptedBoundary(base + 20 * MIB, reserved, backward),
-            ScriptedBoundary(base, reserved + MIB // 2, optimizer),
-        ]
-    return boundaries
-
+from lightning_vram.testing import ScriptedProbe
 
 STEPS = [(300 * MIB, 350 * MIB, 200 * MIB), (320 * MIB, 340 * MIB, 210 * MIB), (310 * MIB, 330 * MIB, 400 * MIB)]
 

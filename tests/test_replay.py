@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from models import OPTIMIZERS, Classifier
-from test_replay_models import ARCHITECTURES, CausalLM, counted_step, text
+from replay_models import ARCHITECTURES, CausalLM, counted_step, text
 from torch import nn
 
 from lightning_vram.advice.replay import simulation as simulation_module

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from models import OPTIMIZERS, Classifier
-from test_replay_models import ARCHITECTURES, counted_step
+from replay_models import ARCHITECTURES, counted_step
 from torch import nn
 
 from lightning_vram import predict

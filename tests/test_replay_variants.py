@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from models import OPTIMIZERS, Classifier
-from test_replay_models import ARCHITECTURES, CausalLM, counted_step, lstm, mlp, resnet
+from replay_models import ARCHITECTURES, CausalLM, counted_step, lstm, mlp, resnet
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from test_advice import GIB, MIB, blocks, healthy_setup, healthy_summary, leaky_relu, peak
-from test_simulated_advice import BASELINE, replayed, simulated
+from advice_summaries import GIB, MIB, blocks, healthy_setup, healthy_summary, leaky_relu, peak
+from simulations import BASELINE, replayed, simulated
 
 from lightning_vram.advice.rules.registry import RULES, advise, changes_to_replay
 from lightning_vram.advice.savings import change_key

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, linear_net, loader, trainer
-from test_cuda_path import scripted_steps
+from scripted import scripted_steps
 from torch import nn
 from torch.utils.data import TensorDataset
 

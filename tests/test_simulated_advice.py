@@ -1,23 +1,14 @@
-"""Advice read from the step replay: each rule on hand-built simulations, the report's simulation section, and each
-simulated rule applied for real on the CPU, its measured saving within 10% of the replayed one.
+"""Advice read from the step replay: each rule on hand-built simulations.
 
-Hand-built replays are CUDA replays (their peaks are the allocator's ``peak_bytes``); the applied tests replay on
-the CPU, where a peak is the sum of the counted parts, as the CPU report measures it.
+Hand-built replays are CUDA replays (their peaks are the allocator's ``peak_bytes``).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from models import OPTIMIZERS, Classifier, loader, trainer
-from test_advice import (
+from advice_summaries import (
     CPU,
     GPU,
     HEALTHY_BREAKDOWN,
@@ -29,19 +20,11 @@ from test_advice import (
     leaky_relu,
     peak,
 )
-from test_advice_applied import LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
-from test_replay_models import images, resnet
-from torch import nn
-from torch.utils.data import Dataset
+from simulations import GIB, MIB, checkpoint_summary, discarded, replayed, simulated, step
 
-from lightning_vram import Report, VramMonitor
-from lightning_vram._lightning import trainer_setup
 from lightning_vram.advice.capacity import fit_table
-from lightning_vram.advice.catalogue import FULL_PRECISIONS
 from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
-from lightning_vram.advice.replay.simulation import simulate
-from lightning_vram.advice.report import build_report
 from lightning_vram.advice.rules.activation_checkpointing import activation_checkpointing
 from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
 from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
@@ -55,59 +38,24 @@ from lightning_vram.advice.rules.optimizer_state import optimizer_state
 from lightning_vram.advice.rules.pin_memory import pin_memory
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.rules.stale_gradients import stale_gradients
-from lightning_vram.codec import FormatError, report_from_dict
 from lightning_vram.records import (
     Advice,
-    BaselineMatch,
     BatchSizeChange,
     Breakdown,
     CheckpointChange,
-    DeviceInfo,
     FitRow,
     FreeGradientsChange,
     InplaceChange,
     LinearLayer,
-    PartMatch,
     Phase,
-    PhasePeak,
     PrecisionChange,
-    ReplayedStep,
     RunSummary,
     Simulation,
-    StepChange,
     TrainingSetup,
     VariantResult,
 )
-from lightning_vram.render.html import render_html
-from lightning_vram.render.text import markdown, summary_text
-
-GIB = 1024**3
-MIB = 1024**2
-BROKEN = "RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation"
 
 # ------------------------------------------------------------------------------------------------ hand-built replays
-
-
-def step(
-    forward: int,
-    backward: int,
-    optimizer: int = 4 * GIB,
-    *,
-    breakdowns: dict[Phase, Breakdown] | None = None,
-    loss_bytes: int = 0,
-    device: str = "cuda",
-) -> ReplayedStep:
-    """A replayed step of step 5 with these allocator peaks per phase."""
-    given = breakdowns or {}
-    peaks = {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.OPTIMIZER: optimizer}
-    phases = {
-        phase: PhasePeak(5, phase, total, None, given.get(phase, HEALTHY_BREAKDOWN)) for phase, total in peaks.items()
-    }
-    return ReplayedStep(device, "32-true", 32, phases, (), loss_bytes, 0.25)
-
-
-BASELINE = step(7 * GIB, 8 * GIB)
-"""The healthy summary's step, replayed: 7, 8 and 4 GiB, the peak in backward."""
 
 
 def test_replayed_peaks_are_read_as_the_report_measures_them() -> None:
@@ -118,33 +66,11 @@ def test_replayed_peaks_are_read_as_the_report_measures_them() -> None:
     assert cpu.reported_peak.phase is Phase.FORWARD  # a tie goes to the first phase
 
 
-def simulated(*variants: VariantResult, baseline: ReplayedStep = BASELINE, **fields: Any) -> Simulation:
-    return Simulation(baseline.device_type, baseline, None, None, variants, 1.5, **fields)
-
-
-def replayed(change: StepChange, peak_bytes: int, phase: Phase = Phase.BACKWARD) -> VariantResult:
-    """``change`` replayed with its peak ``peak_bytes`` in ``phase``; the other phases 1 GiB lower at most."""
-    others = {Phase.FORWARD: peak_bytes - GIB, Phase.BACKWARD: peak_bytes - GIB, Phase.OPTIMIZER: 4 * GIB}
-    others[phase] = peak_bytes
-    return VariantResult(
-        change, step(others[Phase.FORWARD], others[Phase.BACKWARD], min(others[Phase.OPTIMIZER], peak_bytes))
-    )
-
-
-def discarded(change: StepChange, reason: str = BROKEN) -> VariantResult:
-    return VariantResult(change, None, reason)
-
-
 def text_of(advice: Advice) -> str:
     return f"{advice.title}\n{advice.detail}\n{advice.evidence}"
 
 
 # ---------------------------------------------------------------------------------------- activation-checkpointing
-
-
-def checkpoint_summary() -> RunSummary:
-    # Four 750 MiB blocks with 64 MiB inputs: the modelled best plan frees (3000 - 942) MiB of the 8 GiB peak.
-    return healthy_summary(modules=blocks(4, 750 * MIB, 64 * MIB))
 
 
 def test_checkpointing_advises_the_replayed_saving() -> None:
@@ -503,380 +429,3 @@ def test_without_a_simulation_every_saving_says_modelled_and_advice_without_one_
         batch_size_headroom(headroom_summary(), healthy_setup()),
     ]
     assert all(advice is not None and advice.saving_basis is None for advice in speed)
-
-
-# ------------------------------------------------------------------------------------------------ report and codec
-
-
-def full_simulation() -> Simulation:
-    summary = checkpoint_summary()
-    plans = checkpoint_candidates(summary.modules)
-    # Every counted part of every phase as measured; the replay's forward activations 3 MiB over.
-    parts = [
-        PartMatch(phase, part, value, value + (3 * MIB if (phase, part) == (Phase.FORWARD, "activations") else 0))
-        for phase in Phase
-        for part, value in HEALTHY_BREAKDOWN.to_dict().items()
-        if part != "other" and value is not None
-    ]
-    match = BaselineMatch(step=5, parts=tuple(parts), tolerance=0.01)
-    return replace(
-        simulated(
-            replayed(CheckpointChange(plans[0]), 6 * GIB),
-            discarded(CheckpointChange(plans[1])),
-            replayed(PrecisionChange("bf16-mixed"), 7 * GIB + 512 * MIB),
-            replayed(InplaceChange(("body.1", "body.3")), 8 * GIB),
-            replayed(FreeGradientsChange(), 7 * GIB),
-            replayed(BatchSizeChange(16), 5 * GIB),
-            device_max_batch_size=48,
-            fit=(FitRow("T4 (16 GiB)", 16 * GIB, 60),),
-        ),
-        match=match,
-        baseline=replace(BASELINE, loss_activation_bytes=MIB, notes=("aten._cudnn_rnn keeps a workspace",)),
-    )
-
-
-def report_with(simulation: Simulation | None) -> Report:
-    summary = checkpoint_summary()
-    return build_report(
-        summary, healthy_setup(precision="32-true"), top_modules=3, ranks=(), not_measured=(), simulation=simulation
-    )
-
-
-def test_report_json_carries_the_simulation_and_each_advice_basis() -> None:
-    report = report_with(full_simulation())
-    data = report.to_dict()
-    advice = {entry["id"]: entry for entry in data["advice"]}
-    assert advice["activation-checkpointing"]["saving_basis"] == "simulated"
-    assert advice["activation-checkpointing"]["predicted_peak_bytes"] == 6 * GIB
-    assert advice["mixed-precision"]["saving_basis"] == "simulated"
-    assert data["fit"] == [
-        {
-            "device": "T4 (16 GiB)",
-            "capacity_bytes": 16 * GIB,
-            "max_batch_size": 60,
-            "basis": "simulated",
-            "at_least": False,
-        }
-    ]
-    section = data["simulation"]
-    assert {key: section[key] for key in ("device_type", "seconds", "skipped", "step", "peak_bytes", "peak_phase")} == {
-        "device_type": "cuda",
-        "seconds": 1.5,
-        "skipped": None,
-        "step": 5,
-        "peak_bytes": 8 * GIB,
-        "peak_phase": "backward",
-    }
-    assert section["baseline"]["matches"] is True and section["baseline"]["parts"][3] == {
-        "phase": "forward",
-        "part": "activations",
-        "measured_bytes": 3 * GIB,
-        "replayed_bytes": 3 * GIB + 3 * MIB,
-    }
-    assert len(section["baseline"]["parts"]) == 12
-    assert section["phases"]["backward"] == {"peak_bytes": 8 * GIB, "breakdown": HEALTHY_BREAKDOWN.to_dict()}
-    kinds = [
-        (variant["kind"], variant["predicted_peak_bytes"], variant["discarded"]) for variant in section["variants"]
-    ]
-    assert kinds == [
-        ("checkpoint", 6 * GIB, None),
-        ("checkpoint", None, BROKEN),
-        ("precision", 7 * GIB + 512 * MIB, None),
-        ("inplace", 8 * GIB, None),
-        ("free-gradients", 7 * GIB, None),
-        ("batch-size", 5 * GIB, None),
-    ]
-    assert section["variants"][3]["parameters"] == {"modules": ["body.1", "body.3"]}
-    assert section["variants"][5]["change"] == "batch size 16" and section["device_max_batch_size"] == 48
-    json.dumps(data, allow_nan=False)
-
-
-def test_report_round_trips_with_its_simulation() -> None:
-    report = report_with(full_simulation())
-    rebuilt = report_from_dict(json.loads(json.dumps(report.to_dict())))
-    assert rebuilt.to_dict() == report.to_dict()
-    assert rebuilt.simulation is not None and report.simulation is not None
-    assert [variant.change for variant in rebuilt.simulation.variants] == [
-        variant.change for variant in report.simulation.variants
-    ]
-    assert rebuilt.simulation.match == report.simulation.match
-    assert rebuilt.advice == report.advice and rebuilt.fit == report.fit
-    skipped = Simulation(
-        "cuda", None, None, "manual optimization: the replay follows automatic optimization only", (), 0.0
-    )
-    for simulation in (skipped, None):
-        plain = report_with(simulation)
-        assert report_from_dict(plain.to_dict()).to_dict() == plain.to_dict()
-
-
-def test_a_report_written_before_the_replay_still_reads() -> None:
-    data = report_with(full_simulation()).to_dict()
-    del data["simulation"]
-    for entry in data["advice"]:
-        del entry["saving_basis"], entry["predicted_peak_bytes"]
-    for row in data["fit"]:
-        del row["basis"]
-    report = report_from_dict(data)
-    assert report.simulation is None
-    assert all(advice.saving_basis is None and advice.predicted_peak_bytes is None for advice in report.advice)
-    assert [row.basis for row in report.fit] == ["modelled"]
-
-
-def mistyped(path: tuple[str | int, ...], value: Any) -> dict[str, Any]:
-    data = report_with(full_simulation()).to_dict()
-    target: Any = data
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
-    return data
-
-
-@pytest.mark.parametrize(
-    ("path", "value", "message"),
-    [
-        (("advice", 0, "saving_basis"), "guessed", "advice[0].saving_basis must be one of ['simulated', 'modelled']"),
-        (("advice", 0, "predicted_peak_bytes"), "1", "advice[0].predicted_peak_bytes must be an integer, got str"),
-        (("fit", 0, "basis"), None, "fit[0].basis must be a string, got null"),
-        (("fit", 0, "basis"), "measured", "fit[0].basis must be one of"),
-        (("simulation",), [], "report.simulation must be an object, got list"),
-        (("simulation", "seconds"), "1", "report.simulation.seconds must be a number, got str"),
-        (("simulation", "variants", 0, "kind"), "teleport", "report.simulation.variants[0].kind must be one of"),
-        (("simulation", "variants", 0, "parameters", "units", 0, 0), 1, "units[0][0] must be a string, got int"),
-        (
-            ("simulation", "variants", 2, "phases", "sideways"),
-            {},
-            "must be one of ['forward', 'backward', 'optimizer']",
-        ),
-        (
-            ("simulation", "variants", 0, "phases"),
-            None,
-            "variants[0]: a change neither replayed (phases) nor discarded",
-        ),
-        (("simulation", "baseline", "parts", 0, "part"), "weights", "parts[0].part must be one of"),
-        (
-            ("simulation", "baseline", "matches"),
-            "yes",
-            "report.simulation.baseline.matches must be true, false or null",
-        ),
-        (("simulation", "phases", "forward", "peak_bytes"), -1, "peak_bytes must be >= 0, got -1"),
-    ],
-    ids=lambda value: str(value)[:24],
-)
-def test_mistyped_simulation_fields_are_refused(path: tuple[str | int, ...], value: Any, message: str) -> None:
-    with pytest.raises(FormatError) as error:
-        report_from_dict(mistyped(path, value))
-    assert message in str(error.value)
-
-
-def test_markdown_html_and_console_show_predicted_against_measured() -> None:
-    report = report_with(full_simulation())
-    text = markdown(report)
-    assert (
-        "**Expected saving:** about 2.00 GiB of peak memory (simulated: replayed peak 6.00 GiB after the change)"
-        in text
-    )
-    assert "## Simulation" in text
-    # Measured and replayed counted parts, the run's allocator peaks and the replayed ones, per phase.
-    assert "| forward | 6.00 GiB | 6.00 GiB | activations +0.10% | 7.00 GiB | 7.00 GiB |" in text
-    assert "| backward | 6.00 GiB | 6.00 GiB | none | 8.00 GiB | 8.00 GiB |" in text
-    assert "| batch size 16 | 5.00 GiB | -3.00 GiB | replayed, peak in backward |" in text
-    assert (
-        "| checkpoint 4 units of encoder.layers (encoder.layers.0 to encoder.layers.3) | n/a | n/a | discarded:" in text
-    )
-    assert "discarded: RuntimeError: one of the" in text
-    assert "| T4 (16 GiB) | 16.00 GiB | 60 | simulated |" in text
-    assert "- aten.\\_cudnn_rnn keeps a workspace" in text
-    page = render_html(report)
-    assert "<h2>Simulation</h2>" in page and '<table id="simulation-variants">' in page
-    assert '<td class="n">60</td><td>simulated</td>' in page  # the fit table's basis
-    assert "about 2.00 GiB of peak memory (simulated: replayed peak 6.00 GiB after the change)" in page
-    console = summary_text(report)
-    assert "advice [activation-checkpointing]: Checkpoint 3 units" in console
-    assert console.count("(simulated)") == 2  # checkpointing and mixed precision; the others have no memory figure
-    # A discarded change's reason is the user's exception text: escaped in both, never markup.
-    hostile = replace(
-        full_simulation(),
-        variants=(discarded(FreeGradientsChange(), "ValueError: <img src=x onerror=alert(1)> | `x`"),),
-    )
-    assert "discarded: ValueError: \\<img src=x onerror=alert(1)\\> \\| \\`x\\` |" in markdown(report_with(hostile))
-    assert "discarded: ValueError: &lt;img src=x onerror=alert(1)&gt; | `x`</td>" in render_html(report_with(hostile))
-    modelled = markdown(report_with(None))
-    assert "about 2.01 GiB of peak memory (modelled)" in modelled and "## Simulation" not in modelled
-    skipped = Simulation(
-        "cpu", None, None, "manual optimization: the replay follows automatic optimization only", (), 0.0
-    )
-    assert (
-        "The step was not replayed: manual optimization: the replay follows automatic optimization only. Every saving"
-        " in this report is modelled." in markdown(report_with(skipped))
-    )
-
-
-# ------------------------------------------------------------------------------------- applied on the CPU, for real
-
-
-@dataclass(frozen=True)
-class Run:
-    """A monitored CPU run, the replay of its sampled step with every change the rules could advise, the advice."""
-
-    report: Report
-    setup: TrainingSetup
-    simulation: Simulation
-    advice: tuple[Advice, ...]
-
-    @property
-    def peak_bytes(self) -> int:
-        assert self.report.peak is not None
-        return self.report.peak.peak_bytes
-
-    def find(self, advice_id: str) -> Advice | None:
-        return next((advice for advice in self.advice if advice.id == advice_id), None)
-
-
-def candidate_changes(summary: RunSummary, setup: TrainingSetup) -> list[StepChange]:
-    """What the session replays: bf16-mixed (on the CPU), the checkpointing candidates, inplace, freed gradients."""
-    changes: list[StepChange] = [PrecisionChange("bf16-mixed")] if setup.precision in FULL_PRECISIONS else []
-    changes += [CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules)]
-    if names := inplace_candidates(summary, setup):
-        changes.append(InplaceChange(names))
-    return [*changes, FreeGradientsChange()]
-
-
-def monitored(
-    root: Path,
-    module: pl.LightningModule,
-    data: Dataset[Any],
-    batch_size: int,
-    on: DeviceInfo | None = None,
-    **options: Any,
-) -> Run:
-    """Three steps with step 1 counted; its replay; the advice as if on device ``on`` (default: the CPU run's)."""
-    torch.manual_seed(0)
-    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
-    batches = loader(data, batch_size)
-    fit = trainer(root, [monitor], max_steps=3, **options)
-    fit.fit(module, batches)
-    report = monitor.report
-    assert report is not None
-    setup = trainer_setup(fit, module)
-    attribution = monitor.session._tracker.latest_attribution
-    changes = candidate_changes(report.summary, setup)
-    assert attribution is not None
-    forward = attribution.phases[Phase.FORWARD]
-    simulation = simulate(
-        module,
-        fit.optimizers,
-        next(iter(batches)),
-        attribution,
-        changes,
-        precision=setup.precision,
-        gradients_at_forward=forward.gradients > 0,  # as the session replays it: the state the forward pass saw
-    )
-    assert simulation.skipped is None, simulation.skipped
-    summary = report.summary if on is None else replace(report.summary, device=on)
-    return Run(report, setup, simulation, advise(summary, setup, simulation))
-
-
-def snippet(advice: Advice) -> str:
-    (code,) = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)
-    return code
-
-
-def assert_realised(before: Run, after: Run, advice: Advice) -> None:
-    assert advice.saving_basis in ("simulated", "modelled") and advice.estimated_saving_bytes is not None
-    assert before.peak_bytes - after.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
-    if advice.saving_basis == "simulated":
-        assert advice.predicted_peak_bytes == pytest.approx(after.peak_bytes, rel=0.1)
-    assert after.find(advice.id) is None
-
-
-def test_checkpointing_applied_on_a_transformer_saves_what_the_replay_said(tmp_path: Path) -> None:
-    before = monitored(tmp_path / "before", LanguageModel(TinyGPT()), tokens(32), 16)
-    advice = before.find("activation-checkpointing")
-    assert advice is not None and advice.saving_basis == "simulated"
-    (plan,) = [
-        plan
-        for plan in checkpoint_candidates(before.report.summary.modules)
-        if checkpoint_snippet(plan)[1] in advice.detail
-    ]
-    module = LanguageModel(TinyGPT())
-    apply_plan(module, plan)
-    assert_realised(before, monitored(tmp_path / "after", module, tokens(32), 16), advice)
-
-
-A100 = DeviceInfo("cuda", "NVIDIA A100", 0, 80 * GIB, (8, 0))
-"""The CPU runs judged as if on an A100: mixed precision is advised on CUDA only; the replay stays the CPU's."""
-
-
-def test_mixed_precision_applied_on_a_resnet_saves_what_the_replay_said(tmp_path: Path) -> None:
-    def build() -> Classifier:
-        return Classifier(resnet(), OPTIMIZERS["sgd_momentum"])
-
-    before = monitored(tmp_path / "before", build(), images(64), 16, on=A100)
-    advice = before.find("mixed-precision")
-    assert advice is not None and advice.saving_basis == "simulated"
-    assert 'Trainer(precision="bf16-mixed")' in advice.detail
-    after = monitored(tmp_path / "after", build(), images(64), 16, on=A100, precision="bf16-mixed")
-    assert_realised(before, after, advice)
-
-
-def test_inplace_activations_applied_saves_what_the_replay_said(tmp_path: Path) -> None:
-    before = monitored(
-        tmp_path / "before", Classifier(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"]), features(1024, 256), 512
-    )
-    advice = before.find("inplace-activations")
-    assert advice is not None and advice.saving_basis == "simulated"
-    assert snippet(advice) == "nn.LeakyReLU(inplace=True)"
-    inplace = Classifier(activation_mlp(nn.LeakyReLU, inplace=True), OPTIMIZERS["adam"])
-    assert_realised(before, monitored(tmp_path / "after", inplace, features(1024, 256), 512), advice)
-
-
-def test_stale_gradients_applied_saves_what_the_replay_said(tmp_path: Path) -> None:
-    before = monitored(
-        tmp_path / "before", Classifier(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"]), features(1024, 256), 512
-    )
-    advice = before.find("stale-gradients")
-    assert advice is not None and advice.saving_basis == "simulated"
-    namespace: dict[str, Any] = {}
-    exec(snippet(advice), namespace)  # the advice's own code, as the user pastes it into the LightningModule
-
-    class FreesGradients(Classifier):
-        on_train_batch_start = namespace["on_train_batch_start"]
-
-    module = FreesGradients(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
-    after = monitored(tmp_path / "after", module, features(1024, 256), 512)
-    assert after.simulation.skipped is None  # the replay starts from the freed gradients the run's forward saw
-    assert_realised(before, after, advice)
-
-
-class ChunkedLanguageModel(LanguageModel):
-    """Next-token prediction with the loss computed by the chunked-loss advice's own function."""
-
-    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any) -> None:
-        super().__init__(network, OPTIMIZERS["adam"])
-        self.chunked_cross_entropy = chunked_cross_entropy
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        network = self.network
-        assert isinstance(network, TinyGPT)
-        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
-        for block in network.h:
-            x = block(x)
-        hidden = network.ln_f(x).flatten(0, 1)
-        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
-
-
-def test_chunked_loss_applied_saves_what_it_modelled(tmp_path: Path) -> None:
-    # A 4096-token vocabulary: the log-probabilities of 8 x 32 positions are 4 MiB, two thirds of the activations.
-    before = monitored(
-        tmp_path / "before", LanguageModel(TinyGPT(vocab=4096, layers=2), OPTIMIZERS["adam"]), tokens(64, vocab=4096), 8
-    )
-    advice = before.find("chunked-loss")
-    assert advice is not None and advice.saving_basis == "modelled"
-    assert (
-        before.simulation.baseline is not None and before.simulation.baseline.loss_activation_bytes == 8 * 32 * 4096 * 4
-    )
-    namespace: dict[str, Any] = {}
-    exec(snippet(advice), namespace)
-    module = ChunkedLanguageModel(TinyGPT(vocab=4096, layers=2), namespace["chunked_cross_entropy"])
-    assert_realised(before, monitored(tmp_path / "after", module, tokens(64, vocab=4096), 8), advice)

@@ -1,5 +1,5 @@
 """Real architectures for the replay tests (a ResNet-style CNN, a transformer encoder, an LSTM, an MLP, a GPT-2-class
-language model), and a helper that trains one with the monitor and returns its counted step. No tests of its own."""
+language model), and a helper that trains one with the monitor and returns its counted step."""
 
 from __future__ import annotations
 

@@ -1,0 +1,213 @@
+"""Each simulated rule applied for real on the CPU: its measured saving within 10% of the replayed one.
+
+The applied tests replay on the CPU, where a peak is the sum of the counted parts, as the CPU report measures it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from advice_models import LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
+from models import OPTIMIZERS, Classifier, loader, trainer
+from replay_models import images, resnet
+from simulations import GIB
+from torch import nn
+from torch.utils.data import Dataset
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram._lightning import trainer_setup
+from lightning_vram.advice.catalogue import FULL_PRECISIONS
+from lightning_vram.advice.checkpoint_code import checkpoint_snippet
+from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.replay.simulation import simulate
+from lightning_vram.advice.rules.inplace_activations import inplace_candidates
+from lightning_vram.advice.rules.registry import advise
+from lightning_vram.records import (
+    Advice,
+    CheckpointChange,
+    DeviceInfo,
+    FreeGradientsChange,
+    InplaceChange,
+    Phase,
+    PrecisionChange,
+    RunSummary,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
+
+# ------------------------------------------------------------------------------------- applied on the CPU, for real
+
+
+@dataclass(frozen=True)
+class Run:
+    """A monitored CPU run, the replay of its sampled step with every change the rules could advise, the advice."""
+
+    report: Report
+    setup: TrainingSetup
+    simulation: Simulation
+    advice: tuple[Advice, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        assert self.report.peak is not None
+        return self.report.peak.peak_bytes
+
+    def find(self, advice_id: str) -> Advice | None:
+        return next((advice for advice in self.advice if advice.id == advice_id), None)
+
+
+def candidate_changes(summary: RunSummary, setup: TrainingSetup) -> list[StepChange]:
+    """What the session replays: bf16-mixed (on the CPU), the checkpointing candidates, inplace, freed gradients."""
+    changes: list[StepChange] = [PrecisionChange("bf16-mixed")] if setup.precision in FULL_PRECISIONS else []
+    changes += [CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules)]
+    if names := inplace_candidates(summary, setup):
+        changes.append(InplaceChange(names))
+    return [*changes, FreeGradientsChange()]
+
+
+def monitored(
+    root: Path,
+    module: pl.LightningModule,
+    data: Dataset[Any],
+    batch_size: int,
+    on: DeviceInfo | None = None,
+    **options: Any,
+) -> Run:
+    """Three steps with step 1 counted; its replay; the advice as if on device ``on`` (default: the CPU run's)."""
+    torch.manual_seed(0)
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    batches = loader(data, batch_size)
+    fit = trainer(root, [monitor], max_steps=3, **options)
+    fit.fit(module, batches)
+    report = monitor.report
+    assert report is not None
+    setup = trainer_setup(fit, module)
+    attribution = monitor.session._tracker.latest_attribution
+    changes = candidate_changes(report.summary, setup)
+    assert attribution is not None
+    forward = attribution.phases[Phase.FORWARD]
+    simulation = simulate(
+        module,
+        fit.optimizers,
+        next(iter(batches)),
+        attribution,
+        changes,
+        precision=setup.precision,
+        gradients_at_forward=forward.gradients > 0,  # as the session replays it: the state the forward pass saw
+    )
+    assert simulation.skipped is None, simulation.skipped
+    summary = report.summary if on is None else replace(report.summary, device=on)
+    return Run(report, setup, simulation, advise(summary, setup, simulation))
+
+
+def snippet(advice: Advice) -> str:
+    (code,) = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)
+    return code
+
+
+def assert_realised(before: Run, after: Run, advice: Advice) -> None:
+    assert advice.saving_basis in ("simulated", "modelled") and advice.estimated_saving_bytes is not None
+    assert before.peak_bytes - after.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    if advice.saving_basis == "simulated":
+        assert advice.predicted_peak_bytes == pytest.approx(after.peak_bytes, rel=0.1)
+    assert after.find(advice.id) is None
+
+
+def test_checkpointing_applied_on_a_transformer_saves_what_the_replay_said(tmp_path: Path) -> None:
+    before = monitored(tmp_path / "before", LanguageModel(TinyGPT()), tokens(32), 16)
+    advice = before.find("activation-checkpointing")
+    assert advice is not None and advice.saving_basis == "simulated"
+    (plan,) = [
+        plan
+        for plan in checkpoint_candidates(before.report.summary.modules)
+        if checkpoint_snippet(plan)[1] in advice.detail
+    ]
+    module = LanguageModel(TinyGPT())
+    apply_plan(module, plan)
+    assert_realised(before, monitored(tmp_path / "after", module, tokens(32), 16), advice)
+
+
+A100 = DeviceInfo("cuda", "NVIDIA A100", 0, 80 * GIB, (8, 0))
+"""The CPU runs judged as if on an A100: mixed precision is advised on CUDA only; the replay stays the CPU's."""
+
+
+def test_mixed_precision_applied_on_a_resnet_saves_what_the_replay_said(tmp_path: Path) -> None:
+    def build() -> Classifier:
+        return Classifier(resnet(), OPTIMIZERS["sgd_momentum"])
+
+    before = monitored(tmp_path / "before", build(), images(64), 16, on=A100)
+    advice = before.find("mixed-precision")
+    assert advice is not None and advice.saving_basis == "simulated"
+    assert 'Trainer(precision="bf16-mixed")' in advice.detail
+    after = monitored(tmp_path / "after", build(), images(64), 16, on=A100, precision="bf16-mixed")
+    assert_realised(before, after, advice)
+
+
+def test_inplace_activations_applied_saves_what_the_replay_said(tmp_path: Path) -> None:
+    before = monitored(
+        tmp_path / "before", Classifier(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"]), features(1024, 256), 512
+    )
+    advice = before.find("inplace-activations")
+    assert advice is not None and advice.saving_basis == "simulated"
+    assert snippet(advice) == "nn.LeakyReLU(inplace=True)"
+    inplace = Classifier(activation_mlp(nn.LeakyReLU, inplace=True), OPTIMIZERS["adam"])
+    assert_realised(before, monitored(tmp_path / "after", inplace, features(1024, 256), 512), advice)
+
+
+def test_stale_gradients_applied_saves_what_the_replay_said(tmp_path: Path) -> None:
+    before = monitored(
+        tmp_path / "before", Classifier(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"]), features(1024, 256), 512
+    )
+    advice = before.find("stale-gradients")
+    assert advice is not None and advice.saving_basis == "simulated"
+    namespace: dict[str, Any] = {}
+    exec(snippet(advice), namespace)  # the advice's own code, as the user pastes it into the LightningModule
+
+    class FreesGradients(Classifier):
+        on_train_batch_start = namespace["on_train_batch_start"]
+
+    module = FreesGradients(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
+    after = monitored(tmp_path / "after", module, features(1024, 256), 512)
+    assert after.simulation.skipped is None  # the replay starts from the freed gradients the run's forward saw
+    assert_realised(before, after, advice)
+
+
+class ChunkedLanguageModel(LanguageModel):
+    """Next-token prediction with the loss computed by the chunked-loss advice's own function."""
+
+    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any) -> None:
+        super().__init__(network, OPTIMIZERS["adam"])
+        self.chunked_cross_entropy = chunked_cross_entropy
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        network = self.network
+        assert isinstance(network, TinyGPT)
+        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
+        for block in network.h:
+            x = block(x)
+        hidden = network.ln_f(x).flatten(0, 1)
+        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
+
+
+def test_chunked_loss_applied_saves_what_it_modelled(tmp_path: Path) -> None:
+    # A 4096-token vocabulary: the log-probabilities of 8 x 32 positions are 4 MiB, two thirds of the activations.
+    before = monitored(
+        tmp_path / "before", LanguageModel(TinyGPT(vocab=4096, layers=2), OPTIMIZERS["adam"]), tokens(64, vocab=4096), 8
+    )
+    advice = before.find("chunked-loss")
+    assert advice is not None and advice.saving_basis == "modelled"
+    assert (
+        before.simulation.baseline is not None and before.simulation.baseline.loss_activation_bytes == 8 * 32 * 4096 * 4
+    )
+    namespace: dict[str, Any] = {}
+    exec(snippet(advice), namespace)
+    module = ChunkedLanguageModel(TinyGPT(vocab=4096, layers=2), namespace["chunked_cross_entropy"])
+    assert_realised(before, monitored(tmp_path / "after", module, tokens(64, vocab=4096), 8), advice)
