@@ -134,6 +134,6 @@ def counted_step(
     monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
     batches = loader(data, batch_size)
     trainer(root, [*callbacks, monitor], max_steps=steps, **options).fit(module, batches)
-    attribution = monitor.session._tracker.latest_attribution
+    attribution = monitor.session._recorder.tracker.latest_attribution
     assert attribution is not None and attribution.step == 1
     return attribution, next(iter(batches))

@@ -53,7 +53,7 @@ def test_a_session_after_an_abandoned_one_blames_no_other_monitor() -> None:
     abandoned = new_session()
     abandoned.start(model, [optimizer])
     abandoned.batch_start(None)  # a sampled step, and then the loop died and dropped its session
-    hooks = abandoned._attributor  # its saved-tensor hooks stay on torch's stack: removed after the test
+    hooks = abandoned._sampler.attributor  # its saved-tensor hooks stay on torch's stack: removed after the test
     assert hooks is not None
     del abandoned
     gc.collect()

@@ -89,7 +89,7 @@ def monitored(
     report = monitor.report
     assert report is not None
     setup = trainer_setup(fit, module)
-    attribution = monitor.session._tracker.latest_attribution
+    attribution = monitor.session._recorder.tracker.latest_attribution
     changes = candidate_changes(report.summary, setup)
     assert attribution is not None
     forward = attribution.phases[Phase.FORWARD]

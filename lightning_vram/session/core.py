@@ -17,8 +17,6 @@ from typing_extensions import Unpack
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.config import MonitorConfig, MonitorOptions, check_start, start_device
-from lightning_vram.measure.accounting import StepAttributor
-from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.records import (
     EvaluationPeak,
     OomDiagnosis,
@@ -35,7 +33,8 @@ from lightning_vram.render.text import evaluation_text
 from lightning_vram.session.advisor import Advisor
 from lightning_vram.session.assembly import NO_SCALARS, Assembly, Gather, Ranks
 from lightning_vram.session.checkpoint_state import RunState, restored_state, saved_state
-from lightning_vram.session.context import Optimizers, RunContext, model_device, run_context
+from lightning_vram.session.context import Optimizers, RunContext, run_context
+from lightning_vram.session.evaluation import EvaluationLoops
 from lightning_vram.session.recorder import AllocatorHistory, StepRecorder
 from lightning_vram.session.sampling import Sampler
 from lightning_vram.session.sinks import Sinks
@@ -95,8 +94,7 @@ class VramSession:
             config, guard, recorder, self._ranks, lambda: [*([history.note] if history.note else []), *sampler.notes()]
         )
         self._log_every: int | None = None
-        self._evaluating: str | None = None
-        self._standalone_evaluation = False
+        self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False
         self._sampled_batch: Any = None
         self._preflight_pending = True
@@ -118,16 +116,6 @@ class VramSession:
     def simulation(self) -> Simulation | None:
         """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
         return self._advisor.simulation
-
-    @property
-    def _tracker(self) -> MemoryTracker:
-        """The run's phase peaks and sampled counts (tests read the latest attribution from it)."""
-        return self._recorder.tracker
-
-    @property
-    def _attributor(self) -> StepAttributor | None:
-        """The attributor counting a sampled step now (tests close one a dropped session left on torch's stack)."""
-        return self._sampler.attributor
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -282,29 +270,21 @@ class VramSession:
 
     def start_evaluation(self, stage: str, model: nn.Module | None = None) -> None:
         """An evaluation loop (``validation``, ``test`` or ``predict``) starts; outside a run it is measured alone."""
-        self._evaluating = stage
-        if self._recorder.probe is None and model is not None:
-            self._context.device = model_device(model)
-            self._recorder.open(self.config.probe, self._context.device, self.config.utilization_interval_seconds)
-            self._standalone_evaluation = True
+        self._evaluation.start(stage, model)
 
     def evaluation_batch_start(self) -> None:
         """An evaluation batch starts."""
-        if self._evaluating is not None:
-            self._recorder.evaluation_batch_start()
+        self._evaluation.batch_start()
 
     def evaluation_batch_end(self) -> None:
         """The evaluation batch ends: its allocator peak is kept if it is its stage's highest."""
-        stage = self._evaluating
-        if stage is not None:
-            self._recorder.evaluation_batch_end(stage)
+        self._evaluation.batch_end()
 
     def end_evaluation(self) -> EvaluationPeak | None:
         """The evaluation loop ends; returns its stage's peak when it was measured alone (else ``None``)."""
-        stage, self._evaluating = self._evaluating, None
-        if not self._standalone_evaluation or stage is None:
+        stage = self._evaluation.end()
+        if stage is None:
             return None
-        self._standalone_evaluation = False
         self.close()
         return self._recorder.tracker.evaluation.get(stage)
 
@@ -368,7 +348,7 @@ class VramSession:
         if recorder.device is None or context.model is None or context.read_setup is None:
             return
         phase = recorder.phase
-        where = self._evaluating or (phase.value if phase is not None else "training")
+        where = self._evaluation.stage or (phase.value if phase is not None else "training")
         snapshot = sinks.snapshot(directory, context.rank, context.world_size) if self._history.recording else None
         diagnosis = self._advisor.diagnose_oom(error, where, phase, recorder.tracker, self.summary(), snapshot)
         if diagnosis is not None:
