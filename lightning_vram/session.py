@@ -48,12 +48,14 @@ from lightning_vram.codec import FormatError, simulation_from_dict, simulation_t
 from lightning_vram.config import MonitorConfig, check_start, start_device
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
-from lightning_vram.measure.accounting import StepAttributor, batch_size_of, model_state_bytes
+from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.code_roots import code_roots, inside_ids
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.probes import BlindProbe, Probe, probe_for
 from lightning_vram.measure.reach import reach_of
 from lightning_vram.measure.setup import training_setup
+from lightning_vram.measure.storages import model_state_bytes
+from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.timing import Clock, StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.measure.user_code import is_user_file
