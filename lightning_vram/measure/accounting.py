@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,9 +22,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_vram.measure._recompute import Recomputation, running_backward
 from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
 from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation
-from lightning_vram.measure.observations import ModuleObserver, StorageKey, data_pointer, stored_attribute
+from lightning_vram.measure.observations import ModuleObserver, stored_attribute
 from lightning_vram.measure.storages import (
     StorageBytes,
     local_tensor,
@@ -41,27 +41,8 @@ from lightning_vram.measure.tensors import batch_size_of, iter_tensors, without_
 from lightning_vram.records import Attribution, Breakdown, NotMeasured, Phase
 
 
-@dataclass(frozen=True)
-class Counting:
-    """What differs between counting a sampled step of the real training and a step replayed under fake tensors."""
-
-    key_of: StorageKey
-    """Storage -> its key (0 for one that holds nothing): a data pointer, or a ``StorageWeakRef`` identity."""
-    watch_recomputation: bool
-    """Whether the counter pushes a dispatch mode of its own to see what a recomputation creates; otherwise the
-    caller hands it every operator's output through :meth:`StepAttributor.on_output`."""
-    check_versions: bool
-    """Whether a saved tensor modified in place before backward unpacks it raises, as autograd's own check would."""
-    raise_errors: bool
-    """Whether an error inside the hooks propagates; otherwise it is kept in ``error`` and the hooks stand aside."""
-
-
-SAMPLED = Counting(data_pointer, watch_recomputation=True, check_versions=False, raise_errors=False)
-"""A sampled step of the user's training: real storages, and the monitor never breaks the step."""
-
-
 class StepAttributor:
-    """Counts one sampled training step, phase by phase, tensor by tensor.
+    """Counts one training step (sampled, or replayed: see ``counting``), phase by phase, tensor by tensor.
 
     Call ``begin_forward`` at batch start, ``before_backward`` and ``before_optimizer_step`` at those hooks
     (as often as they come: manual optimization may run several of each) and ``finish`` at batch end;
@@ -168,7 +149,8 @@ class StepAttributor:
                 continue  # inside a compiled graph the hooks would not fire, and adding them forces recompiles
             self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
             self._handles.append(child.register_forward_hook(self._leave, always_call=True))
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        unpack = self._unpack_checked if self._counting.check_versions else self._unpack
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         hooks.__enter__()
         self._saved_tensors_hooks = hooks
 
@@ -292,6 +274,11 @@ class StepAttributor:
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
+        unpacked: Tensor = packed.tensor if isinstance(packed, SavedActivation) else packed
+        return unpacked
+
+    @staticmethod
+    def _unpack_checked(packed: Any) -> Tensor:
         unpacked: Tensor = packed.unpack() if isinstance(packed, SavedActivation) else packed
         return unpacked
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.measure.accounting import Counting, StepAttributor
+from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.counting import Counting
 from lightning_vram.measure.storages import weak_identity
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
 
