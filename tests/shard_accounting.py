@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_vram.measure.accounting import (
+from lightning_vram.measure.storages import (
     gradient_storages,
     model_state_bytes,
     optimizer_state_storages,

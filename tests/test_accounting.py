@@ -11,13 +11,9 @@ from models import FLOAT32, NETWORKS, OPTIMIZERS, PARAMETER_COUNTS, Classifier, 
 from torch import nn
 
 from lightning_vram import VramMonitor
-from lightning_vram.measure.accounting import (
-    ActivationLedger,
-    StepAttributor,
-    gradient_storages,
-    optimizer_state_storages,
-    parameter_storages,
-)
+from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.ledgers import ActivationLedger
+from lightning_vram.measure.storages import gradient_storages, optimizer_state_storages, parameter_storages
 from lightning_vram.records import Phase
 
 # (multiple of the parameter bytes, 4-byte `step` tensors per parameter tensor) per optimizer (DOMAIN.md).

@@ -15,7 +15,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor, VramSession
-from lightning_vram.measure.accounting import StepAttributor, StorageBytes, add_storage, tensor_storages
+from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.storages import StorageBytes, add_storage, tensor_storages
 from lightning_vram.records import Phase
 
 INT64 = 8

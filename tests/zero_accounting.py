@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_vram.measure.accounting import StepAttributor, model_state_bytes
+from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.deepspeed_zero import full_numel, wrapped_optimizer
+from lightning_vram.measure.storages import model_state_bytes
 
 WORLD_SIZE = 2
 STEPS = 2

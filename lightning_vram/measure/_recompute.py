@@ -10,6 +10,7 @@ taken for a recomputation.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -57,3 +58,20 @@ class OutputWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         output = func(*args, **(kwargs or {}))
         self._on_output(output)
         return output
+
+
+class Recomputation:
+    """One module's forward re-run during backward (activation checkpointing): what it creates is held or freed."""
+
+    def __init__(self, depth: int, on_output: Callable[[Any], None] | None) -> None:
+        self.depth = depth
+        """Length of the module stack outside the recomputed module: when it is back to this, the re-run ended."""
+        self.thread = threading.get_ident()
+        self.watch = OutputWatch(on_output) if on_output is not None else None
+        if self.watch is not None:
+            self.watch.start()
+
+    def end(self) -> None:
+        """Stop watching (on the thread that started, where the dispatch mode is)."""
+        if self.watch is not None and threading.get_ident() == self.thread:
+            self.watch.stop()

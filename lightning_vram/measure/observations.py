@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_vram.measure.storages import DATA_POINTER, StorageKey
 from lightning_vram.measure.tensors import iter_tensors
 
 FEATURE_MAP_LAYERS: tuple[type[nn.Module], ...] = (
@@ -94,15 +95,6 @@ class _Alive:
         return not expired
 
 
-StorageKey = Callable[[torch.UntypedStorage], int]
-"""How a caller identifies a storage: its data pointer (real tensors), or its ``StorageWeakRef`` (fake ones too)."""
-
-
-def data_pointer(storage: torch.UntypedStorage) -> int:
-    """A real storage's address, the sampled step's key (0 for an empty one)."""
-    return int(storage.data_ptr())
-
-
 def _storage_key(tensor: Tensor, key_of: StorageKey) -> tuple[int, _Alive] | None:
     """The key of ``tensor``'s dense storage and a weak check that it lives, or ``None`` without one."""
     try:
@@ -146,7 +138,7 @@ class ModuleObserver:
     ``key_of`` identifies storages the way the caller's keys (``inputs``, :meth:`saved`) do.
     """
 
-    def __init__(self, key_of: StorageKey = data_pointer) -> None:
+    def __init__(self, key_of: StorageKey = DATA_POINTER) -> None:
         self._key_of = key_of
         self._calls: list[_Call] = []
         self._facts: dict[str, ModuleFacts] = {}

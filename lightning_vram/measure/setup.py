@@ -23,9 +23,9 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader
 
-from lightning_vram.measure.accounting import local_tensor
 from lightning_vram.measure.deepspeed_zero import full_numel, parameter_bytes, wrapped_optimizer
 from lightning_vram.measure.observations import stored_attribute
+from lightning_vram.measure.storages import local_tensor
 from lightning_vram.records import LinearLayer, TrainingSetup
 
 

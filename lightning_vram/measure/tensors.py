@@ -34,3 +34,16 @@ def iter_tensors(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from iter_tensors(item)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The first dimension of the first tensor in a batch (nested containers), or ``None``.
+
+    >>> import torch
+    >>> batch_size_of((torch.zeros(8, 3), torch.zeros(8)))
+    8
+    """
+    for tensor in iter_tensors(batch):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
+    return None

@@ -18,9 +18,10 @@ from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
-from lightning_vram.measure.accounting import batch_size_of, model_state_bytes
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.probes import Probe
+from lightning_vram.measure.storages import model_state_bytes
+from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.records import (
     Advice,

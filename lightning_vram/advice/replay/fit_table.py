@@ -12,7 +12,7 @@ from torch import nn
 from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
-from lightning_vram.measure.accounting import batch_size_of
+from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.records import BatchSizeChange, FitRow, ReplayedStep, SavingBasis
 
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_vram.advice.replay._fake import TorchDispatchMode, tree_leaves
-from lightning_vram.advice.replay.storages import allocator_bytes, storage_key
-from lightning_vram.measure.accounting import on_device
+from lightning_vram.advice.replay.storages import allocator_bytes
+from lightning_vram.measure.storages import on_device, storage_key
 from lightning_vram.records import Phase
 
 

@@ -40,10 +40,9 @@ from lightning_vram.advice.replay.twin import (
     state_tensors,
 )
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
-from lightning_vram.measure.accounting import batch_size_of
 from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.measure.reach import WALK_LIMIT, Reach, reach_of
-from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,

@@ -1,0 +1,186 @@
+"""Live bytes while a step runs: the activations autograd holds for backward, and the gradients backward creates.
+
+Both ledgers work on storage keys (see :mod:`~lightning_vram.measure.storages`), whatever identifies the storages:
+data pointers on a sampled step, ``StorageWeakRef`` identities on a replayed one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor, nn
+
+from lightning_vram.measure.deepspeed_zero import partition_gradients
+from lightning_vram.measure.storages import StorageBytes, StorageKey, add_storage
+from lightning_vram.measure.tensors import without_history
+
+
+class SavedActivation:
+    """What autograd keeps instead of a saved tensor while the ledger watches; released when autograd frees it.
+
+    ``version`` is the tensor's version counter when it was saved, or ``None`` not to check it. Saved-tensor hooks
+    replace autograd's own check that a saved tensor was not modified in place before backward used it; with a
+    version, :meth:`unpack` makes the same check, so a change that breaks backward (a checkpointed unit starting
+    with an inplace op) raises in a replay as it would in training.
+    """
+
+    __slots__ = ("_keys", "_ledger", "_version", "tensor")
+
+    def __init__(self, tensor: Tensor, ledger: ActivationLedger, keys: tuple[int, ...], version: int | None) -> None:
+        self.tensor = without_history(tensor)
+        self._ledger = ledger
+        self._keys = keys
+        self._version = version
+
+    def unpack(self) -> Tensor:
+        """The saved tensor, unless it was modified in place since it was saved (where its version was kept)."""
+        tensor = self.tensor
+        if self._version is not None and tensor._version != self._version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation:"
+                f" a {list(tensor.shape)} tensor saved at version {self._version} is at version {tensor._version}"
+            )
+        return tensor
+
+    def __del__(self) -> None:
+        for key in self._keys:
+            self._ledger.release(key)
+
+
+class ActivationLedger:
+    """Live bytes of the storages autograd holds for backward.
+
+    A storage saved several times counts once; it is released when autograd drops its last saved
+    reference (node by node during backward). Storages a recomputation under activation checkpointing
+    holds (``hold_recomputed``) count as well, until they are freed. Thread-safe: the autograd engine
+    may release from its own threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._references: dict[int, int] = {}
+        self._recomputed: set[int] = set()
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.saved_bytes_by_module: dict[str, int] = {}
+
+    def _add_live(self, key: int, nbytes: int) -> None:
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def acquire(self, key: int, nbytes: int, module_name: str | None) -> None:
+        """Autograd saved a reference to storage ``key`` of ``nbytes`` bytes inside ``module_name``.
+
+        ``None`` for a tensor saved during backward (a reentrant checkpoint's recomputation): it counts as live
+        but is not what the module saves in its forward pass.
+        """
+        with self._lock:
+            count = self._references.get(key, 0)
+            self._references[key] = count + 1
+            if count == 0:
+                if key not in self._recomputed:
+                    self._add_live(key, nbytes)
+                if module_name is not None:
+                    by_module = self.saved_bytes_by_module
+                    by_module[module_name] = by_module.get(module_name, 0) + nbytes
+
+    def hold_recomputed(self, key: int, nbytes: int) -> bool:
+        """A recomputation created storage ``key`` of ``nbytes`` bytes; ``False`` if it is held already."""
+        with self._lock:
+            if key in self._references or key in self._recomputed:
+                return False
+            self._recomputed.add(key)
+            self._add_live(key, nbytes)
+            return True
+
+    def free_recomputed(self, key: int) -> None:
+        """Storage ``key`` that a recomputation created was freed (or is no longer watched)."""
+        with self._lock:
+            if key in self._recomputed:
+                self._recomputed.discard(key)
+                if key not in self._references:
+                    self.live_bytes -= self._sizes.pop(key)
+
+    def start_segment(self) -> None:
+        """Start measuring the highest live bytes again from what is live now."""
+        with self._lock:
+            self.peak_live_bytes = self.live_bytes
+
+    def holds(self, key: int) -> bool:
+        """Whether autograd holds storage ``key`` for backward now."""
+        with self._lock:
+            return key in self._references or key in self._recomputed
+
+    def release(self, key: int) -> None:
+        """Autograd dropped one saved reference to storage ``key``."""
+        with self._lock:
+            count = self._references.get(key, 0) - 1
+            if count > 0:
+                self._references[key] = count
+            elif count == 0:
+                del self._references[key]
+                if key not in self._recomputed:
+                    self.live_bytes -= self._sizes.pop(key)
+
+
+class GradientLedger:
+    """Live gradient bytes during backward, and the highest activations + gradients seen together.
+
+    Gradients are kept per parameter, so a gradient that accumulation replaces by a new tensor (a sparse one)
+    stops counting when it is replaced.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        activations: ActivationLedger,
+        device: torch.device,
+        key_of: StorageKey,
+    ) -> None:
+        self._device = device
+        self._key_of = key_of
+        self._activations = activations
+        self._by_tensor: dict[int, StorageBytes] = {}
+        for parameter in module.parameters():
+            if parameter.grad is not None:
+                self._by_tensor[id(parameter)] = self._storages(parameter.grad)
+        partitions = StorageBytes()  # ZeRO's gradient partitions, read once at the start of backward
+        for optimizer in optimizers:
+            for gradient in partition_gradients(optimizer):
+                add_storage(partitions, gradient, device, key_of=key_of)
+        self._by_tensor[id(self)] = partitions
+        self.peak_bytes = -1
+        self.gradients_at_peak = 0
+        self.activations_at_peak = 0
+        self.observe()
+
+    def _storages(self, gradient: Tensor) -> StorageBytes:
+        storages = StorageBytes()
+        add_storage(storages, gradient, self._device, key_of=self._key_of)
+        return storages
+
+    @property
+    def uncounted(self) -> set[str]:
+        """Kinds of gradient tensors whose data could not be reached."""
+        return {kind for storages in self._by_tensor.values() for kind in storages.uncounted}
+
+    def add(self, parameter: Tensor, gradient: Tensor) -> None:
+        """``parameter``'s gradient is now ``gradient``."""
+        self._by_tensor[id(parameter)] = self._storages(gradient)
+        self.observe()
+
+    def observe(self) -> None:
+        """Record the current total (bytes) if it is the highest so far."""
+        unique: dict[int, int] = {}
+        for storages in self._by_tensor.values():
+            unique.update(storages)
+        gradient_bytes = sum(unique.values())
+        activation_bytes = self._activations.live_bytes
+        if gradient_bytes + activation_bytes > self.peak_bytes:
+            self.peak_bytes = gradient_bytes + activation_bytes
+            self.gradients_at_peak = gradient_bytes
+            self.activations_at_peak = activation_bytes
