@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_vram.records import Advice, Breakdown, PhasePeak, RunSummary, Simulation, StepChange, TrainingSetup
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    Breakdown,
+    PhasePeak,
+    RunSummary,
+    Simulation,
+    StepChange,
+    TrainingSetup,
+)
 from lightning_vram.units import format_percent
 
 MIN_SAVING_SHARE = 0.05
@@ -43,7 +52,7 @@ class Rule:
     replayed whenever the time budget allows.
     """
 
-    id: str
+    id: AdviceId
     advise: Advise
     changes: Changes
 
