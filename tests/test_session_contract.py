@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import warnings
 
 import torch
 from models import Classifier, dataset_for, linear_net, loader
 from sessions import new_session
 
-from lightning_vram import VramMonitorWarning, VramSession
+from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram.records import Phase
 
 
@@ -109,3 +110,23 @@ def test_every_rank_meets_the_others_once_at_the_end() -> None:
     assert report is not None and [rank.rank for rank in report.ranks] == [0, 1]
     assert barriers == [1]
     assert session.finish() is report and barriers == [1]
+
+
+def test_a_monitor_and_a_session_pickle_before_and_after_a_run() -> None:
+    # ddp_spawn pickles the Trainer's callbacks to start its processes; a closure held by the session would not pickle.
+    monitor = VramMonitor(console_summary=False)
+    assert isinstance(pickle.loads(pickle.dumps(monitor)), VramMonitor)
+    session = new_session()
+    model = Classifier(linear_net())
+    session.start(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    for batch in loader(dataset_for("linear")):
+        session.batch_start(batch)
+        loss = model.training_step(batch, 0)
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        session.batch_end()
+        break
+    session.finish()
+    restored = pickle.loads(pickle.dumps(session))
+    assert restored.report is not None and restored.report.steps == 1

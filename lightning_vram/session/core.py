@@ -19,6 +19,7 @@ from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.config import MonitorConfig, MonitorOptions, check_start, start_device
 from lightning_vram.records import (
     EvaluationPeak,
+    NotMeasured,
     OomDiagnosis,
     Phase,
     PreflightVerdict,
@@ -85,19 +86,25 @@ class VramSession:
         self._guard = guard = ranks.guard
         self._context = context
         self._recorder = recorder = StepRecorder(config, guard)
-        self._sampler = sampler = Sampler(config, guard, context)
+        self._sampler = Sampler(config, guard, context)
         self._advisor = Advisor(config, guard, context)
-        self._history = history = AllocatorHistory(guard)
+        self._history = AllocatorHistory(guard)
         self._ranks = ranks
         self._sinks = Sinks(guard, writers, config.console_summary)
-        self._assembly = Assembly(
-            config, guard, recorder, self._ranks, lambda: [*([history.note] if history.note else []), *sampler.notes()]
-        )
+        self._assembly = Assembly(config, guard, recorder, self._ranks, self._notes)
         self._log_every: int | None = None
         self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False
         self._sampled_batch: Any = None
         self._preflight_pending = True
+
+    def _notes(self) -> list[NotMeasured]:
+        """What the allocator history and the sampled steps could not measure.
+
+        A bound method, not a closure: the session must pickle (``ddp_spawn`` pickles the callback).
+        """
+        note = self._history.note
+        return [*([note] if note is not None else []), *self._sampler.notes()]
 
     @property
     def report_path(self) -> Location | None:
