@@ -21,7 +21,7 @@ from lightning_vram._lightning import (
     trainer_callbacks,
     trainer_setup,
 )
-from lightning_vram.config import MonitorOptions
+from lightning_vram.config import MonitorOptions, check_option_names
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.session import VramSession
@@ -50,6 +50,7 @@ class VramMonitor(Callback):
             raise TypeError(
                 "VramMonitor got an unexpected keyword argument 'log_dir': it writes to the Trainer's log_dir"
             )
+        check_option_names("VramMonitor", options)
         self.session = VramSession(**options)
         """The measuring session every hook forwards to."""
         self.config = self.session.config

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -119,6 +120,22 @@ class MonitorOptions(TypedDict, total=False):
     preflight: bool
     probe: Probe | None
     clock: Clock
+
+
+def check_option_names(owner: str, given: Collection[str], own: Collection[str] = ()) -> None:
+    """Refuse a keyword of ``owner`` that is not an option (nor one of ``own``), naming the closest one.
+
+    >>> check_option_names("VramMonitor", ["log_every_n_step"])
+    Traceback (most recent call last):
+    ...
+    TypeError: VramMonitor got an unexpected keyword argument 'log_every_n_step'; did you mean 'log_every_n_steps'?
+    """
+    names = sorted({*MonitorOptions.__annotations__, *own})
+    for name in given:
+        if name not in names:
+            closest = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {closest[0]!r}?" if closest else f"its options are {', '.join(names)}"
+            raise TypeError(f"{owner} got an unexpected keyword argument {name!r}; {hint}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing_extensions import Unpack
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.replay.step import StepFunction
-from lightning_vram.config import MonitorConfig, MonitorOptions, check_start, start_device
+from lightning_vram.config import MonitorConfig, MonitorOptions, check_option_names, check_start, start_device
 from lightning_vram.records import (
     EvaluationPeak,
     NotMeasured,
@@ -65,6 +65,7 @@ class VramSession:
     """
 
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, **options: Unpack[MonitorOptions]) -> None:
+        check_option_names("VramSession", options, own=("log_dir",))
         self.config = MonitorConfig(**options)
         """The options, checked."""
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
