@@ -10,7 +10,7 @@ call.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -46,6 +46,9 @@ class Guard:
 
     def __init__(self) -> None:
         self._failed: dict[Part, NotMeasured] = {}
+        self.off: Mapping[Part, NotMeasured] = self._failed
+        """The failed parts, live (read only): the hot path tests ``part not in guard.off`` inline, runs the part in
+        its own ``try`` and hands what it raises to :meth:`fail`, a call fewer than :meth:`call` per part."""
 
     def enabled(self, part: Part) -> bool:
         """Whether ``part`` still runs."""

@@ -13,12 +13,16 @@ the peak-reset semantics of ``torch.cuda.reset_peak_memory_stats``. Tensor count
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
+
+_new_reading: Callable[[type[AllocatorReading], tuple[int, int, int, int, int]], AllocatorReading]
+_new_reading = tuple.__new__
+"""An :class:`AllocatorReading` from its five fields in order, without the NamedTuple's Python-level ``__new__``."""
 
 SCRIPTED_DEVICE = DeviceInfo(
     type="cuda", name="Scripted GPU", index=0, total_bytes=16 * 1024**3, compute_capability=(8, 0)
@@ -57,9 +61,17 @@ class ScriptedProbe:
         not_measured: Sequence[NotMeasured] = (),
         free_bytes: int | None = None,
     ) -> None:
-        if not boundaries:
+        kept = tuple(boundaries)
+        if not kept:
             raise ValueError("boundaries must hold at least one ScriptedBoundary, got an empty sequence")
-        self._boundaries = tuple(boundaries)
+        self._boundaries = kept
+        # Per boundary, what a read needs: (allocated, reserved, highest seen at it, retries, OOMs). Built from the
+        # arguments (a subclass may read its own attributes lazily, before __init__ has set them all).
+        plays = tuple(
+            (b.allocated_bytes, b.reserved_bytes, max(b.highest_bytes, b.allocated_bytes), b.alloc_retries, b.ooms)
+            for b in kept
+        )
+        self._plays, self._last, self._count = plays, plays[-1], len(plays)
         self._device = device
         self._utilization = tuple(utilization)
         self._not_measured = tuple(not_measured)
@@ -79,20 +91,18 @@ class ScriptedProbe:
 
     def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:
         """The next scripted boundary, with the peak an allocator would report."""
-        boundary = self._boundaries[min(self.reads, len(self._boundaries) - 1)]
-        self.reads += 1
-        self._reserved = boundary.reserved_bytes
-        self._peak = max(self._peak, boundary.highest_bytes, boundary.allocated_bytes)
-        reading = AllocatorReading(
-            allocated_bytes=boundary.allocated_bytes,
-            reserved_bytes=boundary.reserved_bytes,
-            peak_allocated_bytes=self._peak,
-            alloc_retries=boundary.alloc_retries,
-            ooms=boundary.ooms,
-        )
+        plays, reads = self._plays, self.reads
+        allocated, reserved, highest, retries, ooms = plays[reads] if reads < self._count else self._last
+        self.reads = reads + 1
+        self._reserved = reserved
+        peak = self._peak
+        if highest > peak:
+            peak = highest
+        reading = _new_reading(AllocatorReading, (allocated, reserved, peak, retries, ooms))
         if reset_peak:
             self.resets += 1
-            self._peak = boundary.allocated_bytes
+            peak = allocated
+        self._peak = peak
         return reading
 
     def take_utilization(self) -> UtilizationReading | None:

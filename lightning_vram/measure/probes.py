@@ -6,8 +6,10 @@ and never synchronises the device. Utilization and host memory are read once per
 
 from __future__ import annotations
 
+import os
 import platform
 import warnings
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import psutil
@@ -16,6 +18,10 @@ import torch
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure._nvml import NvmlSampler, NvmlUnavailableError
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
+
+_new_reading: Callable[[type[AllocatorReading], tuple[int, int, int, int, int]], AllocatorReading]
+_new_reading = tuple.__new__
+"""An :class:`AllocatorReading` from its five fields in order, without the NamedTuple's Python-level ``__new__``."""
 
 ALLOCATOR_NOT_ON_CPU = NotMeasured(
     "allocator peaks, reserved memory and 'other'",
@@ -67,8 +73,17 @@ class Probe(Protocol):
         ...
 
 
+_PROCESS: dict[int, psutil.Process] = {}
+"""This process as psutil reads it, by pid (a forked child reads its own): built once, read every log interval."""
+
+
 def _host_rss_bytes() -> int:
-    return int(psutil.Process().memory_info().rss)
+    pid = os.getpid()
+    process = _PROCESS.get(pid)
+    if process is None:
+        _PROCESS.clear()
+        process = _PROCESS[pid] = psutil.Process(pid)
+    return int(process.memory_info().rss)
 
 
 class CpuProbe:
@@ -204,12 +219,16 @@ class CudaProbe:
     def read_allocator(self, reset_peak: bool) -> AllocatorReading | None:
         """One host-side read of the allocator's statistics (no device synchronisation)."""
         stats = torch.cuda.memory_stats_as_nested_dict(self._index)
-        reading = AllocatorReading(
-            allocated_bytes=int(stats["allocated_bytes"]["all"]["current"]),
-            reserved_bytes=int(stats["reserved_bytes"]["all"]["current"]),
-            peak_allocated_bytes=int(stats["allocated_bytes"]["all"]["peak"]),
-            alloc_retries=int(stats["num_alloc_retries"]),
-            ooms=int(stats["num_ooms"]),
+        allocated = stats["allocated_bytes"]["all"]
+        reading = _new_reading(
+            AllocatorReading,
+            (
+                int(allocated["current"]),
+                int(stats["reserved_bytes"]["all"]["current"]),
+                int(allocated["peak"]),
+                int(stats["num_alloc_retries"]),
+                int(stats["num_ooms"]),
+            ),
         )
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(self._index)

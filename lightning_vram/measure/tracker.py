@@ -36,8 +36,12 @@ from lightning_vram.records.measured_json import (
 
 PHASES = tuple(Phase)
 """Phases in step order; a phase's index in it names its slot."""
+SLOT = {phase: index for index, phase in enumerate(PHASES)}
+"""A phase's slot: its index in :data:`PHASES`."""
 UNSET = -1
 """A slot no boundary wrote this step."""
+NO_COUNTS: dict[Phase, Breakdown] = {}
+"""The counted parts of a step before any sampled step (never written to)."""
 
 
 def phase_peak_bytes(start: AllocatorReading, end: AllocatorReading, peak_was_reset: bool) -> int:
@@ -111,23 +115,31 @@ class MemoryTracker:
             slot[0] = UNSET
         self._boundary = reading
         if reading is not None:
-            self._observe(reading)
+            self._observe(reading)  # once a step: close_phase, three times, has it inline
 
     def close_phase(self, phase: Phase, reading: AllocatorReading | None) -> None:
         """The segment since the last boundary ran ``phase``; ``reading`` is the allocator at its end."""
         start = self._boundary
         if reading is None or start is None:
             return
-        if self._reset or reading.peak_allocated_bytes > start.peak_allocated_bytes:
-            peak = reading.peak_allocated_bytes
-        else:
-            peak = max(start.allocated_bytes, reading.allocated_bytes)
-        slot = self._current[PHASES.index(phase)]
+        allocated, reserved, peak, retries, count = reading  # one unpacking: the hot path
+        if not (self._reset or peak > start.peak_allocated_bytes):
+            peak = max(start.allocated_bytes, allocated)
+        slot = self._current[SLOT[phase]]
         if peak > slot[0]:
             slot[0] = peak
-        slot[1] = reading.reserved_bytes
+        slot[1] = reserved
         self._boundary = reading
-        self._observe(reading)
+        # _observe, inline
+        self.alloc_retries = retries
+        self._interval_allocated = allocated
+        self._interval_reserved = reserved
+        seen = self._ooms_seen
+        if seen is None:
+            self.recovered_ooms = 0
+        elif count > seen:
+            self.recovered_ooms = (self.recovered_ooms or 0) + count - seen
+        self._ooms_seen = count
 
     def _observe(self, reading: AllocatorReading) -> None:
         self.alloc_retries = reading.alloc_retries
@@ -150,24 +162,26 @@ class MemoryTracker:
         self.steps += 1
         if attribution is not None:
             self._remember(attribution)
-        counted = (self.latest_attribution.phases if self.latest_attribution is not None else None) or {}
+        latest = self.latest_attribution
+        counted = (latest.phases if latest is not None else None) or NO_COUNTS
         current = self._current
+        phase_best, interval_phase_best = self._phase_best, self._interval_phase_best
         step_bytes, step_phase = UNSET, 0
-        for index, phase in enumerate(PHASES):
-            slot = current[index]
-            if slot[0] == UNSET and attribution is not None and phase in attribution.phases:
-                slot[0] = attribution.phases[phase].counted_bytes  # no allocator (CPU): the counted sum
-                slot[1] = UNSET
+        for index, slot in enumerate(current):
             peak = slot[0]
             if peak == UNSET:
-                continue
+                if attribution is None or PHASES[index] not in attribution.phases:
+                    continue
+                peak = slot[0] = attribution.phases[PHASES[index]].counted_bytes  # no allocator (CPU): counted sum
+                slot[1] = UNSET
             if peak > step_bytes:
                 step_bytes, step_phase = peak, index
-            if peak > self._phase_best[index]:
-                self._phase_best[index] = peak
+            if peak > phase_best[index]:
+                phase_best[index] = peak
+                phase = PHASES[index]
                 self._phase_peaks[phase] = self._record(step, index, slot, counted.get(phase))
-            if peak > self._interval_phase_best[index]:
-                self._interval_phase_best[index] = peak
+            if peak > interval_phase_best[index]:
+                interval_phase_best[index] = peak
         if step_bytes == UNSET:
             return
         self._current, self._last = self._last, current

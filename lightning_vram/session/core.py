@@ -213,7 +213,8 @@ class VramSession:
             self._preflight_pending = False
             if recorder.device is not None:
                 self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
-        if sampler.begin(recorder.tracker.steps, batch) and self._advisor.simulation is None:
+        due, step = sampler.next_step, recorder.tracker.steps  # every step but a few stops at `due`, without a call
+        if due is not None and step >= due and sampler.begin(step, batch) and self._advisor.simulation is None:
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
 
     def before_backward(self) -> None:
@@ -243,14 +244,18 @@ class VramSession:
         phase = recorder.phase
         if phase is None:
             return NO_SCALARS
-        recorder.boundary(phase, None)
         sampler = self._sampler
-        attribution = sampler.finish() if sampler.attributor is not None else None
-        steps = recorder.fold_step(attribution)
-        if attribution is not None and self._sampled_batch is not None:
-            self._advisor.replay(attribution, self._sampled_batch, self.summary)
-        self._sampled_batch = None
-        recorder.end_timing()
+        if sampler.attributor is None:  # every step but the sampled ones: one call
+            steps = recorder.end_step(phase)
+            self._sampled_batch = None
+        else:
+            recorder.boundary(phase, None)
+            attribution = sampler.finish()
+            steps = recorder.fold_step(attribution)
+            if attribution is not None and self._sampled_batch is not None:
+                self._advisor.replay(attribution, self._sampled_batch, self.summary)
+            self._sampled_batch = None
+            recorder.end_timing()
         every = self._log_every
         if every is not None and steps % every == 0:
             return self._assembly.interval_scalars()

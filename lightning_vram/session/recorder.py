@@ -16,7 +16,7 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
-from lightning_vram.measure.probes import BlindProbe, Probe, probe_for
+from lightning_vram.measure.probes import BlindProbe, CpuProbe, Probe, probe_for
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.records import (
@@ -32,6 +32,8 @@ from lightning_vram.records import (
 
 ALLOCATOR, TRACKER, TIMING, UTILIZATION = Part.ALLOCATOR, Part.TRACKER, Part.TIMING, Part.UTILIZATION
 FORWARD = Phase.FORWARD
+CPU_READ_ALLOCATOR = CpuProbe.read_allocator
+"""The CPU's allocator read: it always returns ``None``; a probe that keeps it is not read on the hot path."""
 
 
 class Interval(NamedTuple):
@@ -62,6 +64,7 @@ class StepRecorder:
         """The device the probe opened."""
         self.phase: Phase | None = None
         """The phase running now; ``None`` outside a training step."""
+        self._reads = False  # whether the probe's reads can return anything (not the CPU's, always None)
 
     def open(self, probe: Probe | None, device: torch.device, utilization_interval_seconds: float) -> None:
         """Open ``probe`` (default: the one that fits ``device``); one that fails warns and a blind one reads."""
@@ -71,6 +74,7 @@ class StepRecorder:
             probe = BlindProbe()
             info = probe.open(device)
         self.probe, self.device = probe, info
+        self._reads = not _never_reads(probe)
         if info.type != "cuda":
             warnings.warn(
                 f"VramMonitor: the model trains on {device}, not a CUDA GPU: allocator peaks, 'other' memory"
@@ -91,34 +95,84 @@ class StepRecorder:
         return self._guard.call(ALLOCATOR, probe.read_allocator, self._reset_peak)
 
     def start_step(self) -> AllocatorReading | None:
-        """A training step starts: time it, read the allocator, open its forward phase. Returns the reading."""
+        """A training step starts: time it, read the allocator, open its forward phase. Returns the reading.
+
+        The hot path runs each part in its own ``try`` and hands a failure to :meth:`Guard.fail
+        <lightning_vram._guard.Guard.fail>`: what :meth:`Guard.call <lightning_vram._guard.Guard.call>` does, without
+        its call per part.
+        """
         guard = self._guard
-        guard.call(TIMING, self.timer.batch_started)
-        probe = self.probe
-        reading = guard.call(ALLOCATOR, probe.read_allocator, self._reset_peak) if probe is not None else None
-        guard.call(TRACKER, self.tracker.start_step, reading)
+        off = guard.off
+        if TIMING not in off:
+            try:
+                self.timer.batch_started()
+            except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
+                guard.fail(TIMING, error)
+        reading, probe = None, self.probe
+        if self._reads and probe is not None and ALLOCATOR not in off:
+            try:
+                reading = probe.read_allocator(self._reset_peak)
+            except Exception as error:  # noqa: BLE001 -- as above
+                guard.fail(ALLOCATOR, error)
+        if TRACKER not in off:
+            try:
+                self.tracker.start_step(reading)
+            except Exception as error:  # noqa: BLE001 -- as above
+                guard.fail(TRACKER, error)
         self.phase = FORWARD
         return reading
 
     def boundary(self, label: Phase, next_phase: Phase | None) -> None:
         """End the segment since the last boundary as ``label``: one allocator read, folded by the tracker."""
-        guard, probe = self._guard, self.probe
-        reading = guard.call(ALLOCATOR, probe.read_allocator, self._reset_peak) if probe is not None else None
-        guard.call(TRACKER, self.tracker.close_phase, label, reading)
         self.phase = next_phase
+        probe = self.probe
+        if not self._reads or probe is None:  # no allocator: nothing to read, nothing to fold
+            return
+        guard = self._guard
+        off = guard.off
+        if ALLOCATOR in off:
+            return  # the tracker folds nothing without a reading
+        try:
+            reading = probe.read_allocator(self._reset_peak)
+        except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
+            guard.fail(ALLOCATOR, error)
+            return
+        if reading is not None and TRACKER not in off:
+            try:
+                self.tracker.close_phase(label, reading)
+            except Exception as error:  # noqa: BLE001 -- as above
+                guard.fail(TRACKER, error)
 
     def fold_step(self, attribution: Attribution | None) -> int:
         """Fold the step that ended (with its counts on a sampled step). Returns the steps so far."""
-        guard, tracker = self._guard, self.tracker
-        if guard.enabled(TRACKER):
-            guard.call(TRACKER, tracker.end_step, attribution)
-        else:
+        tracker = self.tracker
+        if TRACKER in self._guard.off:
             tracker.count_step()  # peaks are off, the step count still drives sampling and the report
+            return tracker.steps
+        try:
+            tracker.end_step(attribution)
+        except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
+            self._guard.fail(TRACKER, error)
         return tracker.steps
 
     def end_timing(self) -> None:
         """The step's time ends now (after whatever the step's end ran)."""
-        self._guard.call(TIMING, self.timer.batch_ended)
+        guard = self._guard
+        if TIMING not in guard.off:
+            try:
+                self.timer.batch_ended()
+            except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
+                guard.fail(TIMING, error)
+
+    def end_step(self, label: Phase) -> int:
+        """An unsampled step ends: :meth:`boundary` (``label``), :meth:`fold_step` and :meth:`end_timing` in one call.
+
+        Returns the steps so far.
+        """
+        self.boundary(label, None)
+        steps = self.fold_step(None)
+        self.end_timing()
+        return steps
 
     def take_interval(self) -> Interval:
         """What the log interval since the last call measured, then start a new one."""
@@ -151,8 +205,18 @@ class StepRecorder:
     def close(self) -> None:
         """Close the probe (its background thread must stop, whatever failed before)."""
         probe, self.probe = self.probe, None
+        self._reads = False
         if probe is not None:
             self._guard.call(Part.PROBE, probe.close)
+
+
+def _never_reads(probe: Probe) -> bool:
+    """Whether ``probe`` is a CPU probe whose ``read_allocator`` is the CPU's own (always ``None``, never raises)."""
+    return (
+        isinstance(probe, CpuProbe)
+        and getattr(type(probe), "read_allocator", None) is CPU_READ_ALLOCATOR
+        and "read_allocator" not in vars(probe)
+    )
 
 
 class AllocatorHistory:

@@ -47,16 +47,17 @@ class Sampler:
         self._notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with the attributors
         self._compiled_note: NotMeasured | None = None
         self._hook_apis: tuple[str, ...] | None = None  # saved-tensor-hook APIs the training code uses, once known
-        self._next: int | None = config.attribution_start_step  # the next sampled step (None: none)
+        self.next_step: int | None = config.attribution_start_step
+        """The next sampled step (``None``: none): :meth:`begin` returns ``False`` on any step before it."""
 
     def begin(self, step: int, batch: Any) -> bool:
         """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on)."""
-        sampled = self._next
+        sampled = self.next_step
         if sampled is None or step < sampled:  # every step but a few ends here
             return False
         if step > sampled:  # steps restored from a checkpoint
             sampled = self._config.next_sampled_step(step)
-        self._next = self._config.next_sampled_step(step + 1) if sampled == step else sampled
+        self.next_step = self._config.next_sampled_step(step + 1) if sampled == step else sampled
         if sampled != step or not self._guard.enabled(Part.ATTRIBUTION):
             return False
         model = self._context.model
