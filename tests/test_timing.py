@@ -1,3 +1,9 @@
+from typing import Any
+
+import torch
+from models import Classifier, ScriptedClock, dataset_for, linear_net, loader
+
+from lightning_vram import VramSession
 from lightning_vram.measure.timing import StepTimer
 
 
@@ -35,3 +41,37 @@ def test_window_is_bounded() -> None:
     assert timer.median_step_seconds() == 5.0  # only the last three steps remain
     assert timer.recent_data_wait_fraction() == 0.0
     assert timer.data_wait_fraction() == 0.0
+
+
+def test_the_replay_of_a_sampled_step_is_neither_step_time_nor_data_wait() -> None:
+    clock = ScriptedClock()
+    model = Classifier(linear_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = VramSession(console_summary=False, attribution_start_step=2, attribution_every_n_steps=None, clock=clock)
+    session.start(model, [optimizer])
+    replay = session._advisor.replay
+
+    def slow_replay(*args: Any) -> None:
+        replay(*args)
+        clock.now += 100.0  # a replay that takes 100 s of the host clock
+
+    session._advisor.replay = slow_replay  # type: ignore[method-assign]
+    for step, batch in enumerate(loader(dataset_for("linear"))):
+        if step == 6:
+            break
+        clock.now += 0.25  # data wait
+        session.batch_start(batch)
+        loss = model.training_step(batch, step)
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        clock.now += 1.0  # work
+        session.batch_end()
+    assert session.simulation is not None  # the sampled step was replayed
+    summary = session.summary()
+    assert summary.step_seconds_median == 1.25
+    assert summary.timed_steps == 4  # steps 1 to 5, but for step 3, whose wait followed the replay
+    assert summary.data_wait_fraction == 0.2
+    session.finish()

@@ -252,10 +252,11 @@ class VramSession:
             recorder.boundary(phase, None)
             attribution = sampler.finish()
             steps = recorder.fold_step(attribution)
+            recorder.end_timing()
             if attribution is not None and self._sampled_batch is not None:
                 self._advisor.replay(attribution, self._sampled_batch, self.summary)
+                recorder.timer.break_continuity()  # the replay's time is neither this step's nor the next one's wait
             self._sampled_batch = None
-            recorder.end_timing()
         every = self._log_every
         if every is not None and steps % every == 0:
             return self._assembly.interval_scalars()
