@@ -24,7 +24,7 @@ from lightning_vram.measure._recompute import Recomputation, running_backward
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
-from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation
+from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation, SavedTensor
 from lightning_vram.measure.observations import ModuleObserver, stored_attribute
 from lightning_vram.measure.storages import (
     StorageBytes,
@@ -37,7 +37,7 @@ from lightning_vram.measure.storages import (
     tensor_storages,
 )
 from lightning_vram.measure.tallies import OUTSIDE_MODULES, ROOT_MODULE, ModuleTally, module_profiles, phase_breakdown
-from lightning_vram.measure.tensors import batch_size_of, iter_tensors, without_history
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.records import Attribution, Breakdown, NotMeasured, Phase
 
 
@@ -149,8 +149,7 @@ class StepAttributor:
                 continue  # inside a compiled graph the hooks would not fire, and adding them forces recompiles
             self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
             self._handles.append(child.register_forward_hook(self._leave, always_call=True))
-        unpack = self._unpack_checked if self._counting.check_versions else self._unpack
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saved_tensors_hooks = hooks
 
@@ -245,12 +244,12 @@ class StepAttributor:
 
     def _pack(self, tensor: Tensor) -> Any:
         if self.error is not None:
-            return without_history(tensor)
+            return SavedTensor(tensor)
         try:
             return self._pack_counted(tensor)
         except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
             self._failed(error)
-            return without_history(tensor)
+            return SavedTensor(tensor)
 
     def _pack_counted(self, tensor: Tensor) -> Any:
         if parameter_partition(tensor) is not None:
@@ -260,7 +259,7 @@ class StepAttributor:
         keys = [(self._key_of(storage), storage.nbytes()) for storage in found]
         keys = [(key, nbytes) for key, nbytes in keys if key and key not in self._parameters]
         if not keys:
-            return without_history(tensor)
+            return SavedTensor(tensor)
         owner: str | None = self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
         if running_backward(default=self._recomputation is not None):
             owner = None  # saved by a recomputation in backward, not by the forward pass
@@ -269,17 +268,11 @@ class StepAttributor:
                 self._on_saved(key, nbytes)
             self._ledger.acquire(key, nbytes, owner)
             self._observer.saved(key)
-        version = tensor._version if self._counting.check_versions else None
-        return SavedActivation(tensor, self._ledger, tuple(key for key, _ in keys), version)
+        return SavedActivation(tensor, self._ledger, tuple(key for key, _ in keys))
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
-        unpacked: Tensor = packed.tensor if isinstance(packed, SavedActivation) else packed
-        return unpacked
-
-    @staticmethod
-    def _unpack_checked(packed: Any) -> Tensor:
-        unpacked: Tensor = packed.unpack() if isinstance(packed, SavedActivation) else packed
+        unpacked: Tensor = packed.unpack() if isinstance(packed, SavedTensor) else packed
         return unpacked
 
     def before_backward(self) -> None:

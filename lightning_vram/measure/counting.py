@@ -16,11 +16,9 @@ class Counting:
     watch_recomputation: bool
     """Whether the counter pushes a dispatch mode of its own to see what a recomputation creates; otherwise the
     caller hands it every operator's output (``StepAttributor.on_output``)."""
-    check_versions: bool
-    """Whether a saved tensor modified in place before backward unpacks it raises, as autograd's own check would."""
     raise_errors: bool
     """Whether an error inside the hooks propagates; otherwise it is kept in ``error`` and the hooks stand aside."""
 
 
-SAMPLED = Counting(DATA_POINTER, watch_recomputation=True, check_versions=False, raise_errors=False)
+SAMPLED = Counting(DATA_POINTER, watch_recomputation=True, raise_errors=False)
 """A sampled step of the user's training: real storages, and the monitor never breaks the step."""

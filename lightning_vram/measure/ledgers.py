@@ -16,32 +16,41 @@ from lightning_vram.measure.storages import StorageBytes, StorageKey, add_storag
 from lightning_vram.measure.tensors import without_history
 
 
-class SavedActivation:
-    """What autograd keeps instead of a saved tensor while the ledger watches; released when autograd frees it.
+class SavedTensor:
+    """A tensor autograd saved, as the monitor's saved-tensor hooks keep it: without its history, with its version.
 
-    ``version`` is the tensor's version counter when it was saved, or ``None`` not to check it. Saved-tensor hooks
-    replace autograd's own check that a saved tensor was not modified in place before backward used it; with a
-    version, :meth:`unpack` makes the same check, so a change that breaks backward (a checkpointed unit starting
-    with an inplace op) raises in a replay as it would in training.
+    Saved-tensor hooks switch off autograd's own check that a saved tensor was not modified in place before backward
+    used it; :meth:`unpack` makes that check instead, so an in-place change that breaks the user's backward raises
+    there as it does without the monitor (an inference tensor has no version to check).
     """
 
-    __slots__ = ("_keys", "_ledger", "_version", "tensor")
+    __slots__ = ("_version", "tensor")
 
-    def __init__(self, tensor: Tensor, ledger: ActivationLedger, keys: tuple[int, ...], version: int | None) -> None:
+    def __init__(self, tensor: Tensor) -> None:
         self.tensor = without_history(tensor)
-        self._ledger = ledger
-        self._keys = keys
-        self._version = version
+        self._version = None if tensor.is_inference() else tensor._version
 
     def unpack(self) -> Tensor:
-        """The saved tensor, unless it was modified in place since it was saved (where its version was kept)."""
-        tensor = self.tensor
-        if self._version is not None and tensor._version != self._version:
+        """The saved tensor, unless it was modified in place since it was saved."""
+        tensor, version = self.tensor, self._version
+        if version is not None and tensor._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation:"
-                f" a {list(tensor.shape)} tensor saved at version {self._version} is at version {tensor._version}"
+                f" [{tensor.dtype} {list(tensor.shape)}] is at version {tensor._version}; expected version {version}"
+                " instead (checked by lightning_vram's saved-tensor hooks, which stand in for autograd's own check)"
             )
         return tensor
+
+
+class SavedActivation(SavedTensor):
+    """A saved tensor the ledger counts: its storages are released when autograd frees it."""
+
+    __slots__ = ("_keys", "_ledger")
+
+    def __init__(self, tensor: Tensor, ledger: ActivationLedger, keys: tuple[int, ...]) -> None:
+        super().__init__(tensor)
+        self._ledger = ledger
+        self._keys = keys
 
     def __del__(self) -> None:
         for key in self._keys:

@@ -70,6 +70,11 @@ class StepTimer:
         self._run_total += step_seconds
         self.timed_steps += 1
 
+    def restart_wait(self) -> None:
+        """The time since the last batch ended was the monitor's own (a replay): the next wait starts now."""
+        if self._ended_at is not None:
+            self._ended_at = self._clock()
+
     def break_continuity(self) -> None:
         """Time until the next batch is not data wait (an epoch boundary, a validation run)."""
         self._ended_at = None

@@ -123,8 +123,8 @@ class Assembly:
         if tracker.steps == 0:
             found.append(NO_STEP)
         found += self._notes()
-        if tracker.latest_attribution is None and tracker.steps and guard.enabled(Part.ATTRIBUTION):
-            start = self._config.attribution_start_step
+        start = self._config.attribution_start_step
+        if tracker.latest_attribution is None and 0 < tracker.steps <= start and guard.enabled(Part.ATTRIBUTION):
             found.append(
                 NotMeasured("tensor-by-tensor attribution", f"no training batch reached attribution_start_step={start}")
             )

@@ -255,7 +255,7 @@ class VramSession:
             recorder.end_timing()
             if attribution is not None and self._sampled_batch is not None:
                 self._advisor.replay(attribution, self._sampled_batch, self.summary)
-                recorder.timer.break_continuity()  # the replay's time is neither this step's nor the next one's wait
+                recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
             self._sampled_batch = None
         every = self._log_every
         if every is not None and steps % every == 0:

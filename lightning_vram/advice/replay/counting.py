@@ -26,7 +26,7 @@ from lightning_vram.measure.counting import Counting
 from lightning_vram.measure.storages import weak_identity
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
 
-REPLAYED = Counting(weak_identity, watch_recomputation=False, check_versions=True, raise_errors=True)
+REPLAYED = Counting(weak_identity, watch_recomputation=False, raise_errors=True)
 """A step replayed under fake tensors: storages known by identity, outputs from the replay, errors raised."""
 
 Producer = Callable[[int], str | None]
