@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from models import Classifier, dataset_for, loader
@@ -25,6 +27,15 @@ def plain_run(log_dir: str | Path | None, network: nn.Module | None = None, step
     data = loader(dataset_for("linear"))
     session = VramSession(log_dir=log_dir, attribution_start_step=1, attribution_every_n_steps=1, console_summary=False)
     session.start(module, optimizers=[optimizer], dataloader=data)
+    train_steps(session, module, optimizer, data, steps)
+    session.finish()
+    return session
+
+
+def train_steps(
+    session: VramSession, module: Classifier, optimizer: torch.optim.Optimizer, data: Iterable[Any], steps: int
+) -> None:
+    """Lightning's automatic optimization written out, ``steps`` batches: forward, zero_grad, backward, step."""
     for step, batch in enumerate(data):
         if step == steps:
             break
@@ -36,8 +47,6 @@ def plain_run(log_dir: str | Path | None, network: nn.Module | None = None, step
         session.before_optimizer_step()
         optimizer.step()
         session.batch_end()
-    session.finish()
-    return session
 
 
 FILES = ("vram_report.json", "vram_report.md", "vram_report.html")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+from sessions import train_steps
 from torch import nn
 
 from lightning_vram import VramMonitor, VramSession
@@ -25,17 +26,7 @@ def plain_loop(session: VramSession, module: Classifier, steps: int) -> None:
     optimizer = module.configure_optimizers()
     data = loader(dataset_for("cnn"))
     session.start(module, optimizers=[optimizer], dataloader=data)
-    for step, batch in enumerate(data):
-        if step == steps:
-            break
-        session.batch_start(batch)
-        loss = module.training_step(batch, step)
-        optimizer.zero_grad()
-        session.before_backward()
-        loss.backward()
-        session.before_optimizer_step()
-        optimizer.step()
-        session.batch_end()
+    train_steps(session, module, optimizer, data, steps)
     session.finish()
 
 

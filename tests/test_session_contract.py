@@ -8,7 +8,7 @@ import warnings
 
 import torch
 from models import Classifier, dataset_for, linear_net, loader
-from sessions import new_session
+from sessions import new_session, train_steps
 
 from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram.records import Phase
@@ -118,15 +118,9 @@ def test_a_monitor_and_a_session_pickle_before_and_after_a_run() -> None:
     assert isinstance(pickle.loads(pickle.dumps(monitor)), VramMonitor)
     session = new_session()
     model = Classifier(linear_net())
-    session.start(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
-    for batch in loader(dataset_for("linear")):
-        session.batch_start(batch)
-        loss = model.training_step(batch, 0)
-        session.before_backward()
-        loss.backward()
-        session.before_optimizer_step()
-        session.batch_end()
-        break
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session.start(model, [optimizer])
+    train_steps(session, model, optimizer, loader(dataset_for("linear")), steps=1)
     session.finish()
     restored = pickle.loads(pickle.dumps(session))
     assert restored.report is not None and restored.report.steps == 1
