@@ -1,21 +1,78 @@
-"""The code a checkpointing plan asks the user to write, for the advice's title and detail."""
+"""The code a checkpointing plan asks the user to write, for the advice's title and detail.
+
+Three idioms, each the one the replay applied to check the plan:
+
+- a transformers model's own switch (``model.activation_checkpointing_enable(...)``): every layer of every stack;
+- a ``Checkpointed`` wrapper put in place of each unit of one module (the usual case): the unit runs under
+  ``checkpoint`` with every argument its caller gives it (positional and keyword: attention masks, position
+  embeddings) and returns what it returns (a tensor, a tuple, a dict), so the caller's code does not change;
+- for a unit of several consecutive modules (an inplace op joins the one before it), ``x = checkpoint(...)`` lines in
+  the forward that calls them, and ``checkpoint_sequential`` for an ``nn.Sequential``: both pass one tensor along.
+"""
 
 from __future__ import annotations
+
+from itertools import groupby
 
 from lightning_vram.records import CheckpointPlan
 
 CHECKPOINT_LINES = 6
 """Units spelled out one line each in the advice's code; the rest are named."""
 
+CHECKPOINTED_CLASS = '''from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Checkpointed(nn.Module):
+    """Runs `block` under activation checkpointing with every argument it is given; returns what it returns."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # a caller reading the block's settings
+            if name == "block":
+                raise
+            return getattr(self.block, name)
+'''
+"""The wrapper the advice prints (and the replay's ``_CheckpointedCall`` does the same for a one-module unit)."""
+
 
 def _code_path(name: str, forward_of: str) -> str:
     """Module ``name`` as code in the forward of ``forward_of``.
 
-    >>> _code_path("transformer.h.3", "transformer"), _code_path("network.conv1", "")
-    ('self.h[3]', 'self.network.conv1')
+    >>> _code_path("transformer.h.3", "transformer"), _code_path("network.conv1", ""), _code_path("", "")
+    ('self.h[3]', 'self.network.conv1', 'self')
     """
     relative = name[len(forward_of) + 1 :] if forward_of else name
+    if not relative:
+        return "self"
     return "self" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
+
+
+def layer_ranges(names: tuple[str, ...]) -> str:
+    """Layers by name, consecutive indices of one parent as a range.
+
+    >>> layer_ranges(("m.encoder.block.0", "m.encoder.block.1", "m.decoder.block.0", "m.decoder.block.1", "m.head"))
+    'm.encoder.block.0-1, m.decoder.block.0-1 and m.head'
+    """
+    parts: list[str] = []
+    for parent, group in groupby(names, key=lambda name: name.rpartition(".")[0]):
+        indices = [name.rpartition(".")[2] for name in group]
+        if all(index.isdigit() for index in indices) and [int(index) for index in indices] == list(
+            range(int(indices[0]), int(indices[0]) + len(indices))
+        ):
+            span = indices[0] if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+            parts.append(f"{parent}.{span}" if parent else span)
+        else:
+            parts += [f"{parent}.{index}" if parent else index for index in indices]
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _unit_call(unit: tuple[str, ...], forward_of: str) -> str:
@@ -28,8 +85,52 @@ def _unit_call(unit: tuple[str, ...], forward_of: str) -> str:
     return f"lambda t: {call}"
 
 
+def _switch_snippet(plan: CheckpointPlan) -> tuple[str, str]:
+    """The library's own call, on the model that has it, and the layers it covers."""
+    layers = tuple(unit[0] for unit in plan.units)
+    model = _code_path(plan.container, "")
+    argument = (plan.switch or "").removesuffix("_enable") + "_kwargs"
+    what = f"every layer of `{plan.container or 'the model'}` ({layer_ranges(layers)}) with its own switch"
+    code = (
+        f"# in the LightningModule's __init__, once {model} is built (it checkpoints while training):\n"
+        f"{model}.config.use_cache = False  # a key/value cache is of no use in training and clashes with it\n"
+        f'{model}.{plan.switch}({argument}={{"use_reentrant": False}})'
+    )
+    return what, code
+
+
+def _wrapper_snippet(plan: CheckpointPlan) -> str:
+    """The ``Checkpointed`` wrapper put in place of each one-module unit, once the model is built."""
+    names = [unit[0] for unit in plan.units]
+    parent, _, _ = names[0].rpartition(".")
+    indices = [name.rpartition(".")[2] for name in names]
+    same_parent = all(name.rpartition(".")[0] == parent for name in names)
+    if len(names) > 1 and same_parent and all(map(str.isdigit, indices)):
+        container = _code_path(parent, "")
+        first, last = int(indices[0]), int(indices[-1])
+        if list(map(int, indices)) == list(range(first, last + 1)):
+            lines = [
+                f"for index in range({first}, {last + 1}):",
+                f"    {container}[index] = Checkpointed({container}[index])",
+            ]
+        else:
+            lines = [
+                f"for index in ({', '.join(indices)}):",
+                f"    {container}[index] = Checkpointed({container}[index])",
+            ]
+    else:
+        lines = [f"{_code_path(name, '')} = Checkpointed({_code_path(name, '')})" for name in names]
+    return (
+        f"{CHECKPOINTED_CLASS}\n\n"
+        "# in the LightningModule's __init__, once the model is built (their state_dict keys gain `.block`):\n"
+        + "\n".join(lines)
+    )
+
+
 def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
     """What the plan checkpoints, in words (for the title), and the code to write (for the detail)."""
+    if plan.switch is not None:
+        return _switch_snippet(plan)
     forward_of = plan.forward_of or ""
     where = f"the forward of `{forward_of}`" if forward_of else "the LightningModule's forward (or training_step)"
     if plan.sequential_segments is not None:
@@ -48,16 +149,8 @@ def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
         else f"{len(plan.units)} units of {f'`{plan.container}`' if plan.container else 'the model'}, `{first}` to"
         f" `{last}`"
     )
-    indices = [unit[0].rsplit(".", 1)[-1] for unit in plan.units]
-    if plan.container != forward_of and all(len(unit) == 1 for unit in plan.units) and all(map(str.isdigit, indices)):
-        loop = _code_path(plan.container, forward_of)
-        code = (
-            "from torch.utils.checkpoint import checkpoint\n"
-            f"# in {where}, in its loop over {loop}:\n"
-            f"for index, block in enumerate({loop}):\n"
-            f"    x = checkpoint(block, x, use_reentrant=False) if {indices[0]} <= index <= {indices[-1]} else block(x)"
-        )
-        return what, code
+    if all(len(unit) == 1 for unit in plan.units):
+        return what, _wrapper_snippet(plan)
     lines = [f"x = checkpoint({_unit_call(unit, forward_of)}, x, use_reentrant=False)" for unit in plan.units]
     if len(lines) > CHECKPOINT_LINES:
         rest = ", ".join(f"`{unit[0]}`" for unit in plan.units[CHECKPOINT_LINES:])

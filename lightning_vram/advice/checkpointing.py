@@ -13,6 +13,9 @@ overwrites that input makes backward raise "modified by an inplace operation". S
 ``ReLU(inplace=True)``) joins the unit before it; ``checkpoint_sequential`` segments cannot move, so a segment
 count that would start a checkpointed segment with one is not proposed.
 
+A transformers model that checkpoints its layers itself (a :class:`~lightning_vram.records.CheckpointSwitch`) gets
+one plan only, its own call: every layer of every stack (encoder and decoder) in one round, in the user's idiom.
+
 What a plan frees is modelled storage by storage (:func:`plan_peak`): in forward a checkpointed unit keeps only
 its input; storages at a unit's boundary stay while a neighbour that is not checkpointed saves them; in backward
 each checkpointed unit is recomputed in turn while the earlier units keep what they keep.
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_vram.records import CheckpointPlan, ModuleProfile
+from lightning_vram.records import CheckpointPlan, CheckpointSwitch, ModuleProfile
 
 ROOT = "(root)"
 OUTSIDE = "(training_step)"
@@ -252,8 +255,34 @@ def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
     return sorted(useful, key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
 
 
-def checkpoint_candidates(profiles: tuple[ModuleProfile, ...], limit: int = CANDIDATE_PLANS) -> list[CheckpointPlan]:
-    """Up to ``limit`` applicable plans, the largest modelled saving first: what the step replay should try."""
+def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -> CheckpointPlan | None:
+    """The library's own call checkpointing every layer of ``switch``'s model, with its modelled saving.
+
+    ``None`` when none of its layers ran in the sampled forward pass.
+    """
+    indexed = ProfileIndex(profiles)
+    names = sorted((name for name in switch.layers if name in indexed.called), key=indexed.order.__getitem__)
+    if not names:
+        return None
+    units = [indexed.unit([name]) for name in names]
+    before, after = indexed.outside(names)
+    plain = before + after + sum(unit.saved for unit in units)
+    saving = plain - plan_peak(units, [True] * len(units), before, after)
+    return CheckpointPlan(
+        switch.model, tuple((name,) for name in switch.layers), None, saving, switch.model, switch=switch.method
+    )
+
+
+def checkpoint_candidates(
+    profiles: tuple[ModuleProfile, ...], switches: tuple[CheckpointSwitch, ...] = (), limit: int = CANDIDATE_PLANS
+) -> list[CheckpointPlan]:
+    """Up to ``limit`` applicable plans, the largest modelled saving first: what the step replay should try.
+
+    Where the model has ``switches`` (transformers' own call), only those are offered: the user's idiom.
+    """
+    own = [plan for switch in switches if (plan := switch_plan(profiles, switch)) is not None]
+    if own:
+        return sorted(own, key=lambda plan: -plan.saving_bytes)[:limit]
     return _ranked_plans(profiles)[:limit]
 
 

@@ -39,7 +39,7 @@ def change_key(change: StepChange) -> object:
     """
     if isinstance(change, CheckpointChange):
         plan = change.plan
-        return ("checkpoint", plan.container, plan.units, plan.sequential_segments, plan.forward_of or "")
+        return ("checkpoint", plan.container, plan.units, plan.sequential_segments, plan.forward_of or "", plan.switch)
     return change
 
 

@@ -11,7 +11,9 @@ generator, a user's module may refuse a probe), no property or ``__getattr__`` i
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_vram.measure.deepspeed_zero import full_numel, parameter_bytes, wrapped_optimizer
 from lightning_vram.measure.observations import stored_attribute
 from lightning_vram.measure.storages import local_tensor
-from lightning_vram.records import LinearLayer, TrainingSetup
+from lightning_vram.records import CheckpointSwitch, LinearLayer, TrainingSetup
 
 
 def first_dataloader(loaders: Any) -> DataLoader[Any] | None:
@@ -188,6 +190,50 @@ def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     return type(user_optimizer(optimizer)).__name__
 
 
+def _is_a(module: nn.Module, kind: type) -> bool:
+    """``isinstance`` as a plain bool (a type known only at run time would narrow ``module`` to ``object``)."""
+    return isinstance(module, kind)
+
+
+def _checkpointing_off(layer: nn.Module) -> bool:
+    """Whether a transformers layer has checkpointing off (its flag read as stored, no property run)."""
+    try:
+        return inspect.getattr_static(layer, "gradient_checkpointing") is False
+    except AttributeError:
+        return False
+
+
+def checkpointing_switches(module: nn.Module) -> tuple[CheckpointSwitch, ...]:
+    """The outermost transformers models in ``module`` that checkpoint their layers with one call, where it is off.
+
+    Only where the user's code imported transformers (nothing is imported here) and its layers are its
+    ``GradientCheckpointingLayer``s, which ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    before it) turns on, every stack's at once.
+    """
+    library, layers_module = sys.modules.get("transformers"), sys.modules.get("transformers.modeling_layers")
+    pretrained = getattr(library, "PreTrainedModel", None)
+    layer_type = getattr(layers_module, "GradientCheckpointingLayer", None)
+    if not isinstance(pretrained, type) or not isinstance(layer_type, type):
+        return ()
+    switches: list[CheckpointSwitch] = []
+    for name, child in module.named_modules():
+        inside = any(not switch.model or name.startswith(f"{switch.model}.") for switch in switches)
+        if inside or not _is_a(child, pretrained):
+            continue
+        if inspect.getattr_static(type(child), "supports_gradient_checkpointing", False) is not True:
+            continue
+        prefix = f"{name}." if name else ""
+        layers = [(f"{prefix}{inner}", layer) for inner, layer in child.named_modules() if _is_a(layer, layer_type)]
+        if layers and all(_checkpointing_off(layer) for _, layer in layers):
+            method = (
+                "activation_checkpointing_enable"
+                if hasattr(type(child), "activation_checkpointing_enable")
+                else "gradient_checkpointing_enable"
+            )
+            switches.append(CheckpointSwitch(name, method, tuple(layer_name for layer_name, _ in layers)))
+    return tuple(switches)
+
+
 def training_setup(
     module: nn.Module,
     optimizers: Iterable[torch.optim.Optimizer],
@@ -215,4 +261,5 @@ def training_setup(
         parameter_bytes=parameter_bytes(module),
         linear_layers=linear_layers(module),
         inplace_keeps_result=tuple(name for name, child in module.named_modules() if inplace_keeps_result(child)),
+        checkpointing_switches=checkpointing_switches(module),
     )

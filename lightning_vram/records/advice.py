@@ -80,6 +80,8 @@ class CheckpointPlan:
     ``forward_of`` is the module whose forward calls them (``container`` itself, or the parent of an
     ``nn.ModuleList``; ``""`` for the LightningModule). With ``sequential_segments``, ``container`` is an
     ``nn.Sequential`` run by ``checkpoint_sequential`` with that many segments (the last one not checkpointed).
+    With ``switch``, ``container`` is a library model (transformers) whose own method of that name checkpoints
+    every one of its layers, ``units`` (each stack's: encoder and decoder together).
     """
 
     container: str
@@ -87,6 +89,7 @@ class CheckpointPlan:
     sequential_segments: int | None
     saving_bytes: int
     forward_of: str | None = None
+    switch: str | None = None
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,21 @@ class LinearLayer:
 
 
 @dataclass(frozen=True)
+class CheckpointSwitch:
+    """A library model that checkpoints all its layers with one call of its own (transformers' models).
+
+    ``model``: its name in the trained module (``""``: the module itself); ``method``: the call that turns
+    checkpointing on (``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` where the library
+    has no other); ``layers``: the layers that call checkpoints, by name, in registration order (every stack's:
+    an encoder's and a decoder's together).
+    """
+
+    model: str
+    method: str
+    layers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TrainingSetup:
     """How the user set up training, read from the Trainer (or given to a session) and the model."""
 
@@ -262,6 +277,8 @@ class TrainingSetup:
     inplace_keeps_result: tuple[str, ...] = ()
     """Out-of-place activation modules (by name) whose inplace variant saves only its result for backward,
     as tried on a small tensor: inplace, their input and output become one saved tensor."""
+    checkpointing_switches: tuple[CheckpointSwitch, ...] = ()
+    """The library models in the module that turn checkpointing on themselves and have it off."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class CheckpointChange:
         """How the report names the change."""
         plan = self.plan
         where = plan.container or "the model"
+        if plan.switch is not None:
+            return f"{where}.{plan.switch}() ({len(plan.units)} layers)"
         if plan.sequential_segments is not None:
             return f"checkpoint {where} in {plan.sequential_segments} segments"
         first, last = plan.units[0][0], plan.units[-1][-1]

@@ -40,6 +40,7 @@ def change_parameters(change: StepChange) -> dict[str, Any]:
             "sequential_segments": plan.sequential_segments,
             "forward_of": plan.forward_of,
             "modelled_saving_bytes": plan.saving_bytes,
+            "switch": plan.switch,
         }
     if isinstance(change, InplaceChange):
         return {"modules": list(change.modules)}
@@ -128,6 +129,7 @@ def _change(kind: ChangeKind, parameters: Reader) -> StepChange:
             sequential_segments=parameters.optional_integer("sequential_segments", minimum=1),
             saving_bytes=parameters.integer("modelled_saving_bytes", minimum=None),
             forward_of=parameters.optional_text("forward_of"),
+            switch=parameters.added("switch", Reader.optional_text, None),
         )
         return CheckpointChange(plan)
     if kind == ChangeKind.INPLACE:

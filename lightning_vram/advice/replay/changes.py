@@ -5,7 +5,9 @@ advice's snippet does; otherwise each unit runs in non-reentrant ``torch.utils.c
 parent calls it, the module itself called (hooks and all) as ``checkpoint(self.block, x)`` calls it. A unit of
 several consecutive children is run whole, under one checkpoint, at its first child's call; the parent's following
 calls of the others then pass their input through once (the plan's units are children the parent calls one after
-the other). Inplace sets the modules' ``inplace`` flag. Only the replay's copy
+the other). A plan with a ``switch`` (a transformers model's own call) makes that call on the copy, as the advice
+prints it: ``use_cache`` off in its config, then ``activation_checkpointing_enable`` with non-reentrant
+checkpointing. Inplace sets the modules' ``inplace`` flag. Only the replay's copy
 changes.
 """
 
@@ -85,12 +87,27 @@ def _passing_once(forward: Callable[..., Any], module: nn.Module, passing: dict[
     return run
 
 
+def _switch_on(module: nn.Module, plan: CheckpointPlan, switch: str) -> None:
+    """The advice's two lines on the copy's library model: no key/value cache, its own checkpointing switch."""
+    model = _submodule(module, plan.container, "the checkpointing plan")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{plan.container!r} ({type(model).__name__}) has no config: not a transformers model")
+    config.use_cache = False
+    argument = switch.removesuffix("_enable") + "_kwargs"
+    getattr(model, switch)(**{argument: {"use_reentrant": False}})
+
+
 def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
     """Checkpoint ``plan``'s units in ``module`` (a replay's copy).
 
-    A plan with ``sequential_segments`` runs its container, an ``nn.Sequential``, through ``checkpoint_sequential``;
-    otherwise each unit is checkpointed where its parent calls it.
+    A plan with a ``switch`` calls it on its container (a transformers model). A plan with ``sequential_segments``
+    runs its container, an ``nn.Sequential``, through ``checkpoint_sequential``; otherwise each unit is
+    checkpointed where its parent calls it.
     """
+    if plan.switch is not None:
+        _switch_on(module, plan, plan.switch)
+        return
     container = _submodule(module, plan.container, "the checkpointing plan")
     segments = plan.sequential_segments
     if segments is not None:

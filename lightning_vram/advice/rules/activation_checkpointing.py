@@ -37,7 +37,9 @@ MODELLED_CHECKPOINT = (
 
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
     """Each candidate checkpointing plan of the sampled step's modules."""
-    return tuple(CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules))
+    return tuple(
+        CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules, setup.checkpointing_switches)
+    )
 
 
 def activation_checkpointing(
@@ -48,7 +50,7 @@ def activation_checkpointing(
     if attributed is None or attributed[1].largest_part != "activations":
         return None
     peak, breakdown = attributed
-    candidates = checkpoint_candidates(summary.modules)
+    candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
     modelled = [Modelled(plan.saving_bytes, peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates]
     found = [
         (plan, resolve_saving(simulation, CheckpointChange(plan), model))
