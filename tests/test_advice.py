@@ -58,7 +58,8 @@ def test_activation_checkpointing_names_the_blocks_and_the_saving() -> None:
     assert "`encoder.layers.0`" in advice.title
     assert "activations are 37.5% of the backward peak (3.00 GiB of 8.00 GiB)" in advice.evidence
     assert "encoder.layers.0 750.0 MiB" in advice.evidence
-    assert "checkpoint(block, x, use_reentrant=False)" in advice.detail
+    assert "return checkpoint(self.block, *args, use_reentrant=False, **kwargs)" in advice.detail
+    assert "self.encoder.layers[index] = Checkpointed(self.encoder.layers[index])" in advice.detail
 
 
 def test_activation_checkpointing_near_misses() -> None:
@@ -211,8 +212,10 @@ def test_a_modulelist_plan_is_written_in_the_forward_that_loops() -> None:
     )
     advice = activation_checkpointing(summary, healthy_setup())
     assert advice is not None
-    assert "# in the forward of `model`, in its loop over self.layers:" in advice.detail
-    assert "if 0 <= index <= 3 else block(x)" in advice.detail
+    # A wrapper in place of each block: the loop in the forward of `model` calls them as before, every argument passed.
+    assert "for index in range(0, 4):\n    self.model.layers[index] = Checkpointed(self.model.layers[index])" in (
+        advice.detail
+    )
 
 
 def test_plan_peak_without_checkpoints_is_what_was_saved() -> None:
