@@ -85,8 +85,8 @@ CHECKPOINT_CASES = {
 CHECKPOINT_CODE = {
     # The stem's inplace relu runs inside bn1's unit, never as a unit of its own.
     "resnet": "# in the forward of `network`, replace the call of each unit by",
-    # The blocks' loop is in TinyGPT's forward: the ModuleList has none.
-    "transformer-modulelist": "# in the forward of `network`, in its loop over self.h:",
+    # A wrapper in place of each block: the loop in TinyGPT's forward calls them as before.
+    "transformer-modulelist": "    self.network.h[index] = Checkpointed(self.network.h[index])",
     "sequential-cnn": "x = checkpoint_sequential(self.network, segments=",
 }
 

@@ -185,9 +185,13 @@ def _assert_realised(before: Report, after: Report, advice: Any) -> None:
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_transformers_checkpointing_advice_applied_as_printed(tmp_path: Path, name: str) -> None:
     architecture = ARCHITECTURES[name]
-    before = _report(tmp_path / "before", architecture.module(), architecture.data(4 * BATCH))
+    trained = architecture.module()
+    use_cache = getattr(trained.model.config, "use_cache", None)
+    before = _report(tmp_path / "before", trained, architecture.data(4 * BATCH))
     code, advice = _code(before)
     assert advice.saving_basis == "simulated", advice.evidence  # the switch was replayed before it was offered
+    # ... on the replay's copy only: the trained model's config and layers are as they were.
+    assert getattr(trained.model.config, "use_cache", None) == use_cache and checkpointing_switches(trained) != ()
     assert f"({architecture.layers})" in advice.title  # every stack's layers, one round
     assert ".activation_checkpointing_enable(" in code and '{"use_reentrant": False}' in code
     module = architecture.module()
