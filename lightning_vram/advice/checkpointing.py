@@ -266,6 +266,10 @@ def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -
         return None
     units = [indexed.unit([name]) for name in names]
     before, after = indexed.outside(names)
+    if switch.model:
+        # A transformers task model runs its base model's layers, then its head and loss: its own saves come after.
+        head = indexed.own.get(switch.model, 0)
+        before, after = before - head, after + head
     plain = before + after + sum(unit.saved for unit in units)
     saving = plain - plan_peak(units, [True] * len(units), before, after)
     return CheckpointPlan(
