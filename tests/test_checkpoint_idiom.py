@@ -296,3 +296,59 @@ def test_a_switch_plan_reads_back_and_older_plans_read_without_one() -> None:
     del data["variants"][0]["parameters"]["switch"]  # as 0.9.0 and earlier wrote it
     read = simulation_from_dict(data)
     assert read is not None and read.variants[0].change == CheckpointChange(replace(plan, switch=None))
+
+
+class CrossBlock(nn.Module):
+    """A decoder block reading the encoder's output: ``(hidden, memory) -> (hidden, attention weights)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.query = nn.Linear(width, width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, hidden: Tensor, memory: Tensor) -> tuple[Tensor, Tensor]:
+        weights = torch.softmax(self.query(hidden) @ memory.transpose(1, 2), dim=-1)
+        hidden = hidden + weights @ memory
+        return hidden + self.down(torch.nn.functional.gelu(self.up(hidden))), weights
+
+
+class EncoderDecoder(pl.LightningModule):
+    """Two stacks (``encoder``, ``decoder``) of blocks taking two tensors and returning tuples."""
+
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.encoder = nn.ModuleList(MaskedBlock(width) for _ in range(depth))
+        self.decoder = nn.ModuleList(CrossBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+        self.steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        features, mask, labels = batch
+        memory = self.embed(features)
+        for block in self.encoder:
+            memory, _ = block(memory, mask=mask.unsqueeze(-1))
+        hidden = memory.flip(1)
+        for layer in self.decoder:
+            hidden, _ = layer(hidden, memory)
+        self.steps += 1
+        return nn.functional.cross_entropy(self.head(hidden.mean(1)), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_one_round_of_plain_checkpointing_advice_covers_encoder_and_decoder(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    before = _report(tmp_path / "before", EncoderDecoder(), _masked_features(4 * BATCH))
+    code, advice = _code(before)
+    assert advice.saving_basis == "simulated", advice.evidence
+    assert "self.encoder[index] = Checkpointed(self.encoder[index])" in code
+    assert "self.decoder[index] = Checkpointed(self.decoder[index])" in code
+    torch.manual_seed(0)
+    module = EncoderDecoder()
+    exec(code, {"self": module})
+    after = _report(tmp_path / "after", module, _masked_features(4 * BATCH))
+    assert module.steps == 3
+    _assert_realised(before, after, advice)

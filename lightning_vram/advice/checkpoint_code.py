@@ -99,27 +99,33 @@ def _switch_snippet(plan: CheckpointPlan) -> tuple[str, str]:
     return what, code
 
 
-def _wrapper_snippet(plan: CheckpointPlan) -> str:
-    """The ``Checkpointed`` wrapper put in place of each one-module unit, once the model is built."""
-    names = [unit[0] for unit in plan.units]
-    parent, _, _ = names[0].rpartition(".")
+def _wrap_lines(names: list[str]) -> list[str]:
+    """Lines putting ``Checkpointed`` in place of each module ``names`` (children of one parent), once it is built.
+
+    >>> _wrap_lines(["net.h.1", "net.h.2"])
+    ['for index in range(1, 3):', '    self.net.h[index] = Checkpointed(self.net.h[index])']
+    """
+    container = _code_path(names[0].rpartition(".")[0], "")
     indices = [name.rpartition(".")[2] for name in names]
-    same_parent = all(name.rpartition(".")[0] == parent for name in names)
-    if len(names) > 1 and same_parent and all(map(str.isdigit, indices)):
-        container = _code_path(parent, "")
-        first, last = int(indices[0]), int(indices[-1])
-        if list(map(int, indices)) == list(range(first, last + 1)):
-            lines = [
-                f"for index in range({first}, {last + 1}):",
-                f"    {container}[index] = Checkpointed({container}[index])",
-            ]
-        else:
-            lines = [
-                f"for index in ({', '.join(indices)}):",
-                f"    {container}[index] = Checkpointed({container}[index])",
-            ]
-    else:
-        lines = [f"{_code_path(name, '')} = Checkpointed({_code_path(name, '')})" for name in names]
+    if len(names) == 1 or not all(map(str.isdigit, indices)):
+        return [f"{_code_path(name, '')} = Checkpointed({_code_path(name, '')})" for name in names]
+    first, last = int(indices[0]), int(indices[-1])
+    over = (
+        f"range({first}, {last + 1})"
+        if list(map(int, indices)) == list(range(first, last + 1))
+        else f"({', '.join(indices)})"
+    )
+    return [f"for index in {over}:", f"    {container}[index] = Checkpointed({container}[index])"]
+
+
+def _wrapper_snippet(plan: CheckpointPlan) -> str:
+    """The ``Checkpointed`` wrapper put in place of each one-module unit (every stack's), once the model is built."""
+    names = [unit[0] for unit in plan.units]
+    lines = [
+        line
+        for _, group in groupby(names, key=lambda name: name.rpartition(".")[0])
+        for line in _wrap_lines(list(group))
+    ]
     return (
         f"{CHECKPOINTED_CLASS}\n\n"
         "# in the LightningModule's __init__, once the model is built (their state_dict keys gain `.block`):\n"

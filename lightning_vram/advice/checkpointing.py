@@ -252,7 +252,54 @@ def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
         else:
             plans += _range_plans(indexed, container, names)
     useful = [plan for plan in plans if plan.saving_bytes > 0]
-    return sorted(useful, key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
+    ranked = sorted(useful, key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
+    stacks = _stacks_plan(indexed, ranked)
+    if stacks is None:
+        return ranked
+    return sorted([stacks, *ranked], key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
+
+
+def _is_stack(indexed: ProfileIndex, container: str) -> bool:
+    """A container of numbered children that is never called itself: an ``nn.ModuleList`` of layers."""
+    names = indexed.children.get(container, [])
+    return container not in indexed.called and all(name.rpartition(".")[2].isdigit() for name in names)
+
+
+def _common_ancestor(names: list[str]) -> str:
+    """The deepest module enclosing every one of ``names`` (``""``: the trained module).
+
+    >>> _common_ancestor(["model.encoder.layers", "model.decoder.layers"]), _common_ancestor(["enc", "dec"])
+    ('model', '')
+    """
+    shared: list[str] = []
+    for column in zip(*(name.split(".") for name in names), strict=False):  # the shortest name bounds it
+        if len(set(column)) > 1:
+            break
+        shared.append(column[0])
+    return ".".join(shared)
+
+
+def _stacks_plan(indexed: ProfileIndex, ranked: list[CheckpointPlan]) -> CheckpointPlan | None:
+    """One plan over several layer stacks (an encoder's and a decoder's): the best plan of each, together.
+
+    Only plans of one-module units (the ``Checkpointed`` wrapper puts each where it is, whoever calls it); ``None``
+    with fewer than two stacks.
+    """
+    best: dict[str, CheckpointPlan] = {}
+    for plan in ranked:
+        one_module = plan.sequential_segments is None and all(len(unit) == 1 for unit in plan.units)
+        if one_module and _is_stack(indexed, plan.container):
+            best.setdefault(plan.container, plan)
+    if len(best) < 2:
+        return None
+    names = sorted((unit[0] for plan in best.values() for unit in plan.units), key=indexed.order.__getitem__)
+    units = [indexed.unit([name]) for name in names]
+    before, after = indexed.outside(names)
+    plain = before + after + sum(unit.saved for unit in units)
+    saving = plain - plan_peak(units, [True] * len(units), before, after)
+    return CheckpointPlan(
+        _common_ancestor(list(best)), tuple((name,) for name in names), None, saving, indexed.caller(names[0]) or None
+    )
 
 
 def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -> CheckpointPlan | None:
