@@ -8,6 +8,9 @@ A plan checkpoints consecutive children ("units") of one module, in the order th
   the forward that calls them: the module itself, or for an ``nn.ModuleList`` (which has no forward) the nearest
   ancestor that was called.
 
+Where a model has several layer stacks (an encoder's and a decoder's ``ModuleList``), one more plan checkpoints
+the best plan of each together, so that one round of advice covers them all.
+
 A unit never starts with an inplace op: ``checkpoint`` keeps the unit's input to recompute it, and an op that
 overwrites that input makes backward raise "modified by an inplace operation". Such a child (a ResNet stem's
 ``ReLU(inplace=True)``) joins the unit before it; ``checkpoint_sequential`` segments cannot move, so a segment
