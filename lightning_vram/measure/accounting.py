@@ -60,6 +60,10 @@ class StepAttributor:
     - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
       update + activations still held.
 
+    Parameters are this rank's shards, plus under FSDP2 the whole parameters gathered at that phase's counted peak
+    (the module's registered parameters while it runs unsharded): parameters even where autograd saves them, never
+    activations or a module's saving. Gradients are read from the parameters as the step began (FSDP2's shards).
+
     Uninitialised parameters count once materialised; tensors whose data cannot be reached are skipped and
     listed in ``notes``. ``counting`` says how storages are told apart and how the hooks behave (:data:`SAMPLED`,
     or the replay's); ``on_saved(key, nbytes)`` hears of each storage autograd starts to hold for backward.
