@@ -64,9 +64,10 @@ class TinyLanguageModel(nn.Module):
 
 def test_language_models_are_recognised() -> None:
     assert language_model(TinyLanguageModel()) == "attention modules (TransformerEncoderLayer)"
-    assert language_model(nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))) == (
-        "an embedding and a head over its 50 tokens (1)"
+    assert language_model(nn.Sequential(nn.Embedding(512, 8), nn.Linear(8, 512))) == (
+        "an embedding and a head over its 512 tokens (1)"
     )
+    assert language_model(nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))) is None  # a class embedding
     assert language_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 10))) is None
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=2)

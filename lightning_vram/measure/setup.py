@@ -172,6 +172,9 @@ def inplace_keeps_result(module: nn.Module) -> bool:
 
 ATTENTION_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 """torch's own attention modules; other libraries' name their class ``...Attention``."""
+MIN_VOCABULARY = 256
+"""The fewest tokens an embedding and head must cover to read as a language model's (a byte-level vocabulary):
+fewer look like a classifier's class embedding."""
 
 
 def language_model(module: nn.Module) -> str | None:
@@ -180,9 +183,9 @@ def language_model(module: nn.Module) -> str | None:
     Read from classes and sizes only (no module is called): a ``transformers`` model, attention modules, or an
     embedding with a head as wide as its vocabulary.
 
-    >>> language_model(nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100)))
-    'an embedding and a head over its 100 tokens (1)'
-    >>> language_model(nn.Sequential(nn.Linear(8, 8))) is None
+    >>> language_model(nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 1000)))
+    'an embedding and a head over its 1000 tokens (1)'
+    >>> language_model(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))) is None  # 10 classes
     True
     """
     children = [(name, child) for name, child in module.named_modules()]
@@ -194,7 +197,7 @@ def language_model(module: nn.Module) -> str | None:
             return f"attention modules ({type(child).__name__})"
     vocabularies = {child.num_embeddings for _, child in children if isinstance(child, nn.Embedding)}
     for name, child in children:
-        if isinstance(child, nn.Linear) and child.out_features in vocabularies and child.out_features > 1:
+        if isinstance(child, nn.Linear) and child.out_features in vocabularies and child.out_features >= MIN_VOCABULARY:
             return f"an embedding and a head over its {child.out_features} tokens ({name})"
     return None
 
