@@ -262,6 +262,12 @@ class TrainingSetup:
     inplace_keeps_result: tuple[str, ...] = ()
     """Out-of-place activation modules (by name) whose inplace variant saves only its result for backward,
     as tried on a small tensor: inplace, their input and output become one saved tensor."""
+    visible_devices: int = 1
+    """Accelerator devices this process can see (``torch.cuda.device_count()``, 0 without CUDA): with one process
+    and at most one device, there is nothing to shard across."""
+    language_model: str | None = None
+    """Why the model looks like a transformer or a language model (``"attention modules (GPT2Attention)"``), or
+    ``None`` when nothing says so: the advice then weighs what a change of optimizer does to convergence."""
 
 
 @dataclass(frozen=True)
