@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lightning_vram.codec import FormatError, report_from_dict
-from lightning_vram.records import CATEGORIES, Report, in_phase_order
+from lightning_vram.records import CATEGORIES, Phase, PhasePeak, Report, in_phase_order
 from lightning_vram.render.files import JSON_FILENAME
 from lightning_vram.render.html import render_html
 from lightning_vram.render.markup import printable
@@ -150,17 +150,45 @@ def _change(before: int | None, after: int | None) -> str:
     return f"{format_bytes(before)} -> {format_bytes(after)}: {sign}{format_bytes(abs(delta))}{relative}"
 
 
+PHASE_NAMES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.OPTIMIZER: "optimizer step"}
+"""Each phase as the diff names it in a sentence."""
+
+
+def _parts(peak: PhasePeak | None) -> dict[str, int | None]:
+    """Each part of ``peak``'s breakdown in bytes, empty where it has none."""
+    return dict(peak.breakdown.to_dict()) if peak is not None and peak.breakdown is not None else {}
+
+
+def _parts_lines(before: PhasePeak | None, after: PhasePeak | None, indent: str) -> list[str]:
+    """One line per part, from ``before``'s breakdown to ``after``'s."""
+    parts_before, parts_after = _parts(before), _parts(after)
+    return [
+        f"{indent}{name.replace('_', ' ')}: {_change(parts_before.get(name), parts_after.get(name))}"
+        for name in CATEGORIES
+    ]
+
+
 def diff_text(before: Report, after: Report) -> str:
-    """Peak, each part at the peak, each phase's peak, and advice added and removed, from ``before`` to ``after``."""
+    """Peak, each part at the peak, each phase's peak, and advice added and removed, from ``before`` to ``after``.
+
+    Where the peak moved to another phase, the two peaks' parts are not like with like (a part can be absent from
+    one phase without being freed): the diff says where the peak moved and compares each phase with itself.
+    """
     lines = [f"peak: {_change(_peak(before), _peak(after))}"]
-    parts_before = before.peak.breakdown.to_dict() if before.peak and before.peak.breakdown else {}
-    parts_after = after.peak.breakdown.to_dict() if after.peak and after.peak.breakdown else {}
-    for name in CATEGORIES:
-        lines.append(f"  {name.replace('_', ' ')}: {_change(parts_before.get(name), parts_after.get(name))}")
+    moved = before.peak is not None and after.peak is not None and before.peak.phase is not after.peak.phase
+    if moved and before.peak is not None and after.peak is not None:
+        lines.append(
+            f"  the peak moved from {PHASE_NAMES[before.peak.phase]} to {PHASE_NAMES[after.peak.phase]}: each"
+            " phase is compared with itself below, part by part"
+        )
+    else:
+        lines += _parts_lines(before.peak, after.peak, "  ")
     phases_after = dict(in_phase_order(after.phases))
     for phase, peak in in_phase_order(before.phases):
         other = phases_after.get(phase)
         lines.append(f"  {phase.value} peak: {_change(peak.peak_bytes, other.peak_bytes if other else None)}")
+        if moved:
+            lines += _parts_lines(peak, other, "    ")
     ids_before = {item.id for item in before.advice}
     ids_after = {item.id for item in after.advice}
     lines += [f"advice removed: {advice_id}" for advice_id in sorted(ids_before - ids_after)]

@@ -110,6 +110,40 @@ def test_fsdp2_shards_count_what_each_rank_holds(tmp_path: Path) -> None:
         assert counts["model_state"] == [half, half, 2 * half + 16]
 
 
+def test_fsdp2_gathered_parameters_are_parameters_not_activations(tmp_path: Path) -> None:
+    # A GPT-2-class model (tied embedding and lm_head), each block and the root sharded over two gloo ranks: the
+    # monitor's counts on step 1, torch's FSDPMemTracker on step 2 (the same shapes), and an unsharded copy (what a
+    # DDP rank holds) on the same per-rank batch. FSDP2's root keeps its gathered parameters from forward through
+    # backward; the blocks free theirs after their forward.
+    pytest.importorskip("transformers")
+    script = Path(__file__).parent / "fsdp2_counting.py"
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, str(script), str(free_port()), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        fsdp2, ddp, tracker = record["fsdp2"], record["ddp"], record["tracker_peak"]
+        half = record["full_parameter_bytes"] // 2
+        forward, backward, optimizer = (fsdp2["phases"][phase] for phase in ("forward", "backward", "optimizer"))
+        # Activations as DDP's, to the byte: the gathered weights autograd saves are parameters.
+        assert forward["activations"] == ddp["phases"]["forward"]["activations"]
+        assert fsdp2["modules"] == ddp["modules"]  # lm_head lists no tied weight as its saving
+        # Each part against torch's own categories.
+        assert tracker["_FSDPRefType.SHARDED_PARAM"] == half == optimizer["parameters"]
+        gathered = tracker["_FSDPRefType.UNSHARDED_PARAM"]
+        assert gathered > 0
+        assert forward["parameters"] == backward["parameters"] == half + gathered  # the root's, gathered
+        assert tracker["_FSDPRefType.SHARDED_GRAD"] == half == forward["gradients"] == optimizer["gradients"]
+        assert tracker["_FSDPRefType.OPT"] == forward["optimizer_state"] == optimizer["optimizer_state"]
+        assert abs(tracker["_FSDPRefType.ACT"] - forward["activations"]) <= 0.001 * forward["activations"]
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_counts_this_ranks_partitions(tmp_path: Path, stage: int) -> None:
     script = Path(__file__).parent / "zero_accounting.py"
@@ -178,12 +212,18 @@ def test_lightning_fsdp2_reports_this_ranks_shards(tmp_path: Path) -> None:
     activations = single_process_activations(tmp_path / "plain", batch_size=16)
     shard = (160 + 5) * 4  # Linear(32, 10) sharded on dim 0: 5 of the weight's 10 rows, 5 of the bias's 10 values
     state = 2 * shard + 2 * 4  # Adam's two moments of the shard, a step counter for each of the two parameters
+    gathered = (320 + 10) * 4  # the whole Linear, all-gathered for its forward and again for its backward
+    saved_input = 16 * 32 * 4  # what the Linear saves; the loss saves the rest of the activations after it
+    assert activations > saved_input
     for record in run_sharded(tmp_path, "fsdp2"):
         phases = record["phases"]
-        assert phases["forward"] == [shard, shard, state, activations]  # the previous step's gradients still held
+        # The highest moment of forward is inside the Linear, its weight gathered (a parameter, not an activation);
+        # the loss's saved tensors come after FSDP2 freed it. The previous step's gradients are still held.
+        assert phases["forward"] == [shard + gathered, shard, state, saved_input]
         assert phases["optimizer"] == [shard, shard, state, 0]
-        # FSDP2 sets the sharded gradients after reduce-scatter, when the activations are already freed.
-        assert phases["backward"] == [shard, 0, state, activations]
+        # FSDP2 sets the sharded gradients after reduce-scatter, when the activations are already freed; the
+        # Linear's backward gathers its weight again after the loss's backward freed what the loss saved.
+        assert phases["backward"] == [shard + gathered, 0, state, saved_input]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

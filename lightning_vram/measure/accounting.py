@@ -35,6 +35,7 @@ from lightning_vram.measure.storages import (
     storage_bytes,
     tensor_kind,
     tensor_storages,
+    unsharded_parameters,
 )
 from lightning_vram.measure.tallies import OUTSIDE_MODULES, ROOT_MODULE, ModuleTally, module_profiles, phase_breakdown
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
@@ -58,6 +59,10 @@ class StepAttributor:
       activation checkpointing adds what it creates and still holds when it ends;
     - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
       update + activations still held.
+
+    Parameters are this rank's shards, plus under FSDP2 the whole parameters gathered at that phase's counted peak
+    (the module's registered parameters while it runs unsharded): parameters even where autograd saves them, never
+    activations or a module's saving. Gradients are read from the parameters as the step began (FSDP2's shards).
 
     Uninitialised parameters count once materialised; tensors whose data cannot be reached are skipped and
     listed in ``notes``. ``counting`` says how storages are told apart and how the hooks behave (:data:`SAMPLED`,
@@ -85,6 +90,9 @@ class StepAttributor:
         """What the counting skipped and why, by what; shared with the caller when it passes its own dict."""
         self._lazy_parameters = True
         self._parameters = StorageBytes()
+        self._parameter_tensors: tuple[Tensor, ...] = ()
+        """The module's parameters as the step begins: FSDP2's sharded ones, which hold the gradients while the
+        module shows its unsharded ones."""
         self._refresh_parameters()
         self._ledger = ActivationLedger()
         self._module_stack: list[str] = []
@@ -124,6 +132,7 @@ class StepAttributor:
     def _refresh_parameters(self) -> None:
         """Read the parameters' storages again while some are uninitialised (lazy modules materialise later)."""
         if self._lazy_parameters:
+            self._parameter_tensors = tuple(self._module.parameters())
             self._parameters = parameter_storages(self._module, self._device, self._key_of)
             self._note_uncounted(self._parameters.uncounted)
             self._lazy_parameters = any(is_lazy(parameter) for parameter in self._module.parameters())
@@ -131,7 +140,9 @@ class StepAttributor:
     def _model_state(self) -> tuple[int, int]:
         """(gradient bytes, optimizer-state bytes) alive now."""
         self._refresh_parameters()
-        _, gradients, state = model_state_storages(self._module, self._optimizers, self._device, self._key_of)
+        _, gradients, state = model_state_storages(
+            self._module, self._optimizers, self._device, self._key_of, self._parameter_tensors
+        )
         self._note_uncounted(gradients.uncounted | state.uncounted)
         return sum(gradients.values()), sum(state.values())
 
@@ -172,6 +183,7 @@ class StepAttributor:
             self._module_stack.append(label)
 
         def count(args: Any) -> None:
+            self._watch_unsharded(self._modules[label])
             if self._awaiting_forward:  # the first module call of a forward pass: the state it really runs with
                 self._awaiting_forward = False
                 self._segment_state = self._model_state()
@@ -188,10 +200,17 @@ class StepAttributor:
 
         return enter
 
+    def _watch_unsharded(self, module: nn.Module) -> None:
+        """FSDP2 gathered ``module``'s parameters before this call: parameters, never its activations."""
+        for parameter in unsharded_parameters(module):
+            self._ledger.unsharded.hold(parameter)
+        self._ledger.observe_unsharded()
+
     def _leave(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if self.error is not None:
             return
         try:
+            self._ledger.observe_unsharded()
             self._count_output(output)
         except Exception as error:  # noqa: BLE001 -- inside the user's forward: report, never raise
             self._failed(error)
@@ -239,6 +258,8 @@ class StepAttributor:
     def _hold_recomputed(self, tensor: Tensor) -> None:
         for storage in self._storages(tensor):
             key = self._key_of(storage)
+            if self._ledger.unsharded.holds(storage):
+                continue  # a parameter FSDP2 gathered again for backward
             if key and key not in self._parameters and self._ledger.hold_recomputed(key, storage.nbytes()):
                 self._recomputed_finalizers.append(weakref.finalize(storage, self._ledger.free_recomputed, key))
 
@@ -254,7 +275,7 @@ class StepAttributor:
     def _pack_counted(self, tensor: Tensor) -> Any:
         if parameter_partition(tensor) is not None:
             return tensor  # a ZeRO-3 parameter, gathered for this layer: DeepSpeed frees it and gathers it again
-        found = self._storages(tensor)
+        found = [storage for storage in self._storages(tensor) if not self._ledger.unsharded.holds(storage)]
         self._refresh_parameters()
         keys = [(self._key_of(storage), storage.nbytes()) for storage in found]
         keys = [(key, nbytes) for key, nbytes in keys if key and key not in self._parameters]
@@ -270,8 +291,14 @@ class StepAttributor:
             self._observer.saved(key)
         return SavedActivation(tensor, self._ledger, tuple(key for key, _ in keys))
 
-    @staticmethod
-    def _unpack(packed: Any) -> Tensor:
+    def _unpack(self, packed: Any) -> Tensor:
+        if self.error is None and self._ledger.unsharded.watching:
+            try:  # FSDP2 gathered the parameters again for the backward that reads this: a moment to count
+                self._ledger.observe_unsharded()
+                if self._gradients is not None:
+                    self._gradients.observe()
+            except Exception as error:  # noqa: BLE001 -- inside the user's backward: report, never raise
+                self._failed(error)
         unpacked: Tensor = packed.unpack() if isinstance(packed, SavedTensor) else packed
         return unpacked
 
@@ -280,9 +307,11 @@ class StepAttributor:
         self._observer.forward_ended(self._ledger.holds)
         self._close_segment(Phase.FORWARD)
         self._phase = Phase.BACKWARD
-        self._gradients = GradientLedger(self._module, self._optimizers, self._ledger, self._device, self._key_of)
+        self._gradients = GradientLedger(
+            self._module, self._optimizers, self._ledger, self._device, self._key_of, self._parameter_tensors
+        )
         if not self._gradient_handles:
-            for parameter in self._module.parameters():
+            for parameter in self._parameter_tensors or tuple(self._module.parameters()):
                 if parameter.requires_grad and not is_lazy(parameter):
                     # torch ships this method without annotations.
                     handle = parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
@@ -292,6 +321,7 @@ class StepAttributor:
         if self.error is not None or self._gradients is None or parameter.grad is None:
             return
         try:
+            self._ledger.observe_unsharded()
             self._gradients.add(parameter, parameter.grad)
         except Exception as error:  # noqa: BLE001 -- inside the user's backward: report, never raise
             self._failed(error)
@@ -320,7 +350,8 @@ class StepAttributor:
         if gradients is not None:
             self._note_uncounted(gradients.uncounted)
         backward_peak = (gradients.gradients_at_peak, gradients.activations_at_peak) if gradients else None
-        parameter_bytes = sum(self._parameters.values())
+        self._ledger.observe_unsharded()
+        parameter_bytes = sum(self._parameters.values()) + self._unsharded_bytes(phase)
         counted = phase_breakdown(phase, parameter_bytes, self._segment_state, now, self._ledger, backward_peak)
         known = self._phases.get(phase)
         if known is None or counted.counted_bytes > known.counted_bytes:
@@ -329,6 +360,12 @@ class StepAttributor:
         self._segment_state = now
         self._awaiting_forward = False
         self._ledger.start_segment()
+
+    def _unsharded_bytes(self, phase: Phase) -> int:
+        """FSDP2's unsharded parameters alive at ``phase``'s counted peak (at its end for an optimizer step)."""
+        if phase is Phase.BACKWARD and self._gradients is not None:
+            return self._gradients.transient_at_peak
+        return self._ledger.transient_at_peak if phase is Phase.FORWARD else self._ledger.transient_bytes
 
     def close(self) -> None:
         """Remove every hook this step installed. Safe to call at any point, more than once."""
@@ -347,3 +384,4 @@ class StepAttributor:
         self._gradient_handles.clear()
         self._module_stack.clear()
         self._gradients = None
+        self._ledger.unsharded.clear()

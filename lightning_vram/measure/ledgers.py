@@ -7,12 +7,13 @@ data pointers on a sampled step, ``StorageWeakRef`` identities on a replayed one
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
 from lightning_vram.measure.deepspeed_zero import partition_gradients
-from lightning_vram.measure.storages import StorageBytes, StorageKey, add_storage
+from lightning_vram.measure.storages import StorageBytes, StorageKey, add_storage, storage_identity
 from lightning_vram.measure.tensors import without_history
 
 
@@ -57,6 +58,40 @@ class SavedActivation(SavedTensor):
             self._ledger.release(key)
 
 
+class UnshardedParameters:
+    """Parameters FSDP2 all-gathered for a module's forward or backward: whole parameters, alive while gathered.
+
+    Held by their storages: FSDP2 frees an unsharded parameter by resizing its storage to nothing and gathers into
+    the same storage again for backward, so :meth:`live_bytes` reads each storage's size now. Holding a storage
+    object keeps no data alive once FSDP2 resized it; the ledger lets go of them all at the end of the step.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[int, torch.UntypedStorage] = {}
+
+    def hold(self, tensor: Tensor) -> None:
+        """``tensor`` is an unsharded parameter: watch its storage."""
+        storage = tensor.untyped_storage()
+        self._storages.setdefault(storage_identity(storage), storage)
+
+    @property
+    def watching(self) -> bool:
+        """Whether any unsharded parameter is watched (none but under FSDP2)."""
+        return bool(self._storages)
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is an unsharded parameter's."""
+        return bool(self._storages) and storage_identity(storage) in self._storages
+
+    def live_bytes(self) -> int:
+        """Bytes of unsharded parameters gathered now."""
+        return sum(storage.nbytes() for storage in list(self._storages.values()))
+
+    def clear(self) -> None:
+        """Let go of every storage."""
+        self._storages.clear()
+
+
 class ActivationLedger:
     """Live bytes of the storages autograd holds for backward.
 
@@ -64,6 +99,10 @@ class ActivationLedger:
     reference (node by node during backward). Storages a recomputation under activation checkpointing
     holds (``hold_recomputed``) count as well, until they are freed. Thread-safe: the autograd engine
     may release from its own threads.
+
+    Parameters FSDP2 gathered (``unsharded``) are not activations, even where autograd saves them: they count
+    apart, as ``transient_bytes`` of parameters, and the peak is the highest sum of both, with
+    ``peak_live_bytes`` and ``transient_at_peak`` the two parts of it.
     """
 
     def __init__(self) -> None:
@@ -73,12 +112,28 @@ class ActivationLedger:
         self._sizes: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_live_bytes = 0
+        self.unsharded = UnshardedParameters()
+        self.transient_bytes = 0
+        self.transient_at_peak = 0
+        self._peak_total = 0
         self.saved_bytes_by_module: dict[str, int] = {}
+
+    def _observe_peak(self) -> None:
+        if self.live_bytes + self.transient_bytes > self._peak_total:
+            self._peak_total = self.live_bytes + self.transient_bytes
+            self.peak_live_bytes, self.transient_at_peak = self.live_bytes, self.transient_bytes
 
     def _add_live(self, key: int, nbytes: int) -> None:
         self._sizes[key] = nbytes
         self.live_bytes += nbytes
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        self._observe_peak()
+
+    def observe_unsharded(self) -> None:
+        """Read the unsharded parameters' bytes again (FSDP2 gathers and frees them between the ledger's events)."""
+        transient = self.unsharded.live_bytes()
+        with self._lock:
+            self.transient_bytes = transient
+            self._observe_peak()
 
     def acquire(self, key: int, nbytes: int, module_name: str | None) -> None:
         """Autograd saved a reference to storage ``key`` of ``nbytes`` bytes inside ``module_name``.
@@ -116,7 +171,8 @@ class ActivationLedger:
     def start_segment(self) -> None:
         """Start measuring the highest live bytes again from what is live now."""
         with self._lock:
-            self.peak_live_bytes = self.live_bytes
+            self.peak_live_bytes, self.transient_at_peak = self.live_bytes, self.transient_bytes
+            self._peak_total = self.live_bytes + self.transient_bytes
 
     def holds(self, key: int) -> bool:
         """Whether autograd holds storage ``key`` for backward now."""
@@ -149,12 +205,13 @@ class GradientLedger:
         activations: ActivationLedger,
         device: torch.device,
         key_of: StorageKey,
+        sharded: Iterable[Tensor] = (),
     ) -> None:
         self._device = device
         self._key_of = key_of
         self._activations = activations
         self._by_tensor: dict[int, StorageBytes] = {}
-        for parameter in module.parameters():
+        for parameter in (*module.parameters(), *sharded):  # FSDP2's sharded ones hold the gradients
             if parameter.grad is not None:
                 self._by_tensor[id(parameter)] = self._storages(parameter.grad)
         partitions = StorageBytes()  # ZeRO's gradient partitions, read once at the start of backward
@@ -165,6 +222,8 @@ class GradientLedger:
         self.peak_bytes = -1
         self.gradients_at_peak = 0
         self.activations_at_peak = 0
+        self.transient_at_peak = 0
+        """FSDP2's unsharded parameters alive at the peak (see :class:`UnshardedParameters`)."""
         self.observe()
 
     def _storages(self, gradient: Tensor) -> StorageBytes:
@@ -188,8 +247,9 @@ class GradientLedger:
         for storages in self._by_tensor.values():
             unique.update(storages)
         gradient_bytes = sum(unique.values())
-        activation_bytes = self._activations.live_bytes
-        if gradient_bytes + activation_bytes > self.peak_bytes:
-            self.peak_bytes = gradient_bytes + activation_bytes
+        activation_bytes, transient = self._activations.live_bytes, self._activations.transient_bytes
+        if gradient_bytes + activation_bytes + transient > self.peak_bytes:
+            self.peak_bytes = gradient_bytes + activation_bytes + transient
             self.gradients_at_peak = gradient_bytes
             self.activations_at_peak = activation_bytes
+            self.transient_at_peak = transient

@@ -172,6 +172,38 @@ def inplace_keeps_result(module: nn.Module) -> bool:
     return rule is not None and stored_attribute(module, "inplace") is False and rule.holds(module)
 
 
+ATTENTION_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+"""torch's own attention modules; other libraries' name their class ``...Attention``."""
+MIN_VOCABULARY = 256
+"""The fewest tokens an embedding and head must cover to read as a language model's (a byte-level vocabulary):
+fewer look like a classifier's class embedding."""
+
+
+def language_model(module: nn.Module) -> str | None:
+    """Why ``module`` looks like a transformer or a language model, or ``None`` when nothing in it says so.
+
+    Read from classes and sizes only (no module is called): a ``transformers`` model, attention modules, or an
+    embedding with a head as wide as its vocabulary.
+
+    >>> language_model(nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 1000)))
+    'an embedding and a head over its 1000 tokens (1)'
+    >>> language_model(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))) is None  # 10 classes
+    True
+    """
+    children = [(name, child) for name, child in module.named_modules()]
+    for _, child in children:
+        if type(child).__module__.startswith("transformers."):
+            return f"a transformers model ({type(child).__name__})"
+    for _, child in children:
+        if isinstance(child, ATTENTION_MODULES) or type(child).__name__.endswith("Attention"):
+            return f"attention modules ({type(child).__name__})"
+    vocabularies = {child.num_embeddings for _, child in children if isinstance(child, nn.Embedding)}
+    for name, child in children:
+        if isinstance(child, nn.Linear) and child.out_features in vocabularies and child.out_features >= MIN_VOCABULARY:
+            return f"an embedding and a head over its {child.out_features} tokens ({name})"
+    return None
+
+
 def user_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The user's optimizer inside the wrappers around it (Fabric's, DeepSpeed's ZeRO optimizer)."""
     inner = wrapped_optimizer(optimizer)
@@ -262,4 +294,6 @@ def training_setup(
         linear_layers=linear_layers(module),
         inplace_keeps_result=tuple(name for name, child in module.named_modules() if inplace_keeps_result(child)),
         checkpointing_switches=checkpointing_switches(module),
+        visible_devices=torch.cuda.device_count(),
+        language_model=language_model(module),
     )

@@ -78,6 +78,29 @@ DTENSOR = _dtensor_type()
 """``torch.distributed.tensor.DTensor`` (FSDP2 and tensor-parallel parameters), or ``None`` without distributed."""
 
 
+def _fsdp_module_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+FSDP_MODULE = _fsdp_module_type()
+"""``torch.distributed.fsdp.FSDPModule`` (what ``fully_shard`` makes a module), or ``None`` without distributed."""
+
+
+def unsharded_parameters(module: nn.Module) -> list[Tensor]:
+    """The parameters FSDP2 has all-gathered for ``module`` now: none unless it is a ``fully_shard`` module.
+
+    While an FSDP2 module runs its forward or backward, its registered parameters are the unsharded ones (plain
+    tensors, the whole parameter); the rest of the time they are the sharded DTensors.
+    """
+    if FSDP_MODULE is None or not isinstance(module, FSDP_MODULE):
+        return []
+    return [parameter for parameter in module.parameters() if DTENSOR is None or not isinstance(parameter, DTENSOR)]
+
+
 def local_tensor(tensor: Tensor) -> Tensor:
     """The part of ``tensor`` this rank holds: a DTensor's local shard, any other tensor itself."""
     if DTENSOR is not None and isinstance(tensor, DTENSOR):
@@ -192,10 +215,15 @@ def gradient_storages(
     device: torch.device,
     optimizers: Iterable[torch.optim.Optimizer] = (),
     key_of: StorageKey = DATA_POINTER,
+    sharded: Iterable[Tensor] = (),
 ) -> StorageBytes:
-    """Storages of the gradients alive now: on the module's parameters, and in ZeRO optimizers' partitions."""
+    """Storages of the gradients alive now: on the module's parameters, and in ZeRO optimizers' partitions.
+
+    ``sharded`` are parameters the module may not show now: FSDP2's sharded parameters, which hold the gradients,
+    are swapped out of the module while it runs unsharded.
+    """
     storages = StorageBytes()
-    for parameter in module.parameters():
+    for parameter in (*module.parameters(), *sharded):
         if parameter.grad is not None:
             add_storage(storages, parameter.grad, device, key_of=key_of)
     for optimizer in optimizers:
@@ -229,11 +257,15 @@ def model_state_storages(
     optimizers: Iterable[torch.optim.Optimizer],
     device: torch.device,
     key_of: StorageKey = DATA_POINTER,
+    sharded: Iterable[Tensor] = (),
 ) -> tuple[StorageBytes, StorageBytes, StorageBytes]:
-    """(parameter, gradient, optimizer-state) storages alive now on ``device``, each storage in one of them."""
+    """(parameter, gradient, optimizer-state) storages alive now on ``device``, each storage in one of them.
+
+    ``sharded``: FSDP2's sharded parameters, whose gradients count while the module runs unsharded.
+    """
     optimizers = list(optimizers)
     parameters = parameter_storages(module, device, key_of)
-    gradients = gradient_storages(module, device, optimizers, key_of)
+    gradients = gradient_storages(module, device, optimizers, key_of, sharded)
     state = optimizer_state_storages(optimizers, device, set(parameters) | set(gradients), key_of)
     return parameters, gradients, state
 

@@ -279,6 +279,12 @@ class TrainingSetup:
     as tried on a small tensor: inplace, their input and output become one saved tensor."""
     checkpointing_switches: tuple[CheckpointSwitch, ...] = ()
     """The library models in the module that turn checkpointing on themselves and have it off."""
+    visible_devices: int = 1
+    """Accelerator devices this process can see (``torch.cuda.device_count()``, 0 without CUDA): with one process
+    and at most one device, there is nothing to shard across."""
+    language_model: str | None = None
+    """Why the model looks like a transformer or a language model (``"attention modules (GPT2Attention)"``), or
+    ``None`` when nothing says so: the advice then weighs what a change of optimizer does to convergence."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_vram.advice.rules.mixed_precision import not_advised
 from lightning_vram.records import BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
 from lightning_vram.units import format_bytes
 
@@ -123,7 +124,8 @@ def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | N
                 variant.change.label,
                 format_bytes(predicted),
                 signed_bytes(predicted - baseline_bytes),
-                f"replayed, peak in {peak.phase.value}",
+                f"replayed, peak in {peak.phase.value}"
+                + (f"; {reason}" if (reason := not_advised(simulation.device_type, variant.change)) else ""),
             )
         )
     header = ("change", "predicted peak", "against the replayed baseline", "result")

@@ -11,6 +11,7 @@ shown, but only the replaying thread's: other threads keep writing to the same s
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import sys
@@ -72,9 +73,39 @@ def _restore_environment(saved: dict[str, str]) -> None:
             os.environ[name] = value
 
 
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""torch logs an op that fails on fake tensors with its traceback: its frames would keep the replay's copy alive in
+any handler that keeps records (pytest's, an in-memory one), and the replay's own failures are not the user's news."""
+
+
+class _NotFromThread(logging.Filter):
+    """Drops the records one thread logs."""
+
+    def __init__(self, thread: int) -> None:
+        super().__init__()
+        self._thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self._thread
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """The replaying thread's records to torch's fake-tensor logger are dropped; other threads' pass."""
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+    quiet = _NotFromThread(threading.get_ident())
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 @contextlib.contextmanager
 def isolated() -> Iterator[None]:
-    """Restore the process-wide state on exit; silence the replayed code's prints and shown warnings meanwhile.
+    """Restore the process-wide state on exit; silence the replayed code's output meanwhile.
+
+    Silenced: its prints, the warnings it shows and torch's fake-tensor log (all from the replaying thread only).
 
     Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
     global generator (when NumPy is imported), the default dtype, grad mode, torch's intra-op thread count and the
@@ -92,7 +123,7 @@ def isolated() -> Iterator[None]:
     threads = torch.get_num_threads()
     environment = dict(os.environ)
     try:
-        with _quiet_thread():
+        with _quiet_thread(), _quiet_fake_tensor_log():
             yield
     finally:
         if dict(os.environ) != environment:

@@ -23,13 +23,16 @@ from torch import Tensor, nn
 from lightning_vram.advice.replay._fake import FakeTensor, FakeTensorMode
 from lightning_vram.advice.replay.batches import move_batch, resize_batch
 from lightning_vram.advice.replay.changes import change_module
+from lightning_vram.advice.replay.checkpoint_frames import CheckpointFrames
 from lightning_vram.advice.replay.containment import OUTSIDE_TENSOR_BYTES, ContainmentError, contained, fresh_cache
 from lightning_vram.advice.replay.counting import ReplayCounter
 from lightning_vram.advice.replay.deadline import Deadline
 from lightning_vram.advice.replay.escapes import register
 from lightning_vram.advice.replay.isolation import isolated
+from lightning_vram.advice.replay.known_values import KnownValues
 from lightning_vram.advice.replay.live import LiveMemory
 from lightning_vram.advice.replay.precision import PrecisionPlan, precision_plan
+from lightning_vram.advice.replay.real_branches import real_branches
 from lightning_vram.advice.replay.skips import skip_reason
 from lightning_vram.advice.replay.twin import (
     Twin,
@@ -282,9 +285,10 @@ def replay_step(
     if refusal is not None:
         return ReplaySkipped(refusal)
     counter: ReplayCounter | None = None
+    frames = CheckpointFrames()
     try:
         reach.arrays += shared
-        with isolated(), contained(reach) as containment:  # the copy's configure_optimizers is user code too
+        with isolated(), contained(reach) as containment, frames:  # the copy's configure_optimizers is user code too
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             register(mode)
             optimizer_list = None if optimizers is None else list(optimizers)
@@ -293,7 +297,9 @@ def replay_step(
             refusal = _refusal(held)
             if refusal is not None:
                 raise _RefusedError(refusal)
-            with contained(held) as held_containment, mode, Deadline(deadline):
+            values = KnownValues()
+            values.know(twin.batch_values)
+            with contained(held) as held_containment, mode, Deadline(deadline), values, real_branches(values):
                 fake_batch = run.prepare_batch(twin.batch)
                 if warm_up:
                     run.run_step(twin, fake_batch, None, None)
@@ -315,6 +321,7 @@ def replay_step(
         return ReplaySkipped(str(refused), time.perf_counter() - started)
     except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
         _release_frames(error)
+        frames.release()
         _drain_autograd()
         return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
     finally:

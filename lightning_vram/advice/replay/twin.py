@@ -36,6 +36,8 @@ class Twin:
     optimizers: list[torch.optim.Optimizer]
     batch: Any
     batch_tensors: list[Tensor]
+    batch_values: list[tuple[Tensor, Tensor]]
+    """Each fake tensor of the batch copy with the real tensor it copies (whose value the replay may read)."""
 
 
 def _no_logging(*_args: Any, **_kwargs: Any) -> None:
@@ -101,14 +103,20 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def fake_batch(batch: Any, mode: FakeTensorMode, substitutes: Substitutes) -> tuple[Any, list[Tensor]]:
-    """A deep copy of ``batch`` with fake tensors (any structure: plain objects and dataclasses too), and its tensors.
+def fake_batch(
+    batch: Any, mode: FakeTensorMode, substitutes: Substitutes
+) -> tuple[Any, list[Tensor], list[tuple[Tensor, Tensor]]]:
+    """A deep copy of ``batch`` with fake tensors, its tensors, and each fake tensor with the real one it copies.
 
-    The objects in ``substitutes`` are not copied: the copy holds their substitutes.
+    Any structure is copied: plain objects and dataclasses too. The objects in ``substitutes`` are not copied: the
+    copy holds their substitutes.
     """
     memo: dict[int, Any] = dict(substitutes)
     with FakeCopyMode(mode):
-        return copy.deepcopy(batch, memo), [item for item in memo.values() if isinstance(item, Tensor)]
+        copied = copy.deepcopy(batch, memo)
+    originals = memo.get(id(memo), [])  # deepcopy keeps every copied original alive in the memo, under its own id
+    pairs = [(memo[id(real)], real) for real in originals if isinstance(real, Tensor) and id(real) in memo]
+    return copied, [item for item in memo.values() if isinstance(item, Tensor)], pairs
 
 
 def make_twin(
@@ -142,8 +150,8 @@ def make_twin(
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
-    batch_copy, batch_tensors = fake_batch(batch, mode, substitutes)
-    return Twin(module=copied, optimizers=configured, batch=batch_copy, batch_tensors=batch_tensors)
+    batch_copy, batch_tensors, batch_values = fake_batch(batch, mode, substitutes)
+    return Twin(copied, configured, batch_copy, batch_tensors, batch_values)
 
 
 def state_tensors(twin: Twin) -> list[Tensor]:

@@ -5,6 +5,10 @@ softmax and the loss in float32), so no memory saving is promised unless the ste
 peak fell by :data:`~lightning_vram.advice.rules.base.MIN_SAVING_SHARE` or more. Otherwise the advice is for
 speed, on devices with tensor cores (compute capability 7.0 or higher) only, and says what the replay found; a
 replay that raised, or one whose peak would rise to near the device's capacity, means no advice.
+
+Off CUDA it is never advised (:data:`NOT_ADVISED_OFF_CUDA` says why, beside the replayed figure in the report's
+simulation table), and it is replayed only on the CPU, whose figure the report shows: a device the report cannot
+speak of gets no replay.
 """
 
 from __future__ import annotations
@@ -31,11 +35,33 @@ AUTOCAST_MEMORY = (
     " normalisation, softmax and the loss in float32."
 )
 """Why mixed precision promises no memory saving that a replay has not shown."""
+REPLAYED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
+"""Devices whose run replays 16-bit mixed precision: CUDA, where it is advised, and the CPU, where the report says
+beside the replayed figure why it is not."""
+NOT_ADVISED_OFF_CUDA = (
+    "not advised on the CPU: mixed precision is advised for CUDA GPUs (tensor cores, device memory); a CPU runs"
+    " bfloat16 matmuls fast only with AVX-512 BF16 or AMX instructions"
+)
+"""Why a CPU run gets no mixed-precision advice, said beside the replayed figure (the simulation's table)."""
+
+
+def not_advised(device_type: str, change: StepChange) -> str | None:
+    """Why ``change``, replayed on a ``device_type`` run, is not advised although the report shows its figure.
+
+    >>> not_advised("cpu", PrecisionChange("bf16-mixed")) == NOT_ADVISED_OFF_CUDA
+    True
+    >>> not_advised("cuda", PrecisionChange("bf16-mixed")) is None
+    True
+    """
+    return NOT_ADVISED_OFF_CUDA if isinstance(change, PrecisionChange) and device_type == "cpu" else None
 
 
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
-    """The 16-bit mixed precision this device should train in, when the run trains in full precision."""
-    if setup.precision not in FULL_PRECISIONS:
+    """The 16-bit mixed precision this device should train in, when the run trains in full precision.
+
+    Replayed where the report can speak of it: on CUDA, to advise it; on the CPU, to say why it is not advised.
+    """
+    if setup.precision not in FULL_PRECISIONS or summary.device.type not in REPLAYED_DEVICE_TYPES:
         return ()
     return (PrecisionChange(mixed_precision_for(summary.device.type, summary.device.compute_capability)),)
 

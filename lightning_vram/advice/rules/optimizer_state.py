@@ -12,6 +12,21 @@ ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "FusedAdam
 """Optimizers that keep two buffers per parameter (exp_avg and exp_avg_sq)."""
 EIGHT_BIT_ADAM_STATE_SHARE = 0.25
 """8-bit Adam keeps 2 bytes of state per parameter instead of 8."""
+CONVERGENCE_NOTE = (
+    "SGD changes convergence: this model looks like a transformer or language model ({why}), which is trained"
+    " with Adam-family optimizers and under SGD needs a new learning rate and schedule and may train worse."
+    " What keeps Adam's update and still saves memory: {keeps}."
+    " (Fused or foreach AdamW keeps the same state: it is faster, not smaller.)"
+)
+"""The one line for a language model offered SGD: what it costs, and the alternatives that keep Adam's update."""
+
+
+def _keeps_adam(setup: TrainingSetup, shardable: bool) -> str:
+    """The memory-saving alternatives to SGD that keep Adam's update rule, for this set-up."""
+    keeps = ["8-bit Adam (Adam's update, its two moments stored in 8 bits)"]
+    if shardable:
+        keeps.append("sharding the state across devices (FSDP, DeepSpeed ZeRO: exact)")
+    return " or ".join(keeps)
 
 
 def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
@@ -22,33 +37,42 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     peak, breakdown = attributed
     state = breakdown.optimizer_state
     options: list[tuple[int, str]] = []
-    if any(name in ADAM_FAMILY for name in setup.optimizers):
+    adam = any(name in ADAM_FAMILY for name in setup.optimizers)
+    if adam:
         options.append((int(state * (1 - EIGHT_BIT_ADAM_STATE_SHARE)), "8-bit Adam (bitsandbytes.optim.Adam8bit)"))
         options.append((state // 2, "SGD with momentum (one buffer per parameter instead of two)"))
     sharded = setup.strategy in SHARDING_STRATEGIES  # then the state counted is already this rank's shard
-    if not sharded and setup.world_size > 1:
-        options.append((state - state // setup.world_size, f"shard it across {setup.world_size} devices (FSDP)"))
-    elif not sharded:
-        options.append((state // 2, "shard it with FSDP or DeepSpeed ZeRO: 1/N of it on each of N devices"))
+    devices = max(setup.world_size, setup.visible_devices)  # one process on one device has nothing to shard across
+    shardable = not sharded and devices > 1
+    if shardable:
+        options.append((state - state // devices, f"shard it across {devices} devices (FSDP or DeepSpeed ZeRO)"))
     if not options:
         return None
     options.sort(reverse=True)
     listed = "; ".join(f"{text}: saves {format_bytes(saving)}" for saving, text in options)
-    remedy = "shrink it" if sharded else "shrink or shard it"
+    convergence = (
+        " " + CONVERGENCE_NOTE.format(why=setup.language_model, keeps=_keeps_adam(setup, shardable))
+        if adam and setup.language_model is not None
+        else ""
+    )
+    remedy = "shrink or shard it" if shardable else "shrink it"
     example = (
-        ""
-        if sharded
-        else '\n```python\nTrainer(strategy="fsdp")  # with several GPUs: each holds 1/N of the optimizer state\n```'
+        f'\n```python\nTrainer(strategy="fsdp", devices={devices})  # each device holds 1/{devices} of the'
+        " optimizer state\n```"
+        if shardable
+        else ""
     )
     return Advice(
         id=ID,
         severity=Severity.INFO,
         title=f"Optimizer state is the largest part of the peak ({format_bytes(state)}): {remedy}",
-        detail=f"Options, largest saving first: {listed}.{example}",
+        detail=f"Options, largest saving first: {listed}.{convergence}{example}",
         evidence=(
             f"optimizer state ({', '.join(setup.optimizers)}) is {format_bytes(state)},"
             f" {share_text(state, peak.peak_bytes)} of the {peak.phase.value} peak; parameters"
             f" {format_bytes(breakdown.parameters)}, activations {format_bytes(breakdown.activations)}"
+            + ("; one process on one device: nothing to shard across" if not sharded and not shardable else "")
+            + (f"; it looks like a language model: {setup.language_model}" if setup.language_model is not None else "")
         ),
         estimated_saving_bytes=options[0][0],
         saving_basis=SavingBasis.MODELLED,

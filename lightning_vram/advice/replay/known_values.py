@@ -1,0 +1,179 @@
+"""The real values of the batch's small tensors, carried through the replay so that the step takes its real branches.
+
+Fake tensors have shapes but no values, so a step that reads one (``if attention_mask.all():``, ``.item()``) cannot
+be replayed, and a library that sees a fake tensor takes its tracing branch (transformers then builds a full attention
+mask and repeats grouped-query key/value heads, which the real step does not). :class:`KnownValues` keeps, beside each
+fake tensor made from the batch, a CPU copy of its real value, and works out the value of every op whose tensor
+inputs all have known values (masks, position ids, lengths), as long as it stays small: a value read
+(``_local_scalar_dense``), and an op whose output shape depends on the data (``nonzero``), then give the real
+result. A tensor computed from the model's weights never has a value: the replay does not compute anything real with
+the model.
+
+Cost: one Python call per op of the replay, and real CPU work only for the few ops on known values (a batch on the
+GPU is copied to the CPU the first time one of its values is needed, as the real step's own read of it does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from lightning_vram.advice.replay._fake import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    TorchDispatchMode,
+    tree_leaves,
+    tree_map_only,
+)
+
+VALUE_ELEMENTS = 1 << 20
+"""The most elements a known value may have (a 1M-element mask: 8 MiB of ``int64`` on the CPU at most)."""
+VALUE_BYTES = 64 * 1024 * 1024
+"""The most bytes the known values of one replay may hold on the CPU together; past it, new values are not kept."""
+DETERMINISTIC_FACTORIES = frozenset(
+    {"arange", "full", "ones", "zeros", "scalar_tensor", "eye", "linspace", "tril_indices"}
+)
+"""Ops that make a tensor from nothing but their arguments, whose values are known (``empty`` is not: uninitialised)."""
+VALUE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose"})
+"""Ops that turn a tensor's value into a Python value."""
+
+aten = torch.ops.aten
+
+
+# torch ships TorchDispatchMode without annotations.
+class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Real CPU values beside fake tensors: given for the batch, worked out for every op on known values only.
+
+    Enter it inside the fake mode (the innermost mode), after registering the batch with :meth:`know`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._values = WeakTensorKeyDictionary()  # by identity: a tensor's == is an op
+        self._bytes = 0
+
+    def know(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+        """Keep the real value of each ``(fake, real)`` pair (copied to the CPU) where it is small enough."""
+        for fake, real in pairs:
+            if isinstance(fake, FakeTensor) and isinstance(real, Tensor) and not isinstance(real, FakeTensor):
+                self._keep(fake, real)
+
+    def value_of(self, tensor: Tensor) -> Tensor | None:
+        """The real value of a fake tensor, or ``None`` when it is not known."""
+        value = self._values.get(tensor)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+        return value if isinstance(value, Tensor) else None
+
+    def _forget(self, tensor: Tensor) -> None:
+        self._values.pop(tensor, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+
+    def __contains__(self, tensor: object) -> bool:
+        return isinstance(tensor, Tensor) and tensor in self._values
+
+    def _keep(self, fake: Tensor, real: Tensor) -> None:
+        if real.is_sparse or real.numel() > VALUE_ELEMENTS or real.device.type == "meta":
+            return
+        nbytes = real.numel() * real.element_size()
+        if self._bytes + nbytes > VALUE_BYTES:
+            return
+        with _no_modes(), torch.no_grad():
+            self._values[fake] = real.detach().to("cpu", copy=True)
+        self._bytes += nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        fakes = [leaf for leaf in inputs if isinstance(leaf, FakeTensor)]
+        known = all(fake in self._values for fake in fakes) and (
+            bool(fakes) or (not inputs and name in DETERMINISTIC_FACTORIES)
+        )
+        if known and name in VALUE_READS:
+            return self._real(func, args, kwargs)
+        try:
+            output = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if not known or not fakes:
+                raise
+            return self._with_real_shapes(func, args, kwargs, fakes[0].device)
+        if known:
+            self._value_outputs(func, args, kwargs, output)
+        else:
+            self._forget_written(func, args, kwargs)
+        return output
+
+    def _real(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run ``func`` on the known values (on the CPU, outside every mode)."""
+        real_args, real_kwargs = tree_map_only(Tensor, self._real_of, (args, kwargs))
+        if "device" in real_kwargs:
+            real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
+        with _no_modes(), torch.no_grad():
+            return func(*real_args, **real_kwargs)
+
+    def _real_of(self, tensor: Tensor) -> Tensor:
+        value = self.value_of(tensor) if isinstance(tensor, FakeTensor) else tensor
+        if value is None:
+            raise KeyError("no known value")
+        return value
+
+    def _value_outputs(self, func: Any, args: Any, kwargs: Any, output: Any) -> None:
+        """Work out the real value of each of ``output``'s tensors; where that fails they stay unknown."""
+        fakes = [leaf for leaf in tree_leaves(output) if isinstance(leaf, FakeTensor)]
+        if not fakes or sum(fake.numel() for fake in fakes) > VALUE_ELEMENTS:
+            self._forget_written(func, args, kwargs)
+            return
+        try:
+            real = self._real(func, args, kwargs)
+        except Exception:  # noqa: BLE001 -- a value that cannot be worked out stays unknown; the fake op ran
+            self._forget_written(func, args, kwargs)
+            return
+        reals = [leaf for leaf in tree_leaves(real) if isinstance(leaf, Tensor)]
+        if len(reals) != len(fakes):
+            return
+        for fake, value in zip(fakes, reals, strict=True):
+            if tuple(fake.shape) == tuple(value.shape) and fake.dtype == value.dtype:
+                self._values[fake] = value
+                self._bytes += value.numel() * value.element_size()
+
+    def _forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
+        """An op whose inputs are not all known wrote into some of them: their values are no longer known."""
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        for argument, value in zip(schema.arguments, args, strict=False):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, Tensor):
+                self._forget(value)
+        for argument in schema.arguments:
+            written = kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(written, Tensor):
+                self._forget(written)
+
+    def _with_real_shapes(self, func: Any, args: Any, kwargs: Any, device: torch.device) -> Any:
+        """An op whose output shape depends on the data: fake outputs shaped as the real ones, with their values."""
+        real = self._real(func, args, kwargs)
+
+        def fake_like(value: Tensor) -> Tensor:
+            fake: Tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+            self._values[fake] = value
+            return fake
+
+        return tree_map_only(Tensor, fake_like, real)
+
+
+@contextmanager
+def _no_modes() -> Iterator[None]:
+    """Every dispatch mode (fake, live memory, deadline) off: the ops run on real CPU tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def _op_name(func: Any) -> str:
+    """An op's name without namespace or overload: ``aten._local_scalar_dense.default`` -> ``_local_scalar_dense``."""
+    return str(getattr(func, "__name__", func)).split(".")[0]
