@@ -194,6 +194,7 @@ def test_transformers_checkpointing_advice_applied_as_printed(tmp_path: Path, na
     # ... on the replay's copy only: the trained model's config and layers are as they were.
     assert getattr(trained.model.config, "use_cache", None) == use_cache
     (switch,) = checkpointing_switches(trained)
+    assert not switch.on
     # Where the replay cannot run, the modelled saving stands in for it: it holds within 10% too.
     modelled = switch_plan(before.summary.modules, switch)
     assert modelled is not None and modelled.saving_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
@@ -201,7 +202,7 @@ def test_transformers_checkpointing_advice_applied_as_printed(tmp_path: Path, na
     assert ".activation_checkpointing_enable(" in code and '{"use_reentrant": False}' in code
     module = architecture.module()
     exec(code, {"self": module})  # the advice's own lines, in the module's __init__
-    assert checkpointing_switches(module) == ()
+    assert [switch.on for switch in checkpointing_switches(module)] == [True]
     after = _report(tmp_path / "after", module, architecture.data(4 * BATCH))
     assert module.steps == 3  # backward ran each step
     _assert_realised(before, after, advice)
@@ -213,7 +214,7 @@ def test_the_switch_names_every_stack_of_an_encoder_decoder() -> None:
     assert (switch.model, switch.method) == ("model", "activation_checkpointing_enable")
     assert layer_ranges(switch.layers) == "model.encoder.block.0-1 and model.decoder.block.0-1"
     module.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    assert checkpointing_switches(module) == ()  # on already: nothing to advise
+    assert checkpointing_switches(module) == (replace(switch, on=True),)  # on already: nothing more to advise
 
 
 # ------------------------------------------------------------------------------------- a plain torch model

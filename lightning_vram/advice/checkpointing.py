@@ -332,12 +332,29 @@ def checkpoint_candidates(
 ) -> list[CheckpointPlan]:
     """Up to ``limit`` applicable plans, the largest modelled saving first: what the step replay should try.
 
-    Where the model has ``switches`` (transformers' own call), only those are offered: the user's idiom.
+    Where the model has ``switches`` (transformers' own call) that are off, only those are offered: the user's
+    idiom. A library model that checkpoints its layers already is left alone: no plan checkpoints it, a module in
+    it, or a module holding it, again.
     """
-    own = [plan for switch in switches if (plan := switch_plan(profiles, switch)) is not None]
+    own = [plan for switch in switches if not switch.on and (plan := switch_plan(profiles, switch)) is not None]
     if own:
         return sorted(own, key=lambda plan: -plan.saving_bytes)[:limit]
-    return _ranked_plans(profiles)[:limit]
+    done = [switch.model for switch in switches if switch.on]
+    plans = [
+        plan
+        for plan in _ranked_plans(profiles)
+        if not any(_overlaps(unit[0], model) for unit in plan.units for model in done)
+    ]
+    return plans[:limit]
+
+
+def _overlaps(name: str, model: str) -> bool:
+    """Whether module ``name`` is ``model``, inside it or holds it.
+
+    >>> _overlaps("model.model", "model"), _overlaps("model", "model.model"), _overlaps("head", "model")
+    (True, True, False)
+    """
+    return not model or name == model or name.startswith(f"{model}.") or model.startswith(f"{name}.")
 
 
 def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan | None:

@@ -236,7 +236,7 @@ def _checkpointing_off(layer: nn.Module) -> bool:
 
 
 def checkpointing_switches(module: nn.Module) -> tuple[CheckpointSwitch, ...]:
-    """The outermost transformers models in ``module`` that checkpoint their layers with one call, where it is off.
+    """The outermost transformers models in ``module`` that checkpoint their layers with one call, and whether they do.
 
     Only where the user's code imported transformers (nothing is imported here) and its layers are its
     ``GradientCheckpointingLayer``s, which ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
@@ -256,13 +256,14 @@ def checkpointing_switches(module: nn.Module) -> tuple[CheckpointSwitch, ...]:
             continue
         prefix = f"{name}." if name else ""
         layers = [(f"{prefix}{inner}", layer) for inner, layer in child.named_modules() if _is_a(layer, layer_type)]
-        if layers and all(_checkpointing_off(layer) for _, layer in layers):
+        if layers:
             method = (
                 "activation_checkpointing_enable"
                 if hasattr(type(child), "activation_checkpointing_enable")
                 else "gradient_checkpointing_enable"
             )
-            switches.append(CheckpointSwitch(name, method, tuple(layer_name for layer_name, _ in layers)))
+            on = not all(_checkpointing_off(layer) for _, layer in layers)
+            switches.append(CheckpointSwitch(name, method, tuple(layer_name for layer_name, _ in layers), on))
     return tuple(switches)
 
 

@@ -251,12 +251,13 @@ class CheckpointSwitch:
     ``model``: its name in the trained module (``""``: the module itself); ``method``: the call that turns
     checkpointing on (``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` where the library
     has no other); ``layers``: the layers that call checkpoints, by name, in registration order (every stack's:
-    an encoder's and a decoder's together).
+    an encoder's and a decoder's together); ``on``: the model checkpoints them already.
     """
 
     model: str
     method: str
     layers: tuple[str, ...]
+    on: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class TrainingSetup:
     """Out-of-place activation modules (by name) whose inplace variant saves only its result for backward,
     as tried on a small tensor: inplace, their input and output become one saved tensor."""
     checkpointing_switches: tuple[CheckpointSwitch, ...] = ()
-    """The library models in the module that turn checkpointing on themselves and have it off."""
+    """The library models in the module that turn checkpointing on themselves, off or on."""
     visible_devices: int = 1
     """Accelerator devices this process can see (``torch.cuda.device_count()``, 0 without CUDA): with one process
     and at most one device, there is nothing to shard across."""
