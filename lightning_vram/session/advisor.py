@@ -1,13 +1,16 @@
 """Advice for one run: the preflight check before step 0, the replay of the first sampled step, the OOM diagnosis.
 
 Replays run the user's step under fake tensors (host time only, within ``replay_budget_seconds``); the advice itself
-comes from :func:`~lightning_vram.advice.rules.advise` on the run's summary, set-up and replay.
+comes from :func:`~lightning_vram.advice.rules.advise` on the run's summary, set-up and replay. A batch larger than
+any replayed (by :data:`GROWTH`) is replayed too, at most :data:`MAX_WORST_REPLAYS` times a run: the advice then
+refers to it, and on CUDA a replayed peak beyond the device's memory warns at that step.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +30,10 @@ from lightning_vram.records import (
     Advice,
     AllocatorReading,
     Attribution,
+    BatchShapes,
     Breakdown,
     DeviceInfo,
+    LengthPeak,
     OomDiagnosis,
     Phase,
     PreflightVerdict,
@@ -36,8 +41,13 @@ from lightning_vram.records import (
     Simulation,
     TrainingSetup,
 )
-from lightning_vram.render.text import preflight_warning
+from lightning_vram.render.text import preflight_warning, worst_batch_warning
 from lightning_vram.session.context import RunContext
+
+GROWTH = 1.1
+"""How much larger (in elements) than every batch replayed so far a batch must be to be replayed too."""
+MAX_WORST_REPLAYS = 3
+"""How many times a run replays a new largest batch after its first replay."""
 
 
 class Advisor:
@@ -55,6 +65,12 @@ class Advisor:
         """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
         self.preflight_verdict: PreflightVerdict | None = None
         """The first step replayed against the device's free memory before it ran (CUDA, ``preflight=True``)."""
+        self.replayed_step: int | None = None
+        """The step whose batch :attr:`simulation` replayed."""
+        self.lengths: list[LengthPeak] = []
+        """Each batch length replayed (or predicted for ``max_length``) with its peak."""
+        self._replayed_elements: int | None = None  # the most elements of a batch replayed so far
+        self._worst_replays = 0
 
     def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
         """Before the first step on a CUDA device: replay it, and warn if it is predicted not to fit."""
@@ -90,12 +106,43 @@ class Advisor:
             warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})")
             warnings.warn(warning, VramMonitorWarning, stacklevel=4)
 
-    def replay(self, attribution: Attribution, batch: Any, summary: Callable[[], RunSummary]) -> None:
-        """After the first sampled step past step 0: replay it and every change the rules could advise."""
+    def wants_replay(self, elements: int) -> bool:
+        """Whether a new largest batch of ``elements`` is worth a replay of its own.
+
+        After the run's first replay, one at least :data:`GROWTH` times the largest replayed, at most
+        :data:`MAX_WORST_REPLAYS` times a run.
+        """
+        replayed = self._replayed_elements
+        return (
+            replayed is not None
+            and self.simulation is not None
+            and self._worst_replays < MAX_WORST_REPLAYS
+            and elements >= GROWTH * replayed
+            and self._config.replay_budget_seconds > 0
+            and self._guard.enabled(Part.REPLAY)
+        )
+
+    def replay(
+        self,
+        attribution: Attribution,
+        batch: Any,
+        summary: Callable[[], RunSummary],
+        size: tuple[int, int | None],
+        worst: bool = False,
+    ) -> None:
+        """Replay a counted step and every change the rules could advise.
+
+        The first sampled step past step 0, then a step whose batch is larger than any replayed (``worst``).
+
+        ``size`` is the batch's elements and its length (``None``: no varying dimension), for the per-length table.
+        """
         context, budget = self._context, self._config.replay_budget_seconds
         model = context.model
         if model is None or context.read_setup is None or budget <= 0 or attribution.step < 1:
             return
+        elements, length = size
+        self._replayed_elements = max(elements, self._replayed_elements or 0)
+        self._worst_replays += worst
 
         def replay() -> Simulation | None:
             training = context.setup()
@@ -113,8 +160,34 @@ class Advisor:
                 budget_seconds=budget,
             )
 
-        if self._guard.enabled(Part.REPLAY):
-            self.simulation = self._guard.call(Part.REPLAY, replay)
+        if not self._guard.enabled(Part.REPLAY):
+            return
+        simulation = self._guard.call(Part.REPLAY, replay)
+        if simulation is None:
+            return
+        baseline = simulation.baseline
+        if self.simulation is None or (baseline is not None and simulation.skipped is None):
+            self.simulation, self.replayed_step = simulation, attribution.step  # the advice follows the worst batch
+        if baseline is None:
+            return
+        peak_bytes = baseline.reported_bytes(baseline.reported_peak)
+        if length is not None:
+            self.lengths.append(LengthPeak(length, peak_bytes, attribution.step))
+        run = summary()
+        total = run.device.total_bytes
+        if worst and run.on_cuda and total and baseline.peak.peak_bytes > total:
+            warnings.warn(
+                worst_batch_warning(attribution.step, length, baseline.peak.peak_bytes, total),
+                VramMonitorWarning,
+                stacklevel=4,
+            )
+
+    def shapes(self, recorded: BatchShapes | None) -> BatchShapes | None:
+        """``recorded`` with the step the advice refers to and the peak per length, shortest first."""
+        if recorded is None:
+            return None
+        lengths = sorted(self.lengths, key=lambda row: (row.length, row.step is None, row.step or 0))
+        return replace(recorded, replayed_step=self.replayed_step, lengths=tuple(lengths))
 
     def advice(self, summary: RunSummary, setup: TrainingSetup) -> tuple[Advice, ...]:
         """The advice so far."""

@@ -1,0 +1,127 @@
+"""Variable-length batches: the shapes a run sees, the worst batch replayed when it arrives, and the longest length
+the user expects checked before step 0.
+
+A small GPT-2-class language model trains on batches padded to their own longest sequence: mostly 16-32 tokens,
+one 128-token batch at step :data:`LONG_STEP`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hostile.harness import Case, assert_untouched
+from models import trainer
+from replay_models import CausalLM
+from torch.utils.data import DataLoader
+
+from lightning_vram import VramMonitor, VramMonitorWarning
+from lightning_vram.codec import report_from_dict
+from lightning_vram.measure.batch_shapes import ShapeRecorder
+from lightning_vram.records import LengthPeak
+from lightning_vram.render.text import markdown
+from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
+
+BATCH, LONG_STEP, LONG, STEPS = 2, 6, 128, 8
+VOCAB = 200
+
+
+def lengths() -> list[int]:
+    """Each sample's length: 16-32 tokens, and one of :data:`LONG` in the batch of step :data:`LONG_STEP`."""
+    generator = torch.Generator().manual_seed(1)
+    sizes = torch.randint(16, 33, (BATCH * (STEPS + 2),), generator=generator).tolist()
+    sizes[LONG_STEP * BATCH] = LONG
+    return sizes
+
+
+class Sequences(torch.utils.data.Dataset[torch.Tensor]):
+    """Token sequences of the lengths of :func:`lengths`."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.items = [torch.randint(1, VOCAB, (size,), generator=generator) for size in lengths()]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index]
+
+
+def pad(samples: list[torch.Tensor]) -> tuple[torch.Tensor]:
+    """Pad each batch to its own longest sequence (token 0)."""
+    return (torch.nn.utils.rnn.pad_sequence(samples, batch_first=True),)
+
+
+def variable_loader() -> DataLoader[Any]:
+    return DataLoader(Sequences(), batch_size=BATCH, shuffle=False, collate_fn=pad)
+
+
+def model() -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(layers=1, vocab=VOCAB)
+
+
+def test_shapes_are_recorded_per_dimension() -> None:
+    shapes = ShapeRecorder()
+    steps = [torch.zeros(2, 20), torch.zeros(2, 16), torch.zeros(2, 40), torch.zeros(1, 30)]
+    grew = [shapes.observe(step, ({"input_ids": batch, "labels": batch},)) for step, batch in enumerate(steps)]
+    assert grew == [True, False, True, False]
+    record = shapes.record()
+    assert record is not None and record.largest_step == 2 and record.largest_elements == 160
+    assert [(t.name, t.smallest, t.largest, t.varying) for t in record.tensors] == [
+        ("[0]['input_ids']", (1, 16), (2, 40), (0, 1)),
+        ("[0]['labels']", (1, 16), (2, 40), (0, 1)),
+    ]
+    assert shapes.length_of(({"input_ids": steps[3], "labels": steps[3]},)) == 30
+
+
+def test_the_longest_batch_is_replayed_at_its_step_and_the_advice_refers_to_it(tmp_path: Path) -> None:
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=STEPS).fit(model(), variable_loader())
+    report = monitor.report
+    assert report is not None and report.shapes is not None and report.peak is not None
+    shapes = report.shapes
+    assert shapes.largest_step == LONG_STEP and shapes.replayed_step == LONG_STEP
+    assert [tensor.largest[1] for tensor in shapes.tensors] == [LONG]
+    # The long step was counted too: the report's peak is its step, and the advice comes from its replay.
+    assert report.peak.step == LONG_STEP
+    assert report.simulation is not None and report.simulation.match is not None
+    assert report.simulation.match.step == LONG_STEP and report.simulation.skipped is None
+    long = [row for row in shapes.lengths if row.step == LONG_STEP]
+    assert len(long) == 1 and long[0].length == LONG
+    assert abs(long[0].peak_bytes - report.peak.peak_bytes) <= 0.05 * report.peak.peak_bytes
+    assert shapes.lengths[0].length < LONG and shapes.lengths[0].step == 2  # the first replay, shorter
+    # The per-length table survives the JSON both ways and is rendered.
+    assert report_from_dict(report.to_dict()).shapes == shapes
+    text = markdown(report)
+    assert "## Batch shapes" in text and f"step {LONG_STEP}" in text and f"| {LONG} |" in text
+
+
+def test_the_longest_batch_warns_at_its_step_on_a_device_it_does_not_fit(tmp_path: Path) -> None:
+    small = SCRIPTED_DEVICE.__class__(**{**SCRIPTED_DEVICE.__dict__, "total_bytes": 4 * 1024**2})
+    probe = ScriptedProbe([ScriptedBoundary(0, 0, 0)], device=small, free_bytes=small.total_bytes)
+    monitor = VramMonitor(probe=probe, attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [monitor], max_steps=STEPS).fit(model(), variable_loader())
+    messages = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
+    assert any(f"step {LONG_STEP}'s batch ({LONG} long)" in message for message in messages), messages
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(tmp_path: Path, path: str) -> None:
+    def build() -> Case:
+        return Case(model(), variable_loader())
+
+    monitor = assert_untouched(build, tmp_path, path, steps=STEPS, attribution_start_step=2)
+    shapes = monitor.report.shapes if monitor.report is not None else None
+    assert shapes is not None and shapes.replayed_step == LONG_STEP
+
+
+def test_length_rows_read_back() -> None:
+    row = LengthPeak(2048, 4 * 1024**3, None)
+    assert row.predicted
