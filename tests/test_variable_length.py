@@ -8,6 +8,7 @@ one 128-token batch at step :data:`LONG_STEP`.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,13 @@ import torch
 from hostile.harness import Case, assert_untouched
 from models import trainer
 from replay_models import CausalLM
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.data import DataLoader
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import ShapeRecorder
-from lightning_vram.records import LengthPeak
+from lightning_vram.predict import predict
 from lightning_vram.render.text import markdown
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 
@@ -101,17 +103,6 @@ def test_the_longest_batch_is_replayed_at_its_step_and_the_advice_refers_to_it(t
     assert "## Batch shapes" in text and f"step {LONG_STEP}" in text and f"| {LONG} |" in text
 
 
-def test_the_longest_batch_warns_at_its_step_on_a_device_it_does_not_fit(tmp_path: Path) -> None:
-    small = SCRIPTED_DEVICE.__class__(**{**SCRIPTED_DEVICE.__dict__, "total_bytes": 4 * 1024**2})
-    probe = ScriptedProbe([ScriptedBoundary(0, 0, 0)], device=small, free_bytes=small.total_bytes)
-    monitor = VramMonitor(probe=probe, attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, [monitor], max_steps=STEPS).fit(model(), variable_loader())
-    messages = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
-    assert any(f"step {LONG_STEP}'s batch ({LONG} long)" in message for message in messages), messages
-
-
 @pytest.mark.parametrize("path", ["cpu", "cuda"])
 def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(tmp_path: Path, path: str) -> None:
     def build() -> Case:
@@ -122,6 +113,77 @@ def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(tmp_path
     assert shapes is not None and shapes.replayed_step == LONG_STEP
 
 
-def test_length_rows_read_back() -> None:
-    row = LengthPeak(2048, 4 * 1024**3, None)
-    assert row.predicted
+def small_device_run(tmp_path: Path, **options: Any) -> tuple[VramMonitor, list[str], list[int]]:
+    """Train on a scripted 4 MiB CUDA device; the monitor's warnings, and how many existed at the first real step."""
+    small = replace(SCRIPTED_DEVICE, total_bytes=4 * 1024**2)
+    probe = ScriptedProbe([ScriptedBoundary(0, 0, 0)], device=small, free_bytes=small.total_bytes)
+    monitor = VramMonitor(
+        probe=probe, attribution_start_step=2, attribution_every_n_steps=None, console_summary=False, **options
+    )
+    at_first_step: list[int] = []
+
+    class Watched(CausalLM):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if not at_first_step and not is_fake(batch[0]):
+                at_first_step.append(sum(issubclass(item.category, VramMonitorWarning) for item in caught))
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [monitor], max_steps=STEPS).fit(Watched(layers=1, vocab=VOCAB), variable_loader())
+    messages = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
+    return monitor, messages, at_first_step
+
+
+def test_max_length_warns_before_step_0_when_the_longest_batch_would_not_fit(tmp_path: Path) -> None:
+    monitor, messages, at_first_step = small_device_run(tmp_path, max_length=LONG)
+    verdict = monitor.session.preflight_verdict
+    assert verdict is not None and not verdict.fits
+    assert at_first_step == [1]  # warned before training_step first ran
+    assert f"batches {LONG} long (max_length) is predicted to run out of memory" in messages[0]
+    report = monitor.report
+    assert report is not None and report.shapes is not None
+    predicted = [row for row in report.shapes.lengths if row.predicted]
+    seen = [row for row in report.shapes.lengths if row.step == LONG_STEP]
+    assert [row.length for row in predicted] == [LONG] and len(seen) == 1
+    # The prediction before step 0 agrees with the replay of the long batch when it came (within 5%).
+    assert abs(predicted[0].peak_bytes - seen[0].peak_bytes) <= 0.05 * seen[0].peak_bytes
+
+
+def test_the_first_batch_fits_without_max_length(tmp_path: Path) -> None:
+    monitor, messages, at_first_step = small_device_run(tmp_path)
+    verdict = monitor.session.preflight_verdict
+    assert verdict is not None and verdict.fits and at_first_step == [0]
+    assert any(f"step {LONG_STEP}'s batch ({LONG} long)" in message for message in messages), messages
+
+
+def test_max_length_on_the_cpu_predicts_the_longest_length_and_says_nothing_of_fitting(tmp_path: Path) -> None:
+    monitor = VramMonitor(
+        attribution_start_step=2, attribution_every_n_steps=None, console_summary=False, max_length=512
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [monitor], max_steps=4).fit(model(), variable_loader())
+    assert not any("out of memory" in str(item.message) for item in caught)
+    report = monitor.report
+    assert report is not None and report.shapes is not None and monitor.session.preflight_verdict is None
+    rows = report.shapes.lengths
+    assert rows[-1].length == 512 and rows[-1].predicted
+    assert rows[-1].peak_bytes > max(row.peak_bytes for row in rows[:-1])
+    assert "| 512 | " in markdown(report) and "predicted (max_length)" in markdown(report)
+
+
+def test_predict_takes_the_longest_length() -> None:
+    batch = (torch.randint(1, VOCAB, (BATCH, 16)),)
+    short = predict(model(), batch, device_type="cpu", fit_table=False)
+    long = predict(model(), batch, device_type="cpu", fit_table=False, max_length=LONG)
+    resized = predict(model(), (torch.randint(1, VOCAB, (BATCH, LONG)),), device_type="cpu", fit_table=False)
+    assert short.step is not None and long.step is not None and resized.step is not None
+    assert long.step.peak.peak_bytes == resized.step.peak.peak_bytes > short.step.peak.peak_bytes
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "128", True])
+def test_max_length_is_checked(value: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="max_length"):
+        VramMonitor(max_length=value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import UserDict
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_vram.records import BatchShapes, TensorShapes
@@ -93,6 +94,7 @@ class ShapeRecorder:
         self._paths: list[Path] = []
         self._smallest: list[list[int]] = []
         self._largest: list[list[int]] = []
+        self._last: list[torch.Size] = []  # the last batch's shapes
         self.elements = 0
         """The elements of the last batch recorded."""
         self.largest_elements = 0
@@ -122,9 +124,13 @@ class ShapeRecorder:
                 self._smallest = [list(tensor.shape) for _, tensor in found]
                 self._largest = [list(tensor.shape) for _, tensor in found]
             tensors = [tensor for _, tensor in found]
+            self._last = []
+        shapes = [tensor.shape for tensor in tensors]
+        if shapes == self._last:  # the same shapes as the last batch (every step of a fixed-shape run): recorded
+            return False
+        self._last = shapes
         elements = 0
-        for tensor, smallest, largest in zip(tensors, self._smallest, self._largest, strict=False):
-            shape = tensor.shape
+        for tensor, shape, smallest, largest in zip(tensors, shapes, self._smallest, self._largest, strict=False):
             for dim, size in enumerate(shape):
                 if size < smallest[dim]:
                     smallest[dim] = size

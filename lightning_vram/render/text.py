@@ -277,13 +277,17 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
     return "\n".join(lines) + "\n"
 
 
-def preflight_warning(verdict: PreflightVerdict, device: str) -> str:
-    """The warning given before a first step that is predicted not to fit on ``device``."""
+def preflight_warning(verdict: PreflightVerdict, device: str, length: int | None = None) -> str:
+    """The warning given before a first step that is predicted not to fit on ``device``.
+
+    ``length``: the step replayed was the first one with its batch resized to this length (``max_length``).
+    """
     peak = verdict.step.peak
     shortfall = verdict.needed_bytes - verdict.available_bytes
     allocated = peak.peak_bytes - verdict.needed_bytes
+    what = "the first training step" if length is None else f"a training step on batches {length:,} long (max_length)"
     text = (
-        f"VramMonitor: the first training step is predicted to run out of memory in {peak.phase.value} on"
+        f"VramMonitor: {what} is predicted to run out of memory in {peak.phase.value} on"
         f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
         f" allocated already; {format_bytes(verdict.available_bytes)} more is available, {format_bytes(shortfall)}"
         " short."

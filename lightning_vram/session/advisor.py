@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
-from lightning_vram.advice.preflight import candidate_changes, preflight
+from lightning_vram.advice.preflight import candidate_changes, preflight, replay_length
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig
@@ -37,6 +37,7 @@ from lightning_vram.records import (
     OomDiagnosis,
     Phase,
     PreflightVerdict,
+    ReplayedStep,
     RunSummary,
     Simulation,
     TrainingSetup,
@@ -73,37 +74,61 @@ class Advisor:
         self._worst_replays = 0
 
     def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
-        """Before the first step on a CUDA device: replay it, and warn if it is predicted not to fit."""
-        context, budget = self._context, self._config.replay_budget_seconds
-        if not self._config.preflight or budget <= 0 or device.type != "cuda":
+        """Before the first step: replay it (resized to ``max_length`` when given) and on CUDA warn if it would not fit.
+
+        On the CPU only ``max_length`` is replayed, for the report's peak per length: nothing is said about fitting.
+        """
+        context, config = self._context, self._config
+        budget, length, on_cuda = config.replay_budget_seconds, config.max_length, device.type == "cuda"
+        if not config.preflight or budget <= 0 or not (on_cuda or length is not None):
             return
         model, step_function = context.model, context.step_function
-        if probe is None or model is None or context.read_setup is None or reading is None or step_function is None:
+        if probe is None or model is None or context.read_setup is None or step_function is None:
             return
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
             return
 
-        def replay() -> PreflightVerdict | None:
-            free = probe.free_bytes()
+        def replay() -> PreflightVerdict | ReplayedStep | None:
             training = context.setup()
-            if free is None or training is None:
+            if training is None:
                 return None
+            optimizers, precision = context.current_optimizers(), training.precision
+            free = probe.free_bytes() if on_cuda else None
+            if free is None or reading is None:
+                if length is None:
+                    return None
+                step = replay_length(
+                    model,
+                    optimizers,
+                    batch,
+                    length=length,
+                    precision=precision,
+                    step_function=step_function,
+                    budget_seconds=budget,
+                )
+                return step if isinstance(step, ReplayedStep) else None
             verdict = preflight(
                 model,
-                context.current_optimizers(),
+                optimizers,
                 batch,
                 reading=reading,
                 free_bytes=free,
-                changes=candidate_changes(training.precision, batch_size_of(batch), device.compute_capability),
-                precision=training.precision,
+                changes=candidate_changes(precision, batch_size_of(batch), device.compute_capability),
+                precision=precision,
                 step_function=step_function,
                 budget_seconds=budget,
+                length=length,
             )
             return verdict if isinstance(verdict, PreflightVerdict) else None
 
-        self.preflight_verdict = verdict = self._guard.call(Part.REPLAY, replay)
+        result = self._guard.call(Part.REPLAY, replay)
+        verdict = result if isinstance(result, PreflightVerdict) else None
+        self.preflight_verdict = verdict
+        step = verdict.step if verdict is not None else result
+        if isinstance(step, ReplayedStep) and length is not None:
+            self.lengths.append(LengthPeak(length, step.reported_bytes(step.reported_peak), None))
         if verdict is not None and not verdict.fits:
-            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})")
+            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})", length)
             warnings.warn(warning, VramMonitorWarning, stacklevel=4)
 
     def wants_replay(self, elements: int) -> bool:
