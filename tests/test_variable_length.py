@@ -103,12 +103,14 @@ def test_the_longest_batch_is_replayed_at_its_step_and_the_advice_refers_to_it(t
     assert "## Batch shapes" in text and f"step {LONG_STEP}" in text and f"| {LONG} |" in text
 
 
-@pytest.mark.parametrize("path", ["cpu", "cuda"])
-def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(tmp_path: Path, path: str) -> None:
+@pytest.mark.parametrize(("path", "max_length"), [("cpu", None), ("cuda", None), ("cpu", LONG)])
+def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(
+    tmp_path: Path, path: str, max_length: int | None
+) -> None:
     def build() -> Case:
         return Case(model(), variable_loader())
 
-    monitor = assert_untouched(build, tmp_path, path, steps=STEPS, attribution_start_step=2)
+    monitor = assert_untouched(build, tmp_path, path, steps=STEPS, attribution_start_step=2, max_length=max_length)
     shapes = monitor.report.shapes if monitor.report is not None else None
     assert shapes is not None and shapes.replayed_step == LONG_STEP
 

@@ -137,10 +137,11 @@ class Advisor:
         After the run's first replay, one at least :data:`GROWTH` times the largest replayed, at most
         :data:`MAX_WORST_REPLAYS` times a run.
         """
-        replayed = self._replayed_elements
+        replayed, simulation = self._replayed_elements, self.simulation
         return (
             replayed is not None
-            and self.simulation is not None
+            and simulation is not None
+            and simulation.baseline is not None  # a set-up the replay cannot run is not retried
             and self._worst_replays < MAX_WORST_REPLAYS
             and elements >= GROWTH * replayed
             and self._config.replay_budget_seconds > 0
