@@ -7,6 +7,8 @@ one 128-token batch at step :data:`LONG_STEP`.
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +26,9 @@ from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import ShapeRecorder
 from lightning_vram.predict import predict
+from lightning_vram.records import BatchShapes, LengthPeak, TensorShapes
+from lightning_vram.records.json_reader import FormatError
+from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
 from lightning_vram.render.text import markdown
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 
@@ -75,10 +80,24 @@ def test_shapes_are_recorded_per_dimension() -> None:
     record = shapes.record()
     assert record is not None and record.largest_step == 2 and record.largest_elements == 160
     assert [(t.name, t.smallest, t.largest, t.varying) for t in record.tensors] == [
-        ("[0]['input_ids']", (1, 16), (2, 40), (0, 1)),
-        ("[0]['labels']", (1, 16), (2, 40), (0, 1)),
+        ("batch[0]['input_ids']", (1, 16), (2, 40), (0, 1)),
+        ("batch[0]['labels']", (1, 16), (2, 40), (0, 1)),
     ]
     assert shapes.length_of(({"input_ids": steps[3], "labels": steps[3]},)) == 30
+
+
+def test_a_mistyped_shapes_field_is_named_when_read_back() -> None:
+    shapes = BatchShapes((TensorShapes("batch[0]", (2, 16), (2, 128)),), 6, 256, 6, (LengthPeak(128, 5 * 2**20, 6),))
+    data = batch_shapes_to_dict(shapes)
+    assert batch_shapes_from_dict(json.loads(json.dumps(data)), "report.shapes") == shapes
+    assert batch_shapes_from_dict(None, "report.shapes") is None
+    assert data is not None
+    data["tensors"][0]["smallest"] = [2, "16"]
+    with pytest.raises(FormatError, match=re.escape("report.shapes.tensors[0].smallest[1] must be an integer")):
+        batch_shapes_from_dict(data, "report.shapes")
+    data["tensors"][0]["smallest"] = [2]
+    with pytest.raises(FormatError, match="as many dimensions"):
+        batch_shapes_from_dict(data, "report.shapes")
 
 
 def test_the_longest_batch_is_replayed_at_its_step_and_the_advice_refers_to_it(tmp_path: Path) -> None:

@@ -76,12 +76,12 @@ def _at(batch: Any, path: Path) -> Any:
 
 
 def path_name(path: Path) -> str:
-    """How a path reads in the report: ``[0]``, ``['input_ids']``, or ``batch`` for the batch itself.
+    """How a path reads in the report: ``batch[0]``, ``batch['input_ids']``, or ``batch`` for the batch itself.
 
     >>> path_name((0, "input_ids")), path_name(())
-    ("[0]['input_ids']", 'batch')
+    ("batch[0]['input_ids']", 'batch')
     """
-    return "".join(f"[{key!r}]" for key in path) or "batch"
+    return "batch" + "".join(f"[{key!r}]" for key in path)
 
 
 class ShapeRecorder:

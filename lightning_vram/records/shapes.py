@@ -13,8 +13,8 @@ from dataclasses import dataclass
 class TensorShapes:
     """One batch tensor's shape range over the run.
 
-    ``name`` says where it sits in the batch (``[0]``, ``['input_ids']``); ``smallest`` and ``largest`` are the
-    least and greatest size seen along each dimension (elements).
+    ``name`` says where it sits in the batch (``batch[0]``, ``batch['input_ids']``); ``smallest`` and ``largest``
+    are the least and greatest size seen along each dimension (elements).
     """
 
     name: str
