@@ -134,7 +134,9 @@ def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(
     assert shapes is not None and shapes.replayed_step == LONG_STEP
 
 
-def small_device_run(tmp_path: Path, **options: Any) -> tuple[VramMonitor, list[str], list[int]]:
+def small_device_run(
+    tmp_path: Path, data: DataLoader[Any] | None = None, **options: Any
+) -> tuple[VramMonitor, list[str], list[int]]:
     """Train on a scripted 4 MiB CUDA device; the monitor's warnings, and how many existed at the first real step."""
     small = replace(SCRIPTED_DEVICE, total_bytes=4 * 1024**2)
     probe = ScriptedProbe([ScriptedBoundary(0, 0, 0)], device=small, free_bytes=small.total_bytes)
@@ -152,7 +154,7 @@ def small_device_run(tmp_path: Path, **options: Any) -> tuple[VramMonitor, list[
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(tmp_path, [monitor], max_steps=STEPS).fit(Watched(layers=1, vocab=VOCAB), variable_loader())
+        trainer(tmp_path, [monitor], max_steps=STEPS).fit(Watched(layers=1, vocab=VOCAB), data or variable_loader())
     messages = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
     return monitor, messages, at_first_step
 
@@ -162,7 +164,7 @@ def test_max_length_warns_before_step_0_when_the_longest_batch_would_not_fit(tmp
     verdict = monitor.session.preflight_verdict
     assert verdict is not None and not verdict.fits
     assert at_first_step == [1]  # warned before training_step first ran
-    assert f"batches {LONG} long (max_length) is predicted to run out of memory" in messages[0]
+    assert f"batches {LONG} long, the longest expected, is predicted to run out of memory" in messages[0]
     report = monitor.report
     assert report is not None and report.shapes is not None
     predicted = [row for row in report.shapes.lengths if row.predicted]
@@ -170,6 +172,18 @@ def test_max_length_warns_before_step_0_when_the_longest_batch_would_not_fit(tmp
     assert [row.length for row in predicted] == [LONG] and len(seen) == 1
     # The prediction before step 0 agrees with the replay of the long batch when it came (within 5%).
     assert abs(predicted[0].peak_bytes - seen[0].peak_bytes) <= 0.05 * seen[0].peak_bytes
+
+
+def test_a_length_grouped_sampler_tells_the_longest_length_before_step_0(tmp_path: Path) -> None:
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    sampler = LengthGroupedSampler(BATCH, lengths=lengths())
+    data = DataLoader(Sequences(), batch_size=BATCH, sampler=sampler, collate_fn=pad)
+    monitor, messages, at_first_step = small_device_run(tmp_path, data)
+    assert at_first_step == [1] and f"batches {LONG} long, the longest expected" in messages[0]
+    report = monitor.report
+    assert report is not None and report.shapes is not None
+    assert [row.length for row in report.shapes.lengths if row.predicted] == [LONG]
 
 
 def test_the_first_batch_fits_without_max_length(tmp_path: Path) -> None:
@@ -192,7 +206,7 @@ def test_max_length_on_the_cpu_predicts_the_longest_length_and_says_nothing_of_f
     rows = report.shapes.lengths
     assert rows[-1].length == 512 and rows[-1].predicted
     assert rows[-1].peak_bytes > max(row.peak_bytes for row in rows[:-1])
-    assert "| 512 | " in markdown(report) and "predicted (max_length)" in markdown(report)
+    assert "| 512 | " in markdown(report) and "predicted (the longest expected)" in markdown(report)
 
 
 def test_predict_takes_the_longest_length() -> None:

@@ -262,6 +262,9 @@ class TrainingSetup:
     inplace_keeps_result: tuple[str, ...] = ()
     """Out-of-place activation modules (by name) whose inplace variant saves only its result for backward,
     as tried on a small tensor: inplace, their input and output become one saved tensor."""
+    longest_sample: int | None = None
+    """The longest sample the training DataLoader will yield, where its sampler knows every sample's length (a
+    length-grouped sampler's ``lengths``); ``None`` where it does not say."""
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def lengths_table(shapes: BatchShapes) -> Table | None:
         (
             f"{row.length:,}",
             format_bytes(row.peak_bytes),
-            "predicted (max_length)" if row.step is None else f"step {row.step}",
+            "predicted (the longest expected)" if row.step is None else f"step {row.step}",
         )
         for row in shapes.lengths
     )

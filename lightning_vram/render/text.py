@@ -280,12 +280,15 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
 def preflight_warning(verdict: PreflightVerdict, device: str, length: int | None = None) -> str:
     """The warning given before a first step that is predicted not to fit on ``device``.
 
-    ``length``: the step replayed was the first one with its batch resized to this length (``max_length``).
+    ``length``: the step replayed was the first one with its batch resized to this length (the longest expected:
+    ``max_length``, or the DataLoader's sampler's).
     """
     peak = verdict.step.peak
     shortfall = verdict.needed_bytes - verdict.available_bytes
     allocated = peak.peak_bytes - verdict.needed_bytes
-    what = "the first training step" if length is None else f"a training step on batches {length:,} long (max_length)"
+    what = "the first training step"
+    if length is not None:
+        what = f"a training step on batches {length:,} long, the longest expected,"
     text = (
         f"VramMonitor: {what} is predicted to run out of memory in {peak.phase.value} on"
         f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"

@@ -74,24 +74,27 @@ class Advisor:
         self._worst_replays = 0
 
     def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
-        """Before the first step: replay it (resized to ``max_length`` when given) and on CUDA warn if it would not fit.
+        """Before the first step: replay it (resized to the longest length expected) and on CUDA warn if it won't fit.
 
-        On the CPU only ``max_length`` is replayed, for the report's peak per length: nothing is said about fitting.
+        The longest length is ``max_length``, else the DataLoader's own (a sampler that lists every sample's length).
+        On the CPU only that length is replayed, for the report's peak per length: nothing is said about fitting.
         """
         context, config = self._context, self._config
-        budget, length, on_cuda = config.replay_budget_seconds, config.max_length, device.type == "cuda"
-        if not config.preflight or budget <= 0 or not (on_cuda or length is not None):
+        budget, on_cuda = config.replay_budget_seconds, device.type == "cuda"
+        if not config.preflight or budget <= 0:
             return
         model, step_function = context.model, context.step_function
         if probe is None or model is None or context.read_setup is None or step_function is None:
             return
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
             return
+        training = self._guard.call(Part.REPLAY, context.setup)
+        # The longest length expected: the option, else the DataLoader's sampler where it lists every sample's.
+        length = config.max_length or (training.longest_sample if training is not None else None)
+        if training is None or not (on_cuda or length is not None):
+            return
 
         def replay() -> PreflightVerdict | ReplayedStep | None:
-            training = context.setup()
-            if training is None:
-                return None
             optimizers, precision = context.current_optimizers(), training.precision
             free = probe.free_bytes() if on_cuda else None
             if free is None or reading is None:
