@@ -215,8 +215,9 @@ class VramSession:
             self._preflight_pending = False
             if recorder.device is not None:
                 self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
-        due, step = sampler.next_step, recorder.tracker.steps  # every step but a few stops at `due`, without a call
-        # A batch larger than any replayed is counted and replayed at its end (a few times a run at most).
+        due, step = sampler.next_step, recorder.tracker.steps
+        # Every step records its batch's shapes; one larger than any replayed is counted and replayed at its end (a
+        # few times a run at most); every other step but a few stops at `due`, without a call.
         worst = recorder.observe_batch(step, batch) and self._advisor.wants_replay(recorder.shapes.largest_elements)
         sampled = (worst or (due is not None and step >= due)) and sampler.begin(step, batch, force=worst)
         if sampled and (worst or self._advisor.simulation is None):
