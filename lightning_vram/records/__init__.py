@@ -30,6 +30,7 @@ from lightning_vram.records.measured import (
 )
 from lightning_vram.records.oom import OomDiagnosis, OomMessage
 from lightning_vram.records.report import RankSummary, Report, TimingSummary
+from lightning_vram.records.shapes import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.simulation import (
     BaselineMatch,
     BatchSizeChange,
@@ -57,6 +58,7 @@ __all__ = [
     "AllocatorReading",
     "Attribution",
     "BaselineMatch",
+    "BatchShapes",
     "BatchSizeChange",
     "Breakdown",
     "ChangeKind",
@@ -69,6 +71,7 @@ __all__ = [
     "InplaceChange",
     "IntervalMemory",
     "IntervalTiming",
+    "LengthPeak",
     "LinearLayer",
     "ModuleProfile",
     "NotMeasured",
@@ -91,6 +94,7 @@ __all__ = [
     "Simulation",
     "StepChange",
     "StepPoint",
+    "TensorShapes",
     "TimingSummary",
     "TrainingSetup",
     "UtilizationReading",
