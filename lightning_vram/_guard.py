@@ -26,6 +26,7 @@ class Part(str, Enum):
     ALLOCATOR = "allocator readings"
     UTILIZATION = "GPU utilization and host memory"
     TRACKER = "phase peaks"
+    SHAPES = "batch shapes"
     ATTRIBUTION = "tensor-by-tensor attribution"
     TIMING = "step timing"
     SCALARS = "logged scalars"

@@ -30,6 +30,8 @@ MAX_WORLD_SIZE = 10**7
 """Upper bound of ``world_size`` (and of a rank): processes training together, far beyond any cluster."""
 MAX_REPLAY_BUDGET_SECONDS = 3600.0
 """Upper bound of ``replay_budget_seconds``: an hour of host time, far above what a replay of a large model takes."""
+MAX_LENGTH = 10**9
+"""Upper bound of ``max_length`` (elements along a batch dimension)."""
 
 
 def require_int(name: str, value: object, minimum: int, maximum: int, allow_none: bool = False) -> None:
@@ -100,6 +102,11 @@ class MonitorOptions(TypedDict, total=False):
         preflight: on a CUDA device, replay the first step before it runs and warn when it is predicted not to fit
             the free memory, with the replayed changes that would make it fit. On by default: it costs one replay
             of host time, once, and can save a run from dying at its first step.
+        max_length: the longest sequence the run is expected to see, along the batch's length dimension (dimension
+            1 of its first tensor with two or more: a language model's tokens). Preflight replays the first batch
+            resized to it before step 0 (on CUDA it warns when that step would not fit) and the report lists its
+            predicted peak beside the lengths replayed. ``None``: only the lengths that arrive are replayed (the
+            largest when it first arrives).
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
         clock: the host clock step times and data wait are read from, in seconds; for tests, which script it
@@ -118,6 +125,7 @@ class MonitorOptions(TypedDict, total=False):
     history_max_entries: int
     replay_budget_seconds: float
     preflight: bool
+    max_length: int | None
     probe: Probe | None
     clock: Clock
 
@@ -159,6 +167,7 @@ class MonitorConfig:
     history_max_entries: int = 100_000
     replay_budget_seconds: float = 30.0
     preflight: bool = True
+    max_length: int | None = None
     probe: Probe | None = field(default=None, compare=False)
     clock: Clock = field(default=time.perf_counter, compare=False)
 
@@ -176,6 +185,7 @@ class MonitorConfig:
         require_int("history_max_entries", self.history_max_entries, 1, MAX_HISTORY_ENTRIES)
         _require_budget("replay_budget_seconds", self.replay_budget_seconds, MAX_REPLAY_BUDGET_SECONDS)
         _require_bool("preflight", self.preflight)
+        require_int("max_length", self.max_length, 1, MAX_LENGTH, allow_none=True)
         probe = self.probe
         if isinstance(probe, type):
             raise TypeError(

@@ -7,6 +7,7 @@ For a notebook or a laptop deciding which GPU to rent::
     prediction = predict(model, batch, precision="bf16-mixed")
     prediction.step.peak            # the highest phase: predicted allocator peak and its breakdown
     prediction.fit                  # the largest batch that fits each common GPU
+    predict(model, batch, max_length=2048)  # the same for the longest sequence expected
 
 The step is replayed under fake tensors (:mod:`lightning_vram.advice.replay`): the model's own ``training_step``,
 loss and ``configure_optimizers``, on the batch's shapes and dtypes, after one uncounted warm-up step so that
@@ -22,9 +23,11 @@ import torch
 from torch import nn
 
 from lightning_vram.advice.catalogue import DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.advice.replay.batches import batch_length, resize_length
 from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.config import MAX_LENGTH, require_int
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
 
@@ -37,6 +40,7 @@ def predict(
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES,
     fit_table: bool = True,
     budget_seconds: float = 60.0,
+    max_length: int | None = None,
 ) -> Prediction:
     """Predict one steady training step's memory, phase by phase, and the largest batch per common GPU.
 
@@ -54,6 +58,9 @@ def predict(
             (a few replays per GPU).
         budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
             prediction says what the budget left out.
+        max_length: predict for the batch resized to this length along its length dimension (dimension 1 of its
+            first tensor with two or more: a language model's tokens), the longest the run expects; the resized
+            batch is allocated where ``batch`` is (uninitialised: only its shapes are read).
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
@@ -64,6 +71,11 @@ def predict(
         raise ValueError(f"cuda_context_bytes must be an int >= 0, got {cuda_context_bytes!r}")
     if isinstance(budget_seconds, bool) or not isinstance(budget_seconds, (int, float)) or not budget_seconds > 0:
         raise ValueError(f"budget_seconds must be a number of seconds > 0, got {budget_seconds!r}")
+    if max_length is not None:
+        require_int("max_length", max_length, 1, MAX_LENGTH)
+        if batch_length(batch) is None:
+            raise ValueError("max_length needs a batch with a tensor of two or more dimensions (its length is dim 1)")
+        batch = resize_length(batch, max_length)
     device, notes = _replay_device(device_type)
     deadline = time.perf_counter() + budget_seconds
     with round_of_replays():

@@ -17,6 +17,7 @@ from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram._guard import Part
 from lightning_vram.measure import history
 from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.measure.batch_shapes import ShapeRecorder
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
@@ -57,6 +58,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
         Part.TRACKER: lambda: monkeypatch.setattr(MemoryTracker, "close_phase", boom),
         Part.ATTRIBUTION: lambda: monkeypatch.setattr(StepAttributor, "_pack_counted", boom),
         Part.TIMING: lambda: monkeypatch.setattr(StepTimer, "batch_ended", boom),
+        Part.SHAPES: lambda: monkeypatch.setattr(ShapeRecorder, "observe", boom),
         Part.SCALARS: lambda: monkeypatch.setattr(assembly, "interval_scalars", boom),
         Part.REPORT: lambda: monkeypatch.setattr(assembly, "build_report", boom),
         Part.FILES: lambda: monkeypatch.setattr(sinks, "write_report_files", boom),

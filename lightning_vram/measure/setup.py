@@ -43,6 +43,20 @@ def first_dataloader(loaders: Any) -> DataLoader[Any] | None:
     return None
 
 
+def longest_sample(loader: DataLoader[Any] | None) -> int | None:
+    """The longest sample ``loader`` yields, where its sampler lists every sample's length; else ``None``.
+
+    transformers' ``LengthGroupedSampler`` keeps them in ``lengths``: read from the sampler's ``__dict__``, without
+    running its code.
+    """
+    attributes = getattr(getattr(loader, "sampler", None), "__dict__", None)
+    lengths = attributes.get("lengths") if type(attributes) is dict else None
+    if type(lengths) is not list or not lengths or not all(type(length) is int for length in lengths):
+        return None
+    longest: int = max(lengths)
+    return longest
+
+
 def cpu_cores() -> int:
     """Cores this process may run on (its affinity where the platform tells), at least 1."""
     if hasattr(os, "sched_getaffinity"):
@@ -297,4 +311,5 @@ def training_setup(
         checkpointing_switches=checkpointing_switches(module),
         visible_devices=torch.cuda.device_count(),
         language_model=language_model(module),
+        longest_sample=longest_sample(loader),
     )

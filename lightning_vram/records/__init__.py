@@ -31,6 +31,7 @@ from lightning_vram.records.measured import (
 )
 from lightning_vram.records.oom import OomDiagnosis, OomMessage
 from lightning_vram.records.report import RankSummary, Report, TimingSummary
+from lightning_vram.records.shapes import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.simulation import (
     BaselineMatch,
     BatchSizeChange,
@@ -58,6 +59,7 @@ __all__ = [
     "AllocatorReading",
     "Attribution",
     "BaselineMatch",
+    "BatchShapes",
     "BatchSizeChange",
     "Breakdown",
     "ChangeKind",
@@ -71,6 +73,7 @@ __all__ = [
     "InplaceChange",
     "IntervalMemory",
     "IntervalTiming",
+    "LengthPeak",
     "LinearLayer",
     "ModuleProfile",
     "NotMeasured",
@@ -93,6 +96,7 @@ __all__ = [
     "Simulation",
     "StepChange",
     "StepPoint",
+    "TensorShapes",
     "TimingSummary",
     "TrainingSetup",
     "UtilizationReading",

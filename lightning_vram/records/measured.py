@@ -286,6 +286,9 @@ class TrainingSetup:
     language_model: str | None = None
     """Why the model looks like a transformer or a language model (``"attention modules (GPT2Attention)"``), or
     ``None`` when nothing says so: the advice then weighs what a change of optimizer does to convergence."""
+    longest_sample: int | None = None
+    """The longest sample the training DataLoader will yield, where its sampler knows every sample's length (a
+    length-grouped sampler's ``lengths``); ``None`` where it does not say."""
 
 
 @dataclass(frozen=True)

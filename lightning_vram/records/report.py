@@ -33,6 +33,8 @@ from lightning_vram.records.measured_json import (
     step_point_from_dict,
     step_point_to_dict,
 )
+from lightning_vram.records.shapes import BatchShapes
+from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
 from lightning_vram.records.simulation import Simulation
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 
@@ -74,6 +76,8 @@ class Report:
     not_measured: tuple[NotMeasured, ...] = field(default=())
     simulation: Simulation | None = None
     """The replay of the run's sampled step and of each change tried on it (``None`` when none ran)."""
+    shapes: BatchShapes | None = None
+    """The batch shapes the run saw, its largest batch and the peak replayed per length (``None``: not recorded)."""
 
     @property
     def device(self) -> DeviceInfo:
@@ -164,6 +168,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         ],
         "not_measured": [{"what": item.what, "reason": item.reason} for item in report.not_measured],
         "simulation": simulation_to_dict(report.simulation),
+        "shapes": batch_shapes_to_dict(report.shapes),
     }
 
 
@@ -216,7 +221,8 @@ def report_from_dict(data: Any) -> Report:
     - 0.5.0: ``evaluation``: empty;
     - 0.7.0: ``phases.<phase>.reserved_bytes``: ``None`` (not measured);
     - the step replay: ``simulation``: ``None``; ``advice[].saving_basis``, ``advice[].predicted_peak_bytes``:
-      ``None``; ``fit[].basis``: ``"modelled"``.
+      ``None``; ``fit[].basis``: ``"modelled"``;
+    - the batch shapes: ``shapes``: ``None``.
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
@@ -269,4 +275,5 @@ def report_from_dict(data: Any) -> Report:
         simulation=simulation_from_dict(fields.raw("simulation"), "report.simulation")
         if fields.has("simulation")
         else None,
+        shapes=batch_shapes_from_dict(fields.raw("shapes"), "report.shapes") if fields.has("shapes") else None,
     )

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from lightning_vram.records import CATEGORIES, Advice, Report, in_phase_order
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
 from lightning_vram.render.markup import Token, advice_tokens
+from lightning_vram.render.shapes import lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.render.text import capacity_text, evaluation_text, headline, ranks_line, saving_text, timing_line
 from lightning_vram.units import format_bytes
@@ -167,6 +168,10 @@ def render_html(report: Report) -> str:
             '<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th><th>basis</th></tr>'
             f"{fit}</table>"
         )
+    if report.shapes is not None and report.shapes.varies:
+        sections += ["<h2>Batch shapes</h2>", f"<p>{html.escape(shapes_sentence(report.shapes))}</p>"]
+        if (lengths := lengths_table(report.shapes)) is not None:
+            sections.append(table_html(lengths, "batch-lengths"))
     sections += _simulation_html(report)
     if report.not_measured:
         items = "".join(

@@ -20,6 +20,7 @@ from lightning_vram.records import (
 )
 from lightning_vram.records.oom import oom_headline
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
+from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
@@ -149,6 +150,8 @@ def summary_text(report: Report, top_modules: int = 3) -> str:
         )
         lines.append(f"  most activations saved by: {top}")
     lines.append(f"  {timing_line(report)}")
+    if report.shapes is not None and report.shapes.varies and (lengths := lengths_line(report.shapes)):
+        lines.append(f"  {lengths}")
     if report.recovered_ooms:
         lines.append(
             f"  recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
@@ -228,6 +231,10 @@ def markdown(report: Report) -> str:
             f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.batch_text} | {row.basis} |"
             for row in report.fit
         ]
+    if report.shapes is not None and report.shapes.varies:
+        lines += ["", "## Batch shapes", "", escape_markdown(shapes_sentence(report.shapes))]
+        if (table := lengths_table(report.shapes)) is not None:
+            lines += ["", *markdown_table(table)]
     if (view := simulation_view(report)) is not None:
         lines += ["", "## Simulation", "", escape_markdown(view.summary)]
         for table in (view.baseline, view.variants):
@@ -270,13 +277,20 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
     return "\n".join(lines) + "\n"
 
 
-def preflight_warning(verdict: PreflightVerdict, device: str) -> str:
-    """The warning given before a first step that is predicted not to fit on ``device``."""
+def preflight_warning(verdict: PreflightVerdict, device: str, length: int | None = None) -> str:
+    """The warning given before a first step that is predicted not to fit on ``device``.
+
+    ``length``: the step replayed was the first one with its batch resized to this length (the longest expected:
+    ``max_length``, or the DataLoader's sampler's).
+    """
     peak = verdict.step.peak
     shortfall = verdict.needed_bytes - verdict.available_bytes
     allocated = peak.peak_bytes - verdict.needed_bytes
+    what = "the first training step"
+    if length is not None:
+        what = f"a training step on batches {length:,} long, the longest expected,"
     text = (
-        f"VramMonitor: the first training step is predicted to run out of memory in {peak.phase.value} on"
+        f"VramMonitor: {what} is predicted to run out of memory in {peak.phase.value} on"
         f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
         f" allocated already; {format_bytes(verdict.available_bytes)} more is available, {format_bytes(shortfall)}"
         " short."
@@ -289,3 +303,13 @@ def preflight_warning(verdict: PreflightVerdict, device: str) -> str:
         for remedy in verdict.remedies
     )
     return f"{text} Replayed changes, largest saving first: {listed}."
+
+
+def worst_batch_warning(step: int, length: int | None, peak_bytes: int, total_bytes: int) -> str:
+    """The warning given at the step whose batch, the largest so far, is replayed beyond the device's memory."""
+    size = f" ({length:,} long)" if length is not None else ""
+    return (
+        f"VramMonitor: step {step}'s batch{size} is the largest so far and its step replayed needs"
+        f" {format_bytes(peak_bytes)}, more than the device's {format_bytes(total_bytes)}: a batch like it is"
+        " predicted to run out of memory. Cap the length, bucket batches by length or lower the batch size."
+    )

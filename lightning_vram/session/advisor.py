@@ -1,19 +1,22 @@
 """Advice for one run: the preflight check before step 0, the replay of the first sampled step, the OOM diagnosis.
 
 Replays run the user's step under fake tensors (host time only, within ``replay_budget_seconds``); the advice itself
-comes from :func:`~lightning_vram.advice.rules.advise` on the run's summary, set-up and replay.
+comes from :func:`~lightning_vram.advice.rules.advise` on the run's summary, set-up and replay. A batch larger than
+any replayed (by :data:`GROWTH`) is replayed too, at most :data:`MAX_WORST_REPLAYS` times a run: the advice then
+refers to it, and on CUDA a replayed peak beyond the device's memory warns at that step.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
-from lightning_vram.advice.preflight import candidate_changes, preflight
+from lightning_vram.advice.preflight import candidate_changes, preflight, replay_length
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig
@@ -27,17 +30,25 @@ from lightning_vram.records import (
     Advice,
     AllocatorReading,
     Attribution,
+    BatchShapes,
     Breakdown,
     DeviceInfo,
+    LengthPeak,
     OomDiagnosis,
     Phase,
     PreflightVerdict,
+    ReplayedStep,
     RunSummary,
     Simulation,
     TrainingSetup,
 )
-from lightning_vram.render.text import preflight_warning
+from lightning_vram.render.text import preflight_warning, worst_batch_warning
 from lightning_vram.session.context import RunContext
+
+GROWTH = 1.1
+"""How much larger (in elements) than every batch replayed so far a batch must be to be replayed too."""
+MAX_WORST_REPLAYS = 3
+"""How many times a run replays a new largest batch after its first replay."""
 
 
 class Advisor:
@@ -55,47 +66,112 @@ class Advisor:
         """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
         self.preflight_verdict: PreflightVerdict | None = None
         """The first step replayed against the device's free memory before it ran (CUDA, ``preflight=True``)."""
+        self.replayed_step: int | None = None
+        """The step whose batch :attr:`simulation` replayed."""
+        self.lengths: list[LengthPeak] = []
+        """Each batch length replayed (or predicted for ``max_length``) with its peak."""
+        self._replayed_elements: int | None = None  # the most elements of a batch replayed so far
+        self._worst_replays = 0
 
     def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
-        """Before the first step on a CUDA device: replay it, and warn if it is predicted not to fit."""
-        context, budget = self._context, self._config.replay_budget_seconds
-        if not self._config.preflight or budget <= 0 or device.type != "cuda":
+        """Before the first step: replay it (resized to the longest length expected) and on CUDA warn if it won't fit.
+
+        The longest length is ``max_length``, else the DataLoader's own (a sampler that lists every sample's length).
+        On the CPU only that length is replayed, for the report's peak per length: nothing is said about fitting.
+        """
+        context, config = self._context, self._config
+        budget, on_cuda = config.replay_budget_seconds, device.type == "cuda"
+        if not config.preflight or budget <= 0:
             return
         model, step_function = context.model, context.step_function
-        if probe is None or model is None or context.read_setup is None or reading is None or step_function is None:
+        if probe is None or model is None or context.read_setup is None or step_function is None:
             return
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
             return
+        training = self._guard.call(Part.REPLAY, context.setup)
+        # The longest length expected: the option, else the DataLoader's sampler where it lists every sample's.
+        length = config.max_length or (training.longest_sample if training is not None else None)
+        if training is None or not (on_cuda or length is not None):
+            return
 
-        def replay() -> PreflightVerdict | None:
-            free = probe.free_bytes()
-            training = context.setup()
-            if free is None or training is None:
-                return None
+        def replay() -> PreflightVerdict | ReplayedStep | None:
+            optimizers, precision = context.current_optimizers(), training.precision
+            free = probe.free_bytes() if on_cuda else None
+            if free is None or reading is None:
+                if length is None:
+                    return None
+                step = replay_length(
+                    model,
+                    optimizers,
+                    batch,
+                    length=length,
+                    precision=precision,
+                    step_function=step_function,
+                    budget_seconds=budget,
+                )
+                return step if isinstance(step, ReplayedStep) else None
             verdict = preflight(
                 model,
-                context.current_optimizers(),
+                optimizers,
                 batch,
                 reading=reading,
                 free_bytes=free,
-                changes=candidate_changes(training.precision, batch_size_of(batch), device.compute_capability),
-                precision=training.precision,
+                changes=candidate_changes(precision, batch_size_of(batch), device.compute_capability),
+                precision=precision,
                 step_function=step_function,
                 budget_seconds=budget,
+                length=length,
             )
             return verdict if isinstance(verdict, PreflightVerdict) else None
 
-        self.preflight_verdict = verdict = self._guard.call(Part.REPLAY, replay)
+        result = self._guard.call(Part.REPLAY, replay)
+        verdict = result if isinstance(result, PreflightVerdict) else None
+        self.preflight_verdict = verdict
+        step = verdict.step if verdict is not None else result
+        if isinstance(step, ReplayedStep) and length is not None:
+            self.lengths.append(LengthPeak(length, step.reported_bytes(step.reported_peak), None))
         if verdict is not None and not verdict.fits:
-            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})")
+            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})", length)
             warnings.warn(warning, VramMonitorWarning, stacklevel=4)
 
-    def replay(self, attribution: Attribution, batch: Any, summary: Callable[[], RunSummary]) -> None:
-        """After the first sampled step past step 0: replay it and every change the rules could advise."""
+    def wants_replay(self, elements: int) -> bool:
+        """Whether a new largest batch of ``elements`` is worth a replay of its own.
+
+        After the run's first replay, one at least :data:`GROWTH` times the largest replayed, at most
+        :data:`MAX_WORST_REPLAYS` times a run.
+        """
+        replayed, simulation = self._replayed_elements, self.simulation
+        return (
+            replayed is not None
+            and simulation is not None
+            and simulation.baseline is not None  # a set-up the replay cannot run is not retried
+            and self._worst_replays < MAX_WORST_REPLAYS
+            and elements >= GROWTH * replayed
+            and self._config.replay_budget_seconds > 0
+            and self._guard.enabled(Part.REPLAY)
+        )
+
+    def replay(
+        self,
+        attribution: Attribution,
+        batch: Any,
+        summary: Callable[[], RunSummary],
+        size: tuple[int, int | None],
+        worst: bool = False,
+    ) -> None:
+        """Replay a counted step and every change the rules could advise.
+
+        The first sampled step past step 0, then a step whose batch is larger than any replayed (``worst``).
+
+        ``size`` is the batch's elements and its length (``None``: no varying dimension), for the per-length table.
+        """
         context, budget = self._context, self._config.replay_budget_seconds
         model = context.model
         if model is None or context.read_setup is None or budget <= 0 or attribution.step < 1:
             return
+        elements, length = size
+        self._replayed_elements = max(elements, self._replayed_elements or 0)
+        self._worst_replays += worst
 
         def replay() -> Simulation | None:
             training = context.setup()
@@ -113,8 +189,34 @@ class Advisor:
                 budget_seconds=budget,
             )
 
-        if self._guard.enabled(Part.REPLAY):
-            self.simulation = self._guard.call(Part.REPLAY, replay)
+        if not self._guard.enabled(Part.REPLAY):
+            return
+        simulation = self._guard.call(Part.REPLAY, replay)
+        if simulation is None:
+            return
+        baseline = simulation.baseline
+        if self.simulation is None or (baseline is not None and simulation.skipped is None):
+            self.simulation, self.replayed_step = simulation, attribution.step  # the advice follows the worst batch
+        if baseline is None:
+            return
+        peak_bytes = baseline.reported_bytes(baseline.reported_peak)
+        if length is not None:
+            self.lengths.append(LengthPeak(length, peak_bytes, attribution.step))
+        run = summary()
+        total = run.device.total_bytes
+        if worst and run.on_cuda and total and baseline.peak.peak_bytes > total:
+            warnings.warn(
+                worst_batch_warning(attribution.step, length, baseline.peak.peak_bytes, total),
+                VramMonitorWarning,
+                stacklevel=4,
+            )
+
+    def shapes(self, recorded: BatchShapes | None) -> BatchShapes | None:
+        """``recorded`` with the step the advice refers to and the peak per length, shortest first."""
+        if recorded is None:
+            return None
+        lengths = sorted(self.lengths, key=lambda row: (row.length, row.step is None, row.step or 0))
+        return replace(recorded, replayed_step=self.replayed_step, lengths=tuple(lengths))
 
     def advice(self, summary: RunSummary, setup: TrainingSetup) -> tuple[Advice, ...]:
         """The advice so far."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -97,6 +98,7 @@ class VramSession:
         self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False
         self._sampled_batch: Any = None
+        self._worst_batch = False  # whether the sampled batch is replayed as a new largest one
         self._preflight_pending = True
 
     def _notes(self) -> list[NotMeasured]:
@@ -213,9 +215,14 @@ class VramSession:
             self._preflight_pending = False
             if recorder.device is not None:
                 self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
-        due, step = sampler.next_step, recorder.tracker.steps  # every step but a few stops at `due`, without a call
-        if due is not None and step >= due and sampler.begin(step, batch) and self._advisor.simulation is None:
+        due, step = sampler.next_step, recorder.tracker.steps
+        # Every step records its batch's shapes; one larger than any replayed is counted and replayed at its end (a
+        # few times a run at most); every other step but a few stops at `due`, without a call.
+        worst = recorder.observe_batch(step, batch) and self._advisor.wants_replay(recorder.shapes.largest_elements)
+        sampled = (worst or (due is not None and step >= due)) and sampler.begin(step, batch, force=worst)
+        if sampled and (worst or self._advisor.simulation is None):
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
+            self._worst_batch = worst
 
     def before_backward(self) -> None:
         """A backward pass is about to run: what ran since the last boundary was a forward pass."""
@@ -253,8 +260,11 @@ class VramSession:
             attribution = sampler.finish()
             steps = recorder.fold_step(attribution)
             recorder.end_timing()
-            if attribution is not None and self._sampled_batch is not None:
-                self._advisor.replay(attribution, self._sampled_batch, self.summary)
+            batch = self._sampled_batch
+            if attribution is not None and batch is not None:
+                shapes = recorder.shapes
+                size = (shapes.elements, self._guard.call(Part.SHAPES, shapes.length_of, batch))
+                self._advisor.replay(attribution, batch, self.summary, size, self._worst_batch)
                 recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
             self._sampled_batch = None
         every = self._log_every
@@ -339,6 +349,7 @@ class VramSession:
         assembly = self._assembly
         report = assembly.report(self._context.setup, self._advisor.simulation, gather_ranks)
         if report is not None:
+            report = replace(report, shapes=self._advisor.shapes(self._recorder.shapes.record()))
             self.report = report
             if self._context.rank == 0:
                 self.report = self._sinks.publish(report, self.log_dir, assembly.not_measured)

@@ -8,7 +8,7 @@ part guarded by the run's :class:`~lightning_vram._guard.Guard`.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -16,6 +16,7 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure import history
+from lightning_vram.measure.batch_shapes import ShapeRecorder
 from lightning_vram.measure.probes import BlindProbe, CpuProbe, Probe, probe_for
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
@@ -31,6 +32,7 @@ from lightning_vram.records import (
 )
 
 ALLOCATOR, TRACKER, TIMING, UTILIZATION = Part.ALLOCATOR, Part.TRACKER, Part.TIMING, Part.UTILIZATION
+SHAPES = Part.SHAPES
 FORWARD = Phase.FORWARD
 CPU_READ_ALLOCATOR = CpuProbe.read_allocator
 """The CPU's allocator read: it always returns ``None``; a probe that keeps it is not read on the hot path."""
@@ -58,6 +60,8 @@ class StepRecorder:
         self._reset_peak = config.reset_peak_stats
         self.tracker = MemoryTracker(config.recent_steps, config.reset_peak_stats)
         self.timer = StepTimer(config.recent_steps, config.clock)
+        self.shapes = ShapeRecorder()
+        """Each batch tensor's size range and the run's largest batch."""
         self.probe: Probe | None = None
         """The open probe; ``None`` before :meth:`open` and after :meth:`close`."""
         self.device: DeviceInfo | None = None
@@ -93,6 +97,17 @@ class StepRecorder:
         if probe is None:
             return None
         return self._guard.call(ALLOCATOR, probe.read_allocator, self._reset_peak)
+
+    def observe_batch(self, step: int, batch: Any) -> bool:
+        """Record the shapes of step ``step``'s batch. Returns whether it is the run's largest so far."""
+        guard = self._guard
+        if batch is None or SHAPES in guard.off:
+            return False
+        try:
+            return self.shapes.observe(step, batch)
+        except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
+            guard.fail(SHAPES, error)
+            return False
 
     def start_step(self) -> AllocatorReading | None:
         """A training step starts: time it, read the allocator, open its forward phase. Returns the reading.

@@ -50,15 +50,19 @@ class Sampler:
         self.next_step: int | None = config.attribution_start_step
         """The next sampled step (``None``: none): :meth:`begin` returns ``False`` on any step before it."""
 
-    def begin(self, step: int, batch: Any) -> bool:
-        """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on)."""
+    def begin(self, step: int, batch: Any, force: bool = False) -> bool:
+        """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on).
+
+        ``force`` counts it whatever the schedule (a batch larger than any replayed, replayed at its end).
+        """
         sampled = self.next_step
-        if sampled is None or step < sampled:  # every step but a few ends here
+        if sampled is not None and step >= sampled:
+            if step > sampled:  # steps restored from a checkpoint
+                sampled = self._config.next_sampled_step(step)
+            self.next_step = self._config.next_sampled_step(step + 1) if sampled == step else sampled
+        elif not force:  # every step but a few ends here
             return False
-        if step > sampled:  # steps restored from a checkpoint
-            sampled = self._config.next_sampled_step(step)
-        self.next_step = self._config.next_sampled_step(step + 1) if sampled == step else sampled
-        if sampled != step or not self._guard.enabled(Part.ATTRIBUTION):
+        if (sampled != step and not force) or not self._guard.enabled(Part.ATTRIBUTION):
             return False
         model = self._context.model
         if model is None or self._stands_aside(model):

@@ -8,6 +8,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_vram.measure.tensors import iter_tensors
+
 
 def resize_batch(batch: Any, old_size: int, new_size: int) -> Any:
     """The fake batch with every tensor whose first dimension is ``old_size`` resized to ``new_size``; in the mode."""
@@ -16,6 +18,31 @@ def resize_batch(batch: Any, old_size: int, new_size: int) -> Any:
         if tensor.dim() == 0 or tensor.shape[0] != old_size:
             return tensor
         return torch.empty((new_size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+    return apply_to_collection(batch, Tensor, resize)
+
+
+def batch_length(batch: Any) -> int | None:
+    """The batch's length: dimension 1 of its first tensor with two or more (``None``: a batch of vectors)."""
+    tensors = [tensor for tensor in iter_tensors(batch) if tensor.dim() >= 2]
+    return int(tensors[0].shape[1]) if tensors else None
+
+
+def resize_length(batch: Any, new_length: int) -> Any:
+    """The fake batch with every dimension past the first whose size is the batch's length set to ``new_length``.
+
+    Inside the fake mode no memory is allocated; outside it the resized tensors are real and uninitialised (one
+    batch's memory). A batch without a length comes back as it is.
+    """
+    old_length = batch_length(batch)
+    if old_length is None:
+        return batch
+
+    def resize(tensor: Tensor) -> Tensor:
+        shape = [new_length if dim and size == old_length else size for dim, size in enumerate(tensor.shape)]
+        if shape == list(tensor.shape):
+            return tensor
+        return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
 
     return apply_to_collection(batch, Tensor, resize)
 
