@@ -60,7 +60,7 @@ def predict(
             prediction says what the budget left out.
         max_length: predict for the batch resized to this length along its length dimension (dimension 1 of its
             first tensor with two or more: a language model's tokens), the longest the run expects; the resized
-            batch is allocated where ``batch`` is (uninitialised: only its shapes are read).
+            batch is allocated where ``batch`` is (its values tiled along the length).
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
