@@ -72,7 +72,7 @@ def predict(
             return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
         rows: tuple[FitRow, ...] = ()
         if fit_table:
-            rows = replayed_fit_table(
+            search = replayed_fit_table(
                 module,
                 None,
                 batch,
@@ -81,9 +81,11 @@ def predict(
                 placement=device,
                 warm_up=True,
                 deadline=deadline,
+                baseline_peak_bytes=step.peak.peak_bytes if step.batch_size is not None else None,
             )
-            if not rows and time.perf_counter() > deadline:
-                notes += (f"no fit table: the time budget of {budget_seconds} s ran out before its search ended",)
+            rows = search.found
+            if search.missing is not None:
+                notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
         return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
 
 
