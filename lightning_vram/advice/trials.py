@@ -26,7 +26,15 @@ from lightning_vram.advice.replay.simulation import BUDGET_RAN_OUT, simulate
 from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.advice.rules.registry import changes_to_replay
 from lightning_vram.measure.compiled import compiled_module_names
-from lightning_vram.records import Attribution, DeviceInfo, Phase, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import (
+    Attribution,
+    BatchSizeChange,
+    DeviceInfo,
+    Phase,
+    RunSummary,
+    Simulation,
+    TrainingSetup,
+)
 
 
 def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None) -> str | None:
@@ -102,7 +110,7 @@ def try_changes(
             gradients_at_forward=gradients_at_forward,
             gpus=(*_own_device(summary.device), *COMMON_GPUS),
             deadline=time.perf_counter() + remaining,
-            baseline_peak_bytes=simulation.baseline.peak.peak_bytes if simulation.baseline is not None else None,
+            known_peaks=_replayed_batch_sizes(simulation),
         )
         own = search.rows[0] if summary.device.total_bytes else None
         common = search.rows[1:] if summary.device.total_bytes else search.rows
@@ -113,6 +121,17 @@ def try_changes(
             device_max_batch_size=own.max_batch_size if own is not None else None,
             seconds=time.perf_counter() - started,
         )
+
+
+def _replayed_batch_sizes(simulation: Simulation) -> dict[int, int]:
+    """The peaks the simulation replayed by batch size: its baseline's and each batch-size change's."""
+    steps = [(simulation.baseline.batch_size, simulation.baseline)] if simulation.baseline is not None else []
+    steps += [
+        (variant.change.batch_size, variant.replayed)
+        for variant in simulation.variants
+        if isinstance(variant.change, BatchSizeChange) and variant.replayed is not None
+    ]
+    return {size: step.peak.peak_bytes for size, step in steps if size is not None}
 
 
 def _gradients_at_forward(attribution: Attribution) -> bool:

@@ -9,7 +9,7 @@ others are missing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,14 +56,14 @@ def replayed_fit_table(
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
     deadline: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    baseline_peak_bytes: int | None = None,
+    known_peaks: Mapping[int, int] | None = None,
 ) -> FitSearch:
     """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
 
     A row is missing where the batch has no batch dimension, a replay it needed failed, or ``clock()`` passed
-    ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``baseline_peak_bytes`` is the
-    peak already replayed at the batch's own size with these settings (not replayed again). The other arguments
-    are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
+    ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``known_peaks`` are peaks
+    already replayed with these settings, by batch size (the baseline's, a batch-size change's): not replayed
+    again. The other arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
     """
     start = batch_size_of(batch)
     if start is None:
@@ -95,8 +95,7 @@ def replayed_fit_table(
         return None
 
     budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
-    known = {start: baseline_peak_bytes} if baseline_peak_bytes is not None else None
-    sizes, replays = largest_batches_that_fit(peak_bytes, budgets, start, known=known)
+    sizes, replays = largest_batches_that_fit(peak_bytes, budgets, start, known=known_peaks)
     rows = tuple(
         None
         if size is None

@@ -51,6 +51,10 @@ class _Peaks:
             self._known[batch_size] = self._peak_bytes(batch_size)
         return self._known[batch_size]
 
+    def replayed_sizes(self) -> list[int]:
+        """The batch sizes whose peaks are known."""
+        return [size for size, peak in self._known.items() if peak is not None]
+
     def fits(self, batch_size: int, budget_bytes: int) -> bool | None:
         """Whether the batch's peak is within ``budget_bytes``; ``None`` when its replay failed."""
         peak = self(batch_size)
@@ -176,9 +180,12 @@ def largest_batches_that_fit(
 def checked_line(peaks: _Peaks, budgets_bytes: Sequence[int], start: int, limit: int) -> Polyline | None:
     """The line through two replays, checked (and bent where a check disagrees) up to :data:`LINE_CHECKS` times.
 
+    The two are ``start`` and the largest other batch already replayed, or twice ``start``.
+
     ``None`` when a replay failed or the batch size cannot vary.
     """
-    other = min(2 * start, limit) if start < limit else max(start - 1, 1)
+    replayed = [size for size in peaks.replayed_sizes() if size != start]
+    other = max(replayed) if replayed else min(2 * start, limit) if start < limit else max(start - 1, 1)
     first, second = peaks(start), peaks(other)
     if first is None or second is None or other == start:
         return None
