@@ -3,6 +3,7 @@ says when its replay budget cuts the table or a change short."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from models import OPTIMIZERS, Classifier, linear_net
 from replay_models import ARCHITECTURES, Architecture, mlp
+from simulations import GIB, simulated
+from test_simulation_report import report_with
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN
@@ -24,8 +27,11 @@ from lightning_vram.advice.replay.search import (
 from lightning_vram.advice.replay.simulation import NOT_REPLAYED, simulate
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.advice.savings import resolve_saving
+from lightning_vram.codec import report_from_dict
 from lightning_vram.records import BatchSizeChange, FitRow, FreeGradientsChange, ReplayedStep, SavingBasis, Simulation
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
+from lightning_vram.render.html import render_html
+from lightning_vram.render.text import markdown
 
 GROWTH = (1.3, 2.0, 5.0, 20.0, 70.0)
 """Capacities of the test's GPUs as multiples of the run's own replayed peak: batches from about 1.5x the run's to
@@ -191,3 +197,13 @@ def test_a_change_cut_by_the_budget_reads_not_replayed_and_the_fit_note_is_repor
     assert old is not None
     del old["fit_note"]  # a report written before the field existed still reads
     assert (read := simulation_from_dict(old)) is not None and read.fit_note is None
+
+
+def test_a_cut_fit_table_says_why_in_every_report_form() -> None:
+    note = "the replay budget ran out; no row for A100 40GB, A100 80GB / H100 80GB, H200 (141 GiB)"
+    report = report_with(replace(simulated(fit=(FitRow("T4 (16 GiB)", 16 * GIB, 60),)), fit_note=note))
+    assert report.to_dict()["simulation"]["fit_note"] == note
+    read = report_from_dict(json.loads(json.dumps(report.to_dict()))).simulation
+    assert read is not None and read.fit_note == note
+    for shown in (markdown(report), render_html(report)):
+        assert "Largest batch per GPU: the replay budget ran out; no row for A100 40GB" in shown
