@@ -51,7 +51,7 @@ def predict(
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.catalogue.COMMON_GPUS`
-            (a few replays per GPU).
+            (a few replays for all of them: solved on a checked line of replayed peaks).
         budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
             prediction says what the budget left out.
 
