@@ -11,6 +11,7 @@ printed, not asserted.
     python benchmarks/replay_cost.py            # GPT-2 124M and a 220M Llama-class model, batch 8 x 128 tokens
     python benchmarks/replay_cost.py --small    # 4-layer versions (a minute on two cores)
     python benchmarks/replay_cost.py --rounds 3 # median of three of each timing
+    python benchmarks/replay_cost.py --verify   # also replay each row's batch and the next: fits, next does not
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_vram.advice.catalogue import COMMON_GPUS
+from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.records import (
     BatchSizeChange,
     CheckpointChange,
     CheckpointPlan,
+    FitRow,
     FreeGradientsChange,
     PrecisionChange,
     ReplayedStep,
@@ -129,6 +131,22 @@ def replay_seconds(
     return statistics.median(result.seconds for result in results), results[-1]
 
 
+def verified(module: LanguageModel, batch: Any, rows: tuple[FitRow, ...]) -> str:
+    """Whether each row's batch fits its GPU and the next batch does not, by replaying both."""
+    for row in rows:
+        budget = int(row.capacity_bytes * (1 - BATCH_SAFETY_MARGIN))
+        sizes = (row.max_batch_size,) if row.at_least else (row.max_batch_size, row.max_batch_size + 1)
+        peaks = []
+        for size in sizes:
+            result = replay_step(module, None, batch, change=BatchSizeChange(size), warm_up=True)
+            if not isinstance(result, ReplayedStep):
+                return f"not replayed at {size}: {result.reason}"
+            peaks.append(result.peak.peak_bytes)
+        if peaks[0] > budget or (len(peaks) > 1 and peaks[1] <= budget):
+            return f"no: {row.device} {row.batch_text} (peaks {peaks}, budget {budget})"
+    return f"yes ({len(rows)} rows)"
+
+
 def line(label: str, seconds: float, one_replay: float, extra: str = "") -> None:
     label = label if len(label) < WIDTH else label[: WIDTH - 2] + "…"
     print(f"  {label:<{WIDTH}}{seconds:7.2f} s  {seconds / one_replay:5.1f}x one replay{extra}")
@@ -140,6 +158,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="4-layer, 256-wide versions of both models")
     parser.add_argument("--batch", type=int, default=8, help="sequences per batch")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--verify", action="store_true", help="replay each row's batch and the next one")
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -179,6 +198,8 @@ def main() -> None:
         total = one + variants + fit
         replays = 1 + len(tried) + search.replays
         line(f"total ({replays} replays)", total, one, f"  ({total / real:.1f}x a real step)")
+        if arguments.verify:
+            print(f"  {'each row the largest batch that fits':<{WIDTH}}{verified(module, batch, search.found)}")
 
 
 if __name__ == "__main__":
