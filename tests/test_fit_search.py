@@ -56,8 +56,9 @@ def wide_mlp(samples: int) -> TensorDataset:
 
 
 MODELS = {
-    # 512 wide: a sample's bytes outgrow the allocator's 512-byte rounding (at 64 wide the rounding is the slope).
+    # 512 wide: a sample's bytes outgrow the allocator's 512-byte rounding; at 64 wide the rounding is the slope.
     "mlp": Architecture(lambda: Classifier(mlp(width=512), OPTIMIZERS["adam"]), wide_mlp, 16),
+    "mlp-64": ARCHITECTURES["mlp"],
     "resnet": ARCHITECTURES["resnet"],
     "encoder": ARCHITECTURES["encoder"],
     "gpt2": ARCHITECTURES["gpt2"],
@@ -89,7 +90,9 @@ def test_the_solved_table_equals_an_exhaustive_search_in_a_few_replays(name: str
     reference_rows(peak, search.found, 0)
     # Two replays for the line, a few to check it, a pair where a row's boundary is too close to call: below the
     # dozen or more per row a bisection from the run's batch spends.
-    assert search.replays <= 2 + LINE_CHECKS + 2 * len(gpus), search.replays
+    # Where a sample is a few allocator blocks (64 wide), no line is clearer than the rounding: rows are replayed.
+    bound = 4 * len(gpus) if name == "mlp-64" else 2 + LINE_CHECKS + 2 * len(gpus)
+    assert search.replays <= bound, search.replays
 
 
 def test_a_line_that_holds_settles_every_budget_in_three_replays() -> None:

@@ -30,7 +30,7 @@ MIN_LINE_ERROR_BYTES = 4 * 1024
 tensors whose size the checks did not catch at a block boundary."""
 
 SECANT_STEPS = 4
-"""Most replays an unsettled budget spends moving the line's answer to the boundary before bracketing it."""
+"""Most answers an unsettled budget tries on the line, bent by each replay, before it is searched for by strides."""
 
 AGREEMENT_SAMPLES = 0.25
 """A check agrees with the line when it is off by at most this many samples' bytes (or the least error)."""
@@ -63,11 +63,21 @@ class _Peaks:
 
 @dataclass(frozen=True)
 class _Span:
-    """Batch sizes from ``low`` to ``high`` over which the peak was checked affine, to within ``error_bytes``."""
+    """Batch sizes from ``low`` to ``high`` over which three replays agree on ``peak = intercept + slope * batch``.
+
+    Inside, the peak is on the line to within ``error_bytes``: a convex peak that meets a chord inside its ends is
+    that chord between them.
+    """
 
     low: int
     high: int
+    intercept: float
+    slope: float
     error_bytes: float
+
+    def __call__(self, batch_size: int) -> float:
+        """The span's line at ``batch_size``, in bytes."""
+        return self.intercept + self.slope * batch_size
 
 
 class Polyline:
@@ -81,11 +91,27 @@ class Polyline:
     def __init__(self, points: Sequence[tuple[int, int]]) -> None:
         self.points = sorted(points)
         self.spans: list[_Span] = []
+        for index in range(1, len(self.points) - 1):
+            self._check(index)
 
     def add(self, batch_size: int, peak_bytes: int) -> None:
-        """A replayed point becomes part of the line (once)."""
-        if not self.has(batch_size):
-            bisect.insort(self.points, (batch_size, peak_bytes))
+        """A replayed point becomes part of the line (once); where it agrees with its neighbours, a span."""
+        if self.has(batch_size):
+            return
+        bisect.insort(self.points, (batch_size, peak_bytes))
+        index = self.points.index((batch_size, peak_bytes))
+        for middle in (index - 1, index, index + 1):
+            if 0 < middle < len(self.points) - 1:
+                self._check(middle)
+
+    def _check(self, middle: int) -> None:
+        """Add a span where the point at ``middle`` lies on the chord of its neighbours."""
+        (x0, y0), (x, y), (x1, y1) = self.points[middle - 1 : middle + 2]
+        slope = (y1 - y0) / (x1 - x0)
+        residual = abs(y - (y0 + slope * (x - x0)))
+        if residual <= max(MIN_LINE_ERROR_BYTES, AGREEMENT_SAMPLES * slope):
+            error = max(2 * residual, MIN_LINE_ERROR_BYTES)
+            self.spans.append(_Span(x0, x1, y0 - slope * x0, slope, error))
 
     def has(self, batch_size: int) -> bool:
         """Whether the line passes through a replay of ``batch_size``."""
@@ -120,24 +146,30 @@ class Polyline:
             return limit if over is None else 0
         return min(max(x0 + int((budget_bytes - y0) // slope), 0), limit)
 
-    def span_of(self, low: int, high: int) -> _Span | None:
-        """The checked span holding batch sizes ``low`` to ``high``, if one does."""
-        return next((span for span in self.spans if span.low <= low and high <= span.high), None)
+    def covered(self, batch_size: int) -> bool:
+        """Whether a span holds ``batch_size``: the line needs no replay there."""
+        return any(span.low <= batch_size <= span.high for span in self.spans)
 
-    def decide(self, budget_bytes: int, limit: int) -> int | None:
-        """The budget's batch where the line alone tells it, else ``None``.
+    def surely_fits(self, batch_size: int, budget_bytes: int) -> bool:
+        """Whether a span holds ``batch_size`` with its peak at least the span's error under the budget."""
+        return any(
+            span.low <= batch_size <= span.high and span(batch_size) + span.error_bytes <= budget_bytes
+            for span in self.spans
+        )
 
-        It does where the answer lies in a checked span, its peak at least the span's error under the budget and the
-        next batch's at least that over it (or the answer is ``limit``). Past the span's end the line is a floor:
-        a convex peak runs above its chord's extension.
+    def surely_over(self, batch_size: int, budget_bytes: int) -> bool:
+        """Whether the peak at ``batch_size`` is over the budget.
+
+        It is where it was replayed so, or where a span holds it with its line over by more than the span's error.
+        (Past a span its line is a floor only for a peak that is convex to the byte: allocator rounding is not.)
         """
-        batch = self.solve(budget_bytes, limit)
-        span = self.span_of(batch, batch)
-        if span is None or batch == 0:
-            return None
-        below = budget_bytes - self(batch) >= span.error_bytes
-        above = batch == limit or self(batch + 1) - budget_bytes > span.error_bytes
-        return batch if below and above else None
+        known = next((y for x, y in self.points if x == batch_size), None)
+        if known is not None:
+            return known > budget_bytes
+        return any(
+            span.low <= batch_size <= span.high and span(batch_size) - span.error_bytes > budget_bytes
+            for span in self.spans
+        )
 
 
 def largest_batches_that_fit(
@@ -167,41 +199,33 @@ def largest_batches_that_fit(
     peaks = _Peaks(peak_bytes, known)
     start = min(max(start, 1), limit)
     line = checked_line(peaks, budgets_bytes, start, limit)
-    answers: list[int | None] = []
-    for budget in budgets_bytes:
-        decided = line.decide(budget, limit) if line is not None else None
-        if decided is None:
-            guess = _secant(peaks, line, budget, limit) if line is not None else start
-            decided = None if guess is None else _search_around(peaks, budget, guess, limit)
-        answers.append(decided)
+    answers = [
+        _settle(peaks, line, budget, limit) if line is not None else _search_around(peaks, budget, start, limit)
+        for budget in budgets_bytes
+    ]
     return tuple(answers), peaks.replays
 
 
 def checked_line(peaks: _Peaks, budgets_bytes: Sequence[int], start: int, limit: int) -> Polyline | None:
-    """The line through two replays, checked (and bent where a check disagrees) up to :data:`LINE_CHECKS` times.
+    """The line through the replays, checked (and bent where a check disagrees) up to :data:`LINE_CHECKS` times.
 
-    The two are ``start`` and the largest other batch already replayed, or twice ``start``.
-
-    ``None`` when a replay failed or the batch size cannot vary.
+    The replays are ``start``'s and those already known, or twice ``start``'s when none is. Each check replays the
+    answer farthest from what is known; where it agrees with its neighbours their span is affine. ``None`` when a
+    first replay failed or the batch size cannot vary.
     """
     replayed = [size for size in peaks.replayed_sizes() if size != start]
     other = max(replayed) if replayed else min(2 * start, limit) if start < limit else max(start - 1, 1)
     first, second = peaks(start), peaks(other)
     if first is None or second is None or other == start:
         return None
-    line = Polyline([(start, first), (other, second)])
+    line = Polyline([(size, peak) for size in peaks.replayed_sizes() if (peak := peaks(size)) is not None])
     for _ in range(LINE_CHECKS):
         check = _least_known(line, budgets_bytes, limit)
         if check is None:
             break
         peak = peaks(check)
         if peak is None:
-            return line
-        (x0, _), (x1, _) = line.segment(check)
-        residual = abs(peak - line(check))
-        if residual <= max(MIN_LINE_ERROR_BYTES, AGREEMENT_SAMPLES * line.slope(check)):
-            error = max(2 * residual, MIN_LINE_ERROR_BYTES)
-            line.spans.append(_Span(min(x0, check), max(x1, check), error))
+            break
         line.add(check, peak)
     return line
 
@@ -213,27 +237,41 @@ def _least_known(line: Polyline, budgets_bytes: Sequence[int], limit: int) -> in
     """
     known = [x for x, _ in line.points]
     answers = {min(max(line.solve(budget, limit), 1), limit) for budget in budgets_bytes}
-    candidates = [size for size in answers if size not in known and line.span_of(size, size) is None]
+    candidates = [size for size in answers if size not in known and not line.covered(size)]
     if not candidates:
         return None
     return max(candidates, key=lambda size: min(max(size, x) / min(size, x) for x in known))
 
 
-def _secant(peaks: _Peaks, line: Polyline, budget_bytes: int, limit: int) -> int | None:
-    """The line's answer for the budget after up to :data:`SECANT_STEPS` replays; ``None`` on a failed replay.
+def _settle(peaks: _Peaks, line: Polyline, budget_bytes: int, limit: int) -> int | None:
+    """The budget's largest batch: the line's answer, replayed only where the line does not settle it.
 
-    Each replay, where the last answer was, is added to the line: the line bends to the peak there.
+    The answer stands when it surely fits (in a span, clear of its error, or replayed within the budget) and the
+    next batch is surely over (replayed so, or above a span's line by more than its error). Each replay joins the
+    line, which bends to the peak there, for up to :data:`SECANT_STEPS` answers; then the answer is searched for
+    around the last one. ``None`` on a failed replay.
     """
-    guess = max(line.solve(budget_bytes, limit), 1)
+    guess = 1
     for _ in range(SECANT_STEPS):
-        if line.has(guess):
+        guess = line.solve(budget_bytes, limit)
+        if guess == 0:
             break
-        peak = peaks(guess)
-        if peak is None:
+        if not line.surely_fits(guess, budget_bytes):
+            peak = peaks(guess)
+            if peak is None:
+                return None
+            line.add(guess, peak)
+            if peak > budget_bytes:
+                continue
+        if guess == limit or line.surely_over(guess + 1, budget_bytes):
+            return guess
+        following = peaks(guess + 1)
+        if following is None:
             return None
-        line.add(guess, peak)
-        guess = max(line.solve(budget_bytes, limit), 1)
-    return guess
+        line.add(guess + 1, following)
+        if following > budget_bytes:
+            return guess
+    return _search_around(peaks, budget_bytes, max(guess, 1), limit)
 
 
 def largest_batch_that_fits(
