@@ -193,8 +193,12 @@ def largest_batches_that_fit(
         Per budget the batch size (0 when a batch of 1 does not fit; ``None`` where a replay it needed failed),
         and how many replays the search ran.
 
-    >>> largest_batches_that_fit(lambda batch: 1000 + 1_000_000 * batch, [20_500_000, 200_500_000], start=8)
-    ((20, 200), 3)
+    Two replays (8 and 16) and a check (200) settle every budget inside their span; the check's own answer needs
+    the next batch replayed (201), past the span:
+
+    >>> budgets = [20_500_000, 100_500_000, 200_500_000]
+    >>> largest_batches_that_fit(lambda batch: 1000 + 1_000_000 * batch, budgets, start=8)
+    ((20, 100, 200), 4)
     """
     peaks = _Peaks(peak_bytes, known)
     start = min(max(start, 1), limit)
