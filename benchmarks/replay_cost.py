@@ -159,10 +159,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per batch")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--verify", action="store_true", help="replay each row's batch and the next one")
+    parser.add_argument("--only", choices=("gpt2", "llama"), help="one of the two models")
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    for build in (gpt2, llama):
+    for build in (gpt2, llama) if arguments.only is None else (gpt2 if arguments.only == "gpt2" else llama,):
         name, model, blocks = build(arguments.small)
         module = LanguageModel(model)
         vocab = int(getattr(model.config, "vocab_size"))  # noqa: B009 -- transformers' configs are untyped

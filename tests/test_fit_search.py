@@ -91,7 +91,7 @@ def test_the_solved_table_equals_an_exhaustive_search_in_a_few_replays(name: str
     # Two replays for the line, a few to check it, a pair where a row's boundary is too close to call: below the
     # dozen or more per row a bisection from the run's batch spends.
     # Where a sample is a few allocator blocks (64 wide), no line is clearer than the rounding: rows are replayed.
-    bound = 4 * len(gpus) if name == "mlp-64" else 2 + LINE_CHECKS + 2 * len(gpus)
+    bound = 5 * len(gpus) if name == "mlp-64" else 2 + LINE_CHECKS + 2 * len(gpus)
     assert search.replays <= bound, search.replays
 
 

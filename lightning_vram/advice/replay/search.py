@@ -33,7 +33,8 @@ SECANT_STEPS = 4
 """Most answers an unsettled budget tries on the line, bent by each replay, before it is searched for by strides."""
 
 AGREEMENT_SAMPLES = 0.25
-"""A check agrees with the line when it is off by at most this many samples' bytes (or the least error)."""
+"""Three replays agree on a line when the most the peak can leave it between them is at most this many samples'
+bytes (or twice the least error)."""
 
 
 class _Peaks:
@@ -109,8 +110,10 @@ class Polyline:
         (x0, y0), (x, y), (x1, y1) = self.points[middle - 1 : middle + 2]
         slope = (y1 - y0) / (x1 - x0)
         residual = abs(y - (y0 + slope * (x - x0)))
-        if residual <= max(MIN_LINE_ERROR_BYTES, AGREEMENT_SAMPLES * slope):
-            error = max(2 * residual, MIN_LINE_ERROR_BYTES)
+        # A convex peak leaves its chord by at most the middle's residual times this (the most at a kink, falling
+        # linearly to the ends): a middle close to an end says little.
+        error = MIN_LINE_ERROR_BYTES + residual * (x1 - x0) / min(x - x0, x1 - x)
+        if error <= max(2 * MIN_LINE_ERROR_BYTES, AGREEMENT_SAMPLES * slope):
             self.spans.append(_Span(x0, x1, y0 - slope * x0, slope, error))
 
     def has(self, batch_size: int) -> bool:
