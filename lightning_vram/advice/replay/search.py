@@ -85,8 +85,8 @@ class Polyline:
     """The peak between replayed batch sizes, linear between neighbours and extended by the end segments.
 
     >>> line = Polyline([(8, 1000), (16, 1800)])
-    >>> line(12), line(24), line.solve(2000, limit=100)
-    (1400.0, 2600.0, 18)
+    >>> line.solve(2000, limit=100), line.solve(500, limit=100)
+    (18, 3)
     """
 
     def __init__(self, points: Sequence[tuple[int, int]]) -> None:
@@ -130,11 +130,6 @@ class Polyline:
         """Bytes per sample of the segment around ``batch_size``."""
         (x0, y0), (x1, y1) = self.segment(batch_size)
         return (y1 - y0) / (x1 - x0)
-
-    def __call__(self, batch_size: int) -> float:
-        """The line's peak at ``batch_size``, in bytes."""
-        (x0, y0), _ = self.segment(batch_size)
-        return y0 + self.slope(batch_size) * (batch_size - x0)
 
     def solve(self, budget_bytes: int, limit: int) -> int:
         """The largest batch from 0 to ``limit`` the line keeps within ``budget_bytes``.
