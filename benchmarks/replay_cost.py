@@ -1,13 +1,17 @@
-"""Host seconds of the step replay under fake tensors, next to one real training step of the same model.
+"""Host seconds of what the monitor replays in training, next to one real training step of the same model.
 
-For a few example models (an MLP, a ResNet-style CNN, a transformer encoder, an LSTM and, when transformers is
-installed, a GPT-2-class language model), prints the median seconds of: one real CPU training step (forward,
-backward, optimizer step, on real tensors); the baseline replay; each variant (a replay with one change); and
-:func:`lightning_vram.predict` with its fit table (a replay per batch size the search tries). The replay costs host
-time only, whatever the batch: the ratio to a real step falls as models and batches grow.
+For a GPT-2-class and a Llama-class language model built from transformers' config classes (random weights,
+nothing downloaded), prints the seconds of: one real CPU training step (forward, backward, AdamW step, on real
+tensors); the baseline replay under fake tensors; each change the rules replay (a variant); and the fit table's
+search over the common GPUs (:func:`~lightning_vram.advice.replay.fit_table.replayed_fit_table`, with the
+baseline's peak reused as in training), each also as a multiple of one baseline replay, with the replays it ran.
+The total is what one in-training simulation costs on a CUDA run (the fit table is searched there only). Ratios are
+printed, not asserted.
 
-    python benchmarks/replay_cost.py            # three rounds
-    python benchmarks/replay_cost.py --rounds 5
+    python benchmarks/replay_cost.py            # GPT-2 124M and a 220M Llama-class model, batch 8 x 128 tokens
+    python benchmarks/replay_cost.py --small    # 4-layer versions (a minute on two cores)
+    python benchmarks/replay_cost.py --rounds 3 # median of three of each timing
+    python benchmarks/replay_cost.py --verify   # also replay each row's batch and the next: fits, next does not
 """
 
 from __future__ import annotations
@@ -23,63 +27,30 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_vram import predict
+from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.records import (
     BatchSizeChange,
     CheckpointChange,
     CheckpointPlan,
+    FitRow,
     FreeGradientsChange,
     PrecisionChange,
     ReplayedStep,
     StepChange,
 )
 
+WIDTH = 46
+"""Width of the label column."""
 
-class Classifier(pl.LightningModule):
-    def __init__(self, network: nn.Module) -> None:
+
+class LanguageModel(pl.LightningModule):
+    """A causal language model trained with AdamW on its own tokens."""
+
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.network = network
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch
-        return nn.functional.cross_entropy(self.network(inputs), targets)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class Block(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(inputs)))))
-        return self.relu(out + inputs)  # type: ignore[no-any-return]
-
-
-class LastStep(nn.Module):
-    def forward(self, outputs: tuple[torch.Tensor, Any]) -> torch.Tensor:
-        return outputs[0][:, -1]
-
-
-class MeanOverTime(nn.Module):
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return inputs.mean(dim=1)
-
-
-class CausalLM(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, bos_token_id=0, eos_token_id=0)
-        self.model = GPT2LMHeadModel(config)
+        self.model = model
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
@@ -87,133 +58,149 @@ class CausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-WIDTH = 44
-"""Width of the label column."""
+def gpt2(small: bool) -> tuple[str, nn.Module, str]:
+    """GPT-2 124M (12 x 768, vocab 50,257), or 4 x 256 with vocab 8,000; its name and its blocks' container."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-Example = tuple[Callable[[], pl.LightningModule], Callable[[], Any], list[StepChange]]
+    layers, width, vocab = (4, 256, 8000) if small else (12, 768, 50257)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=vocab)
+    return f"gpt2-class ({layers} x {width}, vocab {vocab:,})", GPT2LMHeadModel(config), "transformer.h"
 
 
-def examples() -> dict[str, Example]:
-    """Each example: the model, one batch, and the changes replayed on it."""
-    common: list[StepChange] = [
-        PrecisionChange("bf16-mixed"),
-        PrecisionChange("bf16-true"),
-        FreeGradientsChange(),
-        BatchSizeChange(32),
-    ]
-    found: dict[str, Example] = {
-        "mlp (3 x 1024)": (
-            lambda: Classifier(
-                nn.Sequential(*(layer for _ in range(3) for layer in (nn.Linear(1024, 1024), nn.ReLU())))
-            ),
-            lambda: (torch.randn(16, 1024), torch.randint(0, 10, (16,))),
-            [*common, CheckpointChange(CheckpointPlan("network", (), 2, 0, ""))],
-        ),
-        "resnet-style (64 ch, 4 blocks, 64x64)": (
-            lambda: Classifier(
-                nn.Sequential(
-                    nn.Conv2d(3, 64, 3, padding=1),
-                    *(Block(64) for _ in range(4)),
-                    nn.AdaptiveAvgPool2d(1),
-                    nn.Flatten(),
-                    nn.Linear(64, 10),
-                )
-            ),
-            lambda: (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))),
-            [*common, CheckpointChange(CheckpointPlan("network", (), 3, 0, ""))],
-        ),
-        "transformer encoder (4 x 256, 128 tokens)": (
-            lambda: Classifier(
-                nn.Sequential(
-                    nn.TransformerEncoder(
-                        nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), 4, enable_nested_tensor=False
-                    ),
-                    MeanOverTime(),
-                    nn.Linear(256, 10),
-                )
-            ),
-            lambda: (torch.randn(16, 128, 256), torch.randint(0, 10, (16,))),
-            common,
-        ),
-        "lstm (2 x 256, 64 steps)": (
-            lambda: Classifier(
-                nn.Sequential(
-                    nn.Embedding(1000, 256), nn.LSTM(256, 256, 2, batch_first=True), LastStep(), nn.Linear(256, 10)
-                )
-            ),
-            lambda: (torch.randint(0, 1000, (16, 64)), torch.randint(0, 10, (16,))),
-            common,
-        ),
-    }
-    try:
-        import transformers  # noqa: F401 -- only to know whether the language model can be built
-    except ImportError:
-        return found
-    found["gpt2-class (4 x 256, vocab 8000, 128 tokens)"] = (
-        CausalLM,
-        lambda: (torch.randint(0, 8000, (16, 128)),),
-        [*common, CheckpointChange(CheckpointPlan("model.transformer.h", (), None, 0, "model.transformer"))],
+def llama(small: bool) -> tuple[str, nn.Module, str]:
+    """A 220M Llama-class model (16 x 1024, 4 key/value heads of 16, vocab 32,000), or 4 x 256."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, width, vocab = (4, 256, 8000) if small else (16, 1024, 32000)
+    config = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        intermediate_size=int(width * 8 / 3) // 64 * 64,
+        num_attention_heads=width // 64,
+        num_key_value_heads=max(width // 256, 1),
+        vocab_size=vocab,
     )
-    return found
+    return f"llama-class ({layers} x {width}, vocab {vocab:,})", LlamaForCausalLM(config), "model.layers"
 
 
-def real_step_seconds(module: pl.LightningModule, batch: Any, rounds: int) -> float:
+def changes(module: LanguageModel, blocks: str) -> list[StepChange]:
+    """The changes the rules replay on a 32-bit language model: precision, checkpointing, free gradients, batch."""
+    container = f"model.{blocks}"
+    units = tuple((f"{container}.{name}",) for name, _ in module.get_submodule(container).named_children())
+    return [
+        PrecisionChange("bf16-mixed"),
+        CheckpointChange(CheckpointPlan(container, units, None, 0, container.rsplit(".", 1)[0])),
+        FreeGradientsChange(),
+        BatchSizeChange(4),
+    ]
+
+
+def median_seconds(run: Callable[[], float], rounds: int) -> float:
+    return statistics.median(run() for _ in range(rounds))
+
+
+def real_step_seconds(module: LanguageModel, batch: Any, rounds: int) -> float:
     """Median seconds of one real training step (after a warm-up step)."""
     optimizer = module.configure_optimizers()
-    assert isinstance(optimizer, torch.optim.Optimizer)
-    times = []
-    for index in range(rounds + 1):
+
+    def step() -> float:
         started = time.perf_counter()
         loss = module.training_step(batch, 0)
-        assert isinstance(loss, torch.Tensor)
         optimizer.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated
         optimizer.step()
-        if index:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        return time.perf_counter() - started
+
+    step()
+    return median_seconds(step, rounds)
 
 
-def replay_seconds(module: pl.LightningModule, batch: Any, change: StepChange | None, rounds: int) -> str:
-    """Median seconds of a replay with ``change``, or why it was skipped."""
-    times = []
+def replay_seconds(
+    module: LanguageModel, batch: Any, change: StepChange | None, rounds: int
+) -> tuple[float, ReplayedStep]:
+    """Median seconds of a replay with ``change`` and the step it replayed; raises where it was skipped."""
+    results = []
     for _ in range(rounds):
         result = replay_step(module, None, batch, change=change, warm_up=True)
         if not isinstance(result, ReplayedStep):
-            return f"skipped: {result.reason[:60]}"
-        times.append(result.seconds)
-    return f"{statistics.median(times):7.3f} s"
+            raise RuntimeError(f"{change.label if change else 'baseline'} was not replayed: {result.reason}")
+        results.append(result)
+    return statistics.median(result.seconds for result in results), results[-1]
+
+
+def verified(module: LanguageModel, batch: Any, rows: tuple[FitRow, ...]) -> str:
+    """Whether each row's batch fits its GPU and the next batch does not, by replaying both."""
+    for row in rows:
+        budget = int(row.capacity_bytes * (1 - BATCH_SAFETY_MARGIN))
+        sizes = (row.max_batch_size,) if row.at_least else (row.max_batch_size, row.max_batch_size + 1)
+        peaks = []
+        for size in sizes:
+            result = replay_step(module, None, batch, change=BatchSizeChange(size), warm_up=True)
+            if not isinstance(result, ReplayedStep):
+                return f"not replayed at {size}: {result.reason}"
+            peaks.append(result.peak.peak_bytes)
+        if peaks[0] > budget or (len(peaks) > 1 and peaks[1] <= budget):
+            return f"no: {row.device} {row.batch_text} (peaks {peaks}, budget {budget})"
+    return f"yes ({len(rows)} rows)"
+
+
+def line(label: str, seconds: float, one_replay: float, extra: str = "") -> None:
+    label = label if len(label) < WIDTH else label[: WIDTH - 2] + "…"
+    print(f"  {label:<{WIDTH}}{seconds:7.2f} s  {seconds / one_replay:5.1f}x one replay{extra}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=3, help="repetitions of each measurement (median)")
+    parser.add_argument("--rounds", type=int, default=1, help="repetitions of each timing (median)")
+    parser.add_argument("--small", action="store_true", help="4-layer, 256-wide versions of both models")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--verify", action="store_true", help="replay each row's batch and the next one")
+    parser.add_argument("--only", choices=("gpt2", "llama"), help="one of the two models")
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    for name, (build, make_batch, changes) in examples().items():
-        module, batch = build(), make_batch()
-        if name.startswith("gpt2"):
-            blocks = tuple((f"model.transformer.h.{index}",) for index in range(4))
-            changes = [
-                change
-                if not isinstance(change, CheckpointChange)
-                else CheckpointChange(CheckpointPlan("model.transformer.h", blocks, None, 0, "model.transformer"))
-                for change in changes
-            ]
-        print(f"{name}  (torch {torch.__version__}, CPU)")
+    for build in (gpt2, llama) if arguments.only is None else (gpt2 if arguments.only == "gpt2" else llama,):
+        name, model, blocks = build(arguments.small)
+        module = LanguageModel(model)
+        vocab = int(getattr(model.config, "vocab_size"))  # noqa: B009 -- transformers' configs are untyped
+        batch = (torch.randint(0, vocab, (arguments.batch, arguments.tokens)),)
+        millions = sum(parameter.numel() for parameter in module.parameters()) / 1e6
+        print(
+            f"{name}, {millions:.0f}M parameters, batch {arguments.batch} x {arguments.tokens} tokens"
+            f"  (torch {torch.__version__}, CPU, {torch.get_num_threads()} threads)"
+        )
         real = real_step_seconds(module, batch, arguments.rounds)
-        print(f"  {'real training step':<{WIDTH}}{real:7.3f} s")
-        print(f"  {'baseline replay (warm-up)':<{WIDTH}}{replay_seconds(module, batch, None, arguments.rounds)}")
-        for change in changes:
-            print(f"  {change.label:<{WIDTH}}{replay_seconds(module, batch, change, arguments.rounds)}")
+        baseline = replay_step(module, None, batch, warm_up=True)
+        if not isinstance(baseline, ReplayedStep):
+            print(f"  not replayed: {baseline.reason}")
+            continue
+        one, _ = replay_seconds(module, batch, None, arguments.rounds)
+        print(f"  {'real training step':<{WIDTH}}{real:7.2f} s  (one replay is {one / real:.2f}x of it)")
+        line("baseline replay", one, one)
+        variants = 0.0
+        tried = changes(module, blocks)
+        known = {arguments.batch: baseline.peak.peak_bytes}  # as in training: the batch-size change's peak too
+        for change in tried:
+            seconds, replayed = replay_seconds(module, batch, change, arguments.rounds)
+            variants += seconds
+            if isinstance(change, BatchSizeChange):
+                known[change.batch_size] = replayed.peak.peak_bytes
+            line(change.label, seconds, one)
+        line(f"variants ({len(tried)})", variants, one)
         started = time.perf_counter()
-        prediction = predict(module, batch, device_type="cpu")
-        searched = f"{len(prediction.fit)} GPUs" if prediction.fit else prediction.skipped
-        print(f"  {'predict() with fit table':<{WIDTH}}{time.perf_counter() - started:7.3f} s ({searched})")
+        search = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, known_peaks=known)
+        fit = time.perf_counter() - started
+        rows = ", ".join(f"{row.batch_text}" for row in search.found)
+        line(f"fit table ({len(COMMON_GPUS)} GPUs, {search.replays} replays)", fit, one, f"  batches: {rows}")
+        total = one + variants + fit
+        replays = 1 + len(tried) + search.replays
+        line(f"total ({replays} replays)", total, one, f"  ({total / real:.1f}x a real step)")
+        if arguments.verify:
+            print(f"  {'each row the largest batch that fits':<{WIDTH}}{verified(module, batch, search.found)}")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,12 @@ def predict(
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.catalogue.COMMON_GPUS`
-            (a few replays per GPU).
+            (a few replays for all of them: solved on a checked line of replayed peaks).
         budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
             prediction says what the budget left out.
         max_length: predict for the batch resized to this length along its length dimension (dimension 1 of its
             first tensor with two or more: a language model's tokens), the longest the run expects; the resized
-            batch is allocated where ``batch`` is (uninitialised: only its shapes are read).
+            batch is allocated where ``batch`` is (its values tiled along the length).
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
@@ -84,7 +84,7 @@ def predict(
             return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
         rows: tuple[FitRow, ...] = ()
         if fit_table:
-            rows = replayed_fit_table(
+            search = replayed_fit_table(
                 module,
                 None,
                 batch,
@@ -93,9 +93,11 @@ def predict(
                 placement=device,
                 warm_up=True,
                 deadline=deadline,
+                known_peaks={step.batch_size: step.peak.peak_bytes} if step.batch_size is not None else None,
             )
-            if not rows and time.perf_counter() > deadline:
-                notes += (f"no fit table: the time budget of {budget_seconds} s ran out before its search ended",)
+            rows = search.found
+            if search.missing is not None:
+                notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
         return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
 
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import copy
 import random
-import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +15,6 @@ from models import OPTIMIZERS, Classifier
 from replay_models import ARCHITECTURES, CausalLM, counted_step, text
 from torch import nn
 
-from lightning_vram.advice.replay import simulation as simulation_module
 from lightning_vram.advice.replay.simulation import simulate
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.records import (
@@ -202,20 +199,24 @@ def test_a_checkpointing_plan_that_breaks_backward_is_discarded(
 
 
 def test_changes_past_the_time_budget_are_discarded_saying_so(
-    counted: dict[str, tuple[pl.LightningModule, Attribution, Any]], monkeypatch: pytest.MonkeyPatch
+    counted: dict[str, tuple[pl.LightningModule, Attribution, Any]],
 ) -> None:
     module, attribution, batch = counted["mlp"]
-    # The budget's clock (not the replay's own deadline) reads 1,000 s later after its first reading: the
-    # baseline replays within its deadline, and the change after it finds the budget spent.
-    readings = iter([time.perf_counter()])
-    clock = SimpleNamespace(perf_counter=lambda: next(readings, time.perf_counter() + 1000.0))
-    monkeypatch.setattr(simulation_module, "time", clock)
+    # The budget's clock reads 1,000 s later after its first two readings (the start, the baseline's deadline):
+    # the baseline replays within its deadline, and the change after it finds the budget spent.
+    readings = iter([0.0, 0.0])
     simulation = simulate(
-        module, module.trainer.optimizers, batch, attribution, [PrecisionChange("bf16-mixed")], time_budget_seconds=10
+        module,
+        module.trainer.optimizers,
+        batch,
+        attribution,
+        [PrecisionChange("bf16-mixed")],
+        time_budget_seconds=10,
+        clock=lambda: next(readings, 1000.0),
     )
     assert simulation.baseline is not None
     (variant,) = simulation.variants
-    assert variant.replayed is None and variant.discarded is not None and "time budget" in variant.discarded
+    assert variant.replayed is None and variant.discarded == "not replayed: the replay budget ran out of 10 s first"
 
 
 def test_the_budget_covers_the_baseline_too(counted: dict[str, tuple[pl.LightningModule, Attribution, Any]]) -> None:

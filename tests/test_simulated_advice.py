@@ -137,7 +137,7 @@ def test_checkpointing_without_a_usable_replay_keeps_the_modelled_saving() -> No
     summary = checkpoint_summary()
     plan = checkpoint_candidates(summary.modules)[0]
     modelled = (plan.saving_bytes, "modelled", None)
-    out_of_time = discarded(CheckpointChange(plan), "not replayed: the time budget of 30.0 s ran out")
+    out_of_time = discarded(CheckpointChange(plan), "not replayed: the replay budget ran out of 30.0 s first")
     mismatched = replace(simulated(replayed(CheckpointChange(plan), 7 * GIB)), skipped="the replay does not match")
     for simulation in (None, simulated(), simulated(out_of_time), mismatched):
         advice = activation_checkpointing(summary, healthy_setup(), simulation)

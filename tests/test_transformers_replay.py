@@ -133,3 +133,18 @@ def test_a_checkpointed_variant_that_fails_in_backward_leaves_no_fake_tensor_beh
     replayed = replay_step(module, module.trainer.optimizers, batch, change=CheckpointChange(plan))
     assert isinstance(replayed, ReplaySkipped) and "broadcast" in replayed.reason
     check_no_escape()  # raises ReplayEscapeError when the failed recomputation kept the replay's copy
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "bert"])
+def test_the_longest_length_predicted_from_a_short_batch_equals_a_long_batch(kind: str) -> None:
+    """Stretched to max_length, the batch keeps real values (a mask of ones): the replay takes the real branch."""
+    from lightning_vram.predict import predict
+
+    torch.manual_seed(0)
+    module = FineTuned(kind, 96)
+    short = tuple(tensor.clone() for tensor in data(kind, 32)[0:2])  # clones: a dataset's slice holds all its rows
+    long = tuple(tensor.clone() for tensor in data(kind, 96)[0:2])
+    stretched = predict(module, short, device_type="cpu", fit_table=False, max_length=96)
+    real = predict(module, long, device_type="cpu", fit_table=False)
+    assert stretched.step is not None and real.step is not None
+    assert stretched.step.peak.peak_bytes == real.step.peak.peak_bytes

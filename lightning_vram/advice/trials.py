@@ -22,11 +22,19 @@ from torch import nn
 from lightning_vram.advice.catalogue import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES, SHARDING_STRATEGIES
 from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.fit_table import replayed_fit_table
-from lightning_vram.advice.replay.simulation import simulate
+from lightning_vram.advice.replay.simulation import BUDGET_RAN_OUT, simulate
 from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.advice.rules.registry import changes_to_replay
 from lightning_vram.measure.compiled import compiled_module_names
-from lightning_vram.records import Attribution, DeviceInfo, Phase, RunSummary, Simulation, TrainingSetup
+from lightning_vram.records import (
+    Attribution,
+    BatchSizeChange,
+    DeviceInfo,
+    Phase,
+    RunSummary,
+    Simulation,
+    TrainingSetup,
+)
 
 
 def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None) -> str | None:
@@ -73,6 +81,7 @@ def try_changes(
         return Simulation(device.type, None, None, reason, (), 0.0)
     with round_of_replays():
         started = time.perf_counter()
+        gradients_at_forward = _gradients_at_forward(attribution)
         simulation = simulate(
             module,
             optimizers,
@@ -83,12 +92,14 @@ def try_changes(
             device=device,
             step_function=step_function,
             time_budget_seconds=budget_seconds,
-            gradients_at_forward=_gradients_at_forward(attribution),
+            gradients_at_forward=gradients_at_forward,
         )
         remaining = budget_seconds - (time.perf_counter() - started)
-        if simulation.skipped is not None or not summary.on_cuda or remaining <= 0:
+        if simulation.skipped is not None or not summary.on_cuda:
             return simulation
-        rows = replayed_fit_table(
+        if remaining <= 0:
+            return replace(simulation, fit_note=f"{BUDGET_RAN_OUT} before the fit table's search started")
+        search = replayed_fit_table(
             module,
             optimizers,
             batch,
@@ -96,16 +107,31 @@ def try_changes(
             precision=setup.precision,
             device=device,
             step_function=step_function,
+            gradients_at_forward=gradients_at_forward,
             gpus=(*_own_device(summary.device), *COMMON_GPUS),
             deadline=time.perf_counter() + remaining,
+            known_peaks=_replayed_batch_sizes(simulation),
         )
-        own = rows[0].max_batch_size if rows and summary.device.total_bytes else None
+        own = search.rows[0] if summary.device.total_bytes else None
+        common = search.rows[1:] if summary.device.total_bytes else search.rows
         return replace(
             simulation,
-            fit=rows[1:] if summary.device.total_bytes else rows,
-            device_max_batch_size=own,
+            fit=tuple(row for row in common if row is not None),
+            fit_note=search.missing,
+            device_max_batch_size=own.max_batch_size if own is not None else None,
             seconds=time.perf_counter() - started,
         )
+
+
+def _replayed_batch_sizes(simulation: Simulation) -> dict[int, int]:
+    """The peaks the simulation replayed by batch size: its baseline's and each batch-size change's."""
+    steps = [(simulation.baseline.batch_size, simulation.baseline)] if simulation.baseline is not None else []
+    steps += [
+        (variant.change.batch_size, variant.replayed)
+        for variant in simulation.variants
+        if isinstance(variant.change, BatchSizeChange) and variant.replayed is not None
+    ]
+    return {size: step.peak.peak_bytes for size, step in steps if size is not None}
 
 
 def _gradients_at_forward(attribution: Attribution) -> bool:

@@ -100,7 +100,7 @@ class FitRow:
     capacity_bytes: int
     max_batch_size: int
     basis: SavingBasis = SavingBasis.MODELLED
-    """``"simulated"`` when each batch size was replayed (a bisection), ``"modelled"`` when extrapolated linearly."""
+    """``"simulated"`` when solved on replayed batch sizes (checked by replay), ``"modelled"`` when extrapolated."""
     at_least: bool = False
     """The search stopped at its largest batch size, which still fit: the largest that fits is this or more."""
 

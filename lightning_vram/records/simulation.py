@@ -225,6 +225,8 @@ class Simulation:
     """The largest batch per common GPU, each found by replaying batch sizes (empty when not searched)."""
     device_max_batch_size: int | None = None
     """The largest batch predicted to fit the run's own device, by replay (``None`` when not searched)."""
+    fit_note: str | None = None
+    """Why rows of ``fit`` are missing (the replay budget ran out, a replay failed); ``None`` when none is."""
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ def simulation_to_dict(simulation: Simulation | None) -> dict[str, Any] | None:
         "baseline": baseline_match_to_dict(simulation.match),
         "phases": replayed_phases_to_dict(baseline) if baseline is not None else None,
         "device_max_batch_size": simulation.device_max_batch_size,
+        "fit_note": simulation.fit_note,
         "variants": [variant_to_dict(variant) for variant in simulation.variants],
     }
 
@@ -235,6 +236,7 @@ def _simulation(fields: Reader | None) -> Simulation | None:
         variants=tuple(fields.each("variants", lambda data, where: _variant(data, where, context))),
         seconds=fields.number("seconds"),
         device_max_batch_size=fields.optional_integer("device_max_batch_size"),
+        fit_note=fields.added("fit_note", Reader.optional_text, None),
     )
 
 

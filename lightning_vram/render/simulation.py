@@ -145,5 +145,12 @@ def simulation_view(report: Report) -> SimulationView | None:
         summary=_summary(simulation),
         baseline=_baseline_table(report, simulation, baseline),
         variants=_variants_table(baseline, simulation) if trusted else None,
-        notes=baseline.notes,
+        notes=baseline.notes + _fit_notes(simulation),
     )
+
+
+def _fit_notes(simulation: Simulation) -> tuple[str, ...]:
+    """Why the replayed fit table lacks rows, as a note (none when it lacks none)."""
+    if simulation.fit_note is None:
+        return ()
+    return (f"Largest batch per GPU: {simulation.fit_note}.",)

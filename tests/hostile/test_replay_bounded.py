@@ -85,7 +85,7 @@ class Constant(Classifier):
 def test_a_search_that_reaches_its_bound_reports_at_least() -> None:
     module = Constant()
     batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
-    rows = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, gpus=(("big", 1 << 40),))
+    rows = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, gpus=(("big", 1 << 40),)).found
     assert len(rows) == 1
     assert rows[0].max_batch_size == MAX_BATCH_SIZE and rows[0].at_least
     assert rows[0].batch_text == f"at least {MAX_BATCH_SIZE}"

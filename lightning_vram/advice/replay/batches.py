@@ -29,20 +29,26 @@ def batch_length(batch: Any) -> int | None:
 
 
 def resize_length(batch: Any, new_length: int) -> Any:
-    """The fake batch with every dimension past the first whose size is the batch's length set to ``new_length``.
+    """The batch with every dimension past the first whose size is the batch's length set to ``new_length``.
 
-    Inside the fake mode no memory is allocated; outside it the resized tensors are real and uninitialised (one
-    batch's memory). A batch without a length comes back as it is.
+    Each such tensor is tiled along those dimensions (then cut), so its values stay ones the real data could hold
+    (token ids, a mask of ones) and the replay, which reads a batch's values where the step does, takes the branches
+    a real batch of that length would. Inside the fake mode no memory is allocated; outside it the resized tensors
+    are real (one batch's memory). A batch without a length comes back as it is.
     """
     old_length = batch_length(batch)
     if old_length is None:
         return batch
 
     def resize(tensor: Tensor) -> Tensor:
-        shape = [new_length if dim and size == old_length else size for dim, size in enumerate(tensor.shape)]
-        if shape == list(tensor.shape):
+        dims = [dim for dim, size in enumerate(tensor.shape) if dim and size == old_length]
+        if not dims or new_length == old_length:
             return tensor
-        return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        repeats = [-(-new_length // old_length) if dim in dims else 1 for dim in range(tensor.dim())]
+        stretched = tensor.repeat(repeats) if new_length > old_length else tensor
+        for dim in dims:
+            stretched = stretched.narrow(dim, 0, new_length)
+        return stretched.contiguous()
 
     return apply_to_collection(batch, Tensor, resize)
 

@@ -1,19 +1,44 @@
-"""The fit table by replay: for each common GPU, the largest batch whose replayed step fits beside the CUDA context."""
+"""The fit table by replay: for each common GPU, the largest batch whose replayed step fits beside the CUDA context.
+
+Every GPU's row comes from one search (:func:`~lightning_vram.advice.replay.search.largest_batches_that_fit`): two
+replays give a line, a third checks it, and only the rows the line cannot settle are replayed around its answer.
+When the time budget runs out, or a replay fails, the rows already settled are kept and the search says why the
+others are missing.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
-from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
+from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batches_that_fit
+from lightning_vram.advice.replay.simulation import BUDGET_RAN_OUT
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.records import BatchSizeChange, FitRow, ReplayedStep, SavingBasis
+
+
+@dataclass(frozen=True)
+class FitSearch:
+    """The fit table's search: a row per GPU asked for, the replays it ran, and why rows are missing.
+
+    ``rows`` holds ``None`` where a GPU's row was not found; ``missing`` is ``None`` when none is.
+    """
+
+    rows: tuple[FitRow | None, ...]
+    replays: int
+    missing: str | None = None
+
+    @property
+    def found(self) -> tuple[FitRow, ...]:
+        """The rows found, in the order asked for."""
+        return tuple(row for row in self.rows if row is not None)
 
 
 def replayed_fit_table(
@@ -27,44 +52,59 @@ def replayed_fit_table(
     placement: torch.device | None = None,
     step_function: StepFunction = lightning_training_step,
     warm_up: bool = False,
+    gradients_at_forward: bool = True,
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
     deadline: float | None = None,
-) -> tuple[FitRow, ...]:
+    clock: Callable[[], float] = time.perf_counter,
+    known_peaks: Mapping[int, int] | None = None,
+) -> FitSearch:
     """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
 
-    Each batch size the search tries is replayed once (a few per GPU). Empty when the batch has no batch dimension,
-    a replay fails, or ``time.perf_counter()`` passes ``deadline`` (seconds) before the search ends. The other
-    arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
+    A row is missing where the batch has no batch dimension, a replay it needed failed, or ``clock()`` passed
+    ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``known_peaks`` are peaks
+    already replayed with these settings, by batch size (the baseline's, a batch-size change's): not replayed
+    again. The other arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
     """
     start = batch_size_of(batch)
     if start is None:
-        return ()
-    peaks: dict[int, int | None] = {}
+        return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
+    failures: list[str] = []
 
     def peak_bytes(size: int) -> int | None:
-        if deadline is not None and time.perf_counter() > deadline:
+        left = None if deadline is None else deadline - clock()
+        if left is not None and left <= 0:
+            failures.append(BUDGET_RAN_OUT)
             return None
-        if size not in peaks:
-            result = replay_step(
-                module,
-                optimizers,
-                batch,
-                precision=precision,
-                change=BatchSizeChange(size),
-                device=device,
-                placement=placement,
-                step_function=step_function,
-                warm_up=warm_up,
-                deadline=deadline,
-            )
-            peaks[size] = result.peak.peak_bytes if isinstance(result, ReplayedStep) else None
-        return peaks[size]
+        result = replay_step(
+            module,
+            optimizers,
+            batch,
+            precision=precision,
+            change=BatchSizeChange(size),
+            device=device,
+            placement=placement,
+            step_function=step_function,
+            warm_up=warm_up,
+            gradients_at_forward=gradients_at_forward,
+            deadline=None if left is None else time.perf_counter() + left,
+        )
+        if isinstance(result, ReplayedStep):
+            return result.peak.peak_bytes
+        out_of_time = deadline is not None and clock() >= deadline
+        failures.append(BUDGET_RAN_OUT if out_of_time else f"the replay of batch size {size} failed: {result.reason}")
+        return None
 
-    rows = []
-    for name, capacity in gpus:
-        budget = int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes
-        largest = largest_batch_that_fits(peak_bytes, budget, start)
-        if largest is None:
-            return ()
-        rows.append(FitRow(name, capacity, largest, basis=SavingBasis.SIMULATED, at_least=largest >= MAX_BATCH_SIZE))
-    return tuple(rows)
+    budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
+    sizes, replays = largest_batches_that_fit(peak_bytes, budgets, start, known=known_peaks)
+    rows = tuple(
+        None
+        if size is None
+        else FitRow(name, capacity, size, basis=SavingBasis.SIMULATED, at_least=size >= MAX_BATCH_SIZE)
+        for (name, capacity), size in zip(gpus, sizes, strict=True)
+    )
+    missing = None
+    if None in sizes:
+        left_out = [name for (name, _), size in zip(gpus, sizes, strict=True) if size is None]
+        reason = failures[0] if failures else "a replay failed"
+        missing = f"{reason}; no row for {', '.join(left_out)}"
+    return FitSearch(rows, replays, missing)

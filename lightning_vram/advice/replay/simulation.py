@@ -9,7 +9,7 @@ reason.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,9 @@ from lightning_vram.advice.replay.twin import module_device
 from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
 
 NOT_REPLAYED = "not replayed"
-"""How the reason of a change the time budget never reached starts: untried, not failed (the rules read it)."""
+"""How the reason of a change the time budget never reached, or cut, starts: untried, not failed (the rules read it)."""
+BUDGET_RAN_OUT = "the replay budget ran out"
+"""Why a change, or a fit table's row, is missing when the time budget ended first."""
 
 
 def simulate(
@@ -37,6 +39,7 @@ def simulate(
     time_budget_seconds: float | None = None,
     tolerance: float = BASELINE_TOLERANCE,
     gradients_at_forward: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Simulation:
     """Replay the step, compare it with ``attribution`` (the sampled step's counts), then replay each change.
 
@@ -61,13 +64,15 @@ def simulate(
         tolerance: how far each part may be from the count (a share of it) for the baseline to match.
         gradients_at_forward: whether the run's forward pass starts with the previous step's gradients alive (see
             :func:`~lightning_vram.advice.replay.step.replay_step`).
+        clock: the host clock the budget is read from, in seconds (tests script it).
     """
-    started = time.perf_counter()
+    started = clock()
     deadline = None if time_budget_seconds is None else started + time_budget_seconds
     step = attribution.step if attribution is not None else 0
     device_type = (device or module_device(module)).type
 
     def replay(change: StepChange | None) -> ReplayedStep | str:
+        left = None if deadline is None else deadline - clock()
         result = replay_step(
             module,
             optimizers,
@@ -78,12 +83,16 @@ def simulate(
             step_function=step_function,
             step=step,
             gradients_at_forward=gradients_at_forward,
-            deadline=deadline,
+            deadline=None if left is None else time.perf_counter() + left,
         )
-        return result if isinstance(result, ReplayedStep) else result.reason
+        if isinstance(result, ReplayedStep):
+            return result
+        if change is not None and deadline is not None and clock() >= deadline:
+            return f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {time_budget_seconds} s during its replay"
+        return result.reason
 
     def finished(baseline: ReplayedStep | None, match: Any, skipped: str | None, variants: Any = ()) -> Simulation:
-        return Simulation(device_type, baseline, match, skipped, tuple(variants), time.perf_counter() - started)
+        return Simulation(device_type, baseline, match, skipped, tuple(variants), clock() - started)
 
     baseline = replay(None)
     if isinstance(baseline, str):
@@ -93,10 +102,9 @@ def simulate(
         return finished(baseline, match, mismatch_reason(match))
     variants = []
     for change in changes:
-        spent = time.perf_counter() - started
-        if time_budget_seconds is not None and spent >= time_budget_seconds:
+        if deadline is not None and clock() >= deadline:
             variants.append(
-                VariantResult(change, None, f"{NOT_REPLAYED}: the time budget of {time_budget_seconds} s ran out")
+                VariantResult(change, None, f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {time_budget_seconds} s first")
             )
             continue
         result = replay(change)
