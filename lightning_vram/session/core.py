@@ -214,7 +214,8 @@ class VramSession:
             if recorder.device is not None:
                 self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
         due, step = sampler.next_step, recorder.tracker.steps  # every step but a few stops at `due`, without a call
-        if due is not None and step >= due and sampler.begin(step, batch) and self._advisor.simulation is None:
+        live = reading is None  # no allocator measures the peak (the CPU): the sampled step counts what is alive
+        if due is not None and step >= due and sampler.begin(step, batch, live) and self._advisor.simulation is None:
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
 
     def before_backward(self) -> None:

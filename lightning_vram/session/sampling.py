@@ -58,8 +58,11 @@ class Sampler:
         self.next_step: int | None = config.attribution_start_step
         """The next sampled step (``None``: none): :meth:`begin` returns ``False`` on any step before it."""
 
-    def begin(self, step: int, batch: Any) -> bool:
-        """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on)."""
+    def begin(self, step: int, batch: Any, count_live: bool = False) -> bool:
+        """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on).
+
+        ``count_live``: also count every live tensor (no allocator measures this step's peaks, as on the CPU).
+        """
         sampled = self.next_step
         if sampled is None or step < sampled:  # every step but a few ends here
             return False
@@ -90,7 +93,7 @@ class Sampler:
             return True
         self.attributor = attributor
         _ATTRIBUTING.add(self)
-        if context.device.type == "cpu":
+        if count_live:
             self._start_live(model, context, batch, attributor)
         if attributor.compiled and self._compiled_note is None:
             self._compiled_note = NotMeasured(
@@ -101,7 +104,7 @@ class Sampler:
         return True
 
     def _start_live(self, model: nn.Module, context: RunContext, batch: Any, attributor: StepAttributor) -> None:
-        """Count every tensor alive on the CPU during this step, unless a dispatch mode or torch.compile is at work.
+        """Count every tensor alive on the device during this step, unless a dispatch mode or torch.compile is at work.
 
         A mode entered before this one would see (and may change) what this one sees; a compiled module would run
         differently under a dispatch mode. Either way the step's peaks stay the sums of the counted parts (noted).
