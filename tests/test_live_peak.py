@@ -14,12 +14,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from advice_models import LanguageModel, TinyGPT, tokens
 from models import OPTIMIZERS, Classifier, loader, trainer
 from replay_models import CausalLM, images, resnet, text
 from torch.utils.data import Dataset
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_vram import VramMonitor
+from lightning_vram import Report, VramMonitor
 from lightning_vram.measure.live import LiveTensors
 from lightning_vram.records import Phase
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -174,3 +175,51 @@ def test_on_cuda_the_allocator_is_the_live_count_and_none_runs(tmp_path: Path) -
     module = Classifier(resnet(), OPTIMIZERS["sgd"])
     trainer(tmp_path, [monitor, Spy()], max_steps=2).fit(module, loader(images(16), 8))
     assert seen[module] is None
+
+
+# ------------------------------------------------------------------------------------ advice judged on the live peak
+
+
+class FreesGradients(LanguageModel):
+    """The stale-gradients advice applied by hand: the previous step's gradients freed at batch start."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+
+def language_model_report(root: Path, module: pl.LightningModule) -> Report:
+    monitor = VramMonitor(attribution_start_step=SAMPLED, attribution_every_n_steps=None, console_summary=False)
+    pl.seed_everything(0, verbose=False)
+    trainer(root, [monitor], max_steps=SAMPLED + 2).fit(module, loader(tokens(64, vocab=4096), 8))
+    assert monitor.report is not None
+    return monitor.report
+
+
+def test_stale_gradients_is_silent_where_freeing_them_frees_nothing_of_the_live_peak(tmp_path: Path) -> None:
+    # A language model over a 4096-token vocabulary: its counted parts peak in forward (the gradients alive), but
+    # what is alive peaks in backward (the log-probabilities, their gradient and the logits' gradient).
+    before = language_model_report(
+        tmp_path / "before", LanguageModel(TinyGPT(vocab=4096, layers=2), OPTIMIZERS["adam"])
+    )
+    peak, forward = before.peak, before.phases[Phase.FORWARD]
+    assert peak is not None and peak.phase is Phase.BACKWARD and forward.breakdown is not None
+    assert forward.breakdown.gradients > 0
+    counted = {phase: p.breakdown.counted_bytes for phase, p in before.phases.items() if p.breakdown is not None}
+    assert max(counted, key=lambda phase: counted[phase]) is Phase.FORWARD  # what the counted sums used to advise on
+    assert all(advice.id != "stale-gradients" for advice in before.advice)
+    # Applied anyway, it frees nothing of the peak: the silence is right.
+    after = language_model_report(tmp_path / "after", FreesGradients(TinyGPT(vocab=4096, layers=2), OPTIMIZERS["adam"]))
+    assert after.peak is not None and after.peak.peak_bytes == peak.peak_bytes
+
+
+def test_a_compiled_model_keeps_the_counted_peaks_and_says_so(tmp_path: Path) -> None:
+    monitor = VramMonitor(
+        attribution_start_step=SAMPLED, attribution_every_n_steps=None, console_summary=False, replay_budget_seconds=0
+    )
+    module = Classifier(torch.compile(resnet(), backend="aot_eager"), OPTIMIZERS["sgd"])
+    trainer(tmp_path, [monitor], max_steps=SAMPLED + 1).fit(module, loader(images(16), 8))
+    report = monitor.report
+    assert report is not None and report.peak is not None and report.peak.breakdown is not None
+    assert report.peak.breakdown.other is None
+    assert any("live peak" in note.what and "torch.compile" in note.reason for note in report.not_measured)
