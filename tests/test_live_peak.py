@@ -223,3 +223,20 @@ def test_a_compiled_model_keeps_the_counted_peaks_and_says_so(tmp_path: Path) ->
     assert report is not None and report.peak is not None and report.peak.breakdown is not None
     assert report.peak.breakdown.other is None
     assert any("live peak" in note.what and "torch.compile" in note.reason for note in report.not_measured)
+
+
+def test_the_live_count_runs_on_sampled_steps_only(tmp_path: Path) -> None:
+    modes: list[bool] = []
+
+    class Spy(pl.Callback):
+        def on_before_backward(self, trainer: pl.Trainer, module: pl.LightningModule, loss: torch.Tensor) -> None:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+            modes.append(isinstance(_get_current_dispatch_mode(), LiveTensors))
+
+    monitor = VramMonitor(
+        attribution_start_step=1, attribution_every_n_steps=3, console_summary=False, replay_budget_seconds=0
+    )
+    pl.seed_everything(0, verbose=False)
+    trainer(tmp_path, [monitor, Spy()], max_steps=6).fit(Classifier(resnet()), loader(images(48), 8))
+    assert modes == [False, True, False, False, True, False]

@@ -24,6 +24,10 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "othe
 """The parts of a breakdown, in the order every table shows them."""
 COUNTED_PARTS = CATEGORIES[:4]
 """The parts a replay's baseline is compared with the measured step on (``other`` is not counted)."""
+LIVE_PEAK_PART = "live peak"
+"""The baseline's part for a phase's live peak, compared where the sampled step counted every live tensor (CPU)."""
+MATCHED_PARTS = (*COUNTED_PARTS, LIVE_PEAK_PART)
+"""Every part a baseline match may compare: the counted parts and the live peak."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_vram.records import BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
+from lightning_vram.records import COUNTED_PARTS, BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 200
@@ -95,7 +95,9 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
     rows = []
     for phase, peak in in_phase_order(baseline.phases):
         measured = (
-            format_bytes(sum(part.measured_bytes for part in match.parts if part.phase is phase))
+            format_bytes(
+                sum(part.measured_bytes for part in match.parts if part.phase is phase and part.part in COUNTED_PARTS)
+            )
             if match is not None
             else "n/a"
         )
