@@ -33,6 +33,19 @@ def dispatch_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def leave_abandoned() -> int:
+    """Take off the mode stack the live counts left on top of it by sessions dropped mid-step; returns how many.
+
+    Call only where no live count of this process is running (one sampled step at a time per process): any
+    :class:`LiveTensors` on top of the stack then belongs to a session whose loop died before the step ended.
+    """
+    left = 0
+    while isinstance(mode := _get_current_dispatch_mode(), LiveTensors):
+        mode.stop()
+        left += 1
+    return left
+
+
 def state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any) -> list[Tensor]:
     """The tensors alive when a step starts, as the replay registers them.
 

@@ -20,7 +20,7 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.code_roots import code_roots, inside_ids
-from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, state_tensors
+from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
 from lightning_vram.measure.reach import reach_of
 from lightning_vram.records import Attribution, NotMeasured, Phase
 from lightning_vram.session.context import RunContext
@@ -109,6 +109,7 @@ class Sampler:
         A mode entered before this one would see (and may change) what this one sees; a compiled module would run
         differently under a dispatch mode. Either way the step's peaks stay the sums of the counted parts (noted).
         """
+        leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
         if attributor.compiled or dispatch_mode_active():
             why = "torch.compile runs part of the model" if attributor.compiled else "a dispatch mode was active"
             self._notes.setdefault(
