@@ -35,12 +35,17 @@ def plain_run(log_dir: str | Path | None, network: nn.Module | None = None, step
 def train_steps(
     session: VramSession, module: Classifier, optimizer: torch.optim.Optimizer, data: Iterable[Any], steps: int
 ) -> None:
-    """Lightning's automatic optimization written out, ``steps`` batches: forward, zero_grad, backward, step."""
+    """Lightning's automatic optimization written out, ``steps`` batches: forward, zero_grad, backward, step.
+
+    As Lightning's closure does, a detached copy of the loss is kept through the step (a live tensor the CPU's live
+    peaks see).
+    """
     for step, batch in enumerate(data):
         if step == steps:
             break
         session.batch_start(batch)
         loss = module.training_step(batch, step)
+        kept = loss.detach().clone()  # noqa: F841 -- alive through the step, as Lightning's ClosureResult.loss
         optimizer.zero_grad()
         session.before_backward()
         loss.backward()

@@ -75,8 +75,10 @@ def test_forward_breakdown_matches_hand_counts(tmp_path: Path, network_name: str
     assert own_state == multiple * parameter_bytes + step_tensors * parameter_tensors * FLOAT32
     # Activations: an independent count of the tensors saved for backward in one step of the same shape.
     assert breakdown.activations == reference_saved_bytes(module, next(iter(loader(data))))
-    assert breakdown.other is None  # CPU: no allocator, so nothing beyond the counted parts is claimed
-    assert forward.peak_bytes == breakdown.counted_bytes
+    # CPU: the peak is every tensor alive (the batch, the logits, temporaries); the counted parts explain it, "other"
+    # the rest (tests/test_live_peak.py checks the live peak against torch's MemTracker).
+    assert breakdown.other is not None and breakdown.other > 0
+    assert forward.peak_bytes == breakdown.counted_bytes + breakdown.other
 
 
 def test_backward_phase_holds_activations_then_gradients(tmp_path: Path) -> None:

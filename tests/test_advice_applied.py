@@ -126,13 +126,13 @@ def flatten_head_cnn(pooled: bool = False) -> nn.Sequential:
 
 
 def test_large_linear_fires_on_a_flattened_feature_map_with_the_exact_saving(tmp_path: Path) -> None:
-    # SGD with momentum: gradients (the previous step's, alive in forward) and momentum are one copy each of the
-    # parameters, so model state is exactly 3 bytes per parameter byte. Pooling turns Linear(16 * 64, 512) into
-    # Linear(16, 512): it removes 512 * (1024 - 16) float32 weights.
+    # SGD with momentum: gradients and momentum are one copy each of the parameters, so model state is 3 bytes per
+    # parameter byte (at the live peak, in backward, a few gradients are not made yet: within 0.1%). Pooling turns
+    # Linear(16 * 64, 512) into Linear(16, 512): it removes 512 * (1024 - 16) float32 weights.
     report = run(tmp_path, Classifier(flatten_head_cnn(), OPTIMIZERS["sgd_momentum"]), images(64), 8)
     advice = advice_of(report, "large-linear")
     assert advice is not None
-    assert advice.estimated_saving_bytes == 3 * 512 * (1024 - 16) * 4
+    assert advice.estimated_saving_bytes == pytest.approx(3 * 512 * (1024 - 16) * 4, rel=0.001)
     assert "`network.5` reads a flattened feature map of 64 positions" in advice.title
     assert "Linear(1024, 512) becomes Linear(16, 512)" in advice.detail
     assert "convolutional map of 16 channels x 64 positions" in advice.evidence
@@ -170,12 +170,15 @@ def test_large_linear_is_silent_without_a_feature_map(tmp_path: Path) -> None:
 
 def test_inplace_relu_frees_nothing_the_counts_see_so_it_is_not_advised(tmp_path: Path) -> None:
     # ReLU saves its output, which the next Linear saves too: out of place or inplace, one saved tensor per
-    # layer. The transient copy out of place is not in any measured peak (on the CPU it is not counted at all).
+    # layer. Out of place, its input is a transient the live peak sees (one 512 x 256 float32 tensor beyond the
+    # counted parts); the rule does not promise it, and nothing it counts changes.
     out_of_place = run(tmp_path, Classifier(activation_mlp(nn.ReLU)), features(1024, 256), 512)
     assert advice_of(out_of_place, "inplace-activations") is None
     inplace = run(tmp_path, Classifier(activation_mlp(nn.ReLU, inplace=True)), features(1024, 256), 512)
     assert out_of_place.peak is not None and inplace.peak is not None
-    assert inplace.peak.peak_bytes == out_of_place.peak.peak_bytes
+    assert out_of_place.peak.breakdown is not None and inplace.peak.breakdown is not None
+    assert inplace.peak.breakdown.counted_bytes == out_of_place.peak.breakdown.counted_bytes
+    assert out_of_place.peak.peak_bytes - inplace.peak.peak_bytes == pytest.approx(512 * 256 * 4, rel=0.1)
 
 
 def test_inplace_activations_applied_saves_what_it_estimated(tmp_path: Path) -> None:
@@ -220,14 +223,16 @@ def mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def adam_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: int, batch_size: int) -> Report:
+def mlp_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: int, batch_size: int) -> Report:
+    """An MLP trained with plain SGD: its optimizer step holds no state or temporaries, so the live peak is in
+    forward when the last step's gradients are alive there (Adam's step holds its temporaries, peaking higher)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(4 * batch_size, width, generator=generator), torch.randint(0, 10, (4 * batch_size,))
     )
     monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=5, console_summary=False)
-    module = module_class(mlp(width, depth), OPTIMIZERS["adam"])
+    module = module_class(mlp(width, depth), OPTIMIZERS["sgd"])
     trainer(tmp_path, [monitor], max_steps=4).fit(module, loader(data, batch_size))
     assert monitor.report is not None
     return monitor.report
@@ -235,13 +240,13 @@ def adam_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: 
 
 @pytest.mark.parametrize(
     ("width", "depth", "batch_size"),
-    [(256, 2, 512), (256, 1, 64)],
-    ids=["activations-dominate", "gradients-dominate"],
+    [(512, 2, 64), (256, 1, 64)],
+    ids=["wide", "narrow"],
 )
 def test_applying_the_stale_gradients_advice_removes_it_and_saves_what_it_said(
     tmp_path: Path, width: int, depth: int, batch_size: int
 ) -> None:
-    before = adam_run(tmp_path / "before", Classifier, width, depth, batch_size)
+    before = mlp_run(tmp_path / "before", Classifier, width, depth, batch_size)
     [advice] = [item for item in before.advice if item.id == "stale-gradients"]
     assert "def on_train_batch_start(self, batch, batch_idx):" in advice.detail
     assert "optimizer.zero_grad(set_to_none=True)" in advice.detail
@@ -249,16 +254,26 @@ def test_applying_the_stale_gradients_advice_removes_it_and_saves_what_it_said(
     stale = before.phases[Phase.FORWARD].breakdown
     assert stale is not None and stale.gradients > 0
 
-    after = adam_run(tmp_path / "after", FreesGradientsAtBatchStart, width, depth, batch_size)
+    after = mlp_run(tmp_path / "after", FreesGradientsAtBatchStart, width, depth, batch_size)
     assert "stale-gradients" not in {item.id for item in after.advice}
     forward = after.phases[Phase.FORWARD].breakdown
     assert forward is not None and forward.gradients == 0
-    # The forward pass no longer holds the last step's gradients ...
-    forward_drop = before.phases[Phase.FORWARD].peak_bytes - after.phases[Phase.FORWARD].peak_bytes
-    assert forward_drop == stale.gradients
-    # ... and the run's peak falls by what the advice promised (the forward peak's excess over the next phase,
-    # when the gradients are more than that).
+    # The forward pass no longer holds the last step's gradients (its counted parts lose exactly them; its live peak
+    # less, as the gradients are alive for an instant at batch start, before the module's own hook frees them) ...
+    assert forward.counted_bytes == stale.counted_bytes - stale.gradients
+    # ... and the run's live peak falls by what the advice promised (the forward peak's excess over the next phase).
     assert before.peak is not None and after.peak is not None
     assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
-    if stale.gradients <= advice.estimated_saving_bytes:
-        assert forward_drop == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+
+
+def test_stale_gradients_is_silent_where_backward_peaks_as_high(tmp_path: Path) -> None:
+    # Activations dominate: the live peak of backward (activations and the first gradients) is as high as the
+    # forward peak with the last step's gradients; freeing them lowers forward only, not the run's peak.
+    before = mlp_run(tmp_path / "before", Classifier, 256, 2, 512)
+    forward, backward = before.phases[Phase.FORWARD], before.phases[Phase.BACKWARD]
+    assert forward.breakdown is not None and forward.breakdown.gradients > 0
+    assert forward.peak_bytes - backward.peak_bytes < 0.01 * forward.peak_bytes
+    assert "stale-gradients" not in {item.id for item in before.advice}
+    after = mlp_run(tmp_path / "after", FreesGradientsAtBatchStart, 256, 2, 512)
+    assert before.peak is not None and after.peak is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes < 0.01 * before.peak.peak_bytes

@@ -44,7 +44,7 @@ def test_show_a_log_dir_or_a_file(
     (report, root), _ = two_runs
     assert main(["show", str(root)]) == 0
     from_dir = capsys.readouterr().out
-    assert from_dir.startswith("VRAM report:") and f"Peak {format_bytes(report.peak.peak_bytes)}" in from_dir  # type: ignore[union-attr]
+    assert from_dir.startswith("VRAM report:") and f"Live peak {format_bytes(report.peak.peak_bytes)}" in from_dir  # type: ignore[union-attr]
     assert main(["show", str(root / "vram_report.json")]) == 0
     assert capsys.readouterr().out == from_dir
 

@@ -63,6 +63,9 @@ def test_a_session_after_an_abandoned_one_blames_no_other_monitor() -> None:
         session.start(model, [optimizer])
         train(session, model, optimizer, steps=2)
         assert counted_alone(session)
+        assert session.report is not None and session.report.peak is not None
+        breakdown = session.report.peak.breakdown  # the abandoned live count was taken off the stack: this one counted
+        assert breakdown is not None and breakdown.other is not None
     finally:
         hooks.close()
 

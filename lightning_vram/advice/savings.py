@@ -4,9 +4,9 @@ A rule declares the changes it wants replayed (:attr:`~lightning_vram.advice.rul
 each one's saving back through :func:`resolve_saving`, the one place that decides where a saving comes from:
 
 - replayed: the simulation's baseline was trusted (replayed and matched) and it replayed the change; the saving is
-  the replayed one, peaks read as the report measures them (on CUDA the predicted allocator peak, every live tensor
-  in 512-byte blocks; on the CPU the highest sum of the counted parts,
-  :meth:`~lightning_vram.records.ReplayedStep.reported_bytes`);
+  the replayed one, the difference of live peaks as the report measures them (every tensor alive: on CUDA in
+  512-byte allocator blocks, the allocator's peak; on the CPU in bytes, the sampled step's live peak;
+  :meth:`~lightning_vram.records.ReplayedStep.reported_bytes`), quoted against the report's measured peak;
 - discarded: the change's replay raised, so it would break the user's step: it is never advised;
 - modelled: not replayed (no trusted simulation, or the time budget ran out before the change); the rule's own
   model of the saving from the measurements, where it has one.
@@ -17,7 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_vram.advice.replay.simulation import NOT_REPLAYED
-from lightning_vram.records import CheckpointChange, ReplayedStep, SavingBasis, Simulation, StepChange, VariantResult
+from lightning_vram.records import (
+    CheckpointChange,
+    PhasePeak,
+    ReplayedStep,
+    SavingBasis,
+    Simulation,
+    StepChange,
+    VariantResult,
+)
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 160
@@ -95,7 +103,7 @@ class Modelled:
 
 
 def resolve_saving(
-    simulation: Simulation | None, change: StepChange, modelled: Modelled | None
+    simulation: Simulation | None, change: StepChange, modelled: Modelled | None, measured: PhasePeak | None = None
 ) -> Saving | Discarded | None:
     """The saving of ``change``: replayed, else discarded, else ``modelled`` (``None`` without a model).
 
@@ -103,11 +111,13 @@ def resolve_saving(
         simulation: the replay of the run's step and of the changes tried on it, or ``None``.
         change: the change, as the rule declared it for replay.
         modelled: the rule's own estimate, used only when the change was not replayed.
+        measured: the report's peak; a replayed saving is quoted, and its share judged, against it (else against
+            the replayed baseline's peak).
     """
     baseline = trusted(simulation)
     variant = _variant(simulation, change) if simulation is not None and baseline is not None else None
     if baseline is not None and variant is not None and variant.replayed is not None:
-        return _replayed_saving(change, baseline, variant.replayed)
+        return _replayed_saving(change, baseline, variant.replayed, measured)
     if variant is not None:
         reason = variant.discarded or "the replay gave no result"
         if not reason.startswith(NOT_REPLAYED):
@@ -117,14 +127,31 @@ def resolve_saving(
     return Saving(modelled.saving_bytes, modelled.peak_bytes, None, SavingBasis.MODELLED, modelled.evidence)
 
 
-def _replayed_saving(change: StepChange, baseline: ReplayedStep, predicted: ReplayedStep) -> Saving:
-    """A replayed change's saving, with the replayed peaks before and after it in words."""
+def peak_label(device_type: str) -> str:
+    """What a peak is on ``device_type``: the allocator's on CUDA, the live bytes of every tensor elsewhere."""
+    return "allocator peak" if device_type == "cuda" else "live peak"
+
+
+def _replayed_saving(
+    change: StepChange, baseline: ReplayedStep, predicted: ReplayedStep, measured: PhasePeak | None
+) -> Saving:
+    """A replayed change's saving (the replayed live peaks' difference), quoted against the report's peak."""
     before, after = baseline.reported_peak, predicted.reported_peak
     baseline_bytes, predicted_bytes = baseline.reported_bytes(before), predicted.reported_bytes(after)
-    measure = "allocator peak" if baseline.device_type == "cuda" else "peak of the counted parts"
-    evidence = (
-        f"replayed on this run's step, {change.label} takes the {measure} from"
-        f" {format_bytes(baseline_bytes)} in {before.phase.value} to {format_bytes(predicted_bytes)}"
+    saving = baseline_bytes - predicted_bytes
+    measure = peak_label(baseline.device_type)
+    span = (
+        f"{format_bytes(baseline_bytes)} in {before.phase.value} to {format_bytes(predicted_bytes)}"
         f" in {after.phase.value}"
     )
-    return Saving(baseline_bytes - predicted_bytes, baseline_bytes, predicted_bytes, SavingBasis.SIMULATED, evidence)
+    if measured is None or measured.peak_bytes <= 0:
+        evidence = f"replayed on this run's step, {change.label} takes the {measure} from {span}"
+        return Saving(saving, baseline_bytes, predicted_bytes, SavingBasis.SIMULATED, evidence)
+    verb = "lowers" if saving >= 0 else "raises"
+    evidence = (
+        f"{change.label} {verb} the {measure} by {format_bytes(abs(saving))}, from the measured"
+        f" {format_bytes(measured.peak_bytes)} in {measured.phase.value} to about"
+        f" {format_bytes(measured.peak_bytes - saving)} in {after.phase.value}"
+        f" (replayed on this run's step from {span})"
+    )
+    return Saving(saving, measured.peak_bytes, predicted_bytes, SavingBasis.SIMULATED, evidence)

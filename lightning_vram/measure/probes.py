@@ -24,8 +24,9 @@ _new_reading = tuple.__new__
 """An :class:`AllocatorReading` from its five fields in order, without the NamedTuple's Python-level ``__new__``."""
 
 ALLOCATOR_NOT_ON_CPU = NotMeasured(
-    "allocator peaks, reserved memory and 'other'",
-    "training runs on the CPU, which has no caching allocator: phase peaks are the sum of counted tensors",
+    "allocator peaks and reserved memory",
+    "training runs on the CPU, which has no caching allocator: phase peaks are live peaks, every tensor alive"
+    " counted on sampled steps (where that count stood aside, the sum of counted tensors)",
 )
 UTILIZATION_NOT_ON_CPU = NotMeasured("GPU utilization", "training runs on the CPU")
 

@@ -172,7 +172,7 @@ class MemoryTracker:
             if peak == UNSET:
                 if attribution is None or PHASES[index] not in attribution.phases:
                     continue
-                peak = slot[0] = attribution.phases[PHASES[index]].counted_bytes  # no allocator (CPU): counted sum
+                peak = slot[0] = attribution.phases[PHASES[index]].peak_bytes  # no allocator (CPU): live peak
                 slot[1] = UNSET
             if peak > step_bytes:
                 step_bytes, step_phase = peak, index

@@ -10,6 +10,8 @@ from lightning_vram.records.advice import Advice, AdviceId, CheckpointPlan, FitR
 from lightning_vram.records.measured import (
     CATEGORIES,
     COUNTED_PARTS,
+    LIVE_PEAK_PART,
+    MATCHED_PARTS,
     AllocatorReading,
     Attribution,
     Breakdown,
@@ -54,6 +56,8 @@ from lightning_vram.records.simulation import (
 __all__ = [
     "CATEGORIES",
     "COUNTED_PARTS",
+    "LIVE_PEAK_PART",
+    "MATCHED_PARTS",
     "Advice",
     "AdviceId",
     "AllocatorReading",

@@ -24,6 +24,10 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "othe
 """The parts of a breakdown, in the order every table shows them."""
 COUNTED_PARTS = CATEGORIES[:4]
 """The parts a replay's baseline is compared with the measured step on (``other`` is not counted)."""
+LIVE_PEAK_PART = "live peak"
+"""The baseline's part for a phase's live peak, compared where the sampled step counted every live tensor (CPU)."""
+MATCHED_PARTS = (*COUNTED_PARTS, LIVE_PEAK_PART)
+"""Every part a baseline match may compare: the counted parts and the live peak."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,9 @@ class NotMeasured:
 class Breakdown:
     """Memory held at one moment, split by what holds it, in bytes.
 
-    ``other`` is what the allocator saw beyond the counted parts (batch, temporaries, workspaces);
-    it is ``None`` where no allocator peak exists (CPU).
+    ``other`` is what the peak held beyond the counted parts (batch, temporaries, the loss's logits and their
+    gradient, workspaces): on CUDA the allocator's peak, on the CPU the live peak of a sampled step (every tensor
+    alive, counted as it runs); ``None`` where neither was measured.
     """
 
     parameters: int
@@ -101,11 +106,16 @@ class Breakdown:
         """Bytes of the parts counted tensor by tensor (everything but ``other``)."""
         return self.parameters + self.gradients + self.optimizer_state + self.activations
 
-    def with_measured_peak(self, peak_bytes: int) -> Breakdown:
-        """The same breakdown with ``other`` set to what an allocator peak holds beyond the counted parts.
+    @property
+    def peak_bytes(self) -> int:
+        """The peak it breaks down, in bytes: the counted parts and ``other`` (alone where ``other`` is ``None``)."""
+        return self.counted_bytes + (self.other or 0)
 
-        Counts and the allocator are read at different instants of a phase, so the remainder is
-        clamped at zero.
+    def with_measured_peak(self, peak_bytes: int) -> Breakdown:
+        """The same breakdown with ``other`` set to what a measured peak holds beyond the counted parts.
+
+        The peak is the allocator's on CUDA, the live one on the CPU. Counts and the peak are read at different
+        instants of a phase, so the remainder is clamped at zero.
         """
         return Breakdown(
             parameters=self.parameters,
@@ -187,7 +197,8 @@ class EvaluationPeak:
 class PhasePeak:
     """The peak of one phase of one step.
 
-    ``peak_bytes`` is the allocator's peak on CUDA and the sum of the counted parts on CPU;
+    ``peak_bytes`` is the allocator's peak on CUDA; on the CPU the live peak of a sampled step (every tensor alive,
+    temporaries included), or the sum of the counted parts where the live count stood aside;
     ``reserved_bytes`` is the allocator's reserve at the end of the phase (``None`` on CPU).
     """
 

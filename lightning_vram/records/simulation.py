@@ -108,11 +108,12 @@ StepChange = PrecisionChange | CheckpointChange | InplaceChange | FreeGradientsC
 class ReplayedStep:
     """One training step replayed under fake tensors: what it would hold, without holding it.
 
-    ``phases``: each phase's predicted allocator peak (every live tensor on the device, temporaries included, in
-    the CUDA allocator's 512-byte blocks) and its counted parts, with ``other`` the peak beyond them; ``step`` is
-    the step replayed. ``modules``: what each module saved, as a sampled step's profile. ``loss_activation_bytes``:
-    activations the loss's own ops saved (the log-softmax over the classes or vocabulary). ``seconds``: host time
-    the replay took. ``notes``: what the replay could not size (an op whose fake kernel leaves out a workspace).
+    ``phases``: each phase's predicted live peak (every live tensor on the device, temporaries included, in the
+    CUDA allocator's 512-byte blocks on CUDA, in bytes elsewhere) and its counted parts, with ``other`` the peak
+    beyond them; ``step`` is the step replayed. ``modules``: what each module saved, as a sampled step's profile.
+    ``loss_activation_bytes``: activations the loss's own ops saved (the log-softmax over the classes or
+    vocabulary). ``seconds``: host time the replay took. ``notes``: what the replay could not size (an op whose
+    fake kernel leaves out a workspace).
     """
 
     device_type: str
@@ -130,14 +131,12 @@ class ReplayedStep:
         return max(self.phases.values(), key=lambda phase: phase.peak_bytes)
 
     def reported_bytes(self, phase: PhasePeak) -> int:
-        """One of its phases' peak as the monitor's report measures peaks, in bytes.
+        """One of its phases' peak as the monitor's report measures peaks, in bytes: its predicted live peak.
 
-        On CUDA the report's peaks are the allocator's, so this is the predicted allocator peak; elsewhere they are
-        the sums of the counted parts, so this is the phase's counted parts.
+        On CUDA the report's peaks are the allocator's, predicted here as every live tensor in 512-byte blocks; on
+        the CPU they are the sampled step's live peaks, predicted here as every live tensor's bytes.
         """
-        if self.device_type == "cuda" or phase.breakdown is None:
-            return phase.peak_bytes
-        return phase.breakdown.counted_bytes
+        return phase.peak_bytes
 
     @property
     def reported_peak(self) -> PhasePeak:

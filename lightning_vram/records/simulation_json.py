@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_vram.records.advice import CheckpointPlan
 from lightning_vram.records.json_reader import FormatError, Reader, member, member_of, shown, text_list
-from lightning_vram.records.measured import COUNTED_PARTS, Phase, PhasePeak, in_phase_order
+from lightning_vram.records.measured import MATCHED_PARTS, Phase, PhasePeak, in_phase_order
 from lightning_vram.records.measured_json import breakdown_from_dict, breakdown_to_dict, phase_from_text
 from lightning_vram.records.simulation import (
     BaselineMatch,
@@ -154,8 +154,8 @@ def _replayed_phases(fields: Reader, key: str, step: int) -> dict[Phase, PhasePe
 def _part_match(data: Any, where: str) -> PartMatch:
     fields = Reader(data, where)
     part = fields.text("part")
-    if part not in COUNTED_PARTS:
-        raise FormatError(f"{where}.part must be one of {list(COUNTED_PARTS)}, got {shown(part)}")
+    if part not in MATCHED_PARTS:
+        raise FormatError(f"{where}.part must be one of {list(MATCHED_PARTS)}, got {shown(part)}")
     return PartMatch(
         phase_from_text(fields.text("phase"), f"{where}.phase"),
         part,

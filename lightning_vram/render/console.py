@@ -41,7 +41,7 @@ def _rich_summary(report: Report, stream: TextIO) -> bool:
         title_justify="left",
     )
     table.add_column("phase")
-    table.add_column("peak", justify="right")
+    table.add_column("peak", justify="right")  # the title's headline says which peak: the table fits 80 columns
     for name in CATEGORIES:
         table.add_column(SHORT_LABELS[name], justify="right")
     for phase, peak in in_phase_order(report.phases):

@@ -11,7 +11,15 @@ from lightning_vram.render.figures import breakdown_figure, memory_over_steps_fi
 from lightning_vram.render.markup import Token, advice_tokens
 from lightning_vram.render.shapes import lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, simulation_view
-from lightning_vram.render.text import capacity_text, evaluation_text, headline, ranks_line, saving_text, timing_line
+from lightning_vram.render.text import (
+    capacity_text,
+    evaluation_text,
+    headline,
+    peak_label,
+    ranks_line,
+    saving_text,
+    timing_line,
+)
 from lightning_vram.units import format_bytes
 
 STYLE = """
@@ -139,7 +147,9 @@ def render_html(report: Report) -> str:
             cells = "".join(f'<td class="n">{format_bytes(values.get(name))}</td>' for name in CATEGORIES)
             rows.append(f'<tr><td>{phase.value}</td><td class="n">{format_bytes(peak.peak_bytes)}</td>{cells}</tr>')
         header = "".join(f'<th class="n">{name.replace("_", " ")}</th>' for name in CATEGORIES)
-        sections.append(f'<table><tr><th>phase</th><th class="n">peak</th>{header}</tr>{"".join(rows)}</table>')
+        sections.append(
+            f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
+        )
         sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
     if report.evaluation:
         sections.append(f"<p>Evaluation peaks: {html.escape(evaluation_text(report.evaluation))}.</p>")

@@ -3,7 +3,7 @@
 The replayed baseline is set against the measured step; the Markdown and HTML reports render the same tables, each
 escaping the cells its own way.
 
-Peaks are read as the report measures them: on CUDA the allocator's, elsewhere the sum of the counted parts.
+Peaks are read as the report measures them: on CUDA the allocator's, elsewhere the live peak (every tensor alive).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_vram.advice.rules.mixed_precision import not_advised
-from lightning_vram.records import BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
+from lightning_vram.records import COUNTED_PARTS, BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 200
@@ -63,7 +63,7 @@ def _summary(simulation: Simulation) -> str:
     )
     if simulation.skipped is not None:
         return f"{replayed}, but not trusted: {simulation.skipped}. Every saving in this report is modelled."
-    measure = "the allocator's peak" if simulation.device_type == "cuda" else "the sum of the counted parts"
+    measure = "the allocator's peak" if simulation.device_type == "cuda" else "the live peak (every tensor alive)"
     match = simulation.match
     compared = (
         "; no measured counts to compare it with"
@@ -87,19 +87,24 @@ def _largest_difference(match: BaselineMatch, phase: Phase) -> str:
 def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedStep) -> Table:
     match = simulation.match
     on_cuda = simulation.device_type == "cuda"
+    measured_live = any(p.breakdown is not None and p.breakdown.other is not None for p in report.phases.values())
     header = ["phase", "measured counted", "replayed counted", "largest difference"]
     if on_cuda:
         header += ["measured peak (run's highest)", "replayed allocator peak"]
+    elif measured_live:
+        header += ["measured live peak (run's highest)", "replayed live peak"]
     rows = []
     for phase, peak in in_phase_order(baseline.phases):
         measured = (
-            format_bytes(sum(part.measured_bytes for part in match.parts if part.phase is phase))
+            format_bytes(
+                sum(part.measured_bytes for part in match.parts if part.phase is phase and part.part in COUNTED_PARTS)
+            )
             if match is not None
             else "n/a"
         )
         counted = format_bytes(peak.breakdown.counted_bytes) if peak.breakdown is not None else "n/a"
         row = [phase.value, measured, counted, _largest_difference(match, phase) if match is not None else "n/a"]
-        if on_cuda:
+        if on_cuda or measured_live:
             run_peak = report.phases.get(phase)
             row += [format_bytes(run_peak.peak_bytes if run_peak is not None else None), format_bytes(peak.peak_bytes)]
         rows.append(tuple(row))

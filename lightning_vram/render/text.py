@@ -80,6 +80,17 @@ def capacity_text(device: DeviceInfo) -> str:
     return format_bytes(device.total_bytes) + (" host RAM" if device.type != "cuda" else "")
 
 
+def peak_label(report: Report) -> str:
+    """What the report's peaks are: ``"live peak"`` where every live tensor was counted (the CPU), else ``"peak"``.
+
+    On CUDA the allocator's peak is live already; on the CPU a peak whose breakdown has no ``other`` is the sum of
+    the counted parts (the live count stood aside, or a report written before it existed).
+    """
+    peak = report.peak
+    live = peak is not None and peak.breakdown is not None and peak.breakdown.other is not None
+    return "live peak" if live and report.device.type != "cuda" else "peak"
+
+
 def headline(report: Report) -> str:
     """One sentence: the peak, where it happened, and what held most of it."""
     peak = report.peak
@@ -87,7 +98,8 @@ def headline(report: Report) -> str:
         return "No step was measured."
     capacity = report.device.total_bytes
     share = f" ({format_percent(peak.peak_bytes / capacity)} of {capacity_text(report.device)})" if capacity else ""
-    text = f"Peak {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
+    label = peak_label(report).capitalize()
+    text = f"{label} {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
     if peak.breakdown is None:
         return text + "."
     largest = peak.breakdown.largest_part
@@ -202,7 +214,7 @@ def markdown(report: Report) -> str:
         "",
         "## Breakdown at each phase's peak",
         "",
-        "| phase | peak | " + " | ".join(name.replace("_", " ") for name in CATEGORIES) + " |",
+        f"| phase | {peak_label(report)} | " + " | ".join(name.replace("_", " ") for name in CATEGORIES) + " |",
         "|---|---:|" + "---:|" * len(CATEGORIES),
     ]
     for phase, peak in in_phase_order(report.phases):

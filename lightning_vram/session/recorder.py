@@ -81,8 +81,8 @@ class StepRecorder:
         self._reads = not _never_reads(probe)
         if info.type != "cuda":
             warnings.warn(
-                f"VramMonitor: the model trains on {device}, not a CUDA GPU: allocator peaks, 'other' memory"
-                " and GPU utilization are not measured; tensors are still counted.",
+                f"VramMonitor: the model trains on {device}, not a CUDA GPU: allocator peaks, reserved memory"
+                " and GPU utilization are not measured; peaks are live tensors, counted on sampled steps.",
                 VramMonitorWarning,
                 stacklevel=4,
             )

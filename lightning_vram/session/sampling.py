@@ -2,11 +2,14 @@
 
 A :class:`Sampler` opens a :class:`~lightning_vram.measure.accounting.StepAttributor` at the start of a sampled step,
 passes it the step's phase boundaries and closes it at the step's end; what sampled steps skipped is listed in
-:meth:`Sampler.notes`.
+:meth:`Sampler.notes`. On the CPU, where no allocator measures a peak, a
+:class:`~lightning_vram.measure.live.LiveTensors` counts every tensor alive during the same step: each phase's live
+peak, which the counted parts explain with ``other`` for the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +20,9 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.code_roots import code_roots, inside_ids
+from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
 from lightning_vram.measure.reach import reach_of
-from lightning_vram.records import Attribution, NotMeasured
+from lightning_vram.records import Attribution, NotMeasured, Phase
 from lightning_vram.session.context import RunContext
 
 _ATTRIBUTING: weakref.WeakSet[Sampler] = weakref.WeakSet()
@@ -29,6 +33,8 @@ BUSY = NotMeasured(
     "another monitor in this process was counting the same step (saved-tensor hooks do not nest);"
     " those steps were not counted here",
 )
+LIVE_PEAK = "the live peak (every tensor alive) of some sampled steps"
+"""What a sampled step whose live count stood aside did not measure: its peaks are the sums of the counted parts."""
 
 
 class Sampler:
@@ -44,15 +50,18 @@ class Sampler:
         self._config, self._guard, self._context = config, guard, context
         self.attributor: StepAttributor | None = None
         """The attributor counting a step now."""
+        self._live: LiveTensors | None = None  # the CPU's live count of the same step
+        self._live_phase = Phase.FORWARD
         self._notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with the attributors
         self._compiled_note: NotMeasured | None = None
         self._hook_apis: tuple[str, ...] | None = None  # saved-tensor-hook APIs the training code uses, once known
         self.next_step: int | None = config.attribution_start_step
         """The next sampled step (``None``: none): :meth:`begin` returns ``False`` on any step before it."""
 
-    def begin(self, step: int, batch: Any, force: bool = False) -> bool:
+    def begin(self, step: int, batch: Any, count_live: bool = False, force: bool = False) -> bool:
         """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on).
 
+        ``count_live``: also count every live tensor (no allocator measures this step's peaks, as on the CPU).
         ``force`` counts it whatever the schedule (a batch larger than any replayed, replayed at its end).
         """
         sampled = self.next_step
@@ -86,6 +95,8 @@ class Sampler:
             return True
         self.attributor = attributor
         _ATTRIBUTING.add(self)
+        if count_live:
+            self._start_live(model, context, batch, attributor)
         if attributor.compiled and self._compiled_note is None:
             self._compiled_note = NotMeasured(
                 "per-module activations inside compiled modules",
@@ -93,6 +104,61 @@ class Sampler:
                 " and charged to the compiled module as a whole",
             )
         return True
+
+    def _start_live(self, model: nn.Module, context: RunContext, batch: Any, attributor: StepAttributor) -> None:
+        """Count every tensor alive on the device during this step, unless a dispatch mode or torch.compile is at work.
+
+        A mode entered before this one would see (and may change) what this one sees; a compiled module would run
+        differently under a dispatch mode. Either way the step's peaks stay the sums of the counted parts (noted).
+        """
+        leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
+        if attributor.compiled or dispatch_mode_active():
+            why = "torch.compile runs part of the model" if attributor.compiled else "a dispatch mode was active"
+            self._notes.setdefault(
+                "live",
+                NotMeasured(LIVE_PEAK, f"{why}: the live count stood aside, those peaks are the counted parts"),
+            )
+            return
+
+        def start() -> LiveTensors:
+            live = LiveTensors(context.device)
+            live.track(state_tensors(model, context.current_optimizers(), batch))
+            live.start()
+            return live
+
+        self._live_phase = Phase.FORWARD
+        self._live = self._guard.call(Part.ATTRIBUTION, start)
+
+    def _close_live_segment(self, ended: Phase, next_phase: Phase) -> None:
+        """The segment that ran ``ended`` closes (as the attributor closes it); ``next_phase`` runs next."""
+        live = self._live
+        if live is not None:
+            live.close_segment(ended)
+            self._live_phase = next_phase
+
+    def _stop_live(self, attribution: Attribution | None) -> Attribution | None:
+        """Stop the live count; ``attribution`` with each phase's live peak as ``other`` (unchanged if not whole)."""
+        live, self._live = self._live, None
+        if live is None:
+            return attribution
+        live.close_segment(self._live_phase)
+        whole = live.stop()
+        if attribution is None:
+            return None
+        if not whole or any(phase not in live.phase_peaks for phase in attribution.phases):
+            self._notes.setdefault(
+                "live",
+                NotMeasured(
+                    LIVE_PEAK,
+                    "the live count did not see the whole step (a dispatch mode entered in it stayed active, or"
+                    " counting failed): those peaks are the counted parts",
+                ),
+            )
+            return attribution
+        phases = {
+            phase: counted.with_measured_peak(live.phase_peaks[phase]) for phase, counted in attribution.phases.items()
+        }
+        return dataclasses.replace(attribution, phases=phases)
 
     def _stands_aside(self, model: nn.Module) -> bool:
         """Whether the training code uses saved-tensor-hook APIs the attribution's hooks would break or miss.
@@ -131,11 +197,13 @@ class Sampler:
     def before_backward(self) -> None:
         """The counted step's backward pass is about to run."""
         if self.attributor is not None:
+            self._close_live_segment(Phase.FORWARD, Phase.BACKWARD)
             self._call(StepAttributor.before_backward)
 
     def before_optimizer_step(self) -> None:
         """The counted step's optimizer is about to step."""
         if self.attributor is not None:
+            self._close_live_segment(self._live_phase, Phase.OPTIMIZER)
             self._call(StepAttributor.before_optimizer_step)
 
     def finish(self) -> Attribution | None:
@@ -143,6 +211,7 @@ class Sampler:
         if self.attributor is None:
             return None
         attribution: Attribution | None = self._call(StepAttributor.finish)
+        attribution = self._stop_live(attribution)
         self.close()  # finish removed its hooks already; this frees the process-wide slot
         return attribution
 
@@ -150,6 +219,7 @@ class Sampler:
         """Stop counting: remove the attributor's hooks (safe when none is open)."""
         attributor, self.attributor = self.attributor, None
         _ATTRIBUTING.discard(self)
+        self._stop_live(None)
         if attributor is not None:
             attributor.close()
 

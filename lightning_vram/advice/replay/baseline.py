@@ -1,11 +1,9 @@
-"""The baseline check: a replay of a sampled step against that step's counts, part by part."""
+"""The baseline check: a replay of a sampled step against that step's counts, part by part, and its live peak."""
 
 from __future__ import annotations
 
-from lightning_vram.records import Attribution, BaselineMatch, PartMatch, ReplayedStep
+from lightning_vram.records import COUNTED_PARTS, LIVE_PEAK_PART, Attribution, BaselineMatch, PartMatch, ReplayedStep
 
-PARTS = ("parameters", "gradients", "optimizer_state", "activations")
-"""The counted parts compared (``other`` is not counted on a sampled step)."""
 BASELINE_TOLERANCE = 0.01
 """Each part of each phase must be within 1% of the sampled step's count before a variant is trusted."""
 
@@ -15,15 +13,20 @@ def match_baseline(
 ) -> BaselineMatch:
     """Every counted part of every phase the sampled step counted, against the replay's.
 
-    A phase the replay lacks compares as zero bytes.
+    Where the sampled step also counted every live tensor (its breakdowns carry ``other``: the CPU), each phase's
+    live peak is compared with the replay's too, so that savings read as live-peak differences rest on a replay
+    that reproduces the live peak. A phase the replay lacks compares as zero bytes.
     """
     parts = []
     for phase, measured in attribution.phases.items():
         peak = replayed.phases.get(phase)
         breakdown = peak.breakdown if peak is not None else None
-        for part in PARTS:
+        for part in COUNTED_PARTS:
             replayed_bytes = getattr(breakdown, part) if breakdown is not None else 0
             parts.append(PartMatch(phase, part, getattr(measured, part), replayed_bytes))
+        if measured.other is not None:
+            live = replayed.reported_bytes(peak) if peak is not None else 0
+            parts.append(PartMatch(phase, LIVE_PEAK_PART, measured.peak_bytes, live))
     return BaselineMatch(step=attribution.step, parts=tuple(parts), tolerance=tolerance)
 
 
@@ -33,6 +36,7 @@ def mismatch_reason(match: BaselineMatch) -> str:
     if worst is None:
         return "the sampled step counted no phase to compare the replay with"
     return (
-        f"the replay does not reproduce sampled step {match.step}: {worst.phase.value} {worst.part} replayed"
-        f" {worst.replayed_bytes} bytes, counted {worst.measured_bytes} (more than {match.tolerance:.0%} apart)"
+        f"the replay does not reproduce sampled step {match.step}: {worst.phase.value} {worst.part.replace('_', ' ')}"
+        f" replayed {worst.replayed_bytes} bytes, measured {worst.measured_bytes} (more than {match.tolerance:.0%}"
+        " apart)"
     )

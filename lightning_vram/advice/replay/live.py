@@ -1,7 +1,8 @@
 """Every tensor alive on the device during a replay, temporaries included: the allocator's peak, predicted.
 
 A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees each op's outputs as it runs (under fake tensors,
-their shapes only). Each new storage on the counted device is added in whole allocator blocks and removed when the
+their shapes only). Each new storage on the counted device is added (on CUDA in whole allocator blocks, elsewhere
+in bytes, as the sampled step's live count, :mod:`lightning_vram.measure.live`, counts) and removed when the
 storage is freed (a weak reference's callback), the way :class:`torch.distributed._tools.mem_tracker.MemTracker`
 does. Kernel-internal workspaces (cuBLAS, cuDNN) are not tensors and are not seen.
 """
@@ -54,7 +55,9 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if key in self._sizes:
                 continue
             storage = tensor.untyped_storage()
-            nbytes = allocator_bytes(storage.nbytes())
+            nbytes = storage.nbytes()
+            if self._device.type == "cuda":
+                nbytes = allocator_bytes(nbytes)
             self._sizes[key] = nbytes
             self._references[key] = weakref.ref(storage, self._freed_callback(key))
             if producer is not None:

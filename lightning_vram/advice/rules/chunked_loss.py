@@ -3,9 +3,10 @@
 Read from the replayed baseline (``ReplayedStep.loss_activation_bytes``): it fires where the loss holds
 :data:`CHUNKED_LOSS_MIN_SHARE` of the forward pass's activations and
 :data:`~lightning_vram.advice.rules.base.MIN_SAVING_SHARE` of the peak, and the modelled saving is as large. No
-replay applies the change, so the saving is modelled phase by phase from the replayed baseline
-(:func:`_chunked_loss_peak`). It counts the saved log-probabilities only: the logits and their gradient, also
-computed one chunk at a time, free more on a GPU.
+replay applies the change, so the saving is modelled phase by phase from the replayed baseline's live peaks
+(:func:`_chunked_loss_peak`): the log-probabilities it saves, and the tensors of the same size alive beside them that
+the counted parts leave in ``other`` (the logits in forward; the gradients of the log-probabilities and of the
+logits in backward), all held one chunk at a time instead.
 """
 
 from __future__ import annotations
@@ -34,18 +35,23 @@ LOSS_CHUNKS = 8
 
 
 def _chunked_loss_peak(baseline: ReplayedStep, peak: PhasePeak, loss_bytes: int) -> int:
-    """A replayed phase's peak in bytes with the loss computed in :data:`LOSS_CHUNKS` chunks, each recomputed.
+    """A replayed phase's live peak in bytes with the loss computed in :data:`LOSS_CHUNKS` chunks, each recomputed.
 
-    Forward keeps none of the loss's log-probabilities (each chunk keeps only its inputs). Backward starts with the
-    loss: where the phase's counted peak is at its start (no gradient yet), one chunk's are held again instead of
-    all; a later backward peak is left as it is. The optimizer step holds no activations.
+    The loss's vocabulary-sized tensors are as large as the log-probabilities it saves (``loss_bytes``). Forward
+    keeps none of the log-probabilities and none of the logits (up to the phase's ``other``, where they are), but one
+    chunk of each while it is computed. Backward starts with the loss: where the phase's peak is at its start (no
+    gradient yet), the log-probabilities and the gradients of them and of the logits (up to ``other``) are held one
+    chunk at a time; a later backward peak is left as it is. The optimizer step holds none of them.
     """
     peak_bytes = baseline.reported_bytes(peak)
+    other = (peak.breakdown.other or 0) if peak.breakdown is not None else 0
     if peak.phase is Phase.FORWARD:
-        return peak_bytes - loss_bytes
-    if peak.phase is Phase.BACKWARD and peak.breakdown is not None and peak.breakdown.gradients == 0:
-        return peak_bytes - loss_bytes + loss_bytes // LOSS_CHUNKS
-    return peak_bytes
+        held = loss_bytes + min(loss_bytes, other)
+    elif peak.phase is Phase.BACKWARD and peak.breakdown is not None and peak.breakdown.gradients == 0:
+        held = loss_bytes + min(2 * loss_bytes, other)
+    else:
+        return peak_bytes
+    return peak_bytes - held + held // LOSS_CHUNKS
 
 
 def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:

@@ -70,7 +70,7 @@ def inplace_activations(
         return None
     merged = sum(profile.input_saved_bytes for profile in safe)
     modelled = Modelled(merged, peak.peak_bytes, "saving modelled: the saved inputs merged (not replayed)")
-    saving = resolve_saving(simulation, InplaceChange(tuple(profile.name for profile in safe)), modelled)
+    saving = resolve_saving(simulation, InplaceChange(tuple(profile.name for profile in safe)), modelled, peak)
     if not isinstance(saving, Saving) or not saving.at_least(INPLACE_MIN_SHARE):
         return None
     unsafe = [profile.name for profile in candidates if profile.input_saved_for_backward]

@@ -1,13 +1,15 @@
 """Stale gradients: last step's gradients are alive at a forward-phase peak under automatic optimization.
 
 The saving is the replayed one where the simulation set the gradients to ``None`` before forward (a replay that
-raised means no advice); otherwise modelled: the gradients, down to the next highest phase's peak.
+raised means no advice): the difference of the live peaks, so where another phase (backward, on most language
+models) peaks as high, freeing them saves nothing and the rule stays silent. Otherwise modelled: the gradients,
+down to the next highest phase's peak.
 """
 
 from __future__ import annotations
 
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak
-from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
+from lightning_vram.advice.savings import Modelled, Saving, peak_label, resolve_saving
 from lightning_vram.records import (
     Advice,
     AdviceId,
@@ -46,7 +48,7 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         peak.peak_bytes,
         "saving modelled: the gradients, down to the next highest phase (not replayed)",
     )
-    saving = resolve_saving(simulation, FreeGradientsChange(), modelled)
+    saving = resolve_saving(simulation, FreeGradientsChange(), modelled, measured=peak)
     if not isinstance(saving, Saving) or not saving.at_least(MIN_SAVING_SHARE):
         return None
     return Advice(
@@ -64,7 +66,8 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
             "```"
         ),
         evidence=(
-            f"the peak ({format_bytes(peak.peak_bytes)}) is in forward of step {peak.step}, with"
+            f"the {peak_label('cuda' if summary.on_cuda else 'cpu')} ({format_bytes(peak.peak_bytes)}) is in forward"
+            f" of step {peak.step}, with"
             f" {format_bytes(breakdown.gradients)} of gradients alive; the next highest phase peaks at"
             f" {format_bytes(next_highest)}; {saving.evidence}"
         ),

@@ -1,0 +1,153 @@
+"""Every tensor alive on the CPU during a sampled step, temporaries included: the real (live) peak of each phase.
+
+On CUDA the allocator's peak counts every live tensor already; on the CPU nothing does, and the sum of the counted
+parts (parameters, gradients, optimizer state, saved activations) leaves out the temporaries, the logits and their
+gradient, the batch. :class:`LiveTensors` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that sees
+each op's outputs as the step runs: each new storage on the device is added once, in ``nbytes`` (the CPU has no
+allocator blocks), and removed when it is freed (a weak reference's callback), as the replay's own live count
+(``advice/replay/live.py``) does on fake tensors. It only reads what ops return: the step computes exactly what
+it computes without it. It costs Python time per op, so it runs on sampled steps only.
+
+``torch.utils._python_dispatch`` is private; ``TorchDispatchMode`` and its mode stack have had these names since
+torch 2.0, and this module is the only place in ``measure/`` that names them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_leaves
+
+from lightning_vram.measure.storages import local_tensor, on_device, storage_identity, tensor_storages
+from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.records import Phase
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a dispatch mode (the user's, a tracer's, torch.compile's) is active on this thread now."""
+    return _get_current_dispatch_mode() is not None
+
+
+def leave_abandoned() -> int:
+    """Take off the mode stack the live counts left on top of it by sessions dropped mid-step; returns how many.
+
+    Call only where no live count of this process is running (one sampled step at a time per process): any
+    :class:`LiveTensors` on top of the stack then belongs to a session whose loop died before the step ended.
+    """
+    left = 0
+    while isinstance(mode := _get_current_dispatch_mode(), LiveTensors):
+        mode.stop()
+        left += 1
+    return left
+
+
+def state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any) -> list[Tensor]:
+    """The tensors alive when a step starts, as the replay registers them.
+
+    Parameters, buffers, gradients, optimizer state, and the batch.
+    """
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [parameter.grad for parameter in module.parameters() if parameter.grad is not None]
+    for optimizer in optimizers:
+        tensors += iter_tensors(list(optimizer.state.values()))
+    return [*tensors, *iter_tensors(batch)]
+
+
+# torch ships TorchDispatchMode without annotations.
+class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Live bytes on ``device`` and the highest of them in each phase, in bytes (storage ``nbytes``).
+
+    Register the tensors alive before the step with :meth:`track`, call :meth:`start` to enter the mode at the
+    step's start, :meth:`close_segment` at each phase boundary with the phase that ran since the last one (as
+    :class:`~lightning_vram.measure.accounting.StepAttributor` counts segments), and :meth:`stop` at its end (safe
+    at any time, more than once). A segment's peak starts from the bytes live when it starts; a phase met twice in
+    a step keeps its highest.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._device = device
+        self._sizes: dict[int, int] = {}
+        self._references: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.live_bytes = 0
+        """Bytes of the storages alive now that this tracker has seen."""
+        self._segment_peak = 0
+        self.phase_peaks: dict[Phase, int] = {}
+        """The highest live bytes of each phase whose segment has closed."""
+        self._entered = False
+        self._counting = True
+        self.error: Exception | None = None
+        """The first error raised while counting; from then on the mode passes every op through untouched."""
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count the storages of ``tensors`` on the device (each once) until they are freed; others are skipped."""
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                continue
+            local = local_tensor(tensor)
+            if not on_device(local, self._device):
+                continue
+            for storage in tensor_storages(local) or ():
+                self._add(storage)
+        if self.live_bytes > self._segment_peak:
+            self._segment_peak = self.live_bytes
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = storage_identity(storage)
+        if key in self._sizes:
+            return
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        self._references[key] = weakref.ref(storage, self._freed_callback(key))
+        self.live_bytes += nbytes
+
+    def _freed_callback(self, key: int) -> Any:
+        def freed(_reference: object) -> None:
+            self.live_bytes -= self._sizes.pop(key, 0)
+            self._references.pop(key, None)
+
+        return freed
+
+    def start(self) -> None:
+        """Enter the mode: from now on every op's outputs are counted (until :meth:`stop`)."""
+        self._segment_peak = self.live_bytes
+        self.__enter__()  # type: ignore[no-untyped-call]
+        self._entered = True
+
+    def close_segment(self, phase: Phase) -> None:
+        """The segment since the last boundary ran ``phase``: keep its peak; the next starts from what is live now."""
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self._segment_peak)
+        self._segment_peak = self.live_bytes
+
+    def stop(self) -> bool:
+        """Leave the mode and forget every storage. Returns whether the counts are whole.
+
+        They are not when counting failed, or when another mode entered after this one is still active: that mode
+        is left in place (leaving this one would pop the user's), and this one stays below it, passing every op
+        through untouched.
+        """
+        whole = self.error is None
+        self._counting = False
+        if self._entered:
+            self._entered = False
+            if _get_current_dispatch_mode() is self:
+                self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            else:
+                whole = False
+        self._sizes.clear()
+        self._references.clear()  # the weak references die with it: no callback reaches this tracker again
+        return whole
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if self._counting:
+            try:
+                self.track(leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor))
+            except Exception as error:  # noqa: BLE001 -- inside the user's step: stop counting, never raise
+                self.error, self._counting = error, False
+        return output
