@@ -38,7 +38,7 @@ def test_every_part_of_the_replayed_step_is_within_one_percent(tmp_path: Path, k
     simulation = _simulated(tmp_path, kind, length)
     assert simulation.skipped is None and simulation.match is not None, simulation.skipped
     assert simulation.match.matches, simulation.match.worst
-    assert len(simulation.match.parts) == 12
+    assert len(simulation.match.parts) == 15  # 3 phases x (4 counted parts + the live peak)
     assert max(part.relative_error for part in simulation.match.parts) <= 0.01
 
 
