@@ -1,0 +1,83 @@
+"""Every piece of advice a fine-tuned transformers model gets, applied as printed: the live peak falls as predicted.
+
+Checkpointing (the model's own switch) is applied on each architecture in tests/test_checkpoint_idiom.py; here each
+architecture's whole advice list is pinned to what is applied somewhere, and chunked-loss is applied on the causal
+language models (its printed ``chunked_cross_entropy``, fed the model's last hidden states and its ``lm_head``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import loader, trainer
+from transformers_models import ARCHITECTURES, FineTuned, data
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.records import Advice, AdviceId
+
+pytest.importorskip("transformers")
+
+LENGTH = 128
+APPLIED_ELSEWHERE = {AdviceId.ACTIVATION_CHECKPOINTING}
+"""Advice applied on these architectures in another test file (tests/test_checkpoint_idiom.py)."""
+APPLIED_HERE = {AdviceId.CHUNKED_LOSS}
+
+
+def _report(root: Path, module: FineTuned) -> Report:
+    torch.manual_seed(0)
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(root, [monitor], max_steps=3).fit(module, loader(data(module.kind, LENGTH, samples=32), 4))
+    assert monitor.report is not None and monitor.report.peak is not None
+    return monitor.report
+
+
+def _printed_function(advice: Advice, name: str) -> Any:
+    """The function the advice's code block defines, run as printed."""
+    block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
+    assert block is not None, advice.detail
+    namespace: dict[str, Any] = {}
+    exec(block.group(1), namespace)  # the advice's own code, as a user would paste it
+    return namespace[name]
+
+
+class ChunkedLoss(FineTuned):
+    """The causal language model with its loss computed by the advice's ``chunked_cross_entropy``."""
+
+    def __init__(self, kind: str, chunked_cross_entropy: Any) -> None:
+        super().__init__(kind, LENGTH)
+        self.chunked_cross_entropy = chunked_cross_entropy
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, mask = batch
+        hidden = self.model.model(input_ids=tokens, attention_mask=mask).last_hidden_state
+        loss: torch.Tensor = self.chunked_cross_entropy(
+            hidden[:, :-1].flatten(0, 1), self.model.lm_head, tokens[:, 1:].flatten()
+        )
+        return loss
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_every_piece_of_advice_is_one_that_is_applied(tmp_path: Path, kind: str) -> None:
+    torch.manual_seed(0)
+    report = _report(tmp_path / "before", FineTuned(kind, LENGTH))
+    assert report.simulation is not None and report.simulation.skipped is None, report.simulation
+    given = {advice.id for advice in report.advice}
+    assert given, "a 128-token batch of a transformers model is worth some advice"
+    assert given <= APPLIED_ELSEWHERE | APPLIED_HERE, given
+    chunked = next((advice for advice in report.advice if advice.id is AdviceId.CHUNKED_LOSS), None)
+    if chunked is None:
+        return
+    torch.manual_seed(0)
+    applied = _report(tmp_path / "after", ChunkedLoss(kind, _printed_function(chunked, "chunked_cross_entropy")))
+    assert report.peak is not None and applied.peak is not None
+    realised = report.peak.peak_bytes - applied.peak.peak_bytes
+    assert chunked.estimated_saving_bytes is not None
+    assert abs(realised - chunked.estimated_saving_bytes) <= 0.1 * chunked.estimated_saving_bytes, (
+        realised,
+        chunked.estimated_saving_bytes,
+    )
+    assert AdviceId.CHUNKED_LOSS not in {advice.id for advice in applied.advice}
