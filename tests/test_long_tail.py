@@ -26,6 +26,7 @@ from lightning_vram.records import AdviceId, LengthChange, Report
 from lightning_vram.records.shapes import length_percentile
 from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
+from lightning_vram.render.text import markdown
 
 BATCH, LONG_STEP, LONG, STEPS, CAP = 2, 20, 128, 24, 32
 VOCAB = 200
@@ -113,6 +114,10 @@ def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_pre
     assert AdviceId.LONG_TAIL not in {advice.id for advice in applied.advice}
     assert applied.simulation is not None
     assert not any(isinstance(variant.change, LengthChange) for variant in applied.simulation.variants)
+
+    text = markdown(report)
+    assert f"95% of the batches were at most {CAP} long (the longest {LONG})" in text
+    assert "sequences capped at 32 tokens" in text  # the variant, rendered
 
     # The counts and the replayed cap survive the JSON both ways; a report from before the counts still reads.
     assert report_from_dict(json.loads(json.dumps(report.to_dict()))).shapes == report.shapes
