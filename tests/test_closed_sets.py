@@ -33,7 +33,14 @@ def test_texts_read_back_as_members() -> None:
     assert read.id is AdviceId.STALE_GRADIENTS
     assert read.severity is Severity.WARNING
     assert read.saving_basis is SavingBasis.SIMULATED
-    assert [kind.value for kind in ChangeKind] == ["precision", "checkpoint", "inplace", "free-gradients", "batch-size"]
+    assert [kind.value for kind in ChangeKind] == [
+        "precision",
+        "checkpoint",
+        "inplace",
+        "free-gradients",
+        "batch-size",
+        "length",
+    ]
 
 
 def test_an_unknown_advice_id_names_the_field_and_the_ids() -> None:

@@ -36,6 +36,7 @@ def test_every_rule_has_its_own_stable_id() -> None:
         "allocator-fragmentation",
         "batch-size-headroom",
         "near-capacity",
+        "long-tail",
     }
 
 

@@ -20,6 +20,8 @@ MAX_DEPTH = 4
 """How deep the walk enters nested containers."""
 MAX_TENSORS = 32
 """How many of a batch's tensors are recorded."""
+MAX_LENGTHS = 4096
+"""How many distinct batch lengths are counted; a length first seen past them is not (its batches go uncounted)."""
 
 Path = tuple[Any, ...]
 
@@ -101,6 +103,10 @@ class ShapeRecorder:
         """The most elements one batch held."""
         self.largest_step: int | None = None
         """The step of that batch (``None`` before any batch)."""
+        self.length_counts: dict[int, int] = {}
+        """How many batches had each length (tokens): dimension 1 of the first tensor with two or more, as
+        :func:`~lightning_vram.advice.replay.batches.resize_length` reads it; at most :data:`MAX_LENGTHS` lengths."""
+        self._last_length: int | None = None
 
     def _tensors(self, batch: Any) -> list[Tensor] | None:
         """The batch's tensors along the cached paths; ``None`` where the structure changed."""
@@ -127,8 +133,11 @@ class ShapeRecorder:
             self._last = []
         shapes = [tensor.shape for tensor in tensors]
         if shapes == self._last:  # the same shapes as the last batch (every step of a fixed-shape run): recorded
+            self._count_length(self._last_length)
             return False
         self._last = shapes
+        self._last_length = next((int(shape[1]) for shape in shapes if len(shape) >= 2), None)
+        self._count_length(self._last_length)
         elements = 0
         for tensor, shape, smallest, largest in zip(tensors, shapes, self._smallest, self._largest, strict=False):
             for dim, size in enumerate(shape):
@@ -142,6 +151,15 @@ class ShapeRecorder:
             return False
         self.largest_elements, self.largest_step = elements, step
         return True
+
+    def _count_length(self, length: int | None) -> None:
+        counts = self.length_counts
+        if length is None:
+            return
+        if length in counts:
+            counts[length] += 1
+        elif len(counts) < MAX_LENGTHS:
+            counts[length] = 1
 
     def length_of(self, batch: Any) -> int | None:
         """``batch``'s length: its size along the first dimension past the batch's that varied so far.
@@ -164,4 +182,6 @@ class ShapeRecorder:
             TensorShapes(path_name(path), tuple(smallest), tuple(largest))
             for path, smallest, largest in zip(self._paths, self._smallest, self._largest, strict=True)
         )
-        return BatchShapes(tensors, self.largest_step, self.largest_elements)
+        return BatchShapes(
+            tensors, self.largest_step, self.largest_elements, length_counts=tuple(sorted(self.length_counts.items()))
+        )

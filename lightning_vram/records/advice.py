@@ -33,6 +33,7 @@ class AdviceId(ReportText):
     BATCH_SIZE_HEADROOM = "batch-size-headroom"
     NEAR_CAPACITY = "near-capacity"
     EVALUATION_BATCH_SIZE = "evaluation-batch-size"
+    LONG_TAIL = "long-tail"
 
 
 class Severity(ReportText):

@@ -327,6 +327,8 @@ class RunSummary:
     steps: int = 0
     recent_peaks: tuple[StepPoint, ...] = ()
     evaluation: tuple[EvaluationPeak, ...] = ()
+    length_counts: tuple[tuple[int, int], ...] = ()
+    """Each training batch length seen (tokens) with how many batches had it, shortest first (empty: none)."""
 
     @property
     def on_cuda(self) -> bool:

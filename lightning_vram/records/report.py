@@ -222,7 +222,7 @@ def report_from_dict(data: Any) -> Report:
     - 0.7.0: ``phases.<phase>.reserved_bytes``: ``None`` (not measured);
     - the step replay: ``simulation``: ``None``; ``advice[].saving_basis``, ``advice[].predicted_peak_bytes``:
       ``None``; ``fit[].basis``: ``"modelled"``;
-    - the batch shapes: ``shapes``: ``None``.
+    - the batch shapes: ``shapes``: ``None``; the batch lengths: ``shapes.length_counts``: empty.
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.

@@ -53,7 +53,8 @@ class BatchShapes:
 
     ``largest_step`` is the step whose batch held the most elements (``largest_elements``, over all its tensors);
     ``replayed_step`` the step of the largest batch that was replayed, the one the advice and fit table refer to
-    (``None`` when none was); ``lengths`` each replayed length with its peak, shortest first.
+    (``None`` when none was); ``lengths`` each replayed length with its peak, shortest first; ``length_counts``
+    each batch length seen (tokens) with how many batches had it, shortest first (empty in reports from before).
     """
 
     tensors: tuple[TensorShapes, ...]
@@ -61,8 +62,28 @@ class BatchShapes:
     largest_elements: int
     replayed_step: int | None = None
     lengths: tuple[LengthPeak, ...] = ()
+    length_counts: tuple[tuple[int, int], ...] = ()
 
     @property
     def varies(self) -> bool:
         """Whether any batch tensor changed shape during the run."""
         return any(tensor.varying for tensor in self.tensors)
+
+
+def length_percentile(counts: tuple[tuple[int, int], ...], share: float) -> int | None:
+    """The shortest length (tokens) at least ``share`` of the batches do not exceed, from (length, batches) pairs.
+
+    ``None`` without any batch.
+
+    >>> length_percentile(((16, 19), (128, 1)), 0.95), length_percentile(((16, 18), (128, 2)), 0.95)
+    (16, 128)
+    """
+    total = sum(count for _, count in counts)
+    if not total:
+        return None
+    seen = 0
+    for length, count in sorted(counts):
+        seen += count
+        if seen >= share * total:
+            return length
+    return max(length for length, _ in counts)

@@ -21,6 +21,7 @@ def batch_shapes_to_dict(shapes: BatchShapes | None) -> dict[str, Any] | None:
         "largest_elements": shapes.largest_elements,
         "replayed_step": shapes.replayed_step,
         "lengths": [{"length": row.length, "peak_bytes": row.peak_bytes, "step": row.step} for row in shapes.lengths],
+        "length_counts": [{"length": length, "batches": count} for length, count in shapes.length_counts],
     }
 
 
@@ -44,6 +45,11 @@ def _length(data: Any, where: str) -> LengthPeak:
     return LengthPeak(fields.integer("length"), fields.integer("peak_bytes"), fields.optional_integer("step"))
 
 
+def _length_count(data: Any, where: str) -> tuple[int, int]:
+    fields = Reader(data, where)
+    return fields.integer("length"), fields.integer("batches")
+
+
 def batch_shapes_from_dict(data: Any, where: str) -> BatchShapes | None:
     """Read back what :func:`batch_shapes_to_dict` wrote (``None`` stays ``None``).
 
@@ -59,4 +65,5 @@ def batch_shapes_from_dict(data: Any, where: str) -> BatchShapes | None:
         largest_elements=fields.integer("largest_elements"),
         replayed_step=fields.optional_integer("replayed_step"),
         lengths=tuple(fields.each("lengths", _length)),
+        length_counts=tuple(fields.each("length_counts", _length_count)) if fields.has("length_counts") else (),
     )

@@ -21,6 +21,7 @@ class ChangeKind(ReportText):
     INPLACE = "inplace"
     FREE_GRADIENTS = "free-gradients"
     BATCH_SIZE = "batch-size"
+    LENGTH = "length"
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,21 @@ class BatchSizeChange:
         return f"batch size {self.batch_size}"
 
 
-StepChange = PrecisionChange | CheckpointChange | InplaceChange | FreeGradientsChange | BatchSizeChange
+@dataclass(frozen=True)
+class LengthChange:
+    """Replay the step with the batch cut (or stretched) to ``length`` along its length dimension (tokens)."""
+
+    kind: ClassVar[ChangeKind] = ChangeKind.LENGTH
+
+    length: int
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f"sequences capped at {self.length} tokens"
+
+
+StepChange = PrecisionChange | CheckpointChange | InplaceChange | FreeGradientsChange | BatchSizeChange | LengthChange
 """One change a replay can apply to the step."""
 
 

@@ -19,6 +19,7 @@ from lightning_vram.records.simulation import (
     CheckpointChange,
     FreeGradientsChange,
     InplaceChange,
+    LengthChange,
     PartMatch,
     PrecisionChange,
     ReplayedStep,
@@ -46,6 +47,8 @@ def change_parameters(change: StepChange) -> dict[str, Any]:
         return {"modules": list(change.modules)}
     if isinstance(change, FreeGradientsChange):
         return {}
+    if isinstance(change, LengthChange):
+        return {"length": change.length}
     return {"batch_size": change.batch_size}
 
 
@@ -137,6 +140,8 @@ def _change(kind: ChangeKind, parameters: Reader) -> StepChange:
         return InplaceChange(tuple(parameters.texts("modules")))
     if kind == ChangeKind.FREE_GRADIENTS:
         return FreeGradientsChange()
+    if kind == ChangeKind.LENGTH:
+        return LengthChange(parameters.integer("length", minimum=1))
     return BatchSizeChange(parameters.integer("batch_size", minimum=1))
 
 

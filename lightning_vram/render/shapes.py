@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from lightning_vram.records import BatchShapes, LengthPeak
+from lightning_vram.records.shapes import length_percentile
 from lightning_vram.render.simulation import Table
 from lightning_vram.units import format_bytes
 
 
 def shapes_sentence(shapes: BatchShapes) -> str:
-    """Which batch dimensions varied, the largest batch and the step the advice refers to."""
+    """Which dimensions varied, the largest batch, the length 95% of batches keep within, the step advised on."""
     varying = [
         f"{tensor.name} dim {dim}: {tensor.smallest[dim]}-{tensor.largest[dim]}"
         for tensor in shapes.tensors
@@ -17,6 +18,10 @@ def shapes_sentence(shapes: BatchShapes) -> str:
     text = (
         f"Batch shapes varied ({'; '.join(varying)})" if varying else "Every batch had the same shapes"
     ) + f"; the largest batch ({shapes.largest_elements:,} elements) was step {shapes.largest_step}'s."
+    if len(shapes.length_counts) > 1:
+        longest = shapes.length_counts[-1][0]
+        text += f" 95% of the batches were at most {length_percentile(shapes.length_counts, 0.95):,} long"
+        text += f" (the longest {longest:,})."
     if shapes.replayed_step is not None:
         text += f" The advice and fit table come from the replay of step {shapes.replayed_step}'s batch."
     return text

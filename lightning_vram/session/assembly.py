@@ -113,6 +113,7 @@ class Assembly:
             steps=tracker.steps,
             recent_peaks=tracker.recent,
             evaluation=tuple(tracker.evaluation.values()),
+            length_counts=tuple(sorted(recorder.shapes.length_counts.items())),
         )
 
     def not_measured(self) -> tuple[NotMeasured, ...]:

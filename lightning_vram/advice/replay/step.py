@@ -49,6 +49,7 @@ from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,
+    LengthChange,
     Phase,
     PhasePeak,
     PrecisionChange,
@@ -123,6 +124,8 @@ class _Run:
         change = self.change
         if self.length is not None:
             batch = resize_length(batch, self.length)
+        if isinstance(change, LengthChange):
+            batch = resize_length(batch, change.length)
         if isinstance(change, BatchSizeChange):
             size = batch_size_of(batch)
             if size is None:

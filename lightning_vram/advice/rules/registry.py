@@ -15,6 +15,7 @@ from lightning_vram.advice.rules import (
     dataloader_workers,
     inplace_activations,
     large_linear,
+    long_tail,
     mixed_precision,
     near_capacity,
     optimizer_state,
@@ -36,6 +37,7 @@ RULES: tuple[Rule, ...] = (
     optimizer_state.RULE,
     large_linear.RULE,
     allocator_fragmentation.RULE,
+    long_tail.RULE,
     batch_size_headroom.RULE,
     near_capacity.RULE,
 )

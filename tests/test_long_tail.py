@@ -1,0 +1,146 @@
+"""The long tail of batch lengths: the lengths counted on the hot path, and advice to cap them, replayed and applied.
+
+A small GPT-2-class language model trains on batches padded to their own longest sequence: 24-32 tokens (step 2's
+batch, the first replayed, holds a 32-token one), and one 128-token batch at step :data:`LONG_STEP`, after enough
+short ones that it is past the 95th percentile when it arrives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from advice_summaries import healthy_setup, healthy_summary
+from models import trainer
+from replay_models import CausalLM
+from torch.utils.data import DataLoader
+
+from lightning_vram import VramMonitor
+from lightning_vram.advice.rules.long_tail import long_tail_changes
+from lightning_vram.codec import report_from_dict
+from lightning_vram.measure.batch_shapes import MAX_LENGTHS, ShapeRecorder
+from lightning_vram.records import AdviceId, LengthChange, Report
+from lightning_vram.records.shapes import length_percentile
+from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
+from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
+from lightning_vram.render.text import markdown
+
+BATCH, LONG_STEP, LONG, STEPS, CAP = 2, 20, 128, 24, 32
+VOCAB = 200
+
+
+def lengths() -> list[int]:
+    """Each sample's length: 24-32 tokens, 32 in step 2's batch, :data:`LONG` in step :data:`LONG_STEP`'s."""
+    generator = torch.Generator().manual_seed(1)
+    sizes = torch.randint(24, CAP + 1, (BATCH * STEPS,), generator=generator).tolist()
+    sizes[2 * BATCH] = CAP
+    sizes[LONG_STEP * BATCH] = LONG
+    return sizes
+
+
+class Sequences(torch.utils.data.Dataset[torch.Tensor]):
+    """Token sequences of the lengths of :func:`lengths` (or all :data:`CAP` long)."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        generator = torch.Generator().manual_seed(0)
+        sizes = [CAP] * (BATCH * STEPS) if fixed else lengths()
+        self.items = [torch.randint(1, VOCAB, (size,), generator=generator) for size in sizes]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.items[index]
+
+
+def padded(cap: int | None = None) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor]]:
+    """Pad each batch to its own longest sequence (token 0), then cut it to ``cap`` tokens where given."""
+
+    def collate(samples: list[torch.Tensor]) -> tuple[torch.Tensor]:
+        batch = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+        return (batch[:, :cap] if cap is not None else batch,)
+
+    return collate
+
+
+def run(tmp_path: Path, cap: int | None = None, fixed: bool = False) -> Report:
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    data = DataLoader(Sequences(fixed), batch_size=BATCH, shuffle=False, collate_fn=padded(cap))
+    torch.manual_seed(0)
+    trainer(tmp_path, [monitor], max_steps=STEPS).fit(CausalLM(layers=1, vocab=VOCAB), data)
+    assert monitor.report is not None
+    return monitor.report
+
+
+def test_lengths_are_counted_per_batch_and_bounded() -> None:
+    shapes = ShapeRecorder()
+    for step, length in enumerate([16, 16, 16, 40, 16]):
+        shapes.observe(step, (torch.zeros(2, length), torch.zeros(2)))
+    assert shapes.length_counts == {16: 4, 40: 1}
+    for step in range(MAX_LENGTHS + 10):
+        shapes.observe(step, (torch.zeros(1, step + 100),))
+    assert len(shapes.length_counts) == MAX_LENGTHS  # new lengths past the bound are not counted
+    record = shapes.record()
+    assert record is not None and record.length_counts[:2] == ((16, 4), (40, 1))
+    assert length_percentile(((16, 19), (128, 1)), 0.95) == 16
+    assert length_percentile(((16, 18), (128, 2)), 0.95) == 128
+    assert length_percentile((), 0.95) is None
+
+
+def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_predicted_peak(tmp_path: Path) -> None:
+    report = run(tmp_path / "tail")
+    assert report.shapes is not None and report.shapes.replayed_step == LONG_STEP
+    counts = dict(report.shapes.length_counts)
+    assert sum(counts.values()) == STEPS and counts[LONG] == 1 and max(counts) == LONG
+    simulation = report.simulation
+    assert simulation is not None and simulation.skipped is None and simulation.baseline is not None
+    variant = next(variant for variant in simulation.variants if isinstance(variant.change, LengthChange))
+    assert variant.change == LengthChange(CAP) and variant.replayed is not None
+    advice = next(advice for advice in report.advice if advice.id is AdviceId.LONG_TAIL)
+    baseline = simulation.baseline.reported_bytes(simulation.baseline.reported_peak)
+    predicted = variant.replayed.reported_bytes(variant.replayed.reported_peak)
+    assert advice.saving_basis == "simulated" and advice.estimated_saving_bytes == baseline - predicted > 0
+    assert f"max_length={CAP}, truncation=True" in advice.detail and f"value[:, :{CAP}]" in advice.detail
+    assert f"the longest {LONG}" in advice.evidence and "sequences capped at 32 tokens" in advice.evidence
+
+    # Applied as printed: the same data cut to the cap. The peak measured is the one predicted, the advice gone.
+    applied = run(tmp_path / "capped", cap=CAP)
+    assert applied.peak is not None and applied.shapes is not None and max(dict(applied.shapes.length_counts)) == CAP
+    assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
+    assert report.peak is not None and report.peak.peak_bytes - applied.peak.peak_bytes >= 0.05 * report.peak.peak_bytes
+    assert AdviceId.LONG_TAIL not in {advice.id for advice in applied.advice}
+    assert applied.simulation is not None
+    assert not any(isinstance(variant.change, LengthChange) for variant in applied.simulation.variants)
+
+    text = markdown(report)
+    assert f"95% of the batches were at most {CAP} long (the longest {LONG})" in text
+    assert "sequences capped at 32 tokens" in text  # the variant, rendered
+
+    # The counts and the replayed cap survive the JSON both ways; a report from before the counts still reads.
+    assert report_from_dict(json.loads(json.dumps(report.to_dict()))).shapes == report.shapes
+    read = simulation_from_dict(json.loads(json.dumps(simulation_to_dict(simulation))))
+    assert read is not None and LengthChange(CAP) in [variant.change for variant in read.variants]
+    old = batch_shapes_to_dict(report.shapes)
+    assert old is not None
+    del old["length_counts"]
+    before = batch_shapes_from_dict(old, "report.shapes")
+    assert before is not None and before.length_counts == () and before.lengths == report.shapes.lengths
+
+
+def test_silent_on_batches_of_one_length(tmp_path: Path) -> None:
+    report = run(tmp_path, fixed=True)
+    assert report.shapes is not None and report.shapes.length_counts == ((CAP, STEPS),)
+    assert AdviceId.LONG_TAIL not in {advice.id for advice in report.advice}
+    assert report.simulation is not None
+    assert not any(isinstance(variant.change, LengthChange) for variant in report.simulation.variants)
+
+
+def test_a_tail_too_short_or_too_common_declares_nothing() -> None:
+    summary, setup = healthy_summary(), healthy_setup()
+    assert long_tail_changes(summary, setup) == ()
+    assert long_tail_changes(replace(summary, length_counts=((32, 19), (128, 1))), setup) == (LengthChange(32),)
+    assert long_tail_changes(replace(summary, length_counts=((32, 19), (40, 1))), setup) == ()  # under 1.5x
+    assert long_tail_changes(replace(summary, length_counts=((32, 18), (128, 2))), setup) == ()  # not a tail: 10%
