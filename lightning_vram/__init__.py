@@ -14,6 +14,6 @@ from lightning_vram.predict import predict
 from lightning_vram.records import Report
 from lightning_vram.session import VramSession
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 __all__ = ["Report", "VramMonitor", "VramMonitorWarning", "VramSession", "__version__", "predict"]
