@@ -91,10 +91,10 @@ def test_checkpointing_advises_the_replayed_saving() -> None:
         advice.title
         == "Checkpoint 3 units of `encoder.layers`, `encoder.layers.0` to `encoder.layers.2` to free about 2.00 GiB"
     )
-    assert (
-        f"replayed on this run's step, {CheckpointChange(plans[0]).label} takes the allocator peak from 8.00 GiB in"
-        " backward to 6.00 GiB in backward" in advice.evidence
+    assert f"{CheckpointChange(plans[0]).label} lowers the allocator peak by 2.00 GiB, from the measured" in (
+        advice.evidence
     )
+    assert "(replayed on this run's step from 8.00 GiB in backward to 6.00 GiB in backward)" in advice.evidence
     assert checkpoint_snippet(plans[0])[1] in advice.detail
 
 

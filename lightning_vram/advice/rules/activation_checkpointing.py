@@ -53,7 +53,7 @@ def activation_checkpointing(
     candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
     modelled = [Modelled(plan.saving_bytes, peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates]
     found = [
-        (plan, resolve_saving(simulation, CheckpointChange(plan), model))
+        (plan, resolve_saving(simulation, CheckpointChange(plan), model, measured=peak))
         for plan, model in zip(candidates, modelled, strict=True)
     ]
     savings = [(plan, saving) for plan, saving in found if isinstance(saving, Saving)]

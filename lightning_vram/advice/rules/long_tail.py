@@ -66,7 +66,7 @@ def long_tail(summary: RunSummary, setup: TrainingSetup, simulation: Simulation 
     longest = found[1]
     if within < TAIL_SHARE * total:  # the lengths seen since the replay moved the percentile past its cap
         return None
-    saving = resolve_saving(simulation, change, None)
+    saving = resolve_saving(simulation, change, None, measured=summary.peak)
     if not isinstance(saving, Saving) or not saving.at_least(MIN_SAVING_SHARE):
         return None
     cap = change.length

@@ -75,7 +75,7 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     capability = summary.device.compute_capability
     precision = mixed_precision_for(summary.device.type, capability)
     tensor_cores = capability is not None and capability >= TENSOR_CORE_CAPABILITY
-    found = resolve_saving(simulation, PrecisionChange(precision), modelled=None)
+    found = resolve_saving(simulation, PrecisionChange(precision), modelled=None, measured=peak)
     if found is not None and not isinstance(found, Saving):
         return None
     replay = found

@@ -92,7 +92,7 @@ def _halved_batch(
         if breakdown.other is not None
         else None
     )
-    saving = resolve_saving(simulation, halved, modelled)
+    saving = resolve_saving(simulation, halved, modelled, measured=peak)
     if not isinstance(saving, Saving):
         return None
     name = f"halve the batch to {halved.batch_size} (with accumulate_grad_batches=2)"
