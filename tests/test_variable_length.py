@@ -122,6 +122,42 @@ def test_the_longest_batch_is_replayed_at_its_step_and_the_advice_refers_to_it(t
     assert "## Batch shapes" in text and f"step {LONG_STEP}" in text and f"| {LONG} |" in text
 
 
+TRAINED: list[CausalLM] = []
+"""The model being trained, as a script's global would hold it."""
+
+
+class ReachesTheModel(CausalLM):
+    """A step that reads the global holding the trained model: the replay refuses it (it would touch the model)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert TRAINED
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("budget", [0.0, None])
+def test_the_longest_batch_is_counted_where_the_replay_does_not_run(tmp_path: Path, budget: float | None) -> None:
+    """Replays off (a zero budget), or a step the replay refuses (it reaches a global model): the long step is still
+    counted, the report's peak is its step, and the report does not say the advice came from a replay."""
+    monitor = VramMonitor(
+        attribution_start_step=2,
+        attribution_every_n_steps=None,
+        console_summary=False,
+        replay_budget_seconds=30.0 if budget is None else budget,
+    )
+    torch.manual_seed(0)
+    module = CausalLM(layers=1, vocab=VOCAB) if budget is not None else ReachesTheModel(layers=1, vocab=VOCAB)
+    TRAINED.append(module)
+    trainer(tmp_path, [monitor], max_steps=STEPS).fit(module, variable_loader())
+    TRAINED.clear()
+    report = monitor.report
+    assert report is not None and report.shapes is not None and report.peak is not None
+    assert report.peak.step == LONG_STEP
+    if budget is None:
+        assert report.simulation is not None and "reaches the trained model" in (report.simulation.skipped or "")
+    assert report.shapes.replayed_step is None
+    assert "come from the replay" not in markdown(report)
+
+
 @pytest.mark.parametrize(("path", "max_length"), [("cpu", None), ("cuda", None), ("cpu", LONG)])
 def test_training_is_bit_identical_with_the_monitor_on_variable_lengths(
     tmp_path: Path, path: str, max_length: int | None

@@ -70,7 +70,7 @@ class Advisor:
         """The step whose batch :attr:`simulation` replayed."""
         self.lengths: list[LengthPeak] = []
         """Each batch length replayed (or predicted for ``max_length``) with its peak."""
-        self._replayed_elements: int | None = None  # the most elements of a batch replayed so far
+        self._taken_elements: int | None = None  # the most elements of a batch counted (and replayed) so far
         self._worst_replays = 0
 
     def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
@@ -134,22 +134,21 @@ class Advisor:
             warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})", length)
             warnings.warn(warning, VramMonitorWarning, stacklevel=4)
 
-    def wants_replay(self, elements: int) -> bool:
-        """Whether a new largest batch of ``elements`` is worth a replay of its own.
+    def worth_counting(self, elements: int) -> bool:
+        """Whether a new largest batch of ``elements`` is worth counting (and replaying, where replays run).
 
-        After the run's first replay, one at least :data:`GROWTH` times the largest replayed, at most
-        :data:`MAX_WORST_REPLAYS` times a run.
+        After the run's first sampled step, one at least :data:`GROWTH` times the largest taken so far, at most
+        :data:`MAX_WORST_REPLAYS` times a run. It is counted even where the replay is off or cannot run the step,
+        so that the report's peak is the worst batch's.
         """
-        replayed, simulation = self._replayed_elements, self.simulation
-        return (
-            replayed is not None
-            and simulation is not None
-            and simulation.baseline is not None  # a set-up the replay cannot run is not retried
-            and self._worst_replays < MAX_WORST_REPLAYS
-            and elements >= GROWTH * replayed
-            and self._config.replay_budget_seconds > 0
-            and self._guard.enabled(Part.REPLAY)
-        )
+        taken = self._taken_elements
+        return taken is not None and self._worst_replays < MAX_WORST_REPLAYS and elements >= GROWTH * taken
+
+    def _replays(self) -> bool:
+        """Whether a replay may run now: a budget, the part on, and not a set-up the replay already could not run."""
+        simulation = self.simulation
+        cannot_run = simulation is not None and simulation.baseline is None
+        return self._config.replay_budget_seconds > 0 and self._guard.enabled(Part.REPLAY) and not cannot_run
 
     def replay(
         self,
@@ -167,11 +166,11 @@ class Advisor:
         """
         context, budget = self._context, self._config.replay_budget_seconds
         model = context.model
-        if model is None or context.read_setup is None or budget <= 0 or attribution.step < 1:
-            return
         elements, length = size
-        self._replayed_elements = max(elements, self._replayed_elements or 0)
+        self._taken_elements = max(elements, self._taken_elements or 0)
         self._worst_replays += worst
+        if model is None or context.read_setup is None or attribution.step < 1 or not self._replays():
+            return
 
         def replay() -> Simulation | None:
             training = context.setup()
@@ -189,8 +188,6 @@ class Advisor:
                 budget_seconds=budget,
             )
 
-        if not self._guard.enabled(Part.REPLAY):
-            return
         simulation = self._guard.call(Part.REPLAY, replay)
         if simulation is None:
             return
@@ -216,7 +213,9 @@ class Advisor:
         if recorded is None:
             return None
         lengths = sorted(self.lengths, key=lambda row: (row.length, row.step is None, row.step or 0))
-        return replace(recorded, replayed_step=self.replayed_step, lengths=tuple(lengths))
+        simulation = self.simulation
+        trusted = simulation is not None and simulation.skipped is None  # else the advice is modelled, from no replay
+        return replace(recorded, replayed_step=self.replayed_step if trusted else None, lengths=tuple(lengths))
 
     def advice(self, summary: RunSummary, setup: TrainingSetup) -> tuple[Advice, ...]:
         """The advice so far."""

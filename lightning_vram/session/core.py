@@ -219,7 +219,7 @@ class VramSession:
         live = reading is None  # no allocator measures the peak (the CPU): the sampled step counts what is alive
         # Every step records its batch's shapes; one larger than any replayed is counted and replayed at its end (a
         # few times a run at most); every other step but a few stops at `due`, without a call.
-        worst = recorder.observe_batch(step, batch) and self._advisor.wants_replay(recorder.shapes.largest_elements)
+        worst = recorder.observe_batch(step, batch) and self._advisor.worth_counting(recorder.shapes.largest_elements)
         sampled = (worst or (due is not None and step >= due)) and sampler.begin(step, batch, live, force=worst)
         if sampled and (worst or self._advisor.simulation is None):
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)

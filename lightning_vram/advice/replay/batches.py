@@ -12,12 +12,18 @@ from lightning_vram.measure.tensors import iter_tensors
 
 
 def resize_batch(batch: Any, old_size: int, new_size: int) -> Any:
-    """The fake batch with every tensor whose first dimension is ``old_size`` resized to ``new_size``; in the mode."""
+    """The fake batch with every tensor whose first dimension is ``old_size`` resized to ``new_size``; in the mode.
+
+    Samples are tiled (then cut), so the values stay ones the real data holds and a step that reads them (a mask)
+    takes the branch a real batch of that size would.
+    """
 
     def resize(tensor: Tensor) -> Tensor:
-        if tensor.dim() == 0 or tensor.shape[0] != old_size:
+        if tensor.dim() == 0 or tensor.shape[0] != old_size or new_size == old_size:
             return tensor
-        return torch.empty((new_size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        repeats = (-(-new_size // old_size), *(1 for _ in tensor.shape[1:]))
+        stretched = tensor.repeat(repeats) if new_size > old_size else tensor
+        return stretched.narrow(0, 0, new_size).contiguous()
 
     return apply_to_collection(batch, Tensor, resize)
 

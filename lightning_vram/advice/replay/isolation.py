@@ -11,6 +11,7 @@ shown, but only the replaying thread's: other threads keep writing to the same s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -73,11 +74,6 @@ def _restore_environment(saved: dict[str, str]) -> None:
             os.environ[name] = value
 
 
-FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
-"""torch logs an op that fails on fake tensors with its traceback: its frames would keep the replay's copy alive in
-any handler that keeps records (pytest's, an in-memory one), and the replay's own failures are not the user's news."""
-
-
 class _NotFromThread(logging.Filter):
     """Drops the records one thread logs."""
 
@@ -89,23 +85,47 @@ class _NotFromThread(logging.Filter):
         return record.thread != self._thread
 
 
+ONCE_PER_PROCESS = ("warning_once", "info_once")
+"""``logging.Logger`` methods a library (transformers) adds behind a process-wide ``lru_cache``: a message the replay
+logged once would never be shown to the user's own step."""
+
+
 @contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """The replaying thread's records to torch's fake-tensor logger are dropped; other threads' pass."""
-    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+def _quiet_logs() -> Iterator[None]:
+    """The replaying thread's log records are dropped by every handler; other threads' pass.
+
+    torch logs an op that fails on fake tensors with its traceback (whose frames would keep the replay's copy alive
+    in a handler that keeps records), and a library's messages about the replay's copy are not the user's news.
+    Each once-per-process logging method gets a fresh cache for the replay, so the user's step still logs its
+    message the first time.
+    """
     quiet = _NotFromThread(threading.get_ident())
-    logger.addFilter(quiet)
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = {id(handler): handler for logger in loggers for handler in getattr(logger, "handlers", ())}
+    if logging.lastResort is not None:
+        handlers[id(logging.lastResort)] = logging.lastResort
+    replaced = {}
+    for name in ONCE_PER_PROCESS:
+        method = getattr(logging.Logger, name, None)
+        if isinstance(method, functools._lru_cache_wrapper):
+            replaced[name] = method
+            setattr(logging.Logger, name, functools.lru_cache(None)(method.__wrapped__))
+    for handler in handlers.values():
+        handler.addFilter(quiet)
     try:
         yield
     finally:
-        logger.removeFilter(quiet)
+        for handler in handlers.values():
+            handler.removeFilter(quiet)
+        for name, method in replaced.items():
+            setattr(logging.Logger, name, method)
 
 
 @contextlib.contextmanager
 def isolated() -> Iterator[None]:
     """Restore the process-wide state on exit; silence the replayed code's output meanwhile.
 
-    Silenced: its prints, the warnings it shows and torch's fake-tensor log (all from the replaying thread only).
+    Silenced: its prints, the warnings it shows and its log records (all from the replaying thread only).
 
     Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
     global generator (when NumPy is imported), the default dtype, grad mode, torch's intra-op thread count and the
@@ -123,7 +143,7 @@ def isolated() -> Iterator[None]:
     threads = torch.get_num_threads()
     environment = dict(os.environ)
     try:
-        with _quiet_thread(), _quiet_fake_tensor_log():
+        with _quiet_thread(), _quiet_logs():
             yield
     finally:
         if dict(os.environ) != environment:

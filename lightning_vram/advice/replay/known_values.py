@@ -31,6 +31,7 @@ from lightning_vram.advice.replay._fake import (
     tree_leaves,
     tree_map_only,
 )
+from lightning_vram.measure.storages import storage_key
 
 VALUE_ELEMENTS = 1 << 20
 """The most elements a known value may have (a 1M-element mask: 8 MiB of ``int64`` on the CPU at most)."""
@@ -70,7 +71,11 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return value if isinstance(value, Tensor) else None
 
     def _forget(self, tensor: Tensor) -> None:
-        self._values.pop(tensor, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+        """``tensor`` was written with values not known: so were its base and every view of the same storage."""
+        written = storage_key(tensor)
+        keys = list(self._values.keys())  # type: ignore[no-untyped-call]  # torch ships it unannotated
+        for known in [key for key in keys if storage_key(key) == written]:
+            self._values.pop(known, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
 
     def __contains__(self, tensor: object) -> bool:
         return isinstance(tensor, Tensor) and tensor in self._values
