@@ -23,7 +23,7 @@ def resize_batch(batch: Any, old_size: int, new_size: int) -> Any:
             return tensor
         repeats = (-(-new_size // old_size), *(1 for _ in tensor.shape[1:]))
         stretched = tensor.repeat(repeats) if new_size > old_size else tensor
-        return stretched.narrow(0, 0, new_size).contiguous()
+        return stretched.narrow(0, 0, new_size).clone()  # its own storage: a narrowed view would keep the tiles
 
     return apply_to_collection(batch, Tensor, resize)
 
@@ -54,7 +54,7 @@ def resize_length(batch: Any, new_length: int) -> Any:
         stretched = tensor.repeat(repeats) if new_length > old_length else tensor
         for dim in dims:
             stretched = stretched.narrow(dim, 0, new_length)
-        return stretched.contiguous()
+        return stretched.clone(memory_format=torch.contiguous_format)  # its own storage, not the tiles'
 
     return apply_to_collection(batch, Tensor, resize)
 
