@@ -57,10 +57,11 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._values = WeakTensorKeyDictionary()  # by identity: a tensor's == is an op
+        self._uncopied = WeakTensorKeyDictionary()  # the batch's values still the user's tensors, copied when read
         self._bytes = 0
 
     def know(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
-        """Keep the real value of each ``(fake, real)`` pair (copied to the CPU) where it is small enough."""
+        """Keep the real value of each ``(fake, real)`` pair where it is small enough (copied to the CPU when read)."""
         for fake, real in pairs:
             if isinstance(fake, FakeTensor) and isinstance(real, Tensor) and not isinstance(real, FakeTensor):
                 self._keep(fake, real)
@@ -68,7 +69,13 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def value_of(self, tensor: Tensor) -> Tensor | None:
         """The real value of a fake tensor, or ``None`` when it is not known."""
         value = self._values.get(tensor)  # type: ignore[no-untyped-call]  # torch ships it unannotated
-        return value if isinstance(value, Tensor) else None
+        if not isinstance(value, Tensor):
+            return None
+        if self._uncopied.pop(tensor, None) is not None:  # type: ignore[no-untyped-call]  # torch ships it unannotated
+            with _no_modes(), torch.no_grad():
+                value = value.to("cpu", copy=True)  # the replay's own copy: ops on it never touch the user's tensor
+            self._values[tensor] = value
+        return value
 
     def _forget(self, tensor: Tensor) -> None:
         """``tensor`` was written with values not known: so were its base and every view of the same storage."""
@@ -76,6 +83,7 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         keys = list(self._values.keys())  # type: ignore[no-untyped-call]  # torch ships it unannotated
         for known in [key for key in keys if storage_key(key) == written]:
             self._values.pop(known, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+            self._uncopied.pop(known, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
 
     def __contains__(self, tensor: object) -> bool:
         return isinstance(tensor, Tensor) and tensor in self._values
@@ -86,8 +94,9 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         nbytes = real.numel() * real.element_size()
         if self._bytes + nbytes > VALUE_BYTES:
             return
-        with _no_modes(), torch.no_grad():
-            self._values[fake] = real.detach().to("cpu", copy=True)
+        with _no_modes():
+            self._values[fake] = real.detach()
+        self._uncopied[fake] = True
         self._bytes += nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -121,7 +130,10 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*real_args, **real_kwargs)
 
     def _real_of(self, tensor: Tensor) -> Tensor:
-        value = self.value_of(tensor) if isinstance(tensor, FakeTensor) else tensor
+        """The value to compute with: the known value of a fake tensor; a copy of a real one (never written)."""
+        if not isinstance(tensor, FakeTensor):
+            return tensor.detach().to("cpu", copy=True)  # _real runs with every mode off
+        value = self.value_of(tensor)
         if value is None:
             raise KeyError("no known value")
         return value
