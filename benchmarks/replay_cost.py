@@ -183,16 +183,16 @@ def main() -> None:
         line("baseline replay", one, one)
         variants = 0.0
         tried = changes(module, blocks)
-        known = {arguments.batch: baseline.peak.peak_bytes}  # as in training: the batch-size change's peak too
+        known = {arguments.batch: baseline}  # as in training: the batch-size change's step too
         for change in tried:
             seconds, replayed = replay_seconds(module, batch, change, arguments.rounds)
             variants += seconds
             if isinstance(change, BatchSizeChange):
-                known[change.batch_size] = replayed.peak.peak_bytes
+                known[change.batch_size] = replayed
             line(change.label, seconds, one)
         line(f"variants ({len(tried)})", variants, one)
         started = time.perf_counter()
-        search = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, known_peaks=known)
+        search = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, known_steps=known)
         fit = time.perf_counter() - started
         rows = ", ".join(f"{row.batch_text}" for row in search.found)
         line(f"fit table ({len(COMMON_GPUS)} GPUs, {search.replays} replays)", fit, one, f"  batches: {rows}")

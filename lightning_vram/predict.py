@@ -93,7 +93,7 @@ def predict(
                 placement=device,
                 warm_up=True,
                 deadline=deadline,
-                known_peaks={step.batch_size: step.peak.peak_bytes} if step.batch_size is not None else None,
+                known_steps={step.batch_size: step} if step.batch_size is not None else None,
             )
             rows = search.found
             if search.missing is not None:

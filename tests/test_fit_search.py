@@ -120,6 +120,27 @@ def test_a_peak_that_bends_is_searched_where_the_line_disagrees() -> None:
     assert replays < 3 * 2 * len(budgets)
 
 
+def test_a_line_per_phase_settles_a_peak_that_moves_between_phases_in_the_replays_of_a_straight_line() -> None:
+    def phases(size: int) -> tuple[int, int, int]:
+        """Forward overtaken by backward at batch 64, both over a flat optimizer step from about 40: in blocks."""
+
+        def blocks(value: int) -> int:
+            return -(-value // 512) * 512
+
+        return (
+            blocks(200_000_000 + 3_000_000 * size),
+            blocks(100_000_000 + 4_600_777 * size),
+            blocks(400_000_000),
+        )
+
+    budgets = [450_000_000, 900_000_000, 3_000_000_000, 12_000_000_000, 40_000_000_000]
+    by_phase, phase_replays = largest_batches_that_fit(phases, budgets, start=8)
+    step_peak, step_replays = largest_batches_that_fit(lambda size: max(phases(size)), budgets, start=8)
+    expected = tuple(largest_batch_that_fits(lambda size: max(phases(size)), budget, start=8) for budget in budgets)
+    assert by_phase == step_peak == expected
+    assert phase_replays <= 4 < step_replays  # the line of the step's peak bends at each kink: 16 replays
+
+
 def test_a_failed_replay_keeps_the_rows_already_settled() -> None:
     def peak(size: int) -> int | None:
         return None if size > 5000 else 1_000_000 * size  # the replays of large batches fail

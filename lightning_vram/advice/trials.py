@@ -31,6 +31,7 @@ from lightning_vram.records import (
     BatchSizeChange,
     DeviceInfo,
     Phase,
+    ReplayedStep,
     RunSummary,
     Simulation,
     TrainingSetup,
@@ -110,7 +111,7 @@ def try_changes(
             gradients_at_forward=gradients_at_forward,
             gpus=(*_own_device(summary.device), *COMMON_GPUS),
             deadline=time.perf_counter() + remaining,
-            known_peaks=_replayed_batch_sizes(simulation),
+            known_steps=_replayed_batch_sizes(simulation),
         )
         own = search.rows[0] if summary.device.total_bytes else None
         common = search.rows[1:] if summary.device.total_bytes else search.rows
@@ -123,15 +124,15 @@ def try_changes(
         )
 
 
-def _replayed_batch_sizes(simulation: Simulation) -> dict[int, int]:
-    """The peaks the simulation replayed by batch size: its baseline's and each batch-size change's."""
+def _replayed_batch_sizes(simulation: Simulation) -> dict[int, ReplayedStep]:
+    """The steps the simulation replayed by batch size: its baseline and each batch-size change."""
     steps = [(simulation.baseline.batch_size, simulation.baseline)] if simulation.baseline is not None else []
     steps += [
         (variant.change.batch_size, variant.replayed)
         for variant in simulation.variants
         if isinstance(variant.change, BatchSizeChange) and variant.replayed is not None
     ]
-    return {size: step.peak.peak_bytes for size, step in steps if size is not None}
+    return {size: step for size, step in steps if size is not None}
 
 
 def _gradients_at_forward(attribution: Attribution) -> bool:

@@ -1,7 +1,8 @@
 """The fit table by replay: for each common GPU, the largest batch whose replayed step fits beside the CUDA context.
 
 Every GPU's row comes from one search (:func:`~lightning_vram.advice.replay.search.largest_batches_that_fit`): two
-replays give a line, a third checks it, and only the rows the line cannot settle are replayed around its answer.
+replays give a line per phase (forward, backward, optimizer step), a third checks them, and only the rows the lines
+cannot settle are replayed around their answer.
 When the time budget runs out, or a replay fails, the rows already settled are kept and the search says why the
 others are missing.
 """
@@ -17,11 +18,11 @@ import torch
 from torch import nn
 
 from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
-from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batches_that_fit
+from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
 from lightning_vram.advice.replay.simulation import BUDGET_RAN_OUT
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.measure.tensors import batch_size_of
-from lightning_vram.records import BatchSizeChange, FitRow, ReplayedStep, SavingBasis
+from lightning_vram.records import BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
 
 @dataclass(frozen=True)
@@ -56,21 +57,21 @@ def replayed_fit_table(
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
     deadline: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    known_peaks: Mapping[int, int] | None = None,
+    known_steps: Mapping[int, ReplayedStep] | None = None,
 ) -> FitSearch:
     """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
 
     A row is missing where the batch has no batch dimension, a replay it needed failed, or ``clock()`` passed
-    ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``known_peaks`` are peaks
-    already replayed with these settings, by batch size (the baseline's, a batch-size change's): not replayed
-    again. The other arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
+    ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps
+    already replayed with these settings, by batch size (the baseline, a batch-size change): not replayed again.
+    The other arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
     """
     start = batch_size_of(batch)
     if start is None:
         return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
     failures: list[str] = []
 
-    def peak_bytes(size: int) -> int | None:
+    def peak_bytes(size: int) -> PhasePeaks | None:
         left = None if deadline is None else deadline - clock()
         if left is not None and left <= 0:
             failures.append(BUDGET_RAN_OUT)
@@ -89,13 +90,14 @@ def replayed_fit_table(
             deadline=None if left is None else time.perf_counter() + left,
         )
         if isinstance(result, ReplayedStep):
-            return result.peak.peak_bytes
+            return phase_peaks(result)
         out_of_time = deadline is not None and clock() >= deadline
         failures.append(BUDGET_RAN_OUT if out_of_time else f"the replay of batch size {size} failed: {result.reason}")
         return None
 
     budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
-    sizes, replays = largest_batches_that_fit(peak_bytes, budgets, start, known=known_peaks)
+    known = {size: phase_peaks(step) for size, step in (known_steps or {}).items()}
+    sizes, replays = largest_batches_that_fit(peak_bytes, budgets, start, known=known)
     rows = tuple(
         None
         if size is None
@@ -108,3 +110,8 @@ def replayed_fit_table(
         reason = failures[0] if failures else "a replay failed"
         missing = f"{reason}; no row for {', '.join(left_out)}"
     return FitSearch(rows, replays, missing)
+
+
+def phase_peaks(step: ReplayedStep) -> PhasePeaks:
+    """A replayed step's peak per phase, bytes, in step order (0 for a phase the step did not reach)."""
+    return tuple(step.phases[phase].peak_bytes if phase in step.phases else 0 for phase in Phase)

@@ -1,15 +1,19 @@
 """The largest batch whose replayed peak fits each of several memory budgets: solved on checked lines, not bisected.
 
-A step's peak is affine in the batch size wherever nothing changes phase or kernel with it (every tensor alive at
-the peak holds a fixed number of bytes per sample), and it is the highest of the phases' affine peaks: convex. So
-two replays give a line, the line gives every budget's batch at once, and a replay where the line is least sure
-(the solution farthest from every batch replayed) checks it. Where a check agrees with the line through its two
-neighbours, the peak is affine over their span (a convex function that meets a chord inside it is that chord), and
-each budget whose answer falls there is read off the line, unless its boundary is too close to call within the
-line's error. Where a check disagrees it becomes a point of the line (a polyline, then), and the next check goes
-where the polyline is least sure. A budget the checks leave unsettled is searched by replaying around the
-polyline's answer (strides, then bisection: a handful of replays when the answer is close). Each batch size is
-replayed at most once, for all budgets together.
+A phase's peak (forward, backward, optimizer step) is affine in the batch size wherever nothing changes kernel with
+it (every tensor alive at the phase's peak holds a fixed number of bytes per sample), and convex in any case (the
+highest of affine live counts over the phase's moments). The step's peak is the highest phase's: convex too, but
+with a kink where one phase overtakes another. So the search keeps one line per phase: two replays give every
+phase's line, the lines give every budget's batch at once (the largest batch no phase's line puts over it), and a
+replay where the lines are least sure (the solution farthest from every batch replayed) checks them. Where a check
+agrees with a phase's line through its two neighbours, that phase is affine over their span (a convex function that
+meets a chord inside it is that chord), and each budget whose answer falls where every phase is so is read off the
+lines, unless its boundary is too close to call within the lines' error. Where a check disagrees it becomes a point
+of that phase's line (a polyline, then), and the next check goes where the lines are least sure. A budget the
+checks leave unsettled is searched by replaying around the lines' answer (strides, then bisection: a handful of
+replays when the answer is close). Each batch size is replayed at most once, for all budgets together.
+
+A caller that only has the step's peak gives it as one phase: the same search on one line, which a kink bends.
 """
 
 from __future__ import annotations
@@ -37,24 +41,46 @@ AGREEMENT_SAMPLES = 0.25
 bytes (or twice the least error)."""
 
 
+PhasePeaks = tuple[int, ...]
+"""A replayed step's peak per phase, bytes, each phase at the same place in every replay (the step's peak is the
+highest)."""
+
+Replayed = int | PhasePeaks | None
+"""What a replay of one batch size gives the search: the step's peak, its peak per phase, or ``None`` where the
+replay failed (or was not run)."""
+
+
+def _as_phases(replayed: Replayed) -> PhasePeaks | None:
+    """A replay's result as phase peaks: a lone peak is one phase."""
+    return (replayed,) if isinstance(replayed, int) else replayed
+
+
 class _Peaks:
     """Replayed peaks by batch size, each replayed once; ``None`` for a replay that failed (or was not run)."""
 
-    def __init__(self, peak_bytes: Callable[[int], int | None], known: Mapping[int, int] | None = None) -> None:
+    def __init__(
+        self, peak_bytes: Callable[[int], Replayed], known: Mapping[int, int | PhasePeaks] | None = None
+    ) -> None:
         self._peak_bytes = peak_bytes
-        self._known: dict[int, int | None] = dict(known or {})
+        self._known: dict[int, PhasePeaks | None] = {size: _as_phases(peaks) for size, peaks in (known or {}).items()}
         self.replays = 0
         """How many replays this search ran (known peaks not counted)."""
 
-    def __call__(self, batch_size: int) -> int | None:
+    def phases(self, batch_size: int) -> PhasePeaks | None:
+        """The batch's peak per phase (replayed now if it was not yet), ``None`` when its replay failed."""
         if batch_size not in self._known:
             self.replays += 1
-            self._known[batch_size] = self._peak_bytes(batch_size)
+            self._known[batch_size] = _as_phases(self._peak_bytes(batch_size))
         return self._known[batch_size]
+
+    def __call__(self, batch_size: int) -> int | None:
+        """The batch's step peak (its highest phase's), bytes; ``None`` when its replay failed."""
+        phases = self.phases(batch_size)
+        return None if phases is None else max(phases)
 
     def replayed_sizes(self) -> list[int]:
         """The batch sizes whose peaks are known."""
-        return [size for size, peak in self._known.items() if peak is not None]
+        return [size for size, peaks in self._known.items() if peaks is not None]
 
     def fits(self, batch_size: int, budget_bytes: int) -> bool | None:
         """Whether the batch's peak is within ``budget_bytes``; ``None`` when its replay failed."""
@@ -170,22 +196,71 @@ class Polyline:
         )
 
 
+class PhaseLines:
+    """One :class:`Polyline` per phase through the same replays; the step's peak is the highest phase's.
+
+    A batch is settled where every phase's line is (a checked span holds it), and fits where every phase does.
+
+    >>> lines = PhaseLines([(8, (1000, 900)), (16, (1800, 1500))])
+    >>> lines.solve(2000, limit=100), lines.solve(1200, limit=100)
+    (18, 10)
+    """
+
+    def __init__(self, points: Sequence[tuple[int, PhasePeaks]]) -> None:
+        phases = {len(peaks) for _, peaks in points}
+        if len(phases) != 1:
+            raise ValueError(f"every replay must give the same number of phases, got {sorted(phases)}")
+        self.lines = tuple(Polyline([(size, peaks[phase]) for size, peaks in points]) for phase in range(phases.pop()))
+
+    @property
+    def sizes(self) -> list[int]:
+        """The batch sizes replayed, smallest first."""
+        return [x for x, _ in self.lines[0].points]
+
+    def add(self, batch_size: int, peaks: PhasePeaks) -> None:
+        """A replay's phase peaks join each phase's line (once)."""
+        for line, peak in zip(self.lines, peaks, strict=True):
+            line.add(batch_size, peak)
+
+    def has(self, batch_size: int) -> bool:
+        """Whether the lines pass through a replay of ``batch_size``."""
+        return self.lines[0].has(batch_size)
+
+    def solve(self, budget_bytes: int, limit: int) -> int:
+        """The largest batch from 0 to ``limit`` that no phase's line puts over ``budget_bytes``."""
+        return min(line.solve(budget_bytes, limit) for line in self.lines)
+
+    def covered(self, batch_size: int) -> bool:
+        """Whether every phase's line holds ``batch_size`` in a checked span."""
+        return all(line.covered(batch_size) for line in self.lines)
+
+    def surely_fits(self, batch_size: int, budget_bytes: int) -> bool:
+        """Whether every phase surely fits the budget at ``batch_size`` (in a span, clear of its error)."""
+        return all(line.surely_fits(batch_size, budget_bytes) for line in self.lines)
+
+    def surely_over(self, batch_size: int, budget_bytes: int) -> bool:
+        """Whether some phase is surely over the budget at ``batch_size`` (replayed so, or clear of a span's error)."""
+        return any(line.surely_over(batch_size, budget_bytes) for line in self.lines)
+
+
 def largest_batches_that_fit(
-    peak_bytes: Callable[[int], int | None],
+    peak_bytes: Callable[[int], Replayed],
     budgets_bytes: Sequence[int],
     start: int,
     limit: int = MAX_BATCH_SIZE,
-    known: Mapping[int, int] | None = None,
+    known: Mapping[int, int | PhasePeaks] | None = None,
 ) -> tuple[tuple[int | None, ...], int]:
     """For each budget, the largest batch size from 1 to ``limit`` whose peak is at most it, and the replays run.
 
     Args:
-        peak_bytes: the replayed peak of a batch size, ``None`` where the replay failed (its peak grows with the
-            batch size).
+        peak_bytes: the replayed peak of a batch size, or its peak per phase (a line each: a kink where one phase
+            overtakes another costs no replays), ``None`` where the replay failed (its peak grows with the batch
+            size).
         budgets_bytes: the memory the step may take on each device.
         start: a batch size to start from (the run's own).
         limit: the largest batch size considered.
-        known: peaks already replayed, by batch size (the baseline's): not replayed again.
+        known: peaks already replayed (as ``peak_bytes`` gives them), by batch size (the baseline's): not replayed
+            again.
 
     Returns:
         Per budget the batch size (0 when a batch of 1 does not fit; ``None`` where a replay it needed failed),
@@ -197,6 +272,14 @@ def largest_batches_that_fit(
     >>> budgets = [20_500_000, 100_500_000, 200_500_000]
     >>> largest_batches_that_fit(lambda batch: 1000 + 1_000_000 * batch, budgets, start=8)
     ((20, 100, 200), 4)
+
+    A step whose backward peak overtakes its forward peak at batch 40 has a kink there; given per phase, each
+    phase's line is straight and the budgets are settled in as many replays as on a straight line:
+
+    >>> def phases(batch):
+    ...     return (60_000_000 + 500_000 * batch, 20_000_000 + 1_500_000 * batch)
+    >>> largest_batches_that_fit(phases, [150_750_000, 300_750_000, 600_750_000], start=8)
+    ((87, 187, 387), 4)
     """
     peaks = _Peaks(peak_bytes, known)
     start = min(max(start, 1), limit)
@@ -208,8 +291,8 @@ def largest_batches_that_fit(
     return tuple(answers), peaks.replays
 
 
-def checked_line(peaks: _Peaks, budgets_bytes: Sequence[int], start: int, limit: int) -> Polyline | None:
-    """The line through the replays, checked (and bent where a check disagrees) up to :data:`LINE_CHECKS` times.
+def checked_line(peaks: _Peaks, budgets_bytes: Sequence[int], start: int, limit: int) -> PhaseLines | None:
+    """The phases' lines through the replays, checked (and bent where one disagrees) up to :data:`LINE_CHECKS` times.
 
     The replays are ``start``'s and those already known, or twice ``start``'s when none is. Each check replays the
     answer farthest from what is known; where it agrees with its neighbours their span is affine. ``None`` when a
@@ -220,24 +303,24 @@ def checked_line(peaks: _Peaks, budgets_bytes: Sequence[int], start: int, limit:
     first, second = peaks(start), peaks(other)
     if first is None or second is None or other == start:
         return None
-    line = Polyline([(size, peak) for size in peaks.replayed_sizes() if (peak := peaks(size)) is not None])
+    line = PhaseLines([(size, phases) for size in peaks.replayed_sizes() if (phases := peaks.phases(size)) is not None])
     for _ in range(LINE_CHECKS):
         check = _least_known(line, budgets_bytes, limit)
         if check is None:
             break
-        peak = peaks(check)
-        if peak is None:
+        phases = peaks.phases(check)
+        if phases is None:
             break
-        line.add(check, peak)
+        line.add(check, phases)
     return line
 
 
-def _least_known(line: Polyline, budgets_bytes: Sequence[int], limit: int) -> int | None:
-    """The batch to check the line at, ``None`` when there is none.
+def _least_known(line: PhaseLines, budgets_bytes: Sequence[int], limit: int) -> int | None:
+    """The batch to check the lines at, ``None`` when there is none.
 
     That is the budgets' answer outside every checked span farthest (by ratio) from every batch replayed.
     """
-    known = [x for x, _ in line.points]
+    known = line.sizes
     answers = {min(max(line.solve(budget, limit), 1), limit) for budget in budgets_bytes}
     candidates = [size for size in answers if size not in known and not line.covered(size)]
     if not candidates:
@@ -245,7 +328,7 @@ def _least_known(line: Polyline, budgets_bytes: Sequence[int], limit: int) -> in
     return max(candidates, key=lambda size: min(max(size, x) / min(size, x) for x in known))
 
 
-def _settle(peaks: _Peaks, line: Polyline, budget_bytes: int, limit: int) -> int | None:
+def _settle(peaks: _Peaks, line: PhaseLines, budget_bytes: int, limit: int) -> int | None:
     """The budget's largest batch: the line's answer, replayed only where the line does not settle it.
 
     The answer stands when it surely fits (in a span, clear of its error, or replayed within the budget) and the
@@ -259,25 +342,25 @@ def _settle(peaks: _Peaks, line: Polyline, budget_bytes: int, limit: int) -> int
         if guess == 0:
             break
         if not line.surely_fits(guess, budget_bytes):
-            peak = peaks(guess)
-            if peak is None:
+            phases = peaks.phases(guess)
+            if phases is None:
                 return None
-            line.add(guess, peak)
-            if peak > budget_bytes:
+            line.add(guess, phases)
+            if max(phases) > budget_bytes:
                 continue
         if guess == limit or line.surely_over(guess + 1, budget_bytes):
             return guess
-        following = peaks(guess + 1)
+        following = peaks.phases(guess + 1)
         if following is None:
             return None
         line.add(guess + 1, following)
-        if following > budget_bytes:
+        if max(following) > budget_bytes:
             return guess
     return _search_around(peaks, budget_bytes, max(guess, 1), limit)
 
 
 def largest_batch_that_fits(
-    peak_bytes: Callable[[int], int | None], budget_bytes: int, start: int, limit: int = MAX_BATCH_SIZE
+    peak_bytes: Callable[[int], Replayed], budget_bytes: int, start: int, limit: int = MAX_BATCH_SIZE
 ) -> int | None:
     """The largest batch size from 1 to ``limit`` whose peak is at most ``budget_bytes``.
 
