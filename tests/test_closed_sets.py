@@ -40,6 +40,7 @@ def test_texts_read_back_as_members() -> None:
         "free-gradients",
         "batch-size",
         "length",
+        "tokens-per-batch",
     ]
 
 

@@ -22,7 +22,7 @@ from lightning_vram import VramMonitor
 from lightning_vram.advice.rules.long_tail import long_tail_changes
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import MAX_LENGTHS, ShapeRecorder
-from lightning_vram.records import AdviceId, LengthChange, Report
+from lightning_vram.records import AdviceId, LengthChange, Report, TokensPerBatchChange
 from lightning_vram.records.shapes import length_percentile
 from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
@@ -66,11 +66,13 @@ def padded(cap: int | None = None) -> Callable[[list[torch.Tensor]], tuple[torch
     return collate
 
 
-def run(tmp_path: Path, cap: int | None = None, fixed: bool = False) -> Report:
+def run(
+    tmp_path: Path, cap: int | None = None, fixed: bool = False, loader: DataLoader[tuple[torch.Tensor]] | None = None
+) -> Report:
     monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
-    data = DataLoader(Sequences(fixed), batch_size=BATCH, shuffle=False, collate_fn=padded(cap))
+    data = loader or DataLoader(Sequences(fixed), batch_size=BATCH, shuffle=False, collate_fn=padded(cap))
     torch.manual_seed(0)
-    trainer(tmp_path, [monitor], max_steps=STEPS).fit(CausalLM(layers=1, vocab=VOCAB), data)
+    trainer(tmp_path, [monitor], max_steps=len(data)).fit(CausalLM(layers=1, vocab=VOCAB), data)
     assert monitor.report is not None
     return monitor.report
 
@@ -105,6 +107,7 @@ def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_pre
     assert advice.saving_basis == "simulated" and advice.estimated_saving_bytes == baseline - predicted > 0
     assert f"max_length={CAP}, truncation=True" in advice.detail and f"value[:, :{CAP}]" in advice.detail
     assert f"the longest {LONG}" in advice.evidence and "sequences capped at 32 tokens" in advice.evidence
+    assert "Bucketing by length alone" in advice.detail  # answered, not offered: the longest bucket keeps the shape
 
     # Applied as printed: the same data cut to the cap. The peak measured is the one predicted, the advice gone.
     applied = run(tmp_path / "capped", cap=CAP)
@@ -141,6 +144,57 @@ def test_silent_on_batches_of_one_length(tmp_path: Path) -> None:
 def test_a_tail_too_short_or_too_common_declares_nothing() -> None:
     summary, setup = healthy_summary(), healthy_setup()
     assert long_tail_changes(summary, setup) == ()
-    assert long_tail_changes(replace(summary, length_counts=((32, 19), (128, 1))), setup) == (LengthChange(32),)
+    tail = replace(summary, length_counts=((32, 19), (128, 1)))
+    assert long_tail_changes(tail, setup) == (LengthChange(32), TokensPerBatchChange(32 * summary.batch_size))
+    assert long_tail_changes(replace(tail, batch_size=1), setup) == (LengthChange(32),)  # one sequence a batch
     assert long_tail_changes(replace(summary, length_counts=((32, 19), (40, 1))), setup) == ()  # under 1.5x
     assert long_tail_changes(replace(summary, length_counts=((32, 18), (128, 2))), setup) == ()  # not a tail: 10%
+
+
+def printed_code(detail: str, name: str) -> str:
+    """The code block of an advice's detail that defines ``name``."""
+    blocks = [block.split("```", 1)[0] for block in detail.split("```python\n")[1:]]
+    return next(block for block in blocks if f"def {name}(" in block)
+
+
+def test_batching_by_tokens_is_replayed_and_the_printed_sampler_applied_holds_the_predicted_peak(
+    tmp_path: Path,
+) -> None:
+    report = run(tmp_path / "tail")
+    simulation = report.simulation
+    assert simulation is not None and simulation.baseline is not None
+    tokens = TokensPerBatchChange(BATCH * CAP)
+    variant = next(variant for variant in simulation.variants if variant.change == tokens)
+    assert variant.replayed is not None and variant.replayed.batch_size == 1  # the 128-token batch holds one
+    predicted = variant.replayed.reported_bytes(variant.replayed.reported_peak)
+    advice = next(advice for advice in report.advice if advice.id is AdviceId.LONG_TAIL)
+    assert "batches of at most 64 tokens" in advice.evidence and "max_tokens=64" in advice.detail
+    read = simulation_from_dict(json.loads(json.dumps(simulation_to_dict(simulation))))
+    assert read is not None and tokens in [variant.change for variant in read.variants]
+
+    # Applied as printed: the advice's own sampler over the run's lengths. The long batch holds one sequence; the
+    # peak measured is the one predicted, and batching by tokens is no longer offered.
+    namespace: dict[str, object] = {
+        "DataLoader": DataLoader,
+        "dataset": Sequences(),
+        "lengths": lengths(),
+        "collate": padded(),
+    }
+    exec(printed_code(advice.detail, "batches_by_tokens"), namespace)  # the advice's code, run as printed
+    loader = namespace["loader"]
+    assert isinstance(loader, DataLoader)
+    assert [len(batch) for batch in loader.batch_sampler if lengths()[batch[-1]] == LONG] == [1]  # type: ignore[union-attr]
+    applied = run(tmp_path / "by-tokens", loader=loader)
+    assert applied.peak is not None and report.peak is not None
+    assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
+    assert report.peak.peak_bytes - applied.peak.peak_bytes >= 0.05 * report.peak.peak_bytes
+    assert all("batch by tokens" not in advice.detail.lower() for advice in applied.advice)
+
+    # What is still offered, capping the one long sequence, counts its saving only down to the batches within the
+    # cap (replayed at step 2), which stay: capping as well realises it within 10%.
+    cap = next(advice for advice in applied.advice if advice.id is AdviceId.LONG_TAIL)
+    assert "which stays: the saving is counted to there" in cap.evidence and cap.estimated_saving_bytes is not None
+    capped = run(tmp_path / "capped", cap=CAP)
+    assert capped.peak is not None
+    realised = applied.peak.peak_bytes - capped.peak.peak_bytes
+    assert abs(cap.estimated_saving_bytes - realised) <= 0.10 * realised, (cap.estimated_saving_bytes, realised)

@@ -51,6 +51,7 @@ from lightning_vram.records.simulation import (
     ReplaySkipped,
     Simulation,
     StepChange,
+    TokensPerBatchChange,
     VariantResult,
 )
 
@@ -104,6 +105,7 @@ __all__ = [
     "StepPoint",
     "TensorShapes",
     "TimingSummary",
+    "TokensPerBatchChange",
     "TrainingSetup",
     "UtilizationReading",
     "VariantResult",

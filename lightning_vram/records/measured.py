@@ -329,6 +329,8 @@ class RunSummary:
     evaluation: tuple[EvaluationPeak, ...] = ()
     length_counts: tuple[tuple[int, int], ...] = ()
     """Each training batch length seen (tokens) with how many batches had it, shortest first (empty: none)."""
+    length_peaks: tuple[tuple[int, int], ...] = ()
+    """Each batch length replayed on a training step (tokens) with its replayed peak (bytes), shortest first."""
 
     @property
     def on_cuda(self) -> bool:

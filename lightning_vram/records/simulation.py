@@ -22,6 +22,7 @@ class ChangeKind(ReportText):
     FREE_GRADIENTS = "free-gradients"
     BATCH_SIZE = "batch-size"
     LENGTH = "length"
+    TOKENS_PER_BATCH = "tokens-per-batch"
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,33 @@ class LengthChange:
         return f"sequences capped at {self.length} tokens"
 
 
-StepChange = PrecisionChange | CheckpointChange | InplaceChange | FreeGradientsChange | BatchSizeChange | LengthChange
+@dataclass(frozen=True)
+class TokensPerBatchChange:
+    """Replay the step with the batch holding at most ``tokens`` tokens: as many of its sequences as fit, at least one.
+
+    A batch of ``B`` sequences ``L`` tokens long keeps ``max(1, min(B, tokens // L))`` of them (batching by tokens,
+    so a long batch holds fewer sequences).
+    """
+
+    kind: ClassVar[ChangeKind] = ChangeKind.TOKENS_PER_BATCH
+
+    tokens: int
+
+    @property
+    def label(self) -> str:
+        """How the report names the change."""
+        return f"batches of at most {self.tokens:,} tokens"
+
+
+StepChange = (
+    PrecisionChange
+    | CheckpointChange
+    | InplaceChange
+    | FreeGradientsChange
+    | BatchSizeChange
+    | LengthChange
+    | TokensPerBatchChange
+)
 """One change a replay can apply to the step."""
 
 

@@ -25,6 +25,7 @@ from lightning_vram.records.simulation import (
     ReplayedStep,
     Simulation,
     StepChange,
+    TokensPerBatchChange,
     VariantResult,
 )
 
@@ -49,6 +50,8 @@ def change_parameters(change: StepChange) -> dict[str, Any]:
         return {}
     if isinstance(change, LengthChange):
         return {"length": change.length}
+    if isinstance(change, TokensPerBatchChange):
+        return {"tokens": change.tokens}
     return {"batch_size": change.batch_size}
 
 
@@ -142,6 +145,8 @@ def _change(kind: ChangeKind, parameters: Reader) -> StepChange:
         return FreeGradientsChange()
     if kind == ChangeKind.LENGTH:
         return LengthChange(parameters.integer("length", minimum=1))
+    if kind == ChangeKind.TOKENS_PER_BATCH:
+        return TokensPerBatchChange(parameters.integer("tokens", minimum=1))
     return BatchSizeChange(parameters.integer("batch_size", minimum=1))
 
 

@@ -208,6 +208,10 @@ class Advisor:
                 stacklevel=4,
             )
 
+    def length_peaks(self) -> tuple[tuple[int, int], ...]:
+        """Each batch length replayed on a training step (tokens) with its replayed peak (bytes), shortest first."""
+        return tuple(sorted((row.length, row.peak_bytes) for row in self.lengths if row.step is not None))
+
     def shapes(self, recorded: BatchShapes | None) -> BatchShapes | None:
         """``recorded`` with the step the advice refers to and the peak per length, shortest first."""
         if recorded is None:

@@ -64,8 +64,10 @@ class Assembly:
         recorder: StepRecorder,
         ranks: Ranks,
         notes: Callable[[], list[NotMeasured]],
+        length_peaks: Callable[[], tuple[tuple[int, int], ...]],
     ) -> None:
         self._config, self._guard, self._recorder, self._ranks, self._notes = config, guard, recorder, ranks, notes
+        self._length_peaks = length_peaks
         self.cuda_context_bytes: int | None = None
         """The CUDA context's estimate from the last log interval that measured it, bytes (``None`` before)."""
 
@@ -114,6 +116,7 @@ class Assembly:
             recent_peaks=tracker.recent,
             evaluation=tuple(tracker.evaluation.values()),
             length_counts=tuple(sorted(recorder.shapes.length_counts.items())),
+            length_peaks=self._length_peaks(),
         )
 
     def not_measured(self) -> tuple[NotMeasured, ...]:

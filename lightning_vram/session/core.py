@@ -93,7 +93,7 @@ class VramSession:
         self._history = AllocatorHistory(guard)
         self._ranks = ranks
         self._sinks = Sinks(guard, writers, config.console_summary)
-        self._assembly = Assembly(config, guard, recorder, self._ranks, self._notes)
+        self._assembly = Assembly(config, guard, recorder, self._ranks, self._notes, self._advisor.length_peaks)
         self._log_every: int | None = None
         self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False

@@ -8,7 +8,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 
 
 def resize_batch(batch: Any, old_size: int, new_size: int) -> Any:
@@ -32,6 +32,19 @@ def batch_length(batch: Any) -> int | None:
     """The batch's length: dimension 1 of its first tensor with two or more (``None``: a batch of vectors)."""
     tensors = [tensor for tensor in iter_tensors(batch) if tensor.dim() >= 2]
     return int(tensors[0].shape[1]) if tensors else None
+
+
+def sequences_within(batch: Any, tokens: int) -> int:
+    """How many of the batch's sequences a batch of at most ``tokens`` tokens holds: at least one, at most all.
+
+    The batch's sequences are its batch size, each :func:`batch_length` tokens long (one token for a batch of
+    vectors); a batch without a batch dimension counts as one sequence.
+
+    >>> sequences_within(torch.zeros(8, 128), tokens=256), sequences_within(torch.zeros(8, 16), tokens=256)
+    (2, 8)
+    """
+    sequences = batch_size_of(batch) or 1
+    return max(1, min(sequences, tokens // (batch_length(batch) or 1)))
 
 
 def resize_length(batch: Any, new_length: int) -> Any:

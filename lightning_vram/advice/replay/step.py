@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.advice.replay._fake import FakeTensor, FakeTensorMode
-from lightning_vram.advice.replay.batches import move_batch, resize_batch, resize_length
+from lightning_vram.advice.replay.batches import move_batch, resize_batch, resize_length, sequences_within
 from lightning_vram.advice.replay.changes import change_module
 from lightning_vram.advice.replay.checkpoint_frames import CheckpointFrames
 from lightning_vram.advice.replay.containment import OUTSIDE_TENSOR_BYTES, ContainmentError, contained, fresh_cache
@@ -56,6 +56,7 @@ from lightning_vram.records import (
     ReplayedStep,
     ReplaySkipped,
     StepChange,
+    TokensPerBatchChange,
 )
 
 LOSS_OPS = frozenset({"_log_softmax"})
@@ -126,11 +127,12 @@ class _Run:
             batch = resize_length(batch, self.length)
         if isinstance(change, LengthChange):
             batch = resize_length(batch, change.length)
-        if isinstance(change, BatchSizeChange):
+        if isinstance(change, BatchSizeChange | TokensPerBatchChange):
             size = batch_size_of(batch)
             if size is None:
                 raise ValueError("the batch has no tensor with a batch dimension to resize")
-            batch = resize_batch(batch, size, change.batch_size)
+            kept = change.batch_size if isinstance(change, BatchSizeChange) else sequences_within(batch, change.tokens)
+            batch = resize_batch(batch, size, kept)
         if self.placement is not None:
             batch = move_batch(batch, self.placement)
         return self.precision.cast_batch(batch)

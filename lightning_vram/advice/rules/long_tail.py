@@ -1,13 +1,19 @@
 """Long tail of batch lengths: a few batches far longer than the rest set the peak.
 
 Read from the run's batch lengths (:attr:`~lightning_vram.records.RunSummary.length_counts`): where the longest
-batch is :data:`TAIL_RATIO` times the length :data:`TAIL_SHARE` of the batches do not exceed, the worst batch is
-replayed cut to that length (a :class:`~lightning_vram.records.LengthChange`), and the rule fires when that lowers
-the replayed peak by :data:`~lightning_vram.advice.rules.base.MIN_SAVING_SHARE`. The saving is always replayed:
-there is no model of it.
+batch is :data:`TAIL_RATIO` times the length :data:`TAIL_SHARE` of the batches do not exceed (the cap), the worst
+batch is replayed two ways, each a remedy the advice offers where it lowers the replayed peak by
+:data:`~lightning_vram.advice.rules.base.MIN_SAVING_SHARE`: cut to the cap (a
+:class:`~lightning_vram.records.LengthChange`: truncate), and holding no more tokens than a batch at the cap (a
+:class:`~lightning_vram.records.TokensPerBatchChange`: batch by tokens, so a long batch holds fewer sequences and
+no sequence is cut). Bucketing by length alone is not a remedy for the peak: the longest bucket's batch has the
+worst batch's shape, so the advice says so rather than offering it. The savings are always replayed: there is no
+model of them.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule
 from lightning_vram.advice.savings import Saving, resolve_saving
@@ -19,6 +25,7 @@ from lightning_vram.records import (
     Severity,
     Simulation,
     StepChange,
+    TokensPerBatchChange,
     TrainingSetup,
 )
 from lightning_vram.records.shapes import length_percentile
@@ -41,54 +48,138 @@ def _cap(summary: RunSummary) -> tuple[int, int] | None:
     return (cap, longest) if longest >= TAIL_RATIO * cap else None
 
 
+def _token_budget(summary: RunSummary, cap: int) -> int | None:
+    """The tokens of a batch of the run's batch size at the cap; ``None`` where a batch holds one sequence."""
+    return summary.batch_size * cap if summary.batch_size is not None and summary.batch_size > 1 else None
+
+
 def long_tail_changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
-    """The worst batch cut to the cap, where the longest batch is well past it."""
+    """The worst batch cut to the cap, and batched by the tokens of a batch at the cap, where the tail is long."""
     found = _cap(summary)
-    return (LengthChange(found[0]),) if found is not None else ()
+    if found is None:
+        return ()
+    tokens = _token_budget(summary, found[0])
+    return (LengthChange(found[0]),) if tokens is None else (LengthChange(found[0]), TokensPerBatchChange(tokens))
 
 
-def _replayed_cap(simulation: Simulation | None) -> LengthChange | None:
-    """The cap the simulation replayed (declared from the lengths seen when the worst batch was replayed)."""
+def _replayed(simulation: Simulation | None, kind: type[LengthChange | TokensPerBatchChange]) -> StepChange | None:
+    """The change of ``kind`` the simulation replayed (declared from the lengths seen when the worst batch was)."""
     if simulation is None:
         return None
-    return next((variant.change for variant in simulation.variants if isinstance(variant.change, LengthChange)), None)
+    return next((variant.change for variant in simulation.variants if isinstance(variant.change, kind)), None)
+
+
+def _remedy(summary: RunSummary, simulation: Simulation | None, change: StepChange, cap: int) -> Saving | None:
+    """The replayed saving of ``change`` where it lowers the peak enough, else ``None``.
+
+    The batches within the cap stay as they are: where one of them was replayed higher than the worst batch with
+    the change, the peak comes down only to it (the saving says so).
+    """
+    saving = resolve_saving(simulation, change, None, measured=summary.peak)
+    if not isinstance(saving, Saving) or saving.predicted_peak_bytes is None:
+        return None
+    floor = max((peak for length, peak in summary.length_peaks if length <= cap), default=0)
+    if floor > saving.predicted_peak_bytes:
+        saving = replace(
+            saving,
+            saving_bytes=saving.saving_bytes - (floor - saving.predicted_peak_bytes),
+            predicted_peak_bytes=floor,
+            evidence=f"{saving.evidence}; a batch within {cap} tokens was replayed at {format_bytes(floor)}, which"
+            " stays: the saving is counted to there",
+        )
+    return saving if saving.at_least(MIN_SAVING_SHARE) else None
+
+
+_Remedy = tuple[str, Saving, str]
+"""One remedy offered: its title (without the saving), its replayed saving, and its text with the code."""
 
 
 def long_tail(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
-    """A few batches far longer than the rest, and the worst one replayed cut to the rest's length saves enough."""
-    change = _replayed_cap(simulation)
+    """A few batches far longer than the rest, and the worst one replayed capped or batched by tokens saves enough."""
+    cap_change = _replayed(simulation, LengthChange)
+    tokens_change = _replayed(simulation, TokensPerBatchChange)
     found = _cap(summary)
-    if change is None or found is None:
+    if found is None or not isinstance(cap_change, LengthChange):
         return None
     counts = summary.length_counts
     total = sum(count for _, count in counts)
-    within = sum(count for length, count in counts if length <= change.length)
+    within = sum(count for length, count in counts if length <= cap_change.length)
     longest = found[1]
     if within < TAIL_SHARE * total:  # the lengths seen since the replay moved the percentile past its cap
         return None
-    saving = resolve_saving(simulation, change, None, measured=summary.peak)
-    if not isinstance(saving, Saving) or not saving.at_least(MIN_SAVING_SHARE):
+    cap = cap_change.length
+    offered = (_capped(summary, simulation, cap_change), _by_tokens(summary, simulation, tokens_change, cap, longest))
+    remedies = [remedy for remedy in offered if remedy is not None]
+    if not remedies:
         return None
-    cap = change.length
+    title, saving, _ = remedies[0]
     return Advice(
         id=ID,
         severity=Severity.INFO,
-        title=f"Cap sequences at {cap} tokens to lower the peak by about {format_bytes(saving.saving_bytes)}",
+        title=f"{title} to lower the peak by about {format_bytes(saving.saving_bytes)}",
         detail=(
             f"{format_percent(within / total)} of the batches are at most {cap} tokens long, but the longest is"
-            f" {longest}: the few long ones set the peak. Truncate in the tokenizer or the collator, or bucket"
-            " samples by length (or batch by tokens per batch) so a long batch holds fewer sequences.\n"
-            "```python\n"
-            f"tokenizer(texts, max_length={cap}, truncation=True)  # or, in a collate function:\n"
-            f"batch = {{key: value[:, :{cap}] for key, value in batch.items()}}\n"
-            "```"
+            f" {longest}: the few long ones set the peak.\n"
+            + "\n".join(text for _, _, text in remedies)
+            + "\nBucketing by length alone (a length-grouped sampler at a fixed batch size) does not lower this"
+            " peak: the longest bucket's batch has the worst batch's shape."
         ),
         evidence=(
-            f"batch lengths seen: {total} batches, {within} of them at most {cap} tokens, the longest {longest};"
-            f" {saving.evidence}"
+            f"batch lengths seen: {total} batches, {within} of them at most {cap} tokens, the longest {longest}; "
+            + "; ".join(remedy.evidence for _, remedy, _ in remedies)
         ),
         estimated_saving_bytes=saving.saving_bytes,
         saving_basis=saving.basis,
+    )
+
+
+def _capped(summary: RunSummary, simulation: Simulation | None, change: LengthChange) -> _Remedy | None:
+    """Truncating at the cap, where its replay saves enough: its title, saving and text."""
+    cap = change.length
+    saving = _remedy(summary, simulation, change, cap)
+    if saving is None:
+        return None
+    return (
+        f"Cap sequences at {cap} tokens",
+        saving,
+        f"Cap sequences at {cap} tokens (saves about {format_bytes(saving.saving_bytes)}):\n"
+        "```python\n"
+        f"tokenizer(texts, max_length={cap}, truncation=True)  # or, in a collate function:\n"
+        f"batch = {{key: value[:, :{cap}] for key, value in batch.items()}}\n"
+        "```",
+    )
+
+
+def _by_tokens(
+    summary: RunSummary, simulation: Simulation | None, change: StepChange | None, cap: int, longest: int
+) -> _Remedy | None:
+    """Batching by tokens, where its replay saves enough: its title, saving and text (a batch sampler)."""
+    if not isinstance(change, TokensPerBatchChange):
+        return None
+    saving = _remedy(summary, simulation, change, cap)
+    if saving is None:
+        return None
+    tokens = change.tokens
+    return (
+        f"Batch by tokens (at most {tokens:,} a batch)",
+        saving,
+        f"Or keep every token and batch by tokens, at most {tokens:,} a batch (a batch at the cap's), so a"
+        f" {longest}-token batch holds {max(1, tokens // longest)} sequence(s) (saves about"
+        f" {format_bytes(saving.saving_bytes)}):\n"
+        "```python\n"
+        "def batches_by_tokens(lengths, max_tokens):\n"
+        '    """Lists of sample indices, shortest first, each padded batch within max_tokens."""\n'
+        "    batches, batch = [], []\n"
+        "    for index in sorted(range(len(lengths)), key=lengths.__getitem__):\n"
+        "        if batch and lengths[index] * (len(batch) + 1) > max_tokens:\n"
+        "            batches.append(batch)\n"
+        "            batch = []\n"
+        "        batch.append(index)\n"
+        "    return batches + [batch] if batch else batches\n"
+        "\n"
+        f"loader = DataLoader(dataset, batch_sampler=batches_by_tokens(lengths, max_tokens={tokens}),"
+        " collate_fn=collate)\n"
+        "```",
     )
 
 
