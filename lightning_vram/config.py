@@ -138,15 +138,16 @@ class MonitorOptions(TypedDict, total=False):
         max_length: the longest sequence the run is expected to see, along the batch's length dimension (dimension
             1 of its first tensor with two or more: a language model's tokens). Preflight replays the first batch
             resized to it before step 0 (on CUDA it warns when that step would not fit) and the report lists its
-            predicted peak beside the lengths replayed. ``None``: only the lengths that arrive are replayed (the
-            largest when it first arrives). Without it, the DataLoader's own longest length where it tells one: a
-            sampler that lists every sample's length, or a transformers collator padding to its ``max_length``.
+            predicted peak beside the lengths replayed. ``None``: the DataLoader's own longest length where it tells
+            one (a sampler that lists every sample's length, a transformers collator padding to its ``max_length``),
+            else only the lengths that arrive are replayed (the largest when it first arrives).
         max_shape: the largest size of each dimension past the batch's the run is expected to see, for the batch's
             first tensor with two or more dimensions: ``(3, 512, 512)`` for images batched as ``(B, 3, H, W)``,
-            ``(2048,)`` for tokens. Preflight replays the first batch resized to it, as for ``max_length``: every
-            batch tensor's dimension whose size is one of the first batch's sizes of that tensor takes its new size
-            (matched from the last dimension where two sizes are equal: an image and its mask). A batch with another
-            number of dimensions warns and is checked as it is. Not with ``max_length``.
+            ``(2048,)`` for tokens. Preflight replays the first batch resized to it, as for ``max_length``: in every
+            batch tensor, each dimension whose size is one of that first tensor's takes its new size (matched from
+            the last dimension where two of its sizes are equal: an image and its mask); the report lists the peak
+            under the size along the first dimension that changed. A batch with another number of dimensions warns
+            once and is checked as it is. Mutually exclusive with ``max_length``.
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
         clock: the host clock step times and data wait are read from, in seconds; for tests, which script it

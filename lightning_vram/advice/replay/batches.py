@@ -84,10 +84,10 @@ def _new_size(tensor_dims: int, dim: int, old: tuple[int, ...], new: tuple[int, 
 
     ``old`` and ``new`` are the reference tensor's sizes past its batch dimension. Where reference dimensions of the
     same old size get different new sizes, the one at the same place counted from the end wins (an image's
-    ``(B, 3, H, W)`` and its mask's ``(B, H, W)``); where none is there, the first.
+    ``(B, 3, H, W)`` and its mask's ``(B, H, W)``); where none is there, the first. An empty dimension stays empty.
     """
     candidates = [index for index, old_size in enumerate(old) if old_size == size]
-    if not candidates:
+    if not candidates or not size:
         return size
     aligned = len(old) - (tensor_dims - dim)  # the reference dimension at the same place from the end
     chosen = aligned if aligned in candidates else candidates[0]
@@ -119,7 +119,7 @@ def resize_shape(batch: Any, shape: tuple[int, ...]) -> Any:
         ]
         if sizes == list(tensor.shape):
             return tensor
-        repeats = [max(1, -(-new // size)) if size else 1 for size, new in zip(tensor.shape, sizes, strict=True)]
+        repeats = [-(-new // size) if new > size else 1 for size, new in zip(tensor.shape, sizes, strict=True)]
         stretched = tensor.repeat(repeats) if any(repeat > 1 for repeat in repeats) else tensor
         for dim, new in enumerate(sizes):
             if new != tensor.shape[dim]:
