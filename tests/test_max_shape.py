@@ -227,6 +227,26 @@ def test_max_shape_with_other_dimensions_warns_once_and_checks_the_batch_as_it_i
     assert not any(row.predicted for row in report.shapes.lengths)
 
 
+def test_max_shape_on_the_cpu_predicts_the_largest_shape_and_says_nothing_of_fitting(tmp_path: Path) -> None:
+    monitor = VramMonitor(
+        attribution_start_step=2, attribution_every_n_steps=None, console_summary=False, max_shape=(3, 64, 48)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [monitor], max_steps=STEPS).fit(conv_net(), image_loader())
+    assert not any("out of memory" in str(item.message) or "max_shape" in str(item.message) for item in caught)
+    report = monitor.report
+    assert report is not None and report.shapes is not None and monitor.session.preflight_verdict is None
+    predicted = [row for row in report.shapes.lengths if row.predicted]
+    assert [row.length for row in predicted] == [64]
+    expected = predict(conv_net(), images(64, 48), device_type="cpu", fit_table=False)
+    assert expected.step is not None
+    first_pixels = images(*SIZES[0])[0]  # the first batch's images stay alive beside their resized copy
+    alive = first_pixels.numel() * first_pixels.element_size()
+    assert predicted[0].peak_bytes == expected.step.reported_bytes(expected.step.reported_peak) + alive
+    assert predicted[0].peak_bytes > max(row.peak_bytes for row in report.shapes.lengths if not row.predicted)
+
+
 def test_training_is_bit_identical_with_max_shape(tmp_path: Path) -> None:
     def build() -> Case:
         return Case(conv_net(), image_loader())
