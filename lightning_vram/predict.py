@@ -115,8 +115,9 @@ def _expected_shape(batch: Any, max_length: int | None, max_shape: tuple[int, ..
         return None
     old = reference_shape(batch)
     if old is None:
-        name, what = ("max_length", "its length is dim 1") if max_shape is None else ("max_shape", "its sizes past 0")
-        raise ValueError(f"{name} needs a batch with a tensor of two or more dimensions ({what})")
+        if max_shape is None:
+            raise ValueError("max_length needs a batch with a tensor of two or more dimensions (its length is dim 1)")
+        raise ValueError("max_shape needs a batch with a tensor of two or more dimensions (its sizes past dim 0)")
     if max_length is not None:
         return length_shape(batch, max_length)
     if max_shape is not None and len(max_shape) != len(old):
