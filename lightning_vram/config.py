@@ -31,7 +31,9 @@ MAX_WORLD_SIZE = 10**7
 MAX_REPLAY_BUDGET_SECONDS = 3600.0
 """Upper bound of ``replay_budget_seconds``: an hour of host time, far above what a replay of a large model takes."""
 MAX_LENGTH = 10**9
-"""Upper bound of ``max_length`` (elements along a batch dimension)."""
+"""Upper bound of ``max_length`` and of each size of ``max_shape`` (elements along a batch dimension)."""
+MAX_SHAPE_DIMS = 64
+"""Upper bound of the dimensions of ``max_shape`` (torch's own limit on a tensor's dimensions)."""
 
 
 def require_int(name: str, value: object, minimum: int, maximum: int, allow_none: bool = False) -> None:
@@ -45,6 +47,37 @@ def require_int(name: str, value: object, minimum: int, maximum: int, allow_none
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     if value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+def require_shape(name: str, value: object) -> None:
+    """Check that ``value`` is ``None`` or a non-empty tuple of ints from 1 to :data:`MAX_LENGTH`, naming ``name``.
+
+    Whether it has as many sizes as the batch has dimensions past its batch dimension is checked when the batch is
+    seen.
+
+    >>> require_shape("max_shape", (3, 0))
+    Traceback (most recent call last):
+    ...
+    ValueError: max_shape must be a tuple of ints >= 1 (a size per dimension past the batch's), got (3, 0)
+    """
+    if value is None:
+        return
+    what = "a tuple of ints >= 1 (a size per dimension past the batch's)"
+    if not isinstance(value, tuple) or not all(type(size) is int for size in value):
+        raise TypeError(f"{name} must be {what} or None, got {value!r} ({type(value).__name__})")
+    if not value or len(value) > MAX_SHAPE_DIMS or not all(size >= 1 for size in value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    if max(value) > MAX_LENGTH:
+        raise ValueError(f"{name} must have sizes <= {MAX_LENGTH}, got {value!r}")
+
+
+def require_one_of(first: str, first_value: object, second: str, second_value: object) -> None:
+    """Refuse ``first`` and ``second`` given together (both not ``None``): they say the same thing two ways."""
+    if first_value is not None and second_value is not None:
+        raise ValueError(
+            f"{first} and {second} are mutually exclusive: give one, got {first}={first_value!r} and"
+            f" {second}={second_value!r}"
+        )
 
 
 def _require_seconds(name: str, value: object, minimum: float, maximum: float) -> None:
@@ -105,8 +138,16 @@ class MonitorOptions(TypedDict, total=False):
         max_length: the longest sequence the run is expected to see, along the batch's length dimension (dimension
             1 of its first tensor with two or more: a language model's tokens). Preflight replays the first batch
             resized to it before step 0 (on CUDA it warns when that step would not fit) and the report lists its
-            predicted peak beside the lengths replayed. ``None``: only the lengths that arrive are replayed (the
-            largest when it first arrives).
+            predicted peak beside the lengths replayed. ``None``: the DataLoader's own longest length where it tells
+            one (a sampler that lists every sample's length, a transformers collator padding to its ``max_length``),
+            else only the lengths that arrive are replayed (the largest when it first arrives).
+        max_shape: the largest size of each dimension past the batch's the run is expected to see, for the batch's
+            first tensor with two or more dimensions: ``(3, 512, 512)`` for images batched as ``(B, 3, H, W)``,
+            ``(2048,)`` for tokens. Preflight replays the first batch resized to it, as for ``max_length``: in every
+            batch tensor, each dimension whose size is one of that first tensor's takes its new size (matched from
+            the last dimension where two of its sizes are equal: an image and its mask); the report lists the peak
+            under the size along the first dimension that changed. A batch with another number of dimensions warns
+            once and is checked as it is. Mutually exclusive with ``max_length``.
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
         clock: the host clock step times and data wait are read from, in seconds; for tests, which script it
@@ -126,6 +167,7 @@ class MonitorOptions(TypedDict, total=False):
     replay_budget_seconds: float
     preflight: bool
     max_length: int | None
+    max_shape: tuple[int, ...] | None
     probe: Probe | None
     clock: Clock
 
@@ -168,6 +210,7 @@ class MonitorConfig:
     replay_budget_seconds: float = 30.0
     preflight: bool = True
     max_length: int | None = None
+    max_shape: tuple[int, ...] | None = None
     probe: Probe | None = field(default=None, compare=False)
     clock: Clock = field(default=time.perf_counter, compare=False)
 
@@ -186,6 +229,8 @@ class MonitorConfig:
         _require_budget("replay_budget_seconds", self.replay_budget_seconds, MAX_REPLAY_BUDGET_SECONDS)
         _require_bool("preflight", self.preflight)
         require_int("max_length", self.max_length, 1, MAX_LENGTH, allow_none=True)
+        require_shape("max_shape", self.max_shape)
+        require_one_of("max_length", self.max_length, "max_shape", self.max_shape)
         probe = self.probe
         if isinstance(probe, type):
             raise TypeError(

@@ -8,6 +8,7 @@ For a notebook or a laptop deciding which GPU to rent::
     prediction.step.peak            # the highest phase: predicted allocator peak and its breakdown
     prediction.fit                  # the largest batch that fits each common GPU
     predict(model, batch, max_length=2048)  # the same for the longest sequence expected
+    predict(model, images, max_shape=(3, 512, 512))  # or the largest shape: images of up to 512x512
 
 The step is replayed under fake tensors (:mod:`lightning_vram.advice.replay`): the model's own ``training_step``,
 loss and ``configure_optimizers``, on the batch's shapes and dtypes, after one uncounted warm-up step so that
@@ -23,11 +24,11 @@ import torch
 from torch import nn
 
 from lightning_vram.advice.catalogue import DEFAULT_CUDA_CONTEXT_BYTES
-from lightning_vram.advice.replay.batches import batch_length, resize_length
+from lightning_vram.advice.replay.batches import length_shape, reference_shape, resize_shape
 from lightning_vram.advice.replay.escapes import round_of_replays
 from lightning_vram.advice.replay.fit_table import replayed_fit_table
 from lightning_vram.advice.replay.step import replay_step
-from lightning_vram.config import MAX_LENGTH, require_int
+from lightning_vram.config import MAX_LENGTH, require_int, require_one_of, require_shape
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
 
@@ -41,6 +42,7 @@ def predict(
     fit_table: bool = True,
     budget_seconds: float = 60.0,
     max_length: int | None = None,
+    max_shape: tuple[int, ...] | None = None,
 ) -> Prediction:
     """Predict one steady training step's memory, phase by phase, and the largest batch per common GPU.
 
@@ -61,6 +63,11 @@ def predict(
         max_length: predict for the batch resized to this length along its length dimension (dimension 1 of its
             first tensor with two or more: a language model's tokens), the longest the run expects; the resized
             batch is allocated where ``batch`` is (its values tiled along the length).
+        max_shape: predict for the batch resized to this shape past its batch dimension, for its first tensor with
+            two or more dimensions (``(3, 512, 512)`` for images batched as ``(B, 3, H, W)``): in every batch tensor,
+            each dimension past the first whose size is one of that tensor's takes its new size (tiled, or cut),
+            matched from the last dimension where two of its sizes are equal (an image and its mask). Not with
+            ``max_length``.
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
@@ -71,11 +78,9 @@ def predict(
         raise ValueError(f"cuda_context_bytes must be an int >= 0, got {cuda_context_bytes!r}")
     if isinstance(budget_seconds, bool) or not isinstance(budget_seconds, (int, float)) or not budget_seconds > 0:
         raise ValueError(f"budget_seconds must be a number of seconds > 0, got {budget_seconds!r}")
-    if max_length is not None:
-        require_int("max_length", max_length, 1, MAX_LENGTH)
-        if batch_length(batch) is None:
-            raise ValueError("max_length needs a batch with a tensor of two or more dimensions (its length is dim 1)")
-        batch = resize_length(batch, max_length)
+    shape = _expected_shape(batch, max_length, max_shape)
+    if shape is not None:
+        batch = resize_shape(batch, shape)
     device, notes = _replay_device(device_type)
     deadline = time.perf_counter() + budget_seconds
     with round_of_replays():
@@ -99,6 +104,28 @@ def predict(
             if search.missing is not None:
                 notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
         return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
+
+
+def _expected_shape(batch: Any, max_length: int | None, max_shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The shape past the batch dimension ``max_length`` or ``max_shape`` asks for (``None``: neither); checked."""
+    require_int("max_length", max_length, 1, MAX_LENGTH, allow_none=True)
+    require_shape("max_shape", max_shape)
+    require_one_of("max_length", max_length, "max_shape", max_shape)
+    if max_length is None and max_shape is None:
+        return None
+    old = reference_shape(batch)
+    if old is None:
+        if max_shape is None:
+            raise ValueError("max_length needs a batch with a tensor of two or more dimensions (its length is dim 1)")
+        raise ValueError("max_shape needs a batch with a tensor of two or more dimensions (its sizes past dim 0)")
+    if max_length is not None:
+        return length_shape(batch, max_length)
+    if max_shape is not None and len(max_shape) != len(old):
+        raise ValueError(
+            "max_shape must have a size per dimension past the batch's of its first tensor with two or more"
+            f" ({len(old)}: {old}), got {max_shape!r}"
+        )
+    return max_shape
 
 
 def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:

@@ -92,6 +92,43 @@ def test_the_largest_settings_allowed_are_accepted(build: Any) -> None:
     assert build(utilization_interval_seconds=0.01).config.utilization_interval_seconds == 0.01
 
 
+MAX_SHAPE_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"max_shape": (3, 0, 8)}, ValueError, "max_shape must be a tuple of ints >= 1 (a size per dimension past the"),
+    ({"max_shape": (3, -1)}, ValueError, "max_shape must be a tuple of ints >= 1 (a size per dimension past the"),
+    ({"max_shape": ()}, ValueError, "batch's), got ()"),
+    ({"max_shape": tuple(range(1, 66))}, ValueError, "max_shape must be a tuple of ints >= 1"),
+    ({"max_shape": (3, 10**10)}, ValueError, "max_shape must have sizes <= 1000000000, got (3, 10000000000)"),
+    ({"max_shape": [3, 8, 8]}, TypeError, "max_shape must be a tuple of ints >= 1 (a size per"),
+    ({"max_shape": 512}, TypeError, "batch's) or None, got 512 (int)"),
+    ({"max_shape": "3x8x8"}, TypeError, "batch's) or None, got '3x8x8' (str)"),
+    ({"max_shape": (3, 8.0)}, TypeError, "batch's) or None, got (3, 8.0) (tuple)"),
+    ({"max_shape": (3, True)}, TypeError, "batch's) or None, got (3, True) (tuple)"),
+    (
+        {"max_shape": (3, 8, 8), "max_length": 8},
+        ValueError,
+        "max_length and max_shape are mutually exclusive: give one, got max_length=8 and max_shape=(3, 8, 8)",
+    ),
+]
+
+
+@pytest.mark.parametrize("build", [VramMonitor, VramSession], ids=["VramMonitor", "VramSession"])
+@pytest.mark.parametrize(
+    ("options", "error", "message"), MAX_SHAPE_ERRORS, ids=[str(case[0])[:40] for case in MAX_SHAPE_ERRORS]
+)
+def test_a_bad_max_shape_fails_at_construction_naming_it(
+    build: Any, options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)) as raised:
+        build(**options)
+    assert "max_shape" in str(raised.value)
+
+
+def test_max_shape_is_accepted_and_kept() -> None:
+    assert VramMonitor(max_shape=(3, 512, 384)).config.max_shape == (3, 512, 384)
+    assert VramSession(max_shape=torch.Size([2048])).config.max_shape == (2048,)
+    assert VramMonitor(max_length=2048).config.max_shape is None
+
+
 def test_a_clock_that_is_not_callable_fails_at_construction() -> None:
     with pytest.raises(TypeError, match=re.escape("clock must be a callable returning seconds, got float")):
         VramSession(clock=1.5)  # type: ignore[arg-type]

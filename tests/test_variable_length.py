@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import ShapeRecorder
+from lightning_vram.measure.setup import longest_sample
 from lightning_vram.predict import predict
 from lightning_vram.records import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.json_reader import FormatError
@@ -215,6 +216,72 @@ def test_a_length_grouped_sampler_tells_the_longest_length_before_step_0(tmp_pat
 
     sampler = LengthGroupedSampler(BATCH, lengths=lengths())
     data = DataLoader(Sequences(), batch_size=BATCH, sampler=sampler, collate_fn=pad)
+    monitor, messages, at_first_step = small_device_run(tmp_path, data)
+    assert at_first_step == [1] and f"batches {LONG} long, the longest expected" in messages[0]
+    report = monitor.report
+    assert report is not None and report.shapes is not None
+    assert [row.length for row in report.shapes.lengths if row.predicted] == [LONG]
+
+
+class PadTo:
+    """A collator as transformers' keep theirs: ``max_length`` and ``padding`` attributes, each batch padded to it."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length, self.padding = max_length, "max_length"
+
+    def __call__(self, samples: list[torch.Tensor]) -> tuple[torch.Tensor]:
+        padded = torch.zeros(len(samples), self.max_length, dtype=samples[0].dtype)
+        for row, sample in zip(padded, samples, strict=True):
+            row[: len(sample)] = sample
+        return (padded,)
+
+
+class Computed:
+    """Its ``max_length`` is computed by a property: reading it would run the collator's own code."""
+
+    padding = "max_length"
+
+    @property
+    def max_length(self) -> int:
+        raise AssertionError("the monitor ran the collator's code")
+
+
+def tokenizer() -> Any:
+    """A transformers tokenizer built in memory (two words, no download)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(WordLevel({"[PAD]": 0, "a": 1}, unk_token="[PAD]"))
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]")
+
+
+def test_a_transformers_collator_padding_to_max_length_tells_the_longest_length() -> None:
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
+    from transformers.utils import PaddingStrategy
+
+    def loader(collator: Any, sampler: Any = None) -> DataLoader[Any]:
+        return DataLoader(Sequences(), batch_size=BATCH, sampler=sampler, collate_fn=collator)
+
+    padding = DataCollatorWithPadding(tokenizer(), padding="max_length", max_length=LONG)
+    assert padding([{"input_ids": [1, 1]}, {"input_ids": [1]}])["input_ids"].shape == (2, LONG)
+    assert longest_sample(loader(padding)) == LONG
+    enum = DataCollatorForSeq2Seq(tokenizer(), padding=PaddingStrategy.MAX_LENGTH, max_length=LONG)
+    assert longest_sample(loader(enum)) == LONG
+    # Padded to each batch's longest, or without a length: the collator tells nothing.
+    assert longest_sample(loader(DataCollatorWithPadding(tokenizer(), padding=True, max_length=LONG))) is None
+    assert longest_sample(loader(DataCollatorWithPadding(tokenizer(), padding="max_length"))) is None
+    assert longest_sample(loader(Computed())) is None and longest_sample(loader(pad)) is None
+    # With a sampler listing every length: the longer of the two.
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    sampler = LengthGroupedSampler(BATCH, lengths=lengths())
+    assert longest_sample(loader(PadTo(2 * LONG), sampler)) == 2 * LONG
+    assert longest_sample(loader(PadTo(16), sampler)) == LONG
+
+
+def test_a_collator_padding_to_max_length_tells_the_longest_length_before_step_0(tmp_path: Path) -> None:
+    data = DataLoader(Sequences(), batch_size=BATCH, collate_fn=PadTo(LONG))
     monitor, messages, at_first_step = small_device_run(tmp_path, data)
     assert at_first_step == [1] and f"batches {LONG} long, the longest expected" in messages[0]
     report = monitor.report

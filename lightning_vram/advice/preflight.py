@@ -4,9 +4,9 @@ The first step is replayed under fake tensors with one uncounted warm-up step (s
 exist as they will from step 1 on). Memory already allocated (the model, the batch) is in the replay too, so what
 the step still needs is the replayed peak minus what is allocated now; what it can have is the driver's free
 memory plus the allocator's cached, unused blocks. When it does not fit, each candidate change is replayed the
-same way and the warning lists them, largest saving first, marking those that make the step fit. Given the longest
-length the run expects (``max_length``), the first batch is replayed resized to it: the check is for the longest
-batch, before it arrives.
+same way and the warning lists them, largest saving first, marking those that make the step fit. Given the largest
+shape the run expects (``max_shape``, or the shape ``max_length`` means), the first batch is replayed resized to it:
+the check is for the largest batch, before it arrives.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def preflight(
     precision: str,
     step_function: StepFunction,
     budget_seconds: float,
-    length: int | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> PreflightVerdict | str:
     """Replay the first step; the verdict, or why it could not be replayed.
 
@@ -77,7 +77,8 @@ def preflight(
         step_function: runs the training step on the replay's module.
         budget_seconds: host seconds for all the replays; one running when they end stops at its next op, and
             changes not reached in time are left out.
-        length: replay the batch resized to this length (``max_length``); ``None``: as it is.
+        shape: replay the batch resized to this shape past its batch dimension (``max_shape``, or the shape
+            ``max_length`` means); ``None``: as it is.
     """
     deadline = time.perf_counter() + budget_seconds
 
@@ -91,7 +92,7 @@ def preflight(
             warm_up=True,
             change=change,
             deadline=deadline,
-            length=length,
+            shape=shape,
         )
 
     with round_of_replays():
@@ -117,20 +118,20 @@ def preflight(
         return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))
 
 
-def replay_length(
+def replay_resized(
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     batch: Any,
     *,
-    length: int,
+    shape: tuple[int, ...] | None,
     precision: str,
     step_function: StepFunction,
     budget_seconds: float,
 ) -> ReplayedStep | str:
-    """Replay the first step with its batch resized to ``length`` (after a warm-up step); or why it could not be.
+    """Replay the first step with its batch resized to ``shape`` (after a warm-up step); or why it could not be.
 
-    Where no free memory is known (the CPU): the prediction for the report's table of peaks per length. Raises what
-    :func:`preflight` raises.
+    ``shape``: the sizes past the batch dimension (elements; ``None``: as it is). Where no free memory is known (the
+    CPU): the prediction for the report's table of peaks per length. Raises what :func:`preflight` raises.
     """
     with round_of_replays():
         replayed = replay_step(
@@ -141,6 +142,6 @@ def replay_length(
             step_function=step_function,
             warm_up=True,
             deadline=time.perf_counter() + budget_seconds,
-            length=length,
+            shape=shape,
         )
     return replayed if isinstance(replayed, ReplayedStep) else replayed.reason

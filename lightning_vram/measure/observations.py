@@ -107,8 +107,8 @@ def _storage_key(tensor: Tensor, key_of: StorageKey) -> tuple[int, _Alive] | Non
     return (key, _Alive(storage)) if key else None
 
 
-def stored_attribute(module: nn.Module, name: str) -> object | None:
-    """The plain value ``module`` stores under ``name`` (its own or its class's), read without running user code.
+def stored_attribute(module: object, name: str) -> object | None:
+    """The plain value ``module`` (or any object) stores under ``name`` (its own or its class's), without running code.
 
     ``inspect.getattr_static`` reads the instance and class dictionaries as they are: a property, a ``__getattr__``
     or any other descriptor is never run (a user's module may compute anything there), and reads as ``None``, as

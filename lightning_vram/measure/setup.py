@@ -44,17 +44,40 @@ def first_dataloader(loaders: Any) -> DataLoader[Any] | None:
 
 
 def longest_sample(loader: DataLoader[Any] | None) -> int | None:
-    """The longest sample ``loader`` yields, where its sampler lists every sample's length; else ``None``.
+    """The longest sample ``loader`` yields (elements along the batch's length), where it tells; else ``None``.
 
-    transformers' ``LengthGroupedSampler`` keeps them in ``lengths``: read from the sampler's ``__dict__``, without
-    running its code.
+    Where its sampler lists every sample's length (transformers' ``LengthGroupedSampler`` keeps them in
+    ``lengths``), the longest; where its collator pads every batch to its ``max_length``, that one; both: the larger.
+    Read from the objects' ``__dict__``, without running their code.
     """
+    known = [length for length in (_sampler_longest(loader), collator_max_length(loader)) if length is not None]
+    return max(known) if known else None
+
+
+def _sampler_longest(loader: DataLoader[Any] | None) -> int | None:
+    """The longest of the sampler's ``lengths`` (a list of ints), or ``None`` where it has none."""
     attributes = getattr(getattr(loader, "sampler", None), "__dict__", None)
     lengths = attributes.get("lengths") if type(attributes) is dict else None
     if type(lengths) is not list or not lengths or not all(type(length) is int for length in lengths):
         return None
     longest: int = max(lengths)
     return longest
+
+
+def collator_max_length(loader: DataLoader[Any] | None) -> int | None:
+    """The ``max_length`` (tokens) ``loader``'s collator pads every batch to, or ``None`` where it does not.
+
+    transformers' ``DataCollatorWithPadding``, ``DataCollatorForSeq2Seq`` and ``DataCollatorForTokenClassification``
+    keep ``max_length`` and ``padding`` as attributes: an int ``max_length`` counts where ``padding`` is
+    ``"max_length"`` (a str or transformers' ``PaddingStrategy.MAX_LENGTH``, a str enum); with ``padding=True``
+    (``"longest"``) a batch is only as long as its longest sample. Read as stored (``inspect.getattr_static``) and
+    compared with str's own comparison, without running the collator's code.
+    """
+    collator = inspect.getattr_static(loader, "collate_fn", None) if loader is not None else None
+    length, padding = stored_attribute(collator, "max_length"), stored_attribute(collator, "padding")
+    if type(length) is not int or length < 1 or not isinstance(padding, str):
+        return None
+    return length if str.__eq__(padding, "max_length") else None
 
 
 def cpu_cores() -> int:

@@ -298,8 +298,9 @@ class TrainingSetup:
     """Why the model looks like a transformer or a language model (``"attention modules (GPT2Attention)"``), or
     ``None`` when nothing says so: the advice then weighs what a change of optimizer does to convergence."""
     longest_sample: int | None = None
-    """The longest sample the training DataLoader will yield, where its sampler knows every sample's length (a
-    length-grouped sampler's ``lengths``); ``None`` where it does not say."""
+    """The longest sample the training DataLoader will yield (elements along the batch's length), where it tells: its
+    sampler knows every sample's length (a length-grouped sampler's ``lengths``), or its collator pads every batch to
+    its ``max_length``; ``None`` where it does not say."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ class LengthPeak:
     """A batch length and the peak its step was replayed at (bytes).
 
     ``length`` is the size along the batch's varying dimension (tokens for a language model); ``step`` is the
-    training step whose batch was replayed, ``None`` for a length predicted before it was seen (``max_length``).
+    training step whose batch was replayed, ``None`` for a length predicted before it was seen (``max_length``; for
+    ``max_shape``, the size along the first dimension it changes).
     """
 
     length: int

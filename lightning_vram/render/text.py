@@ -289,11 +289,14 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
     return "\n".join(lines) + "\n"
 
 
-def preflight_warning(verdict: PreflightVerdict, device: str, length: int | None = None) -> str:
+def preflight_warning(
+    verdict: PreflightVerdict, device: str, length: int | None = None, shape: tuple[int, ...] | None = None
+) -> str:
     """The warning given before a first step that is predicted not to fit on ``device``.
 
     ``length``: the step replayed was the first one with its batch resized to this length (the longest expected:
-    ``max_length``, or the DataLoader's sampler's).
+    ``max_length``, or the DataLoader's own). ``shape``: resized to this shape past the batch dimension
+    (``max_shape``).
     """
     peak = verdict.step.peak
     shortfall = verdict.needed_bytes - verdict.available_bytes
@@ -301,6 +304,8 @@ def preflight_warning(verdict: PreflightVerdict, device: str, length: int | None
     what = "the first training step"
     if length is not None:
         what = f"a training step on batches {length:,} long, the longest expected,"
+    if shape is not None:
+        what = f"a training step on batches of {shape_text(shape)} per sample, the largest expected,"
     text = (
         f"VramMonitor: {what} is predicted to run out of memory in {peak.phase.value} on"
         f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
@@ -315,6 +320,27 @@ def preflight_warning(verdict: PreflightVerdict, device: str, length: int | None
         for remedy in verdict.remedies
     )
     return f"{text} Replayed changes, largest saving first: {listed}."
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """A shape as the warnings write it (elements per dimension).
+
+    >>> shape_text((3, 512, 384))
+    '3x512x384'
+    """
+    return "x".join(f"{size:,}" for size in shape)
+
+
+def shape_mismatch_warning(shape: tuple[int, ...], batch_shape: tuple[int, ...] | None) -> str:
+    """The warning given when ``max_shape`` does not have a size for each dimension of the batch past its first."""
+    seen = "it has no tensor with two or more dimensions"
+    if batch_shape is not None:
+        sizes = f"{len(batch_shape)} past the batch's ({shape_text(batch_shape)})"
+        seen = f"its first tensor with two or more dimensions has {sizes}"
+    return (
+        f"VramMonitor: max_shape={shape} has {len(shape)} sizes but the first batch does not match: {seen}. The first"
+        " step is checked as it is; give a size for each dimension past the batch's."
+    )
 
 
 def worst_batch_warning(step: int, length: int | None, peak_bytes: int, total_bytes: int) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
-from lightning_vram.advice.preflight import candidate_changes, preflight, replay_length
+from lightning_vram.advice.preflight import candidate_changes, preflight, replay_resized
+from lightning_vram.advice.replay.batches import length_shape, reference_shape, shape_length
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig
@@ -42,7 +43,7 @@ from lightning_vram.records import (
     Simulation,
     TrainingSetup,
 )
-from lightning_vram.render.text import preflight_warning, worst_batch_warning
+from lightning_vram.render.text import preflight_warning, shape_mismatch_warning, worst_batch_warning
 from lightning_vram.session.context import RunContext
 
 GROWTH = 1.1
@@ -69,15 +70,16 @@ class Advisor:
         self.replayed_step: int | None = None
         """The step whose batch :attr:`simulation` replayed."""
         self.lengths: list[LengthPeak] = []
-        """Each batch length replayed (or predicted for ``max_length``) with its peak."""
+        """Each batch length replayed (or predicted for ``max_length`` or ``max_shape``) with its peak."""
         self._taken_elements: int | None = None  # the most elements of a batch counted (and replayed) so far
         self._worst_replays = 0
 
     def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
-        """Before the first step: replay it (resized to the longest length expected) and on CUDA warn if it won't fit.
+        """Before the first step: replay it (resized to the largest shape expected) and on CUDA warn if it won't fit.
 
-        The longest length is ``max_length``, else the DataLoader's own (a sampler that lists every sample's length).
-        On the CPU only that length is replayed, for the report's peak per length: nothing is said about fitting.
+        The largest shape is ``max_shape``, else the one the longest length means: ``max_length``, else the
+        DataLoader's own (see :meth:`_expected`). On the CPU only that shape is replayed, for the report's peak per
+        length: nothing is said about fitting.
         """
         context, config = self._context, self._config
         budget, on_cuda = config.replay_budget_seconds, device.type == "cuda"
@@ -89,9 +91,10 @@ class Advisor:
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
             return
         training = self._guard.call(Part.REPLAY, context.setup)
-        # The longest length expected: the option, else the DataLoader's sampler where it lists every sample's.
-        length = config.max_length or (training.longest_sample if training is not None else None)
-        if training is None or not (on_cuda or length is not None):
+        if training is None:
+            return
+        shape, length = self._expected(batch, training)
+        if not (on_cuda or length is not None):
             return
 
         def replay() -> PreflightVerdict | ReplayedStep | None:
@@ -100,11 +103,11 @@ class Advisor:
             if free is None or reading is None:
                 if length is None:
                     return None
-                step = replay_length(
+                step = replay_resized(
                     model,
                     optimizers,
                     batch,
-                    length=length,
+                    shape=shape,
                     precision=precision,
                     step_function=step_function,
                     budget_seconds=budget,
@@ -120,7 +123,7 @@ class Advisor:
                 precision=precision,
                 step_function=step_function,
                 budget_seconds=budget,
-                length=length,
+                shape=shape,
             )
             return verdict if isinstance(verdict, PreflightVerdict) else None
 
@@ -131,8 +134,30 @@ class Advisor:
         if isinstance(step, ReplayedStep) and length is not None:
             self.lengths.append(LengthPeak(length, step.reported_bytes(step.reported_peak), None))
         if verdict is not None and not verdict.fits:
-            warning = preflight_warning(verdict, f"{device.name} ({device.type}:{device.index})", length)
+            where = f"{device.name} ({device.type}:{device.index})"
+            if config.max_shape is not None:
+                warning = preflight_warning(verdict, where, shape=shape)
+            else:
+                warning = preflight_warning(verdict, where, length)
             warnings.warn(warning, VramMonitorWarning, stacklevel=4)
+
+    def _expected(self, batch: Any, training: TrainingSetup) -> tuple[tuple[int, ...] | None, int | None]:
+        """The largest shape expected past the batch dimension, and its length in the report's peak per length.
+
+        ``max_shape``; else the shape the longest length means (``max_length``, else the DataLoader's own: a sampler
+        that lists every sample's length, a transformers collator padding to its ``max_length``). ``(None, None)``
+        when none is known, or when ``max_shape`` does not fit the batch's dimensions (warned once: the first step
+        is checked as it is). A length without a shape (a batch of vectors) is replayed as it is.
+        """
+        config = self._config
+        if config.max_shape is None:
+            length = config.max_length or training.longest_sample
+            return (length_shape(batch, length) if length is not None else None), length
+        old = reference_shape(batch)
+        if old is None or len(old) != len(config.max_shape):
+            warnings.warn(shape_mismatch_warning(config.max_shape, old), VramMonitorWarning, stacklevel=5)
+            return None, None
+        return config.max_shape, shape_length(old, config.max_shape)
 
     def worth_counting(self, elements: int) -> bool:
         """Whether a new largest batch of ``elements`` is worth counting (and replaying, where replays run).

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.advice.replay._fake import FakeTensor, FakeTensorMode
-from lightning_vram.advice.replay.batches import move_batch, resize_batch, resize_length, sequences_within
+from lightning_vram.advice.replay.batches import move_batch, resize_batch, resize_length, resize_shape, sequences_within
 from lightning_vram.advice.replay.changes import change_module
 from lightning_vram.advice.replay.checkpoint_frames import CheckpointFrames
 from lightning_vram.advice.replay.containment import OUTSIDE_TENSOR_BYTES, ContainmentError, contained, fresh_cache
@@ -106,9 +106,9 @@ class _Run:
         change: StepChange | None,
         step_function: StepFunction,
         placement: torch.device | None,
-        length: int | None = None,
+        shape: tuple[int, ...] | None = None,
     ) -> None:
-        self.length = length
+        self.shape = shape
         self.device = device
         self.precision = precision
         self.change = change
@@ -123,8 +123,8 @@ class _Run:
 
     def prepare_batch(self, batch: Any) -> Any:
         change = self.change
-        if self.length is not None:
-            batch = resize_length(batch, self.length)
+        if self.shape is not None:
+            batch = resize_shape(batch, self.shape)
         if isinstance(change, LengthChange):
             batch = resize_length(batch, change.length)
         if isinstance(change, BatchSizeChange | TokensPerBatchChange):
@@ -250,7 +250,7 @@ def replay_step(
     placement: torch.device | None = None,
     gradients_at_forward: bool = True,
     deadline: float | None = None,
-    length: int | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> ReplayedStep | ReplaySkipped:
     """Replay one training step of ``module`` on fake tensors and count it.
 
@@ -275,8 +275,8 @@ def replay_step(
         gradients_at_forward: whether the previous step's gradients are alive when the forward pass starts, as under
             Lightning's default; ``False`` where the run frees them first (its own ``on_train_batch_start``).
         deadline: ``time.perf_counter()`` (seconds) past which the replay stops at its next op; ``None``: no limit.
-        length: replay the batch resized to this length (see
-            :func:`~lightning_vram.advice.replay.batches.resize_length`); ``None``: as it is.
+        shape: replay the batch resized to this shape past its batch dimension (see
+            :func:`~lightning_vram.advice.replay.batches.resize_shape`); ``None``: as it is.
 
     Returns:
         The replayed step, or why it could not be replayed.
@@ -289,7 +289,7 @@ def replay_step(
     except ValueError as error:
         return ReplaySkipped(str(error))
     counted_device = device or placement or module_device(module)
-    run = _Run(counted_device, plan, change, step_function, placement, length)
+    run = _Run(counted_device, plan, change, step_function, placement, shape)
     shared = [*shared_arrays(module), *shared_arrays(batch)]
     inside = inside_ids(module)
     reach = reach_of(code_roots(module, step_function, optimizers or (), batch), inside)
