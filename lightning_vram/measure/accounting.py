@@ -90,6 +90,7 @@ class StepAttributor:
         """What the counting skipped and why, by what; shared with the caller when it passes its own dict."""
         self._lazy_parameters = True
         self._parameters = StorageBytes()
+        self._parameter_bytes = 0
         self._parameter_tensors: tuple[Tensor, ...] = ()
         """The module's parameters as the step begins: FSDP2's sharded ones, which hold the gradients while the
         module shows its unsharded ones."""
@@ -134,6 +135,7 @@ class StepAttributor:
         if self._lazy_parameters:
             self._parameter_tensors = tuple(self._module.parameters())
             self._parameters = parameter_storages(self._module, self._device, self._key_of)
+            self._parameter_bytes = sum(self._parameters.values())
             self._note_uncounted(self._parameters.uncounted)
             self._lazy_parameters = any(is_lazy(parameter) for parameter in self._module.parameters())
 
@@ -145,6 +147,21 @@ class StepAttributor:
         )
         self._note_uncounted(gradients.uncounted | state.uncounted)
         return sum(gradients.values()), sum(state.values())
+
+    @property
+    def current_module(self) -> str | None:
+        """The module whose forward runs now (the innermost; ``None`` outside any, as in most of backward)."""
+        return self._module_stack[-1] if self._module_stack else None
+
+    def live_parts(self) -> tuple[int, int, int, int]:
+        """(parameters, gradients, optimizer state, activations) alive now, in bytes, from what is kept anyway.
+
+        Cheap enough to read after every op: parameters (this rank's shards), the optimizer state as the segment
+        began, the gradients as the segment began or, during backward, as the gradient ledger last saw them, and
+        the activations autograd holds now (FSDP2's gathered parameters are left to the caller's remainder).
+        """
+        gradients = self._gradients.gradient_bytes if self._gradients is not None else self._segment_state[0]
+        return self._parameter_bytes, gradients, self._segment_state[1], self._ledger.live_bytes
 
     def begin_forward(self, batch: Any = None) -> None:
         """Watch saved tensors and module calls until ``finish``; the state alive is counted at the first module call.

@@ -224,6 +224,8 @@ class GradientLedger:
         self.activations_at_peak = 0
         self.transient_at_peak = 0
         """FSDP2's unsharded parameters alive at the peak (see :class:`UnshardedParameters`)."""
+        self.gradient_bytes = 0
+        """Gradient bytes alive at the last :meth:`observe`."""
         self.observe()
 
     def _storages(self, gradient: Tensor) -> StorageBytes:
@@ -246,7 +248,7 @@ class GradientLedger:
         unique: dict[int, int] = {}
         for storages in self._by_tensor.values():
             unique.update(storages)
-        gradient_bytes = sum(unique.values())
+        gradient_bytes = self.gradient_bytes = sum(unique.values())
         activation_bytes, transient = self._activations.live_bytes, self._activations.transient_bytes
         if gradient_bytes + activation_bytes + transient > self.peak_bytes:
             self.peak_bytes = gradient_bytes + activation_bytes + transient

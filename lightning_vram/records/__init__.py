@@ -54,6 +54,7 @@ from lightning_vram.records.simulation import (
     TokensPerBatchChange,
     VariantResult,
 )
+from lightning_vram.records.timeline import StepTimeline, TimelinePoint
 
 __all__ = [
     "CATEGORIES",
@@ -103,7 +104,9 @@ __all__ = [
     "Simulation",
     "StepChange",
     "StepPoint",
+    "StepTimeline",
     "TensorShapes",
+    "TimelinePoint",
     "TimingSummary",
     "TokensPerBatchChange",
     "TrainingSetup",

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from lightning_vram.records.advice import CheckpointPlan, FitRow, ReportText
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
+from lightning_vram.records.timeline import StepTimeline
 
 
 class ChangeKind(ReportText):
@@ -166,6 +167,8 @@ class ReplayedStep:
     loss_activation_bytes: int
     seconds: float
     notes: tuple[str, ...] = ()
+    timeline: StepTimeline | None = None
+    """Live bytes op by op, by part (``None`` where not recorded: a step read back from JSON, which leaves it out)."""
 
     @property
     def peak(self) -> PhasePeak:

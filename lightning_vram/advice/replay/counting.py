@@ -66,6 +66,15 @@ class ReplayCounter:
         """An op created ``output``: while a forward is re-run in backward, hold its storages until they are freed."""
         self._attributor.on_output(output)
 
+    @property
+    def current_module(self) -> str | None:
+        """The module whose forward runs now (``None`` outside any)."""
+        return self._attributor.current_module
+
+    def live_parts(self) -> tuple[int, int, int, int]:
+        """(parameters, gradients, optimizer state, activations) alive now, in bytes."""
+        return self._attributor.live_parts()
+
     def before_backward(self) -> None:
         """Backward starts: the segment since the step began was the forward pass."""
         self._attributor.before_backward()

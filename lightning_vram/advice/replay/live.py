@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -20,6 +20,16 @@ from lightning_vram.advice.replay._fake import TorchDispatchMode, tree_leaves
 from lightning_vram.advice.replay.storages import allocator_bytes
 from lightning_vram.measure.storages import on_device, storage_key
 from lightning_vram.records import Phase
+
+
+class Sampler(Protocol):
+    """Told of each phase's start and of each op, once the op's outputs are counted (a timeline's recorder)."""
+
+    def start_phase(self, phase: Phase) -> None:
+        """``phase`` starts now."""
+
+    def sample(self, op: str) -> None:
+        """Op ``op`` (no namespace, no overload) ran."""
 
 
 # torch ships TorchDispatchMode without annotations.
@@ -41,10 +51,15 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._phase: Phase | None = None
         self.phase_peaks: dict[Phase, int] = {}
         self._listeners: list[Callable[[Any], None]] = []
+        self._samplers: list[Sampler] = []
 
     def add_listener(self, listener: Callable[[Any], None]) -> None:
         """Also hand every op's output to ``listener`` (after it is tracked)."""
         self._listeners.append(listener)
+
+    def add_sampler(self, sampler: Sampler) -> None:
+        """Also tell ``sampler`` of each phase's start and, after the listeners, of every op."""
+        self._samplers.append(sampler)
 
     def track(self, tensors: Iterable[Tensor], producer: str | None = None) -> None:
         """Count the storages of ``tensors`` (each once) until they are freed."""
@@ -81,6 +96,8 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """A phase starts: its peak starts from the bytes live now."""
         self._phase = phase
         self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.live_bytes)
+        for sampler in self._samplers:
+            sampler.start_phase(phase)
 
     def _observe(self) -> None:
         phase = self._phase
@@ -89,9 +106,12 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
-        self.track((leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)), _op_name(func))
+        name = _op_name(func)
+        self.track((leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)), name)
         for listener in self._listeners:
             listener(output)
+        for sampler in self._samplers:
+            sampler.sample(name)
         return output
 
 

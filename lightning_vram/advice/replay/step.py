@@ -34,6 +34,7 @@ from lightning_vram.advice.replay.live import LiveMemory
 from lightning_vram.advice.replay.precision import PrecisionPlan, precision_plan
 from lightning_vram.advice.replay.real_branches import real_branches
 from lightning_vram.advice.replay.skips import skip_reason
+from lightning_vram.advice.replay.timeline import TimelineRecorder
 from lightning_vram.advice.replay.twin import (
     Twin,
     make_twin,
@@ -323,6 +324,8 @@ def replay_step(
                 live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
                 counter = ReplayCounter(twin.module, twin.optimizers, counted_device, live.producer, LOSS_OPS)
                 live.add_listener(counter.on_output)
+                timeline = TimelineRecorder(lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module)
+                live.add_sampler(timeline)
                 probe = WorkspaceProbe()
                 with probe, live:
                     run.run_step(twin, fake_batch, counter, live)
@@ -366,4 +369,5 @@ def replay_step(
                 for place in (*containment.restored, *held_containment.restored)
             ),
         ),
+        timeline=timeline.finish(),
     )
