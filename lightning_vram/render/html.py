@@ -11,6 +11,7 @@ from lightning_vram.render.figures import breakdown_figure, memory_over_steps_fi
 from lightning_vram.render.markup import Token, advice_tokens
 from lightning_vram.render.shapes import lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, simulation_view
+from lightning_vram.render.step_memory import step_memory_figure
 from lightning_vram.render.text import (
     capacity_text,
     evaluation_text,
@@ -182,6 +183,8 @@ def render_html(report: Report) -> str:
         sections += ["<h2>Batch shapes</h2>", f"<p>{html.escape(shapes_sentence(report.shapes))}</p>"]
         if (lengths := lengths_table(report.shapes)) is not None:
             sections.append(table_html(lengths, "batch-lengths"))
+    if (step_figure := step_memory_figure(report)) is not None:
+        sections += ["<h2>Memory during one step</h2>", _image(png_bytes(step_figure), "memory during one step")]
     sections += _simulation_html(report)
     if report.not_measured:
         items = "".join(

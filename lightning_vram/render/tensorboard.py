@@ -13,10 +13,13 @@ import numpy as np
 
 from lightning_vram.records import Advice, Report
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
+from lightning_vram.render.step_memory import step_memory_figure
 from lightning_vram.render.text import advice_markdown, capacity_text
 
 ADVICE_TAG = "vram/advice"
 FIGURE_TAGS = ("vram/figures/breakdown", "vram/figures/memory_over_steps", "vram/figures/top_modules")
+STEP_MEMORY_TAG = "vram/figures/step_memory"
+"""The replay's memory during one step (:func:`~lightning_vram.render.step_memory.step_memory_figure`)."""
 
 LAYOUT: dict[str, dict[str, list[Any]]] = {
     "VRAM memory": {
@@ -93,6 +96,8 @@ def report_images(report: Report) -> dict[str, np.ndarray]:
         images[FIGURE_TAGS[1]] = rgb_pixels(memory_over_steps_figure(report.recent_peaks, capacity))
     if report.modules:
         images[FIGURE_TAGS[2]] = rgb_pixels(modules_figure(report.modules))
+    if (step_figure := step_memory_figure(report)) is not None:
+        images[STEP_MEMORY_TAG] = rgb_pixels(step_figure)
     return images
 
 

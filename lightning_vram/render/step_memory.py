@@ -1,0 +1,134 @@
+"""The figure "memory during one step": the replay's live bytes over the step's ops, stacked by part.
+
+One panel for the replayed baseline and, where a piece of advice's change was replayed, one for that change beside
+it, on the same memory scale: forward, backward and optimizer step shaded, the peak marked with its value and the
+module (else the op) running at it. Drawn with matplotlib without pyplot, like :mod:`~lightning_vram.render.figures`.
+"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from lightning_vram.records import Phase, ReplayedStep, Report, SavingBasis, StepTimeline, VariantResult
+from lightning_vram.render.figures import CATEGORY_COLOURS, short_label
+from lightning_vram.units import format_bytes
+
+MIB = 1024**2
+"""The memory axis is in binary mebibytes."""
+PART_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations saved for backward",
+    "other": "temporaries and other",
+}
+"""Each part of a timeline point, as the legend names it, in stacking order (bottom first)."""
+PHASE_SHADES = {Phase.FORWARD: "#EAF1FB", Phase.BACKWARD: "#FBEFE6", Phase.OPTIMIZER: "#EAF5EC"}
+"""The background of each phase's span of ops."""
+HEADROOM = 1.25
+"""The memory axis reaches this many times the higher peak, leaving room for the peak's label."""
+
+
+def advised_variant(report: Report) -> VariantResult | None:
+    """The replayed change behind the first piece of advice whose saving was simulated, if any.
+
+    A simulated saving quotes the change's replayed peak (``predicted_peak_bytes``): the variant is the replayed
+    change with that reported peak.
+    """
+    simulation = report.simulation
+    if simulation is None or simulation.skipped is not None:
+        return None
+    for advice in report.advice:
+        if advice.saving_basis is not SavingBasis.SIMULATED or advice.predicted_peak_bytes is None:
+            continue
+        for variant in simulation.variants:
+            replayed = variant.replayed
+            if replayed is None or replayed.timeline is None:
+                continue
+            if replayed.reported_bytes(replayed.reported_peak) == advice.predicted_peak_bytes:
+                return variant
+    return None
+
+
+def step_memory_figure(report: Report) -> Figure | None:
+    """Memory during one replayed step, for the baseline and the top advice's change; ``None`` without a timeline."""
+    simulation = report.simulation
+    baseline = simulation.baseline if simulation is not None and simulation.skipped is None else None
+    if baseline is None or baseline.timeline is None:
+        return None
+    panels: list[tuple[str, StepTimeline]] = [(_title("baseline, the step as it runs", baseline), baseline.timeline)]
+    variant = advised_variant(report)
+    if variant is not None and variant.replayed is not None and variant.replayed.timeline is not None:
+        panels.append((_title(f"advised: {variant.change.label}", variant.replayed), variant.replayed.timeline))
+    figure = Figure(figsize=(6.4 * len(panels), 4.2), layout="constrained")
+    axes_row = figure.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    top = max(timeline.peak.total for _, timeline in panels) * HEADROOM / MIB
+    for axes, (title, timeline) in zip(axes_row, panels, strict=True):
+        _draw_panel(axes, timeline, title, top)
+    if len(panels) > 1:
+        axes_row[1].axhline(baseline.timeline.peak.total / MIB, color="black", linestyle="--", linewidth=0.8)
+        axes_row[1].annotate(
+            "baseline's peak",
+            (0, baseline.timeline.peak.total / MIB),
+            xytext=(4, 3),
+            textcoords="offset points",
+            fontsize="small",
+        )
+    axes_row[0].set_ylabel("live memory (MiB)")
+    handles, labels = axes_row[0].get_legend_handles_labels()
+    figure.legend(handles[::-1], labels[::-1], loc="outside right upper", fontsize="small")
+    figure.suptitle("Memory during one training step (replayed under fake tensors)")
+    return figure
+
+
+def _title(what: str, replayed: ReplayedStep) -> str:
+    return short_label(f"{what}: peak {format_bytes(replayed.reported_bytes(replayed.reported_peak))}", 80)
+
+
+def _draw_panel(axes: Axes, timeline: StepTimeline, title: str, top: float) -> None:
+    """One replay's stacked parts over its ops, its phases shaded, its peak marked."""
+    ops = [point.op for point in timeline.points]
+    series = [[getattr(point, part) / MIB for point in timeline.points] for part in PART_LABELS]
+    for start, end, phase in _phase_spans(timeline):
+        axes.axvspan(start, end, color=PHASE_SHADES[phase], zorder=0)
+        axes.text((start + end) / 2, top * 0.97, phase.value, ha="center", va="top", fontsize="small", color="#555555")
+    axes.stackplot(
+        ops,
+        *series,
+        labels=list(PART_LABELS.values()),
+        colors=[CATEGORY_COLOURS[part] for part in PART_LABELS],
+        step="post",
+        zorder=2,
+    )
+    peak = timeline.peak
+    where = timeline.peak_module or (f"op {timeline.peak_op}" if timeline.peak_op else peak.phase.value)
+    axes.plot([peak.op], [peak.total / MIB], marker="v", color="black", zorder=3)
+    axes.annotate(
+        f"peak {format_bytes(peak.total)}\nin {peak.phase.value}, at {short_label(where, 40)}",
+        (peak.op, peak.total / MIB),
+        xytext=(0, 8),
+        textcoords="offset points",
+        ha=_alignment(peak.op / max(timeline.ops, 1)),
+        va="bottom",
+        fontsize="small",
+        parse_math=False,
+    )
+    axes.set_xlim(0, max(timeline.ops, 1))
+    axes.set_ylim(0, top)
+    axes.set_xlabel("ops run in the step")
+    axes.set_title(title, fontsize="medium", parse_math=False)
+
+
+def _alignment(fraction: float) -> str:
+    """Where a label at ``fraction`` of the axis's width is anchored, so that it stays inside the axes."""
+    if fraction < 0.2:
+        return "left"
+    return "right" if fraction > 0.8 else "center"
+
+
+def _phase_spans(timeline: StepTimeline) -> list[tuple[int, int, Phase]]:
+    """(first op, end op, phase) of each phase's span, in step order."""
+    starts = timeline.phase_starts
+    ends = [start for _, start in starts[1:]] + [timeline.ops]
+    return [(start, end, phase) for (phase, start), end in zip(starts, ends, strict=True) if end > start]
