@@ -26,6 +26,8 @@ PART_LABELS = {
 """Each part of a timeline point, as the legend names it, in stacking order (bottom first)."""
 PHASE_SHADES = {Phase.FORWARD: "#EAF1FB", Phase.BACKWARD: "#FBEFE6", Phase.OPTIMIZER: "#EAF5EC"}
 """The background of each phase's span of ops."""
+TITLE_CHARACTERS = 70
+"""A panel's title names the change in at most this many characters."""
 HEADROOM = 1.25
 """The memory axis reaches this many times the higher peak, leaving room for the peak's label."""
 
@@ -77,13 +79,16 @@ def step_memory_figure(report: Report) -> Figure | None:
         )
     axes_row[0].set_ylabel("live memory (MiB)")
     handles, labels = axes_row[0].get_legend_handles_labels()
-    figure.legend(handles[::-1], labels[::-1], loc="outside right upper", fontsize="small")
+    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small")
     figure.suptitle("Memory during one training step (replayed under fake tensors)")
     return figure
 
 
 def _title(what: str, replayed: ReplayedStep) -> str:
-    return short_label(f"{what}: peak {format_bytes(replayed.reported_bytes(replayed.reported_peak))}", 80)
+    """A panel's title: what was replayed (shortened), then its peak, on two lines."""
+    return (
+        f"{short_label(what, TITLE_CHARACTERS)}\npeak {format_bytes(replayed.reported_bytes(replayed.reported_peak))}"
+    )
 
 
 def _draw_panel(axes: Axes, timeline: StepTimeline, title: str, top: float) -> None:

@@ -3,9 +3,10 @@
 The live total is the replay's :class:`~lightning_vram.advice.replay.live.LiveMemory` (every live tensor, the
 allocator's blocks on CUDA); the counted parts are what the replay's counter holds at that moment
 (:meth:`~lightning_vram.measure.accounting.StepAttributor.live_parts`), and ``other`` is the total beyond them
-(temporaries, and on CUDA the blocks' rounding). The live total rises only when an op's outputs are tracked, so a
-sample after every op and at every phase's start sees the replay's peak exactly. A long step keeps, for each window
-of consecutive samples, the highest one; when the points fill up, neighbours merge in pairs and windows double.
+(temporaries, and on CUDA the blocks' rounding; never below zero). The live total rises only when an op's outputs
+are tracked, so a sample after every op and at every phase's start sees the replay's peak exactly. A long step
+keeps, for each window of consecutive samples, the highest one; when the points fill up, neighbours merge in pairs
+and windows double.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ Parts = Callable[[], tuple[int, int, int, int]]
 """() -> (parameters, gradients, optimizer state, activations) alive now, in bytes."""
 
 
-def _higher(first: TimelinePoint, second: TimelinePoint) -> TimelinePoint:
-    """The higher of two points; the first on a tie."""
-    return second if second.total > first.total else first
+Sample = tuple[int, int, Phase, int, int, int, int, int]
+"""(total, op, phase, parameters, gradients, optimizer state, activations, other): a point before it is kept, as a
+plain tuple (cheaper per op than a frozen record)."""
+
+
+def _higher(first: Sample, second: Sample) -> Sample:
+    """The higher of two samples; the first on a tie."""
+    return second if second[0] > first[0] else first
 
 
 class TimelineRecorder:
@@ -45,14 +51,14 @@ class TimelineRecorder:
         self._parts = parts
         self._module = module
         self._max_points = max_points
-        self._points: list[TimelinePoint] = []
+        self._points: list[Sample] = []
         self._window = 1
         self._in_window = 0
-        self._pending: TimelinePoint | None = None
+        self._pending: Sample | None = None
         self._ops = 0
         self._phase = Phase.FORWARD
         self._phase_starts: list[tuple[Phase, int]] = []
-        self._peak: TimelinePoint | None = None
+        self._peak_total = -1
         self._peak_module: str | None = None
         self._peak_op: str | None = None
 
@@ -71,11 +77,12 @@ class TimelineRecorder:
         total = self._live_bytes()
         parameters, gradients, state, activations = self._parts()
         other = max(total - parameters - gradients - state - activations, 0)
-        point = TimelinePoint(self._ops, self._phase, parameters, gradients, state, activations, other)
-        if self._peak is None or point.total > self._peak.total:
-            self._peak, self._peak_module, self._peak_op = point, self._module(), op
+        total = parameters + gradients + state + activations + other
+        sample = (total, self._ops, self._phase, parameters, gradients, state, activations, other)
+        if total > self._peak_total:
+            self._peak_total, self._peak_module, self._peak_op = total, self._module(), op
         pending = self._pending
-        self._pending = point if pending is None else _higher(pending, point)
+        self._pending = sample if pending is None else _higher(pending, sample)
         self._in_window += 1
         if self._in_window == self._window:
             self._close_window()
@@ -94,8 +101,8 @@ class TimelineRecorder:
     def finish(self) -> StepTimeline | None:
         """The timeline sampled (``None`` when nothing was)."""
         self._close_window()
-        if self._peak is None:
+        if not self._points:
             return None
-        points = tuple(self._points)
-        peak_index = next(index for index, point in enumerate(points) if point.total == self._peak.total)
+        points = tuple(TimelinePoint(*sample[1:]) for sample in self._points)
+        peak_index = next(index for index, point in enumerate(points) if point.total == self._peak_total)
         return StepTimeline(points, self._ops, tuple(self._phase_starts), peak_index, self._peak_module, self._peak_op)
