@@ -164,7 +164,7 @@ def test_html_page_is_self_contained_and_complete(tensorboard_run: tuple[VramMon
     parser = PageParser()
     parser.feed(page)
     assert parser.external == []
-    assert len(parser.images) == 3 and all(src.startswith("data:image/png;base64,") for src in parser.images)
+    assert len(parser.images) == 4 and all(src.startswith("data:image/png;base64,") for src in parser.images)
     text = " ".join(parser.text)
     assert "Live peak " in text and f"of step {report.peak.step}" in text  # type: ignore[union-attr]
     assert parser.module_cells == [row.name for row in report.modules]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -22,10 +23,12 @@ from torch.utils.data import TensorDataset
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.advice.replay.timeline import MAX_POINTS, TimelineRecorder
-from lightning_vram.records import Phase, ReplayedStep, SavingBasis, StepTimeline
+from lightning_vram.codec import FormatError, report_from_dict
+from lightning_vram.records import Phase, ReplayedStep, SavingBasis, StepTimeline, advised_variant
+from lightning_vram.records.simulation_json import simulation_to_dict
 from lightning_vram.render.figures import png_bytes
 from lightning_vram.render.html import render_html
-from lightning_vram.render.step_memory import PART_LABELS, advised_variant, step_memory_figure
+from lightning_vram.render.step_memory import PART_LABELS, step_memory_figure
 from lightning_vram.render.tensorboard import STEP_MEMORY_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -158,7 +161,7 @@ def _texts(figure: Figure) -> list[str]:
 def test_the_figure_shows_the_baseline_and_the_advised_change_side_by_side(advised_run: tuple[Report, Path]) -> None:
     report, _ = advised_run
     advice = next(item for item in report.advice if item.saving_basis is SavingBasis.SIMULATED)
-    variant = advised_variant(report)
+    variant = advised_variant(report.simulation, report.advice)
     assert variant is not None and variant.replayed is not None
     assert variant.replayed.reported_bytes(variant.replayed.reported_peak) == advice.predicted_peak_bytes
     figure = step_memory_figure(report)
@@ -191,3 +194,38 @@ def test_the_html_report_and_tensorboard_carry_the_figure(advised_run: tuple[Rep
     events.Reload()
     (picture,) = events.Images(STEP_MEMORY_TAG)
     assert picture.encoded_image_string.startswith(PNG_MAGIC)
+
+
+def test_the_report_json_carries_the_two_drawn_timelines_and_reads_them_back(advised_run: tuple[Report, Path]) -> None:
+    report, _ = advised_run
+    simulation, advised = report.simulation, advised_variant(report.simulation, report.advice)
+    assert simulation is not None and simulation.baseline is not None and advised is not None
+    data = report.to_dict()
+    written = data["simulation"]
+    assert len(written["timeline"]["points"]) <= MAX_POINTS
+    assert [variant.get("timeline") is not None for variant in written["variants"]] == [
+        variant is advised for variant in simulation.variants
+    ]
+    read = report_from_dict(json.loads(json.dumps(data)))
+    assert read.simulation is not None and read.simulation.baseline is not None
+    assert read.simulation.baseline.timeline == simulation.baseline.timeline
+    read_advised = advised_variant(read.simulation, read.advice)
+    assert read_advised is not None and read_advised.replayed is not None and advised.replayed is not None
+    assert read_advised.replayed.timeline == advised.replayed.timeline
+    assert render_html(read) == render_html(report)  # the page drawn again from the file is the same
+    # The checkpoint state carries no timeline; a file without one reads as not recorded.
+    assert "timeline" not in (simulation_to_dict(simulation) or {})
+    del written["timeline"]
+    for variant in written["variants"]:
+        variant.pop("timeline", None)
+    older = report_from_dict(data)
+    assert older.simulation is not None and older.simulation.baseline is not None
+    assert older.simulation.baseline.timeline is None and step_memory_figure(older) is None
+
+
+def test_a_mistyped_timeline_point_names_its_place(advised_run: tuple[Report, Path]) -> None:
+    report, _ = advised_run
+    data = report.to_dict()
+    data["simulation"]["timeline"]["points"][3][1] = "sideways"
+    with pytest.raises(FormatError, match=r"simulation\.timeline\.points\[3\]\[1\] must be one of"):
+        report_from_dict(data)

@@ -53,6 +53,7 @@ from lightning_vram.records.simulation import (
     StepChange,
     TokensPerBatchChange,
     VariantResult,
+    advised_variant,
 )
 from lightning_vram.records.timeline import StepTimeline, TimelinePoint
 
@@ -112,5 +113,6 @@ __all__ = [
     "TrainingSetup",
     "UtilizationReading",
     "VariantResult",
+    "advised_variant",
     "in_phase_order",
 ]

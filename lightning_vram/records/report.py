@@ -167,7 +167,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             for rank in report.ranks
         ],
         "not_measured": [{"what": item.what, "reason": item.reason} for item in report.not_measured],
-        "simulation": simulation_to_dict(report.simulation),
+        "simulation": simulation_to_dict(report.simulation, report.advice),
         "shapes": batch_shapes_to_dict(report.shapes),
     }
 
@@ -222,7 +222,8 @@ def report_from_dict(data: Any) -> Report:
     - 0.7.0: ``phases.<phase>.reserved_bytes``: ``None`` (not measured);
     - the step replay: ``simulation``: ``None``; ``advice[].saving_basis``, ``advice[].predicted_peak_bytes``:
       ``None``; ``fit[].basis``: ``"modelled"``;
-    - the batch shapes: ``shapes``: ``None``; the batch lengths: ``shapes.length_counts``: empty.
+    - the batch shapes: ``shapes``: ``None``; the batch lengths: ``shapes.length_counts``: empty;
+    - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``.
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lightning_vram.records.advice import CheckpointPlan, FitRow, ReportText
+from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, ReportText, SavingBasis
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
 from lightning_vram.records.timeline import StepTimeline
 
@@ -314,3 +314,21 @@ class PreflightVerdict:
     def fits(self) -> bool:
         """Whether the step is predicted to fit."""
         return self.needed_bytes <= self.available_bytes
+
+
+def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -> VariantResult | None:
+    """The replayed change behind the first piece of ``advice`` whose saving was simulated, if any.
+
+    A simulated saving quotes its change's replayed peak (``predicted_peak_bytes``): the variant is the first
+    replayed change with that peak as the report measures peaks (the first is the one a rule picks on a tie).
+    """
+    if simulation is None or simulation.skipped is not None:
+        return None
+    for item in advice:
+        if item.saving_basis is not SavingBasis.SIMULATED or item.predicted_peak_bytes is None:
+            continue
+        for variant in simulation.variants:
+            replayed = variant.replayed
+            if replayed is not None and replayed.reported_bytes(replayed.reported_peak) == item.predicted_peak_bytes:
+                return variant
+    return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.records.advice import CheckpointPlan
+from lightning_vram.records.advice import Advice, CheckpointPlan
 from lightning_vram.records.json_reader import FormatError, Reader, member, member_of, shown, text_list
 from lightning_vram.records.measured import MATCHED_PARTS, Phase, PhasePeak, in_phase_order
 from lightning_vram.records.measured_json import breakdown_from_dict, breakdown_to_dict, phase_from_text
@@ -27,7 +27,9 @@ from lightning_vram.records.simulation import (
     StepChange,
     TokensPerBatchChange,
     VariantResult,
+    advised_variant,
 )
+from lightning_vram.records.timeline_json import timeline_from_dict, timeline_to_dict
 
 
 def change_parameters(change: StepChange) -> dict[str, Any]:
@@ -63,10 +65,14 @@ def replayed_phases_to_dict(step: ReplayedStep) -> dict[str, Any]:
     }
 
 
-def variant_to_dict(variant: VariantResult) -> dict[str, Any]:
-    """One change tried by replay: its predicted peak (as the report measures peaks) and parts, or why discarded."""
+def variant_to_dict(variant: VariantResult, timeline: bool = False) -> dict[str, Any]:
+    """One change tried by replay: its predicted peak (as the report measures peaks) and parts, or why discarded.
+
+    With ``timeline``, also its memory op by op (``null`` where not recorded); without, the field is left out.
+    """
     replayed = variant.replayed
     peak = replayed.reported_peak if replayed is not None else None
+    timelines = {"timeline": timeline_to_dict(replayed.timeline if replayed else None)} if timeline else {}
     return {
         "change": variant.change.label,
         "kind": str(variant.change.kind),
@@ -76,6 +82,7 @@ def variant_to_dict(variant: VariantResult) -> dict[str, Any]:
         "breakdown": breakdown_to_dict(peak.breakdown) if peak is not None else None,
         "phases": replayed_phases_to_dict(replayed) if replayed is not None else None,
         "discarded": variant.discarded,
+        **timelines,
     }
 
 
@@ -99,11 +106,20 @@ def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None
     }
 
 
-def simulation_to_dict(simulation: Simulation | None) -> dict[str, Any] | None:
-    """The report's ``simulation`` section: the replayed baseline, its match, and each change tried."""
+def simulation_to_dict(
+    simulation: Simulation | None, advice: tuple[Advice, ...] | None = None
+) -> dict[str, Any] | None:
+    """The report's ``simulation`` section: the replayed baseline, its match, and each change tried.
+
+    With the report's ``advice``, also the memory op by op (``timeline``) of the baseline and of the change behind
+    the first simulated advice (:func:`~lightning_vram.records.simulation.advised_variant`), the two the report
+    draws; without (checkpoint state), no timeline.
+    """
     if simulation is None:
         return None
     baseline = simulation.baseline
+    advised = advised_variant(simulation, advice) if advice is not None else None
+    timelines = {"timeline": timeline_to_dict(baseline.timeline if baseline else None)} if advice is not None else {}
     peak = baseline.reported_peak if baseline is not None and baseline.phases else None
     return {
         "device_type": simulation.device_type,
@@ -120,7 +136,8 @@ def simulation_to_dict(simulation: Simulation | None) -> dict[str, Any] | None:
         "phases": replayed_phases_to_dict(baseline) if baseline is not None else None,
         "device_max_batch_size": simulation.device_max_batch_size,
         "fit_note": simulation.fit_note,
-        "variants": [variant_to_dict(variant) for variant in simulation.variants],
+        "variants": [variant_to_dict(variant, variant is advised) for variant in simulation.variants],
+        **timelines,
     }
 
 
@@ -207,6 +224,7 @@ def _variant(data: Any, where: str, baseline: ReplayedStep) -> VariantResult:
         modules=(),
         loss_activation_bytes=0,
         seconds=0.0,
+        timeline=fields.added("timeline", timeline_from_dict, None),
     )
     return VariantResult(change, replayed, discarded)
 
@@ -235,6 +253,7 @@ def _simulation(fields: Reader | None) -> Simulation | None:
             loss_activation_bytes=fields.integer("loss_activation_bytes"),
             seconds=0.0,
             notes=tuple(fields.texts("notes")),
+            timeline=fields.added("timeline", timeline_from_dict, None),
         )
     # A variant is replayed against the baseline; without one (skipped), none can have been.
     context = baseline or ReplayedStep(device_type, "", None, {}, (), 0, 0.0)

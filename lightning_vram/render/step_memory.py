@@ -10,7 +10,7 @@ from __future__ import annotations
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from lightning_vram.records import Phase, ReplayedStep, Report, SavingBasis, StepTimeline, VariantResult
+from lightning_vram.records import Phase, ReplayedStep, Report, StepTimeline, advised_variant
 from lightning_vram.render.figures import CATEGORY_COLOURS, short_label
 from lightning_vram.units import format_bytes
 
@@ -32,27 +32,6 @@ HEADROOM = 1.25
 """The memory axis reaches this many times the higher peak, leaving room for the peak's label."""
 
 
-def advised_variant(report: Report) -> VariantResult | None:
-    """The replayed change behind the first piece of advice whose saving was simulated, if any.
-
-    A simulated saving quotes the change's replayed peak (``predicted_peak_bytes``): the variant is the replayed
-    change with that reported peak.
-    """
-    simulation = report.simulation
-    if simulation is None or simulation.skipped is not None:
-        return None
-    for advice in report.advice:
-        if advice.saving_basis is not SavingBasis.SIMULATED or advice.predicted_peak_bytes is None:
-            continue
-        for variant in simulation.variants:
-            replayed = variant.replayed
-            if replayed is None or replayed.timeline is None:
-                continue
-            if replayed.reported_bytes(replayed.reported_peak) == advice.predicted_peak_bytes:
-                return variant
-    return None
-
-
 def step_memory_figure(report: Report) -> Figure | None:
     """Memory during one replayed step, for the baseline and the top advice's change; ``None`` without a timeline."""
     simulation = report.simulation
@@ -60,7 +39,7 @@ def step_memory_figure(report: Report) -> Figure | None:
     if baseline is None or baseline.timeline is None:
         return None
     panels: list[tuple[str, StepTimeline]] = [(_title("baseline, the step as it runs", baseline), baseline.timeline)]
-    variant = advised_variant(report)
+    variant = advised_variant(simulation, report.advice)
     if variant is not None and variant.replayed is not None and variant.replayed.timeline is not None:
         panels.append((_title(f"advised: {variant.change.label}", variant.replayed), variant.replayed.timeline))
     figure = Figure(figsize=(6.4 * len(panels), 4.2), layout="constrained")
