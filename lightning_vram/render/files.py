@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TypeAlias
 
 from lightning_vram.records import OomDiagnosis, Report
-from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown, oom_markdown
 
 JSON_FILENAME = "vram_report.json"
@@ -184,7 +183,7 @@ def write_report_files(report: Report, directory: Location) -> Location:
         [
             (JSON_FILENAME, _text(lambda: json.dumps(report.to_dict(), indent=2) + "\n")),
             (MARKDOWN_FILENAME, _text(lambda: markdown(report))),
-            (HTML_FILENAME, _text(lambda: render_html(report))),
+            (HTML_FILENAME, _text(lambda: _html(report))),
         ],
     )
     return join(directory, JSON_FILENAME)
