@@ -172,6 +172,13 @@ def _text(render: Callable[[], str]) -> Render:
     return lambda: render().encode("utf-8", errors="backslashreplace")
 
 
+def _html(report: Report) -> str:
+    """The report's HTML page; the renderer (matplotlib) is imported here, so that reading a report needs none."""
+    from lightning_vram.render.html import render_html
+
+    return render_html(report)
+
+
 def write_report_files(report: Report, directory: Location) -> Location:
     """Write the JSON, Markdown and HTML forms into ``directory`` (created if needed); returns the JSON's location.
 
