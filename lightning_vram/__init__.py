@@ -18,14 +18,14 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from lightning_vram._version import __version__
+
 if TYPE_CHECKING:
     from lightning_vram.callback import VramMonitor
     from lightning_vram.exceptions import VramMonitorWarning
     from lightning_vram.predict import predict
     from lightning_vram.records import Report
     from lightning_vram.session import VramSession
-
-__version__ = "0.10.0"
 
 __all__ = ["Report", "VramMonitor", "VramMonitorWarning", "VramSession", "__version__", "predict"]
 
@@ -55,7 +55,7 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """This package: a submodule named like an export (``lightning_vram.predict``) leaves the export in place.
+    """The package's module: a submodule named like an export (``lightning_vram.predict``) leaves the export in place.
 
     The import system names each submodule on its package once it is loaded; ``import lightning_vram.predict``
     would otherwise make ``lightning_vram.predict`` the module rather than the function.

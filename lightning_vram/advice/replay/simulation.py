@@ -20,6 +20,7 @@ from lightning_vram.advice.replay.step import StepFunction, lightning_training_s
 from lightning_vram.advice.replay.twin import module_device
 from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
 from lightning_vram.records.simulation import NOT_REPLAYED
+
 BUDGET_RAN_OUT = "the replay budget ran out"
 """Why a change, or a fit table's row, is missing when the time budget ended first."""
 
