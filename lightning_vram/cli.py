@@ -7,8 +7,8 @@
                                         advice, and A's predictions for the changes B applied
     lightning-vram --version
 
-The command starts without importing torch, Lightning or matplotlib: each command imports what it needs (the HTML
-page alone needs matplotlib), so that ``--help`` and ``--version`` answer at once.
+The command starts without importing torch, Lightning or matplotlib, nor the records: each command imports what it
+needs (the HTML page alone needs matplotlib), so that ``--help`` and ``--version`` answer at once.
 
 Every report written under schema ``lightning_vram.report/1`` reads, from 0.1.0 on: a field added by a later release
 takes its default where a file lacks it (listed in :func:`lightning_vram.codec.report_from_dict`).
@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_vram._version import __version__
-from lightning_vram.codec import FormatError, report_from_dict, report_to_dict
-from lightning_vram.render.files import JSON_FILENAME
 from lightning_vram.render.markup import printable
 from lightning_vram.units import format_bytes
 
@@ -97,6 +95,8 @@ def find_report(directory: Path) -> Path:
 
     Symbolic links to directories are not followed (no loops); unreadable directories are skipped.
     """
+    from lightning_vram.render.files import JSON_FILENAME
+
     found: list[tuple[float, str]] = []
     for searched, (root, directories, files) in enumerate(os.walk(directory), start=1):
         if JSON_FILENAME in files:
@@ -117,6 +117,8 @@ def find_report(directory: Path) -> Path:
 
 def load_report(path: Path) -> Report:
     """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it)."""
+    from lightning_vram.codec import FormatError, report_from_dict
+
     if path.is_dir():
         path = find_report(path)
     text = _read_text(path)
@@ -178,6 +180,8 @@ def _show(arguments: argparse.Namespace) -> None:
     """``show``: the report's summary, or with ``--json`` its JSON as read back and written again."""
     report = load_report(arguments.path)
     if arguments.json:
+        from lightning_vram.codec import report_to_dict
+
         _print(json.dumps(report_to_dict(report), indent=2), sys.stdout)
         return
     from lightning_vram.render.text import summary_text
