@@ -81,6 +81,7 @@ def test_the_settings_and_timing_of_both_runs(
     lines = diff_lines(before, after, tmp_path, capsys)
     start = lines.index("run:")
     seconds_before, seconds_after = (data["timing"]["step_seconds_median"] for data in runs)
+    ratio = seconds_after / seconds_before
     waits = [format_percent(data["timing"]["data_wait_fraction"]) for data in runs]
     device = f"cpu {before['device']['name']} ({format_bytes(before['device']['total_bytes'])})"
     assert lines[start + 1 : start + 8] == [
@@ -89,7 +90,7 @@ def test_the_settings_and_timing_of_both_runs(
         "  world size: 1 in both runs",
         "  strategy: not recorded",
         f"  device: {device} in both runs",
-        f"  step time (median): {seconds_before:.3g} s -> {seconds_after:.3g} s ({seconds_after / seconds_before:.2f}x)",
+        f"  step time (median): {seconds_before:.3g} s -> {seconds_after:.3g} s ({ratio:.2f}x)",
         f"  data wait: {waits[0]} -> {waits[1]} of step time",
     ]
     assert lines[1] == f"  in {before['peak']['phase']} in both runs"
@@ -128,7 +129,7 @@ def test_a_batch_size_b_applied_is_checked(
     runs: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The CPU run replays no batch size: A's precision variant is read as a batch-size one, B's batch size set to it.
-    before, after = runs
+    before, _ = runs
     edited = json.loads(json.dumps(before))
     replayed = variant(edited, "precision")
     replayed.update(kind="batch-size", parameters={"batch_size": 256}, change="batch size 256")
