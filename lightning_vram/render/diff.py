@@ -81,7 +81,7 @@ def peak_lines(before: Report, after: Report) -> list[str]:
             " phase is compared with itself below, part by part"
         )
     else:
-        if after.peak is not None:
+        if before.peak is not None and after.peak is not None:
             lines.append(f"  in {PHASE_NAMES[after.peak.phase]} in both runs")
         lines += _parts_lines(before.peak, after.peak, "  ")
     phases_after = dict(in_phase_order(after.phases))
