@@ -128,6 +128,15 @@ def _seconds(before: float | None, after: float | None) -> str:
     return f"{shown[0]} -> {shown[1]}{ratio}"
 
 
+def _share(fraction: float | None) -> str:
+    """A share of the step time as a percent, or "not recorded".
+
+    >>> _share(0.034), _share(None)
+    ('3.4%', 'not recorded')
+    """
+    return NOT_RECORDED if fraction is None else format_percent(fraction)
+
+
 def settings_lines(before: Report, after: Report) -> list[str]:
     """The run's settings and timing, as each report records them.
 
@@ -141,8 +150,8 @@ def settings_lines(before: Report, after: Report) -> list[str]:
         _setting("strategy", None, None),
         _setting("device", _device(before), _device(after)),
         f"  step time (median): {_seconds(before.timing.step_seconds_median, after.timing.step_seconds_median)}",
-        f"  data wait: {format_percent(before.timing.data_wait_fraction)} ->"
-        f" {format_percent(after.timing.data_wait_fraction)} of step time",
+        f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
+        " of step time",
     ]
 
 
