@@ -12,6 +12,10 @@ from typing import ClassVar
 from lightning_vram.records.advice import CheckpointPlan, FitRow, ReportText
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
 
+NOT_REPLAYED = "not replayed"
+"""How :attr:`VariantResult.discarded` starts for a change the time budget never reached, or cut: untried, not
+failed (the rules read it)."""
+
 
 class ChangeKind(ReportText):
     """What a replayed change alters, as the report's ``variants[].kind`` names it."""
