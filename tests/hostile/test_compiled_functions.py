@@ -1,0 +1,207 @@
+"""Functions compiled with ``torch.compile`` called from the step: a run with the monitor trains as one without.
+
+Found by attacking 0.10.0: on a sampled step of a CPU run, dynamo ran a compiled function under the live count's
+dispatch mode another way than in training (its losses rounded differently), and a preflight replay calling one on
+fake tensors left it uncompiled for the rest of the process (no cache entry, every later call eager; ``predict()``
+did the same to compiled modules). The monitor now finds such functions in the code the step reaches, stands aside
+on sampled steps (the report says so, naming the function) and replays nothing. Each case also compares the
+function's own dynamo cache and dynamo's counters.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from harness import PATHS, Case, assert_untouched, equal
+from models import dataset_for, loader
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_vram import VramMonitor, VramSession
+from lightning_vram.predict import predict
+from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
+
+# Dynamo reads `.grad` of the non-leaf tensors it traces (torch's own probe, whose warning it means to hide).
+pytestmark = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+
+BACKEND = "inductor" if shutil.which("g++") or shutil.which("clang++") else "aot_eager"
+"""Inductor, what users compile with, where it can compile its C++ kernels (their rounding differs from eager's)."""
+
+
+def smooth(inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A fused activation and normalisation, whose rounding differs between eager and inductor's kernel."""
+    hidden = inputs * torch.sigmoid(1.702 * inputs)
+    hidden = (hidden - hidden.mean(-1, keepdim=True)) / torch.sqrt(hidden.var(-1, keepdim=True) + 1e-5)
+    return torch.tanh(hidden * scale + 0.1).exp()
+
+
+fused = torch.compile(smooth, backend=BACKEND)
+
+
+def dynamo_state(function: Callable[..., Any]) -> tuple[int, dict[str, int], dict[str, int]]:
+    """The compiled function's cache entries, and dynamo's frame and graph counters for the process."""
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(function.__wrapped__.__code__)  # type: ignore[attr-defined]
+    return len(entries), dict(counters["frames"]), dict(counters["stats"])
+
+
+def fresh_dynamo() -> None:
+    """Each run compiles from scratch and counts its own frames."""
+    torch._dynamo.reset()
+    counters.clear()
+
+
+class CallsACompiledFunction(pl.LightningModule):
+    """A step through a compiled function: the module's global (``activation=None``) or its own attribute."""
+
+    def __init__(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))
+        self.head = nn.Linear(64, 10)
+        if activation is not None:
+            self.activation = activation
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        hidden = self.encoder(inputs)
+        hidden = self.activation(hidden, self.scale) if hasattr(self, "activation") else fused(hidden, self.scale)
+        return nn.functional.cross_entropy(self.head(hidden), targets)
+
+    def own_smooth(self, inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return smooth(inputs, scale)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def assert_stood_aside(monitor: VramMonitor, name: str) -> None:
+    """The report names the compiled function where sampled steps stood aside, and why nothing was replayed."""
+    report = monitor.report
+    assert report is not None
+    reasons = [entry.reason for entry in report.not_measured]
+    assert any(name in reason and "torch.compile" in reason for reason in reasons), reasons
+    simulation = monitor.session.simulation
+    assert simulation is not None and simulation.baseline is None
+    assert simulation.skipped is not None and name in simulation.skipped and "torch.compile" in simulation.skipped
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_module_level_compiled_function_trains_exactly_as_without_the_monitor(tmp_path: Path, path: str) -> None:
+    def build() -> Case:
+        fresh_dynamo()
+        return Case(CallsACompiledFunction(), loader(dataset_for("linear")), observe=lambda: dynamo_state(fused))
+
+    monitor = assert_untouched(build, tmp_path, path, attribution_every_n_steps=1)
+    assert_stood_aside(monitor, "smooth")
+
+
+@pytest.mark.parametrize("held", ["function", "bound method"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_compiled_function_held_by_the_module_trains_exactly_as_without_the_monitor(
+    tmp_path: Path, path: str, held: str
+) -> None:
+    def build() -> Case:
+        fresh_dynamo()
+        module = CallsACompiledFunction()
+        compiled = torch.compile(module.own_smooth if held == "bound method" else smooth, backend=BACKEND)
+        module.activation = compiled
+        return Case(module, loader(dataset_for("linear")), observe=lambda: dynamo_state(compiled))
+
+    monitor = assert_untouched(build, tmp_path, path, attribution_every_n_steps=1)
+    assert_stood_aside(monitor, "own_smooth" if held == "bound method" else "smooth")
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))
+        self.head = nn.Linear(64, 10)
+
+
+def plain_step(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loop's step, given the module: it runs the compiled function."""
+    inputs, targets = batch
+    hidden = fused(module.linear(inputs), module.scale)
+    return nn.functional.cross_entropy(module.head(hidden), targets)
+
+
+def train_plain(session: VramSession | None) -> Any:
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = Encoder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    if session is not None:
+        session.start(model, optimizers=[optimizer], step_function=plain_step)
+    for batch in loader(dataset_for("linear")):
+        if session is not None:
+            session.batch_start(batch)
+        loss = plain_step(model, batch)
+        losses.append(loss.detach())
+        if session is not None:
+            session.before_backward()
+        loss.backward()  # type: ignore[no-untyped-call]
+        if session is not None:
+            session.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        if session is not None:
+            session.batch_end()
+    if session is not None:
+        session.finish()
+    return model.state_dict(), optimizer.state_dict(), losses, torch.get_rng_state(), dynamo_state(fused)
+
+
+@pytest.mark.parametrize("probe", [None, "scripted cuda"])
+def test_a_plain_loop_calling_a_compiled_function_trains_exactly_as_without_the_session(
+    tmp_path: Path, probe: str | None
+) -> None:
+    bare = train_plain(None)
+    options: dict[str, Any] = {
+        "attribution_start_step": 1,
+        "attribution_every_n_steps": 1,
+        "console_summary": False,
+        "log_dir": tmp_path / "run",
+    }
+    if probe is not None:
+        options["probe"] = ScriptedProbe([ScriptedBoundary(0, 0, 0)])
+    session = VramSession(**options)
+    watched = train_plain(session)
+    assert equal(bare, watched)
+    report = session.report
+    assert report is not None
+    assert any("smooth" in entry.reason and "torch.compile" in entry.reason for entry in report.not_measured)
+    simulation = session.simulation
+    assert simulation is not None and simulation.skipped is not None and "smooth" in simulation.skipped
+
+
+@pytest.mark.parametrize("compiled", ["function", "module"])
+def test_predict_replays_nothing_compiled_and_the_compiled_code_still_compiles_afterwards(compiled: str) -> None:
+    def build() -> nn.Module:
+        fresh_dynamo()
+        torch.manual_seed(0)
+        if compiled == "function":
+            return CallsACompiledFunction()
+        module = CallsACompiledFunction(activation=smooth)
+        module.encoder = torch.compile(module.encoder, backend=BACKEND)  # type: ignore[assignment]
+        return module
+
+    batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
+
+    def train_once(module: nn.Module) -> tuple[torch.Tensor, Any]:
+        loss = module.training_step(batch, 0)
+        return loss.detach(), dynamo_state(fused if compiled == "function" else module.encoder.forward)
+
+    bare = train_once(build())
+    module = build()
+    prediction = predict(module, batch, device_type="cpu", fit_table=False)
+    assert equal(bare, train_once(module))  # the same loss, cache entries and compiled frames
+    assert prediction.step is None and prediction.skipped is not None and "torch.compile" in prediction.skipped
+    assert ("smooth" if compiled == "function" else "a compiled Linear (encoder)") in prediction.skipped
