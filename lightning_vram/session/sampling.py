@@ -56,6 +56,7 @@ class Sampler:
         self._notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with the attributors
         self._compiled_note: NotMeasured | None = None
         self._aside: bool | None = None  # whether the training code rules counting out (decided once, then noted)
+        self._compiled_code: tuple[str, ...] = ()  # what torch.compile made that the training code calls, once read
         self.replay_refusal: str | None = None
         """Why no step of this run may be replayed, found by the walk :meth:`begin` makes (``None``: none found)."""
         self.next_step: int | None = config.attribution_start_step
@@ -111,12 +112,18 @@ class Sampler:
     def _start_live(self, model: nn.Module, context: RunContext, batch: Any, attributor: StepAttributor) -> None:
         """Count every tensor alive on the device during this step, unless a dispatch mode or torch.compile is at work.
 
-        A mode entered before this one would see (and may change) what this one sees; a compiled module would run
-        differently under a dispatch mode. Either way the step's peaks stay the sums of the counted parts (noted).
+        A mode entered before this one would see (and may change) what this one sees; a compiled module or function
+        would run differently under a dispatch mode (dynamo runs a compiled function eagerly there: it rounds
+        differently). Either way the step's peaks stay the sums of the counted parts (noted).
         """
         leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
-        if attributor.compiled or dispatch_mode_active():
-            why = "torch.compile runs part of the model" if attributor.compiled else "a dispatch mode was active"
+        if attributor.compiled or self._compiled_code or dispatch_mode_active():
+            if attributor.compiled:
+                why = "torch.compile runs part of the model"
+            elif self._compiled_code:
+                why = f"the training code calls {', '.join(self._compiled_code)}, compiled by torch.compile"
+            else:
+                why = "a dispatch mode was active"
             self._notes.setdefault(
                 "live",
                 NotMeasured(LIVE_PEAK, f"{why}: the live count stood aside, those peaks are the counted parts"),
@@ -164,14 +171,14 @@ class Sampler:
         return dataclasses.replace(attribution, phases=phases)
 
     def _stands_aside(self, model: nn.Module) -> bool:
-        """Whether the training code uses what the attribution's hooks and live count would break, change or miss.
+        """Whether the training code uses saved-tensor-hook APIs the attribution's hooks would break or miss.
 
         Decided once per run, before any sampled step, from the code (the model's classes and what its instances
         hold, the step function, the optimizers), never by running it: ``torch.func.grad`` and ``vjp`` refuse to run
         under saved-tensor hooks, ``disable_saved_tensors_hooks`` refuses them, the code's own hooks hide what they
-        pack; a function ``torch.compile`` made would run under the hooks and the live count's dispatch mode, where
-        dynamo runs it another way (eagerly, or recompiled) and its results can round differently. The report says
-        which.
+        pack; the report says so. The same walk finds what ``torch.compile`` made that the code calls: as for a
+        compiled module, the live count stands aside for it (:meth:`_start_live`), and no step is replayed
+        (:attr:`replay_refusal`).
         """
         if self._aside is None:
             context = self._context
@@ -185,14 +192,9 @@ class Sampler:
                     " would break or not see: sampled steps were not counted tensor by tensor",
                 )
             if reach.compiled:
+                self._compiled_code = tuple(reach.compiled)
                 self.replay_refusal = compiled_refusal(reach.compiled[0])
-                self._notes["compiled-functions"] = NotMeasured(
-                    "tensor-by-tensor attribution (parts, activations per module)",
-                    f"the training code calls {', '.join(reach.compiled)}, compiled by torch.compile, which would run"
-                    " differently under the monitor's saved-tensor hooks and live count: sampled steps were not"
-                    " counted tensor by tensor",
-                )
-            self._aside = bool(hook_apis or reach.compiled)
+            self._aside = bool(hook_apis)
         return self._aside
 
     def _call(self, method: Callable[[StepAttributor], Any]) -> Any:

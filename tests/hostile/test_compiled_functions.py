@@ -3,9 +3,10 @@
 Found by attacking 0.10.0: on a sampled step of a CPU run, dynamo ran a compiled function under the live count's
 dispatch mode another way than in training (its losses rounded differently), and a preflight replay calling one on
 fake tensors left it uncompiled for the rest of the process (no cache entry, every later call eager; ``predict()``
-did the same to compiled modules). The monitor now finds such functions in the code the step reaches, stands aside
-on sampled steps (the report says so, naming the function) and replays nothing. Each case also compares the
-function's own dynamo cache and dynamo's counters.
+did the same to compiled modules). The monitor now finds such functions in the code the step reaches and treats them
+as it treats a compiled module: the saved-tensor hooks count the sampled steps (dynamo runs the function the same
+under them), the CPU's live count stands aside (the report says so, naming the function) and nothing is replayed
+(the simulation says why). Each case also compares the function's own dynamo cache and dynamo's counters.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from models import dataset_for, loader
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_vram import VramMonitor, VramSession
+from lightning_vram import Report, VramSession
 from lightning_vram.predict import predict
+from lightning_vram.records import Simulation
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 # Dynamo reads `.grad` of the non-leaf tensors it traces (torch's own probe, whose warning it means to hide).
@@ -80,25 +82,32 @@ class CallsACompiledFunction(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def assert_stood_aside(monitor: VramMonitor, name: str) -> None:
-    """The report names the compiled function where sampled steps stood aside, and why nothing was replayed."""
-    report = monitor.report
-    assert report is not None
+def assert_counted_not_replayed(report: Report | None, simulation: Simulation | None, path: str, name: str) -> None:
+    """Sampled steps were counted (the live count stood aside on the CPU, naming the function); nothing was replayed."""
+    assert report is not None and report.peak is not None and report.peak.breakdown is not None
+    assert sum(module.activation_bytes for module in report.modules) > 0  # the saved-tensor hooks counted
     reasons = [entry.reason for entry in report.not_measured]
-    assert any(name in reason and "torch.compile" in reason for reason in reasons), reasons
-    simulation = monitor.session.simulation
+    stood_aside = [reason for reason in reasons if "the live count stood aside" in reason]
+    if path == "cpu":  # under the live count's dispatch mode dynamo runs the function eagerly, rounding otherwise
+        assert len(stood_aside) == 1 and name in stood_aside[0] and "torch.compile" in stood_aside[0], reasons
+    else:
+        assert stood_aside == []
     assert simulation is not None and simulation.baseline is None
     assert simulation.skipped is not None and name in simulation.skipped and "torch.compile" in simulation.skipped
 
 
+@pytest.mark.parametrize("first_sampled", [0, 1])  # 0: dynamo compiles it on a sampled step, under the hooks
 @pytest.mark.parametrize("path", PATHS)
-def test_a_module_level_compiled_function_trains_exactly_as_without_the_monitor(tmp_path: Path, path: str) -> None:
+def test_a_module_level_compiled_function_trains_exactly_as_without_the_monitor(
+    tmp_path: Path, path: str, first_sampled: int
+) -> None:
     def build() -> Case:
         fresh_dynamo()
         return Case(CallsACompiledFunction(), loader(dataset_for("linear")), observe=lambda: dynamo_state(fused))
 
-    monitor = assert_untouched(build, tmp_path, path, attribution_every_n_steps=1)
-    assert_stood_aside(monitor, "smooth")
+    options = {"attribution_start_step": first_sampled, "attribution_every_n_steps": 1}
+    monitor = assert_untouched(build, tmp_path, path, **options)
+    assert_counted_not_replayed(monitor.report, monitor.session.simulation, path, "smooth")
 
 
 @pytest.mark.parametrize("held", ["function", "bound method"])
@@ -114,7 +123,8 @@ def test_a_compiled_function_held_by_the_module_trains_exactly_as_without_the_mo
         return Case(module, loader(dataset_for("linear")), observe=lambda: dynamo_state(compiled))
 
     monitor = assert_untouched(build, tmp_path, path, attribution_every_n_steps=1)
-    assert_stood_aside(monitor, "own_smooth" if held == "bound method" else "smooth")
+    name = "own_smooth" if held == "bound method" else "smooth"
+    assert_counted_not_replayed(monitor.report, monitor.session.simulation, path, name)
 
 
 class Encoder(nn.Module):
@@ -175,11 +185,7 @@ def test_a_plain_loop_calling_a_compiled_function_trains_exactly_as_without_the_
     session = VramSession(**options)
     watched = train_plain(session)
     assert equal(bare, watched)
-    report = session.report
-    assert report is not None
-    assert any("smooth" in entry.reason and "torch.compile" in entry.reason for entry in report.not_measured)
-    simulation = session.simulation
-    assert simulation is not None and simulation.skipped is not None and "smooth" in simulation.skipped
+    assert_counted_not_replayed(session.report, session.simulation, "cpu" if probe is None else "cuda", "smooth")
 
 
 @pytest.mark.parametrize("compiled", ["function", "module"])
