@@ -11,8 +11,9 @@ at all.
 The same walk tells whether the code uses APIs that refuse saved-tensor hooks (``torch.func``'s ``grad``,
 ``vjp``, ``jacrev``, ``hessian``; ``disable_saved_tensors_hooks``) or installs its own, which the sampled step's
 counting must stand aside for, and whether it calls functions ``torch.compile`` made (or compiled modules held
-outside the trained one): dynamo would trace them under the replay's fake tensors, and the sampled step's hooks and
-live count change what they run, so both stand aside for them too.
+outside the trained one): dynamo would trace them on the replay's fake tensors and keep what it made of them for
+training's later calls, so the step is not replayed; under the CPU's live count (a dispatch mode) dynamo runs them
+eagerly, so that count stands aside.
 """
 
 from __future__ import annotations
