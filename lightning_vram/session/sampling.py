@@ -121,7 +121,9 @@ class Sampler:
             if attributor.compiled:
                 why = "torch.compile runs part of the model"
             elif self._compiled_code:
-                why = f"the training code calls {', '.join(self._compiled_code)}, compiled by torch.compile"
+                first, *more = self._compiled_code
+                also = f" and {len(more)} more" if more else ""
+                why = f"the training code calls {first}{also}, compiled by torch.compile"
             else:
                 why = "a dispatch mode was active"
             self._notes.setdefault(

@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from harness import PATHS, Case, assert_untouched, equal
-from models import dataset_for, loader
+from models import Classifier, dataset_for, loader
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -125,6 +125,30 @@ def test_a_compiled_function_held_by_the_module_trains_exactly_as_without_the_mo
     monitor = assert_untouched(build, tmp_path, path, attribution_every_n_steps=1)
     name = "own_smooth" if held == "bound method" else "smooth"
     assert_counted_not_replayed(monitor.report, monitor.session.simulation, path, name)
+
+
+class Network(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(smooth(self.encoder(inputs), self.scale))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_whole_compiled_lightning_module_trains_exactly_as_without_the_monitor(tmp_path: Path, path: str) -> None:
+    """``torch.compile(lightning_module)``: Lightning unwraps it and runs its compiled ``forward`` and step methods."""
+
+    def build() -> Case:
+        fresh_dynamo()
+        module = torch.compile(Classifier(Network()), backend=BACKEND)
+        return Case(module, loader(dataset_for("linear")), observe=lambda: dynamo_state(module.forward))
+
+    monitor = assert_untouched(build, tmp_path, path, attribution_every_n_steps=1)
+    assert_counted_not_replayed(monitor.report, monitor.session.simulation, path, "Classifier.forward")
 
 
 class Encoder(nn.Module):
