@@ -235,3 +235,43 @@ def test_predict_replays_nothing_compiled_and_the_compiled_code_still_compiles_a
     assert equal(bare, train_once(module))  # the same loss, cache entries and compiled frames
     assert prediction.step is None and prediction.skipped is not None and "torch.compile" in prediction.skipped
     assert ("smooth" if compiled == "function" else "a compiled Linear (encoder)") in prediction.skipped
+
+
+def train_loop_body(session: VramSession | None) -> Any:
+    """A plain loop that calls the compiled function in its own body, with no step_function: the walk cannot see it."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = Encoder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    if session is not None:
+        session.start(model, optimizers=[optimizer])
+    for inputs, targets in loader(dataset_for("linear")):
+        if session is not None:
+            session.batch_start((inputs, targets))
+        loss = nn.functional.cross_entropy(model.head(fused(model.linear(inputs), model.scale)), targets)
+        losses.append(loss.detach())
+        if session is not None:
+            session.before_backward()
+        loss.backward()  # type: ignore[no-untyped-call]
+        if session is not None:
+            session.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        if session is not None:
+            session.batch_end()
+    if session is not None:
+        session.finish()
+    return model.state_dict(), losses, dynamo_state(fused)
+
+
+def test_compiled_code_the_walk_cannot_see_runs_compiled_under_the_live_count(tmp_path: Path) -> None:
+    bare = train_loop_body(None)
+    session = VramSession(
+        attribution_start_step=0, attribution_every_n_steps=1, console_summary=False, log_dir=tmp_path / "run"
+    )
+    watched = train_loop_body(session)
+    assert equal(bare, watched)
+    report = session.report
+    assert report is not None and report.peak is not None and report.peak.breakdown is not None
+    assert report.peak.breakdown.other is not None  # the live count ran (nothing told it to stand aside)
