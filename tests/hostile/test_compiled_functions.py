@@ -11,6 +11,7 @@ under them), the CPU's live count stands aside (the report says so, naming the f
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -275,3 +276,44 @@ def test_compiled_code_the_walk_cannot_see_runs_compiled_under_the_live_count(tm
     report = session.report
     assert report is not None and report.peak is not None and report.peak.breakdown is not None
     assert report.peak.breakdown.other is not None  # the live count ran (nothing told it to stand aside)
+
+
+class CallsThroughALibraryObject(pl.LightningModule):
+    """Reaches its compiled function through a library's object (a stdlib logger), where the walk does not look."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))
+        self.head = nn.Linear(64, 10)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        activation = logging.getLogger("hostile.compiled").activation
+        return nn.functional.cross_entropy(self.head(activation(self.encoder(inputs), self.scale)), targets)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_compiled_code_the_walk_cannot_see_runs_eagerly_in_the_replay_and_compiled_in_training(
+    tmp_path: Path, path: str
+) -> None:
+    logger = logging.getLogger("hostile.compiled")
+
+    def build() -> Case:
+        fresh_dynamo()
+        logger.activation = torch.compile(smooth, backend=BACKEND)  # type: ignore[attr-defined]
+        return Case(
+            CallsThroughALibraryObject(),
+            loader(dataset_for("linear")),
+            observe=lambda: dynamo_state(logger.activation),  # type: ignore[attr-defined]
+        )
+
+    monitor = assert_untouched(build, tmp_path, path, attribution_start_step=0, attribution_every_n_steps=1)
+    simulation = monitor.session.simulation
+    # Replayed, with the function run eagerly on the fakes: its counts are eager ones, which the baseline check
+    # rejects where they differ from the compiled step's (here: what the compiled graph saves for backward).
+    assert simulation is not None and simulation.baseline is not None
+    del logger.activation  # type: ignore[attr-defined]
