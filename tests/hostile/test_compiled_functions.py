@@ -6,7 +6,8 @@ fake tensors left it uncompiled for the rest of the process (no cache entry, eve
 did the same to compiled modules). The monitor now finds such functions in the code the step reaches and treats them
 as it treats a compiled module: the saved-tensor hooks count the sampled steps (dynamo runs the function the same
 under them), the CPU's live count stands aside (the report says so, naming the function) and nothing is replayed
-(the simulation says why). Each case also compares the function's own dynamo cache and dynamo's counters.
+(the simulation says why). Compiled code the walk cannot see runs compiled under the live count and eagerly in a
+replay. Each case also compares the function's own dynamo cache and dynamo's counters.
 """
 
 from __future__ import annotations
