@@ -221,7 +221,9 @@ class VramSession:
         # few times a run at most); every other step but a few stops at `due`, without a call.
         worst = recorder.observe_batch(step, batch) and self._advisor.worth_counting(recorder.shapes.largest_elements)
         sampled = (worst or (due is not None and step >= due)) and sampler.begin(step, batch, live, force=worst)
-        if sampled and (worst or self._advisor.simulation is None):
+        if sampled and sampler.replay_refusal is not None:
+            self._advisor.refuse(sampler.replay_refusal)
+        elif sampled and (worst or self._advisor.simulation is None):
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
             self._worst_batch = worst
 
