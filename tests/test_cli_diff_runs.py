@@ -120,6 +120,7 @@ def test_a_checkpointing_plan_b_applied_as_printed_is_checked_against_as_replay(
     ]
     assert before["recomputed_units"] == []
     lines = diff_lines(before, checkpointed, tmp_path, capsys)
+    assert "  units recomputed in backward (activation checkpointing): 0 -> 3" in lines
     predicted = advice["predicted_peak_bytes"]
     (planned,) = [
         entry
@@ -169,7 +170,7 @@ def test_the_settings_and_timing_of_both_runs(
     ratio = seconds_after / seconds_before
     waits = [format_percent(data["timing"]["data_wait_fraction"]) for data in runs]
     device = f"cpu {before['device']['name']} ({format_bytes(before['device']['total_bytes'])})"
-    assert lines[start + 1 : start + 8] == [
+    assert lines[start + 1 : start + 9] == [
         "  precision: 32-true -> bf16-mixed",
         "  batch size: 512 in both runs",
         "  world size: 1 in both runs",
@@ -177,6 +178,7 @@ def test_the_settings_and_timing_of_both_runs(
         f"  device: {device} in both runs",
         f"  step time (median): {seconds_before:.3g} s -> {seconds_after:.3g} s ({ratio:.2f}x)",
         f"  data wait: {waits[0]} -> {waits[1]} of step time",
+        "  units recomputed in backward (activation checkpointing): 0 in both runs",
     ]
     assert lines[1] == f"  in {before['peak']['phase']} in both runs"
 
@@ -227,12 +229,14 @@ def test_a_batch_size_b_applied_is_checked(
 def test_settings_an_old_report_lacks_are_not_recorded(
     runs: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 0.1.0 wrote no precision, no batch size and no simulation.
+    # 0.1.0 wrote no precision, no batch size and no simulation; 0.10.0 no recomputed units.
     before, after = runs
-    old = {key: value for key, value in before.items() if key not in ("precision", "batch_size", "simulation")}
+    absent = ("precision", "batch_size", "simulation", "recomputed_units")
+    old = {key: value for key, value in before.items() if key not in absent}
     lines = diff_lines(old, after, tmp_path, capsys)
     assert "  precision: not recorded -> bf16-mixed" in lines
     assert "  batch size: not recorded -> 512" in lines
+    assert "  units recomputed in backward (activation checkpointing): not recorded -> 0" in lines
     assert not any(line.startswith("A's replay predicted") for line in lines)
 
 

@@ -140,6 +140,12 @@ def _share(fraction: float | None) -> str:
     return NOT_RECORDED if fraction is None else format_percent(fraction)
 
 
+def _recomputed(report: Report) -> int | None:
+    """How many units activation checkpointing recomputed in backward on the sampled step (``None``: not recorded)."""
+    units = report.recomputed_units
+    return None if units is None else len(units)
+
+
 def settings_lines(before: Report, after: Report) -> list[str]:
     """The run's settings and timing, as each report records them.
 
@@ -155,6 +161,7 @@ def settings_lines(before: Report, after: Report) -> list[str]:
         f"  step time (median): {_seconds(before.timing.step_seconds_median, after.timing.step_seconds_median)}",
         f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
         " of step time",
+        _setting("units recomputed in backward (activation checkpointing)", _recomputed(before), _recomputed(after)),
     ]
 
 
