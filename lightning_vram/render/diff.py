@@ -2,8 +2,9 @@
 
 The peak and each of its parts (or, where the peak moved to another phase, each phase compared with itself), the
 run's settings as the reports record them (a setting a report does not record is said to be "not recorded"), the
-advice added, removed and changed, and where run B applied one of the changes run A's replay simulated, the peak A's
-replay predicted for it beside the peak B measured.
+advice added, removed and changed, and where run B applied one of the changes run A's replay simulated (a precision,
+a batch size, a length cap, or a checkpointing plan, which B's recomputed units show), the peak A's replay predicted
+for it beside the peak B measured.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from lightning_vram.records import (
     CATEGORIES,
     Advice,
     BatchSizeChange,
+    CheckpointChange,
+    CheckpointPlan,
     LengthChange,
     Phase,
     PhasePeak,
@@ -137,6 +140,12 @@ def _share(fraction: float | None) -> str:
     return NOT_RECORDED if fraction is None else format_percent(fraction)
 
 
+def _recomputed(report: Report) -> int | None:
+    """How many units activation checkpointing recomputed in backward on the sampled step (``None``: not recorded)."""
+    units = report.recomputed_units
+    return None if units is None else len(units)
+
+
 def settings_lines(before: Report, after: Report) -> list[str]:
     """The run's settings and timing, as each report records them.
 
@@ -152,6 +161,7 @@ def settings_lines(before: Report, after: Report) -> list[str]:
         f"  step time (median): {_seconds(before.timing.step_seconds_median, after.timing.step_seconds_median)}",
         f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
         " of step time",
+        _setting("units recomputed in backward (activation checkpointing)", _recomputed(before), _recomputed(after)),
     ]
 
 
@@ -192,12 +202,44 @@ def _longest_length(report: Report) -> int | None:
     return max((length for length, _ in counts), default=None)
 
 
+def _within(name: str, modules: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one (a ``Checkpointed`` wrapper's ``.block``).
+
+    >>> _within("net.1.block", ("net.1",)), _within("net.10", ("net.1",))
+    (True, False)
+    """
+    return any(name == module or name.startswith(f"{module}.") for module in modules)
+
+
+def _reruns(recomputed: tuple[str, ...], unit: tuple[str, ...]) -> bool:
+    """Whether a recomputation that re-ran ``recomputed`` (outermost modules, in order) is ``unit``'s.
+
+    It starts at the unit's first module and re-runs nothing outside the unit (it may stop short of the unit's
+    last modules: torch stops a recomputation once it has what backward needs).
+    """
+    return bool(recomputed) and _within(recomputed[0], unit[:1]) and all(_within(name, unit) for name in recomputed)
+
+
+def _checkpointed(plan: CheckpointPlan, before: Report, after: Report) -> bool:
+    """Whether run ``after`` recomputed exactly ``plan``'s units in backward, besides what ``before`` recomputed.
+
+    One recomputation per unit, each the unit's own (a ``Checkpointed`` wrapper, a segment of
+    ``checkpoint_sequential``, a layer under a library's switch); ``False`` where ``after`` did not record them.
+    """
+    if after.recomputed_units is None:
+        return False
+    already = before.recomputed_units or ()
+    added = [rerun for rerun in after.recomputed_units if rerun not in already]
+    return len(added) == len(plan.units) and all(any(_reruns(rerun, unit) for rerun in added) for unit in plan.units)
+
+
 def _applied(change: StepChange, before: Report, after: Report) -> bool:
     """Whether run ``after`` is run ``before`` with ``change`` applied, as far as the reports can tell.
 
-    Decided for a precision, a batch size and a length cap, each with the other two settings alike in both runs;
-    a change the reports hold no evidence of (checkpointing, inplace activations, freed gradients, batching by
-    tokens) is never said to be applied.
+    Decided for a precision, a batch size and a length cap, each with the other two settings alike in both runs, and
+    for a checkpointing plan (what run ``after`` recomputed in backward), with the precision and batch size alike;
+    a change the reports hold no evidence of (inplace activations, freed gradients, batching by tokens) is never
+    said to be applied.
     """
     same_precision = before.precision is not None and before.precision == after.precision
     same_batch = before.batch_size is not None and before.batch_size == after.batch_size
@@ -214,6 +256,8 @@ def _applied(change: StepChange, before: Report, after: Report) -> bool:
             and longest_before > change.length
             and longest_after == change.length
         )
+    if isinstance(change, CheckpointChange):
+        return same_precision and same_batch and _checkpointed(change.plan, before, after)
     return False
 
 
