@@ -20,8 +20,10 @@ class CometPublisher(LoggerPublisher):
         return join(as_location(save_dir) if save_dir else root, f"vram_{self.logger.experiment.get_key()}")
 
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
-        """``log_image`` under ``name``."""
-        self.logger.experiment.log_image(pixels, name=name, step=step)
+        """``log_image`` under ``name`` (as a PIL image: Comet tries a NumPy array as a path first)."""
+        from PIL import Image  # matplotlib's own dependency
+
+        self.logger.experiment.log_image(Image.fromarray(pixels), name=name, step=step)
 
     def text(self, name: str, markdown: str, step: int) -> None:
         """``log_text`` with ``name`` in its metadata."""
