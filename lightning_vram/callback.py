@@ -35,9 +35,14 @@ class VramMonitor(Callback):
     Every training step, the allocator's peak is read at Lightning's phase boundaries (forward,
     backward, optimizer step) from host-side counters, without synchronising the device. On sampled
     steps the tensors are counted one by one: parameters, gradients, optimizer state and the
-    activations each module saves for backward. Scalars go to the Trainer's loggers every
-    ``log_every_n_steps``; after fit, :attr:`report` holds the :class:`~lightning_vram.records.Report`
-    and ``vram_report.json`` is written to the Trainer's ``log_dir`` (``default_root_dir`` without a logger).
+    activations each module saves for backward. Scalars go to every logger of the Trainer every
+    ``log_every_n_steps``, at the step Lightning's own ``self.log`` uses; each logger also gets what it can hold of
+    the figures, the advice, the report files, the advice ids as tags and the peak (see
+    :func:`~lightning_vram.publisher_for`). After fit, :attr:`report` holds the
+    :class:`~lightning_vram.records.Report` and ``vram_report.json`` (with ``.md`` and ``.html``) is written to the
+    first logger's own run folder: the Trainer's ``log_dir`` for TensorBoard and CSV, the run's files folder for W&B,
+    ``<save_dir>/<run id>`` for MLflow, ``<offline dir>/vram_<experiment key>`` for Comet (``default_root_dir``
+    without a logger).
 
     Args:
         **options: the monitor's options, documented in :class:`~lightning_vram.config.MonitorOptions`.

@@ -51,7 +51,7 @@ class Sinks:
         self._guard, self._console = guard, console_summary
         self.publishers: tuple[tuple[Output, Publisher], ...] = ()
         self.attach(publishers)
-        self._advice_step: int | None = None
+        self._advice: tuple[str, int] | None = None  # an epoch's advice, Markdown, and its step: not yet written
         self.report_path: Location | None = None
         """Where ``vram_report.json`` was written; ``None`` when it was not."""
 
@@ -64,14 +64,23 @@ class Sinks:
             self._guard.call(key, method(publisher), *args)
 
     def scalars(self, scalars: Mapping[str, float], step: int) -> None:
-        """The interval's scalars, with their ``_mib`` twins, at ``step``."""
+        """The interval's scalars, with their ``_mib`` twins, at ``step`` (after the advice of a past epoch's end)."""
+        self._write_advice()
         self._each(lambda each: each.scalars, chart_scalars(scalars), step)
 
     def advice(self, advice: tuple[Advice, ...], step: int) -> None:
-        """``advice`` as Markdown text at ``step``; once a step (the last epoch ends where the run does)."""
-        if step != self._advice_step:
-            self._advice_step = step
-            self._each(lambda each: each.text, ADVICE_TAG, advice_markdown(advice), step)
+        """``advice`` as Markdown text at ``step`` (an epoch's end), written once the run goes on past ``step``.
+
+        The last epoch ends where the run does: its advice is then the report's, written once by :meth:`publish`.
+        """
+        self._write_advice()
+        self._advice = (advice_markdown(advice), step)
+
+    def _write_advice(self) -> None:
+        if self._advice is not None:
+            markdown, step = self._advice
+            self._advice = None
+            self._each(lambda each: each.text, ADVICE_TAG, markdown, step)
 
     def publish(
         self,
@@ -89,7 +98,10 @@ class Sinks:
         if self.publishers:
             for name, pixels in (guard.call(FIGURES, report_images, report) or {}).items():
                 self._each(lambda each: each.image, name, pixels, step)
-            self.advice(report.advice, step)
+            if self._advice is not None and self._advice[1] == step:
+                self._advice = None  # the last epoch's advice: the report's replaces it
+            self._write_advice()
+            self._each(lambda each: each.text, ADVICE_TAG, advice_markdown(report.advice), step)
             self._each(lambda each: each.tags, [item.id for item in report.advice])
             if report.peak is not None:
                 peak = report.peak.peak_bytes

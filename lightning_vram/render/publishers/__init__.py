@@ -27,6 +27,7 @@ _BY_CLASS: dict[str, type[LoggerPublisher]] = {
     "WandbLogger": WandbPublisher,
     "MLFlowLogger": MlflowPublisher,
     "CometLogger": CometPublisher,
+    "DummyLogger": LoggerPublisher,  # fast_dev_run's stand-in: it keeps nothing, and needs no warning
 }
 
 
