@@ -17,7 +17,8 @@ import pytest
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib import image
-from models import Classifier, cnn_net, dataset_for, loader, trainer
+from models import Classifier, cnn_net, dataset_for, linear_net, loader, trainer
+from scripted import MIB, scripted_steps
 from tensorboard import context
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -27,11 +28,12 @@ from torch import nn
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.codec import report_from_dict
-from lightning_vram.records import Phase
+from lightning_vram.records import Phase, UtilizationReading
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.html import render_html
 from lightning_vram.render.tensorboard import FIGURE_TAGS, layout_for
 from lightning_vram.render.text import headline, markdown, summary_text
+from lightning_vram.testing import ScriptedProbe
 from lightning_vram.units import format_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -288,3 +290,21 @@ def test_modules_tied_on_bytes_keep_the_order_they_ran_in(tmp_path: Path) -> Non
     parser = PageParser()
     parser.feed(render_html(report))
     assert parser.module_cells == in_order
+
+
+def test_the_utilization_chart_appears_where_utilization_is_logged(tmp_path: Path) -> None:
+    steps = [(300 * MIB, 350 * MIB, 200 * MIB)] * 2
+    probe = ScriptedProbe(scripted_steps(steps), utilization=[UtilizationReading(40.0, 700 * MIB)])
+    monitor = VramMonitor(probe=probe, log_every_n_steps=1, attribution_start_step=100, console_summary=False)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    run = trainer(tmp_path, [monitor], max_steps=2, logger=logger)
+    run.fit(Classifier(linear_net()), loader(dataset_for("linear")))
+    charts = custom_scalars_tab(Path(logger.log_dir))
+    assert charts["VRAM speed"]["GPU utilization (percent)"] == ["vram/gpu_utilization_percent"]
+    assert charts["VRAM memory"]["allocated, reserved and step peak (MiB)"] == [
+        "vram/allocated_mib",
+        "vram/reserved_mib",
+        "vram/peak_mib",
+    ]
+    (allocated, *_) = events_of(Path(logger.log_dir)).Scalars("vram/allocated_mib")
+    assert allocated.value == 100  # MiB, where a chart of bytes shows 1.05e+08
