@@ -78,9 +78,9 @@ def strategy_barrier(trainer: pl.Trainer) -> Callable[[], None]:
 def report_dir(trainer: pl.Trainer, publishers: Sequence[Publisher], monitor_index: int = 0) -> Location | None:
     """Where the report files go; none under fast_dev_run.
 
-    The first logger's own run folder (``log_dir`` for TensorBoard and CSV, the run's files folder for W&B,
-    ``<save_dir>/<run id>`` for MLflow, ``<save_dir>/vram_<experiment key>`` for Comet), else the Trainer's ``log_dir``,
-    else ``default_root_dir``.
+    The first logger's own run folder (``log_dir`` for TensorBoard and CSV, the run's files folder for W&B, the run's
+    artifact folder for MLflow with a local store, ``<save_dir>/vram_<experiment key>`` for Comet), else the Trainer's
+    ``log_dir``, else ``default_root_dir``.
 
     Lightning turns logging off for ``fast_dev_run``; the monitor writes no files then either. A remote log dir
     (``TensorBoardLogger("s3://...")``) stays its URL, written through fsspec as Lightning writes there. The second

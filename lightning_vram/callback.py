@@ -41,8 +41,8 @@ class VramMonitor(Callback):
     :func:`~lightning_vram.publisher_for`). After fit, :attr:`report` holds the
     :class:`~lightning_vram.records.Report` and ``vram_report.json`` (with ``.md`` and ``.html``) is written to the
     first logger's own run folder: the Trainer's ``log_dir`` for TensorBoard and CSV, the run's files folder for W&B,
-    ``<save_dir>/<run id>`` for MLflow, ``<offline dir>/vram_<experiment key>`` for Comet (``default_root_dir``
-    without a logger).
+    the run's artifact folder for MLflow with a local store, ``<offline dir>/vram_<experiment key>`` for Comet
+    (``default_root_dir`` without a logger).
 
     Args:
         **options: the monitor's options, documented in :class:`~lightning_vram.config.MonitorOptions`.

@@ -167,7 +167,10 @@ def test_mlflow_run_holds_scalars_figures_advice_files_and_tags(
     monitor, logger = mlflow_run(tmp_path, monkeypatch)
     run_id = logger.run_id
     assert run_id is not None
-    assert monitor.report_path == tmp_path / "mlruns" / run_id / "vram_report.json"
+    experiment_id = logger.experiment_id
+    assert experiment_id is not None
+    # The run's own artifact folder: the files are its artifacts as written, and the store's root stays MLflow's.
+    assert monitor.report_path == tmp_path / "mlruns" / experiment_id / run_id / "artifacts" / "vram_report.json"
     report_json(monitor)
     client = MlflowClient(f"file:{tmp_path / 'mlruns'}")
     assert REPORT_FILES | {"vram"} <= {item.path for item in client.list_artifacts(run_id)}

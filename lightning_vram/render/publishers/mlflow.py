@@ -19,9 +19,17 @@ class MlflowPublisher(LoggerPublisher):
     """An ``MLFlowLogger``: artifacts, tags and the peak as a tag, on the logger's run."""
 
     def run_dir(self, root: Location) -> Location | None:
-        """``<save_dir>/<run_id>`` (``root`` in place of a remote tracking server's ``save_dir``)."""
-        save_dir = self.logger.save_dir
-        return join(as_location(save_dir) if save_dir else root, self.logger.run_id)
+        """The run's own artifact folder where the artifact store is local; else ``<root>/mlflow_<run id>``.
+
+        Files written there are the run's artifacts already; a folder in the tracking store's root would read as a
+        malformed experiment to MLflow's file store.
+        """
+        local = self._artifact_dir()
+        return local if local is not None else join(root, f"mlflow_{self.logger.run_id}")
+
+    def _artifact_dir(self) -> Path | None:
+        location = as_location(self.logger.experiment.get_run(self.logger.run_id).info.artifact_uri)
+        return location if isinstance(location, Path) else None
 
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
         """``log_image`` to the artifact ``<name>.png`` (``vram/figures/breakdown.png``)."""
@@ -32,9 +40,11 @@ class MlflowPublisher(LoggerPublisher):
         self.logger.experiment.log_text(self.logger.run_id, markdown, f"{name}.md")
 
     def artifacts(self, paths: Sequence[Path]) -> None:
-        """``log_artifact`` each, at the run's artifact root."""
+        """``log_artifact`` each, at the run's artifact root, but those written there already."""
+        local = self._artifact_dir()
         for path in paths:
-            self.logger.experiment.log_artifact(self.logger.run_id, str(path))
+            if local is None or path.parent.resolve() != local.resolve():
+                self.logger.experiment.log_artifact(self.logger.run_id, str(path))
 
     def tags(self, ids: Sequence[str]) -> None:
         """``vram.advice``: the ids, comma-separated; ``vram.advice.<id>``: ``true`` for each."""
