@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.loggers import CometLogger, CSVLogger, Logger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers import CometLogger, CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from logger_files import comet_messages, csv_rows, wandb_history, wandb_records
 from models import Classifier, dataset_for, linear_net, loader, trainer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from typing_extensions import override
 
@@ -339,3 +340,25 @@ def test_a_session_publishes_to_its_publishers_and_one_that_fails_is_switched_of
     assert ("summary", ["vram/peak_bytes", "vram/peak_mib"]) in recording.calls
     assert [kind for kind, _ in failing.calls] == ["scalars", "scalars"]  # off after its first failure
     assert any(item.what == "publishing to failing" for item in report.not_measured)
+
+
+@pytest.mark.usefixtures("wandb_offline")
+def test_with_wandb_and_tensorboard_each_gets_everything_and_the_files_are_written_once(tmp_path: Path) -> None:
+    import wandb
+
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    monitor = fit(tmp_path, [WandbLogger(save_dir=str(tmp_path), project="vram"), tensorboard])
+    wandb.finish()
+    wandb.teardown()
+    (files,) = (tmp_path / "wandb").glob("offline-run-*/files")
+    assert monitor.report_path == files / "vram_report.json"  # the first logger's run folder
+    report_json(monitor)
+    assert not list(Path(tensorboard.log_dir).glob("vram_report.*"))  # written once
+    events = EventAccumulator(tensorboard.log_dir, size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    assert set(FIGURE_TAGS) <= set(events.Tags()["images"])
+    assert [event.step for event in events.Scalars("vram/peak_mib")] == LOGGED_AT
+    assert [event.step for event in events.Tensors(f"{ADVICE_TAG}/text_summary")] == [4, 6]
+    (log,) = files.parent.glob("run-*.wandb")
+    history = wandb_history(wandb_records(log))
+    assert all(any(f"{tag}/_type" in row for row in history) for tag in FIGURE_TAGS)
