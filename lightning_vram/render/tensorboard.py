@@ -1,4 +1,4 @@
-"""TensorBoard output beyond scalars: a custom-scalars layout, advice as text, and figures.
+"""TensorBoard's custom-scalars layout (the charts of the scalars logged), and the report's figures and tags.
 
 Used by the TensorBoard publisher; works with any writer that has these methods of
 ``torch.utils.tensorboard.SummaryWriter``.
