@@ -1,9 +1,10 @@
 """lightning_vram: where GPU memory goes during training, and what to change.
 
 Public: :class:`VramMonitor` (the Lightning callback), :class:`VramSession` (the same monitor for Fabric and plain
-PyTorch loops), :class:`Report`, :class:`VramMonitorWarning`, :func:`predict` (a training step's memory and the
-largest batch per GPU, predicted without training); ``lightning_vram.testing`` (a scripted probe for
-tests), ``lightning_vram.pytorch_lightning`` (the callback for the ``pytorch_lightning`` package) and the records in
+PyTorch loops), :class:`Report`, :class:`VramMonitorWarning`, :class:`Publisher` and
+:func:`publisher_for` (where the results go: one publisher per logger), :func:`predict` (a training step's memory
+and the largest batch per GPU, predicted without training); ``lightning_vram.testing`` (a scripted probe for tests),
+``lightning_vram.pytorch_lightning`` (the callback for the ``pytorch_lightning`` package) and the records in
 ``lightning_vram.records``. Everything else is internal; a module whose name starts with an underscore is used only
 inside its own package.
 
@@ -25,16 +26,29 @@ if TYPE_CHECKING:
     from lightning_vram.exceptions import VramMonitorWarning
     from lightning_vram.predict import predict
     from lightning_vram.records import Report
+    from lightning_vram.render.publishers import publisher_for
+    from lightning_vram.render.publishing import Publisher
     from lightning_vram.session import VramSession
 
-__all__ = ["Report", "VramMonitor", "VramMonitorWarning", "VramSession", "__version__", "predict"]
+__all__ = [
+    "Publisher",
+    "Report",
+    "VramMonitor",
+    "VramMonitorWarning",
+    "VramSession",
+    "__version__",
+    "predict",
+    "publisher_for",
+]
 
 _EXPORTS = {
+    "Publisher": "lightning_vram.render.publishing",
     "Report": "lightning_vram.records",
     "VramMonitor": "lightning_vram.callback",
     "VramMonitorWarning": "lightning_vram.exceptions",
     "VramSession": "lightning_vram.session",
     "predict": "lightning_vram.predict",
+    "publisher_for": "lightning_vram.render.publishers",
 }
 """Each lazy export and the module it comes from."""
 
