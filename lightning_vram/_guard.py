@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -32,7 +33,6 @@ class Part(str, Enum):
     SCALARS = "logged scalars"
     REPORT = "the report"
     FILES = "report files"
-    TENSORBOARD = "TensorBoard text and figures"
     CONSOLE = "console summary"
     OOM = "out-of-memory diagnosis"
     HISTORY = "allocator history"
@@ -42,20 +42,31 @@ class Part(str, Enum):
     RANKS = "the exchange between ranks"
 
 
+@dataclass(frozen=True)
+class Output:
+    """A part named at run time: one publisher (one logger) of the run. ``value`` is how the report names it."""
+
+    value: str
+
+
+Key = Part | Output
+"""What the guard switches off on its own: a fixed part, or one output."""
+
+
 class Guard:
     """Which parts failed, and why. ``enabled(part)`` is a set lookup, cheap enough for every step."""
 
     def __init__(self) -> None:
-        self._failed: dict[Part, NotMeasured] = {}
-        self.off: Mapping[Part, NotMeasured] = self._failed
+        self._failed: dict[Key, NotMeasured] = {}
+        self.off: Mapping[Key, NotMeasured] = self._failed
         """The failed parts, live (read only): the hot path tests ``part not in guard.off`` inline, runs the part in
         its own ``try`` and hands what it raises to :meth:`fail`, a call fewer than :meth:`call` per part."""
 
-    def enabled(self, part: Part) -> bool:
+    def enabled(self, part: Key) -> bool:
         """Whether ``part`` still runs."""
         return part not in self._failed
 
-    def call(self, part: Part, function: Callable[..., T], *args: Any) -> T | None:
+    def call(self, part: Key, function: Callable[..., T], *args: Any) -> T | None:
         """``function(*args)`` run as ``part``; ``None`` when the part is off or fails now (it warns once).
 
         The one guard every part of the monitor goes through: ``enabled(part)`` tells afterwards whether it ran.
@@ -68,7 +79,7 @@ class Guard:
             self.fail(part, error)
             return None
 
-    def fail(self, part: Part, error: BaseException) -> None:
+    def fail(self, part: Key, error: BaseException) -> None:
         """``part`` raised ``error``: warn (once per part) and switch the part off for the rest of the run."""
         if part in self._failed:
             return

@@ -1,21 +1,20 @@
-"""What the callback reads from Lightning: the training set-up, TensorBoard writers, the rank collectives, the log dir.
+"""What the callback reads from Lightning: set-up, publishers of its loggers, logging step, collectives, log dir.
 
 With callback.py, the only module that imports Lightning.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import TrainingSetup
-from lightning_vram.render.files import Location, as_location
-from lightning_vram.render.tensorboard import TensorBoardWriter
+from lightning_vram.render.files import Location, as_location, join
+from lightning_vram.render.publishers import publisher_for, run_dir_of
+from lightning_vram.render.publishing import Publisher
 from lightning_vram.session.assembly import Gather
 
 
@@ -34,21 +33,25 @@ def trainer_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Trainin
     )
 
 
-def tensorboard_writers(trainer: pl.Trainer) -> list[TensorBoardWriter]:
-    """The SummaryWriters of the Trainer's TensorBoard loggers (``lightning``'s or ``pytorch_lightning``'s).
+def trainer_publishers(trainer: pl.Trainer) -> list[Publisher]:
+    """One publisher per logger of the Trainer, in its order (see :func:`~lightning_vram.publisher_for`).
 
     None but on global rank zero.
     """
     if not trainer.is_global_zero:
         return []
-    classic = sys.modules.get("pytorch_lightning.loggers")  # only when the user's code imported it
-    writers: list[TensorBoardWriter] = []
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger) or (
-            classic is not None and isinstance(logger, classic.TensorBoardLogger)
-        ):
-            writers.append(logger.experiment)
-    return writers
+    return [publisher_for(logger) for logger in trainer.loggers]
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's own logging uses (``self.log``, ``LearningRateMonitor``, ``DeviceStatsMonitor``).
+
+    That is the fit loop's count of batches that stepped, a private attribute of Lightning 2 (read here alone);
+    ``global_step`` (the optimizer steps) where it is missing.
+    """
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(epoch_loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) else trainer.global_step
 
 
 def strategy_gather(trainer: pl.Trainer) -> Gather:
@@ -72,8 +75,12 @@ def strategy_barrier(trainer: pl.Trainer) -> Callable[[], None]:
     return lambda: trainer.strategy.barrier("vram_report_written")
 
 
-def report_dir(trainer: pl.Trainer, monitor_index: int = 0) -> Location | None:
-    """Where the report files go: the logger's ``log_dir``, else ``default_root_dir``; none under fast_dev_run.
+def report_dir(trainer: pl.Trainer, publishers: Sequence[Publisher], monitor_index: int = 0) -> Location | None:
+    """Where the report files go; none under fast_dev_run.
+
+    The first logger's own run folder (``log_dir`` for TensorBoard and CSV, the run's files folder for W&B, the run's
+    artifact folder for MLflow with a local store, ``<save_dir>/vram_<experiment key>`` for Comet), else the Trainer's
+    ``log_dir``, else ``default_root_dir``.
 
     Lightning turns logging off for ``fast_dev_run``; the monitor writes no files then either. A remote log dir
     (``TensorBoardLogger("s3://...")``) stays its URL, written through fsspec as Lightning writes there. The second
@@ -81,8 +88,9 @@ def report_dir(trainer: pl.Trainer, monitor_index: int = 0) -> Location | None:
     """
     if getattr(trainer, "fast_dev_run", False):  # set by the Trainer at run time (not in its annotations)
         return None
-    directory = str(trainer.log_dir or trainer.default_root_dir)
-    return as_location(directory if monitor_index == 0 else f"{directory}/vram_monitor_{monitor_index}")
+    root = as_location(str(trainer.log_dir or trainer.default_root_dir))
+    directory = run_dir_of(publishers, root)
+    return directory if monitor_index == 0 else join(directory, f"vram_monitor_{monitor_index}")
 
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[pl.Callback]:

@@ -14,16 +14,18 @@ from typing_extensions import Unpack, override
 
 from lightning_vram._lightning import (
     log_interval,
+    logging_step,
     report_dir,
     strategy_barrier,
     strategy_gather,
-    tensorboard_writers,
     trainer_callbacks,
+    trainer_publishers,
     trainer_setup,
 )
 from lightning_vram.config import MonitorOptions, check_option_names
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
+from lightning_vram.render.scalars import chart_scalars
 from lightning_vram.session import VramSession
 
 
@@ -33,9 +35,14 @@ class VramMonitor(Callback):
     Every training step, the allocator's peak is read at Lightning's phase boundaries (forward,
     backward, optimizer step) from host-side counters, without synchronising the device. On sampled
     steps the tensors are counted one by one: parameters, gradients, optimizer state and the
-    activations each module saves for backward. Scalars go to the Trainer's loggers every
-    ``log_every_n_steps``; after fit, :attr:`report` holds the :class:`~lightning_vram.records.Report`
-    and ``vram_report.json`` is written to the Trainer's ``log_dir`` (``default_root_dir`` without a logger).
+    activations each module saves for backward. Scalars go to every logger of the Trainer every
+    ``log_every_n_steps``, at the step Lightning's own ``self.log`` uses; each logger also gets what it can hold of
+    the figures, the advice, the report files, the advice ids as tags and the peak (see
+    :func:`~lightning_vram.publisher_for`). After fit, :attr:`report` holds the
+    :class:`~lightning_vram.records.Report` and ``vram_report.json`` (with ``.md`` and ``.html``) is written to the
+    first logger's own run folder: the Trainer's ``log_dir`` for TensorBoard and CSV, the run's files folder for W&B,
+    the run's artifact folder for MLflow with a local store, ``<offline dir>/vram_<experiment key>`` for Comet
+    (``default_root_dir`` without a logger).
 
     Args:
         **options: the monitor's options, documented in :class:`~lightning_vram.config.MonitorOptions`.
@@ -98,7 +105,8 @@ class VramMonitor(Callback):
         # of its own and leaves the loggers alone (the same scalar names would collide).
         order = [callback for callback in trainer_callbacks(trainer) if isinstance(callback, VramMonitor)].index(self)
         self._logs = order == 0
-        self.session.log_dir = report_dir(trainer, order)
+        publishers = trainer_publishers(trainer)
+        self.session.log_dir = report_dir(trainer, publishers, order)
         self.session.start(
             pl_module,
             lambda: trainer.optimizers,
@@ -108,7 +116,7 @@ class VramMonitor(Callback):
             world_size=trainer.world_size,
             gather=strategy_gather(trainer),
             barrier=strategy_barrier(trainer),
-            tensorboard=tensorboard_writers(trainer) if self._logs else (),
+            publishers=publishers if self._logs else (),
             default_log_every_n_steps=log_interval(trainer),
         )
 
@@ -158,23 +166,21 @@ class VramMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        scalars = self.session.batch_end()
-        if scalars and self._logs and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(dict(scalars), step=trainer.global_step)
+        self.session.batch_end(logging_step(trainer))  # the session publishes the scalars to the loggers
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.session.epoch_end(trainer.global_step)
+        self.session.epoch_end(logging_step(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.session.finish()  # with several ranks, the others wait at the barrier while rank zero writes the files
+        # With several ranks, the others wait at the barrier while rank zero writes the files.
+        self.session.finish(step=logging_step(trainer))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning skips on_train_end when no training batch can run (max_epochs=0, limit_train_batches=0).
-        self.session.finish()
+        self.session.finish(step=logging_step(trainer))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -193,7 +199,8 @@ class VramMonitor(Callback):
             return
         for logger in trainer.loggers:
             logger.log_metrics(
-                {f"vram/evaluation/{peak.stage}_peak_bytes": float(peak.peak_bytes)}, trainer.global_step
+                chart_scalars({f"vram/evaluation/{peak.stage}_peak_bytes": float(peak.peak_bytes)}),
+                logging_step(trainer),
             )
         if self.config.console_summary:
             print(VramSession.evaluation_line(peak, trainer.strategy.root_device))

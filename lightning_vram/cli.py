@@ -1,8 +1,14 @@
 """``lightning-vram``: show, render or compare the reports a VramMonitor wrote.
 
-    lightning-vram show PATH            the summary of a report (PATH: vram_report.json or the log dir holding it)
-    lightning-vram html PATH -o FILE    the report as a standalone HTML page
-    lightning-vram diff A B             what changed from run A to run B: peak, each part, advice
+    lightning-vram show PATH [--json]   the summary of a report (PATH: vram_report.json or the log dir holding it),
+                                        or its JSON in today's schema
+    lightning-vram html PATH -o FILE    the report as a standalone HTML page (``-o -``: on standard output)
+    lightning-vram diff A B             what changed from run A to run B: peak and its parts, settings, timing,
+                                        advice, and A's predictions for the changes B applied
+    lightning-vram --version
+
+The command starts without importing torch, Lightning or matplotlib, nor the records: each command imports what it
+needs (the HTML page alone needs matplotlib), so that ``--help`` and ``--version`` answer at once.
 
 Every report written under schema ``lightning_vram.report/1`` reads, from 0.1.0 on: a field added by a later release
 takes its default where a file lacks it (listed in :func:`lightning_vram.codec.report_from_dict`).
@@ -20,17 +26,18 @@ import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from lightning_vram.codec import FormatError, report_from_dict
-from lightning_vram.records import CATEGORIES, Phase, PhasePeak, Report, in_phase_order
-from lightning_vram.render.files import JSON_FILENAME
-from lightning_vram.render.html import render_html
+from lightning_vram._version import __version__
 from lightning_vram.render.markup import printable
-from lightning_vram.render.text import summary_text
 from lightning_vram.units import format_bytes
 
+if TYPE_CHECKING:
+    from lightning_vram.records import Report
+
 USAGE_ERROR = 2
+STANDARD_OUTPUT = Path("-")
+"""The output path that means standard output."""
 MAX_REPORT_BYTES = 128 * 1024**2
 """Above the largest report the monitor writes (its ``recent_steps`` <= 10**6 recent peaks take at most 80 MiB, the
 rest a few MiB); a larger file is not one, and is not read into memory."""
@@ -88,6 +95,8 @@ def find_report(directory: Path) -> Path:
 
     Symbolic links to directories are not followed (no loops); unreadable directories are skipped.
     """
+    from lightning_vram.render.files import JSON_FILENAME
+
     found: list[tuple[float, str]] = []
     for searched, (root, directories, files) in enumerate(os.walk(directory), start=1):
         if JSON_FILENAME in files:
@@ -108,6 +117,8 @@ def find_report(directory: Path) -> Path:
 
 def load_report(path: Path) -> Report:
     """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it)."""
+    from lightning_vram.codec import FormatError, report_from_dict
+
     if path.is_dir():
         path = find_report(path)
     text = _read_text(path)
@@ -135,102 +146,80 @@ def one_line(message: str, limit: int = MAX_MESSAGE_CHARACTERS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _print(text: str, stream: TextIO) -> None:
+def _print(text: str, stream: TextIO, end: str = "\n") -> None:
     """Print ``text``; characters the stream's encoding lacks are written as escapes, never an error."""
     encoding = getattr(stream, "encoding", None) or "utf-8"
-    print(text.encode(encoding, errors="backslashreplace").decode(encoding), file=stream)
-
-
-def _change(before: int | None, after: int | None) -> str:
-    if before is None or after is None:
-        return f"{format_bytes(before)} -> {format_bytes(after)}"
-    delta = after - before
-    sign = "+" if delta >= 0 else "-"
-    relative = f" ({sign}{abs(delta) / before:.1%})" if before else ""
-    return f"{format_bytes(before)} -> {format_bytes(after)}: {sign}{format_bytes(abs(delta))}{relative}"
-
-
-PHASE_NAMES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.OPTIMIZER: "optimizer step"}
-"""Each phase as the diff names it in a sentence."""
-
-
-def _parts(peak: PhasePeak | None) -> dict[str, int | None]:
-    """Each part of ``peak``'s breakdown in bytes, empty where it has none."""
-    return dict(peak.breakdown.to_dict()) if peak is not None and peak.breakdown is not None else {}
-
-
-def _parts_lines(before: PhasePeak | None, after: PhasePeak | None, indent: str) -> list[str]:
-    """One line per part, from ``before``'s breakdown to ``after``'s."""
-    parts_before, parts_after = _parts(before), _parts(after)
-    return [
-        f"{indent}{name.replace('_', ' ')}: {_change(parts_before.get(name), parts_after.get(name))}"
-        for name in CATEGORIES
-    ]
-
-
-def diff_text(before: Report, after: Report) -> str:
-    """Peak, each part at the peak, each phase's peak, and advice added and removed, from ``before`` to ``after``.
-
-    Where the peak moved to another phase, the two peaks' parts are not like with like (a part can be absent from
-    one phase without being freed): the diff says where the peak moved and compares each phase with itself.
-    """
-    lines = [f"peak: {_change(_peak(before), _peak(after))}"]
-    moved = before.peak is not None and after.peak is not None and before.peak.phase is not after.peak.phase
-    if moved and before.peak is not None and after.peak is not None:
-        lines.append(
-            f"  the peak moved from {PHASE_NAMES[before.peak.phase]} to {PHASE_NAMES[after.peak.phase]}: each"
-            " phase is compared with itself below, part by part"
-        )
-    else:
-        lines += _parts_lines(before.peak, after.peak, "  ")
-    phases_after = dict(in_phase_order(after.phases))
-    for phase, peak in in_phase_order(before.phases):
-        other = phases_after.get(phase)
-        lines.append(f"  {phase.value} peak: {_change(peak.peak_bytes, other.peak_bytes if other else None)}")
-        if moved:
-            lines += _parts_lines(peak, other, "    ")
-    ids_before = {item.id for item in before.advice}
-    ids_after = {item.id for item in after.advice}
-    lines += [f"advice removed: {advice_id}" for advice_id in sorted(ids_before - ids_after)]
-    lines += [f"advice added: {advice_id}" for advice_id in sorted(ids_after - ids_before)]
-    if ids_before == ids_after:
-        lines.append("advice: unchanged")
-    return "\n".join(lines)
-
-
-def _peak(report: Report) -> int | None:
-    return report.peak.peak_bytes if report.peak is not None else None
+    print(text.encode(encoding, errors="backslashreplace").decode(encoding), file=stream, end=end)
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line: ``show``, ``html`` and ``diff``, each with its arguments' help, and ``--version``."""
     parser = argparse.ArgumentParser(prog="lightning-vram", description="Show, render or compare VRAM reports.")
+    parser.add_argument("--version", action="version", version=f"lightning-vram {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    show = commands.add_parser("show", help="print the summary of a report")
+    show = commands.add_parser("show", help="print the summary of a report", description="Print a report's summary.")
     show.add_argument("path", type=Path, help="vram_report.json, or a log dir holding one")
-    page = commands.add_parser("html", help="render a report as a standalone HTML page")
+    show.add_argument("--json", action="store_true", help="print the report's JSON instead, in today's schema")
+    page = commands.add_parser(
+        "html", help="render a report as a standalone HTML page", description="Render a report as an HTML page."
+    )
     page.add_argument("path", type=Path, help="vram_report.json, or a log dir holding one")
-    page.add_argument("-o", "--output", type=Path, required=True, help="the HTML file to write")
-    diff = commands.add_parser("diff", help="compare two runs' reports")
-    diff.add_argument("before", type=Path)
-    diff.add_argument("after", type=Path)
+    page.add_argument("-o", "--output", type=Path, required=True, help="the HTML file to write ('-': standard output)")
+    diff = commands.add_parser(
+        "diff",
+        help="compare two runs' reports",
+        description="What changed from run A to run B: peak and its parts, settings, timing, advice, and the peak"
+        " A's replay predicted for a change B applied.",
+    )
+    diff.add_argument("before", type=Path, metavar="A", help="run A's vram_report.json, or a log dir holding one")
+    diff.add_argument("after", type=Path, metavar="B", help="run B's vram_report.json, or a log dir holding one")
     return parser
+
+
+def _show(arguments: argparse.Namespace) -> None:
+    """``show``: the report's summary, or with ``--json`` its JSON as read back and written again."""
+    report = load_report(arguments.path)
+    if arguments.json:
+        from lightning_vram.codec import report_to_dict
+
+        _print(json.dumps(report_to_dict(report), indent=2), sys.stdout)
+        return
+    from lightning_vram.render.text import summary_text
+
+    _print(summary_text(report), sys.stdout)
+
+
+def _html(arguments: argparse.Namespace) -> None:
+    """``html``: the report's page, written to the output file (``-``: standard output)."""
+    from lightning_vram.render.html import render_html
+
+    page = render_html(load_report(arguments.path))
+    if arguments.output == STANDARD_OUTPUT:
+        _print(page, sys.stdout, end="")
+        return
+    try:
+        arguments.output.write_bytes(page.encode("utf-8", errors="backslashreplace"))
+    except OSError as error:
+        raise CommandError(f"{arguments.output}: {error.strerror or error}") from error
+    _print(f"wrote {arguments.output}", sys.stdout)
+
+
+def _diff(arguments: argparse.Namespace) -> None:
+    """``diff``: what changed from run A to run B."""
+    from lightning_vram.render.diff import diff_text
+
+    _print(diff_text(load_report(arguments.before), load_report(arguments.after)), sys.stdout)
+
+
+COMMANDS = {"show": _show, "html": _html, "diff": _diff}
+"""Each command and the function that runs it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0, or 2 for bad input)."""
     arguments = _parser().parse_args(argv)
     try:
-        if arguments.command == "show":
-            _print(summary_text(load_report(arguments.path)), sys.stdout)
-        elif arguments.command == "html":
-            page = render_html(load_report(arguments.path))
-            try:
-                arguments.output.write_bytes(page.encode("utf-8", errors="backslashreplace"))
-            except OSError as error:
-                raise CommandError(f"{arguments.output}: {error.strerror or error}") from error
-            _print(f"wrote {arguments.output}", sys.stdout)
-        else:
-            _print(diff_text(load_report(arguments.before), load_report(arguments.after)), sys.stdout)
+        COMMANDS[arguments.command](arguments)
     except CommandError as error:
         _print(one_line(f"lightning-vram: error: {error}"), sys.stderr)
         return USAGE_ERROR

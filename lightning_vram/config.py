@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import Clock
+from lightning_vram.render.publishing import Publisher
 
 MAX_STEPS = 10**12
 """Upper bound of every option counted in training steps (a trillion steps: far beyond any run)."""
@@ -287,6 +288,15 @@ def _require_optimizers(optimizers: object) -> None:
             raise TypeError(f"optimizers[{index}] must be an optimizer (with param_groups), got {_shown(optimizer)}")
 
 
+def _require_publishers(publishers: object) -> None:
+    for index, publisher in enumerate(_require_list("publishers", publishers, "Publishers")):
+        if not isinstance(publisher, Publisher):
+            raise TypeError(
+                f"publishers[{index}] must be a lightning_vram.Publisher (lightning_vram.publisher_for(logger) makes"
+                f" one of a Lightning logger), got {_shown(publisher)}"
+            )
+
+
 def _require_writers(writers: object) -> None:
     for index, writer in enumerate(_require_list("tensorboard", writers, "SummaryWriters")):
         if not all(callable(getattr(writer, method, None)) for method in WRITER_METHODS):
@@ -324,6 +334,7 @@ def check_start(
     gather: object,
     barrier: object,
     tensorboard: object,
+    publishers: object,
     default_log_every_n_steps: object,
     step_function: object,
 ) -> None:
@@ -346,4 +357,5 @@ def check_start(
     ):
         _require_callable(name, function)
     _require_writers(tensorboard)
+    _require_publishers(publishers)
     require_int("default_log_every_n_steps", default_log_every_n_steps, 1, MAX_STEPS, allow_none=True)

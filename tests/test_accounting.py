@@ -99,6 +99,7 @@ def test_backward_phase_holds_activations_then_gradients(tmp_path: Path) -> None
     assert optimizer.gradients == parameter_bytes
     assert optimizer.optimizer_state == 2 * parameter_bytes + 4 * FLOAT32
     assert optimizer.activations == 0
+    assert monitor.report.recomputed_units == ()  # no activation checkpointing: nothing re-ran in backward
 
 
 def dataset_for_width(width: int) -> torch.utils.data.TensorDataset:

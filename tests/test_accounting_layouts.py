@@ -314,6 +314,7 @@ def test_recomputation_under_checkpointing_counts_in_backward_by_hand(reentrant:
     # The module table is the forward pass's: what the recomputation saves in backward is not charged to it.
     saved = {profile.name: profile.activation_bytes for profile in attribution.modules}
     assert saved == {"(root)": tensor, "linear": tensor, "block": 0, "block.0": 0, "block.1": 0}
+    assert attribution.recomputed_units == (("block",),)  # its children re-ran inside it
 
 
 class CheckpointedBlocks(nn.Module):
@@ -357,6 +358,8 @@ def test_recomputed_mlp_blocks_count_in_backward(tmp_path: Path) -> None:
     # is held by its checkpoint, and the recomputation holds the ReLU's output (saved by the ReLU and the Linear).
     assert backward.activations == depth * batch * width * FLOAT32 + batch * hidden * FLOAT32
     assert backward.gradients == parameter_bytes(network.head, blocks[-1][2])
+    # One recomputation per block, last block first.
+    assert report.recomputed_units == (("network.blocks.2",), ("network.blocks.1",), ("network.blocks.0",))
 
 
 def test_recomputed_transformer_layers_count_in_backward(tmp_path: Path) -> None:

@@ -168,7 +168,7 @@ def test_advice_text_read_back_from_tensorboard(tmp_path: Path) -> None:
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
     events.Reload()
     texts = events.Tensors("vram/advice/text_summary")
-    assert [event.step for event in texts] == [2, 4, 4]  # each epoch end, then train end
+    assert [event.step for event in texts] == [2, 4]  # each epoch end; the last one's is the report's, once
     final = texts[-1].tensor_proto.string_val[0].decode()
     assert monitor.report is not None and monitor.report.advice
     for advice in monitor.report.advice:

@@ -178,6 +178,12 @@ START_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
         "tensorboard[0] must be a SummaryWriter (with add_text, add_custom_scalars, add_image, get_logdir, close),"
         " got NotAWriter",
     ),
+    (
+        {"publishers": [NotAWriter()]},
+        TypeError,
+        "publishers[0] must be a lightning_vram.Publisher (lightning_vram.publisher_for(logger) makes one of a"
+        " Lightning logger), got <",
+    ),
     ({"step_function": 3}, TypeError, "step_function must be a callable or None, got 3 (int)"),
 ]
 

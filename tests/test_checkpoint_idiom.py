@@ -3,7 +3,8 @@
 Each model is built from its config class (random weights, nothing downloaded) and trained with the monitor; the
 report's own checkpointing advice (replayed in training) is applied by running the code it prints on a fresh
 module, which is trained again: the peak falls by the predicted saving (within 10%, the report's own peak both
-times), the advice is gone and backward runs.
+times), the advice is gone, backward runs, and ``lightning-vram diff`` finds the plan applied (from the modules the
+second run recomputed) and sets the replay's predicted peak beside the measured one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from lightning_vram.advice.checkpointing import switch_plan
 from lightning_vram.measure.setup import checkpointing_switches
 from lightning_vram.records import CheckpointChange, CheckpointPlan, Simulation, VariantResult
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
+from lightning_vram.render.diff import prediction_lines
+from lightning_vram.units import format_bytes
 
 pytest.importorskip("transformers")
 
@@ -181,6 +184,10 @@ def _assert_realised(before: Report, after: Report, advice: Any) -> None:
     if advice.saving_basis == "simulated":
         assert advice.predicted_peak_bytes == pytest.approx(after.peak.peak_bytes, rel=0.1)
     assert all(item.id != "activation-checkpointing" for item in after.advice)
+    assert before.recomputed_units == () and after.recomputed_units
+    (line,) = prediction_lines(before, after)
+    assert line.startswith(f"A's replay predicted {format_bytes(advice.predicted_peak_bytes)} for ")
+    assert f", B measured {format_bytes(after.peak.peak_bytes)} (diff " in line
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
@@ -273,6 +280,9 @@ def test_plain_checkpointing_advice_passes_every_argument_and_keeps_tuple_output
     exec(code, {"self": module})
     after = _report(tmp_path / "after", module, _masked_features(4 * BATCH))
     assert module.steps == 3
+    # Each wrapper's block re-ran, under the wrapper's name (the advice's `.block`).
+    assert after.recomputed_units is not None
+    assert all(len(unit) == 1 and re.fullmatch(r"blocks\.\d+\.block", unit[0]) for unit in after.recomputed_units)
     _assert_realised(before, after, advice)
 
 

@@ -17,7 +17,8 @@ import pytest
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib import image
-from models import Classifier, cnn_net, dataset_for, loader, trainer
+from models import Classifier, cnn_net, dataset_for, linear_net, loader, trainer
+from scripted import MIB, scripted_steps
 from tensorboard import context
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -27,11 +28,12 @@ from torch import nn
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.codec import report_from_dict
-from lightning_vram.records import Phase
+from lightning_vram.records import Phase, UtilizationReading
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.html import render_html
-from lightning_vram.render.tensorboard import FIGURE_TAGS, LAYOUT
+from lightning_vram.render.tensorboard import FIGURE_TAGS, layout_for
 from lightning_vram.render.text import headline, markdown, summary_text
+from lightning_vram.testing import ScriptedProbe
 from lightning_vram.units import format_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -69,8 +71,9 @@ def test_a_layout_of_the_user_is_merged_with_the_monitor_s(tmp_path: Path, user_
         logger.experiment.add_custom_scalars(USER_LAYOUT)
     else:
         callbacks.append(WritesLayout())
-    trainer(tmp_path, callbacks, max_steps=2, logger=logger).fit(Classifier(cnn_net()), loader(dataset_for("cnn")))
-    assert custom_scalars_tab(Path(logger.log_dir)) == {**USER_TAB, **MONITOR_TAB}
+    fit = trainer(tmp_path, callbacks, max_steps=2, logger=logger, log_every_n_steps=1)
+    fit.fit(Classifier(cnn_net()), loader(dataset_for("cnn")))
+    assert custom_scalars_tab(Path(logger.log_dir)) == {**USER_TAB, **monitor_tab(events_of(Path(logger.log_dir)))}
 
 
 def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, Path]) -> None:
@@ -100,7 +103,12 @@ def custom_scalars_tab(log_dir: Path) -> dict[str, dict[str, list[str]]]:
     }
 
 
-MONITOR_TAB = {title: {chart: spec[1] for chart, spec in charts.items()} for title, charts in LAYOUT.items()}
+def monitor_tab(events: EventAccumulator) -> dict[str, dict[str, list[str]]]:
+    """The monitor's charts in the Custom Scalars tab: those of :data:`LAYOUT` that show a scalar logged."""
+    layout = layout_for(set(events.Tags()["scalars"]))
+    return {title: {chart: spec[1] for chart, spec in charts.items()} for title, charts in layout.items()}
+
+
 USER_LAYOUT = {"My losses": {"train and validation": ["Multiline", ["train_loss", "val_loss"]]}}
 USER_TAB = {"My losses": {"train and validation": ["train_loss", "val_loss"]}}
 
@@ -109,15 +117,26 @@ def test_custom_scalars_layout_groups_the_charts(tensorboard_run: tuple[VramMoni
     _, log_dir = tensorboard_run
     events = events_of(log_dir)
     categories = custom_scalars_tab(log_dir)
-    assert categories == MONITOR_TAB
-    assert categories["VRAM memory"]["allocated, reserved and step peak (bytes)"] == [
-        "vram/allocated_bytes",
-        "vram/reserved_bytes",
-        "vram/peak_bytes",
+    assert categories == monitor_tab(events)
+    assert categories["VRAM memory"]["allocated, reserved and step peak (MiB)"] == [
+        "vram/allocated_mib",
+        "vram/reserved_mib",
+        "vram/peak_mib",
     ]
-    # The layout's tags name scalars that were logged (on CPU: those measured there).
+    # No chart of a metric never logged: the CPU measures no GPU utilization.
+    assert "GPU utilization (percent)" not in categories["VRAM speed"]
+    assert set(categories["VRAM speed"]) == {"data wait (fraction of step time)", "step time (seconds)"}
+    # The layout's tags name scalars that were logged (on CPU: those measured there), in MiB beside the bytes.
     logged = set(events.Tags()["scalars"])
-    assert "vram/peak_bytes" in logged and "vram/data_wait_fraction" in logged
+    assert {"vram/peak_bytes", "vram/peak_mib", "vram/data_wait_fraction"} <= logged
+    (peak_bytes, *_), (peak_mib, *_) = events.Scalars("vram/peak_bytes"), events.Scalars("vram/peak_mib")
+    assert peak_mib.value == pytest.approx(peak_bytes.value / 2**20)
+
+
+def test_advice_text_is_written_once_at_the_last_step(tensorboard_run: tuple[VramMonitor, Path]) -> None:
+    _, log_dir = tensorboard_run
+    steps = [event.step for event in events_of(log_dir).Tensors("vram/advice/text_summary")]
+    assert steps == sorted(set(steps)) and steps[-1] == 6  # the epoch ends at 4; the run and its last epoch at 6
 
 
 class PageParser(HTMLParser):
@@ -271,3 +290,21 @@ def test_modules_tied_on_bytes_keep_the_order_they_ran_in(tmp_path: Path) -> Non
     parser = PageParser()
     parser.feed(render_html(report))
     assert parser.module_cells == in_order
+
+
+def test_the_utilization_chart_appears_where_utilization_is_logged(tmp_path: Path) -> None:
+    steps = [(300 * MIB, 350 * MIB, 200 * MIB)] * 2
+    probe = ScriptedProbe(scripted_steps(steps), utilization=[UtilizationReading(40.0, 700 * MIB)])
+    monitor = VramMonitor(probe=probe, log_every_n_steps=1, attribution_start_step=100, console_summary=False)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    run = trainer(tmp_path, [monitor], max_steps=2, logger=logger)
+    run.fit(Classifier(linear_net()), loader(dataset_for("linear")))
+    charts = custom_scalars_tab(Path(logger.log_dir))
+    assert charts["VRAM speed"]["GPU utilization (percent)"] == ["vram/gpu_utilization_percent"]
+    assert charts["VRAM memory"]["allocated, reserved and step peak (MiB)"] == [
+        "vram/allocated_mib",
+        "vram/reserved_mib",
+        "vram/peak_mib",
+    ]
+    (allocated, *_) = events_of(Path(logger.log_dir)).Scalars("vram/allocated_mib")
+    assert allocated.value == 100  # MiB, where a chart of bytes shows 1.05e+08

@@ -62,7 +62,6 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
         Part.SCALARS: lambda: monkeypatch.setattr(assembly, "interval_scalars", boom),
         Part.REPORT: lambda: monkeypatch.setattr(assembly, "build_report", boom),
         Part.FILES: lambda: monkeypatch.setattr(sinks, "write_report_files", boom),
-        Part.TENSORBOARD: lambda: monkeypatch.setattr(sinks, "write_layout", boom),
         Part.CONSOLE: lambda: monkeypatch.setattr(sinks, "print_summary", boom),
         Part.REPLAY: lambda: monkeypatch.setattr(advisor, "try_changes", boom),
     }

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_vram"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("lightning_vram.units", "lightning_vram.exceptions"),
+    ("lightning_vram.units", "lightning_vram.exceptions", "lightning_vram._version"),
     ("lightning_vram.records",),
     ("lightning_vram._guard", "lightning_vram.testing", "lightning_vram.codec"),
     ("lightning_vram.measure",),

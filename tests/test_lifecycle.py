@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,14 +145,21 @@ def test_checkpoint_state_round_trips_every_field_of_a_sampled_step() -> None:
         output_saved_for_backward=False,
         input_feature_map=(64, 16),
     )
-    attribution = Attribution(3, {Phase.FORWARD: Breakdown(10, 0, 20, 4096, None)}, (profile,), batch_size=8)
+    recomputed = (("net.2", "net.3"), ("blocks.0.block",))
+    attribution = Attribution(
+        3, {Phase.FORWARD: Breakdown(10, 0, 20, 4096, None)}, (profile,), batch_size=8, recomputed_units=recomputed
+    )
     tracker = MemoryTracker(recent_steps=4, peak_was_reset=True)
     tracker.start_step(None)
     tracker.end_step(attribution)
     restored = MemoryTracker(recent_steps=4, peak_was_reset=True)
-    restored.load_state_dict(tracker.state_dict())
+    state = tracker.state_dict()
+    restored.load_state_dict(state)
     assert restored.latest_attribution == attribution
     assert restored.peak == tracker.peak and restored.steps == 1
+    del state["latest_attribution"]["recomputed_units"]  # as a state written before they were recorded
+    restored.load_state_dict(state)
+    assert restored.latest_attribution == replace(attribution, recomputed_units=None)
 
 
 def test_a_resumed_run_keeps_the_replay_of_the_run_before(tmp_path: Path) -> None:

@@ -63,6 +63,8 @@ def test_fields_an_old_release_did_not_write_read_as_their_defaults() -> None:
     assert report.device.compute_capability is None and report.precision is None and report.batch_size is None
     assert report.fit == () and report.recent_peaks == () and report.evaluation == ()
     assert report.recovered_ooms is None and report.simulation is None
+    for path in RELEASED_REPORTS:  # no release recorded what checkpointing recomputed
+        assert load_report(path).recomputed_units is None
     assert report.peak is not None
     for peak in report.phases.values():  # 0.1.0 did not record a phase's step or reserve
         assert peak.step == report.peak.step and peak.reserved_bytes is None
@@ -114,6 +116,8 @@ def test_the_monitor_writes_no_report_its_cli_refuses(shape: str, tmp_path: Path
     assert main(["show", str(path)]) == 0
     assert main(["html", str(path), "-o", str(tmp_path / "page.html")]) == 0
     assert report_to_dict(load_report(path)) == data  # nothing the file says is lost on the way back
+    # A sampled step recorded that nothing was recomputed; a run without one did not record it.
+    assert data["recomputed_units"] == (None if shape == "empty" else [])
 
 
 def test_a_report_with_the_most_recent_peaks_the_monitor_keeps_reads_back(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_vram.advice.replay.simulation import NOT_REPLAYED
 from lightning_vram.records import (
     CheckpointChange,
     PhasePeak,
@@ -26,6 +25,7 @@ from lightning_vram.records import (
     StepChange,
     VariantResult,
 )
+from lightning_vram.records.simulation import NOT_REPLAYED
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 160

@@ -4,8 +4,9 @@ Non-reentrant ``torch.utils.checkpoint`` saves what its recomputed forward saves
 own, which hide those tensors from the monitor's hooks. What the recomputation creates is seen one level lower, as
 the outputs of the operators it runs (a ``TorchDispatchMode``); the storages among them that stay alive are what it
 holds for backward. torch's dispatch-mode base class and its graph-task id are private: this module is the only one
-that names them. Without the graph-task id (a torch that lacks it), a module's forward during the backward phase is
-taken for a recomputation.
+that names them, with the autograd node the engine runs (which tells one checkpointed unit's recomputation from the
+next). Without the graph-task id (a torch that lacks it), a module's forward during the backward phase is taken for a
+recomputation.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def running_backward(default: bool) -> bool:
         return default
     running: bool = graph_task_id() != -1
     return running
+
+
+def backward_node() -> int | None:
+    """The sequence number of the autograd node the engine runs on this thread (``None``: none, or torch cannot tell).
+
+    A checkpointed unit is recomputed inside the backward of the node that first unpacks what it saved: the modules
+    one recomputation re-runs share this number, the next unit's recomputation has another.
+
+    >>> backward_node() is None
+    True
+    """
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    node = current_node() if current_node is not None else None
+    return None if node is None else int(node._sequence_nr())
 
 
 # torch ships TorchDispatchMode without annotations.

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from lightning_vram.measure._recompute import Recomputation, running_backward
+from lightning_vram.measure._recompute import Recomputation, backward_node, running_backward
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
@@ -56,7 +56,8 @@ class StepAttributor:
       freed) + optimizer state + the highest live bytes of saved activations in the segment;
     - backward: parameters + optimizer state + the highest sum of live activations and gradients
       while backward frees one and creates the other; a module's forward re-run during backward by
-      activation checkpointing adds what it creates and still holds when it ends;
+      activation checkpointing adds what it creates and still holds when it ends (and the modules it re-ran are
+      listed, unit by unit, in the attribution's ``recomputed_units``);
     - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
       update + activations still held.
 
@@ -111,6 +112,10 @@ class StepAttributor:
         self._awaiting_forward = False
         self._recomputation: Recomputation | None = None
         self._recomputed_finalizers: list[weakref.finalize[Any, Any]] = []
+        self._recomputed_units: list[list[str]] = []
+        """The outermost modules each recomputation re-ran in backward, unit by unit, in the order they ran."""
+        self._recomputing_node: int | None = None
+        """The autograd node (its sequence number) whose backward ran the last recomputation."""
         self._phase = Phase.FORWARD
         self._phases: dict[Phase, Breakdown] = {}
         self.error: Exception | None = None
@@ -197,6 +202,7 @@ class StepAttributor:
             if self._recomputation is None:
                 watched = self.on_output if self._counting.watch_recomputation else None  # else the caller's
                 self._recomputation = Recomputation(len(self._module_stack), watched)
+                self._note_recomputed(label)
             self._module_stack.append(label)
 
         def count(args: Any) -> None:
@@ -216,6 +222,19 @@ class StepAttributor:
             self._module_stack.append(label)
 
         return enter
+
+    def _note_recomputed(self, label: str) -> None:
+        """Module ``label`` is re-run in backward, outside any other recomputed module.
+
+        It joins the unit the same autograd node is recomputing, or starts the next unit (each module its own unit
+        where torch cannot tell the nodes apart).
+        """
+        node = backward_node()
+        if self._recomputed_units and node is not None and node == self._recomputing_node:
+            self._recomputed_units[-1].append(label)
+        else:
+            self._recomputed_units.append([label])
+        self._recomputing_node = node
 
     def _watch_unsharded(self, module: nn.Module) -> None:
         """FSDP2 gathered ``module``'s parameters before this call: parameters, never its activations."""
@@ -358,6 +377,7 @@ class StepAttributor:
             phases=dict(self._phases),
             modules=module_profiles(self._modules, self._counters, self._ledger.saved_bytes_by_module, self._observer),
             batch_size=self._batch_size,
+            recomputed_units=tuple(tuple(unit) for unit in self._recomputed_units),
         )
 
     def _close_segment(self, phase: Phase) -> None:
@@ -395,6 +415,7 @@ class StepAttributor:
         for finalizer in self._recomputed_finalizers:
             finalizer.detach()
         self._recomputed_finalizers.clear()
+        self._recomputing_node = None
         for handle in (*self._handles, *self._gradient_handles):
             handle.remove()
         self._handles.clear()

@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_vram.measure._torch_hooks import global_hooks, module_hooks_of
+from lightning_vram.measure.compiled import is_compiled_module
 
 
 def inside_ids(module: nn.Module) -> set[int]:
@@ -66,11 +67,14 @@ def instance_roots(module: nn.Module) -> list[tuple[str, Any]]:
     """The hooks and callables each submodule of ``module`` (the replay's copy) holds as instance attributes.
 
     A method bound to one of the copy's own objects is its code only; anything else the copy shares with the
-    user's module (a function closing over the real one) is reached through it.
+    user's module (a function closing over the real one) is reached through it. A compiled module's own attributes
+    (its compiled ``forward``) are torch's wrapper's: the module it runs is walked as its ``_orig_mod``.
     """
     inside = {id(child) for child in module.modules()}
     roots: list[tuple[str, Any]] = []
     for name, child in module.named_modules():
+        if is_compiled_module(child):
+            continue
         label = name or "the model"
         attributes = vars(child)
         for kind, hook in module_hooks_of(attributes):
@@ -88,13 +92,15 @@ def data_roots(module: nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` (the replay's copy) that are neither tensors nor submodules.
 
     ``deepcopy`` copied most of them; what it shares (classes, weak references' targets, an object whose
-    ``__deepcopy__`` returns itself) is the user's.
+    ``__deepcopy__`` returns itself) is the user's. A compiled module's own are torch's wrapper's, as in
+    :func:`instance_roots`.
     """
     return [
         (f"{name or 'the model'}.{attribute}", value)
         for name, child in module.named_modules()
         for attribute, value in vars(child).items()
-        if attribute not in _MODULE_INTERNALS
+        if not is_compiled_module(child)
+        and attribute not in _MODULE_INTERNALS
         and not attribute.endswith("_hooks")
         and not isinstance(value, (Tensor, nn.Module))
     ]

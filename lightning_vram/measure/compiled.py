@@ -1,22 +1,64 @@
-"""Finds modules wrapped by ``torch.compile``: inside them, module hooks do not fire.
+"""Finds what ``torch.compile`` wrapped: modules (inside them, module hooks do not fire) and functions.
 
-torch's wrapper class (``torch._dynamo.eval_frame.OptimizedModule``) is private; this module is the only one that
-names it, and without it (an older or trimmed torch) no module counts as compiled.
+torch marks what it compiles with private names: the module wrapper's class
+(``torch._dynamo.eval_frame.OptimizedModule``) and the attributes it sets on a compiled function's wrapper
+(``_torchdynamo_orig_callable``, ``_torchdynamo_wrapper_id``; ``_torchdynamo_disable`` on a function
+``torch.compiler.disable`` wrapped, which runs eagerly). This module is the only one that names them. The wrapper's
+class is looked up among the modules already imported: until torch's dynamo is imported nothing can be compiled, and
+an older or trimmed torch without it has nothing compiled either.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
+
 from torch import nn
+
+_ORIGINAL = "_torchdynamo_orig_callable"
+_WRAPPER_ID = "_torchdynamo_wrapper_id"
+_DISABLED = "_torchdynamo_disable"
+
+
+def is_compiled_module(value: Any) -> bool:
+    """Whether ``value`` is a module ``torch.compile`` wrapped (its ``_orig_mod`` is the module it runs)."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return wrapper is not None and isinstance(value, wrapper)
 
 
 def compiled_module_names(root: nn.Module) -> tuple[str, ...]:
     """Names (as ``named_modules`` gives them) of the modules ``torch.compile`` wrapped, outermost only."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:
-        return ()
     names: list[str] = []
     for name, module in root.named_modules():
-        if isinstance(module, OptimizedModule) and not any(name.startswith(f"{outer}.") for outer in names):
+        if is_compiled_module(module) and not any(name.startswith(f"{outer}.") for outer in names):
             names.append(name)
     return tuple(names)
+
+
+def compiled_callable_name(value: Any) -> str | None:
+    """The name of what ``value`` runs compiled, when ``torch.compile`` made it; ``None`` otherwise.
+
+    ``value`` is a compiled function's wrapper (``torch.compile(fn)``, ``@torch.compile``, ``torch.compile`` of a
+    bound method) or a compiled module. Read through the function's own ``__dict__``, never a user's ``__getattr__``;
+    a function that ``functools.wraps`` copied the marks onto is not the wrapper (torch's own check).
+
+    >>> import torch
+    >>> def gelu(x):
+    ...     return x * torch.sigmoid(1.702 * x)
+    >>> compiled_callable_name(torch.compile(gelu)), compiled_callable_name(gelu)
+    ('gelu', None)
+    >>> compiled_callable_name(torch.compiler.disable(gelu)) is None
+    True
+    """
+    if isinstance(value, types.FunctionType):
+        marks = vars(value)
+        original = marks.get(_ORIGINAL)
+        if original is None or marks.get(_WRAPPER_ID) != id(value) or marks.get(_DISABLED, False):
+            return None
+        if isinstance(original, (types.FunctionType, types.MethodType)):
+            return original.__qualname__
+        return type(original).__qualname__
+    if is_compiled_module(value):
+        return f"a compiled {type(value._orig_mod).__qualname__}"
+    return None

@@ -84,6 +84,17 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.error: Exception | None = None
         """The first error raised while counting; from then on the mode passes every op through untouched."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code runs compiled under this mode, as it does in training (torch's switch for a mode).
+
+        Otherwise dynamo runs a compiled function eagerly while any mode is active, which rounds differently. The
+        sampled step's live count stands aside for the compiled code the walk finds; this covers what it cannot see
+        (a plain loop's own body, a callback's hook, a library's code), whose tensors made inside the compiled graph
+        are then not in the live peak.
+        """
+        return True
+
     def track(self, tensors: Iterable[Any]) -> None:
         """Count the storages of ``tensors`` on the device (each once) until they are freed; others are skipped."""
         for tensor in tensors:

@@ -10,7 +10,10 @@ at all.
 
 The same walk tells whether the code uses APIs that refuse saved-tensor hooks (``torch.func``'s ``grad``,
 ``vjp``, ``jacrev``, ``hessian``; ``disable_saved_tensors_hooks``) or installs its own, which the sampled step's
-counting must stand aside for.
+counting must stand aside for, and whether it calls functions ``torch.compile`` made (or compiled modules held
+outside the trained one): dynamo would trace them on the replay's fake tensors and keep what it made of them for
+training's later calls, so the step is not replayed; under the CPU's live count (a dispatch mode) dynamo runs them
+eagerly, so that count stands aside.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_vram.measure.code_roots import Remapped
+from lightning_vram.measure.compiled import compiled_callable_name
 from lightning_vram.measure.plain_reads import (
     contents,
     dict_items,
@@ -96,8 +100,10 @@ class Reach:
     attributes, random generators). ``tensors``: tensors held outside the module. ``arrays``: NumPy arrays.
     ``caches``: ``functools.lru_cache`` functions and the place each is read from. ``real_modules``: where the code
     reaches the trained module itself (a ``step_function`` closing over it), by path. ``hook_apis``: the
-    saved-tensor-hook APIs the code names. ``unrestorable``: what the code reaches whose state cannot be saved (an
-    iterator, a generator), by path. ``complete``: the walk ended before :data:`WALK_LIMIT`.
+    saved-tensor-hook APIs the code names. ``compiled``: what it runs through ``torch.compile`` (a compiled function
+    or a compiled module outside the trained one), each with where the walk found it. ``unrestorable``: what the
+    code reaches whose state cannot be saved (an iterator, a generator), by path. ``complete``: the walk ended before
+    :data:`WALK_LIMIT`.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -107,6 +113,7 @@ class Reach:
     caches: list[tuple[Slot, Any]] = field(default_factory=list)
     real_modules: list[str] = field(default_factory=list)
     hook_apis: set[str] = field(default_factory=set)
+    compiled: list[str] = field(default_factory=list)
     unrestorable: list[str] = field(default_factory=list)
     complete: bool = True
 
@@ -119,6 +126,7 @@ class Reach:
         self.caches += other.caches
         self.real_modules += other.real_modules
         self.hook_apis |= other.hook_apis
+        self.compiled += other.compiled
         self.unrestorable += other.unrestorable
         self.complete = self.complete and other.complete
 
@@ -138,6 +146,7 @@ class _Walk:
         self._slots: set[tuple[int, str | None]] = set()
         self._limit = limit
         self._namespaces: set[int] = set()
+        self._compiled: set[int] = set()  # what torch.compile made, listed once however many paths reach it
         self._queue: collections.deque[tuple[Any, str, frozenset[str], bool]] = collections.deque()
 
     def run(self, roots: Iterable[tuple[str, Any]], data: Iterable[tuple[str, Any]] = ()) -> Reach:
@@ -233,6 +242,8 @@ class _Walk:
         elif isinstance(value, (tuple, frozenset)):
             for index, item in enumerate(contents(value)):
                 self._push(item, f"{path}[{index}]", data=data)
+        elif self._is_compiled(value, path):
+            return  # a compiled module held outside the trained one: a reason not to run, not state to save
         elif hasattr(type(value), "__next__"):  # an iterator or a generator: what it has yielded cannot be put back
             self.reach.unrestorable.append(f"{path} (a {type(value).__name__})")
         elif data and not is_user_class(type(value)):
@@ -241,6 +252,7 @@ class _Walk:
             self._instance(value, path, data)
 
     def _function(self, function: types.FunctionType, path: str) -> None:
+        self._is_compiled(function, path)
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is not None:
             self._push(wrapped, path)
@@ -269,6 +281,14 @@ class _Walk:
             self._slot(cell, None, f"{where}: closure {name}")
         self._push(function.__defaults__, f"{where}: defaults")
         self._push(function.__kwdefaults__, f"{where}: defaults")
+
+    def _is_compiled(self, value: Any, path: str) -> bool:
+        """Whether ``torch.compile`` made ``value``; the first time, it is listed with ``path``."""
+        name = compiled_callable_name(value)
+        if name is not None and id(value) not in self._compiled:
+            self._compiled.add(id(value))
+            self.reach.compiled.append(f"{name} ({path})")
+        return name is not None
 
     def _note_hook_apis(self, names: frozenset[str], namespace: dict[str, Any]) -> None:
         found = names & SAVED_TENSOR_HOOK_NAMES

@@ -178,6 +178,10 @@ class Attribution:
     phases: dict[Phase, Breakdown]
     modules: tuple[ModuleProfile, ...]
     batch_size: int | None = None
+    recomputed_units: tuple[tuple[str, ...], ...] | None = None
+    """What activation checkpointing re-ran in backward: per recomputed unit, in the order backward recomputed them,
+    the outermost modules it re-ran (names as in ``modules``; torch may stop a recomputation before a unit's last
+    modules, once backward has what it needs). Empty: nothing re-ran; ``None``: not recorded (an older state)."""
 
 
 @dataclass(frozen=True)
@@ -332,6 +336,9 @@ class RunSummary:
     """Each training batch length seen (tokens) with how many batches had it, shortest first (empty: none)."""
     length_peaks: tuple[tuple[int, int], ...] = ()
     """Each batch length replayed on a training step (tokens) with its replayed peak (bytes), shortest first."""
+    recomputed_units: tuple[tuple[str, ...], ...] | None = None
+    """What activation checkpointing re-ran in backward on the sampled step (:attr:`Attribution.recomputed_units`;
+    ``None``: not recorded)."""
 
     @property
     def on_cuda(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.records.json_reader import FormatError, Reader, as_int, kind_of, member, shown
+from lightning_vram.records.json_reader import FormatError, Reader, as_int, kind_of, member, shown, text_list
 from lightning_vram.records.measured import (
     Attribution,
     Breakdown,
@@ -60,7 +60,26 @@ def attribution_to_dict(attribution: Attribution | None) -> dict[str, Any] | Non
         "phases": {phase.value: breakdown_to_dict(parts) for phase, parts in attribution.phases.items()},
         "modules": [module_to_dict(profile) for profile in attribution.modules],
         "batch_size": attribution.batch_size,
+        "recomputed_units": recomputed_units_to_dict(attribution.recomputed_units),
     }
+
+
+def recomputed_units_to_dict(units: tuple[tuple[str, ...], ...] | None) -> list[list[str]] | None:
+    """The modules each recomputed unit re-ran, unit by unit (``None``: not recorded)."""
+    return None if units is None else [list(unit) for unit in units]
+
+
+def recomputed_units_from_dict(data: Any, where: str) -> tuple[tuple[str, ...], ...] | None:
+    """The units :func:`recomputed_units_to_dict` wrote.
+
+    >>> recomputed_units_from_dict([["net.0", "net.1"], ["net.2.block"]], "report.recomputed_units")
+    (('net.0', 'net.1'), ('net.2.block',))
+    """
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise FormatError(f"{where} must be a list, got {kind_of(data)}")
+    return tuple(tuple(text_list(unit, f"{where}[{index}]")) for index, unit in enumerate(data))
 
 
 def evaluation_to_dict(peaks: tuple[EvaluationPeak, ...]) -> dict[str, Any]:
@@ -170,6 +189,9 @@ def attribution_from_dict(data: Any, where: str) -> Attribution | None:
         phases=phases,
         modules=tuple(fields.each("modules", module_from_dict)),
         batch_size=fields.optional_integer("batch_size"),
+        recomputed_units=recomputed_units_from_dict(fields.raw("recomputed_units"), f"{where}.recomputed_units")
+        if fields.has("recomputed_units")
+        else None,
     )
 
 

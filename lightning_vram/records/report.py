@@ -30,6 +30,8 @@ from lightning_vram.records.measured_json import (
     phase_from_text,
     phase_peak_from_dict,
     phase_peak_to_dict,
+    recomputed_units_from_dict,
+    recomputed_units_to_dict,
     step_point_from_dict,
     step_point_to_dict,
 )
@@ -105,6 +107,14 @@ class Report:
         return self.summary.batch_size
 
     @property
+    def recomputed_units(self) -> tuple[tuple[str, ...], ...] | None:
+        """What activation checkpointing re-ran in backward on the sampled step, unit by unit (``None``: not recorded).
+
+        Each unit lists the outermost modules one recomputation re-ran, in order (their names as in ``modules``).
+        """
+        return self.summary.recomputed_units
+
+    @property
     def recovered_ooms(self) -> int | None:
         """CUDA out-of-memory errors the training code caught and survived."""
         return self.summary.recovered_ooms
@@ -153,6 +163,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         "modules": [
             {"name": row.name, "type": row.type, "activation_bytes": row.activation_bytes} for row in report.modules
         ],
+        "recomputed_units": recomputed_units_to_dict(report.recomputed_units),
         "timing": {
             "step_seconds_median": timing.step_seconds_median,
             "data_wait_fraction": timing.data_wait_fraction,
@@ -223,6 +234,7 @@ def report_from_dict(data: Any) -> Report:
     - the step replay: ``simulation``: ``None``; ``advice[].saving_basis``, ``advice[].predicted_peak_bytes``:
       ``None``; ``fit[].basis``: ``"modelled"``;
     - the batch shapes: ``shapes``: ``None``; the batch lengths: ``shapes.length_counts``: empty;
+    - the recomputed units: ``recomputed_units``: ``None`` (not recorded);
     - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``.
 
     Raises:
@@ -263,6 +275,9 @@ def report_from_dict(data: Any) -> Report:
         steps=fields.integer("steps"),
         recent_peaks=tuple(fields.each("recent_peaks", step_point_from_dict)) if fields.has("recent_peaks") else (),
         evaluation=evaluation_from_dict(fields, "evaluation") if fields.has("evaluation") else (),
+        recomputed_units=recomputed_units_from_dict(fields.raw("recomputed_units"), "report.recomputed_units")
+        if fields.has("recomputed_units")
+        else None,
     )
     return Report(
         summary=summary,

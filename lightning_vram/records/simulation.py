@@ -13,6 +13,10 @@ from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, Report
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
 from lightning_vram.records.timeline import StepTimeline
 
+NOT_REPLAYED = "not replayed"
+"""How :attr:`VariantResult.discarded` starts for a change the time budget never reached, or cut: untried, not
+failed (the rules read it)."""
+
 
 class ChangeKind(ReportText):
     """What a replayed change alters, as the report's ``variants[].kind`` names it."""

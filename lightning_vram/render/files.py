@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TypeAlias
 
 from lightning_vram.records import OomDiagnosis, Report
-from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown, oom_markdown
 
 JSON_FILENAME = "vram_report.json"
@@ -173,6 +172,13 @@ def _text(render: Callable[[], str]) -> Render:
     return lambda: render().encode("utf-8", errors="backslashreplace")
 
 
+def _html(report: Report) -> str:
+    """The report's HTML page; the renderer (matplotlib) is imported here, so that reading a report needs none."""
+    from lightning_vram.render.html import render_html
+
+    return render_html(report)
+
+
 def write_report_files(report: Report, directory: Location) -> Location:
     """Write the JSON, Markdown and HTML forms into ``directory`` (created if needed); returns the JSON's location.
 
@@ -184,7 +190,7 @@ def write_report_files(report: Report, directory: Location) -> Location:
         [
             (JSON_FILENAME, _text(lambda: json.dumps(report.to_dict(), indent=2) + "\n")),
             (MARKDOWN_FILENAME, _text(lambda: markdown(report))),
-            (HTML_FILENAME, _text(lambda: render_html(report))),
+            (HTML_FILENAME, _text(lambda: _html(report))),
         ],
     )
     return join(directory, JSON_FILENAME)

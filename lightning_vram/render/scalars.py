@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from lightning_vram.records import IntervalMemory, IntervalTiming, UtilizationReading
 
@@ -94,3 +95,19 @@ def reduce_over_ranks(rows: list[list[float]]) -> dict[str, float]:
                 if not math.isnan(row[index]):
                     scalars[f"{PREFIX}rank_{rank}/{name}"] = row[index]
     return scalars
+
+
+MIB = 2**20
+"""Bytes in a mebibyte."""
+
+
+def chart_scalars(scalars: Mapping[str, float]) -> dict[str, float]:
+    """``scalars`` with a ``..._mib`` twin (mebibytes) of every ``..._bytes`` value, for charts that read well.
+
+    The ``_bytes`` names stay for one release, then only the ``_mib`` ones are logged.
+
+    >>> chart_scalars({"vram/peak_bytes": 3 * MIB, "vram/step_seconds": 0.5})
+    {'vram/peak_bytes': 3145728, 'vram/step_seconds': 0.5, 'vram/peak_mib': 3.0}
+    """
+    twins = {name[: -len("_bytes")] + "_mib": value / MIB for name, value in scalars.items() if name.endswith("_bytes")}
+    return {**scalars, **twins}

@@ -1,20 +1,21 @@
-"""TensorBoard output beyond scalars: a custom-scalars layout, advice as text, and figures.
+"""TensorBoard's custom-scalars layout (the charts of the scalars logged), and the report's figures and tags.
 
-Used only when a TensorBoardLogger is present; works with any writer that has these methods of
+Used by the TensorBoard publisher; works with any writer that has these methods of
 ``torch.utils.tensorboard.SummaryWriter``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Collection
 from typing import Any, Protocol, cast
 
 import numpy as np
 
-from lightning_vram.records import Advice, Report
+from lightning_vram.records import Report
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
 from lightning_vram.render.step_memory import step_memory_figure
-from lightning_vram.render.text import advice_markdown, capacity_text
+from lightning_vram.render.text import capacity_text
 
 ADVICE_TAG = "vram/advice"
 FIGURE_TAGS = ("vram/figures/breakdown", "vram/figures/memory_over_steps", "vram/figures/top_modules")
@@ -23,12 +24,12 @@ STEP_MEMORY_TAG = "vram/figures/step_memory"
 
 LAYOUT: dict[str, dict[str, list[Any]]] = {
     "VRAM memory": {
-        "allocated, reserved and step peak (bytes)": [
+        "allocated, reserved and step peak (MiB)": [
             "Multiline",
-            ["vram/allocated_bytes", "vram/reserved_bytes", "vram/peak_bytes"],
+            ["vram/allocated_mib", "vram/reserved_mib", "vram/peak_mib"],
         ],
-        "what held the peak (bytes)": ["Multiline", [r"vram/peak/.*_bytes"]],
-        "peak of each phase (bytes)": ["Multiline", [r"vram/phase_peak/.*_bytes"]],
+        "what held the peak (MiB)": ["Multiline", [r"vram/peak/.*_mib"]],
+        "peak of each phase (MiB)": ["Multiline", [r"vram/phase_peak/.*_mib"]],
     },
     "VRAM speed": {
         "GPU utilization (percent)": ["Multiline", ["vram/gpu_utilization_percent"]],
@@ -67,8 +68,28 @@ class TensorBoardWriter(Protocol):
         ...
 
 
-def write_layout(writer: TensorBoardWriter) -> None:
-    """The custom-scalars layout of the ``vram/...`` scalars, in the run :data:`LAYOUT_RUN` below ``writer``'s.
+def layout_for(names: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The charts of :data:`LAYOUT` that show at least one of the scalars ``names`` (a chart's tags are regexes).
+
+    A metric never logged (GPU utilization on the CPU) gets no empty chart.
+
+    >>> layout_for({"vram/step_seconds"})
+    {'VRAM speed': {'step time (seconds)': ['Multiline', ['vram/step_seconds']]}}
+    """
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for category, charts in LAYOUT.items():
+        shown = {
+            title: spec
+            for title, spec in charts.items()
+            if any(re.fullmatch(tag, name) for tag in spec[1] for name in names)
+        }
+        if shown:
+            layout[category] = shown
+    return layout
+
+
+def write_layout(writer: TensorBoardWriter, layout: dict[str, dict[str, list[Any]]]) -> None:
+    """The custom-scalars ``layout``, in the run :data:`LAYOUT_RUN` below ``writer``'s (replacing the one before).
 
     Written by a new writer of ``writer``'s class (``torch.utils.tensorboard``'s or ``tensorboardX``'s
     ``SummaryWriter``, which both take the run's directory first), closed at once.
@@ -76,14 +97,9 @@ def write_layout(writer: TensorBoardWriter) -> None:
     new_writer = cast(Callable[[str], TensorBoardWriter], type(writer))
     layout_writer = new_writer(f"{writer.get_logdir().rstrip('/')}/{LAYOUT_RUN}")
     try:
-        layout_writer.add_custom_scalars(LAYOUT)
+        layout_writer.add_custom_scalars(layout)
     finally:
         layout_writer.close()
-
-
-def write_advice(writer: TensorBoardWriter, advice: tuple[Advice, ...], step: int) -> None:
-    """The run's advice so far, as Markdown text under ``vram/advice``."""
-    writer.add_text(ADVICE_TAG, advice_markdown(advice), global_step=step)
 
 
 def report_images(report: Report) -> dict[str, np.ndarray]:
@@ -99,9 +115,3 @@ def report_images(report: Report) -> dict[str, np.ndarray]:
     if (step_figure := step_memory_figure(report)) is not None:
         images[STEP_MEMORY_TAG] = rgb_pixels(step_figure)
     return images
-
-
-def write_figures(writer: TensorBoardWriter, report: Report, step: int) -> None:
-    """The breakdown per phase, memory over steps and the top modules, as images."""
-    for tag, pixels in report_images(report).items():
-        writer.add_image(tag, pixels, global_step=step, dataformats="HWC")

@@ -175,6 +175,11 @@ class Advisor:
         cannot_run = simulation is not None and simulation.baseline is None
         return self._config.replay_budget_seconds > 0 and self._guard.enabled(Part.REPLAY) and not cannot_run
 
+    def refuse(self, reason: str) -> None:
+        """No step of this run may be replayed, for ``reason``: the report's simulation says so (unless one ran)."""
+        if self.simulation is None:
+            self.simulation = Simulation(self._context.device.type, None, None, reason, (), 0.0)
+
     def replay(
         self,
         attribution: Attribution,

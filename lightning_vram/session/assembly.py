@@ -117,6 +117,7 @@ class Assembly:
             evaluation=tuple(tracker.evaluation.values()),
             length_counts=tuple(sorted(recorder.shapes.length_counts.items())),
             length_peaks=self._length_peaks(),
+            recomputed_units=largest.recomputed_units if largest is not None else None,
         )
 
     def not_measured(self) -> tuple[NotMeasured, ...]:

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_vram._guard import Guard, Part
+from lightning_vram._guard import Guard, Output, Part
 from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.config import MonitorConfig, MonitorOptions, check_option_names, check_start, start_device
 from lightning_vram.records import (
+    Advice,
     EvaluationPeak,
     NotMeasured,
     OomDiagnosis,
@@ -30,6 +31,8 @@ from lightning_vram.records import (
     TrainingSetup,
 )
 from lightning_vram.render.files import Location, as_location
+from lightning_vram.render.publishers.tensorboard import TensorBoardPublisher
+from lightning_vram.render.publishing import Publisher
 from lightning_vram.render.tensorboard import TensorBoardWriter
 from lightning_vram.render.text import evaluation_text
 from lightning_vram.session.advisor import Advisor
@@ -41,6 +44,8 @@ from lightning_vram.session.recorder import AllocatorHistory, StepRecorder
 from lightning_vram.session.sampling import Sampler
 from lightning_vram.session.sinks import Sinks
 
+EPOCH_ADVICE = Output("advice at each epoch's end")
+"""The advice so far, built at each epoch's end for the publishers (its failure leaves the report's alone)."""
 DEFAULT_LOG_EVERY_N_STEPS = 50
 """Steps between interval scalars when neither the session nor a Trainer sets it (Lightning's default)."""
 
@@ -82,8 +87,8 @@ class VramSession:
         self._pending_state: Any = None
         self._new_run(RunContext(), Ranks(Guard()))
 
-    def _new_run(self, context: RunContext, ranks: Ranks, writers: Sequence[TensorBoardWriter] = ()) -> None:
-        """Fresh parts for the run of ``context``, sharing one guard; ``writers`` are its TensorBoard writers."""
+    def _new_run(self, context: RunContext, ranks: Ranks, publishers: Sequence[Publisher] = ()) -> None:
+        """Fresh parts for the run of ``context``, sharing one guard; ``publishers`` get its results."""
         config = self.config
         self._guard = guard = ranks.guard
         self._context = context
@@ -92,9 +97,10 @@ class VramSession:
         self._advisor = Advisor(config, guard, context)
         self._history = AllocatorHistory(guard)
         self._ranks = ranks
-        self._sinks = Sinks(guard, writers, config.console_summary)
+        self._sinks = Sinks(guard, publishers, config.console_summary)
         self._assembly = Assembly(config, guard, recorder, self._ranks, self._notes, self._advisor.length_peaks)
         self._log_every: int | None = None
+        self._step: int | None = None  # the last step published at
         self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False
         self._sampled_batch: Any = None
@@ -143,6 +149,7 @@ class VramSession:
         gather: Gather | None = None,
         barrier: Callable[[], None] | None = None,
         tensorboard: Sequence[TensorBoardWriter] = (),
+        publishers: Sequence[Publisher] = (),
         default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
         step_function: StepFunction | None = None,
     ) -> None:
@@ -164,7 +171,12 @@ class VramSession:
             barrier: waits until every rank calls it (one collective): with ``world_size > 1``, :meth:`finish`
                 holds the other ranks there until rank zero has written the files. A collective that fails (a rank
                 gone) warns once; the monitor runs no other one, and its report covers this rank.
-            tensorboard: SummaryWriters that get the custom-scalars layout, the advice text and the figures.
+            tensorboard: SummaryWriters that get the custom-scalars layout, the advice text and the figures (the
+                scalars :meth:`batch_end` returns are yours to log).
+            publishers: where the scalars (at the step given to :meth:`batch_end`), the figures, the advice, the
+                report files, the advice ids as tags and the peak go: a :class:`~lightning_vram.Publisher` each,
+                ``lightning_vram.publisher_for(logger)`` for a Lightning logger. Each that fails warns once and is
+                switched off.
             default_log_every_n_steps: the interval when ``log_every_n_steps`` was not given; ``None`` logs none.
             step_function: ``(module, batch) -> loss``: the forward pass and loss of one step, so that advice can be
                 replayed on it under fake tensors; a module with a ``training_step`` (a LightningModule) needs none.
@@ -182,13 +194,15 @@ class VramSession:
             gather=gather,
             barrier=barrier,
             tensorboard=tensorboard,
+            publishers=publishers,
             default_log_every_n_steps=default_log_every_n_steps,
             step_function=step_function,
         )
         context = run_context(model, optimizers, dataloader, precision, start_device(device), setup, step_function)
         context.rank, context.world_size = rank, world_size
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
-        self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), tensorboard)
+        outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
+        self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), outputs)
         self.report = self.oom_diagnosis = None
         config = self.config
         self._log_every = config.log_every_n_steps or default_log_every_n_steps
@@ -196,7 +210,6 @@ class VramSession:
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
-        self._sinks.layout()
         if config.record_history:
             self._history.start(context.device, config.history_max_entries)
 
@@ -221,7 +234,9 @@ class VramSession:
         # few times a run at most); every other step but a few stops at `due`, without a call.
         worst = recorder.observe_batch(step, batch) and self._advisor.worth_counting(recorder.shapes.largest_elements)
         sampled = (worst or (due is not None and step >= due)) and sampler.begin(step, batch, live, force=worst)
-        if sampled and (worst or self._advisor.simulation is None):
+        if sampled and sampler.replay_refusal is not None:
+            self._advisor.refuse(sampler.replay_refusal)
+        elif sampled and (worst or self._advisor.simulation is None):
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
             self._worst_batch = worst
 
@@ -243,8 +258,11 @@ class VramSession:
         if self._sampler.attributor is not None:
             self._sampler.before_optimizer_step()
 
-    def batch_end(self) -> Mapping[str, float]:
+    def batch_end(self, step: int | None = None) -> Mapping[str, float]:
         """The training step ended. Returns the ``vram/...`` scalars when a log interval ends, else an empty dict.
+
+        Args:
+            step: the step the publishers log the scalars at (the logger's counter); default: the steps measured.
 
         With ``world_size > 1`` every rank must call it at the same steps: an interval's end is one gather.
         """
@@ -269,9 +287,13 @@ class VramSession:
                 recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
             self._sampled_batch = None
         every = self._log_every
-        if every is not None and steps % every == 0:
-            return self._assembly.interval_scalars()
-        return NO_SCALARS
+        if every is None or steps % every != 0:
+            return NO_SCALARS
+        scalars = self._assembly.interval_scalars()
+        self._step = steps if step is None else step
+        if scalars and self._sinks.publishers:
+            self._sinks.scalars(scalars, self._step)
+        return scalars
 
     def break_continuity(self) -> None:
         """The time until the next training step is not data wait (an epoch boundary, a validation run)."""
@@ -280,16 +302,19 @@ class VramSession:
     # ------------------------------------------------------------------------------------------------ intervals
 
     def epoch_end(self, step: int) -> None:
-        """Write the advice so far as TensorBoard text (with ``tensorboard`` writers given to :meth:`start`)."""
+        """Publish the advice so far as text at ``step`` (with publishers or writers given to :meth:`start`)."""
         recorder = self._recorder
-        if not self._sinks.writers or recorder.probe is None or recorder.device is None:
+        if not self._sinks.publishers or recorder.probe is None or recorder.device is None:
             return
+        self._step = step
 
-        def write_advice() -> None:
+        def advice() -> tuple[Advice, ...]:
             setup = self._context.setup()
-            self._sinks.advice(self._advisor.advice(self.summary(), setup) if setup is not None else (), step)
+            return self._advisor.advice(self.summary(), setup) if setup is not None else ()
 
-        self._guard.call(Part.TENSORBOARD, write_advice)
+        so_far = self._guard.call(EPOCH_ADVICE, advice)
+        if so_far is not None:
+            self._sinks.advice(so_far, step)
 
     # ------------------------------------------------------------------------------------------------ evaluation
 
@@ -333,11 +358,13 @@ class VramSession:
         """
         return self._assembly.summary()
 
-    def finish(self, *, gather_ranks: bool = True) -> Report | None:
+    def finish(self, *, gather_ranks: bool = True, step: int | None = None) -> Report | None:
         """Build the report, write its files (rank zero, with a ``log_dir``), show it, and stop measuring.
 
         Args:
             gather_ranks: with ``world_size > 1``, exchange each rank's headline (one collective every rank joins).
+            step: the step the publishers show the figures and advice at; default: the last one published at, else
+                the steps measured.
 
         Returns:
             The report, or ``None`` when :meth:`start` was never called or the report could not be built.
@@ -353,7 +380,8 @@ class VramSession:
             report = replace(report, shapes=self._advisor.shapes(self._recorder.shapes.record()))
             self.report = report
             if self._context.rank == 0:
-                self.report = self._sinks.publish(report, self.log_dir, assembly.not_measured)
+                at = step if step is not None else self._step if self._step is not None else report.steps
+                self.report = self._sinks.publish(report, self.log_dir, assembly.not_measured, at)
         self._ranks.meet(gather_ranks)
         self.close()
         return self.report if report is not None else None
@@ -390,7 +418,7 @@ class VramSession:
         # process group, whose teardown must not wait for this object).
         self._context.release()
         self._ranks.release()
-        self._sinks.writers = ()
+        self._sinks.attach(())
         self._sampled_batch = None
 
     # ------------------------------------------------------------------------------------------------ state

@@ -17,9 +17,10 @@ from typing import Any
 from torch import nn
 
 from lightning_vram._guard import Guard, Part
+from lightning_vram.advice.replay.step import compiled_refusal
 from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
-from lightning_vram.measure.code_roots import code_roots, inside_ids
+from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
 from lightning_vram.measure.reach import reach_of
 from lightning_vram.records import Attribution, NotMeasured, Phase
@@ -54,7 +55,10 @@ class Sampler:
         self._live_phase = Phase.FORWARD
         self._notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with the attributors
         self._compiled_note: NotMeasured | None = None
-        self._hook_apis: tuple[str, ...] | None = None  # saved-tensor-hook APIs the training code uses, once known
+        self._aside: bool | None = None  # whether the training code rules counting out (decided once, then noted)
+        self._compiled_code: tuple[str, ...] = ()  # what torch.compile made that the training code calls, once read
+        self.replay_refusal: str | None = None
+        """Why no step of this run may be replayed, found by the walk :meth:`begin` makes (``None``: none found)."""
         self.next_step: int | None = config.attribution_start_step
         """The next sampled step (``None``: none): :meth:`begin` returns ``False`` on any step before it."""
 
@@ -108,12 +112,20 @@ class Sampler:
     def _start_live(self, model: nn.Module, context: RunContext, batch: Any, attributor: StepAttributor) -> None:
         """Count every tensor alive on the device during this step, unless a dispatch mode or torch.compile is at work.
 
-        A mode entered before this one would see (and may change) what this one sees; a compiled module would run
-        differently under a dispatch mode. Either way the step's peaks stay the sums of the counted parts (noted).
+        A mode entered before this one would see (and may change) what this one sees; a compiled module or function
+        would run differently under a dispatch mode (dynamo runs a compiled function eagerly there: it rounds
+        differently). Either way the step's peaks stay the sums of the counted parts (noted).
         """
         leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
-        if attributor.compiled or dispatch_mode_active():
-            why = "torch.compile runs part of the model" if attributor.compiled else "a dispatch mode was active"
+        if attributor.compiled or self._compiled_code or dispatch_mode_active():
+            if attributor.compiled:
+                why = "torch.compile runs part of the model"
+            elif self._compiled_code:
+                first, *more = self._compiled_code
+                also = f" and {len(more)} more" if more else ""
+                why = f"the training code calls {first}{also}, compiled by torch.compile"
+            else:
+                why = "a dispatch mode was active"
             self._notes.setdefault(
                 "live",
                 NotMeasured(LIVE_PEAK, f"{why}: the live count stood aside, those peaks are the counted parts"),
@@ -163,21 +175,29 @@ class Sampler:
     def _stands_aside(self, model: nn.Module) -> bool:
         """Whether the training code uses saved-tensor-hook APIs the attribution's hooks would break or miss.
 
-        Decided once per run, before any sampled step, from the code (``torch.func.grad`` and ``vjp`` refuse to run
+        Decided once per run, before any sampled step, from the code (the model's classes and what its instances
+        hold, the step function, the optimizers), never by running it: ``torch.func.grad`` and ``vjp`` refuse to run
         under saved-tensor hooks, ``disable_saved_tensors_hooks`` refuses them, the code's own hooks hide what they
-        pack); the report says so.
+        pack; the report says so. The same walk finds what ``torch.compile`` made that the code calls: as for a
+        compiled module, the live count stands aside for it (:meth:`_start_live`), and no step is replayed
+        (:attr:`replay_refusal`).
         """
-        if self._hook_apis is None:
+        if self._aside is None:
             context = self._context
-            roots = code_roots(model, context.step_function, context.current_optimizers())
-            self._hook_apis = tuple(sorted(reach_of(roots, inside_ids(model)).hook_apis))
-            if self._hook_apis:
+            roots = [*code_roots(model, context.step_function, context.current_optimizers()), *instance_roots(model)]
+            reach = reach_of(roots, inside_ids(model), data_roots(model))
+            hook_apis = sorted(reach.hook_apis)
+            if hook_apis:
                 self._notes["hook-apis"] = NotMeasured(
                     "tensor-by-tensor attribution (parts, activations per module)",
-                    f"the training code uses {', '.join(self._hook_apis)}, which the monitor's saved-tensor hooks"
+                    f"the training code uses {', '.join(hook_apis)}, which the monitor's saved-tensor hooks"
                     " would break or not see: sampled steps were not counted tensor by tensor",
                 )
-        return bool(self._hook_apis)
+            if reach.compiled:
+                self._compiled_code = tuple(reach.compiled)
+                self.replay_refusal = compiled_refusal(reach.compiled[0])
+            self._aside = bool(hook_apis)
+        return self._aside
 
     def _call(self, method: Callable[[StepAttributor], Any]) -> Any:
         attributor = self.attributor

@@ -1,79 +1,129 @@
-"""Where a run's results go: the report files, TensorBoard, the console, and the OOM files with a line on stderr.
+"""Where a run's results go: the report files, the publishers (one per logger), the console, and the OOM files.
 
-Rank zero writes the report files, TensorBoard and the console; every rank writes its own OOM diagnosis.
+Rank zero writes the report files and the console and publishes; every rank writes its own OOM diagnosis (with a
+line on stderr).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from lightning_vram._guard import Guard, Part
+from lightning_vram._guard import Guard, Output, Part
 from lightning_vram.measure import history
 from lightning_vram.records import Advice, NotMeasured, OomDiagnosis, Report
 from lightning_vram.records.oom import oom_headline
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.files import (
+    HTML_FILENAME,
+    JSON_FILENAME,
+    MARKDOWN_FILENAME,
     SNAPSHOT_STEM,
     FilesNotWritten,
     Location,
+    join,
     report_stem,
     write_diagnosis,
     write_report_files,
 )
-from lightning_vram.render.tensorboard import TensorBoardWriter, write_advice, write_figures, write_layout
+from lightning_vram.render.publishing import Publisher
+from lightning_vram.render.scalars import MIB, chart_scalars
+from lightning_vram.render.tensorboard import ADVICE_TAG, report_images
+from lightning_vram.render.text import advice_markdown
+
+FIGURES = Output("figures")
+"""The report's figures, drawn once for every publisher."""
 
 
 class Sinks:
     """The outputs of one run.
 
     Args:
-        guard: the run's guard (files, TensorBoard, console).
-        writers: TensorBoard SummaryWriters for the layout, the advice text and the figures.
+        guard: the run's guard (files, console, and each publisher on its own).
+        publishers: where scalars, figures, advice, the files, tags and the summary go (one per logger).
         console_summary: print the summary at the end.
     """
 
-    def __init__(self, guard: Guard, writers: Sequence[TensorBoardWriter], console_summary: bool) -> None:
-        self._guard, self.writers, self._console = guard, writers, console_summary
+    def __init__(self, guard: Guard, publishers: Sequence[Publisher], console_summary: bool) -> None:
+        self._guard, self._console = guard, console_summary
+        self.publishers: tuple[tuple[Output, Publisher], ...] = ()
+        self.attach(publishers)
+        self._advice: tuple[str, int] | None = None  # an epoch's advice, Markdown, and its step: not yet written
         self.report_path: Location | None = None
         """Where ``vram_report.json`` was written; ``None`` when it was not."""
 
-    def layout(self) -> None:
-        """Give every TensorBoard writer the custom-scalars layout of the ``vram/...`` scalars."""
-        for writer in self.writers:
-            self._guard.call(Part.TENSORBOARD, write_layout, writer)
+    def attach(self, publishers: Sequence[Publisher]) -> None:
+        """Publish to ``publishers`` (none: let go of them), each guarded on its own."""
+        self.publishers = tuple((Output(f"publishing to {each.name}"), each) for each in publishers)
+
+    def _each(self, method: Callable[[Publisher], Callable[..., None]], *args: Any) -> None:
+        for key, publisher in self.publishers:
+            self._guard.call(key, method(publisher), *args)
+
+    def scalars(self, scalars: Mapping[str, float], step: int) -> None:
+        """The interval's scalars, with their ``_mib`` twins, at ``step`` (after the advice of a past epoch's end)."""
+        self._write_advice()
+        self._each(lambda each: each.scalars, chart_scalars(scalars), step)
 
     def advice(self, advice: tuple[Advice, ...], step: int) -> None:
-        """Write ``advice`` as TensorBoard text at ``step``."""
-        for writer in self.writers:
-            write_advice(writer, advice, step)
+        """``advice`` as Markdown text at ``step`` (an epoch's end), written once the run goes on past ``step``.
+
+        The last epoch ends where the run does: its advice is then the report's, written once by :meth:`publish`.
+        """
+        self._write_advice()
+        self._advice = (advice_markdown(advice), step)
+
+    def _write_advice(self) -> None:
+        if self._advice is not None:
+            markdown, step = self._advice
+            self._advice = None
+            self._each(lambda each: each.text, ADVICE_TAG, markdown, step)
 
     def publish(
-        self, report: Report, directory: Location | None, not_measured: Callable[[], tuple[NotMeasured, ...]]
+        self,
+        report: Report,
+        directory: Location | None,
+        not_measured: Callable[[], tuple[NotMeasured, ...]],
+        step: int,
     ) -> Report:
-        """Show ``report`` (TensorBoard, console), write its files; returns it with ``not_measured`` read again.
+        """Show ``report`` (publishers, console), write its files; returns it with ``not_measured`` read again.
 
-        ``directory`` is where the files go (``None``: none).
-        The files come last, so that they list every part that failed (or they are what failed).
+        ``directory`` is where the files go (``None``: none); each publisher gets the local files as artifacts.
+        The files come last but their upload, so that they list every part that failed (or they are what failed).
         """
         guard = self._guard
-        for writer in self.writers:
-            guard.call(Part.TENSORBOARD, _write_tensorboard, writer, report)
+        if self.publishers:
+            for name, pixels in (guard.call(FIGURES, report_images, report) or {}).items():
+                self._each(lambda each: each.image, name, pixels, step)
+            if self._advice is not None and self._advice[1] == step:
+                self._advice = None  # the last epoch's advice: the report's replaces it
+            self._write_advice()
+            self._each(lambda each: each.text, ADVICE_TAG, advice_markdown(report.advice), step)
+            self._each(lambda each: each.tags, [item.id for item in report.advice])
+            if report.peak is not None:
+                peak = report.peak.peak_bytes
+                self._each(lambda each: each.summary, {"vram/peak_mib": peak / MIB, "vram/peak_bytes": float(peak)})
         if self._console:
             guard.call(Part.CONSOLE, print_summary, report)
         report = replace(report, not_measured=not_measured())
         if directory is not None:
-            guard.call(Part.FILES, self._write_files, report, directory)
+            written = guard.call(Part.FILES, self._write_files, report, directory) or ()
+            local = [path for path in written if isinstance(path, Path)]
+            if local:
+                self._each(lambda each: each.artifacts, local)
         return replace(report, not_measured=not_measured())
 
-    def _write_files(self, report: Report, directory: Location) -> None:
+    def _write_files(self, report: Report, directory: Location) -> tuple[Location, ...]:
+        names = (JSON_FILENAME, MARKDOWN_FILENAME, HTML_FILENAME)
         try:
             self.report_path = write_report_files(report, directory)
         except FilesNotWritten as error:  # the others were written: say where, then let the guard report it
             self.report_path = error.json_path
             raise
+        return tuple(join(directory, name) for name in names)
 
     def snapshot(self, directory: Location | None, rank: int, world_size: int) -> tuple[Path | None, tuple[str, ...]]:
         """Save the allocator history (being recorded) into ``directory``: its path, or a note why it was not."""
@@ -89,8 +139,3 @@ class Sinks:
         if directory is not None:
             path = write_diagnosis(diagnosis, directory, world_size)
             print(f"VramMonitor (rank {rank}): {oom_headline(diagnosis)}; see {path}", file=sys.stderr)
-
-
-def _write_tensorboard(writer: TensorBoardWriter, report: Report) -> None:
-    write_advice(writer, report.advice, report.steps)
-    write_figures(writer, report, report.steps)

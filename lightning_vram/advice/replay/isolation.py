@@ -121,6 +121,18 @@ def _quiet_logs() -> Iterator[None]:
             setattr(logging.Logger, name, method)
 
 
+def _eager_compiled_code() -> contextlib.AbstractContextManager[Any]:
+    """``torch.compile``'s stance ``force_eager`` while the replay runs (torch 2.6 on, once dynamo is imported).
+
+    Compiled code the walk could not see (a library's) then runs eagerly on the fakes and leaves dynamo's caches as
+    they were: called under the replay's modes without it, a function not compiled yet was never compiled afterwards.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None or "torch._dynamo" not in sys.modules:  # nothing can have been compiled yet
+        return contextlib.nullcontext()
+    return set_stance("force_eager")  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
 def isolated() -> Iterator[None]:
     """Restore the process-wide state on exit; silence the replayed code's output meanwhile.
@@ -129,7 +141,7 @@ def isolated() -> Iterator[None]:
 
     Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
     global generator (when NumPy is imported), the default dtype, grad mode, torch's intra-op thread count and the
-    process environment (``os.environ``).
+    process environment (``os.environ``). Meanwhile compiled code runs eagerly (:func:`_eager_compiled_code`).
     """
     cpu_state = torch.get_rng_state()
     # torch ships is_initialized without annotations.
@@ -143,7 +155,7 @@ def isolated() -> Iterator[None]:
     threads = torch.get_num_threads()
     environment = dict(os.environ)
     try:
-        with _quiet_thread(), _quiet_logs():
+        with _quiet_thread(), _quiet_logs(), _eager_compiled_code():
             yield
     finally:
         if dict(os.environ) != environment:

@@ -19,9 +19,8 @@ from lightning_vram.advice.replay.baseline import BASELINE_TOLERANCE, match_base
 from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.advice.replay.twin import module_device
 from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
+from lightning_vram.records.simulation import NOT_REPLAYED
 
-NOT_REPLAYED = "not replayed"
-"""How the reason of a change the time budget never reached, or cut, starts: untried, not failed (the rules read it)."""
 BUDGET_RAN_OUT = "the replay budget ran out"
 """Why a change, or a fit table's row, is missing when the time budget ended first."""
 

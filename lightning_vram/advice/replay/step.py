@@ -45,6 +45,7 @@ from lightning_vram.advice.replay.twin import (
 )
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
 from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
+from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
 from lightning_vram.measure.reach import WALK_LIMIT, Reach, reach_of
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.records import (
@@ -206,6 +207,20 @@ def _held_by(copy: nn.Module, inside: set[int]) -> Reach:
     return held
 
 
+def compiled_refusal(compiled: str) -> str:
+    """Why a step whose code calls ``compiled`` (what ``torch.compile`` made, and where it was found) is not run.
+
+    Dynamo keeps what it makes of a call per code object, for every later call: a replay's call on fake tensors left
+    the user's function running eagerly for the rest of the process (torch 2.13), or would add a cache entry that
+    counts against its recompile limit.
+    """
+    return (
+        f"the step's code calls {compiled}, compiled by torch.compile: a replay would run it through dynamo on fake"
+        " tensors, and dynamo keeps what it makes of a call (a graph, or a mark that runs the function eagerly from"
+        " then on) for training's later calls"
+    )
+
+
 def _refusal(reach: Reach) -> str | None:
     """Why the code ``reach`` describes must not be replayed, decided before it runs; ``None`` when it may."""
     if reach.real_modules:
@@ -218,6 +233,8 @@ def _refusal(reach: Reach) -> str | None:
             f"the step's code uses {', '.join(sorted(reach.hook_apis))}, which refuses or hides the saved-tensor hooks"
             " a replay counts with"
         )
+    if reach.compiled:
+        return compiled_refusal(reach.compiled[0])
     if not reach.complete:
         return (
             f"the step's code reaches more than {WALK_LIMIT} objects beyond the module; a replay could not save and"
@@ -289,6 +306,10 @@ def replay_step(
         plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else precision)
     except ValueError as error:
         return ReplaySkipped(str(error))
+    compiled = compiled_module_names(module)
+    if compiled:  # predict() on a compiled model: the session's own replays stop before this
+        wrapper = module.get_submodule(compiled[0])
+        return ReplaySkipped(compiled_refusal(f"{compiled_callable_name(wrapper)} ({compiled[0] or 'the model'})"))
     counted_device = device or placement or module_device(module)
     run = _Run(counted_device, plan, change, step_function, placement, shape)
     shared = [*shared_arrays(module), *shared_arrays(batch)]

@@ -1,0 +1,303 @@
+"""What changed from one run's report to another's, as plain text: ``lightning-vram diff A B``.
+
+The peak and each of its parts (or, where the peak moved to another phase, each phase compared with itself), the
+run's settings as the reports record them (a setting a report does not record is said to be "not recorded"), the
+advice added, removed and changed, and where run B applied one of the changes run A's replay simulated (a precision,
+a batch size, a length cap, or a checkpointing plan, which B's recomputed units show), the peak A's replay predicted
+for it beside the peak B measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning_vram.records import (
+    CATEGORIES,
+    Advice,
+    BatchSizeChange,
+    CheckpointChange,
+    CheckpointPlan,
+    LengthChange,
+    Phase,
+    PhasePeak,
+    PrecisionChange,
+    Report,
+    StepChange,
+    VariantResult,
+    in_phase_order,
+)
+from lightning_vram.render.markup import printable
+from lightning_vram.units import format_bytes, format_percent
+
+PHASE_NAMES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.OPTIMIZER: "optimizer step"}
+"""Each phase as the diff names it in a sentence."""
+NOT_RECORDED = "not recorded"
+"""What the diff says of a setting a report does not hold."""
+
+
+def change_text(before: int | None, after: int | None) -> str:
+    """Bytes from ``before`` to ``after``, with the difference and its share of ``before``.
+
+    >>> change_text(1024, 1536)
+    '1.0 KiB -> 1.5 KiB: +512 B (+50.0%)'
+    >>> change_text(None, 1024)
+    'n/a -> 1.0 KiB'
+    """
+    if before is None or after is None:
+        return f"{format_bytes(before)} -> {format_bytes(after)}"
+    delta = after - before
+    sign = "+" if delta >= 0 else "-"
+    relative = f" ({sign}{abs(delta) / before:.1%})" if before else ""
+    return f"{format_bytes(before)} -> {format_bytes(after)}: {sign}{format_bytes(abs(delta))}{relative}"
+
+
+def _parts(peak: PhasePeak | None) -> dict[str, int | None]:
+    """Each part of ``peak``'s breakdown in bytes, empty where it has none."""
+    return dict(peak.breakdown.to_dict()) if peak is not None and peak.breakdown is not None else {}
+
+
+def _parts_lines(before: PhasePeak | None, after: PhasePeak | None, indent: str) -> list[str]:
+    """One line per part, from ``before``'s breakdown to ``after``'s."""
+    parts_before, parts_after = _parts(before), _parts(after)
+    return [
+        f"{indent}{name.replace('_', ' ')}: {change_text(parts_before.get(name), parts_after.get(name))}"
+        for name in CATEGORIES
+    ]
+
+
+def _peak_bytes(report: Report) -> int | None:
+    """The run's highest peak in bytes (``None``: not measured)."""
+    return report.peak.peak_bytes if report.peak is not None else None
+
+
+def peak_lines(before: Report, after: Report) -> list[str]:
+    """The peak, its phase and parts, and each phase's peak.
+
+    Where the peak moved to another phase, the two peaks' parts are not like with like (a part can be absent from
+    one phase without being freed): the lines say where the peak moved and compare each phase with itself.
+    """
+    lines = [f"peak: {change_text(_peak_bytes(before), _peak_bytes(after))}"]
+    moved = before.peak is not None and after.peak is not None and before.peak.phase is not after.peak.phase
+    if moved and before.peak is not None and after.peak is not None:
+        lines.append(
+            f"  the peak moved from {PHASE_NAMES[before.peak.phase]} to {PHASE_NAMES[after.peak.phase]}: each"
+            " phase is compared with itself below, part by part"
+        )
+    else:
+        if before.peak is not None and after.peak is not None:
+            lines.append(f"  in {PHASE_NAMES[after.peak.phase]} in both runs")
+        lines += _parts_lines(before.peak, after.peak, "  ")
+    phases_after = dict(in_phase_order(after.phases))
+    for phase, peak in in_phase_order(before.phases):
+        other = phases_after.get(phase)
+        lines.append(f"  {phase.value} peak: {change_text(peak.peak_bytes, other.peak_bytes if other else None)}")
+        if moved:
+            lines += _parts_lines(peak, other, "    ")
+    return lines
+
+
+def _setting(name: str, before: object, after: object) -> str:
+    """One setting's line: its value in both runs, or from ``before`` to ``after``; ``None`` is "not recorded".
+
+    >>> _setting("precision", "32-true", "bf16-mixed"), _setting("batch size", 8, 8), _setting("strategy", None, None)
+    ('  precision: 32-true -> bf16-mixed', '  batch size: 8 in both runs', '  strategy: not recorded')
+    """
+    shown_before, shown_after = (NOT_RECORDED if value is None else printable(str(value)) for value in (before, after))
+    if shown_before == shown_after:
+        return f"  {name}: {shown_before}" + ("" if before is None else " in both runs")
+    return f"  {name}: {shown_before} -> {shown_after}"
+
+
+def _device(report: Report) -> str:
+    """The device as the report names it: its type and name, with its memory where measured."""
+    device = report.device
+    memory = f" ({format_bytes(device.total_bytes)})" if device.total_bytes is not None else ""
+    return f"{device.type} {device.name}{memory}"
+
+
+def _world_size(report: Report) -> int | None:
+    """How many processes trained: one summary per rank (``None`` where the report lists none)."""
+    return len(report.ranks) or None
+
+
+def _seconds(before: float | None, after: float | None) -> str:
+    """A time per step from ``before`` to ``after``, with their ratio.
+
+    >>> _seconds(0.2, 0.1), _seconds(None, 0.1)
+    ('0.2 s -> 0.1 s (0.50x)', 'not recorded -> 0.1 s')
+    """
+    shown = [NOT_RECORDED if value is None else f"{value:.3g} s" for value in (before, after)]
+    ratio = f" ({after / before:.2f}x)" if before and after is not None else ""
+    return f"{shown[0]} -> {shown[1]}{ratio}"
+
+
+def _share(fraction: float | None) -> str:
+    """A share of the step time as a percent, or "not recorded".
+
+    >>> _share(0.034), _share(None)
+    ('3.4%', 'not recorded')
+    """
+    return NOT_RECORDED if fraction is None else format_percent(fraction)
+
+
+def _recomputed(report: Report) -> int | None:
+    """How many units activation checkpointing recomputed in backward on the sampled step (``None``: not recorded)."""
+    units = report.recomputed_units
+    return None if units is None else len(units)
+
+
+def settings_lines(before: Report, after: Report) -> list[str]:
+    """The run's settings and timing, as each report records them.
+
+    The strategy is not in the report (schema ``lightning_vram.report/1``): it reads "not recorded".
+    """
+    return [
+        "run:",
+        _setting("precision", before.precision, after.precision),
+        _setting("batch size", before.batch_size, after.batch_size),
+        _setting("world size", _world_size(before), _world_size(after)),
+        _setting("strategy", None, None),
+        _setting("device", _device(before), _device(after)),
+        f"  step time (median): {_seconds(before.timing.step_seconds_median, after.timing.step_seconds_median)}",
+        f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
+        " of step time",
+        _setting("units recomputed in backward (activation checkpointing)", _recomputed(before), _recomputed(after)),
+    ]
+
+
+def _advice_change(before: Advice, after: Advice) -> str | None:
+    """How one advice differs between the runs (its title, severity, saving, predicted peak), ``None`` if not."""
+    changes = []
+    if before.title != after.title:
+        changes.append(f'"{printable(before.title)}" -> "{printable(after.title)}"')
+    if before.severity is not after.severity:
+        changes.append(f"severity {before.severity.value} -> {after.severity.value}")
+    if before.estimated_saving_bytes != after.estimated_saving_bytes:
+        changes.append(
+            f"saving {format_bytes(before.estimated_saving_bytes)} -> {format_bytes(after.estimated_saving_bytes)}"
+        )
+    if before.predicted_peak_bytes != after.predicted_peak_bytes:
+        changes.append(
+            f"predicted peak {format_bytes(before.predicted_peak_bytes)} -> {format_bytes(after.predicted_peak_bytes)}"
+        )
+    return "; ".join(changes) or None
+
+
+def advice_lines(before: Report, after: Report) -> list[str]:
+    """Advice removed, added and changed (same id, another title, severity, saving or predicted peak)."""
+    by_id_before = {item.id.value: item for item in before.advice}
+    by_id_after = {item.id.value: item for item in after.advice}
+    lines = [f"advice removed: {advice_id}" for advice_id in sorted(by_id_before.keys() - by_id_after.keys())]
+    lines += [f"advice added: {advice_id}" for advice_id in sorted(by_id_after.keys() - by_id_before.keys())]
+    for advice_id in sorted(by_id_before.keys() & by_id_after.keys()):
+        change = _advice_change(by_id_before[advice_id], by_id_after[advice_id])
+        if change is not None:
+            lines.append(f"advice changed: {advice_id}: {change}")
+    return lines or ["advice: unchanged"]
+
+
+def _longest_length(report: Report) -> int | None:
+    """The longest batch (tokens along its length) the run saw, where the report counts lengths."""
+    counts = report.shapes.length_counts if report.shapes is not None else ()
+    return max((length for length, _ in counts), default=None)
+
+
+def _within(name: str, modules: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one (a ``Checkpointed`` wrapper's ``.block``).
+
+    >>> _within("net.1.block", ("net.1",)), _within("net.10", ("net.1",))
+    (True, False)
+    """
+    return any(name == module or name.startswith(f"{module}.") for module in modules)
+
+
+def _reruns(recomputed: tuple[str, ...], unit: tuple[str, ...]) -> bool:
+    """Whether a recomputation that re-ran ``recomputed`` (outermost modules, in order) is ``unit``'s.
+
+    It starts at the unit's first module and re-runs nothing outside the unit (it may stop short of the unit's
+    last modules: torch stops a recomputation once it has what backward needs).
+    """
+    return bool(recomputed) and _within(recomputed[0], unit[:1]) and all(_within(name, unit) for name in recomputed)
+
+
+def _checkpointed(plan: CheckpointPlan, before: Report, after: Report) -> bool:
+    """Whether run ``after`` recomputed exactly ``plan``'s units in backward, besides what ``before`` recomputed.
+
+    One recomputation per unit, each the unit's own (a ``Checkpointed`` wrapper, a segment of
+    ``checkpoint_sequential``, a layer under a library's switch); ``False`` where ``after`` did not record them.
+    """
+    if after.recomputed_units is None:
+        return False
+    already = before.recomputed_units or ()
+    added = [rerun for rerun in after.recomputed_units if rerun not in already]
+    return len(added) == len(plan.units) and all(any(_reruns(rerun, unit) for rerun in added) for unit in plan.units)
+
+
+def _applied(change: StepChange, before: Report, after: Report) -> bool:
+    """Whether run ``after`` is run ``before`` with ``change`` applied, as far as the reports can tell.
+
+    Decided for a precision, a batch size and a length cap, each with the other two settings alike in both runs, and
+    for a checkpointing plan (what run ``after`` recomputed in backward), with the precision and batch size alike;
+    a change the reports hold no evidence of (inplace activations, freed gradients, batching by tokens) is never
+    said to be applied.
+    """
+    same_precision = before.precision is not None and before.precision == after.precision
+    same_batch = before.batch_size is not None and before.batch_size == after.batch_size
+    if isinstance(change, PrecisionChange):
+        return same_batch and after.precision == change.precision
+    if isinstance(change, BatchSizeChange):
+        return same_precision and after.batch_size == change.batch_size
+    if isinstance(change, LengthChange):
+        longest_before, longest_after = _longest_length(before), _longest_length(after)
+        return (
+            same_precision
+            and same_batch
+            and longest_before is not None
+            and longest_before > change.length
+            and longest_after == change.length
+        )
+    if isinstance(change, CheckpointChange):
+        return same_precision and same_batch and _checkpointed(change.plan, before, after)
+    return False
+
+
+def _predicted_bytes(variant: VariantResult) -> int | None:
+    """The peak the variant's replay predicts, as the report measures peaks (``None``: it was discarded)."""
+    replayed = variant.replayed
+    return replayed.reported_bytes(replayed.reported_peak) if replayed is not None and replayed.phases else None
+
+
+def prediction_lines(before: Report, after: Report) -> list[str]:
+    """For each change ``before``'s replay simulated that run ``after`` applied: the predicted and measured peaks.
+
+    The difference is ``(measured - predicted) / predicted``.
+    """
+    measured = _peak_bytes(after)
+    variants = before.simulation.variants if before.simulation is not None else ()
+    if measured is None or before.device.type != after.device.type:
+        return []
+    lines = []
+    for variant in variants:
+        predicted = _predicted_bytes(variant)
+        if predicted is None or not _applied(variant.change, before, after):
+            continue
+        difference = f"{(measured - predicted) / predicted:+.1%}" if predicted else "n/a"
+        lines.append(
+            f"A's replay predicted {format_bytes(predicted)} for {printable(variant.change.label)},"
+            f" B measured {format_bytes(measured)} (diff {difference})"
+        )
+    return lines
+
+
+SECTIONS: tuple[Callable[[Report, Report], list[str]], ...] = (
+    peak_lines,
+    settings_lines,
+    advice_lines,
+    prediction_lines,
+)
+"""The diff's sections, in order."""
+
+
+def diff_text(before: Report, after: Report) -> str:
+    """What changed from run ``before`` (A) to run ``after`` (B): each of :data:`SECTIONS`, one line per fact."""
+    return "\n".join(line for section in SECTIONS for line in section(before, after))

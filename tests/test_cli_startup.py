@@ -1,0 +1,103 @@
+"""The lightning-vram command starts without torch, Lightning, matplotlib or numpy; the package's exports stay lazy.
+
+Each check runs a fresh interpreter and reads its ``sys.modules``: a behaviour, never a time
+(``benchmarks/cli_startup.py`` prints the times).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from advice_summaries import healthy_summary
+
+import lightning_vram
+from lightning_vram.records import Report
+
+HEAVY = ("torch", "lightning", "pytorch_lightning", "matplotlib", "numpy")
+"""What the command must not import to answer ``--help``, ``--version`` or ``show``."""
+
+RUN_AND_REPORT = f"""
+import contextlib, io, json, sys
+from lightning_vram.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as exit:
+        status = exit.code
+heavy = sorted(name for name in {HEAVY!r} if name in sys.modules)
+print(json.dumps({{"status": status, "out": out.getvalue(), "heavy": heavy}}))
+"""
+
+
+def run_command(*arguments: str) -> tuple[int, str, list[str]]:
+    """Run the command in a fresh interpreter: its status, its output, and which heavy modules it imported."""
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_AND_REPORT, *arguments], capture_output=True, text=True, check=True, timeout=300
+    )
+    answer = json.loads(result.stdout)
+    return answer["status"], answer["out"], answer["heavy"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--help"], ["--version"], ["show", "--help"], ["html", "--help"], ["diff", "--help"]],
+    ids=["help", "version", "show-help", "html-help", "diff-help"],
+)
+def test_help_and_version_import_nothing_heavy(arguments: list[str]) -> None:
+    status, out, heavy = run_command(*arguments)
+    assert status == 0 and out
+    assert heavy == []
+
+
+def test_version_prints_the_package_version() -> None:
+    status, out, _ = run_command("--version")
+    assert status == 0
+    assert out == f"lightning-vram {lightning_vram.__version__}\n"
+
+
+def test_diff_help_explains_each_argument() -> None:
+    _, out, _ = run_command("diff", "--help")
+    assert "run A's vram_report.json, or a log dir holding one" in out
+    assert "run B's vram_report.json, or a log dir holding one" in out
+
+
+def test_show_and_diff_read_a_report_without_torch(tmp_path: Path) -> None:
+    path = tmp_path / "vram_report.json"
+    report = Report(summary=healthy_summary(), precision="32-true", modules=(), advice=(), fit=(), ranks=())
+    path.write_text(json.dumps(report.to_dict()))
+    for arguments in (["show", str(path)], ["show", "--json", str(path)], ["diff", str(path), str(path)]):
+        status, out, heavy = run_command(*arguments)
+        assert status == 0 and out
+        assert heavy == [], arguments
+
+
+IMPORTS_AND_REPORTS = f"""
+import sys
+import lightning_vram
+version = lightning_vram.__version__
+print(version, sorted(name for name in {HEAVY!r} if name in sys.modules))
+import lightning_vram.predict
+from lightning_vram import predict, VramMonitor, Report, VramSession, VramMonitorWarning
+exported = set(lightning_vram.__all__) <= set(dir(lightning_vram))
+print(callable(predict) and predict.__module__, VramMonitor.__name__, exported)
+"""
+
+
+def test_the_package_imports_its_exports_on_first_use() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AND_REPORTS], capture_output=True, text=True, check=True, timeout=300
+    )
+    first, second = result.stdout.splitlines()
+    assert first == f"{lightning_vram.__version__} []"
+    # `import lightning_vram.predict` names the submodule on the package: the export stays the function.
+    assert second == "lightning_vram.predict VramMonitor True"
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'missing'"):
+        _ = lightning_vram.missing  # type: ignore[attr-defined]
