@@ -24,7 +24,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_vram import Publisher, VramMonitor, VramMonitorWarning, VramSession
-from lightning_vram.render.tensorboard import ADVICE_TAG, FIGURE_TAGS
+from lightning_vram.records import Report
+from lightning_vram.render.step_memory import step_memory_figure
+from lightning_vram.render.tensorboard import ADVICE_TAG, FIGURE_TAGS, STEP_MEMORY_TAG
 
 MIB = 2**20
 REPORT_FILES = {"vram_report.json", "vram_report.md", "vram_report.html"}
@@ -62,6 +64,12 @@ def report_json(monitor: VramMonitor) -> dict[str, Any]:
 def peak_mib(monitor: VramMonitor) -> float:
     assert monitor.report is not None and monitor.report.peak is not None
     return monitor.report.peak.peak_bytes / MIB
+
+
+def drawn_tags(report: Report | None) -> list[str]:
+    """The figures a report draws: the three always, and memory during one step where its replay was trusted."""
+    assert report is not None
+    return [*FIGURE_TAGS, *([STEP_MEMORY_TAG] if step_memory_figure(report) is not None else [])]
 
 
 def advice_ids(monitor: VramMonitor) -> list[str]:
@@ -176,7 +184,7 @@ def test_mlflow_run_holds_scalars_figures_advice_files_and_tags(
     client = MlflowClient(f"file:{tmp_path / 'mlruns'}")
     assert REPORT_FILES | {"vram"} <= {item.path for item in client.list_artifacts(run_id)}
     figures = {item.path for item in client.list_artifacts(run_id, "vram/figures")}
-    assert figures == {f"{tag}.png" for tag in FIGURE_TAGS}
+    assert figures == {f"{tag}.png" for tag in drawn_tags(monitor.report)}
     advice = Path(client.download_artifacts(run_id, f"{ADVICE_TAG}.md", str(tmp_path / "download"))).read_text()
     assert monitor.report is not None and all(item.title in advice for item in monitor.report.advice)
     vram_steps = [metric.step for metric in client.get_metric_history(run_id, "vram/peak_mib")]
@@ -221,7 +229,7 @@ def test_comet_offline_archive_holds_scalars_figures_advice_assets_and_tags(
     assert vram_steps == loss_steps == LOGGED_AT
     uploads = [message["payload"] for message in messages if message["type"] == "file_upload"]
     figures = [upload["additional_params"] for upload in uploads if upload["upload_type"] == "visualization"]
-    assert sorted(figure["figName"] for figure in figures) == sorted(FIGURE_TAGS)
+    assert sorted(figure["figName"] for figure in figures) == sorted(drawn_tags(monitor.report))
     assert {figure["step"] for figure in figures} == {6}
     texts = [upload for upload in uploads if upload["upload_type"] == "text-sample"]
     assert [(text["metadata"]["name"], text["additional_params"]["step"]) for text in texts] == [
@@ -334,7 +342,9 @@ def test_a_session_publishes_to_its_publishers_and_one_that_fails_is_switched_of
     assert len(ours) == 1 and "publishing to failing failed with OSError: disk full" in ours[0]
     assert [value for kind, value in recording.calls if kind == "scalars"] == [101, 103]
     images = [value for kind, value in recording.calls if kind == "image"]
-    assert [name for name, _, _ in images] == [tag for tag in FIGURE_TAGS if tag != FIGURE_TAGS[2] or report.modules]
+    assert [name for name, _, _ in images] == [
+        tag for tag in drawn_tags(report) if tag != FIGURE_TAGS[2] or report.modules
+    ]
     assert {(channels, step) for _, channels, step in images} == {(3, 103)}
     assert ("artifacts", sorted(REPORT_FILES)) in recording.calls
     assert ("summary", ["vram/peak_bytes", "vram/peak_mib"]) in recording.calls
