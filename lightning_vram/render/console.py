@@ -27,9 +27,9 @@ from lightning_vram.units import format_bytes
 def _rich_summary(report: Report, stream: TextIO, written_to: str | None) -> bool:
     """Print the summary with rich; ``False`` when rich is not installed.
 
-    The table has a row per part and a column per phase (four columns: no header is cut at 80 columns); the lines
-    below it are the plain text's (:func:`~lightning_vram.render.text.fact_lines`), so it says everything
-    :func:`~lightning_vram.render.text.summary_text` says.
+    The lines above and below the table are the plain text's (:func:`~lightning_vram.render.text.fact_lines`), so
+    it says everything :func:`~lightning_vram.render.text.summary_text` says; the table has a row per part and a
+    column per phase (four columns: no header is cut at 80 columns).
     """
     try:
         console_module = importlib.import_module("rich.console")
@@ -39,11 +39,7 @@ def _rich_summary(report: Report, stream: TextIO, written_to: str | None) -> boo
         return False
     console = console_module.Console(file=stream)
     phases = in_phase_order(report.phases)
-    table = table_module.Table(
-        title=text_module.Text(printable(f"VRAM: {headline(report)}")),
-        caption=text_module.Text(printable(device_line(report))),
-        title_justify="left",
-    )
+    table = table_module.Table()
     table.add_column("at each phase's peak", no_wrap=True)
     for phase, _ in phases:
         table.add_column(phase.value, justify="right", no_wrap=True)
@@ -51,12 +47,14 @@ def _rich_summary(report: Report, stream: TextIO, written_to: str | None) -> boo
     for name in CATEGORIES:
         values = [peak.breakdown.to_dict()[name] if peak.breakdown is not None else None for _, peak in phases]
         table.add_row(name.replace("_", " "), *(format_bytes(value) for value in values))
+    ranks = [ranks] if (ranks := ranks_line(report)) is not None else []
+    above = [f"VRAM report: {device_line(report)}", f"  {headline(report)}", *(f"  {line}" for line in ranks)]
+    below = [f"  {line}" for line in fact_lines(report, SUMMARY_TOP_MODULES, written_to)]
+    for line in above:
+        console.print(text_module.Text(printable(line)), soft_wrap=True)  # the terminal wraps a long line itself
     console.print(table)
-    lines = ([ranks] if (ranks := ranks_line(report)) is not None else []) + fact_lines(
-        report, SUMMARY_TOP_MODULES, written_to
-    )
-    for line in lines:
-        console.print(text_module.Text(printable(f"  {line}")), highlight=False)
+    for line in below:
+        console.print(text_module.Text(printable(line)), soft_wrap=True)
     return True
 
 
