@@ -101,7 +101,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
     replayed = [(change, saving) for change, saving in found if isinstance(saving, Saving)]
     if not replayed:
         raised = next((saving for _, saving in found if isinstance(saving, Discarded)), None)
-        return f"not advised, every candidate plan's replay raised, e.g. {raised.evidence[2:]}" if raised else None
+        return f"every candidate plan's replay raised, e.g. {raised.evidence[2:]}" if raised else None
     change, best = max(replayed, key=lambda pair: pair[1].saving_bytes)
     if breakdown.largest_part != "activations":
         why = f"activations are not the largest part of the peak ({breakdown.largest_part.replace('_', ' ')} is)"
@@ -110,7 +110,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
             f"saves {format_bytes(best.saving_bytes)} ({share_text(best.saving_bytes, best.peak_bytes)} of the"
             f" measured peak), under the {format_percent(CHECKPOINT_MIN_SAVING_SHARE)} the rule needs"
         )
-    return f"{replayed_figure(simulation, change)}: not advised, {why}"
+    return f"{replayed_figure(simulation, change)}: {why}"
 
 
 RULE = Rule(ID, activation_checkpointing, changes, why_not)

@@ -56,12 +56,10 @@ def output_savers(summary: RunSummary, setup: TrainingSetup) -> tuple[str, ...]:
 
     Only those safe for autograd (no earlier op saved their input); replayed so the report answers them.
     """
-    merging = set(setup.inplace_keeps_result)
     return tuple(
         profile.name
         for profile in summary.modules
         if _is_activation(profile)
-        and profile.name not in merging
         and profile.output_saved_bytes > 0
         and profile.input_saved_bytes == 0
         and not profile.input_saved_for_backward
@@ -136,7 +134,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         replayed_reason(
             simulation,
             (InplaceChange(candidates),) if candidates else (),
-            f"not advised: under the {format_percent(INPLACE_MIN_SHARE)} of the peak the rule needs",
+            f"under the {format_percent(INPLACE_MIN_SHARE)} of the peak the rule needs",
         ),
     ]
     found = [reason for reason in reasons if reason is not None]

@@ -187,9 +187,9 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
     """Why the worst batch, replayed capped or batched by tokens, is not advised."""
     replayed = [change for kind in (LengthChange, TokensPerBatchChange) if (change := _replayed(simulation, kind))]
     why = (
-        "not advised: the batch lengths seen since no longer have a long tail"
+        "the batch lengths seen since no longer have a long tail"
         if _cap(summary) is None
-        else f"not advised: under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
+        else f"under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
     )
     return replayed_reason(simulation, replayed, why)
 

@@ -151,10 +151,10 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         return replayed_reason(simulation, declared, NOT_ADVISED_OFF_CUDA)
     capability = summary.device.compute_capability
     if capability is not None and capability >= TENSOR_CORE_CAPABILITY:
-        why = "not advised: the replayed peak would rise to near the device's capacity"
+        why = "the replayed peak would rise to near the device's capacity"
     else:
         why = (
-            f"not advised: under the {format_percent(MIN_SAVING_SHARE)} saving the rule needs, and no tensor cores"
+            f"under the {format_percent(MIN_SAVING_SHARE)} saving the rule needs, and no tensor cores"
             f" (compute capability {TENSOR_CORE_CAPABILITY[0]}.{TENSOR_CORE_CAPABILITY[1]} or higher) to speed it up"
         )
     return replayed_reason(simulation, declared, why)

@@ -142,7 +142,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
     """Why the halved batch, replayed, is not advised (the rule lists it whenever the run is near capacity)."""
-    return replayed_reason(simulation, changes(summary, setup), "not advised: the run is not near capacity")
+    return replayed_reason(simulation, changes(summary, setup), "the run is not near capacity")
 
 
 RULE = Rule(ID, near_capacity, changes, why_not)

@@ -82,7 +82,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
     peak = summary.peak
     where = "the peak is not in forward" if peak is None or peak.phase is not Phase.FORWARD else None
     why = where or f"under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
-    return replayed_reason(simulation, changes(summary, setup), f"not advised: {why}")
+    return replayed_reason(simulation, changes(summary, setup), why)
 
 
 RULE = Rule(ID, stale_gradients, changes, why_not)
