@@ -29,15 +29,16 @@ h1, h2, h3, p, li { overflow-wrap: anywhere; }
 .headline { font-size: 1.2rem; font-weight: 600; background: #f3f6fb; padding: .8rem 1rem; border-radius: 6px; }
 .scroll { max-width: 100%; overflow-x: auto; }
 table { border-collapse: collapse; margin: .5rem 0; }
-td, th { padding: .25rem .6rem; border-bottom: 1px solid #eee; overflow-wrap: anywhere; vertical-align: top; }
-td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td, th { padding: .25rem .6rem; border-bottom: 1px solid #eee; overflow-wrap: break-word; vertical-align: top; }
+td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; } td.n { white-space: nowrap; }
 .advice { border-left: 4px solid #4C72B0; padding: .2rem 1rem; margin: 1rem 0; background: #fafafa; }
 .advice.critical { border-color: #C44E52; } .advice.warning { border-color: #DD8452; }
 .meta { color: #555; } pre { background: #f0f0f0; padding: .6rem; white-space: pre-wrap; overflow-wrap: anywhere; }
 code { overflow-wrap: anywhere; } img { max-width: 100%; height: auto; }
 @media (max-width: 40rem) { body { margin: 1rem auto; padding: 0 .5rem; } td, th { padding: .2rem .3rem; } }
 """
-"""Narrow screens: code blocks and long names wrap; a table too wide for the page scrolls inside its own box."""
+"""Narrow screens: code blocks and long names wrap; table cells wrap between words (a number never), and a table
+still too wide for the page scrolls inside its own box."""
 
 
 def _image(png: bytes, alt: str) -> str:
