@@ -10,9 +10,11 @@ import torch
 from advice_summaries import healthy_setup, healthy_summary
 from models import Classifier, loader, trainer
 from replay_models import images, mlp, resnet, vectors
+from simulations import GIB, MIB, checkpoint_summary, replayed, simulated
 from torch.utils.data import Dataset
 
 from lightning_vram import VramMonitor
+from lightning_vram.advice.rules import activation_checkpointing
 from lightning_vram.advice.rules.mixed_precision import NOT_ADVISED_OFF_CUDA
 from lightning_vram.advice.rules.registry import not_advised
 from lightning_vram.codec import report_from_dict
@@ -128,3 +130,15 @@ def test_every_view_says_what_it_did_not_advise(resnet_run: Report) -> None:
     page = render_html(resnet_run)
     assert page.index("<h2>Advice</h2>") < page.index('<ul id="not-advised">') < page.index("<h2>Breakdown")
     assert "<li><code>mixed-precision</code>: replayed, precision=&quot;bf16-mixed&quot; peaks at" in page
+
+
+def test_a_checkpointing_plan_under_the_threshold_says_what_it_saves() -> None:
+    summary, setup = checkpoint_summary(), healthy_setup()
+    plans = activation_checkpointing.changes(summary, setup)
+    simulation = simulated(*(replayed(plan, 8 * GIB - 300 * MIB) for plan in plans))
+    assert activation_checkpointing.RULE.advise(summary, setup, simulation) is None
+    (found,) = [item for item in not_advised(summary, setup, simulation, ()) if item.id == "activation-checkpointing"]
+    assert found.reason == (
+        f"replayed, {plans[0].label} peaks at {format_bytes(8 * GIB - 300 * MIB)}, 300.0 MiB (3.7%) below the"
+        " replayed baseline's 8.00 GiB: saves 300.0 MiB (3.7% of the measured peak), under the 10.0% the rule needs"
+    )
