@@ -84,7 +84,7 @@ def test_relu_out_of_place_is_replayed_inplace_and_answered(relu_run: Report) ->
     assert inplace == InplaceChange(("network.1", "network.3", "network.5"))
     assert "inplace-activations" not in {advice.id for advice in relu_run.advice}
     assert reason(relu_run, "inplace-activations") == (
-        f"{figure(relu_run, inplace)}: ReLU already save(s) its output: inplace frees no saved tensor, at most its"
+        f"{figure(relu_run, inplace)}: ReLU saves its output already: inplace frees no saved tensor, at most its"
         " transient input"
     )
 

@@ -126,8 +126,8 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         replayed_reason(
             simulation,
             (InplaceChange(savers),),
-            f"{', '.join(types)} already save(s) its output: inplace frees no saved tensor, at most its transient"
-            " input",
+            f"{', '.join(types)} {'saves' if len(types) == 1 else 'save'} its output already: inplace frees no saved"
+            " tensor, at most its transient input",
         )
         if savers
         else None,
