@@ -99,7 +99,8 @@ def main() -> None:
         raise
     report = session.finish()
     fabric.logger.finalize("success")
-    print(f"\nreport written to {session.report_path}" if report is not None else "no report")
+    if report is None:  # the console summary says where the report was written
+        print("no report")
 
 
 if __name__ == "__main__":

@@ -82,8 +82,7 @@ def main() -> None:
     )
     trainer.fit(SmallCNN(), loader)
     assert monitor.report is not None, "fit ended without a report"
-    print(f"\nreport written to {monitor.report_path}")
-    print(json.dumps(monitor.report.to_dict()["peak"], indent=2))
+    print(json.dumps(monitor.report.to_dict()["peak"], indent=2))  # the console summary said where the files are
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from lightning_vram.records import Phase, UtilizationReading
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.html import render_html
 from lightning_vram.render.tensorboard import FIGURE_TAGS, layout_for
-from lightning_vram.render.text import headline, markdown, summary_text
+from lightning_vram.render.text import headline, markdown, peak_label, summary_text
 from lightning_vram.testing import ScriptedProbe
 from lightning_vram.units import format_bytes
 
@@ -219,17 +219,23 @@ def test_console_table_on_a_terminal_and_plain_text_elsewhere(
     report = tensorboard_run[0].report
     assert report is not None
     terminal = Terminal()
-    # 100 columns: with "other" measured (the CPU's live peak, as on CUDA) the seven columns need more than 80.
-    monkeypatch.setenv("COLUMNS", "100")
-    print_summary(report, terminal)
+    monkeypatch.setenv("COLUMNS", "80")  # a part per row, a phase per column: no header is cut at 80 columns
+    print_summary(report, terminal, written_to="logs/vram_report.json")
     table = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())  # drop the terminal's colour codes
-    header = next(line for line in table.splitlines() if "phase" in line)
+    assert "…" not in table and max(len(line) for line in table.splitlines() if line[:1] in "┏┃┡│└") <= 80
+    header = next(line for line in table.splitlines() if "phase's peak" in line)
     cells = [cell.strip() for cell in header.split("┃")[1:-1]]
-    assert cells == ["phase", "peak", "params", "grads", "optimizer", "activations", "other"]
+    assert cells == ["at each phase's peak", "forward", "backward", "optimizer"]
     rows = [line for line in table.splitlines() if line.startswith("│")]
-    assert [row.split("│")[1].strip() for row in rows] == ["forward", "backward", "optimizer"]
+    assert [row.split("│")[1].strip() for row in rows] == [
+        peak_label(report), "parameters", "gradients", "optimizer state", "activations", "other"
+    ]  # fmt: skip
     assert format_bytes(report.phases[Phase.FORWARD].peak_bytes) in rows[0]
-    assert len(table.splitlines()) <= 14 + len(report.advice)  # no noisier than Lightning's model summary
+    plain = summary_text(report, written_to="logs/vram_report.json").splitlines()
+    unwrapped = re.sub(r"\s+", " ", table)
+    for line in plain[:2] + plain[4:]:  # but the breakdown and the phase peaks, which the table holds
+        assert line.strip() in unwrapped
+    assert "report written to logs/vram_report.json" in unwrapped
     piped = io.StringIO()
     print_summary(report, piped)
     assert piped.getvalue().startswith("VRAM report:") and "┃" not in piped.getvalue()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from advice_summaries import GIB, MIB, blocks, healthy_setup, healthy_summary, leaky_relu, peak
 from simulations import BASELINE, replayed, simulated
 
+from lightning_vram.advice.rules.base import no_reason
 from lightning_vram.advice.rules.registry import RULES, advise, changes_to_replay
 from lightning_vram.advice.savings import change_key
 from lightning_vram.records import (
@@ -72,3 +73,13 @@ def test_a_rule_reads_back_the_replay_of_the_change_it_declared() -> None:
     simulation = simulated(replayed(halved, 6 * GIB), baseline=BASELINE)
     near = next(advice for advice in advise(summary, setup, simulation) if advice.id == "near-capacity")
     assert "halve the batch to 16 (with accumulate_grad_batches=2): about 2.00 GiB (simulated)" in near.detail
+
+
+def test_every_rule_that_declares_changes_says_why_it_did_not_advise_them() -> None:
+    summary, setup = declaring_run()
+    declaring = [rule for rule in RULES if rule.changes(summary, setup)]
+    assert {rule.id for rule in declaring} >= {"mixed-precision", "activation-checkpointing", "inplace-activations"}
+    assert all(rule.why_not is not no_reason for rule in declaring)
+    # The design card's data-loading remedies are answered too, with the measured data-wait share.
+    answering = {rule.id for rule in RULES if rule.why_not is not no_reason}
+    assert {"dataloader-workers", "pin-memory", "long-tail", "stale-gradients", "near-capacity"} <= answering

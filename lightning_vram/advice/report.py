@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_vram.advice.capacity import fit_table
-from lightning_vram.advice.rules.registry import advise
+from lightning_vram.advice.rules.registry import advise, not_advised
 from lightning_vram.records import (
     ModuleProfile,
     NotMeasured,
@@ -41,13 +41,15 @@ def build_report(
     ``simulation`` is the replay of the run's sampled step and of the changes tried on it: the advice and the fit
     table use its savings where it has them, and the report carries it.
     """
+    advice = advise(summary, setup, simulation) if setup is not None else ()
     return Report(
         summary=summary,
         precision=setup.precision if setup is not None else None,
         modules=largest_savers(summary.modules)[:top_modules],
-        advice=advise(summary, setup, simulation) if setup is not None else (),
+        advice=advice,
         fit=fit_table(summary, simulation),
         ranks=ranks,
         not_measured=not_measured,
         simulation=simulation,
+        not_advised=not_advised(summary, setup, simulation, advice) if setup is not None else (),
     )

@@ -6,7 +6,15 @@ here; each topic's module sits beside the JSON form of its records (``<topic>_js
 diagnosis's in their own module), and :mod:`~lightning_vram.records.json_reader` reads JSON field by field.
 """
 
-from lightning_vram.records.advice import Advice, AdviceId, CheckpointPlan, FitRow, SavingBasis, Severity
+from lightning_vram.records.advice import (
+    Advice,
+    AdviceId,
+    CheckpointPlan,
+    FitRow,
+    NotAdvised,
+    SavingBasis,
+    Severity,
+)
 from lightning_vram.records.measured import (
     CATEGORIES,
     COUNTED_PARTS,
@@ -85,6 +93,7 @@ __all__ = [
     "LengthPeak",
     "LinearLayer",
     "ModuleProfile",
+    "NotAdvised",
     "NotMeasured",
     "OomDiagnosis",
     "OomMessage",

@@ -74,6 +74,18 @@ class Advice:
 
 
 @dataclass(frozen=True)
+class NotAdvised:
+    """A remedy a rule weighed and did not advise: its rule's ``id`` and, in one line, the measured ``reason``.
+
+    The reason quotes the figure that decided it: a replayed change's predicted peak, or a measured share against
+    the rule's threshold.
+    """
+
+    id: AdviceId
+    reason: str
+
+
+@dataclass(frozen=True)
 class CheckpointPlan:
     """Which modules to checkpoint, and the activation bytes that should save at the peak.
 

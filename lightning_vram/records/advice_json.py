@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.records.advice import Advice, AdviceId, FitRow, SavingBasis, Severity
+from lightning_vram.records.advice import Advice, AdviceId, FitRow, NotAdvised, SavingBasis, Severity
 from lightning_vram.records.json_reader import Reader, member_of
 
 
@@ -69,3 +69,14 @@ def fit_row_from_dict(data: Any, where: str) -> FitRow:
     return FitRow(
         fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis, at_least
     )
+
+
+def not_advised_to_dict(item: NotAdvised) -> dict[str, Any]:
+    """One remedy weighed and not advised (the schema's ``not_advised`` entries)."""
+    return {"id": str(item.id), "reason": item.reason}
+
+
+def not_advised_from_dict(data: Any, where: str) -> NotAdvised:
+    """The entry :func:`not_advised_to_dict` wrote."""
+    fields = Reader(data, where)
+    return NotAdvised(id=member_of(AdviceId, fields.text("id"), f"{where}.id"), reason=fields.text("reason"))

@@ -8,8 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_vram.records.advice import Advice, FitRow
-from lightning_vram.records.advice_json import advice_from_dict, advice_to_dict, fit_row_from_dict, fit_row_to_dict
+from lightning_vram.records.advice import Advice, FitRow, NotAdvised
+from lightning_vram.records.advice_json import (
+    advice_from_dict,
+    advice_to_dict,
+    fit_row_from_dict,
+    fit_row_to_dict,
+    not_advised_from_dict,
+    not_advised_to_dict,
+)
 from lightning_vram.records.json_reader import FormatError, Reader, kind_of, member, shown
 from lightning_vram.records.measured import (
     DeviceInfo,
@@ -80,6 +87,8 @@ class Report:
     """The replay of the run's sampled step and of each change tried on it (``None`` when none ran)."""
     shapes: BatchShapes | None = None
     """The batch shapes the run saw, its largest batch and the peak replayed per length (``None``: not recorded)."""
+    not_advised: tuple[NotAdvised, ...] = ()
+    """The remedies the rules weighed (replayed, or measured against a threshold) and did not advise, with why."""
 
     @property
     def device(self) -> DeviceInfo:
@@ -170,6 +179,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             "gpu_utilization_mean": timing.gpu_utilization_mean,
         },
         "advice": [advice_to_dict(advice) for advice in report.advice],
+        "not_advised": [not_advised_to_dict(item) for item in report.not_advised],
         "fit": [fit_row_to_dict(row) for row in report.fit],
         "recent_peaks": [step_point_to_dict(point) for point in report.recent_peaks],
         "evaluation": evaluation_to_dict(report.evaluation),
@@ -235,6 +245,7 @@ def report_from_dict(data: Any) -> Report:
       ``None``; ``fit[].basis``: ``"modelled"``;
     - the batch shapes: ``shapes``: ``None``; the batch lengths: ``shapes.length_counts``: empty;
     - the recomputed units: ``recomputed_units``: ``None`` (not recorded);
+    - the reasons not advised: ``not_advised``: empty;
     - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``.
 
     Raises:
@@ -292,4 +303,5 @@ def report_from_dict(data: Any) -> Report:
         if fields.has("simulation")
         else None,
         shapes=batch_shapes_from_dict(fields.raw("shapes"), "report.shapes") if fields.has("shapes") else None,
+        not_advised=tuple(fields.each("not_advised", not_advised_from_dict)) if fields.has("not_advised") else (),
     )

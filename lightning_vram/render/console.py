@@ -12,21 +12,25 @@ from typing import TextIO
 
 from lightning_vram.records import CATEGORIES, Report, in_phase_order
 from lightning_vram.render.markup import printable
-from lightning_vram.render.text import advice_line, headline, summary_text
+from lightning_vram.render.text import (
+    SUMMARY_TOP_MODULES,
+    device_line,
+    fact_lines,
+    headline,
+    peak_label,
+    ranks_line,
+    summary_text,
+)
 from lightning_vram.units import format_bytes
 
-SHORT_LABELS = {
-    "parameters": "params",
-    "gradients": "grads",
-    "optimizer_state": "optimizer",
-    "activations": "activations",
-    "other": "other",
-}
-"""Column labels that fit an 80-column terminal."""
 
+def _rich_summary(report: Report, stream: TextIO, written_to: str | None) -> bool:
+    """Print the summary with rich; ``False`` when rich is not installed.
 
-def _rich_summary(report: Report, stream: TextIO) -> bool:
-    """Print the summary with rich; ``False`` when rich is not installed."""
+    The lines above and below the table are the plain text's (:func:`~lightning_vram.render.text.fact_lines`), so
+    it says everything :func:`~lightning_vram.render.text.summary_text` says; the table has a row per part and a
+    column per phase (four columns: no header is cut at 80 columns).
+    """
     try:
         console_module = importlib.import_module("rich.console")
         table_module = importlib.import_module("rich.table")
@@ -34,30 +38,32 @@ def _rich_summary(report: Report, stream: TextIO) -> bool:
     except ImportError:
         return False
     console = console_module.Console(file=stream)
-    device = report.device
-    table = table_module.Table(
-        title=text_module.Text(f"VRAM: {headline(report)}"),
-        caption=text_module.Text(printable(f"{device.name} ({device.type}), {report.steps} steps")),
-        title_justify="left",
-    )
-    table.add_column("phase")
-    table.add_column("peak", justify="right")  # the title's headline says which peak: the table fits 80 columns
+    phases = in_phase_order(report.phases)
+    table = table_module.Table()
+    table.add_column("at each phase's peak", no_wrap=True)
+    for phase, _ in phases:
+        table.add_column(phase.value, justify="right", no_wrap=True)
+    table.add_row(peak_label(report), *(format_bytes(peak.peak_bytes) for _, peak in phases))
     for name in CATEGORIES:
-        table.add_column(SHORT_LABELS[name], justify="right")
-    for phase, peak in in_phase_order(report.phases):
-        values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
-        table.add_row(
-            phase.value, format_bytes(peak.peak_bytes), *(format_bytes(values.get(name)) for name in CATEGORIES)
-        )
+        values = [peak.breakdown.to_dict()[name] if peak.breakdown is not None else None for _, peak in phases]
+        table.add_row(name.replace("_", " "), *(format_bytes(value) for value in values))
+    ranks = [ranks] if (ranks := ranks_line(report)) is not None else []
+    above = [f"VRAM report: {device_line(report)}", f"  {headline(report)}", *(f"  {line}" for line in ranks)]
+    below = [f"  {line}" for line in fact_lines(report, SUMMARY_TOP_MODULES, written_to)]
+    for line in above:
+        console.print(text_module.Text(printable(line)), soft_wrap=True)  # the terminal wraps a long line itself
     console.print(table)
-    for advice in report.advice:
-        console.print(printable(f"  {advice_line(advice)}"), markup=False, highlight=False)
+    for line in below:
+        console.print(text_module.Text(printable(line)), soft_wrap=True)
     return True
 
 
-def print_summary(report: Report, stream: TextIO | None = None) -> None:
-    """A table of the phases and the advice titles on a terminal (with rich), else :func:`summary_text`."""
+def print_summary(report: Report, stream: TextIO | None = None, written_to: str | None = None) -> None:
+    """A table of the phases and the summary's lines on a terminal (with rich), else :func:`summary_text`.
+
+    ``written_to``: where the report's files were written, said last (``None``: not said).
+    """
     out = stream if stream is not None else sys.stdout
-    if out.isatty() and _rich_summary(report, out):
+    if out.isatty() and _rich_summary(report, out, written_to):
         return
-    print(summary_text(report), file=out)
+    print(summary_text(report, written_to=written_to), file=out)

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib import image
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from lightning_vram.records import ModuleProfile, Phase, PhasePeak, StepPoint
+from lightning_vram.render.text import module_text
 
 SHOW_MARKERS_BELOW = 50
 """Series with this many points or fewer get a marker on each."""
@@ -91,6 +93,7 @@ def memory_over_steps_figure(points: Sequence[StepPoint], capacity: str | None) 
         marker=marker,
     )
     axes.set_xlabel("training batch")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at batch 2.5
     axes.set_ylabel(f"step peak ({unit})")
     title = "Peak memory of each step"
     if capacity:
@@ -111,7 +114,7 @@ def modules_figure(modules: Sequence[ModuleProfile]) -> Figure:
     factor, unit = _binary_scale(max((row.activation_bytes for row in shown), default=1))
     positions = list(range(len(shown)))
     axes.barh(positions, [row.activation_bytes / factor for row in shown])
-    axes.set_yticks(positions, [short_label(f"{row.name} ({row.type})") for row in shown], parse_math=False)
+    axes.set_yticks(positions, [short_label(module_text(row)) for row in shown], parse_math=False)
     axes.set_xlabel(f"activations saved for backward ({unit})")
     title = "Modules saving the most activations"
     if len(modules) > len(shown):

@@ -6,7 +6,7 @@ import base64
 import html
 from collections.abc import Iterable
 
-from lightning_vram.records import CATEGORIES, Advice, Report, in_phase_order
+from lightning_vram.records import CATEGORIES, Advice, NotAdvised, Report, in_phase_order
 from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
 from lightning_vram.render.markup import Token, advice_tokens
 from lightning_vram.render.shapes import lengths_table, shapes_sentence
@@ -26,13 +26,20 @@ from lightning_vram.units import format_bytes
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
 h1 { font-size: 1.4rem; } h2 { font-size: 1.15rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
+h1, h2, h3, p, li { overflow-wrap: anywhere; }
 .headline { font-size: 1.2rem; font-weight: 600; background: #f3f6fb; padding: .8rem 1rem; border-radius: 6px; }
-table { border-collapse: collapse; margin: .5rem 0; } td, th { padding: .25rem .6rem; border-bottom: 1px solid #eee; }
-td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
+.scroll { max-width: 100%; overflow-x: auto; }
+table { border-collapse: collapse; margin: .5rem 0; }
+td, th { padding: .25rem .6rem; border-bottom: 1px solid #eee; overflow-wrap: break-word; vertical-align: top; }
+td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; } td.n { white-space: nowrap; }
 .advice { border-left: 4px solid #4C72B0; padding: .2rem 1rem; margin: 1rem 0; background: #fafafa; }
 .advice.critical { border-color: #C44E52; } .advice.warning { border-color: #DD8452; }
-.meta { color: #555; } pre { background: #f0f0f0; padding: .6rem; overflow-x: auto; } img { max-width: 100%; }
+.meta { color: #555; } pre { background: #f0f0f0; padding: .6rem; white-space: pre-wrap; overflow-wrap: anywhere; }
+code { overflow-wrap: anywhere; } img { max-width: 100%; height: auto; }
+@media (max-width: 40rem) { body { margin: 1rem auto; padding: 0 .5rem; } td, th { padding: .2rem .3rem; } }
 """
+"""Narrow screens: code blocks and long names wrap; table cells wrap between words (a number never), and a table
+still too wide for the page scrolls inside its own box."""
 
 
 def _image(png: bytes, alt: str) -> str:
@@ -104,7 +111,20 @@ def table_html(table: Table, table_id: str) -> str:
         )
 
     rows = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in table.rows)
-    return f'<table id="{table_id}"><tr>{cells(table.header, "th")}</tr>{rows}</table>'
+    return scrolling(f'<table id="{table_id}"><tr>{cells(table.header, "th")}</tr>{rows}</table>')
+
+
+def scrolling(table: str) -> str:
+    """A table in a box of the page's width that scrolls sideways when the table is wider (a narrow screen)."""
+    return f'<div class="scroll">{table}</div>'
+
+
+def _not_advised_html(items: tuple[NotAdvised, ...]) -> str:
+    """The remedies weighed and not advised, under their own heading (nothing without any)."""
+    if not items:
+        return ""
+    listed = "".join(f"<li><code>{html.escape(item.id)}</code>: {html.escape(item.reason)}</li>" for item in items)
+    return f'<h3>Not advised</h3><ul id="not-advised">{listed}</ul>'
 
 
 def _simulation_html(report: Report) -> list[str]:
@@ -140,6 +160,8 @@ def render_html(report: Report) -> str:
         sections += [_advice_html(item) for item in report.advice]
     else:
         sections.append("<p>No advice: no rule found a change worth making in this run's measurements.</p>")
+    if report.not_advised:
+        sections.append(_not_advised_html(report.not_advised))
     sections.append("<h2>Breakdown at each phase's peak</h2>")
     if report.phases:
         rows = []
@@ -149,7 +171,9 @@ def render_html(report: Report) -> str:
             rows.append(f'<tr><td>{phase.value}</td><td class="n">{format_bytes(peak.peak_bytes)}</td>{cells}</tr>')
         header = "".join(f'<th class="n">{name.replace("_", " ")}</th>' for name in CATEGORIES)
         sections.append(
-            f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
+            scrolling(
+                f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
+            )
         )
         sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
     if report.evaluation:
@@ -165,7 +189,9 @@ def render_html(report: Report) -> str:
         )
         sections += [
             "<h2>Modules saving the most activations</h2>",
-            f'<table id="modules"><tr><th>module</th><th>type</th><th class="n">saved</th></tr>{table}</table>',
+            scrolling(
+                f'<table id="modules"><tr><th>module</th><th>type</th><th class="n">saved</th></tr>{table}</table>'
+            ),
             _image(png_bytes(modules_figure(report.modules)), "top modules"),
         ]
     if report.fit:
@@ -176,8 +202,10 @@ def render_html(report: Report) -> str:
         )
         sections.append(
             "<h2>Largest batch of this run per GPU</h2>"
-            '<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th><th>basis</th></tr>'
-            f"{fit}</table>"
+            + scrolling(
+                '<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th><th>basis</th></tr>'
+                f"{fit}</table>"
+            )
         )
     if report.shapes is not None and report.shapes.varies:
         sections += ["<h2>Batch shapes</h2>", f"<p>{html.escape(shapes_sentence(report.shapes))}</p>"]
@@ -193,6 +221,7 @@ def render_html(report: Report) -> str:
         sections.append(f"<h2>Not measured</h2><ul>{items}</ul>")
     body = "\n".join(sections)
     return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>VRAM report</title>'
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"><title>VRAM report</title>'
         f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n"
     )

@@ -12,6 +12,8 @@ from lightning_vram.records import (
     Advice,
     DeviceInfo,
     EvaluationPeak,
+    ModuleProfile,
+    NotAdvised,
     OomDiagnosis,
     PreflightVerdict,
     Report,
@@ -23,6 +25,9 @@ from lightning_vram.render.markup import code_span, escape_markdown, printable, 
 from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.units import format_bytes, format_percent
+
+SUMMARY_TOP_MODULES = 3
+"""How many of the top modules the console summary names."""
 
 
 def basis_word(advice: Advice) -> SavingBasis | None:
@@ -65,6 +70,20 @@ def advice_line(advice: Advice) -> str:
     """One advice in one line: its id, its title and, where it has a memory figure, how that is known."""
     word = basis_word(advice)
     return f"[{advice.id}]: {advice.title}" + (f" ({word})" if word else "")
+
+
+def not_advised_line(item: NotAdvised) -> str:
+    """One remedy weighed and not advised, in one line: its rule's id and the measured reason."""
+    return f"[{item.id}]: {item.reason}"
+
+
+def module_text(row: ModuleProfile) -> str:
+    """A module as the report names it: its name, with its type where it has one.
+
+    >>> module_text(ModuleProfile("net.0", "Linear", 1)), module_text(ModuleProfile("(training_step)", "-", 1))
+    ('net.0 (Linear)', '(training_step)')
+    """
+    return row.name if row.type in ("", "-") else f"{row.name} ({row.type})"
 
 
 def capacity_text(device: DeviceInfo) -> str:
@@ -137,42 +156,64 @@ def timing_line(report: Report) -> str:
     return f"step {step} median, data wait {format_percent(timing.data_wait_fraction)}, GPU utilization {utilization}"
 
 
-def summary_text(report: Report, top_modules: int = 3) -> str:
-    """A few lines for the console at the end of training (plain text: control characters shown as escapes)."""
-    device = report.device
-    lines = [f"VRAM report: {device.name} ({device.type}), {report.steps} steps", f"  {headline(report)}"]
+def device_line(report: Report) -> str:
+    """The device and the steps monitored, in one line."""
+    return f"{report.device.name} ({report.device.type}), {report.steps} steps"
+
+
+def summary_text(report: Report, top_modules: int = SUMMARY_TOP_MODULES, written_to: str | None = None) -> str:
+    """A few lines for the console at the end of training (plain text: control characters shown as escapes).
+
+    ``written_to``: where the report's files were written, said last (``None``: not said).
+    """
+    lines = [f"VRAM report: {device_line(report)}", f"  {headline(report)}"]
     if (ranks := ranks_line(report)) is not None:
         lines.append(f"  {ranks}")
+    lines += [f"  {line}" for line in peak_lines(report)]
+    lines += [f"  {line}" for line in fact_lines(report, top_modules, written_to)]
+    return "\n".join(map(printable, lines))  # a name holding a line break or an escape sequence stays on its line
+
+
+def peak_lines(report: Report) -> list[str]:
+    """The breakdown at the run's peak and each phase's peak, a line each (none without a measured step)."""
+    lines: list[str] = []
     peak = report.peak
     if peak is not None:
         if peak.breakdown is not None:
             parts = peak.breakdown
             lines.append(
-                f"  parameters {format_bytes(parts.parameters)} | gradients {format_bytes(parts.gradients)}"
+                f"parameters {format_bytes(parts.parameters)} | gradients {format_bytes(parts.gradients)}"
                 f" | optimizer state {format_bytes(parts.optimizer_state)}"
                 f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
             )
         phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
-        lines.append(f"  phase peaks: {phases}")
+        lines.append(f"phase peaks: {phases}")
+    return lines
+
+
+def fact_lines(report: Report, top_modules: int, written_to: str | None) -> list[str]:
+    """The summary's lines past the peaks: evaluation, top modules, timing, advice, what was not measured, where."""
+    lines = []
     if report.evaluation:
-        lines.append(f"  evaluation peaks: {evaluation_text(report.evaluation)}")
+        lines.append(f"evaluation peaks: {evaluation_text(report.evaluation)}")
     if report.modules:
         top = ", ".join(
-            f"{row.name} ({row.type}) {format_bytes(row.activation_bytes)}" for row in report.modules[:top_modules]
+            f"{module_text(row)} {format_bytes(row.activation_bytes)}" for row in report.modules[:top_modules]
         )
-        lines.append(f"  most activations saved by: {top}")
-    lines.append(f"  {timing_line(report)}")
+        lines.append(f"most activations saved by: {top}")
+    lines.append(timing_line(report))
     if report.shapes is not None and report.shapes.varies and (lengths := lengths_line(report.shapes)):
-        lines.append(f"  {lengths}")
+        lines.append(lengths)
     if report.recovered_ooms:
         lines.append(
-            f"  recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
+            f"recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
         )
-    for advice in report.advice:
-        lines.append(f"  advice {advice_line(advice)}")
-    for item in report.not_measured:
-        lines.append(f"  not measured: {item.what} ({item.reason})")
-    return "\n".join(map(printable, lines))  # a name holding a line break or an escape sequence stays on its line
+    lines += [f"advice {advice_line(advice)}" for advice in report.advice]
+    lines += [f"not advised {not_advised_line(item)}" for item in report.not_advised]
+    lines += [f"not measured: {item.what} ({item.reason})" for item in report.not_measured]
+    if written_to is not None:
+        lines.append(f"report written to {written_to}")
+    return lines
 
 
 def advice_markdown(advice: tuple[Advice, ...]) -> str:
@@ -189,6 +230,13 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
             f"{safe_markdown(item.detail)}\n"
         )
     return "\n".join(sections)
+
+
+def not_advised_markdown(items: tuple[NotAdvised, ...]) -> list[str]:
+    """The remedies weighed and not advised, as Markdown lines under their own heading (none without any)."""
+    if not items:
+        return []
+    return ["", "### Not advised", "", *(f"- {code_span(item.id)}: {escape_markdown(item.reason)}" for item in items)]
 
 
 def markdown_table(table: Table) -> list[str]:
@@ -212,6 +260,11 @@ def markdown(report: Report) -> str:
         f" {escape_markdown(report.precision or 'n/a')}; batch size {report.batch_size or 'n/a'}; {report.steps}"
         f" steps; {timing_line(report)}.",
         "",
+        "## Advice",
+        "",
+        advice_markdown(report.advice).rstrip(),
+        *not_advised_markdown(report.not_advised),
+        "",
         "## Breakdown at each phase's peak",
         "",
         f"| phase | {peak_label(report)} | " + " | ".join(name.replace("_", " ") for name in CATEGORIES) + " |",
@@ -230,7 +283,6 @@ def markdown(report: Report) -> str:
             f" | {format_bytes(row.activation_bytes)} |"
             for row in report.modules
         ]
-    lines += ["", "## Advice", "", advice_markdown(report.advice).rstrip()]
     if report.fit:
         lines += [
             "",

@@ -89,10 +89,11 @@ class Sinks:
         not_measured: Callable[[], tuple[NotMeasured, ...]],
         step: int,
     ) -> Report:
-        """Show ``report`` (publishers, console), write its files; returns it with ``not_measured`` read again.
+        """Show ``report`` to the publishers, write its files, print it; returns it with ``not_measured`` read again.
 
-        ``directory`` is where the files go (``None``: none); each publisher gets the local files as artifacts.
-        The files come last but their upload, so that they list every part that failed (or they are what failed).
+        ``directory`` is where the files go (``None``: none); each publisher gets the local files as artifacts. The
+        files come after the publishers, so that they list every part that failed (or they are what failed); the
+        console comes last, saying where the files are (a failure there warns, after the files were written).
         """
         guard = self._guard
         if self.publishers:
@@ -106,14 +107,15 @@ class Sinks:
             if report.peak is not None:
                 peak = report.peak.peak_bytes
                 self._each(lambda each: each.summary, {"vram/peak_mib": peak / MIB, "vram/peak_bytes": float(peak)})
-        if self._console:
-            guard.call(Part.CONSOLE, print_summary, report)
         report = replace(report, not_measured=not_measured())
         if directory is not None:
             written = guard.call(Part.FILES, self._write_files, report, directory) or ()
             local = [path for path in written if isinstance(path, Path)]
             if local:
                 self._each(lambda each: each.artifacts, local)
+        if self._console:
+            where = str(self.report_path) if self.report_path is not None else None
+            guard.call(Part.CONSOLE, print_summary, report, None, where)
         return replace(report, not_measured=not_measured())
 
     def _write_files(self, report: Report, directory: Location) -> tuple[Location, ...]:

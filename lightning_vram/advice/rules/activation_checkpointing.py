@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
-from lightning_vram.advice.rules.base import Rule, attributed_peak, share_text
+from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
 from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
@@ -23,7 +23,7 @@ from lightning_vram.records import (
     StepChange,
     TrainingSetup,
 )
-from lightning_vram.units import format_bytes
+from lightning_vram.units import format_bytes, format_percent
 
 ID = AdviceId.ACTIVATION_CHECKPOINTING
 CHECKPOINT_MIN_SAVING_SHARE = 0.10
@@ -91,4 +91,26 @@ def activation_checkpointing(
     )
 
 
-RULE = Rule(ID, activation_checkpointing, changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why the replayed checkpointing plans are not advised: the best one's figure, against the rule's threshold."""
+    attributed = attributed_peak(summary)
+    if attributed is None:
+        return None
+    peak, breakdown = attributed
+    found = [(change, resolve_saving(simulation, change, None, measured=peak)) for change in changes(summary, setup)]
+    replayed = [(change, saving) for change, saving in found if isinstance(saving, Saving)]
+    if not replayed:
+        raised = next((saving for _, saving in found if isinstance(saving, Discarded)), None)
+        return f"every candidate plan's replay raised, e.g. {raised.evidence[2:]}" if raised else None
+    change, best = max(replayed, key=lambda pair: pair[1].saving_bytes)
+    if breakdown.largest_part != "activations":
+        why = f"activations are not the largest part of the peak ({breakdown.largest_part.replace('_', ' ')} is)"
+    else:
+        why = (
+            f"saves {format_bytes(best.saving_bytes)} ({share_text(best.saving_bytes, best.peak_bytes)} of the"
+            f" measured peak), under the {format_percent(CHECKPOINT_MIN_SAVING_SHARE)} the rule needs"
+        )
+    return f"{replayed_figure(simulation, change)}: {why}"
+
+
+RULE = Rule(ID, activation_checkpointing, changes, why_not)

@@ -5,13 +5,17 @@ the replay of the run's step (a :class:`~lightning_vram.records.Simulation`, or 
 :class:`~lightning_vram.records.Advice` with the figures that fired it and the saving it expects, or ``None``. A
 rule whose evidence was not measured here (no GPU, no NVML, no sampled step) stays silent; so does one whose saving
 would be too small to matter. Thresholds are named constants (the README gives the reason for each).
+
+A rule that stays silent on a remedy it weighed says why in one line (its ``why_not``): a change it had replayed,
+with the replay's figure (:func:`replayed_figure`), or a measured share against its threshold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from lightning_vram.advice.savings import Discarded, resolve_saving
 from lightning_vram.records import (
     Advice,
     AdviceId,
@@ -22,7 +26,7 @@ from lightning_vram.records import (
     StepChange,
     TrainingSetup,
 )
-from lightning_vram.units import format_percent
+from lightning_vram.units import format_bytes, format_percent
 
 MIN_SAVING_SHARE = 0.05
 """Advice that would save less than this share of the peak is noise next to run-to-run variation."""
@@ -40,6 +44,14 @@ Advise = Callable[[RunSummary, TrainingSetup, Simulation | None], Advice | None]
 """The run's summary, its training set-up and the replay of its step (``None`` without one) -> advice or ``None``."""
 Changes = Callable[[RunSummary, TrainingSetup], tuple[StepChange, ...]]
 """The run's summary and training set-up -> the changes a rule wants replayed on the run's step."""
+WhyNot = Callable[[RunSummary, TrainingSetup, Simulation | None], str | None]
+"""The same readings as :data:`Advise` -> why the rule, silent on this run, did not advise what it weighed (one line),
+or ``None`` when it weighed nothing worth a word (nothing replayed, nothing measured)."""
+
+
+def no_reason(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> str | None:
+    """The ``why_not`` of a rule that weighs no remedy worth explaining when it stays silent."""
+    return None
 
 
 @dataclass(frozen=True)
@@ -49,12 +61,14 @@ class Rule:
     ``advise`` reads the saving of each change it declared through
     :func:`~lightning_vram.advice.savings.resolve_saving`; the session replays the union of every rule's
     ``changes`` (:func:`~lightning_vram.advice.rules.registry.changes_to_replay`), so a declared change is
-    replayed whenever the time budget allows.
+    replayed whenever the time budget allows. ``why_not`` says, when ``advise`` gives nothing, why (every rule that
+    declares changes has one: a replayed change is either advised or answered).
     """
 
     id: AdviceId
     advise: Advise
     changes: Changes
+    why_not: WhyNot = no_reason
 
 
 def no_changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
@@ -91,3 +105,50 @@ def sustained_data_wait(summary: RunSummary, threshold: float) -> bool:
         and recent >= threshold
         and run * step >= DATA_WAIT_MIN_SECONDS
     )
+
+
+def replayed_figure(simulation: Simulation | None, change: StepChange) -> str | None:
+    """What the replay of ``change`` predicts, in words, as the report's simulation table shows it; ``None`` unreplayed.
+
+    The replayed peak with the change, and how far it lies from the replayed baseline's peak (both as the report
+    measures peaks: :meth:`~lightning_vram.records.ReplayedStep.reported_bytes`); a replay that raised says so.
+    """
+    found = resolve_saving(simulation, change, modelled=None)
+    if isinstance(found, Discarded):
+        return found.evidence.removeprefix("; not advised, ")
+    if found is None or found.predicted_peak_bytes is None:
+        return None
+    saving = found.saving_bytes
+    direction = "below" if saving >= 0 else "above"
+    return (
+        f"replayed, {change.label} peaks at {format_bytes(found.predicted_peak_bytes)},"
+        f" {format_bytes(abs(saving))} ({share_text(abs(saving), found.peak_bytes)}) {direction} the replayed"
+        f" baseline's {format_bytes(found.peak_bytes)}"
+    )
+
+
+def replayed_reason(simulation: Simulation | None, declared: Iterable[StepChange], why: str) -> str | None:
+    """``why`` a rule stayed silent, after the figure of each of the ``declared`` changes the simulation replayed.
+
+    ``None`` when none of them was replayed (nothing to answer).
+    """
+    figures = [figure for change in declared if (figure := replayed_figure(simulation, change)) is not None]
+    return f"{'; '.join(figures)}: {why}" if figures else None
+
+
+def data_wait_reason(summary: RunSummary, threshold: float) -> str | None:
+    """Why the measured data wait does not reach ``threshold`` (:func:`sustained_data_wait`), with its share.
+
+    ``None`` when the data wait was not measured.
+    """
+    run, recent, step = summary.data_wait_fraction, summary.recent_data_wait_fraction, summary.step_seconds_median
+    if run is None or step is None:
+        return None
+    measured = f"data wait is {format_percent(run)} of step time ({1000 * run * step:.1f} ms per step)"
+    if run < threshold:
+        return f"{measured}, under the {format_percent(threshold)} the rule needs"
+    if run * step < DATA_WAIT_MIN_SECONDS:
+        return f"{measured}, under the {1000 * DATA_WAIT_MIN_SECONDS:.0f} ms per step the rule needs"
+    if recent is not None and recent < threshold:
+        return f"{measured} over the run but {format_percent(recent)} recently, under the {format_percent(threshold)}"
+    return f"{measured}, over {summary.timed_steps} timed steps: fewer than the {MIN_TIMED_STEPS} the rule needs"

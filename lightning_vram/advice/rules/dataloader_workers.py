@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import DATA_WAIT_WORKERS_SHARE, Rule, no_changes, sustained_data_wait
+from lightning_vram.advice.rules.base import (
+    DATA_WAIT_WORKERS_SHARE,
+    Rule,
+    data_wait_reason,
+    no_changes,
+    sustained_data_wait,
+)
 from lightning_vram.records import Advice, AdviceId, RunSummary, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_percent
 
@@ -50,4 +56,17 @@ def dataloader_workers(
     )
 
 
-RULE = Rule(ID, dataloader_workers, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why more DataLoader workers are not advised: the measured data-wait share, or the workers already there."""
+    if setup.num_workers is None:
+        return None
+    if sustained_data_wait(summary, DATA_WAIT_WORKERS_SHARE):
+        return (
+            f"num_workers={setup.num_workers} already, as many as {setup.cpu_cores_per_device} CPU cores per device"
+            " leave room for"
+        )
+    reason = data_wait_reason(summary, DATA_WAIT_WORKERS_SHARE)
+    return f"more DataLoader workers: {reason}" if reason is not None else None
+
+
+RULE = Rule(ID, dataloader_workers, no_changes, why_not)

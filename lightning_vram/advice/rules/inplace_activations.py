@@ -2,13 +2,14 @@
 
 Only activations whose inplace variant saves just its result count (``TrainingSetup.inplace_keeps_result``:
 LeakyReLU, ELU...); a ReLU saves its output already, so inplace it frees no saved memory, only a transient copy
-that the counts cannot show at the peak: it is not advised. The saving is the replayed one where the simulation
-made these modules inplace (a replay that raised means no advice), else the saved inputs merged.
+that the counts cannot show at the peak: it is not advised, but it is replayed, so the report can answer it with
+the replay's figure. The saving is the replayed one where the simulation made these modules inplace (a replay that
+raised means no advice), else the saved inputs merged.
 """
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import Rule, attributed_peak, share_text
+from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_reason, share_text
 from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
@@ -21,7 +22,7 @@ from lightning_vram.records import (
     StepChange,
     TrainingSetup,
 )
-from lightning_vram.units import format_bytes
+from lightning_vram.units import format_bytes, format_percent
 
 ID = AdviceId.INPLACE_ACTIVATIONS
 INPLACE_MIN_SHARE = 0.02
@@ -50,10 +51,25 @@ def inplace_candidates(summary: RunSummary, setup: TrainingSetup) -> tuple[str, 
     return tuple(profile.name for profile in _inplace_profiles(summary, setup) if not profile.input_saved_for_backward)
 
 
+def output_savers(summary: RunSummary, setup: TrainingSetup) -> tuple[str, ...]:
+    """Out-of-place activations that save their output already (ReLU): inplace, they merge no saved tensor.
+
+    Only those safe for autograd (no earlier op saved their input); replayed so the report answers them.
+    """
+    return tuple(
+        profile.name
+        for profile in summary.modules
+        if _is_activation(profile)
+        and profile.output_saved_bytes > 0
+        and profile.input_saved_bytes == 0
+        and not profile.input_saved_for_backward
+    )
+
+
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
-    """The candidate modules made inplace, together, when there are any."""
-    candidates = inplace_candidates(summary, setup)
-    return (InplaceChange(candidates),) if candidates else ()
+    """The candidate modules made inplace, together, and apart those that save their output already."""
+    found = (inplace_candidates(summary, setup), output_savers(summary, setup))
+    return tuple(InplaceChange(modules) for modules in found if modules)
 
 
 def inplace_activations(
@@ -102,4 +118,27 @@ def inplace_activations(
     )
 
 
-RULE = Rule(ID, inplace_activations, changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why the replayed inplace activations are not advised: they save their output already, or free too little."""
+    savers, candidates = output_savers(summary, setup), inplace_candidates(summary, setup)
+    types = sorted({profile.type for profile in summary.modules if profile.name in savers})
+    reasons = [
+        replayed_reason(
+            simulation,
+            (InplaceChange(savers),),
+            f"{', '.join(types)} {'saves' if len(types) == 1 else 'save'} its output already: inplace frees no saved"
+            " tensor, at most its transient input",
+        )
+        if savers
+        else None,
+        replayed_reason(
+            simulation,
+            (InplaceChange(candidates),) if candidates else (),
+            f"under the {format_percent(INPLACE_MIN_SHARE)} of the peak the rule needs",
+        ),
+    ]
+    found = [reason for reason in reasons if reason is not None]
+    return "; ".join(found) if found else None
+
+
+RULE = Rule(ID, inplace_activations, changes, why_not)

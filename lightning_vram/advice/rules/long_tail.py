@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, replayed_reason
 from lightning_vram.advice.savings import Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
@@ -183,4 +183,15 @@ def _by_tokens(
     )
 
 
-RULE = Rule(ID, long_tail, long_tail_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why the worst batch, replayed capped or batched by tokens, is not advised."""
+    replayed = [change for kind in (LengthChange, TokensPerBatchChange) if (change := _replayed(simulation, kind))]
+    why = (
+        "the batch lengths seen since no longer have a long tail"
+        if _cap(summary) is None
+        else f"under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
+    )
+    return replayed_reason(simulation, replayed, why)
+
+
+RULE = Rule(ID, long_tail, long_tail_changes, why_not)

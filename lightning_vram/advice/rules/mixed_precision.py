@@ -14,7 +14,13 @@ speak of gets no replay.
 from __future__ import annotations
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, TENSOR_CORE_CAPABILITY, mixed_precision_for
-from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, NEAR_CAPACITY_SHARE, Rule, attributed_peak
+from lightning_vram.advice.rules.base import (
+    MIN_SAVING_SHARE,
+    NEAR_CAPACITY_SHARE,
+    Rule,
+    attributed_peak,
+    replayed_reason,
+)
 from lightning_vram.advice.savings import Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
@@ -27,7 +33,7 @@ from lightning_vram.records import (
     StepChange,
     TrainingSetup,
 )
-from lightning_vram.units import format_bytes
+from lightning_vram.units import format_bytes, format_percent
 
 ID = AdviceId.MIXED_PRECISION
 AUTOCAST_MEMORY = (
@@ -138,4 +144,20 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     )
 
 
-RULE = Rule(ID, mixed_precision, changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why the replayed 16-bit step is not advised: off CUDA, the device; on CUDA, no saving and no tensor cores."""
+    declared = changes(summary, setup)
+    if not summary.on_cuda:
+        return replayed_reason(simulation, declared, NOT_ADVISED_OFF_CUDA)
+    capability = summary.device.compute_capability
+    if capability is not None and capability >= TENSOR_CORE_CAPABILITY:
+        why = "the replayed peak would rise to near the device's capacity"
+    else:
+        why = (
+            f"under the {format_percent(MIN_SAVING_SHARE)} saving the rule needs, and no tensor cores"
+            f" (compute capability {TENSOR_CORE_CAPABILITY[0]}.{TENSOR_CORE_CAPABILITY[1]} or higher) to speed it up"
+        )
+    return replayed_reason(simulation, declared, why)
+
+
+RULE = Rule(ID, mixed_precision, changes, why_not)

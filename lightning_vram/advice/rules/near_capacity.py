@@ -18,7 +18,7 @@ from lightning_vram.advice.rules import (
     optimizer_state,
     stale_gradients,
 )
-from lightning_vram.advice.rules.base import NEAR_CAPACITY_SHARE, Rule, attributed_peak, share_text
+from lightning_vram.advice.rules.base import NEAR_CAPACITY_SHARE, Rule, attributed_peak, replayed_reason, share_text
 from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
@@ -140,4 +140,9 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
     )
 
 
-RULE = Rule(ID, near_capacity, changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why the halved batch, replayed, is not advised (the rule lists it whenever the run is near capacity)."""
+    return replayed_reason(simulation, changes(summary, setup), "the run is not near capacity")
+
+
+RULE = Rule(ID, near_capacity, changes, why_not)

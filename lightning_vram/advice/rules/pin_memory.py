@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import Rule, no_changes, sustained_data_wait
+from lightning_vram.advice.rules.base import Rule, data_wait_reason, no_changes, sustained_data_wait
 from lightning_vram.records import Advice, AdviceId, RunSummary, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_percent
 
@@ -32,4 +32,14 @@ def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation
     )
 
 
-RULE = Rule(ID, pin_memory, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why pinned memory is not advised: off CUDA, or the measured data-wait share is under the threshold."""
+    if setup.pin_memory is not False:
+        return None
+    if not summary.on_cuda:
+        return "pin_memory=True: pinned host memory speeds copies to a CUDA GPU only"
+    reason = data_wait_reason(summary, DATA_WAIT_PIN_SHARE)
+    return f"pin_memory=True: {reason}" if reason is not None else None
+
+
+RULE = Rule(ID, pin_memory, no_changes, why_not)

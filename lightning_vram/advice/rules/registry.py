@@ -1,4 +1,4 @@
-"""Every rule, in order, what they want replayed together, and the advice they give a run.
+"""Every rule, in order, what they want replayed together, the advice they give a run, and why they gave no more.
 
 :data:`RULES` is the registry: a new rule is a module with a :class:`~lightning_vram.advice.rules.base.Rule` and
 one line here. Its order is the order the rules' changes are replayed in (the first ones first when the time
@@ -24,7 +24,7 @@ from lightning_vram.advice.rules import (
 )
 from lightning_vram.advice.rules.base import Rule
 from lightning_vram.advice.savings import change_key
-from lightning_vram.records import Advice, RunSummary, Severity, Simulation, StepChange, TrainingSetup
+from lightning_vram.records import Advice, NotAdvised, RunSummary, Severity, Simulation, StepChange, TrainingSetup
 
 RULES: tuple[Rule, ...] = (
     mixed_precision.RULE,
@@ -68,4 +68,20 @@ def advise(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | N
     found = [advice for rule in RULES if (advice := rule.advise(summary, setup, simulation)) is not None]
     return tuple(
         sorted(found, key=lambda advice: (SEVERITY_ORDER[advice.severity], -(advice.estimated_saving_bytes or 0)))
+    )
+
+
+def not_advised(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None, advice: tuple[Advice, ...]
+) -> tuple[NotAdvised, ...]:
+    """Why each rule that gave none of ``advice`` did not advise what it weighed, in the rules' order.
+
+    A rule answers a change it had replayed with the replay's figure, a measured share with its threshold; a rule
+    that weighed nothing worth a word is left out.
+    """
+    advised = {item.id for item in advice}
+    return tuple(
+        NotAdvised(rule.id, reason)
+        for rule in RULES
+        if rule.id not in advised and (reason := rule.why_not(summary, setup, simulation)) is not None
     )

@@ -8,7 +8,7 @@ down to the next highest phase's peak.
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak, replayed_reason
 from lightning_vram.advice.savings import Modelled, Saving, peak_label, resolve_saving
 from lightning_vram.records import (
     Advice,
@@ -21,7 +21,7 @@ from lightning_vram.records import (
     StepChange,
     TrainingSetup,
 )
-from lightning_vram.units import format_bytes
+from lightning_vram.units import format_bytes, format_percent
 
 ID = AdviceId.STALE_GRADIENTS
 
@@ -77,4 +77,12 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     )
 
 
-RULE = Rule(ID, stale_gradients, changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why freeing the gradients before forward, replayed, is not advised: the peak, or the saving, is elsewhere."""
+    peak = summary.peak
+    where = "the peak is not in forward" if peak is None or peak.phase is not Phase.FORWARD else None
+    why = where or f"under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
+    return replayed_reason(simulation, changes(summary, setup), why)
+
+
+RULE = Rule(ID, stale_gradients, changes, why_not)

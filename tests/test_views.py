@@ -1,0 +1,54 @@
+"""The views as a user reads them: whole steps on step axes, no empty parts in labels, a page that fits a phone."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from sessions import plain_run
+
+from lightning_vram.records import ModuleProfile, StepPoint
+from lightning_vram.render.figures import memory_over_steps_figure, modules_figure
+from lightning_vram.render.html import STYLE, render_html, table_html
+from lightning_vram.render.simulation import Table
+from lightning_vram.render.text import module_text, summary_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_step_axis_ticks_whole_steps() -> None:
+    figure = memory_over_steps_figure([StepPoint(step, 1024 * step) for step in (1, 2, 3)], None)
+    figure.canvas.draw()  # matplotlib places ticks when drawn
+    low, high = figure.axes[0].get_xlim()
+    ticks = [tick for tick in figure.axes[0].get_xticks() if low <= tick <= high]
+    assert len(ticks) >= 2 and all(float(tick).is_integer() for tick in ticks)
+
+
+def test_a_module_without_a_type_is_named_without_empty_parentheses() -> None:
+    rows = (ModuleProfile("head", "Linear", 2048), ModuleProfile("(training_step)", "-", 1024))
+    assert [module_text(row) for row in rows] == ["head (Linear)", "(training_step)"]
+    labels = [label.get_text() for label in modules_figure(rows).axes[0].get_yticklabels()]
+    assert labels == ["(training_step)", "head (Linear)"]  # largest on top
+
+
+def test_the_page_fits_a_narrow_screen() -> None:
+    assert re.search(r"pre \{[^}]*white-space: pre-wrap; overflow-wrap: anywhere", STYLE)
+    assert re.search(r"\.scroll \{ max-width: 100%; overflow-x: auto; \}", STYLE)
+    table = table_html(Table(("a", "b"), (False, True), (("x", "1"),)), "t")
+    assert table.startswith('<div class="scroll"><table id="t">') and table.endswith("</table></div>")
+
+
+def test_every_table_of_a_report_scrolls_in_its_own_box() -> None:
+    session = plain_run(None)
+    assert session.report is not None
+    page = render_html(session.report)
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page
+    assert page.count("<table") == page.count('<div class="scroll"><table')
+    assert "(training_step) (-)" not in summary_text(session.report)
+
+
+def test_the_license_is_the_apache_text_and_the_metadata_names_it() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    project = (ROOT / "pyproject.toml").read_text()
+    assert '\nlicense = "Apache-2.0"\nlicense-files = ["LICENSE"]\n' in project
