@@ -67,7 +67,7 @@ def test_one_file_that_fails_leaves_the_others_written(tmp_path: Path, monkeypat
     def broken_page(report: Report) -> str:
         raise RuntimeError("the figure could not be drawn")
 
-    monkeypatch.setattr(files_module, "render_html", broken_page)
+    monkeypatch.setattr(files_module, "_html", broken_page)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         session = plain_run(tmp_path)
