@@ -47,8 +47,13 @@ from lightning_vram.measure.user_code import code_names, is_user_class, is_user_
 WALK_LIMIT = 20_000
 """The most objects one walk visits; past it the walk stops and says it is incomplete."""
 
-DYNAMIC_NAMES = frozenset({"globals", "vars", "setattr", "getattr", "delattr", "exec", "eval", "sys"})
-"""Global names through which code reaches names it computes at run time (``globals()["n"]``, ``sys.modules``)."""
+DYNAMIC_NAMES = frozenset({"globals", "vars", "exec", "eval", "sys", "__import__", "importlib", "inspect"})
+"""Global names through which code reaches a module's globals by names it computes at run time (``globals()["n"]``,
+``sys.modules``, a frame's ``f_globals``)."""
+
+BY_NAME = frozenset({"getattr", "setattr", "delattr"})
+"""Builtins that reach an object's attribute by a computed name: a module's globals only where the code also names a
+module (``getattr(config, name)``), not on the code's own objects (``getattr(self.block, name)``)."""
 
 SAVED_TENSOR_HOOK_NAMES = frozenset(
     {
@@ -273,7 +278,9 @@ class _Walk:
                     self._push(value, f"{where}: {name}", attribute_names)
                 elif not name.startswith("__"):
                     self._slot(namespace, name, f"{where}: global {name}")
-        if global_names & DYNAMIC_NAMES:  # names computed at run time: every global of the module is in reach
+        names_a_module = any(isinstance(namespace.get(name), types.ModuleType) for name in global_names)
+        if global_names & DYNAMIC_NAMES or (global_names & BY_NAME and names_a_module):  # names computed at run time
+            # every global of the module is in reach
             for name, value in dict_items(namespace):
                 if not name.startswith("__") and not isinstance(value, types.ModuleType):
                     self._slot(namespace, name, f"{where}: global {name}")
