@@ -194,6 +194,8 @@ def test_mlflow_run_holds_scalars_figures_advice_files_and_tags(
     assert tags["vram.advice"] == ",".join(advice_ids(monitor))
     assert all(tags[f"vram.advice.{advice_id}"] == "true" for advice_id in advice_ids(monitor))
     assert float(tags["vram.peak_mib"]) == pytest.approx(peak_mib(monitor), rel=1e-5)
+    assert monitor.report is not None and monitor.report.peak is not None
+    assert tags["vram.peak_bytes"] == str(monitor.report.peak.peak_bytes)  # exact, not rounded to 6 digits
 
 
 def test_two_mlflow_runs_in_one_store_keep_two_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,7 +335,11 @@ def test_a_session_publishes_to_its_publishers_and_one_that_fails_is_switched_of
         session.before_optimizer_step()
         optimizer.step()
         optimizer.zero_grad()
-        session.batch_end(step=100 + step)
+        scalars = session.batch_end(step=100 + step)
+        # What a plain loop writes itself: every value in bytes with its MiB twin, which the layout charts.
+        in_bytes = {name[: -len("_bytes")]: value for name, value in scalars.items() if name.endswith("_bytes")}
+        assert {f"{name}_mib": value / 2**20 for name, value in in_bytes.items()}.items() <= scalars.items()
+        assert bool(in_bytes) == bool(scalars)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = session.finish()

@@ -105,6 +105,7 @@ def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_pre
     baseline = simulation.baseline.reported_bytes(simulation.baseline.reported_peak)
     predicted = variant.replayed.reported_bytes(variant.replayed.reported_peak)
     assert advice.saving_basis == "simulated" and advice.estimated_saving_bytes == baseline - predicted > 0
+    assert advice.predicted_peak_bytes == predicted
     assert f"max_length={CAP}, truncation=True" in advice.detail and f"value[:, :{CAP}]" in advice.detail
     assert f"the longest {LONG}" in advice.evidence and "sequences capped at 32 tokens" in advice.evidence
     assert "Bucketing by length alone" in advice.detail  # answered, not offered: the longest bucket keeps the shape

@@ -33,6 +33,7 @@ from lightning_vram.records import (
 from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.publishers.tensorboard import TensorBoardPublisher
 from lightning_vram.render.publishing import Publisher
+from lightning_vram.render.scalars import chart_scalars
 from lightning_vram.render.tensorboard import TensorBoardWriter
 from lightning_vram.render.text import evaluation_text
 from lightning_vram.session.advisor import Advisor
@@ -261,6 +262,8 @@ class VramSession:
     def batch_end(self, step: int | None = None) -> Mapping[str, float]:
         """The training step ended. Returns the ``vram/...`` scalars when a log interval ends, else an empty dict.
 
+        Each ``..._bytes`` value comes with its ``..._mib`` twin (mebibytes), as the publishers log them.
+
         Args:
             step: the step the publishers log the scalars at (the logger's counter); default: the steps measured.
 
@@ -289,7 +292,7 @@ class VramSession:
         every = self._log_every
         if every is None or steps % every != 0:
             return NO_SCALARS
-        scalars = self._assembly.interval_scalars()
+        scalars = chart_scalars(self._assembly.interval_scalars())  # with the ``_mib`` twins the charts show
         self._step = steps if step is None else step
         if scalars and self._sinks.publishers:
             self._sinks.scalars(scalars, self._step)

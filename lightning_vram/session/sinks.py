@@ -30,7 +30,7 @@ from lightning_vram.render.files import (
     write_report_files,
 )
 from lightning_vram.render.publishing import Publisher
-from lightning_vram.render.scalars import MIB, chart_scalars
+from lightning_vram.render.scalars import MIB
 from lightning_vram.render.tensorboard import ADVICE_TAG, report_images
 from lightning_vram.render.text import advice_markdown
 
@@ -64,9 +64,9 @@ class Sinks:
             self._guard.call(key, method(publisher), *args)
 
     def scalars(self, scalars: Mapping[str, float], step: int) -> None:
-        """The interval's scalars, with their ``_mib`` twins, at ``step`` (after the advice of a past epoch's end)."""
+        """The interval's scalars (with their ``_mib`` twins) at ``step`` (after the advice of a past epoch's end)."""
         self._write_advice()
-        self._each(lambda each: each.scalars, chart_scalars(scalars), step)
+        self._each(lambda each: each.scalars, scalars, step)
 
     def advice(self, advice: tuple[Advice, ...], step: int) -> None:
         """``advice`` as Markdown text at ``step`` (an epoch's end), written once the run goes on past ``step``.

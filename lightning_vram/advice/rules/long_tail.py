@@ -130,6 +130,7 @@ def long_tail(summary: RunSummary, setup: TrainingSetup, simulation: Simulation 
         ),
         estimated_saving_bytes=saving.saving_bytes,
         saving_basis=saving.basis,
+        predicted_peak_bytes=saving.predicted_peak_bytes,
     )
 
 
@@ -144,8 +145,9 @@ def _capped(summary: RunSummary, simulation: Simulation | None, change: LengthCh
         saving,
         f"Cap sequences at {cap} tokens (saves about {format_bytes(saving.saving_bytes)}):\n"
         "```python\n"
-        f"tokenizer(texts, max_length={cap}, truncation=True)  # or, in a collate function:\n"
+        f"tokenizer(texts, max_length={cap}, truncation=True)  # or, in a collate function, a dict batch:\n"
         f"batch = {{key: value[:, :{cap}] for key, value in batch.items()}}\n"
+        f"# a tensor batch: batch = batch[:, :{cap}]; a tuple: tuple(value[:, :{cap}] for value in batch)\n"
         "```",
     )
 

@@ -56,4 +56,5 @@ class MlflowPublisher(LoggerPublisher):
     def summary(self, values: Mapping[str, float]) -> None:
         """Each value as a tag (``vram/peak_mib`` -> ``vram.peak_mib``)."""
         for name, value in values.items():
-            self.logger.experiment.set_tag(self.logger.run_id, name.replace("/", "."), f"{value:g}")
+            exact = str(int(value)) if float(value).is_integer() else repr(float(value))  # no rounding of bytes
+            self.logger.experiment.set_tag(self.logger.run_id, name.replace("/", "."), exact)
