@@ -35,6 +35,12 @@ def global_hooks() -> Iterator[tuple[str, Any]]:
                 yield name.lstrip("_"), hook
 
 
+def global_registries() -> tuple[dict[Any, Any], ...]:
+    """The process-wide hook registries themselves (ordered dicts): what a replay saves and puts back."""
+    found = (getattr(owner, name, None) for owner, name in _REGISTRIES)
+    return tuple(registry for registry in found if isinstance(registry, dict))
+
+
 def module_hooks_of(attributes: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """The hooks in a module's ``__dict__`` (its ``_forward_hooks`` and the other ``*_hooks`` dicts)."""
     for name, registry in attributes.items():

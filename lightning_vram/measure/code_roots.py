@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_vram.measure._torch_hooks import global_hooks, module_hooks_of
+from lightning_vram.measure._torch_hooks import global_hooks, global_registries, module_hooks_of
 from lightning_vram.measure.compiled import is_compiled_module
 
 
@@ -61,6 +61,14 @@ def code_roots(
     if batch is not None and not isinstance(batch, (Tensor, list, tuple, dict)):
         roots.append(("the batch's class", type(batch)))
     return roots
+
+
+def hook_registries() -> tuple[dict[Any, Any], ...]:
+    """The process-wide module and optimizer hook registries, which a replay saves and puts back.
+
+    A step that registers a global hook registers it again when replayed.
+    """
+    return global_registries()
 
 
 def instance_roots(module: nn.Module) -> list[tuple[str, Any]]:

@@ -55,6 +55,17 @@ BY_NAME = frozenset({"getattr", "setattr", "delattr"})
 """Builtins that reach an object's attribute by a computed name: a module's globals only where the code also names a
 module (``getattr(config, name)``), not on the code's own objects (``getattr(self.block, name)``)."""
 
+OUTSIDE_EFFECTS = {
+    "open": "opens files (what it writes would be written again)",
+    "atexit": "registers exit callbacks (each replay would add one)",
+    "threading": "starts threads (a thread a replay starts would go on running the user's code)",
+    "subprocess": "starts processes",
+    "multiprocessing": "starts processes",
+    "socket": "opens sockets",
+    "shutil": "changes files",
+}
+"""Global names whose use reaches beyond the objects a replay saves and puts back, and what each does."""
+
 SAVED_TENSOR_HOOK_NAMES = frozenset(
     {
         "vjp",
@@ -107,8 +118,9 @@ class Reach:
     reaches the trained module itself (a ``step_function`` closing over it), by path. ``hook_apis``: the
     saved-tensor-hook APIs the code names. ``compiled``: what it runs through ``torch.compile`` (a compiled function
     or a compiled module outside the trained one), each with where the walk found it. ``unrestorable``: what the
-    code reaches whose state cannot be saved (an iterator, a generator), by path. ``complete``: the walk ended before
-    :data:`WALK_LIMIT`.
+    code reaches whose state cannot be saved (an iterator, a generator), by path. ``effects``: what the code does
+    outside the process's objects, which a replay would do again (files it opens, threads, exit callbacks), by path.
+    ``complete``: the walk ended before :data:`WALK_LIMIT`.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -120,6 +132,7 @@ class Reach:
     hook_apis: set[str] = field(default_factory=set)
     compiled: list[str] = field(default_factory=list)
     unrestorable: list[str] = field(default_factory=list)
+    effects: list[str] = field(default_factory=list)
     complete: bool = True
 
     def add(self, other: Reach) -> None:
@@ -133,6 +146,7 @@ class Reach:
         self.hook_apis |= other.hook_apis
         self.compiled += other.compiled
         self.unrestorable += other.unrestorable
+        self.effects += other.effects
         self.complete = self.complete and other.complete
 
 
@@ -278,6 +292,10 @@ class _Walk:
                     self._push(value, f"{where}: {name}", attribute_names)
                 elif not name.startswith("__"):
                     self._slot(namespace, name, f"{where}: global {name}")
+        for name in sorted(global_names & OUTSIDE_EFFECTS.keys()):
+            self.reach.effects.append(f"{where} {OUTSIDE_EFFECTS[name]}")
+        if "save" in attribute_names and isinstance(namespace.get("torch"), types.ModuleType):
+            self.reach.effects.append(f"{where} may call torch.save (a file it writes would be written again)")
         names_a_module = any(isinstance(namespace.get(name), types.ModuleType) for name in global_names)
         if global_names & DYNAMIC_NAMES or (global_names & BY_NAME and names_a_module):  # names computed at run time
             # every global of the module is in reach

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import random
 import types
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -75,8 +75,10 @@ def _set_set(target: set[Any], items: list[Any]) -> None:
 
 
 def _set_items(target: dict[Any, Any], items: list[tuple[Any, Any]]) -> None:
-    dict.clear(target)
-    dict.update(target, items)
+    # An OrderedDict keeps its order in a list of its own, which dict's methods do not update: its own, then.
+    base: Any = OrderedDict if isinstance(target, OrderedDict) else dict
+    base.clear(target)
+    base.update(target, items)
 
 
 def _set_array(target: array.array[Any], state: bytes) -> None:

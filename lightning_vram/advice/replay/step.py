@@ -44,7 +44,7 @@ from lightning_vram.advice.replay.twin import (
     state_tensors,
 )
 from lightning_vram.advice.replay.workspaces import WorkspaceProbe
-from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
+from lightning_vram.measure.code_roots import code_roots, data_roots, hook_registries, inside_ids, instance_roots
 from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
 from lightning_vram.measure.reach import WALK_LIMIT, Reach, reach_of
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
@@ -240,6 +240,11 @@ def _refusal(reach: Reach) -> str | None:
             f"the step's code reaches more than {WALK_LIMIT} objects beyond the module; a replay could not save and"
             " put back all of them"
         )
+    if reach.effects:
+        return (
+            f"the step's code ({reach.effects[0]}) acts outside the objects a replay saves and puts back: a replay"
+            " would do it again"
+        )
     if reach.unrestorable:
         return (
             f"the step's code reaches {reach.unrestorable[0]}, whose state a replay cannot save and put back (what an"
@@ -315,6 +320,7 @@ def replay_step(
     shared = [*shared_arrays(module), *shared_arrays(batch)]
     inside = inside_ids(module)
     reach = reach_of(code_roots(module, step_function, optimizers or (), batch), inside)
+    reach.objects.extend(hook_registries())  # a global hook the step registers is registered again by the replay
     refusal = _refusal(reach)
     if refusal is not None:
         return ReplaySkipped(refusal)
