@@ -21,7 +21,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vram.measure._recompute import Recomputation, backward_node, running_backward
-from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.measure.compiled import compiled_in_place, compiled_module_names
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
 from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation, SavedTensor
@@ -178,7 +178,7 @@ class StepAttributor:
         self._awaiting_forward = True
         self._batch_size = batch_size_of(batch)
         for label, child in self._modules.items():
-            if any(label.startswith(f"{outer}.") for outer in self.compiled):
+            if compiled_in_place(child) or any(label.startswith(f"{outer}.") for outer in self.compiled):
                 continue  # inside a compiled graph the hooks would not fire, and adding them forces recompiles
             self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
             self._handles.append(child.register_forward_hook(self._leave, always_call=True))

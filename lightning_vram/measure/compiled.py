@@ -27,11 +27,26 @@ def is_compiled_module(value: Any) -> bool:
     return wrapper is not None and isinstance(value, wrapper)
 
 
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` in place: its own hooks then run inside the compiled graph.
+
+    Read from its ``__dict__`` (``_compiled_call_impl``), never running its code.
+    """
+    return vars(module).get("_compiled_call_impl") is not None
+
+
+def _compiled_forward(module: nn.Module) -> bool:
+    """Whether a compiled function was put in place of ``module.forward`` (its children run inside the graph)."""
+    return compiled_callable_name(vars(module).get("forward")) is not None
+
+
 def compiled_module_names(root: nn.Module) -> tuple[str, ...]:
-    """Names (as ``named_modules`` gives them) of the modules ``torch.compile`` wrapped, outermost only."""
+    """Names (as ``named_modules`` gives them) of the modules compiled, wrapped or in place, outermost only."""
     names: list[str] = []
     for name, module in root.named_modules():
-        if is_compiled_module(module) and not any(name.startswith(f"{outer}.") for outer in names):
+        # A root whose forward is compiled (a whole LightningModule compiled) is recognised from the step's code.
+        compiled = is_compiled_module(module) or compiled_in_place(module) or (bool(name) and _compiled_forward(module))
+        if compiled and not any(name.startswith(f"{outer}.") for outer in names):
             names.append(name)
     return tuple(names)
 

@@ -21,6 +21,7 @@ from lightning_vram.advice.replay.step import compiled_refusal
 from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
+from lightning_vram.measure.compiled import compiled_in_place
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
 from lightning_vram.measure.reach import reach_of
 from lightning_vram.records import Attribution, NotMeasured, Phase
@@ -196,7 +197,15 @@ class Sampler:
             if reach.compiled:
                 self._compiled_code = tuple(reach.compiled)
                 self.replay_refusal = compiled_refusal(reach.compiled[0])
-            self._aside = bool(hook_apis)
+            in_place = [name or "the model" for name, child in model.named_modules() if compiled_in_place(child)]
+            if in_place:  # its hooks run inside the compiled graph: dynamo would trace the monitor's hooks
+                self._notes["compiled-in-place"] = NotMeasured(
+                    "tensor-by-tensor attribution (parts, activations per module)",
+                    f"{', '.join(in_place)} compiled in place (`module.compile()` or a compiled `forward`): the"
+                    " monitor's hooks would run inside its compiled graph, so sampled steps were not counted tensor"
+                    " by tensor",
+                )
+            self._aside = bool(hook_apis) or bool(in_place)
         return self._aside
 
     def _call(self, method: Callable[[StepAttributor], Any]) -> Any:
