@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -144,32 +146,48 @@ def test_a_disk_that_fills_up_part_way_leaves_no_truncated_file(
         assert (tmp_path / name).read_bytes() == before[name]
 
 
-@pytest.fixture
-def file_size_limit() -> Iterator[int]:
-    """The kernel refuses writes beyond 16 KiB (RLIMIT_FSIZE): a real part-way failure, EFBIG."""
+FILE_SIZE_LIMIT = 16 * 1024
+"""The kernel refuses writes beyond 16 KiB (RLIMIT_FSIZE) in the writing process: a real part-way failure, EFBIG."""
+
+WRITE_UNDER_THE_LIMIT = """
+import json, sys
+from lightning_vram.codec import report_from_dict
+from lightning_vram.render import files
+report = report_from_dict(json.loads(open(sys.argv[1]).read()))
+try:
+    files.write_report_files(report, files.as_location(sys.argv[2]))
+except files.FilesNotWritten as error:
+    print(error)
+"""
+
+
+def test_a_file_size_limit_leaves_no_truncated_page(tmp_path: Path) -> None:
     resource = pytest.importorskip("resource")
-    limit = 16 * 1024
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield limit
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
-
-
-def test_a_file_size_limit_leaves_no_truncated_page(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     session = plain_run(None)
     assert session.report is not None
     report = without_timelines(session.report)  # a timeline of up to 1,000 points takes the JSON past the limit
-    limit = 16 * 1024
-    assert len(render_html(report)) > limit > max(len(markdown(report)), len(json.dumps(report.to_dict())))
-    assert request.getfixturevalue("file_size_limit") == limit
-    with pytest.raises(files_module.FilesNotWritten, match=r"vram_report\.html: File too large"):
-        files_module.write_report_files(report, tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["vram_report.json", "vram_report.md"]
-    assert json.loads((tmp_path / "vram_report.json").read_text()) == report.to_dict()
+    data = report.to_dict()
+    assert len(render_html(report)) > FILE_SIZE_LIMIT > max(len(markdown(report)), len(json.dumps(data)))
+    source, out = tmp_path / "report.json", tmp_path / "out"
+    source.write_text(json.dumps(data))
+    out.mkdir()
+
+    def limited() -> None:  # in the child only: the test runner's own output stays unlimited
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    written = subprocess.run(
+        [sys.executable, "-c", WRITE_UNDER_THE_LIMIT, str(source), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,  # only a hang takes this long
+        preexec_fn=limited,
+        check=False,
+    )
+    assert written.returncode == 0, written.stderr[-2000:]
+    assert "vram_report.html: File too large" in written.stdout
+    assert sorted(os.listdir(out)) == ["vram_report.json", "vram_report.md"]
+    assert json.loads((out / "vram_report.json").read_text()) == data
 
 
 def without_timelines(report: Report) -> Report:
