@@ -3,7 +3,7 @@
 For a GPT-2-class and a Llama-class language model built from transformers' config classes (random weights,
 nothing downloaded), prints the seconds of: one real CPU training step (forward, backward, AdamW step, on real
 tensors); the baseline replay under fake tensors; each change the rules replay (a variant); and the fit table's
-search over the common GPUs (:func:`~lightning_vram.advice.replay.fit_table.replayed_fit_table`, with the
+search over the common GPUs (:func:`~lightning_vram.prediction.replay.fit_table.replayed_fit_table`, with the
 baseline's peak reused as in training), each also as a multiple of one baseline replay, with the replays it ran.
 The total is what one in-training simulation costs on a CUDA run (the fit table is searched there only). Ratios are
 printed, not asserted.
@@ -27,9 +27,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
-from lightning_vram.advice.replay.fit_table import replayed_fit_table
-from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.prediction.replay.fit_table import replayed_fit_table
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import (
     BatchSizeChange,
     CheckpointChange,

@@ -10,7 +10,7 @@ For a notebook or a laptop deciding which GPU to rent::
     predict(model, batch, max_length=2048)  # the same for the longest sequence expected
     predict(model, images, max_shape=(3, 512, 512))  # or the largest shape: images of up to 512x512
 
-The step is replayed under fake tensors (:mod:`lightning_vram.advice.replay`): the model's own ``training_step``,
+The step is replayed under fake tensors (:mod:`lightning_vram.prediction.replay`): the model's own ``training_step``,
 loss and ``configure_optimizers``, on the batch's shapes and dtypes, after one uncounted warm-up step so that
 gradients and optimizer state exist as in every later step.
 """
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.catalogue import DEFAULT_CUDA_CONTEXT_BYTES
-from lightning_vram.advice.replay.batches import length_shape, reference_shape, resize_shape
-from lightning_vram.advice.replay.escapes import round_of_replays
-from lightning_vram.advice.replay.fit_table import replayed_fit_table
-from lightning_vram.advice.replay.step import replay_step
 from lightning_vram.config import MAX_LENGTH, require_int, require_one_of, require_shape
+from lightning_vram.prediction.containment.escapes import round_of_replays
+from lightning_vram.prediction.devices import DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.prediction.replay.batches import length_shape, reference_shape, resize_shape
+from lightning_vram.prediction.replay.fit_table import replayed_fit_table
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
 
@@ -56,7 +56,7 @@ def predict(
             build aborts): the step is replayed on the CPU then, and the prediction says so in its notes.
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
-        fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.advice.catalogue.COMMON_GPUS`
+        fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`
             (a few replays for all of them: solved on a checked line of replayed peaks).
         budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
             prediction says what the budget left out.

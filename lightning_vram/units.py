@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+MIB = 1024**2
+"""One mebibyte, in bytes."""
+GIB = 1024**3
+"""One gibibyte, in bytes."""
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 

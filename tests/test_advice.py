@@ -22,7 +22,6 @@ from advice_summaries import (
 
 from lightning_vram.advice import checkpointing
 from lightning_vram.advice.capacity import fit_table
-from lightning_vram.advice.catalogue import COMMON_GPUS
 from lightning_vram.advice.checkpointing import best_checkpoint_plan
 from lightning_vram.advice.rules.activation_checkpointing import activation_checkpointing
 from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
@@ -36,6 +35,7 @@ from lightning_vram.advice.rules.optimizer_state import optimizer_state
 from lightning_vram.advice.rules.pin_memory import pin_memory
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.rules.stale_gradients import stale_gradients
+from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.records import (
     Breakdown,
     LinearLayer,

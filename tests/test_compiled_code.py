@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.measure.compiled import compiled_callable_name
-from lightning_vram.measure.reach import Reach, reach_of
+from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
+from lightning_vram.prediction.containment.reach import Reach, reach_of
 
 
 def gelu(inputs: torch.Tensor) -> torch.Tensor:

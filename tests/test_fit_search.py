@@ -15,19 +15,19 @@ from simulations import GIB, simulated
 from test_simulation_report import report_with
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN
-from lightning_vram.advice.replay import fit_table as fit_table_module
-from lightning_vram.advice.replay.fit_table import replayed_fit_table
-from lightning_vram.advice.replay.search import (
+from lightning_vram.advice.savings import resolve_saving
+from lightning_vram.codec import report_from_dict
+from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN
+from lightning_vram.prediction.replay import fit_table as fit_table_module
+from lightning_vram.prediction.replay.fit_table import replayed_fit_table
+from lightning_vram.prediction.replay.search import (
     LINE_CHECKS,
     MAX_BATCH_SIZE,
     largest_batch_that_fits,
     largest_batches_that_fit,
 )
-from lightning_vram.advice.replay.simulation import NOT_REPLAYED, simulate
-from lightning_vram.advice.replay.step import replay_step
-from lightning_vram.advice.savings import resolve_saving
-from lightning_vram.codec import report_from_dict
+from lightning_vram.prediction.replay.simulation import NOT_REPLAYED, simulate
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import BatchSizeChange, FitRow, FreeGradientsChange, ReplayedStep, SavingBasis, Simulation
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 from lightning_vram.render.html import render_html

@@ -19,6 +19,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("lightning_vram.records",),
     ("lightning_vram._guard", "lightning_vram.testing", "lightning_vram.codec"),
     ("lightning_vram.measure",),
+    ("lightning_vram.prediction",),
     ("lightning_vram.advice",),
     ("lightning_vram.render",),
     ("lightning_vram.config", "lightning_vram.session"),

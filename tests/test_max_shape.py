@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_vram import VramMonitor, VramMonitorWarning
-from lightning_vram.advice.replay.batches import length_shape, resize_length, resize_shape
 from lightning_vram.predict import predict
+from lightning_vram.prediction.replay.batches import length_shape, resize_length, resize_shape
 from lightning_vram.records import ReplayedStep
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 

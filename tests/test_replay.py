@@ -15,8 +15,8 @@ from models import OPTIMIZERS, Classifier
 from replay_models import ARCHITECTURES, CausalLM, counted_step, text
 from torch import nn
 
-from lightning_vram.advice.replay.simulation import simulate
-from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.prediction.replay.simulation import simulate
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import (
     Attribution,
     Breakdown,

@@ -13,9 +13,9 @@ from replay_models import ARCHITECTURES, counted_step
 from torch import nn
 
 from lightning_vram import predict
-from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
-from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
-from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import BatchSizeChange, ReplayedStep
 
 CONTEXT = 300 * 1024**2

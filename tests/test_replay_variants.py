@@ -18,7 +18,7 @@ from replay_models import ARCHITECTURES, CausalLM, counted_step, lstm, mlp, resn
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import (
     Attribution,
     BatchSizeChange,

@@ -25,9 +25,9 @@ from lightning_vram._lightning import trainer_setup
 from lightning_vram.advice.catalogue import FULL_PRECISIONS
 from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
-from lightning_vram.advice.replay.simulation import simulate
 from lightning_vram.advice.rules.inplace_activations import inplace_candidates
 from lightning_vram.advice.rules.registry import advise
+from lightning_vram.prediction.replay.simulation import simulate
 from lightning_vram.records import (
     Advice,
     CheckpointChange,

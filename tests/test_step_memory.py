@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
-from lightning_vram.advice.replay.step import replay_step
-from lightning_vram.advice.replay.timeline import MAX_POINTS, TimelineRecorder
 from lightning_vram.codec import FormatError, report_from_dict
+from lightning_vram.prediction.replay.step import replay_step
+from lightning_vram.prediction.replay.timeline import MAX_POINTS, TimelineRecorder
 from lightning_vram.records import Phase, ReplayedStep, SavingBasis, StepTimeline, advised_variant
 from lightning_vram.records.simulation_json import simulation_to_dict
 from lightning_vram.render.figures import png_bytes

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from transformers_models import ARCHITECTURES, FineTuned, data
 
-from lightning_vram.advice.replay.simulation import simulate
-from lightning_vram.advice.replay.step import replay_step
+from lightning_vram.prediction.replay.simulation import simulate
+from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import ReplayedStep, ReplaySkipped
 
 pytest.importorskip("transformers")
@@ -122,7 +122,7 @@ def test_transformers_own_tracing_check_is_put_back_after_the_replay() -> None:
 def test_a_checkpointed_variant_that_fails_in_backward_leaves_no_fake_tensor_behind(tmp_path: Path) -> None:
     """Llama's cache doubles when a wrapped layer is recomputed: the variant fails in backward, and must let go."""
     from lightning_vram.advice.checkpointing import checkpoint_candidates
-    from lightning_vram.advice.replay.escapes import check_no_escape, forget
+    from lightning_vram.prediction.containment.escapes import check_no_escape, forget
     from lightning_vram.records import CheckpointChange
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The largest batch that fits a device: modelled from the measured peak, or read from the replay's search.
 
 Fixed cost: parameters, gradients, optimizer state and the CUDA context. Per-sample cost: activations and ``other``
-at the peak divided by the batch size. A :data:`~lightning_vram.advice.catalogue.BATCH_SAFETY_MARGIN` of capacity
+at the peak divided by the batch size. A :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of capacity
 stays free.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.advice.rules.base import attributed_peak
 from lightning_vram.advice.savings import trusted
+from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.records import FitRow, RunSummary, SavingBasis, Simulation
 
 
@@ -37,7 +37,7 @@ def predict_max_batch_size(summary: RunSummary, capacity_bytes: int) -> int | No
 
 
 def fit_table(summary: RunSummary, simulation: Simulation | None = None) -> tuple[FitRow, ...]:
-    """The largest batch of this run per GPU of :data:`~lightning_vram.advice.catalogue.COMMON_GPUS`.
+    """The largest batch of this run per GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`.
 
     Replayed rows (``basis`` ``"simulated"``) come from a trusted simulation's ``fit``; otherwise each row is
     modelled linearly from the measured peak (``basis`` ``"modelled"``, CUDA runs only).

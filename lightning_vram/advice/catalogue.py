@@ -1,27 +1,9 @@
-"""Facts about devices, precisions and strategies that the rules and the replays share.
+"""Facts about precisions and strategies that the rules share: which 16-bit precision a device should train in.
 
-The GPUs the fit table lists, the share of a device kept free when predicting the largest batch, the CUDA context
-assumed where NVML could not measure it, and which 16-bit precision a device should train in.
+The GPUs a prediction is asked about live with prediction, in :mod:`lightning_vram.prediction.devices`.
 """
 
 from __future__ import annotations
-
-GIB = 1024**3
-MIB = 1024**2
-
-COMMON_GPUS: tuple[tuple[str, int], ...] = (
-    ("RTX 3060 (12 GiB)", 12 * GIB),
-    ("T4 (16 GiB)", 16 * GIB),
-    ("RTX 3090 / 4090, A10, L4 (24 GiB)", 24 * GIB),
-    ("A100 40GB", 40 * GIB),
-    ("A100 80GB / H100 80GB", 80 * GIB),
-    ("H200 (141 GiB)", 141 * GIB),
-)
-"""Nominal capacities in bytes of cards people commonly train on or rent; the safety margin covers what they lack."""
-BATCH_SAFETY_MARGIN = 0.10
-"""Share of capacity kept free when predicting the largest batch (allocator rounding, other processes)."""
-DEFAULT_CUDA_CONTEXT_BYTES = 512 * MIB
-"""CUDA context and library workspaces, in bytes, when NVML could not measure them (typically a few hundred MiB)."""
 
 TENSOR_CORE_CAPABILITY = (7, 0)
 """CUDA compute capability from which GPUs have tensor cores (Volta); mixed precision is advised for speed there."""

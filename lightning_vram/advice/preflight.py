@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, mixed_precision_for
-from lightning_vram.advice.replay.escapes import round_of_replays
-from lightning_vram.advice.replay.step import StepFunction, replay_step
+from lightning_vram.prediction.containment.escapes import round_of_replays
+from lightning_vram.prediction.replay.step import StepFunction, replay_step
 from lightning_vram.records import (
     AllocatorReading,
     BatchSizeChange,
@@ -63,8 +63,8 @@ def preflight(
     """Replay the first step; the verdict, or why it could not be replayed.
 
     Raises only when a replay left something behind it could not take back
-    (:class:`~lightning_vram.advice.replay.containment.ContainmentError`,
-    :class:`~lightning_vram.advice.replay.escapes.ReplayEscapeError`): the caller turns replays off.
+    (:class:`~lightning_vram.prediction.containment.containment.ContainmentError`,
+    :class:`~lightning_vram.prediction.containment.escapes.ReplayEscapeError`): the caller turns replays off.
 
     Args:
         module: the module about to train (left untouched).

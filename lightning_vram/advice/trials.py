@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.catalogue import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES, SHARDING_STRATEGIES
-from lightning_vram.advice.replay.escapes import round_of_replays
-from lightning_vram.advice.replay.fit_table import replayed_fit_table
-from lightning_vram.advice.replay.simulation import BUDGET_RAN_OUT, simulate
-from lightning_vram.advice.replay.step import StepFunction
+from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
 from lightning_vram.advice.rules.registry import changes_to_replay
 from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.prediction.containment.escapes import round_of_replays
+from lightning_vram.prediction.devices import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.prediction.replay.fit_table import replayed_fit_table
+from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, simulate
+from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Attribution,
     BatchSizeChange,
@@ -74,8 +75,8 @@ def try_changes(
     """Replay the sampled step and each change the rules declared; on CUDA also the largest batch per GPU.
 
     What it cannot run it skips with the reason. Raises only when a replay left something behind it could not take
-    back (:class:`~lightning_vram.advice.replay.containment.ContainmentError`,
-    :class:`~lightning_vram.advice.replay.escapes.ReplayEscapeError`): the caller turns replays off.
+    back (:class:`~lightning_vram.prediction.containment.containment.ContainmentError`,
+    :class:`~lightning_vram.prediction.containment.escapes.ReplayEscapeError`): the caller turns replays off.
     """
     reason = unsupported(module, setup, step_function)
     if reason is not None or step_function is None:

@@ -105,7 +105,7 @@ class ShapeRecorder:
         """The step of that batch (``None`` before any batch)."""
         self.length_counts: dict[int, int] = {}
         """How many batches had each length (tokens): dimension 1 of the first tensor with two or more, as
-        :func:`~lightning_vram.advice.replay.batches.resize_length` reads it; at most :data:`MAX_LENGTHS` lengths."""
+        :func:`lightning_vram.prediction.replay.batches.resize_length` reads it; at most :data:`MAX_LENGTHS` lengths."""
         self._last_length: int | None = None
 
     def _tensors(self, batch: Any) -> list[Tensor] | None:

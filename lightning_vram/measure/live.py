@@ -5,7 +5,7 @@ parts (parameters, gradients, optimizer state, saved activations) leaves out the
 gradient, the batch. :class:`LiveTensors` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that sees
 each op's outputs as the step runs: each new storage on the device is added once, in ``nbytes`` (the CPU has no
 allocator blocks), and removed when it is freed (a weak reference's callback), as the replay's own live count
-(``advice/replay/live.py``) does on fake tensors. It only reads what ops return: the step computes exactly what
+(``prediction/replay/live.py``) does on fake tensors. It only reads what ops return: the step computes exactly what
 it computes without it. It costs Python time per op, so it runs on sampled steps only.
 
 ``torch.utils._python_dispatch`` is private; ``TorchDispatchMode`` and its mode stack have had these names since

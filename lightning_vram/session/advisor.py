@@ -17,7 +17,6 @@ from typing import Any
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
 from lightning_vram.advice.preflight import candidate_changes, preflight, replay_resized
-from lightning_vram.advice.replay.batches import length_shape, reference_shape, shape_length
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig
@@ -27,6 +26,7 @@ from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
 from lightning_vram.records import (
     Advice,
     AllocatorReading,

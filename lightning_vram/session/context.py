@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.replay.step import StepFunction, lightning_training_step
 from lightning_vram.measure.setup import training_setup
-from lightning_vram.measure.user_code import is_user_file
+from lightning_vram.prediction.containment.user_code import is_user_file
+from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step
 from lightning_vram.records import TrainingSetup
 
 Optimizers = Sequence[torch.optim.Optimizer] | Callable[[], Sequence[torch.optim.Optimizer]]

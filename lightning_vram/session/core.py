@@ -16,8 +16,8 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_vram._guard import Guard, Output, Part
-from lightning_vram.advice.replay.step import StepFunction
 from lightning_vram.config import MonitorConfig, MonitorOptions, check_option_names, check_start, start_device
+from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Advice,
     EvaluationPeak,

@@ -17,13 +17,13 @@ from typing import Any
 from torch import nn
 
 from lightning_vram._guard import Guard, Part
-from lightning_vram.advice.replay.step import compiled_refusal
 from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
-from lightning_vram.measure.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.measure.compiled import compiled_in_place
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
-from lightning_vram.measure.reach import reach_of
+from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
+from lightning_vram.prediction.containment.reach import reach_of
+from lightning_vram.prediction.replay.step import compiled_refusal
 from lightning_vram.records import Attribution, NotMeasured, Phase
 from lightning_vram.session.context import RunContext
 

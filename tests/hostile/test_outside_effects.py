@@ -20,7 +20,7 @@ from models import Classifier, linear_net, loader
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_vram.measure.reach import reach_of
+from lightning_vram.prediction.containment.reach import reach_of
 
 HANDLES: list[Any] = []
 CALLS = [0]

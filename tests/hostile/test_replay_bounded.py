@@ -12,11 +12,11 @@ from models import Classifier, dataset_for, linear_net, loader
 from torch import nn
 
 from lightning_vram import predict
-from lightning_vram.advice.replay import deadline as deadline_module
-from lightning_vram.advice.replay._fake import FakeTensorMode
-from lightning_vram.advice.replay.deadline import Deadline, ReplayDeadlineError
-from lightning_vram.advice.replay.fit_table import replayed_fit_table
-from lightning_vram.advice.replay.search import MAX_BATCH_SIZE
+from lightning_vram.prediction.containment import deadline as deadline_module
+from lightning_vram.prediction.containment.deadline import Deadline, ReplayDeadlineError
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+from lightning_vram.prediction.replay.fit_table import replayed_fit_table
+from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE
 
 
 class PerSample(Classifier):

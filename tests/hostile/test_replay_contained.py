@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 
 from lightning_vram import VramMonitorWarning
-from lightning_vram.advice.replay._fake import FakeTensor
+from lightning_vram.prediction.replay._fake import FakeTensor
 
 
 def cnn_loader() -> DataLoader[Any]:

@@ -12,7 +12,7 @@ import torch
 from harness import Case, assert_untouched
 from models import Classifier, cnn_net, dataset_for, loader
 
-from lightning_vram.measure.reach import WALK_LIMIT
+from lightning_vram.prediction.containment.reach import WALK_LIMIT
 
 
 def cnn_loader() -> Any:

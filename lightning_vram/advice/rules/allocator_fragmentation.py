@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_vram.advice.catalogue import MIB
 from lightning_vram.advice.rules.base import Rule, no_changes, share_text
 from lightning_vram.records import Advice, AdviceId, RunSummary, SavingBasis, Severity, Simulation, TrainingSetup
-from lightning_vram.units import format_bytes
+from lightning_vram.units import MIB, format_bytes
 
 ID = AdviceId.ALLOCATOR_FRAGMENTATION
 FRAGMENTATION_SHARE = 0.25

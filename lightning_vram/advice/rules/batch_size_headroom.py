@@ -8,9 +8,9 @@ search) where the simulation searched it, else modelled linearly from the measur
 from __future__ import annotations
 
 from lightning_vram.advice.capacity import predict_max_batch_size
-from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN
 from lightning_vram.advice.rules.base import DATA_WAIT_WORKERS_SHARE, Rule, attributed_peak, no_changes, share_text
 from lightning_vram.advice.savings import trusted
+from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN
 from lightning_vram.records import Advice, AdviceId, RunSummary, Severity, Simulation, TrainingSetup
 from lightning_vram.units import format_bytes, format_percent
 

@@ -3,7 +3,7 @@
 The replay runs the user's ``training_step`` on a fake copy, so the user's module, optimizer and gradients are never
 touched; the process-wide state below (generators, default dtype, grad mode, threads, environment) is what such
 code could still change (what else it reaches is saved and
-put back by :mod:`~lightning_vram.advice.replay.containment`). The replayed code's prints and warnings are not
+put back by :mod:`~lightning_vram.prediction.containment.containment`). The replayed code's prints and warnings are not
 shown, but only the replaying thread's: other threads keep writing to the same streams and warning as before
 (no process-wide redirection, no change to the warnings filters).
 """

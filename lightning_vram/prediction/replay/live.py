@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_vram.advice.replay._fake import TorchDispatchMode, tree_leaves
-from lightning_vram.advice.replay.storages import allocator_bytes
 from lightning_vram.measure.storages import on_device, storage_key
+from lightning_vram.prediction.replay._fake import TorchDispatchMode, tree_leaves
+from lightning_vram.prediction.replay.storages import allocator_bytes
 from lightning_vram.records import Phase
 
 

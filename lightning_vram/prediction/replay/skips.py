@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from lightning_vram.advice.replay._fake import (
+from lightning_vram.prediction.containment.deadline import ReplayDeadlineError
+from lightning_vram.prediction.replay._fake import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     UnsupportedFakeTensorException,
 )
-from lightning_vram.advice.replay.deadline import ReplayDeadlineError
 
 
 def skip_reason(error: BaseException) -> str:

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_vram.measure._torch_hooks import global_hooks, global_registries, module_hooks_of
 from lightning_vram.measure.compiled import is_compiled_module
+from lightning_vram.prediction.containment._torch_hooks import global_hooks, global_registries, module_hooks_of
 
 
 def inside_ids(module: nn.Module) -> set[int]:

@@ -18,8 +18,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_vram.advice.replay._fake import FakeTensor, FakeTensorMode
-from lightning_vram.measure.user_code import is_user_file
+from lightning_vram.prediction.containment.user_code import is_user_file
+from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
 
 _MODES: weakref.WeakSet[FakeTensorMode] = weakref.WeakSet()
 _CACHE_SIZES: dict[int, tuple[weakref.ref[Any], int]] = {}

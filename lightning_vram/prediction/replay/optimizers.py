@@ -15,8 +15,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_vram.advice.replay._fake import FakeTensorMode
 from lightning_vram.measure.setup import user_optimizer
+from lightning_vram.prediction.replay._fake import FakeTensorMode
 
 CONSTANT_MAX_NUMEL = 1
 """Tensors up to this many elements on the CPU are faked as constants (fake tensors that keep their value)."""

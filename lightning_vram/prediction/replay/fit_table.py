@@ -1,6 +1,6 @@
 """The fit table by replay: for each common GPU, the largest batch whose replayed step fits beside the CUDA context.
 
-Every GPU's row comes from one search (:func:`~lightning_vram.advice.replay.search.largest_batches_that_fit`): two
+Every GPU's row comes from one search (:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`): two
 replays give a line per phase (forward, backward, optimizer step), a third checks them, and only the rows the lines
 cannot settle are replayed around their answer.
 When the time budget runs out, or a replay fails, the rows already settled are kept and the search says why the
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.catalogue import BATCH_SAFETY_MARGIN, COMMON_GPUS
-from lightning_vram.advice.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
-from lightning_vram.advice.replay.simulation import BUDGET_RAN_OUT
-from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.measure.tensors import batch_size_of
+from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
+from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT
+from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step, replay_step
 from lightning_vram.records import BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
 
@@ -64,7 +64,7 @@ def replayed_fit_table(
     A row is missing where the batch has no batch dimension, a replay it needed failed, or ``clock()`` passed
     ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps
     already replayed with these settings, by batch size (the baseline, a batch-size change): not replayed again.
-    The other arguments are :func:`~lightning_vram.advice.replay.step.replay_step`'s.
+    The other arguments are :func:`~lightning_vram.prediction.replay.step.replay_step`'s.
     """
     start = batch_size_of(batch)
     if start is None:

@@ -3,7 +3,7 @@
 transformers (``transformers.utils.import_utils.is_tracing``) treats a ``FakeTensor`` as a sign of tracing: its
 masking code then materialises the full attention mask (where the real step passes none and lets
 ``scaled_dot_product_attention`` be causal), and grouped-query attention repeats the key/value heads. For a fake tensor
-whose real value :class:`~lightning_vram.advice.replay.known_values.KnownValues` holds (an attention mask from the
+whose real value :class:`~lightning_vram.prediction.replay.known_values.KnownValues` holds (an attention mask from the
 batch), the check answers as it does for the real tensor, so the replay takes the real step's branch. Every other
 check (compiling, exporting, torch.fx proxies, a fake tensor without a known value) answers as before. The library's
 function is put back when the replay ends.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lightning_vram.advice.replay.known_values import KnownValues
+from lightning_vram.prediction.replay.known_values import KnownValues
 
 TRACING_CHECKS = (("transformers.utils.import_utils", "is_fake_tensor"),)
 """``(module, function)``: the checks, read at call time by the library, that treat a fake tensor as tracing."""

@@ -6,7 +6,7 @@ its ``log`` and ``log_dict`` do nothing). NumPy arrays the module or the batch h
 table would be copied on every replay): the replay makes them read-only while it runs. The batch is deep-copied
 the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
 the copy. Gradients are faked from the real ones; optimizers come from
-:mod:`~lightning_vram.advice.replay.optimizers`.
+:mod:`~lightning_vram.prediction.replay.optimizers`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_vram.advice.replay._fake import FakeCopyMode, FakeTensorMode
-from lightning_vram.advice.replay.optimizers import configured_optimizers, rebuild_optimizer
 from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensorMode
+from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 
 _ARRAY_DEPTH = 3
 """How deep into attributes, lists and dicts :func:`shared_arrays` looks for NumPy arrays."""

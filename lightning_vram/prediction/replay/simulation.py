@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.advice.replay.baseline import BASELINE_TOLERANCE, match_baseline, mismatch_reason
-from lightning_vram.advice.replay.step import StepFunction, lightning_training_step, replay_step
-from lightning_vram.advice.replay.twin import module_device
+from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE, match_baseline, mismatch_reason
+from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step, replay_step
+from lightning_vram.prediction.replay.twin import module_device
 from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
 from lightning_vram.records.simulation import NOT_REPLAYED
 
@@ -44,7 +44,7 @@ def simulate(
 
     Safe to call inside the user's training: it leaves the module, optimizers, gradients, random number generators
     and what the user's code reaches as they were; it raises only what
-    :func:`~lightning_vram.advice.replay.step.replay_step` raises (something it could not put back). Without
+    :func:`~lightning_vram.prediction.replay.step.replay_step` raises (something it could not put back). Without
     ``attribution`` (nothing counted yet, as before the first step) the baseline is trusted as replayed and
     ``match`` is ``None``.
 
@@ -59,10 +59,10 @@ def simulate(
         precision: the run's precision, as Lightning names it.
         device: the device whose memory is counted; default: the module's.
         step_function: runs the training step (default: ``training_step``), as for
-            :func:`~lightning_vram.advice.replay.step.replay_step`.
+            :func:`~lightning_vram.prediction.replay.step.replay_step`.
         tolerance: how far each part may be from the count (a share of it) for the baseline to match.
         gradients_at_forward: whether the run's forward pass starts with the previous step's gradients alive (see
-            :func:`~lightning_vram.advice.replay.step.replay_step`).
+            :func:`~lightning_vram.prediction.replay.step.replay_step`).
         clock: the host clock the budget is read from, in seconds (tests script it).
     """
     started = clock()

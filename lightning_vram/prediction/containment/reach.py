@@ -3,7 +3,7 @@
 A replay runs the user's Python a second time (``training_step``, every ``forward``, a ``step_function``), on a
 fake copy of the module. The copy holds the module's own state, but the code also reaches what the copy does not:
 its closures, the globals its functions name, class attributes, random generators held outside, ``lru_cache``
-functions. :func:`reach_of` walks the code objects from a set of roots (:mod:`~lightning_vram.measure.code_roots`),
+functions. :func:`reach_of` walks the code objects from a set of roots (:mod:`~.code_roots`),
 reading names, closure cells and attributes (never calling a property, a ``__getattr__`` or any user function), and
 lists those places so that the replay can save and restore them, give the code fresh caches, or decide not to run
 at all.
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_vram.measure.code_roots import Remapped
 from lightning_vram.measure.compiled import compiled_callable_name
-from lightning_vram.measure.plain_reads import (
+from lightning_vram.prediction.containment.code_roots import Remapped
+from lightning_vram.prediction.containment.plain_reads import (
     contents,
     dict_items,
     instance_dict,
@@ -42,7 +42,7 @@ from lightning_vram.measure.plain_reads import (
     key_text,
     slot_names,
 )
-from lightning_vram.measure.user_code import code_names, is_user_class, is_user_file, is_user_function
+from lightning_vram.prediction.containment.user_code import code_names, is_user_class, is_user_file, is_user_function
 
 WALK_LIMIT = 20_000
 """The most objects one walk visits; past it the walk stops and says it is incomplete."""

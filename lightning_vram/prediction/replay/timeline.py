@@ -1,6 +1,6 @@
 """Memory during one replayed step, sampled after every op: live bytes by part, at most :data:`MAX_POINTS` points.
 
-The live total is the replay's :class:`~lightning_vram.advice.replay.live.LiveMemory` (every live tensor, the
+The live total is the replay's :class:`~lightning_vram.prediction.replay.live.LiveMemory` (every live tensor, the
 allocator's blocks on CUDA); the counted parts are what the replay's counter holds at that moment
 (:meth:`~lightning_vram.measure.accounting.StepAttributor.live_parts`), and ``other`` is the total beyond them
 (temporaries, and on CUDA the blocks' rounding; never below zero). The live total rises only when an op's outputs

@@ -1,6 +1,6 @@
 """What a replay's run of the user's code may change outside its copy, saved before and put back after.
 
-:func:`~lightning_vram.measure.reach.reach_of` lists what the code can reach; :func:`contained` saves each
+:func:`~.reach.reach_of` lists what the code can reach; :func:`contained` saves each
 place's state, gives the code a fresh ``lru_cache`` for each of the user's (so no fake tensor is ever cached where
 the real step will read it), makes reachable NumPy arrays read-only, and on exit puts back every place the replay
 changed: a global or closure rebound, a list, dict, set or array changed, an object's attributes, a random
@@ -22,8 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_vram.measure.plain_reads import contents, dict_items, instance_dict, is_numpy_generator, slot_names
-from lightning_vram.measure.reach import Reach, Slot
+from lightning_vram.prediction.containment.plain_reads import (
+    contents,
+    dict_items,
+    instance_dict,
+    is_numpy_generator,
+    slot_names,
+)
+from lightning_vram.prediction.containment.reach import Reach, Slot
 
 _MISSING = object()
 OUTSIDE_TENSOR_BYTES = 64 * 1024**2

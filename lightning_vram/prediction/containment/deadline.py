@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lightning_vram.advice.replay._fake import TorchDispatchMode
+from lightning_vram.prediction.replay._fake import TorchDispatchMode
 
 
 class ReplayDeadlineError(RuntimeError):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_vram.advice.replay._fake import (
+from lightning_vram.prediction.replay._fake import (
     FakeTensor,
     TorchDispatchMode,
     tree_leaves,

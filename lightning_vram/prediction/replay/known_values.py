@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_vram.advice.replay._fake import (
+from lightning_vram.measure.storages import storage_key
+from lightning_vram.prediction.replay._fake import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
@@ -31,7 +32,6 @@ from lightning_vram.advice.replay._fake import (
     tree_leaves,
     tree_map_only,
 )
-from lightning_vram.measure.storages import storage_key
 
 VALUE_ELEMENTS = 1 << 20
 """The most elements a known value may have (a 1M-element mask: 8 MiB of ``int64`` on the CPU at most)."""

@@ -2,10 +2,10 @@
 
 The step follows Lightning's automatic optimization: ``training_step`` (under the precision's forward context),
 ``optimizer_zero_grad`` (``set_to_none`` by default), backward, each optimizer's ``step``. Only the replay's fake
-copy runs (:mod:`~lightning_vram.advice.replay.twin`); process-wide state is restored afterwards
-(:mod:`~lightning_vram.advice.replay.isolation`). Whatever fails (an op without a fake kernel, a value read with
-``.item()``, a shape that depends on data) ends the replay with a :class:`~lightning_vram.records.ReplaySkipped`
-saying why: :func:`replay_step` never raises.
+copy runs (:mod:`~lightning_vram.prediction.replay.twin`); process-wide state is restored
+afterwards (:mod:`~lightning_vram.prediction.containment.isolation`). Whatever fails (an op without a fake kernel,
+a value read with ``.item()``, a shape that depends on data) ends the replay with a
+:class:`~lightning_vram.records.ReplaySkipped` saying why: :func:`replay_step` never raises.
 """
 
 from __future__ import annotations
@@ -20,22 +20,43 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_vram.advice.replay._fake import FakeTensor, FakeTensorMode
-from lightning_vram.advice.replay.batches import move_batch, resize_batch, resize_length, resize_shape, sequences_within
-from lightning_vram.advice.replay.changes import change_module
-from lightning_vram.advice.replay.checkpoint_frames import CheckpointFrames
-from lightning_vram.advice.replay.containment import OUTSIDE_TENSOR_BYTES, ContainmentError, contained, fresh_cache
-from lightning_vram.advice.replay.counting import ReplayCounter
-from lightning_vram.advice.replay.deadline import Deadline
-from lightning_vram.advice.replay.escapes import register
-from lightning_vram.advice.replay.isolation import isolated
-from lightning_vram.advice.replay.known_values import KnownValues
-from lightning_vram.advice.replay.live import LiveMemory
-from lightning_vram.advice.replay.precision import PrecisionPlan, precision_plan
-from lightning_vram.advice.replay.real_branches import real_branches
-from lightning_vram.advice.replay.skips import skip_reason
-from lightning_vram.advice.replay.timeline import TimelineRecorder
-from lightning_vram.advice.replay.twin import (
+from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors
+from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
+from lightning_vram.prediction.containment.code_roots import (
+    code_roots,
+    data_roots,
+    hook_registries,
+    inside_ids,
+    instance_roots,
+)
+from lightning_vram.prediction.containment.containment import (
+    OUTSIDE_TENSOR_BYTES,
+    ContainmentError,
+    contained,
+    fresh_cache,
+)
+from lightning_vram.prediction.containment.deadline import Deadline
+from lightning_vram.prediction.containment.escapes import register
+from lightning_vram.prediction.containment.isolation import isolated
+from lightning_vram.prediction.containment.reach import WALK_LIMIT, Reach, reach_of
+from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
+from lightning_vram.prediction.replay.batches import (
+    move_batch,
+    resize_batch,
+    resize_length,
+    resize_shape,
+    sequences_within,
+)
+from lightning_vram.prediction.replay.changes import change_module
+from lightning_vram.prediction.replay.counting import ReplayCounter
+from lightning_vram.prediction.replay.known_values import KnownValues
+from lightning_vram.prediction.replay.live import LiveMemory
+from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
+from lightning_vram.prediction.replay.real_branches import real_branches
+from lightning_vram.prediction.replay.skips import skip_reason
+from lightning_vram.prediction.replay.timeline import TimelineRecorder
+from lightning_vram.prediction.replay.twin import (
     Twin,
     make_twin,
     module_device,
@@ -43,11 +64,7 @@ from lightning_vram.advice.replay.twin import (
     shared_arrays,
     state_tensors,
 )
-from lightning_vram.advice.replay.workspaces import WorkspaceProbe
-from lightning_vram.measure.code_roots import code_roots, data_roots, hook_registries, inside_ids, instance_roots
-from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
-from lightning_vram.measure.reach import WALK_LIMIT, Reach, reach_of
-from lightning_vram.measure.tensors import batch_size_of, iter_tensors
+from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
     BatchSizeChange,
     FreeGradientsChange,
@@ -278,8 +295,9 @@ def replay_step(
     """Replay one training step of ``module`` on fake tensors and count it.
 
     The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
-    (:mod:`~lightning_vram.advice.replay.containment`). A step whose code reaches the trained model itself is not
-    replayed. The only error raised is :class:`~lightning_vram.advice.replay.containment.ContainmentError`, when
+    (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
+    replayed. The only error raised is :class:`~lightning_vram.prediction.containment.containment.ContainmentError`,
+    when
     something outside could not be put back; every other failure is a :class:`ReplaySkipped`.
 
     Args:
@@ -299,7 +317,7 @@ def replay_step(
             Lightning's default; ``False`` where the run frees them first (its own ``on_train_batch_start``).
         deadline: ``time.perf_counter()`` (seconds) past which the replay stops at its next op; ``None``: no limit.
         shape: replay the batch resized to this shape past its batch dimension (see
-            :func:`~lightning_vram.advice.replay.batches.resize_shape`); ``None``: as it is.
+            :func:`~lightning_vram.prediction.replay.batches.resize_shape`); ``None``: as it is.
 
     Returns:
         The replayed step, or why it could not be replayed.

@@ -4,7 +4,7 @@ The counter is the monitor's own :class:`~lightning_vram.measure.accounting.Step
 be compared with a sampled step part by part; :data:`REPLAYED` says what differs. A fake storage has no data
 pointer, so storages are told apart by their ``StorageWeakRef`` identity
 (:func:`~lightning_vram.measure.storages.weak_identity`); what a recomputation creates comes from the replay's
-:class:`~lightning_vram.advice.replay.live.LiveMemory` through :meth:`ReplayCounter.on_output`; saved tensors are
+:class:`~lightning_vram.prediction.replay.live.LiveMemory` through :meth:`ReplayCounter.on_output`; saved tensors are
 checked for in-place changes, so that a change that breaks backward raises here as it would in training; and an
 error inside the hooks ends the replay. Module profiles carry what the monitor's
 :class:`~lightning_vram.measure.observations.ModuleObserver` tells from storage keys (the input and output bytes
