@@ -19,6 +19,7 @@ from lightning_vram.prediction.allocator.snapshot import (
     SnapshotTrace,
     read_snapshot,
     replay,
+    settings_from_snapshot,
     trace_from_snapshot,
 )
 
@@ -296,6 +297,19 @@ def test_which_runs_fit_where() -> None:
 
 
 # snapshots that are not from an empty device, or not snapshots
+
+
+def test_the_settings_a_snapshot_recorded() -> None:
+    recorded = {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256,max_non_split_rounding_mb:64,roundup_power2_divisions:4",
+        "max_split_size": 256 * MIB,
+        "garbage_collection_threshold": 0.0,
+        "expandable_segments": False,
+        "roundup_power2_divisions": {str(1 << index): 4 for index in range(16)},
+    }
+    settings = settings_from_snapshot(recorded)
+    assert settings == AllocatorSettings.from_conf(recorded["PYTORCH_CUDA_ALLOC_CONF"])  # type: ignore[arg-type]
+    assert settings_from_snapshot(None) is None  # before torch 2.3 snapshots do not say
 
 
 def test_a_trace_that_starts_mid_run_starts_from_its_live_blocks() -> None:

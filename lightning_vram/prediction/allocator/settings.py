@@ -8,6 +8,7 @@ when set, is the only one read (torch 2.9 and later); otherwise ``PYTORCH_CUDA_A
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ IGNORED_KEYS = frozenset(
 """Keys torch accepts that change nothing about what device memory the caching allocator holds (pinned host memory,
 locking, CUDA graphs): read and dropped."""
 DEFAULT_DIVISIONS: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+"""What ``std::stoi`` reads: the digits a value starts with (the rest is ignored, as torch ignores it)."""
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+"""What ``std::stod`` reads of a decimal number."""
 
 
 def _tokens(text: str) -> list[str]:
@@ -200,10 +205,15 @@ def _optional_int(value: object) -> int | None:
 
 
 def _integer(key: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"PYTORCH_ALLOC_CONF: {key} must be an integer, got {text!r}") from None
+    """The integer ``text`` starts with, as C++'s ``std::stoi`` reads it (``128MB`` is 128); ValueError without one.
+
+    >>> _integer("max_split_size_mb", "128MB")
+    128
+    """
+    match = _INTEGER.match(text)
+    if match is None:
+        raise ValueError(f"PYTORCH_ALLOC_CONF: {key} must be an integer, got {text!r}")
+    return int(match.group())
 
 
 def _boolean(key: str, text: str) -> bool:
@@ -231,12 +241,10 @@ def _value(key: str, text: str) -> object:
             )
         return value
     if key == "garbage_collection_threshold":
-        try:
-            threshold = float(text)
-        except ValueError:
-            raise ValueError(
-                f"PYTORCH_ALLOC_CONF: garbage_collection_threshold must be a number, got {text!r}"
-            ) from None
+        match = _NUMBER.match(text)
+        if match is None:
+            raise ValueError(f"PYTORCH_ALLOC_CONF: garbage_collection_threshold must be a number, got {text!r}")
+        threshold = float(match.group())
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"PYTORCH_ALLOC_CONF: garbage_collection_threshold must be in (0, 1), got {text!r}")
         return threshold

@@ -226,6 +226,9 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
 def settings_from_snapshot(recorded: object) -> AllocatorSettings | None:
     """The settings a snapshot's ``allocator_settings`` names (torch 2.3 and later); None where it names none.
 
+    Its fields hold the settings in force; ``max_non_split_rounding_mb`` has no field and is read from the last
+    configuration string it records (torch's ``last_allocator_settings``), 20 MiB where that string lacks it.
+
     >>> settings_from_snapshot({"expandable_segments": True, "max_split_size": -1}).conf()
     'expandable_segments:True'
     """
@@ -242,16 +245,26 @@ def settings_from_snapshot(recorded: object) -> AllocatorSettings | None:
     threshold = recorded.get("garbage_collection_threshold") or None
     try:
         return AllocatorSettings(
+            max_non_split_rounding_bytes=_non_split_rounding(recorded.get("PYTORCH_CUDA_ALLOC_CONF")),
             expandable_segments=bool(recorded.get("expandable_segments", False)),
             max_split_size_bytes=None
             if not isinstance(max_split, int) or max_split < 0 or max_split >= 2**63 - 1
             else max_split,
             roundup_power2_divisions=ordered,
             garbage_collection_threshold=float(threshold) if threshold else None,
-            max_non_split_rounding_bytes=LARGE_BUFFER_BYTES,
         )
     except (ValueError, TypeError) as error:
         raise SnapshotError(f"not a memory snapshot (its allocator_settings are not torch's: {error})") from error
+
+
+def _non_split_rounding(conf: object) -> int:
+    """``max_non_split_rounding_mb`` from a recorded configuration string, in bytes; torch's default elsewhere."""
+    if isinstance(conf, str) and "max_non_split_rounding_mb" in conf:
+        try:
+            return AllocatorSettings.from_conf(conf).max_non_split_rounding_bytes
+        except ValueError:
+            return LARGE_BUFFER_BYTES
+    return LARGE_BUFFER_BYTES
 
 
 @dataclass(frozen=True)
