@@ -83,11 +83,21 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     data = json.loads(capsys.readouterr().out)
     assert data["out_of_memory"] == {"request_bytes": 30 * MIB, "capacity_bytes": 45 * MIB}
     assert data["simulated"]["fits"] is False
-    assert data["what_if"][0] | {"fits": True} == data["what_if"][0]  # expandable segments: 40 MiB hold it
+    # Serving the failed request: 20 MiB held (3 MiB in use) + a new 30 MiB segment with the defaults; expandable
+    # segments map one more 20 MiB page after the free 17 MiB, 40 MiB in all, within the 45 MiB the run had.
+    assert data["simulated"]["reserved_peak_serving_failed_request_bytes"] == 50 * MIB
+    assert data["what_if"][0] == {
+        "setting": "expandable_segments:True",
+        "reserved_peak_bytes": 40 * MIB,
+        "allocated_peak_bytes": 33 * MIB,
+        "alloc_retries": 0,
+        "fits": True,
+    }
     assert main(["allocator", str(path)]) == 0
     out = capsys.readouterr().out
     assert "(the snapshot does not say: torch's defaults assumed)" in out
-    assert "simulated with these settings: out of memory" in out and "expandable_segments:True" in out
+    assert "serving it would need 50.0 MiB reserved (52,428,800 B), simulated at that capacity: out of memory" in out
+    assert "  expandable_segments:True  reserved peak 40.0 MiB (41,943,040 B, -10.0 MiB (-20.00%)" in out
 
 
 def bad_files(directory: Path) -> list[tuple[Path, str]]:

@@ -49,6 +49,8 @@ def allocator_dict(result: WhatIf) -> dict[str, Any]:
             "capacity_bytes": trace.failed.capacity_bytes,
         }
         data["simulated"]["fits"] = result.simulated_fits
+        if result.serving_failed is not None:
+            data["simulated"]["reserved_peak_serving_failed_request_bytes"] = result.serving_failed.peak_reserved_bytes
     return data
 
 
@@ -78,19 +80,26 @@ def allocator_text(result: WhatIf) -> str:
         f"allocated peak (simulated): {format_bytes(simulated.peak_allocated_bytes)}"
         f" ({simulated.peak_allocated_bytes:,} B)",
     ]
-    if trace.failed is not None:
+    against = simulated.peak_reserved_bytes
+    if trace.failed is not None and result.serving_failed is not None:
+        against = result.serving_failed.peak_reserved_bytes
         lines.append(
             f"out of memory: a request of {format_bytes(trace.failed.rounded_bytes)} with"
             f" {format_bytes(trace.failed.capacity_bytes)} for the allocator (reserved + free);"
-            f" simulated with these settings: {'fits' if result.simulated_fits else 'out of memory'}"
+            f" serving it would need {format_bytes(against)} reserved ({against:,} B),"
+            f" simulated at that capacity: {'fits' if result.simulated_fits else 'out of memory'}"
         )
-    lines.append("what the allocator would have held with:")
+    lines.append(
+        "what the allocator would have held with:"
+        if trace.failed is None
+        else "what the allocator would have held with (serving the failed request too):"
+    )
     width = max(len(alternative.setting) for alternative in result.alternatives)
     for alternative in result.alternatives:
         peak = alternative.replay.peak_reserved_bytes
         verdict = "" if alternative.fits is None else ("; fits" if alternative.fits else "; out of memory")
         lines.append(
             f"  {alternative.setting:<{width}}  reserved peak {format_bytes(peak)} ({peak:,} B,"
-            f" {_change(peak, simulated.peak_reserved_bytes)} against the simulated run){verdict}"
+            f" {_change(peak, against)} against these settings){verdict}"
         )
     return "\n".join(lines)

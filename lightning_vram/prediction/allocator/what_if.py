@@ -15,6 +15,7 @@ MAX_SPLIT_SIZES_MB = (64, 128, 256, 512)
 class Alternative:
     """One setting changed from the recorded run's, and what the model held with it.
 
+    ``replay`` has no capacity and, where the trace ran out of memory, serves the request that failed too.
     ``fits``: where the trace ran out of memory, whether the model serves the whole trace, the failed request
     included, at the capacity the recorded run had; None where the trace did not run out of memory.
     """
@@ -26,11 +27,16 @@ class Alternative:
 
 @dataclass(frozen=True)
 class WhatIf:
-    """A trace replayed under the settings it ran with and under each alternative."""
+    """A trace replayed under the settings it ran with and under each alternative.
+
+    ``simulated`` does what the recorded run did (its figures compare with the recorded ones); where the trace ran
+    out of memory, ``serving_failed`` is the same replay serving the failed request too, as the alternatives do.
+    """
 
     trace: SnapshotTrace
     simulated: Replay
     simulated_fits: bool | None
+    serving_failed: Replay | None
     alternatives: tuple[Alternative, ...]
 
 
@@ -57,8 +63,10 @@ def _fits(trace: SnapshotTrace, settings: AllocatorSettings) -> bool | None:
 def what_if(trace: SnapshotTrace) -> WhatIf:
     """The trace replayed with its own settings (torch's defaults where the snapshot names none) and the others."""
     simulated = replay(trace)
+    serve = trace.failed is not None
     tried = tuple(
-        Alternative(label, replay(trace, settings), _fits(trace, settings))
+        Alternative(label, replay(trace, settings, serve_failed_request=serve), _fits(trace, settings))
         for label, settings in alternatives(simulated.settings)
     )
-    return WhatIf(trace, simulated, _fits(trace, simulated.settings), tried)
+    serving = replay(trace, serve_failed_request=True) if serve else None
+    return WhatIf(trace, simulated, _fits(trace, simulated.settings), serving, tried)
