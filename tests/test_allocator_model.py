@@ -352,6 +352,16 @@ def test_an_out_of_memory_trace_knows_its_capacity() -> None:
     assert replay(failed, EXPANDABLE, capacity_bytes=45 * MIB, serve_failed_request=True).out_of_memory is None
 
 
+def test_the_first_device_with_a_trace_is_read() -> None:
+    snapshot, _ = load("resnet50-b64")
+    second = {**snapshot, "device_traces": [[], snapshot["device_traces"][0]]}
+    found = trace_from_snapshot(second)
+    assert found.device == 1 and found.events == len(snapshot["device_traces"][0])
+    assert replay(found).peak_reserved_bytes == trace("resnet50-b64").recorded_reserved_peak_bytes
+    with pytest.raises(SnapshotError, match="no allocation trace in this snapshot"):
+        trace_from_snapshot(second, device=0)
+
+
 def test_a_file_that_names_any_class_is_not_unpickled(tmp_path: Path) -> None:
     hostile = tmp_path / "hostile.pickle"
     hostile.write_bytes(b"cos\nsystem\n(S'touch " + str(tmp_path / "ran").encode() + b"'\ntR.")

@@ -36,6 +36,7 @@ def allocator_dict(result: WhatIf) -> dict[str, Any]:
             for alternative in result.alternatives
         ],
         "trace": {
+            "device": trace.device,
             "events": trace.events,
             "from_empty": trace.from_empty,
             "live_at_start": trace.live_at_start,
@@ -72,7 +73,7 @@ def allocator_text(result: WhatIf) -> str:
         )
     )
     lines = [
-        f"trace: {trace.events} events from {start}",
+        f"trace: {trace.events} events{f' of device {trace.device}' if trace.device else ''} from {start}",
         f"allocator settings: {settings}",
         f"reserved peak: recorded {format_bytes(recorded)} ({recorded:,} B),"
         f" simulated {format_bytes(simulated.peak_reserved_bytes)} ({simulated.peak_reserved_bytes:,} B,"

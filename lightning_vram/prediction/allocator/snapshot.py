@@ -117,6 +117,7 @@ class SnapshotTrace:
     Attributes:
         operations: ``(kind, block, size, stream)``: :data:`MALLOC` (size as asked for), :data:`FREE` (size 0),
             :data:`FAILED` (the request that ran out of memory, its rounded size; never served in the recorded run).
+        device: the device index the trace is of.
         events: how many events the trace holds.
         from_empty: the trace starts from a device with nothing allocated or reserved.
         live_at_start: blocks allocated before the first event, allocated first in :attr:`operations`.
@@ -127,6 +128,7 @@ class SnapshotTrace:
     """
 
     operations: tuple[tuple[int, int, int, int], ...]
+    device: int
     events: int
     from_empty: bool
     live_at_start: int
@@ -136,9 +138,16 @@ class SnapshotTrace:
     failed: FailedRequest | None
 
 
-def trace_from_snapshot(snapshot: dict[str, Any], device: int = 0) -> SnapshotTrace:
-    """The trace of ``device`` in a snapshot read by :func:`read_snapshot`; :class:`SnapshotError` where it has none."""
+def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> SnapshotTrace:
+    """The trace of ``device`` in a snapshot read by :func:`read_snapshot`; :class:`SnapshotError` where it has none.
+
+    ``device`` None: the first device with a trace (``device_traces[0]`` on one GPU; a process that used only its
+    second GPU, as a DDP rank may, records an empty trace for the first).
+    """
     traces = snapshot.get("device_traces")
+    if device is None and isinstance(traces, list):
+        device = next((index for index, events in enumerate(traces) if events), 0)
+    device = device or 0
     if not isinstance(traces, list) or len(traces) <= device or not traces[device]:
         raise SnapshotError(
             "no allocation trace in this snapshot (record one with torch.cuda.memory._record_memory_history before"
@@ -209,6 +218,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
     start = [(MALLOC, seed, size, stream) for _, seed, size, stream in seeded]
     return SnapshotTrace(
         operations=tuple(start + operations),
+        device=device,
         events=len(events),
         from_empty=not seeded and reserved_at_start == 0,
         live_at_start=len(seeded),
