@@ -156,6 +156,29 @@ def test_max_split_size_releases_only_the_oversize_block_it_needs() -> None:
     assert (model.reserved_bytes, model.alloc_retries) == (160 * MIB, 0)
 
 
+def test_garbage_collection_frees_the_oldest_cached_segments_under_a_memory_fraction() -> None:
+    settings = AllocatorSettings.from_conf("garbage_collection_threshold:0.5")
+    collected = CachingAllocatorModel(settings, memory_fraction_bytes=100 * MIB)
+    plain = CachingAllocatorModel(AllocatorSettings(), memory_fraction_bytes=100 * MIB)
+    for model in (collected, plain):
+        model.malloc(1, 30 * MIB)
+        model.free(1)  # cached at search 1
+        model.malloc(2, 40 * MIB)  # search 2: no block; 30 MiB held, under the 50 MiB threshold: a new segment
+        model.free(2)  # cached at search 2
+        model.malloc(3, 44 * MIB)  # search 3: no block of 44 MiB
+    # Collected: 70 MiB held, 20 over the threshold; ages 2 (30 MiB) and 1 (40 MiB), average 1.5: the 30 MiB
+    # segment goes, and the 44 MiB one fits beside the 40 MiB still cached (84 <= 100).
+    assert (collected.reserved_bytes, collected.alloc_retries) == (84 * MIB, 0)
+    # Without the threshold: 70 + 44 > 100, so the whole cache is released and the request retried.
+    assert (plain.reserved_bytes, plain.alloc_retries) == (44 * MIB, 1)
+    # The threshold alone does nothing (torch acts on it only with a memory fraction set).
+    alone = CachingAllocatorModel(settings)
+    alone.malloc(1, 30 * MIB)
+    alone.free(1)
+    alone.malloc(2, 40 * MIB)
+    assert alone.reserved_bytes == 70 * MIB
+
+
 def test_peaks_restart_from_the_current_values() -> None:
     model = CachingAllocatorModel()
     model.malloc(1, 30 * MIB)

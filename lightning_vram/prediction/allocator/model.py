@@ -89,7 +89,7 @@ class _Expandable:
 class _Block:
     """A run of device memory: handed out, cached (free, mapped) or, in an expandable segment, unmapped."""
 
-    __slots__ = ("address", "allocated", "expandable", "mapped", "next", "prev", "size", "small", "stream")
+    __slots__ = ("address", "allocated", "expandable", "gc_base", "mapped", "next", "prev", "size", "small", "stream")
 
     def __init__(
         self, address: int, size: int, stream: int, small: bool, expandable: _Expandable | None = None
@@ -101,6 +101,7 @@ class _Block:
         self.expandable = expandable
         self.allocated = False
         self.mapped = True
+        self.gc_base = 0
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -115,15 +116,18 @@ class _Block:
 class _Pool:
     """Cached blocks of one pool, ordered as torch orders them, and its unmapped expandable ranges."""
 
-    __slots__ = ("blocks", "keys", "small", "unmapped")
+    __slots__ = ("blocks", "keys", "searches", "small", "unmapped")
 
     def __init__(self, small: bool) -> None:
         self.small = small
         self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[tuple[int, int, int], _Block] = {}
         self.unmapped: list[_Block] = []
+        self.searches = 0
+        """``get_free_blocks_call_count``: searches of this pool while garbage collection is on (a block's age)."""
 
     def insert(self, block: _Block) -> None:
+        block.gc_base = self.searches
         key = block.key()
         insort(self.keys, key)
         self.blocks[key] = block
@@ -143,7 +147,9 @@ class CachingAllocatorModel:
 
     ``capacity_bytes`` is the device memory the allocator may hold (None: no limit): a new segment or page past it
     fails as cudaMalloc would, and the allocator releases its cache and retries before raising
-    :class:`SimulatedOutOfMemory`.
+    :class:`SimulatedOutOfMemory`. ``memory_fraction_bytes`` is the share ``torch.cuda.set_per_process_memory_fraction``
+    allows (its fraction of the device's total, in bytes): a new segment past it fails before asking the device, and
+    only with it does ``garbage_collection_threshold`` act, as in torch.
 
     >>> model = CachingAllocatorModel()
     >>> model.malloc(1, 1000)  # 1024 B from a new 2 MiB small segment
@@ -154,7 +160,12 @@ class CachingAllocatorModel:
     2097152
     """
 
-    def __init__(self, settings: AllocatorSettings | None = None, capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: AllocatorSettings | None = None,
+        capacity_bytes: int | None = None,
+        memory_fraction_bytes: int | None = None,
+    ) -> None:
         self.settings = AllocatorSettings() if settings is None else settings
         if self.settings.backend != "native":
             raise ValueError(
@@ -162,7 +173,18 @@ class CachingAllocatorModel:
             )
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive number of bytes or None, got {capacity_bytes!r}")
+        if memory_fraction_bytes is not None and (
+            isinstance(memory_fraction_bytes, bool) or memory_fraction_bytes <= 0
+        ):
+            raise ValueError(
+                f"memory_fraction_bytes must be a positive number of bytes or None, got {memory_fraction_bytes!r}"
+            )
         self.capacity_bytes = capacity_bytes
+        self.memory_fraction_bytes = memory_fraction_bytes
+        threshold = self.settings.garbage_collection_threshold
+        self._gc_bytes = (
+            None if threshold is None or memory_fraction_bytes is None else int(threshold * memory_fraction_bytes)
+        )
         self._max_split = self.settings.max_split_size_bytes
         self._small = _Pool(small=True)
         self._large = _Pool(small=False)
@@ -257,6 +279,8 @@ class CachingAllocatorModel:
         pool = self._small if rounded <= SMALL_REQUEST_BYTES else self._large
         found = self._get_free_block(pool, rounded, stream)
         if found is None:
+            if self._gc_bytes is not None:
+                self._garbage_collect(self._gc_bytes)
             found = self._alloc_with_retries(pool, size, rounded, stream)
         if self._should_split(found, rounded):
             remaining = found
@@ -304,12 +328,15 @@ class CachingAllocatorModel:
             self._retries += 1
             found = self._alloc_block(pool, rounded, allocation, stream)
         if found is None:
-            assert self.capacity_bytes is not None  # without a capacity every allocation succeeds
-            raise SimulatedOutOfMemory(size, allocation, self._allocated, self._reserved, self.capacity_bytes)
+            limit = self.memory_fraction_bytes if self.capacity_bytes is None else self.capacity_bytes
+            assert limit is not None  # without a limit every allocation succeeds
+            raise SimulatedOutOfMemory(size, allocation, self._allocated, self._reserved, limit)
         return found
 
     def _get_free_block(self, pool: _Pool, rounded: int, stream: int) -> _Block | None:
         """The cached block torch's ``get_free_block`` takes, removed from the pool; None when none fits."""
+        if self._gc_bytes is not None:
+            pool.searches += 1
         keys = pool.keys
         index = bisect_left(keys, (stream, rounded, -1))
         if index == len(keys) or keys[index][0] != stream:
@@ -339,6 +366,9 @@ class CachingAllocatorModel:
 
     def _alloc_block(self, pool: _Pool, rounded: int, allocation: int, stream: int) -> _Block | None:
         """A new segment of ``allocation`` bytes (cudaMalloc), or the expandable block grown to hold the request."""
+        fraction = self.memory_fraction_bytes
+        if fraction is not None and self._reserved + allocation > fraction:
+            return None
         if self.settings.expandable_segments:
             return self._allocate_expandable(pool, rounded, stream)
         if self.capacity_bytes is not None and self._reserved + allocation > self.capacity_bytes:
@@ -350,6 +380,34 @@ class CachingAllocatorModel:
         self._segments += 1
         self._device_allocs += 1
         return _Block(address, allocation, stream, pool.small)
+
+    def _garbage_collect(self, threshold_bytes: int) -> None:
+        """Torch's ``garbage_collect_cached_blocks``, above the threshold.
+
+        Whole cached large segments are freed, those at least as old as the average (searches of the pool since
+        they were cached) each round, until the excess over the threshold is reclaimed.
+        """
+        if self._reserved <= threshold_bytes:
+            return
+        target = self._reserved - threshold_bytes
+        pool = self._large
+        freeable = [block for block in pool.blocks.values() if not block.is_split() and block.expandable is None]
+        total_age = sum(pool.searches - block.gc_base for block in freeable)
+        count = len(freeable)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            threshold_age = total_age / count
+            freed = False
+            for key in list(pool.keys):
+                block = pool.blocks[key]
+                age = pool.searches - block.gc_base
+                if not block.is_split() and block.expandable is None and age >= threshold_age:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(pool, block)
 
     def _release_available_cached_blocks(self, pool: _Pool, rounded: int, stream: int) -> bool:
         """Free cached oversize blocks enough for the request (only with ``max_split_size``); True when it did."""
