@@ -119,10 +119,11 @@ class AllocatesTooMuch(Classifier):
 
 def test_real_oom_leaves_a_diagnosis_and_a_snapshot(tmp_path: Path) -> None:
     monitor = VramMonitor(record_history=True, console_summary=False)
+    # 8 batches an epoch, so that batch 3 comes (one batch an epoch never reached it).
+    data = loader(dataset_for("cnn", samples=8 * 64), batch_size=64)
+    assert len(data) > 3
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        trainer(tmp_path, [monitor], max_steps=6, accelerator="gpu").fit(
-            AllocatesTooMuch(cnn_net()), loader(dataset_for("cnn"), batch_size=64)
-        )
+        trainer(tmp_path, [monitor], max_steps=6, accelerator="gpu").fit(AllocatesTooMuch(cnn_net()), data)
     diagnosis = monitor.oom_diagnosis
     assert diagnosis is not None and (diagnosis.where, diagnosis.step) == ("forward", 3)
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
