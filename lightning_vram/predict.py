@@ -80,8 +80,16 @@ def predict(
     if shape is not None:
         batch = resize_shape(batch, shape)
     device, notes = _replay_device(device_type)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     predictor = Predictor(
-        module, None, batch, precision=precision, placement=device, warm_up=True, budget_seconds=budget_seconds
+        module,
+        None,
+        batch,
+        precision=precision,
+        placement=device,
+        warm_up=True,
+        budget_seconds=budget_seconds,
+        compute_capability=capability,
     )
     with round_of_replays():
         step = predictor.baseline()

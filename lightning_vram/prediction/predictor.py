@@ -15,6 +15,7 @@ put back.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.known_values import KnownValues
-from lightning_vram.prediction.replay.live import LiveMemory
+from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
+from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.precision import precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.simulation import simulate
@@ -105,6 +107,10 @@ class Predictor:
             under Lightning's default; ``False`` where the run frees them first. ``None``: as the calibration's
             forward pass had them (alive without a calibration).
         clock: the host clock the budget is read from, in seconds (tests script it).
+        allocations: makes a fresh listener for each replay (a model of the CUDA caching allocator), told of the
+            replay's allocations and frees on the counted device, storage by storage, and of each phase's start;
+            on CUDA, of the cuBLAS workspaces too. ``None``: none.
+        compute_capability: the CUDA device's, which sizes cuBLAS's workspace (``None``: unknown, 9.0's assumed).
     """
 
     def __init__(
@@ -123,6 +129,8 @@ class Predictor:
         calibration: Attribution | None = None,
         gradients_at_forward: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        allocations: Callable[[], AllocationListener] | None = None,
+        compute_capability: tuple[int, int] | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -143,6 +151,8 @@ class Predictor:
         self.clock = clock
         self.started = clock()
         """When the budget started, on :attr:`clock` (seconds)."""
+        self.allocations = allocations
+        self.compute_capability = compute_capability
         self._scope: _Scope | str | None = None
 
     @property
@@ -249,7 +259,8 @@ class Predictor:
                     if isinstance(change, FreeGradientsChange) or not self.gradients_at_forward:
                         for parameter in twin.module.parameters():
                             parameter.grad = None
-                    live = LiveMemory(self.device)
+                    allocations = self.allocations() if self.allocations is not None else None
+                    live = LiveMemory(self.device, allocations)
                     live.track(state_tensors(twin))
                     live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
                     counter = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
@@ -258,6 +269,11 @@ class Predictor:
                         lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module
                     )
                     live.add_sampler(timeline)
+                    workspaces = LibraryWorkspaces(
+                        allocations, self.compute_capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+                    )
+                    if self.device.type == "cuda":
+                        live.add_sampler(workspaces)
                     probe = WorkspaceProbe()
                     with probe, live:
                         run.run_step(twin, fake_batch, counter, live)
@@ -297,6 +313,7 @@ class Predictor:
                     f"{op} keeps a workspace for backward that fake tensors do not size: left out"
                     for op in sorted(probe.unmeasured)
                 ),
+                *workspaces.notes,
                 *(
                     f"the replayed code changed {place}; put back as it was"
                     for place in (*containment.restored, *held_containment.restored)

@@ -108,6 +108,7 @@ class Advisor:
                 warm_up=True,
                 shape=shape,
                 budget_seconds=budget,
+                compute_capability=device.compute_capability,
             )
             free = probe.free_bytes() if on_cuda else None
             if free is None or reading is None:
@@ -202,6 +203,7 @@ class Advisor:
             reason = unsupported(model, training, step_function)
             if reason is not None or step_function is None:
                 return Simulation(context.device.type, None, None, reason, (), 0.0)
+            run = summary()
             predictor = Predictor(
                 model,
                 context.current_optimizers(),
@@ -211,8 +213,9 @@ class Advisor:
                 step_function=step_function,
                 budget_seconds=budget,
                 calibration=attribution,
+                compute_capability=run.device.compute_capability,
             )
-            return try_changes(predictor, summary(), training)
+            return try_changes(predictor, run, training)
 
         simulation = self._guard.call(Part.REPLAY, replay)
         if simulation is None:
