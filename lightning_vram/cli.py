@@ -5,6 +5,10 @@
     lightning-vram html PATH -o FILE    the report as a standalone HTML page (``-o -``: on standard output)
     lightning-vram diff A B             what changed from run A to run B: peak and its parts, settings, timing,
                                         advice, and A's predictions for the changes B applied
+    lightning-vram allocator SNAPSHOT [--json]
+                                        a memory snapshot torch wrote, replayed through the caching allocator
+                                        model: the recorded and the simulated reserved peak, and what other
+                                        allocator settings would have held
     lightning-vram --version
 
 The command starts without importing torch, Lightning or matplotlib, nor the records: each command imports what it
@@ -153,7 +157,7 @@ def _print(text: str, stream: TextIO, end: str = "\n") -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command line: ``show``, ``html`` and ``diff``, each with its arguments' help, and ``--version``."""
+    """The command line: ``show``, ``html``, ``diff``, ``allocator``, each with its arguments' help; ``--version``."""
     parser = argparse.ArgumentParser(prog="lightning-vram", description="Show, render or compare VRAM reports.")
     parser.add_argument("--version", action="version", version=f"lightning-vram {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +177,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("before", type=Path, metavar="A", help="run A's vram_report.json, or a log dir holding one")
     diff.add_argument("after", type=Path, metavar="B", help="run B's vram_report.json, or a log dir holding one")
+    allocator = commands.add_parser(
+        "allocator",
+        help="replay a memory snapshot through the caching allocator model",
+        description="Replay a memory snapshot torch wrote (torch.cuda.memory._dump_snapshot(), or the monitor's"
+        " vram_oom_snapshot.pickle) through a model of PyTorch's CUDA caching allocator: the reserved peak it"
+        " recorded and the one simulated, and what expandable_segments:True and max_split_size_mb would have held.",
+    )
+    allocator.add_argument("snapshot", type=Path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
+    allocator.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
 
@@ -211,7 +224,26 @@ def _diff(arguments: argparse.Namespace) -> None:
     _print(diff_text(load_report(arguments.before), load_report(arguments.after)), sys.stdout)
 
 
-COMMANDS = {"show": _show, "html": _html, "diff": _diff}
+def _allocator(arguments: argparse.Namespace) -> None:
+    """``allocator``: a snapshot's trace replayed through the allocator model, with other settings beside it."""
+    from lightning_vram.prediction.allocator.snapshot import SnapshotError, read_snapshot, trace_from_snapshot
+    from lightning_vram.prediction.allocator.what_if import what_if
+    from lightning_vram.render.allocator import allocator_dict, allocator_text
+
+    try:
+        trace = trace_from_snapshot(read_snapshot(arguments.snapshot))
+    except SnapshotError as error:
+        message = str(error)
+        prefix = "" if message.startswith(str(arguments.snapshot)) else f"{arguments.snapshot}: "
+        raise CommandError(prefix + message) from error
+    result = what_if(trace)
+    if arguments.json:
+        _print(json.dumps(allocator_dict(result), indent=2), sys.stdout)
+        return
+    _print(allocator_text(result), sys.stdout)
+
+
+COMMANDS = {"show": _show, "html": _html, "diff": _diff, "allocator": _allocator}
 """Each command and the function that runs it."""
 
 

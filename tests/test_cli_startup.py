@@ -45,8 +45,8 @@ def run_command(*arguments: str) -> tuple[int, str, list[str]]:
 
 @pytest.mark.parametrize(
     "arguments",
-    [["--help"], ["--version"], ["show", "--help"], ["html", "--help"], ["diff", "--help"]],
-    ids=["help", "version", "show-help", "html-help", "diff-help"],
+    [["--help"], ["--version"], ["show", "--help"], ["html", "--help"], ["diff", "--help"], ["allocator", "--help"]],
+    ids=["help", "version", "show-help", "html-help", "diff-help", "allocator-help"],
 )
 def test_help_and_version_import_nothing_heavy(arguments: list[str]) -> None:
     status, out, heavy = run_command(*arguments)
@@ -73,6 +73,14 @@ def test_show_and_diff_read_a_report_without_torch(tmp_path: Path) -> None:
     for arguments in (["show", str(path)], ["show", "--json", str(path)], ["diff", str(path), str(path)]):
         status, out, heavy = run_command(*arguments)
         assert status == 0 and out
+        assert heavy == [], arguments
+
+
+def test_allocator_replays_a_snapshot_without_torch() -> None:
+    snapshot = Path(__file__).parent / "data" / "gpu-traces" / "gpt2-b8.pickle"
+    for arguments in (["allocator", str(snapshot)], ["allocator", "--json", str(snapshot)]):
+        status, out, heavy = run_command(*arguments)
+        assert status == 0 and ("reserved_peak_bytes" in out or "reserved peak: recorded" in out)
         assert heavy == [], arguments
 
 

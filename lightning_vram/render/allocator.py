@@ -1,0 +1,106 @@
+"""The ``lightning-vram allocator`` command's output: a replayed snapshot as text or as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_vram.prediction.allocator.snapshot import Replay
+from lightning_vram.prediction.allocator.what_if import WhatIf
+from lightning_vram.units import format_bytes
+
+
+def _change(value: int, against: int) -> str:
+    """``value`` beside ``against``: the difference in bytes and in percent."""
+    difference = value - against
+    share = f" ({difference / against:+.2%})" if against else ""
+    return f"{'+' if difference >= 0 else '-'}{format_bytes(abs(difference))}{share}"
+
+
+def _figures(replay: Replay) -> dict[str, Any]:
+    return {
+        "reserved_peak_bytes": replay.peak_reserved_bytes,
+        "allocated_peak_bytes": replay.peak_allocated_bytes,
+        "alloc_retries": replay.alloc_retries,
+    }
+
+
+def allocator_dict(result: WhatIf) -> dict[str, Any]:
+    """The JSON ``lightning-vram allocator --json`` prints: recorded, simulated and each alternative's figures."""
+    trace = result.trace
+    data: dict[str, Any] = {
+        "recorded": {"reserved_peak_bytes": trace.recorded_reserved_peak_bytes},
+        "simulated": {**_figures(result.simulated), "settings": result.simulated.settings.conf()},
+        "what_if": [
+            {"setting": alternative.setting, **_figures(alternative.replay)}
+            | ({} if alternative.fits is None else {"fits": alternative.fits})
+            for alternative in result.alternatives
+        ],
+        "trace": {
+            "device": trace.device,
+            "events": trace.events,
+            "from_empty": trace.from_empty,
+            "live_at_start": trace.live_at_start,
+            "reserved_at_start_bytes": trace.reserved_at_start_bytes,
+            "settings_recorded": trace.settings is not None,
+        },
+    }
+    if trace.failed is not None:
+        data["out_of_memory"] = {
+            "request_bytes": trace.failed.rounded_bytes,
+            "capacity_bytes": trace.failed.capacity_bytes,
+        }
+        data["simulated"]["fits"] = result.simulated_fits
+        if result.serving_failed is not None:
+            data["simulated"]["reserved_peak_serving_failed_request_bytes"] = result.serving_failed.peak_reserved_bytes
+    return data
+
+
+def allocator_text(result: WhatIf) -> str:
+    """The summary ``lightning-vram allocator`` prints, one figure a line."""
+    trace = result.trace
+    simulated = result.simulated
+    recorded = trace.recorded_reserved_peak_bytes
+    settings = simulated.settings.conf() or "defaults"
+    if trace.settings is None:
+        settings += " (the snapshot does not say: torch's defaults assumed)"
+    start = (
+        "an empty device"
+        if trace.from_empty
+        else (
+            f"mid-run: {trace.live_at_start} blocks live before its first event,"
+            f" {format_bytes(trace.reserved_at_start_bytes)} reserved;"
+            " the model starts from those blocks allocated afresh"
+        )
+    )
+    lines = [
+        f"trace: {trace.events} events{f' of device {trace.device}' if trace.device else ''} from {start}",
+        f"allocator settings: {settings}",
+        f"reserved peak: recorded {format_bytes(recorded)} ({recorded:,} B),"
+        f" simulated {format_bytes(simulated.peak_reserved_bytes)} ({simulated.peak_reserved_bytes:,} B,"
+        f" {_change(simulated.peak_reserved_bytes, recorded)})",
+        f"allocated peak (simulated): {format_bytes(simulated.peak_allocated_bytes)}"
+        f" ({simulated.peak_allocated_bytes:,} B)",
+    ]
+    against = simulated.peak_reserved_bytes
+    if trace.failed is not None and result.serving_failed is not None:
+        against = result.serving_failed.peak_reserved_bytes
+        lines.append(
+            f"out of memory: a request of {format_bytes(trace.failed.rounded_bytes)} with"
+            f" {format_bytes(trace.failed.capacity_bytes)} for the allocator (reserved + free);"
+            f" serving it would need {format_bytes(against)} reserved ({against:,} B),"
+            f" simulated at that capacity: {'fits' if result.simulated_fits else 'out of memory'}"
+        )
+    lines.append(
+        "what the allocator would have held with:"
+        if trace.failed is None
+        else "what the allocator would have held with (serving the failed request too):"
+    )
+    width = max(len(alternative.setting) for alternative in result.alternatives)
+    for alternative in result.alternatives:
+        peak = alternative.replay.peak_reserved_bytes
+        verdict = "" if alternative.fits is None else ("; fits" if alternative.fits else "; out of memory")
+        lines.append(
+            f"  {alternative.setting:<{width}}  reserved peak {format_bytes(peak)} ({peak:,} B,"
+            f" {_change(peak, against)} against these settings){verdict}"
+        )
+    return "\n".join(lines)

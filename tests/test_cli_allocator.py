@@ -1,0 +1,143 @@
+"""``lightning-vram allocator SNAPSHOT``: the recorded traces replayed, and files that are not snapshots."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from allocator_traces import NAMES, TRACES, load
+
+from lightning_vram.cli import main
+from lightning_vram.units import format_bytes
+
+MIB = 1024 * 1024
+
+
+def recorded_peak(name: str) -> int:
+    """The largest reserved peak the allocator itself reported over the run's phases."""
+    _, measured = load(name)
+    return max(
+        step[phase]["reserved_peak"] for step in measured["truth"] for phase in ("forward", "backward", "optimizer")
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_gives_the_recorded_and_simulated_peaks(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["allocator", "--json", str(TRACES / f"{name}.pickle")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    peak = recorded_peak(name)
+    assert data["recorded"] == {"reserved_peak_bytes": peak}
+    assert data["simulated"]["reserved_peak_bytes"] == peak
+    expandable = name.endswith("expandable")
+    assert data["simulated"]["settings"] == ("expandable_segments:True" if expandable else "")
+    settings = [entry["setting"] for entry in data["what_if"]]
+    assert settings == [
+        f"expandable_segments:{not expandable}",
+        "max_split_size_mb:64",
+        "max_split_size_mb:128",
+        "max_split_size_mb:256",
+        "max_split_size_mb:512",
+    ]
+    assert all(entry["reserved_peak_bytes"] >= entry["allocated_peak_bytes"] > 0 for entry in data["what_if"])
+    assert data["trace"]["from_empty"] and "out_of_memory" not in data
+
+
+def test_the_default_run_learns_what_expandable_segments_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["allocator", "--json", str(TRACES / "gpt2-b150.pickle")]) == 0
+    expandable = json.loads(capsys.readouterr().out)["what_if"][0]
+    assert expandable["setting"] == "expandable_segments:True"
+    assert expandable["reserved_peak_bytes"] == recorded_peak("gpt2-b150-expandable")  # the expandable run's own
+
+
+def test_text_names_each_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["allocator", str(TRACES / "gpt2-b8.pickle")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    peak = recorded_peak("gpt2-b8")
+    assert lines[0] == f"trace: {len(load('gpt2-b8')[0]['device_traces'][0])} events from an empty device"
+    assert lines[1] == "allocator settings: defaults"
+    assert lines[2] == (
+        f"reserved peak: recorded {format_bytes(peak)} ({peak:,} B), simulated {format_bytes(peak)} ({peak:,} B,"
+        " +0 B (+0.00%))"
+    )
+    assert lines[5].startswith("  expandable_segments:True  reserved peak ")
+
+
+def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = [
+        {"action": "segment_alloc", "addr": 1 << 30, "size": 20 * MIB, "stream": 0},
+        {"action": "alloc", "addr": 1 << 30, "size": 3 * MIB, "stream": 0},
+        {"action": "oom", "addr": 25 * MIB, "size": 30 * MIB, "stream": 0},
+    ]
+    blocks = [{"size": 3 * MIB, "state": "active_allocated"}, {"size": 17 * MIB, "state": "inactive"}]
+    segment = {"device": 0, "address": 1 << 30, "total_size": 20 * MIB, "stream": 0, "blocks": blocks}
+    path = tmp_path / "vram_oom_snapshot.pickle"
+    path.write_bytes(pickle.dumps({"segments": [segment], "device_traces": [events]}))
+    assert main(["allocator", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["out_of_memory"] == {"request_bytes": 30 * MIB, "capacity_bytes": 45 * MIB}
+    assert data["simulated"]["fits"] is False
+    # Serving the failed request: 20 MiB held (3 MiB in use) + a new 30 MiB segment with the defaults; expandable
+    # segments map one more 20 MiB page after the free 17 MiB, 40 MiB in all, within the 45 MiB the run had.
+    assert data["simulated"]["reserved_peak_serving_failed_request_bytes"] == 50 * MIB
+    assert data["what_if"][0] == {
+        "setting": "expandable_segments:True",
+        "reserved_peak_bytes": 40 * MIB,
+        "allocated_peak_bytes": 33 * MIB,
+        "alloc_retries": 0,
+        "fits": True,
+    }
+    assert main(["allocator", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(the snapshot does not say: torch's defaults assumed)" in out
+    assert "serving it would need 50.0 MiB reserved (52,428,800 B), simulated at that capacity: out of memory" in out
+    assert "  expandable_segments:True  reserved peak 40.0 MiB (41,943,040 B, -10.0 MiB (-20.00%)" in out
+
+
+def bad_files(directory: Path) -> list[tuple[Path, str]]:
+    """Files that are not snapshots with a trace, and the message each gets."""
+    cases = {
+        "text.pickle": (b"not a pickle at all", "not a memory snapshot (not a pickle torch wrote"),
+        "list.pickle": (pickle.dumps([1, 2, 3]), "not a memory snapshot (no 'segments' list)"),
+        "class.pickle": (pickle.dumps(OrderedDict(a=1)), "not a memory snapshot (it names collections.OrderedDict)"),
+        "empty.pickle": (pickle.dumps({"segments": [], "device_traces": []}), "no allocation trace in this snapshot"),
+        "events.pickle": (
+            pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc"}]]}),
+            "not a memory snapshot (an event or segment lacks 'addr')",
+        ),
+    }
+    found = []
+    for name, (content, message) in cases.items():
+        (directory / name).write_bytes(content)
+        found.append((directory / name, message))
+    return [*found, (directory / "missing.pickle", "no such file or directory"), (directory, "Is a directory")]
+
+
+def test_a_file_that_is_not_a_snapshot_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path, message in bad_files(tmp_path):
+        assert main(["allocator", str(path)]) == 2, path
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.startswith(f"lightning-vram: error: {path}: ") and message in captured.err, captured.err
+        assert captured.err.count("\n") == 1
+
+
+def test_the_installed_command_prints_no_traceback(tmp_path: Path) -> None:
+    (path, _), *_ = bad_files(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_vram.cli", "allocator", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
