@@ -14,6 +14,8 @@ import torch
 from models import OPTIMIZERS, Classifier
 from torch import nn
 
+from lightning_vram.prediction.allocator.model import CachingAllocatorModel
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
@@ -24,6 +26,7 @@ from lightning_vram.prediction.replay.library_workspaces import (
     cublas_workspace_bytes,
 )
 from lightning_vram.prediction.replay.live import LiveMemory
+from lightning_vram.prediction.replay.reserved import ReservedPeaks
 from lightning_vram.records import Phase, ReplayedStep
 
 MIB = 1024**2
@@ -58,6 +61,7 @@ class Recorder:
         self.events.append(("free", block, 0))
 
     def reset_peaks(self) -> None:
+        self.events.append(("reset", 0, 0))
         self.phase_peaks.append(self.peak_allocated_bytes)
         self.peak_allocated_bytes = self.allocated_bytes
 
@@ -188,3 +192,75 @@ def test_a_cuda_replay_emits_one_cublas_workspace_per_thread_and_names_the_convo
         "cuBLAS workspaces: 1 x 33554432 bytes, one per thread that ran a matmul, allocated at its first and kept"
         " (compute capability unknown: 9.0's assumed)",
     )
+
+
+def _reserved_by_hand(events: list[tuple[str, int, int]], settings: AllocatorSettings) -> list[int]:
+    """The recorded sequence run through a model directly: its reserved peak in each phase (after each reset)."""
+    model, peaks = CachingAllocatorModel(settings), []
+    for kind, block, size in events:
+        if kind == "malloc":
+            model.malloc(block, size)
+        elif kind == "free":
+            model.free(block)
+        else:
+            peaks.append(model.peak_reserved_bytes)
+            model.reset_peaks()
+    return [*peaks[1:], model.peak_reserved_bytes]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_phase_carries_the_allocator_models_reserved_peak_where_asked_and_none_on_the_cpu(name: str) -> None:
+    build, data = MODELS[name]
+    torch.manual_seed(0)
+    module, batch = build(), data()
+    plain = Predictor(module, None, batch, warm_up=True).baseline()
+    assert isinstance(plain, ReplayedStep)
+    assert all(peak.reserved_bytes is None for peak in plain.phases.values())  # the CPU: no caching allocator
+    recorded = Recorder()
+    ended: list[int] = []
+
+    class Ending(LiveMemory):
+        def __exit__(self, *args: Any) -> None:
+            ended.append(len(recorded.events))  # where the step ended in the sequence
+            super().__exit__(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lightning_vram.prediction.predictor.LiveMemory", Ending)
+        Predictor(module, None, batch, warm_up=True, allocations=lambda: recorded).baseline()
+    for settings in (AllocatorSettings(), AllocatorSettings(expandable_segments=True)):
+        simulated = Predictor(module, None, batch, warm_up=True, allocator=settings).baseline()
+        assert isinstance(simulated, ReplayedStep)
+        reserved = [simulated.phases[phase].reserved_bytes for phase in Phase]
+        assert reserved == _reserved_by_hand(recorded.events[: ended[0]], settings)
+        # Every storage here is under 1 MiB: the small pool, one 2 MiB segment (or page) holds the whole step.
+        assert reserved == [2 * MIB] * 3
+        assert [simulated.phases[phase].peak_bytes for phase in Phase] == [
+            plain.phases[phase].peak_bytes for phase in Phase
+        ]
+
+
+@pytest.mark.parametrize(
+    ("capability", "reserved"),
+    [((8, 0), [2 * MIB + 20 * MIB] * 2), ((9, 0), [2 * MIB + 32 * MIB, 2 * MIB + 64 * MIB])],
+)
+def test_cublas_workspaces_take_their_segments_in_the_reserved_peak(
+    capability: tuple[int, int], reserved: list[int]
+) -> None:
+    """8 MiB + 128 KiB workspaces share one 20 MiB segment (the large pool's for requests under 10 MiB); 32 MiB ones
+    take a segment each."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cuda = torch.device("cuda:0")
+
+    def fake(*shape: int) -> torch.Tensor:
+        return FakeTensor(mode, torch.empty(shape, device="meta"), cuda)
+
+    peaks = ReservedPeaks(CachingAllocatorModel(AllocatorSettings()))
+    live = LiveMemory(cuda, peaks)
+    live.add_sampler(LibraryWorkspaces(peaks, capability, None))
+    live.add_sampler(peaks)
+    with mode, live:
+        live.start_phase(Phase.FORWARD)
+        fake(16, 32) @ fake(32, 64)
+        live.start_phase(Phase.BACKWARD)
+        torch.bmm(fake(2, 4, 8), fake(2, 8, 4))
+    assert list(peaks.finish().values()) == reserved

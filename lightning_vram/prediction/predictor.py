@@ -26,6 +26,8 @@ from torch import nn
 
 from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
+from lightning_vram.prediction.allocator.model import CachingAllocatorModel
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
 from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
 from lightning_vram.prediction.containment.containment import ContainmentError, contained
@@ -43,6 +45,7 @@ from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspace
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.precision import precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
+from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
 from lightning_vram.prediction.replay.simulation import simulate
 from lightning_vram.prediction.replay.skips import skip_reason
 from lightning_vram.prediction.replay.step import (
@@ -107,10 +110,14 @@ class Predictor:
             under Lightning's default; ``False`` where the run frees them first. ``None``: as the calibration's
             forward pass had them (alive without a calibration).
         clock: the host clock the budget is read from, in seconds (tests script it).
-        allocations: makes a fresh listener for each replay (a model of the CUDA caching allocator), told of the
-            replay's allocations and frees on the counted device, storage by storage, and of each phase's start;
-            on CUDA, of the cuBLAS workspaces too. ``None``: none.
+        allocations: makes a fresh listener for each replay, told of the replay's allocations and frees on the
+            counted device, storage by storage, and of each phase's start; on CUDA, of the cuBLAS workspaces too.
+            It takes the place of the allocator model. ``None``: the model, where ``allocator`` has settings.
         compute_capability: the CUDA device's, which sizes cuBLAS's workspace (``None``: unknown, 9.0's assumed).
+        allocator: the caching allocator's settings each replay's sequence is run through, for the reserved peak of
+            each phase (:class:`~lightning_vram.prediction.replay.reserved.ReservedPeaks`); default: on CUDA the
+            run's own (``PYTORCH_ALLOC_CONF``), elsewhere none (the CPU has no caching allocator: no reserved
+            figure).
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class Predictor:
         clock: Callable[[], float] = time.perf_counter,
         allocations: Callable[[], AllocationListener] | None = None,
         compute_capability: tuple[int, int] | None = None,
+        allocator: AllocatorSettings | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -153,6 +161,10 @@ class Predictor:
         """When the budget started, on :attr:`clock` (seconds)."""
         self.allocations = allocations
         self.compute_capability = compute_capability
+        settings = allocator if allocator is not None or self.device.type != "cuda" else run_settings()
+        self.allocator = settings if isinstance(settings, AllocatorSettings) else None
+        """The allocator settings each replay simulates the reserved memory with (``None``: none simulated)."""
+        self._allocator_notes = (settings,) if isinstance(settings, str) else ()
         self._scope: _Scope | str | None = None
 
     @property
@@ -217,6 +229,15 @@ class Predictor:
         reach.arrays += shared
         return _Scope(reach, inside, shared)
 
+    def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
+        """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
+        if self.allocations is not None:
+            return self.allocations(), None
+        if self.allocator is not None:
+            reserved = ReservedPeaks(CachingAllocatorModel(self.allocator))
+            return reserved, reserved
+        return None, None
+
     def replay(self, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
         """Replay one training step with ``change`` (``None``: the baseline) on fake tensors and count it.
 
@@ -259,7 +280,7 @@ class Predictor:
                     if isinstance(change, FreeGradientsChange) or not self.gradients_at_forward:
                         for parameter in twin.module.parameters():
                             parameter.grad = None
-                    allocations = self.allocations() if self.allocations is not None else None
+                    allocations, reserved = self._listener()
                     live = LiveMemory(self.device, allocations)
                     live.track(state_tensors(twin))
                     live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
@@ -274,10 +295,13 @@ class Predictor:
                     )
                     if self.device.type == "cuda":
                         live.add_sampler(workspaces)
+                    if reserved is not None:
+                        live.add_sampler(reserved)
                     probe = WorkspaceProbe()
                     with probe, live:
                         run.run_step(twin, fake_batch, counter, live)
                     phases, modules = counter.finish()
+                    reserved_peaks = reserved.finish() if reserved is not None else {}
         except ContainmentError:
             raise
         except RefusedError as refused:
@@ -300,7 +324,7 @@ class Predictor:
                     step=step,
                     phase=phase,
                     peak_bytes=live.phase_peaks[phase],
-                    reserved_bytes=None,
+                    reserved_bytes=reserved_peaks.get(phase),
                     breakdown=breakdown.with_measured_peak(live.phase_peaks[phase]),
                 )
                 for phase, breakdown in phases.items()
@@ -314,6 +338,7 @@ class Predictor:
                     for op in sorted(probe.unmeasured)
                 ),
                 *workspaces.notes,
+                *self._allocator_notes,
                 *(
                     f"the replayed code changed {place}; put back as it was"
                     for place in (*containment.restored, *held_containment.restored)
