@@ -26,7 +26,6 @@ from torch import nn
 
 from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
-from lightning_vram.prediction.allocator.model import CachingAllocatorModel
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
 from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
@@ -234,7 +233,7 @@ class Predictor:
         if self.allocations is not None:
             return self.allocations(), None
         if self.allocator is not None:
-            reserved = ReservedPeaks(CachingAllocatorModel(self.allocator))
+            reserved = ReservedPeaks(self.allocator)
             return reserved, reserved
         return None, None
 

@@ -7,7 +7,8 @@ compute capability 9.0 and 8 MiB + 128 KiB on every other (:func:`cublas_workspa
 the training thread's (forward, optimizer step) and autograd's device thread's (backward) are two, so a step holds
 up to two workspaces. :class:`LibraryWorkspaces` (a sampler of the replay's
 :class:`~lightning_vram.prediction.replay.live.LiveMemory`) emits each, once, as an allocation that is never freed,
-at the first matmul-family op of its thread.
+at the first matmul-family op of its thread (the reserved simulation,
+:mod:`~lightning_vram.prediction.replay.reserved`, counts them from the step's start: earlier steps allocated them).
 
 cuDNN sizes its convolution workspaces per call, by the algorithm it picks on the device: they cannot be sized
 here. A replay names the convolution ops it met, so that the report can say they are measured, not replayed.

@@ -1,10 +1,10 @@
 """The reserved memory of a replayed step: a model of the CUDA caching allocator driven by the replay, per phase.
 
 :class:`ReservedPeaks` takes the replay's allocation sequence (an
-:class:`~lightning_vram.prediction.replay.live.AllocationListener`, cuBLAS's workspaces included) into a
-:class:`~lightning_vram.prediction.allocator.model.CachingAllocatorModel` and, as a sampler of the replay's
-:class:`~lightning_vram.prediction.replay.live.LiveMemory`, reads the model's reserved peak as each phase ends, before
-the phase boundary resets the peaks (as the monitor reads torch's counters on a sampled step).
+:class:`~lightning_vram.prediction.replay.live.AllocationListener`, cuBLAS's workspaces included, with the phases'
+starts) and runs it through a :class:`~lightning_vram.prediction.allocator.model.CachingAllocatorModel`, reading the
+model's reserved peak as each phase ends, before the phase boundary resets the peaks (as the monitor reads torch's
+counters on a sampled step).
 """
 
 from __future__ import annotations
@@ -40,46 +40,61 @@ def run_settings(environ: Mapping[str, str] | None = None) -> AllocatorSettings 
     return settings
 
 
-class ReservedPeaks:
-    """A caching allocator's model driven by one replay, and its reserved peak (bytes) in each phase.
+Event = tuple[str, int, int, int] | Phase
+"""One step of a replay's sequence: ``("malloc", block, size, stream)``, ``("free", block, 0, 0)``, or the start of
+a phase."""
 
-    An allocation listener (``malloc``, ``free``, ``reset_peaks``, passed to the model) and a sampler of the replay
-    (``start_phase``: the phase before it ends, its peak is read).
+
+class ReservedPeaks:
+    """A replay's allocation sequence, run through a caching allocator's model: each phase's reserved peak, bytes.
+
+    An allocation listener (``malloc``, ``free``, ``reset_peaks``) and a sampler of the replay (``start_phase`` marks
+    where each phase starts: its peaks restart there). The sequence is kept until :meth:`finish`, which runs it as a
+    steady step holds it: the library workspaces (negative blocks, allocated at a thread's first matmul and kept for
+    the process) are alive from the step's start, allocated after the tensors that exist before it, since every
+    earlier step allocated them.
     """
 
-    def __init__(self, model: CachingAllocatorModel) -> None:
-        self.model = model
-        self.peaks: dict[Phase, int] = {}
-        """The model's reserved peak in each phase ended, bytes."""
-        self._phase: Phase | None = None
+    def __init__(self, settings: AllocatorSettings) -> None:
+        self.settings = settings
+        self._events: list[Event] = []
 
     def malloc(self, block: int, size: int, stream: int = 0) -> None:
-        """The model allocates ``block`` (``size`` bytes as requested) on ``stream``."""
-        self.model.malloc(block, size, stream)
+        """``block`` (``size`` bytes as requested) is allocated on ``stream``."""
+        self._events.append(("malloc", block, size, stream))
 
     def free(self, block: int) -> None:
-        """The model frees ``block``."""
-        self.model.free(block)
+        """``block`` is freed."""
+        self._events.append(("free", block, 0, 0))
 
     def reset_peaks(self) -> None:
-        """A phase starts: the model's peaks restart from what it holds now."""
-        self.model.reset_peaks()
+        """A phase starts (already marked by :meth:`start_phase`, which the replay calls first)."""
 
     def start_phase(self, phase: Phase) -> None:
-        """``phase`` starts: the phase before it ends, its reserved peak read before the peaks are reset."""
-        self._close()
-        self._phase = phase
+        """``phase`` starts: the peaks restart here."""
+        self._events.append(phase)
 
     def sample(self, op: str) -> None:
-        """An op ran: nothing to read (the model keeps its own peak)."""
+        """An op ran: nothing to note (its allocations came as ``malloc`` and ``free``)."""
 
     def finish(self) -> dict[Phase, int]:
-        """The last phase ended: every phase's reserved peak, bytes."""
-        self._close()
-        self._phase = None
-        return self.peaks
-
-    def _close(self) -> None:
-        phase = self._phase
+        """The sequence so far through a fresh model: every phase's reserved peak, bytes."""
+        model = CachingAllocatorModel(self.settings)
+        first = next((index for index, event in enumerate(self._events) if isinstance(event, Phase)), 0)
+        before, during = self._events[:first], self._events[first:]
+        workspaces = [event for event in during if not isinstance(event, Phase) and event[1] < 0]
+        peaks: dict[Phase, int] = {}
+        phase: Phase | None = None
+        for event in [*before, *workspaces, *(event for event in during if event not in workspaces)]:
+            if isinstance(event, Phase):
+                if phase is not None:
+                    peaks[phase] = max(peaks.get(phase, 0), model.peak_reserved_bytes)
+                phase = event
+                model.reset_peaks()
+            elif event[0] == "malloc":
+                model.malloc(event[1], event[2], event[3])
+            else:
+                model.free(event[1])
         if phase is not None:
-            self.peaks[phase] = max(self.peaks.get(phase, 0), self.model.peak_reserved_bytes)
+            peaks[phase] = max(peaks.get(phase, 0), model.peak_reserved_bytes)
+        return peaks
