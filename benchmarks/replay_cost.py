@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
-from lightning_vram.prediction.replay.fit_table import replayed_fit_table
-from lightning_vram.prediction.replay.step import replay_step
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import (
     BatchSizeChange,
     CheckpointChange,
@@ -118,27 +117,25 @@ def real_step_seconds(module: LanguageModel, batch: Any, rounds: int) -> float:
     return median_seconds(step, rounds)
 
 
-def replay_seconds(
-    module: LanguageModel, batch: Any, change: StepChange | None, rounds: int
-) -> tuple[float, ReplayedStep]:
+def replay_seconds(predictor: Predictor, change: StepChange | None, rounds: int) -> tuple[float, ReplayedStep]:
     """Median seconds of a replay with ``change`` and the step it replayed; raises where it was skipped."""
     results = []
     for _ in range(rounds):
-        result = replay_step(module, None, batch, change=change, warm_up=True)
+        result = predictor.replay(change)
         if not isinstance(result, ReplayedStep):
             raise RuntimeError(f"{change.label if change else 'baseline'} was not replayed: {result.reason}")
         results.append(result)
     return statistics.median(result.seconds for result in results), results[-1]
 
 
-def verified(module: LanguageModel, batch: Any, rows: tuple[FitRow, ...]) -> str:
+def verified(predictor: Predictor, rows: tuple[FitRow, ...]) -> str:
     """Whether each row's batch fits its GPU and the next batch does not, by replaying both."""
     for row in rows:
         budget = int(row.capacity_bytes * (1 - BATCH_SAFETY_MARGIN))
         sizes = (row.max_batch_size,) if row.at_least else (row.max_batch_size, row.max_batch_size + 1)
         peaks = []
         for size in sizes:
-            result = replay_step(module, None, batch, change=BatchSizeChange(size), warm_up=True)
+            result = predictor.batch_size(size)
             if not isinstance(result, ReplayedStep):
                 return f"not replayed at {size}: {result.reason}"
             peaks.append(result.peak.peak_bytes)
@@ -174,25 +171,26 @@ def main() -> None:
             f"  (torch {torch.__version__}, CPU, {torch.get_num_threads()} threads)"
         )
         real = real_step_seconds(module, batch, arguments.rounds)
-        baseline = replay_step(module, None, batch, warm_up=True)
+        predictor = Predictor(module, None, batch, warm_up=True)
+        baseline = predictor.baseline()
         if not isinstance(baseline, ReplayedStep):
             print(f"  not replayed: {baseline.reason}")
             continue
-        one, _ = replay_seconds(module, batch, None, arguments.rounds)
+        one, _ = replay_seconds(predictor, None, arguments.rounds)
         print(f"  {'real training step':<{WIDTH}}{real:7.2f} s  (one replay is {one / real:.2f}x of it)")
         line("baseline replay", one, one)
         variants = 0.0
         tried = changes(module, blocks)
         known = {arguments.batch: baseline}  # as in training: the batch-size change's step too
         for change in tried:
-            seconds, replayed = replay_seconds(module, batch, change, arguments.rounds)
+            seconds, replayed = replay_seconds(predictor, change, arguments.rounds)
             variants += seconds
             if isinstance(change, BatchSizeChange):
                 known[change.batch_size] = replayed
             line(change.label, seconds, one)
         line(f"variants ({len(tried)})", variants, one)
         started = time.perf_counter()
-        search = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, known_steps=known)
+        search = predictor.fit_table(0, known_steps=known)
         fit = time.perf_counter() - started
         rows = ", ".join(f"{row.batch_text}" for row in search.found)
         line(f"fit table ({len(COMMON_GPUS)} GPUs, {search.replays} replays)", fit, one, f"  batches: {rows}")
@@ -200,7 +198,7 @@ def main() -> None:
         replays = 1 + len(tried) + search.replays
         line(f"total ({replays} replays)", total, one, f"  ({total / real:.1f}x a real step)")
         if arguments.verify:
-            print(f"  {'each row the largest batch that fits':<{WIDTH}}{verified(module, batch, search.found)}")
+            print(f"  {'each row the largest batch that fits':<{WIDTH}}{verified(predictor, search.found)}")
 
 
 if __name__ == "__main__":

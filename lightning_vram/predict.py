@@ -17,7 +17,6 @@ gradients and optimizer state exist as in every later step.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -26,9 +25,8 @@ from torch import nn
 from lightning_vram.config import MAX_LENGTH, require_int, require_one_of, require_shape
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.devices import DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, resize_shape
-from lightning_vram.prediction.replay.fit_table import replayed_fit_table
-from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
 
@@ -82,23 +80,25 @@ def predict(
     if shape is not None:
         batch = resize_shape(batch, shape)
     device, notes = _replay_device(device_type)
-    deadline = time.perf_counter() + budget_seconds
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    predictor = Predictor(
+        module,
+        None,
+        batch,
+        precision=precision,
+        placement=device,
+        warm_up=True,
+        budget_seconds=budget_seconds,
+        compute_capability=capability,
+    )
     with round_of_replays():
-        step = replay_step(module, None, batch, precision=precision, placement=device, warm_up=True, deadline=deadline)
+        step = predictor.baseline()
         if not isinstance(step, ReplayedStep):
             return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
         rows: tuple[FitRow, ...] = ()
         if fit_table:
-            search = replayed_fit_table(
-                module,
-                None,
-                batch,
-                context_bytes=cuda_context_bytes,
-                precision=precision,
-                placement=device,
-                warm_up=True,
-                deadline=deadline,
-                known_steps={step.batch_size: step} if step.batch_size is not None else None,
+            search = predictor.fit_table(
+                cuda_context_bytes, known_steps={step.batch_size: step} if step.batch_size is not None else None
             )
             rows = search.found
             if search.missing is not None:

@@ -18,17 +18,24 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vram.advice.savings import resolve_saving
 from lightning_vram.codec import report_from_dict
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN
-from lightning_vram.prediction.replay import fit_table as fit_table_module
-from lightning_vram.prediction.replay.fit_table import replayed_fit_table
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.search import (
     LINE_CHECKS,
     MAX_BATCH_SIZE,
     largest_batch_that_fits,
     largest_batches_that_fit,
 )
-from lightning_vram.prediction.replay.simulation import NOT_REPLAYED, simulate
-from lightning_vram.prediction.replay.step import replay_step
-from lightning_vram.records import BatchSizeChange, FitRow, FreeGradientsChange, ReplayedStep, SavingBasis, Simulation
+from lightning_vram.prediction.replay.simulation import NOT_REPLAYED
+from lightning_vram.records import (
+    BatchSizeChange,
+    FitRow,
+    FreeGradientsChange,
+    ReplayedStep,
+    ReplaySkipped,
+    SavingBasis,
+    Simulation,
+    StepChange,
+)
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown
@@ -72,17 +79,18 @@ def test_the_solved_table_equals_an_exhaustive_search_in_a_few_replays(name: str
     module = architecture.build()
     batch = next(iter(DataLoader(architecture.data(architecture.batch_size), batch_size=architecture.batch_size)))
     peaks: dict[int, int] = {}
+    predictor = Predictor(module, None, batch, warm_up=True)
 
     def peak(size: int) -> int:
         if size not in peaks:
-            replayed = replay_step(module, None, batch, change=BatchSizeChange(size), warm_up=True)
+            replayed = predictor.batch_size(size)
             assert isinstance(replayed, ReplayedStep)
             peaks[size] = replayed.peak.peak_bytes
         return peaks[size]
 
     own = peak(architecture.batch_size)
     gpus = tuple((f"{growth}x", int(own * growth / (1 - BATCH_SAFETY_MARGIN))) for growth in GROWTH)
-    search = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, gpus=gpus)
+    search = Predictor(module, None, batch, warm_up=True).fit_table(0, gpus=gpus)
     assert search.missing is None and len(search.found) == len(gpus)
     assert all(row.basis is SavingBasis.SIMULATED for row in search.found)
     sizes = [row.max_batch_size for row in search.found]
@@ -165,27 +173,24 @@ def test_a_budget_that_runs_out_keeps_the_rows_found_and_says_why(monkeypatch: p
     module = Classifier(linear_net(), OPTIMIZERS["adam"])
     batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
     replayed: list[int] = []
-    real = fit_table_module.replay_step
+    real = Predictor.replay
 
-    def counted(*args: object, **kwargs: object) -> object:
-        change = kwargs["change"]
+    def counted(predictor: Predictor, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
         assert isinstance(change, BatchSizeChange)
         replayed.append(change.batch_size)
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+        return real(predictor, change)
 
-    monkeypatch.setattr(fit_table_module, "replay_step", counted)
-    own = real(module, None, batch, warm_up=True)
+    own = Predictor(module, None, batch, warm_up=True).baseline()
     assert isinstance(own, ReplayedStep)
+    monkeypatch.setattr(Predictor, "replay", counted)
     # The first GPU's boundary sits on the line's answer (confirmed by replays); the last is far beyond the check.
     gpus = (("small", int(own.peak.peak_bytes * 1.5 / (1 - BATCH_SAFETY_MARGIN))), ("huge", 1 << 50))
-    complete = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, gpus=gpus)
+    complete = Predictor(module, None, batch, warm_up=True).fit_table(0, gpus=gpus)
     assert complete.missing is None and len(complete.found) == 2
     needed = len(replayed)
     replayed.clear()
-    clock = Scripted(step=1.0)  # each read of the clock takes a second
-    cut = replayed_fit_table(
-        module, None, batch, context_bytes=0, warm_up=True, gpus=gpus, deadline=2.5 * 2, clock=clock
-    )
+    clock = Scripted(step=1.0)  # each read of the clock takes a second: two a replay (the check, its deadline)
+    cut = Predictor(module, None, batch, warm_up=True, budget_seconds=7.0, clock=clock).fit_table(0, gpus=gpus)
     assert len(replayed) < needed
     assert cut.missing is not None and cut.missing.startswith("the replay budget ran out")
     assert len(cut.found) < 2 and "no row for" in cut.missing
@@ -198,15 +203,9 @@ def test_a_change_cut_by_the_budget_reads_not_replayed_and_the_fit_note_is_repor
     # Read at the start, before the baseline, before the first change and its replay (which then has 100 ns
     # left, and stops at its first op), after it; the second change finds the budget spent.
     ticks: Iterator[float] = iter([0.0, 0.0, 0.0, 10.0 - 1e-7, 100.0])
-    simulation = simulate(
-        module,
-        [torch.optim.Adam(module.parameters())],
-        batch,
-        None,
-        [FreeGradientsChange(), BatchSizeChange(16)],
-        time_budget_seconds=10.0,
-        clock=lambda: next(ticks, 100.0),
-    )
+    simulation = Predictor(
+        module, [torch.optim.Adam(module.parameters())], batch, budget_seconds=10.0, clock=lambda: next(ticks, 100.0)
+    ).simulate([FreeGradientsChange(), BatchSizeChange(16)])
     assert simulation.baseline is not None
     reasons = [variant.discarded for variant in simulation.variants]
     cut = f"{NOT_REPLAYED}: the replay budget ran out"

@@ -15,8 +15,7 @@ from models import OPTIMIZERS, Classifier
 from replay_models import ARCHITECTURES, CausalLM, counted_step, text
 from torch import nn
 
-from lightning_vram.prediction.replay.simulation import simulate
-from lightning_vram.prediction.replay.step import replay_step
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import (
     Attribution,
     Breakdown,
@@ -51,7 +50,7 @@ def test_baseline_reproduces_the_counted_step(
     name: str, counted: dict[str, tuple[pl.LightningModule, Attribution, Any]]
 ) -> None:
     module, attribution, batch = counted[name]
-    simulation = simulate(module, module.trainer.optimizers, batch, attribution)
+    simulation = Predictor(module, module.trainer.optimizers, batch, calibration=attribution).simulate()
     assert simulation.skipped is None and simulation.match is not None and simulation.baseline is not None
     assert simulation.match.matches, simulation.match.worst
     assert len(simulation.match.parts) == 15  # 3 phases x (4 counted parts + the live peak, counted on the CPU)
@@ -109,7 +108,7 @@ def test_replay_leaves_the_model_optimizer_gradients_and_rng_as_they_were(
     module, _, batch = counted[name]
     before = _state(module)
     for change in (None, PrecisionChange("bf16-true")):
-        result = replay_step(module, module.trainer.optimizers, batch, change=change)
+        result = Predictor(module, module.trainer.optimizers, batch).replay(change)
         assert isinstance(result, ReplayedStep)
     after = _state(module)
     assert before.keys() == after.keys()
@@ -156,10 +155,10 @@ def _small_batch() -> tuple[torch.Tensor, torch.Tensor]:
     ],
 )
 def test_a_step_fake_tensors_cannot_run_is_skipped_with_the_reason(module: Classifier, reason: str) -> None:
-    result = replay_step(module, [module.configure_optimizers()], _small_batch())
+    result = Predictor(module, [module.configure_optimizers()], _small_batch()).baseline()
     assert isinstance(result, ReplaySkipped)
     assert reason in result.reason
-    simulation = simulate(module, [module.configure_optimizers()], _small_batch(), None)
+    simulation = Predictor(module, [module.configure_optimizers()], _small_batch()).simulate()
     assert simulation.baseline is None and simulation.skipped == result.reason
 
 
@@ -169,13 +168,12 @@ def test_a_baseline_that_does_not_match_is_not_trusted(
     module, attribution, batch = counted["mlp"]
     forward = attribution.phases[Phase.FORWARD]
     off = replace(forward, activations=int(forward.activations * 1.05))
-    simulation = simulate(
+    simulation = Predictor(
         module,
         module.trainer.optimizers,
         batch,
-        replace(attribution, phases={**attribution.phases, Phase.FORWARD: off}),
-        [PrecisionChange("bf16-mixed")],
-    )
+        calibration=replace(attribution, phases={**attribution.phases, Phase.FORWARD: off}),
+    ).simulate([PrecisionChange("bf16-mixed")])
     assert simulation.match is not None and not simulation.match.matches
     worst = simulation.match.worst
     assert worst is not None and (worst.phase, worst.part) == (Phase.FORWARD, "activations")
@@ -191,7 +189,9 @@ def test_a_checkpointing_plan_that_breaks_backward_is_discarded(
     breaking = CheckpointChange(CheckpointPlan("network", (("network.2",),), None, 0, "network"))
     # With the BatchNorm before it, the unit starts with an op that does not overwrite its input.
     working = CheckpointChange(CheckpointPlan("network", (("network.1", "network.2"),), None, 0, "network"))
-    simulation = simulate(module, module.trainer.optimizers, batch, attribution, [breaking, working])
+    simulation = Predictor(module, module.trainer.optimizers, batch, calibration=attribution).simulate(
+        [breaking, working]
+    )
     assert simulation.skipped is None
     first, second = simulation.variants
     assert first.replayed is None and first.discarded is not None
@@ -206,15 +206,14 @@ def test_changes_past_the_time_budget_are_discarded_saying_so(
     # The budget's clock reads 1,000 s later after its first two readings (the start, the baseline's deadline):
     # the baseline replays within its deadline, and the change after it finds the budget spent.
     readings = iter([0.0, 0.0])
-    simulation = simulate(
+    simulation = Predictor(
         module,
         module.trainer.optimizers,
         batch,
-        attribution,
-        [PrecisionChange("bf16-mixed")],
-        time_budget_seconds=10,
+        budget_seconds=10,
         clock=lambda: next(readings, 1000.0),
-    )
+        calibration=attribution,
+    ).simulate([PrecisionChange("bf16-mixed")])
     assert simulation.baseline is not None
     (variant,) = simulation.variants
     assert variant.replayed is None and variant.discarded == "not replayed: the replay budget ran out of 10 s first"
@@ -222,9 +221,9 @@ def test_changes_past_the_time_budget_are_discarded_saying_so(
 
 def test_the_budget_covers_the_baseline_too(counted: dict[str, tuple[pl.LightningModule, Attribution, Any]]) -> None:
     module, attribution, batch = counted["mlp"]
-    simulation = simulate(
-        module, module.trainer.optimizers, batch, attribution, [PrecisionChange("bf16-mixed")], time_budget_seconds=0
-    )
+    simulation = Predictor(
+        module, module.trainer.optimizers, batch, budget_seconds=0, calibration=attribution
+    ).simulate([PrecisionChange("bf16-mixed")])
     assert simulation.baseline is None and simulation.variants == ()
     assert simulation.skipped is not None and "time budget ran out" in simulation.skipped
 
@@ -234,19 +233,19 @@ def test_the_loss_share_of_a_language_model_is_its_log_softmax_over_the_vocabula
     torch.manual_seed(0)
     module = CausalLM(layers=1, vocab=vocabulary)
     tokens = (torch.randint(0, vocabulary, (batch_size, length)),)
-    result = replay_step(module, None, tokens, warm_up=True)
+    result = Predictor(module, None, tokens, warm_up=True).baseline()
     assert isinstance(result, ReplayedStep)
     # cross_entropy saves the log-probabilities: batch x positions x vocabulary float32 values.
     assert result.loss_activation_bytes == batch_size * length * vocabulary * FLOAT32
     assert result.loss_activation_share > 0.5
     small = Classifier(nn.Linear(8, 10), OPTIMIZERS["sgd"])
-    classifier = replay_step(small, None, _small_batch(), warm_up=True)
+    classifier = Predictor(small, None, _small_batch(), warm_up=True).baseline()
     assert isinstance(classifier, ReplayedStep) and classifier.loss_activation_bytes == 4 * 10 * FLOAT32
 
 
 def test_replay_counts_parameters_gradients_and_adam_state_by_hand() -> None:
     module = Classifier(nn.Linear(32, 10), OPTIMIZERS["adam"])
-    result = replay_step(module, None, (torch.randn(8, 32), torch.randint(0, 10, (8,))), warm_up=True)
+    result = Predictor(module, None, (torch.randn(8, 32), torch.randint(0, 10, (8,))), warm_up=True).baseline()
     assert isinstance(result, ReplayedStep)
     parameters = (32 * 10 + 10) * FLOAT32
     # Adam: exp_avg and exp_avg_sq per parameter tensor, and a float32 step counter for each of the two tensors.
@@ -261,7 +260,7 @@ def test_replay_counts_parameters_gradients_and_adam_state_by_hand() -> None:
 def test_gpt2_class_model_counts_tied_embedding_once(tmp_path: Path) -> None:
     module = CausalLM(layers=1, vocab=1000)
     (tokens,) = text(4)[:4]
-    result = replay_step(module, None, (tokens,), warm_up=True)
+    result = Predictor(module, None, (tokens,), warm_up=True).baseline()
     assert isinstance(result, ReplayedStep)
     unique = sum(p.numel() * p.element_size() for p in module.parameters())  # parameters() yields a tied one once
     assert result.phases[Phase.FORWARD].breakdown is not None
@@ -299,7 +298,7 @@ def test_the_step_runs_on_a_copy_logging_printing_and_drawing_nothing(capsys: py
     module = SideEffects()
     batch = _small_batch()
     torch_rng, python_rng = torch.get_rng_state(), random.getstate()
-    result = replay_step(module, [module.configure_optimizers()], batch)
+    result = Predictor(module, [module.configure_optimizers()], batch).baseline()
     assert isinstance(result, ReplayedStep)
     assert module.steps_seen == []  # the copy's list got the step
     assert LOGGED == []

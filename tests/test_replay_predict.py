@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_vram import predict
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
-from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import BatchSizeChange, ReplayedStep
 
 CONTEXT = 300 * 1024**2
@@ -51,7 +51,7 @@ def test_fit_table_gives_the_largest_batch_whose_replayed_peak_fits_each_gpu() -
     assert [row.device for row in prediction.fit] == [name for name, _ in COMMON_GPUS]
 
     def peak(size: int) -> int:
-        replayed = replay_step(module, None, batch, change=BatchSizeChange(size), warm_up=True)
+        replayed = Predictor(module, None, batch, warm_up=True).replay(BatchSizeChange(size))
         assert isinstance(replayed, ReplayedStep)
         return replayed.peak.peak_bytes
 

@@ -18,7 +18,7 @@ from replay_models import ARCHITECTURES, CausalLM, counted_step, lstm, mlp, resn
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from lightning_vram.prediction.replay.step import replay_step
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import (
     Attribution,
     BatchSizeChange,
@@ -172,7 +172,7 @@ def test_replayed_change_matches_the_change_made_for_real(
     batch_size: int | None,
 ) -> None:
     module, batch = baselines[architecture]
-    replayed = replay_step(module, module.trainer.optimizers, batch, change=change)
+    replayed = Predictor(module, module.trainer.optimizers, batch).replay(change)
     assert isinstance(replayed, ReplayedStep), replayed
     torch.manual_seed(0)
     spec = ARCHITECTURES[architecture]
@@ -184,11 +184,12 @@ def test_replayed_change_matches_the_change_made_for_real(
 def test_changes_move_the_parts_they_should(baselines: dict[str, tuple[pl.LightningModule, Any]]) -> None:
     module, batch = baselines["mlp"]
     optimizers = module.trainer.optimizers
-    plain = replay_step(module, optimizers, batch)
-    freed = replay_step(module, optimizers, batch, change=FreeGradientsChange())
-    true16 = replay_step(module, optimizers, batch, change=PrecisionChange("bf16-true"))
-    mixed = replay_step(module, optimizers, batch, change=PrecisionChange("bf16-mixed"))
-    half = replay_step(module, optimizers, batch, change=PrecisionChange("16-mixed"))
+    predictor = Predictor(module, optimizers, batch)
+    plain = predictor.baseline()
+    freed = predictor.replay(FreeGradientsChange())
+    true16 = predictor.replay(PrecisionChange("bf16-true"))
+    mixed = predictor.replay(PrecisionChange("bf16-mixed"))
+    half = predictor.replay(PrecisionChange("16-mixed"))
     assert all(isinstance(result, ReplayedStep) for result in (plain, freed, true16, mixed, half))
     assert isinstance(plain, ReplayedStep) and isinstance(freed, ReplayedStep) and isinstance(true16, ReplayedStep)
     assert isinstance(mixed, ReplayedStep) and isinstance(half, ReplayedStep)

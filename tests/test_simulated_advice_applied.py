@@ -27,7 +27,7 @@ from lightning_vram.advice.checkpoint_code import checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.advice.rules.inplace_activations import inplace_candidates
 from lightning_vram.advice.rules.registry import advise
-from lightning_vram.prediction.replay.simulation import simulate
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import (
     Advice,
     CheckpointChange,
@@ -93,15 +93,14 @@ def monitored(
     changes = candidate_changes(report.summary, setup)
     assert attribution is not None
     forward = attribution.phases[Phase.FORWARD]
-    simulation = simulate(
+    simulation = Predictor(
         module,
         fit.optimizers,
         next(iter(batches)),
-        attribution,
-        changes,
         precision=setup.precision,
-        gradients_at_forward=forward.gradients > 0,  # as the session replays it: the state the forward pass saw
-    )
+        gradients_at_forward=forward.gradients > 0,
+        calibration=attribution,
+    ).simulate(changes)
     assert simulation.skipped is None, simulation.skipped
     summary = report.summary if on is None else replace(report.summary, device=on)
     return Run(report, setup, simulation, advise(summary, setup, simulation))

@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.codec import FormatError, report_from_dict
-from lightning_vram.prediction.replay.step import replay_step
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.timeline import MAX_POINTS, TimelineRecorder
 from lightning_vram.records import Phase, ReplayedStep, SavingBasis, StepTimeline, advised_variant
 from lightning_vram.records.simulation_json import simulation_to_dict
@@ -35,7 +35,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _replayed(module: Classifier, batch: Any) -> tuple[ReplayedStep, StepTimeline]:
-    result = replay_step(module, None, batch, warm_up=True)
+    result = Predictor(module, None, batch, warm_up=True).baseline()
     assert isinstance(result, ReplayedStep) and result.timeline is not None
     return result, result.timeline
 

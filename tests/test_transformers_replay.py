@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from transformers_models import ARCHITECTURES, FineTuned, data
 
-from lightning_vram.prediction.replay.simulation import simulate
-from lightning_vram.prediction.replay.step import replay_step
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import ReplayedStep, ReplaySkipped
 
 pytest.importorskip("transformers")
@@ -29,7 +28,7 @@ def _simulated(root: Path, kind: str, length: int, padded: bool = False) -> Any:
     torch.manual_seed(0)
     module = FineTuned(kind, length)
     attribution, batch = counted_step(root, module, data(kind, length, padded=padded), batch_size=2)
-    return simulate(module, module.trainer.optimizers, batch, attribution)
+    return Predictor(module, module.trainer.optimizers, batch, calibration=attribution).simulate()
 
 
 @pytest.mark.parametrize("length", [32, 96])
@@ -82,7 +81,7 @@ def test_a_step_that_reads_its_batch_values_replays_with_the_real_values(tmp_pat
     torch.manual_seed(0)
     module = ReadsItsBatch()
     attribution, batch = counted_step(tmp_path, module, _reads_its_batch_data(), batch_size=4)
-    simulation = simulate(module, module.trainer.optimizers, batch, attribution)
+    simulation = Predictor(module, module.trainer.optimizers, batch, calibration=attribution).simulate()
     assert simulation.skipped is None and simulation.match is not None, simulation.skipped
     assert simulation.match.matches, simulation.match.worst
 
@@ -101,7 +100,7 @@ class ReadsAWeight(ReadsItsBatch):
 def test_a_value_computed_from_the_weights_still_skips_the_replay_saying_why() -> None:
     module = ReadsAWeight()
     tokens, mask = _reads_its_batch_data()[0:4]
-    replayed = replay_step(module, [torch.optim.Adam(module.parameters())], (tokens, mask), warm_up=True)
+    replayed = Predictor(module, [torch.optim.Adam(module.parameters())], (tokens, mask), warm_up=True).baseline()
     assert isinstance(replayed, ReplaySkipped)
     assert "reads a tensor's value" in replayed.reason
 
@@ -111,10 +110,10 @@ def test_transformers_own_tracing_check_is_put_back_after_the_replay() -> None:
     before = import_utils.is_fake_tensor
     module = FineTuned("llama", 16)
     tokens, mask = data("llama", 16)[0:2]
-    replayed = replay_step(module, [torch.optim.AdamW(module.parameters())], (tokens, mask), warm_up=True)
+    replayed = Predictor(module, [torch.optim.AdamW(module.parameters())], (tokens, mask), warm_up=True).baseline()
     assert isinstance(replayed, ReplayedStep)
     assert import_utils.is_fake_tensor is before
-    failing = replay_step(ReadsAWeight(), None, (tokens % 50, mask), warm_up=True)
+    failing = Predictor(ReadsAWeight(), None, (tokens % 50, mask), warm_up=True).baseline()
     assert isinstance(failing, ReplaySkipped)
     assert import_utils.is_fake_tensor is before
 
@@ -130,7 +129,7 @@ def test_a_checkpointed_variant_that_fails_in_backward_leaves_no_fake_tensor_beh
     attribution, batch = counted_step(tmp_path, module, data("llama", 32, padded=True), batch_size=2)
     forget()
     plan = checkpoint_candidates(attribution.modules)[0]
-    replayed = replay_step(module, module.trainer.optimizers, batch, change=CheckpointChange(plan))
+    replayed = Predictor(module, module.trainer.optimizers, batch).replay(CheckpointChange(plan))
     assert isinstance(replayed, ReplaySkipped) and "broadcast" in replayed.reason
     check_no_escape()  # raises ReplayEscapeError when the failed recomputation kept the replay's copy
 

@@ -11,16 +11,11 @@ the check is for the largest batch, before it arrives.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import nn
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, mixed_precision_for
 from lightning_vram.prediction.containment.escapes import round_of_replays
-from lightning_vram.prediction.replay.step import StepFunction, replay_step
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import (
     AllocatorReading,
     BatchSizeChange,
@@ -29,7 +24,6 @@ from lightning_vram.records import (
     PreflightRemedy,
     PreflightVerdict,
     ReplayedStep,
-    ReplaySkipped,
     StepChange,
 )
 
@@ -48,17 +42,7 @@ def candidate_changes(
 
 
 def preflight(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    batch: Any,
-    *,
-    reading: AllocatorReading,
-    free_bytes: int,
-    changes: Sequence[StepChange],
-    precision: str,
-    step_function: StepFunction,
-    budget_seconds: float,
-    shape: tuple[int, ...] | None = None,
+    predictor: Predictor, *, reading: AllocatorReading, free_bytes: int, changes: Sequence[StepChange]
 ) -> PreflightVerdict | str:
     """Replay the first step; the verdict, or why it could not be replayed.
 
@@ -67,36 +51,15 @@ def preflight(
     :class:`~lightning_vram.prediction.containment.escapes.ReplayEscapeError`): the caller turns replays off.
 
     Args:
-        module: the module about to train (left untouched).
-        optimizers: its optimizers (their state is created in the replay's warm-up step).
-        batch: the first batch, on the device.
+        predictor: the first step (with a warm-up step, resized to the largest shape expected), within the replay
+            budget: one replay running when it ends stops at its next op, and changes not reached in time are left
+            out.
         reading: the allocator now (what is allocated and cached).
         free_bytes: the device's free memory now.
         changes: the changes to replay when the step does not fit.
-        precision: the run's precision, as Lightning names it.
-        step_function: runs the training step on the replay's module.
-        budget_seconds: host seconds for all the replays; one running when they end stops at its next op, and
-            changes not reached in time are left out.
-        shape: replay the batch resized to this shape past its batch dimension (``max_shape``, or the shape
-            ``max_length`` means); ``None``: as it is.
     """
-    deadline = time.perf_counter() + budget_seconds
-
-    def replay(change: StepChange | None) -> ReplayedStep | ReplaySkipped:
-        return replay_step(
-            module,
-            optimizers,
-            batch,
-            precision=precision,
-            step_function=step_function,
-            warm_up=True,
-            change=change,
-            deadline=deadline,
-            shape=shape,
-        )
-
     with round_of_replays():
-        replayed = replay(None)
+        replayed = predictor.baseline()
         if not isinstance(replayed, ReplayedStep):
             return replayed.reason
         verdict = PreflightVerdict(
@@ -109,39 +72,21 @@ def preflight(
             return verdict
         remedies: list[PreflightRemedy] = []
         for change in changes:
-            if time.perf_counter() > deadline:
+            if predictor.out_of_time():
                 break
-            result = replay(change)
+            result = predictor.replay(change)
             if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
                 remedies.append(PreflightRemedy(change.label, result.peak.peak_bytes))
         remedies.sort(key=lambda remedy: remedy.peak_bytes)
         return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))
 
 
-def replay_resized(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    batch: Any,
-    *,
-    shape: tuple[int, ...] | None,
-    precision: str,
-    step_function: StepFunction,
-    budget_seconds: float,
-) -> ReplayedStep | str:
-    """Replay the first step with its batch resized to ``shape`` (after a warm-up step); or why it could not be.
+def replay_resized(predictor: Predictor) -> ReplayedStep | str:
+    """Replay the first step as ``predictor`` holds it (resized, after a warm-up step); or why it could not be.
 
-    ``shape``: the sizes past the batch dimension (elements; ``None``: as it is). Where no free memory is known (the
-    CPU): the prediction for the report's table of peaks per length. Raises what :func:`preflight` raises.
+    Where no free memory is known (the CPU): the prediction for the report's table of peaks per length. Raises what
+    :func:`preflight` raises.
     """
     with round_of_replays():
-        replayed = replay_step(
-            module,
-            optimizers,
-            batch,
-            precision=precision,
-            step_function=step_function,
-            warm_up=True,
-            deadline=time.perf_counter() + budget_seconds,
-            shape=shape,
-        )
+        replayed = predictor.baseline()
     return replayed if isinstance(replayed, ReplayedStep) else replayed.reason

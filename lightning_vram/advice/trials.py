@@ -11,12 +11,8 @@ reason, and the rules keep their modelled estimates.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
@@ -24,14 +20,12 @@ from lightning_vram.advice.rules.registry import changes_to_replay
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.devices import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
-from lightning_vram.prediction.replay.fit_table import replayed_fit_table
-from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, simulate
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
-    Attribution,
     BatchSizeChange,
     DeviceInfo,
-    Phase,
     ReplayedStep,
     RunSummary,
     Simulation,
@@ -60,58 +54,24 @@ def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunc
     return None
 
 
-def try_changes(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    batch: Any,
-    attribution: Attribution,
-    summary: RunSummary,
-    setup: TrainingSetup,
-    *,
-    device: torch.device,
-    step_function: StepFunction | None,
-    budget_seconds: float,
-) -> Simulation:
+def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup) -> Simulation:
     """Replay the sampled step and each change the rules declared; on CUDA also the largest batch per GPU.
 
-    What it cannot run it skips with the reason. Raises only when a replay left something behind it could not take
-    back (:class:`~lightning_vram.prediction.containment.containment.ContainmentError`,
+    ``predictor`` holds the run's step, calibrated by the sampled step's counts, with the replay budget; the caller
+    has checked that the set-up is not :func:`unsupported`. What it cannot run it skips with the reason. Raises only
+    when a replay left something behind it could not take back
+    (:class:`~lightning_vram.prediction.containment.containment.ContainmentError`,
     :class:`~lightning_vram.prediction.containment.escapes.ReplayEscapeError`): the caller turns replays off.
     """
-    reason = unsupported(module, setup, step_function)
-    if reason is not None or step_function is None:
-        return Simulation(device.type, None, None, reason, (), 0.0)
     with round_of_replays():
-        started = time.perf_counter()
-        gradients_at_forward = _gradients_at_forward(attribution)
-        simulation = simulate(
-            module,
-            optimizers,
-            batch,
-            attribution,
-            changes_to_replay(summary, setup),
-            precision=setup.precision,
-            device=device,
-            step_function=step_function,
-            time_budget_seconds=budget_seconds,
-            gradients_at_forward=gradients_at_forward,
-        )
-        remaining = budget_seconds - (time.perf_counter() - started)
+        simulation = predictor.simulate(changes_to_replay(summary, setup))
         if simulation.skipped is not None or not summary.on_cuda:
             return simulation
-        if remaining <= 0:
+        if predictor.out_of_time():
             return replace(simulation, fit_note=f"{BUDGET_RAN_OUT} before the fit table's search started")
-        search = replayed_fit_table(
-            module,
-            optimizers,
-            batch,
-            context_bytes=summary.cuda_context_bytes or DEFAULT_CUDA_CONTEXT_BYTES,
-            precision=setup.precision,
-            device=device,
-            step_function=step_function,
-            gradients_at_forward=gradients_at_forward,
+        search = predictor.fit_table(
+            summary.cuda_context_bytes or DEFAULT_CUDA_CONTEXT_BYTES,
             gpus=(*_own_device(summary.device), *COMMON_GPUS),
-            deadline=time.perf_counter() + remaining,
             known_steps=_replayed_batch_sizes(simulation),
         )
         own = search.rows[0] if summary.device.total_bytes else None
@@ -121,7 +81,7 @@ def try_changes(
             fit=tuple(row for row in common if row is not None),
             fit_note=search.missing,
             device_max_batch_size=own.max_batch_size if own is not None else None,
-            seconds=time.perf_counter() - started,
+            seconds=predictor.clock() - predictor.started,
         )
 
 
@@ -134,12 +94,6 @@ def _replayed_batch_sizes(simulation: Simulation) -> dict[int, ReplayedStep]:
         if isinstance(variant.change, BatchSizeChange) and variant.replayed is not None
     ]
     return {size: step for size, step in steps if size is not None}
-
-
-def _gradients_at_forward(attribution: Attribution) -> bool:
-    """Whether the sampled step's forward pass started with gradients alive (the run may free them first)."""
-    forward = attribution.phases.get(Phase.FORWARD)
-    return forward is None or forward.gradients > 0
 
 
 def _own_device(device: DeviceInfo) -> tuple[tuple[str, int], ...]:

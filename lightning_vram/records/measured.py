@@ -203,7 +203,9 @@ class PhasePeak:
 
     ``peak_bytes`` is the allocator's peak on CUDA; on the CPU the live peak of a sampled step (every tensor alive,
     temporaries included), or the sum of the counted parts where the live count stood aside;
-    ``reserved_bytes`` is the allocator's reserve at the end of the phase (``None`` on CPU).
+    ``reserved_bytes`` is the allocator's reserve at the end of the phase (``None`` on CPU); in a replayed step on
+    CUDA, the simulated caching allocator's reserved peak over the phase
+    (:mod:`~lightning_vram.prediction.replay.reserved`).
     """
 
     step: int

@@ -18,7 +18,7 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
 from lightning_vram.advice.preflight import candidate_changes, preflight, replay_resized
 from lightning_vram.advice.rules.registry import advise
-from lightning_vram.advice.trials import try_changes
+from lightning_vram.advice.trials import try_changes, unsupported
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.compiled import compiled_module_names
@@ -26,6 +26,7 @@ from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
 from lightning_vram.records import (
     Advice,
@@ -98,33 +99,25 @@ class Advisor:
             return
 
         def replay() -> PreflightVerdict | ReplayedStep | None:
-            optimizers, precision = context.current_optimizers(), training.precision
+            predictor = Predictor(
+                model,
+                context.current_optimizers(),
+                batch,
+                precision=training.precision,
+                step_function=step_function,
+                warm_up=True,
+                shape=shape,
+                budget_seconds=budget,
+                compute_capability=device.compute_capability,
+            )
             free = probe.free_bytes() if on_cuda else None
             if free is None or reading is None:
                 if length is None:
                     return None
-                step = replay_resized(
-                    model,
-                    optimizers,
-                    batch,
-                    shape=shape,
-                    precision=precision,
-                    step_function=step_function,
-                    budget_seconds=budget,
-                )
+                step = replay_resized(predictor)
                 return step if isinstance(step, ReplayedStep) else None
-            verdict = preflight(
-                model,
-                optimizers,
-                batch,
-                reading=reading,
-                free_bytes=free,
-                changes=candidate_changes(precision, batch_size_of(batch), device.compute_capability),
-                precision=precision,
-                step_function=step_function,
-                budget_seconds=budget,
-                shape=shape,
-            )
+            changes = candidate_changes(training.precision, batch_size_of(batch), device.compute_capability)
+            verdict = preflight(predictor, reading=reading, free_bytes=free, changes=changes)
             return verdict if isinstance(verdict, PreflightVerdict) else None
 
         result = self._guard.call(Part.REPLAY, replay)
@@ -206,17 +199,23 @@ class Advisor:
             training = context.setup()
             if training is None:
                 return None
-            return try_changes(
+            step_function = context.step_function
+            reason = unsupported(model, training, step_function)
+            if reason is not None or step_function is None:
+                return Simulation(context.device.type, None, None, reason, (), 0.0)
+            run = summary()
+            predictor = Predictor(
                 model,
                 context.current_optimizers(),
                 batch,
-                attribution,
-                summary(),
-                training,
+                precision=training.precision,
                 device=context.device,
-                step_function=context.step_function,
+                step_function=step_function,
                 budget_seconds=budget,
+                calibration=attribution,
+                compute_capability=run.device.compute_capability,
             )
+            return try_changes(predictor, run, training)
 
         simulation = self._guard.call(Part.REPLAY, replay)
         if simulation is None:

@@ -14,8 +14,8 @@ from torch import nn
 from lightning_vram import predict
 from lightning_vram.prediction.containment import deadline as deadline_module
 from lightning_vram.prediction.containment.deadline import Deadline, ReplayDeadlineError
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay._fake import FakeTensorMode
-from lightning_vram.prediction.replay.fit_table import replayed_fit_table
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE
 
 
@@ -85,7 +85,7 @@ class Constant(Classifier):
 def test_a_search_that_reaches_its_bound_reports_at_least() -> None:
     module = Constant()
     batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
-    rows = replayed_fit_table(module, None, batch, context_bytes=0, warm_up=True, gpus=(("big", 1 << 40),)).found
+    rows = Predictor(module, None, batch, warm_up=True).fit_table(0, gpus=(("big", 1 << 40),)).found
     assert len(rows) == 1
     assert rows[0].max_batch_size == MAX_BATCH_SIZE and rows[0].at_least
     assert rows[0].batch_text == f"at least {MAX_BATCH_SIZE}"

@@ -9,19 +9,13 @@ others are missing.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
 
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
-from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT
-from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step, replay_step
+from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
 from lightning_vram.records import BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
 
@@ -43,61 +37,38 @@ class FitSearch:
 
 
 def replayed_fit_table(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer] | None,
-    batch: Any,
+    replays: Replays,
     *,
     context_bytes: int,
-    precision: str = "32-true",
-    device: torch.device | None = None,
-    placement: torch.device | None = None,
-    step_function: StepFunction = lightning_training_step,
-    warm_up: bool = False,
-    gradients_at_forward: bool = True,
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
-    deadline: float | None = None,
-    clock: Callable[[], float] = time.perf_counter,
     known_steps: Mapping[int, ReplayedStep] | None = None,
 ) -> FitSearch:
     """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
 
-    A row is missing where the batch has no batch dimension, a replay it needed failed, or ``clock()`` passed
-    ``deadline`` (seconds, on ``clock``) first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps
-    already replayed with these settings, by batch size (the baseline, a batch-size change): not replayed again.
-    The other arguments are :func:`~lightning_vram.prediction.replay.step.replay_step`'s.
+    A row is missing where the batch has no batch dimension, a replay it needed failed, or the replays' budget ran
+    out first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps already replayed with these settings,
+    by batch size (the baseline, a batch-size change): not replayed again.
     """
+    batch = replays.batch
     start = batch_size_of(batch)
     if start is None:
         return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
     failures: list[str] = []
 
     def peak_bytes(size: int) -> PhasePeaks | None:
-        left = None if deadline is None else deadline - clock()
-        if left is not None and left <= 0:
+        if replays.out_of_time():
             failures.append(BUDGET_RAN_OUT)
             return None
-        result = replay_step(
-            module,
-            optimizers,
-            batch,
-            precision=precision,
-            change=BatchSizeChange(size),
-            device=device,
-            placement=placement,
-            step_function=step_function,
-            warm_up=warm_up,
-            gradients_at_forward=gradients_at_forward,
-            deadline=None if left is None else time.perf_counter() + left,
-        )
+        result = replays.replay(BatchSizeChange(size))
         if isinstance(result, ReplayedStep):
             return phase_peaks(result)
-        out_of_time = deadline is not None and clock() >= deadline
+        out_of_time = replays.out_of_time()
         failures.append(BUDGET_RAN_OUT if out_of_time else f"the replay of batch size {size} failed: {result.reason}")
         return None
 
     budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
     known = {size: phase_peaks(step) for size, step in (known_steps or {}).items()}
-    sizes, replays = largest_batches_that_fit(peak_bytes, budgets, start, known=known)
+    sizes, count = largest_batches_that_fit(peak_bytes, budgets, start, known=known)
     rows = tuple(
         None
         if size is None
@@ -109,7 +80,7 @@ def replayed_fit_table(
         left_out = [name for (name, _), size in zip(gpus, sizes, strict=True) if size is None]
         reason = failures[0] if failures else "a replay failed"
         missing = f"{reason}; no row for {', '.join(left_out)}"
-    return FitSearch(rows, replays, missing)
+    return FitSearch(rows, count, missing)
 
 
 def phase_peaks(step: ReplayedStep) -> PhasePeaks:

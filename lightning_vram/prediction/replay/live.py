@@ -4,7 +4,12 @@ A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees each op's output
 their shapes only). Each new storage on the counted device is added (on CUDA in whole allocator blocks, elsewhere
 in bytes, as the sampled step's live count, :mod:`lightning_vram.measure.live`, counts) and removed when the
 storage is freed (a weak reference's callback), the way :class:`torch.distributed._tools.mem_tracker.MemTracker`
-does. Kernel-internal workspaces (cuBLAS, cuDNN) are not tensors and are not seen.
+does. Kernel-internal workspaces (cuBLAS, cuDNN) are not tensors and are not counted here.
+
+The same sequence, storage by storage, is what the device's allocator is asked for: an
+:class:`AllocationListener` given to :class:`LiveMemory` is told of each new storage on the counted device (its size
+as requested, not rounded), of each free, and of each phase's start, so that a model of the CUDA caching allocator
+can be driven by the replay.
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ from lightning_vram.measure.storages import on_device, storage_key
 from lightning_vram.prediction.replay._fake import TorchDispatchMode, tree_leaves
 from lightning_vram.prediction.replay.storages import allocator_bytes
 from lightning_vram.records import Phase
+
+
+class AllocationListener(Protocol):
+    """Told of the replay's allocations and frees on the counted device, in order (a caching allocator's model).
+
+    Blocks are identified by an int: a storage's identity, or a negative number for a library's workspace.
+    """
+
+    def malloc(self, block: int, size: int, stream: int = 0) -> None:
+        """Block ``block`` of ``size`` bytes (as requested: the allocator rounds it) is allocated on ``stream``."""
+
+    def free(self, block: int) -> None:
+        """Block ``block`` is freed."""
+
+    def reset_peaks(self) -> None:
+        """A phase starts: its peaks start from what is held now (as the monitor resets torch's peak counters)."""
 
 
 class Sampler(Protocol):
@@ -38,12 +59,15 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Register the tensors that exist before the replay with :meth:`track`; enter the mode inside the fake mode so
     that it sees the fake outputs. :meth:`start_phase` begins a phase's peak from what is live then, as the
-    monitor's reset of the allocator's peak at each phase boundary does.
+    monitor's reset of the allocator's peak at each phase boundary does. ``allocations`` is told of every storage
+    allocated and freed on the device, and of each phase's start.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, allocations: AllocationListener | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._device = device
+        self._allocations = allocations
+        self._allocated: set[int] = set()  # the storages the listener was told of (an empty one is not)
         self._sizes: dict[int, int] = {}
         self._references: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._producers: dict[int, str] = {}
@@ -71,6 +95,9 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 continue
             storage = tensor.untyped_storage()
             nbytes = storage.nbytes()
+            if self._allocations is not None and nbytes > 0:  # torch's allocator hands out nothing for 0 bytes
+                self._allocations.malloc(key, nbytes)
+                self._allocated.add(key)
             if self._device.type == "cuda":
                 nbytes = allocator_bytes(nbytes)
             self._sizes[key] = nbytes
@@ -85,6 +112,9 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.live_bytes -= self._sizes.pop(key, 0)
             self._references.pop(key, None)
             self._producers.pop(key, None)
+            if key in self._allocated and self._allocations is not None:
+                self._allocated.discard(key)
+                self._allocations.free(key)
 
         return freed
 
@@ -98,6 +128,8 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.live_bytes)
         for sampler in self._samplers:
             sampler.start_phase(phase)
+        if self._allocations is not None:
+            self._allocations.reset_peaks()
 
     def _observe(self) -> None:
         phase = self._phase

@@ -8,90 +8,88 @@ reason.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
-from torch import nn
+from typing import Any, Protocol
 
 from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE, match_baseline, mismatch_reason
-from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step, replay_step
-from lightning_vram.prediction.replay.twin import module_device
-from lightning_vram.records import Attribution, ReplayedStep, Simulation, StepChange, VariantResult
+from lightning_vram.records import (
+    Attribution,
+    ReplayedStep,
+    ReplaySkipped,
+    Simulation,
+    StepChange,
+    VariantResult,
+)
 from lightning_vram.records.simulation import NOT_REPLAYED
 
 BUDGET_RAN_OUT = "the replay budget ran out"
 """Why a change, or a fit table's row, is missing when the time budget ended first."""
 
 
-def simulate(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    batch: Any,
-    attribution: Attribution | None,
-    changes: Sequence[StepChange] = (),
-    *,
-    precision: str = "32-true",
-    device: torch.device | None = None,
-    step_function: StepFunction = lightning_training_step,
-    time_budget_seconds: float | None = None,
-    tolerance: float = BASELINE_TOLERANCE,
-    gradients_at_forward: bool = True,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Simulation:
-    """Replay the step, compare it with ``attribution`` (the sampled step's counts), then replay each change.
+class Replays(Protocol):
+    """Replays of one step that share everything but their change: what the simulation and the fit table ask.
+
+    :class:`~lightning_vram.prediction.predictor.Predictor` is the one there is.
+    """
+
+    batch: Any
+    """The batch replayed."""
+    budget_seconds: float | None
+    """Host seconds for all the replays (``None``: no limit)."""
+    calibration: Attribution | None
+    """The sampled step's counts, or ``None``."""
+    clock: Callable[[], float]
+    """The host clock the budget is read from, in seconds."""
+    started: float
+    """When the budget started, on :attr:`clock`."""
+
+    @property
+    def device_type(self) -> str:
+        """The counted device's type."""
+        ...
+
+    def seconds_left(self) -> float | None:
+        """Host seconds left of the budget; ``None`` without one."""
+        ...
+
+    def out_of_time(self) -> bool:
+        """Whether the budget has run out."""
+        ...
+
+    def replay(self, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
+        """One replay of the step with ``change`` (``None``: as it is)."""
+        ...
+
+
+def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: float = BASELINE_TOLERANCE) -> Simulation:
+    """Replay the step, compare it with the calibration (the sampled step's counts), then replay each change.
 
     Safe to call inside the user's training: it leaves the module, optimizers, gradients, random number generators
-    and what the user's code reaches as they were; it raises only what
-    :func:`~lightning_vram.prediction.replay.step.replay_step` raises (something it could not put back). Without
-    ``attribution`` (nothing counted yet, as before the first step) the baseline is trusted as replayed and
-    ``match`` is ``None``.
+    and what the user's code reaches as they were; it raises only what a replay raises (something it could not put
+    back). Without a calibration (nothing counted yet, as before the first step) the baseline is trusted as
+    replayed and ``match`` is ``None``. A replay running when the budget ends stops at its next op; changes not
+    reached in time are discarded saying so.
 
     Args:
-        module: the module trained (left untouched).
-        optimizers: its optimizers (rebuilt on the replay's fake parameters, their state faked).
-        batch: the sampled step's batch.
-        attribution: the sampled step's counts, or ``None``.
+        replays: the step's replays.
         changes: the changes to try, each replayed on its own.
-        time_budget_seconds: host seconds for all of it, the baseline included: a replay running when it ends stops
-            at its next op; changes not reached in time are discarded saying so.
-        precision: the run's precision, as Lightning names it.
-        device: the device whose memory is counted; default: the module's.
-        step_function: runs the training step (default: ``training_step``), as for
-            :func:`~lightning_vram.prediction.replay.step.replay_step`.
         tolerance: how far each part may be from the count (a share of it) for the baseline to match.
-        gradients_at_forward: whether the run's forward pass starts with the previous step's gradients alive (see
-            :func:`~lightning_vram.prediction.replay.step.replay_step`).
-        clock: the host clock the budget is read from, in seconds (tests script it).
     """
-    started = clock()
-    deadline = None if time_budget_seconds is None else started + time_budget_seconds
-    step = attribution.step if attribution is not None else 0
-    device_type = (device or module_device(module)).type
+    attribution = replays.calibration
+    budget = replays.budget_seconds
 
     def replay(change: StepChange | None) -> ReplayedStep | str:
-        left = None if deadline is None else deadline - clock()
-        result = replay_step(
-            module,
-            optimizers,
-            batch,
-            precision=precision,
-            change=change,
-            device=device,
-            step_function=step_function,
-            step=step,
-            gradients_at_forward=gradients_at_forward,
-            deadline=None if left is None else time.perf_counter() + left,
-        )
+        result = replays.replay(change)
         if isinstance(result, ReplayedStep):
             return result
-        if change is not None and deadline is not None and clock() >= deadline:
-            return f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {time_budget_seconds} s during its replay"
+        if change is not None and replays.out_of_time():
+            return f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {budget} s during its replay"
         return result.reason
 
     def finished(baseline: ReplayedStep | None, match: Any, skipped: str | None, variants: Any = ()) -> Simulation:
-        return Simulation(device_type, baseline, match, skipped, tuple(variants), clock() - started)
+        return Simulation(
+            replays.device_type, baseline, match, skipped, tuple(variants), replays.clock() - replays.started
+        )
 
     baseline = replay(None)
     if isinstance(baseline, str):
@@ -101,10 +99,8 @@ def simulate(
         return finished(baseline, match, mismatch_reason(match))
     variants = []
     for change in changes:
-        if deadline is not None and clock() >= deadline:
-            variants.append(
-                VariantResult(change, None, f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {time_budget_seconds} s first")
-            )
+        if replays.out_of_time():
+            variants.append(VariantResult(change, None, f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {budget} s first"))
             continue
         result = replay(change)
         variants.append(

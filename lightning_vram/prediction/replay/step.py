@@ -1,18 +1,15 @@
-"""One training step replayed under fake tensors, counted as the monitor counts a sampled step.
+"""The pieces of one replayed training step: the step as Lightning runs it, and what rules a replay out.
 
 The step follows Lightning's automatic optimization: ``training_step`` (under the precision's forward context),
-``optimizer_zero_grad`` (``set_to_none`` by default), backward, each optimizer's ``step``. Only the replay's fake
-copy runs (:mod:`~lightning_vram.prediction.replay.twin`); process-wide state is restored
-afterwards (:mod:`~lightning_vram.prediction.containment.isolation`). Whatever fails (an op without a fake kernel,
-a value read with ``.item()``, a shape that depends on data) ends the replay with a
-:class:`~lightning_vram.records.ReplaySkipped` saying why: :func:`replay_step` never raises.
+``optimizer_zero_grad`` (``set_to_none`` by default), backward, each optimizer's ``step``
+(:meth:`StepRun.run_step`). Only the replay's fake copy runs (:mod:`~lightning_vram.prediction.replay.twin`);
+:class:`~lightning_vram.prediction.predictor.Predictor` puts the pieces together, contained.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,27 +17,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
-from lightning_vram.measure.tensors import batch_size_of, iter_tensors
-from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
+from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.prediction.containment.code_roots import (
-    code_roots,
     data_roots,
-    hook_registries,
     inside_ids,
     instance_roots,
 )
 from lightning_vram.prediction.containment.containment import (
     OUTSIDE_TENSOR_BYTES,
-    ContainmentError,
-    contained,
     fresh_cache,
 )
-from lightning_vram.prediction.containment.deadline import Deadline
-from lightning_vram.prediction.containment.escapes import register
-from lightning_vram.prediction.containment.isolation import isolated
 from lightning_vram.prediction.containment.reach import WALK_LIMIT, Reach, reach_of
-from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
+from lightning_vram.prediction.replay._fake import FakeTensor
 from lightning_vram.prediction.replay.batches import (
     move_batch,
     resize_batch,
@@ -50,30 +38,16 @@ from lightning_vram.prediction.replay.batches import (
 )
 from lightning_vram.prediction.replay.changes import change_module
 from lightning_vram.prediction.replay.counting import ReplayCounter
-from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.live import LiveMemory
-from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
-from lightning_vram.prediction.replay.real_branches import real_branches
-from lightning_vram.prediction.replay.skips import skip_reason
-from lightning_vram.prediction.replay.timeline import TimelineRecorder
+from lightning_vram.prediction.replay.precision import PrecisionPlan
 from lightning_vram.prediction.replay.twin import (
     Twin,
-    make_twin,
-    module_device,
     move_module,
-    shared_arrays,
-    state_tensors,
 )
-from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
     BatchSizeChange,
-    FreeGradientsChange,
     LengthChange,
     Phase,
-    PhasePeak,
-    PrecisionChange,
-    ReplayedStep,
-    ReplaySkipped,
     StepChange,
     TokensPerBatchChange,
 )
@@ -115,7 +89,7 @@ def _zero_grad(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -
             optimizer.zero_grad()
 
 
-class _Run:
+class StepRun:
     """One replay's settings: the precision, the change, the step function and the counted device."""
 
     def __init__(
@@ -135,12 +109,14 @@ class _Run:
         self.placement = placement
 
     def prepare_module(self, module: nn.Module) -> None:
+        """Move the fake ``module`` to the placement, cast it for the precision, apply the change."""
         if self.placement is not None:
             move_module(module, self.placement)
         self.precision.cast_module(module)
         change_module(module, self.change)
 
     def prepare_batch(self, batch: Any) -> Any:
+        """The fake batch resized as the shape and the change ask, moved to the placement, cast for the precision."""
         change = self.change
         if self.shape is not None:
             batch = resize_shape(batch, self.shape)
@@ -176,7 +152,7 @@ class _Run:
             optimizer.step()
 
 
-def _release_frames(error: BaseException) -> None:
+def release_frames(error: BaseException) -> None:
     """Clear the locals of every frame ``error`` (and what it chains) passed through.
 
     An error raised inside autograd's engine (a replay's deadline during backward) is kept by C++ beyond the
@@ -193,7 +169,7 @@ def _release_frames(error: BaseException) -> None:
         pending += [current.__cause__, current.__context__]
 
 
-def _drain_autograd() -> None:
+def drain_autograd() -> None:
     """Run one tiny backward on the CPU, so that autograd lets go of a replay's graph that stopped in backward.
 
     A backward that raised (a replay's deadline) leaves its pending tasks in this thread's ready queue, holding the
@@ -204,11 +180,11 @@ def _drain_autograd() -> None:
         (leaf * 1.0).backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
 
 
-class _RefusedError(Exception):
+class RefusedError(Exception):
     """What the copy of the module holds rules the replay out (its message says why)."""
 
 
-def _held_by(copy: nn.Module, inside: set[int]) -> Reach:
+def held_by(copy: nn.Module, inside: set[int]) -> Reach:
     """What the replay's ``copy`` of the module shares with the user's objects, found on the copy itself.
 
     Its hooks and callables (a function closing over the real module reaches it), and what ``deepcopy`` shared
@@ -238,7 +214,7 @@ def compiled_refusal(compiled: str) -> str:
     )
 
 
-def _refusal(reach: Reach) -> str | None:
+def refusal_of(reach: Reach) -> str | None:
     """Why the code ``reach`` describes must not be replayed, decided before it runs; ``None`` when it may."""
     if reach.real_modules:
         return (
@@ -274,145 +250,3 @@ def _refusal(reach: Reach) -> str | None:
             f" {OUTSIDE_TENSOR_BYTES} bytes to put back what it changes in place"
         )
     return None
-
-
-def replay_step(
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer] | None,
-    batch: Any,
-    *,
-    precision: str = "32-true",
-    change: StepChange | None = None,
-    device: torch.device | None = None,
-    step_function: StepFunction = lightning_training_step,
-    warm_up: bool = False,
-    step: int = 0,
-    placement: torch.device | None = None,
-    gradients_at_forward: bool = True,
-    deadline: float | None = None,
-    shape: tuple[int, ...] | None = None,
-) -> ReplayedStep | ReplaySkipped:
-    """Replay one training step of ``module`` on fake tensors and count it.
-
-    The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
-    (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
-    replayed. The only error raised is :class:`~lightning_vram.prediction.containment.containment.ContainmentError`,
-    when
-    something outside could not be put back; every other failure is a :class:`ReplaySkipped`.
-
-    Args:
-        module: the module trained (a LightningModule, or any module with ``step_function``); left untouched.
-        optimizers: its optimizers: each is rebuilt from its class and param groups, its state faked; ``None``
-            builds them with the module's ``configure_optimizers`` on the replay's fake parameters.
-        batch: a batch as ``training_step`` receives it (on the training device); only shapes and dtypes are used.
-        precision: the run's precision, as Lightning names it; a :class:`PrecisionChange` replaces it.
-        change: one change to replay (``None``: the step as it is).
-        device: the device whose memory is counted; default: where the module's first parameter is.
-        step_function: runs the training step; default: ``module.training_step(batch, batch_idx)``.
-        warm_up: replay one uncounted step first, so that gradients and optimizer state exist as in a steady
-            step (for a module that has not trained yet).
-        step: the step number the result carries.
-        placement: replay on this device rather than where the module is (its copy and the batch are moved there).
-        gradients_at_forward: whether the previous step's gradients are alive when the forward pass starts, as under
-            Lightning's default; ``False`` where the run frees them first (its own ``on_train_batch_start``).
-        deadline: ``time.perf_counter()`` (seconds) past which the replay stops at its next op; ``None``: no limit.
-        shape: replay the batch resized to this shape past its batch dimension (see
-            :func:`~lightning_vram.prediction.replay.batches.resize_shape`); ``None``: as it is.
-
-    Returns:
-        The replayed step, or why it could not be replayed.
-    """
-    started = time.perf_counter()
-    if getattr(module, "automatic_optimization", True) is False:
-        return ReplaySkipped("manual optimization: the replay reproduces Lightning's automatic optimization only")
-    try:
-        plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else precision)
-    except ValueError as error:
-        return ReplaySkipped(str(error))
-    compiled = compiled_module_names(module)
-    if compiled:  # predict() on a compiled model: the session's own replays stop before this
-        wrapper = module.get_submodule(compiled[0])
-        return ReplaySkipped(compiled_refusal(f"{compiled_callable_name(wrapper)} ({compiled[0] or 'the model'})"))
-    counted_device = device or placement or module_device(module)
-    run = _Run(counted_device, plan, change, step_function, placement, shape)
-    shared = [*shared_arrays(module), *shared_arrays(batch)]
-    inside = inside_ids(module)
-    reach = reach_of(code_roots(module, step_function, optimizers or (), batch), inside)
-    reach.objects.extend(hook_registries())  # a global hook the step registers is registered again by the replay
-    refusal = _refusal(reach)
-    if refusal is not None:
-        return ReplaySkipped(refusal)
-    counter: ReplayCounter | None = None
-    frames = CheckpointFrames()
-    try:
-        reach.arrays += shared
-        with isolated(), contained(reach) as containment, frames:  # the copy's configure_optimizers is user code too
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            register(mode)
-            optimizer_list = None if optimizers is None else list(optimizers)
-            twin = make_twin(module, optimizer_list, batch, mode, run.prepare_module, {id(a): a for a in shared})
-            held = _held_by(twin.module, inside)
-            refusal = _refusal(held)
-            if refusal is not None:
-                raise _RefusedError(refusal)
-            values = KnownValues()
-            values.know(twin.batch_values)
-            with contained(held) as held_containment, mode, Deadline(deadline), values, real_branches(values):
-                fake_batch = run.prepare_batch(twin.batch)
-                if warm_up:
-                    run.run_step(twin, fake_batch, None, None)
-                if isinstance(change, FreeGradientsChange) or not gradients_at_forward:
-                    for parameter in twin.module.parameters():
-                        parameter.grad = None
-                live = LiveMemory(counted_device)
-                live.track(state_tensors(twin))
-                live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
-                counter = ReplayCounter(twin.module, twin.optimizers, counted_device, live.producer, LOSS_OPS)
-                live.add_listener(counter.on_output)
-                timeline = TimelineRecorder(lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module)
-                live.add_sampler(timeline)
-                probe = WorkspaceProbe()
-                with probe, live:
-                    run.run_step(twin, fake_batch, counter, live)
-                phases, modules = counter.finish()
-    except ContainmentError:
-        raise
-    except _RefusedError as refused:
-        return ReplaySkipped(str(refused), time.perf_counter() - started)
-    except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
-        _release_frames(error)
-        frames.release()
-        _drain_autograd()
-        return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
-    finally:
-        if counter is not None:
-            counter.close()
-    return ReplayedStep(
-        device_type=counted_device.type,
-        precision=plan.name,
-        batch_size=batch_size_of(fake_batch),
-        phases={
-            phase: PhasePeak(
-                step=step,
-                phase=phase,
-                peak_bytes=live.phase_peaks[phase],
-                reserved_bytes=None,
-                breakdown=breakdown.with_measured_peak(live.phase_peaks[phase]),
-            )
-            for phase, breakdown in phases.items()
-        },
-        modules=modules,
-        loss_activation_bytes=counter.loss_activation_bytes,
-        seconds=time.perf_counter() - started,
-        notes=(
-            *(
-                f"{op} keeps a workspace for backward that fake tensors do not size: left out"
-                for op in sorted(probe.unmeasured)
-            ),
-            *(
-                f"the replayed code changed {place}; put back as it was"
-                for place in (*containment.restored, *held_containment.restored)
-            ),
-        ),
-        timeline=timeline.finish(),
-    )

@@ -6,7 +6,8 @@ its ``log`` and ``log_dict`` do nothing). NumPy arrays the module or the batch h
 table would be copied on every replay): the replay makes them read-only while it runs. The batch is deep-copied
 the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
 the copy. Gradients are faked from the real ones; optimizers come from
-:mod:`~lightning_vram.prediction.replay.optimizers`.
+:mod:`~lightning_vram.prediction.replay.optimizers`, on the path the real run takes
+(:mod:`~lightning_vram.prediction.replay.optimizer_path`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensorMode
+from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 
 _ARRAY_DEPTH = 3
@@ -139,17 +141,21 @@ def make_twin(
     with mode:
         prepare_module(copied)
         parameters: dict[int, Tensor] = {}
+        real_types: dict[int, type] = {}
         for real in module.parameters():
             fake = memo.get(id(real))
             if not isinstance(fake, Tensor):
                 raise RuntimeError("a parameter of the module was not copied (a parameter held outside the module?)")
             parameters[id(real)] = fake
+            real_types[id(fake)] = type(real)
             if real.grad is not None:
                 grad = mode.from_tensor(real.grad, static_shapes=True)
                 fake.grad = grad if grad.dtype == fake.dtype else grad.to(fake.dtype)
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
+    for optimizer in configured:
+        follow_real_path(optimizer, real_types)
     batch_copy, batch_tensors, batch_values = fake_batch(batch, mode, substitutes)
     return Twin(copied, configured, batch_copy, batch_tensors, batch_values)
 

@@ -1,0 +1,347 @@
+"""One object per round of replays: what every replay of a run's step shares, and the questions a caller asks it.
+
+A :class:`Predictor` holds the trained module, its optimizers and the batch (each replay makes its own fake copy
+of them: a variant changes the copy, and the step changes its optimizer state), the precision, the placement and
+the counted device, the step function, the time budget, the containment decision (the walk of what the user's
+code reaches, made once) and the calibration (the sampled step's counts, when there are some). A caller asks it for
+the baseline step, a variant (a :class:`~lightning_vram.records.StepChange`), a batch size, the whole simulation
+(:meth:`Predictor.simulate`) or the fit table (:meth:`Predictor.fit_table`).
+
+Whatever fails inside a replay (an op without a fake kernel, a value read with ``.item()``, a shape that depends on
+data) ends it with a :class:`~lightning_vram.records.ReplaySkipped` saying why. The only error raised is
+:class:`~lightning_vram.prediction.containment.containment.ContainmentError`, when something outside could not be
+put back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
+from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
+from lightning_vram.prediction.containment.containment import ContainmentError, contained
+from lightning_vram.prediction.containment.deadline import Deadline
+from lightning_vram.prediction.containment.escapes import register
+from lightning_vram.prediction.containment.isolation import isolated
+from lightning_vram.prediction.containment.reach import Reach, reach_of
+from lightning_vram.prediction.devices import COMMON_GPUS
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
+from lightning_vram.prediction.replay.counting import ReplayCounter
+from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
+from lightning_vram.prediction.replay.known_values import KnownValues
+from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
+from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
+from lightning_vram.prediction.replay.precision import precision_plan
+from lightning_vram.prediction.replay.real_branches import real_branches
+from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
+from lightning_vram.prediction.replay.simulation import simulate
+from lightning_vram.prediction.replay.skips import skip_reason
+from lightning_vram.prediction.replay.step import (
+    LOSS_OPS,
+    RefusedError,
+    StepFunction,
+    StepRun,
+    compiled_refusal,
+    drain_autograd,
+    held_by,
+    lightning_training_step,
+    refusal_of,
+    release_frames,
+)
+from lightning_vram.prediction.replay.timeline import TimelineRecorder
+from lightning_vram.prediction.replay.twin import make_twin, module_device, shared_arrays, state_tensors
+from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
+from lightning_vram.records import (
+    Attribution,
+    BatchSizeChange,
+    FreeGradientsChange,
+    Phase,
+    PhasePeak,
+    PrecisionChange,
+    ReplayedStep,
+    ReplaySkipped,
+    Simulation,
+    StepChange,
+)
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What the user's code reaches beyond the module (walked once), the module's own objects, the shared arrays."""
+
+    reach: Reach
+    inside: set[int]
+    shared: list[Any]
+
+
+class Predictor:
+    """Replays of one run's training step, sharing everything but the change each one tries.
+
+    Args:
+        module: the module trained (a LightningModule, or any module with ``step_function``); left untouched.
+        optimizers: its optimizers: each replay rebuilds them from their class and param groups, their state faked;
+            ``None`` builds them with the module's ``configure_optimizers`` on the replay's fake parameters.
+        batch: a batch as ``training_step`` receives it (on the training device); only shapes and dtypes are used.
+        precision: the run's precision, as Lightning names it; a :class:`PrecisionChange` replaces it.
+        device: the device whose memory is counted; default: ``placement``, else where the module's first parameter
+            is.
+        placement: replay on this device rather than where the module is (its copy and the batch are moved there).
+        step_function: runs the training step; default: ``module.training_step(batch, batch_idx)``.
+        warm_up: replay one uncounted step first, so that gradients and optimizer state exist as in a steady step
+            (for a module that has not trained yet).
+        shape: replay the batch resized to this shape past its batch dimension (see
+            :func:`~lightning_vram.prediction.replay.batches.resize_shape`); ``None``: as it is.
+        budget_seconds: host seconds for every replay asked of this predictor, counted from its creation: a replay
+            running when they end stops at its next op. ``None``: no limit.
+        calibration: the sampled step's counts (the baseline is checked against them); ``None`` before any.
+        gradients_at_forward: whether the previous step's gradients are alive when the forward pass starts, as
+            under Lightning's default; ``False`` where the run frees them first. ``None``: as the calibration's
+            forward pass had them (alive without a calibration).
+        clock: the host clock the budget is read from, in seconds (tests script it).
+        allocations: makes a fresh listener for each replay, told of the replay's allocations and frees on the
+            counted device, storage by storage, and of each phase's start; on CUDA, of the cuBLAS workspaces too.
+            It takes the place of the allocator model. ``None``: the model, where ``allocator`` has settings.
+        compute_capability: the CUDA device's, which sizes cuBLAS's workspace (``None``: unknown, 9.0's assumed).
+        allocator: the caching allocator's settings each replay's sequence is run through, for the reserved peak of
+            each phase (:class:`~lightning_vram.prediction.replay.reserved.ReservedPeaks`); default: on CUDA the
+            run's own (``PYTORCH_ALLOC_CONF``), elsewhere none (the CPU has no caching allocator: no reserved
+            figure).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] | None,
+        batch: Any,
+        *,
+        precision: str = "32-true",
+        device: torch.device | None = None,
+        placement: torch.device | None = None,
+        step_function: StepFunction = lightning_training_step,
+        warm_up: bool = False,
+        shape: tuple[int, ...] | None = None,
+        budget_seconds: float | None = None,
+        calibration: Attribution | None = None,
+        gradients_at_forward: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        allocations: Callable[[], AllocationListener] | None = None,
+        compute_capability: tuple[int, int] | None = None,
+        allocator: AllocatorSettings | None = None,
+    ) -> None:
+        self.module = module
+        self.optimizers = None if optimizers is None else list(optimizers)
+        self.batch = batch
+        self.precision = precision
+        self.device = device or placement or module_device(module)
+        """The device whose memory is counted."""
+        self.placement = placement
+        self.step_function = step_function
+        self.warm_up = warm_up
+        self.shape = shape
+        self.budget_seconds = budget_seconds
+        self.calibration = calibration
+        if gradients_at_forward is None:
+            forward = calibration.phases.get(Phase.FORWARD) if calibration is not None else None
+            gradients_at_forward = forward is None or forward.gradients > 0
+        self.gradients_at_forward = gradients_at_forward
+        self.clock = clock
+        self.started = clock()
+        """When the budget started, on :attr:`clock` (seconds)."""
+        self.allocations = allocations
+        self.compute_capability = compute_capability
+        settings = allocator if allocator is not None or self.device.type != "cuda" else run_settings()
+        self.allocator = settings if isinstance(settings, AllocatorSettings) else None
+        """The allocator settings each replay simulates the reserved memory with (``None``: none simulated)."""
+        self._allocator_notes = (settings,) if isinstance(settings, str) else ()
+        self._scope: _Scope | str | None = None
+
+    @property
+    def device_type(self) -> str:
+        """The counted device's type (``"cuda"``, ``"cpu"``)."""
+        return self.device.type
+
+    def seconds_left(self) -> float | None:
+        """Host seconds left of the budget (negative once past it); ``None`` without a budget."""
+        if self.budget_seconds is None:
+            return None
+        return self.started + self.budget_seconds - self.clock()
+
+    def out_of_time(self) -> bool:
+        """Whether the budget has run out."""
+        left = self.seconds_left()
+        return left is not None and left <= 0
+
+    def baseline(self) -> ReplayedStep | ReplaySkipped:
+        """The step as it is."""
+        return self.replay(None)
+
+    def batch_size(self, size: int) -> ReplayedStep | ReplaySkipped:
+        """The step with a batch of ``size`` samples."""
+        return self.replay(BatchSizeChange(size))
+
+    def simulate(self, changes: Sequence[StepChange] = (), tolerance: float = BASELINE_TOLERANCE) -> Simulation:
+        """The baseline checked against the calibration, then each change.
+
+        See :func:`~lightning_vram.prediction.replay.simulation.simulate`.
+        """
+        return simulate(self, changes, tolerance)
+
+    def fit_table(
+        self,
+        context_bytes: int,
+        gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
+        known_steps: Mapping[int, ReplayedStep] | None = None,
+    ) -> FitSearch:
+        """The largest batch per GPU (see :func:`~lightning_vram.prediction.replay.fit_table.replayed_fit_table`)."""
+        return replayed_fit_table(self, context_bytes=context_bytes, gpus=gpus, known_steps=known_steps)
+
+    def _refusal(self) -> _Scope | str:
+        """What the replays may reach, walked on the first replay; or why no replay may run (decided once)."""
+        if self._scope is None:
+            self._scope = self._walk()
+        return self._scope
+
+    def _walk(self) -> _Scope | str:
+        module = self.module
+        compiled = compiled_module_names(module)
+        if compiled:  # predict() on a compiled model: the session's own replays stop before this
+            wrapper = module.get_submodule(compiled[0])
+            return compiled_refusal(f"{compiled_callable_name(wrapper)} ({compiled[0] or 'the model'})")
+        shared = [*shared_arrays(module), *shared_arrays(self.batch)]
+        inside = inside_ids(module)
+        reach = reach_of(code_roots(module, self.step_function, self.optimizers or (), self.batch), inside)
+        reach.objects.extend(hook_registries())  # a global hook the step registers is registered again by the replay
+        refusal = refusal_of(reach)
+        if refusal is not None:
+            return refusal
+        reach.arrays += shared
+        return _Scope(reach, inside, shared)
+
+    def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
+        """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
+        if self.allocations is not None:
+            return self.allocations(), None
+        if self.allocator is not None:
+            reserved = ReservedPeaks(self.allocator)
+            return reserved, reserved
+        return None, None
+
+    def replay(self, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
+        """Replay one training step with ``change`` (``None``: the baseline) on fake tensors and count it.
+
+        The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
+        (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
+        replayed.
+        """
+        left = self.seconds_left()
+        deadline = None if left is None else time.perf_counter() + left
+        started = time.perf_counter()
+        if getattr(self.module, "automatic_optimization", True) is False:
+            return ReplaySkipped("manual optimization: the replay reproduces Lightning's automatic optimization only")
+        try:
+            plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else self.precision)
+        except ValueError as error:
+            return ReplaySkipped(str(error))
+        scope = self._refusal()
+        if isinstance(scope, str):
+            return ReplaySkipped(scope)
+        run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape)
+        counter: ReplayCounter | None = None
+        frames = CheckpointFrames()
+        try:
+            with isolated(), contained(scope.reach) as containment, frames:  # configure_optimizers is user code too
+                mode = FakeTensorMode(allow_non_fake_inputs=True)
+                register(mode)
+                twin = make_twin(
+                    self.module, self.optimizers, self.batch, mode, run.prepare_module, {id(a): a for a in scope.shared}
+                )
+                held = held_by(twin.module, scope.inside)
+                refusal = refusal_of(held)
+                if refusal is not None:
+                    raise RefusedError(refusal)
+                values = KnownValues()
+                values.know(twin.batch_values)
+                with contained(held) as held_containment, mode, Deadline(deadline), values, real_branches(values):
+                    fake_batch = run.prepare_batch(twin.batch)
+                    if self.warm_up:
+                        run.run_step(twin, fake_batch, None, None)
+                    if isinstance(change, FreeGradientsChange) or not self.gradients_at_forward:
+                        for parameter in twin.module.parameters():
+                            parameter.grad = None
+                    allocations, reserved = self._listener()
+                    live = LiveMemory(self.device, allocations)
+                    live.track(state_tensors(twin))
+                    live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
+                    counter = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
+                    live.add_listener(counter.on_output)
+                    timeline = TimelineRecorder(
+                        lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module
+                    )
+                    live.add_sampler(timeline)
+                    workspaces = LibraryWorkspaces(
+                        allocations, self.compute_capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+                    )
+                    if self.device.type == "cuda":
+                        live.add_sampler(workspaces)
+                    if reserved is not None:
+                        live.add_sampler(reserved)
+                    probe = WorkspaceProbe()
+                    with probe, live:
+                        run.run_step(twin, fake_batch, counter, live)
+                    phases, modules = counter.finish()
+                    reserved_peaks = reserved.finish() if reserved is not None else {}
+        except ContainmentError:
+            raise
+        except RefusedError as refused:
+            return ReplaySkipped(str(refused), time.perf_counter() - started)
+        except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
+            release_frames(error)
+            frames.release()
+            drain_autograd()
+            return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
+        finally:
+            if counter is not None:
+                counter.close()
+        step = self.calibration.step if self.calibration is not None else 0
+        return ReplayedStep(
+            device_type=self.device.type,
+            precision=plan.name,
+            batch_size=batch_size_of(fake_batch),
+            phases={
+                phase: PhasePeak(
+                    step=step,
+                    phase=phase,
+                    peak_bytes=live.phase_peaks[phase],
+                    reserved_bytes=reserved_peaks.get(phase),
+                    breakdown=breakdown.with_measured_peak(live.phase_peaks[phase]),
+                )
+                for phase, breakdown in phases.items()
+            },
+            modules=modules,
+            loss_activation_bytes=counter.loss_activation_bytes,
+            seconds=time.perf_counter() - started,
+            notes=(
+                *(
+                    f"{op} keeps a workspace for backward that fake tensors do not size: left out"
+                    for op in sorted(probe.unmeasured)
+                ),
+                *workspaces.notes,
+                *self._allocator_notes,
+                *(
+                    f"the replayed code changed {place}; put back as it was"
+                    for place in (*containment.restored, *held_containment.restored)
+                ),
+            ),
+            timeline=timeline.finish(),
+        )
