@@ -22,6 +22,7 @@ from lightning_vram.advice.trials import try_changes
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.measure.live import outside_dispatch_modes
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
@@ -127,7 +128,8 @@ class Advisor:
             )
             return verdict if isinstance(verdict, PreflightVerdict) else None
 
-        result = self._guard.call(Part.REPLAY, replay)
+        with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
+            result = self._guard.call(Part.REPLAY, replay)
         verdict = result if isinstance(result, PreflightVerdict) else None
         self.preflight_verdict = verdict
         step = verdict.step if verdict is not None else result
@@ -218,7 +220,8 @@ class Advisor:
                 budget_seconds=budget,
             )
 
-        simulation = self._guard.call(Part.REPLAY, replay)
+        with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
+            simulation = self._guard.call(Part.REPLAY, replay)
         if simulation is None:
             return
         baseline = simulation.baseline
