@@ -24,6 +24,7 @@ from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.live import outside_dispatch_modes
 from lightning_vram.measure.probes import Probe
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
@@ -90,6 +91,8 @@ class Advisor:
         if probe is None or model is None or context.read_setup is None or step_function is None:
             return
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
+            return
+        if saved_tensor_hooks_active():  # the user's pair would pack the replay's fake tensors
             return
         training = self._guard.call(Part.REPLAY, context.setup)
         if training is None:

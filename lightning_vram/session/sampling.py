@@ -21,6 +21,7 @@ from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.compiled import compiled_in_place
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.prediction.containment.reach import reach_of
 from lightning_vram.prediction.replay.step import compiled_refusal
@@ -40,6 +41,11 @@ USER_MODE = NotMeasured(
     "a dispatch mode of the training code's (an op counter, a FlopCounterMode) was active when the step began: the"
     " monitor's saved-tensor hooks would change the ops it sees (autograd saves tensors differently under them);"
     " those steps were not counted",
+)
+USER_HOOKS = NotMeasured(
+    "tensor-by-tensor attribution on some sampled steps",
+    "saved-tensor hooks of the training code's (around fit, a callback's, save_on_cpu) were active when the step"
+    " began: torch runs only the innermost pair, and the monitor's would replace them; those steps were not counted",
 )
 LIVE_PEAK = "the live peak (every tensor alive) of some sampled steps"
 """What a sampled step whose live count stood aside did not measure: its peaks are the sums of the counted parts."""
@@ -93,6 +99,9 @@ class Sampler:
         leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
         if dispatch_mode_active():  # the user's mode would see autograd save differently: stand aside, decided now
             self._notes.setdefault("user-mode", USER_MODE)
+            return True
+        if saved_tensor_hooks_active():  # the monitor's pair would replace the user's: stand aside, decided now
+            self._notes.setdefault("user-hooks", USER_HOOKS)
             return True
         context = self._context
         started: list[StepAttributor] = []
