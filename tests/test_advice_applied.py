@@ -87,7 +87,7 @@ CHECKPOINT_CODE = {
     "resnet": "# in the forward of `network`, replace the call of each unit by",
     # A wrapper in place of each block: the loop in TinyGPT's forward calls them as before.
     "transformer-modulelist": "    self.network.h[index] = Checkpointed(self.network.h[index])",
-    "sequential-cnn": "x = checkpoint_sequential(self.network, segments=",
+    "sequential-cnn": "    segment = self.network[start:end]\n    x = checkpoint_keeping_buffers(segment, segment, x)",
 }
 
 

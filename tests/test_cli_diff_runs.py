@@ -113,7 +113,7 @@ def test_a_checkpointing_plan_b_applied_as_printed_is_checked_against_as_replay(
 ) -> None:
     before, _ = runs
     advice, code = checkpointing_advice(before)
-    assert "checkpoint_sequential(self.network, segments=4, input=x, use_reentrant=False)" in code
+    assert "for start, end in ((0, 4), (4, 8), (8, 12)):\n    segment = self.network[start:end]" in code
     # B re-ran each checkpointed segment in backward, last first; A recomputed nothing.
     assert checkpointed["recomputed_units"] == [
         [f"network.{index}" for index in range(start, start + 4)] for start in (8, 4, 0)

@@ -137,7 +137,10 @@ def test_live_stands_aside_under_a_mode_entered_after_it_and_leaves_that_mode_in
     live.__exit__(None, None, None)
 
 
-def test_a_run_under_a_dispatch_mode_keeps_the_counted_peaks_and_says_so(tmp_path: Path) -> None:
+def test_a_run_under_a_dispatch_mode_stands_aside_and_says_so(tmp_path: Path) -> None:
+    """The monitor's saved-tensor hooks change the ops autograd runs (it saves tensors differently under them): the
+    user's mode must see what it sees without the monitor, so sampled steps are not counted (tests/hostile/
+    test_dispatch_modes.py compares the ops)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class PassThrough(TorchDispatchMode):  # type: ignore[misc]
@@ -150,10 +153,8 @@ def test_a_run_under_a_dispatch_mode_keeps_the_counted_peaks_and_says_so(tmp_pat
     with PassThrough():
         fit(tmp_path, CASES["resnet"][0], images(32), 8, monitor)
     report = monitor.report
-    assert report is not None and report.peak is not None and report.peak.breakdown is not None
-    assert report.peak.breakdown.other is None
-    assert report.peak.peak_bytes == report.peak.breakdown.counted_bytes
-    assert any("live peak" in note.what and "dispatch mode" in note.reason for note in report.not_measured)
+    assert report is not None and (report.peak is None or report.peak.breakdown is None)
+    assert any("attribution" in note.what and "dispatch mode" in note.reason for note in report.not_measured)
 
 
 def test_on_cuda_the_allocator_is_the_live_count_and_none_runs(tmp_path: Path) -> None:
