@@ -229,3 +229,22 @@ def test_utilization_of_a_run_shorter_than_the_sampling_interval_reads_not_appli
     assert report is not None and report.timing.gpu_utilization_mean is None
     assert timing_line(report).endswith("GPU utilization n/a (run shorter than the sampling interval of 0.5 s)")
     assert {"what": "GPU utilization", "reason": short.reason} in report.to_dict()["not_measured"]
+
+
+def test_a_batch_that_accumulates_credits_its_peak_to_a_phase_it_ran(tmp_path: Path) -> None:
+    # Under accumulate_grad_batches=2 every other batch runs no optimizer step (three reads when read phase by phase:
+    # start, before backward, end). The optimizer step peaks on the batches that step; batch 10 accumulates, is read
+    # once, and its new peak goes to backward, the phase it ended in, not to the optimizer step it never ran.
+    accumulating = [*phase_by_phase(300 * MIB, 350 * MIB, 0)[:2], ScriptedBoundary(BASE, RESERVED, 350 * MIB)]
+    stepping = phase_by_phase(300 * MIB, 350 * MIB, 400 * MIB)
+    script = [*(accumulating + stepping) * (PHASE_READ_STEPS // 2), *read_once(500 * MIB), *stepping]
+    probe = ScriptedProbe(script)
+    monitor = VramMonitor(probe=probe, attribution_start_step=100, console_summary=False)
+    fit = trainer(tmp_path, [monitor], max_steps=PHASE_READ_STEPS // 2 + 1, accumulate_grad_batches=2)
+    fit.fit(Classifier(linear_net(), OPTIMIZERS["sgd"]), loader(dataset_for("linear")))
+    report = monitor.report
+    assert report is not None and report.steps == PHASE_READ_STEPS + 2
+    assert probe.reads == (3 + 4) * (PHASE_READ_STEPS // 2) + 1 + 4
+    assert report.peak is not None
+    assert (report.peak.step, report.peak.phase, report.peak.peak_bytes) == (10, Phase.BACKWARD, 500 * MIB)
+    assert report.phases[Phase.OPTIMIZER].peak_bytes == 400 * MIB

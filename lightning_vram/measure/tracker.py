@@ -162,15 +162,16 @@ class MemoryTracker:
         """A step ended that is not folded (the tracker failed): it still counts."""
         self.steps += 1
 
-    def end_step_read_once(self, reading: AllocatorReading) -> bool:
+    def end_step_read_once(self, reading: AllocatorReading, last: Phase) -> bool:
         """Fold a step read once, at its end, its peak reset at its start: ``reading``'s peak is the step's peak.
 
         Which phase held it was not read: it is credited to the phase that peaked on the last step read phase by
-        phase. Returns whether it set a new run peak (the caller reads the next step phase by phase; that step's
-        record replaces the credited one where it reaches the same bytes).
+        phase, or to ``last``, the phase the step ended in, where it ended before that one (a batch that accumulates
+        gradients runs no optimizer step). Returns whether it set a new run peak (the caller reads the next step
+        phase by phase; that step's record replaces the credited one where it reaches the same bytes).
         """
         self._observe(reading)
-        slot = self._current[self._peak_phase]
+        slot = self._current[min(self._peak_phase, SLOT[last])]
         slot[0] = reading.peak_allocated_bytes
         slot[1] = reading.reserved_bytes
         best = self._peak_bytes

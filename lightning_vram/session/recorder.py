@@ -235,12 +235,15 @@ class StepRecorder:
             steps = self.fold_step(None)
         else:
             self.phase = None
-            steps = self._fold_read_once()
+            steps = self._fold_read_once(label)
         self.end_timing()
         return steps
 
-    def _fold_read_once(self) -> int:
-        """Read the allocator once at the end of a step read once and fold it. Returns the steps so far."""
+    def _fold_read_once(self, last: Phase) -> int:
+        """Read the allocator once at the end of a step read once (which ended in ``last``) and fold it.
+
+        Returns the steps so far.
+        """
         guard, tracker, probe = self._guard, self.tracker, self.probe
         off = guard.off
         reading = None
@@ -252,7 +255,7 @@ class StepRecorder:
         if reading is None or TRACKER in off:
             return self.fold_step(None)  # nothing read (or peaks are off): the step still counts
         try:
-            self._next_by_phase = tracker.end_step_read_once(reading)
+            self._next_by_phase = tracker.end_step_read_once(reading, last)
         except Exception as error:  # noqa: BLE001 -- as above
             guard.fail(TRACKER, error)
         return tracker.steps
