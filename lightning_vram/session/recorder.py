@@ -172,7 +172,7 @@ class StepRecorder:
 
     def read_by_phase(self) -> None:
         """Read the step begun as one read once phase by phase after all (it may be sampled): its start read now."""
-        if self._by_phase:
+        if self._by_phase or not self._reads:  # read phase by phase already, or nothing to read (the CPU)
             return
         self._by_phase = True
         reading = self.read()
