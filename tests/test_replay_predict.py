@@ -18,6 +18,9 @@ from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batc
 from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import BatchSizeChange, ReplayedStep
 
+# predict(): the step replayed before training.
+pytestmark = pytest.mark.replay
+
 CONTEXT = 300 * 1024**2
 
 

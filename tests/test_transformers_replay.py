@@ -22,6 +22,9 @@ from lightning_vram.prediction.replay.simulation import simulate
 from lightning_vram.prediction.replay.step import replay_step
 from lightning_vram.records import ReplayedStep, ReplaySkipped
 
+# transformers models replayed.
+pytestmark = pytest.mark.replay
+
 pytest.importorskip("transformers")
 
 
