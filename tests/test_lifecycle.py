@@ -98,7 +98,6 @@ def test_resuming_from_a_checkpoint_written_without_the_monitor_says_so(tmp_path
     assert monitor.report is not None and monitor.report.steps == 2
 
 
-@pytest.mark.replay  # the second monitor's note on the step both sample differs with replays off (reported)
 def test_two_monitors_with_different_settings_work_in_one_trainer_and_resume(tmp_path: Path) -> None:
     often = VramMonitor(attribution_start_step=0, attribution_every_n_steps=1, console_summary=False)
     once = VramMonitor(attribution_start_step=3, attribution_every_n_steps=None, console_summary=False)
