@@ -35,9 +35,11 @@ test: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
-# The inner loop: everything but the multi-process tests (CI and `make test` run all).
+# The inner loop: everything but the multi-process tests and the replay tier (CI and `make test` run all).
+# Tests marked `replay` read what the replay under fake tensors predicts, and replay every change it could advise:
+# `$(BIN)/python -m pytest -m replay` runs that tier alone (tests/conftest.py turns replays off in every other test).
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not distributed"
+	$(BIN)/python -m pytest -m "not distributed and not replay"
 
 benchmark: $(TEST_STAMP)
 	$(BIN)/python benchmarks/overhead.py

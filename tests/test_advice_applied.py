@@ -35,6 +35,9 @@ from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, CheckpointPlan, Phase
 
+# Each run's advice is applied and its estimate checked against the saving realised: the estimate is replayed.
+pytestmark = pytest.mark.replay
+
 # ------------------------------------------------------------------------------------------------ running and applying
 
 

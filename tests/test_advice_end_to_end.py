@@ -16,6 +16,9 @@ from torch.utils.data import Dataset
 from lightning_vram import Report, VramMonitor, VramSession
 from lightning_vram.measure.setup import training_setup
 
+# The advice of real runs, its figures and its words: advice the replay informs.
+pytestmark = pytest.mark.replay
+
 
 def fit(
     tmp_path: Path,

@@ -22,6 +22,10 @@ from lightning_vram.cli import main
 from lightning_vram.codec import report_from_dict, report_to_dict
 from lightning_vram.units import format_bytes, format_percent
 
+# Run B checks run A's replayed predictions; the shared runs replay (the library's defaults, as every fixture
+# wider than a test).
+pytestmark = pytest.mark.replay
+
 
 class AsAdvised(Classifier):
     """The classifier whose forward runs ``code`` (checkpointing advice, as printed) instead of ``self.network(x)``."""

@@ -79,7 +79,16 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
 GUARDED_IN_A_FIT = [part for part in Part if part not in (Part.OOM, Part.HISTORY, Part.STATE, Part.RANKS)]
 
 
-@pytest.mark.parametrize("part", GUARDED_IN_A_FIT, ids=[part.name for part in GUARDED_IN_A_FIT])
+def with_replays(value: object, replayed: bool) -> Any:
+    """The parameter, marked ``replay`` where it is the replay that fails (the tests' monitors replay only if asked)."""
+    return pytest.param(value, marks=pytest.mark.replay) if replayed else value
+
+
+@pytest.mark.parametrize(
+    "part",
+    [with_replays(part, part is Part.REPLAY) for part in GUARDED_IN_A_FIT],
+    ids=[part.name for part in GUARDED_IN_A_FIT],
+)
 def test_a_failing_part_warns_once_is_switched_off_and_training_finishes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: Part
 ) -> None:
@@ -115,7 +124,11 @@ PROBE_METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", list(PROBE_METHODS))
+@pytest.mark.parametrize(
+    "method",
+    [with_replays(method, part is Part.REPLAY) for method, part in PROBE_METHODS.items()],
+    ids=list(PROBE_METHODS),
+)
 def test_a_probe_raising_in_any_method_warns_once_and_the_report_is_written(tmp_path: Path, method: str) -> None:
     assert set(PROBE_METHODS) == {name for name in dir(Probe) if not name.startswith("_")}
     steps = PHASE_READ_STEPS + 2 if method == "reset_peak" else STEPS

@@ -84,6 +84,7 @@ def test_the_cpu_peak_is_what_an_independent_live_count_sees(tmp_path: Path, nam
     assert peak.breakdown is not None and peak.breakdown.other is not None and peak.breakdown.other > 0
 
 
+@pytest.mark.replay  # the replayed phase peaks, judged on the live count
 def test_the_replay_predicts_the_live_peaks_it_is_judged_on(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=SAMPLED, attribution_every_n_steps=None, console_summary=False)
     fit(tmp_path, CASES["gpt2"][0], text(32), 4, monitor)
@@ -197,6 +198,7 @@ def language_model_report(root: Path, module: pl.LightningModule) -> Report:
     return monitor.report
 
 
+@pytest.mark.replay  # the advice of a real run, which the replay informs
 def test_stale_gradients_is_silent_where_freeing_them_frees_nothing_of_the_live_peak(tmp_path: Path) -> None:
     # A language model over a 4096-token vocabulary: its counted parts peak in forward (the gradients alive), but
     # what is alive peaks in backward (the log-probabilities, their gradient and the logits' gradient).

@@ -18,6 +18,9 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.records import BatchSizeChange, ReplayedStep
 
+# predict(): the step replayed before training.
+pytestmark = pytest.mark.replay
+
 CONTEXT = 300 * 1024**2
 
 
