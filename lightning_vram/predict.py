@@ -52,8 +52,10 @@ def predict(
         module: a LightningModule (its ``training_step`` and ``configure_optimizers`` are used), on any device.
         batch: one batch as ``training_step`` receives it; only its shapes and dtypes matter.
         precision: the precision to train in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
-        device_type: the device to predict for. Without a CUDA device torch cannot fake CUDA tensors (a CPU-only
-            build aborts): the step is replayed on the CPU then, and the prediction says so in its notes.
+        device_type: the device to predict for. Without a CUDA device, a CUDA build of torch replays the step on
+            fake CUDA tensors (backward walked in Python, :mod:`~lightning_vram.prediction.replay.backward`); a
+            CPU-only build cannot fake CUDA tensors: the step is replayed on the CPU then. Either way the
+            prediction says so in its notes.
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`
@@ -128,6 +130,13 @@ def _expected_shape(batch: Any, max_length: int | None, max_shape: tuple[int, ..
     return max_shape
 
 
+FAKE_CUDA_NOTE = (
+    "replayed on fake CUDA tensors without a CUDA device (this torch is a CUDA build): backward walked the autograd"
+    " graph in Python, where hooks on tensors and autograd nodes do not run"
+)
+"""The note of a prediction for CUDA made on a machine without one, by a CUDA build of torch."""
+
+
 def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
     """The device to replay on for ``device_type``, and a note where it is another one."""
     if not isinstance(device_type, str):
@@ -140,6 +149,8 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
         raise ValueError(
             f"device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got {device_type!r}"
         ) from None
+    if device.type == "cuda" and not torch.cuda.is_available() and torch.backends.cuda.is_built():
+        return device, (FAKE_CUDA_NOTE,)
     if device.type == "cuda" and not torch.cuda.is_available():
         note = (
             "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"

@@ -77,21 +77,21 @@ def rebuild_optimizer(
         for parameter, state in states:
             fake_parameter = parameters[id(parameter)]
             rebuilt.state[fake_parameter] = {
-                key: _follow_dtype(value, parameter, fake_parameter) for key, value in fake_value(state, mode).items()
+                key: value if key == "step" else _follow_dtype(value, parameter, fake_parameter)
+                for key, value in fake_value(state, mode).items()
             }
     return rebuilt
 
 
 def _follow_dtype(value: Any, real: Tensor, fake: Tensor) -> Any:
-    """A parameter-shaped floating state tensor in the dtype of the fake parameter, when the replay cast it."""
-    if (
-        isinstance(value, Tensor)
-        and value.is_floating_point()
-        and value.shape == real.shape
-        and real.dtype != fake.dtype
-        and fake.is_floating_point()
-    ):
-        return value.to(fake.dtype)
+    """A parameter-shaped floating state tensor in the dtype of the fake parameter, when the replay cast it, and on
+    the fake parameter's device, when the replay moved it (``placement``)."""
+    if not isinstance(value, Tensor) or value.shape != real.shape:
+        return value
+    if value.is_floating_point() and real.dtype != fake.dtype and fake.is_floating_point():
+        value = value.to(fake.dtype)
+    if value.device != fake.device:
+        value = value.to(fake.device)
     return value
 
 
@@ -119,3 +119,29 @@ def _optimizers_in(value: Any) -> list[torch.optim.Optimizer]:
             return _optimizers_in(value[0])
         return [optimizer for item in value for optimizer in _optimizers_in(item)]
     raise TypeError(f"configure_optimizers returned {type(value).__name__}, which holds no optimizer Lightning knows")
+
+
+def follow_default_path(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Each param group that leaves ``foreach`` and ``fused`` to torch takes the path torch gives real parameters.
+
+    torch picks the foreach path only for parameters whose type is exactly ``Tensor`` or ``Parameter``
+    (``_default_to_fused_or_foreach``): a fake parameter would always take the for-loop path, which holds one
+    parameter's temporaries at a time where the foreach path holds every parameter's. A group whose parameters are
+    all on a device with foreach kernels (CUDA) is set to ``foreach=True``, as the real parameters resolve it.
+    """
+    supported = _foreach_devices()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if "foreach" not in group or group["foreach"] is not None or group.get("fused") or group.get("differentiable"):
+                continue
+            if group["params"] and all(parameter.device.type in supported for parameter in group["params"]):
+                group["foreach"] = True
+
+
+def _foreach_devices() -> list[str]:
+    """The device types torch has foreach kernels for (its private list; CUDA alone where it is missing)."""
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    except ImportError:  # pragma: no cover -- present in every torch this project supports
+        return ["cuda"]
+    return list(_get_foreach_kernels_supported_devices())

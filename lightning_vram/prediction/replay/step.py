@@ -41,6 +41,7 @@ from lightning_vram.prediction.containment.escapes import register
 from lightning_vram.prediction.containment.isolation import isolated
 from lightning_vram.prediction.containment.reach import WALK_LIMIT, Reach, reach_of
 from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
+from lightning_vram.prediction.replay.backward import engine_can_run, graph_backward
 from lightning_vram.prediction.replay.batches import (
     move_batch,
     resize_batch,
@@ -168,7 +169,10 @@ class _Run:
         if counter is not None and live is not None:
             counter.before_backward()
             live.start_phase(Phase.BACKWARD)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+        if engine_can_run(self.device):
+            loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+        else:
+            graph_backward(loss)
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)

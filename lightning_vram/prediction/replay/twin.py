@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.measure.tensors import iter_tensors
-from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensorMode
-from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
+from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
+from lightning_vram.prediction.replay.optimizers import configured_optimizers, follow_default_path, rebuild_optimizer
 
 _ARRAY_DEPTH = 3
 """How deep into attributes, lists and dicts :func:`shared_arrays` looks for NumPy arrays."""
@@ -90,10 +90,17 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
-    """Move the (fake) module's parameters and buffers to ``device`` in place (``.data``, keeping each object)."""
+    """Move the (fake) module's parameters and buffers to ``device`` in place (``.data``, keeping each object).
+
+    Setting ``.data`` gives a fake tensor the moved tensor's dispatch keys but not its device, which a fake tensor
+    keeps apart (``fake_device``): that is set too, or the parameter would still say it is on the CPU.
+    """
     for tensor in (*module.parameters(), *module.buffers()):
         if tensor.device != device:
-            tensor.data = tensor.data.to(device)
+            moved = tensor.data.to(device)
+            tensor.data = moved
+            if isinstance(tensor, FakeTensor) and isinstance(moved, FakeTensor):
+                tensor.fake_device = moved.fake_device
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -146,10 +153,11 @@ def make_twin(
             parameters[id(real)] = fake
             if real.grad is not None:
                 grad = mode.from_tensor(real.grad, static_shapes=True)
-                fake.grad = grad if grad.dtype == fake.dtype else grad.to(fake.dtype)
+                fake.grad = grad if (grad.dtype, grad.device) == (fake.dtype, fake.device) else grad.to(fake.device, fake.dtype)
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
+    follow_default_path(configured)
     batch_copy, batch_tensors, batch_values = fake_batch(batch, mode, substitutes)
     return Twin(copied, configured, batch_copy, batch_tensors, batch_values)
 
