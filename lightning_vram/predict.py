@@ -149,7 +149,8 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
         raise ValueError(
             f"device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got {device_type!r}"
         ) from None
-    if device.type == "cuda" and not torch.cuda.is_available() and torch.backends.cuda.is_built():
+    cuda_build: bool = torch.backends.cuda.is_built()  # type: ignore[no-untyped-call]  # torch ships it unannotated
+    if device.type == "cuda" and not torch.cuda.is_available() and cuda_build:
         return device, (FAKE_CUDA_NOTE,)
     if device.type == "cuda" and not torch.cuda.is_available():
         note = (

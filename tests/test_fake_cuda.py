@@ -57,7 +57,8 @@ class OpRecorder(TorchDispatchMode):  # type: ignore[misc]  # torch ships TorchD
         name = func.overloadpacket.__name__
         if name not in UNCOUNTED:
             outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-            self.ops.append((name, tuple(t.untyped_storage().nbytes() for t in outputs), tuple(t.dtype for t in outputs)))
+            sizes = tuple(t.untyped_storage().nbytes() for t in outputs)
+            self.ops.append((name, sizes, tuple(t.dtype for t in outputs)))
         return out
 
 
@@ -126,6 +127,28 @@ def test_graph_backward_gives_the_engines_gradients() -> None:
         assert have is not None
         torch.testing.assert_close(have, want)
         assert have.stride() == want.stride()  # laid out as the engine lays a leaf's gradient out
+
+
+class Cube(torch.autograd.Function):
+    """A Python autograd node, with a second output that gets no gradient (the engine hands it zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x)
+        return x**3, x * 2
+
+    @staticmethod
+    def backward(ctx: Any, cubed: torch.Tensor, doubled: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * cubed + 2 * doubled
+
+
+def test_graph_backward_runs_python_autograd_functions() -> None:
+    weight = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+    graph_backward(Cube.apply(weight)[0].sum())
+    assert weight.grad is not None
+    torch.testing.assert_close(weight.grad, 3 * torch.linspace(-1.0, 1.0, 6) ** 2 + 0.0)
+    assert weight.grad[0].item() == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("build", [conv_model, lambda: Classifier(mlp(), OPTIMIZERS["adam"])], ids=["conv", "mlp"])

@@ -13,6 +13,7 @@ from replay_models import ARCHITECTURES, counted_step
 from torch import nn
 
 from lightning_vram import predict
+from lightning_vram.predict import FAKE_CUDA_NOTE
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.prediction.replay.step import replay_step
@@ -73,6 +74,8 @@ def test_cuda_prediction_without_a_cuda_device_replays_on_the_cpu_and_says_so() 
     assert prediction.step is not None
     if torch.cuda.is_available():
         assert prediction.step.device_type == "cuda" and prediction.notes == ()
+    elif torch.backends.cuda.is_built():  # a CUDA build fakes CUDA tensors without a device (docs/fake-cuda.md)
+        assert prediction.step.device_type == "cuda" and prediction.notes == (FAKE_CUDA_NOTE,)
     else:
         assert prediction.step.device_type == "cpu"
         assert any("replayed on the CPU" in note for note in prediction.notes)

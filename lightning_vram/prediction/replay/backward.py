@@ -46,9 +46,11 @@ def _graph_dependencies(root: Any) -> dict[Any, int]:
 
 
 def _accumulate(node: Any, gradient: Tensor) -> None:
-    """``AccumulateGrad``: the leaf's own hooks first (``Tensor.register_hook``), then the leaf takes the gradient
-    over (laid out as the leaf) or adds it in place, then its post-accumulate hooks run
-    (``Tensor.register_post_accumulate_grad_hook``; the replay's counter hears of each gradient through one)."""
+    """``AccumulateGrad``: the leaf takes the gradient over (laid out as the leaf), or adds it in place.
+
+    The leaf's own hooks run first (``Tensor.register_hook``), its post-accumulate hooks after
+    (``Tensor.register_post_accumulate_grad_hook``: the replay's counter hears of each gradient through one).
+    """
     variable: Tensor = node.variable
     for hook in tuple((getattr(variable, "_backward_hooks", None) or {}).values()):
         replaced = hook(gradient)

@@ -84,8 +84,10 @@ def rebuild_optimizer(
 
 
 def _follow_dtype(value: Any, real: Tensor, fake: Tensor) -> Any:
-    """A parameter-shaped floating state tensor in the dtype of the fake parameter, when the replay cast it, and on
-    the fake parameter's device, when the replay moved it (``placement``)."""
+    """A parameter-shaped state tensor as the fake parameter is: its dtype where the replay cast it (floating).
+
+    And on its device, where the replay moved it (``placement``).
+    """
     if not isinstance(value, Tensor) or value.shape != real.shape:
         return value
     if value.is_floating_point() and real.dtype != fake.dtype and fake.is_floating_point():
@@ -132,7 +134,7 @@ def follow_default_path(optimizers: list[torch.optim.Optimizer]) -> None:
     supported = _foreach_devices()
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            if "foreach" not in group or group["foreach"] is not None or group.get("fused") or group.get("differentiable"):
+            if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
                 continue
             if group["params"] and all(parameter.device.type in supported for parameter in group["params"]):
                 group["foreach"] = True

@@ -153,7 +153,8 @@ def make_twin(
             parameters[id(real)] = fake
             if real.grad is not None:
                 grad = mode.from_tensor(real.grad, static_shapes=True)
-                fake.grad = grad if (grad.dtype, grad.device) == (fake.dtype, fake.device) else grad.to(fake.device, fake.dtype)
+                same = (grad.dtype, grad.device) == (fake.dtype, fake.device)
+                fake.grad = grad if same else grad.to(fake.device, fake.dtype)
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
