@@ -25,7 +25,8 @@ from lightning_vram import predict
 from lightning_vram.predict import FAKE_CUDA_NOTE
 from lightning_vram.prediction.replay.backward import graph_backward
 from lightning_vram.prediction.replay.step import replay_step
-from lightning_vram.records import Phase, ReplayedStep
+from lightning_vram.records import CheckpointChange, Phase, ReplayedStep
+from lightning_vram.records.advice import CheckpointPlan
 
 CUDA = torch.device("cuda")
 FAKE_CUDA_REASON = (
@@ -165,6 +166,33 @@ def test_graph_backward_replays_as_the_engine_does(build: Any) -> None:
         assert walked_step.phases[phase].breakdown == engine_step.phases[phase].breakdown
 
 
+GPT2_BLOCKS = CheckpointPlan(
+    "model.transformer.h",
+    (("model.transformer.h.0",), ("model.transformer.h.1",)),
+    None,
+    0,
+    "model.transformer",
+)
+
+
+def test_graph_backward_recomputes_and_frees_checkpointed_units_as_the_engine_does() -> None:
+    """Non-reentrant checkpointing outside the engine: each unit recomputed once, its frame freed when spent.
+
+    GPT-2's blocks pass a cache of every layer's keys and values: without the walk emptying spent frames, a cycle
+    through autograd's C++ kept both frames and 214,144 bytes alive to the end of the step.
+    """
+    module, batch = language_model(), tokens()
+    change = CheckpointChange(GPT2_BLOCKS)
+    engine_step, engine_ops = recorded_replay(module, batch, change=change)
+    with without_engine():
+        walked_step, walked_ops = recorded_replay(module, batch, change=change)
+    assert walked_ops == engine_ops
+    assert names(walked_ops).count("addmm") == 16  # 8 in forward, 8 in the two units' recomputation
+    assert peaks(walked_step) == peaks(engine_step) == {"forward": 1580200, "backward": 2349576, "optimizer": 4455028}
+    for phase in Phase:
+        assert walked_step.phases[phase].breakdown == engine_step.phases[phase].breakdown
+
+
 # -- Fake CUDA without a device (a CUDA build of torch) -------------------------------------------------------
 
 
@@ -279,3 +307,15 @@ def test_predict_on_fake_cuda() -> None:
         "optimizer": 4614144,
     }
     assert prediction.fit and all(row.max_batch_size > 4 for row in prediction.fit)
+
+
+@pytest.mark.fake_cuda
+@on_fake_cuda
+def test_checkpointed_gpt2_on_fake_cuda() -> None:
+    """The replay's checkpointing variant on fake CUDA: recomputed once, with the step's optimizer peak unchanged."""
+    step, ops = recorded_replay(language_model(), tokens(), placement=CUDA, change=CheckpointChange(GPT2_BLOCKS))
+    assert names(ops).count("addmm") == 16
+    assert peaks(step) == {"forward": 1574400, "backward": 2358784, "optimizer": 4614144}
+    (_, _), (full_step, _) = cpu_and_cuda_language_model()
+    assert peaks(step)["forward"] < peaks(full_step)["forward"]
+    assert peaks(step)["optimizer"] == peaks(full_step)["optimizer"]

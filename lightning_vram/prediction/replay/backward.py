@@ -18,12 +18,17 @@ hooks on autograd nodes and on tensors that are not leaves (``Node.register_hook
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
+
+from lightning_vram.measure._recompute import walking_node
 
 _ACCUMULATE_GRAD = "AccumulateGrad"
 
@@ -76,6 +81,16 @@ def _as_input(node: Any, index: int, gradient: Tensor) -> Tensor:
     return gradient
 
 
+def _one_graph_task() -> contextlib.AbstractContextManager[Any]:
+    """One id for the whole walk where non-reentrant checkpointing asks for the engine's graph task.
+
+    Outside the engine it makes a new id at every unpack, and so recomputes its unit for every tensor it saved
+    (GPT-2's two blocks: 248 matrix products where 16 run); ``GraphExecGroup`` (in torch 2.13 and 2.14) gives it one.
+    """
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    return contextlib.nullcontext() if group is None else group()
+
+
 def _run(node: Any, inputs: list[Tensor | None]) -> Any:
     """Run one node: torch's own (a C++ node, callable) or an ``autograd.Function``'s (its ``apply``).
 
@@ -92,8 +107,33 @@ def _run(node: Any, inputs: list[Tensor | None]) -> Any:
     return node.apply(*inputs)
 
 
-def graph_backward(loss: Tensor) -> None:
-    """``loss.backward()`` for a scalar ``loss``, without autograd's engine; the loss is detached afterwards."""
+def _spent(frame: Any) -> bool:
+    """Whether a non-reentrant checkpoint frame has recomputed and every tensor it saved has been unpacked."""
+    if not any(getattr(frame, "is_recomputed", {}).values()):
+        return False
+    holders = [reference() for reference in getattr(frame, "weak_holders", ())]
+    return all(holder is None or all(handle is None for handle in holder.handles.values()) for holder in holders)
+
+
+def _release_spent(frames: list[Any]) -> list[Any]:
+    """Empty the spent frames (:func:`_spent`); the others, still to be spent."""
+    pending = []
+    for frame in frames:
+        if _spent(frame):
+            vars(frame).clear()
+        else:
+            pending.append(frame)
+    return pending
+
+
+def graph_backward(loss: Tensor, checkpoint_frames: Iterable[Any] = ()) -> None:
+    """``loss.backward()`` for a scalar ``loss``, without autograd's engine; the loss is detached afterwards.
+
+    ``checkpoint_frames``: the non-reentrant checkpoint frames the step made. Each is emptied once its unit has been
+    recomputed and all it saved unpacked, when the engine would have freed it: what a frame holds (its unit's inputs,
+    a transformers cache of every layer's keys and values) can reach the nodes that hold the frame, a cycle through
+    autograd's C++ that the engine breaks by releasing each node's saved tensors, and the garbage collector cannot see.
+    """
     root = loss.grad_fn
     if root is None:
         raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
@@ -101,10 +141,11 @@ def graph_backward(loss: Tensor) -> None:
     dependencies = _graph_dependencies(root)
     buffers: dict[Any, list[Tensor | None]] = {root: [seed]}
     loss.detach_()  # the loss lets go of the graph: each node (and what it saved) is freed once it has run
+    frames = list(checkpoint_frames)
     order = itertools.count()
     ready: list[tuple[int, int, Any]] = [(-root._sequence_nr(), next(order), root)]
     del root
-    with torch.no_grad():
+    with torch.no_grad(), _one_graph_task():
         while ready:
             node = heapq.heappop(ready)[2]
             inputs = buffers.pop(node)
@@ -112,10 +153,12 @@ def graph_backward(loss: Tensor) -> None:
                 gradient = inputs[0]
                 del inputs
                 if gradient is not None:
-                    _accumulate(node, gradient)
+                    with walking_node(node._sequence_nr()):
+                        _accumulate(node, gradient)
                 del gradient, node
                 continue
-            outputs = _run(node, inputs)
+            with walking_node(node._sequence_nr()):
+                outputs = _run(node, inputs)
             del inputs
             if not isinstance(outputs, tuple):
                 outputs = (outputs,)
@@ -134,6 +177,8 @@ def graph_backward(loss: Tensor) -> None:
                     del dependencies[child]
                     heapq.heappush(ready, (-child._sequence_nr(), next(order), child))
             del outputs, node
+            if frames:
+                frames = _release_spent(frames)
     del seed
 
 

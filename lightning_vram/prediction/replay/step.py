@@ -134,6 +134,8 @@ class _Run:
         self.change = change
         self.step_function = step_function
         self.placement = placement
+        self.checkpoint_frames: CheckpointFrames | None = None
+        """The replay's record of checkpoint frames, handed to a backward walked without the engine."""
 
     def prepare_module(self, module: nn.Module) -> None:
         if self.placement is not None:
@@ -172,7 +174,7 @@ class _Run:
         if engine_can_run(self.device):
             loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
         else:
-            graph_backward(loss)
+            graph_backward(loss, self.checkpoint_frames.recorded() if self.checkpoint_frames is not None else ())
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)
@@ -348,6 +350,7 @@ def replay_step(
         return ReplaySkipped(refusal)
     counter: ReplayCounter | None = None
     frames = CheckpointFrames()
+    run.checkpoint_frames = frames
     try:
         reach.arrays += shared
         with isolated(), contained(reach) as containment, frames:  # the copy's configure_optimizers is user code too
