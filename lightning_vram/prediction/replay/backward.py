@@ -11,9 +11,13 @@ out of place, and a leaf's gradient taken over (or added in place) as ``Accumula
 its graph first, so that each node, and what it saved, is freed once it has run, as the engine's
 ``release_variables`` frees it.
 
-A leaf's hooks run (``Tensor.register_hook`` and ``register_post_accumulate_grad_hook`` on a parameter). Not run:
-hooks on autograd nodes and on tensors that are not leaves (``Node.register_hook``, module backward hooks,
-``retain_grad``), whose registries torch keeps in C++; ``create_graph``; ``torch.autograd.grad``.
+Non-reentrant checkpointing works as under the engine: the walk is one ``GraphExecGroup`` (one recomputation per
+unit), tells the monitor's counting which node runs (:func:`~lightning_vram.measure._recompute.walking_node`), and
+empties each checkpoint frame once spent. A leaf's hooks run (``Tensor.register_hook`` and
+``register_post_accumulate_grad_hook`` on a parameter). Not run: hooks on autograd nodes and on tensors that are not
+leaves (``Node.register_hook``, module backward hooks, ``retain_grad``), whose registries torch keeps in C++;
+``create_graph``; anything that calls the engine itself (``torch.autograd.grad``, reentrant checkpointing): that
+raises torch's error, and the replay is skipped with it.
 """
 
 from __future__ import annotations

@@ -136,6 +136,8 @@ def follow_default_path(optimizers: list[torch.optim.Optimizer]) -> None:
         for group in optimizer.param_groups:
             if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
                 continue
+            if isinstance(group.get("lr"), Tensor) and not group.get("capturable"):
+                continue  # Adam's own exception: a tensor lr keeps the for-loop unless capturable
             if group["params"] and all(parameter.device.type in supported for parameter in group["params"]):
                 group["foreach"] = True
 
