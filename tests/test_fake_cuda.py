@@ -319,3 +319,38 @@ def test_checkpointed_gpt2_on_fake_cuda() -> None:
     (_, _), (full_step, _) = cpu_and_cuda_language_model()
     assert peaks(step)["forward"] < peaks(full_step)["forward"]
     assert peaks(step)["optimizer"] == peaks(full_step)["optimizer"]
+
+
+@pytest.mark.fake_cuda
+@on_fake_cuda
+def test_trained_cpu_model_replayed_on_fake_cuda() -> None:
+    """A model trained on the CPU, with gradients and AdamW's state, replayed with ``placement=cuda``.
+
+    Before the placement fix a fake parameter moved by ``.data`` still said ``cpu`` and the step failed with
+    ``FakeTensorDeviceMismatchError``; its gradients and state follow it now (AdamW's ``step`` stays on the CPU).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(5, 8)
+    model(batch).sum().backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    steps = {
+        device: replay_step(model, [optimizer], batch, step_function=lambda m, x: m(x).sum(), placement=device)
+        for device in (None, CUDA)
+    }
+    cpu_step, cuda_step = steps[None], steps[CUDA]
+    assert isinstance(cpu_step, ReplayedStep) and isinstance(cuda_step, ReplayedStep)
+    cpu_forward, cuda_forward = cpu_step.phases[Phase.FORWARD].breakdown, cuda_step.phases[Phase.FORWARD].breakdown
+    assert (
+        (cuda_forward.parameters, cuda_forward.gradients)
+        == (cpu_forward.parameters, cpu_forward.gradients)
+        == (
+            848,
+            848,
+        )
+    )
+    assert cpu_forward.optimizer_state == 1712 and cuda_forward.optimizer_state == 1712 - 4 * 4  # steps on the CPU
+    assert peaks(cuda_step)["forward"] == 10240 and peaks(cpu_step)["forward"] == 4208
+    state = optimizer.state[model[0].weight]
+    assert model[0].weight.device.type == state["exp_avg"].device.type == "cpu"  # the real ones untouched
