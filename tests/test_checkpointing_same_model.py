@@ -30,6 +30,8 @@ from lightning_vram.advice.checkpoint_code import KEEPING_BUFFERS, checkpoint_sn
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.records import Advice, CheckpointPlan
 
+pytestmark = pytest.mark.replay  # the advice and its saving come from the replay
+
 
 def conv_block(inputs: int, outputs: int) -> nn.Sequential:
     return nn.Sequential(
