@@ -2,17 +2,20 @@
 
 torch runs only the innermost pair of ``saved_tensors_hooks``: a sampled step's counting hooks would replace the
 user's (their compression, their offloading to the CPU) for that step. Where a pair is active when a step begins,
-the monitor stands aside for it. ``torch._C._autograd._top_saved_tensors_default_hooks`` is private; where a torch
-lacks it, no pair is known (and the walk of the code still finds ``saved_tensors_hooks`` and ``save_on_cpu``).
+the monitor stands aside for it. A pair a monitor's own counting left on the stack (a session abandoned on a sampled
+step) is not the user's. ``torch._C._autograd._top_saved_tensors_default_hooks`` is private; where a torch lacks it,
+no pair is known (and the walk of the code still finds ``saved_tensors_hooks`` and ``save_on_cpu``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightning_vram.measure.accounting import StepAttributor
+
 
 def saved_tensor_hooks_active() -> bool:
-    """Whether a pair of saved-tensor hooks is active on this thread now.
+    """Whether a pair of saved-tensor hooks other than a monitor's own is innermost on this thread now.
 
     >>> with torch.autograd.graph.save_on_cpu():
     ...     saved_tensor_hooks_active()
@@ -21,4 +24,5 @@ def saved_tensor_hooks_active() -> bool:
     False
     """
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
+    pair = top(False) if top is not None else None
+    return pair is not None and not isinstance(getattr(pair[0], "__self__", None), StepAttributor)
