@@ -11,7 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_vram.advice.rules.mixed_precision import not_advised
-from lightning_vram.records import COUNTED_PARTS, BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
+from lightning_vram.records import (
+    COUNTED_PARTS,
+    BaselineMatch,
+    Calibration,
+    Phase,
+    ReplayedStep,
+    Report,
+    Simulation,
+    in_phase_order,
+)
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 200
@@ -29,12 +38,16 @@ class Table:
 
 @dataclass(frozen=True)
 class SimulationView:
-    """What the report says about its simulation: a sentence, the baseline's table, the changes' table, notes."""
+    """What the report says about its simulation: a sentence, the baseline's table, the changes' table, notes.
+
+    ``calibration``: the replay's error, the sampled step's allocator peaks beside the replay's (CUDA only).
+    """
 
     summary: str
     baseline: Table | None
     variants: Table | None
     notes: tuple[str, ...]
+    calibration: Table | None = None
 
 
 def signed_bytes(num_bytes: int) -> str:
@@ -112,6 +125,57 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
     return Table(tuple(header), numeric, tuple(rows))
 
 
+def error_text(error: float | None) -> str:
+    """A relative error as a signed percentage (``n/a`` when unknown).
+
+    >>> error_text(-0.0312), error_text(None)
+    ('-3.12%', 'n/a')
+    """
+    return "n/a" if error is None else f"{error:+.2%}"
+
+
+def calibration_table(calibration: Calibration) -> Table:
+    """The replay's error: each phase's replayed and measured allocated and reserved peaks, and what is carried."""
+    header = (
+        "phase",
+        "replayed allocated",
+        "measured allocated",
+        "the replay's error",
+        "replayed reserved",
+        "measured reserved",
+        "the replay's error (reserved)",
+        "carried",
+    )
+    rows = tuple(
+        (
+            phase.phase.value,
+            format_bytes(phase.replayed_allocated_bytes),
+            format_bytes(phase.measured_allocated_bytes),
+            error_text(phase.allocated_error),
+            format_bytes(phase.replayed_reserved_bytes),
+            format_bytes(phase.measured_reserved_bytes),
+            error_text(phase.reserved_error),
+            format_bytes(phase.unseen_bytes),
+        )
+        for phase in calibration.phases
+    )
+    return Table(header, (False, True, True, True, True, True, True, True), rows)
+
+
+def _calibration_notes(simulation: Simulation) -> tuple[str, ...]:
+    """What the calibration carried, in words (none when nothing was)."""
+    calibration = simulation.calibration
+    if calibration is None or not calibration.carries:
+        return ()
+    carried = sum(calibration.unseen_bytes.values())
+    return (
+        f"The replay's error: sampled step {calibration.step} held more than the replay in some phase (cuDNN or"
+        " cuBLASLt workspaces, anything else the replay cannot see); what it held beyond the replay, phase by phase"
+        f" ({format_bytes(carried)} in all), is carried into every prediction of this run (the replayed baseline,"
+        " each change, the batch sizes of the fit table).",
+    )
+
+
 def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | None:
     if not simulation.variants:
         return None
@@ -150,7 +214,8 @@ def simulation_view(report: Report) -> SimulationView | None:
         summary=_summary(simulation),
         baseline=_baseline_table(report, simulation, baseline),
         variants=_variants_table(baseline, simulation) if trusted else None,
-        notes=baseline.notes + _fit_notes(simulation),
+        notes=_calibration_notes(simulation) + baseline.notes + _fit_notes(simulation),
+        calibration=calibration_table(simulation.calibration) if simulation.calibration is not None else None,
     )
 
 

@@ -301,7 +301,7 @@ def markdown(report: Report) -> str:
             lines += ["", *markdown_table(table)]
     if (view := simulation_view(report)) is not None:
         lines += ["", "## Simulation", "", escape_markdown(view.summary)]
-        for table in (view.baseline, view.variants):
+        for table in (view.baseline, view.calibration, view.variants):
             if table is not None:
                 lines += ["", *markdown_table(table)]
         if view.notes:

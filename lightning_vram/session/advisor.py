@@ -26,8 +26,10 @@ from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
+from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.records import (
     Advice,
     AllocatorReading,
@@ -38,6 +40,7 @@ from lightning_vram.records import (
     LengthPeak,
     OomDiagnosis,
     Phase,
+    PhasePeak,
     PreflightVerdict,
     ReplayedStep,
     RunSummary,
@@ -204,6 +207,8 @@ class Advisor:
             if reason is not None or step_function is None:
                 return Simulation(context.device.type, None, None, reason, (), 0.0)
             run = summary()
+            measured = _sampled_peaks(run, attribution.step)
+            settings = run_settings() if measured is not None else None
             predictor = Predictor(
                 model,
                 context.current_optimizers(),
@@ -214,6 +219,8 @@ class Advisor:
                 budget_seconds=budget,
                 calibration=attribution,
                 compute_capability=run.device.compute_capability,
+                allocator=settings if isinstance(settings, AllocatorSettings) else None,
+                measured=measured,
             )
             return try_changes(predictor, run, training)
 
@@ -295,3 +302,14 @@ class Advisor:
             snapshot=snapshot[0] if snapshot is not None else None,
             simulation=self.simulation,
         )
+
+
+def _sampled_peaks(summary: RunSummary, step: int) -> dict[Phase, PhasePeak] | None:
+    """The allocator's peaks of sampled step ``step`` per phase, on CUDA (``None`` elsewhere, or when not measured).
+
+    Read from the run's last measured step, which is the sampled one when the replay runs (it is folded first).
+    """
+    if not summary.on_cuda:
+        return None
+    peaks = {peak.phase: peak for peak in summary.last_step if peak.step == step and peak.reserved_bytes is not None}
+    return peaks or None
