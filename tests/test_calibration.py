@@ -26,6 +26,7 @@ from lightning_vram.records import (
 )
 from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown as render_markdown
+from lightning_vram.render.text import summary_text
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 UNSEEN = {Phase.FORWARD: 64 * MIB, Phase.BACKWARD: 48 * MIB, Phase.OPTIMIZER: 0}
@@ -112,6 +113,9 @@ def test_the_sampled_step_s_excess_is_in_the_report_and_carried_into_every_varia
     share = (forward.replayed_allocated_bytes - forward.measured_allocated_bytes) / forward.measured_allocated_bytes
     assert f"{share:+.2%}" in markdown
     assert "112.0 MiB in all" in markdown  # 64 + 48 MiB carried
+    summary = summary_text(report)
+    assert f"the replay's error on step 1: forward {share:+.2%} allocated" in summary
+    assert "carried into predictions: 112.0 MiB" in summary
     page = render_html(report)
     assert 'id="simulation-calibration"' in page and f"{share:+.2%}" in page
 

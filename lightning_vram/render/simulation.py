@@ -162,6 +162,21 @@ def calibration_table(calibration: Calibration) -> Table:
     return Table(header, (False, True, True, True, True, True, True, True), rows)
 
 
+def calibration_line(calibration: Calibration) -> str:
+    """The replay's error in one line of the console summary: each phase's errors, and what was carried.
+
+    >>> from lightning_vram.records import PhaseCalibration
+    >>> print(calibration_line(Calibration(1, (PhaseCalibration(Phase.FORWARD, 97, 100, 200, 200),))))
+    the replay's error on step 1: forward -3.00% allocated, +0.00% reserved; carried into predictions: 3 B
+    """
+    phases = "; ".join(
+        f"{item.phase.value} {error_text(item.allocated_error)} allocated, {error_text(item.reserved_error)} reserved"
+        for item in calibration.phases
+    )
+    carried = sum(calibration.unseen_bytes.values())
+    return f"the replay's error on step {calibration.step}: {phases}; carried into predictions: {format_bytes(carried)}"
+
+
 def _calibration_notes(simulation: Simulation) -> tuple[str, ...]:
     """What the calibration carried, in words (none when nothing was)."""
     calibration = simulation.calibration

@@ -301,6 +301,7 @@ class Advisor:
             notes=notes + (snapshot[1] if snapshot is not None else ()),
             snapshot=snapshot[0] if snapshot is not None else None,
             simulation=self.simulation,
+            preflight=self.preflight_verdict,
         )
 
 
