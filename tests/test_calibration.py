@@ -113,6 +113,7 @@ def test_the_sampled_step_s_excess_is_in_the_report_and_carried_into_every_varia
     share = (forward.replayed_allocated_bytes - forward.measured_allocated_bytes) / forward.measured_allocated_bytes
     assert f"{share:+.2%}" in markdown
     assert "112.0 MiB in all" in markdown  # 64 + 48 MiB carried
+    assert "(replayed + carried)" in markdown  # the baseline's table says its peaks carry the excess
     summary = summary_text(report)
     assert f"the replay's error on step 1: forward {share:+.2%} allocated" in summary
     assert "carried into predictions: 112.0 MiB" in summary

@@ -102,10 +102,15 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
     on_cuda = simulation.device_type == "cuda"
     measured_live = any(p.breakdown is not None and p.breakdown.other is not None for p in report.phases.values())
     header = ["phase", "measured counted", "replayed counted", "largest difference"]
+    carried = simulation.calibration is not None and simulation.calibration.carries
     if on_cuda:
-        header += ["measured peak (run's highest)", "replayed allocator peak"]
+        predicted = "predicted allocator peak (replayed + carried)" if carried else "replayed allocator peak"
+        header += ["measured peak (run's highest)", predicted]
     elif measured_live:
-        header += ["measured live peak (run's highest)", "replayed live peak"]
+        header += [
+            "measured live peak (run's highest)",
+            "predicted peak (replayed + carried)" if carried else "replayed live peak",
+        ]
     rows = []
     for phase, peak in in_phase_order(baseline.phases):
         measured = (
