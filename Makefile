@@ -11,7 +11,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 DEMO_STAMP := $(VENV)/.demo-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: demo test test-fast benchmark clean
+.PHONY: demo test test-fast test-fake-cuda benchmark clean
 
 # The demo needs torch, the package and rich (the console table): nothing the tests alone need.
 $(DEMO_STAMP): pyproject.toml
@@ -35,13 +35,31 @@ test: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
-# The inner loop: everything but the multi-process tests (CI and `make test` run all).
+# The inner loop: everything but the multi-process tests and the replay tier (CI and `make test` run all).
+# Tests marked `replay` read what the replay under fake tensors predicts, and replay every change it could advise:
+# `$(BIN)/python -m pytest -m replay` runs that tier alone (tests/conftest.py turns replays off in every other test).
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not distributed"
+	$(BIN)/python -m pytest -m "not distributed and not replay"
+
+# Replays on fake CUDA tensors without a GPU (docs/fake-cuda.md): a CUDA build of torch in a venv of its own (about
+# 5.5 GB, no GPU needed), and the tests marked fake_cuda, which the default CPU build skips. Not part of `make test`.
+FAKE_CUDA_VENV := .venv-fake-cuda
+FAKE_CUDA_TORCH ?= torch==2.14.1
+FAKE_CUDA_STAMP := $(FAKE_CUDA_VENV)/.installed
+
+$(FAKE_CUDA_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(FAKE_CUDA_VENV)
+	$(FAKE_CUDA_VENV)/bin/pip install --quiet --disable-pip-version-check "$(FAKE_CUDA_TORCH)"
+	$(FAKE_CUDA_VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[test]" "$(FAKE_CUDA_TORCH)"
+	$(FAKE_CUDA_VENV)/bin/python -c "import torch; assert torch.backends.cuda.is_built(), 'not a CUDA build of torch'"
+	touch $(FAKE_CUDA_STAMP)
+
+test-fake-cuda: $(FAKE_CUDA_STAMP)
+	$(FAKE_CUDA_VENV)/bin/python -m pytest tests/test_fake_cuda.py tests/test_replay_predict.py
 
 benchmark: $(TEST_STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/hot_path.py
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FAKE_CUDA_VENV) runs lightning_logs .mypy_cache .ruff_cache .pytest_cache

@@ -6,7 +6,8 @@ machine falls on each alike:
 - ``bare``: no callback;
 - ``empty``: a callback that overrides nothing (what Lightning's dispatch of the hooks costs any callback);
 - ``cuda``: VramMonitor reading a :class:`~lightning_vram.testing.ScriptedProbe`, so the CUDA code path runs
-  (allocator reads at every phase boundary, phase peaks, the tracker);
+  (on ordinary steps a peak reset at the start and one allocator read at the end, folded by the tracker; the steps
+  read phase by phase are the run's first ``PHASE_READ_STEPS``, the sampled one and each log interval's last);
 - ``cpu``: VramMonitor on the CPU path (the CPU probe: no allocator, tensors counted on sampled steps only).
 
 For each, the wall time per step over the ordinary steps (from step ``SKIP`` on: step 0's preflight and the one

@@ -50,8 +50,10 @@ def predict(
         module: a LightningModule (its ``training_step`` and ``configure_optimizers`` are used), on any device.
         batch: one batch as ``training_step`` receives it; only its shapes and dtypes matter.
         precision: the precision to train in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
-        device_type: the device to predict for. Without a CUDA device torch cannot fake CUDA tensors (a CPU-only
-            build aborts): the step is replayed on the CPU then, and the prediction says so in its notes.
+        device_type: the device to predict for. Without a CUDA device, a CUDA build of torch replays the step on
+            fake CUDA tensors (backward walked in Python, :mod:`~lightning_vram.prediction.replay.backward`); a
+            CPU-only build cannot fake CUDA tensors: the step is replayed on the CPU then. Either way the
+            prediction says so in its notes.
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`
@@ -80,7 +82,8 @@ def predict(
     if shape is not None:
         batch = resize_shape(batch, shape)
     device, notes = _replay_device(device_type)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()  # fake CUDA without a device has no capability
+    capability = torch.cuda.get_device_capability(device) if on_gpu else None
     predictor = Predictor(
         module,
         None,
@@ -128,6 +131,13 @@ def _expected_shape(batch: Any, max_length: int | None, max_shape: tuple[int, ..
     return max_shape
 
 
+FAKE_CUDA_NOTE = (
+    "replayed on fake CUDA tensors without a CUDA device (this torch is a CUDA build): backward walked the autograd"
+    " graph in Python, where hooks on tensors and autograd nodes do not run"
+)
+"""The note of a prediction for CUDA made on a machine without one, by a CUDA build of torch."""
+
+
 def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
     """The device to replay on for ``device_type``, and a note where it is another one."""
     if not isinstance(device_type, str):
@@ -140,6 +150,9 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
         raise ValueError(
             f"device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got {device_type!r}"
         ) from None
+    cuda_build: bool = torch.backends.cuda.is_built()  # type: ignore[no-untyped-call]  # torch ships it unannotated
+    if device.type == "cuda" and not torch.cuda.is_available() and cuda_build:
+        return device, (FAKE_CUDA_NOTE,)
     if device.type == "cuda" and not torch.cuda.is_available():
         note = (
             "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"

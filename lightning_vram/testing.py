@@ -43,9 +43,15 @@ class ScriptedBoundary:
 class ScriptedProbe:
     """Plays back one :class:`ScriptedBoundary` per allocator read, then repeats the last one.
 
+    :attr:`reads` counts the allocator reads and :attr:`resets` the peak resets (with a read or alone), so that a test
+    pins what the monitor asks of the allocator on each kind of step.
+
     Args:
-        boundaries: the allocator at each successive read (four reads per training step: batch start,
-            before backward, before the optimizer step, batch end).
+        boundaries: the allocator at each successive read. A step read phase by phase (the run's first
+            ``recorder.PHASE_READ_STEPS``, the sampled ones, the last of each log interval, the one after a new run
+            peak) reads four times: batch start, before backward, before the optimizer step, batch end; any other
+            step reads once, at its end, its peak reset at its start (:meth:`reset_peak`), so its boundary's
+            ``highest_bytes`` is the step's peak.
         device: what ``open`` reports.
         utilization: one reading per log interval, then the last one again; ``None`` for "not measured".
         not_measured: what the probe reports as unavailable (for example a failing NVML).
@@ -77,9 +83,12 @@ class ScriptedProbe:
         self._not_measured = tuple(not_measured)
         self._free_bytes = free_bytes
         self._reserved = 0
+        self._allocated = 0
         self._peak = 0
         self.reads = 0
+        """Allocator reads so far."""
         self.resets = 0
+        """Peak resets so far: with a read (``reset_peak=True``) or alone (:meth:`reset_peak`)."""
         self.utilization_reads = 0
         self.opened_with: torch.device | None = None
         self.closed = False
@@ -94,7 +103,7 @@ class ScriptedProbe:
         plays, reads = self._plays, self.reads
         allocated, reserved, highest, retries, ooms = plays[reads] if reads < self._count else self._last
         self.reads = reads + 1
-        self._reserved = reserved
+        self._reserved, self._allocated = reserved, allocated
         peak = self._peak
         if highest > peak:
             peak = highest
@@ -104,6 +113,11 @@ class ScriptedProbe:
             peak = allocated
         self._peak = peak
         return reading
+
+    def reset_peak(self) -> None:
+        """Restart the peak from the last read's allocated bytes, as ``torch.cuda.reset_peak_memory_stats`` does."""
+        self.resets += 1
+        self._peak = self._allocated
 
     def take_utilization(self) -> UtilizationReading | None:
         """The next scripted utilization reading."""

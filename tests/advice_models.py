@@ -8,9 +8,9 @@ import lightning.pytorch as pl
 import torch
 from models import OPTIMIZERS, BasicBlock, OptimizerFactory
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import TensorDataset
 
+from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers
 from lightning_vram.records import CheckpointPlan
 
 
@@ -111,18 +111,19 @@ def tokens(samples: int, length: int = 32, vocab: int = 512) -> TensorDataset:
 
 
 class Checkpointed(nn.Module):
-    """``checkpoint(unit, x, use_reentrant=False)`` in place of the unit's call."""
+    """``checkpoint_keeping_buffers([unit], unit, x)`` in place of the unit's call, as the advice prints it."""
 
     def __init__(self, unit: nn.Module) -> None:
         super().__init__()
         self.unit = unit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.unit, x, use_reentrant=False)  # type: ignore[no-any-return]
+        return checkpoint_keeping_buffers([self.unit], self.unit, x)  # type: ignore[no-any-return]
 
 
 class CheckpointedSequential(nn.Module):
-    """``checkpoint_sequential(sequential, segments, x, use_reentrant=False)`` in place of the Sequential's call."""
+    """The advice's loop in place of the Sequential's call: its segments as ``checkpoint_sequential`` splits them,
+    each through ``checkpoint_keeping_buffers``, the last one without checkpointing."""
 
     def __init__(self, sequential: nn.Sequential, segments: int) -> None:
         super().__init__()
@@ -130,13 +131,17 @@ class CheckpointedSequential(nn.Module):
         self.segments = segments
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)  # type: ignore[no-any-return]
+        size = len(self.sequential) // self.segments
+        for start in range(0, size * (self.segments - 1), size):
+            segment = self.sequential[start : start + size]
+            x = checkpoint_keeping_buffers(segment, segment, x)
+        return self.sequential[size * (self.segments - 1) :](x)  # type: ignore[no-any-return]
 
 
 def apply_plan(module: nn.Module, plan: CheckpointPlan) -> None:
-    """Apply the plan as its advice says: each unit's call becomes ``checkpoint(unit, x)`` (a unit of several
-    modules runs them in order inside one checkpoint, the later ones' own calls becoming the identity), or the
-    Sequential's call becomes ``checkpoint_sequential`` with the plan's segments."""
+    """Apply the plan as its advice says: each unit's call becomes ``checkpoint_keeping_buffers(..., unit, x)`` (a
+    unit of several modules runs them in order inside one checkpoint, the later ones' own calls becoming the
+    identity), or the Sequential's call becomes the loop over the plan's segments."""
     if plan.sequential_segments is not None:
         sequential = module.get_submodule(plan.container)
         assert isinstance(sequential, nn.Sequential)

@@ -1,7 +1,13 @@
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
+
+from lightning_vram.config import MonitorConfig
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -10,9 +16,38 @@ sys.path.insert(0, str(HERE))
 # where spinning worker threads otherwise stretch a millisecond step to a hundred.
 torch.set_num_threads(1)
 
+from models import REPLAY_OPTIONS, REPLAYS_OFF  # noqa: E402 -- models.py sits beside this file, on the path above
+
 
 def pytest_ignore_collect(collection_path: Path) -> bool | None:
     """Helper scripts beside the tests are not test modules: ``--doctest-modules`` would import them (and deepspeed)."""
     if collection_path.parent == HERE and collection_path.suffix == ".py":
         return not collection_path.name.startswith(("test_", "conftest"))
     return None
+
+
+@pytest.fixture(autouse=True)
+def replays_off_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Monitors and sessions a test builds replay nothing unless the test asks for replays.
+
+    A replay of the sampled step and of every change it could advise costs seconds of host time per run, and most
+    training tests read only what was measured: with replays off their reports carry no simulation and their advice is
+    modelled. A test that reads replay output (simulated advice, the fit table, preflight, lengths replayed,
+    timelines) asks with ``@pytest.mark.replay`` (the library's own defaults, ``replay_budget_seconds=30`` and
+    ``preflight=True``), or names either option where it builds the monitor (``**REPLAYS_ON`` from models.py): what a
+    test names stands. Fixtures of a wider scope than the test are built before this one is, with the library's
+    defaults: a shared run that needs no replay says ``**REPLAYS_OFF``. ``LIGHTNING_VRAM_TEST_REPLAYS=all`` runs every
+    test with the library's defaults (the whole suite as users run it, slowly).
+    """
+    if request.node.get_closest_marker("replay") or os.environ.get("LIGHTNING_VRAM_TEST_REPLAYS") == "all":
+        yield
+        return
+    library_init = MonitorConfig.__init__
+
+    def without_replays(self: MonitorConfig, *args: Any, **options: Any) -> None:
+        if not args and not REPLAY_OPTIONS & options.keys():
+            options = {**REPLAYS_OFF, **options}
+        library_init(self, *args, **options)
+
+    monkeypatch.setattr(MonitorConfig, "__init__", without_replays)
+    yield

@@ -12,7 +12,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from lightning_vram.config import MonitorConfig
+
 FLOAT32 = 4
+
+# Replays in tests (tests/conftest.py): off unless a test asks, by its `replay` marker or by naming these options.
+REPLAY_OPTIONS = frozenset({"replay_budget_seconds", "preflight"})
+REPLAYS_OFF: dict[str, Any] = {"replay_budget_seconds": 0.0, "preflight": False}
+REPLAYS_ON: dict[str, Any] = {
+    "replay_budget_seconds": MonitorConfig.replay_budget_seconds,
+    "preflight": MonitorConfig.preflight,
+}
+"""The library's own replay defaults, named: a monitor built with them replays whatever the test's marker says."""
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 # partials, not lambdas: modules holding them pickle (ddp_spawn sends the module to its workers).

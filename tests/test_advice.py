@@ -58,7 +58,7 @@ def test_activation_checkpointing_names_the_blocks_and_the_saving() -> None:
     assert "`encoder.layers.0`" in advice.title
     assert "activations are 37.5% of the backward peak (3.00 GiB of 8.00 GiB)" in advice.evidence
     assert "encoder.layers.0 750.0 MiB" in advice.evidence
-    assert "return checkpoint(self.block, *args, use_reentrant=False, **kwargs)" in advice.detail
+    assert "return checkpoint_keeping_buffers([self.block], self.block, *args, **kwargs)" in advice.detail
     assert "self.encoder.layers[index] = Checkpointed(self.encoder.layers[index])" in advice.detail
 
 
@@ -149,8 +149,8 @@ def test_checkpoint_units_never_start_with_an_inplace_op() -> None:
     advice = activation_checkpointing(summary, healthy_setup())
     assert advice is not None and advice.estimated_saving_bytes == 172 * MIB
     assert "# in the forward of `network`" in advice.detail
-    assert "x = checkpoint(lambda t: self.relu(self.bn1(t)), x, use_reentrant=False)" in advice.detail
-    assert "x = checkpoint(self.layer1, x, use_reentrant=False)" in advice.detail
+    assert "x = checkpoint_keeping_buffers([self.bn1, self.relu], lambda t: self.relu(self.bn1(t)), x)" in advice.detail
+    assert "x = checkpoint_keeping_buffers([self.layer1], self.layer1, x)" in advice.detail
     assert "self.fc" not in advice.detail
 
 

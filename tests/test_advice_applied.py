@@ -35,6 +35,9 @@ from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, CheckpointPlan, Phase
 
+# Each run's advice is applied and its estimate checked against the saving realised: the estimate is replayed.
+pytestmark = pytest.mark.replay
+
 # ------------------------------------------------------------------------------------------------ running and applying
 
 
@@ -87,7 +90,7 @@ CHECKPOINT_CODE = {
     "resnet": "# in the forward of `network`, replace the call of each unit by",
     # A wrapper in place of each block: the loop in TinyGPT's forward calls them as before.
     "transformer-modulelist": "    self.network.h[index] = Checkpointed(self.network.h[index])",
-    "sequential-cnn": "x = checkpoint_sequential(self.network, segments=",
+    "sequential-cnn": "    segment = self.network[start:end]\n    x = checkpoint_keeping_buffers(segment, segment, x)",
 }
 
 

@@ -190,6 +190,7 @@ def _assert_realised(before: Report, after: Report, advice: Any) -> None:
     assert f", B measured {format_bytes(after.peak.peak_bytes)} (diff " in line
 
 
+@pytest.mark.replay  # the advice applied as printed is checked against its replayed prediction
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_transformers_checkpointing_advice_applied_as_printed(tmp_path: Path, name: str) -> None:
     architecture = ARCHITECTURES[name]
@@ -269,6 +270,7 @@ def _masked_features(samples: int) -> TensorDataset:
     )
 
 
+@pytest.mark.replay  # the advice applied as printed is checked against its replayed prediction
 def test_plain_checkpointing_advice_passes_every_argument_and_keeps_tuple_outputs(tmp_path: Path) -> None:
     torch.manual_seed(0)
     before = _report(tmp_path / "before", MaskedStack(), _masked_features(4 * BATCH))
@@ -348,6 +350,7 @@ class EncoderDecoder(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+@pytest.mark.replay  # the advice applied as printed is checked against its replayed prediction
 def test_one_round_of_plain_checkpointing_advice_covers_encoder_and_decoder(tmp_path: Path) -> None:
     torch.manual_seed(0)
     before = _report(tmp_path / "before", EncoderDecoder(), _masked_features(4 * BATCH))

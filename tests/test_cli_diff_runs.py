@@ -22,6 +22,10 @@ from lightning_vram.cli import main
 from lightning_vram.codec import report_from_dict, report_to_dict
 from lightning_vram.units import format_bytes, format_percent
 
+# Run B checks run A's replayed predictions; the shared runs replay (the library's defaults, as every fixture
+# wider than a test).
+pytestmark = pytest.mark.replay
+
 
 class AsAdvised(Classifier):
     """The classifier whose forward runs ``code`` (checkpointing advice, as printed) instead of ``self.network(x)``."""
@@ -113,7 +117,7 @@ def test_a_checkpointing_plan_b_applied_as_printed_is_checked_against_as_replay(
 ) -> None:
     before, _ = runs
     advice, code = checkpointing_advice(before)
-    assert "checkpoint_sequential(self.network, segments=4, input=x, use_reentrant=False)" in code
+    assert "for start, end in ((0, 4), (4, 8), (8, 12)):\n    segment = self.network[start:end]" in code
     # B re-ran each checkpointed segment in backward, last first; A recomputed nothing.
     assert checkpointed["recomputed_units"] == [
         [f"network.{index}" for index in range(start, start + 4)] for start in (8, 4, 0)

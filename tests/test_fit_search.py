@@ -40,6 +40,9 @@ from lightning_vram.records.simulation_json import simulation_from_dict, simulat
 from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown
 
+# The fit table, solved in a few replays.
+pytestmark = pytest.mark.replay
+
 GROWTH = (1.3, 2.0, 5.0, 20.0, 70.0)
 """Capacities of the test's GPUs as multiples of the run's own replayed peak: batches from about 1.5x the run's to
 a few thousand, where rounding, phase changes and kernel choices would show."""

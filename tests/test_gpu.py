@@ -41,6 +41,14 @@ def test_allocator_counters_and_peak_reset() -> None:
         assert reading.peak_allocated_bytes >= reading.allocated_bytes + 128 * MIB
         after_reset = probe.read_allocator(reset_peak=False)
         assert after_reset is not None and after_reset.peak_allocated_bytes == after_reset.allocated_bytes
+        # A step read once: the peak reset alone at its start, one read at its end gives the step's peak.
+        temporary = torch.empty(256 * MIB, dtype=torch.uint8, device=device)
+        del temporary
+        probe.reset_peak()
+        step = torch.empty(32 * MIB, dtype=torch.uint8, device=device)
+        del step
+        once = probe.read_allocator(reset_peak=True)
+        assert once is not None and once.peak_allocated_bytes == once.allocated_bytes + 32 * MIB
         del kept
     finally:
         probe.close()

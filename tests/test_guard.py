@@ -22,6 +22,7 @@ from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.session import advisor, assembly, sinks
+from lightning_vram.session.recorder import PHASE_READ_STEPS
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 MIB = 1024**2
@@ -78,7 +79,16 @@ def inject(monkeypatch: pytest.MonkeyPatch, part: Part) -> FailingProbe | None:
 GUARDED_IN_A_FIT = [part for part in Part if part not in (Part.OOM, Part.HISTORY, Part.STATE, Part.RANKS)]
 
 
-@pytest.mark.parametrize("part", GUARDED_IN_A_FIT, ids=[part.name for part in GUARDED_IN_A_FIT])
+def with_replays(value: object, replayed: bool) -> Any:
+    """The parameter, marked ``replay`` where it is the replay that fails (the tests' monitors replay only if asked)."""
+    return pytest.param(value, marks=pytest.mark.replay) if replayed else value
+
+
+@pytest.mark.parametrize(
+    "part",
+    [with_replays(part, part is Part.REPLAY) for part in GUARDED_IN_A_FIT],
+    ids=[part.name for part in GUARDED_IN_A_FIT],
+)
 def test_a_failing_part_warns_once_is_switched_off_and_training_finishes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: Part
 ) -> None:
@@ -104,6 +114,7 @@ def test_a_failing_part_warns_once_is_switched_off_and_training_finishes(
 PROBE_METHODS = {
     "open": Part.PROBE,
     "read_allocator": Part.ALLOCATOR,
+    "reset_peak": Part.ALLOCATOR,  # on steps read once, after the run's first PHASE_READ_STEPS
     "take_utilization": Part.UTILIZATION,
     "mean_utilization_percent": Part.UTILIZATION,
     "host_rss_bytes": Part.UTILIZATION,
@@ -113,19 +124,24 @@ PROBE_METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", list(PROBE_METHODS))
+@pytest.mark.parametrize(
+    "method",
+    [with_replays(method, part is Part.REPLAY) for method, part in PROBE_METHODS.items()],
+    ids=list(PROBE_METHODS),
+)
 def test_a_probe_raising_in_any_method_warns_once_and_the_report_is_written(tmp_path: Path, method: str) -> None:
     assert set(PROBE_METHODS) == {name for name in dir(Probe) if not name.startswith("_")}
+    steps = PHASE_READ_STEPS + 2 if method == "reset_peak" else STEPS
     monitor = VramMonitor(probe=FailingProbe(method), log_every_n_steps=2, attribution_start_step=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit = trainer(tmp_path, [monitor], max_steps=STEPS)
+        fit = trainer(tmp_path, [monitor], max_steps=steps)
         fit.fit(Classifier(linear_net()), loader(dataset_for("linear")))
-    assert fit.global_step == STEPS
+    assert fit.global_step == steps
     ours = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
     ours = [text for text in ours if "trains on cpu" not in text]  # the model does: said when the probe cannot
     assert len(ours) == 1 and ours[0].startswith(f"VramMonitor: {PROBE_METHODS[method].value} failed with Boom")
-    assert monitor.report is not None and monitor.report.steps == STEPS
+    assert monitor.report is not None and monitor.report.steps == steps
     assert (tmp_path / "vram_report.json").exists()
 
 

@@ -19,6 +19,9 @@ from transformers_models import ARCHITECTURES, FineTuned, data
 from lightning_vram import Report, VramMonitor
 from lightning_vram.records import Advice, AdviceId
 
+# Every piece of a run's advice is applied and checked against its replayed prediction.
+pytestmark = pytest.mark.replay
+
 pytest.importorskip("transformers")
 
 LENGTH = 128

@@ -162,6 +162,7 @@ def test_checkpoint_state_round_trips_every_field_of_a_sampled_step() -> None:
     assert restored.latest_attribution == replace(attribution, recomputed_units=None)
 
 
+@pytest.mark.replay
 def test_a_resumed_run_keeps_the_replay_of_the_run_before(tmp_path: Path) -> None:
     first = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
     fit = trainer(tmp_path / "first", [first], max_steps=4)

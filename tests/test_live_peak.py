@@ -84,6 +84,7 @@ def test_the_cpu_peak_is_what_an_independent_live_count_sees(tmp_path: Path, nam
     assert peak.breakdown is not None and peak.breakdown.other is not None and peak.breakdown.other > 0
 
 
+@pytest.mark.replay  # the replayed phase peaks, judged on the live count
 def test_the_replay_predicts_the_live_peaks_it_is_judged_on(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=SAMPLED, attribution_every_n_steps=None, console_summary=False)
     fit(tmp_path, CASES["gpt2"][0], text(32), 4, monitor)
@@ -137,7 +138,10 @@ def test_live_stands_aside_under_a_mode_entered_after_it_and_leaves_that_mode_in
     live.__exit__(None, None, None)
 
 
-def test_a_run_under_a_dispatch_mode_keeps_the_counted_peaks_and_says_so(tmp_path: Path) -> None:
+def test_a_run_under_a_dispatch_mode_stands_aside_and_says_so(tmp_path: Path) -> None:
+    """The monitor's saved-tensor hooks change the ops autograd runs (it saves tensors differently under them): the
+    user's mode must see what it sees without the monitor, so sampled steps are not counted (tests/hostile/
+    test_dispatch_modes.py compares the ops)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class PassThrough(TorchDispatchMode):  # type: ignore[misc]
@@ -150,10 +154,8 @@ def test_a_run_under_a_dispatch_mode_keeps_the_counted_peaks_and_says_so(tmp_pat
     with PassThrough():
         fit(tmp_path, CASES["resnet"][0], images(32), 8, monitor)
     report = monitor.report
-    assert report is not None and report.peak is not None and report.peak.breakdown is not None
-    assert report.peak.breakdown.other is None
-    assert report.peak.peak_bytes == report.peak.breakdown.counted_bytes
-    assert any("live peak" in note.what and "dispatch mode" in note.reason for note in report.not_measured)
+    assert report is not None and (report.peak is None or report.peak.breakdown is None)
+    assert any("attribution" in note.what and "dispatch mode" in note.reason for note in report.not_measured)
 
 
 def test_on_cuda_the_allocator_is_the_live_count_and_none_runs(tmp_path: Path) -> None:
@@ -196,6 +198,7 @@ def language_model_report(root: Path, module: pl.LightningModule) -> Report:
     return monitor.report
 
 
+@pytest.mark.replay  # the advice of a real run, which the replay informs
 def test_stale_gradients_is_silent_where_freeing_them_frees_nothing_of_the_live_peak(tmp_path: Path) -> None:
     # A language model over a 4096-token vocabulary: its counted parts peak in forward (the gradients alive), but
     # what is alive peaks in backward (the log-probabilities, their gradient and the logits' gradient).

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from advice_summaries import healthy_setup, healthy_summary
 from models import trainer
@@ -27,6 +28,9 @@ from lightning_vram.records.shapes import length_percentile
 from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 from lightning_vram.render.text import markdown
+
+# The long tail's advice is replayed, and applied against its replayed peak.
+pytestmark = pytest.mark.replay
 
 BATCH, LONG_STEP, LONG, STEPS, CAP = 2, 20, 128, 24, 32
 VOCAB = 200

@@ -26,6 +26,9 @@ from lightning_vram.prediction.replay.batches import length_shape, resize_length
 from lightning_vram.records import ReplayedStep
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 
+# max_shape is a preflight replay of the largest shape expected.
+pytestmark = pytest.mark.replay
+
 CLASSES, BATCH, STEPS = 4, 2, 4
 SIZES = [(16, 16), (24, 16), (16, 24), (24, 24)]
 """The image sizes (height, width) of the variable-size training data, one per batch in turn."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from advice_summaries import CPU, GPU, healthy_setup, healthy_summary
 from models import Classifier, loader, trainer
@@ -15,6 +16,9 @@ from lightning_vram.advice.rules.mixed_precision import NOT_ADVISED_OFF_CUDA, ch
 from lightning_vram.records import PrecisionChange
 from lightning_vram.render.text import markdown
 from lightning_vram.units import format_bytes
+
+# The replayed bf16 figure the report shows beside the reason.
+pytestmark = pytest.mark.replay
 
 
 def test_replayed_where_the_report_speaks_of_it() -> None:

@@ -23,6 +23,9 @@ from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown, summary_text
 from lightning_vram.units import format_bytes, format_percent
 
+# What is not advised, with the replayed figure that answers it.
+pytestmark = pytest.mark.replay
+
 DATA = Path(__file__).parent / "data" / "reports"
 
 

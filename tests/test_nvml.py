@@ -115,12 +115,31 @@ def test_device_is_found_by_uuid_not_index(nvml: FakeNvml) -> None:
 
 def test_take_averages_per_interval(nvml: FakeNvml) -> None:
     nvml.utilization[1] = [20, 40, 90]
-    sampler = NvmlSampler("GPU-bbbb-1111", interval_seconds=3600)  # only the first sample, at start
+    sampler = NvmlSampler("GPU-bbbb-1111", interval_seconds=0.01)
     sampler.start()
-    first = sampler.take()
-    assert first.gpu_utilization_percent == 20
-    assert sampler.take().gpu_utilization_percent is None  # no sample since: not measured, not zero
+    wait_for(lambda: nvml.samples >= 3)
     sampler.stop()
+    # The sample at start (20%) is of NVML's window before the run: checked, not averaged; then 40%, then 90% on.
+    taken = nvml.samples - 1
+    assert sampler.take().gpu_utilization_percent == pytest.approx((40 + 90 * (taken - 1)) / taken)
+    assert sampler.take().gpu_utilization_percent is None  # no sample since: not measured, not zero
+
+
+def test_a_run_shorter_than_the_sampling_interval_has_no_utilization_not_zero(nvml: FakeNvml) -> None:
+    # The quickstart on a GPU: 60 steps of 3.8 ms, no sample of the thread in the run; the one at start read the idle
+    # GPU (0%) in NVML's window before training.
+    nvml.utilization[1] = [0, 0]
+    utilization = NvmlUtilization(interval_seconds=3600)  # the thread's first sample never comes
+    utilization.start("bbbb-1111")
+    assert nvml.samples == 1
+    reading = utilization.take()
+    assert reading is not None and reading.gpu_utilization_percent is None  # not measured, not 0%
+    assert reading.process_memory_bytes == 900  # the start sample's process memory is kept
+    assert utilization.run_mean_percent() is None
+    assert [(note.what, note.reason) for note in utilization.unavailable()] == [
+        ("GPU utilization", "run shorter than the sampling interval of 3600 s")
+    ]
+    utilization.stop()
 
 
 def test_missing_bindings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,7 +166,7 @@ def test_failure_while_sampling_stops_the_thread_and_keeps_what_was_measured(nvm
     sampler.start()
     wait_for(lambda: sampler.error is not None)
     assert sampler.error is not None and "GPU is lost" in sampler.error
-    assert sampler.take().gpu_utilization_percent == pytest.approx(40.0)  # mean of 30 and 50
+    assert sampler.take().gpu_utilization_percent == pytest.approx(50.0)  # 50; the 30 at start is before the run
     sampler.stop()
 
 
@@ -190,7 +209,7 @@ def test_any_failure_while_sampling_ends_the_thread_quietly(nvml: FakeNvml, erro
     sampler.start()
     wait_for(lambda: sampler.error is not None)
     assert sampler.error == f"NVML sampling failed: {type(error).__name__}: {error}"
-    assert sampler.take().gpu_utilization_percent == pytest.approx(40.0)  # mean of 30 and 50
+    assert sampler.take().gpu_utilization_percent == pytest.approx(50.0)  # 50; the 30 at start is before the run
     nvml.shutdown_error = error  # and a teardown that fails as well
     sampler.stop()
     assert nvml.shutdowns == 1
@@ -231,7 +250,7 @@ def test_the_probe_turns_a_sampling_failure_into_one_warning_and_one_note(nvml: 
     with pytest.warns(VramMonitorWarning, match="utilization sampling stopped") as warned:
         notes = utilization.unavailable()  # the report asks at the end, even if no log interval took a reading
     assert utilization.take() is not None  # no second warning from here on (warnings are errors in the tests)
-    assert utilization.run_mean_percent() == pytest.approx(40.0)
+    assert utilization.run_mean_percent() == pytest.approx(50.0)
     assert len(warned) == 1
     assert [note.what for note in notes] == ["GPU utilization after the error"]
     assert "AttributeError" in notes[0].reason

@@ -107,6 +107,7 @@ def run_until_oom(tmp_path: Path, where: str, **options: Any) -> tuple[VramMonit
     return monitor, module
 
 
+@pytest.mark.replay  # the diagnosis's remedies and the run's advice, which the replays inform
 @pytest.mark.parametrize("where", ["forward", "backward", "optimizer"])
 def test_training_oom_is_diagnosed(tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
     monitor, _ = run_until_oom(tmp_path, where)
@@ -142,6 +143,7 @@ def test_training_oom_is_diagnosed(tmp_path: Path, where: str, capsys: pytest.Ca
     assert json.loads((tmp_path / "vram_report.json").read_text())["steps"] == 3
 
 
+@pytest.mark.replay  # the diagnosis's remedies and the run's advice, which the replays inform
 def test_validation_oom_gets_evaluation_advice_first(tmp_path: Path) -> None:
     monitor, _ = run_until_oom(
         tmp_path, "validation", val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0
@@ -164,6 +166,7 @@ def test_oom_before_any_sampled_step_says_where_activations_went(tmp_path: Path)
     assert monitor.oom_diagnosis.last_good_step == ()
 
 
+@pytest.mark.replay  # the diagnosis's remedies and the run's advice, which the replays inform
 def test_a_recovered_oom_is_counted_not_treated_as_the_end(tmp_path: Path) -> None:
     class RetriesHalfBatch(Classifier):
         """The user's own retry: step 1 runs out of memory once and is redone on half the batch."""

@@ -16,6 +16,7 @@ def test_the_options_and_the_config_list_the_same_names() -> None:
     assert all(f"        {name}: " in documented for name in MonitorOptions.__annotations__)
 
 
+@pytest.mark.replay  # the library's own defaults, replay options included (the tests' default turns replays off)
 @pytest.mark.parametrize("build", [VramMonitor, VramSession], ids=["VramMonitor", "VramSession"])
 def test_both_front_ends_take_every_option_with_its_default(build: type[VramMonitor] | type[VramSession]) -> None:
     assert build().config == MonitorConfig()

@@ -28,6 +28,9 @@ from lightning_vram.records import (
     ReplaySkipped,
 )
 
+# The replay of the step under fake tensors.
+pytestmark = pytest.mark.replay
+
 FLOAT32 = 4
 
 

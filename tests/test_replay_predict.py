@@ -13,10 +13,14 @@ from replay_models import ARCHITECTURES, counted_step
 from torch import nn
 
 from lightning_vram import predict
+from lightning_vram.predict import FAKE_CUDA_NOTE
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
 from lightning_vram.records import BatchSizeChange, ReplayedStep
+
+# predict(): the step replayed before training.
+pytestmark = pytest.mark.replay
 
 CONTEXT = 300 * 1024**2
 
@@ -71,8 +75,12 @@ def test_cuda_prediction_without_a_cuda_device_replays_on_the_cpu_and_says_so() 
     module = Classifier(nn.Linear(8, 10), OPTIMIZERS["sgd"])
     prediction = predict(module, (torch.randn(4, 8), torch.randint(0, 10, (4,))), fit_table=False)
     assert prediction.step is not None
+    cublas = [note for note in prediction.notes if note.startswith("cuBLAS workspaces:")]  # the step's matmul
     if torch.cuda.is_available():
-        assert prediction.step.device_type == "cuda" and prediction.notes == ()
+        assert prediction.step.device_type == "cuda" and prediction.notes == (*cublas,) and len(cublas) == 1
+    elif torch.backends.cuda.is_built():  # a CUDA build fakes CUDA tensors without a device (docs/fake-cuda.md)
+        assert prediction.step.device_type == "cuda" and prediction.notes == (FAKE_CUDA_NOTE, *cublas)
+        assert len(cublas) == 1 and "compute capability unknown" in cublas[0]  # no device to ask
     else:
         assert prediction.step.device_type == "cpu"
         assert any("replayed on the CPU" in note for note in prediction.notes)

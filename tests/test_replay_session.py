@@ -17,6 +17,9 @@ from lightning_vram.records import CheckpointChange, FreeGradientsChange, Precis
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 from lightning_vram.units import format_bytes
 
+# The replay inside a run, and preflight.
+pytestmark = pytest.mark.replay
+
 MIB = 1024**2
 
 

@@ -32,6 +32,9 @@ from lightning_vram.records import (
     StepChange,
 )
 
+# Each change replayed as a variant of the step.
+pytestmark = pytest.mark.replay
+
 WITHIN = 0.10
 """A replayed change's counted bytes must be within 10% of the measured ones (the issue's "Done when")."""
 

@@ -109,6 +109,7 @@ def write_report(root: Path, shape: str) -> Path:
     return root / "vram_report.json"
 
 
+@pytest.mark.replay  # the report read back whole, its simulation section included
 @pytest.mark.parametrize("shape", ["empty", "cpu", "scripted-cuda"])
 def test_the_monitor_writes_no_report_its_cli_refuses(shape: str, tmp_path: Path) -> None:
     path = write_report(tmp_path / "run", shape)
@@ -120,6 +121,7 @@ def test_the_monitor_writes_no_report_its_cli_refuses(shape: str, tmp_path: Path
     assert data["recomputed_units"] == (None if shape == "empty" else [])
 
 
+@pytest.mark.replay  # the report read back whole, its simulation section included
 def test_a_report_with_the_most_recent_peaks_the_monitor_keeps_reads_back(tmp_path: Path) -> None:
     report = load_report(write_report(tmp_path / "run", "cpu"))
     last = MAX_STEPS  # the step count at which options stop: every number at its widest

@@ -67,7 +67,7 @@ def test_a_log_dir_in_the_way_warns_once_and_fit_ends(tmp_path: Path, where: str
 
 
 def test_one_file_that_fails_leaves_the_others_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken_page(report: Report) -> str:
+    def broken_page(report: Report, pngs: object) -> str:
         raise RuntimeError("the figure could not be drawn")
 
     monkeypatch.setattr(files_module, "_html", broken_page)

@@ -41,6 +41,7 @@ def without_timing(value: Any) -> Any:
     return value
 
 
+@pytest.mark.replay  # the two reports' simulations are compared
 def test_monitor_and_session_give_the_same_report_on_the_same_training(tmp_path: Path) -> None:
     options: dict[str, Any] = {"attribution_start_step": 1, "attribution_every_n_steps": 2, "console_summary": False}
     torch.manual_seed(0)

@@ -55,6 +55,9 @@ from lightning_vram.records import (
     VariantResult,
 )
 
+# Advice from replayed changes (simulated savings, the fit table).
+pytestmark = pytest.mark.replay
+
 # ------------------------------------------------------------------------------------------------ hand-built replays
 
 

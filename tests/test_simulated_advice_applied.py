@@ -42,6 +42,9 @@ from lightning_vram.records import (
     TrainingSetup,
 )
 
+# Simulated advice applied, against its replayed prediction.
+pytestmark = pytest.mark.replay
+
 # ------------------------------------------------------------------------------------- applied on the CPU, for real
 
 

@@ -33,6 +33,9 @@ from lightning_vram.records import (
 from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown, summary_text
 
+# The report's simulation section.
+pytestmark = pytest.mark.replay
+
 # ------------------------------------------------------------------------------------------------ report and codec
 
 

@@ -31,6 +31,9 @@ from lightning_vram.render.html import render_html
 from lightning_vram.render.step_memory import PART_LABELS, step_memory_figure
 from lightning_vram.render.tensorboard import STEP_MEMORY_TAG
 
+# Memory during one step: the replay's timelines.
+pytestmark = pytest.mark.replay
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

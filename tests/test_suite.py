@@ -1,4 +1,5 @@
-"""The test suite's own set-up: helper scripts beside the tests are neither collected nor imported as test modules.
+"""The test suite's own set-up: helper scripts beside the tests are neither collected nor imported as test modules;
+the tests' monitors replay only where a test asks (tests/conftest.py).
 
 ``--doctest-modules`` imports every module it collects; the helper scripts import deepspeed and start processes.
 """
@@ -9,6 +10,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from models import REPLAYS_ON
+
+from lightning_vram import VramMonitor, VramSession
+from lightning_vram.config import MonitorConfig
 
 TESTS = Path(__file__).parent
 HELPER_SCRIPTS = ("ddp_train", "shard_accounting", "sharded_train", "zero_accounting")
@@ -35,3 +42,25 @@ def test_helper_scripts_are_not_imported_while_collecting() -> None:
     assert all((TESTS / f"{script}.py").exists() for script in HELPER_SCRIPTS)
     assert (found["deepspeed"], found["helpers"]) == (False, [])
     assert found["items"] > 100  # the tests themselves were collected
+
+
+# ------------------------------------------------------------------------------------------------ replays in tests
+
+
+@pytest.fixture(scope="module")
+def shared_monitor() -> VramMonitor:
+    """A monitor built by a fixture wider than a test: before any test's own set-up."""
+    return VramMonitor()
+
+
+def test_a_test_s_monitors_replay_nothing_unless_it_names_a_replay_option(shared_monitor: VramMonitor) -> None:
+    assert (VramMonitor().config.replay_budget_seconds, VramSession().config.preflight) == (0.0, False)
+    assert VramMonitor(preflight=True).config == MonitorConfig(**REPLAYS_ON)  # a test that names one gets its way
+    assert VramMonitor(**REPLAYS_ON).config.replay_budget_seconds == 30.0
+    assert shared_monitor.config == MonitorConfig(**REPLAYS_ON)  # fixtures wider than a test: the library's defaults
+
+
+@pytest.mark.replay
+def test_a_test_marked_replay_gets_the_library_s_defaults() -> None:
+    assert VramMonitor().config == VramSession().config == MonitorConfig(**REPLAYS_ON)
+    assert (MonitorConfig().replay_budget_seconds, MonitorConfig().preflight) == (30.0, True)

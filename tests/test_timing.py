@@ -1,5 +1,6 @@
 from typing import Any
 
+import pytest
 import torch
 from models import Classifier, ScriptedClock, dataset_for, linear_net, loader
 
@@ -43,6 +44,7 @@ def test_window_is_bounded() -> None:
     assert timer.data_wait_fraction() == 0.0
 
 
+@pytest.mark.replay
 def test_the_replay_of_a_sampled_step_is_neither_step_time_nor_data_wait() -> None:
     clock = ScriptedClock()
     model = Classifier(linear_net())

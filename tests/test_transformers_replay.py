@@ -21,6 +21,9 @@ from transformers_models import ARCHITECTURES, FineTuned, data
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import ReplayedStep, ReplaySkipped
 
+# transformers models replayed.
+pytestmark = pytest.mark.replay
+
 pytest.importorskip("transformers")
 
 

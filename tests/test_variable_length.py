@@ -33,6 +33,9 @@ from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_sha
 from lightning_vram.render.text import markdown
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 
+# Lengths replayed as they arrive, and the largest expected.
+pytestmark = pytest.mark.replay
+
 BATCH, LONG_STEP, LONG, STEPS = 2, 6, 128, 8
 VOCAB = 200
 

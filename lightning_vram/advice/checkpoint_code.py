@@ -6,8 +6,13 @@ Three idioms, each the one the replay applied to check the plan:
 - a ``Checkpointed`` wrapper put in place of each unit of one module (the usual case): the unit runs under
   ``checkpoint`` with every argument its caller gives it (positional and keyword: attention masks, position
   embeddings) and returns what it returns (a tensor, a tuple, a dict), so the caller's code does not change;
-- for a unit of several consecutive modules (an inplace op joins the one before it), ``x = checkpoint(...)`` lines in
-  the forward that calls them, and ``checkpoint_sequential`` for an ``nn.Sequential``: both pass one tensor along.
+- for a unit of several consecutive modules (an inplace op joins the one before it), ``x = ...`` lines in the forward
+  that calls them, and for an ``nn.Sequential`` a loop over its segments as ``checkpoint_sequential`` splits them:
+  both pass one tensor along.
+
+Every one of them checkpoints through ``checkpoint_keeping_buffers`` (printed with it): backward's recomputation
+runs on copies of the units' buffers, so that a train-mode BatchNorm updates its running statistics once a step, as
+without checkpointing, and the checkpointed model learns exactly what the plain one does.
 """
 
 from __future__ import annotations
@@ -19,8 +24,44 @@ from lightning_vram.records import CheckpointPlan
 CHECKPOINT_LINES = 6
 """Units spelled out one line each in the advice's code; the rest are named."""
 
-CHECKPOINTED_CLASS = '''from torch import nn
+KEEPING_BUFFERS = '''import contextlib
+
 from torch.utils.checkpoint import checkpoint
+
+
+@contextlib.contextmanager
+def _buffers_copied(modules):
+    """Runs the body with every buffer of `modules` replaced by a copy, then puts the originals back."""
+    originals = {}
+    for owner in modules:
+        for module in owner.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                originals[id(module), name] = (module, name, buffer)
+    for module, name, buffer in originals.values():
+        setattr(module, name, buffer.clone())
+    try:
+        yield
+    finally:
+        for module, name, buffer in originals.values():
+            setattr(module, name, buffer)
+
+
+def checkpoint_keeping_buffers(modules, function, *args, **kwargs):
+    """`checkpoint(function, *args, **kwargs)` whose recomputation in backward runs on copies of the buffers of
+    `modules`: BatchNorm's running statistics change once a step, as without checkpointing (pytorch#96136)."""
+    modules = list(modules)
+    return checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _buffers_copied(modules)),
+        **kwargs,
+    )
+'''
+"""The checkpoint call every printed plan uses (the replay runs the same,
+:func:`~lightning_vram.prediction.replay.buffer_copies.checkpoint_keeping_buffers`)."""
+
+CHECKPOINTED_CLASS = '''from torch import nn
 
 
 class Checkpointed(nn.Module):
@@ -31,7 +72,7 @@ class Checkpointed(nn.Module):
         self.block = block
 
     def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint_keeping_buffers([self.block], self.block, *args, **kwargs)
 
     def __getattr__(self, name: str):
         try:
@@ -75,14 +116,39 @@ def layer_ranges(names: tuple[str, ...]) -> str:
     return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
-def _unit_call(unit: tuple[str, ...], forward_of: str) -> str:
-    """The callable ``checkpoint`` gets for one unit: the module, or a lambda running its modules in order."""
-    if len(unit) == 1:
-        return _code_path(unit[0], forward_of)
-    call = "t"
-    for name in unit:
-        call = f"{_code_path(name, forward_of)}({call})"
-    return f"lambda t: {call}"
+def _unit_line(unit: tuple[str, ...], forward_of: str) -> str:
+    """The line checkpointing one unit: its modules, and the module or a lambda running them in order."""
+    paths = [_code_path(name, forward_of) for name in unit]
+    call = paths[0]
+    if len(unit) > 1:
+        call = "t"
+        for path in paths:
+            call = f"{path}({call})"
+        call = f"lambda t: {call}"
+    return f"x = checkpoint_keeping_buffers([{', '.join(paths)}], {call}, x)"
+
+
+def _segments_lines(plan: CheckpointPlan, path: str) -> list[str]:
+    r"""A loop over the checkpointed segments of the ``nn.Sequential`` at ``path``, then its last segment.
+
+    >>> plan = CheckpointPlan("features", (("features.0", "features.1"), ("features.2", "features.3")), 3, 0, "")
+    >>> print("\n".join(_segments_lines(plan, "self.features")))
+    for start, end in ((0, 2), (2, 4)):
+        segment = self.features[start:end]
+        x = checkpoint_keeping_buffers(segment, segment, x)
+    x = self.features[4:](x)
+    """
+    bounds: list[tuple[int, int]] = []
+    for unit in plan.units:
+        start = bounds[-1][1] if bounds else 0
+        bounds.append((start, start + len(unit)))
+    spans = ", ".join(f"({start}, {end})" for start, end in bounds)
+    return [
+        f"for start, end in ({spans}{',' if len(bounds) == 1 else ''}):",
+        f"    segment = {path}[start:end]",
+        "    x = checkpoint_keeping_buffers(segment, segment, x)",
+        f"x = {path}[{bounds[-1][1]}:](x)",
+    ]
 
 
 def _switch_snippet(plan: CheckpointPlan) -> tuple[str, str]:
@@ -127,7 +193,7 @@ def _wrapper_snippet(plan: CheckpointPlan) -> str:
         for line in _wrap_lines(list(group))
     ]
     return (
-        f"{CHECKPOINTED_CLASS}\n\n"
+        f"{KEEPING_BUFFERS}\n\n{CHECKPOINTED_CLASS}\n\n"
         "# in the LightningModule's __init__, once the model is built (their state_dict keys gain `.block`):\n"
         + "\n".join(lines)
     )
@@ -143,9 +209,9 @@ def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
         path = _code_path(plan.container, forward_of)
         what = f"`{plan.container}` (an nn.Sequential) in {plan.sequential_segments} segments"
         code = (
-            "from torch.utils.checkpoint import checkpoint_sequential\n"
-            f"# in {where}, instead of {path}(x); the last segment runs without checkpointing:\n"
-            f"x = checkpoint_sequential({path}, segments={plan.sequential_segments}, input=x, use_reentrant=False)"
+            f"{KEEPING_BUFFERS}\n\n"
+            f"# in {where}, instead of {path}(x), its segments as torch's checkpoint_sequential splits them; the last"
+            " segment runs without checkpointing:\n" + "\n".join(_segments_lines(plan, path))
         )
         return what, code
     first, last = plan.units[0][0], plan.units[-1][-1]
@@ -157,7 +223,7 @@ def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
     )
     if all(len(unit) == 1 for unit in plan.units):
         return what, _wrapper_snippet(plan)
-    lines = [f"x = checkpoint({_unit_call(unit, forward_of)}, x, use_reentrant=False)" for unit in plan.units]
+    lines = [_unit_line(unit, forward_of) for unit in plan.units]
     if len(lines) > CHECKPOINT_LINES:
         rest = ", ".join(f"`{unit[0]}`" for unit in plan.units[CHECKPOINT_LINES:])
         lines = [*lines[:CHECKPOINT_LINES], f"# ... and the same for {rest}"]
@@ -168,7 +234,7 @@ def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
         else ""
     )
     code = (
-        "from torch.utils.checkpoint import checkpoint\n"
+        f"{KEEPING_BUFFERS}\n\n"
         f"# in {where}, replace the call of each unit by (everything else runs as before):\n{note}" + "\n".join(lines)
     )
     return what, code

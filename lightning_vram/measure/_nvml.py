@@ -105,7 +105,7 @@ class NvmlSampler:
         if self._handle is None:
             self._shutdown()
             raise NvmlUnavailableError(f"NVML has no device with UUID {self._device_uuid}")
-        if not self._sample():
+        if not self._sample(before_run=True):
             self._shutdown()
             raise NvmlUnavailableError(self.error or "NVML sampling failed")
         self._thread = threading.Thread(target=self._loop, name="lightning-vram-nvml", daemon=True)
@@ -130,8 +130,13 @@ class NvmlSampler:
         except Exception as error:  # noqa: BLE001 -- a dying sampler thread would print a traceback into training
             self.error = f"NVML sampling stopped: {_describe(error)}"
 
-    def _sample(self) -> bool:
-        """Add one sample; ``False`` (with ``error`` set) when the bindings raised anything at all."""
+    def _sample(self, before_run: bool = False) -> bool:
+        """Add one sample; ``False`` (with ``error`` set) when the bindings raised anything at all.
+
+        ``before_run``: the sample :meth:`start` takes to check NVML. NVML's utilization covers its own last sample
+        window (1/6 s to 1 s), the time before training there: it is read and not averaged (a run shorter than the
+        sampling interval has no utilization, rather than the idle GPU's 0%); the process memory is kept.
+        """
         pynvml = self._pynvml
         if pynvml is None:
             return False  # stopped meanwhile
@@ -143,8 +148,9 @@ class NvmlSampler:
             return False
         with self._lock:
             for accumulator in (self._interval, self._run):
-                accumulator.utilization_sum += utilization
-                accumulator.utilization_count += 1
+                if not before_run:
+                    accumulator.utilization_sum += utilization
+                    accumulator.utilization_count += 1
                 accumulator.process_memory_bytes = process_bytes
         return True
 
@@ -164,7 +170,7 @@ class NvmlSampler:
         return reading
 
     def run_mean_percent(self) -> float | None:
-        """Mean utilization over every sample since ``start``, in percent."""
+        """Mean utilization over every sample since ``start``, in percent (``None`` before the first one)."""
         with self._lock:
             return self._run.mean()
 

@@ -11,12 +11,30 @@ recomputation.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+_WALK = threading.local()
+"""The node a backward walked outside autograd's engine runs now on this thread (``node``: its sequence number)."""
+
+
+@contextlib.contextmanager
+def walking_node(sequence_nr: int) -> Iterator[None]:
+    """A backward run outside autograd's engine (the replay's walk on fake CUDA) runs node ``sequence_nr`` now.
+
+    :func:`running_backward` and :func:`backward_node` answer from it as they would from the engine.
+    """
+    previous = getattr(_WALK, "node", None)
+    _WALK.node = sequence_nr
+    try:
+        yield
+    finally:
+        _WALK.node = previous
 
 
 def running_backward(default: bool) -> bool:
@@ -25,6 +43,8 @@ def running_backward(default: bool) -> bool:
     >>> running_backward(default=True)
     False
     """
+    if getattr(_WALK, "node", None) is not None:
+        return True
     graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     if graph_task_id is None:
         return default
@@ -41,6 +61,9 @@ def backward_node() -> int | None:
     >>> backward_node() is None
     True
     """
+    walked: int | None = getattr(_WALK, "node", None)
+    if walked is not None:
+        return walked
     current_node = getattr(torch._C, "_current_autograd_node", None)
     node = current_node() if current_node is not None else None
     return None if node is None else int(node._sequence_nr())

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
 from lightning_vram.measure.storages import local_tensor, on_device, storage_identity, tensor_storages
@@ -33,15 +34,26 @@ def dispatch_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
-def leave_abandoned() -> int:
-    """Take off the mode stack the live counts left on top of it by sessions dropped mid-step; returns how many.
+def outside_dispatch_modes() -> AbstractContextManager[Any]:
+    """A context taking the dispatch modes active now off the stack, putting them back when it ends.
 
-    Call only where no live count of this process is running (one sampled step at a time per process): any
-    :class:`LiveTensors` on top of the stack then belongs to a session whose loop died before the step ended.
+    The monitor's own work inside the user's step (a replay on fake tensors) runs there: a dispatch mode of the
+    user's (an op counter, a ``FlopCounterMode`` spanning the step) sees the ops it sees without the monitor.
+    """
+    return _disable_current_modes()
+
+
+def leave_abandoned() -> int:
+    """Take off the mode stack the live counts left on top of it; returns how many.
+
+    A live count stays on the stack when a session was dropped mid-step, or when the user's own dispatch mode,
+    entered after it, was still active when the count stopped (it passes every op through from then on). Call only
+    where no live count of this process is running (one sampled step at a time per process): any
+    :class:`LiveTensors` on top of the stack is then one of those. Each one taken off shortens the stack: this ends.
     """
     left = 0
     while isinstance(mode := _get_current_dispatch_mode(), LiveTensors):
-        mode.stop()
+        mode.leave()
         left += 1
     return left
 
@@ -140,19 +152,24 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
         They are not when counting failed, or when another mode entered after this one is still active: that mode
         is left in place (leaving this one would pop the user's), and this one stays below it, passing every op
-        through untouched.
+        through untouched, until :func:`leave_abandoned` takes it off once the user's mode has left.
         """
         whole = self.error is None
         self._counting = False
         if self._entered:
             self._entered = False
             if _get_current_dispatch_mode() is self:
-                self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+                self.leave()
             else:
                 whole = False
         self._sizes.clear()
         self._references.clear()  # the weak references die with it: no callback reaches this tracker again
         return whole
+
+    def leave(self) -> None:
+        """Take this mode off the stack; call only while it is on top (it pops the top)."""
+        self._counting = False
+        self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))

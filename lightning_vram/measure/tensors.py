@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -15,8 +16,17 @@ def without_history(tensor: Tensor) -> Tensor:
     holding it) would make a reference cycle through C++ (tensor -> grad_fn -> saved -> tensor) that Python's garbage
     collector cannot free, so a forward pass whose backward never runs (a ``training_step`` returning ``None``, a
     replay stopped half-way) would keep its whole graph, activations included, alive.
+
+    A plain tensor's alias is made with ``__torch_dispatch__`` off: a dispatch mode of the user's (an op counter, a
+    ``FlopCounterMode``) spanning the step sees the ops it sees without the monitor, not this ``detach`` too. A
+    tensor subclass (a replay's fake tensor) needs its own dispatch: it is detached through it.
     """
-    return tensor.detach() if tensor.grad_fn is not None else tensor
+    if tensor.grad_fn is None:
+        return tensor
+    if type(tensor) is Tensor:
+        with torch._C._DisableTorchDispatch():
+            return tensor.detach()
+    return tensor.detach()
 
 
 def iter_tensors(value: Any) -> Iterator[Tensor]:

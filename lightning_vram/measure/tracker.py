@@ -2,9 +2,11 @@
 
 The hot path is plain integers: each phase boundary computes the allocator's peak since the last one and keeps
 it in a reused slot; a step's end compares integers with the run's, the phase's and the interval's best and builds
-a :class:`~lightning_vram.records.PhasePeak` only when one of them is beaten. Memory does not grow with the run:
-maxima, the last step, the sampled attributions it needs, evaluation peaks per stage, and a fixed-size window of
-recent step peaks.
+a :class:`~lightning_vram.records.PhasePeak` only when one of them is beaten. A step read once, at its end
+(:meth:`MemoryTracker.end_step_read_once`), credits its peak to the phase that peaked on the last step read phase by
+phase; a record so credited gives way to a step read phase by phase that reaches the same bytes. Memory does not
+grow with the run: maxima, the last step, the sampled attributions it needs, evaluation peaks per stage, and a
+fixed-size window of recent step peaks.
 """
 
 from __future__ import annotations
@@ -92,11 +94,15 @@ class MemoryTracker:
         self._last = [[UNSET, 0] for _ in PHASES]
         self._last_step_index = UNSET
         self._last_counted: dict[Phase, Breakdown] = {}
-        # Run and phase bests as integers (compared every step) beside the records built when they are beaten.
+        # Run and phase bests as integers (compared every step) beside the records built when they are beaten;
+        # whether each record's phase was credited (a step read once) rather than read.
         self._peak_bytes = UNSET
         self._peak: PhasePeak | None = None
+        self._peak_credited = False
         self._phase_best = [UNSET] * len(PHASES)
+        self._phase_credited = [False] * len(PHASES)
         self._phase_peaks: dict[Phase, PhasePeak] = {}
+        self._peak_phase = 0  # the slot of the phase that peaked on the last step read phase by phase
         # The interval: its best step peak (step, phase index, bytes, reserved, counted) and each phase's best.
         self._interval_best: tuple[int, int, int, int | None, Breakdown | None] | None = None
         self._interval_phase_best = [UNSET] * len(PHASES)
@@ -156,8 +162,28 @@ class MemoryTracker:
         """A step ended that is not folded (the tracker failed): it still counts."""
         self.steps += 1
 
+    def end_step_read_once(self, reading: AllocatorReading, last: Phase) -> bool:
+        """Fold a step read once, at its end, its peak reset at its start: ``reading``'s peak is the step's peak.
+
+        Which phase held it was not read: it is credited to the phase that peaked on the last step read phase by
+        phase, or to ``last``, the phase the step ended in, where it ended before that one (a batch that accumulates
+        gradients runs no optimizer step). Returns whether it set a new run peak (the caller reads the next step
+        phase by phase; that step's record replaces the credited one where it reaches the same bytes).
+        """
+        self._observe(reading)
+        slot = self._current[min(self._peak_phase, SLOT[last])]
+        slot[0] = reading.peak_allocated_bytes
+        slot[1] = reading.reserved_bytes
+        best = self._peak_bytes
+        self._fold(None, credited=True)
+        return self._peak_bytes > best
+
     def end_step(self, attribution: Attribution | None) -> None:
         """Fold the step that ends now: its allocator peaks (CUDA) and, on sampled steps, its counted parts."""
+        self._fold(attribution, credited=False)
+
+    def _fold(self, attribution: Attribution | None, credited: bool) -> None:
+        """Fold this step's slots; ``credited``: its one peak sits in the slot of a phase it was credited to."""
         step = self.steps
         self.steps += 1
         if attribution is not None:
@@ -165,7 +191,11 @@ class MemoryTracker:
         latest = self.latest_attribution
         counted = (latest.phases if latest is not None else None) or NO_COUNTS
         current = self._current
-        phase_best, interval_phase_best = self._phase_best, self._interval_phase_best
+        phase_best, interval_phase_best, phase_credited = (
+            self._phase_best,
+            self._interval_phase_best,
+            self._phase_credited,
+        )
         step_bytes, step_phase = UNSET, 0
         for index, slot in enumerate(current):
             peak = slot[0]
@@ -176,21 +206,26 @@ class MemoryTracker:
                 slot[1] = UNSET
             if peak > step_bytes:
                 step_bytes, step_phase = peak, index
-            if peak > phase_best[index]:
+            if peak > phase_best[index] or (peak == phase_best[index] and phase_credited[index] and not credited):
                 phase_best[index] = peak
+                phase_credited[index] = credited
                 phase = PHASES[index]
                 self._phase_peaks[phase] = self._record(step, index, slot, counted.get(phase))
             if peak > interval_phase_best[index]:
                 interval_phase_best[index] = peak
         if step_bytes == UNSET:
             return
-        self._current, self._last = self._last, current
-        self._last_step_index = step
-        self._last_counted = counted
+        if not credited:  # the last step read phase by phase, and the phase a step read once is credited to
+            self._current, self._last = self._last, current
+            self._last_step_index = step
+            self._last_counted = counted
+            self._peak_phase = step_phase
         self._recent.append((step, step_bytes))
         slot = current[step_phase]
-        if step_bytes > self._peak_bytes:
+        run_best = self._peak_bytes
+        if step_bytes > run_best or (step_bytes == run_best and self._peak_credited and not credited):
             self._peak_bytes = step_bytes
+            self._peak_credited = credited
             self._peak = self._record(step, step_phase, slot, counted.get(PHASES[step_phase]))
         best = self._interval_best
         if best is None or step_bytes > best[2]:
@@ -249,7 +284,7 @@ class MemoryTracker:
 
     @property
     def last_step(self) -> tuple[PhasePeak, ...]:
-        """The phases of the last measured step."""
+        """The phases of the last step measured phase by phase."""
         return tuple(
             self._record(self._last_step_index, index, slot, self._last_counted.get(PHASES[index]))
             for index, slot in enumerate(self._last)
@@ -326,6 +361,9 @@ class MemoryTracker:
         self._phase_best = [
             self._phase_peaks[phase].peak_bytes if phase in self._phase_peaks else UNSET for phase in PHASES
         ]
+        self._peak_credited = False
+        self._phase_credited = [False] * len(PHASES)
+        self._peak_phase = SLOT[peak.phase] if peak is not None else 0
         self._recent.clear()
         self._recent.extend(recent)
         self.latest_attribution = latest

@@ -288,6 +288,7 @@ class Predictor:
         run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape)
         counter: ReplayCounter | None = None
         frames = CheckpointFrames()
+        run.checkpoint_frames = frames.recorded
         try:
             with isolated(), contained(scope.reach) as containment, frames:  # configure_optimizers is user code too
                 mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -1,9 +1,11 @@
 """Figures of a report, drawn with matplotlib for TensorBoard and the HTML page.
 
 Figures are built as ``Figure`` objects and saved to PNG directly: headless, and without pyplot, so the user's
-matplotlib backend and pyplot state are left alone. Text from the user's model (module and class names) is drawn
-literally (``parse_math=False``: a ``$`` never starts mathtext) and shortened; a figure's size is bounded whatever the
-report holds.
+matplotlib backend and pyplot state are left alone. Their margins are fixed in inches (:func:`margins`), not found by
+a layout engine: a constrained layout draws every text of the figure once more before ``savefig`` draws it (half a
+figure's cost), and the texts here are bounded (labels shortened, sizes fixed). Text from the user's model (module
+and class names) is drawn literally (``parse_math=False``: a ``$`` never starts mathtext) and shortened; a figure's
+size is bounded whatever the report holds.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
-import numpy as np
-from matplotlib import image
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -35,6 +35,21 @@ CATEGORY_COLOURS = {
 }
 
 
+CHARACTER_INCHES = 0.075
+"""The width of one character of a "small" tick label (8.3 pt DejaVu Sans), with room to spare, in inches."""
+
+
+def margins(figure: Figure, left: float, right: float, top: float, bottom: float, **spacing: float) -> None:
+    """Place the axes ``left``, ``right``, ``top`` and ``bottom`` inches inside ``figure``'s edges (fixed margins).
+
+    ``spacing``: ``wspace`` / ``hspace`` between panels, as ``Figure.subplots_adjust`` takes them.
+    """
+    width, height = figure.get_size_inches()
+    figure.subplots_adjust(
+        left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height, **spacing
+    )
+
+
 def _binary_scale(largest: float) -> tuple[float, str]:
     for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if largest >= factor:
@@ -44,7 +59,8 @@ def _binary_scale(largest: float) -> tuple[float, str]:
 
 def breakdown_figure(phases: dict[Phase, PhasePeak]) -> Figure:
     """Stacked bars: what held memory at each phase's peak."""
-    figure = Figure(figsize=(6.4, 3.6), layout="constrained")
+    figure = Figure(figsize=(6.4, 3.6))
+    margins(figure, left=0.75, right=0.15, top=0.35, bottom=0.35)
     axes = figure.subplots()
     present = [(phase, phases[phase]) for phase in Phase if phase in phases]
     factor, unit = _binary_scale(max((peak.peak_bytes for _, peak in present), default=1))
@@ -82,7 +98,8 @@ def short_label(text: str, limit: int = MAX_LABEL_CHARACTERS) -> str:
 
 def memory_over_steps_figure(points: Sequence[StepPoint], capacity: str | None) -> Figure:
     """The peak of each recent step; ``capacity`` (in words, see ``render.text.capacity_text``) goes in the title."""
-    figure = Figure(figsize=(6.4, 3.2), layout="constrained")
+    figure = Figure(figsize=(6.4, 3.2))
+    margins(figure, left=0.75, right=0.2, top=0.35, bottom=0.55)
     axes = figure.subplots()
     factor, unit = _binary_scale(max((point.peak_bytes for point in points), default=1))
     marker = "o" if len(points) <= SHOW_MARKERS_BELOW else None  # sparse series (CPU: sampled steps only)
@@ -109,17 +126,20 @@ def modules_figure(modules: Sequence[ModuleProfile]) -> Figure:
     At most :data:`MAX_MODULE_BARS` bars; names are drawn as plain text (never mathtext) and shortened.
     """
     shown = list(modules)[:MAX_MODULE_BARS][::-1]
-    figure = Figure(figsize=(6.4, 0.4 * len(shown) + 1.2), layout="constrained")
+    figure = Figure(figsize=(6.4, 0.4 * len(shown) + 1.2))
+    labels = [short_label(module_text(row)) for row in shown]
+    longest = max((len(label) for label in labels), default=0)
+    margins(figure, left=CHARACTER_INCHES * longest + 0.2, right=0.25, top=0.35, bottom=0.55)
     axes = figure.subplots()
     factor, unit = _binary_scale(max((row.activation_bytes for row in shown), default=1))
     positions = list(range(len(shown)))
     axes.barh(positions, [row.activation_bytes / factor for row in shown])
-    axes.set_yticks(positions, [short_label(module_text(row)) for row in shown], parse_math=False)
-    axes.set_xlabel(f"activations saved for backward ({unit})")
+    axes.set_yticks(positions, labels, parse_math=False)
+    axes.set_xlabel(f"activations saved for backward ({unit})", loc="right")  # the labels' side has room
     title = "Modules saving the most activations"
     if len(modules) > len(shown):
         title += f" (largest {len(shown)} of {len(modules)})"
-    axes.set_title(title)
+    axes.set_title(title, loc="right")
     axes.tick_params(axis="y", labelsize="small")
     return figure
 
@@ -132,9 +152,3 @@ def png_bytes(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
-
-
-def rgb_pixels(figure: Figure) -> np.ndarray:
-    """The figure as an ``(height, width, 3)`` uint8 array, as TensorBoard's ``add_image`` takes it (HWC)."""
-    rgba = image.imread(io.BytesIO(png_bytes(figure)), format="png")
-    return np.asarray(np.round(rgba[:, :, :3] * 255), dtype=np.uint8)

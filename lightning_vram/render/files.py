@@ -18,7 +18,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -172,15 +172,18 @@ def _text(render: Callable[[], str]) -> Render:
     return lambda: render().encode("utf-8", errors="backslashreplace")
 
 
-def _html(report: Report) -> str:
+def _html(report: Report, pngs: Mapping[str, bytes] | None) -> str:
     """The report's HTML page; the renderer (matplotlib) is imported here, so that reading a report needs none."""
     from lightning_vram.render.html import render_html
 
-    return render_html(report)
+    return render_html(report, pngs)
 
 
-def write_report_files(report: Report, directory: Location) -> Location:
+def write_report_files(report: Report, directory: Location, pngs: Mapping[str, bytes] | None = None) -> Location:
     """Write the JSON, Markdown and HTML forms into ``directory`` (created if needed); returns the JSON's location.
+
+    ``pngs``: the report's figures drawn already, by tag (:func:`~lightning_vram.render.figure_set.report_pngs`);
+    by default the HTML page draws them.
 
     Raises:
         FilesNotWritten: some could not be written (its ``json_path`` says whether the JSON was).
@@ -190,7 +193,7 @@ def write_report_files(report: Report, directory: Location) -> Location:
         [
             (JSON_FILENAME, _text(lambda: json.dumps(report.to_dict(), indent=2) + "\n")),
             (MARKDOWN_FILENAME, _text(lambda: markdown(report))),
-            (HTML_FILENAME, _text(lambda: _html(report))),
+            (HTML_FILENAME, _text(lambda: _html(report, pngs))),
         ],
     )
     return join(directory, JSON_FILENAME)

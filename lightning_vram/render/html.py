@@ -7,11 +7,17 @@ import html
 from collections.abc import Iterable
 
 from lightning_vram.records import CATEGORIES, Advice, NotAdvised, Report, in_phase_order
-from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, png_bytes
+from lightning_vram.render.figure_set import (
+    BREAKDOWN_TAG,
+    MEMORY_OVER_STEPS_TAG,
+    STEP_MEMORY_TAG,
+    TOP_MODULES_TAG,
+    FigurePngs,
+    report_pngs,
+)
 from lightning_vram.render.markup import Token, advice_tokens
 from lightning_vram.render.shapes import lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, simulation_view
-from lightning_vram.render.step_memory import step_memory_figure
 from lightning_vram.render.text import (
     capacity_text,
     evaluation_text,
@@ -143,8 +149,13 @@ def _simulation_html(report: Report) -> list[str]:
     return sections
 
 
-def render_html(report: Report) -> str:
-    """The whole report as a standalone HTML page: the headline and the advice first, then the measurements."""
+def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
+    """The whole report as a standalone HTML page: the headline and the advice first, then the measurements.
+
+    ``pngs``: the report's figures drawn already (:func:`~lightning_vram.render.figure_set.report_pngs`); by default
+    they are drawn here.
+    """
+    pngs = report_pngs(report) if pngs is None else pngs
     device = report.device
     sections = [
         f"<h1>VRAM report</h1><p class='headline'>{html.escape(headline(report))}</p>",
@@ -177,12 +188,12 @@ def render_html(report: Report) -> str:
                 f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
             )
         )
-        sections.append(_image(png_bytes(breakdown_figure(report.phases)), "breakdown per phase"))
+        if BREAKDOWN_TAG in pngs:
+            sections.append(_image(pngs[BREAKDOWN_TAG], "breakdown per phase"))
     if report.evaluation:
         sections.append(f"<p>Evaluation peaks: {html.escape(evaluation_text(report.evaluation))}.</p>")
-    if report.recent_peaks:
-        figure = memory_over_steps_figure(report.recent_peaks, capacity_text(device) if device.total_bytes else None)
-        sections += ["<h2>Memory over steps</h2>", _image(png_bytes(figure), "memory over steps")]
+    if MEMORY_OVER_STEPS_TAG in pngs:
+        sections += ["<h2>Memory over steps</h2>", _image(pngs[MEMORY_OVER_STEPS_TAG], "memory over steps")]
     if report.modules:
         table = "".join(
             f"<tr><td><code>{html.escape(row.name)}</code></td><td>{html.escape(row.type)}</td>"
@@ -194,8 +205,9 @@ def render_html(report: Report) -> str:
             scrolling(
                 f'<table id="modules"><tr><th>module</th><th>type</th><th class="n">saved</th></tr>{table}</table>'
             ),
-            _image(png_bytes(modules_figure(report.modules)), "top modules"),
         ]
+        if TOP_MODULES_TAG in pngs:
+            sections.append(_image(pngs[TOP_MODULES_TAG], "top modules"))
     if report.fit:
         fit = "".join(
             f'<tr><td>{html.escape(row.device)}</td><td class="n">{format_bytes(row.capacity_bytes)}</td>'
@@ -213,8 +225,8 @@ def render_html(report: Report) -> str:
         sections += ["<h2>Batch shapes</h2>", f"<p>{html.escape(shapes_sentence(report.shapes))}</p>"]
         if (lengths := lengths_table(report.shapes)) is not None:
             sections.append(table_html(lengths, "batch-lengths"))
-    if (step_figure := step_memory_figure(report)) is not None:
-        sections += ["<h2>Memory during one step</h2>", _image(png_bytes(step_figure), "memory during one step")]
+    if STEP_MEMORY_TAG in pngs:
+        sections += ["<h2>Memory during one step</h2>", _image(pngs[STEP_MEMORY_TAG], "memory during one step")]
     sections += _simulation_html(report)
     if report.not_measured:
         items = "".join(

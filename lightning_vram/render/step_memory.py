@@ -11,7 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from lightning_vram.records import Phase, ReplayedStep, Report, StepTimeline, advised_variant
-from lightning_vram.render.figures import CATEGORY_COLOURS, short_label
+from lightning_vram.render.figures import CATEGORY_COLOURS, margins, short_label
 from lightning_vram.units import format_bytes
 
 MIB = 1024**2
@@ -42,7 +42,8 @@ def step_memory_figure(report: Report) -> Figure | None:
     variant = advised_variant(simulation, report.advice)
     if variant is not None and variant.replayed is not None and variant.replayed.timeline is not None:
         panels.append((_title(f"advised: {variant.change.label}", variant.replayed), variant.replayed.timeline))
-    figure = Figure(figsize=(6.4 * len(panels), 4.2), layout="constrained")
+    figure = Figure(figsize=(6.4 * len(panels), 4.2))
+    margins(figure, left=0.7, right=0.15, top=0.95, bottom=0.95, wspace=0.05)  # titles of two lines; legend below
     axes_row = figure.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     top = max(timeline.peak.total for _, timeline in panels) * HEADROOM / MIB
     for axes, (title, timeline) in zip(axes_row, panels, strict=True):
@@ -58,7 +59,7 @@ def step_memory_figure(report: Report) -> Figure | None:
         )
     axes_row[0].set_ylabel("live memory (MiB)")
     handles, labels = axes_row[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small")
+    figure.legend(handles, labels, loc="lower center", ncols=len(labels), fontsize="small", frameon=False)
     figure.suptitle("Memory during one training step (replayed under fake tensors)")
     return figure
 

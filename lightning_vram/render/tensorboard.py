@@ -12,15 +12,11 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from lightning_vram.records import Report
-from lightning_vram.render.figures import breakdown_figure, memory_over_steps_figure, modules_figure, rgb_pixels
-from lightning_vram.render.step_memory import step_memory_figure
-from lightning_vram.render.text import capacity_text
+from lightning_vram.render.figure_set import FIGURE_TAGS as FIGURE_TAGS  # the tags, where TensorBoard's users look
+from lightning_vram.render.figure_set import STEP_MEMORY_TAG as STEP_MEMORY_TAG
+from lightning_vram.render.figure_set import FigurePngs, png_pixels
 
 ADVICE_TAG = "vram/advice"
-FIGURE_TAGS = ("vram/figures/breakdown", "vram/figures/memory_over_steps", "vram/figures/top_modules")
-STEP_MEMORY_TAG = "vram/figures/step_memory"
-"""The replay's memory during one step (:func:`~lightning_vram.render.step_memory.step_memory_figure`)."""
 
 LAYOUT: dict[str, dict[str, list[Any]]] = {
     "VRAM memory": {
@@ -102,16 +98,9 @@ def write_layout(writer: TensorBoardWriter, layout: dict[str, dict[str, list[Any
         layout_writer.close()
 
 
-def report_images(report: Report) -> dict[str, np.ndarray]:
-    """The report's figures as ``(height, width, 3)`` pixels, by TensorBoard tag; absent figures are left out."""
-    images: dict[str, np.ndarray] = {}
-    if report.phases:
-        images[FIGURE_TAGS[0]] = rgb_pixels(breakdown_figure(report.phases))
-    if report.recent_peaks:
-        capacity = capacity_text(report.device) if report.device.total_bytes else None
-        images[FIGURE_TAGS[1]] = rgb_pixels(memory_over_steps_figure(report.recent_peaks, capacity))
-    if report.modules:
-        images[FIGURE_TAGS[2]] = rgb_pixels(modules_figure(report.modules))
-    if (step_figure := step_memory_figure(report)) is not None:
-        images[STEP_MEMORY_TAG] = rgb_pixels(step_figure)
-    return images
+def report_images(pngs: FigurePngs) -> dict[str, np.ndarray]:
+    """The report's figures as ``(height, width, 3)`` pixels, by TensorBoard tag, from their PNGs (drawn once).
+
+    ``pngs``: :func:`~lightning_vram.render.figure_set.report_pngs`.
+    """
+    return {tag: png_pixels(png) for tag, png in pngs.items()}

@@ -153,6 +153,9 @@ def timing_line(report: Report) -> str:
     timing = report.timing
     step = f"{1000 * timing.step_seconds_median:.1f} ms" if timing.step_seconds_median is not None else "n/a"
     utilization = f"{timing.gpu_utilization_mean:.0f}%" if timing.gpu_utilization_mean is not None else "n/a"
+    why = next((item.reason for item in report.not_measured if item.what == "GPU utilization"), None)
+    if timing.gpu_utilization_mean is None and report.device.type == "cuda" and why is not None:
+        utilization += f" ({why})"
     return f"step {step} median, data wait {format_percent(timing.data_wait_fraction)}, GPU utilization {utilization}"
 
 

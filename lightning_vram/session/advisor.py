@@ -22,7 +22,9 @@ from lightning_vram.advice.trials import try_changes, unsupported
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.measure.live import outside_dispatch_modes
 from lightning_vram.measure.probes import Probe
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
@@ -94,6 +96,8 @@ class Advisor:
             return
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
             return
+        if saved_tensor_hooks_active():  # the user's pair would pack the replay's fake tensors
+            return
         training = self._guard.call(Part.REPLAY, context.setup)
         if training is None:
             return
@@ -123,7 +127,8 @@ class Advisor:
             verdict = preflight(predictor, reading=reading, free_bytes=free, changes=changes)
             return verdict if isinstance(verdict, PreflightVerdict) else None
 
-        result = self._guard.call(Part.REPLAY, replay)
+        with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
+            result = self._guard.call(Part.REPLAY, replay)
         verdict = result if isinstance(result, PreflightVerdict) else None
         self.preflight_verdict = verdict
         step = verdict.step if verdict is not None else result
@@ -224,7 +229,8 @@ class Advisor:
             )
             return try_changes(predictor, run, training)
 
-        simulation = self._guard.call(Part.REPLAY, replay)
+        with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
+            simulation = self._guard.call(Part.REPLAY, replay)
         if simulation is None:
             return
         baseline = simulation.baseline

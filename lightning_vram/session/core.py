@@ -224,17 +224,21 @@ class VramSession:
         if sampler.attributor is not None:  # the last sampled step never ended (its batch stopped at its start hook)
             sampler.close()
             self._sampled_batch = None
-        reading = recorder.start_step()
-        if self._preflight_pending:
+        every, step = self._log_every, recorder.tracker.steps
+        reading = recorder.start_step(every is not None and (step + 1) % every == 0)
+        if self._preflight_pending:  # the run's first step: read phase by phase, `reading` is there
             self._preflight_pending = False
             if recorder.device is not None:
                 self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
-        due, step = sampler.next_step, recorder.tracker.steps
-        live = reading is None  # no allocator measures the peak (the CPU): the sampled step counts what is alive
+        due = sampler.next_step
+        live = not recorder.reads_allocator  # no allocator measures the peak (the CPU): the sampled step counts all
         # Every step records its batch's shapes; one larger than any replayed is counted and replayed at its end (a
         # few times a run at most); every other step but a few stops at `due`, without a call.
         worst = recorder.observe_batch(step, batch) and self._advisor.worth_counting(recorder.shapes.largest_elements)
-        sampled = (worst or (due is not None and step >= due)) and sampler.begin(step, batch, live, force=worst)
+        candidate = worst or (due is not None and step >= due)
+        if candidate:  # a step that may be sampled is read phase by phase, from before the sampler starts
+            recorder.read_by_phase()
+        sampled = candidate and sampler.begin(step, batch, live, force=worst)
         if sampled and sampler.replay_refusal is not None:
             self._advisor.refuse(sampler.replay_refusal)
         elif sampled and (worst or self._advisor.simulation is None):

@@ -1,8 +1,15 @@
-"""The hot path: the device probe's allocator readings at every phase boundary, folded by the tracker, and the timer.
+"""The hot path: the device probe's allocator readings, folded by the tracker, and the timer.
 
 Every training step calls :meth:`StepRecorder.start_step`, :meth:`~StepRecorder.boundary` (before backward, before
 the optimizer step) and :meth:`~StepRecorder.end_step`: host-side counters only, no device synchronisation, each
 part guarded by the run's :class:`~lightning_vram._guard.Guard`.
+
+On CUDA, reading the allocator costs about 18 us (torch builds its whole statistics dictionary), resetting its peak
+0.2 us. Most steps are read once: the peak reset at the start, one read at the end (the step's peak, allocated and
+reserved). Some are read phase by phase, at every boundary (:meth:`StepRecorder.start_step` says which): the run's
+first :data:`PHASE_READ_STEPS`, the sampled steps, the last step of each log interval and the step after one read
+once that set a new run peak. A step read once credits its peak to the phase that peaked on the last step read phase
+by phase (:meth:`~lightning_vram.measure.tracker.MemoryTracker.end_step_read_once`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ SHAPES = Part.SHAPES
 FORWARD = Phase.FORWARD
 CPU_READ_ALLOCATOR = CpuProbe.read_allocator
 """The CPU's allocator read: it always returns ``None``; a probe that keeps it is not read on the hot path."""
+PHASE_READ_STEPS = 10
+"""The first steps of each run (a resumed one's too) read phase by phase: optimizer state appears on the first
+optimizer step, the caching allocator fills, the first sampled step (``attribution_start_step``, 2 by default) falls
+among them; after them, which phase peaks is settled for the steps read once."""
 
 
 class Interval(NamedTuple):
@@ -69,6 +80,9 @@ class StepRecorder:
         self.phase: Phase | None = None
         """The phase running now; ``None`` outside a training step."""
         self._reads = False  # whether the probe's reads can return anything (not the CPU's, always None)
+        self._by_phase = True  # whether this step is read at every boundary (else once, at its end)
+        self._phase_steps_left = PHASE_READ_STEPS  # the run's first steps, read phase by phase
+        self._next_by_phase = False  # the step before set a new run peak, read once: read this one phase by phase
 
     def open(self, probe: Probe | None, device: torch.device, utilization_interval_seconds: float) -> None:
         """Open ``probe`` (default: the one that fits ``device``); one that fails warns and a blind one reads."""
@@ -79,6 +93,7 @@ class StepRecorder:
             info = probe.open(device)
         self.probe, self.device = probe, info
         self._reads = not _never_reads(probe)
+        self._phase_steps_left, self._next_by_phase = PHASE_READ_STEPS, False
         if info.type != "cuda":
             warnings.warn(
                 f"VramMonitor: the model trains on {device}, not a CUDA GPU: allocator peaks, reserved memory"
@@ -90,6 +105,11 @@ class StepRecorder:
     def restore(self, tracker: MemoryTracker, timer: StepTimer) -> None:
         """Continue from a checkpoint's aggregates."""
         self.tracker, self.timer = tracker, timer
+
+    @property
+    def reads_allocator(self) -> bool:
+        """Whether the allocator is read (a CUDA probe whose reads have not failed)."""
+        return self._reads and self.probe is not None and ALLOCATOR not in self._guard.off
 
     def read(self) -> AllocatorReading | None:
         """The allocator's counters now (``None`` without an allocator, or once reading failed)."""
@@ -109,8 +129,13 @@ class StepRecorder:
             guard.fail(SHAPES, error)
             return False
 
-    def start_step(self) -> AllocatorReading | None:
+    def start_step(self, ends_interval: bool = False) -> AllocatorReading | None:
         """A training step starts: time it, read the allocator, open its forward phase. Returns the reading.
+
+        The step is read phase by phase (the reading returned) when ``ends_interval`` (it is the last of a log
+        interval), among the run's first :data:`PHASE_READ_STEPS`, after a step read once that set a new run peak, or
+        without peak resets (``reset_peak_stats=False``: each phase's lower bound needs its boundaries). Any other
+        step only resets the peak (``None`` returned); :meth:`read_by_phase` turns it into one read phase by phase.
 
         The hot path runs each part in its own ``try`` and hands a failure to :meth:`Guard.fail
         <lightning_vram._guard.Guard.fail>`: what :meth:`Guard.call <lightning_vram._guard.Guard.call>` does, without
@@ -123,10 +148,18 @@ class StepRecorder:
                 self.timer.batch_started()
             except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
                 guard.fail(TIMING, error)
+        left = self._phase_steps_left
+        by_phase = ends_interval or left > 0 or self._next_by_phase or not self._reset_peak
+        self._by_phase, self._next_by_phase = by_phase, False
+        if left > 0:
+            self._phase_steps_left = left - 1
         reading, probe = None, self.probe
         if self._reads and probe is not None and ALLOCATOR not in off:
             try:
-                reading = probe.read_allocator(self._reset_peak)
+                if by_phase:
+                    reading = probe.read_allocator(self._reset_peak)
+                else:
+                    probe.reset_peak()
             except Exception as error:  # noqa: BLE001 -- as above
                 guard.fail(ALLOCATOR, error)
         if TRACKER not in off:
@@ -137,11 +170,23 @@ class StepRecorder:
         self.phase = FORWARD
         return reading
 
+    def read_by_phase(self) -> None:
+        """Read the step begun as one read once phase by phase after all (it may be sampled): its start read now."""
+        if self._by_phase or not self._reads:  # read phase by phase already, or nothing to read (the CPU)
+            return
+        self._by_phase = True
+        reading = self.read()
+        if self._guard.enabled(TRACKER):
+            self._guard.call(TRACKER, self.tracker.start_step, reading)
+
     def boundary(self, label: Phase, next_phase: Phase | None) -> None:
-        """End the segment since the last boundary as ``label``: one allocator read, folded by the tracker."""
+        """End the segment since the last boundary as ``label``: one allocator read, folded by the tracker.
+
+        Nothing is read on a step read once (:meth:`start_step`).
+        """
         self.phase = next_phase
         probe = self.probe
-        if not self._reads or probe is None:  # no allocator: nothing to read, nothing to fold
+        if not self._by_phase or not self._reads or probe is None:  # nothing to read, nothing to fold
             return
         guard = self._guard
         off = guard.off
@@ -182,12 +227,38 @@ class StepRecorder:
     def end_step(self, label: Phase) -> int:
         """An unsampled step ends: :meth:`boundary` (``label``), :meth:`fold_step` and :meth:`end_timing` in one call.
 
-        Returns the steps so far.
+        A step read once is read now, its one reading folded (:meth:`~MemoryTracker.end_step_read_once`). Returns the
+        steps so far.
         """
-        self.boundary(label, None)
-        steps = self.fold_step(None)
+        if self._by_phase or not self._reads:
+            self.boundary(label, None)
+            steps = self.fold_step(None)
+        else:
+            self.phase = None
+            steps = self._fold_read_once(label)
         self.end_timing()
         return steps
+
+    def _fold_read_once(self, last: Phase) -> int:
+        """Read the allocator once at the end of a step read once (which ended in ``last``) and fold it.
+
+        Returns the steps so far.
+        """
+        guard, tracker, probe = self._guard, self.tracker, self.probe
+        off = guard.off
+        reading = None
+        if probe is not None and ALLOCATOR not in off:
+            try:
+                reading = probe.read_allocator(self._reset_peak)
+            except Exception as error:  # noqa: BLE001 -- the guard's own handling, inline on the hot path
+                guard.fail(ALLOCATOR, error)
+        if reading is None or TRACKER in off:
+            return self.fold_step(None)  # nothing read (or peaks are off): the step still counts
+        try:
+            self._next_by_phase = tracker.end_step_read_once(reading, last)
+        except Exception as error:  # noqa: BLE001 -- as above
+            guard.fail(TRACKER, error)
+        return tracker.steps
 
     def take_interval(self) -> Interval:
         """What the log interval since the last call measured, then start a new one."""

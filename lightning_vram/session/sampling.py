@@ -21,6 +21,7 @@ from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.compiled import compiled_in_place
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.prediction.containment.reach import reach_of
 from lightning_vram.prediction.replay.step import compiled_refusal
@@ -34,6 +35,17 @@ BUSY = NotMeasured(
     "tensor-by-tensor attribution on some sampled steps",
     "another monitor in this process was counting the same step (saved-tensor hooks do not nest);"
     " those steps were not counted here",
+)
+USER_MODE = NotMeasured(
+    "tensor-by-tensor attribution on some sampled steps",
+    "a dispatch mode of the training code's (an op counter, a FlopCounterMode) was active when the step began: the"
+    " monitor's saved-tensor hooks would change the ops it sees (autograd saves tensors differently under them);"
+    " those steps were not counted",
+)
+USER_HOOKS = NotMeasured(
+    "tensor-by-tensor attribution on some sampled steps",
+    "saved-tensor hooks of the training code's (around fit, a callback's, save_on_cpu) were active when the step"
+    " began: torch runs only the innermost pair, and the monitor's would replace them; those steps were not counted",
 )
 LIVE_PEAK = "the live peak (every tensor alive) of some sampled steps"
 """What a sampled step whose live count stood aside did not measure: its peaks are the sums of the counted parts."""
@@ -84,6 +96,13 @@ class Sampler:
         if any(other is not self for other in _ATTRIBUTING):  # saved-tensor hooks do not nest
             self._notes.setdefault("busy", BUSY)
             return True
+        leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
+        if dispatch_mode_active():  # the user's mode would see autograd save differently: stand aside, decided now
+            self._notes.setdefault("user-mode", USER_MODE)
+            return True
+        if saved_tensor_hooks_active():  # the monitor's pair would replace the user's: stand aside, decided now
+            self._notes.setdefault("user-hooks", USER_HOOKS)
+            return True
         context = self._context
         started: list[StepAttributor] = []
 
@@ -111,22 +130,19 @@ class Sampler:
         return True
 
     def _start_live(self, model: nn.Module, context: RunContext, batch: Any, attributor: StepAttributor) -> None:
-        """Count every tensor alive on the device during this step, unless a dispatch mode or torch.compile is at work.
+        """Count every tensor alive on the device during this step, unless torch.compile is at work.
 
-        A mode entered before this one would see (and may change) what this one sees; a compiled module or function
-        would run differently under a dispatch mode (dynamo runs a compiled function eagerly there: it rounds
-        differently). Either way the step's peaks stay the sums of the counted parts (noted).
+        A compiled module or function would run differently under a dispatch mode (dynamo runs a compiled function
+        eagerly there: it rounds differently): the step's peaks stay the sums of the counted parts (noted). (No
+        dispatch mode is active here: :meth:`begin` stood aside for the step otherwise.)
         """
-        leave_abandoned()  # no other sampler counts now (checked above): a live count left on the stack is abandoned
-        if attributor.compiled or self._compiled_code or dispatch_mode_active():
+        if attributor.compiled or self._compiled_code:
             if attributor.compiled:
                 why = "torch.compile runs part of the model"
-            elif self._compiled_code:
+            else:
                 first, *more = self._compiled_code
                 also = f" and {len(more)} more" if more else ""
                 why = f"the training code calls {first}{also}, compiled by torch.compile"
-            else:
-                why = "a dispatch mode was active"
             self._notes.setdefault(
                 "live",
                 NotMeasured(LIVE_PEAK, f"{why}: the live count stood aside, those peaks are the counted parts"),

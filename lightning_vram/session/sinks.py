@@ -17,6 +17,7 @@ from lightning_vram.measure import history
 from lightning_vram.records import Advice, NotMeasured, OomDiagnosis, Report
 from lightning_vram.records.oom import oom_headline
 from lightning_vram.render.console import print_summary
+from lightning_vram.render.figure_set import report_pngs
 from lightning_vram.render.files import (
     HTML_FILENAME,
     JSON_FILENAME,
@@ -35,7 +36,12 @@ from lightning_vram.render.tensorboard import ADVICE_TAG, report_images
 from lightning_vram.render.text import advice_markdown
 
 FIGURES = Output("figures")
-"""The report's figures, drawn once for every publisher."""
+"""The report's figures, drawn once for the HTML page and every publisher."""
+
+
+def _takes_images(publisher: Publisher) -> bool:
+    """Whether ``publisher`` keeps figures (overrides :meth:`Publisher.image`): for the others none is drawn."""
+    return getattr(type(publisher), "image", None) is not Publisher.image
 
 
 class Sinks:
@@ -96,9 +102,12 @@ class Sinks:
         console comes last, saying where the files are (a failure there warns, after the files were written).
         """
         guard = self._guard
+        pngs: dict[str, bytes] | None = None  # each figure drawn once, when a publisher or the HTML page shows it
         if self.publishers:
-            for name, pixels in (guard.call(FIGURES, report_images, report) or {}).items():
-                self._each(lambda each: each.image, name, pixels, step)
+            if any(_takes_images(each) for _, each in self.publishers):
+                pngs = guard.call(FIGURES, report_pngs, report) or {}
+                for name, pixels in (guard.call(FIGURES, report_images, pngs) or {}).items():
+                    self._each(lambda each: each.image, name, pixels, step)
             if self._advice is not None and self._advice[1] == step:
                 self._advice = None  # the last epoch's advice: the report's replaces it
             self._write_advice()
@@ -109,7 +118,9 @@ class Sinks:
                 self._each(lambda each: each.summary, {"vram/peak_mib": peak / MIB, "vram/peak_bytes": float(peak)})
         report = replace(report, not_measured=not_measured())
         if directory is not None:
-            written = guard.call(Part.FILES, self._write_files, report, directory) or ()
+            if pngs is None:
+                pngs = guard.call(FIGURES, report_pngs, report) or {}  # figures that failed: a page without them
+            written = guard.call(Part.FILES, self._write_files, report, directory, pngs) or ()
             local = [path for path in written if isinstance(path, Path)]
             if local:
                 self._each(lambda each: each.artifacts, local)
@@ -118,10 +129,10 @@ class Sinks:
             guard.call(Part.CONSOLE, print_summary, report, None, where)
         return replace(report, not_measured=not_measured())
 
-    def _write_files(self, report: Report, directory: Location) -> tuple[Location, ...]:
+    def _write_files(self, report: Report, directory: Location, pngs: Mapping[str, bytes]) -> tuple[Location, ...]:
         names = (JSON_FILENAME, MARKDOWN_FILENAME, HTML_FILENAME)
         try:
-            self.report_path = write_report_files(report, directory)
+            self.report_path = write_report_files(report, directory, pngs)
         except FilesNotWritten as error:  # the others were written: say where, then let the guard report it
             self.report_path = error.json_path
             raise

@@ -33,6 +33,10 @@ class Case:
     loader: DataLoader[Any]
     observe: Callable[[], Any] = lambda: None
     trainer_options: dict[str, Any] = field(default_factory=dict)
+    before_monitor: list[pl.Callback] = field(default_factory=list)
+    """The user's callbacks listed before the monitor (Lightning calls them first)."""
+    after_monitor: list[pl.Callback] = field(default_factory=list)
+    """The user's callbacks listed after the monitor."""
 
 
 @dataclass
@@ -74,7 +78,8 @@ def train(build: Callable[[], Case], root: Path, monitor: VramMonitor | None, st
     np.random.seed(0)
     case = build()
     recorder = LossRecorder()
-    callbacks: list[pl.Callback] = [recorder] + ([monitor] if monitor is not None else [])
+    monitored: list[pl.Callback] = [monitor] if monitor is not None else []
+    callbacks: list[pl.Callback] = [recorder, *case.before_monitor, *monitored, *case.after_monitor]
     run = trainer(root, callbacks, max_steps=steps, **case.trainer_options)
     run.fit(case.module, case.loader)
     optimizer = run.optimizers[0] if run.optimizers else None

@@ -19,9 +19,9 @@ from models import Classifier, cnn_net, dataset_for, loader
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_vram.advice.checkpoint_code import CHECKPOINTED_CLASS
+from lightning_vram.advice.checkpoint_code import CHECKPOINTED_CLASS, KEEPING_BUFFERS
 
-exec(CHECKPOINTED_CLASS)  # the wrapper exactly as the advice prints it, defined in this script's globals
+exec(KEEPING_BUFFERS + CHECKPOINTED_CLASS)  # the wrapper exactly as the advice prints it, in this script's globals
 
 MODEL: Any = None
 """The trained model, held by a global as a script's ``model = Net()`` holds it."""

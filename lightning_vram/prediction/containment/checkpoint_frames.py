@@ -45,6 +45,10 @@ class CheckpointFrames:
             checkpoint._CheckpointFrame.__init__ = self._original  # type: ignore[method-assign]
             self._original = None
 
+    def recorded(self) -> list[Any]:
+        """The frames recorded so far that are still alive."""
+        return list(self._frames)
+
     def release(self) -> None:
         """Empty every recorded frame (the replay failed: nothing will recompute through them again)."""
         for frame in list(self._frames):

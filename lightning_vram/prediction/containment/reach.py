@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.func
 from torch import Tensor
 
 from lightning_vram.measure.compiled import compiled_callable_name
@@ -77,7 +78,16 @@ SAVED_TENSOR_HOOK_NAMES = frozenset(
         "save_on_cpu",
     }
 )
-"""Names whose use conflicts with the monitor's saved-tensor hooks (``torch.func.grad`` is matched as a pair)."""
+"""Names whose use conflicts with the monitor's saved-tensor hooks."""
+
+REFUSING_NAMES = ("grad", "grad_and_value", "vjp", "jacrev", "hessian")
+REFUSING_TRANSFORMS = {id(vars(torch.func)[name]): f"torch.func.{name}" for name in REFUSING_NAMES}
+"""torch.func's transforms that raise under saved-tensor hooks, by identity: whatever name the code binds them to
+(``from torch.func import grad as G``, ``import torch.func as tf; tf.grad``); their ``__module__`` says only
+``torch.func``."""
+
+ATTRIBUTE_DEPTH = 2
+"""Modules followed down attribute names from a global one (``torch.func.grad``: two)."""
 
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), range, torch.dtype, torch.device, torch.Size)
 
@@ -279,7 +289,7 @@ class _Walk:
             return
         code = function.__code__
         global_names, attribute_names = code_names(code)
-        self._note_hook_apis(global_names | attribute_names, function.__globals__)
+        self._note_hook_apis(global_names, attribute_names, function.__globals__)
         where = f"{function.__qualname__}"
         namespace = function.__globals__
         if namespace is not None and id(namespace) not in self._namespaces:
@@ -315,15 +325,30 @@ class _Walk:
             self.reach.compiled.append(f"{name} ({path})")
         return name is not None
 
-    def _note_hook_apis(self, names: frozenset[str], namespace: dict[str, Any]) -> None:
-        found = names & SAVED_TENSOR_HOOK_NAMES
-        if "func" in names and "grad" in names:
-            found |= {"torch.func.grad"}
-        for name in names:
-            value = namespace.get(name)
-            module = getattr(value, "__module__", None) or ""
-            if callable(value) and module.startswith(("torch._functorch", "functorch")) and name != "vmap":
-                found |= {f"torch.func.{name}"}
+    def _note_hook_apis(
+        self, global_names: frozenset[str], attribute_names: frozenset[str], namespace: dict[str, Any]
+    ) -> None:
+        """Note the saved-tensor-hook APIs a function names: by name, and torch.func's transforms by identity.
+
+        A global bound to one (``grad``, ``G``) or reached from a global module by the attribute names the code
+        reads (``tf.grad``, ``torch.func.grad``), read from the modules' own dicts (no ``__getattr__`` runs).
+        """
+        found = set((global_names | attribute_names) & SAVED_TENSOR_HOOK_NAMES)
+        values = [namespace.get(name) for name in global_names]
+        for _ in range(ATTRIBUTE_DEPTH + 1):
+            modules = [value for value in values if isinstance(value, types.ModuleType)]
+            for value in values:
+                name = REFUSING_TRANSFORMS.get(id(value))
+                module = getattr(value, "__module__", None) if not isinstance(value, types.ModuleType) else None
+                if name is not None:
+                    found.add(name)
+                elif (  # the old functorch package: its own objects
+                    isinstance(module, str)
+                    and module.startswith("functorch")
+                    and (function_name := getattr(value, "__name__", None)) in REFUSING_NAMES
+                ):
+                    found.add(f"functorch.{function_name}")
+            values = [vars(module).get(attribute) for module in modules for attribute in attribute_names]
         self.reach.hook_apis |= found
 
     def _class(self, cls: type, path: str) -> None:

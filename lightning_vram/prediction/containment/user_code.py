@@ -18,7 +18,10 @@ import types
 def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    roots |= {os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]}  # this package
+    package = os.path.abspath(__file__)
+    for _ in range(__name__.count(".") + 1):  # up from this file to the folder of the top package
+        package = os.path.dirname(package)
+    roots |= {os.path.join(package, __name__.partition(".")[0])}  # this package
     roots |= {getattr(sys, "base_prefix", sys.prefix), sys.prefix}
     return tuple(sorted(os.path.join(os.path.realpath(root), "") for root in roots))
 
@@ -30,8 +33,8 @@ _LIBRARY_ROOTS = _library_roots()
 def is_user_file(filename: str) -> bool:
     """Whether code from ``filename`` is the user's (outside the Python installation, site-packages and this package).
 
-    >>> is_user_file(functools.__file__), is_user_file("<stdin>")
-    (False, True)
+    >>> is_user_file(functools.__file__), is_user_file("<stdin>"), is_user_file(sys.modules["lightning_vram"].__file__)
+    (False, True, False)
     """
     if filename.startswith("<"):
         return not filename.startswith("<frozen")  # "<stdin>", "<string>", a notebook cell

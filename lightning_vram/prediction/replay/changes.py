@@ -1,8 +1,10 @@
 """Applying one :data:`~lightning_vram.records.StepChange` to a replay's fake copy of the module.
 
-Checkpointing runs an ``nn.Sequential`` through ``checkpoint_sequential`` in the plan's number of segments, as the
-advice's snippet does; otherwise each unit runs in non-reentrant ``torch.utils.checkpoint.checkpoint`` wherever its
-parent calls it, the module itself called (hooks and all) as ``checkpoint(self.block, x)`` calls it. A unit of
+Checkpointing runs an ``nn.Sequential``'s segments as ``checkpoint_sequential`` splits them, as the advice's snippet
+does; otherwise each unit runs in non-reentrant ``torch.utils.checkpoint.checkpoint`` wherever its parent calls it,
+the module itself called (hooks and all) as the advice's ``Checkpointed(block)`` calls it. Both checkpoint through
+:func:`~lightning_vram.prediction.replay.buffer_copies.checkpoint_keeping_buffers`, as the printed code does (the
+recomputation runs on copies of the units' buffers, counted). A unit of
 several consecutive children is run whole, under one checkpoint, at its first child's call; the parent's following
 calls of the others then pass their input through once (the plan's units are children the parent calls one after
 the other). A plan with a ``switch`` (a transformers model's own call) makes that call on the copy, as the advice
@@ -17,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers
 from lightning_vram.records import CheckpointChange, CheckpointPlan, InplaceChange, StepChange
 
 
@@ -59,8 +61,8 @@ class _CheckpointedCall(nn.Module):
         return output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The unit, under ``checkpoint(..., use_reentrant=False)``."""
-        output = checkpoint(self._unit, *args, use_reentrant=False, **kwargs)
+        """The unit, under ``checkpoint_keeping_buffers(...)``."""
+        output = checkpoint_keeping_buffers([self.first, *self._rest], self._unit, *args, **kwargs)
         self._passing.update(dict.fromkeys(map(id, self._rest), True))
         return output
 
@@ -87,6 +89,17 @@ def _passing_once(forward: Callable[..., Any], module: nn.Module, passing: dict[
     return run
 
 
+def _run_in_order(modules: list[nn.Module]) -> Callable[[Any], Any]:
+    """A function calling ``modules`` one after the other on one input, as an ``nn.Sequential`` segment does."""
+
+    def run(inputs: Any) -> Any:
+        for module in modules:
+            inputs = module(inputs)
+        return inputs
+
+    return run
+
+
 def _switch_on(module: nn.Module, plan: CheckpointPlan, switch: str) -> None:
     """The advice's two lines on the copy's library model: no key/value cache, its own checkpointing switch."""
     model = _submodule(module, plan.container, "the checkpointing plan")
@@ -102,7 +115,7 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
     """Checkpoint ``plan``'s units in ``module`` (a replay's copy).
 
     A plan with a ``switch`` calls it on its container (a transformers model). A plan with ``sequential_segments``
-    runs its container, an ``nn.Sequential``, through ``checkpoint_sequential``; otherwise each unit is
+    runs its container, an ``nn.Sequential``, in the plan's segments; otherwise each unit is
     checkpointed where its parent calls it.
     """
     if plan.switch is not None:
@@ -114,10 +127,13 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
         if not isinstance(container, nn.Sequential):
             raise ValueError(f"segments need an nn.Sequential; {plan.container!r} is a {type(container).__name__}")
         children = list(container.children())
+        size = len(children) // segments
+        bounds = [(start, start + size) for start in range(0, size * (segments - 1), size)]
 
         def run_segments(inputs: Any) -> Any:
-            # torch ships checkpoint_sequential without annotations.
-            return checkpoint_sequential(children, segments, inputs, use_reentrant=False)  # type: ignore[no-untyped-call]
+            for start, end in bounds:
+                inputs = checkpoint_keeping_buffers(children[start:end], _run_in_order(children[start:end]), inputs)
+            return _run_in_order(children[bounds[-1][1] :])(inputs)
 
         container.forward = run_segments  # type: ignore[method-assign]
         return

@@ -77,21 +77,23 @@ def rebuild_optimizer(
         for parameter, state in states:
             fake_parameter = parameters[id(parameter)]
             rebuilt.state[fake_parameter] = {
-                key: _follow_dtype(value, parameter, fake_parameter) for key, value in fake_value(state, mode).items()
+                key: value if key == "step" else _follow_dtype(value, parameter, fake_parameter)
+                for key, value in fake_value(state, mode).items()
             }
     return rebuilt
 
 
 def _follow_dtype(value: Any, real: Tensor, fake: Tensor) -> Any:
-    """A parameter-shaped floating state tensor in the dtype of the fake parameter, when the replay cast it."""
-    if (
-        isinstance(value, Tensor)
-        and value.is_floating_point()
-        and value.shape == real.shape
-        and real.dtype != fake.dtype
-        and fake.is_floating_point()
-    ):
-        return value.to(fake.dtype)
+    """A parameter-shaped state tensor as the fake parameter is: its dtype where the replay cast it (floating).
+
+    And on its device, where the replay moved it (``placement``).
+    """
+    if not isinstance(value, Tensor) or value.shape != real.shape:
+        return value
+    if value.is_floating_point() and real.dtype != fake.dtype and fake.is_floating_point():
+        value = value.to(fake.dtype)
+    if value.device != fake.device:
+        value = value.to(fake.device)
     return value
 
 

@@ -18,6 +18,25 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 
+@contextlib.contextmanager
+def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """CUDA's autocast for fake CUDA tensors without a CUDA device, which ``torch.autocast("cuda")`` turns off.
+
+    ``torch.autocast`` disables itself there ("CUDA is not available"); this sets what its ``__enter__`` sets.
+    """
+    enabled, previous_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", previous_dtype)
+
+
 @dataclass(frozen=True)
 class PrecisionPlan:
     """How to replay one precision: an autocast dtype, or a dtype the whole model is cast to (or neither)."""
@@ -30,6 +49,10 @@ class PrecisionPlan:
     def forward_context(self, device_type: str) -> Iterator[None]:
         """Around ``training_step``: autocast, or the true dtype as the default dtype."""
         if self.autocast_dtype is not None:
+            if device_type == "cuda" and not torch.cuda.is_available():
+                with _fake_cuda_autocast(self.autocast_dtype):
+                    yield
+                return
             with torch.autocast(device_type, dtype=self.autocast_dtype):
                 yield
         elif self.true_dtype is not None:

@@ -2,7 +2,9 @@
 
 The step follows Lightning's automatic optimization: ``training_step`` (under the precision's forward context),
 ``optimizer_zero_grad`` (``set_to_none`` by default), backward, each optimizer's ``step``
-(:meth:`StepRun.run_step`). Only the replay's fake copy runs (:mod:`~lightning_vram.prediction.replay.twin`);
+(:meth:`StepRun.run_step`); backward is autograd's engine, except on fake CUDA without a CUDA device, where the
+engine cannot run and the graph is walked in Python (:mod:`~lightning_vram.prediction.replay.backward`). Only the
+replay's fake copy runs (:mod:`~lightning_vram.prediction.replay.twin`);
 :class:`~lightning_vram.prediction.predictor.Predictor` puts the pieces together, contained.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from lightning_vram.prediction.containment.containment import (
 )
 from lightning_vram.prediction.containment.reach import WALK_LIMIT, Reach, reach_of
 from lightning_vram.prediction.replay._fake import FakeTensor
+from lightning_vram.prediction.replay.backward import engine_can_run, graph_backward
 from lightning_vram.prediction.replay.batches import (
     move_batch,
     resize_batch,
@@ -107,6 +110,8 @@ class StepRun:
         self.change = change
         self.step_function = step_function
         self.placement = placement
+        self.checkpoint_frames: Callable[[], Iterable[Any]] = tuple
+        """The replay's checkpoint frames alive now, handed to a backward walked without the engine."""
 
     def prepare_module(self, module: nn.Module) -> None:
         """Move the fake ``module`` to the placement, cast it for the precision, apply the change."""
@@ -144,7 +149,10 @@ class StepRun:
         if counter is not None and live is not None:
             counter.before_backward()
             live.start_phase(Phase.BACKWARD)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+        if engine_can_run(self.device):
+            loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+        else:  # fake CUDA without a CUDA device: autograd's engine cannot run (replay/backward.py)
+            graph_backward(loss, self.checkpoint_frames())
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.measure.tensors import iter_tensors
-from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensorMode
+from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 
@@ -92,10 +92,17 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
-    """Move the (fake) module's parameters and buffers to ``device`` in place (``.data``, keeping each object)."""
+    """Move the (fake) module's parameters and buffers to ``device`` in place (``.data``, keeping each object).
+
+    Setting ``.data`` gives a fake tensor the moved tensor's dispatch keys but not its device, which a fake tensor
+    keeps apart (``fake_device``): that is set too, or the parameter would still say it is on the CPU.
+    """
     for tensor in (*module.parameters(), *module.buffers()):
         if tensor.device != device:
-            tensor.data = tensor.data.to(device)
+            moved = tensor.data.to(device)
+            tensor.data = moved
+            if isinstance(tensor, FakeTensor) and isinstance(moved, FakeTensor):
+                tensor.fake_device = moved.fake_device
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -150,7 +157,8 @@ def make_twin(
             real_types[id(fake)] = type(real)
             if real.grad is not None:
                 grad = mode.from_tensor(real.grad, static_shapes=True)
-                fake.grad = grad if grad.dtype == fake.dtype else grad.to(fake.dtype)
+                same = (grad.dtype, grad.device) == (fake.dtype, fake.device)
+                fake.grad = grad if same else grad.to(fake.device, fake.dtype)
         configured = configured_optimizers(copied) if optimizers is None else None
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
