@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, loader, trainer
 from scripted import MIB
@@ -28,6 +29,8 @@ from lightning_vram.render.html import render_html
 from lightning_vram.render.text import markdown as render_markdown
 from lightning_vram.render.text import summary_text
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
+
+pytestmark = pytest.mark.replay  # the calibration is the replay's
 
 UNSEEN = {Phase.FORWARD: 64 * MIB, Phase.BACKWARD: 48 * MIB, Phase.OPTIMIZER: 0}
 """What the scripted allocator holds beyond the replay in each phase of the sampled step."""

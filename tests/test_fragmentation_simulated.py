@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from advice_summaries import healthy_setup, healthy_summary, peak
 from lightning import LightningModule
@@ -22,6 +23,8 @@ from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import Phase, SavingBasis, Simulation
 from lightning_vram.units import GIB, MIB, format_bytes
+
+pytestmark = pytest.mark.replay  # the saving is simulated on the replay
 
 ROWS, COLUMNS, GROWTH = 1024, 3 * 1024, 512
 """The batch: 1024 x 3072 float32 = 12 MiB; a growing step adds 512 columns (2 MiB) eight times."""

@@ -16,6 +16,8 @@ from lightning_vram.records import AdviceId, SavingBasis
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 from lightning_vram.units import format_bytes
 
+pytestmark = pytest.mark.replay  # preflight's replayed remedies
+
 
 class FailsForReal(FailsAt):
     """Runs out of memory in the forward pass of step 0, for real only: preflight's replay of that step goes through."""
