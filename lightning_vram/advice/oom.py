@@ -16,7 +16,9 @@ from lightning_vram.records import (
     OomMessage,
     Phase,
     PhasePeak,
+    PreflightVerdict,
     RunSummary,
+    SavingBasis,
     Severity,
     Simulation,
     TrainingSetup,
@@ -83,6 +85,61 @@ def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
     )
 
 
+NONE_MEASURED = "none measured"
+"""How near-capacity's detail ends when the run's measurements support no remedy."""
+
+
+def preflight_remedies_text(verdict: PreflightVerdict) -> str:
+    """Preflight's replayed remedies with their figures: each one's replayed peak, saving, and whether it fits.
+
+    Whether it fits is judged as preflight judged the step: its peak less what was allocated before step 0 against
+    what was available then.
+    """
+    peak = verdict.step.peak.peak_bytes
+    allocated = peak - verdict.needed_bytes
+    listed = "; ".join(
+        f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}, {format_bytes(peak - remedy.peak_bytes)} below the"
+        f" step's {format_bytes(peak)} ("
+        + ("fits" if remedy.peak_bytes - allocated <= verdict.available_bytes else "does not fit")
+        + ", simulated)"
+        for remedy in verdict.remedies
+    )
+    return f"replayed by preflight before step 0: {listed}"
+
+
+def with_preflight_remedies(advice: list[Advice], verdict: PreflightVerdict | None) -> tuple[list[Advice], str | None]:
+    """``advice`` with preflight's replayed remedies in near-capacity's list, when preflight warned with some.
+
+    Near-capacity lists them (in place of "none measured", else after its own), and takes the best one's saving
+    where it had none or a smaller one. Returns the advice and, where no near-capacity advice took them, a note
+    carrying them.
+    """
+    if verdict is None or verdict.fits or not verdict.remedies:
+        return advice, None
+    text = preflight_remedies_text(verdict)
+    best = min(verdict.remedies, key=lambda remedy: remedy.peak_bytes)
+    saving = verdict.step.peak.peak_bytes - best.peak_bytes
+    placed = False
+    for index, item in enumerate(advice):
+        if item.id != AdviceId.NEAR_CAPACITY:
+            continue
+        placed = True
+        if NONE_MEASURED in item.detail:
+            detail = item.detail.replace(NONE_MEASURED, text)
+        else:
+            detail = f"{item.detail.rstrip('.')}; {text}."
+        item = replace(item, detail=detail)
+        if item.estimated_saving_bytes is None or saving > item.estimated_saving_bytes:
+            item = replace(
+                item,
+                estimated_saving_bytes=saving,
+                saving_basis=SavingBasis.SIMULATED,
+                predicted_peak_bytes=best.peak_bytes,
+            )
+        advice[index] = item
+    return advice, None if placed else f"Remedies {text}"
+
+
 def diagnose(
     *,
     error_text: str,
@@ -96,13 +153,15 @@ def diagnose(
     notes: tuple[str, ...],
     snapshot: Path | None,
     simulation: Simulation | None = None,
+    preflight: PreflightVerdict | None = None,
 ) -> OomDiagnosis:
     """Put together what was known when the error came.
 
     ``model_state`` holds the parts counted at the failure (``other`` unset); ``summary`` is the run so far. The
     advice is the run's own, judged as if the failing step had reached what it asked for (allocated + the failed
-    request), largest saving first, with the run's replayed changes where it had them (``simulation``);
-    validation failures get ``evaluation-batch-size`` first.
+    request), largest saving first, with the run's replayed changes where it had them (``simulation``) and the
+    remedies preflight replayed before step 0 where it warned (``preflight``: in near-capacity's list); validation
+    failures get ``evaluation-batch-size`` first.
     """
     message = parse_oom_message(error_text)
     allocated = message.allocated_bytes
@@ -121,7 +180,10 @@ def diagnose(
         need = allocated + (message.tried_bytes or 0)
         failing = PhasePeak(step, phase, need, reserved, model_state.with_measured_peak(need))
         judged = replace(summary, peak=failing, device=replace(summary.device, total_bytes=capacity))
-    advice = sorted(advise(judged, setup, simulation), key=lambda item: -(item.estimated_saving_bytes or 0))
+    advised, note = with_preflight_remedies(list(advise(judged, setup, simulation)), preflight)
+    advice = sorted(advised, key=lambda item: -(item.estimated_saving_bytes or 0))
+    if note is not None:
+        notes = (*notes, note)
     if where == "validation":
         advice.insert(0, evaluation_batch_size(step, summary.peak))
     return OomDiagnosis(

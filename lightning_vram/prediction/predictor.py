@@ -3,7 +3,9 @@
 A :class:`Predictor` holds the trained module, its optimizers and the batch (each replay makes its own fake copy
 of them: a variant changes the copy, and the step changes its optimizer state), the precision, the placement and
 the counted device, the step function, the time budget, the containment decision (the walk of what the user's
-code reaches, made once) and the calibration (the sampled step's counts, when there are some). A caller asks it for
+code reaches, made once) and the calibration (the sampled step's counts, when there are some; on a device with
+allocator readings, its measured peaks, whose excess over the replay is carried into every later replay: see
+:mod:`~lightning_vram.prediction.replay.calibration`). A caller asks it for
 the baseline step, a variant (a :class:`~lightning_vram.records.StepChange`), a batch size, the whole simulation
 (:meth:`Predictor.simulate`) or the fit table (:meth:`Predictor.fit_table`).
 
@@ -37,6 +39,7 @@ from lightning_vram.prediction.containment.reach import Reach, reach_of
 from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
+from lightning_vram.prediction.replay.calibration import carry
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.known_values import KnownValues
@@ -65,6 +68,7 @@ from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
     Attribution,
     BatchSizeChange,
+    Calibration,
     FreeGradientsChange,
     Phase,
     PhasePeak,
@@ -117,6 +121,9 @@ class Predictor:
             each phase (:class:`~lightning_vram.prediction.replay.reserved.ReservedPeaks`); default: on CUDA the
             run's own (``PYTORCH_ALLOC_CONF``), elsewhere none (the CPU has no caching allocator: no reserved
             figure).
+        measured: the sampled step's allocator peaks per phase (``peak_bytes`` allocated, ``reserved_bytes`` the
+            reserve at the phase's end), which :meth:`simulate` sets the baseline against (:attr:`carried`);
+            ``None`` where there are none (the CPU, preflight, ``predict()``).
     """
 
     def __init__(
@@ -138,6 +145,7 @@ class Predictor:
         allocations: Callable[[], AllocationListener] | None = None,
         compute_capability: tuple[int, int] | None = None,
         allocator: AllocatorSettings | None = None,
+        measured: Mapping[Phase, PhasePeak] | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -165,6 +173,27 @@ class Predictor:
         """The allocator settings each replay simulates the reserved memory with (``None``: none simulated)."""
         self._allocator_notes = (settings,) if isinstance(settings, str) else ()
         self._scope: _Scope | str | None = None
+        self.measured = measured
+        self.carried: Calibration | None = None
+        """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
+        unseen bytes per phase (see :attr:`unseen_bytes`)."""
+        self._sequence: ReservedPeaks | None = None  # the baseline's allocation sequence, kept for what-ifs
+
+    @property
+    def unseen_bytes(self) -> dict[Phase, int]:
+        """Per phase, the allocated bytes the sampled step held beyond the replay (never negative); empty before one.
+
+        Carried into every later replay's peaks. The allocation sequence does not hold them: a simulation of the
+        allocator at a capacity adds them itself.
+        """
+        return self.carried.unseen_bytes if self.carried is not None else {}
+
+    def reserved_with(self, settings: AllocatorSettings) -> dict[Phase, int] | None:
+        """The baseline's allocation sequence through the allocator model with ``settings``: reserved peaks, bytes.
+
+        Per phase, the replay's own (nothing carried); ``None`` before a baseline replayed with a model.
+        """
+        return self._sequence.finish(settings) if self._sequence is not None else None
 
     @property
     def device_type(self) -> str:
@@ -314,8 +343,10 @@ class Predictor:
         finally:
             if counter is not None:
                 counter.close()
+        if change is None and reserved is not None:
+            self._sequence = reserved
         step = self.calibration.step if self.calibration is not None else 0
-        return ReplayedStep(
+        replayed = ReplayedStep(
             device_type=self.device.type,
             precision=plan.name,
             batch_size=batch_size_of(fake_batch),
@@ -346,3 +377,4 @@ class Predictor:
             ),
             timeline=timeline.finish(),
         )
+        return carry(replayed, self.carried) if self.carried is not None else replayed

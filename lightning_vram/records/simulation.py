@@ -255,6 +255,89 @@ class VariantResult:
 
 
 @dataclass(frozen=True)
+class PhaseCalibration:
+    """One phase of the sampled step: the replay's allocated and reserved peaks against the allocator's, in bytes.
+
+    ``replayed_*`` are the replay's own (before anything is carried), ``measured_*`` the allocator's readings on the
+    sampled step: its peak allocated in the phase and its reserved memory at the phase's end (the cache only grows
+    within a step, so that is the phase's reserved peak). A reserved figure is ``None`` where it is not known (no
+    allocator model, or a device without allocator counters).
+    """
+
+    phase: Phase
+    replayed_allocated_bytes: int
+    measured_allocated_bytes: int
+    replayed_reserved_bytes: int | None
+    measured_reserved_bytes: int | None
+
+    @property
+    def unseen_bytes(self) -> int:
+        """What the allocator held beyond the replay at the phase's peak (never negative): what the replay cannot see.
+
+        >>> PhaseCalibration(Phase.FORWARD, 100, 164, None, None).unseen_bytes
+        64
+        >>> PhaseCalibration(Phase.FORWARD, 100, 90, None, None).unseen_bytes
+        0
+        """
+        return max(self.measured_allocated_bytes - self.replayed_allocated_bytes, 0)
+
+    @property
+    def unseen_reserved_bytes(self) -> int:
+        """What the allocator reserved beyond the simulated reserve (never negative; 0 where either is unknown)."""
+        if self.replayed_reserved_bytes is None or self.measured_reserved_bytes is None:
+            return 0
+        return max(self.measured_reserved_bytes - self.replayed_reserved_bytes, 0)
+
+    @property
+    def allocated_error(self) -> float | None:
+        """``(replayed - measured) / measured`` of the allocated peak (``None`` when nothing was measured).
+
+        >>> PhaseCalibration(Phase.FORWARD, 97, 100, None, None).allocated_error
+        -0.03
+        """
+        return _relative(self.replayed_allocated_bytes, self.measured_allocated_bytes)
+
+    @property
+    def reserved_error(self) -> float | None:
+        """``(replayed - measured) / measured`` of the reserved peak (``None`` where either is unknown or 0)."""
+        if self.replayed_reserved_bytes is None or self.measured_reserved_bytes is None:
+            return None
+        return _relative(self.replayed_reserved_bytes, self.measured_reserved_bytes)
+
+
+def _relative(replayed: int, measured: int) -> float | None:
+    return (replayed - measured) / measured if measured > 0 else None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The sampled step ``step`` measured beside its replay, phase by phase (the replay's error).
+
+    What the allocator held beyond the replay (:attr:`PhaseCalibration.unseen_bytes`: cuDNN's convolution
+    workspaces, cuBLASLt's, anything else the replay cannot see) is carried into every later prediction of the run,
+    phase by phase.
+    """
+
+    step: int
+    phases: tuple[PhaseCalibration, ...]
+
+    @property
+    def unseen_bytes(self) -> dict[Phase, int]:
+        """Each phase's allocated bytes the replay cannot see, carried into the run's predictions."""
+        return {phase.phase: phase.unseen_bytes for phase in self.phases}
+
+    @property
+    def unseen_reserved_bytes(self) -> dict[Phase, int]:
+        """Each phase's reserved bytes beyond the simulated reserve, carried into the predicted reserved peaks."""
+        return {phase.phase: phase.unseen_reserved_bytes for phase in self.phases}
+
+    @property
+    def carries(self) -> bool:
+        """Whether anything is carried (some phase held more than the replay)."""
+        return any(self.unseen_bytes.values()) or any(self.unseen_reserved_bytes.values())
+
+
+@dataclass(frozen=True)
 class Simulation:
     """The replay of a run's sampled step and of each change tried on it.
 
@@ -275,6 +358,15 @@ class Simulation:
     """The largest batch predicted to fit the run's own device, by replay (``None`` when not searched)."""
     fit_note: str | None = None
     """Why rows of ``fit`` are missing (the replay budget ran out, a replay failed); ``None`` when none is."""
+    calibration: Calibration | None = None
+    """The sampled step's allocator peaks beside the replay's, and what is carried (``None``: no allocator readings,
+    as on the CPU, or no replay)."""
+    allocator_conf: str | None = None
+    """The caching allocator's settings the reserved peaks were simulated with (``PYTORCH_ALLOC_CONF`` form; ``""``
+    for torch's defaults); ``None``: no reserved memory simulated."""
+    expandable_reserved_bytes: dict[Phase, int] | None = None
+    """Each phase's simulated reserved peak of the baseline's own allocations with ``expandable_segments:True``
+    (``None``: not simulated, as where the run already has them)."""
 
 
 @dataclass(frozen=True)

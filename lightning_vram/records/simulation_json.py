@@ -15,12 +15,14 @@ from lightning_vram.records.measured_json import breakdown_from_dict, breakdown_
 from lightning_vram.records.simulation import (
     BaselineMatch,
     BatchSizeChange,
+    Calibration,
     ChangeKind,
     CheckpointChange,
     FreeGradientsChange,
     InplaceChange,
     LengthChange,
     PartMatch,
+    PhaseCalibration,
     PrecisionChange,
     ReplayedStep,
     Simulation,
@@ -106,6 +108,55 @@ def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None
     }
 
 
+def calibration_to_dict(calibration: Calibration | None) -> dict[str, Any] | None:
+    """The simulation's ``calibration``: the sampled step's allocator peaks beside the replay's, per phase."""
+    if calibration is None:
+        return None
+    return {
+        "step": calibration.step,
+        "phases": [
+            {
+                "phase": phase.phase.value,
+                "replayed_allocated_bytes": phase.replayed_allocated_bytes,
+                "measured_allocated_bytes": phase.measured_allocated_bytes,
+                "replayed_reserved_bytes": phase.replayed_reserved_bytes,
+                "measured_reserved_bytes": phase.measured_reserved_bytes,
+                "unseen_bytes": phase.unseen_bytes,
+                "unseen_reserved_bytes": phase.unseen_reserved_bytes,
+            }
+            for phase in calibration.phases
+        ],
+    }
+
+
+def _phase_calibration(data: Any, where: str) -> PhaseCalibration:
+    fields = Reader(data, where)
+    fields.integer("unseen_bytes")  # derived
+    fields.integer("unseen_reserved_bytes")  # derived
+    return PhaseCalibration(
+        phase=phase_from_text(fields.text("phase"), f"{where}.phase"),
+        replayed_allocated_bytes=fields.integer("replayed_allocated_bytes"),
+        measured_allocated_bytes=fields.integer("measured_allocated_bytes"),
+        replayed_reserved_bytes=fields.optional_integer("replayed_reserved_bytes"),
+        measured_reserved_bytes=fields.optional_integer("measured_reserved_bytes"),
+    )
+
+
+def _calibration(fields: Reader, key: str) -> Calibration | None:
+    child = fields.optional_child(key)
+    if child is None:
+        return None
+    return Calibration(child.integer("step"), tuple(child.each("phases", _phase_calibration)))
+
+
+def _phase_bytes(fields: Reader, key: str) -> dict[Phase, int] | None:
+    child = fields.optional_child(key)
+    if child is None:
+        return None
+    where = member("simulation", key)
+    return {phase_from_text(name, where): child.integer(name) for name, _ in fields.entries(key)}
+
+
 def simulation_to_dict(
     simulation: Simulation | None, advice: tuple[Advice, ...] | None = None
 ) -> dict[str, Any] | None:
@@ -136,6 +187,17 @@ def simulation_to_dict(
         "phases": replayed_phases_to_dict(baseline) if baseline is not None else None,
         "device_max_batch_size": simulation.device_max_batch_size,
         "fit_note": simulation.fit_note,
+        "calibration": calibration_to_dict(simulation.calibration),
+        "allocator_conf": simulation.allocator_conf,
+        "expandable_reserved_bytes": (
+            None
+            if simulation.expandable_reserved_bytes is None
+            else {
+                phase.value: simulation.expandable_reserved_bytes[phase]
+                for phase in Phase
+                if phase in simulation.expandable_reserved_bytes
+            }
+        ),
         "variants": [variant_to_dict(variant, variant is advised) for variant in simulation.variants],
         **timelines,
     }
@@ -266,6 +328,9 @@ def _simulation(fields: Reader | None) -> Simulation | None:
         seconds=fields.number("seconds"),
         device_max_batch_size=fields.optional_integer("device_max_batch_size"),
         fit_note=fields.added("fit_note", Reader.optional_text, None),
+        calibration=fields.added("calibration", _calibration, None),
+        allocator_conf=fields.added("allocator_conf", Reader.optional_text, None),
+        expandable_reserved_bytes=fields.added("expandable_reserved_bytes", _phase_bytes, None),
     )
 
 

@@ -140,6 +140,8 @@ def _simulation_html(report: Report) -> list[str]:
     sections = ["<h2>Simulation</h2>", f"<p>{html.escape(view.summary)}</p>"]
     if view.baseline is not None:
         sections.append(table_html(view.baseline, "simulation-baseline"))
+    if view.calibration is not None:
+        sections.append(table_html(view.calibration, "simulation-calibration"))
     if view.variants is not None:
         sections.append(table_html(view.variants, "simulation-variants"))
     if view.notes:

@@ -11,7 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_vram.advice.rules.mixed_precision import not_advised
-from lightning_vram.records import COUNTED_PARTS, BaselineMatch, Phase, ReplayedStep, Report, Simulation, in_phase_order
+from lightning_vram.records import (
+    COUNTED_PARTS,
+    BaselineMatch,
+    Calibration,
+    Phase,
+    ReplayedStep,
+    Report,
+    Simulation,
+    in_phase_order,
+)
 from lightning_vram.units import format_bytes
 
 SHOWN_REASON_CHARACTERS = 200
@@ -29,12 +38,16 @@ class Table:
 
 @dataclass(frozen=True)
 class SimulationView:
-    """What the report says about its simulation: a sentence, the baseline's table, the changes' table, notes."""
+    """What the report says about its simulation: a sentence, the baseline's table, the changes' table, notes.
+
+    ``calibration``: the replay's error, the sampled step's allocator peaks beside the replay's (CUDA only).
+    """
 
     summary: str
     baseline: Table | None
     variants: Table | None
     notes: tuple[str, ...]
+    calibration: Table | None = None
 
 
 def signed_bytes(num_bytes: int) -> str:
@@ -89,10 +102,15 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
     on_cuda = simulation.device_type == "cuda"
     measured_live = any(p.breakdown is not None and p.breakdown.other is not None for p in report.phases.values())
     header = ["phase", "measured counted", "replayed counted", "largest difference"]
+    carried = simulation.calibration is not None and simulation.calibration.carries
     if on_cuda:
-        header += ["measured peak (run's highest)", "replayed allocator peak"]
+        predicted = "predicted allocator peak (replayed + carried)" if carried else "replayed allocator peak"
+        header += ["measured peak (run's highest)", predicted]
     elif measured_live:
-        header += ["measured live peak (run's highest)", "replayed live peak"]
+        header += [
+            "measured live peak (run's highest)",
+            "predicted peak (replayed + carried)" if carried else "replayed live peak",
+        ]
     rows = []
     for phase, peak in in_phase_order(baseline.phases):
         measured = (
@@ -110,6 +128,72 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
         rows.append(tuple(row))
     numeric = tuple(name not in ("phase", "largest difference") for name in header)
     return Table(tuple(header), numeric, tuple(rows))
+
+
+def error_text(error: float | None) -> str:
+    """A relative error as a signed percentage (``n/a`` when unknown).
+
+    >>> error_text(-0.0312), error_text(None)
+    ('-3.12%', 'n/a')
+    """
+    return "n/a" if error is None else f"{error:+.2%}"
+
+
+def calibration_table(calibration: Calibration) -> Table:
+    """The replay's error: each phase's replayed and measured allocated and reserved peaks, and what is carried."""
+    header = (
+        "phase",
+        "replayed allocated",
+        "measured allocated",
+        "the replay's error",
+        "replayed reserved",
+        "measured reserved",
+        "the replay's error (reserved)",
+        "carried",
+    )
+    rows = tuple(
+        (
+            phase.phase.value,
+            format_bytes(phase.replayed_allocated_bytes),
+            format_bytes(phase.measured_allocated_bytes),
+            error_text(phase.allocated_error),
+            format_bytes(phase.replayed_reserved_bytes),
+            format_bytes(phase.measured_reserved_bytes),
+            error_text(phase.reserved_error),
+            format_bytes(phase.unseen_bytes),
+        )
+        for phase in calibration.phases
+    )
+    return Table(header, (False, True, True, True, True, True, True, True), rows)
+
+
+def calibration_line(calibration: Calibration) -> str:
+    """The replay's error in one line of the console summary: each phase's errors, and what was carried.
+
+    >>> from lightning_vram.records import PhaseCalibration
+    >>> print(calibration_line(Calibration(1, (PhaseCalibration(Phase.FORWARD, 97, 100, 200, 200),))))
+    the replay's error on step 1: forward -3.00% allocated, +0.00% reserved; carried into predictions: 3 B
+    """
+    phases = "; ".join(
+        f"{item.phase.value} {error_text(item.allocated_error)} allocated, {error_text(item.reserved_error)} reserved"
+        for item in calibration.phases
+    )
+    carried = sum(calibration.unseen_bytes.values())
+    return f"the replay's error on step {calibration.step}: {phases}; carried into predictions: {format_bytes(carried)}"
+
+
+def _calibration_notes(simulation: Simulation) -> tuple[str, ...]:
+    """What the calibration carried, in words (none when nothing was)."""
+    calibration = simulation.calibration
+    if calibration is None or not calibration.carries:
+        return ()
+    carried = sum(calibration.unseen_bytes.values())
+    return (
+        f"The replay's error: sampled step {calibration.step} held more than the replay in some phase (cuDNN or"
+        " cuBLASLt workspaces, anything else the replay cannot see); what it held beyond the replay, phase by phase"
+        f" ({format_bytes(carried)} in all), is carried into every prediction of this run (the replayed baseline,"
+        " each change, the batch sizes of the fit table).",
+    )
 
 
 def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | None:
@@ -150,7 +234,8 @@ def simulation_view(report: Report) -> SimulationView | None:
         summary=_summary(simulation),
         baseline=_baseline_table(report, simulation, baseline),
         variants=_variants_table(baseline, simulation) if trusted else None,
-        notes=baseline.notes + _fit_notes(simulation),
+        notes=_calibration_notes(simulation) + baseline.notes + _fit_notes(simulation),
+        calibration=calibration_table(simulation.calibration) if simulation.calibration is not None else None,
     )
 
 

@@ -23,7 +23,7 @@ from lightning_vram.records import (
 from lightning_vram.records.oom import oom_headline
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
 from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
-from lightning_vram.render.simulation import Table, simulation_view
+from lightning_vram.render.simulation import Table, calibration_line, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
 SUMMARY_TOP_MODULES = 3
@@ -205,6 +205,8 @@ def fact_lines(report: Report, top_modules: int, written_to: str | None) -> list
         )
         lines.append(f"most activations saved by: {top}")
     lines.append(timing_line(report))
+    if report.simulation is not None and report.simulation.calibration is not None:
+        lines.append(calibration_line(report.simulation.calibration))
     if report.shapes is not None and report.shapes.varies and (lengths := lengths_line(report.shapes)):
         lines.append(lengths)
     if report.recovered_ooms:
@@ -304,7 +306,7 @@ def markdown(report: Report) -> str:
             lines += ["", *markdown_table(table)]
     if (view := simulation_view(report)) is not None:
         lines += ["", "## Simulation", "", escape_markdown(view.summary)]
-        for table in (view.baseline, view.variants):
+        for table in (view.baseline, view.calibration, view.variants):
             if table is not None:
                 lines += ["", *markdown_table(table)]
         if view.notes:

@@ -28,8 +28,10 @@ from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.measure.storages import model_state_bytes
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
+from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.records import (
     Advice,
     AllocatorReading,
@@ -40,6 +42,7 @@ from lightning_vram.records import (
     LengthPeak,
     OomDiagnosis,
     Phase,
+    PhasePeak,
     PreflightVerdict,
     ReplayedStep,
     RunSummary,
@@ -209,6 +212,8 @@ class Advisor:
             if reason is not None or step_function is None:
                 return Simulation(context.device.type, None, None, reason, (), 0.0)
             run = summary()
+            measured = _sampled_peaks(run, attribution.step)
+            settings = run_settings() if measured is not None else None
             predictor = Predictor(
                 model,
                 context.current_optimizers(),
@@ -219,6 +224,8 @@ class Advisor:
                 budget_seconds=budget,
                 calibration=attribution,
                 compute_capability=run.device.compute_capability,
+                allocator=settings if isinstance(settings, AllocatorSettings) else None,
+                measured=measured,
             )
             return try_changes(predictor, run, training)
 
@@ -300,4 +307,16 @@ class Advisor:
             notes=notes + (snapshot[1] if snapshot is not None else ()),
             snapshot=snapshot[0] if snapshot is not None else None,
             simulation=self.simulation,
+            preflight=self.preflight_verdict,
         )
+
+
+def _sampled_peaks(summary: RunSummary, step: int) -> dict[Phase, PhasePeak] | None:
+    """The allocator's peaks of sampled step ``step`` per phase, on CUDA (``None`` elsewhere, or when not measured).
+
+    Read from the run's last measured step, which is the sampled one when the replay runs (it is folded first).
+    """
+    if not summary.on_cuda:
+        return None
+    peaks = {peak.phase: peak for peak in summary.last_step if peak.step == step and peak.reserved_bytes is not None}
+    return peaks or None

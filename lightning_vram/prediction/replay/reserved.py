@@ -77,9 +77,13 @@ class ReservedPeaks:
     def sample(self, op: str) -> None:
         """An op ran: nothing to note (its allocations came as ``malloc`` and ``free``)."""
 
-    def finish(self) -> dict[Phase, int]:
-        """The sequence so far through a fresh model: every phase's reserved peak, bytes."""
-        model = CachingAllocatorModel(self.settings)
+    def finish(self, settings: AllocatorSettings | None = None) -> dict[Phase, int]:
+        """The sequence so far through a fresh model: every phase's reserved peak, bytes.
+
+        ``settings``: the allocator's (default: those given at construction), so that one sequence answers what
+        another setting would have reserved.
+        """
+        model = CachingAllocatorModel(settings or self.settings)
         first = next((index for index, event in enumerate(self._events) if isinstance(event, Phase)), 0)
         before, during = self._events[:first], self._events[first:]
         workspaces = [event for event in during if not isinstance(event, Phase) and event[1] < 0]

@@ -8,12 +8,18 @@ reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE, match_baseline, mismatch_reason
+from lightning_vram.prediction.replay.calibration import calibrate, carry
 from lightning_vram.records import (
     Attribution,
+    Calibration,
+    Phase,
+    PhasePeak,
     ReplayedStep,
     ReplaySkipped,
     Simulation,
@@ -42,6 +48,12 @@ class Replays(Protocol):
     """The host clock the budget is read from, in seconds."""
     started: float
     """When the budget started, on :attr:`clock`."""
+    measured: Mapping[Phase, PhasePeak] | None
+    """The sampled step's allocator peaks per phase, or ``None``."""
+    carried: Calibration | None
+    """The calibration every later replay carries (set here, after the baseline)."""
+    allocator: AllocatorSettings | None
+    """The allocator settings the replays' reserved peaks are simulated with (``None``: none simulated)."""
 
     @property
     def device_type(self) -> str:
@@ -60,6 +72,10 @@ class Replays(Protocol):
         """One replay of the step with ``change`` (``None``: as it is)."""
         ...
 
+    def reserved_with(self, settings: AllocatorSettings) -> dict[Phase, int] | None:
+        """The baseline's allocation sequence through the allocator model with ``settings``, per phase."""
+        ...
+
 
 def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: float = BASELINE_TOLERANCE) -> Simulation:
     """Replay the step, compare it with the calibration (the sampled step's counts), then replay each change.
@@ -69,6 +85,11 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
     back). Without a calibration (nothing counted yet, as before the first step) the baseline is trusted as
     replayed and ``match`` is ``None``. A replay running when the budget ends stops at its next op; changes not
     reached in time are discarded saying so.
+
+    Where the sampled step's allocator peaks are known (``replays.measured``), the baseline is set against them
+    (:func:`~lightning_vram.prediction.replay.calibration.calibrate`), and what the allocator held beyond the replay
+    is carried into the baseline and every later replay (``replays.carried``). Where the reserved memory is
+    simulated with settings that lack expandable segments, the baseline's sequence is also run with them.
 
     Args:
         replays: the step's replays.
@@ -86,15 +107,34 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
             return f"{NOT_REPLAYED}: {BUDGET_RAN_OUT} of {budget} s during its replay"
         return result.reason
 
+    allocator = replays.allocator
+    expandable = None
+    calibration: Calibration | None = None
+
     def finished(baseline: ReplayedStep | None, match: Any, skipped: str | None, variants: Any = ()) -> Simulation:
         return Simulation(
-            replays.device_type, baseline, match, skipped, tuple(variants), replays.clock() - replays.started
+            replays.device_type,
+            baseline,
+            match,
+            skipped,
+            tuple(variants),
+            replays.clock() - replays.started,
+            calibration=calibration,
+            allocator_conf=allocator.conf() if allocator is not None and baseline is not None else None,
+            expandable_reserved_bytes=expandable,
         )
 
-    baseline = replay(None)
-    if isinstance(baseline, str):
-        return finished(None, None, baseline)
-    match = match_baseline(baseline, attribution, tolerance) if attribution is not None else None
+    raw = replay(None)
+    if isinstance(raw, str):
+        return finished(None, None, raw)
+    baseline = raw
+    if allocator is not None and not allocator.expandable_segments:
+        expandable = replays.reserved_with(replace(allocator, expandable_segments=True))
+    match = match_baseline(raw, attribution, tolerance) if attribution is not None else None
+    if replays.measured:
+        calibration = calibrate(raw, replays.measured, attribution.step if attribution is not None else 0)
+        replays.carried = calibration
+        baseline = carry(raw, calibration) if calibration is not None else raw
     if match is not None and not match.matches:
         return finished(baseline, match, mismatch_reason(match))
     variants = []
