@@ -6,7 +6,7 @@ verdict. All sizes are integer bytes, all times seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, ReportText, SavingBasis
@@ -16,6 +16,15 @@ from lightning_vram.records.timeline import StepTimeline
 NOT_REPLAYED = "not replayed"
 """How :attr:`VariantResult.discarded` starts for a change the time budget never reached, or cut: untried, not
 failed (the rules read it)."""
+
+
+AllocationEvent = tuple[str, int, int, int] | Phase
+"""One step of a replay's allocation sequence: ``("malloc", block, size, stream)`` (size in bytes as requested),
+``("free", block, 0, 0)``, or the start of a phase."""
+
+AllocationSequence = tuple[AllocationEvent, ...]
+"""A replayed step's allocations and frees on the counted device, in the order a steady step makes them (library
+workspaces, negative blocks, alive from the step's start): what a caching allocator's model is driven with."""
 
 
 class ChangeKind(ReportText):
@@ -173,6 +182,9 @@ class ReplayedStep:
     notes: tuple[str, ...] = ()
     timeline: StepTimeline | None = None
     """Live bytes op by op, by part (``None`` where not recorded: a step read back from JSON, which leaves it out)."""
+    allocations: AllocationSequence | None = field(default=None, compare=False, repr=False)
+    """The replay's allocation sequence, kept in memory only (not in JSON: ``None`` read back, and where no caching
+    allocator was simulated): whether a caching allocator serves the step at a capacity is asked of it."""
 
     @property
     def peak(self) -> PhasePeak:

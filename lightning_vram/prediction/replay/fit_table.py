@@ -1,20 +1,31 @@
 """The fit table by replay: for each common GPU, the largest batch whose replayed step fits beside the CUDA context.
 
-Every GPU's row comes from one search (:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`): two
-replays give a line per phase (forward, backward, optimizer step), a third checks them, and only the rows the lines
-cannot settle are replayed around their answer.
+Where the caching allocator is simulated (on CUDA), "fits" means the simulated allocator serves the whole step
+(:func:`~lightning_vram.prediction.replay.serves.serve`) at the card's memory less the CUDA context, with no margin
+kept: what the allocator holds around the tensors is in the simulation, not guessed. Lines on the replayed reserved
+peaks seed the search (:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`: two replays give a
+line per phase, a third checks them); every row's answer is then checked in the simulator, and the batch above it
+is shown not to be served (strides and bisection where the seed was off). Each row is searched with the run's
+settings and with ``expandable_segments:True`` on the same replays.
+
+Where it is not (no allocator settings: the CPU's tensor peaks), a row is the largest batch whose replayed peak plus
+the context leaves :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of the card free, solved on the
+lines alone.
+
 When the time budget runs out, or a replay fails, the rows already settled are kept and the search says why the
 others are missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from lightning_vram.measure.tensors import batch_size_of
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
+from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
 from lightning_vram.records import BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
@@ -42,47 +53,196 @@ def replayed_fit_table(
     context_bytes: int,
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
     known_steps: Mapping[int, ReplayedStep] | None = None,
+    unseen_bytes: Mapping[Phase, int] | None = None,
 ) -> FitSearch:
-    """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
+    """The largest batch per GPU whose replayed step fits beside ``context_bytes`` (see the module's docstring).
 
     A row is missing where the batch has no batch dimension, a replay it needed failed, or the replays' budget ran
     out first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps already replayed with these settings,
-    by batch size (the baseline, a batch-size change): not replayed again.
+    by batch size (the baseline, a batch-size change): not replayed again. ``unseen_bytes``: per phase, bytes the
+    replay cannot see (measured by the calibration), held through the phase in the simulated allocator.
     """
-    batch = replays.batch
-    start = batch_size_of(batch)
+    start = batch_size_of(replays.batch)
     if start is None:
         return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
-    failures: list[str] = []
+    steps = _Steps(replays, known_steps)
+    settings = replays.allocator
+    if settings is None:
+        budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
+        sizes, _ = largest_batches_that_fit(steps.peaks(reserved=False), budgets, start, known=steps.known())
+        rows = tuple(
+            None
+            if size is None
+            else FitRow(name, capacity, size, basis=SavingBasis.SIMULATED, at_least=size >= MAX_BATCH_SIZE)
+            for (name, capacity), size in zip(gpus, sizes, strict=True)
+        )
+    else:
+        unseen = max((unseen_bytes or {}).values(), default=0)
+        capacities = [capacity - context_bytes for _, capacity in gpus]
+        seeds, _ = largest_batches_that_fit(
+            steps.peaks(reserved=True), [capacity - unseen for capacity in capacities], start, known=steps.known()
+        )
+        expandable = replace(settings, expandable_segments=True)
+        rows = tuple(
+            _served_row(steps, name, capacity, served_capacity, seed, settings, expandable, unseen_bytes)
+            for (name, capacity), served_capacity, seed in zip(gpus, capacities, seeds, strict=True)
+        )
+    missing = None
+    if None in rows:
+        left_out = [name for (name, _), row in zip(gpus, rows, strict=True) if row is None]
+        reason = steps.failures[0] if steps.failures else "a replay failed"
+        missing = f"{reason}; no row for {', '.join(left_out)}"
+    return FitSearch(rows, steps.replays, missing)
 
-    def peak_bytes(size: int) -> PhasePeaks | None:
+
+class _Steps:
+    """The fit table's replays by batch size, each replayed once (``None``: failed or out of time), and why not."""
+
+    def __init__(self, replays: Replays, known: Mapping[int, ReplayedStep] | None) -> None:
+        self._replays = replays
+        keep = replays.allocator is None
+        self._steps: dict[int, ReplayedStep | None] = {
+            size: step for size, step in (known or {}).items() if keep or step.allocations is not None
+        }
+        self.replays = 0
+        """How many replays the search ran (known steps not counted)."""
+        self.failures: list[str] = []
+
+    def known(self) -> dict[int, PhasePeaks]:
+        """The known steps' peaks per phase, as the search takes them (reserved where simulated)."""
+        reserved = self._replays.allocator is not None
+        return {size: phase_peaks(step, reserved) for size, step in self._steps.items() if step is not None}
+
+    def __call__(self, size: int) -> ReplayedStep | None:
+        """The step with a batch of ``size`` (replayed now if it was not yet); ``None`` where its replay failed."""
+        if size not in self._steps:
+            self._steps[size] = self._replay(size)
+        return self._steps[size]
+
+    def _replay(self, size: int) -> ReplayedStep | None:
+        replays = self._replays
         if replays.out_of_time():
-            failures.append(BUDGET_RAN_OUT)
+            self.failures.append(BUDGET_RAN_OUT)
             return None
+        self.replays += 1
         result = replays.replay(BatchSizeChange(size))
         if isinstance(result, ReplayedStep):
-            return phase_peaks(result)
-        out_of_time = replays.out_of_time()
-        failures.append(BUDGET_RAN_OUT if out_of_time else f"the replay of batch size {size} failed: {result.reason}")
+            return result
+        reason = BUDGET_RAN_OUT if replays.out_of_time() else f"the replay of batch size {size} failed: {result.reason}"
+        self.failures.append(reason)
         return None
 
-    budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
-    known = {size: phase_peaks(step) for size, step in (known_steps or {}).items()}
-    sizes, count = largest_batches_that_fit(peak_bytes, budgets, start, known=known)
-    rows = tuple(
-        None
-        if size is None
-        else FitRow(name, capacity, size, basis=SavingBasis.SIMULATED, at_least=size >= MAX_BATCH_SIZE)
-        for (name, capacity), size in zip(gpus, sizes, strict=True)
+    def peaks(self, reserved: bool) -> Callable[[int], PhasePeaks | None]:
+        """The search's peak function: a batch's peak per phase (reserved ones where ``reserved``)."""
+
+        def peak_bytes(size: int) -> PhasePeaks | None:
+            step = self(size)
+            return None if step is None else phase_peaks(step, reserved)
+
+        return peak_bytes
+
+
+def _served_row(
+    steps: _Steps,
+    name: str,
+    capacity_bytes: int,
+    served_bytes: int,
+    seed: int | None,
+    settings: AllocatorSettings,
+    expandable: AllocatorSettings,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> FitRow | None:
+    """One GPU's row: the largest batch served at ``served_bytes`` with the run's settings and with expandable ones.
+
+    ``None`` where a replay it needed failed (or the seed's search did).
+    """
+    if seed is None:
+        return None
+    largest = largest_served(steps, settings, served_bytes, seed, unseen_bytes)
+    if largest is None:
+        return None
+    wider = (
+        largest if settings == expandable else largest_served(steps, expandable, served_bytes, largest, unseen_bytes)
     )
-    missing = None
-    if None in sizes:
-        left_out = [name for (name, _), size in zip(gpus, sizes, strict=True) if size is None]
-        reason = failures[0] if failures else "a replay failed"
-        missing = f"{reason}; no row for {', '.join(left_out)}"
-    return FitSearch(rows, count, missing)
+    return FitRow(
+        name,
+        capacity_bytes,
+        largest,
+        basis=SavingBasis.SIMULATED,
+        at_least=largest >= MAX_BATCH_SIZE,
+        allocator=settings.conf(),
+        expandable_max_batch_size=wider,
+    )
 
 
-def phase_peaks(step: ReplayedStep) -> PhasePeaks:
-    """A replayed step's peak per phase, bytes, in step order (0 for a phase the step did not reach)."""
-    return tuple(step.phases[phase].peak_bytes if phase in step.phases else 0 for phase in Phase)
+def largest_served(
+    steps: Callable[[int], ReplayedStep | None],
+    settings: AllocatorSettings,
+    capacity_bytes: int,
+    guess: int,
+    unseen_bytes: Mapping[Phase, int] | None = None,
+    limit: int = MAX_BATCH_SIZE,
+) -> int | None:
+    """The largest batch from 1 to ``limit`` whose step the simulated allocator serves at ``capacity_bytes``.
+
+    0 when a batch of 1 is not served; ``None`` when a replay it needed failed. Strides away from ``guess``
+    (doubling) until the answer is bracketed, then bisects: a right guess costs its own check and the next batch's.
+    """
+
+    def served(size: int) -> bool | None:
+        step = steps(size)
+        if step is None or step.allocations is None:
+            return None
+        return serve(step.allocations, settings, capacity_bytes, unseen_bytes).served
+
+    guess = min(max(guess, 1), limit)
+    fits = served(guess)
+    if fits is None:
+        return None
+    stride = 1
+    if fits:  # stride up from the guess until a batch is not served
+        low = guess
+        while True:
+            if low >= limit:
+                return limit
+            high = min(low + stride, limit)
+            fits = served(high)
+            if fits is None:
+                return None
+            if not fits:
+                break
+            low, stride = high, stride * 2
+    else:  # stride down until one is
+        high = guess
+        while True:
+            if high <= 1:
+                return 0
+            low = max(high - stride, 1)
+            fits = served(low)
+            if fits is None:
+                return None
+            if fits:
+                break
+            high, stride = low, stride * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        fits = served(middle)
+        if fits is None:
+            return None
+        low, high = (middle, high) if fits else (low, middle)
+    return low
+
+
+def phase_peaks(step: ReplayedStep, reserved: bool = False) -> PhasePeaks:
+    """A replayed step's peak per phase, bytes, in step order (0 for a phase the step did not reach).
+
+    ``reserved``: the simulated allocator's reserved peak where the phase has one, else its tensor peak.
+    """
+
+    def peak(phase: Phase) -> int:
+        if phase not in step.phases:
+            return 0
+        replayed = step.phases[phase]
+        return replayed.reserved_bytes if reserved and replayed.reserved_bytes is not None else replayed.peak_bytes
+
+    return tuple(peak(phase) for phase in Phase)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE, match_baseline, mismatch_reason
 from lightning_vram.records import (
     Attribution,
@@ -42,6 +43,8 @@ class Replays(Protocol):
     """The host clock the budget is read from, in seconds."""
     started: float
     """When the budget started, on :attr:`clock`."""
+    allocator: AllocatorSettings | None
+    """The caching allocator's settings each replay's allocation sequence is kept for (``None``: none kept)."""
 
     @property
     def device_type(self) -> str:
