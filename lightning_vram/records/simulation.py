@@ -307,10 +307,17 @@ class Prediction:
 
 @dataclass(frozen=True)
 class PreflightRemedy:
-    """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes."""
+    """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes.
+
+    ``reserved_peak_bytes``: the simulated caching allocator's peak with it (``None``: not simulated); ``served``:
+    whether the simulated allocator serves the step with it at the memory available (``None``: not simulated, the
+    tensor peak is compared instead).
+    """
 
     label: str
     peak_bytes: int
+    reserved_peak_bytes: int | None = None
+    served: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -318,18 +325,29 @@ class PreflightVerdict:
     """The first step replayed against the device before it ran (preflight), in bytes.
 
     ``needed_bytes`` = replayed peak - allocated now; ``available_bytes`` = free + cached but unallocated.
-    ``remedies`` are the changes replayed, largest saving first (only when the step does not fit).
+    ``remedies`` are the changes replayed, largest saving first (only when the step does not fit). ``served``:
+    whether the simulated caching allocator serves the whole step in the device's memory (free + reserved now);
+    ``None`` where it was not simulated.
     """
 
     step: ReplayedStep
     needed_bytes: int
     available_bytes: int
     remedies: tuple[PreflightRemedy, ...]
+    served: bool | None = None
+    shortfall: str | None = None
+    """Where the simulated allocator failed and what it was asked for (``None``: served, or not simulated)."""
 
     @property
     def fits(self) -> bool:
-        """Whether the step is predicted to fit."""
-        return self.needed_bytes <= self.available_bytes
+        """Whether the step is predicted to fit: served by the simulated allocator, else its tensor peak fits."""
+        return self.served if self.served is not None else self.needed_bytes <= self.available_bytes
+
+    def remedy_fits(self, remedy: PreflightRemedy) -> bool:
+        """Whether the step fits with ``remedy``: served by the simulated allocator, else its tensor peak fits."""
+        if remedy.served is not None:
+            return remedy.served
+        return remedy.peak_bytes - (self.step.peak.peak_bytes - self.needed_bytes) <= self.available_bytes
 
 
 def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -> VariantResult | None:
