@@ -69,7 +69,9 @@ def replayed_fit_table(
     settings = replays.allocator
     if settings is None:
         budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
-        sizes, _ = largest_batches_that_fit(steps.peaks(reserved=False), budgets, start, known=steps.known())
+        sizes, _ = largest_batches_that_fit(
+            steps.peaks(reserved=False), budgets, start, known=steps.known(reserved=False)
+        )
         rows = tuple(
             None
             if size is None
@@ -83,9 +85,16 @@ def replayed_fit_table(
             steps.peaks(reserved=True), [capacity - unseen for capacity in capacities], start, known=steps.known()
         )
         expandable = replace(settings, expandable_segments=True)
+        # Expandable segments hold little beyond the tensors: lines on the tensor peaks seed their search.
+        wide_seeds, _ = largest_batches_that_fit(
+            steps.peaks(reserved=False),
+            [capacity - unseen for capacity in capacities],
+            start,
+            known=steps.known(reserved=False),
+        )
         rows = tuple(
-            _served_row(steps, name, capacity, served_capacity, seed, settings, expandable, unseen_bytes)
-            for (name, capacity), served_capacity, seed in zip(gpus, capacities, seeds, strict=True)
+            _served_row(steps, name, capacity, served, (seed, wide), (settings, expandable), unseen_bytes)
+            for (name, capacity), served, seed, wide in zip(gpus, capacities, seeds, wide_seeds, strict=True)
         )
     missing = None
     if None in rows:
@@ -108,9 +117,8 @@ class _Steps:
         """How many replays the search ran (known steps not counted)."""
         self.failures: list[str] = []
 
-    def known(self) -> dict[int, PhasePeaks]:
-        """The known steps' peaks per phase, as the search takes them (reserved where simulated)."""
-        reserved = self._replays.allocator is not None
+    def known(self, reserved: bool = True) -> dict[int, PhasePeaks]:
+        """The known steps' peaks per phase, as the search takes them (reserved ones where ``reserved``)."""
         return {size: phase_peaks(step, reserved) for size, step in self._steps.items() if step is not None}
 
     def __call__(self, size: int) -> ReplayedStep | None:
@@ -147,30 +155,32 @@ def _served_row(
     name: str,
     capacity_bytes: int,
     served_bytes: int,
-    seed: int | None,
-    settings: AllocatorSettings,
-    expandable: AllocatorSettings,
+    seeds: tuple[int | None, int | None],
+    settings: tuple[AllocatorSettings, AllocatorSettings],
     unseen_bytes: Mapping[Phase, int] | None,
 ) -> FitRow | None:
     """One GPU's row: the largest batch served at ``served_bytes`` with the run's settings and with expandable ones.
 
-    ``None`` where a replay it needed failed (or the seed's search did).
+    ``seeds`` and ``settings``: the run's, then expandable segments'. ``None`` where a replay it needed failed (or
+    a seed's search did).
     """
+    (seed, wide_seed), (run, expandable) = seeds, settings
     if seed is None:
         return None
-    largest = largest_served(steps, settings, served_bytes, seed, unseen_bytes)
+    largest = largest_served(steps, run, served_bytes, seed, unseen_bytes)
     if largest is None:
         return None
-    wider = (
-        largest if settings == expandable else largest_served(steps, expandable, served_bytes, largest, unseen_bytes)
-    )
+    wider: int | None = largest
+    if run != expandable:  # from the run's answer up to where the tensors alone outgrow the card
+        ceiling = None if wide_seed is None else wide_seed + 1
+        wider = largest_served(steps, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling)
     return FitRow(
         name,
         capacity_bytes,
         largest,
         basis=SavingBasis.SIMULATED,
         at_least=largest >= MAX_BATCH_SIZE,
-        allocator=settings.conf(),
+        allocator=run.conf(),
         expandable_max_batch_size=wider,
     )
 
@@ -182,11 +192,14 @@ def largest_served(
     guess: int,
     unseen_bytes: Mapping[Phase, int] | None = None,
     limit: int = MAX_BATCH_SIZE,
+    ceiling: int | None = None,
 ) -> int | None:
     """The largest batch from 1 to ``limit`` whose step the simulated allocator serves at ``capacity_bytes``.
 
     0 when a batch of 1 is not served; ``None`` when a replay it needed failed. Strides away from ``guess``
     (doubling) until the answer is bracketed, then bisects: a right guess costs its own check and the next batch's.
+    ``ceiling``: a batch above ``guess`` likely not served; checked first where ``guess`` is served, it brackets
+    the answer at once (striding resumes above it where it is served).
     """
 
     def served(size: int) -> bool | None:
@@ -200,18 +213,25 @@ def largest_served(
     if fits is None:
         return None
     stride = 1
-    if fits:  # stride up from the guess until a batch is not served
-        low = guess
-        while True:
-            if low >= limit:
-                return limit
-            high = min(low + stride, limit)
-            fits = served(high)
+    if fits:  # stride up from the guess (or a ceiling served) until a batch is not served
+        low, above = guess, None
+        if ceiling is not None and guess + 1 < ceiling <= limit:
+            fits = served(ceiling)
             if fits is None:
                 return None
-            if not fits:
-                break
-            low, stride = high, stride * 2
+            low, above = (ceiling, None) if fits else (guess, ceiling)
+        while above is None:
+            if low >= limit:
+                return limit
+            probe = min(low + stride, limit)
+            fits = served(probe)
+            if fits is None:
+                return None
+            if fits:
+                low, stride = probe, stride * 2
+            else:
+                above = probe
+        high = above
     else:  # stride down until one is
         high = guess
         while True:
