@@ -76,7 +76,7 @@ def preflight(
     def serving(step: ReplayedStep) -> Serving | None:
         if predictor.allocator is None:
             return None
-        return serves_step(step, predictor.allocator, capacity, unseen_bytes)
+        return serves_step(step, capacity, predictor.allocator, unseen_bytes)
 
     with round_of_replays():
         replayed = predictor.baseline()

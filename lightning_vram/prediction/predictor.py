@@ -352,4 +352,5 @@ class Predictor:
             ),
             timeline=timeline.finish(),
             allocations=sequence,
+            allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
         )

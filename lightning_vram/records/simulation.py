@@ -185,6 +185,9 @@ class ReplayedStep:
     allocations: AllocationSequence | None = field(default=None, compare=False, repr=False)
     """The replay's allocation sequence, kept in memory only (not in JSON: ``None`` read back, and where no caching
     allocator was simulated): whether a caching allocator serves the step at a capacity is asked of it."""
+    allocator: str | None = field(default=None, compare=False, repr=False)
+    """The caching allocator's settings the phases' reserved peaks were simulated with (``PYTORCH_ALLOC_CONF`` as
+    torch reads it, ``""``: torch's defaults); ``None`` with :attr:`allocations`."""
 
     @property
     def peak(self) -> PhasePeak:

@@ -48,7 +48,7 @@ def batch_size_headroom(
         f" {format_percent(BATCH_SAFETY_MARGIN)} of the device free"
     )
     if replayed is not None:
-        how = "largest batch found by replaying this step, keeping"
+        how = "largest batch found by replaying this step at each batch size tried, keeping"
         how += f" {format_percent(BATCH_SAFETY_MARGIN)} of the device free"
         allocator = _served_by(simulation)
         if allocator is not None:

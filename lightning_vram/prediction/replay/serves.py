@@ -108,11 +108,15 @@ def serve(
 
 def serves_step(
     step: ReplayedStep,
-    settings: AllocatorSettings,
     capacity_bytes: int,
+    settings: AllocatorSettings | None = None,
     unseen_bytes: Mapping[Phase, int] | None = None,
 ) -> Serving | None:
-    """:func:`serve` on a replayed step's kept sequence; ``None`` where it kept none (no allocator simulated)."""
-    if step.allocations is None:
+    """:func:`serve` on a replayed step's kept sequence; ``None`` where it kept none (no allocator simulated).
+
+    ``settings``: the allocator's (default: those the replay simulated its reserved peaks with).
+    """
+    if step.allocations is None or step.allocator is None:
         return None
-    return serve(step.allocations, settings, capacity_bytes, unseen_bytes)
+    chosen = settings if settings is not None else AllocatorSettings.from_conf(step.allocator)
+    return serve(step.allocations, chosen, capacity_bytes, unseen_bytes)
