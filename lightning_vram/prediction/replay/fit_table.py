@@ -18,6 +18,7 @@ others are missing.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -27,7 +28,7 @@ from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
-from lightning_vram.records import BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
+from lightning_vram.records import AllocationSequence, BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
 
 @dataclass(frozen=True)
@@ -104,28 +105,51 @@ def replayed_fit_table(
     return FitSearch(rows, steps.replays, missing)
 
 
+KEPT_SEQUENCES = 8
+"""Most replays whose allocation sequences the search keeps at once (the most recently used): a sequence is a few
+events per op, and the served checks of a row need only the batches around its answer. One dropped and needed
+again is replayed again."""
+
+
 class _Steps:
-    """The fit table's replays by batch size, each replayed once (``None``: failed or out of time), and why not."""
+    """The fit table's replays by batch size, each replayed once (``None``: failed or out of time), and why not.
+
+    Every replay's peaks per phase are kept; its allocation sequence only for the :data:`KEPT_SEQUENCES` most
+    recently used.
+    """
 
     def __init__(self, replays: Replays, known: Mapping[int, ReplayedStep] | None) -> None:
         self._replays = replays
         keep = replays.allocator is None
-        self._steps: dict[int, ReplayedStep | None] = {
-            size: step for size, step in (known or {}).items() if keep or step.allocations is not None
-        }
+        self._peaks: dict[int, tuple[PhasePeaks, PhasePeaks] | None] = {}
+        self._sequences: OrderedDict[int, AllocationSequence] = OrderedDict()
+        for size, step in (known or {}).items():
+            if keep or step.allocations is not None:
+                self._keep(size, step)
         self.replays = 0
         """How many replays the search ran (known steps not counted)."""
         self.failures: list[str] = []
 
+    def _keep(self, size: int, step: ReplayedStep | None) -> None:
+        self._peaks[size] = None if step is None else (phase_peaks(step), phase_peaks(step, reserved=True))
+        if step is not None and step.allocations is not None:
+            self._sequences[size] = step.allocations
+            while len(self._sequences) > KEPT_SEQUENCES:
+                self._sequences.popitem(last=False)
+
     def known(self, reserved: bool = True) -> dict[int, PhasePeaks]:
         """The known steps' peaks per phase, as the search takes them (reserved ones where ``reserved``)."""
-        return {size: phase_peaks(step, reserved) for size, step in self._steps.items() if step is not None}
+        return {size: peaks[reserved] for size, peaks in self._peaks.items() if peaks is not None}
 
-    def __call__(self, size: int) -> ReplayedStep | None:
-        """The step with a batch of ``size`` (replayed now if it was not yet); ``None`` where its replay failed."""
-        if size not in self._steps:
-            self._steps[size] = self._replay(size)
-        return self._steps[size]
+    def allocations(self, size: int) -> AllocationSequence | None:
+        """The allocation sequence of a batch of ``size`` (replayed now if not kept); ``None`` where it failed."""
+        if size in self._sequences:
+            self._sequences.move_to_end(size)
+            return self._sequences[size]
+        if size in self._peaks and self._peaks[size] is None:
+            return None
+        self._keep(size, self._replay(size))
+        return self._sequences.get(size)
 
     def _replay(self, size: int) -> ReplayedStep | None:
         replays = self._replays
@@ -144,8 +168,10 @@ class _Steps:
         """The search's peak function: a batch's peak per phase (reserved ones where ``reserved``)."""
 
         def peak_bytes(size: int) -> PhasePeaks | None:
-            step = self(size)
-            return None if step is None else phase_peaks(step, reserved)
+            if size not in self._peaks:
+                self._keep(size, self._replay(size))
+            peaks = self._peaks[size]
+            return None if peaks is None else peaks[reserved]
 
         return peak_bytes
 
@@ -167,13 +193,13 @@ def _served_row(
     (seed, wide_seed), (run, expandable) = seeds, settings
     if seed is None:
         return None
-    largest = largest_served(steps, run, served_bytes, seed, unseen_bytes)
+    largest = largest_served(steps.allocations, run, served_bytes, seed, unseen_bytes)
     if largest is None:
         return None
     wider: int | None = largest
     if run != expandable:  # from the run's answer up to where the tensors alone outgrow the card
         ceiling = None if wide_seed is None else wide_seed + 1
-        wider = largest_served(steps, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling)
+        wider = largest_served(steps.allocations, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling)
     return FitRow(
         name,
         capacity_bytes,
@@ -186,7 +212,7 @@ def _served_row(
 
 
 def largest_served(
-    steps: Callable[[int], ReplayedStep | None],
+    allocations: Callable[[int], AllocationSequence | None],
     settings: AllocatorSettings,
     capacity_bytes: int,
     guess: int,
@@ -203,10 +229,8 @@ def largest_served(
     """
 
     def served(size: int) -> bool | None:
-        step = steps(size)
-        if step is None or step.allocations is None:
-            return None
-        return serve(step.allocations, settings, capacity_bytes, unseen_bytes).served
+        sequence = allocations(size)
+        return None if sequence is None else serve(sequence, settings, capacity_bytes, unseen_bytes).served
 
     guess = min(max(guess, 1), limit)
     fits = served(guess)
