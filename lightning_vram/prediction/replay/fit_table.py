@@ -105,7 +105,7 @@ def replayed_fit_table(
     return FitSearch(rows, steps.replays, missing)
 
 
-KEPT_SEQUENCES = 8
+KEPT_SEQUENCES = 16
 """Most replays whose allocation sequences the search keeps at once (the most recently used): a sequence is a few
 events per op, and the served checks of a row need only the batches around its answer. One dropped and needed
 again is replayed again."""
