@@ -40,6 +40,8 @@ from lightning_vram.records import (
 from lightning_vram.units import format_bytes
 
 ID = AdviceId.NEAR_CAPACITY
+NONE_MEASURED = "none measured"
+"""How the detail ends when the run's measurements support no remedy (the OOM diagnosis puts preflight's there)."""
 NEAR_CAPACITY_REMEDIES: tuple[Rule, ...] = (
     activation_checkpointing.RULE,
     mixed_precision.RULE,
@@ -152,7 +154,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         id=ID,
         severity=Severity.CRITICAL,
         title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
-        detail=f"Remedies this run's measurements support, largest saving first: {listed or 'none measured'}.",
+        detail=f"Remedies this run's measurements support, largest saving first: {listed or NONE_MEASURED}.",
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
             f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"
