@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextvars
 import functools
 import random
 import types
@@ -130,6 +131,7 @@ class Reach:
     or a compiled module outside the trained one), each with where the walk found it. ``unrestorable``: what the
     code reaches whose state cannot be saved (an iterator, a generator), by path. ``effects``: what the code does
     outside the process's objects, which a replay would do again (files it opens, threads, exit callbacks), by path.
+    ``context_vars``: the ``ContextVar`` objects it reaches (a value set in the step stays set in the context).
     ``complete``: the walk ended before :data:`WALK_LIMIT`.
     """
 
@@ -143,6 +145,7 @@ class Reach:
     compiled: list[str] = field(default_factory=list)
     unrestorable: list[str] = field(default_factory=list)
     effects: list[str] = field(default_factory=list)
+    context_vars: list[contextvars.ContextVar[Any]] = field(default_factory=list)
     complete: bool = True
 
     def add(self, other: Reach) -> None:
@@ -157,6 +160,7 @@ class Reach:
         self.compiled += other.compiled
         self.unrestorable += other.unrestorable
         self.effects += other.effects
+        self.context_vars += other.context_vars
         self.complete = self.complete and other.complete
 
 
@@ -175,6 +179,7 @@ class _Walk:
         self._slots: set[tuple[int, str | None]] = set()
         self._limit = limit
         self._namespaces: set[int] = set()
+        self._modules: set[tuple[int, frozenset[str]]] = set()  # a module walked for a set of attribute names
         self._compiled: set[int] = set()  # what torch.compile made, listed once however many paths reach it
         self._queue: collections.deque[tuple[Any, str, frozenset[str], bool]] = collections.deque()
 
@@ -252,6 +257,13 @@ class _Walk:
         """An object that holds state: saved, or (an iterator, a generator) a reason the replay must not run."""
         if isinstance(value, Tensor):
             self.reach.tensors.append(value)
+            attributes = instance_dict(value)
+            if attributes is not None:  # Python attributes set on the tensor (``GLOBAL_T.counter = n``)
+                self.reach.objects.append(attributes)
+                for name, item in dict_items(attributes):
+                    self._push(item, f"{path}.{name}", data=data)
+        elif isinstance(value, contextvars.ContextVar):
+            self.reach.context_vars.append(value)
         elif is_numpy_array(value):
             self.reach.arrays.append(value)
             if value.dtype == object:
@@ -287,6 +299,12 @@ class _Walk:
             self._push(wrapped, path)
         if not is_user_function(function):
             return
+        attributes = instance_dict(function)
+        if attributes is not None:  # the function's own attributes (``helper.calls += 1``)
+            self.reach.objects.append(attributes)
+            for name, item in dict_items(attributes):
+                if name != "__wrapped__":
+                    self._push(item, f"{function.__qualname__}.{name}")
         code = function.__code__
         global_names, attribute_names = code_names(code)
         self._note_hook_apis(global_names, attribute_names, function.__globals__)
@@ -365,14 +383,20 @@ class _Walk:
                 self._slot(cls, name, f"{cls.__qualname__}.{name}")
 
     def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
+        """The attributes of ``module`` the code names, and (a package's submodules) theirs, at any depth."""
         self._seen.discard((id(module), False))  # another function may read other names of the same module
-        filename = getattr(module, "__file__", None)
-        if filename is not None and not is_user_file(filename):
+        if (id(module), names) in self._modules:
+            return
+        self._modules.add((id(module), names))
+        filename = vars(module).get("__file__")
+        if isinstance(filename, str) and not is_user_file(filename):
             return
         namespace = vars(module)
         for name in sorted(names & namespace.keys()):
             value = namespace[name]
-            if not isinstance(value, types.ModuleType):
+            if isinstance(value, types.ModuleType):  # ``userpkg.cfg.STATE``: the submodule's names too
+                self._push(value, f"{path}.{name}", names)
+            else:
                 self._slot(namespace, name, f"{path}.{name}")
 
     def _instance(self, value: Any, path: str, data: bool) -> None:

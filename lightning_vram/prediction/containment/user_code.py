@@ -2,7 +2,9 @@
 
 What counts as the user's code: every function whose file is outside the Python installation and its
 site-packages (a script, a notebook cell, a project checked out or installed in editable mode) and outside this
-package. Libraries (torch, Lightning, transformers) are not walked: their module-level state is theirs.
+package. Libraries (torch, Lightning, transformers) are not walked: their module-level state is theirs. A class is
+the user's by its own code's file, not by a ``sys.modules`` entry it may not have (a class loaded with
+``spec_from_file_location``, ``runpy.run_path`` or ``exec``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import sys
 import sysconfig
 import types
+from collections.abc import Iterator
+from typing import Any
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -46,13 +50,55 @@ def is_user_function(function: types.FunctionType) -> bool:
     return is_user_file(function.__code__.co_filename)
 
 
+_HEAP_TYPE = 1 << 9
+"""``Py_TPFLAGS_HEAPTYPE``: a class made by a ``class`` statement or ``type(...)``, not one of C's static types."""
+
+
+def _own_functions(cls: type) -> Iterator[types.FunctionType]:
+    """The functions ``cls`` defines itself (methods, static and class methods, properties' accessors), unwrapped.
+
+    A method a decorator wrapped (``@torch.no_grad()``) is followed through ``__wrapped__`` to the user's function.
+    """
+    for attribute in list(vars(cls).values()):
+        if isinstance(attribute, (staticmethod, classmethod)):
+            candidates: tuple[Any, ...] = (attribute.__func__,)
+        elif isinstance(attribute, property):
+            candidates = (attribute.fget, attribute.fset, attribute.fdel)
+        else:
+            candidates = (attribute,)
+        for candidate in candidates:
+            for _ in range(8):  # a chain of decorators, never a cycle
+                if not isinstance(candidate, types.FunctionType):
+                    break
+                yield candidate
+                candidate = vars(candidate).get("__wrapped__")
+
+
 def is_user_class(cls: type) -> bool:
-    """Whether ``cls`` is defined in the user's code (``__main__`` included)."""
-    module = sys.modules.get(cls.__module__)
-    filename = getattr(module, "__file__", None)
-    if filename is None:  # a class defined in __main__ run from stdin, or a builtin
-        return cls.__module__ == "__main__"
-    return is_user_file(filename)
+    """Whether ``cls`` is defined in the user's code, however it got into the process.
+
+    Decided first by its own functions' files (a class from ``spec_from_file_location`` and ``exec_module``,
+    ``runpy.run_path`` or ``exec`` of a file's compiled code has no entry in ``sys.modules``, but its code names the
+    file); then by its module's file; a class whose module is not in ``sys.modules`` at all was loaded by hand
+    (``exec`` of source into a fresh namespace: its code's file is ``"<string>"``), and so is a class that says it
+    is ``builtins``' but is not one of C's own types.
+
+    >>> is_user_class(functools.partial), is_user_class(type("Made", (), {"__module__": "not_imported"}))
+    (False, True)
+    """
+    files = {function.__code__.co_filename for function in _own_functions(cls)}
+    real_files = {filename for filename in files if not filename.startswith("<")}
+    if real_files:
+        return any(is_user_file(filename) for filename in real_files)
+    name = cls.__module__
+    module = sys.modules.get(name)
+    if module is None:
+        return True
+    filename = vars(module).get("__file__")
+    if isinstance(filename, str):
+        return is_user_file(filename)
+    heap_type = bool(type.__dict__["__flags__"].__get__(cls) & _HEAP_TYPE)
+    return name == "__main__" or (name == "builtins" and heap_type)
 
 
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "STORE_NAME", "DELETE_NAME"})
