@@ -58,7 +58,7 @@ def test_activation_checkpointing_names_the_blocks_and_the_saving() -> None:
     assert "`encoder.layers.0`" in advice.title
     assert "activations are 37.5% of the backward peak (3.00 GiB of 8.00 GiB)" in advice.evidence
     assert "encoder.layers.0 750.0 MiB" in advice.evidence
-    assert "return checkpoint_keeping_buffers([self.block], self.block, *args, **kwargs)" in advice.detail
+    assert "return checkpoint_keeping_buffers([self.block, *self.then], self._run, *args, **kwargs)" in advice.detail
     assert "self.encoder.layers[index] = Checkpointed(self.encoder.layers[index])" in advice.detail
 
 
@@ -130,17 +130,17 @@ def resnet_profiles() -> tuple[ModuleProfile, ...]:
 
 def test_checkpoint_units_never_start_with_an_inplace_op() -> None:
     # Checkpointing the stem's inplace relu alone overwrites the input its checkpoint keeps: backward raises. It
-    # joins bn1's unit. Units bn1+relu, layer1, layer2, avgpool checkpointed (fc not): forward keeps the inputs
-    # 10 (conv1's, saved by it) + 4 x 40 + 1 (fc's) + 1 (loss) = 172 MiB; recomputing layer2 holds 10 + 40 + 40 +
-    # 40 kept and its 160 + 40 again: 330 MiB, the peak, of 502: 172 MiB saved. Adding conv1 saves no more.
+    # joins bn1's unit. Units bn1+relu, layer1, layer2 checkpointed (avgpool saves nothing, fc is last): forward
+    # keeps 10 (conv1's input) + 4 x 40 (the units' inputs and layer2's output, avgpool's input) + 1 (fc's) + 1
+    # (loss) = 172 MiB; recomputing layer2 holds 10 + 40 + 40 + 40 kept and its 160 + 40 again: 330 MiB, the peak,
+    # of 502: 172 MiB saved. Adding conv1 saves no more.
     plan = best_checkpoint_plan(resnet_profiles())
     assert plan is not None
     assert plan.units == (
         ("network.bn1", "network.relu"),
         ("network.layer1",),
         ("network.layer2",),
-        ("network.avgpool",),
-    )
+    )  # avgpool saves nothing: never a unit
     assert (plan.container, plan.forward_of, plan.saving_bytes) == ("network", "network", 172 * MIB)
     activations = Breakdown(
         parameters=30 * MIB, gradients=30 * MIB, optimizer_state=30 * MIB, activations=502 * MIB, other=8 * MIB

@@ -8,7 +8,12 @@ Three idioms, each the one the replay applied to check the plan:
   embeddings) and returns what it returns (a tensor, a tuple, a dict), so the caller's code does not change;
 - for a unit of several consecutive modules (an inplace op joins the one before it), ``x = ...`` lines in the forward
   that calls them, and for an ``nn.Sequential`` a loop over its segments as ``checkpoint_sequential`` splits them:
-  both pass one tensor along.
+  both pass one tensor along;
+- for the units of an ``nn.Sequential`` no forward of the user's calls (the model itself, trained by a plain loop or
+  Fabric), each unit put in place of its first child as ``Checkpointed(*children)``, the others ``nn.Identity()``.
+
+The code is written for what trains the model (:class:`CodeContext`): a LightningModule's ``__init__`` with ``self.``
+paths, or after building the model of a plain loop or a Fabric loop (before ``fabric.setup``) with ``model.`` paths.
 
 Every one of them checkpoints through ``checkpoint_keeping_buffers`` (printed with it): backward's recomputation
 runs on copies of the units' buffers, so that a train-mode BatchNorm updates its running statistics once a step, as
@@ -17,9 +22,10 @@ without checkpointing, and the checkpointed model learns exactly what the plain 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import groupby
 
-from lightning_vram.records import CheckpointPlan
+from lightning_vram.records import CheckpointPlan, TrainingLoop
 
 CHECKPOINT_LINES = 6
 """Units spelled out one line each in the advice's code; the rest are named."""
@@ -65,14 +71,22 @@ CHECKPOINTED_CLASS = '''from torch import nn
 
 
 class Checkpointed(nn.Module):
-    """Runs `block` under activation checkpointing with every argument it is given; returns what it returns."""
+    """Runs `block` with every argument it is given, then each of `then` on the result, under activation
+    checkpointing; returns what the last returns."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, *then: nn.Module) -> None:
         super().__init__()
         self.block = block
+        self.then = nn.ModuleList(then)
 
     def forward(self, *args, **kwargs):
-        return checkpoint_keeping_buffers([self.block], self.block, *args, **kwargs)
+        return checkpoint_keeping_buffers([self.block, *self.then], self._run, *args, **kwargs)
+
+    def _run(self, *args, **kwargs):
+        output = self.block(*args, **kwargs)
+        for module in self.then:
+            output = module(output)
+        return output
 
     def __getattr__(self, name: str):
         try:
@@ -82,19 +96,60 @@ class Checkpointed(nn.Module):
                 raise
             return getattr(self.block, name)
 '''
-"""The wrapper the advice prints (and the replay's ``_CheckpointedCall`` does the same for a one-module unit)."""
+"""The wrapper the advice prints (the replay's ``_CheckpointedCall`` does the same: the unit at its first module)."""
 
 
-def _code_path(name: str, forward_of: str) -> str:
-    """Module ``name`` as code in the forward of ``forward_of``.
+@dataclass(frozen=True)
+class CodeContext:
+    """What the printed code is written for: what trains the model, and the model's class name (``None``: unknown)."""
+
+    loop: TrainingLoop = TrainingLoop.LIGHTNING
+    root_type: str | None = None
+
+    @property
+    def model(self) -> str:
+        """The model in code that changes it once built: ``self`` in a LightningModule, else ``model``."""
+        return "self" if self.loop is TrainingLoop.LIGHTNING else "model"
+
+    def built(self, what: str) -> str:
+        """Where lines changing the built model (``what`` in words) go.
+
+        >>> CodeContext(TrainingLoop.FABRIC).built("the model").partition("), ")[2]
+        'before `fabric.setup(model, optimizer)`'
+        """
+        if self.loop is TrainingLoop.LIGHTNING:
+            return f"in the LightningModule's __init__, once {what} is built"
+        before = (
+            "before `fabric.setup(model, optimizer)`"
+            if self.loop is TrainingLoop.FABRIC
+            else "before creating its optimizer and starting the loop"
+        )
+        return f"after building the model (`model`: the module given to `session.start`), {before}"
+
+    @property
+    def root_forward(self) -> str:
+        """The forward of the trained module, in words."""
+        if self.loop is TrainingLoop.LIGHTNING:
+            return "the LightningModule's forward (or training_step)"
+        return f"the forward of your model's class (`{self.root_type or 'model'}`)"
+
+    def no_forward(self, forward_of: str) -> bool:
+        """Whether no code of the user's calls the units: the model is a plain or Fabric loop's ``nn.Sequential``."""
+        return not forward_of and self.loop is not TrainingLoop.LIGHTNING and self.root_type == "Sequential"
+
+
+def _code_path(name: str, forward_of: str, root: str = "self") -> str:
+    """Module ``name`` as code in the forward of ``forward_of`` (or, from the model, with the model named ``root``).
 
     >>> _code_path("transformer.h.3", "transformer"), _code_path("network.conv1", ""), _code_path("", "")
     ('self.h[3]', 'self.network.conv1', 'self')
+    >>> _code_path("2", "", "model")
+    'model[2]'
     """
     relative = name[len(forward_of) + 1 :] if forward_of else name
     if not relative:
-        return "self"
-    return "self" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
+        return root
+    return root + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
 
 
 def layer_ranges(names: tuple[str, ...]) -> str:
@@ -151,30 +206,30 @@ def _segments_lines(plan: CheckpointPlan, path: str) -> list[str]:
     ]
 
 
-def _switch_snippet(plan: CheckpointPlan) -> tuple[str, str]:
+def _switch_snippet(plan: CheckpointPlan, context: CodeContext) -> tuple[str, str]:
     """The library's own call, on the model that has it, and the layers it covers."""
     layers = tuple(unit[0] for unit in plan.units)
-    model = _code_path(plan.container, "")
+    model = _code_path(plan.container, "", context.model)
     argument = (plan.switch or "").removesuffix("_enable") + "_kwargs"
     what = f"every layer of `{plan.container or 'the model'}` ({layer_ranges(layers)}) with its own switch"
     code = (
-        f"# in the LightningModule's __init__, once {model} is built (it checkpoints while training):\n"
+        f"# {context.built(model)} (it checkpoints while training):\n"
         f"{model}.config.use_cache = False  # a key/value cache is of no use in training and clashes with it\n"
         f'{model}.{plan.switch}({argument}={{"use_reentrant": False}})'
     )
     return what, code
 
 
-def _wrap_lines(names: list[str]) -> list[str]:
+def _wrap_lines(names: list[str], root: str = "self") -> list[str]:
     """Lines putting ``Checkpointed`` in place of each module ``names`` (children of one parent), once it is built.
 
     >>> _wrap_lines(["net.h.1", "net.h.2"])
     ['for index in range(1, 3):', '    self.net.h[index] = Checkpointed(self.net.h[index])']
     """
-    container = _code_path(names[0].rpartition(".")[0], "")
+    container = _code_path(names[0].rpartition(".")[0], "", root)
     indices = [name.rpartition(".")[2] for name in names]
     if len(names) == 1 or not all(map(str.isdigit, indices)):
-        return [f"{_code_path(name, '')} = Checkpointed({_code_path(name, '')})" for name in names]
+        return [f"{_code_path(name, '', root)} = Checkpointed({_code_path(name, '', root)})" for name in names]
     first, last = int(indices[0]), int(indices[-1])
     over = (
         f"range({first}, {last + 1})"
@@ -184,27 +239,73 @@ def _wrap_lines(names: list[str]) -> list[str]:
     return [f"for index in {over}:", f"    {container}[index] = Checkpointed({container}[index])"]
 
 
-def _wrapper_snippet(plan: CheckpointPlan) -> str:
+def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
     """The ``Checkpointed`` wrapper put in place of each one-module unit (every stack's), once the model is built."""
     names = [unit[0] for unit in plan.units]
     lines = [
         line
         for _, group in groupby(names, key=lambda name: name.rpartition(".")[0])
-        for line in _wrap_lines(list(group))
+        for line in _wrap_lines(list(group), context.model)
     ]
     return (
         f"{KEEPING_BUFFERS}\n\n{CHECKPOINTED_CLASS}\n\n"
-        "# in the LightningModule's __init__, once the model is built (their state_dict keys gain `.block`):\n"
-        + "\n".join(lines)
+        f"# {context.built('the model')} (their state_dict keys gain `.block`):\n" + "\n".join(lines)
     )
 
 
-def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
-    """What the plan checkpoints, in words (for the title), and the code to write (for the detail)."""
+def _in_place_snippet(plan: CheckpointPlan, bounds: list[tuple[int, int]], context: CodeContext) -> str:
+    r"""Each unit of an ``nn.Sequential`` no user forward calls, children ``start`` to ``end - 1``, put in place.
+
+    >>> code = _in_place_snippet(CheckpointPlan("", (), None, 0), [(1, 3), (3, 4)], CodeContext(TrainingLoop.PLAIN))
+    >>> print(code.rpartition("\n\n")[2])  # doctest: +ELLIPSIS
+    # after building the model (...), before creating its optimizer and starting the loop (...):
+    for start, end in ((1, 3), (3, 4)):
+        model[start] = Checkpointed(*model[start:end])
+        for index in range(start + 1, end):
+            model[index] = nn.Identity()  # it runs in the unit before it now
+    """
+    path = _code_path(plan.container, "", context.model)
+    spans = ", ".join(f"({start}, {end})" for start, end in bounds)
+    lines = [
+        f"for start, end in ({spans}{',' if len(bounds) == 1 else ''}):",
+        f"    {path}[start] = Checkpointed(*{path}[start:end])",
+        "    for index in range(start + 1, end):",
+        f"        {path}[index] = nn.Identity()  # it runs in the unit before it now",
+    ]
+    return (
+        f"{KEEPING_BUFFERS}\n\n{CHECKPOINTED_CLASS}\n\n"
+        f"# {context.built('the model')} (each unit of `{path}` runs where its first child was, under checkpointing;"
+        " their state_dict keys gain `.block` and `.then`):\n" + "\n".join(lines)
+    )
+
+
+def _segment_bounds(plan: CheckpointPlan) -> list[tuple[int, int]]:
+    """The children each checkpointed unit of an ``nn.Sequential`` plan runs, ``(start, end)``."""
+    if plan.sequential_segments is not None:
+        bounds: list[tuple[int, int]] = []
+        for unit in plan.units:
+            start = bounds[-1][1] if bounds else 0
+            bounds.append((start, start + len(unit)))
+        return bounds
+    return [(int(unit[0].rpartition(".")[2]), int(unit[-1].rpartition(".")[2]) + 1) for unit in plan.units]
+
+
+def checkpoint_snippet(plan: CheckpointPlan, context: CodeContext | None = None) -> tuple[str, str]:
+    """What the plan checkpoints, in words (for the title), and the code to write (for the detail).
+
+    The code is written for ``context`` (default: a LightningModule).
+    """
+    context = context or CodeContext()
     if plan.switch is not None:
-        return _switch_snippet(plan)
+        return _switch_snippet(plan, context)
     forward_of = plan.forward_of or ""
-    where = f"the forward of `{forward_of}`" if forward_of else "the LightningModule's forward (or training_step)"
+    where = f"the forward of `{forward_of}`" if forward_of else context.root_forward
+    one_module = plan.sequential_segments is None and all(len(unit) == 1 for unit in plan.units)
+    if context.no_forward(forward_of) and not one_module:
+        what = (
+            f"{len(plan.units)} units of {f'`{plan.container}`' if plan.container else 'the model'} (an nn.Sequential)"
+        )
+        return what, _in_place_snippet(plan, _segment_bounds(plan), context)
     if plan.sequential_segments is not None:
         path = _code_path(plan.container, forward_of)
         what = f"`{plan.container}` (an nn.Sequential) in {plan.sequential_segments} segments"
@@ -221,8 +322,8 @@ def checkpoint_snippet(plan: CheckpointPlan) -> tuple[str, str]:
         else f"{len(plan.units)} units of {f'`{plan.container}`' if plan.container else 'the model'}, `{first}` to"
         f" `{last}`"
     )
-    if all(len(unit) == 1 for unit in plan.units):
-        return what, _wrapper_snippet(plan)
+    if one_module:
+        return what, _wrapper_snippet(plan, context)
     lines = [_unit_line(unit, forward_of) for unit in plan.units]
     if len(lines) > CHECKPOINT_LINES:
         rest = ", ".join(f"`{unit[0]}`" for unit in plan.units[CHECKPOINT_LINES:])

@@ -203,15 +203,19 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
         if any(_starts_inplace(group[0], profiles.called, profiles.children) for group in groups[:-1]):
             continue
         units = [profiles.unit(group) for group in groups]
+        if any(unit.saved == 0 for unit in units[:-1]):
+            continue  # a checkpointed segment that saves nothing frees nothing and costs a forward
         flags = [True] * (len(units) - 1) + [False]
         plans.append(_plan(container, units, flags, outside, segments, profiles.caller(container)))
     return plans
 
 
 def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
-    """Checkpoint a contiguous range of units that ends at the last unit or the one before it.
+    """Checkpoint a contiguous range of units that ends at the last unit saving something or the one before it.
 
     A child that starts with an inplace op joins the unit before it; the first child cannot start a range then.
+    A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode) is
+    never checkpointed: it neither starts nor ends a range, and inside one it runs as before.
     """
     groups: list[list[str]] = []
     for name in names:
@@ -225,11 +229,12 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     forward_of = container if container in profiles.called else profiles.caller(container)
     outside = profiles.outside(names)
     plans = []
-    for end in (len(units) - 2, len(units) - 1):
-        for start in range(end + 1):
-            if _starts_inplace(groups[start][0], profiles.called, profiles.children):
+    saving = [index for index, unit in enumerate(units) if unit.saved > 0]
+    for end in saving[-2:]:
+        for start in saving:
+            if start > end or _starts_inplace(groups[start][0], profiles.called, profiles.children):
                 continue  # the first child runs inplace and has no unit before it to join
-            flags = [start <= index <= end for index in range(len(units))]
+            flags = [start <= index <= end and units[index].saved > 0 for index in range(len(units))]
             plans.append(_plan(container, units, flags, outside, None, forward_of))
     return plans
 

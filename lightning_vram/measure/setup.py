@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_vram.measure.deepspeed_zero import full_numel, parameter_bytes, wrapped_optimizer
 from lightning_vram.measure.observations import stored_attribute
 from lightning_vram.measure.storages import local_tensor
-from lightning_vram.records import CheckpointSwitch, LinearLayer, TrainingSetup
+from lightning_vram.records import CheckpointSwitch, LinearLayer, TrainingLoop, TrainingSetup
 
 
 def first_dataloader(loaders: Any) -> DataLoader[Any] | None:
@@ -304,6 +304,24 @@ def checkpointing_switches(module: nn.Module) -> tuple[CheckpointSwitch, ...]:
     return tuple(switches)
 
 
+FABRIC_MODULES = ("lightning.fabric.", "lightning_fabric.")
+"""Where Fabric's wrappers (``fabric.setup``'s module and optimizers, ``setup_dataloaders``' loaders) are defined."""
+
+
+def session_loop(module: nn.Module, optimizers: Iterable[Any], dataloader: Any) -> TrainingLoop:
+    """A session's loop: Fabric where the module, an optimizer or the DataLoader is one of Fabric's wrappers.
+
+    Read from the objects' classes only (nothing of Fabric is imported, no user code runs).
+
+    >>> session_loop(nn.Linear(2, 2), [], None)
+    <TrainingLoop.PLAIN: 'plain'>
+    """
+    for candidate in (module, *optimizers, dataloader):
+        if type(candidate).__module__.startswith(FABRIC_MODULES):
+            return TrainingLoop.FABRIC
+    return TrainingLoop.PLAIN
+
+
 def training_setup(
     module: nn.Module,
     optimizers: Iterable[torch.optim.Optimizer],
@@ -315,8 +333,9 @@ def training_setup(
     devices_per_node: int = 1,
     world_size: int = 1,
     strategy: str = "SingleDeviceStrategy",
+    loop: TrainingLoop = TrainingLoop.LIGHTNING,
 ) -> TrainingSetup:
-    """What the rules need to know about how training is set up."""
+    """What the rules need to know about how training is set up (``loop``: what trains the model)."""
     loader = first_dataloader(dataloaders)
     return TrainingSetup(
         precision=precision,
@@ -335,4 +354,5 @@ def training_setup(
         visible_devices=torch.cuda.device_count(),
         language_model=language_model(module),
         longest_sample=longest_sample(loader),
+        loop=loop,
     )

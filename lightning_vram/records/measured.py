@@ -277,6 +277,17 @@ class CheckpointSwitch:
     on: bool = False
 
 
+class TrainingLoop(str, Enum):
+    """What trains the model, for the code an advice prints: where its lines go and what names the model."""
+
+    LIGHTNING = "lightning"
+    """A Trainer fits a LightningModule: lines in its ``__init__``, the model is ``self``."""
+    PLAIN = "plain"
+    """A plain loop measured by ``VramSession``: lines after the model is built, the model is ``model``."""
+    FABRIC = "fabric"
+    """A Fabric loop measured by ``VramSession``: lines before ``fabric.setup``, the model is ``model``."""
+
+
 @dataclass(frozen=True)
 class TrainingSetup:
     """How the user set up training, read from the Trainer (or given to a session) and the model."""
@@ -307,6 +318,8 @@ class TrainingSetup:
     """The longest sample the training DataLoader will yield (elements along the batch's length), where it tells: its
     sampler knows every sample's length (a length-grouped sampler's ``lengths``), or its collator pads every batch to
     its ``max_length``; ``None`` where it does not say."""
+    loop: TrainingLoop = TrainingLoop.LIGHTNING
+    """What trains the model (a Trainer, a plain loop, Fabric): the advice's code is written for it."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.measure.setup import training_setup
+from lightning_vram.measure.setup import session_loop, training_setup
 from lightning_vram.prediction.containment.user_code import is_user_file
 from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step
 from lightning_vram.records import TrainingSetup
@@ -75,7 +75,8 @@ def run_context(
     """The facts of a run as ``VramSession.start`` takes them (checked).
 
     The device defaults to the model's, the set-up to one read from the model, optimizers, ``dataloader`` and
-    ``precision``, the step function to a LightningModule's ``training_step``.
+    ``precision`` (a plain loop, or Fabric where Fabric wrapped any of them), the step function to a
+    LightningModule's ``training_step``.
     """
     if step_function is None and callable(getattr(model, "training_step", None)):
         step_function = lightning_training_step
@@ -83,7 +84,13 @@ def run_context(
         model, optimizers, device if device is not None else model_device(model), step_function=step_function
     )
     context.read_setup = setup or (
-        lambda: training_setup(model, context.current_optimizers(), dataloaders=dataloader, precision=precision)
+        lambda: training_setup(
+            model,
+            optimizers := context.current_optimizers(),
+            dataloaders=dataloader,
+            precision=precision,
+            loop=session_loop(model, optimizers, dataloader),
+        )
     )
     return context
 

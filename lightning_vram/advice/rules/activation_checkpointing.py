@@ -8,8 +8,8 @@ candidate, the best modelled plan is advised with its modelled saving.
 
 from __future__ import annotations
 
-from lightning_vram.advice.checkpoint_code import checkpoint_snippet
-from lightning_vram.advice.checkpointing import checkpoint_candidates
+from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
+from lightning_vram.advice.checkpointing import ROOT, checkpoint_candidates
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
 from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
 from lightning_vram.records import (
@@ -69,7 +69,8 @@ def activation_checkpointing(
         return None
     top = sorted(summary.modules, key=lambda profile: -profile.activation_bytes)[:3]
     top_text = ", ".join(f"{profile.name} {format_bytes(profile.activation_bytes)}" for profile in top)
-    what, code = checkpoint_snippet(plan)
+    root = next((profile.type for profile in summary.modules if profile.name == ROOT), None)
+    what, code = checkpoint_snippet(plan, CodeContext(setup.loop, root))
     return Advice(
         id=ID,
         severity=Severity.INFO,
