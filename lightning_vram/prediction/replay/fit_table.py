@@ -162,12 +162,13 @@ def _synthesized_row(
     """
     name, capacity_bytes, served_bytes = gpu
     expandable = replace(run, expandable_segments=True)
-    largest = largest_served(law.at, run, served_bytes, start, unseen_bytes)
+    # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection.
+    largest = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE)
     if largest is None or not _confirmed(steps, law, largest, start, run, served_bytes, unseen_bytes):
         return None
     wider: int | None = largest
     if run != expandable:
-        wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes)
+        wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
         if wider is None or not _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes):
             return None
     return FitRow(
