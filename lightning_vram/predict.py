@@ -116,6 +116,7 @@ def predict(
             rows = search.found
             if search.missing is not None:
                 notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
+            notes += tuple(f"fit table: {note}" for note in search.notes)
         return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
 
 

@@ -79,7 +79,7 @@ def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup)
         return replace(
             simulation,
             fit=tuple(row for row in common if row is not None),
-            fit_note=search.missing,
+            fit_note="; ".join(note for note in (search.missing, *search.notes) if note is not None) or None,
             device_max_batch_size=own.max_batch_size if own is not None else None,
             seconds=predictor.clock() - predictor.started,
         )

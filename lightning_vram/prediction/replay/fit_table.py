@@ -28,6 +28,7 @@ from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
+from lightning_vram.prediction.replay.synthesis import AffineSteps
 from lightning_vram.records import AllocationSequence, BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
 
@@ -35,12 +36,15 @@ from lightning_vram.records import AllocationSequence, BatchSizeChange, FitRow, 
 class FitSearch:
     """The fit table's search: a row per GPU asked for, the replays it ran, and why rows are missing.
 
-    ``rows`` holds ``None`` where a GPU's row was not found; ``missing`` is ``None`` when none is.
+    ``rows`` holds ``None`` where a GPU's row was not found; ``missing`` is ``None`` when none is; ``notes`` says
+    which rows fell back to the replay-based search.
     """
 
     rows: tuple[FitRow | None, ...]
     replays: int
     missing: str | None = None
+    notes: tuple[str, ...] = ()
+    """Where a row was searched by replays because the synthesized sequences disagreed with a replay."""
 
     @property
     def found(self) -> tuple[FitRow, ...]:
@@ -68,6 +72,7 @@ def replayed_fit_table(
         return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
     steps = _Steps(replays, known_steps)
     settings = replays.allocator
+    notes: tuple[str, ...] = ()
     if settings is None:
         budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
         sizes, _ = largest_batches_that_fit(
@@ -80,29 +85,159 @@ def replayed_fit_table(
             for (name, capacity), size in zip(gpus, sizes, strict=True)
         )
     else:
-        unseen = max((unseen_bytes or {}).values(), default=0)
-        capacities = [capacity - context_bytes for _, capacity in gpus]
-        seeds, _ = largest_batches_that_fit(
-            steps.peaks(reserved=True), [capacity - unseen for capacity in capacities], start, known=steps.known()
-        )
-        expandable = replace(settings, expandable_segments=True)
-        # Expandable segments hold little beyond the tensors: lines on the tensor peaks seed their search.
-        wide_seeds, _ = largest_batches_that_fit(
-            steps.peaks(reserved=False),
-            [capacity - unseen for capacity in capacities],
-            start,
-            known=steps.known(reserved=False),
-        )
-        rows = tuple(
-            _served_row(steps, name, capacity, served, (seed, wide), (settings, expandable), unseen_bytes)
-            for (name, capacity), served, seed, wide in zip(gpus, capacities, seeds, wide_seeds, strict=True)
-        )
+        rows, notes = _allocator_rows(steps, gpus, context_bytes, start, settings, unseen_bytes)
     missing = None
     if None in rows:
         left_out = [name for (name, _), row in zip(gpus, rows, strict=True) if row is None]
         reason = steps.failures[0] if steps.failures else "a replay failed"
         missing = f"{reason}; no row for {', '.join(left_out)}"
-    return FitSearch(rows, steps.replays, missing)
+    return FitSearch(rows, steps.replays, missing, notes)
+
+
+def _allocator_rows(
+    steps: _Steps,
+    gpus: Sequence[tuple[str, int]],
+    context_bytes: int,
+    start: int,
+    settings: AllocatorSettings,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> tuple[tuple[FitRow | None, ...], tuple[str, ...]]:
+    """The rows where the allocator is simulated: searched on synthesized sequences, each answer confirmed by replay.
+
+    Two replays (the run's batch and another) give every batch's sequence (:class:`AffineSteps`); each row is
+    searched in the simulator alone, and its answer (with the run's settings and with expandable segments) is
+    replayed, with the batch above it: both must have the synthesized sequence exactly, the answer's served and the
+    next's not. A row whose confirmation disagrees, and every row where the two replays' structures differ, is
+    searched as before (lines on the replayed peaks, then a replay per candidate); ``notes`` says which.
+    """
+    capacities = [capacity - context_bytes for _, capacity in gpus]
+    expandable = replace(settings, expandable_segments=True)
+    law = _law(steps, start)
+    fallback = _Fallback(steps, capacities, start, unseen_bytes)
+    rows: list[FitRow | None] = []
+    notes: list[str] = []
+    for index, ((name, capacity), served) in enumerate(zip(gpus, capacities, strict=True)):
+        gpu = (name, capacity, served)
+        row = None if law is None else _synthesized_row(steps, law, gpu, start, settings, unseen_bytes)
+        if row is None and law is not None and steps.failures:
+            rows.append(None)
+            continue
+        if row is None:
+            if law is not None:
+                notes.append(f"{name}: a replay disagreed with the synthesized sequences; searched by replays")
+            row = fallback.row(index, name, capacity, (settings, expandable))
+        rows.append(row)
+    if law is None:
+        notes.append("the step's allocations change structure with the batch size: every row searched by replays")
+    return tuple(rows), tuple(notes)
+
+
+def _law(steps: _Steps, start: int) -> AffineSteps | None:
+    """The sequences' law through two replayed batch sizes other than the run's.
+
+    The run's own is the baseline's replay, without its batch kept beside a changed one (a structure of its own).
+    The two are those already kept, else twice and three times the run's.
+    """
+    candidates = [*steps.kept_sizes(), 2 * start, 3 * start, start - 1, start - 2]
+    sizes = list(dict.fromkeys(size for size in candidates if size != start and 1 <= size <= MAX_BATCH_SIZE))[:2]
+    if len(sizes) < 2:
+        return None
+    first, second = steps.allocations(sizes[0]), steps.allocations(sizes[1])
+    if first is None or second is None:
+        return None
+    return AffineSteps.fit(first, sizes[0], second, sizes[1])
+
+
+def _synthesized_row(
+    steps: _Steps,
+    law: AffineSteps,
+    gpu: tuple[str, int, int],
+    start: int,
+    run: AllocatorSettings,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> FitRow | None:
+    """One GPU's row searched on synthesized sequences from ``start``; ``None`` where a confirmation fails.
+
+    ``gpu``: its name, memory and the bytes the allocator may hold there.
+    """
+    name, capacity_bytes, served_bytes = gpu
+    expandable = replace(run, expandable_segments=True)
+    # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection.
+    largest = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE)
+    if largest is None or not _confirmed(steps, law, largest, start, run, served_bytes, unseen_bytes):
+        return None
+    wider: int | None = largest
+    if run != expandable:
+        wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
+        if wider is None or not _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes):
+            return None
+    return FitRow(
+        name,
+        capacity_bytes,
+        largest,
+        basis=SavingBasis.SIMULATED,
+        at_least=largest >= MAX_BATCH_SIZE,
+        allocator=run.conf(),
+        expandable_max_batch_size=wider,
+    )
+
+
+def _confirmed(
+    steps: _Steps,
+    law: AffineSteps,
+    largest: int,
+    start: int,
+    settings: AllocatorSettings,
+    served_bytes: int,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> bool:
+    """Whether replays agree with the synthesized answer ``largest``.
+
+    The answer's replayed sequence must be the law's exactly and served, the next batch's too and not served (that
+    one replayed while the budget allows, else the law's stands). A batch of 0 or past the search's bound is not
+    replayed; the run's own (``start``, the baseline's replay) is checked for being served only.
+    """
+    for size, expected in ((largest, True), (largest + 1, False)):
+        if size < 1 or size > MAX_BATCH_SIZE or (not expected and not steps.can_replay()):
+            continue
+        sequence = steps.allocations(size)
+        if sequence is None or (size != start and not law.agrees(sequence, size)):
+            return False
+        if serve(sequence, settings, served_bytes, unseen_bytes).served is not expected:
+            return False
+    return True
+
+
+class _Fallback:
+    """The replay-based search: lines on the replayed peaks seed each row (searched once, when a row needs them)."""
+
+    def __init__(
+        self, steps: _Steps, capacities: Sequence[int], start: int, unseen_bytes: Mapping[Phase, int] | None
+    ) -> None:
+        self._steps = steps
+        self._capacities = capacities
+        self._start = start
+        self._unseen_bytes = unseen_bytes
+        self._seeds: tuple[tuple[int | None, ...], tuple[int | None, ...]] | None = None
+
+    def row(
+        self, index: int, name: str, capacity: int, settings: tuple[AllocatorSettings, AllocatorSettings]
+    ) -> FitRow | None:
+        """The row of GPU ``index`` as the replay-based search finds it."""
+        if self._seeds is None:
+            steps, start = self._steps, self._start
+            unseen = max((self._unseen_bytes or {}).values(), default=0)
+            budgets = [served - unseen for served in self._capacities]
+            seeds, _ = largest_batches_that_fit(steps.peaks(reserved=True), budgets, start, known=steps.known())
+            # Expandable segments hold little beyond the tensors: lines on the tensor peaks seed their search.
+            wide, _ = largest_batches_that_fit(
+                steps.peaks(reserved=False), budgets, start, known=steps.known(reserved=False)
+            )
+            self._seeds = (seeds, wide)
+        seeds, wide = self._seeds
+        served = self._capacities[index]
+        seed = (seeds[index], wide[index])
+        return _served_row(self._steps, name, capacity, served, seed, settings, self._unseen_bytes)
 
 
 KEPT_SEQUENCES = 16
@@ -136,6 +271,14 @@ class _Steps:
             self._sequences[size] = step.allocations
             while len(self._sequences) > KEPT_SEQUENCES:
                 self._sequences.popitem(last=False)
+
+    def kept_sizes(self) -> list[int]:
+        """The batch sizes whose sequences are kept."""
+        return list(self._sequences)
+
+    def can_replay(self) -> bool:
+        """Whether the replays' time budget allows another."""
+        return not self._replays.out_of_time()
 
     def known(self, reserved: bool = True) -> dict[int, PhasePeaks]:
         """The known steps' peaks per phase, as the search takes them (reserved ones where ``reserved``)."""
