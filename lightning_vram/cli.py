@@ -191,15 +191,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _show(arguments: argparse.Namespace) -> None:
     """``show``: the report's summary, or with ``--json`` its JSON as read back and written again."""
-    report = load_report(arguments.path)
+    path = find_report(arguments.path) if arguments.path.is_dir() else arguments.path
+    report = load_report(path)
     if arguments.json:
         from lightning_vram.codec import report_to_dict
 
         _print(json.dumps(report_to_dict(report), indent=2), sys.stdout)
         return
-    from lightning_vram.render.text import summary_text
+    from lightning_vram.render.files import MARKDOWN_FILENAME
+    from lightning_vram.render.text import DETAILS, summary_text
 
-    _print(summary_text(report), sys.stdout)
+    beside = path.with_name(MARKDOWN_FILENAME)
+    _print(summary_text(report, details=str(beside) if beside.is_file() else DETAILS), sys.stdout)
 
 
 def _html(arguments: argparse.Namespace) -> None:
