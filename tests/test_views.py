@@ -24,6 +24,21 @@ def test_the_step_axis_ticks_whole_steps() -> None:
     assert len(ticks) >= 2 and all(float(tick).is_integer() for tick in ticks)
 
 
+def test_fewer_than_three_steps_are_said_not_plotted() -> None:
+    one = memory_over_steps_figure([StepPoint(2, 3 * 1024**2)], "8.00 GiB")
+    assert one.axes == []  # no axis labelled 1.900 to 2.100 around one point
+    assert [text.get_text() for text in one.texts] == [
+        "Peak memory of each step",
+        "Only 1 step measured (step 2: 3.0 MiB): a line needs 3 or more.",
+    ]
+    two = memory_over_steps_figure([StepPoint(2, 1024), StepPoint(7, 2048)], None)
+    assert two.axes == [] and two.texts[1].get_text() == (
+        "Only 2 steps measured (step 2: 1.0 KiB, step 7: 2.0 KiB): a line needs 3 or more."
+    )
+    three = memory_over_steps_figure([StepPoint(step, 1024 * step) for step in (1, 2, 3)], None)
+    assert list(three.axes[0].lines[0].get_xdata()) == [1, 2, 3]
+
+
 def test_a_module_without_a_type_is_named_without_empty_parentheses() -> None:
     rows = (ModuleProfile("head", "Linear", 2048), ModuleProfile("(training_step)", "-", 1024))
     assert [module_text(row) for row in rows] == ["head (Linear)", "(training_step)"]
