@@ -7,7 +7,7 @@ verdict. All sizes are integer bytes, all times seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, ReportText, SavingBasis
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
@@ -398,6 +398,18 @@ class Prediction:
     cuda_context_bytes: int
     skipped: str | None = None
     notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
+        from lightning_vram.records.prediction_text import prediction_text  # it reads this module's records
+
+        return prediction_text(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data, in the report's forms (phases, modules, fit rows); bytes and seconds as numbers."""
+        from lightning_vram.records.prediction_text import prediction_to_dict
+
+        return prediction_to_dict(self)
 
 
 @dataclass(frozen=True)
