@@ -40,6 +40,7 @@ from lightning_vram.records.measured import (
     in_phase_order,
 )
 from lightning_vram.records.oom import OomDiagnosis, OomMessage
+from lightning_vram.records.prediction import Prediction
 from lightning_vram.records.report import RankSummary, Report, TimingSummary
 from lightning_vram.records.shapes import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.simulation import (
@@ -56,7 +57,6 @@ from lightning_vram.records.simulation import (
     PartMatch,
     PhaseCalibration,
     PrecisionChange,
-    Prediction,
     PreflightRemedy,
     PreflightVerdict,
     ReplayedStep,

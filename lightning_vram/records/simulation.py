@@ -7,7 +7,7 @@ verdict. All sizes are integer bytes, all times seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, ReportText, SavingBasis
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
@@ -382,34 +382,6 @@ class Simulation:
     expandable_reserved_bytes: dict[Phase, int] | None = None
     """Each phase's simulated reserved peak of the baseline's own allocations with ``expandable_segments:True``
     (``None``: not simulated, as where the run already has them)."""
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
-
-    ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
-    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
-    the prediction could not reproduce.
-    """
-
-    step: ReplayedStep | None
-    fit: tuple[FitRow, ...]
-    cuda_context_bytes: int
-    skipped: str | None = None
-    notes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
-        from lightning_vram.records.prediction_text import prediction_text  # it reads this module's records
-
-        return prediction_text(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready data, in the report's forms (phases, modules, fit rows); bytes and seconds as numbers."""
-        from lightning_vram.records.prediction_text import prediction_to_dict
-
-        return prediction_to_dict(self)
 
 
 @dataclass(frozen=True)

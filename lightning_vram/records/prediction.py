@@ -1,18 +1,44 @@
-""":func:`lightning_vram.predict`'s result as a short table and as JSON (its ``__str__`` and ``to_dict``)."""
+""":func:`lightning_vram.predict`'s result (:class:`Prediction`), printed as a short table and written as JSON."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from lightning_vram.records.advice import FitRow
 from lightning_vram.records.advice_json import fit_row_to_dict
 from lightning_vram.records.measured import CATEGORIES, in_phase_order
 from lightning_vram.records.measured_json import module_to_dict
-from lightning_vram.records.simulation import Prediction
+from lightning_vram.records.simulation import ReplayedStep
 from lightning_vram.records.simulation_json import replayed_phases_to_dict
 from lightning_vram.units import format_bytes
 
 MAX_NOTES = 5
 """The table lists at most this many notes; ``to_dict`` has them all."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
+
+    ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
+    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
+    the prediction could not reproduce.
+    """
+
+    step: ReplayedStep | None
+    fit: tuple[FitRow, ...]
+    cuda_context_bytes: int
+    skipped: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
+        return prediction_text(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data, in the report's forms (phases, modules, fit rows); bytes and seconds as numbers."""
+        return prediction_to_dict(self)
 
 
 def prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
