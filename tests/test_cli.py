@@ -106,7 +106,10 @@ def test_show_reads_a_report_written_before_the_replay(
     ("content", "message"),
     [
         (None, "no such file or directory"),
-        ("{not json", "not JSON"),
+        ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1)"),
+        ('{"steps": 3, "phases": {"forward": {"peak_bytes": 12', "the file ends early: truncated (52 bytes)"),
+        ('{"steps": 3, "device": {"name": "NVIDIA H1', "the file ends early: truncated (42 bytes)"),
+        ("  \n", "not JSON (the file is empty)"),
         (json.dumps({"schema": "someone_else/2"}), "not a lightning_vram report"),
         (json.dumps({"schema": "lightning_vram.report/1", "steps": 3}), "missing field 'device'"),
         (json.dumps([1, 2]), "not a lightning_vram report"),
