@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from sessions import plain_run
 
@@ -67,3 +70,20 @@ def test_the_license_is_the_apache_text_and_the_metadata_names_it() -> None:
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
     project = (ROOT / "pyproject.toml").read_text()
     assert '\nlicense = "Apache-2.0"\nlicense-files = ["LICENSE"]\n' in project
+
+
+def _check_views() -> Any:
+    spec = importlib.util.spec_from_file_location("check_views", ROOT / "scripts" / "check_views.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_check_views_writes_to_a_temporary_folder_unless_told(tmp_path: Path) -> None:
+    script = _check_views()
+    default = script.arguments_of([]).out
+    assert default.is_dir() and not any(default.iterdir())  # new and empty: the README's pictures stay
+    assert default.parent == Path(tempfile.gettempdir()) and default.name.startswith("check_views-")
+    default.rmdir()
+    assert script.arguments_of(["page.html", "--out", str(tmp_path)]).out == tmp_path
