@@ -5,14 +5,17 @@ from __future__ import annotations
 import importlib.util
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from sessions import plain_run
 
-from lightning_vram.records import ModuleProfile, StepPoint
+from lightning_vram.records import BatchShapes, LengthPeak, ModuleProfile, StepPoint
+from lightning_vram.records.shapes import TensorShapes
 from lightning_vram.render.figures import memory_over_steps_figure, modules_figure
 from lightning_vram.render.html import STYLE, render_html, table_html
+from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table
 from lightning_vram.render.text import module_text, summary_text
 
@@ -87,3 +90,19 @@ def test_check_views_writes_to_a_temporary_folder_unless_told(tmp_path: Path) ->
     assert default.parent == Path(tempfile.gettempdir()) and default.name.startswith("check_views-")
     default.rmdir()
     assert script.arguments_of(["page.html", "--out", str(tmp_path)]).out == tmp_path
+
+
+def test_shapes_name_an_image_s_channels_and_a_sequence_s_length() -> None:
+    images = TensorShapes("batch[0]", (8, 3, 64, 64), (8, 4, 64, 64))
+    shapes = BatchShapes(
+        (images,), 3, 8 * 4 * 64 * 64, lengths=(LengthPeak(4, 2048, 3),), length_counts=((3, 5), (4, 1))
+    )
+    assert shapes_sentence(shapes) == (
+        "Batch shapes varied (batch[0] channels (dim 1): 3-4); the largest batch (131,072 elements) was step 3's."
+        " 95% of the batches had channels at most 4 (the largest 4)."
+    )
+    assert lengths_line(shapes) == "peak per channels: 4: 2.0 KiB"
+    table = lengths_table(shapes)
+    assert table is not None and table.header[0] == "channels"
+    tokens = TensorShapes("batch['input_ids']", (8, 128), (8, 512))
+    assert lengths_line(replace(shapes, tensors=(tokens,))) == "peak per length: 4: 2.0 KiB"
