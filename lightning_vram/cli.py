@@ -119,6 +119,19 @@ def find_report(directory: Path) -> Path:
     return newest
 
 
+def _not_json(text: str, error: json.JSONDecodeError) -> str:
+    """Why ``text`` is not JSON, in words: empty, truncated (it ends inside a value), or where it is wrong.
+
+    >>> _not_json('{"steps": 3, "ph', json.JSONDecodeError("Unterminated string starting at", '{"steps": 3, "ph', 13))
+    'the file ends early: truncated (16 bytes)'
+    """
+    if not text.strip():
+        return "not JSON (the file is empty)"
+    if error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string"):
+        return f"the file ends early: truncated ({len(text.encode()):,} bytes)"
+    return f"not JSON ({error.msg} at line {error.lineno})"
+
+
 def load_report(path: Path) -> Report:
     """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it)."""
     from lightning_vram.codec import FormatError, report_from_dict
@@ -129,7 +142,7 @@ def load_report(path: Path) -> Report:
     try:
         data = json.loads(text, parse_constant=_refuse_constant, parse_int=_parse_int)
     except json.JSONDecodeError as error:
-        raise CommandError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
+        raise CommandError(f"{path}: {_not_json(text, error)}") from error
     except RecursionError as error:
         raise CommandError(f"{path}: not a report (nested too deeply)") from error
     except ValueError as error:  # Infinity/NaN, or an integer too long
@@ -191,15 +204,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _show(arguments: argparse.Namespace) -> None:
     """``show``: the report's summary, or with ``--json`` its JSON as read back and written again."""
-    report = load_report(arguments.path)
+    path = find_report(arguments.path) if arguments.path.is_dir() else arguments.path
+    report = load_report(path)
     if arguments.json:
         from lightning_vram.codec import report_to_dict
 
         _print(json.dumps(report_to_dict(report), indent=2), sys.stdout)
         return
-    from lightning_vram.render.text import summary_text
+    from lightning_vram.render.files import MARKDOWN_FILENAME
+    from lightning_vram.render.text import DETAILS, summary_text
 
-    _print(summary_text(report), sys.stdout)
+    beside = path.with_name(MARKDOWN_FILENAME)
+    _print(summary_text(report, details=str(beside) if beside.is_file() else DETAILS), sys.stdout)
 
 
 def _html(arguments: argparse.Namespace) -> None:

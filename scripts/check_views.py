@@ -6,8 +6,8 @@ is shown in an iframe of each width; a copy of the page, with a small script add
 elements sticking out past its viewport to the frame's page, which writes them into its ``<title>``, read back with
 ``--dump-dom``. A table wider than a narrow screen scrolls inside its own box and does not count.
 
-    python scripts/check_views.py                       # quickstart; screenshots in docs/images/
-    python scripts/check_views.py runs/x/vram_report.html --out /tmp/views
+    python scripts/check_views.py                       # quickstart; screenshots in a new temporary folder
+    python scripts/check_views.py runs/x/vram_report.html --out docs/images   # the README's pictures, replaced
 """
 
 from __future__ import annotations
@@ -119,16 +119,27 @@ def check(binary: str, page: Path, out: Path, scratch: Path) -> list[str]:
     return problems
 
 
-def main() -> None:
-    """Check the page given (or the quickstart's) at every width; exit 1 naming what is too wide."""
+def arguments_of(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line read; without ``--out``, ``out`` is a new temporary folder (the tracked pictures stay)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("page", nargs="?", type=Path, help="an HTML report (default: the quickstart's)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="where the screenshots go")
-    arguments = parser.parse_args()
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the screenshots go (default: a new temporary folder)"
+    )
+    arguments = parser.parse_args(argv)
+    if arguments.out is None:
+        arguments.out = Path(tempfile.mkdtemp(prefix="check_views-"))
+    return arguments
+
+
+def main() -> None:
+    """Check the page given (or the quickstart's) at every width; exit 1 naming what is too wide."""
+    arguments = arguments_of()
     binary = shutil.which("chromium")
     if binary is None:
         sys.exit("check_views: needs headless Chromium (apt-get install chromium)")
     arguments.out.mkdir(parents=True, exist_ok=True)
+    print(f"check_views: screenshots in {arguments.out}")
     with tempfile.TemporaryDirectory() as directory:
         scratch = Path(directory)
         page = arguments.page.resolve() if arguments.page else quickstart_report(scratch)

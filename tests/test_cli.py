@@ -18,6 +18,8 @@ from models import Classifier, dataset, loader, mlp, trainer
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.cli import main
+from lightning_vram.codec import report_from_dict
+from lightning_vram.render.text import advice_summary, headline, wrapped
 from lightning_vram.units import format_bytes
 
 
@@ -83,7 +85,7 @@ def test_show_reads_a_report_written_before_the_replay(
     two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # 0.7.0 wrote no simulation section, no advice basis or predicted peak, no fit basis.
-    (_, root), _ = two_runs
+    (report, root), _ = two_runs
     data = json.loads((root / "vram_report.json").read_text())
     data.pop("simulation", None)
     for entry in data["advice"]:
@@ -92,7 +94,11 @@ def test_show_reads_a_report_written_before_the_replay(
     old.write_text(json.dumps(data))
     assert main(["show", str(old)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("VRAM report:") and "advice [inplace-activations]: Use inplace activations" in out
+    lines, head = out.splitlines(), wrapped(f"  {headline(report)}", 80)
+    assert lines[0].startswith("VRAM report:") and lines[1 : 1 + len(head)] == head
+    first = wrapped(f"  {advice_summary(report_from_dict(data).advice[0])}", 80)
+    assert lines[1 + len(head) : 1 + len(head) + len(first)] == first  # the advice right after the headline
+    assert first[0].startswith("  advice: ")
     assert "(simulated)" not in out and "(modelled)" not in out
 
 
@@ -100,7 +106,10 @@ def test_show_reads_a_report_written_before_the_replay(
     ("content", "message"),
     [
         (None, "no such file or directory"),
-        ("{not json", "not JSON"),
+        ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1)"),
+        ('{"steps": 3, "phases": {"forward": {"peak_bytes": 12', "the file ends early: truncated (52 bytes)"),
+        ('{"steps": 3, "device": {"name": "NVIDIA H1', "the file ends early: truncated (42 bytes)"),
+        ("  \n", "not JSON (the file is empty)"),
         (json.dumps({"schema": "someone_else/2"}), "not a lightning_vram report"),
         (json.dumps({"schema": "lightning_vram.report/1", "steps": 3}), "missing field 'device'"),
         (json.dumps([1, 2]), "not a lightning_vram report"),
@@ -348,15 +357,17 @@ def test_show_keeps_a_hostile_module_name_on_its_line(
     two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (_, root), _ = two_runs
-    assert main(["show", str(root)]) == 0
-    plain = capsys.readouterr().out
     report = json.loads((root / "vram_report.json").read_text())
+    report["modules"][0]["name"] = "evil\\nadvice [fake]: run rm -rf\\x1b[2J"  # escaped already: stays as it is
+    (tmp_path / "vram_report.json").write_text(json.dumps(report))
+    assert main(["show", str(tmp_path)]) == 0
+    plain = capsys.readouterr().out
     report["modules"][0]["name"] = "evil\nadvice [fake]: run rm -rf\x1b[2J"
     (tmp_path / "vram_report.json").write_text(json.dumps(report))
     assert main(["show", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
-    assert "\x1b" not in shown and shown.count("\n") == plain.count("\n")
-    assert "evil\\nadvice [fake]: run rm -rf\\x1b[2J" in shown
+    assert "\x1b" not in shown and shown == plain  # escaped before the lines are cut: the same lines
+    assert "evil\\nadvice [fake]:" in shown
 
 
 def test_html_of_a_report_with_many_long_module_names(

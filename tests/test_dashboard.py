@@ -32,7 +32,7 @@ from lightning_vram.records import Phase, UtilizationReading
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.html import render_html
 from lightning_vram.render.tensorboard import FIGURE_TAGS, layout_for
-from lightning_vram.render.text import headline, markdown, peak_label, summary_text
+from lightning_vram.render.text import headline, lead_lines, markdown, peak_label, peak_lines, summary_text, wrapped
 from lightning_vram.testing import ScriptedProbe
 from lightning_vram.units import format_bytes
 
@@ -222,7 +222,10 @@ def test_console_table_on_a_terminal_and_plain_text_elsewhere(
     monkeypatch.setenv("COLUMNS", "80")  # a part per row, a phase per column: no header is cut at 80 columns
     print_summary(report, terminal, written_to="logs/vram_report.json")
     table = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())  # drop the terminal's colour codes
-    assert "…" not in table and max(len(line) for line in table.splitlines() if line[:1] in "┏┃┡│└") <= 80
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80  # the lines too, not only the table
+    shown = table.splitlines()
+    top = next(index for index, line in enumerate(shown) if line[:1] == "┏")
+    assert shown[:top] == lead_lines(report, 80)  # the device, the headline and the advice above the table
     header = next(line for line in table.splitlines() if "phase's peak" in line)
     cells = [cell.strip() for cell in header.split("┃")[1:-1]]
     assert cells == ["at each phase's peak", "forward", "backward", "optimizer"]
@@ -232,10 +235,13 @@ def test_console_table_on_a_terminal_and_plain_text_elsewhere(
     ]  # fmt: skip
     assert format_bytes(report.phases[Phase.FORWARD].peak_bytes) in rows[0]
     plain = summary_text(report, written_to="logs/vram_report.json").splitlines()
-    unwrapped = re.sub(r"\s+", " ", table)
-    for line in plain[:2] + plain[4:]:  # but the breakdown and the phase peaks, which the table holds
-        assert line.strip() in unwrapped
-    assert "report written to logs/vram_report.json" in unwrapped
+    held = {part for line in peak_lines(report) for part in wrapped(f"  {line}", 80)}
+    assert len(held) >= 2 and held <= set(plain)
+    assert [line for line in plain if line not in held] == [
+        line for line in table.splitlines() if line[:1] not in "┏┃┡│└"
+    ]
+    # the plain text's lines, but the breakdown and the phase peaks, which the table holds
+    assert "  report written to logs/vram_report.json" in table.splitlines()
     piped = io.StringIO()
     print_summary(report, piped)
     assert piped.getvalue().startswith("VRAM report:") and "┃" not in piped.getvalue()

@@ -124,7 +124,7 @@ def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_pre
     assert not any(isinstance(variant.change, LengthChange) for variant in applied.simulation.variants)
 
     text = markdown(report)
-    assert f"95% of the batches were at most {CAP} long (the longest {LONG})" in text
+    assert f"95% of the batches had length at most {CAP} (the largest {LONG})" in text
     assert "sequences capped at 32 tokens" in text  # the variant, rendered
 
     # The counts and the replayed cap survive the JSON both ways; a report from before the counts still reads.

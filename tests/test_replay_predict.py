@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from lightning_vram.predict import FAKE_CUDA_NOTE
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
-from lightning_vram.records import BatchSizeChange, ReplayedStep
+from lightning_vram.records import BatchSizeChange, Phase, ReplayedStep
+from lightning_vram.units import format_bytes
 
 # predict(): the step replayed before training.
 pytestmark = pytest.mark.replay
@@ -129,3 +131,44 @@ def test_search_finds_the_exact_largest_batch() -> None:
     assert largest_batch_that_fits(lambda size: None if size > 40 else size, budget_bytes=1000, start=32) is None
     staircase = largest_batch_that_fits(lambda size: 1000 * (size // 64 + 1), budget_bytes=5000, start=8)
     assert staircase == 319  # 319 // 64 + 1 = 5 steps of 1000 bytes fit; 320 needs a sixth
+
+
+def test_a_prediction_prints_as_a_short_table_and_has_a_json_form() -> None:
+    torch.manual_seed(0)
+    module = Classifier(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), OPTIMIZERS["adam"])
+    prediction = predict(module, (torch.randn(16, 64), torch.randint(0, 10, (16,))), device_type="cpu")
+    step = prediction.step
+    assert step is not None and prediction.fit
+    lines = str(prediction).splitlines()
+    assert len(lines) < 30 and len(str(prediction)) < 2500  # not the dataclass's several-KB dump
+    peak = step.peak
+    assert lines[0] == f"Prediction: cpu, 32-true, batch 16: peak {format_bytes(peak.peak_bytes)} in {peak.phase.value}"
+    assert lines[1].split() == [
+        "phase",
+        "peak",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "state",
+        "activations",
+        "other",
+    ]
+    forward = step.phases[Phase.FORWARD]
+    assert forward.breakdown is not None
+    assert lines[2].split()[:4] == [
+        "forward",
+        *format_bytes(forward.peak_bytes).split(),
+        format_bytes(forward.breakdown.parameters).split()[0],
+    ]
+    assert lines[len(step.phases) + 2] == "Largest batch per GPU:"
+    rows = lines[len(step.phases) + 4 : len(step.phases) + 4 + len(prediction.fit)]
+    for row, fit in zip(rows, prediction.fit, strict=True):
+        assert row.startswith(f"  {fit.device}") and row.endswith(fit.allocator_text)
+        assert f" {fit.batch_text} " in row and f" {fit.expandable_text} " in row
+    data = json.loads(json.dumps(prediction.to_dict()))
+    assert data["step"]["peak_bytes"] == peak.peak_bytes and data["step"]["peak_phase"] == peak.phase.value
+    assert data["step"]["phases"]["forward"]["peak_bytes"] == forward.peak_bytes
+    assert data["step"]["phases"]["forward"]["breakdown"]["parameters"] == forward.breakdown.parameters
+    assert [row["max_batch_size"] for row in data["fit"]] == [row.max_batch_size for row in prediction.fit]
+    assert [row["name"] for row in data["step"]["modules"]] == [row.name for row in step.modules]
+    assert data["cuda_context_bytes"] == prediction.cuda_context_bytes and data["skipped"] is None

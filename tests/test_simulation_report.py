@@ -226,8 +226,8 @@ def test_markdown_html_and_console_show_predicted_against_measured() -> None:
     assert '<td class="n">60</td><td class="n">n/a</td><td>simulated</td>' in page  # the fit table's basis
     assert "about 2.00 GiB of peak memory (simulated: replayed peak 6.00 GiB after the change)" in page
     console = summary_text(report)
-    assert "advice [activation-checkpointing]: Checkpoint 3 units" in console
-    assert console.count("(simulated)") == 2  # checkpointing and mixed precision; the others have no memory figure
+    assert console.splitlines()[3].startswith("  advice: Checkpoint 3 units")  # first after the headline
+    assert console.count("simulated)") == 2  # checkpointing and mixed precision; the others have no memory figure
     # A discarded change's reason is the user's exception text: escaped in both, never markup.
     hostile = replace(
         full_simulation(),

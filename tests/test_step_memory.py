@@ -24,7 +24,15 @@ from lightning_vram import Report, VramMonitor
 from lightning_vram.codec import FormatError, report_from_dict
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.timeline import MAX_POINTS, TimelineRecorder
-from lightning_vram.records import Phase, ReplayedStep, SavingBasis, StepTimeline, advised_variant
+from lightning_vram.records import (
+    CheckpointChange,
+    CheckpointPlan,
+    Phase,
+    ReplayedStep,
+    SavingBasis,
+    StepTimeline,
+    advised_variant,
+)
 from lightning_vram.records.simulation_json import simulation_to_dict
 from lightning_vram.render.figures import png_bytes
 from lightning_vram.render.html import render_html
@@ -232,3 +240,31 @@ def test_a_mistyped_timeline_point_names_its_place(advised_run: tuple[Report, Pa
     data["simulation"]["timeline"]["points"][3][1] = "sideways"
     with pytest.raises(FormatError, match=r"simulation\.timeline\.points\[3\]\[1\] must be one of"):
         report_from_dict(data)
+
+
+class _Up(nn.Module):
+    """A U-Net's up block: its ``block`` is checkpointed where ``forward`` calls it (no nn.Sequential segments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.out = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(x))
+
+
+def test_a_checkpointed_replay_names_the_user_s_modules() -> None:
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _Up(), nn.Flatten(), nn.Linear(4 * 16 * 16, 10))
+    batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    predictor = Predictor(Classifier(network), None, batch, warm_up=True)
+    baseline = predictor.baseline()
+    plan = CheckpointPlan("network.1", (("network.1.block",),), None, 0, "network.1")
+    checkpointed = predictor.replay(CheckpointChange(plan))
+    assert isinstance(baseline, ReplayedStep) and isinstance(checkpointed, ReplayedStep)
+    names = [row.name for row in checkpointed.modules]
+    assert names == [row.name for row in baseline.modules]  # not network.1.block.first, the replay's wrapper
+    assert {"network.1.block", "network.1.block.0", "network.1.block.2"} <= set(names)
+    saved = {row.name: row.activation_bytes for row in checkpointed.modules}
+    assert saved["network.1.block.0"] == 0 < saved["network.1.out"]  # counted under the user's name: checkpointed

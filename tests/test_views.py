@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from sessions import plain_run
 
-from lightning_vram.records import ModuleProfile, StepPoint
+from lightning_vram.records import BatchShapes, LengthPeak, ModuleProfile, StepPoint
+from lightning_vram.records.shapes import TensorShapes
 from lightning_vram.render.figures import memory_over_steps_figure, modules_figure
 from lightning_vram.render.html import STYLE, render_html, table_html
+from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table
 from lightning_vram.render.text import module_text, summary_text
 
@@ -22,6 +28,21 @@ def test_the_step_axis_ticks_whole_steps() -> None:
     low, high = figure.axes[0].get_xlim()
     ticks = [tick for tick in figure.axes[0].get_xticks() if low <= tick <= high]
     assert len(ticks) >= 2 and all(float(tick).is_integer() for tick in ticks)
+
+
+def test_fewer_than_three_steps_are_said_not_plotted() -> None:
+    one = memory_over_steps_figure([StepPoint(2, 3 * 1024**2)], "8.00 GiB")
+    assert one.axes == []  # no axis labelled 1.900 to 2.100 around one point
+    assert [text.get_text() for text in one.texts] == [
+        "Peak memory of each step",
+        "Only 1 step measured (step 2: 3.0 MiB): a line needs 3 or more.",
+    ]
+    two = memory_over_steps_figure([StepPoint(2, 1024), StepPoint(7, 2048)], None)
+    assert two.axes == [] and two.texts[1].get_text() == (
+        "Only 2 steps measured (step 2: 1.0 KiB, step 7: 2.0 KiB): a line needs 3 or more."
+    )
+    three = memory_over_steps_figure([StepPoint(step, 1024 * step) for step in (1, 2, 3)], None)
+    assert list(three.axes[0].lines[0].get_xdata()) == [1, 2, 3]
 
 
 def test_a_module_without_a_type_is_named_without_empty_parentheses() -> None:
@@ -52,3 +73,36 @@ def test_the_license_is_the_apache_text_and_the_metadata_names_it() -> None:
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
     project = (ROOT / "pyproject.toml").read_text()
     assert '\nlicense = "Apache-2.0"\nlicense-files = ["LICENSE"]\n' in project
+
+
+def _check_views() -> Any:
+    spec = importlib.util.spec_from_file_location("check_views", ROOT / "scripts" / "check_views.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_check_views_writes_to_a_temporary_folder_unless_told(tmp_path: Path) -> None:
+    script = _check_views()
+    default = script.arguments_of([]).out
+    assert default.is_dir() and not any(default.iterdir())  # new and empty: the README's pictures stay
+    assert default.parent == Path(tempfile.gettempdir()) and default.name.startswith("check_views-")
+    default.rmdir()
+    assert script.arguments_of(["page.html", "--out", str(tmp_path)]).out == tmp_path
+
+
+def test_shapes_name_an_image_s_channels_and_a_sequence_s_length() -> None:
+    images = TensorShapes("batch[0]", (8, 3, 64, 64), (8, 4, 64, 64))
+    shapes = BatchShapes(
+        (images,), 3, 8 * 4 * 64 * 64, lengths=(LengthPeak(4, 2048, 3),), length_counts=((3, 5), (4, 1))
+    )
+    assert shapes_sentence(shapes) == (
+        "Batch shapes varied (batch[0] channels (dim 1): 3-4); the largest batch (131,072 elements) was step 3's."
+        " 95% of the batches had channels at most 4 (the largest 4)."
+    )
+    assert lengths_line(shapes) == "peak per channels: 4: 2.0 KiB"
+    table = lengths_table(shapes)
+    assert table is not None and table.header[0] == "channels"
+    tokens = TensorShapes("batch['input_ids']", (8, 128), (8, 512))
+    assert lengths_line(replace(shapes, tensors=(tokens,))) == "peak per length: 4: 2.0 KiB"

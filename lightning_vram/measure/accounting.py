@@ -25,6 +25,7 @@ from lightning_vram.measure.compiled import compiled_in_place, compiled_module_n
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
 from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation, SavedTensor
+from lightning_vram.measure.module_names import user_named_modules
 from lightning_vram.measure.observations import ModuleObserver, stored_attribute
 from lightning_vram.measure.storages import (
     StorageBytes,
@@ -98,7 +99,7 @@ class StepAttributor:
         self._refresh_parameters()
         self._ledger = ActivationLedger()
         self._module_stack: list[str] = []
-        self._modules = {name or ROOT_MODULE: child for name, child in module.named_modules()}
+        self._modules = {name or ROOT_MODULE: child for name, child in user_named_modules(module).items()}
         self.compiled = compiled_module_names(module)
         """Modules run by torch.compile: their saved tensors are counted, charged to the module as a whole."""
         self._counters: dict[str, ModuleTally] = {}

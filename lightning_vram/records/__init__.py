@@ -41,6 +41,7 @@ from lightning_vram.records.measured import (
     in_phase_order,
 )
 from lightning_vram.records.oom import OomDiagnosis, OomMessage
+from lightning_vram.records.prediction import Prediction
 from lightning_vram.records.report import RankSummary, Report, TimingSummary
 from lightning_vram.records.shapes import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.simulation import (
@@ -57,7 +58,6 @@ from lightning_vram.records.simulation import (
     PartMatch,
     PhaseCalibration,
     PrecisionChange,
-    Prediction,
     PreflightRemedy,
     PreflightVerdict,
     ReplayedStep,

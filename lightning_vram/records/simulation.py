@@ -385,22 +385,6 @@ class Simulation:
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
-
-    ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
-    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
-    the prediction could not reproduce.
-    """
-
-    step: ReplayedStep | None
-    fit: tuple[FitRow, ...]
-    cuda_context_bytes: int
-    skipped: str | None = None
-    notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class PreflightRemedy:
     """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes.
 

@@ -18,6 +18,7 @@ from matplotlib.ticker import MaxNLocator
 
 from lightning_vram.records import ModuleProfile, Phase, PhasePeak, StepPoint
 from lightning_vram.render.text import module_text
+from lightning_vram.units import format_bytes
 
 SHOW_MARKERS_BELOW = 50
 """Series with this many points or fewer get a marker on each."""
@@ -25,6 +26,8 @@ MAX_MODULE_BARS = 30
 """The modules figure shows at most this many (the largest); the tables list them all."""
 MAX_LABEL_CHARACTERS = 60
 """Longer module labels are shortened in the middle."""
+MIN_LINE_POINTS = 3
+"""A series with fewer points is said in words, not plotted (one point on a made-up axis reads as a trend)."""
 
 CATEGORY_COLOURS = {
     "parameters": "#4C72B0",
@@ -96,9 +99,28 @@ def short_label(text: str, limit: int = MAX_LABEL_CHARACTERS) -> str:
     return f"{text[:head]}…{text[len(text) - (limit - 1 - head) :]}"
 
 
+def too_few_steps_text(points: Sequence[StepPoint]) -> str:
+    """What the memory-over-steps figure says instead of a line when it has fewer than :data:`MIN_LINE_POINTS`.
+
+    >>> too_few_steps_text([StepPoint(2, 3 * 1024**2)])
+    'Only 1 step measured (step 2: 3.0 MiB): a line needs 3 or more.'
+    """
+    steps = ", ".join(f"step {point.step}: {format_bytes(point.peak_bytes)}" for point in points)
+    plural = "s" if len(points) != 1 else ""
+    return f"Only {len(points)} step{plural} measured ({steps}): a line needs {MIN_LINE_POINTS} or more."
+
+
 def memory_over_steps_figure(points: Sequence[StepPoint], capacity: str | None) -> Figure:
-    """The peak of each recent step; ``capacity`` (in words, see ``render.text.capacity_text``) goes in the title."""
+    """The peak of each recent step; ``capacity`` (in words, see ``render.text.capacity_text``) goes in the title.
+
+    With fewer than :data:`MIN_LINE_POINTS` steps the figure says so in a sentence (:func:`too_few_steps_text`),
+    without axes.
+    """
     figure = Figure(figsize=(6.4, 3.2))
+    if len(points) < MIN_LINE_POINTS:
+        figure.text(0.5, 0.6, "Peak memory of each step", ha="center", va="center", size="large")
+        figure.text(0.5, 0.4, too_few_steps_text(points), ha="center", va="center", wrap=True)
+        return figure
     margins(figure, left=0.75, right=0.2, top=0.35, bottom=0.55)
     axes = figure.subplots()
     factor, unit = _binary_scale(max((point.peak_bytes for point in points), default=1))

@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 from lightning_vram.records import BatchShapes, LengthPeak
-from lightning_vram.records.shapes import length_percentile
+from lightning_vram.records.shapes import TensorShapes, length_percentile
 from lightning_vram.render.simulation import Table
 from lightning_vram.units import format_bytes
+
+DIMENSION_NAMES = {
+    2: ("batch", "length"),
+    3: ("batch", "length", "features"),
+    4: ("batch", "channels", "height", "width"),
+    5: ("batch", "channels", "frames", "height", "width"),
+}
+"""What each dimension of a batch tensor of that many dimensions holds, by convention: a length only for a sequence
+(tokens; ``(batch, length[, features])``), an image's ``(batch, channels, height, width)``."""
+
+
+def dimension_name(tensor: TensorShapes, dim: int) -> str:
+    """What dimension ``dim`` of ``tensor`` holds, by its number of dimensions (``"dim N"`` where none is known).
+
+    >>> dimension_name(TensorShapes("batch[0]", (8, 3, 64, 64), (8, 4, 64, 64)), 1)
+    'channels'
+    >>> dimension_name(TensorShapes("batch['input_ids']", (8, 128), (8, 512)), 1)
+    'length'
+    """
+    names = DIMENSION_NAMES.get(len(tensor.largest), ())
+    return names[dim] if dim < len(names) else f"dim {dim}"
+
+
+def varying_name(shapes: BatchShapes) -> str:
+    """What the batches' first varying dimension holds (``"length"`` where none varies)."""
+    return next((dimension_name(tensor, dim) for tensor in shapes.tensors for dim in tensor.varying), "length")
 
 
 def shapes_sentence(shapes: BatchShapes) -> str:
     """Which dimensions varied, the largest batch, the length 95% of batches keep within, the step advised on."""
     varying = [
-        f"{tensor.name} dim {dim}: {tensor.smallest[dim]}-{tensor.largest[dim]}"
+        f"{tensor.name} {dimension_name(tensor, dim)} (dim {dim}): {tensor.smallest[dim]}-{tensor.largest[dim]}"
         for tensor in shapes.tensors
         for dim in tensor.varying
     ]
@@ -20,8 +46,9 @@ def shapes_sentence(shapes: BatchShapes) -> str:
     ) + f"; the largest batch ({shapes.largest_elements:,} elements) was step {shapes.largest_step}'s."
     if len(shapes.length_counts) > 1:
         longest = shapes.length_counts[-1][0]
-        text += f" 95% of the batches were at most {length_percentile(shapes.length_counts, 0.95):,} long"
-        text += f" (the longest {longest:,})."
+        what = varying_name(shapes)
+        text += f" 95% of the batches had {what} at most {length_percentile(shapes.length_counts, 0.95):,}"
+        text += f" (the largest {longest:,})."
     if shapes.replayed_step is not None:
         text += f" The advice and fit table come from the replay of step {shapes.replayed_step}'s batch."
     return text
@@ -36,7 +63,7 @@ def lengths_line(shapes: BatchShapes) -> str | None:
     """``"peak per length: 128: 0.7 GiB; 512: 1.2 GiB; 2,048: 4.1 GiB predicted"`` (``None`` without rows)."""
     if not shapes.lengths:
         return None
-    return "peak per length: " + "; ".join(length_cell(row) for row in shapes.lengths)
+    return f"peak per {varying_name(shapes)}: " + "; ".join(length_cell(row) for row in shapes.lengths)
 
 
 def lengths_table(shapes: BatchShapes) -> Table | None:
@@ -51,4 +78,4 @@ def lengths_table(shapes: BatchShapes) -> Table | None:
         )
         for row in shapes.lengths
     )
-    return Table(("length", "replayed peak", "batch"), (True, True, False), rows)
+    return Table((varying_name(shapes), "replayed peak", "batch"), (True, True, False), rows)

@@ -7,6 +7,7 @@ enters Markdown through :mod:`lightning_vram.render.markup`, which escapes it; a
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 from lightning_vram.records import (
@@ -32,6 +33,12 @@ from lightning_vram.units import format_bytes, format_percent
 
 SUMMARY_TOP_MODULES = 3
 """How many of the top modules the console summary names."""
+
+SUMMARY_WIDTH = 80
+"""The console summary's width in characters where the output is not a terminal (piped, a file, a log)."""
+
+DETAILS = "the Markdown report"
+"""Where the summary says the reasons are when it is not told the report's file."""
 
 
 def basis_word(advice: Advice) -> SavingBasis | None:
@@ -70,15 +77,52 @@ def saving_text(advice: Advice) -> str | None:
     return ", ".join(savings) if savings else None
 
 
-def advice_line(advice: Advice) -> str:
-    """One advice in one line: its id, its title and, where it has a memory figure, how that is known."""
+def advice_summary(advice: Advice) -> str:
+    """One advice as the console leads with it: its title, then its expected saving, how that is known and its time.
+
+    >>> from lightning_vram.records import AdviceId, Severity
+    >>> fired = AdviceId.LARGE_LINEAR, Severity.INFO, "Split the head", "d", "e", 2048
+    >>> advice_summary(Advice(*fired, saving_basis=SavingBasis.SIMULATED, estimated_saving_seconds=0.0012))
+    'advice: Split the head (saves about 2.0 KiB, simulated; up to 1.2 ms per step)'
+    """
+    figures = []
     word = basis_word(advice)
-    return f"[{advice.id}]: {advice.title}" + (f" ({word})" if word else "")
+    saving = format_bytes(advice.estimated_saving_bytes) if advice.estimated_saving_bytes is not None else None
+    if saving is not None and saving not in advice.title:  # a title that says its saving is not repeated
+        figures.append(f"saves about {saving}" + (f", {word}" if word else ""))
+    elif word is not None:
+        figures.append(str(word))
+    if advice.estimated_saving_seconds is not None:
+        figures.append(f"up to {1000 * advice.estimated_saving_seconds:.1f} ms per step")
+    return f"advice: {advice.title}" + (f" ({'; '.join(figures)})" if figures else "")
 
 
-def not_advised_line(item: NotAdvised) -> str:
-    """One remedy weighed and not advised, in one line: its rule's id and the measured reason."""
-    return f"[{item.id}]: {item.reason}"
+def folded_line(label: str, names: list[str], why: str) -> str:
+    """``names`` in one line after ``label``, then where to read why (the summary cuts it to its width).
+
+    >>> folded_line("not advised", ["pin-memory", "mixed-precision"], "vram_report.md")
+    'not advised: pin-memory, mixed-precision (why: vram_report.md)'
+    """
+    return f"{label}: {', '.join(names)} (why: {why})"
+
+
+def wrapped(line: str, width: int) -> list[str]:
+    """A summary line (its indent included) cut at spaces into lines of at most ``width`` characters.
+
+    Continuation lines are indented two more spaces; a word longer than the width (a path) is kept whole.
+
+    >>> wrapped("  advice: Checkpoint the encoder", 20)
+    ['  advice: Checkpoint', '    the encoder']
+    """
+    indent = " " * (len(line) - len(line.lstrip(" ")))
+    return textwrap.wrap(
+        line.lstrip(" "),
+        width,
+        initial_indent=indent,
+        subsequent_indent=indent + "  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [line]
 
 
 def module_text(row: ModuleProfile) -> str:
@@ -168,17 +212,37 @@ def device_line(report: Report) -> str:
     return f"{report.device.name} ({report.device.type}), {report.steps} steps"
 
 
-def summary_text(report: Report, top_modules: int = SUMMARY_TOP_MODULES, written_to: str | None = None) -> str:
+def summary_text(
+    report: Report,
+    top_modules: int = SUMMARY_TOP_MODULES,
+    written_to: str | None = None,
+    width: int = SUMMARY_WIDTH,
+    details: str = DETAILS,
+) -> str:
     """A few lines for the console at the end of training (plain text: control characters shown as escapes).
 
-    ``written_to``: where the report's files were written, said last (``None``: not said).
+    The advice comes first after the headline; what was not advised or not measured is one entry each, naming
+    ``details`` (the Markdown report's file) for the reasons. ``written_to``: where the report's files were written,
+    said last (``None``: not said). ``width``: no line is longer, in characters, but for a word longer than it.
     """
+    lines = [*lead_lines(report, width), *_fitted([f"  {line}" for line in peak_lines(report)], width)]
+    return "\n".join(lines + fact_lines(report, top_modules, written_to, width, details))
+
+
+def _fitted(lines: list[str], width: int) -> list[str]:
+    """Each line with its control characters escaped, cut to ``width``."""
+    return [part for line in lines for part in wrapped(printable(line), width)]  # a name's line break stays escaped
+
+
+def lead_lines(report: Report, width: int) -> list[str]:
+    """The summary's first lines, cut to ``width``: the device, the headline, the ranks, then each advice."""
     lines = [f"VRAM report: {device_line(report)}", f"  {headline(report)}"]
     if (ranks := ranks_line(report)) is not None:
         lines.append(f"  {ranks}")
-    lines += [f"  {line}" for line in peak_lines(report)]
-    lines += [f"  {line}" for line in fact_lines(report, top_modules, written_to)]
-    return "\n".join(map(printable, lines))  # a name holding a line break or an escape sequence stays on its line
+    lines += [f"  {advice_summary(advice)}" for advice in report.advice]
+    if not report.advice and report.peak is not None:
+        lines.append("  no advice: no rule found a change worth making")
+    return _fitted(lines, width)
 
 
 def peak_lines(report: Report) -> list[str]:
@@ -198,8 +262,12 @@ def peak_lines(report: Report) -> list[str]:
     return lines
 
 
-def fact_lines(report: Report, top_modules: int, written_to: str | None) -> list[str]:
-    """The summary's lines past the peaks: evaluation, top modules, timing, advice, what was not measured, where."""
+def fact_lines(report: Report, top_modules: int, written_to: str | None, width: int, details: str) -> list[str]:
+    """The summary's lines past the peaks, cut to ``width``.
+
+    Evaluation, top modules, timing, what was not advised and not measured (one entry each, pointing at ``details``
+    for why), where the files are.
+    """
     lines = []
     if report.evaluation:
         lines.append(f"evaluation peaks: {evaluation_text(report.evaluation)}")
@@ -217,12 +285,14 @@ def fact_lines(report: Report, top_modules: int, written_to: str | None) -> list
         lines.append(
             f"recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
         )
-    lines += [f"advice {advice_line(advice)}" for advice in report.advice]
-    lines += [f"not advised {not_advised_line(item)}" for item in report.not_advised]
-    lines += [f"not measured: {item.what} ({item.reason})" for item in report.not_measured]
+    folded = [
+        ("not advised", [str(item.id) for item in report.not_advised]),
+        ("not measured", [item.what for item in report.not_measured]),
+    ]
+    lines += [folded_line(label, names, details) for label, names in folded if names]
     if written_to is not None:
         lines.append(f"report written to {written_to}")
-    return lines
+    return _fitted([f"  {line}" for line in lines], width)
 
 
 def advice_markdown(advice: tuple[Advice, ...]) -> str:

@@ -33,7 +33,7 @@ from lightning_vram.render.files import (
 from lightning_vram.render.publishing import Publisher
 from lightning_vram.render.scalars import MIB
 from lightning_vram.render.tensorboard import ADVICE_TAG, report_images
-from lightning_vram.render.text import advice_markdown
+from lightning_vram.render.text import DETAILS, advice_markdown
 
 FIGURES = Output("figures")
 """The report's figures, drawn once for the HTML page and every publisher."""
@@ -126,7 +126,8 @@ class Sinks:
                 self._each(lambda each: each.artifacts, local)
         if self._console:
             where = str(self.report_path) if self.report_path is not None else None
-            guard.call(Part.CONSOLE, print_summary, report, None, where)
+            details = MARKDOWN_FILENAME if where is not None else DETAILS
+            guard.call(Part.CONSOLE, print_summary, report, None, where, details)
         return replace(report, not_measured=not_measured())
 
     def _write_files(self, report: Report, directory: Location, pngs: Mapping[str, bytes]) -> tuple[Location, ...]:

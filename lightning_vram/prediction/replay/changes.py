@@ -16,7 +16,7 @@ changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -37,7 +37,11 @@ class _CheckpointedCall(nn.Module):
     ``checkpoint(first, x)`` calls the module itself (with its hooks), in forward and again when backward recomputes
     it, so the replay sees the recomputation as the monitor sees it in a real run. The unit's other modules stay
     where their parent has them; they run inside the checkpoint and pass their input through once afterwards.
+    Counting names the module by the user's path, not through this stand-in
+    (:data:`~lightning_vram.measure.module_names.STANDS_FOR`).
     """
+
+    _lightning_vram_stands_for: ClassVar[str] = "first"
 
     def __init__(self, first: nn.Module, rest: list[nn.Module], passing: dict[int, bool]) -> None:
         super().__init__()

@@ -1,0 +1,124 @@
+""":func:`lightning_vram.predict`'s result (:class:`Prediction`), printed as a short table and written as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_vram.records.advice import FitRow
+from lightning_vram.records.advice_json import fit_row_to_dict
+from lightning_vram.records.measured import CATEGORIES, in_phase_order
+from lightning_vram.records.measured_json import module_to_dict
+from lightning_vram.records.simulation import ReplayedStep
+from lightning_vram.records.simulation_json import replayed_phases_to_dict
+from lightning_vram.units import format_bytes
+
+MAX_NOTES = 5
+"""The table lists at most this many notes; ``to_dict`` has them all."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
+
+    ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
+    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
+    the prediction could not reproduce.
+    """
+
+    step: ReplayedStep | None
+    fit: tuple[FitRow, ...]
+    cuda_context_bytes: int
+    skipped: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
+        return prediction_text(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data, in the report's forms (phases, modules, fit rows); bytes and seconds as numbers."""
+        return prediction_to_dict(self)
+
+
+def prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
+    """The prediction as JSON-ready data: the step's phases and modules as the report writes them, the fit rows."""
+    step = prediction.step
+    replayed = None
+    if step is not None:
+        peak = step.peak
+        replayed = {
+            "device_type": step.device_type,
+            "precision": step.precision,
+            "batch_size": step.batch_size,
+            "peak_bytes": peak.peak_bytes,
+            "peak_phase": peak.phase.value,
+            "loss_activation_bytes": step.loss_activation_bytes,
+            "seconds": step.seconds,
+            "phases": replayed_phases_to_dict(step),
+            "modules": [module_to_dict(row) for row in step.modules],
+            "notes": list(step.notes),
+        }
+    return {
+        "step": replayed,
+        "fit": [fit_row_to_dict(row) for row in prediction.fit],
+        "cuda_context_bytes": prediction.cuda_context_bytes,
+        "skipped": prediction.skipped,
+        "notes": list(prediction.notes),
+    }
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Rows of cells, the first column left-aligned and the others right-aligned, two spaces apart."""
+    widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
+    return [
+        "  "
+        + "  ".join(
+            cell.ljust(width) if index == 0 else cell.rjust(width)
+            for index, (cell, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+
+
+def prediction_text(prediction: Prediction) -> str:
+    """The prediction in a few lines: each phase's predicted peak and parts, the fit rows, the notes."""
+    step = prediction.step
+    if step is None:
+        return f"Prediction: skipped ({prediction.skipped})"
+    peak = step.peak
+    batch = f", batch {step.batch_size}" if step.batch_size is not None else ""
+    lines = [
+        f"Prediction: {step.device_type}, {step.precision}{batch}: peak {format_bytes(peak.peak_bytes)} in"
+        f" {peak.phase.value}"
+    ]
+    header = ["phase", "peak", *(name.replace("_", " ") for name in CATEGORIES)]
+    rows = [header]
+    for phase, phase_peak in in_phase_order(step.phases):
+        parts = phase_peak.breakdown.to_dict() if phase_peak.breakdown is not None else {}
+        rows.append(
+            [phase.value, format_bytes(phase_peak.peak_bytes), *(format_bytes(parts.get(name)) for name in CATEGORIES)]
+        )
+    lines += _columns(rows)
+    if prediction.fit:
+        lines.append("Largest batch per GPU:")
+        fit = [["GPU", "capacity", "batch", "expandable segments", "basis", "assumed"]]
+        fit += [
+            [
+                row.device,
+                format_bytes(row.capacity_bytes),
+                row.batch_text,
+                row.expandable_text,
+                str(row.basis),
+                row.allocator_text,
+            ]
+            for row in prediction.fit
+        ]
+        lines += _columns(fit)
+    notes = [*step.notes, *prediction.notes]
+    if notes:
+        lines.append("Notes:")
+        lines += [f"  - {note}" for note in notes[:MAX_NOTES]]
+        if len(notes) > MAX_NOTES:
+            lines.append(f"  ({len(notes) - MAX_NOTES} more in to_dict()['notes'])")
+    return "\n".join(lines)
