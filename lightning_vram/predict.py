@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from lightning_vram.config import MAX_LENGTH, require_int, require_one_of, require_shape
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.devices import DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, resize_shape
+from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
 
@@ -57,7 +59,10 @@ def predict(
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`
-            (a few replays for all of them: solved on a checked line of replayed peaks).
+            (replays for all of them: lines on replayed peaks seed the search). For ``"cuda"`` a batch fits where
+            the simulated caching allocator, with the environment's ``PYTORCH_ALLOC_CONF``, serves its whole step
+            in the card's memory less ``cuda_context_bytes``; each row also gives the largest batch with
+            ``expandable_segments:True``. For ``"cpu"``, where its tensor peak leaves 10% of the card free.
         budget_seconds: host seconds for all the replays: one running when they end stops at its next op, and the
             prediction says what the budget left out.
         max_length: predict for the batch resized to this length along its length dimension (dimension 1 of its
@@ -84,6 +89,10 @@ def predict(
     device, notes = _replay_device(device_type)
     on_gpu = device.type == "cuda" and torch.cuda.is_available()  # fake CUDA without a device has no capability
     capability = torch.cuda.get_device_capability(device) if on_gpu else None
+    # For a GPU, "fits" is the simulated caching allocator serving the step: its settings are the environment's.
+    settings = run_settings() if device_type.startswith("cuda") else None
+    if isinstance(settings, str):
+        notes += (settings,)
     predictor = Predictor(
         module,
         None,
@@ -93,6 +102,7 @@ def predict(
         warm_up=True,
         budget_seconds=budget_seconds,
         compute_capability=capability,
+        allocator=settings if isinstance(settings, AllocatorSettings) else None,
     )
     with round_of_replays():
         step = predictor.baseline()

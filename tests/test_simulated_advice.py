@@ -358,6 +358,12 @@ def test_batch_size_headroom_uses_the_replayed_largest_batch() -> None:
     assert batch_size_headroom(headroom_summary(), healthy_setup(), simulated(device_max_batch_size=50)) is None
     modelled = batch_size_headroom(headroom_summary(), healthy_setup(), simulated())
     assert modelled is not None and "should fit" in modelled.title and "modelled linearly" in modelled.evidence
+    # Searched in the simulated caching allocator: no margin, and the evidence names the settings it assumed.
+    row = FitRow("T4 (16 GiB)", 16 * GIB, 300, allocator="expandable_segments:True", expandable_max_batch_size=300)
+    served = batch_size_headroom(headroom_summary(), healthy_setup(), simulated(device_max_batch_size=300, fit=(row,)))
+    assert served is not None and served.title == "A batch of up to 300 fits, replayed (now 32): the GPU is underused"
+    assert "the simulated caching allocator (expandable_segments:True) serves" in served.evidence
+    assert "10%" not in served.evidence
 
 
 def test_fit_table_says_its_basis() -> None:
@@ -390,6 +396,30 @@ def test_near_capacity_lists_replayed_remedies_with_their_basis() -> None:
         6 * GIB,
         "simulated",
         9 * GIB,
+    )
+
+
+def test_near_capacity_says_whether_the_simulated_allocator_serves_the_halved_batch() -> None:
+    """16 GiB less a 300 MiB context: a 9 GiB request is served (one segment of 9 GiB, 2 MiB-rounded); a 15.75 GiB
+    one is not, though it saves memory."""
+    full = Breakdown(parameters=GIB, gradients=GIB, optimizer_state=2 * GIB, activations=8 * GIB, other=3 * GIB)
+    summary = healthy_summary(peak=peak(Phase.BACKWARD, 15 * GIB, full))
+
+    def advised(request_bytes: int) -> str:
+        halved = replayed(BatchSizeChange(16), 9 * GIB)
+        assert halved.replayed is not None
+        kept = replace(halved.replayed, allocations=(Phase.FORWARD, ("malloc", 1, request_bytes, 0)), allocator="")
+        simulation = simulated(replace(halved, replayed=kept), baseline=step(14 * GIB, 15 * GIB))
+        advice = near_capacity(summary, healthy_setup(), simulation)
+        assert advice is not None
+        return advice.detail
+
+    assert (
+        "halve the batch to 16 (with accumulate_grad_batches=2), served by the simulated allocator (reserved"
+        " 9.00 GiB): about 6.00 GiB" in advised(9 * GIB)
+    )
+    assert "(with accumulate_grad_batches=2), still not served by the simulated allocator: about 6.00 GiB" in advised(
+        16 * GIB - 256 * MIB
     )
 
 

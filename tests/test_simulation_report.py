@@ -28,6 +28,7 @@ from lightning_vram.records import (
     PartMatch,
     Phase,
     PrecisionChange,
+    SavingBasis,
     Simulation,
 )
 from lightning_vram.render.html import render_html
@@ -87,6 +88,8 @@ def test_report_json_carries_the_simulation_and_each_advice_basis() -> None:
             "max_batch_size": 60,
             "basis": "simulated",
             "at_least": False,
+            "allocator": None,
+            "expandable_max_batch_size": None,
         }
     ]
     section = data["simulation"]
@@ -215,11 +218,12 @@ def test_markdown_html_and_console_show_predicted_against_measured() -> None:
         "| checkpoint 4 units of encoder.layers (encoder.layers.0 to encoder.layers.3) | n/a | n/a | discarded:" in text
     )
     assert "discarded: RuntimeError: one of the" in text
-    assert "| T4 (16 GiB) | 16.00 GiB | 60 | simulated |" in text
+    assert "| T4 (16 GiB) | 16.00 GiB | 60 | n/a | simulated |" in text  # no expandable-segments figure
+    assert "A batch fits where its tensor peak and the CUDA context leave 10% of the card free." in text
     assert "- aten.\\_cudnn_rnn keeps a workspace" in text
     page = render_html(report)
     assert "<h2>Simulation</h2>" in page and '<table id="simulation-variants">' in page
-    assert '<td class="n">60</td><td>simulated</td>' in page  # the fit table's basis
+    assert '<td class="n">60</td><td class="n">n/a</td><td>simulated</td>' in page  # the fit table's basis
     assert "about 2.00 GiB of peak memory (simulated: replayed peak 6.00 GiB after the change)" in page
     console = summary_text(report)
     assert "advice [activation-checkpointing]: Checkpoint 3 units" in console
@@ -240,3 +244,20 @@ def test_markdown_html_and_console_show_predicted_against_measured() -> None:
         "The step was not replayed: manual optimization: the replay follows automatic optimization only. Every saving"
         " in this report is modelled." in markdown(report_with(skipped))
     )
+
+
+def test_a_fit_table_served_by_the_simulated_allocator_says_so_with_the_expandable_batch() -> None:
+    row = FitRow("T4 (16 GiB)", 16 * GIB, 60, SavingBasis.SIMULATED, allocator="", expandable_max_batch_size=72)
+    report = report_with(replace(full_simulation(), fit=(row,)))
+    assert report.fit[0].expandable_max_batch_size == 72
+    text = markdown(report)
+    assert "| GPU | capacity | batch | with expandable_segments:True | basis |" in text
+    assert "| T4 (16 GiB) | 16.00 GiB | 60 | 72 | simulated |" in text
+    assert (
+        "A batch fits where the simulated CUDA caching allocator (torch defaults) serves its whole step in the"
+        " card's memory less the CUDA context, no margin kept." in text
+    )
+    page = render_html(report)
+    assert '<td class="n">60</td><td class="n">72</td><td>simulated</td>' in page
+    assert "simulated CUDA caching allocator (torch defaults) serves its whole step" in page
+    assert report_from_dict(report.to_dict()).fit == (row,)

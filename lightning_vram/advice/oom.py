@@ -6,6 +6,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from lightning_vram.advice.rules.near_capacity import NONE_MEASURED
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.records import (
     Advice,
@@ -85,23 +86,16 @@ def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
     )
 
 
-NONE_MEASURED = "none measured"
-"""How near-capacity's detail ends when the run's measurements support no remedy."""
-
-
 def preflight_remedies_text(verdict: PreflightVerdict) -> str:
     """Preflight's replayed remedies with their figures: each one's replayed peak, saving, and whether it fits.
 
-    Whether it fits is judged as preflight judged the step: its peak less what was allocated before step 0 against
-    what was available then.
+    Whether it fits is judged as preflight judged it: served by the simulated allocator where it was simulated, else
+    its peak less what was allocated before step 0 against what was available then.
     """
     peak = verdict.step.peak.peak_bytes
-    allocated = peak - verdict.needed_bytes
     listed = "; ".join(
         f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}, {format_bytes(peak - remedy.peak_bytes)} below the"
-        f" step's {format_bytes(peak)} ("
-        + ("fits" if remedy.peak_bytes - allocated <= verdict.available_bytes else "does not fit")
-        + ", simulated)"
+        f" step's {format_bytes(peak)} (" + ("fits" if verdict.remedy_fits(remedy) else "does not fit") + ", simulated)"
         for remedy in verdict.remedies
     )
     return f"replayed by preflight before step 0: {listed}"

@@ -3,23 +3,30 @@
 The first step is replayed under fake tensors with one uncounted warm-up step (so gradients and optimizer state
 exist as they will from step 1 on). Memory already allocated (the model, the batch) is in the replay too, so what
 the step still needs is the replayed peak minus what is allocated now; what it can have is the driver's free
-memory plus the allocator's cached, unused blocks. When it does not fit, each candidate change is replayed the
-same way and the warning lists them, largest saving first, marking those that make the step fit. Given the largest
+memory plus the allocator's cached, unused blocks. Where the caching allocator is simulated (CUDA), the step fits
+when the simulated allocator serves all of it (:func:`~lightning_vram.prediction.replay.serves.serve`) in the
+memory it may hold: the driver's free memory plus all it reserves now; tensors that fit with the allocator's holes
+around them do not. When it does not fit, each candidate change is replayed the same way and the warning lists
+them, largest saving first; a change is offered as a fix only where the step with it is served (or, where nothing
+is simulated, its tensor peak fits). Given the largest
 shape the run expects (``max_shape``, or the shape ``max_length`` means), the first batch is replayed resized to it:
 the check is for the largest batch, before it arrives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, mixed_precision_for
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.serves import Serving, serves_step
 from lightning_vram.records import (
     AllocatorReading,
     BatchSizeChange,
     FreeGradientsChange,
+    Phase,
     PrecisionChange,
     PreflightRemedy,
     PreflightVerdict,
@@ -42,7 +49,12 @@ def candidate_changes(
 
 
 def preflight(
-    predictor: Predictor, *, reading: AllocatorReading, free_bytes: int, changes: Sequence[StepChange]
+    predictor: Predictor,
+    *,
+    reading: AllocatorReading,
+    free_bytes: int,
+    changes: Sequence[StepChange],
+    unseen_bytes: Mapping[Phase, int] | None = None,
 ) -> PreflightVerdict | str:
     """Replay the first step; the verdict, or why it could not be replayed.
 
@@ -53,20 +65,31 @@ def preflight(
     Args:
         predictor: the first step (with a warm-up step, resized to the largest shape expected), within the replay
             budget: one replay running when it ends stops at its next op, and changes not reached in time are left
-            out.
+            out. Its allocator settings (``predictor.allocator``) are the simulated allocator's.
         reading: the allocator now (what is allocated and cached).
         free_bytes: the device's free memory now.
         changes: the changes to replay when the step does not fit.
+        unseen_bytes: per phase, bytes the replay cannot see (the calibration's), held in the simulated allocator.
     """
+    capacity = free_bytes + reading.reserved_bytes
+
+    def serving(step: ReplayedStep) -> Serving | None:
+        if predictor.allocator is None:
+            return None
+        return serves_step(step, capacity, predictor.allocator, unseen_bytes)
+
     with round_of_replays():
         replayed = predictor.baseline()
         if not isinstance(replayed, ReplayedStep):
             return replayed.reason
+        served = serving(replayed)
         verdict = PreflightVerdict(
             step=replayed,
             needed_bytes=max(replayed.peak.peak_bytes - reading.allocated_bytes, 0),
             available_bytes=free_bytes + max(reading.reserved_bytes - reading.allocated_bytes, 0),
             remedies=(),
+            served=None if served is None else served.served,
+            shortfall=None if served is None or served.shortfall is None else served.shortfall.text,
         )
         if verdict.fits:
             return verdict
@@ -76,9 +99,17 @@ def preflight(
                 break
             result = predictor.replay(change)
             if isinstance(result, ReplayedStep) and result.peak.peak_bytes < replayed.peak.peak_bytes:
-                remedies.append(PreflightRemedy(change.label, result.peak.peak_bytes))
+                with_it = serving(result)
+                remedies.append(
+                    PreflightRemedy(
+                        change.label,
+                        result.peak.peak_bytes,
+                        reserved_peak_bytes=None if with_it is None else with_it.reserved_peak_bytes,
+                        served=None if with_it is None else with_it.served,
+                    )
+                )
         remedies.sort(key=lambda remedy: remedy.peak_bytes)
-        return PreflightVerdict(verdict.step, verdict.needed_bytes, verdict.available_bytes, tuple(remedies))
+        return replace(verdict, remedies=tuple(remedies))
 
 
 def replay_resized(predictor: Predictor) -> ReplayedStep | str:

@@ -231,9 +231,17 @@ class Predictor:
         context_bytes: int,
         gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
         known_steps: Mapping[int, ReplayedStep] | None = None,
+        unseen_bytes: Mapping[Phase, int] | None = None,
     ) -> FitSearch:
-        """The largest batch per GPU (see :func:`~lightning_vram.prediction.replay.fit_table.replayed_fit_table`)."""
-        return replayed_fit_table(self, context_bytes=context_bytes, gpus=gpus, known_steps=known_steps)
+        """The largest batch per GPU (see :func:`~lightning_vram.prediction.replay.fit_table.replayed_fit_table`).
+
+        ``unseen_bytes``: per phase, bytes the replay cannot see, held in the simulated allocator; default: what
+        this round's calibration carries (:attr:`unseen_bytes`).
+        """
+        unseen = self.unseen_bytes if unseen_bytes is None else unseen_bytes
+        return replayed_fit_table(
+            self, context_bytes=context_bytes, gpus=gpus, known_steps=known_steps, unseen_bytes=unseen or None
+        )
 
     def _refusal(self) -> _Scope | str:
         """What the replays may reach, walked on the first replay; or why no replay may run (decided once)."""
@@ -331,6 +339,7 @@ class Predictor:
                         run.run_step(twin, fake_batch, counter, live)
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}
+                    sequence = reserved.sequence() if reserved is not None else None
         except ContainmentError:
             raise
         except RefusedError as refused:
@@ -376,5 +385,7 @@ class Predictor:
                 ),
             ),
             timeline=timeline.finish(),
+            allocations=sequence,
+            allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
         )
         return carry(replayed, self.carried) if self.carried is not None else replayed

@@ -43,6 +43,8 @@ from lightning_vram.records.oom import OomDiagnosis, OomMessage
 from lightning_vram.records.report import RankSummary, Report, TimingSummary
 from lightning_vram.records.shapes import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.simulation import (
+    AllocationEvent,
+    AllocationSequence,
     BaselineMatch,
     BatchSizeChange,
     Calibration,
@@ -74,6 +76,8 @@ __all__ = [
     "MATCHED_PARTS",
     "Advice",
     "AdviceId",
+    "AllocationEvent",
+    "AllocationSequence",
     "AllocatorReading",
     "Attribution",
     "BaselineMatch",

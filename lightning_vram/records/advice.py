@@ -116,6 +116,13 @@ class FitRow:
     """``"simulated"`` when solved on replayed batch sizes (checked by replay), ``"modelled"`` when extrapolated."""
     at_least: bool = False
     """The search stopped at its largest batch size, which still fit: the largest that fits is this or more."""
+    allocator: str | None = None
+    """The caching allocator's settings the row assumed (``PYTORCH_ALLOC_CONF`` as torch reads it, ``""`` for
+    torch's defaults): the batch is the largest whose step the simulated allocator serves at the card's memory less
+    the CUDA context, no margin kept. ``None``: the allocator was not simulated (the replayed tensor peak, with
+    :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of the card kept free), or a report before 0.12."""
+    expandable_max_batch_size: int | None = None
+    """The largest batch with ``expandable_segments:True`` added to :attr:`allocator` (``None``: not simulated)."""
 
     @property
     def batch_text(self) -> str:
@@ -125,3 +132,25 @@ class FitRow:
         'at least 65536'
         """
         return f"at least {self.max_batch_size}" if self.at_least else str(self.max_batch_size)
+
+    @property
+    def expandable_text(self) -> str:
+        """The batch with expandable segments as a report shows it (``"n/a"`` where not simulated).
+
+        >>> FitRow("H200", 141, 150, SavingBasis.SIMULATED, allocator="", expandable_max_batch_size=162).expandable_text
+        '162'
+        """
+        return "n/a" if self.expandable_max_batch_size is None else str(self.expandable_max_batch_size)
+
+    @property
+    def allocator_text(self) -> str:
+        """What the row assumed of the allocator, in a few words.
+
+        >>> FitRow("H200", 141, 150, SavingBasis.SIMULATED, allocator="").allocator_text
+        'simulated allocator (torch defaults)'
+        >>> FitRow("H200", 141, 150, SavingBasis.SIMULATED).allocator_text
+        'tensor peak, 10% kept free'
+        """
+        if self.allocator is None:
+            return "tensor peak, 10% kept free"
+        return f"simulated allocator ({self.allocator or 'torch defaults'})"

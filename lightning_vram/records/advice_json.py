@@ -31,6 +31,8 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
         "max_batch_size": row.max_batch_size,
         "basis": str(row.basis),
         "at_least": row.at_least,
+        "allocator": row.allocator,
+        "expandable_max_batch_size": row.expandable_max_batch_size,
     }
 
 
@@ -67,7 +69,16 @@ def fit_row_from_dict(data: Any, where: str) -> FitRow:
         basis = member_of(SavingBasis, fields.text("basis"), f"{where}.basis")
     at_least = fields.flag("at_least") if fields.has("at_least") else False  # absent up to 0.7.0: exact
     return FitRow(
-        fields.text("device"), fields.integer("capacity_bytes"), fields.integer("max_batch_size"), basis, at_least
+        fields.text("device"),
+        fields.integer("capacity_bytes"),
+        fields.integer("max_batch_size"),
+        basis,
+        at_least,
+        # Both absent up to 0.11: the allocator not simulated.
+        allocator=fields.optional_text("allocator") if fields.has("allocator") else None,
+        expandable_max_batch_size=(
+            fields.optional_integer("expandable_max_batch_size") if fields.has("expandable_max_batch_size") else None
+        ),
     )
 
 

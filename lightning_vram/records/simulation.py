@@ -6,7 +6,7 @@ verdict. All sizes are integer bytes, all times seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, ReportText, SavingBasis
@@ -16,6 +16,15 @@ from lightning_vram.records.timeline import StepTimeline
 NOT_REPLAYED = "not replayed"
 """How :attr:`VariantResult.discarded` starts for a change the time budget never reached, or cut: untried, not
 failed (the rules read it)."""
+
+
+AllocationEvent = tuple[str, int, int, int] | Phase
+"""One step of a replay's allocation sequence: ``("malloc", block, size, stream)`` (size in bytes as requested),
+``("free", block, 0, 0)``, or the start of a phase."""
+
+AllocationSequence = tuple[AllocationEvent, ...]
+"""A replayed step's allocations and frees on the counted device, in the order a steady step makes them (library
+workspaces, negative blocks, alive from the step's start): what a caching allocator's model is driven with."""
 
 
 class ChangeKind(ReportText):
@@ -173,6 +182,12 @@ class ReplayedStep:
     notes: tuple[str, ...] = ()
     timeline: StepTimeline | None = None
     """Live bytes op by op, by part (``None`` where not recorded: a step read back from JSON, which leaves it out)."""
+    allocations: AllocationSequence | None = field(default=None, compare=False, repr=False)
+    """The replay's allocation sequence, kept in memory only (not in JSON: ``None`` read back, and where no caching
+    allocator was simulated): whether a caching allocator serves the step at a capacity is asked of it."""
+    allocator: str | None = field(default=None, compare=False, repr=False)
+    """The caching allocator's settings the phases' reserved peaks were simulated with (``PYTORCH_ALLOC_CONF`` as
+    torch reads it, ``""``: torch's defaults); ``None`` with :attr:`allocations`."""
 
     @property
     def peak(self) -> PhasePeak:
@@ -387,10 +402,17 @@ class Prediction:
 
 @dataclass(frozen=True)
 class PreflightRemedy:
-    """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes."""
+    """A change replayed on the first step before it ran: its label and the replayed peak with it, in bytes.
+
+    ``reserved_peak_bytes``: the simulated caching allocator's peak with it (``None``: not simulated); ``served``:
+    whether the simulated allocator serves the step with it at the memory available (``None``: not simulated, the
+    tensor peak is compared instead).
+    """
 
     label: str
     peak_bytes: int
+    reserved_peak_bytes: int | None = None
+    served: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -398,18 +420,29 @@ class PreflightVerdict:
     """The first step replayed against the device before it ran (preflight), in bytes.
 
     ``needed_bytes`` = replayed peak - allocated now; ``available_bytes`` = free + cached but unallocated.
-    ``remedies`` are the changes replayed, largest saving first (only when the step does not fit).
+    ``remedies`` are the changes replayed, largest saving first (only when the step does not fit). ``served``:
+    whether the simulated caching allocator serves the whole step in the device's memory (free + reserved now);
+    ``None`` where it was not simulated.
     """
 
     step: ReplayedStep
     needed_bytes: int
     available_bytes: int
     remedies: tuple[PreflightRemedy, ...]
+    served: bool | None = None
+    shortfall: str | None = None
+    """Where the simulated allocator failed and what it was asked for (``None``: served, or not simulated)."""
 
     @property
     def fits(self) -> bool:
-        """Whether the step is predicted to fit."""
-        return self.needed_bytes <= self.available_bytes
+        """Whether the step is predicted to fit: served by the simulated allocator, else its tensor peak fits."""
+        return self.served if self.served is not None else self.needed_bytes <= self.available_bytes
+
+    def remedy_fits(self, remedy: PreflightRemedy) -> bool:
+        """Whether the step fits with ``remedy``: served by the simulated allocator, else its tensor peak fits."""
+        if remedy.served is not None:
+            return remedy.served
+        return remedy.peak_bytes - (self.step.peak.peak_bytes - self.needed_bytes) <= self.available_bytes
 
 
 def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -> VariantResult | None:

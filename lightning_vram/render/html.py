@@ -21,6 +21,7 @@ from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.render.text import (
     capacity_text,
     evaluation_text,
+    fit_assumption,
     headline,
     peak_label,
     ranks_line,
@@ -211,15 +212,18 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
     if report.fit:
         fit = "".join(
             f'<tr><td>{html.escape(row.device)}</td><td class="n">{format_bytes(row.capacity_bytes)}</td>'
-            f'<td class="n">{row.batch_text}</td><td>{html.escape(row.basis)}</td></tr>'
+            f'<td class="n">{row.batch_text}</td><td class="n">{row.expandable_text}</td>'
+            f"<td>{html.escape(row.basis)}</td></tr>"
             for row in report.fit
         )
         sections.append(
             "<h2>Largest batch of this run per GPU</h2>"
             + scrolling(
-                '<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th><th>basis</th></tr>'
+                '<table><tr><th>GPU</th><th class="n">capacity</th><th class="n">batch</th>'
+                '<th class="n">with expandable_segments:True</th><th>basis</th></tr>'
                 f"{fit}</table>"
             )
+            + f"<p>{html.escape(fit_assumption(report.fit))}</p>"
         )
     if report.shapes is not None and report.shapes.varies:
         sections += ["<h2>Batch shapes</h2>", f"<p>{html.escape(shapes_sentence(report.shapes))}</p>"]

@@ -7,14 +7,18 @@ enters Markdown through :mod:`lightning_vram.render.markup`, which escapes it; a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_vram.records import (
     CATEGORIES,
     Advice,
     DeviceInfo,
     EvaluationPeak,
+    FitRow,
     ModuleProfile,
     NotAdvised,
     OomDiagnosis,
+    PreflightRemedy,
     PreflightVerdict,
     Report,
     SavingBasis,
@@ -244,6 +248,22 @@ def not_advised_markdown(items: tuple[NotAdvised, ...]) -> list[str]:
     return ["", "### Not advised", "", *(f"- {code_span(item.id)}: {escape_markdown(item.reason)}" for item in items)]
 
 
+def fit_assumption(rows: Sequence[FitRow]) -> str:
+    """What the fit table assumed, one sentence: the simulated allocator and its settings, or the margin kept.
+
+    >>> fit_assumption([FitRow("H200", 141, 150, SavingBasis.SIMULATED, allocator="")]).split(" serves")[0]
+    'A batch fits where the simulated CUDA caching allocator (torch defaults)'
+    """
+    settings = sorted({row.allocator for row in rows if row.allocator is not None})
+    if not settings:
+        return "A batch fits where its tensor peak and the CUDA context leave 10% of the card free."
+    named = ", ".join(setting or "torch defaults" for setting in settings)
+    return (
+        f"A batch fits where the simulated CUDA caching allocator ({named}) serves its whole step in the card's"
+        " memory less the CUDA context, no margin kept."
+    )
+
+
 def markdown_table(table: Table) -> list[str]:
     """A table of plain-text cells as Markdown lines, every cell escaped."""
     align = "|" + "".join("---:|" if numeric else "---|" for numeric in table.numeric)
@@ -293,13 +313,15 @@ def markdown(report: Report) -> str:
             "",
             "## Largest batch of this run per GPU",
             "",
-            "| GPU | capacity | batch | basis |",
-            "|---|---:|---:|---|",
+            "| GPU | capacity | batch | with expandable_segments:True | basis |",
+            "|---|---:|---:|---:|---|",
         ]
         lines += [
-            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.batch_text} | {row.basis} |"
+            f"| {escape_markdown(row.device)} | {format_bytes(row.capacity_bytes)} | {row.batch_text}"
+            f" | {row.expandable_text} | {row.basis} |"
             for row in report.fit
         ]
+        lines += ["", escape_markdown(fit_assumption(report.fit))]
     if report.shapes is not None and report.shapes.varies:
         lines += ["", "## Batch shapes", "", escape_markdown(shapes_sentence(report.shapes))]
         if (table := lengths_table(report.shapes)) is not None:
@@ -369,14 +391,28 @@ def preflight_warning(
         f" allocated already; {format_bytes(verdict.available_bytes)} more is available, {format_bytes(shortfall)}"
         " short."
     )
+    if verdict.shortfall is not None:
+        text += f" The simulated caching allocator runs out {verdict.shortfall}."
     if not verdict.remedies:
         return text + " No replayed change saves memory."
-    listed = "; ".join(
+    fitting = [remedy for remedy in verdict.remedies if verdict.remedy_fits(remedy)]
+    short = [remedy for remedy in verdict.remedies if not verdict.remedy_fits(remedy)]
+    if fitting:
+        text += f" Replayed changes that fit, largest saving first: {_remedies_text(fitting)}."
+    else:
+        text += " No replayed change makes it fit."
+    if short:
+        text += f" Replayed changes that save memory but still do not fit: {_remedies_text(short)}."
+    return text
+
+
+def _remedies_text(remedies: Sequence[PreflightRemedy]) -> str:
+    """Preflight's replayed changes, each with its peak and, where simulated, the allocator's reserved peak."""
+    return "; ".join(
         f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}"
-        + (" (fits)" if remedy.peak_bytes - allocated <= verdict.available_bytes else "")
-        for remedy in verdict.remedies
+        + ("" if remedy.reserved_peak_bytes is None else f", reserved {format_bytes(remedy.reserved_peak_bytes)}")
+        for remedy in remedies
     )
-    return f"{text} Replayed changes, largest saving first: {listed}."
 
 
 def shape_text(shape: tuple[int, ...]) -> str:

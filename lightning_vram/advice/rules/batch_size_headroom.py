@@ -1,8 +1,10 @@
 """Batch-size headroom: the peak is under half the device, the GPU is not busy, and the data keeps up.
 
-The largest batch is the replayed one (``Simulation.device_max_batch_size``, found by the replay's batch-size
-search) where the simulation searched it, else modelled linearly from the measured peak
-(:func:`~lightning_vram.advice.capacity.predict_max_batch_size`).
+The largest batch is the replayed one (``Simulation.device_max_batch_size``, found by the fit table's search) where
+the simulation searched it: on CUDA the largest whose step the simulated caching allocator serves in the device's
+memory less the CUDA context (:mod:`~lightning_vram.prediction.replay.fit_table`), no margin kept. Else it is
+modelled linearly from the measured peak (:func:`~lightning_vram.advice.capacity.predict_max_batch_size`), 10% of
+the device kept free.
 """
 
 from __future__ import annotations
@@ -42,10 +44,18 @@ def batch_size_headroom(
     if largest is None or largest < 2 * summary.batch_size:
         return None
     how = (
-        "largest batch found by replaying this step at each batch size tried (a bisection)"
-        if replayed is not None
-        else "largest batch modelled linearly from the measured peak (not replayed)"
+        "largest batch modelled linearly from the measured peak (not replayed), keeping"
+        f" {format_percent(BATCH_SAFETY_MARGIN)} of the device free"
     )
+    if replayed is not None:
+        how = "largest batch found by replaying this step at each batch size tried, keeping"
+        how += f" {format_percent(BATCH_SAFETY_MARGIN)} of the device free"
+        allocator = _served_by(simulation)
+        if allocator is not None:
+            how = (
+                "largest batch whose replayed step the simulated caching allocator"
+                f" ({allocator or 'torch defaults'}) serves in the device's memory less the CUDA context"
+            )
     return Advice(
         id=ID,
         severity=Severity.INFO,
@@ -62,11 +72,16 @@ def batch_size_headroom(
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)}"
             f" ({share_text(peak.peak_bytes, capacity)}); GPU utilization {utilization:.0f}%; data wait"
-            f" {format_percent(summary.data_wait_fraction)}; {how}, keeping {format_percent(BATCH_SAFETY_MARGIN)} of"
-            " the device free"
+            f" {format_percent(summary.data_wait_fraction)}; {how}"
         ),
         estimated_saving_bytes=None,
     )
+
+
+def _served_by(simulation: Simulation | None) -> str | None:
+    """The allocator settings the simulation's fit search served its batches with (``None``: not simulated)."""
+    rows = simulation.fit if simulation is not None else ()
+    return next((row.allocator for row in rows if row.allocator is not None), None)
 
 
 RULE = Rule(ID, batch_size_headroom, no_changes)

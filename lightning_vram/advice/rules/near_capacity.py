@@ -2,7 +2,9 @@
 
 Each remedy is another rule's advice (:data:`NEAR_CAPACITY_REMEDIES`), with the saving and basis that rule
 resolved, or a halved batch, declared for replay here: its saving is the replayed one where the simulation tried
-that batch, else half of what grows with the batch.
+that batch, else half of what grows with the batch. Where the halved batch's replay simulated the caching
+allocator, the remedy says whether the simulated allocator serves its step in the device's memory less the CUDA
+context (:func:`~lightning_vram.prediction.replay.serves.serves_step`): what "fits" means on CUDA.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from lightning_vram.advice.rules import (
 )
 from lightning_vram.advice.rules.base import NEAR_CAPACITY_SHARE, Rule, attributed_peak, replayed_reason, share_text
 from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
+from lightning_vram.prediction.devices import DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.prediction.replay.serves import serves_step
 from lightning_vram.records import (
     Advice,
     AdviceId,
@@ -36,6 +40,8 @@ from lightning_vram.records import (
 from lightning_vram.units import format_bytes
 
 ID = AdviceId.NEAR_CAPACITY
+NONE_MEASURED = "none measured"
+"""How the detail ends when the run's measurements support no remedy (the OOM diagnosis puts preflight's there)."""
 NEAR_CAPACITY_REMEDIES: tuple[Rule, ...] = (
     activation_checkpointing.RULE,
     mixed_precision.RULE,
@@ -96,7 +102,26 @@ def _halved_batch(
     if not isinstance(saving, Saving):
         return None
     name = f"halve the batch to {halved.batch_size} (with accumulate_grad_batches=2)"
+    name += _served_text(summary, halved, simulation)
     return Remedy(name, saving.saving_bytes, saving.basis, saving.predicted_peak_bytes)
+
+
+def _served_text(summary: RunSummary, change: BatchSizeChange, simulation: Simulation | None) -> str:
+    """Whether the simulated allocator serves the step with ``change`` on this device, as a remedy's suffix."""
+    capacity = summary.device.total_bytes
+    variant = next(
+        (variant for variant in (simulation.variants if simulation is not None else ()) if variant.change == change),
+        None,
+    )
+    if capacity is None or variant is None or variant.replayed is None:
+        return ""
+    context = summary.cuda_context_bytes if summary.cuda_context_bytes is not None else DEFAULT_CUDA_CONTEXT_BYTES
+    serving = serves_step(variant.replayed, capacity - context)
+    if serving is None:
+        return ""
+    if serving.served:
+        return f", served by the simulated allocator (reserved {format_bytes(serving.reserved_peak_bytes)})"
+    return ", still not served by the simulated allocator"
 
 
 def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
@@ -129,7 +154,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         id=ID,
         severity=Severity.CRITICAL,
         title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
-        detail=f"Remedies this run's measurements support, largest saving first: {listed or 'none measured'}.",
+        detail=f"Remedies this run's measurements support, largest saving first: {listed or NONE_MEASURED}.",
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
             f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"

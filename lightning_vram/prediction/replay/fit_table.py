@@ -1,22 +1,34 @@
 """The fit table by replay: for each common GPU, the largest batch whose replayed step fits beside the CUDA context.
 
-Every GPU's row comes from one search (:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`): two
-replays give a line per phase (forward, backward, optimizer step), a third checks them, and only the rows the lines
-cannot settle are replayed around their answer.
+Where the caching allocator is simulated (on CUDA), "fits" means the simulated allocator serves the whole step
+(:func:`~lightning_vram.prediction.replay.serves.serve`) at the card's memory less the CUDA context, with no margin
+kept: what the allocator holds around the tensors is in the simulation, not guessed. Lines on the replayed reserved
+peaks seed the search (:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`: two replays give a
+line per phase, a third checks them); every row's answer is then checked in the simulator, and the batch above it
+is shown not to be served (strides and bisection where the seed was off). Each row is searched with the run's
+settings and with ``expandable_segments:True`` on the same replays.
+
+Where it is not (no allocator settings: the CPU's tensor peaks), a row is the largest batch whose replayed peak plus
+the context leaves :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of the card free, solved on the
+lines alone.
+
 When the time budget runs out, or a replay fails, the rows already settled are kept and the search says why the
 others are missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from lightning_vram.measure.tensors import batch_size_of
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
+from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
-from lightning_vram.records import BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
+from lightning_vram.records import AllocationSequence, BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
 
 
 @dataclass(frozen=True)
@@ -42,47 +54,239 @@ def replayed_fit_table(
     context_bytes: int,
     gpus: Sequence[tuple[str, int]] = COMMON_GPUS,
     known_steps: Mapping[int, ReplayedStep] | None = None,
+    unseen_bytes: Mapping[Phase, int] | None = None,
 ) -> FitSearch:
-    """The largest batch per GPU whose replayed peak plus ``context_bytes`` leaves the safety margin free.
+    """The largest batch per GPU whose replayed step fits beside ``context_bytes`` (see the module's docstring).
 
     A row is missing where the batch has no batch dimension, a replay it needed failed, or the replays' budget ran
     out first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps already replayed with these settings,
-    by batch size (the baseline, a batch-size change): not replayed again.
+    by batch size (the baseline, a batch-size change): not replayed again. ``unseen_bytes``: per phase, bytes the
+    replay cannot see (measured by the calibration), held through the phase in the simulated allocator.
     """
-    batch = replays.batch
-    start = batch_size_of(batch)
+    start = batch_size_of(replays.batch)
     if start is None:
         return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
-    failures: list[str] = []
+    steps = _Steps(replays, known_steps)
+    settings = replays.allocator
+    if settings is None:
+        budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
+        sizes, _ = largest_batches_that_fit(
+            steps.peaks(reserved=False), budgets, start, known=steps.known(reserved=False)
+        )
+        rows = tuple(
+            None
+            if size is None
+            else FitRow(name, capacity, size, basis=SavingBasis.SIMULATED, at_least=size >= MAX_BATCH_SIZE)
+            for (name, capacity), size in zip(gpus, sizes, strict=True)
+        )
+    else:
+        unseen = max((unseen_bytes or {}).values(), default=0)
+        capacities = [capacity - context_bytes for _, capacity in gpus]
+        seeds, _ = largest_batches_that_fit(
+            steps.peaks(reserved=True), [capacity - unseen for capacity in capacities], start, known=steps.known()
+        )
+        expandable = replace(settings, expandable_segments=True)
+        # Expandable segments hold little beyond the tensors: lines on the tensor peaks seed their search.
+        wide_seeds, _ = largest_batches_that_fit(
+            steps.peaks(reserved=False),
+            [capacity - unseen for capacity in capacities],
+            start,
+            known=steps.known(reserved=False),
+        )
+        rows = tuple(
+            _served_row(steps, name, capacity, served, (seed, wide), (settings, expandable), unseen_bytes)
+            for (name, capacity), served, seed, wide in zip(gpus, capacities, seeds, wide_seeds, strict=True)
+        )
+    missing = None
+    if None in rows:
+        left_out = [name for (name, _), row in zip(gpus, rows, strict=True) if row is None]
+        reason = steps.failures[0] if steps.failures else "a replay failed"
+        missing = f"{reason}; no row for {', '.join(left_out)}"
+    return FitSearch(rows, steps.replays, missing)
 
-    def peak_bytes(size: int) -> PhasePeaks | None:
-        if replays.out_of_time():
-            failures.append(BUDGET_RAN_OUT)
+
+KEPT_SEQUENCES = 16
+"""Most replays whose allocation sequences the search keeps at once (the most recently used): a sequence is a few
+events per op, and the served checks of a row need only the batches around its answer. One dropped and needed
+again is replayed again."""
+
+
+class _Steps:
+    """The fit table's replays by batch size, each replayed once (``None``: failed or out of time), and why not.
+
+    Every replay's peaks per phase are kept; its allocation sequence only for the :data:`KEPT_SEQUENCES` most
+    recently used.
+    """
+
+    def __init__(self, replays: Replays, known: Mapping[int, ReplayedStep] | None) -> None:
+        self._replays = replays
+        keep = replays.allocator is None
+        self._peaks: dict[int, tuple[PhasePeaks, PhasePeaks] | None] = {}
+        self._sequences: OrderedDict[int, AllocationSequence] = OrderedDict()
+        for size, step in (known or {}).items():
+            if keep or step.allocations is not None:
+                self._keep(size, step)
+        self.replays = 0
+        """How many replays the search ran (known steps not counted)."""
+        self.failures: list[str] = []
+
+    def _keep(self, size: int, step: ReplayedStep | None) -> None:
+        self._peaks[size] = None if step is None else (phase_peaks(step), phase_peaks(step, reserved=True))
+        if step is not None and step.allocations is not None:
+            self._sequences[size] = step.allocations
+            while len(self._sequences) > KEPT_SEQUENCES:
+                self._sequences.popitem(last=False)
+
+    def known(self, reserved: bool = True) -> dict[int, PhasePeaks]:
+        """The known steps' peaks per phase, as the search takes them (reserved ones where ``reserved``)."""
+        return {size: peaks[reserved] for size, peaks in self._peaks.items() if peaks is not None}
+
+    def allocations(self, size: int) -> AllocationSequence | None:
+        """The allocation sequence of a batch of ``size`` (replayed now if not kept); ``None`` where it failed."""
+        if size in self._sequences:
+            self._sequences.move_to_end(size)
+            return self._sequences[size]
+        if size in self._peaks and self._peaks[size] is None:
             return None
+        self._keep(size, self._replay(size))
+        return self._sequences.get(size)
+
+    def _replay(self, size: int) -> ReplayedStep | None:
+        replays = self._replays
+        if replays.out_of_time():
+            self.failures.append(BUDGET_RAN_OUT)
+            return None
+        self.replays += 1
         result = replays.replay(BatchSizeChange(size))
         if isinstance(result, ReplayedStep):
-            return phase_peaks(result)
-        out_of_time = replays.out_of_time()
-        failures.append(BUDGET_RAN_OUT if out_of_time else f"the replay of batch size {size} failed: {result.reason}")
+            return result
+        reason = BUDGET_RAN_OUT if replays.out_of_time() else f"the replay of batch size {size} failed: {result.reason}"
+        self.failures.append(reason)
         return None
 
-    budgets = [int(capacity * (1 - BATCH_SAFETY_MARGIN)) - context_bytes for _, capacity in gpus]
-    known = {size: phase_peaks(step) for size, step in (known_steps or {}).items()}
-    sizes, count = largest_batches_that_fit(peak_bytes, budgets, start, known=known)
-    rows = tuple(
-        None
-        if size is None
-        else FitRow(name, capacity, size, basis=SavingBasis.SIMULATED, at_least=size >= MAX_BATCH_SIZE)
-        for (name, capacity), size in zip(gpus, sizes, strict=True)
+    def peaks(self, reserved: bool) -> Callable[[int], PhasePeaks | None]:
+        """The search's peak function: a batch's peak per phase (reserved ones where ``reserved``)."""
+
+        def peak_bytes(size: int) -> PhasePeaks | None:
+            if size not in self._peaks:
+                self._keep(size, self._replay(size))
+            peaks = self._peaks[size]
+            return None if peaks is None else peaks[reserved]
+
+        return peak_bytes
+
+
+def _served_row(
+    steps: _Steps,
+    name: str,
+    capacity_bytes: int,
+    served_bytes: int,
+    seeds: tuple[int | None, int | None],
+    settings: tuple[AllocatorSettings, AllocatorSettings],
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> FitRow | None:
+    """One GPU's row: the largest batch served at ``served_bytes`` with the run's settings and with expandable ones.
+
+    ``seeds`` and ``settings``: the run's, then expandable segments'. ``None`` where a replay it needed failed (or
+    a seed's search did).
+    """
+    (seed, wide_seed), (run, expandable) = seeds, settings
+    if seed is None:
+        return None
+    largest = largest_served(steps.allocations, run, served_bytes, seed, unseen_bytes)
+    if largest is None:
+        return None
+    wider: int | None = largest
+    if run != expandable:  # from the run's answer up to where the tensors alone outgrow the card
+        ceiling = None if wide_seed is None else wide_seed + 1
+        wider = largest_served(steps.allocations, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling)
+    return FitRow(
+        name,
+        capacity_bytes,
+        largest,
+        basis=SavingBasis.SIMULATED,
+        at_least=largest >= MAX_BATCH_SIZE,
+        allocator=run.conf(),
+        expandable_max_batch_size=wider,
     )
-    missing = None
-    if None in sizes:
-        left_out = [name for (name, _), size in zip(gpus, sizes, strict=True) if size is None]
-        reason = failures[0] if failures else "a replay failed"
-        missing = f"{reason}; no row for {', '.join(left_out)}"
-    return FitSearch(rows, count, missing)
 
 
-def phase_peaks(step: ReplayedStep) -> PhasePeaks:
-    """A replayed step's peak per phase, bytes, in step order (0 for a phase the step did not reach)."""
-    return tuple(step.phases[phase].peak_bytes if phase in step.phases else 0 for phase in Phase)
+def largest_served(
+    allocations: Callable[[int], AllocationSequence | None],
+    settings: AllocatorSettings,
+    capacity_bytes: int,
+    guess: int,
+    unseen_bytes: Mapping[Phase, int] | None = None,
+    limit: int = MAX_BATCH_SIZE,
+    ceiling: int | None = None,
+) -> int | None:
+    """The largest batch from 1 to ``limit`` whose step the simulated allocator serves at ``capacity_bytes``.
+
+    0 when a batch of 1 is not served; ``None`` when a replay it needed failed. Strides away from ``guess``
+    (doubling) until the answer is bracketed, then bisects: a right guess costs its own check and the next batch's.
+    ``ceiling``: a batch above ``guess`` likely not served; checked first where ``guess`` is served, it brackets
+    the answer at once (striding resumes above it where it is served).
+    """
+
+    def served(size: int) -> bool | None:
+        sequence = allocations(size)
+        return None if sequence is None else serve(sequence, settings, capacity_bytes, unseen_bytes).served
+
+    guess = min(max(guess, 1), limit)
+    fits = served(guess)
+    if fits is None:
+        return None
+    stride = 1
+    if fits:  # stride up from the guess (or a ceiling served) until a batch is not served
+        low, above = guess, None
+        if ceiling is not None and guess + 1 < ceiling <= limit:
+            fits = served(ceiling)
+            if fits is None:
+                return None
+            low, above = (ceiling, None) if fits else (guess, ceiling)
+        while above is None:
+            if low >= limit:
+                return limit
+            probe = min(low + stride, limit)
+            fits = served(probe)
+            if fits is None:
+                return None
+            if fits:
+                low, stride = probe, stride * 2
+            else:
+                above = probe
+        high = above
+    else:  # stride down until one is
+        high = guess
+        while True:
+            if high <= 1:
+                return 0
+            low = max(high - stride, 1)
+            fits = served(low)
+            if fits is None:
+                return None
+            if fits:
+                break
+            high, stride = low, stride * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        fits = served(middle)
+        if fits is None:
+            return None
+        low, high = (middle, high) if fits else (low, middle)
+    return low
+
+
+def phase_peaks(step: ReplayedStep, reserved: bool = False) -> PhasePeaks:
+    """A replayed step's peak per phase, bytes, in step order (0 for a phase the step did not reach).
+
+    ``reserved``: the simulated allocator's reserved peak where the phase has one, else its tensor peak.
+    """
+
+    def peak(phase: Phase) -> int:
+        if phase not in step.phases:
+            return 0
+        replayed = step.phases[phase]
+        return replayed.reserved_bytes if reserved and replayed.reserved_bytes is not None else replayed.peak_bytes
+
+    return tuple(peak(phase) for phase in Phase)

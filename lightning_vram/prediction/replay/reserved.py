@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from lightning_vram.prediction.allocator.model import CachingAllocatorModel
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
-from lightning_vram.records import Phase
+from lightning_vram.records import AllocationEvent, AllocationSequence, Phase
 
 
 def run_settings(environ: Mapping[str, str] | None = None) -> AllocatorSettings | str:
@@ -40,11 +40,6 @@ def run_settings(environ: Mapping[str, str] | None = None) -> AllocatorSettings 
     return settings
 
 
-Event = tuple[str, int, int, int] | Phase
-"""One step of a replay's sequence: ``("malloc", block, size, stream)``, ``("free", block, 0, 0)``, or the start of
-a phase."""
-
-
 class ReservedPeaks:
     """A replay's allocation sequence, run through a caching allocator's model: each phase's reserved peak, bytes.
 
@@ -57,7 +52,7 @@ class ReservedPeaks:
 
     def __init__(self, settings: AllocatorSettings) -> None:
         self.settings = settings
-        self._events: list[Event] = []
+        self._events: list[AllocationEvent] = []
 
     def malloc(self, block: int, size: int, stream: int = 0) -> None:
         """``block`` (``size`` bytes as requested) is allocated on ``stream``."""
@@ -77,6 +72,13 @@ class ReservedPeaks:
     def sample(self, op: str) -> None:
         """An op ran: nothing to note (its allocations came as ``malloc`` and ``free``)."""
 
+    def sequence(self) -> AllocationSequence:
+        """The sequence so far as a steady step makes it: the workspaces moved to the step's start."""
+        first = next((index for index, event in enumerate(self._events) if isinstance(event, Phase)), 0)
+        before, during = self._events[:first], self._events[first:]
+        workspaces = [event for event in during if not isinstance(event, Phase) and event[1] < 0]
+        return (*before, *workspaces, *(event for event in during if event not in workspaces))
+
     def finish(self, settings: AllocatorSettings | None = None) -> dict[Phase, int]:
         """The sequence so far through a fresh model: every phase's reserved peak, bytes.
 
@@ -84,12 +86,9 @@ class ReservedPeaks:
         another setting would have reserved.
         """
         model = CachingAllocatorModel(settings or self.settings)
-        first = next((index for index, event in enumerate(self._events) if isinstance(event, Phase)), 0)
-        before, during = self._events[:first], self._events[first:]
-        workspaces = [event for event in during if not isinstance(event, Phase) and event[1] < 0]
         peaks: dict[Phase, int] = {}
         phase: Phase | None = None
-        for event in [*before, *workspaces, *(event for event in during if event not in workspaces)]:
+        for event in self.sequence():
             if isinstance(event, Phase):
                 if phase is not None:
                     peaks[phase] = max(peaks.get(phase, 0), model.peak_reserved_bytes)

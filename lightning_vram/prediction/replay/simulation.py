@@ -53,7 +53,8 @@ class Replays(Protocol):
     carried: Calibration | None
     """The calibration every later replay carries (set here, after the baseline)."""
     allocator: AllocatorSettings | None
-    """The allocator settings the replays' reserved peaks are simulated with (``None``: none simulated)."""
+    """The allocator settings the replays' reserved peaks are simulated with and their allocation sequences kept for
+    (``None``: none simulated, none kept)."""
 
     @property
     def device_type(self) -> str:

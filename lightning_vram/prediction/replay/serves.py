@@ -1,0 +1,122 @@
+"""Whether the CUDA caching allocator serves a replayed step at a device's memory: what "fits" means on CUDA.
+
+A replayed step keeps its allocation sequence (:attr:`~lightning_vram.records.ReplayedStep.allocations`); it runs
+through a :class:`~lightning_vram.prediction.allocator.model.CachingAllocatorModel` capped at the memory the
+allocator may hold (the device's free memory at the start, less what is outside the allocator: the CUDA context,
+NCCL's buffers). The step fits when every request is served, the allocator's release-and-retry included; where one
+is not, :class:`Shortfall` says in which phase and what was asked for.
+
+What the replay cannot see (measured by the calibration: bytes per phase) is held as one more block for the whole
+of each phase, allocated as the phase starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lightning_vram.prediction.allocator.model import CachingAllocatorModel, SimulatedOutOfMemory
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.records import AllocationSequence, Phase, ReplayedStep
+
+UNSEEN_BLOCK = -(1 << 40)
+"""The block id of a phase's unseen bytes (workspaces take small negative ids, storages positive ones)."""
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """The request the simulated allocator could not serve, bytes.
+
+    ``phase``: where it came (``None``: before the step's first phase). ``requested_bytes``: the size asked for;
+    ``allocation_bytes``: the device memory the allocator asked for (torch's "Tried to allocate");
+    ``allocated_bytes`` and ``reserved_bytes``: the allocator then, after releasing its cache.
+    """
+
+    phase: Phase | None
+    requested_bytes: int
+    allocation_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+
+    @property
+    def text(self) -> str:
+        """One line: where and what."""
+        where = f"in {self.phase.value}" if self.phase is not None else "before the step"
+        return (
+            f"{where}: {self.allocation_bytes:,} B asked for with {self.allocated_bytes:,} B allocated and"
+            f" {self.reserved_bytes:,} B reserved"
+        )
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The step run through the allocator's model at ``capacity_bytes``.
+
+    ``reserved_peak_bytes``: the most the allocator held (up to the failure, when there is one); ``shortfall``:
+    the request it could not serve (``None``: it served the whole step).
+    """
+
+    capacity_bytes: int
+    reserved_peak_bytes: int
+    shortfall: Shortfall | None
+
+    @property
+    def served(self) -> bool:
+        """Whether the whole step was served."""
+        return self.shortfall is None
+
+
+def serve(
+    allocations: AllocationSequence,
+    settings: AllocatorSettings,
+    capacity_bytes: int,
+    unseen_bytes: Mapping[Phase, int] | None = None,
+) -> Serving:
+    """Run ``allocations`` through the allocator's model capped at ``capacity_bytes`` (bytes the allocator may hold).
+
+    ``unseen_bytes``: per phase, bytes the replay cannot see, held through the phase (``None``: none).
+
+    >>> from lightning_vram.records import Phase
+    >>> step = (Phase.FORWARD, ("malloc", 1, 3 * 2**20, 0), ("malloc", 2, 19 * 2**20, 0))
+    >>> serve(step, AllocatorSettings(), 40 * 2**20).served  # a 20 MiB segment, then one of 20 MiB: 40 MiB
+    True
+    >>> print(serve(step, AllocatorSettings(), 39 * 2**20).shortfall.text)
+    in forward: 20,971,520 B asked for with 3,145,728 B allocated and 20,971,520 B reserved
+    """
+    model = CachingAllocatorModel(settings, capacity_bytes)
+    unseen = unseen_bytes or {}
+    phase: Phase | None = None
+    try:
+        for event in allocations:
+            if isinstance(event, Phase):
+                if phase is not None and unseen.get(phase, 0) > 0:
+                    model.free(UNSEEN_BLOCK)
+                phase = event
+                if unseen.get(phase, 0) > 0:
+                    model.malloc(UNSEEN_BLOCK, unseen[phase])
+            elif event[0] == "malloc":
+                model.malloc(event[1], event[2], event[3])
+            else:
+                model.free(event[1])
+    except SimulatedOutOfMemory as error:
+        shortfall = Shortfall(
+            phase, error.requested_bytes, error.allocation_bytes, error.allocated_bytes, error.reserved_bytes
+        )
+        return Serving(capacity_bytes, model.peak_reserved_bytes, shortfall)
+    return Serving(capacity_bytes, model.peak_reserved_bytes, None)
+
+
+def serves_step(
+    step: ReplayedStep,
+    capacity_bytes: int,
+    settings: AllocatorSettings | None = None,
+    unseen_bytes: Mapping[Phase, int] | None = None,
+) -> Serving | None:
+    """:func:`serve` on a replayed step's kept sequence; ``None`` where it kept none (no allocator simulated).
+
+    ``settings``: the allocator's (default: those the replay simulated its reserved peaks with).
+    """
+    if step.allocations is None or step.allocator is None:
+        return None
+    chosen = settings if settings is not None else AllocatorSettings.from_conf(step.allocator)
+    return serve(step.allocations, chosen, capacity_bytes, unseen_bytes)
