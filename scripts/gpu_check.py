@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_TESTS = ("tests/test_gpu.py", "tests/hostile/test_on_a_gpu.py")
@@ -177,7 +178,6 @@ class Case:
 
 def language_model_case(name: str, config: Any, precision: str, batch_size: int, length: int) -> Case:
     """A transformers causal LM with random weights (no download), AdamW, batches of ``length`` random tokens."""
-    import torch
 
     def build() -> Any:
         from transformers import AutoModelForCausalLM
@@ -193,7 +193,6 @@ def language_model_case(name: str, config: Any, precision: str, batch_size: int,
 
 def cases(dry_run: bool) -> list[Case]:
     """GPT-2 124M, the 8-layer Llama and ResNet-50; under ``dry_run``, tiny versions of each."""
-    import torch
     from transformers import GPT2Config, LlamaConfig
 
     if dry_run:
@@ -255,7 +254,6 @@ class ImageClassifier(pl.LightningModule):
         self.optimizer = optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        import torch
 
         images, labels = batch
         return torch.nn.functional.cross_entropy(self.network(images), labels)
@@ -308,7 +306,6 @@ class Training:
     def fit(self, batch_size: int, steps: int, callbacks: list[Any], precision: str | None = None) -> Any:
         """Train ``steps`` steps at ``batch_size``; the module trained (for its monitor's report)."""
         chosen: Any = precision or self.case.precision  # Lightning's precision is a Literal of names
-        import torch
         from torch.utils.data import DataLoader, TensorDataset
 
         data = self.case.inputs(batch_size * steps)
@@ -328,7 +325,6 @@ class Training:
 
     def fits(self, batch_size: int, steps: int = 2, **options: Any) -> bool:
         """Whether ``steps`` steps at ``batch_size`` ran without a CUDA out-of-memory error."""
-        import torch
 
         try:
             self.fit(batch_size, steps, **{"callbacks": [], **options})
@@ -341,7 +337,6 @@ class Training:
 
 def free_device() -> None:
     """Drop what the last run left: collect its garbage and return the cached blocks to the driver."""
-    import torch
 
     gc.collect()
     if torch.cuda.is_available():
@@ -398,21 +393,24 @@ def monitored(case: Case, training: Training, budget: Budget) -> tuple[Any, list
 
 
 def largest_batch(simulation: Any, dry_run: bool, case: Case) -> tuple[int | None, int | None, str]:
-    """The predicted largest batch on this device, with expandable segments where the fit row gives it; its source."""
+    """The predicted largest batch on this device, and with expandable segments; where each came from.
+
+    The run's own device: ``simulation.device_max_batch_size`` (searched in the simulated allocator with the run's
+    settings). With expandable segments: the common GPU's fit row whose capacity is within 2% of this device's
+    (``FitRow.expandable_max_batch_size``), ``None`` without one.
+    """
     if dry_run:
         return case.batch_size, None, "dry run: the case's own batch"
     if simulation is None:
         return None, None, "no simulation"
-    import torch
-
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    rows = sorted(simulation.fit, key=lambda row: abs(row.capacity_bytes - capacity))
-    expandable = getattr(rows[0], "expandable_max_batch_size", None) if rows else None
+    near = [row for row in simulation.fit if abs(row.capacity_bytes - capacity) <= 0.02 * capacity]
+    expandable = near[0].expandable_max_batch_size if near else None
     if simulation.device_max_batch_size is not None:
-        return simulation.device_max_batch_size, expandable, "simulation.device_max_batch_size"
-    if rows:
-        return rows[0].max_batch_size, expandable, f"fit row {rows[0].device}"
-    return None, None, simulation.fit_note or "no fit row"
+        return simulation.device_max_batch_size, expandable, "this device"
+    if near:
+        return near[0].max_batch_size, expandable, f"fit row {near[0].device}"
+    return None, None, simulation.fit_note or "no fit row near this device's capacity"
 
 
 def batch_rows(case: Case, training: Training, simulation: Any, budget: Budget, dry_run: bool) -> list[Row]:
@@ -464,7 +462,6 @@ class allocator_settings:  # used as a statement: with allocator_settings(...)
     def _set(expandable: bool | None) -> None:
         if expandable is None:
             return
-        import torch
 
         free_device()
         torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
@@ -501,7 +498,6 @@ class FreeGradients(pl.Callback):
 
 def preflight_rows(case: Case, training: Training, best: int | None, budget: Budget, dry_run: bool) -> list[Row]:
     """At 1.2x the largest batch, preflight's verdict; each remedy it offers trained for 2 steps."""
-    import torch
 
     from lightning_vram import VramMonitor
     from lightning_vram.advice.preflight import candidate_changes
@@ -523,16 +519,16 @@ def preflight_rows(case: Case, training: Training, best: int | None, budget: Bud
     warned = any("preflight" in str(item.message).lower() or "not fit" in str(item.message) for item in caught)
     verdict = monitor.session.preflight_verdict
     if verdict is not None:
-        labels = [remedy.label for remedy in verdict.remedies]
+        labels = [(remedy.label, remedy.served is not False) for remedy in verdict.remedies]
         summary = f"needed {mib(verdict.needed_bytes)} of {mib(verdict.available_bytes)}; warned: {warned}"
     elif dry_run:  # no preflight off CUDA: the changes it would try, to exercise the path that applies them
-        labels = [change.label for change in candidate_changes(case.precision, size, None)]
+        labels = [(change.label, True) for change in candidate_changes(case.precision, size, None)]
         summary = "dry run: no preflight off CUDA; its candidate changes applied"
     else:
         return [Row(section, f"preflight at batch {size}", measured=outcome, outcome="no verdict (replay skipped?)")]
     expected = "OOM" if verdict is not None and not verdict.fits else "fit"
     rows = [Row(section, f"preflight at batch {size}", expected, outcome, outcome=summary)]
-    for label in labels:
+    for label, served in labels:
         options = remedy_options(label)
         if options is None:
             rows.append(Row(section, f"remedy: {label}", outcome="not applied: no mechanical form"))
@@ -543,7 +539,10 @@ def preflight_rows(case: Case, training: Training, best: int | None, budget: Bud
         callbacks = [FreeGradients()] if options.get("free_gradients") else []
         precision = options.get("precision")
         fits = training.fits(options.get("batch_size", size), callbacks=callbacks, precision=precision)
-        rows.append(Row(section, f"remedy: {label}", "fit", "fit" if fits else "OOM", outcome=must_fit(fits)))
+        judged = must_fit(fits) if served else ("OOM as predicted" if not fits else "fit: predicted not to")
+        rows.append(
+            Row(section, f"remedy: {label}", "fit" if served else "OOM", "fit" if fits else "OOM", outcome=judged)
+        )
     return rows
 
 
@@ -620,7 +619,6 @@ def main() -> None:
         "--skip", nargs="*", default=[], choices=["tests", "overhead", "models"], help="rows to leave out"
     )
     arguments = parser.parse_args()
-    import torch
 
     dry_run = arguments.cpu_dry_run
     if not dry_run and not torch.cuda.is_available():
