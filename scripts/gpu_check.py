@@ -506,7 +506,10 @@ def preflight_rows(case: Case, training: Training, best: int | None, budget: Bud
     if best is None:
         return [Row(section, "preflight", outcome="skipped: no predicted largest batch")]
     size = math.ceil(best * 1.2)
-    monitor = VramMonitor(console_summary=False, preflight=True, attribution_start_step=100)
+    replay_seconds = max(min(budget.left() / 3, 30.0), 5.0)
+    monitor = VramMonitor(
+        console_summary=False, preflight=True, attribution_start_step=100, replay_budget_seconds=replay_seconds
+    )
     outcome = "fit"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -614,7 +617,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     parser.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU with tiny models (no GPU)")
-    parser.add_argument("--total-seconds", type=float, default=450.0, help="wall budget for everything")
+    parser.add_argument("--total-seconds", type=float, default=420.0, help="wall budget for everything")
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["tests", "overhead", "models"], help="rows to leave out"
     )
