@@ -11,7 +11,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 DEMO_STAMP := $(VENV)/.demo-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: demo test test-fast test-fake-cuda benchmark clean
+.PHONY: demo test test-fast test-fake-cuda benchmark gpu-check clean
 
 # The demo needs torch, the package and rich (the console table): nothing the tests alone need.
 $(DEMO_STAMP): pyproject.toml
@@ -60,6 +60,11 @@ test-fake-cuda: $(FAKE_CUDA_STAMP)
 benchmark: $(TEST_STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/hot_path.py
+
+# On a machine with a CUDA GPU: the GPU tests, the overhead benchmark, per-phase peaks, the largest batch and
+# preflight's remedies trained for real, in one table (under 8 minutes; docs/gpu-validation.md).
+gpu-check: $(TEST_STAMP)
+	$(BIN)/python scripts/gpu_check.py --out docs/gpu-validation-run.md
 
 clean:
 	rm -rf $(VENV) $(FAKE_CUDA_VENV) runs lightning_logs .mypy_cache .ruff_cache .pytest_cache

@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+from torch import nn
 
 from lightning_vram import VramMonitor
 from lightning_vram.measure.probes import CudaProbe
@@ -185,26 +186,41 @@ def test_lightning_deepspeed_stage_3_counts_this_ranks_partitions(tmp_path: Path
     assert report.peak.breakdown.other is not None and report.peak.breakdown.other >= 0
 
 
+@pytest.mark.replay
 def test_replayed_allocator_peaks_match_the_real_ones_per_phase(tmp_path: Path) -> None:
-    """The fake-CUDA replay of a sampled step against the allocator's measured peaks of the same steps.
+    """The fake-CUDA replay of a sampled step, through the allocator model, against the allocator's own peaks.
 
-    Prints each phase's figures for docs/gpu-validation.md; the project's goal is within 5%.
+    Allocated and reserved per phase within 2%, cuBLAS's workspaces included: ``simulation.calibration`` holds the
+    replay's own figures (before anything measured is carried) beside the measured ones. The network is matmuls only
+    (cuBLAS, whose workspace the replay simulates): cuDNN's convolution workspaces are measured and carried, not
+    replayed (scripts/gpu_check.py's ResNet-50 rows show them). Prints each phase's figures for
+    docs/gpu-validation.md.
     """
+    network = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
     trainer(tmp_path, [monitor], max_steps=4, accelerator="gpu").fit(
-        Classifier(cnn_net(), OPTIMIZERS["adam"]), loader(dataset_for("cnn", samples=256), batch_size=64)
+        Classifier(network, OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=256), batch_size=64)
     )
-    simulation = monitor.session.simulation
     report = monitor.report
-    assert report is not None and simulation is not None, "no replay"
-    assert simulation.skipped is None and simulation.baseline is not None, simulation.skipped
-    assert simulation.device_type == "cuda"
-    for phase, replayed in simulation.baseline.phases.items():
-        measured = report.phases[phase].peak_bytes
-        print(f"{phase.value}: replayed {replayed.peak_bytes} B, measured {measured} B")
-        assert replayed.peak_bytes == pytest.approx(measured, rel=0.10)
+    assert report is not None and report.simulation is not None, "no replay"
+    simulation = report.simulation
+    assert simulation.skipped is None and simulation.device_type == "cuda", simulation.skipped
+    calibration = simulation.calibration
+    assert calibration is not None, "no allocator readings beside the replay"
+    assert {phase.phase for phase in calibration.phases} == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
+    for phase in calibration.phases:
+        print(
+            f"{phase.phase.value}: allocated replayed {phase.replayed_allocated_bytes} B,"
+            f" measured {phase.measured_allocated_bytes} B ({phase.allocated_error}); reserved replayed"
+            f" {phase.replayed_reserved_bytes} B, measured {phase.measured_reserved_bytes} B ({phase.reserved_error})"
+        )
+    for phase in calibration.phases:
+        assert phase.replayed_allocated_bytes == pytest.approx(phase.measured_allocated_bytes, rel=0.02), phase
+        assert phase.replayed_reserved_bytes is not None and phase.measured_reserved_bytes is not None, phase
+        assert phase.replayed_reserved_bytes == pytest.approx(phase.measured_reserved_bytes, rel=0.02), phase
 
 
+@pytest.mark.replay
 def test_preflight_on_a_real_device_stays_silent_when_the_step_fits(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=100, console_summary=False)
     trainer(tmp_path, [monitor], max_steps=1, accelerator="gpu").fit(Classifier(cnn_net()), loader(dataset_for("cnn")))
