@@ -165,6 +165,8 @@ def test_a_prediction_prints_as_a_short_table_and_has_a_json_form() -> None:
     for row, fit in zip(rows, prediction.fit, strict=True):
         assert row.startswith(f"  {fit.device}") and row.endswith(fit.allocator_text)
         assert f" {fit.batch_text} " in row and f" {fit.expandable_text} " in row
+    note_lines = [line for line in lines if line.startswith("  - ")]
+    assert len(note_lines) == len(set(note_lines))  # a note both the step and the prediction carry is printed once
     data = json.loads(json.dumps(prediction.to_dict()))
     assert data["step"]["peak_bytes"] == peak.peak_bytes and data["step"]["peak_phase"] == peak.phase.value
     assert data["step"]["phases"]["forward"]["peak_bytes"] == forward.peak_bytes

@@ -115,7 +115,7 @@ def prediction_text(prediction: Prediction) -> str:
             for row in prediction.fit
         ]
         lines += _columns(fit)
-    notes = [*step.notes, *prediction.notes]
+    notes = list(dict.fromkeys((*step.notes, *prediction.notes)))  # the step's notes reach the prediction's too
     if notes:
         lines.append("Notes:")
         lines += [f"  - {note}" for note in notes[:MAX_NOTES]]
