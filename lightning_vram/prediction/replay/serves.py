@@ -82,8 +82,11 @@ def serve(
     True
     >>> print(serve(step, AllocatorSettings(), 39 * 2**20).shortfall.text)
     in forward: 20,971,520 B asked for with 3,145,728 B allocated and 20,971,520 B reserved
+    >>> serve(step, AllocatorSettings(), -2**20).served  # a device smaller than what is kept outside the allocator
+    False
     """
-    model = CachingAllocatorModel(settings, capacity_bytes)
+    # A capacity of 0 or less (a device smaller than the CUDA context): the first request fails.
+    model = CachingAllocatorModel(settings, max(capacity_bytes, 1))
     unseen = unseen_bytes or {}
     phase: Phase | None = None
     try:
