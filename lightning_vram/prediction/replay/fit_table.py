@@ -171,6 +171,14 @@ def _synthesized_row(
         wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
         if wider is None or not _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes):
             return None
+    return _served_fit_row(name, capacity_bytes, largest, wider, run)
+
+
+def _served_fit_row(name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings) -> FitRow:
+    """A row found by the simulated allocator, batch sizes.
+
+    ``largest``: the largest batch it serves with the run's settings (``run``); ``wider``: with expandable segments.
+    """
     return FitRow(
         name,
         capacity_bytes,
@@ -343,15 +351,7 @@ def _served_row(
     if run != expandable:  # from the run's answer up to where the tensors alone outgrow the card
         ceiling = None if wide_seed is None else wide_seed + 1
         wider = largest_served(steps.allocations, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling)
-    return FitRow(
-        name,
-        capacity_bytes,
-        largest,
-        basis=SavingBasis.SIMULATED,
-        at_least=largest >= MAX_BATCH_SIZE,
-        allocator=run.conf(),
-        expandable_max_batch_size=wider,
-    )
+    return _served_fit_row(name, capacity_bytes, largest, wider, run)
 
 
 def largest_served(
