@@ -1,5 +1,6 @@
 """The fit table searched in the simulator: two replays give every batch's allocation sequence (sizes affine in the
-batch), each answer is confirmed by replaying it and the batch above it."""
+batch), the table's largest answer is confirmed by replaying it and the batch above it (each row's own answers only
+where that check disagrees)."""
 
 from __future__ import annotations
 
@@ -136,5 +137,39 @@ def test_the_synthesized_sequence_is_the_replayed_one_and_the_table_equals_the_r
                     assert _served(law, answer, settings, capacity - 64 * MIB)
                     assert not _served(law, answer + 1, settings, capacity - 64 * MIB)
     distinct = {size for pair in rows["synthesized"] for size in pair if size is not None}
-    # Two replays for the law, the run's own, and each distinct answer with the batch above it.
+    # Two replays for the law, the table's largest answer with the batch above it; each row's own where that
+    # check disagrees (the conv/BatchNorm model's serving is not monotone).
     assert counts["synthesized"] <= 3 + 2 * len(distinct) < counts["replayed"]
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_the_whole_table_is_confirmed_by_two_replays_with_the_rows_each_rows_own_confirmations_give(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = SETTINGS[setting]
+    build, data, optimizer = FIT_MODELS["mlp"]
+    batch = data()
+    own = len(batch[1])
+
+    def search() -> fit_table.FitSearch:
+        torch.manual_seed(0)
+        predictor = Predictor(Classifier(build(), optimizer), None, batch, warm_up=True, allocator=settings)
+        with round_of_replays():
+            base = predictor.baseline()
+            assert isinstance(base, ReplayedStep) and base.allocations is not None
+            unit = fit_table.phase_peaks(base, reserved=True)[0]
+            gpus = [(f"{growth}x", 64 * MIB + int(unit * growth)) for growth in (1.5, 3.0, 9.0, 27.0)]
+            return predictor.fit_table(64 * MIB, gpus=gpus, known_steps={own: base})
+
+    checked = search()
+    # The law's two replays, then the table's largest answer and the batch above it: nothing per row.
+    assert checked.missing is None and checked.notes == ()
+    assert checked.replays == 4
+    largest = max(size for row in checked.found for size in (row.max_batch_size, row.expandable_max_batch_size))
+    assert largest is not None and largest > 9 * own
+    monkeypatch.setattr(fit_table, "_largest_confirmed", lambda *arguments: False)  # each row confirmed on its own
+    each = search()
+    assert each.notes == () and each.replays >= 2 + 2 * len(each.found) > checked.replays
+    assert [
+        (row.max_batch_size, row.expandable_max_batch_size, row.capacity_bytes, row.allocator) for row in checked.found
+    ] == [(row.max_batch_size, row.expandable_max_batch_size, row.capacity_bytes, row.allocator) for row in each.found]

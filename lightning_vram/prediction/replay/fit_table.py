@@ -2,11 +2,14 @@
 
 Where the caching allocator is simulated (on CUDA), "fits" means the simulated allocator serves the whole step
 (:func:`~lightning_vram.prediction.replay.serves.serve`) at the card's memory less the CUDA context, with no margin
-kept: what the allocator holds around the tensors is in the simulation, not guessed. Lines on the replayed reserved
-peaks seed the search (:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`: two replays give a
-line per phase, a third checks them); every row's answer is then checked in the simulator, and the batch above it
-is shown not to be served (strides and bisection where the seed was off). Each row is searched with the run's
-settings and with ``expandable_segments:True`` on the same replays.
+kept: what the allocator holds around the tensors is in the simulation, not guessed. Every row is searched in the
+simulator on sequences synthesized from two replays (:class:`~lightning_vram.prediction.replay.synthesis.AffineSteps`),
+and the table's largest answer and the batch above it are replayed to confirm the synthesis: two replays for the
+whole table, not two per row and setting (each row's own confirmed only where that check disagrees). Where the
+synthesis does not hold, lines on the replayed reserved peaks seed a search by replays
+(:func:`~lightning_vram.prediction.replay.search.largest_batches_that_fit`), checked in the simulator, the batch
+above each answer shown not to be served. Each row is searched with the run's settings and with
+``expandable_segments:True`` on the same replays.
 
 Where it is not (no allocator settings: the CPU's tensor peaks), a row is the largest batch whose replayed peak plus
 the context leaves :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of the card free, solved on the
@@ -102,31 +105,40 @@ def _allocator_rows(
     settings: AllocatorSettings,
     unseen_bytes: Mapping[Phase, int] | None,
 ) -> tuple[tuple[FitRow | None, ...], tuple[str, ...]]:
-    """The rows where the allocator is simulated: searched on synthesized sequences, each answer confirmed by replay.
+    """The rows where the allocator is simulated: searched on synthesized sequences, confirmed by replay.
 
     Two replays (the run's batch and another) give every batch's sequence (:class:`AffineSteps`); each row is
-    searched in the simulator alone, and its answer (with the run's settings and with expandable segments) is
-    replayed, with the batch above it: both must have the synthesized sequence exactly, the answer's served and the
-    next's not. A row whose confirmation disagrees, and every row where the two replays' structures differ, is
-    searched as before (lines on the replayed peaks, then a replay per candidate); ``notes`` says which.
+    searched in the simulator alone (with the run's settings and with expandable segments). The table's largest
+    answer is then replayed, with the batch above it: both must have the synthesized sequence exactly, the answer's
+    served and the next's not. The law then holds at three batches spanning every row, so the other rows stand on
+    it without replays of their own. Where that check disagrees, each row's answers are confirmed the same way, and
+    a row whose confirmation disagrees, and every row where the two replays' structures differ, is searched as before
+    (lines on the replayed peaks, then a replay per candidate); ``notes`` says which.
     """
     capacities = [capacity - context_bytes for _, capacity in gpus]
-    expandable = replace(settings, expandable_segments=True)
     law = _law(steps, start)
+    answers = [
+        None if law is None else _synthesized_answers(law, served, start, settings, unseen_bytes)
+        for served in capacities
+    ]
+    checked = law is not None and _largest_confirmed(steps, law, answers, capacities, start, settings, unseen_bytes)
     fallback = _Fallback(steps, capacities, start, unseen_bytes)
+    expandable = replace(settings, expandable_segments=True)
     rows: list[FitRow | None] = []
     notes: list[str] = []
-    for index, ((name, capacity), served) in enumerate(zip(gpus, capacities, strict=True)):
-        gpu = (name, capacity, served)
-        row = None if law is None else _synthesized_row(steps, law, gpu, start, settings, unseen_bytes)
-        if row is None and law is not None and steps.failures:
+    for index, ((name, capacity), served, answer) in enumerate(zip(gpus, capacities, answers, strict=True)):
+        confirmed = answer is not None and law is not None
+        if confirmed and not checked and law is not None and answer is not None:
+            confirmed = _row_confirmed(steps, law, answer, start, settings, served, unseen_bytes)
+        if confirmed and answer is not None:
+            rows.append(_served_fit_row(name, capacity, answer[0], answer[1], settings))
+            continue
+        if law is not None and steps.failures:
             rows.append(None)
             continue
-        if row is None:
-            if law is not None:
-                notes.append(f"{name}: a replay disagreed with the synthesized sequences; searched by replays")
-            row = fallback.row(index, name, capacity, (settings, expandable))
-        rows.append(row)
+        if law is not None:
+            notes.append(f"{name}: a replay disagreed with the synthesized sequences; searched by replays")
+        rows.append(fallback.row(index, name, capacity, (settings, expandable)))
     if law is None:
         notes.append("the step's allocations change structure with the batch size: every row searched by replays")
     return tuple(rows), tuple(notes)
@@ -148,30 +160,70 @@ def _law(steps: _Steps, start: int) -> AffineSteps | None:
     return AffineSteps.fit(first, sizes[0], second, sizes[1])
 
 
-def _synthesized_row(
-    steps: _Steps,
-    law: AffineSteps,
-    gpu: tuple[str, int, int],
-    start: int,
-    run: AllocatorSettings,
-    unseen_bytes: Mapping[Phase, int] | None,
-) -> FitRow | None:
-    """One GPU's row searched on synthesized sequences from ``start``; ``None`` where a confirmation fails.
+Answer = tuple[int, int]
+"""A row's answers on synthesized sequences: the largest batch served with the run's settings, and with
+expandable segments (the same where the run has them)."""
 
-    ``gpu``: its name, memory and the bytes the allocator may hold there.
+
+def _synthesized_answers(
+    law: AffineSteps, served_bytes: int, start: int, run: AllocatorSettings, unseen_bytes: Mapping[Phase, int] | None
+) -> Answer | None:
+    """One GPU's answers searched on synthesized sequences from ``start`` (no replay); ``None`` where none is found.
+
+    ``served_bytes``: the bytes the allocator may hold there.
     """
-    name, capacity_bytes, served_bytes = gpu
     expandable = replace(run, expandable_segments=True)
     # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection.
     largest = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE)
-    if largest is None or not _confirmed(steps, law, largest, start, run, served_bytes, unseen_bytes):
+    if largest is None:
         return None
-    wider: int | None = largest
-    if run != expandable:
-        wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
-        if wider is None or not _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes):
-            return None
-    return _served_fit_row(name, capacity_bytes, largest, wider, run)
+    if run == expandable:
+        return largest, largest
+    wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
+    return None if wider is None else (largest, wider)
+
+
+def _largest_confirmed(
+    steps: _Steps,
+    law: AffineSteps,
+    answers: Sequence[Answer | None],
+    capacities: Sequence[int],
+    start: int,
+    run: AllocatorSettings,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> bool:
+    """Whether replays agree with the table's largest answer and the batch above it (see :func:`_confirmed`).
+
+    ``False`` where a row has no answer: every row is then confirmed on its own.
+    """
+    if not answers or any(answer is None for answer in answers):
+        return False
+    expandable = replace(run, expandable_segments=True)
+    candidates = [
+        (size, settings, served)
+        for answer, served in zip(answers, capacities, strict=True)
+        if answer is not None
+        for size, settings in zip(answer, (run, expandable), strict=True)
+    ]
+    size, settings, served = max(candidates, key=lambda candidate: candidate[0])
+    return _confirmed(steps, law, size, start, settings, served, unseen_bytes)
+
+
+def _row_confirmed(
+    steps: _Steps,
+    law: AffineSteps,
+    answer: Answer,
+    start: int,
+    run: AllocatorSettings,
+    served_bytes: int,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> bool:
+    """Whether replays agree with one row's answers, with the run's settings and with expandable segments."""
+    expandable = replace(run, expandable_segments=True)
+    largest, wider = answer
+    if not _confirmed(steps, law, largest, start, run, served_bytes, unseen_bytes):
+        return False
+    return run == expandable or _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes)
 
 
 def _served_fit_row(name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings) -> FitRow:
