@@ -1,15 +1,18 @@
 """Wall time of a whole fit, bare and with VramMonitor (default options), in one process.
 
-Two models: the quickstart's small CNN (``examples/quickstart.py``) and a small GPT-2-class language model
-(transformers' ``GPT2Config``, random weights, nothing downloaded). For each, runs are paired: every round fits the
-model bare and with the monitor, in alternating order, after one unrecorded warm-up pair; each fit is timed from the
-Trainer's construction to ``fit``'s return, so the monitor's sampled step, its replays, its end-of-run report, files
-and figures are all in it. Both runs log to the Trainer's default logger (TensorBoard where installed) under a
-temporary folder. Prints seconds (median over rounds) and the per-round ratio monitor / bare (median [min, max]), and
-the monitor's seconds more than bare. On the CPU, and on CUDA when there is a GPU. A benchmark: it prints, it asserts
-nothing.
+Models: the quickstart's small CNN (``examples/quickstart.py``), a GPT-2-class language model (transformers'
+``GPT2Config``, random weights, nothing downloaded: GPT-2 124M's shape on a GPU, 2 layers of 128 on the CPU) and
+``gpt2-124m``, GPT-2 124M's shape on either (``GPT2Config()``'s defaults, ``--tokens`` per sequence). For each, runs
+are paired: every round fits the model bare and with the monitor, in alternating order, after one unrecorded warm-up
+pair; each fit is timed from the Trainer's construction to ``fit``'s return, so the monitor's sampled step, its
+replays, its end-of-run report, files and figures are all in it. Both runs log to the Trainer's default logger
+(TensorBoard where installed) under a temporary folder. Prints wall seconds (median over rounds), the per-round ratio
+monitor / bare (median [min, max]), the monitor's seconds more than bare, and the same in the process's CPU seconds
+(every thread's: on a machine other work shares, the steadier figure). On the CPU, and on CUDA when there is a GPU.
+A benchmark: it prints, it asserts nothing.
 
-    python benchmarks/whole_fit.py [--steps 45] [--rounds 3] [--models quickstart gpt2] [--accelerator auto]
+    python benchmarks/whole_fit.py [--steps 45] [--rounds 3] [--models quickstart gpt2 gpt2-124m]
+        [--batch-size 8] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -73,15 +76,20 @@ def quickstart_case(batch_size: int) -> tuple[Callable[[], pl.LightningModule], 
     return quickstart.SmallCNN, DataLoader(data, batch_size=batch_size, shuffle=True)
 
 
-def gpt2_case(batch_size: int, on_gpu: bool) -> tuple[Callable[[], pl.LightningModule], DataLoader[Any]]:
-    """GPT-2 124M's shape on a GPU; on the CPU a smaller one of the same class (2 layers of 128, 64 tokens)."""
+def gpt2_case(
+    batch_size: int, on_gpu: bool, full: bool = False, tokens: int | None = None
+) -> tuple[Callable[[], pl.LightningModule], DataLoader[Any]]:
+    """GPT-2 124M's shape on a GPU (or where ``full``); on the CPU a smaller one of the same class (2 layers of 128).
+
+    ``tokens`` per sequence; default 512 for GPT-2 124M's shape, 64 for the smaller one.
+    """
     from transformers import GPT2Config
 
-    if on_gpu:
-        config, tokens = GPT2Config(), 512
+    if on_gpu or full:
+        config, tokens = GPT2Config(), tokens or 512
     else:
         config = GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=4096, n_positions=256)
-        tokens = 64
+        tokens = tokens or 64
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, config.vocab_size, (batch_size * 16, tokens), generator=generator))
     return (lambda: Gpt2(config)), DataLoader(data, batch_size=batch_size, shuffle=True)
@@ -89,11 +97,11 @@ def gpt2_case(batch_size: int, on_gpu: bool) -> tuple[Callable[[], pl.LightningM
 
 def fit_seconds(
     build: Callable[[], pl.LightningModule], loader: DataLoader[Any], monitored: bool, steps: int, root: str
-) -> float:
-    """Seconds from the Trainer's construction to ``fit``'s return."""
+) -> tuple[float, float]:
+    """Wall and CPU seconds (the process's, every thread's) from the Trainer's construction to ``fit``'s return."""
     torch.manual_seed(0)
     module = build()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer = pl.Trainer(
         accelerator="auto",
         devices=1,
@@ -109,25 +117,26 @@ def fit_seconds(
         trainer.fit(module, loader)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=45, help="training batches per fit")
     parser.add_argument("--rounds", type=int, default=3, help="pairs of fits (bare, monitored) per model")
-    parser.add_argument("--models", nargs="+", default=["quickstart", "gpt2"], choices=["quickstart", "gpt2"])
+    parser.add_argument("--models", nargs="+", default=["quickstart", "gpt2"], choices=sorted(MODELS))
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per sequence of the GPT-2 models")
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")  # the monitor's and Lightning's advice on these set-ups is not the point
     on_gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"device: {device}; torch {torch.__version__}; lightning {lightning.__version__}")
     print(f"{arguments.rounds} rounds of paired fits, {arguments.steps} steps each; ratio per round, median [min, max]")
-    print(f"{'model':<12} {'bare':>9} {'monitor':>9} {'more':>8} {'ratio':>22}")
+    print(f"{'model':<12} {'':<4} {'bare':>9} {'monitor':>9} {'more':>8} {'ratio':>22}")
     for name in arguments.models:
-        build, loader = quickstart_case(64) if name == "quickstart" else gpt2_case(arguments.batch_size, on_gpu)
-        seconds: dict[bool, list[float]] = {False: [], True: []}
+        build, loader = MODELS[name](arguments.batch_size, on_gpu, arguments.tokens)
+        seconds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         with tempfile.TemporaryDirectory() as root:
             for monitored in (False, True):  # warm-up: imports, kernels, allocator
                 fit_seconds(build, loader, monitored, arguments.steps, root)
@@ -135,12 +144,24 @@ def main() -> None:
                 order = (False, True) if round_index % 2 == 0 else (True, False)
                 for monitored in order:
                     seconds[monitored].append(fit_seconds(build, loader, monitored, arguments.steps, root))
-        bare, monitor = statistics.median(seconds[False]), statistics.median(seconds[True])
-        ratios = [with_it / without for with_it, without in zip(seconds[True], seconds[False], strict=True)]
-        print(
-            f"{name:<12} {bare:>8.2f}s {monitor:>8.2f}s {monitor - bare:>+7.2f}s"
-            f" {statistics.median(ratios):>8.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
-        )
+        for column, clock in ((0, "wall"), (1, "cpu")):
+            bare_runs = [run[column] for run in seconds[False]]
+            monitor_runs = [run[column] for run in seconds[True]]
+            bare, monitor = statistics.median(bare_runs), statistics.median(monitor_runs)
+            ratios = [with_it / without for with_it, without in zip(monitor_runs, bare_runs, strict=True)]
+            print(
+                f"{name:<12} {clock:<4} {bare:>8.2f}s {monitor:>8.2f}s {monitor - bare:>+7.2f}s"
+                f" {statistics.median(ratios):>8.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+            )
+
+
+Case = Callable[[int, bool, "int | None"], tuple[Callable[[], pl.LightningModule], DataLoader[Any]]]
+MODELS: dict[str, Case] = {
+    "quickstart": lambda batch_size, on_gpu, tokens: quickstart_case(64),
+    "gpt2": lambda batch_size, on_gpu, tokens: gpt2_case(batch_size, on_gpu, tokens=tokens),
+    "gpt2-124m": lambda batch_size, on_gpu, tokens: gpt2_case(batch_size, on_gpu, full=True, tokens=tokens),
+}
+"""Each model's case by name: (batch size, on a GPU, tokens per sequence or ``None``) -> (build, loader)."""
 
 
 if __name__ == "__main__":
