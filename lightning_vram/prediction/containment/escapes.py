@@ -6,6 +6,12 @@ user's code wrote to. The user's ``functools.lru_cache`` functions that grew dur
 cache recomputes what it lost; the replay gives the caches it finds fresh ones, so this is for those it could not
 find); anything else cannot be undone from here, and :func:`check_no_escape` raises so that the caller turns
 replays off.
+
+The objects alive when a round begins cannot be its fake tensors: :func:`round_of_replays` freezes them
+(``gc.freeze``, where nothing of the process is frozen already), so that the check's collection and scan see only
+what the round made, and unfreezes them as it ends, whatever happens. A fake tensor found then is looked for again
+with everything in view (a pre-existing object that became garbage holding one is collected only so), before any
+cache is cleared.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
 _MODES: weakref.WeakSet[FakeTensorMode] = weakref.WeakSet()
 _CACHE_SIZES: dict[int, tuple[weakref.ref[Any], int]] = {}
 """The user's ``lru_cache`` functions and their sizes when the round of replays began."""
+_FROZEN: list[bool] = []
+"""Holds ``True`` while the objects alive when the round began are frozen by it (``gc.freeze``)."""
+_ROUND: list[bool] = []
+"""Holds ``True`` while the body of :func:`round_of_replays` runs (its caches were noted as it began)."""
 
 
 class ReplayEscapeError(RuntimeError):
@@ -44,17 +54,31 @@ def _user_caches() -> list[functools._lru_cache_wrapper[object]]:
 def register(mode: FakeTensorMode) -> None:
     """Watch ``mode``'s fake tensors in the next :func:`check_no_escape`.
 
-    The first call of a round notes the sizes of the user's caches.
+    The first call outside :func:`round_of_replays` (which did it as it began) notes the sizes of the user's caches.
     """
-    if not _MODES:
-        _CACHE_SIZES.clear()
-        for cache in _user_caches():
-            _CACHE_SIZES[id(cache)] = (weakref.ref(cache), cache.cache_info().currsize)
+    if not _MODES and not _ROUND:
+        _note_caches()
     _MODES.add(mode)
+
+
+def _note_caches() -> None:
+    """Note the user's caches and their sizes now."""
+    _CACHE_SIZES.clear()
+    for cache in _user_caches():
+        _CACHE_SIZES[id(cache)] = (weakref.ref(cache), cache.cache_info().currsize)
+
+
+def _unfreeze() -> None:
+    """Put the objects the round froze back under the collector (nothing where it froze none)."""
+    if _FROZEN:
+        _FROZEN.clear()
+        gc.unfreeze()
 
 
 def forget() -> None:
     """End a round of replays without checking (it raised: replays are turned off anyway)."""
+    _unfreeze()
+    _ROUND.clear()
     _MODES.clear()
     _CACHE_SIZES.clear()
 
@@ -89,11 +113,16 @@ def check_no_escape() -> None:
     """Raise :class:`ReplayEscapeError` if a fake tensor of a replay since the last check is still held somewhere.
 
     Fake tensors in a ``functools.lru_cache`` of the user's that grew during the round are removed by clearing that
-    cache first. Costs one full garbage collection and two scans of the collector's objects (about 0.3 s in a
-    process that imported transformers).
+    cache first. Costs a collection and a scan of what the round made, where the round froze what came before it
+    (:func:`round_of_replays`); else, and where a fake tensor is found, one full garbage collection and two scans of the
+    collector's objects (about 0.3 s in a process that imported transformers).
     """
     try:
         escaped = _escaped()
+        if escaped and _FROZEN:  # look again with every object in view: a frozen one may hold it as garbage
+            del escaped
+            _unfreeze()
+            escaped = _escaped()
         if escaped:
             for cache in _grown_caches():
                 cache.cache_clear()
@@ -110,7 +139,16 @@ def check_no_escape() -> None:
 
 @contextlib.contextmanager
 def round_of_replays() -> Iterator[None]:
-    """Replays run in the body; when it ends normally, :func:`check_no_escape` (an error passes through unchecked)."""
+    """Replays run in the body; when it ends normally, :func:`check_no_escape` (an error passes through unchecked).
+
+    As it begins, the user's caches are noted and every object alive is frozen (unless the process has frozen some
+    itself: their freezing is left as it is); unfrozen as it ends, whatever happens.
+    """
+    _note_caches()
+    _ROUND.append(True)
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        _FROZEN.append(True)
     try:
         yield
     except BaseException:
