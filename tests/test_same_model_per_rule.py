@@ -1,0 +1,229 @@
+"""Each rule's printed change, applied, trains the same model: bit for bit where the arithmetic is the same, else
+within the tolerance the advice itself states.
+
+For each rule with printed code, a model of the kind it targets is trained three times from one seed with a real
+Trainer on the CPU: with the monitor (whose report gives the advice and its printed code), with the printed change
+applied and no monitor, and with neither. Losses (every batch's, as Lightning hands them to callbacks), the
+state_dict (weights and buffers: BatchNorm's running statistics and ``num_batches_tracked``), the optimizer's state
+and the torch, numpy and Python RNG states are compared. Checkpointing has its own file
+(tests/test_checkpointing_same_model.py).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from advice_models import images
+from models import OPTIMIZERS, Classifier, trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.records import Advice
+
+# ---------------------------------------------------------------------------------------------- training, compared
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a run leaves: its losses, the module's state, the optimizer's state, every RNG's state."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    optimizer: list[tuple[str, Any]]
+    rng: tuple[torch.Tensor, Any, Any]
+    report: Report | None
+
+
+class Losses(pl.Callback):
+    """Every batch's loss as Lightning hands it to callbacks (divided by ``accumulate_grad_batches``)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+def flattened(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``value`` (an optimizer's state_dict) as (path, leaf) pairs, tensors cloned."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from flattened(value[key], f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from flattened(item, f"{path}[{index}]")
+    else:
+        yield path, value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def shuffled(data: TensorDataset, batch_size: int, **options: Any) -> DataLoader[Any]:
+    """A shuffling DataLoader: its sampler draws from the torch RNG every epoch, as most training loops do."""
+    return DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True, **options)
+
+
+def fit(
+    root: Path,
+    build: Callable[[], pl.LightningModule],
+    batches: Callable[[], DataLoader[Any]],
+    steps: int,
+    monitored: bool = False,
+    **options: Any,
+) -> Trained:
+    """``steps`` optimizer steps from seed 0 (torch, numpy, Python), with the monitor or without; what they leave."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    module = build()
+    losses = Losses()
+    callbacks: list[pl.Callback] = [losses]
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    if monitored:
+        callbacks.insert(0, monitor)
+    run = trainer(root, callbacks, max_steps=steps, **options)
+    run.fit(module, batches())
+    state = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    optimizer = [leaf for optimizer in run.optimizers for leaf in flattened(optimizer.state_dict())]
+    rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    return Trained(losses.values, state, optimizer, rng, monitor.report if monitored else None)
+
+
+def assert_identical(first: Trained, second: Trained) -> None:
+    """Bit for bit: losses, weights and buffers, optimizer state, RNG states."""
+    assert first.losses == second.losses
+    assert first.state.keys() == second.state.keys()
+    assert [key for key in first.state if not torch.equal(first.state[key], second.state[key])] == []
+    assert [path for path, _ in first.optimizer] == [path for path, _ in second.optimizer]
+    different = [
+        path
+        for (path, a), (_, b) in zip(first.optimizer, second.optimizer, strict=True)
+        if not (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+    ]
+    assert different == []
+    assert_same_rng(first, second)
+
+
+def assert_same_rng(first: Trained, second: Trained) -> None:
+    assert torch.equal(first.rng[0], second.rng[0])
+    assert first.rng[1][0] == second.rng[1][0] and np.array_equal(first.rng[1][1], second.rng[1][1])
+    assert first.rng[1][2:] == second.rng[1][2:]
+    assert first.rng[2] == second.rng[2]
+
+
+def largest_relative_difference(first: Trained, second: Trained) -> float:
+    """The largest difference between two runs' floating-point weights, relative to the largest weight of each."""
+    worst = 0.0
+    for key, a in first.state.items():
+        b = second.state[key]
+        if a.is_floating_point():
+            worst = max(worst, ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item())
+    return worst
+
+
+def advice_of(report: Report | None, advice_id: str) -> Advice:
+    assert report is not None
+    found = [advice for advice in report.advice if advice.id == advice_id]
+    assert len(found) == 1, [advice.id for advice in report.advice]
+    return found[0]
+
+
+def printed_code(advice: Advice) -> str:
+    """The advice's one code block, as printed."""
+    (code,) = re.findall(r"```(?:python|bash)\n(.*?)\n```", advice.detail, re.DOTALL)
+    return code  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------------------ inplace-activations
+
+
+class Block(nn.Module):
+    """A ResNet basic block with ``activation`` for its ReLUs: conv-BN-act-conv-BN, the input added back, act."""
+
+    def __init__(self, channels: int, activation: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.act1 = activation()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.act2 = activation()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = self.act1(self.bn1(self.conv1(inputs)))
+        return self.act2(self.bn2(self.conv2(out)) + inputs)  # type: ignore[no-any-return]
+
+
+def activated_resnet(activation: Callable[[], nn.Module], width: int = 8) -> nn.Sequential:
+    """A stem (conv-BN-act), two basic blocks, pooling, Dropout and a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        activation(),
+        Block(width, activation),
+        Block(width, activation),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(width, 10),
+    )
+
+
+def made_inplace(network: nn.Module, code: str) -> nn.Module:
+    """The printed inplace-activations change on ``network``: each out-of-place activation of the printed type
+    becomes inplace, its other arguments kept (as the printed line's comment says)."""
+    printed = eval(code.partition("#")[0], {"nn": nn})  # the printed constructor, e.g. nn.LeakyReLU(inplace=True)
+    assert printed.inplace is True
+    for child in network.modules():
+        if type(child) is type(printed):
+            child.inplace = True
+    return network
+
+
+INPLACE_CASES: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    # LeakyReLU's gradient from its result is the same arithmetic: bit for bit
+    "leaky_relu": (lambda: nn.LeakyReLU(0.2), "nn.LeakyReLU(inplace=True)"),
+    # ELU's from its result recovers exp(x) as result + alpha: float32 rounding, said in the advice
+    "elu": (lambda: nn.ELU(0.5), "nn.ELU(inplace=True)"),
+}
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("case", sorted(INPLACE_CASES))
+def test_inplace_activations_as_printed_train_the_same_model(tmp_path: Path, case: str) -> None:
+    activation, constructor = INPLACE_CASES[case]
+    data = images(96)
+
+    def build(inplace_code: str | None = None) -> Callable[[], pl.LightningModule]:
+        def make() -> pl.LightningModule:
+            network = activated_resnet(activation)
+            return Classifier(made_inplace(network, inplace_code) if inplace_code else network, OPTIMIZERS["adam"])
+
+        return make
+
+    monitored = fit(tmp_path, build(), lambda: shuffled(data, 16), steps=8, monitored=True)
+    advice = advice_of(monitored.report, "inplace-activations")
+    code = printed_code(advice)
+    assert code.startswith(constructor) and "other arguments" in code
+    applied = fit(tmp_path, build(code), lambda: shuffled(data, 16), steps=8)
+    plain = fit(tmp_path, build(), lambda: shuffled(data, 16), steps=8)
+    assert_identical(monitored, plain)
+    assert plain.state["network.3.bn1.num_batches_tracked"].item() == 8
+    if case == "leaky_relu":
+        assert "bit for bit" in advice.detail
+        assert_identical(applied, plain)
+        return
+    assert "float32 rounding" in advice.detail
+    assert applied.losses[0] == plain.losses[0]  # forward is the same arithmetic; gradients are not
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert largest_relative_difference(applied, plain) < 1e-5
+    assert applied.state["network.3.bn1.num_batches_tracked"].item() == 8
+    assert_same_rng(applied, plain)
