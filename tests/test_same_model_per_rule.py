@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from advice_models import images
+from advice_models import activation_mlp, features, images
 from models import OPTIMIZERS, Classifier, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -227,3 +227,43 @@ def test_inplace_activations_as_printed_train_the_same_model(tmp_path: Path, cas
     assert largest_relative_difference(applied, plain) < 1e-5
     assert applied.state["network.3.bn1.num_batches_tracked"].item() == 8
     assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ stale-gradients
+
+
+def freeing_gradients(code: str) -> type[Classifier]:
+    """A Classifier whose LightningModule has the stale-gradients advice's printed hook pasted in."""
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)  # the advice's own code, as the user pastes it into the LightningModule
+
+    class FreesGradients(Classifier):
+        on_train_batch_start = namespace["on_train_batch_start"]
+
+    return FreesGradients
+
+
+@pytest.mark.replay
+def test_freeing_gradients_as_printed_trains_the_same_model_with_and_without_accumulation(tmp_path: Path) -> None:
+    # An MLP whose forward pass peaks with the last step's gradients alive (Adam), as the rule targets.
+    data = features(1024, 256)
+
+    def build(module_class: type[Classifier] = Classifier) -> Callable[[], pl.LightningModule]:
+        return lambda: module_class(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build(), lambda: shuffled(data, 512), steps=4, monitored=True)
+    advice = advice_of(monitored.report, "stale-gradients")
+    assert "training is unchanged, bit for bit" in advice.detail
+    code = printed_code(advice)
+    applied_class = freeing_gradients(code)
+    plain = fit(tmp_path, build(), lambda: shuffled(data, 512), steps=4)
+    assert_identical(monitored, plain)
+    assert_identical(fit(tmp_path, build(applied_class), lambda: shuffled(data, 512), steps=4), plain)
+    # Accumulating 3 batches over epochs of 5: windows of 3 and 2 batches, across the epoch boundary. The hook frees
+    # gradients only where Lightning would zero them (the first batch of a window), never inside one.
+    small = features(640, 256)
+    accumulating = {"accumulate_grad_batches": 3}
+    applied = fit(tmp_path, build(applied_class), lambda: shuffled(small, 128), steps=5, **accumulating)
+    plain = fit(tmp_path, build(), lambda: shuffled(small, 128), steps=5, **accumulating)
+    assert len(plain.losses) == 13  # two epochs of 5 batches (windows of 3 and 2: 4 steps), then 3 more (1 step)
+    assert_identical(applied, plain)
