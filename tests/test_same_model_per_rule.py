@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from advice_models import activation_mlp, features, images
+from advice_models import LanguageModel, TinyGPT, activation_mlp, features, images, tokens
 from models import OPTIMIZERS, Classifier, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -267,3 +267,60 @@ def test_freeing_gradients_as_printed_trains_the_same_model_with_and_without_acc
     plain = fit(tmp_path, build(), lambda: shuffled(small, 128), steps=5, **accumulating)
     assert len(plain.losses) == 13  # two epochs of 5 batches (windows of 3 and 2: 4 steps), then 3 more (1 step)
     assert_identical(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ chunked-loss
+
+
+class ChunkedLanguageModel(LanguageModel):
+    """Next-token prediction with its loss computed by the chunked-loss advice's printed function."""
+
+    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any) -> None:
+        super().__init__(network, OPTIMIZERS["adamw"])
+        self.chunked_cross_entropy = chunked_cross_entropy
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        network = self.network
+        assert isinstance(network, TinyGPT)
+        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
+        for block in network.h:
+            x = block(x)
+        hidden = network.ln_f(x).flatten(0, 1)
+        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
+
+
+@pytest.mark.replay
+def test_chunked_loss_as_printed_trains_the_same_model_to_the_tolerance_it_states(tmp_path: Path) -> None:
+    # A 4096-token vocabulary: the log-probabilities are most of the activations, as the rule targets.
+    data = tokens(64, vocab=4096)
+
+    def network() -> TinyGPT:
+        return TinyGPT(vocab=4096, layers=2)
+
+    monitored = fit(
+        tmp_path,
+        lambda: LanguageModel(network(), OPTIMIZERS["adamw"]),
+        lambda: shuffled(data, 8),
+        steps=8,
+        monitored=True,
+    )
+    advice = advice_of(monitored.report, "chunked-loss")
+    namespace: dict[str, Any] = {}
+    exec(printed_code(advice), namespace)
+    chunked = namespace["chunked_cross_entropy"]
+    applied = fit(tmp_path, lambda: ChunkedLanguageModel(network(), chunked), lambda: shuffled(data, 8), steps=8)
+    plain = fit(tmp_path, lambda: LanguageModel(network(), OPTIMIZERS["adamw"]), lambda: shuffled(data, 8), steps=8)
+    assert_identical(monitored, plain)
+    assert "float32 rounding (about 1e-6 relative), not bit for bit" in advice.detail
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-6)  # seen: up to 1.7e-7
+    learning_rate = 1e-3  # AdamW's: no step moves a weight further
+    for key, weight in plain.state.items():
+        difference = (applied.state[key] - weight).abs().max().item()
+        if key.endswith("attn.in_proj_bias"):
+            # The key projection's bias has no true gradient (softmax ignores a shift): AdamW normalises rounding
+            # noise into steps of up to its learning rate there (seen: 3.6e-4), as the advice says.
+            assert difference <= learning_rate * 8, key
+        else:
+            assert difference <= 1e-6 * max(1.0, weight.abs().max().item()), key  # seen: up to 6e-7
+    assert_same_rng(applied, plain)
