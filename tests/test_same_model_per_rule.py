@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,14 @@ import numpy as np
 import pytest
 import torch
 from advice_models import LanguageModel, TinyGPT, activation_mlp, features, images, tokens
-from models import OPTIMIZERS, Classifier, trainer
+from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import Report, VramMonitor
-from lightning_vram.records import Advice
+from lightning_vram.advice.rules.near_capacity import near_capacity
+from lightning_vram.measure.setup import training_setup
+from lightning_vram.records import Advice, DeviceInfo
 
 # ---------------------------------------------------------------------------------------------- training, compared
 
@@ -323,4 +325,60 @@ def test_chunked_loss_as_printed_trains_the_same_model_to_the_tolerance_it_state
             assert difference <= learning_rate * 8, key
         else:
             assert difference <= 1e-6 * max(1.0, weight.abs().max().item()), key  # seen: up to 6e-7
+    assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------- near-capacity: halved batch
+
+
+def near_capacity_advice(report: Report | None, module: pl.LightningModule) -> Advice:
+    """The run's near-capacity advice as if it had run on a CUDA device its peak fills (95%)."""
+    assert report is not None and report.peak is not None
+    device = DeviceInfo("cuda", "a device this run fills", 0, int(report.peak.peak_bytes / 0.95), (8, 0))
+    setup = training_setup(module, [module.configure_optimizers()])
+    advice = near_capacity(replace(report.summary, device=device), setup, report.simulation)
+    assert advice is not None
+    return advice
+
+
+HALVED = re.compile(r"halve the batch to (\d+) \(with accumulate_grad_batches=(\d+)\)")
+
+ACCUMULATION_CASES: dict[str, Callable[[], nn.Module]] = {
+    "mlp": lambda: mlp(64, 2, activation=nn.ReLU),
+    "batchnorm": cnn_net,
+}
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("case", sorted(ACCUMULATION_CASES))
+def test_halved_batch_with_accumulation_as_printed(tmp_path: Path, case: str) -> None:
+    network = ACCUMULATION_CASES[case]
+    data = dataset_for("cnn", 256) if case == "batchnorm" else dataset(64, 256)
+
+    def build() -> pl.LightningModule:
+        return Classifier(network(), OPTIMIZERS["sgd_momentum"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 32), steps=6, monitored=True)
+    advice = near_capacity_advice(monitored.report, build())
+    found = HALVED.search(advice.detail)
+    assert found is not None, advice.detail
+    batch_size, accumulate = int(found[1]), int(found[2])
+    assert (batch_size, accumulate) == (16, 2)
+    applied = fit(tmp_path, build, lambda: shuffled(data, batch_size), steps=6, accumulate_grad_batches=accumulate)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 32), steps=6)
+    assert_identical(monitored, plain)
+    # Lightning divides each half's loss by 2: two halves' losses add up to the whole batch's.
+    halves = [sum(applied.losses[index : index + 2]) for index in range(0, len(applied.losses), 2)]
+    if case == "mlp":
+        assert "the same as the whole batch's up to float32 rounding (about 1e-6 relative)." in advice.detail
+        assert halves == pytest.approx(plain.losses, rel=1e-6)  # seen: up to 1.0e-7
+        for key, weight in plain.state.items():
+            assert (applied.state[key] - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()  # seen: 7e-9
+    else:
+        # Each half normalised on its own: a different model, as the advice says.
+        assert "BatchNorm then normalises over 16 samples instead of 32" in advice.detail
+        assert "trains a different model" in advice.detail
+        assert plain.state["network.1.num_batches_tracked"].item() == 6
+        assert applied.state["network.1.num_batches_tracked"].item() == 12
+        assert not torch.allclose(applied.state["network.1.running_var"], plain.state["network.1.running_var"])
     assert_same_rng(applied, plain)
