@@ -11,8 +11,11 @@ and the torch, numpy and Python RNG states are compared. Checkpointing has its o
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import Report, VramMonitor
+from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
 from lightning_vram.advice.rules.near_capacity import near_capacity
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, DeviceInfo
@@ -104,14 +108,19 @@ def assert_identical(first: Trained, second: Trained) -> None:
     assert first.losses == second.losses
     assert first.state.keys() == second.state.keys()
     assert [key for key in first.state if not torch.equal(first.state[key], second.state[key])] == []
-    assert [path for path, _ in first.optimizer] == [path for path, _ in second.optimizer]
+    assert_same_optimizer(first.optimizer, second.optimizer)
+    assert_same_rng(first, second)
+
+
+def assert_same_optimizer(first: list[tuple[str, Any]], second: list[tuple[str, Any]]) -> None:
+    """Two optimizer state_dicts, flattened, bit for bit."""
+    assert [path for path, _ in first] == [path for path, _ in second]
     different = [
         path
-        for (path, a), (_, b) in zip(first.optimizer, second.optimizer, strict=True)
+        for (path, a), (_, b) in zip(first, second, strict=True)
         if not (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
     ]
     assert different == []
-    assert_same_rng(first, second)
 
 
 def assert_same_rng(first: Trained, second: Trained) -> None:
@@ -382,3 +391,51 @@ def test_halved_batch_with_accumulation_as_printed(tmp_path: Path, case: str) ->
         assert applied.state["network.1.num_batches_tracked"].item() == 12
         assert not torch.allclose(applied.state["network.1.running_var"], plain.state["network.1.running_var"])
     assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------ allocator-fragmentation
+
+TRAIN_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, loader, trainer
+torch.manual_seed(0)
+module = Classifier(cnn_net(), OPTIMIZERS["adam"])
+run = trainer(sys.argv[1], [], max_steps=4)
+run.fit(module, loader(dataset_for("cnn", 64), 16))
+torch.save((module.state_dict(), run.optimizers[0].state_dict(), torch.get_rng_state()), sys.argv[2])
+"""
+
+
+def test_allocator_settings_as_printed_train_the_same_model(tmp_path: Path) -> None:
+    # The settings change where the allocator maps memory, never what is computed: a run launched with the printed
+    # command line trains as one launched without it. The Trainer here runs on the CPU, where nothing reads the
+    # variable: this pins the printed command and the claim, not the CUDA allocator's behaviour.
+    report = fit(tmp_path, lambda: Classifier(cnn_net()), lambda: shuffled(dataset_for("cnn", 64), 16), 3, True).report
+    assert report is not None and report.peak is not None
+    fragmented = replace(report.peak, reserved_bytes=report.peak.peak_bytes + 512 * 2**20)
+    summary = replace(report.summary, device=DeviceInfo("cuda", "GPU", 0, 80 * 2**30, (8, 0)), peak=fragmented)
+    advice = allocator_fragmentation(summary, training_setup(Classifier(cnn_net()), []), None)
+    assert advice is not None and "training is unchanged, bit for bit" in advice.detail
+    variable, _, command = printed_code(advice).partition(" ")
+    name, _, value = variable.partition("=")
+    assert (name, value, command) == ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "python train.py")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    environment = {key: item for key, item in os.environ.items() if key != name}
+    environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])
+    saved = []
+    for launch in ({}, {name: value}):
+        saved.append(tmp_path / f"trained{len(saved)}.pt")
+        subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "root"), str(saved[-1])],
+            env={**environment, **launch},
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    (state, optimizer, rng), (state_set, optimizer_set, rng_set) = (torch.load(path) for path in saved)
+    assert [key for key in state if not torch.equal(state[key], state_set[key])] == []
+    assert state["network.1.num_batches_tracked"].item() == 4
+    assert_same_optimizer(list(flattened(optimizer)), list(flattened(optimizer_set)))
+    assert torch.equal(rng, rng_set)
