@@ -11,6 +11,7 @@ and the torch, numpy and Python RNG states are compared. Checkpointing has its o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -26,12 +27,14 @@ import numpy as np
 import pytest
 import torch
 from advice_models import LanguageModel, TinyGPT, activation_mlp, features, images, tokens
+from lightning.pytorch.plugins.precision import MixedPrecision
 from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
+from lightning_vram.advice.rules.mixed_precision import mixed_precision
 from lightning_vram.advice.rules.near_capacity import near_capacity
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, DeviceInfo
@@ -439,3 +442,58 @@ def test_allocator_settings_as_printed_train_the_same_model(tmp_path: Path) -> N
     assert state["network.1.num_batches_tracked"].item() == 4
     assert_same_optimizer(list(flattened(optimizer)), list(flattened(optimizer_set)))
     assert torch.equal(rng, rng_set)
+
+
+# ------------------------------------------------------------------------------------------------ mixed-precision
+
+
+def printed_trainer_arguments(advice: Advice) -> dict[str, Any]:
+    """The keyword arguments of the advice's printed ``Trainer(...)`` line."""
+    arguments: dict[str, Any] = eval(printed_code(advice), {"Trainer": dict})
+    return arguments
+
+
+def mixed_precision_advice(report: Report | None, capability: tuple[int, int]) -> Advice:
+    """The run's mixed-precision advice as if it had trained on a CUDA device of ``capability``."""
+    assert report is not None
+    device = DeviceInfo("cuda", f"a GPU of compute capability {capability}", 0, 80 * 2**30, capability)
+    advice = mixed_precision(replace(report.summary, device=device), training_setup(Classifier(cnn_net()), []))
+    assert advice is not None
+    return advice
+
+
+def test_mixed_precision_says_it_changes_numerics_and_keeps_loss_scaling_for_float16(tmp_path: Path) -> None:
+    data = dataset_for("cnn", 128)
+
+    def build() -> pl.LightningModule:
+        return Classifier(cnn_net(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6, monitored=True)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6)
+    assert_identical(monitored, plain)
+
+    # float16 (a T4): the advice says the loss must be scaled, and its printed Trainer argument gives a GradScaler.
+    float16 = mixed_precision_advice(monitored.report, (7, 5))
+    assert "This changes the numerics" in float16.detail and "keep that scaler" in float16.detail
+    arguments = printed_trainer_arguments(float16)
+    assert arguments == {"precision": "16-mixed"}
+    # What Lightning's Trainer builds for it on a CUDA device (its accelerator connector: MixedPrecision(precision,
+    # "cuda")); without CUDA the scaler is built but disables itself, warning so.
+    without_cuda = pytest.warns(UserWarning, match="CUDA is not available")
+    with contextlib.nullcontext() if torch.cuda.is_available() else without_cuda:
+        plugin = MixedPrecision(arguments["precision"], "cuda")
+    assert isinstance(plugin.scaler, torch.amp.GradScaler)
+
+    # bfloat16 (an A100): applied, weights and optimizer state stay float32 as the advice says, and the numerics
+    # change as it says too.
+    bfloat16 = mixed_precision_advice(monitored.report, (8, 0))
+    assert "This changes the numerics" in bfloat16.detail and "needs no loss scaling" in bfloat16.detail
+    assert "Weights and optimizer state stay in float32" in bfloat16.detail
+    arguments = printed_trainer_arguments(bfloat16)
+    assert arguments == {"precision": "bf16-mixed"}
+    applied = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6, **arguments)
+    assert {value.dtype for key, value in applied.state.items() if "num_batches" not in key} == {torch.float32}
+    assert {value.dtype for _, value in applied.optimizer if isinstance(value, torch.Tensor)} == {torch.float32}
+    assert applied.losses != plain.losses
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-3)  # seen: up to 1.1e-4 relative
+    assert_same_rng(applied, plain)
