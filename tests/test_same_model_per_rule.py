@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
+from lightning_vram.advice.rules.dataloader_workers import dataloader_workers
 from lightning_vram.advice.rules.mixed_precision import mixed_precision
 from lightning_vram.advice.rules.near_capacity import near_capacity
 from lightning_vram.measure.setup import training_setup
@@ -497,3 +498,54 @@ def test_mixed_precision_says_it_changes_numerics_and_keeps_loss_scaling_for_flo
     assert applied.losses != plain.losses
     assert applied.losses == pytest.approx(plain.losses, rel=1e-3)  # seen: up to 1.1e-4 relative
     assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ dataloader-workers
+
+
+def dropout_mlp() -> nn.Sequential:
+    """Flattened 3 x 8 x 8 images through an MLP with Dropout: every step draws from the torch RNG."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+
+
+def printed_loader_arguments(advice: Advice) -> dict[str, Any]:
+    """The keyword arguments of the advice's printed ``DataLoader(dataset, batch_size=..., ...)`` line, but the
+    batch size (``...`` there: the user's own)."""
+    arguments: dict[str, Any] = eval(printed_code(advice), {"DataLoader": lambda dataset, **kw: kw, "dataset": None})
+    assert arguments.pop("batch_size") is Ellipsis
+    return arguments
+
+
+def test_dataloader_workers_as_printed_say_what_they_change_in_the_random_stream(tmp_path: Path) -> None:
+    data = dataset_for("cnn", 64)  # 4 batches of 16 an epoch: 12 steps are three epochs
+
+    def build() -> pl.LightningModule:
+        return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=12, monitored=True)
+    assert monitored.report is not None
+    waiting = replace(
+        monitored.report.summary,
+        data_wait_fraction=0.5,
+        recent_data_wait_fraction=0.5,
+        step_seconds_median=1.0,
+        timed_steps=100,
+    )
+    setup = replace(training_setup(build(), [], dataloaders=shuffled(data, 16)), cpu_cores_per_device=3)
+    advice = dataloader_workers(waiting, setup)
+    assert advice is not None
+    arguments = printed_loader_arguments(advice)
+    assert arguments == {"num_workers": 2, "persistent_workers": True}
+    assert "The same computation, but not the same random numbers" in advice.detail
+    assert "persistent workers draw that seed once" in advice.detail
+    applied = fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=12)
+    assert_identical(monitored, plain)
+    # The first epoch draws as without workers; from the second, persistent workers draw no new seed from the torch
+    # RNG, so shuffling and Dropout see another stream: another random draw of the same training, as the advice says.
+    assert applied.losses[:4] == plain.losses[:4]
+    assert applied.losses[4:] != plain.losses[4:]
+    assert not torch.equal(applied.rng[0], plain.rng[0])
+    # Workers that are not persistent draw as the main process does: the same model, bit for bit.
+    arguments["persistent_workers"] = False
+    assert_identical(fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12), plain)
