@@ -37,6 +37,7 @@ from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragme
 from lightning_vram.advice.rules.dataloader_workers import dataloader_workers
 from lightning_vram.advice.rules.mixed_precision import mixed_precision
 from lightning_vram.advice.rules.near_capacity import near_capacity
+from lightning_vram.advice.rules.pin_memory import pin_memory
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.records import Advice, DeviceInfo
 
@@ -549,3 +550,36 @@ def test_dataloader_workers_as_printed_say_what_they_change_in_the_random_stream
     # Workers that are not persistent draw as the main process does: the same model, bit for bit.
     arguments["persistent_workers"] = False
     assert_identical(fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12), plain)
+
+
+# ------------------------------------------------------------------------------------------------ pin-memory
+
+
+def test_pinned_memory_as_printed_trains_the_same_model(tmp_path: Path) -> None:
+    # Pinning changes how batches are copied to the GPU, never their values. The Trainer here runs on the CPU: the
+    # DataLoader pins nothing without an accelerator (it warns so); this pins the printed argument and the claim.
+    data = dataset_for("cnn", 64)
+
+    def build() -> pl.LightningModule:
+        return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6, monitored=True)
+    assert monitored.report is not None
+    waiting = replace(
+        monitored.report.summary,
+        device=DeviceInfo("cuda", "GPU", 0, 80 * 2**30, (8, 0)),
+        data_wait_fraction=0.5,
+        recent_data_wait_fraction=0.5,
+        step_seconds_median=1.0,
+        timed_steps=100,
+    )
+    advice = pin_memory(waiting, training_setup(build(), [], dataloaders=shuffled(data, 16)))
+    assert advice is not None and "training is unchanged, bit for bit" in advice.detail
+    arguments = printed_loader_arguments(advice)
+    assert arguments == {"pin_memory": True}
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6)
+    assert_identical(monitored, plain)
+    without_accelerator = pytest.warns(UserWarning, match="pin_memory")
+    with contextlib.nullcontext() if torch.cuda.is_available() else without_accelerator:
+        applied = fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=6)
+    assert_identical(applied, plain)
