@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
+from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
 from lightning_vram.advice.rules.dataloader_workers import dataloader_workers
 from lightning_vram.advice.rules.mixed_precision import mixed_precision
 from lightning_vram.advice.rules.near_capacity import near_capacity
@@ -509,11 +510,12 @@ def dropout_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
 
 
-def printed_loader_arguments(advice: Advice) -> dict[str, Any]:
-    """The keyword arguments of the advice's printed ``DataLoader(dataset, batch_size=..., ...)`` line, but the
-    batch size (``...`` there: the user's own)."""
+def printed_loader_arguments(advice: Advice, batch_size: bool = False) -> dict[str, Any]:
+    """The keyword arguments of the advice's printed ``DataLoader(dataset, ...)`` line; the batch size only where
+    ``batch_size`` (elsewhere it is ``...``: the user's own)."""
     arguments: dict[str, Any] = eval(printed_code(advice), {"DataLoader": lambda dataset, **kw: kw, "dataset": None})
-    assert arguments.pop("batch_size") is Ellipsis
+    if not batch_size:
+        assert arguments.pop("batch_size") is Ellipsis
     return arguments
 
 
@@ -583,3 +585,35 @@ def test_pinned_memory_as_printed_trains_the_same_model(tmp_path: Path) -> None:
     with contextlib.nullcontext() if torch.cuda.is_available() else without_accelerator:
         applied = fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=6)
     assert_identical(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ batch-size-headroom
+
+
+def test_larger_batch_as_printed_says_it_changes_training(tmp_path: Path) -> None:
+    # Unlike the memory-only rules, a larger batch trains another model: fewer, larger steps, BatchNorm's statistics
+    # over more samples. The advice says so, and applied it does.
+    data = dataset_for("cnn", 256)
+
+    def build() -> pl.LightningModule:
+        return Classifier(cnn_net(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=4, monitored=True)
+    assert monitored.report is not None and monitored.report.peak is not None
+    idle = replace(
+        monitored.report.summary,
+        device=DeviceInfo("cuda", "GPU", 0, 4 * monitored.report.peak.peak_bytes, (8, 0)),
+        cuda_context_bytes=0,
+        gpu_utilization_mean=20.0,
+        data_wait_fraction=0.0,
+    )
+    advice = batch_size_headroom(idle, training_setup(build(), []))
+    assert advice is not None and "it trains another model" in advice.detail
+    arguments = printed_loader_arguments(advice, batch_size=True)
+    larger = arguments.pop("batch_size")
+    assert arguments == {} and 32 <= larger <= 256
+    applied = fit(tmp_path, build, lambda: shuffled(data, larger), steps=4)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=4)
+    assert_identical(monitored, plain)
+    assert applied.losses != plain.losses
+    assert not torch.equal(applied.state["network.1.running_mean"], plain.state["network.1.running_mean"])
