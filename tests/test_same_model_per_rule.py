@@ -617,3 +617,21 @@ def test_larger_batch_as_printed_says_it_changes_training(tmp_path: Path) -> Non
     assert_identical(monitored, plain)
     assert applied.losses != plain.losses
     assert not torch.equal(applied.state["network.1.running_mean"], plain.state["network.1.running_mean"])
+
+
+# ------------------------------------------------------------------------------------------------ optimizer-state
+
+
+def test_optimizer_state_says_which_options_train_another_model(tmp_path: Path) -> None:
+    # A wide MLP under Adam on a small batch: its two moments per parameter are the largest part of the peak. The
+    # options swap the optimizer (8-bit Adam, SGD): not a memory-only change, and the advice says so.
+    data = dataset(512, 64)
+
+    def build() -> pl.LightningModule:
+        return Classifier(mlp(512, 2, activation=nn.ReLU), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 4), steps=3, monitored=True)
+    advice = advice_of(monitored.report, "optimizer-state")
+    assert "8-bit Adam rounds the moments and SGD is another update: either trains another model" in advice.detail
+    assert "Sharding keeps the update exact" not in advice.detail  # one device: no sharding offered
+    assert_identical(monitored, fit(tmp_path, build, lambda: shuffled(data, 4), steps=3))
