@@ -240,8 +240,8 @@ def test_inplace_activations_as_printed_train_the_same_model(tmp_path: Path, cas
         return
     assert "float32 rounding" in advice.detail
     assert applied.losses[0] == plain.losses[0]  # forward is the same arithmetic; gradients are not
-    assert applied.losses == pytest.approx(plain.losses, rel=1e-5)
-    assert largest_relative_difference(applied, plain) < 1e-5
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-5)  # seen: equal over 8 steps
+    assert largest_relative_difference(applied, plain) < 1e-5  # seen: 2.2e-6
     assert applied.state["network.3.bn1.num_batches_tracked"].item() == 8
     assert_same_rng(applied, plain)
 
