@@ -405,3 +405,58 @@ def test_a_log_dir_with_several_reports_says_which_one_it_read(
         == f"lightning-vram: reading {tmp_path / 'later' / 'vram_report.json'}, the newest of 2 reports"
     )
     assert f"{after.steps} steps" in captured.out
+
+
+def without_phases(report: dict[str, Any], where: str) -> dict[str, Any]:
+    """The report with the ``phases`` at ``where`` emptied: the run's, the replayed baseline's, each change's."""
+    data = copy.deepcopy(report)
+    if where in ("run", "all"):
+        data["phases"] = {}
+    if where in ("baseline", "all"):
+        data["simulation"]["phases"] = {}
+    if where in ("changes", "all"):
+        for variant in data["simulation"]["variants"]:
+            variant["phases"] = {}
+    return data
+
+
+@pytest.mark.parametrize("command", ["show", "show --json", "html", "diff A B", "diff B A"])
+@pytest.mark.parametrize("where", ["run", "baseline", "changes", "all"])
+def test_a_report_with_empty_phases_prints_what_there_is(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    where: str,
+) -> None:
+    (_, root), _ = two_runs
+    good = root / "vram_report.json"
+    report = json.loads(good.read_text())
+    assert report["simulation"]["variants"] and report["simulation"]["timeline"] is not None  # there is a replay
+    bad = tmp_path / "vram_report.json"
+    bad.write_text(json.dumps(without_phases(report, where)))
+    output = tmp_path / "page.html"
+    arguments = {
+        "show": ["show", str(bad)],
+        "show --json": ["show", "--json", str(bad)],
+        "html": ["html", str(bad), "-o", str(output)],
+        "diff A B": ["diff", str(good), str(bad)],
+        "diff B A": ["diff", str(bad), str(good)],
+    }[command]
+    assert main(arguments) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    if command == "show --json":
+        written = json.loads(out)
+        assert written == without_phases(written, where)  # the empty phases stay empty
+        changes = written["simulation"]["variants"]
+        assert [change["predicted_peak_bytes"] is None for change in changes] == [where in ("changes", "all")] * len(
+            changes
+        )
+    elif command == "html":
+        page = output.read_text()
+        assert page.startswith("<!DOCTYPE html>") and page.count("replayed, no phase recorded") == (
+            len(report["simulation"]["variants"]) if where in ("changes", "all") else 0
+        )
+    else:
+        assert out.startswith("VRAM report:" if command == "show" else "peak: ")
