@@ -268,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
     try:
         COMMANDS[arguments.command](arguments)
+        # Into a pipe, standard output is block-buffered unless PYTHONUNBUFFERED is set (it is not under `env -i` or
+        # cron): flushed here, a reader gone away is met below, not in Python's flush at exit.
+        sys.stdout.flush()
     except CommandError as error:
         _print(one_line(f"lightning-vram: error: {error}"), sys.stderr)
         return USAGE_ERROR

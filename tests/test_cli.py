@@ -16,6 +16,7 @@ import pytest
 import torch
 from models import Classifier, dataset, loader, mlp, trainer
 
+import lightning_vram
 from lightning_vram import Report, VramMonitor
 from lightning_vram.cli import main
 from lightning_vram.codec import report_from_dict
@@ -146,11 +147,16 @@ def test_the_installed_command(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("environment", ["inherited", "minimal"])
 def test_output_to_a_reader_that_went_away_is_no_traceback(
-    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], environment: str
 ) -> None:
     (_, root), _ = two_runs
     path = root / "vram_report.json"
+    # Minimal: as cron or a bare container runs it (`env -i`): no PYTHONUNBUFFERED, so standard output into a pipe is
+    # block-buffered and written only when flushed; the package from this checkout.
+    package_root = str(Path(lightning_vram.__file__).parents[1])
+    variables = None if environment == "inherited" else {"PATH": "/usr/bin:/bin", "PYTHONPATH": package_root}
     reader, writer = os.pipe()
     os.close(reader)  # `lightning-vram show ... | head -0`: every write meets a closed pipe
     try:
@@ -161,6 +167,7 @@ def test_output_to_a_reader_that_went_away_is_no_traceback(
             text=True,
             check=False,
             timeout=900,  # only a hang reaches it
+            env=variables,
         )
     finally:
         os.close(writer)
