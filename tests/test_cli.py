@@ -467,3 +467,33 @@ def test_a_report_with_empty_phases_prints_what_there_is(
         )
     else:
         assert out.startswith("VRAM report:" if command == "show" else "peak: ")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (["show", ""], "path"),
+        (["html", "", "-o", "page.html"], "path"),
+        (["html", "vram_report.json", "-o", ""], "-o/--output"),
+        (["diff", "", "vram_report.json"], "A"),
+        (["allocator", ""], "SNAPSHOT"),
+    ],
+)
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    arguments: list[str],
+    named: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a report here is what Path("") would read
+    (tmp_path / "vram_report.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main(arguments)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines()[-1].endswith(
+        f"error: argument {named}: must be a file or directory, got an empty path ('')"
+    )
+    assert not (tmp_path / "page.html").exists()
