@@ -259,7 +259,7 @@ class MonitorConfig:
         return None if every is None else step + -offset % every
 
 
-WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "close")
+WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "flush", "close")
 """What the monitor calls on a TensorBoard writer (``torch.utils.tensorboard``'s and ``tensorboardX``'s have them)."""
 
 

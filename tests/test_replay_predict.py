@@ -105,7 +105,22 @@ def test_prediction_that_cannot_replay_says_why() -> None:
     ("arguments", "error", "message"),
     [
         ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
-        ({"cuda_context_bytes": -1}, ValueError, "cuda_context_bytes must be an int >= 0, got -1"),
+        (
+            {"cuda_context_bytes": -1},
+            ValueError,
+            "cuda_context_bytes must be an int >= 0 and at most the largest GPU's",
+        ),
+        ({"cuda_context_bytes": 10**30}, ValueError, f"memory ({max(m for _, m in COMMON_GPUS)}), got {10**30}"),
+        ({"cuda_context_bytes": True}, ValueError, "cuda_context_bytes must be an int >= 0, got True (bool)"),
+        ({"fit_table": "no"}, ValueError, "fit_table must be True or False, got 'no' (str)"),
+        ({"fit_table": None}, ValueError, "fit_table must be True or False, got None (NoneType)"),
+        ({"precision": "fp99"}, ValueError, "precision must be one of 32-true, 32, bf16-mixed, 16-mixed, bf16-true,"),
+        ({"precision": 16}, ValueError, "16-true, 64-true, 64, got 16 (int)"),
+        (
+            {"budget_seconds": float("inf")},
+            ValueError,
+            "budget_seconds must be a number of seconds > 0, finite, got inf",
+        ),
         ({"device_type": "tpu"}, ValueError, "device_type must be 'cuda' or 'cpu', got 'tpu'"),
         ({"device_type": "cpu:abc"}, ValueError, "device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got"),
     ],

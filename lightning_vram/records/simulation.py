@@ -442,6 +442,10 @@ def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -
             continue
         for variant in simulation.variants:
             replayed = variant.replayed
-            if replayed is not None and replayed.reported_bytes(replayed.reported_peak) == item.predicted_peak_bytes:
+            if (
+                replayed is not None
+                and replayed.phases  # a report edited by hand may hold none
+                and replayed.reported_bytes(replayed.reported_peak) == item.predicted_peak_bytes
+            ):
                 return variant
     return None

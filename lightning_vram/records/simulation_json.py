@@ -73,7 +73,7 @@ def variant_to_dict(variant: VariantResult, timeline: bool = False) -> dict[str,
     With ``timeline``, also its memory op by op (``null`` where not recorded); without, the field is left out.
     """
     replayed = variant.replayed
-    peak = replayed.reported_peak if replayed is not None else None
+    peak = replayed.reported_peak if replayed is not None and replayed.phases else None
     timelines = {"timeline": timeline_to_dict(replayed.timeline if replayed else None)} if timeline else {}
     return {
         "change": variant.change.label,

@@ -199,12 +199,15 @@ def _calibration_notes(simulation: Simulation) -> tuple[str, ...]:
 def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | None:
     if not simulation.variants:
         return None
-    baseline_bytes = baseline.reported_bytes(baseline.reported_peak)
+    baseline_bytes = baseline.reported_bytes(baseline.reported_peak) if baseline.phases else None
     rows = []
     for variant in simulation.variants:
         replayed = variant.replayed
         if replayed is None:
             rows.append((variant.change.label, "n/a", "n/a", f"discarded: {shortened(variant.discarded or '')}"))
+            continue
+        if not replayed.phases:  # a report edited by hand
+            rows.append((variant.change.label, "n/a", "n/a", "replayed, no phase recorded"))
             continue
         peak = replayed.reported_peak
         predicted = replayed.reported_bytes(peak)
@@ -212,7 +215,7 @@ def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | N
             (
                 variant.change.label,
                 format_bytes(predicted),
-                signed_bytes(predicted - baseline_bytes),
+                signed_bytes(predicted - baseline_bytes) if baseline_bytes is not None else "n/a",
                 f"replayed, peak in {peak.phase.value}"
                 + (f"; {reason}" if (reason := not_advised(simulation.device_type, variant.change)) else ""),
             )
