@@ -72,6 +72,20 @@ def test_a_change_that_runs_the_same_ops_costs_nothing_and_says_so(change: StepC
     assert found.cost_text == "costs no step time (same FLOPs)"
 
 
+def test_the_advice_s_own_kind_of_change_is_priced_where_two_replay_to_its_peak() -> None:
+    inplace, checkpoint = (replayed(change, PREDICTED) for change in (InplaceChange(("act",)), CheckpointChange(PLAN)))
+    assert inplace.replayed is not None and checkpoint.replayed is not None
+    variants = (
+        replace(inplace, replayed=replace(inplace.replayed, flops=FLOPS)),
+        replace(checkpoint, replayed=replace(checkpoint.replayed, flops=1_300_000)),
+    )
+    simulation = simulated(*variants, baseline=replace(BASELINE, flops=FLOPS))
+    found = with_time_cost(advice(), healthy_summary(), simulation)
+    assert (found.flop_ratio, found.cost_basis) == (1.3, CostBasis.RECOMPUTED_FORWARD)
+    inplace_advice = with_time_cost(advice(AdviceId.INPLACE_ACTIVATIONS), healthy_summary(), simulation)
+    assert (inplace_advice.flop_ratio, inplace_advice.cost_basis) == (1.0, CostBasis.SAME_FLOPS)
+
+
 def test_a_halved_batch_with_accumulation_runs_two_half_steps() -> None:
     found = priced(BatchSizeChange(16), 520_000)  # half the batch, and what does not scale with it
     assert (found.flop_ratio, found.cost_basis) == (1.04, CostBasis.TWO_HALF_BATCHES)

@@ -42,6 +42,16 @@ _BASIS = {
 """What each kind of change's FLOP ratio says of the step time."""
 
 
+_OWN_KINDS = {
+    AdviceId.ACTIVATION_CHECKPOINTING: frozenset({ChangeKind.CHECKPOINT}),
+    AdviceId.INPLACE_ACTIVATIONS: frozenset({ChangeKind.INPLACE}),
+    AdviceId.MIXED_PRECISION: frozenset({ChangeKind.PRECISION}),
+    AdviceId.STALE_GRADIENTS: frozenset({ChangeKind.FREE_GRADIENTS}),
+    AdviceId.LONG_TAIL: frozenset({ChangeKind.LENGTH, ChangeKind.TOKENS_PER_BATCH}),
+}
+"""The kinds of change each rule replays for its own advice."""
+
+
 @dataclass(frozen=True)
 class TimeCost:
     """A change's step-time cost: ``seconds`` a step (``None``: not modelled), the FLOP ``ratio``, its ``basis``."""
@@ -75,8 +85,13 @@ def time_cost(
 
 
 def _variant_of(advice: Advice, simulation: Simulation) -> VariantResult | None:
-    """The replayed change behind ``advice``: the variant whose replayed peak is the advice's predicted peak."""
-    for variant in simulation.variants:
+    """The replayed change behind ``advice``: the variant whose replayed peak is the advice's predicted peak.
+
+    A variant of the kind the advice's rule replays comes first (two changes can replay to the same peak); any other
+    kind is a remedy the advice lists (near capacity lists checkpointing, a halved batch...).
+    """
+    own = _OWN_KINDS.get(advice.id, frozenset())
+    for variant in sorted(simulation.variants, key=lambda variant: variant.change.kind not in own):
         replayed = variant.replayed
         if replayed is not None and replayed.reported_bytes(replayed.reported_peak) == advice.predicted_peak_bytes:
             return variant
