@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
 from lightning_vram.prediction.replay.calibration import carry
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
+from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
@@ -274,12 +276,13 @@ class Predictor:
             return reserved, reserved
         return None, None
 
-    def replay(self, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
+    def replay(self, change: StepChange | None = None, count_flops: bool = False) -> ReplayedStep | ReplaySkipped:
         """Replay one training step with ``change`` (``None``: the baseline) on fake tensors and count it.
 
         The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
         (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
-        replayed.
+        replayed. With ``count_flops``, the step's FLOPs are counted too (``ReplayedStep.flops``: one more dispatch
+        mode over the counted step, which changes none of its memory figures).
         """
         left = self.seconds_left()
         deadline = None if left is None else time.perf_counter() + left
@@ -335,7 +338,8 @@ class Predictor:
                     if reserved is not None:
                         live.add_sampler(reserved)
                     probe = WorkspaceProbe()
-                    with probe, live:
+                    flops = StepFlops() if count_flops else None
+                    with probe, live, flops or nullcontext():
                         run.run_step(twin, fake_batch, counter, live)
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}
@@ -385,6 +389,7 @@ class Predictor:
                 ),
             ),
             timeline=timeline.finish(),
+            flops=flops.get_total_flops() if flops is not None else None,
             allocations=sequence,
             allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
         )

@@ -182,6 +182,10 @@ class ReplayedStep:
     notes: tuple[str, ...] = ()
     timeline: StepTimeline | None = None
     """Live bytes op by op, by part (``None`` where not recorded: a step read back from JSON, which leaves it out)."""
+    flops: int | None = None
+    """The step's floating-point operations as ``torch.utils.flop_counter.FlopCounterMode`` counts them (matrix
+    products, convolutions, attention; forward, backward with any recomputation, optimizer step); ``None`` where not
+    counted (a step read back from JSON, which leaves it out)."""
     allocations: AllocationSequence | None = field(default=None, compare=False, repr=False)
     """The replay's allocation sequence, kept in memory only (not in JSON: ``None`` read back, and where no caching
     allocator was simulated): whether a caching allocator serves the step at a capacity is asked of it."""
