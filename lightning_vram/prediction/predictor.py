@@ -17,6 +17,7 @@ put back.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_t
 from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
-from lightning_vram.prediction.replay.precision import precision_plan
+from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
 from lightning_vram.prediction.replay.simulation import simulate
@@ -293,6 +294,14 @@ class Predictor:
         scope = self._refusal()
         if isinstance(scope, str):
             return ReplaySkipped(scope)
+        # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
+        # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
+        return contextvars.copy_context().run(self._replay_in_context, change, plan, scope, deadline, started)
+
+    def _replay_in_context(
+        self, change: StepChange | None, plan: PrecisionPlan, scope: _Scope, deadline: float | None, started: float
+    ) -> ReplayedStep | ReplaySkipped:
+        """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds)."""
         run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape)
         counter: ReplayCounter | None = None
         frames = CheckpointFrames()
