@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
+from lightning_vram.measure.scripted import scripted_refusal
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
@@ -256,6 +257,9 @@ class Predictor:
         if compiled:  # predict() on a compiled model: the session's own replays stop before this
             wrapper = module.get_submodule(compiled[0])
             return compiled_refusal(f"{compiled_callable_name(wrapper)} ({compiled[0] or 'the model'})")
+        scripted = scripted_refusal(module)
+        if scripted is not None:
+            return scripted
         shared = [*shared_arrays(module), *shared_arrays(self.batch)]
         inside = inside_ids(module)
         reach = reach_of(code_roots(module, self.step_function, self.optimizers or (), self.batch), inside)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_vram.measure.scripted import scripted_module_names, scripted_tensors
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
@@ -83,12 +84,26 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
         memo[id(fabric)] = None
     with FakeCopyMode(mode):
         copied = copy.deepcopy(module, memo)
+        for name in scripted_module_names(dict(module.named_modules())):
+            _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
     for child in copied.modules():
         if callable(getattr(child, "log", None)):
             child.log = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
         if callable(getattr(child, "log_dict", None)):
             child.log_dict = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
     return copied, memo
+
+
+def _fake_scripted(real: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> None:
+    """Put fake tensors in the place of the real ones ``deepcopy`` gave a TorchScript module's copy.
+
+    TorchScript deep-copies its module in C++, tensors included, past the fake copy mode; each parameter and buffer
+    is copied again here under it (into ``memo``: a tensor shared with a Python module stays one fake tensor) and
+    set on the copy, which runs on them like any module.
+    """
+    places = scripted_tensors(copied)
+    for (_owner, leaf, tensor), (owner, _leaf, _copied) in zip(scripted_tensors(real), places, strict=True):
+        setattr(owner, leaf, copy.deepcopy(tensor, memo))
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
