@@ -28,7 +28,7 @@ from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 
 _ARRAY_DEPTH = 3
-"""How deep into attributes, lists and dicts :func:`shared_arrays` looks for NumPy arrays."""
+"""How deep into attributes, lists and dicts :func:`shared_arrays` and :func:`generator_copies` look."""
 
 
 @dataclass
@@ -50,14 +50,32 @@ def _no_logging(*_args: Any, **_kwargs: Any) -> None:
 def shared_arrays(value: Any) -> list[Any]:
     """The NumPy arrays a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
     numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return []
+    return [] if numpy is None else _held(value, numpy.ndarray)
+
+
+def generator_copies(module: nn.Module) -> dict[int, torch.Generator]:
+    """A copy of each ``torch.Generator`` the module's submodules hold, by the generator's ``id``, in the same state.
+
+    A generator does not deep-copy under the fake copy mode (its state would be a fake tensor); the replay's copy of
+    the module holds these instead, so what the replay draws leaves the user's generators as they were. Reading a
+    generator's state reads the host's copy of it (a CUDA generator's seed and offset): no device sync.
+    """
+    copies: dict[int, torch.Generator] = {}
+    for generator in _held(module, torch.Generator):
+        copied = torch.Generator(device=generator.device)
+        copied.set_state(generator.get_state())
+        copies[id(generator)] = copied
+    return copies
+
+
+def _held(value: Any, kind: type) -> list[Any]:
+    """The ``kind`` objects a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
     found: dict[int, Any] = {}
     pending = [vars(child) for child in value.modules()] if isinstance(value, nn.Module) else [value]
     for _ in range(_ARRAY_DEPTH):
         nested: list[Any] = []
         for item in pending:
-            if isinstance(item, numpy.ndarray):
+            if isinstance(item, kind):
                 found[id(item)] = item
             elif isinstance(item, dict):
                 nested += item.values()
@@ -78,7 +96,7 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
 
     The objects in ``substitutes`` are not copied: the copy holds their substitutes.
     """
-    memo: dict[int, Any] = dict(substitutes)
+    memo: dict[int, Any] = {**generator_copies(module), **substitutes}
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
