@@ -17,6 +17,7 @@ put back.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
+from lightning_vram.measure.scripted import scripted_refusal
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
@@ -47,11 +49,18 @@ from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
-from lightning_vram.prediction.replay.precision import precision_plan
+from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
 from lightning_vram.prediction.replay.simulation import simulate
-from lightning_vram.prediction.replay.skips import skip_reason
+from lightning_vram.prediction.replay.skips import (
+    ANOMALY_NOTE,
+    PROFILER_SKIP,
+    closure_refusal,
+    profiler_recording,
+    skip_reason,
+    sparse_refusal,
+)
 from lightning_vram.prediction.replay.step import (
     LOSS_OPS,
     RefusedError,
@@ -257,6 +266,9 @@ class Predictor:
         if compiled:  # predict() on a compiled model: the session's own replays stop before this
             wrapper = module.get_submodule(compiled[0])
             return compiled_refusal(f"{compiled_callable_name(wrapper)} ({compiled[0] or 'the model'})")
+        refusal = scripted_refusal(module) or sparse_refusal(module)
+        if refusal is not None:
+            return refusal
         shared = [*shared_arrays(module), *shared_arrays(self.batch)]
         inside = inside_ids(module)
         reach = reach_of(code_roots(module, self.step_function, self.optimizers or (), self.batch), inside)
@@ -296,6 +308,17 @@ class Predictor:
         scope = self._refusal()
         if isinstance(scope, str):
             return ReplaySkipped(scope)
+        if profiler_recording():
+            return ReplaySkipped(PROFILER_SKIP)
+        # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
+        # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
+        return contextvars.copy_context().run(self._replay_in_context, change, plan, scope, deadline, started)
+
+    def _replay_in_context(
+        self, change: StepChange | None, plan: PrecisionPlan, scope: _Scope, deadline: float | None, started: float
+    ) -> ReplayedStep | ReplaySkipped:
+        """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds)."""
+        anomaly_detection = torch.is_anomaly_enabled()  # off while the replay runs (isolated())
         run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape)
         counter: ReplayCounter | None = None
         frames = CheckpointFrames()
@@ -308,7 +331,7 @@ class Predictor:
                     self.module, self.optimizers, self.batch, mode, run.prepare_module, {id(a): a for a in scope.shared}
                 )
                 held = held_by(twin.module, scope.inside)
-                refusal = refusal_of(held)
+                refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:
                     raise RefusedError(refusal)
                 values = KnownValues()
@@ -383,6 +406,7 @@ class Predictor:
                 ),
                 *workspaces.notes,
                 *self._allocator_notes,
+                *((ANOMALY_NOTE,) if anomaly_detection else ()),
                 *(
                     f"the replayed code changed {place}; put back as it was"
                     for place in (*containment.restored, *held_containment.restored)

@@ -131,7 +131,6 @@ class Reach:
     or a compiled module outside the trained one), each with where the walk found it. ``unrestorable``: what the
     code reaches whose state cannot be saved (an iterator, a generator), by path. ``effects``: what the code does
     outside the process's objects, which a replay would do again (files it opens, threads, exit callbacks), by path.
-    ``context_vars``: the ``ContextVar`` objects it reaches (a value set in the step stays set in the context).
     ``complete``: the walk ended before :data:`WALK_LIMIT`.
     """
 
@@ -145,7 +144,6 @@ class Reach:
     compiled: list[str] = field(default_factory=list)
     unrestorable: list[str] = field(default_factory=list)
     effects: list[str] = field(default_factory=list)
-    context_vars: list[contextvars.ContextVar[Any]] = field(default_factory=list)
     complete: bool = True
 
     def add(self, other: Reach) -> None:
@@ -160,7 +158,6 @@ class Reach:
         self.compiled += other.compiled
         self.unrestorable += other.unrestorable
         self.effects += other.effects
-        self.context_vars += other.context_vars
         self.complete = self.complete and other.complete
 
 
@@ -262,8 +259,8 @@ class _Walk:
                 self.reach.objects.append(attributes)
                 for name, item in dict_items(attributes):
                     self._push(item, f"{path}.{name}", data=data)
-        elif isinstance(value, contextvars.ContextVar):
-            self.reach.context_vars.append(value)
+        elif isinstance(value, contextvars.ContextVar):  # the replay sets it in a copy of the context (predictor.py),
+            self._push(value.get(None), f"{path}.get()", data=data)  # which shares the objects the variable holds
         elif is_numpy_array(value):
             self.reach.arrays.append(value)
             if value.dtype == object:

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_vram.measure.scripted import scripted_module_names, scripted_tensors
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 
 _ARRAY_DEPTH = 3
-"""How deep into attributes, lists and dicts :func:`shared_arrays` looks for NumPy arrays."""
+"""How deep into attributes, lists and dicts :func:`shared_arrays` and :func:`generator_copies` look."""
 
 
 @dataclass
@@ -49,14 +50,32 @@ def _no_logging(*_args: Any, **_kwargs: Any) -> None:
 def shared_arrays(value: Any) -> list[Any]:
     """The NumPy arrays a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
     numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return []
+    return [] if numpy is None else _held(value, numpy.ndarray)
+
+
+def generator_copies(module: nn.Module) -> dict[int, torch.Generator]:
+    """A copy of each ``torch.Generator`` the module's submodules hold, by the generator's ``id``, in the same state.
+
+    A generator does not deep-copy under the fake copy mode (its state would be a fake tensor); the replay's copy of
+    the module holds these instead, so what the replay draws leaves the user's generators as they were. Reading a
+    generator's state reads the host's copy of it (a CUDA generator's seed and offset): no device sync.
+    """
+    copies: dict[int, torch.Generator] = {}
+    for generator in _held(module, torch.Generator):
+        copied = torch.Generator(device=generator.device)
+        copied.set_state(generator.get_state())
+        copies[id(generator)] = copied
+    return copies
+
+
+def _held(value: Any, kind: type) -> list[Any]:
+    """The ``kind`` objects a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
     found: dict[int, Any] = {}
     pending = [vars(child) for child in value.modules()] if isinstance(value, nn.Module) else [value]
     for _ in range(_ARRAY_DEPTH):
         nested: list[Any] = []
         for item in pending:
-            if isinstance(item, numpy.ndarray):
+            if isinstance(item, kind):
                 found[id(item)] = item
             elif isinstance(item, dict):
                 nested += item.values()
@@ -77,18 +96,32 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
 
     The objects in ``substitutes`` are not copied: the copy holds their substitutes.
     """
-    memo: dict[int, Any] = dict(substitutes)
+    memo: dict[int, Any] = {**generator_copies(module), **substitutes}
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
     with FakeCopyMode(mode):
         copied = copy.deepcopy(module, memo)
+        for name in scripted_module_names(dict(module.named_modules())):
+            _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
     for child in copied.modules():
         if callable(getattr(child, "log", None)):
             child.log = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
         if callable(getattr(child, "log_dict", None)):
             child.log_dict = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
     return copied, memo
+
+
+def _fake_scripted(real: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> None:
+    """Put fake tensors in the place of the real ones ``deepcopy`` gave a TorchScript module's copy.
+
+    TorchScript deep-copies its module in C++, tensors included, past the fake copy mode; each parameter and buffer
+    is copied again here under it (into ``memo``: a tensor shared with a Python module stays one fake tensor) and
+    set on the copy, which runs on them like any module.
+    """
+    places = scripted_tensors(copied)
+    for (_owner, leaf, tensor), (owner, _leaf, _copied) in zip(scripted_tensors(real), places, strict=True):
+        setattr(owner, leaf, copy.deepcopy(tensor, memo))
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
