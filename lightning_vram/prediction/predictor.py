@@ -312,10 +312,18 @@ class Predictor:
             return ReplaySkipped(PROFILER_SKIP)
         # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
         # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
-        return contextvars.copy_context().run(self._replay_in_context, change, plan, scope, deadline, started)
+        return contextvars.copy_context().run(
+            self._replay_in_context, change, plan, scope, deadline, started, count_flops
+        )
 
     def _replay_in_context(
-        self, change: StepChange | None, plan: PrecisionPlan, scope: _Scope, deadline: float | None, started: float
+        self,
+        change: StepChange | None,
+        plan: PrecisionPlan,
+        scope: _Scope,
+        deadline: float | None,
+        started: float,
+        count_flops: bool,
     ) -> ReplayedStep | ReplaySkipped:
         """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds)."""
         anomaly_detection = torch.is_anomaly_enabled()  # off while the replay runs (isolated())
