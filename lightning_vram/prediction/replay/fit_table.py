@@ -26,6 +26,7 @@ from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
+from lightning_vram.prediction.replay.served_range import ServedRange, served_range
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
 from lightning_vram.prediction.replay.synthesis import AffineSteps
@@ -162,22 +163,42 @@ def _synthesized_row(
     """
     name, capacity_bytes, served_bytes = gpu
     expandable = replace(run, expandable_segments=True)
-    # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection.
-    largest = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE)
-    if largest is None or not _confirmed(steps, law, largest, start, run, served_bytes, unseen_bytes):
+    # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection;
+    # then every batch below the answer down to the run's is checked (serving is not monotone in the batch).
+    found = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE)
+    if found is None:
         return None
-    wider: int | None = largest
+    ranges = [served_range(law.at, run, served_bytes, start, found, unseen_bytes)]
+    if not _confirmed(steps, law, ranges[0].largest, start, run, served_bytes, unseen_bytes):
+        return None
     if run != expandable:
-        wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
-        if wider is None or not _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes):
+        found = largest_served(law.at, expandable, served_bytes, found, unseen_bytes, ceiling=MAX_BATCH_SIZE)
+        if found is None:
             return None
-    return _served_fit_row(name, capacity_bytes, largest, wider, run)
+        ranges.append(served_range(law.at, expandable, served_bytes, start, found, unseen_bytes))
+        if not _confirmed(steps, law, ranges[1].largest, start, expandable, served_bytes, unseen_bytes):
+            return None
+    note = _gaps_note(ranges)
+    return _served_fit_row(name, capacity_bytes, ranges[0].largest, ranges[-1].largest, run, note)
 
 
-def _served_fit_row(name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings) -> FitRow:
+def _gaps_note(ranges: Sequence[ServedRange]) -> str | None:
+    """The row's note: where the served batches above its answers have gaps (the run's settings', expandable's)."""
+    parts = [
+        text if index == 0 else f"with expandable_segments:True {text}"
+        for index, served in enumerate(ranges)
+        if (text := served.text) is not None
+    ]
+    return "; ".join(parts) or None
+
+
+def _served_fit_row(
+    name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings, note: str | None = None
+) -> FitRow:
     """A row found by the simulated allocator, batch sizes.
 
-    ``largest``: the largest batch it serves with the run's settings (``run``); ``wider``: with expandable segments.
+    ``largest``: the largest batch it serves with the run's settings (``run``); ``wider``: with expandable segments;
+    ``note``: where served batches above them have gaps.
     """
     return FitRow(
         name,
@@ -187,6 +208,7 @@ def _served_fit_row(name: str, capacity_bytes: int, largest: int, wider: int | N
         at_least=largest >= MAX_BATCH_SIZE,
         allocator=run.conf(),
         expandable_max_batch_size=wider,
+        note=note,
     )
 
 
