@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.prediction.replay.calibration import unseen_at
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.records import AllocationSequence, Phase
 
@@ -69,8 +70,9 @@ def served_range(
     """The largest batch with every batch from ``start`` (the run's) to it served at ``capacity_bytes``.
 
     ``synthesized``: a batch's allocation sequence (``None`` where it has none: counted as not served); ``found``:
-    a batch the bisection found served. Scans down from ``found`` to ``start`` (1 where ``found`` is below it)
-    while :data:`SCAN_EVENTS` allows.
+    a batch the bisection found served; ``unseen_bytes``: measured at ``start``, carried in proportion above it
+    (:func:`unseen_at`). Scans down from ``found`` to ``start`` (1 where ``found`` is below it) while
+    :data:`SCAN_EVENTS` allows.
     """
     low = start if start <= found else 1
     unserved: list[int] = []
@@ -81,7 +83,10 @@ def served_range(
         if sequence is not None and events + len(sequence) > SCAN_EVENTS:
             break
         checked_from = size
-        if sequence is None or not serve(sequence, settings, capacity_bytes, unseen_bytes).served:
+        if (
+            sequence is None
+            or not serve(sequence, settings, capacity_bytes, unseen_at(unseen_bytes or {}, start, size)).served
+        ):
             unserved.append(size)
             continue
         events += len(sequence)
