@@ -59,7 +59,7 @@ def test_text_names_each_figure(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     peak = recorded_peak("gpt2-b8")
     assert lines[0] == f"trace: {len(load('gpt2-b8')[0]['device_traces'][0])} events from an empty device"
-    assert lines[1] == "allocator settings: defaults"
+    assert lines[1] == 'allocator settings: "" (torch\'s defaults)'
     assert lines[2] == (
         f"reserved peak: recorded {format_bytes(peak)} ({peak:,} B), simulated {format_bytes(peak)} ({peak:,} B,"
         " +0 B (+0.00%))"
@@ -98,6 +98,18 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     assert "(the snapshot does not say: torch's defaults assumed)" in out
     assert "serving it would need 50.0 MiB reserved (52,428,800 B), simulated at that capacity: out of memory" in out
     assert "  expandable_segments:True  reserved peak 40.0 MiB (41,943,040 B, -10.0 MiB (-20.00%)" in out
+
+
+@pytest.mark.parametrize("name", ["gpt2-b8", "gpt2-b150-expandable"])
+def test_text_and_json_give_the_runs_settings_as_the_same_string(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(SNAPSHOTS[name])
+    assert main(["allocator", "--json", path]) == 0
+    settings = json.loads(capsys.readouterr().out)["simulated"]["settings"]
+    assert main(["allocator", path]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    # The string PYTORCH_ALLOC_CONF held, quoted; "" said to be torch's defaults.
+    expected = {"gpt2-b8": ("", " (torch's defaults)"), "gpt2-b150-expandable": ("expandable_segments:True", "")}[name]
+    assert (settings, line) == (expected[0], f'allocator settings: "{expected[0]}"{expected[1]}')
 
 
 def bad_files(directory: Path) -> list[tuple[Path, str]]:

@@ -425,4 +425,4 @@ class Predictor:
             allocations=sequence,
             allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
         )
-        return carry(replayed, self.carried) if self.carried is not None else replayed
+        return carry(replayed, self.carried, batch_size_of(self.batch)) if self.carried is not None else replayed

@@ -178,6 +178,10 @@ class FitRow:
     :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of the card kept free), or a report before 0.12."""
     expandable_max_batch_size: int | None = None
     """The largest batch with ``expandable_segments:True`` added to :attr:`allocator` (``None``: not simulated)."""
+    note: str | None = None
+    """Where batches above an answer are served again after some that are not (``"served to 336; 337-341 not served
+    (fragmentation), served again at 342-352"``): each answer is the largest with every batch from the run's to it
+    served. ``None``: no such gap, or a report before 0.12."""
 
     @property
     def batch_text(self) -> str:

@@ -36,6 +36,7 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
         "at_least": row.at_least,
         "allocator": row.allocator,
         "expandable_max_batch_size": row.expandable_max_batch_size,
+        "note": row.note,
     }
 
 
@@ -93,6 +94,7 @@ def fit_row_from_dict(data: Any, where: str) -> FitRow:
         expandable_max_batch_size=(
             fields.optional_integer("expandable_max_batch_size") if fields.has("expandable_max_batch_size") else None
         ),
+        note=fields.optional_text("note") if fields.has("note") else None,  # absent up to 0.12's first reports
     )
 
 

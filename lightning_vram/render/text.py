@@ -335,9 +335,10 @@ def fit_assumption(rows: Sequence[FitRow]) -> str:
     if not settings:
         return "A batch fits where its tensor peak and the CUDA context leave 10% of the card free."
     named = ", ".join(setting or "torch defaults" for setting in settings)
+    gaps = "".join(f" {row.device}: {row.note}." for row in rows if row.note is not None)
     return (
         f"A batch fits where the simulated CUDA caching allocator ({named}) serves its whole step in the card's"
-        " memory less the CUDA context, no margin kept."
+        f" memory less the CUDA context, no margin kept.{gaps}"
     )
 
 

@@ -18,7 +18,7 @@ import functools
 import random
 import types
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -218,7 +218,8 @@ class Containment:
         self.restored: list[str] = []
 
 
-def _describe(target: Any) -> str:
+def _describe(target: Any, paths: Mapping[int, str]) -> str:
+    """A place the replay changed, as a note names it: where the walk found it (``paths``, by id) where known."""
     if isinstance(target, Slot):
         holder = target.holder
         if isinstance(holder, dict):
@@ -226,6 +227,9 @@ def _describe(target: Any) -> str:
         if target.key is None:
             return "a closure variable"
         return f"{getattr(holder, '__qualname__', type(holder).__name__)}.{target.key}"
+    path = paths.get(id(target))
+    if path is not None:
+        return f"{path} (a {type(target).__name__})"
     return f"a {type(target).__name__} held outside the module"
 
 
@@ -255,9 +259,9 @@ def contained(reach: Reach) -> Iterator[Containment]:
         for saver in reversed(savers):
             try:
                 if saver.restore() and id(saver.target) not in cache_slots:
-                    containment.restored.append(_describe(saver.target))
+                    containment.restored.append(_describe(saver.target, reach.paths))
             except Exception as error:  # noqa: BLE001 -- a state the object refused back: reported below
-                lost.append(f"{_describe(saver.target)} ({type(error).__name__}: {error})")
+                lost.append(f"{_describe(saver.target, reach.paths)} ({type(error).__name__}: {error})")
         for saved in tensors:
             if saved.restore():
                 containment.restored.append(f"a {tuple(saved.tensor.shape)} tensor held outside the module")
