@@ -132,6 +132,13 @@ def _check_arguments(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (a LightningModule), got {type(module).__name__}")
+    missing = [name for name in ("training_step", "configure_optimizers") if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            "module must be a LightningModule (predict() replays its training_step with the optimizers its"
+            f" configure_optimizers returns), got {type(module).__name__}, which has no {' and no '.join(missing)};"
+            " a plain nn.Module is measured and replayed in its own loop by VramSession.start(..., step_function=...)"
+        )
     if precision not in REPLAYED_PRECISIONS or not isinstance(precision, str):
         raise ValueError(f"precision must be one of {', '.join(REPLAYED_PRECISIONS)}, got {_shown(precision)}")
     largest = max(memory for _, memory in COMMON_GPUS)

@@ -105,6 +105,7 @@ def test_prediction_that_cannot_replay_says_why() -> None:
     ("arguments", "error", "message"),
     [
         ({"module": "model"}, TypeError, "module must be a torch.nn.Module"),
+        ({"module": nn.Linear(8, 10)}, TypeError, "got Linear, which has no training_step and no configure_optimizers"),
         (
             {"cuda_context_bytes": -1},
             ValueError,
