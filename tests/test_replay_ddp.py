@@ -1,0 +1,118 @@
+"""DDP replayed per rank, in one process: what DDP holds beyond the step, and no collective inside a replay.
+
+The multi-process ground truth (each rank's replay against its own measured step, at world sizes 2 and 4) is in
+tests/test_distributed_replay.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import OPTIMIZERS, Classifier
+from torch import nn
+
+from lightning_vram.measure.ddp import live_buckets, predicted_buckets, replay_refusal
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.records import Phase, ReplayedStep, ReplaySkipped, Simulation, StrategyBuffers
+from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
+
+# The replay of the step under fake tensors.
+pytestmark = pytest.mark.replay
+
+FLOAT32 = 4
+BATCH = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
+
+
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """A gloo process group of one rank (this process), destroyed after the test."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_strategy_s_buffers_are_in_every_phase_and_in_other() -> None:
+    module = Classifier(nn.Linear(32, 10), OPTIMIZERS["sgd"])
+    plain = Predictor(module, None, BATCH, warm_up=True).baseline()
+    buffers = StrategyBuffers("DDP gradient buckets", (1000, 24), "by hand")
+    held = Predictor(module, None, BATCH, warm_up=True, strategy=buffers).baseline()
+    assert isinstance(plain, ReplayedStep) and isinstance(held, ReplayedStep)
+    assert held.strategy == buffers and plain.strategy is None
+    assert held.phases.keys() == plain.phases.keys() == set(Phase)
+    for phase, peak in held.phases.items():
+        before, after = plain.phases[phase].breakdown, peak.breakdown
+        assert before is not None and after is not None and before.other is not None and after.other is not None
+        assert peak.peak_bytes == plain.phases[phase].peak_bytes + 1024
+        assert after.other == before.other + 1024
+        assert after.counted_bytes == before.counted_bytes
+
+
+def test_the_strategy_line_reads_back_from_the_report_json() -> None:
+    module = Classifier(nn.Linear(32, 10), OPTIMIZERS["sgd"])
+    buffers = StrategyBuffers("DDP gradient buckets", (1000, 24), "by hand")
+    simulation = Predictor(module, None, BATCH, warm_up=True, strategy=buffers).simulate()
+    data = json.loads(json.dumps(simulation_to_dict(simulation)))
+    assert data["strategy"] == {
+        "label": "DDP gradient buckets",
+        "bytes": 1024,
+        "buffers": [1000, 24],
+        "basis": "by hand",
+    }
+    back = simulation_from_dict(data)
+    assert isinstance(back, Simulation) and back.baseline is not None and back.baseline.strategy == buffers
+    del data["strategy"]  # a report written before the field existed
+    older = simulation_from_dict(data)
+    assert older is not None and older.baseline is not None and older.baseline.strategy is None
+
+
+class AllReducesItsLoss(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        dist.all_reduce(loss)  # a collective inside the step
+        return loss
+
+
+def test_a_collective_in_the_step_stops_the_replay(process_group: None) -> None:
+    # Each rank replays on its own: a collective there would wait for ranks whose replays never reach it.
+    module = AllReducesItsLoss(nn.Linear(32, 10), OPTIMIZERS["sgd"])
+    result = Predictor(module, None, BATCH, warm_up=True).baseline()
+    assert isinstance(result, ReplaySkipped)
+    assert result.reason.startswith("the step runs a collective (c10d.allreduce_.default): a rank's replay runs none")
+
+
+def test_ddp_buckets_hold_a_second_copy_of_every_gradient(process_group: None) -> None:
+    # Three Linears. In reverse order the head and the second Linear pass 1 MiB and close the first bucket; the
+    # first Linear opens the second (of at most 25 MiB).
+    network = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 10))
+    ddp = nn.parallel.DistributedDataParallel(network)
+    linear, head = (512 * 512 + 512) * FLOAT32, (512 * 10 + 10) * FLOAT32
+    buckets = predicted_buckets(ddp)
+    assert buckets.label == "DDP gradient buckets" and "gradient_as_bucket_view=False" in buckets.basis
+    assert buckets.buffers == (head + linear, linear)
+    assert live_buckets(ddp) == (head + 2 * linear,)  # before its first forward DDP keeps one bucket for all
+    for _ in range(2):
+        ddp(torch.randn(4, 512)).sum().backward()
+        # After one backward DDP rebuilds its buckets at the next forward: none held before that forward.
+        assert live_buckets(ddp) == (() if _ == 0 else buckets.buffers)
+    # torch's own count of the Reducer's buckets, once rebuilt.
+    assert [bucket.buffer().nbytes for bucket in ddp.reducer._get_zeros_like_grad_buckets()] == list(buckets.buffers)
+
+
+def test_ddp_with_gradients_as_bucket_views_is_not_replayed_with_buckets(process_group: None) -> None:
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(8, 2), gradient_as_bucket_view=True)
+    reason = replay_refusal(ddp)
+    assert reason is not None and reason.startswith("DDP with gradient_as_bucket_view=True")
+    assert live_buckets(ddp) == ()  # the gradients are the buckets: counted as gradients
