@@ -19,6 +19,7 @@ from models import OPTIMIZERS, Classifier
 from torch import nn
 
 from lightning_vram.measure.ddp import live_buckets, predicted_buckets, replay_refusal
+from lightning_vram.measure.live import LiveTensors
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import Phase, ReplayedStep, ReplaySkipped, Simulation, StrategyBuffers
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
@@ -116,3 +117,24 @@ def test_ddp_with_gradients_as_bucket_views_is_not_replayed_with_buckets(process
     reason = replay_refusal(ddp)
     assert reason is not None and reason.startswith("DDP with gradient_as_bucket_view=True")
     assert live_buckets(ddp) == ()  # the gradients are the buckets: counted as gradients
+
+
+def test_the_live_count_holds_storages_no_tensor_reaches_and_counts_them_once() -> None:
+    # A bucket alive before the step, reached by no registered tensor: held from the start; the op that writes into
+    # it (as DDP's Reducer copies a gradient into its slot) does not count it again. A new tensor of the same size
+    # is new memory.
+    bucket = torch.empty(256)  # 1 KiB
+    live = LiveTensors(torch.device("cpu"))
+    live.hold([bucket.untyped_storage().nbytes()])
+    live.start()
+    try:
+        assert live.live_bytes == 1024
+        torch.mul(torch.ones(256), 0.5, out=bucket)
+        assert live.live_bytes == 1024  # the ones are freed already; the bucket counted once
+        fresh = torch.ones(256) * 2
+        assert live.live_bytes == 2048
+        live.close_segment(Phase.FORWARD)
+    finally:
+        live.stop()
+    del fresh
+    assert live.phase_peaks[Phase.FORWARD] == 1024 + 1024 + 1024  # bucket, the ones beside the product, the product
