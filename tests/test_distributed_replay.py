@@ -23,12 +23,12 @@ TOLERANCE = 0.05
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
 
-def run(out: Path, world_size: int, *extra: str) -> list[dict[str, Any]]:
+def run(out: Path, world_size: int, strategy: str = "ddp", *extra: str) -> list[dict[str, Any]]:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "ddp_replay_train.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(out), str(world_size), "ddp", *extra],
+        [sys.executable, str(script), str(out), str(world_size), strategy, *extra],
         capture_output=True,
         text=True,
         timeout=HANG,
@@ -48,10 +48,12 @@ def table(ranks: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(tmp_path: Path, world_size: int) -> None:
-    ranks = run(tmp_path, world_size)
-    print(f"\nDDP, {world_size} gloo ranks: each rank's sampled step measured and replayed (bytes)")
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, "ddp"), (4, "ddp"), (2, "ddp_spawn")])
+def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(
+    tmp_path: Path, world_size: int, strategy: str
+) -> None:
+    ranks = run(tmp_path, world_size, strategy)
+    print(f"\n{strategy}, {world_size} gloo ranks: each rank's sampled step measured and replayed (bytes)")
     print(table(ranks))
     for rank in ranks:
         assert rank["skipped"] is None, rank["skipped"]
@@ -85,7 +87,7 @@ def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(tmp_path: P
 def test_a_rank_that_skips_its_replay_leaves_no_rank_waiting(tmp_path: Path) -> None:
     # Rank 1's step reads its loss's value: its replay is skipped; rank 0 replays. No replay runs a collective, so
     # neither waits for the other: both finish, and the gathers at the log interval and at train end agree.
-    ranks = run(tmp_path, 2, "rank1-skips")
+    ranks = run(tmp_path, 2, "ddp", "rank1-skips")
     assert ranks[0]["skipped"] is None and dict(ranks[0]["advice"])["inplace-activations"] == "simulated"
     assert ranks[1]["skipped"] is not None and "reads a tensor's value" in ranks[1]["skipped"]
     assert dict(ranks[1]["advice"])["inplace-activations"] == "modelled"
