@@ -31,20 +31,17 @@ WIDTH = 256
 
 
 class RankOneDiffers(Classifier):
-    """Rank 1 doubles its batch inside the step, so the ranks' steps differ; with ``skips_on=1`` it reads its loss's
-    value instead (a replay cannot). The rank is kept at set-up, so that a replay's copy of the module knows it."""
+    """Rank 1 doubles its batch inside the step, so the ranks' steps differ (a replay's copy knows its rank); with
+    ``skips_on=1`` it reads its loss's value instead (a replay cannot)."""
 
     skips_on: int | None = None
 
-    def setup(self, stage: str) -> None:
-        self.rank = self.global_rank
-
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        if self.rank == 1 and self.skips_on is None:
+        if self.global_rank == 1 and self.skips_on is None:
             inputs, targets = inputs.repeat(2, 1), targets.repeat(2)
         loss = super().training_step((inputs, targets), batch_idx)
-        if self.skips_on == self.rank:
+        if self.skips_on == self.global_rank:
             self.last_loss = float(loss)
         return loss
 

@@ -82,6 +82,10 @@ def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(
     simulation = report["simulation"]
     assert simulation["skipped"] is None and simulation["strategy"]["label"] == "DDP gradient buckets"
     assert {item["id"]: item["saving_basis"] for item in report["advice"]}["inplace-activations"] == "simulated"
+    assert (
+        "DDP gradient buckets: 1.0 MiB (1 buffer) held in every phase of each rank"
+        in next(tmp_path.rglob("vram_report.md")).read_text()
+    )
 
 
 def test_a_rank_that_skips_its_replay_leaves_no_rank_waiting(tmp_path: Path) -> None:

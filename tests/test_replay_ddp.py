@@ -10,6 +10,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -138,3 +139,43 @@ def test_the_live_count_holds_storages_no_tensor_reaches_and_counts_them_once() 
         live.stop()
     del fresh
     assert live.phase_peaks[Phase.FORWARD] == 1024 + 1024 + 1024  # bucket, the ones beside the product, the product
+
+
+class DoublesOnRankOne(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        if self.global_rank == 1:
+            inputs, targets = inputs.repeat(2, 1), targets.repeat(2)
+        return super().training_step((inputs, targets), batch_idx)
+
+
+class ReadsTheStrategy(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert self.trainer.strategy is not None
+        return super().training_step(batch, batch_idx)
+
+
+def trained_by(module: Classifier, world_size: int, rank: int) -> Classifier:
+    """``module`` as a Trainer of ``world_size`` processes holds it on ``rank`` (its ranks and counters only)."""
+    module._trainer = SimpleNamespace(  # type: ignore[assignment]
+        world_size=world_size, global_rank=rank, local_rank=rank, node_rank=0, global_step=3, current_epoch=0
+    )
+    return module
+
+
+def test_each_rank_s_replay_runs_its_own_rank_s_step() -> None:
+    # The replay's copy drops the Trainer; under several processes it keeps the rank, so rank 1 replays rank 1's step.
+    activations = {}
+    for rank in (0, 1):
+        module = trained_by(DoublesOnRankOne(nn.Linear(32, 10), OPTIMIZERS["sgd"]), 2, rank)
+        result = Predictor(module, None, BATCH, warm_up=True).baseline()
+        assert isinstance(result, ReplayedStep)
+        breakdown = result.phases[Phase.FORWARD].breakdown
+        assert breakdown is not None
+        activations[rank] = breakdown.activations
+    # The Linear's input, cross-entropy's log-probabilities, its int64 targets and nll_loss's float32 total weight.
+    assert activations == {rank: n * 32 * FLOAT32 + n * 10 * FLOAT32 + n * 8 + FLOAT32 for rank, n in ((0, 8), (1, 16))}
+    one_process = trained_by(DoublesOnRankOne(nn.Linear(32, 10), OPTIMIZERS["sgd"]), 1, 0)
+    assert isinstance(Predictor(one_process, None, BATCH, warm_up=True).baseline(), ReplayedStep)
+    skipped = Predictor(trained_by(ReadsTheStrategy(nn.Linear(32, 10)), 2, 1), None, BATCH, warm_up=True).baseline()
+    assert isinstance(skipped, ReplaySkipped) and skipped.reason.startswith("the step reads self.trainer")
