@@ -114,6 +114,10 @@ def live_buckets(ddp: DistributedDataParallel) -> tuple[int, ...]:
     if ddp.gradient_as_bucket_view:
         return ()
     rebuilds = ddp.static_graph or not ddp.find_unused_parameters
-    if rebuilds and ddp._lazy_init_ran and not ddp._has_rebuilt_buckets:  # rebuilt at this forward
+    ran, rebuilt = getattr(ddp, "_lazy_init_ran", True), getattr(ddp, "_has_rebuilt_buckets", True)
+    if rebuilds and ran and not rebuilt:  # rebuilt at this forward
         return ()
-    return tuple(bucket.buffer().untyped_storage().nbytes() for bucket in ddp.reducer._get_zeros_like_grad_buckets())
+    shaped_like = getattr(ddp.reducer, "_get_zeros_like_grad_buckets", None)
+    if shaped_like is None:  # another torch: the buckets count from the first op that writes them, as before
+        return ()
+    return tuple(bucket.buffer().untyped_storage().nbytes() for bucket in shaped_like())
