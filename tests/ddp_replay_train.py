@@ -1,12 +1,13 @@
 """DDP on the CPU (gloo), each rank's replay beside its measured step, run by test_distributed_replay.py:
-``python tests/ddp_replay_train.py OUT_DIR WORLD_SIZE STRATEGY [rank1-skips]``.
+``python tests/ddp_replay_train.py OUT_DIR WORLD_SIZE STRATEGY [rank1-skips | no-monitor]``.
 
 An MLP with LeakyReLU out of place (its advice: checkpointing, inplace activations), rank 1 doubling its batch
 inside the step, 4 steps, steps 2 and 3 sampled. Rank ``r`` writes ``rank<r>.json``: the monitor's measured phase
 peaks and counted parts of the sampled step its replay was checked against (``simulation.match``), each phase's
 measured peak in its report, the replay's phases, the strategy's line, DDP's own buckets (read from its Reducer at
-train end), the advice. With ``rank1-skips`` rank 1 reads its loss's value in its step instead (a replay cannot),
-so rank 1 skips the replay that rank 0 runs.
+train end), the advice; ``training<r>.json`` what training did. With ``rank1-skips`` rank 1 reads its loss's
+value in its step instead (a replay cannot), so rank 1 skips the replay that rank 0 runs; with ``no-monitor`` the
+same run trains without the monitor.
 """
 
 from __future__ import annotations
@@ -80,10 +81,34 @@ class Record(Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class Training(Callback):
+    """What training did on this rank, to compare with and without the monitor: each step's loss, the final
+    parameters and optimizer state, the random number generator's state (``training<r>.json``)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        state = {
+            "losses": [value.hex() for value in self.losses],
+            "parameters": {name: tensor.flatten().tolist() for name, tensor in pl_module.state_dict().items()},
+            "optimizer": repr(trainer.optimizers[0].state_dict()),
+            "rng": torch.get_rng_state().tolist(),
+        }
+        (self.out / f"training{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
 def main() -> None:
     out, world_size, strategy = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    monitored = sys.argv[4:] != ["no-monitor"]
     monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=1, console_summary=False)
     trainer = Trainer(
         accelerator="cpu",
@@ -92,7 +117,7 @@ def main() -> None:
         max_steps=4,
         logger=False,
         default_root_dir=out,
-        callbacks=[monitor, Record(out)],
+        callbacks=[monitor, Record(out), Training(out)] if monitored else [Training(out)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

@@ -35,6 +35,8 @@ def run(out: Path, world_size: int, strategy: str = "ddp", *extra: str) -> list[
         env=environment,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    if extra == ("no-monitor",):
+        return []
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
@@ -97,3 +99,17 @@ def test_a_rank_that_skips_its_replay_leaves_no_rank_waiting(tmp_path: Path) -> 
     assert dict(ranks[1]["advice"])["inplace-activations"] == "modelled"
     report = json.loads(next(tmp_path.rglob("vram_report.json")).read_text())
     assert [rank["rank"] for rank in report["ranks"]] == [0, 1]
+
+
+def test_each_rank_trains_the_same_with_and_without_its_replay(tmp_path: Path) -> None:
+    # Every rank replays its step inside training (and reads DDP's buckets on each sampled step): the losses, the
+    # parameters, the optimizer state and the random number generator's state come out as without the monitor.
+    with_monitor, without = tmp_path / "with", tmp_path / "without"
+    with_monitor.mkdir(), without.mkdir()
+    ranks = run(with_monitor, 2)
+    assert all(rank["skipped"] is None for rank in ranks)  # both replayed
+    run(without, 2, "ddp", "no-monitor")
+    for rank in (0, 1):
+        trained = json.loads((with_monitor / f"training{rank}.json").read_text())
+        assert trained == json.loads((without / f"training{rank}.json").read_text())
+        assert len(trained["losses"]) == 4
