@@ -19,9 +19,12 @@ import torch.distributed as dist
 from models import OPTIMIZERS, Classifier
 from torch import nn
 
+from lightning_vram.advice.trials import unsupported
 from lightning_vram.measure.ddp import live_buckets, predicted_buckets, replay_refusal
 from lightning_vram.measure.live import LiveTensors
+from lightning_vram.measure.setup import training_setup
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.step import lightning_training_step
 from lightning_vram.records import Phase, ReplayedStep, ReplaySkipped, Simulation, StrategyBuffers
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 
@@ -179,3 +182,31 @@ def test_each_rank_s_replay_runs_its_own_rank_s_step() -> None:
     assert isinstance(Predictor(one_process, None, BATCH, warm_up=True).baseline(), ReplayedStep)
     skipped = Predictor(trained_by(ReadsTheStrategy(nn.Linear(32, 10)), 2, 1), None, BATCH, warm_up=True).baseline()
     assert isinstance(skipped, ReplaySkipped) and skipped.reason.startswith("the step reads self.trainer")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world_size", "accumulate", "automatic", "reason"),
+    [
+        ("DDPStrategy", 2, 1, True, None),  # replayed per rank
+        ("DDPStrategy", 2, 2, True, "gradient accumulation"),
+        ("DDPStrategy", 2, 1, False, "manual optimization"),
+        ("FSDPStrategy", 2, 1, True, "FSDPStrategy: sharded steps need the other ranks' collectives"),
+        ("DeepSpeedStrategy", 2, 1, True, "DeepSpeedStrategy: sharded steps need the other ranks' collectives"),
+        ("ModelParallelStrategy", 2, 1, True, "ModelParallelStrategy: sharded steps need the other ranks'"),
+        ("SomeOtherStrategy", 2, 1, True, "distributed training: the replay runs one process"),
+    ],
+)
+def test_only_ddp_is_replayed_per_rank_the_rest_keeps_its_reason(
+    strategy: str, world_size: int, accumulate: int, automatic: bool, reason: str | None
+) -> None:
+    module = Classifier(nn.Linear(8, 2))
+    setup = training_setup(
+        module,
+        [module.configure_optimizers()],
+        world_size=world_size,
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
+        automatic_optimization=automatic,
+    )
+    found = unsupported(module, setup, lightning_training_step)
+    assert found == reason if reason is None else (found is not None and found.startswith(reason))
