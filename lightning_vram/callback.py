@@ -132,6 +132,7 @@ class VramMonitor(Callback):
             barrier=strategy_barrier(trainer),
             publishers=publishers if self._logs else (),
             default_log_every_n_steps=log_interval(trainer),
+            wrapper=lambda: trainer.strategy.model,
         )
 
     @override

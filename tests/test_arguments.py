@@ -185,6 +185,7 @@ START_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
         " Lightning logger), got <",
     ),
     ({"step_function": 3}, TypeError, "step_function must be a callable or None, got 3 (int)"),
+    ({"wrapper": "ddp"}, TypeError, "wrapper must be a callable or None, got 'ddp' (str)"),
 ]
 
 

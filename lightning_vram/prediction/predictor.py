@@ -34,6 +34,7 @@ from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
 from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
+from lightning_vram.prediction.containment.collectives import without_collectives
 from lightning_vram.prediction.containment.containment import ContainmentError, contained
 from lightning_vram.prediction.containment.deadline import Deadline
 from lightning_vram.prediction.containment.escapes import register
@@ -88,6 +89,7 @@ from lightning_vram.records import (
     ReplaySkipped,
     Simulation,
     StepChange,
+    StrategyBuffers,
 )
 
 
@@ -135,6 +137,9 @@ class Predictor:
         measured: the sampled step's allocator peaks per phase (``peak_bytes`` allocated, ``reserved_bytes`` the
             reserve at the phase's end), which :meth:`simulate` sets the baseline against (:attr:`carried`);
             ``None`` where there are none (the CPU, preflight, ``predict()``).
+        strategy: what a multi-process strategy holds on this rank beyond the step (DDP's gradient buckets): each
+            replay allocates its buffers before the step and holds them to its end, so they are in every phase's
+            peak and ``other`` (and in the allocator model's sequence). ``None``: nothing.
     """
 
     def __init__(
@@ -157,6 +162,7 @@ class Predictor:
         compute_capability: tuple[int, int] | None = None,
         allocator: AllocatorSettings | None = None,
         measured: Mapping[Phase, PhasePeak] | None = None,
+        strategy: StrategyBuffers | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -185,6 +191,7 @@ class Predictor:
         self._allocator_notes = (settings,) if isinstance(settings, str) else ()
         self._scope: _Scope | str | None = None
         self.measured = measured
+        self.strategy = strategy
         self.carried: Calibration | None = None
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
@@ -279,6 +286,11 @@ class Predictor:
         reach.arrays += shared
         return _Scope(reach, inside, shared)
 
+    def _strategy_buffers(self) -> list[torch.Tensor]:
+        """The strategy's buffers as (fake) bytes on the counted device; call under the replay's fake mode."""
+        buffers = self.strategy.buffers if self.strategy is not None else ()
+        return [torch.empty(size, dtype=torch.uint8, device=self.device) for size in buffers]
+
     def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
         """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
         if self.allocations is not None:
@@ -344,7 +356,14 @@ class Predictor:
                     raise RefusedError(refusal)
                 values = KnownValues()
                 values.know(twin.batch_values)
-                with contained(held) as held_containment, mode, Deadline(deadline), values, real_branches(values):
+                with (
+                    contained(held) as held_containment,
+                    mode,
+                    without_collectives(),
+                    Deadline(deadline),
+                    values,
+                    real_branches(values),
+                ):
                     fake_batch = run.prepare_batch(twin.batch)
                     if self.warm_up:
                         run.run_step(twin, fake_batch, None, None)
@@ -354,6 +373,8 @@ class Predictor:
                     allocations, reserved = self._listener()
                     live = LiveMemory(self.device, allocations)
                     live.track(state_tensors(twin))
+                    held_by_strategy = self._strategy_buffers()
+                    live.track(held_by_strategy)
                     live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
                     counter = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
                     live.add_listener(counter.on_output)
@@ -424,5 +445,6 @@ class Predictor:
             flops=flops.get_total_flops() if flops is not None else None,
             allocations=sequence,
             allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
+            strategy=self.strategy,
         )
         return carry(replayed, self.carried, batch_size_of(self.batch)) if self.carried is not None else replayed

@@ -161,6 +161,25 @@ StepChange = (
 
 
 @dataclass(frozen=True)
+class StrategyBuffers:
+    """What a multi-process strategy holds on each rank beyond the module's own step, added to a replay by arithmetic.
+
+    ``label`` names it (``"DDP gradient buckets"``); ``buffers`` are its allocations in bytes, each alive for the
+    whole step; ``basis`` says how they were worked out (the strategy's settings and the rule applied). A replay
+    holds them from the step's start: they are in each phase's peak and in its ``other``.
+    """
+
+    label: str
+    buffers: tuple[int, ...]
+    basis: str
+
+    @property
+    def total_bytes(self) -> int:
+        """All its buffers, in bytes."""
+        return sum(self.buffers)
+
+
+@dataclass(frozen=True)
 class ReplayedStep:
     """One training step replayed under fake tensors: what it would hold, without holding it.
 
@@ -192,6 +211,8 @@ class ReplayedStep:
     allocator: str | None = field(default=None, compare=False, repr=False)
     """The caching allocator's settings the phases' reserved peaks were simulated with (``PYTORCH_ALLOC_CONF`` as
     torch reads it, ``""``: torch's defaults); ``None`` with :attr:`allocations`."""
+    strategy: StrategyBuffers | None = None
+    """What the strategy holds beyond the step, in every phase's peak and ``other`` (``None``: nothing added)."""
 
     @property
     def peak(self) -> PhasePeak:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_vram.prediction.containment.collectives import CollectiveError
 from lightning_vram.prediction.containment.deadline import ReplayDeadlineError
 from lightning_vram.prediction.replay._fake import (
     DataDependentOutputException,
@@ -19,7 +20,7 @@ from lightning_vram.prediction.replay._fake import (
 def skip_reason(error: BaseException) -> str:
     """The reason a replay stopped at ``error``, naming what fake tensors cannot do where that was the cause."""
     text = f"{type(error).__name__}: {error}".strip()
-    if isinstance(error, ReplayDeadlineError):
+    if isinstance(error, (ReplayDeadlineError, CollectiveError)):
         return str(error)
     if isinstance(error, DataDependentOutputException):
         return (

@@ -1,9 +1,10 @@
 """The replay's own copy of the training state, made of fake tensors: module, gradients, optimizers, batch.
 
 The module is deep-copied under :class:`~torch._subclasses.fake_tensor.FakeCopyMode`: every tensor it holds becomes
-a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does;
-its ``log`` and ``log_dict`` do nothing). NumPy arrays the module or the batch hold are shared, not copied (a 400 MB
-table would be copied on every replay): the replay makes them read-only while it runs. The batch is deep-copied
+a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does,
+but for its rank under several processes: :class:`RanksOnly`; its ``log`` and ``log_dict`` do nothing). NumPy
+arrays the module or the batch hold are shared, not copied (a 400 MB table would be copied on every replay): the
+replay makes them read-only while it runs. The batch is deep-copied
 the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
 the copy. Gradients are faked from the real ones; optimizers come from
 :mod:`~lightning_vram.prediction.replay.optimizers`, on the path the real run takes
@@ -41,6 +42,33 @@ class Twin:
     batch_tensors: list[Tensor]
     batch_values: list[tuple[Tensor, Tensor]]
     """Each fake tensor of the batch copy with the real tensor it copies (whose value the replay may read)."""
+
+
+class RanksOnly:
+    """Stands in for a LightningModule's Trainer in a replay's copy under several processes: the rank it runs on.
+
+    ``global_rank``, ``local_rank``, ``node_rank``, ``world_size``, ``global_step`` and ``current_epoch`` as the
+    Trainer had them when the copy was made (plain integers), so that a step that reads its rank (``self.global_rank``)
+    replays this rank's step; anything else raises as a module without a Trainer does (the replay is skipped saying
+    the step reads ``self.trainer``). One process keeps the copy without a Trainer, as before.
+    """
+
+    FACTS = ("global_rank", "local_rank", "node_rank", "world_size", "global_step", "current_epoch")
+
+    def __init__(self, facts: dict[str, int]) -> None:
+        self.__dict__.update(facts)
+
+    @classmethod
+    def of(cls, trainer: Any) -> RanksOnly | None:
+        """The stand-in for ``trainer`` where it trains on several processes; ``None`` otherwise (or without one)."""
+        world_size = getattr(trainer, "world_size", 1)
+        if not isinstance(world_size, int) or world_size <= 1:
+            return None
+        facts = {name: getattr(trainer, name, 0) for name in cls.FACTS}
+        return cls({name: value for name, value in facts.items() if isinstance(value, int)})
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the replay's copy is not attached to a `Trainer` (it knows the rank, not Trainer.{name})")
 
 
 def _no_logging(*_args: Any, **_kwargs: Any) -> None:
@@ -104,7 +132,10 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
         copied = copy.deepcopy(module, memo)
         for name in scripted_module_names(dict(module.named_modules())):
             _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
+    ranks = RanksOnly.of(getattr(module, "_trainer", None))
     for child in copied.modules():
+        if ranks is not None and "_trainer" in vars(child):
+            vars(child)["_trainer"] = ranks  # an instance attribute of the copy only
         if callable(getattr(child, "log", None)):
             child.log = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
         if callable(getattr(child, "log_dict", None)):
