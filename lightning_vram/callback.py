@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import Unpack, override
 
+from lightning_vram._handback import Handback, HandedBack
 from lightning_vram._lightning import (
     log_interval,
     logging_step,
@@ -71,16 +72,28 @@ class VramMonitor(Callback):
         )
         self._state_loaded = False
         self._logs = True
+        self._handback = Handback(self)
+        self._handed_back: HandedBack | None = None
+        """Rank zero's report, after a fit that ran in processes Lightning spawned (``ddp_spawn``)."""
+
+    def _received(self) -> HandedBack | None:
+        self._handed_back = self._handback.receive() or self._handed_back
+        return self._handed_back
 
     @property
     def report(self) -> Report | None:
-        """The report of the last fit, set when training ends (also when it ends by an exception)."""
-        return self.session.report
+        """The report of the last fit, set when training ends (also when it ends by an exception).
+
+        After a fit in spawned processes (``ddp_spawn``), rank zero's report, read back from its JSON form.
+        """
+        handed_back = self._received()
+        return handed_back.report if handed_back is not None else self.session.report
 
     @property
     def report_path(self) -> Path | str | None:
         """Where ``vram_report.json`` was written, on global rank zero: a ``Path``, or a URL for a remote log dir."""
-        return self.session.report_path
+        handed_back = self._received()
+        return handed_back.report_path if handed_back is not None else self.session.report_path
 
     @property
     def oom_diagnosis(self) -> OomDiagnosis | None:
@@ -103,6 +116,7 @@ class VramMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # With several monitors, the first logs and writes as usual; each other one writes its files to a folder
         # of its own and leaves the loggers alone (the same scalar names would collide).
+        self._handed_back = None  # a fit in this process: its own report from now on
         order = [callback for callback in trainer_callbacks(trainer) if isinstance(callback, VramMonitor)].index(self)
         self._logs = order == 0
         publishers = trainer_publishers(trainer)
@@ -118,6 +132,7 @@ class VramMonitor(Callback):
             barrier=strategy_barrier(trainer),
             publishers=publishers if self._logs else (),
             default_log_every_n_steps=log_interval(trainer),
+            wrapper=lambda: trainer.strategy.model,
         )
 
     @override
@@ -190,6 +205,8 @@ class VramMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.session.close()
+        if self._handback.in_a_copy() and trainer.is_global_zero and self.session.report is not None:
+            self._handback.send(self.session.report, self.session.report_path)  # ddp_spawn: to the user's monitor
 
     # Evaluation: validation inside fit is recorded beside training; a standalone validate/test/predict alone.
 

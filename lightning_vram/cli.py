@@ -169,27 +169,34 @@ def _print(text: str, stream: TextIO, end: str = "\n") -> None:
     print(text.encode(encoding, errors="backslashreplace").decode(encoding), file=stream, end=end)
 
 
+def _path(text: str) -> Path:
+    """A path argument; an empty one (``""``, which ``Path`` reads as the current directory) is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a file or directory, got an empty path ('')")
+    return Path(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line: ``show``, ``html``, ``diff``, ``allocator``, each with its arguments' help; ``--version``."""
     parser = argparse.ArgumentParser(prog="lightning-vram", description="Show, render or compare VRAM reports.")
     parser.add_argument("--version", action="version", version=f"lightning-vram {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print the summary of a report", description="Print a report's summary.")
-    show.add_argument("path", type=Path, help="vram_report.json, or a log dir holding one")
+    show.add_argument("path", type=_path, help="vram_report.json, or a log dir holding one")
     show.add_argument("--json", action="store_true", help="print the report's JSON instead, in today's schema")
     page = commands.add_parser(
         "html", help="render a report as a standalone HTML page", description="Render a report as an HTML page."
     )
-    page.add_argument("path", type=Path, help="vram_report.json, or a log dir holding one")
-    page.add_argument("-o", "--output", type=Path, required=True, help="the HTML file to write ('-': standard output)")
+    page.add_argument("path", type=_path, help="vram_report.json, or a log dir holding one")
+    page.add_argument("-o", "--output", type=_path, required=True, help="the HTML file to write ('-': standard output)")
     diff = commands.add_parser(
         "diff",
         help="compare two runs' reports",
         description="What changed from run A to run B: peak and its parts, settings, timing, advice, and the peak"
         " A's replay predicted for a change B applied.",
     )
-    diff.add_argument("before", type=Path, metavar="A", help="run A's vram_report.json, or a log dir holding one")
-    diff.add_argument("after", type=Path, metavar="B", help="run B's vram_report.json, or a log dir holding one")
+    diff.add_argument("before", type=_path, metavar="A", help="run A's vram_report.json, or a log dir holding one")
+    diff.add_argument("after", type=_path, metavar="B", help="run B's vram_report.json, or a log dir holding one")
     allocator = commands.add_parser(
         "allocator",
         help="replay a memory snapshot through the caching allocator model",
@@ -197,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
         " vram_oom_snapshot.pickle) through a model of PyTorch's CUDA caching allocator: the reserved peak it"
         " recorded and the one simulated, and what expandable_segments:True and max_split_size_mb would have held.",
     )
-    allocator.add_argument("snapshot", type=Path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
+    allocator.add_argument("snapshot", type=_path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
     allocator.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
@@ -268,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
     try:
         COMMANDS[arguments.command](arguments)
+        # Into a pipe, standard output is block-buffered unless PYTHONUNBUFFERED is set (it is not under `env -i` or
+        # cron): flushed here, a reader gone away is met below, not in Python's flush at exit.
+        sys.stdout.flush()
     except CommandError as error:
         _print(one_line(f"lightning-vram: error: {error}"), sys.stderr)
         return USAGE_ERROR

@@ -259,7 +259,7 @@ class MonitorConfig:
         return None if every is None else step + -offset % every
 
 
-WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "close")
+WRITER_METHODS = ("add_text", "add_custom_scalars", "add_image", "get_logdir", "flush", "close")
 """What the monitor calls on a TensorBoard writer (``torch.utils.tensorboard``'s and ``tensorboardX``'s have them)."""
 
 
@@ -337,6 +337,7 @@ def check_start(
     publishers: object,
     default_log_every_n_steps: object,
     step_function: object,
+    wrapper: object = None,
 ) -> None:
     """Check ``VramSession.start``'s arguments; the first bad one raises a TypeError or ValueError naming it."""
     if not isinstance(model, nn.Module):
@@ -354,6 +355,7 @@ def check_start(
         ("gather", gather),
         ("barrier", barrier),
         ("step_function", step_function),
+        ("wrapper", wrapper),
     ):
         _require_callable(name, function)
     _require_writers(tensorboard)

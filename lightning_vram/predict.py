@@ -17,6 +17,7 @@ gradients and optimizer state exist as in every later step.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from torch import nn
 from lightning_vram.config import MAX_LENGTH, require_int, require_one_of, require_shape
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.escapes import round_of_replays
-from lightning_vram.prediction.devices import DEFAULT_CUDA_CONTEXT_BYTES
+from lightning_vram.prediction.devices import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, resize_shape
+from lightning_vram.prediction.replay.precision import PLANS
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.records import FitRow, Prediction, ReplayedStep
 
@@ -51,7 +53,8 @@ def predict(
     Args:
         module: a LightningModule (its ``training_step`` and ``configure_optimizers`` are used), on any device.
         batch: one batch as ``training_step`` receives it; only its shapes and dtypes matter.
-        precision: the precision to train in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
+        precision: the precision to train in, as Lightning names it, one a replay reproduces
+            (:data:`REPLAYED_PRECISIONS`: ``"32-true"``, ``"bf16-mixed"``...).
         device_type: the device to predict for. Without a CUDA device, a CUDA build of torch replays the step on
             fake CUDA tensors (backward walked in Python, :mod:`~lightning_vram.prediction.replay.backward`); a
             CPU-only build cannot fake CUDA tensors: the step is replayed on the CPU then. Either way the
@@ -77,12 +80,7 @@ def predict(
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module (a LightningModule), got {type(module).__name__}")
-    if not isinstance(cuda_context_bytes, int) or cuda_context_bytes < 0:
-        raise ValueError(f"cuda_context_bytes must be an int >= 0, got {cuda_context_bytes!r}")
-    if isinstance(budget_seconds, bool) or not isinstance(budget_seconds, (int, float)) or not budget_seconds > 0:
-        raise ValueError(f"budget_seconds must be a number of seconds > 0, got {budget_seconds!r}")
+    _check_arguments(module, precision, cuda_context_bytes, fit_table, budget_seconds)
     shape = _expected_shape(batch, max_length, max_shape)
     if shape is not None:
         batch = resize_shape(batch, shape)
@@ -118,6 +116,50 @@ def predict(
                 notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
             notes += tuple(f"fit table: {note}" for note in search.notes)
         return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
+
+
+REPLAYED_PRECISIONS = ("32-true", "32", *PLANS, "64")
+"""The precisions a replay reproduces, as Lightning names them (``"32"`` and ``"64"``: its short forms)."""
+
+
+def _check_arguments(
+    module: object, precision: object, cuda_context_bytes: object, fit_table: object, budget_seconds: object
+) -> None:
+    """Refuse a bad argument of :func:`predict` with a ValueError naming it, what it must be and what it got.
+
+    A ``module`` that is not one is a TypeError. ``cuda_context_bytes`` is at most the largest card of the fit table:
+    a context that leaves no card any memory predicts nothing.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module (a LightningModule), got {type(module).__name__}")
+    missing = [name for name in ("training_step", "configure_optimizers") if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            "module must be a LightningModule (predict() replays its training_step with the optimizers its"
+            f" configure_optimizers returns), got {type(module).__name__}, which has no {' and no '.join(missing)};"
+            " a plain nn.Module is measured and replayed in its own loop by VramSession.start(..., step_function=...)"
+        )
+    if precision not in REPLAYED_PRECISIONS or not isinstance(precision, str):
+        raise ValueError(f"precision must be one of {', '.join(REPLAYED_PRECISIONS)}, got {_shown(precision)}")
+    largest = max(memory for _, memory in COMMON_GPUS)
+    if isinstance(cuda_context_bytes, bool) or not isinstance(cuda_context_bytes, int):
+        raise ValueError(f"cuda_context_bytes must be an int >= 0, got {_shown(cuda_context_bytes)}")
+    if not 0 <= cuda_context_bytes <= largest:
+        raise ValueError(
+            f"cuda_context_bytes must be an int >= 0 and at most the largest GPU's memory ({largest}),"
+            f" got {cuda_context_bytes!r}"
+        )
+    if not isinstance(fit_table, bool):
+        raise ValueError(f"fit_table must be True or False, got {_shown(fit_table)}")
+    if isinstance(budget_seconds, bool) or not isinstance(budget_seconds, (int, float)):
+        raise ValueError(f"budget_seconds must be a number of seconds > 0, got {_shown(budget_seconds)}")
+    if not 0 < budget_seconds < math.inf:  # NaN fails too
+        raise ValueError(f"budget_seconds must be a number of seconds > 0, finite, got {budget_seconds!r}")
+
+
+def _shown(value: object) -> str:
+    """A value as an error message shows it: its repr and its type (``'no' (str)``)."""
+    return f"{value!r} ({type(value).__name__})"
 
 
 def _expected_shape(batch: Any, max_length: int | None, max_shape: tuple[int, ...] | None) -> tuple[int, ...] | None:

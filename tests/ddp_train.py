@@ -4,7 +4,8 @@ test_distributed.py.
 With ``ddp`` Lightning starts the second rank by running this script again; with ``ddp_spawn`` it spawns both.
 Rank 1 doubles its batch inside the step, so the ranks' memory differs and the reduction has something to show.
 With ``peer-fails``, rank 1 raises at train end before its monitor's hook, and its process ends; each rank writes
-how its fit ended to ``rankN.outcome`` and the monitor's warnings to ``rankN.warnings``.
+how its fit ended to ``rankN.outcome`` and the monitor's warnings to ``rankN.warnings``. With ``ddp_spawn`` the
+process that called fit (no rank) writes what its monitor holds after fit to ``after_fit.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import Classifier, dataset_for, linear_net, loader
 
 from lightning_vram import VramMonitor, VramMonitorWarning
+from lightning_vram.codec import report_to_dict
 
 
 class RankDependent(Classifier):
@@ -80,6 +82,13 @@ def main() -> None:
             ours = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
             (out / f"rank{trainer.global_rank}.warnings").write_text(json.dumps(ours))
     (out / f"rank{trainer.global_rank}.outcome").write_text("finished")
+    if strategy == "ddp_spawn":  # only the process that called fit runs this: the ranks were spawned
+        report, path = monitor.report, monitor.report_path
+        after_fit = {
+            "report": report_to_dict(report) if report is not None else None,
+            "report_path": str(path) if path is not None else None,
+        }
+        (out / "after_fit.json").write_text(json.dumps(after_fit))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from lightning_vram import Report, VramMonitor, VramSession
 from lightning_vram.measure.setup import training_setup
+from lightning_vram.render.tensorboard import MONITOR_RUN
 
 # The advice of real runs, its figures and its words: advice the replay informs.
 pytestmark = pytest.mark.replay
@@ -168,7 +169,7 @@ def test_advice_text_read_back_from_tensorboard(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=1, console_summary=False)
     data = loader(dataset(256, 512 * 2), batch_size=512)  # 2 batches per epoch
     trainer(tmp_path, [monitor], max_epochs=2, max_steps=-1, logger=logger).fit(Classifier(mlp(256, 8)), data)
-    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events = EventAccumulator(str(Path(logger.log_dir) / MONITOR_RUN), size_guidance={"tensors": 0})
     events.Reload()
     texts = events.Tensors("vram/advice/text_summary")
     assert [event.step for event in texts] == [2, 4]  # each epoch end; the last one's is the report's, once

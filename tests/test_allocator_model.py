@@ -10,7 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from allocator_traces import NAMES, TRACES, load, replay_phases
+from allocator_traces import NAMES, SHIPPED, SNAPSHOTS, load, replay_phases
 
 from lightning_vram.prediction.allocator.model import CachingAllocatorModel, SimulatedOutOfMemory
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
@@ -29,7 +29,7 @@ EXPANDABLE = AllocatorSettings(expandable_segments=True)
 
 
 def trace(name: str) -> SnapshotTrace:
-    return trace_from_snapshot(read_snapshot(TRACES / f"{name}.pickle"))
+    return trace_from_snapshot(read_snapshot(SNAPSHOTS[name]))
 
 
 # torch's rules, byte counts derived by hand
@@ -266,11 +266,17 @@ def test_each_trace_replays_to_the_allocators_peaks_per_phase(name: str) -> None
     rows = replay_phases(name)
     print_table(name, rows)
     assert len(rows) == 3 * len(load(name)[1]["truth"])
+    # The bar is 1% per phase; the project's own traces replay to the byte (their segment events are exact).
+    tolerance = 1e-3 if name in SHIPPED else 1e-2
     for row in rows:
-        assert row.simulated_reserved == pytest.approx(row.recorded_reserved, rel=1e-3), row
-        assert row.simulated_allocated == pytest.approx(row.recorded_allocated, rel=1e-3), row
-    exact = sum(row.simulated_reserved == row.recorded_reserved for row in rows)
-    assert exact == len(rows)  # the segment events are exact: so is the model on these traces
+        assert row.simulated_reserved == pytest.approx(row.recorded_reserved, rel=tolerance), row
+        assert row.simulated_allocated == pytest.approx(row.recorded_allocated, rel=tolerance), row
+    if name in SHIPPED:
+        assert all(row.simulated_reserved == row.recorded_reserved for row in rows)
+
+
+def test_the_projects_traces_are_all_found() -> None:
+    assert set(SHIPPED) <= set(NAMES) and all(SNAPSHOTS[name].is_file() for name in SHIPPED)
 
 
 @pytest.mark.parametrize("name", NAMES)

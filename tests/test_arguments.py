@@ -175,8 +175,8 @@ START_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {"tensorboard": [NotAWriter()]},
         TypeError,
-        "tensorboard[0] must be a SummaryWriter (with add_text, add_custom_scalars, add_image, get_logdir, close),"
-        " got NotAWriter",
+        "tensorboard[0] must be a SummaryWriter (with add_text, add_custom_scalars, add_image, get_logdir, flush,"
+        " close), got NotAWriter",
     ),
     (
         {"publishers": [NotAWriter()]},
@@ -185,6 +185,7 @@ START_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
         " Lightning logger), got <",
     ),
     ({"step_function": 3}, TypeError, "step_function must be a callable or None, got 3 (int)"),
+    ({"wrapper": "ddp"}, TypeError, "wrapper must be a callable or None, got 'ddp' (str)"),
 ]
 
 

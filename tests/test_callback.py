@@ -175,3 +175,30 @@ def test_training_step_without_loss_closes_forward_at_batch_end(tmp_path: Path) 
     assert monitor.report.phases[Phase.BACKWARD].step != 1  # batch 1 had no backward
     with torch.autograd.graph.disable_saved_tensors_hooks("a hook was left behind"):
         pass
+
+
+def test_a_report_handed_back_from_a_spawned_rank_is_read_once_and_its_file_removed(tmp_path: Path) -> None:
+    # ddp_spawn's rank zero runs in a copy of the monitor in another process; here the copy is this process.
+    import gc
+    import os
+
+    from lightning_vram.codec import report_from_dict, report_to_dict
+
+    report = report_from_dict(json.loads((Path(__file__).parent / "data/reports/0.10.0/cpu.json").read_text()))
+    monitor = VramMonitor()
+    handback = monitor._handback
+    assert not handback.in_a_copy() and monitor.report is None
+    handback.builder = os.getpid() + 1  # as in the spawned rank zero
+    handback.send(report, tmp_path / "vram_report.json")
+    assert handback.path.is_file() and monitor.report is None  # a copy reads nothing back
+    handback.builder = os.getpid()  # the user's monitor, after fit
+    assert monitor.report is not None and report_to_dict(monitor.report) == report_to_dict(report)
+    assert monitor.report_path == tmp_path / "vram_report.json"
+    assert not handback.path.exists()  # read once, then removed; the report stays
+    assert monitor.report is not None and report_to_dict(monitor.report) == report_to_dict(report)
+    handback.send(report, None)  # never read: removed when the monitor goes away
+    assert handback.path.is_file()
+    path = handback.path
+    del monitor, handback
+    gc.collect()
+    assert not path.exists()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from models import Classifier, dataset, loader, mlp, trainer
 
+import lightning_vram
 from lightning_vram import Report, VramMonitor
 from lightning_vram.cli import main
 from lightning_vram.codec import report_from_dict
@@ -146,11 +147,16 @@ def test_the_installed_command(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("environment", ["inherited", "minimal"])
 def test_output_to_a_reader_that_went_away_is_no_traceback(
-    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], environment: str
 ) -> None:
     (_, root), _ = two_runs
     path = root / "vram_report.json"
+    # Minimal: as cron or a bare container runs it (`env -i`): no PYTHONUNBUFFERED, so standard output into a pipe is
+    # block-buffered and written only when flushed; the package from this checkout.
+    package_root = str(Path(lightning_vram.__file__).parents[1])
+    variables = None if environment == "inherited" else {"PATH": "/usr/bin:/bin", "PYTHONPATH": package_root}
     reader, writer = os.pipe()
     os.close(reader)  # `lightning-vram show ... | head -0`: every write meets a closed pipe
     try:
@@ -161,6 +167,7 @@ def test_output_to_a_reader_that_went_away_is_no_traceback(
             text=True,
             check=False,
             timeout=900,  # only a hang reaches it
+            env=variables,
         )
     finally:
         os.close(writer)
@@ -405,3 +412,88 @@ def test_a_log_dir_with_several_reports_says_which_one_it_read(
         == f"lightning-vram: reading {tmp_path / 'later' / 'vram_report.json'}, the newest of 2 reports"
     )
     assert f"{after.steps} steps" in captured.out
+
+
+def without_phases(report: dict[str, Any], where: str) -> dict[str, Any]:
+    """The report with the ``phases`` at ``where`` emptied: the run's, the replayed baseline's, each change's."""
+    data = copy.deepcopy(report)
+    if where in ("run", "all"):
+        data["phases"] = {}
+    if where in ("baseline", "all"):
+        data["simulation"]["phases"] = {}
+    if where in ("changes", "all"):
+        for variant in data["simulation"]["variants"]:
+            variant["phases"] = {}
+    return data
+
+
+@pytest.mark.parametrize("command", ["show", "show --json", "html", "diff A B", "diff B A"])
+@pytest.mark.parametrize("where", ["run", "baseline", "changes", "all"])
+def test_a_report_with_empty_phases_prints_what_there_is(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    where: str,
+) -> None:
+    (_, root), _ = two_runs
+    good = root / "vram_report.json"
+    report = json.loads(good.read_text())
+    assert report["simulation"]["variants"] and report["simulation"]["timeline"] is not None  # there is a replay
+    bad = tmp_path / "vram_report.json"
+    bad.write_text(json.dumps(without_phases(report, where)))
+    output = tmp_path / "page.html"
+    arguments = {
+        "show": ["show", str(bad)],
+        "show --json": ["show", "--json", str(bad)],
+        "html": ["html", str(bad), "-o", str(output)],
+        "diff A B": ["diff", str(good), str(bad)],
+        "diff B A": ["diff", str(bad), str(good)],
+    }[command]
+    assert main(arguments) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    if command == "show --json":
+        written = json.loads(out)
+        assert written == without_phases(written, where)  # the empty phases stay empty
+        changes = written["simulation"]["variants"]
+        assert [change["predicted_peak_bytes"] is None for change in changes] == [where in ("changes", "all")] * len(
+            changes
+        )
+    elif command == "html":
+        page = output.read_text()
+        assert page.startswith("<!DOCTYPE html>") and page.count("replayed, no phase recorded") == (
+            len(report["simulation"]["variants"]) if where in ("changes", "all") else 0
+        )
+    else:
+        assert out.startswith("VRAM report:" if command == "show" else "peak: ")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (["show", ""], "path"),
+        (["html", "", "-o", "page.html"], "path"),
+        (["html", "vram_report.json", "-o", ""], "-o/--output"),
+        (["diff", "", "vram_report.json"], "A"),
+        (["allocator", ""], "SNAPSHOT"),
+    ],
+)
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    arguments: list[str],
+    named: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a report here is what Path("") would read
+    (tmp_path / "vram_report.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main(arguments)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines()[-1].endswith(
+        f"error: argument {named}: must be a file or directory, got an empty path ('')"
+    )
+    assert not (tmp_path / "page.html").exists()

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from allocator_traces import NAMES, TRACES, load
+from allocator_traces import NAMES, SNAPSHOTS, load, run_settings
 
 from lightning_vram.cli import main
 from lightning_vram.units import format_bytes
@@ -28,13 +28,13 @@ def recorded_peak(name: str) -> int:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_json_gives_the_recorded_and_simulated_peaks(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["allocator", "--json", str(TRACES / f"{name}.pickle")]) == 0
+    assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
     data = json.loads(capsys.readouterr().out)
     peak = recorded_peak(name)
     assert data["recorded"] == {"reserved_peak_bytes": peak}
     assert data["simulated"]["reserved_peak_bytes"] == peak
-    expandable = name.endswith("expandable")
-    assert data["simulated"]["settings"] == ("expandable_segments:True" if expandable else "")
+    expandable = run_settings(name).expandable_segments
+    assert data["simulated"]["settings"] == run_settings(name).conf()
     settings = [entry["setting"] for entry in data["what_if"]]
     assert settings == [
         f"expandable_segments:{not expandable}",
@@ -48,18 +48,18 @@ def test_json_gives_the_recorded_and_simulated_peaks(name: str, capsys: pytest.C
 
 
 def test_the_default_run_learns_what_expandable_segments_hold(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["allocator", "--json", str(TRACES / "gpt2-b150.pickle")]) == 0
+    assert main(["allocator", "--json", str(SNAPSHOTS["gpt2-b150"])]) == 0
     expandable = json.loads(capsys.readouterr().out)["what_if"][0]
     assert expandable["setting"] == "expandable_segments:True"
     assert expandable["reserved_peak_bytes"] == recorded_peak("gpt2-b150-expandable")  # the expandable run's own
 
 
 def test_text_names_each_figure(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["allocator", str(TRACES / "gpt2-b8.pickle")]) == 0
+    assert main(["allocator", str(SNAPSHOTS["gpt2-b8"])]) == 0
     lines = capsys.readouterr().out.splitlines()
     peak = recorded_peak("gpt2-b8")
     assert lines[0] == f"trace: {len(load('gpt2-b8')[0]['device_traces'][0])} events from an empty device"
-    assert lines[1] == "allocator settings: defaults"
+    assert lines[1] == 'allocator settings: "" (torch\'s defaults)'
     assert lines[2] == (
         f"reserved peak: recorded {format_bytes(peak)} ({peak:,} B), simulated {format_bytes(peak)} ({peak:,} B,"
         " +0 B (+0.00%))"
@@ -98,6 +98,18 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     assert "(the snapshot does not say: torch's defaults assumed)" in out
     assert "serving it would need 50.0 MiB reserved (52,428,800 B), simulated at that capacity: out of memory" in out
     assert "  expandable_segments:True  reserved peak 40.0 MiB (41,943,040 B, -10.0 MiB (-20.00%)" in out
+
+
+@pytest.mark.parametrize("name", ["gpt2-b8", "gpt2-b150-expandable"])
+def test_text_and_json_give_the_runs_settings_as_the_same_string(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(SNAPSHOTS[name])
+    assert main(["allocator", "--json", path]) == 0
+    settings = json.loads(capsys.readouterr().out)["simulated"]["settings"]
+    assert main(["allocator", path]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    # The string PYTORCH_ALLOC_CONF held, quoted; "" said to be torch's defaults.
+    expected = {"gpt2-b8": ("", " (torch's defaults)"), "gpt2-b150-expandable": ("expandable_segments:True", "")}[name]
+    assert (settings, line) == (expected[0], f'allocator settings: "{expected[0]}"{expected[1]}')
 
 
 def bad_files(directory: Path) -> list[tuple[Path, str]]:

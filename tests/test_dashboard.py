@@ -31,7 +31,7 @@ from lightning_vram.codec import report_from_dict
 from lightning_vram.records import Phase, UtilizationReading
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.html import render_html
-from lightning_vram.render.tensorboard import FIGURE_TAGS, layout_for
+from lightning_vram.render.tensorboard import FIGURE_TAGS, MONITOR_RUN, layout_for
 from lightning_vram.render.text import headline, lead_lines, markdown, peak_label, peak_lines, summary_text, wrapped
 from lightning_vram.testing import ScriptedProbe
 from lightning_vram.units import format_bytes
@@ -78,7 +78,7 @@ def test_a_layout_of_the_user_is_merged_with_the_monitor_s(tmp_path: Path, user_
 
 def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     _, log_dir = tensorboard_run
-    events = events_of(log_dir)
+    events = events_of(log_dir / MONITOR_RUN)  # the monitor's own run: a write of its own never stops the logger's
     assert set(FIGURE_TAGS) <= set(events.Tags()["images"])
     for tag in FIGURE_TAGS:
         (picture,) = events.Images(tag)  # once, at train end
@@ -135,7 +135,7 @@ def test_custom_scalars_layout_groups_the_charts(tensorboard_run: tuple[VramMoni
 
 def test_advice_text_is_written_once_at_the_last_step(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     _, log_dir = tensorboard_run
-    steps = [event.step for event in events_of(log_dir).Tensors("vram/advice/text_summary")]
+    steps = [event.step for event in events_of(log_dir / MONITOR_RUN).Tensors("vram/advice/text_summary")]
     assert steps == sorted(set(steps)) and steps[-1] == 6  # the epoch ends at 4; the run and its last epoch at 6
 
 

@@ -56,6 +56,9 @@ def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> No
         assert float(row["vram/peak_bytes"]) == max(per_rank)  # ...while the logged scalar is the worst rank
         assert per_rank[1] > per_rank[0]
     assert not list(log_dir.glob("vram_oom_report*"))
+    if strategy == "ddp_spawn":  # the user's monitor, in the process that called fit, holds rank zero's report
+        after_fit = json.loads((tmp_path / "after_fit.json").read_text())
+        assert after_fit == {"report": report, "report_path": str(log_dir / "vram_report.json")}
 
 
 def test_a_rank_that_fails_leaves_rank_zero_its_own_report(tmp_path: Path) -> None:

@@ -23,7 +23,13 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("lightning_vram.advice",),
     ("lightning_vram.render",),
     ("lightning_vram.config", "lightning_vram.session"),
-    ("lightning_vram.callback", "lightning_vram._lightning", "lightning_vram.predict", "lightning_vram.cli"),
+    (
+        "lightning_vram.callback",
+        "lightning_vram._lightning",
+        "lightning_vram._handback",
+        "lightning_vram.predict",
+        "lightning_vram.cli",
+    ),
     ("lightning_vram.pytorch_lightning", "lightning_vram"),
 )
 """The floors from the bottom up: a module imports from its own floor or the floors below, never above."""

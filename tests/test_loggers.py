@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_vram import Publisher, VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram.records import Report
 from lightning_vram.render.step_memory import step_memory_figure
-from lightning_vram.render.tensorboard import ADVICE_TAG, FIGURE_TAGS, STEP_MEMORY_TAG
+from lightning_vram.render.tensorboard import ADVICE_TAG, FIGURE_TAGS, MONITOR_RUN, STEP_MEMORY_TAG
 
 MIB = 2**20
 REPORT_FILES = {"vram_report.json", "vram_report.md", "vram_report.html"}
@@ -374,11 +374,13 @@ def test_with_wandb_and_tensorboard_each_gets_everything_and_the_files_are_writt
     assert monitor.report_path == files / "vram_report.json"  # the first logger's run folder
     report_json(monitor)
     assert not list(Path(tensorboard.log_dir).glob("vram_report.*"))  # written once
-    events = EventAccumulator(tensorboard.log_dir, size_guidance={"images": 0, "tensors": 0})
+    events = EventAccumulator(tensorboard.log_dir, size_guidance={"scalars": 0})
     events.Reload()
-    assert set(FIGURE_TAGS) <= set(events.Tags()["images"])
     assert [event.step for event in events.Scalars("vram/peak_mib")] == LOGGED_AT
-    assert [event.step for event in events.Tensors(f"{ADVICE_TAG}/text_summary")] == [4, 6]
+    own = EventAccumulator(str(Path(tensorboard.log_dir) / MONITOR_RUN), size_guidance={"images": 0, "tensors": 0})
+    own.Reload()
+    assert set(FIGURE_TAGS) <= set(own.Tags()["images"])
+    assert [event.step for event in own.Tensors(f"{ADVICE_TAG}/text_summary")] == [4, 6]
     (log,) = files.parent.glob("run-*.wandb")
     history = wandb_history(wandb_records(log))
     assert all(any(f"{tag}/_type" in row for row in history) for tag in FIGURE_TAGS)

@@ -113,6 +113,7 @@ def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_pre
     assert f"max_length={CAP}, truncation=True" in advice.detail and f"value[:, :{CAP}]" in advice.detail
     assert f"the longest {LONG}" in advice.evidence and "sequences capped at 32 tokens" in advice.evidence
     assert "Bucketing by length alone" in advice.detail  # answered, not offered: the longest bucket keeps the shape
+    assert "the tokens past the cap are no longer trained on: another model" in advice.detail  # not memory only
 
     # Applied as printed: the same data cut to the cap. The peak measured is the one predicted, the advice gone.
     applied = run(tmp_path / "capped", cap=CAP)
@@ -174,6 +175,7 @@ def test_batching_by_tokens_is_replayed_and_the_printed_sampler_applied_holds_th
     predicted = variant.replayed.reported_bytes(variant.replayed.reported_peak)
     advice = next(advice for advice in report.advice if advice.id is AdviceId.LONG_TAIL)
     assert "batches of at most 64 tokens" in advice.evidence and "max_tokens=64" in advice.detail
+    assert "their order and the steps an epoch has change: another model" in advice.detail  # not memory only
     read = simulation_from_dict(json.loads(json.dumps(simulation_to_dict(simulation))))
     assert read is not None and tokens in [variant.change for variant in read.variants]
 

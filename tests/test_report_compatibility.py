@@ -63,8 +63,10 @@ def test_fields_an_old_release_did_not_write_read_as_their_defaults() -> None:
     assert report.device.compute_capability is None and report.precision is None and report.batch_size is None
     assert report.fit == () and report.recent_peaks == () and report.evaluation == ()
     assert report.recovered_ooms is None and report.simulation is None
-    for path in RELEASED_REPORTS:  # no release recorded what checkpointing recomputed
+    for path in RELEASED_REPORTS:  # no release recorded what checkpointing recomputed, or priced an advice's time
         assert load_report(path).recomputed_units is None
+        costs = [(item.estimated_cost_seconds, item.flop_ratio, item.cost_basis) for item in load_report(path).advice]
+        assert costs == [(None, None, None)] * len(costs)
     assert report.peak is not None
     for peak in report.phases.values():  # 0.1.0 did not record a phase's step or reserve
         assert peak.step == report.peak.step and peak.reserved_bytes is None

@@ -158,7 +158,7 @@ def test_inplace_activations_applied_saves_what_the_replay_said(tmp_path: Path) 
     )
     advice = before.find("inplace-activations")
     assert advice is not None and advice.saving_basis == "simulated"
-    assert snippet(advice) == "nn.LeakyReLU(inplace=True)"
+    assert snippet(advice) == "nn.LeakyReLU(inplace=True)  # its other arguments as they were"
     inplace = Classifier(activation_mlp(nn.LeakyReLU, inplace=True), OPTIMIZERS["adam"])
     assert_realised(before, monitored(tmp_path / "after", inplace, features(1024, 256), 512), advice)
 

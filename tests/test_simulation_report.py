@@ -90,6 +90,7 @@ def test_report_json_carries_the_simulation_and_each_advice_basis() -> None:
             "at_least": False,
             "allocator": None,
             "expandable_max_batch_size": None,
+            "note": None,
         }
     ]
     section = data["simulation"]

@@ -37,7 +37,7 @@ from lightning_vram.records.simulation_json import simulation_to_dict
 from lightning_vram.render.figures import png_bytes
 from lightning_vram.render.html import render_html
 from lightning_vram.render.step_memory import PART_LABELS, step_memory_figure
-from lightning_vram.render.tensorboard import STEP_MEMORY_TAG
+from lightning_vram.render.tensorboard import MONITOR_RUN, STEP_MEMORY_TAG
 
 # Memory during one step: the replay's timelines.
 pytestmark = pytest.mark.replay
@@ -201,7 +201,7 @@ def test_the_html_report_and_tensorboard_carry_the_figure(advised_run: tuple[Rep
     page = render_html(report)
     assert "<h2>Memory during one step</h2>" in page
     assert 'alt="memory during one step" src="data:image/png;base64,' in page
-    events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    events = EventAccumulator(str(log_dir / MONITOR_RUN), size_guidance={"images": 0})
     events.Reload()
     (picture,) = events.Images(STEP_MEMORY_TAG)
     assert picture.encoded_image_string.startswith(PNG_MAGIC)

@@ -244,6 +244,15 @@ CANDIDATE_PLANS = 3
 runner-up."""
 
 
+def recomputed_modules(plan: CheckpointPlan) -> int:
+    """How many modules ``plan`` checkpoints, each recomputed in backward: its cost, as the planner ranks ties.
+
+    >>> recomputed_modules(CheckpointPlan("layers", (("layers.0",), ("layers.1", "layers.2")), None, 0))
+    3
+    """
+    return sum(len(unit) for unit in plan.units)
+
+
 def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
     """Every applicable plan that frees something, the largest modelled saving first.
 
@@ -259,12 +268,27 @@ def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
             plans += _sequential_plans(indexed, container, names)
         else:
             plans += _range_plans(indexed, container, names)
-    useful = [plan for plan in plans if plan.saving_bytes > 0]
-    ranked = sorted(useful, key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
+    useful = [plan for plan in plans if plan.saving_bytes > 0 and not _recomputes_scripted(indexed, plan)]
+    ranked = sorted(useful, key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))
     stacks = _stacks_plan(indexed, ranked)
-    if stacks is None:
+    if stacks is None or _recomputes_scripted(indexed, stacks):
         return ranked
-    return sorted([stacks, *ranked], key=lambda plan: (-plan.saving_bytes, sum(len(unit) for unit in plan.units)))
+    return sorted([stacks, *ranked], key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))
+
+
+SCRIPTED_TYPES = frozenset({"RecursiveScriptModule", "ScriptModule"})
+"""The class names a ``torch.jit.script`` module profiles under."""
+
+
+def _recomputes_scripted(indexed: ProfileIndex, plan: CheckpointPlan) -> bool:
+    """Whether ``plan`` checkpoints a TorchScript module or a module holding one: torch's checkpoint fails there.
+
+    Its recomputation in backward raises in the TorchScript interpreter (torch 2.13), for real as on fake tensors.
+    """
+    scripted = [name for name, profile in indexed.called.items() if profile.type in SCRIPTED_TYPES]
+    return any(
+        name == member or name.startswith(f"{member}.") for unit in plan.units for member in unit for name in scripted
+    )
 
 
 def _is_stack(indexed: ProfileIndex, container: str) -> bool:
@@ -343,7 +367,7 @@ def checkpoint_candidates(
     """
     own = [plan for switch in switches if not switch.on and (plan := switch_plan(profiles, switch)) is not None]
     if own:
-        return sorted(own, key=lambda plan: -plan.saving_bytes)[:limit]
+        return sorted(own, key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))[:limit]
     done = [switch.model for switch in switches if switch.on]
     plans = [
         plan

@@ -6,7 +6,8 @@ the time budget allows.
 
 Called once per run, after the first sampled step past step 0 (so optimizer state exists and the counts are those
 of a steady step), under the time budget the user set. A set-up the replay does not reproduce is skipped with the
-reason, and the rules keep their modelled estimates.
+reason, and the rules keep their modelled estimates. Under DDP each rank replays its own step on its own (no
+collective runs in a replay), holding DDP's gradient buckets.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from lightning_vram.records import (
     TrainingSetup,
 )
 
+PER_RANK_STRATEGIES = frozenset({"DDPStrategy"})
+"""Multi-process strategies whose ranks each replay their own step (``ddp``, ``ddp_spawn``: each rank holds the whole
+model), with what the strategy itself holds added by its arithmetic (:mod:`~lightning_vram.measure.ddp`)."""
+
 
 def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None) -> str | None:
     """Why the replay cannot reproduce this set-up's step, or ``None`` when it can."""
@@ -49,7 +54,7 @@ def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunc
         return "gradient accumulation: the replay runs one optimizer step per batch"
     if setup.strategy in SHARDING_STRATEGIES:
         return f"{setup.strategy}: sharded steps need the other ranks' collectives"
-    if setup.world_size > 1:
+    if setup.world_size > 1 and setup.strategy not in PER_RANK_STRATEGIES:
         return "distributed training: the replay runs one process"
     return None
 

@@ -27,6 +27,7 @@ from lightning_vram.measure.deepspeed_zero import parameter_partition
 from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation, SavedTensor
 from lightning_vram.measure.module_names import user_named_modules
 from lightning_vram.measure.observations import ModuleObserver, stored_attribute
+from lightning_vram.measure.scripted import hook_forward, scripted_module_names, scripted_note
 from lightning_vram.measure.storages import (
     StorageBytes,
     local_tensor,
@@ -102,6 +103,10 @@ class StepAttributor:
         self._modules = {name or ROOT_MODULE: child for name, child in user_named_modules(module).items()}
         self.compiled = compiled_module_names(module)
         """Modules run by torch.compile: their saved tensors are counted, charged to the module as a whole."""
+        self.scripted = scripted_module_names(self._modules)
+        """TorchScript modules (outermost): each counted as one unit, its saved tensors charged to it as a whole."""
+        if self.scripted:
+            self.notes.setdefault("scripted", scripted_note(self.scripted))
         self._counters: dict[str, ModuleTally] = {}
         self._observer = ModuleObserver(counting.key_of)
         self._batch_size: int | None = None
@@ -181,8 +186,9 @@ class StepAttributor:
         for label, child in self._modules.items():
             if compiled_in_place(child) or any(label.startswith(f"{outer}.") for outer in self.compiled):
                 continue  # inside a compiled graph the hooks would not fire, and adding them forces recompiles
-            self._handles.append(child.register_forward_pre_hook(self._make_enter(label)))
-            self._handles.append(child.register_forward_hook(self._leave, always_call=True))
+            if any(label.startswith(f"{outer}.") for outer in self.scripted):
+                continue  # inside TorchScript no Python hook runs (and a scripted module refuses to be given one)
+            self._handles += hook_forward(child, self._make_enter(label), self._leave)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saved_tensors_hooks = hooks

@@ -91,6 +91,7 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._segment_peak = 0
         self.phase_peaks: dict[Phase, int] = {}
         """The highest live bytes of each phase whose segment has closed."""
+        self._held: list[int] = []  # bytes of each storage held from the start, not yet seen (see hold)
         self._entered = False
         self._counting = True
         self.error: Exception | None = None
@@ -107,8 +108,25 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """
         return True
 
-    def track(self, tensors: Iterable[Any]) -> None:
-        """Count the storages of ``tensors`` on the device (each once) until they are freed; others are skipped."""
+    def hold(self, sizes: Iterable[int]) -> None:
+        """Count storages alive before the step that nothing registers, by their bytes, from now on.
+
+        The step's code holds no reference to them (DDP's gradient buckets, inside its C++ Reducer): each counts
+        from the start, and the first op that writes into an unseen storage of one of these sizes is taken to be
+        writing into it (it is counted once, and uncounted when freed).
+        """
+        for nbytes in sizes:
+            self._held.append(nbytes)
+            self.live_bytes += nbytes
+        if self.live_bytes > self._segment_peak:
+            self._segment_peak = self.live_bytes
+
+    def track(self, tensors: Iterable[Any], written: bool = False) -> None:
+        """Count the storages of ``tensors`` on the device (each once) until they are freed; others are skipped.
+
+        ``written``: the tensors are what an op wrote into (in place, or ``out=``), not what it allocated; an unseen
+        one may be a storage :meth:`hold` counts already.
+        """
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
                 continue
@@ -116,17 +134,20 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if not on_device(local, self._device):
                 continue
             for storage in tensor_storages(local) or ():
-                self._add(storage)
+                self._add(storage, written)
         if self.live_bytes > self._segment_peak:
             self._segment_peak = self.live_bytes
 
-    def _add(self, storage: torch.UntypedStorage) -> None:
+    def _add(self, storage: torch.UntypedStorage, written: bool = False) -> None:
         key = storage_identity(storage)
         if key in self._sizes:
             return
         nbytes = storage.nbytes()
         self._sizes[key] = nbytes
         self._references[key] = weakref.ref(storage, self._freed_callback(key))
+        if written and nbytes in self._held:
+            self._held.remove(nbytes)  # counted since the start, by hold
+            return
         self.live_bytes += nbytes
 
     def _freed_callback(self, key: int) -> Any:
@@ -163,6 +184,7 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 whole = False
         self._sizes.clear()
+        self._held.clear()
         self._references.clear()  # the weak references die with it: no callback reaches this tracker again
         return whole
 
@@ -175,7 +197,8 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         output = func(*args, **(kwargs or {}))
         if self._counting:
             try:
-                self.track(leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor))
+                written = bool(self._held) and func._schema.is_mutable
+                self.track((leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)), written)
             except Exception as error:  # noqa: BLE001 -- inside the user's step: stop counting, never raise
                 self.error, self._counting = error, False
         return output

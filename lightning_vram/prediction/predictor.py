@@ -17,9 +17,11 @@ put back.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +29,12 @@ import torch
 from torch import nn
 
 from lightning_vram.measure.compiled import compiled_callable_name, compiled_module_names
+from lightning_vram.measure.scripted import scripted_refusal
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
 from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
+from lightning_vram.prediction.containment.collectives import without_collectives
 from lightning_vram.prediction.containment.containment import ContainmentError, contained
 from lightning_vram.prediction.containment.deadline import Deadline
 from lightning_vram.prediction.containment.escapes import register
@@ -42,14 +46,22 @@ from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
 from lightning_vram.prediction.replay.calibration import carry
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
+from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
-from lightning_vram.prediction.replay.precision import precision_plan
+from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
 from lightning_vram.prediction.replay.simulation import simulate
-from lightning_vram.prediction.replay.skips import skip_reason
+from lightning_vram.prediction.replay.skips import (
+    ANOMALY_NOTE,
+    PROFILER_SKIP,
+    closure_refusal,
+    profiler_recording,
+    skip_reason,
+    sparse_refusal,
+)
 from lightning_vram.prediction.replay.step import (
     LOSS_OPS,
     RefusedError,
@@ -77,6 +89,7 @@ from lightning_vram.records import (
     ReplaySkipped,
     Simulation,
     StepChange,
+    StrategyBuffers,
 )
 
 
@@ -124,6 +137,9 @@ class Predictor:
         measured: the sampled step's allocator peaks per phase (``peak_bytes`` allocated, ``reserved_bytes`` the
             reserve at the phase's end), which :meth:`simulate` sets the baseline against (:attr:`carried`);
             ``None`` where there are none (the CPU, preflight, ``predict()``).
+        strategy: what a multi-process strategy holds on this rank beyond the step (DDP's gradient buckets): each
+            replay allocates its buffers before the step and holds them to its end, so they are in every phase's
+            peak and ``other`` (and in the allocator model's sequence). ``None``: nothing.
     """
 
     def __init__(
@@ -146,6 +162,7 @@ class Predictor:
         compute_capability: tuple[int, int] | None = None,
         allocator: AllocatorSettings | None = None,
         measured: Mapping[Phase, PhasePeak] | None = None,
+        strategy: StrategyBuffers | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -174,6 +191,7 @@ class Predictor:
         self._allocator_notes = (settings,) if isinstance(settings, str) else ()
         self._scope: _Scope | str | None = None
         self.measured = measured
+        self.strategy = strategy
         self.carried: Calibration | None = None
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
@@ -255,6 +273,9 @@ class Predictor:
         if compiled:  # predict() on a compiled model: the session's own replays stop before this
             wrapper = module.get_submodule(compiled[0])
             return compiled_refusal(f"{compiled_callable_name(wrapper)} ({compiled[0] or 'the model'})")
+        refusal = scripted_refusal(module) or sparse_refusal(module)
+        if refusal is not None:
+            return refusal
         shared = [*shared_arrays(module), *shared_arrays(self.batch)]
         inside = inside_ids(module)
         reach = reach_of(code_roots(module, self.step_function, self.optimizers or (), self.batch), inside)
@@ -265,6 +286,11 @@ class Predictor:
         reach.arrays += shared
         return _Scope(reach, inside, shared)
 
+    def _strategy_buffers(self) -> list[torch.Tensor]:
+        """The strategy's buffers as (fake) bytes on the counted device; call under the replay's fake mode."""
+        buffers = self.strategy.buffers if self.strategy is not None else ()
+        return [torch.empty(size, dtype=torch.uint8, device=self.device) for size in buffers]
+
     def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
         """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
         if self.allocations is not None:
@@ -274,12 +300,13 @@ class Predictor:
             return reserved, reserved
         return None, None
 
-    def replay(self, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
+    def replay(self, change: StepChange | None = None, count_flops: bool = False) -> ReplayedStep | ReplaySkipped:
         """Replay one training step with ``change`` (``None``: the baseline) on fake tensors and count it.
 
         The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
         (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
-        replayed.
+        replayed. With ``count_flops``, the step's FLOPs are counted too (``ReplayedStep.flops``: one more dispatch
+        mode over the counted step, which changes none of its memory figures).
         """
         left = self.seconds_left()
         deadline = None if left is None else time.perf_counter() + left
@@ -293,6 +320,25 @@ class Predictor:
         scope = self._refusal()
         if isinstance(scope, str):
             return ReplaySkipped(scope)
+        if profiler_recording():
+            return ReplaySkipped(PROFILER_SKIP)
+        # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
+        # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
+        return contextvars.copy_context().run(
+            self._replay_in_context, change, plan, scope, deadline, started, count_flops
+        )
+
+    def _replay_in_context(
+        self,
+        change: StepChange | None,
+        plan: PrecisionPlan,
+        scope: _Scope,
+        deadline: float | None,
+        started: float,
+        count_flops: bool,
+    ) -> ReplayedStep | ReplaySkipped:
+        """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds)."""
+        anomaly_detection = torch.is_anomaly_enabled()  # off while the replay runs (isolated())
         run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape)
         counter: ReplayCounter | None = None
         frames = CheckpointFrames()
@@ -305,12 +351,19 @@ class Predictor:
                     self.module, self.optimizers, self.batch, mode, run.prepare_module, {id(a): a for a in scope.shared}
                 )
                 held = held_by(twin.module, scope.inside)
-                refusal = refusal_of(held)
+                refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:
                     raise RefusedError(refusal)
                 values = KnownValues()
                 values.know(twin.batch_values)
-                with contained(held) as held_containment, mode, Deadline(deadline), values, real_branches(values):
+                with (
+                    contained(held) as held_containment,
+                    mode,
+                    without_collectives(),
+                    Deadline(deadline),
+                    values,
+                    real_branches(values),
+                ):
                     fake_batch = run.prepare_batch(twin.batch)
                     if self.warm_up:
                         run.run_step(twin, fake_batch, None, None)
@@ -320,6 +373,8 @@ class Predictor:
                     allocations, reserved = self._listener()
                     live = LiveMemory(self.device, allocations)
                     live.track(state_tensors(twin))
+                    held_by_strategy = self._strategy_buffers()
+                    live.track(held_by_strategy)
                     live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
                     counter = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
                     live.add_listener(counter.on_output)
@@ -335,7 +390,8 @@ class Predictor:
                     if reserved is not None:
                         live.add_sampler(reserved)
                     probe = WorkspaceProbe()
-                    with probe, live:
+                    flops = StepFlops() if count_flops else None
+                    with probe, live, flops or nullcontext():
                         run.run_step(twin, fake_batch, counter, live)
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}
@@ -379,13 +435,16 @@ class Predictor:
                 ),
                 *workspaces.notes,
                 *self._allocator_notes,
+                *((ANOMALY_NOTE,) if anomaly_detection else ()),
                 *(
                     f"the replayed code changed {place}; put back as it was"
                     for place in (*containment.restored, *held_containment.restored)
                 ),
             ),
             timeline=timeline.finish(),
+            flops=flops.get_total_flops() if flops is not None else None,
             allocations=sequence,
             allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
+            strategy=self.strategy,
         )
-        return carry(replayed, self.carried) if self.carried is not None else replayed
+        return carry(replayed, self.carried, batch_size_of(self.batch)) if self.carried is not None else replayed

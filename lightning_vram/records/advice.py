@@ -51,6 +51,26 @@ class SavingBasis(ReportText):
     MODELLED = "modelled"
 
 
+class CostBasis(ReportText):
+    """What an advice's FLOP ratio (its change's replay against the baseline's) says of the step time."""
+
+    RECOMPUTED_FORWARD = "recomputed forward"
+    """Checkpointing: backward re-runs the checkpointed units' forward; the time grows with the FLOPs."""
+    SAME_FLOPS = "same FLOPs"
+    """The change runs the same ops (inplace activations, gradients freed earlier, the allocator's settings)."""
+    TWO_HALF_BATCHES = "two half batches a step"
+    """A halved batch with ``accumulate_grad_batches=2``: twice the replay's FLOPs take one step's place."""
+    OTHER_PRECISION = "same FLOPs in another precision"
+    """Mixed precision: the FLOPs are the same, their speed is not; the time change is not modelled from FLOPs."""
+    FEWER_TOKENS = "fewer tokens a step"
+    """A length cap or batching by tokens: the step does other work; the time is not modelled from FLOPs."""
+
+    @property
+    def modelled(self) -> bool:
+        """Whether the FLOP ratio prices the step time (the same work, more or less of it)."""
+        return self not in (CostBasis.OTHER_PRECISION, CostBasis.FEWER_TOKENS)
+
+
 @dataclass(frozen=True)
 class Advice:
     """One piece of advice: what to change, the figures that fired it, and what it should save.
@@ -60,6 +80,9 @@ class Advice:
     step under fake tensors), ``"modelled"`` (a formula over the measurements), ``None`` without a byte saving.
     ``predicted_peak_bytes`` is the replayed peak after the change, wherever the change was replayed (also without a
     byte saving: mixed precision advised for speed says what its replay predicts).
+    ``estimated_cost_seconds`` is the change's expected step-time cost (its replay's FLOPs over the baseline's, minus
+    one, times the run's median step time; 0 for the same FLOPs; ``None``: not modelled), ``flop_ratio`` that FLOP
+    ratio and ``cost_basis`` what it says of the time (``None`` for both where no replay counted FLOPs).
     """
 
     id: AdviceId
@@ -71,6 +94,38 @@ class Advice:
     estimated_saving_seconds: float | None = None
     saving_basis: SavingBasis | None = None
     predicted_peak_bytes: int | None = None
+    estimated_cost_seconds: float | None = None
+    flop_ratio: float | None = None
+    cost_basis: CostBasis | None = None
+
+    @property
+    def cost_text(self) -> str | None:
+        """The step-time cost in words (``None`` without a FLOP ratio).
+
+        >>> def cost(seconds, ratio, basis):
+        ...     return Advice(AdviceId.INPLACE_ACTIVATIONS, Severity.INFO, "t", "d", "e", 1, None, None, None, seconds,
+        ...                   ratio, basis).cost_text
+        >>> cost(0.0123, 1.31, CostBasis.RECOMPUTED_FORWARD)
+        'costs about +12.3 ms a step (+31.0% FLOPs, recomputed forward)'
+        >>> cost(0.0, 1.0, CostBasis.SAME_FLOPS)
+        'costs no step time (same FLOPs)'
+        >>> cost(None, 1.0, CostBasis.OTHER_PRECISION)
+        'step time not modelled from FLOPs (same FLOPs in another precision)'
+        >>> cost(None, 0.5, CostBasis.FEWER_TOKENS)
+        'step time not modelled from FLOPs (fewer tokens a step: -50.0% FLOPs)'
+        """
+        ratio, basis, seconds = self.flop_ratio, self.cost_basis, self.estimated_cost_seconds
+        if ratio is None or basis is None:
+            return None
+        flops = f"{ratio - 1:+.1%} FLOPs, {basis}"
+        if not basis.modelled:
+            shown = str(basis) if basis is CostBasis.OTHER_PRECISION else f"{basis}: {flops.split(',')[0]}"
+            return f"step time not modelled from FLOPs ({shown})"
+        if seconds is None:
+            return f"{flops}; no step time measured to price it"
+        if seconds == 0 and basis is CostBasis.SAME_FLOPS:
+            return f"costs no step time ({basis})"
+        return f"costs about {1000 * seconds:+.1f} ms a step ({flops})"
 
 
 @dataclass(frozen=True)
@@ -123,6 +178,10 @@ class FitRow:
     :data:`~lightning_vram.prediction.devices.BATCH_SAFETY_MARGIN` of the card kept free), or a report before 0.12."""
     expandable_max_batch_size: int | None = None
     """The largest batch with ``expandable_segments:True`` added to :attr:`allocator` (``None``: not simulated)."""
+    note: str | None = None
+    """Where batches above an answer are served again after some that are not (``"served to 336; 337-341 not served
+    (fragmentation), served again at 342-352"``): each answer is the largest with every batch from the run's to it
+    served. ``None``: no such gap, or a report before 0.12."""
 
     @property
     def batch_text(self) -> str:

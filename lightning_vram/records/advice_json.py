@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.records.advice import Advice, AdviceId, FitRow, NotAdvised, SavingBasis, Severity
+from lightning_vram.records.advice import Advice, AdviceId, CostBasis, FitRow, NotAdvised, SavingBasis, Severity
 from lightning_vram.records.json_reader import Reader, member_of
 
 
@@ -20,6 +20,9 @@ def advice_to_dict(advice: Advice) -> dict[str, Any]:
         "estimated_saving_seconds": advice.estimated_saving_seconds,
         "saving_basis": None if advice.saving_basis is None else str(advice.saving_basis),
         "predicted_peak_bytes": advice.predicted_peak_bytes,
+        "estimated_cost_seconds": advice.estimated_cost_seconds,
+        "flop_ratio": advice.flop_ratio,
+        "cost_basis": None if advice.cost_basis is None else str(advice.cost_basis),
     }
 
 
@@ -33,6 +36,7 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
         "at_least": row.at_least,
         "allocator": row.allocator,
         "expandable_max_batch_size": row.expandable_max_batch_size,
+        "note": row.note,
     }
 
 
@@ -58,7 +62,18 @@ def advice_from_dict(data: Any, where: str) -> Advice:
         predicted_peak_bytes=fields.optional_integer("predicted_peak_bytes")
         if fields.has("predicted_peak_bytes")
         else None,
+        # The three absent from reports written before the time cost.
+        estimated_cost_seconds=fields.added(
+            "estimated_cost_seconds", lambda reader, key: reader.optional_number(key, minimum=None), None
+        ),
+        flop_ratio=fields.added("flop_ratio", lambda reader, key: reader.optional_number(key), None),
+        cost_basis=_cost_basis(fields.optional_text("cost_basis") if fields.has("cost_basis") else None, where),
     )
+
+
+def _cost_basis(text: str | None, where: str) -> CostBasis | None:
+    """The advice's ``cost_basis`` from its ``text`` (one of :class:`CostBasis`'s, or ``None``)."""
+    return None if text is None else member_of(CostBasis, text, f"{where}.cost_basis")
 
 
 def fit_row_from_dict(data: Any, where: str) -> FitRow:
@@ -79,6 +94,7 @@ def fit_row_from_dict(data: Any, where: str) -> FitRow:
         expandable_max_batch_size=(
             fields.optional_integer("expandable_max_batch_size") if fields.has("expandable_max_batch_size") else None
         ),
+        note=fields.optional_text("note") if fields.has("note") else None,  # absent up to 0.12's first reports
     )
 
 

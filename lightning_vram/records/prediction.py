@@ -115,6 +115,7 @@ def prediction_text(prediction: Prediction) -> str:
             for row in prediction.fit
         ]
         lines += _columns(fit)
+        lines += [f"  {row.device}: {row.note}" for row in prediction.fit if row.note is not None]
     notes = list(dict.fromkeys((*step.notes, *prediction.notes)))  # the step's notes reach the prediction's too
     if notes:
         lines.append("Notes:")

@@ -161,6 +161,25 @@ StepChange = (
 
 
 @dataclass(frozen=True)
+class StrategyBuffers:
+    """What a multi-process strategy holds on each rank beyond the module's own step, added to a replay by arithmetic.
+
+    ``label`` names it (``"DDP gradient buckets"``); ``buffers`` are its allocations in bytes, each alive for the
+    whole step; ``basis`` says how they were worked out (the strategy's settings and the rule applied). A replay
+    holds them from the step's start: they are in each phase's peak and in its ``other``.
+    """
+
+    label: str
+    buffers: tuple[int, ...]
+    basis: str
+
+    @property
+    def total_bytes(self) -> int:
+        """All its buffers, in bytes."""
+        return sum(self.buffers)
+
+
+@dataclass(frozen=True)
 class ReplayedStep:
     """One training step replayed under fake tensors: what it would hold, without holding it.
 
@@ -182,12 +201,18 @@ class ReplayedStep:
     notes: tuple[str, ...] = ()
     timeline: StepTimeline | None = None
     """Live bytes op by op, by part (``None`` where not recorded: a step read back from JSON, which leaves it out)."""
+    flops: int | None = None
+    """The step's floating-point operations as ``torch.utils.flop_counter.FlopCounterMode`` counts them (matrix
+    products, convolutions, attention; forward, backward with any recomputation, optimizer step); ``None`` where not
+    counted (a step read back from JSON, which leaves it out)."""
     allocations: AllocationSequence | None = field(default=None, compare=False, repr=False)
     """The replay's allocation sequence, kept in memory only (not in JSON: ``None`` read back, and where no caching
     allocator was simulated): whether a caching allocator serves the step at a capacity is asked of it."""
     allocator: str | None = field(default=None, compare=False, repr=False)
     """The caching allocator's settings the phases' reserved peaks were simulated with (``PYTORCH_ALLOC_CONF`` as
     torch reads it, ``""``: torch's defaults); ``None`` with :attr:`allocations`."""
+    strategy: StrategyBuffers | None = None
+    """What the strategy holds beyond the step, in every phase's peak and ``other`` (``None``: nothing added)."""
 
     @property
     def peak(self) -> PhasePeak:
@@ -442,6 +467,10 @@ def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -
             continue
         for variant in simulation.variants:
             replayed = variant.replayed
-            if replayed is not None and replayed.reported_bytes(replayed.reported_peak) == item.predicted_peak_bytes:
+            if (
+                replayed is not None
+                and replayed.phases  # a report edited by hand may hold none
+                and replayed.reported_bytes(replayed.reported_peak) == item.predicted_peak_bytes
+            ):
                 return variant
     return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_vram.records.advice import Advice, CheckpointPlan
-from lightning_vram.records.json_reader import FormatError, Reader, member, member_of, shown, text_list
+from lightning_vram.records.json_reader import FormatError, Reader, as_int, member, member_of, shown, text_list
 from lightning_vram.records.measured import MATCHED_PARTS, Phase, PhasePeak, in_phase_order
 from lightning_vram.records.measured_json import breakdown_from_dict, breakdown_to_dict, phase_from_text
 from lightning_vram.records.simulation import (
@@ -27,6 +27,7 @@ from lightning_vram.records.simulation import (
     ReplayedStep,
     Simulation,
     StepChange,
+    StrategyBuffers,
     TokensPerBatchChange,
     VariantResult,
     advised_variant,
@@ -73,7 +74,7 @@ def variant_to_dict(variant: VariantResult, timeline: bool = False) -> dict[str,
     With ``timeline``, also its memory op by op (``null`` where not recorded); without, the field is left out.
     """
     replayed = variant.replayed
-    peak = replayed.reported_peak if replayed is not None else None
+    peak = replayed.reported_peak if replayed is not None and replayed.phases else None
     timelines = {"timeline": timeline_to_dict(replayed.timeline if replayed else None)} if timeline else {}
     return {
         "change": variant.change.label,
@@ -106,6 +107,27 @@ def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None
             for part in match.parts
         ],
     }
+
+
+def strategy_to_dict(strategy: StrategyBuffers | None) -> dict[str, Any] | None:
+    """What the strategy holds beyond the replayed step: its label, each buffer's bytes, their sum, the basis."""
+    if strategy is None:
+        return None
+    return {
+        "label": strategy.label,
+        "bytes": strategy.total_bytes,
+        "buffers": list(strategy.buffers),
+        "basis": strategy.basis,
+    }
+
+
+def _strategy(fields: Reader, key: str) -> StrategyBuffers | None:
+    child = fields.optional_child(key)
+    if child is None:
+        return None
+    child.integer("bytes")  # derived from the buffers
+    buffers = child.each("buffers", lambda value, at: as_int(value, at, 0))
+    return StrategyBuffers(child.text("label"), tuple(buffers), child.text("basis"))
 
 
 def calibration_to_dict(calibration: Calibration | None) -> dict[str, Any] | None:
@@ -188,6 +210,7 @@ def simulation_to_dict(
         "device_max_batch_size": simulation.device_max_batch_size,
         "fit_note": simulation.fit_note,
         "calibration": calibration_to_dict(simulation.calibration),
+        "strategy": strategy_to_dict(baseline.strategy if baseline is not None else None),
         "allocator_conf": simulation.allocator_conf,
         "expandable_reserved_bytes": (
             None
@@ -316,6 +339,7 @@ def _simulation(fields: Reader | None) -> Simulation | None:
             seconds=0.0,
             notes=tuple(fields.texts("notes")),
             timeline=fields.added("timeline", timeline_from_dict, None),
+            strategy=fields.added("strategy", _strategy, None),
         )
     # A variant is replayed against the baseline; without one (skipped), none can have been.
     context = baseline or ReplayedStep(device_type, "", None, {}, (), 0, 0.0)

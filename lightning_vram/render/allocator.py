@@ -60,7 +60,8 @@ def allocator_text(result: WhatIf) -> str:
     trace = result.trace
     simulated = result.simulated
     recorded = trace.recorded_reserved_peak_bytes
-    settings = simulated.settings.conf() or "defaults"
+    conf = simulated.settings.conf()
+    settings = f'"{conf}"' + ("" if conf else " (torch's defaults)")  # as PYTORCH_ALLOC_CONF and the JSON hold it
     if trace.settings is None:
         settings += " (the snapshot does not say: torch's defaults assumed)"
     start = (

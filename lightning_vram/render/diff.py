@@ -4,7 +4,8 @@ The peak and each of its parts (or, where the peak moved to another phase, each 
 run's settings as the reports record them (a setting a report does not record is said to be "not recorded"), the
 advice added, removed and changed, and where run B applied one of the changes run A's replay simulated (a precision,
 a batch size, a length cap, or a checkpointing plan, which B's recomputed units show), the peak A's replay predicted
-for it beside the peak B measured.
+for it beside the peak B measured, and the step-time cost A's advice predicted for it beside the change of B's
+median step time.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ PHASE_NAMES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.OPTIM
 """Each phase as the diff names it in a sentence."""
 NOT_RECORDED = "not recorded"
 """What the diff says of a setting a report does not hold."""
+TIME_TOLERANCE_SHARE = 0.25
+"""A predicted step-time cost is met where the measured change of the median step time is within this share of it...
+"""
+TIME_TOLERANCE_SECONDS = 0.001
+"""...or within this many seconds of it (a tiny step's cost is below the timer's run-to-run noise)."""
 
 
 def change_text(before: int | None, after: int | None) -> str:
@@ -267,21 +273,77 @@ def _predicted_bytes(variant: VariantResult) -> int | None:
     return replayed.reported_bytes(replayed.reported_peak) if replayed is not None and replayed.phases else None
 
 
+def _cost_of(predicted: int, before: Report) -> Advice | None:
+    """The advice of ``before`` whose predicted peak is ``predicted`` bytes, where it has a time cost."""
+    return next(
+        (
+            item
+            for item in before.advice
+            if item.predicted_peak_bytes == predicted and item.cost_basis is not None and item.flop_ratio is not None
+        ),
+        None,
+    )
+
+
+def _milliseconds(seconds: float) -> str:
+    """Seconds as signed milliseconds.
+
+    >>> _milliseconds(0.01234), _milliseconds(-0.0005)
+    ('+12.3 ms', '-0.5 ms')
+    """
+    return f"{1000 * seconds:+.1f} ms"
+
+
+def time_line(advice: Advice, before: Report, after: Report) -> str:
+    """The step-time cost ``advice`` predicted beside the change of the median step time from run A to run B.
+
+    The prediction is met where the measured change is within :data:`TIME_TOLERANCE_SHARE` of it or within
+    :data:`TIME_TOLERANCE_SECONDS`; a cost not modelled from FLOPs (another precision) is shown without a verdict.
+    """
+    median_before, median_after = before.timing.step_seconds_median, after.timing.step_seconds_median
+    label = advice.id.value
+    measured = (
+        f"B's median step took {_milliseconds(median_after - median_before)}"
+        f" ({median_before * 1000:.1f} ms -> {median_after * 1000:.1f} ms)"
+        if median_before is not None and median_after is not None
+        else f"step time {NOT_RECORDED}"
+    )
+    predicted = advice.estimated_cost_seconds
+    if predicted is None:
+        return f"step time ({label}): A's advice said {advice.cost_text}; {measured}"
+    verdict = ""
+    if median_before is not None and median_after is not None:
+        tolerance = max(TIME_TOLERANCE_SHARE * abs(predicted), TIME_TOLERANCE_SECONDS)
+        within = abs(median_after - median_before - predicted) <= tolerance
+        verdict = (
+            f": {'within' if within else 'outside'} the tolerance of {format_percent(TIME_TOLERANCE_SHARE)} or"
+            f" {1000 * TIME_TOLERANCE_SECONDS:.0f} ms"
+        )
+    flops = f"{advice.flop_ratio - 1:+.1%} FLOPs, {advice.cost_basis}" if advice.flop_ratio is not None else ""
+    return f"step time ({label}): A's replay predicted {_milliseconds(predicted)} a step ({flops}), {measured}{verdict}"
+
+
+def _applied_variants(before: Report, after: Report) -> list[tuple[VariantResult, int]]:
+    """Each change ``before``'s replay simulated that run ``after`` applied, with the peak it predicted (bytes)."""
+    if _peak_bytes(after) is None or before.device.type != after.device.type:
+        return []
+    variants = before.simulation.variants if before.simulation is not None else ()
+    return [
+        (variant, predicted)
+        for variant in variants
+        if (predicted := _predicted_bytes(variant)) is not None and _applied(variant.change, before, after)
+    ]
+
+
 def prediction_lines(before: Report, after: Report) -> list[str]:
     """For each change ``before``'s replay simulated that run ``after`` applied: the predicted and measured peaks.
 
     The difference is ``(measured - predicted) / predicted``.
     """
     measured = _peak_bytes(after)
-    variants = before.simulation.variants if before.simulation is not None else ()
-    if measured is None or before.device.type != after.device.type:
-        return []
     lines = []
-    for variant in variants:
-        predicted = _predicted_bytes(variant)
-        if predicted is None or not _applied(variant.change, before, after):
-            continue
-        difference = f"{(measured - predicted) / predicted:+.1%}" if predicted else "n/a"
+    for variant, predicted in _applied_variants(before, after):
+        difference = f"{(measured - predicted) / predicted:+.1%}" if predicted and measured is not None else "n/a"
         lines.append(
             f"A's replay predicted {format_bytes(predicted)} for {printable(variant.change.label)},"
             f" B measured {format_bytes(measured)} (diff {difference})"
@@ -289,11 +351,21 @@ def prediction_lines(before: Report, after: Report) -> list[str]:
     return lines
 
 
+def time_lines(before: Report, after: Report) -> list[str]:
+    """Where run ``after`` applied a change ``before`` advised with a step-time cost: that cost and the measured one.
+
+    One line per change (:func:`time_line`): the cost A's advice predicted beside the change of the median step time.
+    """
+    found = [_cost_of(predicted, before) for _, predicted in _applied_variants(before, after)]
+    return [time_line(advice, before, after) for advice in found if advice is not None]
+
+
 SECTIONS: tuple[Callable[[Report, Report], list[str]], ...] = (
     peak_lines,
     settings_lines,
     advice_lines,
     prediction_lines,
+    time_lines,
 )
 """The diff's sections, in order."""
 

@@ -100,6 +100,8 @@ def markdown_to_html(text: str) -> str:
 def _advice_html(item: Advice) -> str:
     savings = saving_text(item)
     saving = f"<p><strong>Expected saving:</strong> {html.escape(savings)}</p>" if savings else ""
+    if item.cost_text is not None:
+        saving += f"<p><strong>Time cost:</strong> {html.escape(item.cost_text)}</p>"
     return (
         f'<div class="advice {html.escape(item.severity)}" id="{html.escape(item.id)}">'
         f"<h3>{inline_markdown(item.title)}</h3>"

@@ -199,12 +199,15 @@ def _calibration_notes(simulation: Simulation) -> tuple[str, ...]:
 def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | None:
     if not simulation.variants:
         return None
-    baseline_bytes = baseline.reported_bytes(baseline.reported_peak)
+    baseline_bytes = baseline.reported_bytes(baseline.reported_peak) if baseline.phases else None
     rows = []
     for variant in simulation.variants:
         replayed = variant.replayed
         if replayed is None:
             rows.append((variant.change.label, "n/a", "n/a", f"discarded: {shortened(variant.discarded or '')}"))
+            continue
+        if not replayed.phases:  # a report edited by hand
+            rows.append((variant.change.label, "n/a", "n/a", "replayed, no phase recorded"))
             continue
         peak = replayed.reported_peak
         predicted = replayed.reported_bytes(peak)
@@ -212,7 +215,7 @@ def _variants_table(baseline: ReplayedStep, simulation: Simulation) -> Table | N
             (
                 variant.change.label,
                 format_bytes(predicted),
-                signed_bytes(predicted - baseline_bytes),
+                signed_bytes(predicted - baseline_bytes) if baseline_bytes is not None else "n/a",
                 f"replayed, peak in {peak.phase.value}"
                 + (f"; {reason}" if (reason := not_advised(simulation.device_type, variant.change)) else ""),
             )
@@ -234,8 +237,26 @@ def simulation_view(report: Report) -> SimulationView | None:
         summary=_summary(simulation),
         baseline=_baseline_table(report, simulation, baseline),
         variants=_variants_table(baseline, simulation) if trusted else None,
-        notes=_calibration_notes(simulation) + baseline.notes + _fit_notes(simulation),
+        notes=_strategy_notes(baseline) + _calibration_notes(simulation) + baseline.notes + _fit_notes(simulation),
         calibration=calibration_table(simulation.calibration) if simulation.calibration is not None else None,
+    )
+
+
+def _strategy_notes(baseline: ReplayedStep) -> tuple[str, ...]:
+    """What the strategy holds beyond the replayed step, added to it, in words (none without a strategy's line).
+
+    >>> from lightning_vram.records import StrategyBuffers
+    >>> buckets = StrategyBuffers("DDP gradient buckets", (1048576, 1048576), "by hand")
+    >>> print(_strategy_notes(ReplayedStep("cpu", "32-true", 8, {}, (), 0, 0.0, strategy=buckets))[0])
+    DDP gradient buckets: 2.0 MiB (2 buffers) held in every phase of each rank, inside 'other' (by hand).
+    """
+    strategy = baseline.strategy
+    if strategy is None:
+        return ()
+    count = len(strategy.buffers)
+    return (
+        f"{strategy.label}: {format_bytes(strategy.total_bytes)} ({count} buffer{'s' if count != 1 else ''}) held in"
+        f" every phase of each rank, inside 'other' ({strategy.basis}).",
     )
 
 

@@ -65,10 +65,9 @@ def step_memory_figure(report: Report) -> Figure | None:
 
 
 def _title(what: str, replayed: ReplayedStep) -> str:
-    """A panel's title: what was replayed (shortened), then its peak, on two lines."""
-    return (
-        f"{short_label(what, TITLE_CHARACTERS)}\npeak {format_bytes(replayed.reported_bytes(replayed.reported_peak))}"
-    )
+    """A panel's title: what was replayed (shortened), then its peak (n/a without phases), on two lines."""
+    peak = replayed.reported_bytes(replayed.reported_peak) if replayed.phases else None
+    return f"{short_label(what, TITLE_CHARACTERS)}\npeak {format_bytes(peak)}"
 
 
 def _draw_panel(axes: Axes, timeline: StepTimeline, title: str, top: float) -> None:

@@ -1,13 +1,15 @@
 """TensorBoard's custom-scalars layout (the charts of the scalars logged), and the report's figures and tags.
 
 Used by the TensorBoard publisher; works with any writer that has these methods of
-``torch.utils.tensorboard.SummaryWriter``.
+``torch.utils.tensorboard.SummaryWriter``. What the monitor writes itself (the layout, the figures, the advice) goes
+through writers of its own (:func:`own_writer`), never the logger's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -34,10 +36,16 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
     },
 }
 """Charts grouped for TensorBoard's Custom Scalars tab: memory together, speed together."""
-LAYOUT_RUN = "vram_layout"
-"""The run, below the writer's, that holds :data:`LAYOUT`. TensorBoard keeps one layout per run (the last one written)
-and merges the layouts of all runs by category: in a run of its own, the monitor's layout neither replaces a layout
-the user writes in theirs nor is replaced by it, whichever comes first."""
+MONITOR_RUN = "vram"
+"""The run, below the writer's, that holds what the monitor writes itself: :data:`LAYOUT`, the figures, the advice.
+
+TensorBoard keeps one layout per run (the last one written) and merges the layouts of all runs by category: in a run
+of its own, the monitor's layout neither replaces a layout the user writes in theirs nor is replaced by it, whichever
+comes first. The figures and the advice are written there too, by :func:`own_writer`: a write that fails (a full
+disk) fails in the monitor's writer, not in the logger's (a ``SummaryWriter``'s background thread stops at its first
+failed write, and every later call of that writer, Lightning's ``finalize`` at the end of fit included, raises it
+again). A run of its own, not a second event file in the logger's run: TensorBoard follows only a run's newest event
+file, and would stop showing the logger's scalars while training goes on."""
 
 
 class TensorBoardWriter(Protocol):
@@ -57,6 +65,10 @@ class TensorBoardWriter(Protocol):
 
     def get_logdir(self) -> str:
         """The directory (or URL) of the run this writer writes."""
+        ...
+
+    def flush(self) -> None:
+        """Write what is pending to the event file; raises what a failed write raised."""
         ...
 
     def close(self) -> None:
@@ -84,18 +96,27 @@ def layout_for(names: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     return layout
 
 
-def write_layout(writer: TensorBoardWriter, layout: dict[str, dict[str, list[Any]]]) -> None:
-    """The custom-scalars ``layout``, in the run :data:`LAYOUT_RUN` below ``writer``'s (replacing the one before).
+@contextmanager
+def own_writer(writer: TensorBoardWriter) -> Iterator[TensorBoardWriter]:
+    """A new writer of ``writer``'s class in the run :data:`MONITOR_RUN` below ``writer``'s, flushed and closed after.
 
-    Written by a new writer of ``writer``'s class (``torch.utils.tensorboard``'s or ``tensorboardX``'s
-    ``SummaryWriter``, which both take the run's directory first), closed at once.
+    ``torch.utils.tensorboard``'s or ``tensorboardX``'s ``SummaryWriter``, which both take the run's directory first.
+    Flushed before it closes, so that a write that failed raises here (``close`` alone would not say), in the
+    monitor's guard.
     """
     new_writer = cast(Callable[[str], TensorBoardWriter], type(writer))
-    layout_writer = new_writer(f"{writer.get_logdir().rstrip('/')}/{LAYOUT_RUN}")
+    own = new_writer(f"{writer.get_logdir().rstrip('/')}/{MONITOR_RUN}")
     try:
-        layout_writer.add_custom_scalars(layout)
+        yield own
+        own.flush()
     finally:
-        layout_writer.close()
+        own.close()
+
+
+def write_layout(writer: TensorBoardWriter, layout: dict[str, dict[str, list[Any]]]) -> None:
+    """The custom-scalars ``layout``, in the run :data:`MONITOR_RUN` below ``writer``'s (replacing the one before)."""
+    with own_writer(writer) as own:
+        own.add_custom_scalars(layout)
 
 
 def report_images(pngs: FigurePngs) -> dict[str, np.ndarray]:

@@ -84,6 +84,9 @@ def advice_summary(advice: Advice) -> str:
     >>> fired = AdviceId.LARGE_LINEAR, Severity.INFO, "Split the head", "d", "e", 2048
     >>> advice_summary(Advice(*fired, saving_basis=SavingBasis.SIMULATED, estimated_saving_seconds=0.0012))
     'advice: Split the head (saves about 2.0 KiB, simulated; up to 1.2 ms per step)'
+    >>> from lightning_vram.records import CostBasis
+    >>> advice_summary(Advice(*fired, estimated_cost_seconds=0.004, flop_ratio=1.2, cost_basis=CostBasis.SAME_FLOPS))
+    'advice: Split the head (saves about 2.0 KiB; costs about +4.0 ms a step (+20.0% FLOPs, same FLOPs))'
     """
     figures = []
     word = basis_word(advice)
@@ -94,6 +97,8 @@ def advice_summary(advice: Advice) -> str:
         figures.append(str(word))
     if advice.estimated_saving_seconds is not None:
         figures.append(f"up to {1000 * advice.estimated_saving_seconds:.1f} ms per step")
+    if advice.cost_text is not None:
+        figures.append(advice.cost_text)
     return f"advice: {advice.title}" + (f" ({'; '.join(figures)})" if figures else "")
 
 
@@ -303,6 +308,8 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
     for item in advice:
         saving = saving_text(item)
         saving_line = f"\n**Expected saving:** {saving}\n" if saving else "\n"
+        if item.cost_text is not None:
+            saving_line += f"\n**Time cost:** {escape_markdown(item.cost_text)}\n"
         sections.append(
             f"### {safe_markdown(item.title, keep_lines=False)}\n\n{code_span(item.id)} ·"
             f" {escape_markdown(item.severity)}\n\n**Evidence:** {escape_markdown(item.evidence)}\n{saving_line}\n"
@@ -328,9 +335,10 @@ def fit_assumption(rows: Sequence[FitRow]) -> str:
     if not settings:
         return "A batch fits where its tensor peak and the CUDA context leave 10% of the card free."
     named = ", ".join(setting or "torch defaults" for setting in settings)
+    gaps = "".join(f" {row.device}: {row.note}." for row in rows if row.note is not None)
     return (
         f"A batch fits where the simulated CUDA caching allocator ({named}) serves its whole step in the card's"
-        " memory less the CUDA context, no margin kept."
+        f" memory less the CUDA context, no margin kept.{gaps}"
     )
 
 

@@ -22,6 +22,7 @@ from lightning_vram.advice.trials import try_changes, unsupported
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.compiled import compiled_module_names
+from lightning_vram.measure.ddp import find_ddp, predicted_buckets, replay_refusal
 from lightning_vram.measure.live import outside_dispatch_modes
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
@@ -47,6 +48,7 @@ from lightning_vram.records import (
     ReplayedStep,
     RunSummary,
     Simulation,
+    StrategyBuffers,
     TrainingSetup,
 )
 from lightning_vram.render.text import preflight_warning, shape_mismatch_warning, worst_batch_warning
@@ -106,6 +108,7 @@ class Advisor:
             return
 
         def replay() -> PreflightVerdict | ReplayedStep | None:
+            strategy = self._strategy(training)  # each rank's own verdict: no collective
             predictor = Predictor(
                 model,
                 context.current_optimizers(),
@@ -116,6 +119,7 @@ class Advisor:
                 shape=shape,
                 budget_seconds=budget,
                 compute_capability=device.compute_capability,
+                strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
             )
             free = probe.free_bytes() if on_cuda else None
             if free is None or reading is None:
@@ -208,7 +212,8 @@ class Advisor:
             if training is None:
                 return None
             step_function = context.step_function
-            reason = unsupported(model, training, step_function)
+            strategy = self._strategy(training)
+            reason = unsupported(model, training, step_function) or (strategy if isinstance(strategy, str) else None)
             if reason is not None or step_function is None:
                 return Simulation(context.device.type, None, None, reason, (), 0.0)
             run = summary()
@@ -226,6 +231,7 @@ class Advisor:
                 compute_capability=run.device.compute_capability,
                 allocator=settings if isinstance(settings, AllocatorSettings) else None,
                 measured=measured,
+                strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
             )
             return try_changes(predictor, run, training)
 
@@ -249,6 +255,19 @@ class Advisor:
                 VramMonitorWarning,
                 stacklevel=4,
             )
+
+    def _strategy(self, training: TrainingSetup) -> StrategyBuffers | str | None:
+        """What the strategy holds beyond the step for a replay to hold, or why the replay cannot add it.
+
+        ``None`` for one process; DDP's gradient buckets by its arithmetic; a multi-process run without a DDP
+        wrapper (or one whose buffers are not modelled) cannot be replayed per rank.
+        """
+        if training.world_size <= 1:
+            return None
+        ddp = find_ddp(self._context.wrapped_by())
+        if ddp is None:
+            return "distributed training: the replay runs one process"
+        return replay_refusal(ddp) or predicted_buckets(ddp)
 
     def length_peaks(self) -> tuple[tuple[int, int], ...]:
         """Each batch length replayed on a training step (tokens) with its replayed peak (bytes), shortest first."""

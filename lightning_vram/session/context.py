@@ -32,6 +32,8 @@ class RunContext:
         step_function: ``(module, batch) -> loss`` for the replays; ``None`` where none can run.
         rank: this process's global rank.
         world_size: the number of processes training together.
+        wrapper: returns the module training runs the model through (a ``DistributedDataParallel``), read on
+            sampled steps and replays; ``None`` where there is none.
     """
 
     model: nn.Module | None = None
@@ -41,12 +43,17 @@ class RunContext:
     step_function: StepFunction | None = None
     rank: int = 0
     world_size: int = 1
+    wrapper: Callable[[], nn.Module | None] | None = None
     _setup: TrainingSetup | None = None
 
     def current_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers now (a callable is read again)."""
         optimizers = self.optimizers
         return list(optimizers() if callable(optimizers) else optimizers)
+
+    def wrapped_by(self) -> nn.Module | None:
+        """The module training runs the model through now (``None``: none known, or after close)."""
+        return self.wrapper() if self.wrapper is not None else None
 
     def setup(self) -> TrainingSetup | None:
         """The training set-up, computed once per run (the first time training has started); ``None`` after close.
@@ -61,6 +68,7 @@ class RunContext:
     def release(self) -> None:
         """Let go of the model, its optimizers and the callables that may hold a Trainer (and its process group)."""
         self.model, self.optimizers, self.read_setup, self.step_function = None, (), None, None
+        self.wrapper = None
 
 
 def run_context(

@@ -153,6 +153,7 @@ class VramSession:
         publishers: Sequence[Publisher] = (),
         default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
         step_function: StepFunction | None = None,
+        wrapper: Callable[[], nn.Module | None] | None = None,
     ) -> None:
         """Start measuring a run of ``model`` (on its device) with ``optimizers``.
 
@@ -181,6 +182,9 @@ class VramSession:
             default_log_every_n_steps: the interval when ``log_every_n_steps`` was not given; ``None`` logs none.
             step_function: ``(module, batch) -> loss``: the forward pass and loss of one step, so that advice can be
                 replayed on it under fake tensors; a module with a ``training_step`` (a LightningModule) needs none.
+            wrapper: returns the module training runs ``model`` through, where a strategy wraps it (a
+                ``DistributedDataParallel``; the callback passes its strategy's ``model``): read on sampled steps,
+                so that DDP's gradient buckets are counted in the CPU's live peak and held by each rank's replay.
 
         Raises:
             TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
@@ -198,9 +202,10 @@ class VramSession:
             publishers=publishers,
             default_log_every_n_steps=default_log_every_n_steps,
             step_function=step_function,
+            wrapper=wrapper,
         )
         context = run_context(model, optimizers, dataloader, precision, start_device(device), setup, step_function)
-        context.rank, context.world_size = rank, world_size
+        context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
         self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), outputs)

@@ -4,7 +4,8 @@ A :class:`Sampler` opens a :class:`~lightning_vram.measure.accounting.StepAttrib
 passes it the step's phase boundaries and closes it at the step's end; what sampled steps skipped is listed in
 :meth:`Sampler.notes`. On the CPU, where no allocator measures a peak, a
 :class:`~lightning_vram.measure.live.LiveTensors` counts every tensor alive during the same step: each phase's live
-peak, which the counted parts explain with ``other`` for the rest.
+peak, which the counted parts explain with ``other`` for the rest. Under DDP that includes its gradient buckets
+(:mod:`~lightning_vram.measure.ddp`), alive from the step's start.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.config import MonitorConfig
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.compiled import compiled_in_place
+from lightning_vram.measure.ddp import find_ddp, live_buckets
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
 from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
@@ -152,6 +154,9 @@ class Sampler:
         def start() -> LiveTensors:
             live = LiveTensors(context.device)
             live.track(state_tensors(model, context.current_optimizers(), batch))
+            ddp = find_ddp(context.wrapped_by())
+            if ddp is not None:  # its buckets are alive from the step's start, held where no tensor reaches them
+                live.hold(live_buckets(ddp))
             live.start()
             return live
 

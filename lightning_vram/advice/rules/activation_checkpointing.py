@@ -2,14 +2,15 @@
 
 Up to :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans are candidates, each declared for replay.
 Where the simulation replayed any of them, only a replayed plan can be advised (the one whose replay lowers the
-peak most); a plan whose replay raised would break backward and is never advised. Without a replay of any
-candidate, the best modelled plan is advised with its modelled saving.
+peak most; of plans that lower it alike, the one that recomputes the fewest modules); a plan whose replay raised
+would break backward and is never advised. Without a replay of any candidate, the best modelled plan is advised
+with its modelled saving.
 """
 
 from __future__ import annotations
 
 from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
-from lightning_vram.advice.checkpointing import ROOT, checkpoint_candidates
+from lightning_vram.advice.checkpointing import ROOT, checkpoint_candidates, recomputed_modules
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
 from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
 from lightning_vram.records import (
@@ -60,7 +61,8 @@ def activation_checkpointing(
     discarded = [saving for _, saving in found if isinstance(saving, Discarded)]
     replayed = [(plan, saving) for plan, saving in savings if saving.basis == SavingBasis.SIMULATED]
     if replayed:
-        plan, best = max(replayed, key=lambda pair: pair[1].saving_bytes)  # the first on a tie: best modelled
+        # On a tie, the plan that recomputes the fewest modules (then the first: the best modelled).
+        plan, best = max(replayed, key=lambda pair: (pair[1].saving_bytes, -recomputed_modules(pair[0])))
     elif discarded or not savings:
         return None
     else:
@@ -103,7 +105,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
     if not replayed:
         raised = next((saving for _, saving in found if isinstance(saving, Discarded)), None)
         return f"every candidate plan's replay raised, e.g. {raised.evidence[2:]}" if raised else None
-    change, best = max(replayed, key=lambda pair: pair[1].saving_bytes)
+    change, best = max(replayed, key=lambda pair: (pair[1].saving_bytes, -_recomputed(pair[0])))
     if breakdown.largest_part != "activations":
         why = f"activations are not the largest part of the peak ({breakdown.largest_part.replace('_', ' ')} is)"
     else:
@@ -112,6 +114,11 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
             f" measured peak), under the {format_percent(CHECKPOINT_MIN_SAVING_SHARE)} the rule needs"
         )
     return f"{replayed_figure(simulation, change)}: {why}"
+
+
+def _recomputed(change: StepChange) -> int:
+    """The modules a checkpointing change recomputes (0 for any other change)."""
+    return recomputed_modules(change.plan) if isinstance(change, CheckpointChange) else 0
 
 
 RULE = Rule(ID, activation_checkpointing, changes, why_not)

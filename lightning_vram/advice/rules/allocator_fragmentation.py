@@ -39,7 +39,8 @@ EXPANDABLE = "expandable_segments:True"
 _TITLE = f"Let the allocator grow segments: PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}"
 _DETAIL = (
     "The caching allocator keeps freed blocks; when sizes vary, blocks cannot be reused and the reserve grows beyond"
-    " what tensors need. Expandable segments map memory as needed instead.\n"
+    " what tensors need. Expandable segments map memory as needed instead. This changes where memory is mapped,"
+    " not what is computed: training is unchanged, bit for bit.\n"
     f"```bash\nPYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} python train.py\n```"
 )
 

@@ -66,7 +66,8 @@ def batch_size_headroom(
         detail=(
             "A larger batch gives each kernel more work. Raise it and scale the learning rate, or keep the batch"
             " and train a larger model. Once the GPU is busy, a larger batch makes steps longer, not training"
-            " faster.\n"
+            " faster. Unlike a memory-only change, it trains another model: fewer, larger steps (hence the learning"
+            " rate) and BatchNorm statistics over more samples, so validate it.\n"
             f"```python\nDataLoader(dataset, batch_size={largest})\n```"
         ),
         evidence=(

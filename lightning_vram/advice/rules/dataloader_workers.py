@@ -42,7 +42,12 @@ def dataloader_workers(
         title=f"Load data in parallel: DataLoader(num_workers={workers}, persistent_workers=True)",
         detail=(
             "Each step waits while the main process loads the next batch. Worker processes load batches ahead"
-            " of time; persistent workers are not restarted every epoch.\n"
+            " of time; persistent workers are not restarted every epoch. The same computation, but not the same"
+            " random numbers: random augmentations in the dataset draw from each worker's own generator (seeded"
+            " from the torch RNG when the workers start) instead of the main process's, and persistent workers draw"
+            " that seed once, not every epoch, so from the second epoch shuffling and Dropout see another stream."
+            " Training is another random draw, not the same model bit for bit (without persistent workers and"
+            " random augmentation, it is).\n"
             f"```python\nDataLoader(dataset, batch_size=..., num_workers={workers}, persistent_workers=True{pin})\n```"
         ),
         evidence=(

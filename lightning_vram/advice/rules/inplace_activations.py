@@ -29,6 +29,27 @@ INPLACE_MIN_SHARE = 0.02
 """Inplace activations save one saved tensor each: small, but free; advise it from 2% of the peak."""
 
 
+RECOMPUTED_FROM_RESULT = frozenset({"ELU", "SELU", "CELU"})
+"""Activations whose inplace gradient recovers the exponential from the result (``result + alpha``): the same
+gradient up to float32 rounding, not bit for bit (LeakyReLU's is the same arithmetic)."""
+
+
+def _numerics(types: list[str]) -> str:
+    """What inplace changes in training for activation classes ``types``: nothing, or the gradient's rounding.
+
+    >>> _numerics(["LeakyReLU"])
+    'Training is unchanged: the same gradients, bit for bit.'
+    """
+    rounded = [name for name in types if name in RECOMPUTED_FROM_RESULT]
+    if not rounded:
+        return "Training is unchanged: the same gradients, bit for bit."
+    return (
+        f"{', '.join(rounded)} inplace {'computes its' if len(rounded) == 1 else 'compute their'} gradient from"
+        " the result (the exponential recovered as result + alpha): the same gradient up to float32 rounding"
+        " (about 1e-6 relative), not bit for bit; the forward pass is unchanged."
+    )
+
+
 def _is_activation(profile: ModuleProfile) -> bool:
     return profile.inplace is False and "Dropout" not in profile.type
 
@@ -108,8 +129,9 @@ def inplace_activations(
             "Out of place, these activations save their input for backward and the next op saves their output:"
             " two tensors. Inplace, they compute the gradient from their result, so one tensor serves both. This is"
             " safe for autograd here (no earlier op saved these inputs), but whether an input is used again later,"
-            " as in a residual connection, cannot be told from measurements: check that first.\n"
-            f"```python\nnn.{largest.type}(inplace=True)\n```"
+            " as in a residual connection, cannot be told from measurements: check that first."
+            f" {_numerics(types)}\n"
+            f"```python\nnn.{largest.type}(inplace=True)  # its other arguments as they were\n```"
         ),
         evidence=evidence,
         estimated_saving_bytes=saving.saving_bytes,

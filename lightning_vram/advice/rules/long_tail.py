@@ -143,7 +143,8 @@ def _capped(summary: RunSummary, simulation: Simulation | None, change: LengthCh
     return (
         f"Cap sequences at {cap} tokens",
         saving,
-        f"Cap sequences at {cap} tokens (saves about {format_bytes(saving.saving_bytes)}):\n"
+        f"Cap sequences at {cap} tokens (saves about {format_bytes(saving.saving_bytes)}; the tokens past the cap"
+        " are no longer trained on: another model, validate it):\n"
         "```python\n"
         f"tokenizer(texts, max_length={cap}, truncation=True)  # or, in a collate function, a dict batch:\n"
         f"batch = {{key: value[:, :{cap}] for key, value in batch.items()}}\n"
@@ -167,7 +168,8 @@ def _by_tokens(
         saving,
         f"Or keep every token and batch by tokens, at most {tokens:,} a batch (a batch at the cap's), so a"
         f" {longest}-token batch holds {max(1, tokens // longest)} sequence(s) (saves about"
-        f" {format_bytes(saving.saving_bytes)}):\n"
+        f" {format_bytes(saving.saving_bytes)}; which sequences share a batch, their order and the steps an epoch"
+        " has change: another model, validate it, and shuffle the list of batches each epoch):\n"
         "```python\n"
         "def batches_by_tokens(lengths, max_tokens):\n"
         '    """Lists of sample indices, shortest first, each padded batch within max_tokens."""\n'

@@ -41,6 +41,11 @@ AUTOCAST_MEMORY = (
     " normalisation, softmax and the loss in float32."
 )
 """Why mixed precision promises no memory saving that a replay has not shown."""
+NUMERICS = (
+    "This changes the numerics: 16-bit results round differently, so losses and weights will not match a float32"
+    " run bit for bit (validate the model)."
+)
+"""What mixed precision changes in training, said in the advice: unlike the memory-only rules, not the same model."""
 REPLAYED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
 """Devices whose run replays 16-bit mixed precision: CUDA, where it is advised, and the CPU, where the report says
 beside the replayed figure why it is not."""
@@ -100,7 +105,8 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     reason = (
         "supports bfloat16, which needs no loss scaling"
         if precision == "bf16-mixed"
-        else "has no fast bfloat16: use float16"
+        else "has no fast bfloat16: use float16, whose small gradients underflow unless the loss is scaled;"
+        ' Lightning\'s "16-mixed" scales it (a GradScaler): keep that scaler (hand-written autocast needs its own)'
     )
     if replay is not None:
         moved = f"{format_bytes(abs(replay.saving_bytes))} {'lower' if replay.saving_bytes >= 0 else 'higher'}"
@@ -130,7 +136,7 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         title=title,
         detail=(
             f"{summary.device.name} ({capability_text}) {reason}. Weights and optimizer state stay in float32;"
-            f" matmuls and convolutions run in 16 bits{faster}. {memory}\n"
+            f" matmuls and convolutions run in 16 bits{faster}. {NUMERICS} {memory}\n"
             f'```python\nTrainer(precision="{precision}")\n```'
         ),
         evidence=(

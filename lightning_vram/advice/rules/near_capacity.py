@@ -124,6 +124,26 @@ def _served_text(summary: RunSummary, change: BatchSizeChange, simulation: Simul
     return ", still not served by the simulated allocator"
 
 
+def _halved_trains(summary: RunSummary) -> str:
+    """What training with half the batch and ``accumulate_grad_batches=2`` changes: a sentence for the detail.
+
+    The gradients of two halves, each loss divided by 2, add up to the whole batch's in another order; BatchNorm
+    normalises over each half and updates its statistics once per half.
+    """
+    text = (
+        " Half the batch with accumulate_grad_batches=2 sums the gradients of two halves: the same as the whole"
+        " batch's up to float32 rounding (about 1e-6 relative)"
+    )
+    if not any("BatchNorm" in profile.type for profile in summary.modules):
+        return f"{text}."
+    assert summary.batch_size is not None  # a halved batch was offered
+    return (
+        f"{text}, but this model's BatchNorm then normalises over {summary.batch_size // 2} samples instead of"
+        f" {summary.batch_size} and updates its running statistics twice a step (num_batches_tracked too): it"
+        " trains a different model: validate it."
+    )
+
+
 def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """The peak is above 90% of the device, or the allocator retried or ran out: list the remedies, largest first."""
     attributed = _near_capacity_peak(summary)
@@ -154,7 +174,8 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         id=ID,
         severity=Severity.CRITICAL,
         title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
-        detail=f"Remedies this run's measurements support, largest saving first: {listed or NONE_MEASURED}.",
+        detail=f"Remedies this run's measurements support, largest saving first: {listed or NONE_MEASURED}."
+        + (_halved_trains(summary) if halved is not None and halved in remedies else ""),
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
             f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"

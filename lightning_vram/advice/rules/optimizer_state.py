@@ -62,11 +62,16 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         if shardable
         else ""
     )
+    changes_training = " Sharding keeps the update exact: the same model." if shardable else ""
+    if adam:
+        changes_training += (
+            " 8-bit Adam rounds the moments and SGD is another update: either trains another model, so validate it."
+        )
     return Advice(
         id=ID,
         severity=Severity.INFO,
         title=f"Optimizer state is the largest part of the peak ({format_bytes(state)}): {remedy}",
-        detail=f"Options, largest saving first: {listed}.{convergence}{example}",
+        detail=f"Options, largest saving first: {listed}.{changes_training}{convergence}{example}",
         evidence=(
             f"optimizer state ({', '.join(setup.optimizers)}) is {format_bytes(state)},"
             f" {share_text(state, peak.peak_bytes)} of the {peak.phase.value} peak; parameters"

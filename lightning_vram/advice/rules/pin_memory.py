@@ -21,7 +21,8 @@ def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation
         title="Pin host memory: DataLoader(pin_memory=True)",
         detail=(
             "Pageable host memory is copied once more before the transfer to the GPU; pinned batches are copied"
-            " straight away, and Lightning moves them with non_blocking transfers.\n"
+            " straight away, and Lightning moves them with non_blocking transfers. The batches' values are the"
+            " same: training is unchanged, bit for bit.\n"
             "```python\nDataLoader(dataset, batch_size=..., pin_memory=True)\n```"
         ),
         evidence=(

@@ -24,6 +24,7 @@ from lightning_vram.advice.rules import (
 )
 from lightning_vram.advice.rules.base import Rule
 from lightning_vram.advice.savings import change_key
+from lightning_vram.advice.time_cost import with_time_cost
 from lightning_vram.records import Advice, NotAdvised, RunSummary, Severity, Simulation, StepChange, TrainingSetup
 
 RULES: tuple[Rule, ...] = (
@@ -63,9 +64,15 @@ def advise(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | N
     """Every rule's advice for this run, most severe first, then by estimated saving (bytes), largest first.
 
     ``simulation`` is the replay of the run's sampled step and of the changes tried on it: where it replayed a
-    change and its baseline matched, the rule's saving is the replayed one (``saving_basis`` ``"simulated"``).
+    change and its baseline matched, the rule's saving is the replayed one (``saving_basis`` ``"simulated"``), and
+    its step-time cost the FLOPs its replay counted beside the baseline's
+    (:func:`~lightning_vram.advice.time_cost.with_time_cost`).
     """
-    found = [advice for rule in RULES if (advice := rule.advise(summary, setup, simulation)) is not None]
+    found = [
+        with_time_cost(advice, summary, simulation)
+        for rule in RULES
+        if (advice := rule.advise(summary, setup, simulation)) is not None
+    ]
     return tuple(
         sorted(found, key=lambda advice: (SEVERITY_ORDER[advice.severity], -(advice.estimated_saving_bytes or 0)))
     )

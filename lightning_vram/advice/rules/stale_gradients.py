@@ -57,7 +57,8 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         title="Free the previous step's gradients before the forward pass",
         detail=(
             "Lightning zeroes gradients after training_step, so the last step's gradients stay allocated through"
-            " the forward pass, where this run peaks. Free them at batch start, outside an accumulation window:\n"
+            " the forward pass, where this run peaks. Free them at batch start, outside an accumulation window (the"
+            " batches where Lightning zeroes them anyway: training is unchanged, bit for bit):\n"
             "```python\n"
             "def on_train_batch_start(self, batch, batch_idx):\n"
             "    if batch_idx % self.trainer.accumulate_grad_batches == 0:\n"

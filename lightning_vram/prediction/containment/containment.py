@@ -5,20 +5,20 @@ place's state, gives the code a fresh ``lru_cache`` for each of the user's (so n
 the real step will read it), makes reachable NumPy arrays read-only, and on exit puts back every place the replay
 changed: a global or closure rebound, a list, dict, set or array changed, an object's attributes, a random
 generator's state, a tensor held outside the module (fake tensors run in-place ops on a real tensor for real) and
-the Python attributes set on it, a function's attributes, a ``ContextVar``'s value.
-What it put back is listed, for the report.
+the Python attributes set on it, a function's attributes. A ``ContextVar`` is not saved here: the replay runs in a
+copy of the context (:meth:`~lightning_vram.prediction.predictor.Predictor.replay`). What it put back is listed,
+for the report.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
-import contextvars
 import functools
 import random
 import types
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -202,29 +202,6 @@ def _version(tensor: Tensor) -> int | None:
         return None
 
 
-class _ContextVarSaved:
-    """A ``ContextVar``'s value in the replaying context, put back if the replay set another.
-
-    A variable that had no value cannot be unset again (``contextvars`` has no way): that raises.
-    """
-
-    def __init__(self, variable: contextvars.ContextVar[Any]) -> None:
-        self.variable = variable
-        self.value = variable.get(_MISSING)
-
-    def restore(self) -> bool:
-        """Whether the variable changed (and was put back)."""
-        if self.variable.get(_MISSING) is self.value:
-            return False
-        if self.value is _MISSING:
-            raise ContainmentError(
-                f"the replay set the context variable {self.variable.name!r}, which had no value before and "
-                "cannot be unset"
-            )
-        self.variable.set(self.value)
-        return True
-
-
 def fresh_cache(cache: Any) -> Any:
     """A new, empty ``functools.lru_cache`` of the same function and settings."""
     return functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__)
@@ -241,7 +218,8 @@ class Containment:
         self.restored: list[str] = []
 
 
-def _describe(target: Any) -> str:
+def _describe(target: Any, paths: Mapping[int, str]) -> str:
+    """A place the replay changed, as a note names it: where the walk found it (``paths``, by id) where known."""
     if isinstance(target, Slot):
         holder = target.holder
         if isinstance(holder, dict):
@@ -249,6 +227,9 @@ def _describe(target: Any) -> str:
         if target.key is None:
             return "a closure variable"
         return f"{getattr(holder, '__qualname__', type(holder).__name__)}.{target.key}"
+    path = paths.get(id(target))
+    if path is not None:
+        return f"{path} (a {type(target).__name__})"
     return f"a {type(target).__name__} held outside the module"
 
 
@@ -262,7 +243,6 @@ def contained(reach: Reach) -> Iterator[Containment]:
     savers: list[_Saved] = [_slot_saver(slot) for slot in reach.slots]
     savers += [saver for saver in map(_saver, reach.objects) if saver is not None]
     tensors = [_TensorSaved(tensor) for tensor in reach.tensors]
-    variables = [_ContextVarSaved(variable) for variable in reach.context_vars]
     writeable = [(array, bool(array.flags.writeable)) for array in reach.arrays]
     containment = Containment()
     try:
@@ -279,17 +259,11 @@ def contained(reach: Reach) -> Iterator[Containment]:
         for saver in reversed(savers):
             try:
                 if saver.restore() and id(saver.target) not in cache_slots:
-                    containment.restored.append(_describe(saver.target))
+                    containment.restored.append(_describe(saver.target, reach.paths))
             except Exception as error:  # noqa: BLE001 -- a state the object refused back: reported below
-                lost.append(f"{_describe(saver.target)} ({type(error).__name__}: {error})")
+                lost.append(f"{_describe(saver.target, reach.paths)} ({type(error).__name__}: {error})")
         for saved in tensors:
             if saved.restore():
                 containment.restored.append(f"a {tuple(saved.tensor.shape)} tensor held outside the module")
-        for variable in variables:
-            try:
-                if variable.restore():
-                    containment.restored.append(f"the context variable {variable.variable.name!r}")
-            except ContainmentError as error:
-                lost.append(str(error))
     if lost:
         raise ContainmentError(f"the replay changed what it cannot put back: {'; '.join(lost)}")

@@ -141,7 +141,9 @@ def isolated() -> Iterator[None]:
 
     Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
     global generator (when NumPy is imported), the default dtype, grad mode, torch's intra-op thread count and the
-    process environment (``os.environ``). Meanwhile compiled code runs eagerly (:func:`_eager_compiled_code`).
+    process environment (``os.environ``), autograd's anomaly detection. Meanwhile compiled code runs eagerly
+    (:func:`_eager_compiled_code`) and anomaly detection is off: it checks every backward result for NaN, and fake
+    tensors have no values.
     """
     cpu_state = torch.get_rng_state()
     # torch ships is_initialized without annotations.
@@ -154,7 +156,9 @@ def isolated() -> Iterator[None]:
     grad_enabled = torch.is_grad_enabled()
     threads = torch.get_num_threads()
     environment = dict(os.environ)
+    anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
     try:
+        torch.set_anomaly_enabled(False)  # it reads every backward result's values, which fake tensors lack
         with _quiet_thread(), _quiet_logs(), _eager_compiled_code():
             yield
     finally:
@@ -163,6 +167,7 @@ def isolated() -> Iterator[None]:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(grad_enabled)
+        torch.set_anomaly_enabled(*anomaly)
         torch.set_default_dtype(default_dtype)
         torch.set_rng_state(cpu_state)
         if cuda_states is not None:

@@ -131,8 +131,8 @@ class Reach:
     or a compiled module outside the trained one), each with where the walk found it. ``unrestorable``: what the
     code reaches whose state cannot be saved (an iterator, a generator), by path. ``effects``: what the code does
     outside the process's objects, which a replay would do again (files it opens, threads, exit callbacks), by path.
-    ``context_vars``: the ``ContextVar`` objects it reaches (a value set in the step stays set in the context).
-    ``complete``: the walk ended before :data:`WALK_LIMIT`.
+    ``complete``: the walk ended before :data:`WALK_LIMIT`. ``paths``: where the walk first found each of
+    ``objects``, by id (``the model.seen``: an attribute of the module; ``Model.history``: a class's), for the notes.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -145,8 +145,8 @@ class Reach:
     compiled: list[str] = field(default_factory=list)
     unrestorable: list[str] = field(default_factory=list)
     effects: list[str] = field(default_factory=list)
-    context_vars: list[contextvars.ContextVar[Any]] = field(default_factory=list)
     complete: bool = True
+    paths: dict[int, str] = field(default_factory=dict)
 
     def add(self, other: Reach) -> None:
         """Take in what ``other`` (another walk) found."""
@@ -160,8 +160,9 @@ class Reach:
         self.compiled += other.compiled
         self.unrestorable += other.unrestorable
         self.effects += other.effects
-        self.context_vars += other.context_vars
         self.complete = self.complete and other.complete
+        for key, path in other.paths.items():
+            self.paths.setdefault(key, path)
 
 
 class _Walk:
@@ -195,6 +196,11 @@ class _Walk:
             value, path, names, data_path = self._queue.popleft()
             self._visit(value, path, names, data_path)
         return self.reach
+
+    def _hold(self, value: Any, path: str) -> None:
+        """``value`` is state the replay may change in place, found at ``path``."""
+        self.reach.objects.append(value)
+        self.reach.paths.setdefault(id(value), path)
 
     def _push(self, value: Any, path: str, names: frozenset[str] = frozenset(), data: bool = False) -> None:
         if not isinstance(value, _ATOMS):
@@ -259,24 +265,24 @@ class _Walk:
             self.reach.tensors.append(value)
             attributes = instance_dict(value)
             if attributes is not None:  # Python attributes set on the tensor (``GLOBAL_T.counter = n``)
-                self.reach.objects.append(attributes)
+                self._hold(attributes, f"{path}.__dict__")
                 for name, item in dict_items(attributes):
                     self._push(item, f"{path}.{name}", data=data)
-        elif isinstance(value, contextvars.ContextVar):
-            self.reach.context_vars.append(value)
+        elif isinstance(value, contextvars.ContextVar):  # the replay sets it in a copy of the context (predictor.py),
+            self._push(value.get(None), f"{path}.get()", data=data)  # which shares the objects the variable holds
         elif is_numpy_array(value):
             self.reach.arrays.append(value)
             if value.dtype == object:
                 for index, item in enumerate(value.flat):
                     self._push(item, f"{path}[{index}]", data=data)
         elif isinstance(value, (random.Random, torch.Generator, bytearray, array.array)) or is_numpy_generator(value):
-            self.reach.objects.append(value)
+            self._hold(value, path)
         elif isinstance(value, (list, set, collections.deque)):
-            self.reach.objects.append(value)
+            self._hold(value, path)
             for index, item in enumerate(contents(value)):
                 self._push(item, f"{path}[{index}]", data=data)
         elif isinstance(value, dict):
-            self.reach.objects.append(value)
+            self._hold(value, path)
             for key, item in dict_items(value):
                 self._push(key, f"{path} key", data=data)
                 self._push(item, f"{path}[{key_text(key)}]", data=data)
@@ -301,7 +307,7 @@ class _Walk:
             return
         attributes = instance_dict(function)
         if attributes is not None:  # the function's own attributes (``helper.calls += 1``)
-            self.reach.objects.append(attributes)
+            self._hold(attributes, f"{function.__qualname__}.__dict__")
             for name, item in dict_items(attributes):
                 if name != "__wrapped__":
                     self._push(item, f"{function.__qualname__}.{name}")
@@ -312,7 +318,8 @@ class _Walk:
         namespace = function.__globals__
         if namespace is not None and id(namespace) not in self._namespaces:
             self._namespaces.add(id(namespace))
-            self.reach.objects.append(namespace)  # a global rebound by any name (globals()[...], sys.modules)
+            # a global rebound by any name (globals()[...], sys.modules)
+            self._hold(namespace, f"the globals of {function.__module__}")
         for name in sorted(global_names):
             if name in namespace:
                 value = namespace[name]
@@ -402,11 +409,11 @@ class _Walk:
     def _instance(self, value: Any, path: str, data: bool) -> None:
         attributes = instance_dict(value)
         if attributes is not None:
-            self.reach.objects.append(value)
+            self._hold(value, path)
             for name, item in dict_items(attributes):
                 self._push(item, f"{path}.{name}", data=data)
         if slot_names(type(value)):
-            self.reach.objects.append(value)
+            self._hold(value, path)
             for name in slot_names(type(value)):
                 try:
                     item = object.__getattribute__(value, name)

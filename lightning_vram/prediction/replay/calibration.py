@@ -5,6 +5,12 @@
 convolution workspaces, cuBLASLt's, anything else fake tensors do not size; never negative) is that phase's unseen
 bytes, and :func:`carry` adds them to every later replay of the run, so that a variant, a batch size or the fit
 table stands on what the device really held rather than on what the replay could see.
+
+One measurement cannot tell a fixed workspace (cuBLAS's) from one that grows with the batch (cuDNN's convolution
+workspaces, sized by the convolution's input): at a larger batch the unseen bytes are carried in proportion to
+the batch (:func:`unseen_at`: the run's figure times ``batch / run's batch``), at a smaller one as measured, so
+that no batch is under-carried; a fixed workspace is over-carried at a larger batch, by its bytes times the
+batches' ratio less one.
 """
 
 from __future__ import annotations
@@ -58,21 +64,42 @@ def carried_note(calibration: Calibration) -> str:
     )
 
 
-def carry(step: ReplayedStep, calibration: Calibration) -> ReplayedStep:
+def unseen_at(unseen: Mapping[Phase, int], run_batch: int | None, batch_size: int | None) -> dict[Phase, int]:
+    """The unseen bytes per phase carried into a step of ``batch_size``, measured at ``run_batch``.
+
+    Above the run's batch each phase's figure grows in proportion (rounded up to a byte), below it stays as
+    measured: a workspace that grows with the batch is never under-carried. Unscaled where either batch is unknown.
+
+    >>> unseen_at({Phase.FORWARD: 1000}, 8, 20), unseen_at({Phase.FORWARD: 1000}, 8, 4)
+    ({<Phase.FORWARD: 'forward'>: 2500}, {<Phase.FORWARD: 'forward'>: 1000})
+    """
+    if run_batch is None or batch_size is None or batch_size <= run_batch or run_batch <= 0:
+        return dict(unseen)
+    return {phase: -(-value * batch_size // run_batch) for phase, value in unseen.items()}
+
+
+def carry(step: ReplayedStep, calibration: Calibration, run_batch: int | None = None) -> ReplayedStep:
     """``step`` with each phase's unseen bytes added to its allocated peak (and unseen reserve to its reserved peak).
 
-    A phase's ``other`` grows by what is added; a reserved peak stays at least its allocated peak. The timeline is
-    left as replayed. Unchanged when nothing is carried.
+    ``run_batch``: the batch size the calibration was measured at; a step of a larger batch carries the unseen
+    bytes in proportion (:func:`unseen_at`), and its reserved peak the growth too. A phase's ``other`` grows by what
+    is added; a reserved peak stays at least its allocated peak. The timeline is left as replayed. Unchanged when
+    nothing is carried.
     """
     if not calibration.carries:
         return step
-    unseen, unseen_reserved = calibration.unseen_bytes, calibration.unseen_reserved_bytes
+    measured, unseen_reserved = calibration.unseen_bytes, calibration.unseen_reserved_bytes
+    unseen = unseen_at(measured, run_batch, step.batch_size)
     phases = {}
     for phase, peak in step.phases.items():
         allocated = peak.peak_bytes + unseen.get(phase, 0)
+        grown = unseen.get(phase, 0) - measured.get(phase, 0)
         reserved = peak.reserved_bytes
         if reserved is not None:
-            reserved = max(reserved + unseen_reserved.get(phase, 0), allocated)
+            reserved = max(reserved + unseen_reserved.get(phase, 0) + grown, allocated)
         breakdown = peak.breakdown.with_measured_peak(allocated) if peak.breakdown is not None else None
         phases[phase] = replace(peak, peak_bytes=allocated, reserved_bytes=reserved, breakdown=breakdown)
-    return replace(step, phases=phases, notes=(*step.notes, carried_note(calibration)))
+    note = carried_note(calibration)
+    if unseen != measured:
+        note += f" (scaled to batch {step.batch_size} from the run's {run_batch})"
+    return replace(step, phases=phases, notes=(*step.notes, note))

@@ -28,7 +28,9 @@ from dataclasses import dataclass, replace
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
+from lightning_vram.prediction.replay.calibration import unseen_at
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
+from lightning_vram.prediction.replay.served_range import ServedRange, served_range
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
 from lightning_vram.prediction.replay.synthesis import AffineSteps
@@ -131,7 +133,7 @@ def _allocator_rows(
         if confirmed and not checked and law is not None and answer is not None:
             confirmed = _row_confirmed(steps, law, answer, start, settings, served, unseen_bytes)
         if confirmed and answer is not None:
-            rows.append(_served_fit_row(name, capacity, answer[0], answer[1], settings))
+            rows.append(_served_fit_row(name, capacity, answer[0], answer[1], settings, answer[2]))
             continue
         if law is not None and steps.failures:
             rows.append(None)
@@ -160,9 +162,9 @@ def _law(steps: _Steps, start: int) -> AffineSteps | None:
     return AffineSteps.fit(first, sizes[0], second, sizes[1])
 
 
-Answer = tuple[int, int]
+Answer = tuple[int, int, str | None]
 """A row's answers on synthesized sequences: the largest batch served with the run's settings, and with
-expandable segments (the same where the run has them)."""
+expandable segments (the same where the run has them), and the row's note on gaps above them."""
 
 
 def _synthesized_answers(
@@ -173,14 +175,20 @@ def _synthesized_answers(
     ``served_bytes``: the bytes the allocator may hold there.
     """
     expandable = replace(run, expandable_segments=True)
-    # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection.
-    largest = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE)
-    if largest is None:
+    # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection;
+    # then every batch below the answer down to the run's is checked (serving is not monotone in the batch).
+    found = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE, run_batch=start)
+    if found is None:
         return None
-    if run == expandable:
-        return largest, largest
-    wider = largest_served(law.at, expandable, served_bytes, largest, unseen_bytes, ceiling=MAX_BATCH_SIZE)
-    return None if wider is None else (largest, wider)
+    ranges = [served_range(law.at, run, served_bytes, start, found, unseen_bytes)]
+    if run != expandable:
+        found = largest_served(
+            law.at, expandable, served_bytes, found, unseen_bytes, ceiling=MAX_BATCH_SIZE, run_batch=start
+        )
+        if found is None:
+            return None
+        ranges.append(served_range(law.at, expandable, served_bytes, start, found, unseen_bytes))
+    return ranges[0].largest, ranges[-1].largest, _gaps_note(ranges)
 
 
 def _largest_confirmed(
@@ -203,7 +211,7 @@ def _largest_confirmed(
         (size, settings, served)
         for answer, served in zip(answers, capacities, strict=True)
         if answer is not None
-        for size, settings in zip(answer, (run, expandable), strict=True)
+        for size, settings in zip(answer[:2], (run, expandable), strict=True)
     ]
     size, settings, served = max(candidates, key=lambda candidate: candidate[0])
     return _confirmed(steps, law, size, start, settings, served, unseen_bytes)
@@ -220,17 +228,43 @@ def _row_confirmed(
 ) -> bool:
     """Whether replays agree with one row's answers, with the run's settings and with expandable segments."""
     expandable = replace(run, expandable_segments=True)
-    largest, wider = answer
+    largest, wider, _ = answer
     if not _confirmed(steps, law, largest, start, run, served_bytes, unseen_bytes):
         return False
     return run == expandable or _confirmed(steps, law, wider, start, expandable, served_bytes, unseen_bytes)
 
 
-def _served_fit_row(name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings) -> FitRow:
+def _gaps_note(ranges: Sequence[ServedRange]) -> str | None:
+    """The row's note: where the served batches above its answers have gaps (the run's settings', expandable's)."""
+    parts = [
+        text if index == 0 else f"with expandable_segments:True {text}"
+        for index, served in enumerate(ranges)
+        if (text := served.text) is not None
+    ]
+    return "; ".join(parts) or None
+
+
+EXPANDABLE_FEWER = (
+    "their segment is mapped in 20 MiB pages, and a page that a live tensor shares with freed bytes stays mapped"
+    " through the allocator's release-and-retry, so near the card's memory it can hold more than the default"
+    " allocator, which frees whole cached segments and sizes a new one to 2 MiB"
+)
+"""Why a row's expandable-segments batch can be below its default one (torch's ``unmap_block`` unmaps only the
+whole pages of a free block; the model follows it)."""
+
+
+def _served_fit_row(
+    name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings, note: str | None = None
+) -> FitRow:
     """A row found by the simulated allocator, batch sizes.
 
-    ``largest``: the largest batch it serves with the run's settings (``run``); ``wider``: with expandable segments.
+    ``largest``: the largest batch it serves with the run's settings (``run``); ``wider``: with expandable segments;
+    ``note``: where served batches above them have gaps. Where expandable segments serve fewer, the note says why
+    (:data:`EXPANDABLE_FEWER`).
     """
+    if wider is not None and wider < largest:
+        fewer = f"with expandable_segments:True {largest - wider:,} fewer: {EXPANDABLE_FEWER}"
+        note = fewer if note is None else f"{note}; {fewer}"
     return FitRow(
         name,
         capacity_bytes,
@@ -239,6 +273,7 @@ def _served_fit_row(name: str, capacity_bytes: int, largest: int, wider: int | N
         at_least=largest >= MAX_BATCH_SIZE,
         allocator=run.conf(),
         expandable_max_batch_size=wider,
+        note=note,
     )
 
 
@@ -263,7 +298,7 @@ def _confirmed(
         sequence = steps.allocations(size)
         if sequence is None or (size != start and not law.agrees(sequence, size)):
             return False
-        if serve(sequence, settings, served_bytes, unseen_bytes).served is not expected:
+        if serve(sequence, settings, served_bytes, unseen_at(unseen_bytes or {}, start, size)).served is not expected:
             return False
     return True
 
@@ -297,7 +332,7 @@ class _Fallback:
         seeds, wide = self._seeds
         served = self._capacities[index]
         seed = (seeds[index], wide[index])
-        return _served_row(self._steps, name, capacity, served, seed, settings, self._unseen_bytes)
+        return _served_row(self._steps, name, (capacity, served), seed, settings, self._unseen_bytes, self._start)
 
 
 KEPT_SEQUENCES = 16
@@ -382,27 +417,30 @@ class _Steps:
 def _served_row(
     steps: _Steps,
     name: str,
-    capacity_bytes: int,
-    served_bytes: int,
+    capacity: tuple[int, int],
     seeds: tuple[int | None, int | None],
     settings: tuple[AllocatorSettings, AllocatorSettings],
     unseen_bytes: Mapping[Phase, int] | None,
+    start: int,
 ) -> FitRow | None:
-    """One GPU's row: the largest batch served at ``served_bytes`` with the run's settings and with expandable ones.
+    """One GPU's row: the largest batch served with the run's settings and with expandable ones.
 
-    ``seeds`` and ``settings``: the run's, then expandable segments'. ``None`` where a replay it needed failed (or
-    a seed's search did).
+    ``capacity``: the card's memory and the bytes the allocator may hold there; ``seeds`` and ``settings``: the
+    run's, then expandable segments'; ``start``: the run's batch (where ``unseen_bytes`` were measured). ``None``
+    where a replay it needed failed (or a seed's search did).
     """
-    (seed, wide_seed), (run, expandable) = seeds, settings
+    (capacity_bytes, served_bytes), (seed, wide_seed), (run, expandable) = capacity, seeds, settings
     if seed is None:
         return None
-    largest = largest_served(steps.allocations, run, served_bytes, seed, unseen_bytes)
+    largest = largest_served(steps.allocations, run, served_bytes, seed, unseen_bytes, run_batch=start)
     if largest is None:
         return None
     wider: int | None = largest
     if run != expandable:  # from the run's answer up to where the tensors alone outgrow the card
         ceiling = None if wide_seed is None else wide_seed + 1
-        wider = largest_served(steps.allocations, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling)
+        wider = largest_served(
+            steps.allocations, expandable, served_bytes, largest, unseen_bytes, ceiling=ceiling, run_batch=start
+        )
     return _served_fit_row(name, capacity_bytes, largest, wider, run)
 
 
@@ -414,18 +452,22 @@ def largest_served(
     unseen_bytes: Mapping[Phase, int] | None = None,
     limit: int = MAX_BATCH_SIZE,
     ceiling: int | None = None,
+    run_batch: int | None = None,
 ) -> int | None:
     """The largest batch from 1 to ``limit`` whose step the simulated allocator serves at ``capacity_bytes``.
 
     0 when a batch of 1 is not served; ``None`` when a replay it needed failed. Strides away from ``guess``
     (doubling) until the answer is bracketed, then bisects: a right guess costs its own check and the next batch's.
     ``ceiling``: a batch above ``guess`` likely not served; checked first where ``guess`` is served, it brackets
-    the answer at once (striding resumes above it where it is served).
+    the answer at once (striding resumes above it where it is served). ``run_batch``: the batch ``unseen_bytes``
+    were measured at (they grow in proportion above it, :func:`unseen_at`).
     """
 
     def served(size: int) -> bool | None:
         sequence = allocations(size)
-        return None if sequence is None else serve(sequence, settings, capacity_bytes, unseen_bytes).served
+        if sequence is None:
+            return None
+        return serve(sequence, settings, capacity_bytes, unseen_at(unseen_bytes or {}, run_batch, size)).served
 
     guess = min(max(guess, 1), limit)
     fits = served(guess)

@@ -69,8 +69,8 @@ class Replays(Protocol):
         """Whether the budget has run out."""
         ...
 
-    def replay(self, change: StepChange | None = None) -> ReplayedStep | ReplaySkipped:
-        """One replay of the step with ``change`` (``None``: as it is)."""
+    def replay(self, change: StepChange | None = None, count_flops: bool = False) -> ReplayedStep | ReplaySkipped:
+        """One replay of the step with ``change`` (``None``: as it is), its FLOPs counted with ``count_flops``."""
         ...
 
     def reserved_with(self, settings: AllocatorSettings) -> dict[Phase, int] | None:
@@ -85,7 +85,8 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
     and what the user's code reaches as they were; it raises only what a replay raises (something it could not put
     back). Without a calibration (nothing counted yet, as before the first step) the baseline is trusted as
     replayed and ``match`` is ``None``. A replay running when the budget ends stops at its next op; changes not
-    reached in time are discarded saying so.
+    reached in time are discarded saying so. Each replay counts its FLOPs (``ReplayedStep.flops``), from which
+    advice reads its time cost.
 
     Where the sampled step's allocator peaks are known (``replays.measured``), the baseline is set against them
     (:func:`~lightning_vram.prediction.replay.calibration.calibrate`), and what the allocator held beyond the replay
@@ -101,7 +102,7 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
     budget = replays.budget_seconds
 
     def replay(change: StepChange | None) -> ReplayedStep | str:
-        result = replays.replay(change)
+        result = replays.replay(change, count_flops=True)
         if isinstance(result, ReplayedStep):
             return result
         if change is not None and replays.out_of_time():

@@ -1,9 +1,10 @@
 """The replay's own copy of the training state, made of fake tensors: module, gradients, optimizers, batch.
 
 The module is deep-copied under :class:`~torch._subclasses.fake_tensor.FakeCopyMode`: every tensor it holds becomes
-a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does;
-its ``log`` and ``log_dict`` do nothing). NumPy arrays the module or the batch hold are shared, not copied (a 400 MB
-table would be copied on every replay): the replay makes them read-only while it runs. The batch is deep-copied
+a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does,
+but for its rank under several processes: :class:`RanksOnly`; its ``log`` and ``log_dict`` do nothing). NumPy
+arrays the module or the batch hold are shared, not copied (a 400 MB table would be copied on every replay): the
+replay makes them read-only while it runs. The batch is deep-copied
 the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
 the copy. Gradients are faked from the real ones; optimizers come from
 :mod:`~lightning_vram.prediction.replay.optimizers`, on the path the real run takes
@@ -21,13 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_vram.measure.scripted import scripted_module_names, scripted_tensors
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 
 _ARRAY_DEPTH = 3
-"""How deep into attributes, lists and dicts :func:`shared_arrays` looks for NumPy arrays."""
+"""How deep into attributes, lists and dicts :func:`shared_arrays` and :func:`generator_copies` look."""
 
 
 @dataclass
@@ -42,6 +44,33 @@ class Twin:
     """Each fake tensor of the batch copy with the real tensor it copies (whose value the replay may read)."""
 
 
+class RanksOnly:
+    """Stands in for a LightningModule's Trainer in a replay's copy under several processes: the rank it runs on.
+
+    ``global_rank``, ``local_rank``, ``node_rank``, ``world_size``, ``global_step`` and ``current_epoch`` as the
+    Trainer had them when the copy was made (plain integers), so that a step that reads its rank (``self.global_rank``)
+    replays this rank's step; anything else raises as a module without a Trainer does (the replay is skipped saying
+    the step reads ``self.trainer``). One process keeps the copy without a Trainer, as before.
+    """
+
+    FACTS = ("global_rank", "local_rank", "node_rank", "world_size", "global_step", "current_epoch")
+
+    def __init__(self, facts: dict[str, int]) -> None:
+        self.__dict__.update(facts)
+
+    @classmethod
+    def of(cls, trainer: Any) -> RanksOnly | None:
+        """The stand-in for ``trainer`` where it trains on several processes; ``None`` otherwise (or without one)."""
+        world_size = getattr(trainer, "world_size", 1)
+        if not isinstance(world_size, int) or world_size <= 1:
+            return None
+        facts = {name: getattr(trainer, name, 0) for name in cls.FACTS}
+        return cls({name: value for name, value in facts.items() if isinstance(value, int)})
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the replay's copy is not attached to a `Trainer` (it knows the rank, not Trainer.{name})")
+
+
 def _no_logging(*_args: Any, **_kwargs: Any) -> None:
     """Stands in for ``self.log`` and ``self.log_dict`` during a replay: nothing is logged."""
 
@@ -49,14 +78,32 @@ def _no_logging(*_args: Any, **_kwargs: Any) -> None:
 def shared_arrays(value: Any) -> list[Any]:
     """The NumPy arrays a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
     numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return []
+    return [] if numpy is None else _held(value, numpy.ndarray)
+
+
+def generator_copies(module: nn.Module) -> dict[int, torch.Generator]:
+    """A copy of each ``torch.Generator`` the module's submodules hold, by the generator's ``id``, in the same state.
+
+    A generator does not deep-copy under the fake copy mode (its state would be a fake tensor); the replay's copy of
+    the module holds these instead, so what the replay draws leaves the user's generators as they were. Reading a
+    generator's state reads the host's copy of it (a CUDA generator's seed and offset): no device sync.
+    """
+    copies: dict[int, torch.Generator] = {}
+    for generator in _held(module, torch.Generator):
+        copied = torch.Generator(device=generator.device)
+        copied.set_state(generator.get_state())
+        copies[id(generator)] = copied
+    return copies
+
+
+def _held(value: Any, kind: type) -> list[Any]:
+    """The ``kind`` objects a module's submodules (or a batch) hold, as attributes or in lists, tuples and dicts."""
     found: dict[int, Any] = {}
     pending = [vars(child) for child in value.modules()] if isinstance(value, nn.Module) else [value]
     for _ in range(_ARRAY_DEPTH):
         nested: list[Any] = []
         for item in pending:
-            if isinstance(item, numpy.ndarray):
+            if isinstance(item, kind):
                 found[id(item)] = item
             elif isinstance(item, dict):
                 nested += item.values()
@@ -77,18 +124,35 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
 
     The objects in ``substitutes`` are not copied: the copy holds their substitutes.
     """
-    memo: dict[int, Any] = dict(substitutes)
+    memo: dict[int, Any] = {**generator_copies(module), **substitutes}
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
     with FakeCopyMode(mode):
         copied = copy.deepcopy(module, memo)
+        for name in scripted_module_names(dict(module.named_modules())):
+            _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
+    ranks = RanksOnly.of(getattr(module, "_trainer", None))
     for child in copied.modules():
+        if ranks is not None and "_trainer" in vars(child):
+            vars(child)["_trainer"] = ranks  # an instance attribute of the copy only
         if callable(getattr(child, "log", None)):
             child.log = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
         if callable(getattr(child, "log_dict", None)):
             child.log_dict = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
     return copied, memo
+
+
+def _fake_scripted(real: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> None:
+    """Put fake tensors in the place of the real ones ``deepcopy`` gave a TorchScript module's copy.
+
+    TorchScript deep-copies its module in C++, tensors included, past the fake copy mode; each parameter and buffer
+    is copied again here under it (into ``memo``: a tensor shared with a Python module stays one fake tensor) and
+    set on the copy, which runs on them like any module.
+    """
+    places = scripted_tensors(copied)
+    for (_owner, leaf, tensor), (owner, _leaf, _copied) in zip(scripted_tensors(real), places, strict=True):
+        setattr(owner, leaf, copy.deepcopy(tensor, memo))
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:

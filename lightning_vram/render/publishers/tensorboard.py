@@ -8,7 +8,7 @@ import numpy as np
 
 from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.publishers.logger import Logger, LoggerPublisher
-from lightning_vram.render.tensorboard import TensorBoardWriter, layout_for, write_layout
+from lightning_vram.render.tensorboard import TensorBoardWriter, layout_for, own_writer, write_layout
 
 
 class TensorBoardPublisher(LoggerPublisher):
@@ -44,9 +44,11 @@ class TensorBoardPublisher(LoggerPublisher):
             self._layout = layout
 
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
-        """``add_image`` (HWC)."""
-        self.writer.add_image(name, pixels, global_step=step, dataformats="HWC")
+        """``add_image`` (HWC), in the monitor's own run (:data:`~lightning_vram.render.tensorboard.MONITOR_RUN`)."""
+        with own_writer(self.writer) as writer:
+            writer.add_image(name, pixels, global_step=step, dataformats="HWC")
 
     def text(self, name: str, markdown: str, step: int) -> None:
-        """``add_text`` (TensorBoard's text tab renders Markdown)."""
-        self.writer.add_text(name, markdown, global_step=step)
+        """``add_text`` (TensorBoard's text tab renders Markdown), in the monitor's own run."""
+        with own_writer(self.writer) as writer:
+            writer.add_text(name, markdown, global_step=step)

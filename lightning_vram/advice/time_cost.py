@@ -1,0 +1,121 @@
+"""What an advised change costs in step time, from the FLOPs its replay counted beside the baseline's.
+
+Each replay of the simulation counts its step's floating-point operations (``ReplayedStep.flops``, torch's
+``FlopCounterMode`` over the fake step: matrix products, convolutions, attention). An advice whose change was
+replayed gets the ratio of its replay's FLOPs to the baseline's, and, where the work stays the same and only its
+amount changes, a time cost: the run's measured median step time times ``ratio - 1`` (checkpointing's recomputed
+forward). Where the FLOPs are the same, the cost is 0 and the advice says so; where the change alters what is
+computed in another way (another precision, fewer tokens a step), the ratio is given and the time is not modelled
+from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    BatchSizeChange,
+    ChangeKind,
+    CostBasis,
+    ReplayedStep,
+    RunSummary,
+    SavingBasis,
+    Simulation,
+    StepChange,
+    VariantResult,
+)
+
+SAME_FLOPS_ADVICE = frozenset({AdviceId.ALLOCATOR_FRAGMENTATION})
+"""Advice whose simulated saving changes no op of the step (the allocator's settings): its cost is 0."""
+
+_BASIS = {
+    ChangeKind.CHECKPOINT: CostBasis.RECOMPUTED_FORWARD,
+    ChangeKind.INPLACE: CostBasis.SAME_FLOPS,
+    ChangeKind.FREE_GRADIENTS: CostBasis.SAME_FLOPS,
+    ChangeKind.BATCH_SIZE: CostBasis.TWO_HALF_BATCHES,
+    ChangeKind.PRECISION: CostBasis.OTHER_PRECISION,
+    ChangeKind.LENGTH: CostBasis.FEWER_TOKENS,
+    ChangeKind.TOKENS_PER_BATCH: CostBasis.FEWER_TOKENS,
+}
+"""What each kind of change's FLOP ratio says of the step time."""
+
+
+_OWN_KINDS = {
+    AdviceId.ACTIVATION_CHECKPOINTING: frozenset({ChangeKind.CHECKPOINT}),
+    AdviceId.INPLACE_ACTIVATIONS: frozenset({ChangeKind.INPLACE}),
+    AdviceId.MIXED_PRECISION: frozenset({ChangeKind.PRECISION}),
+    AdviceId.STALE_GRADIENTS: frozenset({ChangeKind.FREE_GRADIENTS}),
+    AdviceId.LONG_TAIL: frozenset({ChangeKind.LENGTH, ChangeKind.TOKENS_PER_BATCH}),
+}
+"""The kinds of change each rule replays for its own advice."""
+
+
+@dataclass(frozen=True)
+class TimeCost:
+    """A change's step-time cost: ``seconds`` a step (``None``: not modelled), the FLOP ``ratio``, its ``basis``."""
+
+    seconds: float | None
+    ratio: float
+    basis: CostBasis
+
+
+def time_cost(
+    change: StepChange, baseline: ReplayedStep, variant: ReplayedStep, step_seconds: float | None
+) -> TimeCost | None:
+    """The cost of ``change`` (replayed as ``variant`` beside ``baseline``) on a step measured at ``step_seconds``.
+
+    ``None`` where either replay's FLOPs were not counted or the baseline counted none. A halved batch is advised
+    with ``accumulate_grad_batches=2``: two half steps take the place of one, so its ratio is twice the replay's.
+
+    >>> from lightning_vram.records import InplaceChange
+    >>> step = ReplayedStep("cpu", "32-true", 8, {}, (), 0, 0.0, flops=1000)
+    >>> time_cost(InplaceChange(("act",)), step, step, 0.5)
+    TimeCost(seconds=0.0, ratio=1.0, basis=<CostBasis.SAME_FLOPS: 'same FLOPs'>)
+    """
+    if baseline.flops is None or variant.flops is None or baseline.flops <= 0:
+        return None
+    ratio = variant.flops / baseline.flops
+    if isinstance(change, BatchSizeChange):
+        ratio *= 2
+    basis = _BASIS[change.kind]
+    seconds = step_seconds * (ratio - 1) if basis.modelled and step_seconds is not None else None
+    return TimeCost(seconds, ratio, basis)
+
+
+def _variant_of(advice: Advice, simulation: Simulation) -> VariantResult | None:
+    """The replayed change behind ``advice``: the variant whose replayed peak is the advice's predicted peak.
+
+    A variant of the kind the advice's rule replays comes first (two changes can replay to the same peak); any other
+    kind is a remedy the advice lists (near capacity lists checkpointing, a halved batch...).
+    """
+    own = _OWN_KINDS.get(advice.id, frozenset())
+    for variant in sorted(simulation.variants, key=lambda variant: variant.change.kind not in own):
+        replayed = variant.replayed
+        if replayed is not None and replayed.reported_bytes(replayed.reported_peak) == advice.predicted_peak_bytes:
+            return variant
+    return None
+
+
+def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation | None) -> Advice:
+    """``advice`` with its step-time cost, where its change was replayed with FLOPs counted (else as it is).
+
+    The run's median step time (``summary.step_seconds_median``) prices the FLOP ratio; without it the ratio is
+    given and the seconds are ``None``.
+    """
+    baseline = simulation.baseline if simulation is not None and simulation.skipped is None else None
+    if simulation is None or baseline is None or baseline.flops is None:
+        return advice
+    step_seconds = summary.step_seconds_median
+    if advice.id in SAME_FLOPS_ADVICE and advice.saving_basis is SavingBasis.SIMULATED:
+        found: TimeCost | None = TimeCost(None if step_seconds is None else 0.0, 1.0, CostBasis.SAME_FLOPS)
+    elif advice.predicted_peak_bytes is not None:
+        variant = _variant_of(advice, simulation)
+        replayed = variant.replayed if variant is not None else None
+        found = time_cost(variant.change, baseline, replayed, step_seconds) if variant and replayed else None
+    else:
+        found = None
+    if found is None:
+        return advice
+    return replace(advice, estimated_cost_seconds=found.seconds, flop_ratio=found.ratio, cost_basis=found.basis)

@@ -1,0 +1,115 @@
+"""DDP replayed per rank, against each rank's own measured step: gloo on the CPU at world sizes 2 and 4.
+
+Each rank replays its own sampled step (the plain LightningModule on fake tensors, no collective) holding DDP's
+gradient buckets by torch's arithmetic; the monitor's live count of the same step holds the buckets too. Every phase's
+live peak and every counted part must be within 5% of what the rank measured (the table is printed: run with -s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HANG = 900
+"""Seconds a run may take: far more than a loaded 2-core machine needs, so only a hang reaches it."""
+TOLERANCE = 0.05
+
+pytestmark = [pytest.mark.distributed, pytest.mark.replay]
+
+
+def run(out: Path, world_size: int, strategy: str = "ddp", *extra: str) -> list[dict[str, Any]]:
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    environment.pop("CUDA_VISIBLE_DEVICES", None)
+    script = Path(__file__).parent / "ddp_replay_train.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), str(world_size), strategy, *extra],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    if extra == ("no-monitor",):
+        return []
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def table(ranks: list[dict[str, Any]]) -> str:
+    """Each rank's parts and live peaks per phase: measured, replayed, and how far apart."""
+    lines = [f"{'rank':>4} {'phase':<9} {'part':<15} {'measured':>10} {'replayed':>10} {'error':>8}"]
+    for rank in ranks:
+        for phase, part, measured, replayed in rank["match"] or ():  # none where the replay was skipped
+            error = abs(replayed - measured) / measured if measured else float(replayed != 0)
+            lines.append(f"{rank['rank']:>4} {phase:<9} {part:<15} {measured:>10} {replayed:>10} {error:>8.4%}")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, "ddp"), (4, "ddp"), (2, "ddp_spawn")])
+def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(
+    tmp_path: Path, world_size: int, strategy: str
+) -> None:
+    ranks = run(tmp_path, world_size, strategy)
+    print(f"\n{strategy}, {world_size} gloo ranks: each rank's sampled step measured and replayed (bytes)")
+    print(table(ranks))
+    for rank in ranks:
+        assert rank["skipped"] is None, rank["skipped"]
+        # The replay's line for DDP's buckets: a second copy of every gradient, as the Reducer holds them.
+        assert rank["strategy"]["label"] == "DDP gradient buckets"
+        assert sum(rank["strategy"]["buffers"]) == sum(rank["reducer_buckets"]) == rank["gradient_bytes"]
+        assert rank["strategy"]["buffers"] == rank["reducer_buckets"]  # the split too, for this model
+        parts = {(phase, part): (measured, replayed) for phase, part, measured, replayed in rank["match"]}
+        assert {part for _, part in parts} == {"parameters", "gradients", "optimizer_state", "activations", "live peak"}
+        assert {phase for phase, _ in parts} == {"forward", "backward", "optimizer"}
+        for (phase, part), (measured, replayed) in parts.items():
+            assert replayed == pytest.approx(measured, rel=TOLERANCE, abs=0), (rank["rank"], phase, part)
+        # The report's phase peaks (the highest of the sampled steps) are the live peaks the replay predicts.
+        for phase, measured in rank["measured_peaks"].items():
+            assert rank["replayed_peaks"][phase] == pytest.approx(measured, rel=TOLERANCE, abs=0), (rank["rank"], phase)
+        # The buckets are in the live peak of every phase: forward's too (before, only once backward wrote them).
+        assert parts[("forward", "live peak")][0] > sum(
+            parts[("forward", part)][0] for part in ("parameters", "gradients", "optimizer_state", "activations")
+        ) + sum(rank["reducer_buckets"])
+        advice = dict(rank["advice"])
+        assert advice["activation-checkpointing"] == advice["inplace-activations"] == "simulated"
+    # Rank 1 doubles its batch inside the step: its own replay predicts its larger step.
+    peaks = [rank["replayed_peaks"]["forward"] for rank in ranks]
+    assert peaks[1] > peaks[0] == min(peaks)
+    report = json.loads(next(tmp_path.rglob("vram_report.json")).read_text())
+    simulation = report["simulation"]
+    assert simulation["skipped"] is None and simulation["strategy"]["label"] == "DDP gradient buckets"
+    assert {item["id"]: item["saving_basis"] for item in report["advice"]}["inplace-activations"] == "simulated"
+    assert (
+        "DDP gradient buckets: 1.0 MiB (1 buffer) held in every phase of each rank"
+        in next(tmp_path.rglob("vram_report.md")).read_text()
+    )
+
+
+def test_a_rank_that_skips_its_replay_leaves_no_rank_waiting(tmp_path: Path) -> None:
+    # Rank 1's step reads its loss's value: its replay is skipped; rank 0 replays. No replay runs a collective, so
+    # neither waits for the other: both finish, and the gathers at the log interval and at train end agree.
+    ranks = run(tmp_path, 2, "ddp", "rank1-skips")
+    assert ranks[0]["skipped"] is None and dict(ranks[0]["advice"])["inplace-activations"] == "simulated"
+    assert ranks[1]["skipped"] is not None and "reads a tensor's value" in ranks[1]["skipped"]
+    assert dict(ranks[1]["advice"])["inplace-activations"] == "modelled"
+    report = json.loads(next(tmp_path.rglob("vram_report.json")).read_text())
+    assert [rank["rank"] for rank in report["ranks"]] == [0, 1]
+
+
+def test_each_rank_trains_the_same_with_and_without_its_replay(tmp_path: Path) -> None:
+    # Every rank replays its step inside training (and reads DDP's buckets on each sampled step): the losses, the
+    # parameters, the optimizer state and the random number generator's state come out as without the monitor.
+    with_monitor, without = tmp_path / "with", tmp_path / "without"
+    with_monitor.mkdir(), without.mkdir()
+    ranks = run(with_monitor, 2)
+    assert all(rank["skipped"] is None for rank in ranks)  # both replayed
+    run(without, 2, "ddp", "no-monitor")
+    for rank in (0, 1):
+        trained = json.loads((with_monitor / f"training{rank}.json").read_text())
+        assert trained == json.loads((without / f"training{rank}.json").read_text())
+        assert len(trained["losses"]) == 4

@@ -1,0 +1,637 @@
+"""Each rule's printed change, applied, trains the same model: bit for bit where the arithmetic is the same, else
+within the tolerance the advice itself states.
+
+For each rule with printed code, a model of the kind it targets is trained three times from one seed with a real
+Trainer on the CPU: with the monitor (whose report gives the advice and its printed code), with the printed change
+applied and no monitor, and with neither. Losses (every batch's, as Lightning hands them to callbacks), the
+state_dict (weights and buffers: BatchNorm's running statistics and ``num_batches_tracked``), the optimizer's state
+and the torch, numpy and Python RNG states are compared. Checkpointing has its own file
+(tests/test_checkpointing_same_model.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from advice_models import LanguageModel, TinyGPT, activation_mlp, features, images, tokens
+from lightning.pytorch.plugins.precision import MixedPrecision
+from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
+from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
+from lightning_vram.advice.rules.dataloader_workers import dataloader_workers
+from lightning_vram.advice.rules.mixed_precision import mixed_precision
+from lightning_vram.advice.rules.near_capacity import near_capacity
+from lightning_vram.advice.rules.pin_memory import pin_memory
+from lightning_vram.measure.setup import training_setup
+from lightning_vram.records import Advice, DeviceInfo
+
+# ---------------------------------------------------------------------------------------------- training, compared
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a run leaves: its losses, the module's state, the optimizer's state, every RNG's state."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    optimizer: list[tuple[str, Any]]
+    rng: tuple[torch.Tensor, Any, Any]
+    report: Report | None
+
+
+class Losses(pl.Callback):
+    """Every batch's loss as Lightning hands it to callbacks (divided by ``accumulate_grad_batches``)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+def flattened(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``value`` (an optimizer's state_dict) as (path, leaf) pairs, tensors cloned."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from flattened(value[key], f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from flattened(item, f"{path}[{index}]")
+    else:
+        yield path, value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def shuffled(data: TensorDataset, batch_size: int, **options: Any) -> DataLoader[Any]:
+    """A shuffling DataLoader: its sampler draws from the torch RNG every epoch, as most training loops do."""
+    return DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True, **options)
+
+
+def fit(
+    root: Path,
+    build: Callable[[], pl.LightningModule],
+    batches: Callable[[], DataLoader[Any]],
+    steps: int,
+    monitored: bool = False,
+    **options: Any,
+) -> Trained:
+    """``steps`` optimizer steps from seed 0 (torch, numpy, Python), with the monitor or without; what they leave."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    module = build()
+    losses = Losses()
+    callbacks: list[pl.Callback] = [losses]
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    if monitored:
+        callbacks.insert(0, monitor)
+    run = trainer(root, callbacks, max_steps=steps, **options)
+    run.fit(module, batches())
+    state = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    optimizer = [leaf for optimizer in run.optimizers for leaf in flattened(optimizer.state_dict())]
+    rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    return Trained(losses.values, state, optimizer, rng, monitor.report if monitored else None)
+
+
+def assert_identical(first: Trained, second: Trained) -> None:
+    """Bit for bit: losses, weights and buffers, optimizer state, RNG states."""
+    assert first.losses == second.losses
+    assert first.state.keys() == second.state.keys()
+    assert [key for key in first.state if not torch.equal(first.state[key], second.state[key])] == []
+    assert_same_optimizer(first.optimizer, second.optimizer)
+    assert_same_rng(first, second)
+
+
+def assert_same_optimizer(first: list[tuple[str, Any]], second: list[tuple[str, Any]]) -> None:
+    """Two optimizer state_dicts, flattened, bit for bit."""
+    assert [path for path, _ in first] == [path for path, _ in second]
+    different = [
+        path
+        for (path, a), (_, b) in zip(first, second, strict=True)
+        if not (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+    ]
+    assert different == []
+
+
+def assert_same_rng(first: Trained, second: Trained) -> None:
+    assert torch.equal(first.rng[0], second.rng[0])
+    assert first.rng[1][0] == second.rng[1][0] and np.array_equal(first.rng[1][1], second.rng[1][1])
+    assert first.rng[1][2:] == second.rng[1][2:]
+    assert first.rng[2] == second.rng[2]
+
+
+def largest_relative_difference(first: Trained, second: Trained) -> float:
+    """The largest difference between two runs' floating-point weights, relative to the largest weight of each."""
+    worst = 0.0
+    for key, a in first.state.items():
+        b = second.state[key]
+        if a.is_floating_point():
+            worst = max(worst, ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item())
+    return worst
+
+
+def advice_of(report: Report | None, advice_id: str) -> Advice:
+    assert report is not None
+    found = [advice for advice in report.advice if advice.id == advice_id]
+    assert len(found) == 1, [advice.id for advice in report.advice]
+    return found[0]
+
+
+def printed_code(advice: Advice) -> str:
+    """The advice's one code block, as printed."""
+    (code,) = re.findall(r"```(?:python|bash)\n(.*?)\n```", advice.detail, re.DOTALL)
+    return code  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------------------ inplace-activations
+
+
+class Block(nn.Module):
+    """A ResNet basic block with ``activation`` for its ReLUs: conv-BN-act-conv-BN, the input added back, act."""
+
+    def __init__(self, channels: int, activation: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.act1 = activation()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.act2 = activation()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = self.act1(self.bn1(self.conv1(inputs)))
+        return self.act2(self.bn2(self.conv2(out)) + inputs)  # type: ignore[no-any-return]
+
+
+def activated_resnet(activation: Callable[[], nn.Module], width: int = 8) -> nn.Sequential:
+    """A stem (conv-BN-act), two basic blocks, pooling, Dropout and a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        activation(),
+        Block(width, activation),
+        Block(width, activation),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(width, 10),
+    )
+
+
+def made_inplace(network: nn.Module, code: str) -> nn.Module:
+    """The printed inplace-activations change on ``network``: each out-of-place activation of the printed type
+    becomes inplace, its other arguments kept (as the printed line's comment says)."""
+    printed = eval(code.partition("#")[0], {"nn": nn})  # the printed constructor, e.g. nn.LeakyReLU(inplace=True)
+    assert printed.inplace is True
+    for child in network.modules():
+        if type(child) is type(printed):
+            child.inplace = True
+    return network
+
+
+INPLACE_CASES: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    # LeakyReLU's gradient from its result is the same arithmetic: bit for bit
+    "leaky_relu": (lambda: nn.LeakyReLU(0.2), "nn.LeakyReLU(inplace=True)"),
+    # ELU's from its result recovers exp(x) as result + alpha: float32 rounding, said in the advice
+    "elu": (lambda: nn.ELU(0.5), "nn.ELU(inplace=True)"),
+}
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("case", sorted(INPLACE_CASES))
+def test_inplace_activations_as_printed_train_the_same_model(tmp_path: Path, case: str) -> None:
+    activation, constructor = INPLACE_CASES[case]
+    data = images(96)
+
+    def build(inplace_code: str | None = None) -> Callable[[], pl.LightningModule]:
+        def make() -> pl.LightningModule:
+            network = activated_resnet(activation)
+            return Classifier(made_inplace(network, inplace_code) if inplace_code else network, OPTIMIZERS["adam"])
+
+        return make
+
+    monitored = fit(tmp_path, build(), lambda: shuffled(data, 16), steps=8, monitored=True)
+    advice = advice_of(monitored.report, "inplace-activations")
+    code = printed_code(advice)
+    assert code.startswith(constructor) and "other arguments" in code
+    applied = fit(tmp_path, build(code), lambda: shuffled(data, 16), steps=8)
+    plain = fit(tmp_path, build(), lambda: shuffled(data, 16), steps=8)
+    assert_identical(monitored, plain)
+    assert plain.state["network.3.bn1.num_batches_tracked"].item() == 8
+    if case == "leaky_relu":
+        assert "bit for bit" in advice.detail
+        assert_identical(applied, plain)
+        return
+    assert "float32 rounding" in advice.detail
+    assert applied.losses[0] == plain.losses[0]  # forward is the same arithmetic; gradients are not
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-5)  # seen: equal over 8 steps
+    assert largest_relative_difference(applied, plain) < 1e-5  # seen: 2.2e-6
+    assert applied.state["network.3.bn1.num_batches_tracked"].item() == 8
+    assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ stale-gradients
+
+
+def freeing_gradients(code: str) -> type[Classifier]:
+    """A Classifier whose LightningModule has the stale-gradients advice's printed hook pasted in."""
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)  # the advice's own code, as the user pastes it into the LightningModule
+
+    class FreesGradients(Classifier):
+        on_train_batch_start = namespace["on_train_batch_start"]
+
+    return FreesGradients
+
+
+@pytest.mark.replay
+def test_freeing_gradients_as_printed_trains_the_same_model_with_and_without_accumulation(tmp_path: Path) -> None:
+    # An MLP whose forward pass peaks with the last step's gradients alive (Adam), as the rule targets.
+    data = features(1024, 256)
+
+    def build(module_class: type[Classifier] = Classifier) -> Callable[[], pl.LightningModule]:
+        return lambda: module_class(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build(), lambda: shuffled(data, 512), steps=4, monitored=True)
+    advice = advice_of(monitored.report, "stale-gradients")
+    assert "training is unchanged, bit for bit" in advice.detail
+    code = printed_code(advice)
+    applied_class = freeing_gradients(code)
+    plain = fit(tmp_path, build(), lambda: shuffled(data, 512), steps=4)
+    assert_identical(monitored, plain)
+    assert_identical(fit(tmp_path, build(applied_class), lambda: shuffled(data, 512), steps=4), plain)
+    # Accumulating 3 batches over epochs of 5: windows of 3 and 2 batches, across the epoch boundary. The hook frees
+    # gradients only where Lightning would zero them (the first batch of a window), never inside one.
+    small = features(640, 256)
+    accumulating = {"accumulate_grad_batches": 3}
+    applied = fit(tmp_path, build(applied_class), lambda: shuffled(small, 128), steps=5, **accumulating)
+    plain = fit(tmp_path, build(), lambda: shuffled(small, 128), steps=5, **accumulating)
+    assert len(plain.losses) == 13  # two epochs of 5 batches (windows of 3 and 2: 4 steps), then 3 more (1 step)
+    assert_identical(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ chunked-loss
+
+
+class ChunkedLanguageModel(LanguageModel):
+    """Next-token prediction with its loss computed by the chunked-loss advice's printed function."""
+
+    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any) -> None:
+        super().__init__(network, OPTIMIZERS["adamw"])
+        self.chunked_cross_entropy = chunked_cross_entropy
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        network = self.network
+        assert isinstance(network, TinyGPT)
+        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
+        for block in network.h:
+            x = block(x)
+        hidden = network.ln_f(x).flatten(0, 1)
+        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
+
+
+@pytest.mark.replay
+def test_chunked_loss_as_printed_trains_the_same_model_to_the_tolerance_it_states(tmp_path: Path) -> None:
+    # A 4096-token vocabulary: the log-probabilities are most of the activations, as the rule targets.
+    data = tokens(64, vocab=4096)
+
+    def network() -> TinyGPT:
+        return TinyGPT(vocab=4096, layers=2)
+
+    monitored = fit(
+        tmp_path,
+        lambda: LanguageModel(network(), OPTIMIZERS["adamw"]),
+        lambda: shuffled(data, 8),
+        steps=8,
+        monitored=True,
+    )
+    advice = advice_of(monitored.report, "chunked-loss")
+    namespace: dict[str, Any] = {}
+    exec(printed_code(advice), namespace)
+    chunked = namespace["chunked_cross_entropy"]
+    applied = fit(tmp_path, lambda: ChunkedLanguageModel(network(), chunked), lambda: shuffled(data, 8), steps=8)
+    plain = fit(tmp_path, lambda: LanguageModel(network(), OPTIMIZERS["adamw"]), lambda: shuffled(data, 8), steps=8)
+    assert_identical(monitored, plain)
+    assert "float32 rounding (about 1e-6 relative), not bit for bit" in advice.detail
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-6)  # seen: up to 1.7e-7
+    learning_rate = 1e-3  # AdamW's: no step moves a weight further
+    for key, weight in plain.state.items():
+        difference = (applied.state[key] - weight).abs().max().item()
+        if key.endswith("attn.in_proj_bias"):
+            # The key projection's bias has no true gradient (softmax ignores a shift): AdamW normalises rounding
+            # noise into steps of up to its learning rate there (seen: 3.6e-4), as the advice says.
+            assert difference <= learning_rate * 8, key
+        else:
+            assert difference <= 1e-6 * max(1.0, weight.abs().max().item()), key  # seen: up to 6e-7
+    assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------- near-capacity: halved batch
+
+
+def near_capacity_advice(report: Report | None, module: pl.LightningModule) -> Advice:
+    """The run's near-capacity advice as if it had run on a CUDA device its peak fills (95%)."""
+    assert report is not None and report.peak is not None
+    device = DeviceInfo("cuda", "a device this run fills", 0, int(report.peak.peak_bytes / 0.95), (8, 0))
+    setup = training_setup(module, [module.configure_optimizers()])
+    advice = near_capacity(replace(report.summary, device=device), setup, report.simulation)
+    assert advice is not None
+    return advice
+
+
+HALVED = re.compile(r"halve the batch to (\d+) \(with accumulate_grad_batches=(\d+)\)")
+
+ACCUMULATION_CASES: dict[str, Callable[[], nn.Module]] = {
+    "mlp": lambda: mlp(64, 2, activation=nn.ReLU),
+    "batchnorm": cnn_net,
+}
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("case", sorted(ACCUMULATION_CASES))
+def test_halved_batch_with_accumulation_as_printed(tmp_path: Path, case: str) -> None:
+    network = ACCUMULATION_CASES[case]
+    data = dataset_for("cnn", 256) if case == "batchnorm" else dataset(64, 256)
+
+    def build() -> pl.LightningModule:
+        return Classifier(network(), OPTIMIZERS["sgd_momentum"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 32), steps=6, monitored=True)
+    advice = near_capacity_advice(monitored.report, build())
+    found = HALVED.search(advice.detail)
+    assert found is not None, advice.detail
+    batch_size, accumulate = int(found[1]), int(found[2])
+    assert (batch_size, accumulate) == (16, 2)
+    applied = fit(tmp_path, build, lambda: shuffled(data, batch_size), steps=6, accumulate_grad_batches=accumulate)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 32), steps=6)
+    assert_identical(monitored, plain)
+    # Lightning divides each half's loss by 2: two halves' losses add up to the whole batch's.
+    halves = [sum(applied.losses[index : index + 2]) for index in range(0, len(applied.losses), 2)]
+    if case == "mlp":
+        assert "the same as the whole batch's up to float32 rounding (about 1e-6 relative)." in advice.detail
+        assert halves == pytest.approx(plain.losses, rel=1e-6)  # seen: up to 1.0e-7
+        for key, weight in plain.state.items():
+            assert (applied.state[key] - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()  # seen: 7e-9
+    else:
+        # Each half normalised on its own: a different model, as the advice says.
+        assert "BatchNorm then normalises over 16 samples instead of 32" in advice.detail
+        assert "trains a different model" in advice.detail
+        assert plain.state["network.1.num_batches_tracked"].item() == 6
+        assert applied.state["network.1.num_batches_tracked"].item() == 12
+        assert not torch.allclose(applied.state["network.1.running_var"], plain.state["network.1.running_var"])
+    assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------ allocator-fragmentation
+
+TRAIN_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, loader, trainer
+torch.manual_seed(0)
+module = Classifier(cnn_net(), OPTIMIZERS["adam"])
+run = trainer(sys.argv[1], [], max_steps=4)
+run.fit(module, loader(dataset_for("cnn", 64), 16))
+torch.save((module.state_dict(), run.optimizers[0].state_dict(), torch.get_rng_state()), sys.argv[2])
+"""
+
+
+def test_allocator_settings_as_printed_train_the_same_model(tmp_path: Path) -> None:
+    # The settings change where the allocator maps memory, never what is computed: a run launched with the printed
+    # command line trains as one launched without it. The Trainer here runs on the CPU, where nothing reads the
+    # variable: this pins the printed command and the claim, not the CUDA allocator's behaviour.
+    report = fit(tmp_path, lambda: Classifier(cnn_net()), lambda: shuffled(dataset_for("cnn", 64), 16), 3, True).report
+    assert report is not None and report.peak is not None
+    fragmented = replace(report.peak, reserved_bytes=report.peak.peak_bytes + 512 * 2**20)
+    summary = replace(report.summary, device=DeviceInfo("cuda", "GPU", 0, 80 * 2**30, (8, 0)), peak=fragmented)
+    advice = allocator_fragmentation(summary, training_setup(Classifier(cnn_net()), []), None)
+    assert advice is not None and "training is unchanged, bit for bit" in advice.detail
+    variable, _, command = printed_code(advice).partition(" ")
+    name, _, value = variable.partition("=")
+    assert (name, value, command) == ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "python train.py")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    environment = {key: item for key, item in os.environ.items() if key != name}
+    environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])
+    saved = []
+    for launch in ({}, {name: value}):
+        saved.append(tmp_path / f"trained{len(saved)}.pt")
+        subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "root"), str(saved[-1])],
+            env={**environment, **launch},
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    (state, optimizer, rng), (state_set, optimizer_set, rng_set) = (torch.load(path) for path in saved)
+    assert [key for key in state if not torch.equal(state[key], state_set[key])] == []
+    assert state["network.1.num_batches_tracked"].item() == 4
+    assert_same_optimizer(list(flattened(optimizer)), list(flattened(optimizer_set)))
+    assert torch.equal(rng, rng_set)
+
+
+# ------------------------------------------------------------------------------------------------ mixed-precision
+
+
+def printed_trainer_arguments(advice: Advice) -> dict[str, Any]:
+    """The keyword arguments of the advice's printed ``Trainer(...)`` line."""
+    arguments: dict[str, Any] = eval(printed_code(advice), {"Trainer": dict})
+    return arguments
+
+
+def mixed_precision_advice(report: Report | None, capability: tuple[int, int]) -> Advice:
+    """The run's mixed-precision advice as if it had trained on a CUDA device of ``capability``."""
+    assert report is not None
+    device = DeviceInfo("cuda", f"a GPU of compute capability {capability}", 0, 80 * 2**30, capability)
+    advice = mixed_precision(replace(report.summary, device=device), training_setup(Classifier(cnn_net()), []))
+    assert advice is not None
+    return advice
+
+
+def test_mixed_precision_says_it_changes_numerics_and_keeps_loss_scaling_for_float16(tmp_path: Path) -> None:
+    data = dataset_for("cnn", 128)
+
+    def build() -> pl.LightningModule:
+        return Classifier(cnn_net(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6, monitored=True)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6)
+    assert_identical(monitored, plain)
+
+    # float16 (a T4): the advice says the loss must be scaled, and its printed Trainer argument gives a GradScaler.
+    float16 = mixed_precision_advice(monitored.report, (7, 5))
+    assert "This changes the numerics" in float16.detail and "keep that scaler" in float16.detail
+    arguments = printed_trainer_arguments(float16)
+    assert arguments == {"precision": "16-mixed"}
+    # What Lightning's Trainer builds for it on a CUDA device (its accelerator connector: MixedPrecision(precision,
+    # "cuda")); without CUDA the scaler is built but disables itself, warning so.
+    without_cuda = pytest.warns(UserWarning, match="CUDA is not available")
+    with contextlib.nullcontext() if torch.cuda.is_available() else without_cuda:
+        plugin = MixedPrecision(arguments["precision"], "cuda")
+    assert isinstance(plugin.scaler, torch.amp.GradScaler)
+
+    # bfloat16 (an A100): applied, weights and optimizer state stay float32 as the advice says, and the numerics
+    # change as it says too.
+    bfloat16 = mixed_precision_advice(monitored.report, (8, 0))
+    assert "This changes the numerics" in bfloat16.detail and "needs no loss scaling" in bfloat16.detail
+    assert "Weights and optimizer state stay in float32" in bfloat16.detail
+    arguments = printed_trainer_arguments(bfloat16)
+    assert arguments == {"precision": "bf16-mixed"}
+    applied = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6, **arguments)
+    assert {value.dtype for key, value in applied.state.items() if "num_batches" not in key} == {torch.float32}
+    assert {value.dtype for _, value in applied.optimizer if isinstance(value, torch.Tensor)} == {torch.float32}
+    assert applied.losses != plain.losses
+    assert applied.losses == pytest.approx(plain.losses, rel=1e-3)  # seen: up to 1.1e-4 relative
+    assert_same_rng(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ dataloader-workers
+
+
+def dropout_mlp() -> nn.Sequential:
+    """Flattened 3 x 8 x 8 images through an MLP with Dropout: every step draws from the torch RNG."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+
+
+def printed_loader_arguments(advice: Advice, batch_size: bool = False) -> dict[str, Any]:
+    """The keyword arguments of the advice's printed ``DataLoader(dataset, ...)`` line; the batch size only where
+    ``batch_size`` (elsewhere it is ``...``: the user's own)."""
+    arguments: dict[str, Any] = eval(printed_code(advice), {"DataLoader": lambda dataset, **kw: kw, "dataset": None})
+    if not batch_size:
+        assert arguments.pop("batch_size") is Ellipsis
+    return arguments
+
+
+def test_dataloader_workers_as_printed_say_what_they_change_in_the_random_stream(tmp_path: Path) -> None:
+    data = dataset_for("cnn", 64)  # 4 batches of 16 an epoch: 12 steps are three epochs
+
+    def build() -> pl.LightningModule:
+        return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=12, monitored=True)
+    assert monitored.report is not None
+    waiting = replace(
+        monitored.report.summary,
+        data_wait_fraction=0.5,
+        recent_data_wait_fraction=0.5,
+        step_seconds_median=1.0,
+        timed_steps=100,
+    )
+    setup = replace(training_setup(build(), [], dataloaders=shuffled(data, 16)), cpu_cores_per_device=3)
+    advice = dataloader_workers(waiting, setup)
+    assert advice is not None
+    arguments = printed_loader_arguments(advice)
+    assert arguments == {"num_workers": 2, "persistent_workers": True}
+    assert "The same computation, but not the same random numbers" in advice.detail
+    assert "persistent workers draw that seed once" in advice.detail
+    applied = fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=12)
+    assert_identical(monitored, plain)
+    # The first epoch draws as without workers; from the second, persistent workers draw no new seed from the torch
+    # RNG, so shuffling and Dropout see another stream: another random draw of the same training, as the advice says.
+    assert applied.losses[:4] == plain.losses[:4]
+    assert applied.losses[4:] != plain.losses[4:]
+    assert not torch.equal(applied.rng[0], plain.rng[0])
+    # Workers that are not persistent draw as the main process does: the same model, bit for bit.
+    arguments["persistent_workers"] = False
+    assert_identical(fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12), plain)
+
+
+# ------------------------------------------------------------------------------------------------ pin-memory
+
+
+def test_pinned_memory_as_printed_trains_the_same_model(tmp_path: Path) -> None:
+    # Pinning changes how batches are copied to the GPU, never their values. The Trainer here runs on the CPU: the
+    # DataLoader pins nothing without an accelerator (it warns so); this pins the printed argument and the claim.
+    data = dataset_for("cnn", 64)
+
+    def build() -> pl.LightningModule:
+        return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6, monitored=True)
+    assert monitored.report is not None
+    waiting = replace(
+        monitored.report.summary,
+        device=DeviceInfo("cuda", "GPU", 0, 80 * 2**30, (8, 0)),
+        data_wait_fraction=0.5,
+        recent_data_wait_fraction=0.5,
+        step_seconds_median=1.0,
+        timed_steps=100,
+    )
+    advice = pin_memory(waiting, training_setup(build(), [], dataloaders=shuffled(data, 16)))
+    assert advice is not None and "training is unchanged, bit for bit" in advice.detail
+    arguments = printed_loader_arguments(advice)
+    assert arguments == {"pin_memory": True}
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=6)
+    assert_identical(monitored, plain)
+    without_accelerator = pytest.warns(UserWarning, match="pin_memory")
+    with contextlib.nullcontext() if torch.cuda.is_available() else without_accelerator:
+        applied = fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=6)
+    assert_identical(applied, plain)
+
+
+# ------------------------------------------------------------------------------------------------ batch-size-headroom
+
+
+def test_larger_batch_as_printed_says_it_changes_training(tmp_path: Path) -> None:
+    # Unlike the memory-only rules, a larger batch trains another model: fewer, larger steps, BatchNorm's statistics
+    # over more samples. The advice says so, and applied it does.
+    data = dataset_for("cnn", 256)
+
+    def build() -> pl.LightningModule:
+        return Classifier(cnn_net(), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 16), steps=4, monitored=True)
+    assert monitored.report is not None and monitored.report.peak is not None
+    idle = replace(
+        monitored.report.summary,
+        device=DeviceInfo("cuda", "GPU", 0, 4 * monitored.report.peak.peak_bytes, (8, 0)),
+        cuda_context_bytes=0,
+        gpu_utilization_mean=20.0,
+        data_wait_fraction=0.0,
+    )
+    advice = batch_size_headroom(idle, training_setup(build(), []))
+    assert advice is not None and "it trains another model" in advice.detail
+    arguments = printed_loader_arguments(advice, batch_size=True)
+    larger = arguments.pop("batch_size")
+    assert arguments == {} and 32 <= larger <= 256
+    applied = fit(tmp_path, build, lambda: shuffled(data, larger), steps=4)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 16), steps=4)
+    assert_identical(monitored, plain)
+    assert applied.losses != plain.losses
+    assert not torch.equal(applied.state["network.1.running_mean"], plain.state["network.1.running_mean"])
+
+
+# ------------------------------------------------------------------------------------------------ optimizer-state
+
+
+def test_optimizer_state_says_which_options_train_another_model(tmp_path: Path) -> None:
+    # A wide MLP under Adam on a small batch: its two moments per parameter are the largest part of the peak. The
+    # options swap the optimizer (8-bit Adam, SGD): not a memory-only change, and the advice says so.
+    data = dataset(512, 64)
+
+    def build() -> pl.LightningModule:
+        return Classifier(mlp(512, 2, activation=nn.ReLU), OPTIMIZERS["adam"])
+
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 4), steps=3, monitored=True)
+    advice = advice_of(monitored.report, "optimizer-state")
+    assert "8-bit Adam rounds the moments and SGD is another update: either trains another model" in advice.detail
+    assert "Sharding keeps the update exact" not in advice.detail  # one device: no sharding offered
+    assert_identical(monitored, fit(tmp_path, build, lambda: shuffled(data, 4), steps=3))
