@@ -29,7 +29,8 @@ from lightning_vram.records import (
 )
 
 # The replay of the step under fake tensors.
-pytestmark = pytest.mark.replay
+# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
+pytestmark = [pytest.mark.replay, pytest.mark.xdist_group("test_replay")]
 
 FLOAT32 = 4
 
