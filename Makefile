@@ -30,9 +30,11 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python examples/quickstart.py
 
 # The suite runs on every core (pytest-xdist); `make test PYTEST_PARALLEL=` runs it in one process, as does
-# `$(BIN)/python -m pytest tests/test_x.py` for one file. Tests marked `xdist_group` share one worker, one at a time
-# (the multi-process tests, which start their own processes; modules whose fixtures train once for all their tests).
-PYTEST_PARALLEL ?= -n auto --dist loadgroup
+# `$(BIN)/python -m pytest tests/test_x.py` for one file. `--dist loadfile` keeps each file's tests on one worker: the
+# multi-process tests (tests/test_distributed.py, which start their own processes) run one at a time, and a module
+# fixture trains once. (`--dist loadgroup` would be finer, but pytest-xdist 3.8 cannot group under pytest 9.2:
+# pytest-dev/pytest-xdist#1386.)
+PYTEST_PARALLEL ?= -n auto --dist loadfile
 
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .

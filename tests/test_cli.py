@@ -33,10 +33,6 @@ def run(root: Path, inplace: bool, batch_size: int) -> tuple[Report, Path]:
     return monitor.report, root
 
 
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = pytest.mark.xdist_group("test_cli")
-
-
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[Report, Path], tuple[Report, Path]]:
     before = run(tmp_path_factory.mktemp("before"), inplace=False, batch_size=512)

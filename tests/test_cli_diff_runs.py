@@ -24,8 +24,7 @@ from lightning_vram.units import format_bytes, format_percent
 
 # Run B checks run A's replayed predictions; the shared runs replay (the library's defaults, as every fixture
 # wider than a test).
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = [pytest.mark.replay, pytest.mark.xdist_group("test_cli_diff_runs")]
+pytestmark = pytest.mark.replay
 
 
 class AsAdvised(Classifier):

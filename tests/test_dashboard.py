@@ -39,10 +39,6 @@ from lightning_vram.units import format_bytes
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = pytest.mark.xdist_group("test_dashboard")
-
-
 @pytest.fixture(scope="module")
 def tensorboard_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[VramMonitor, Path]:
     root = tmp_path_factory.mktemp("dashboard")

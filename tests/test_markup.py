@@ -52,10 +52,6 @@ def hostile_network() -> nn.Sequential:
     return network
 
 
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = pytest.mark.xdist_group("test_markup")
-
-
 @pytest.fixture(scope="module")
 def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[VramMonitor, Path]:
     root = tmp_path_factory.mktemp("hostile")

@@ -24,8 +24,7 @@ from lightning_vram.render.text import markdown, summary_text, wrapped
 from lightning_vram.units import format_bytes, format_percent
 
 # What is not advised, with the replayed figure that answers it.
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = [pytest.mark.replay, pytest.mark.xdist_group("test_not_advised")]
+pytestmark = pytest.mark.replay
 
 DATA = Path(__file__).parent / "data" / "reports"
 

@@ -29,8 +29,7 @@ from lightning_vram.records import (
 )
 
 # The replay of the step under fake tensors.
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = [pytest.mark.replay, pytest.mark.xdist_group("test_replay")]
+pytestmark = pytest.mark.replay
 
 FLOAT32 = 4
 

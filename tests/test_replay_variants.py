@@ -33,8 +33,7 @@ from lightning_vram.records import (
 )
 
 # Each change replayed as a variant of the step.
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = [pytest.mark.replay, pytest.mark.xdist_group("test_replay_variants")]
+pytestmark = pytest.mark.replay
 
 WITHIN = 0.10
 """A replayed change's counted bytes must be within 10% of the measured ones (the issue's "Done when")."""

@@ -40,8 +40,7 @@ from lightning_vram.render.step_memory import PART_LABELS, step_memory_figure
 from lightning_vram.render.tensorboard import STEP_MEMORY_TAG
 
 # Memory during one step: the replay's timelines.
-# Its tests share what the module fixture trains: pytest-xdist runs them on one worker, which trains it once.
-pytestmark = [pytest.mark.replay, pytest.mark.xdist_group("test_step_memory")]
+pytestmark = pytest.mark.replay
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
