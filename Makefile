@@ -29,17 +29,24 @@ $(TEST_STAMP): $(DEMO_STAMP) pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/python examples/quickstart.py
 
+# The suite runs on every core (pytest-xdist); `make test PYTEST_PARALLEL=` runs it in one process, as does
+# `$(BIN)/python -m pytest tests/test_x.py` for one file. `--dist loadfile` keeps each file's tests on one worker: the
+# multi-process tests (tests/test_distributed.py, which start their own processes) run one at a time, and a module
+# fixture trains once. (`--dist loadgroup` would be finer, but pytest-xdist 3.8 cannot group under pytest 9.2:
+# pytest-dev/pytest-xdist#1386.)
+PYTEST_PARALLEL ?= -n auto --dist loadfile
+
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 # The inner loop: everything but the multi-process tests and the replay tier (CI and `make test` run all).
 # Tests marked `replay` read what the replay under fake tensors predicts, and replay every change it could advise:
 # `$(BIN)/python -m pytest -m replay` runs that tier alone (tests/conftest.py turns replays off in every other test).
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not distributed and not replay"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not distributed and not replay"
 
 # Replays on fake CUDA tensors without a GPU (docs/fake-cuda.md): a CUDA build of torch in a venv of its own (about
 # 5.5 GB, no GPU needed), and the tests marked fake_cuda, which the default CPU build skips. Not part of `make test`.

@@ -21,6 +21,8 @@ from lightning_vram.render.files import report_stem
 HANG = 900
 """Seconds a subprocess test may take: ten times what a loaded 2-core machine needs, so only a hang reaches it."""
 
+# Each test starts two processes of its own. `make test` runs pytest-xdist with `--dist loadfile`: this file's tests
+# run on one worker, one at a time, so no two of them share the cores (or race for a free port).
 pytestmark = pytest.mark.distributed
 
 

@@ -1,8 +1,9 @@
 """A user's dispatch mode spanning each training step, trained with and without the monitor (run as a script).
 
-``python dispatch_mode_run.py WHERE PATH ROOT``: ``WHERE`` is ``module`` (the LightningModule enters an op counter
-in ``on_train_batch_start`` and leaves it in ``on_train_batch_end``), ``before`` or ``after`` (a Callback listed
-before / after the monitor does); ``PATH`` is ``cpu`` or ``cuda``. Exits 0 when every observable is identical: the
+``python dispatch_mode_run.py PATH ROOT WHERE...``: each ``WHERE`` is ``module`` (the LightningModule enters an op
+counter in ``on_train_batch_start`` and leaves it in ``on_train_batch_end``), ``before`` or ``after`` (a Callback
+listed before / after the monitor does); ``PATH`` is ``cpu`` or ``cuda``. Writes ``ROOT/outcomes.json``: each
+``WHERE``'s outcome, ``"identical"`` when every observable is, else the assertion that failed. The observables: the
 flops each step's counter saw, and listed before the monitor, the ops its op counter saw (a mode entered after the
 monitor's step began sees autograd save tensors under the monitor's hooks: one ``detach`` more or less). Run in a
 child process so that a hang is a timeout, not a stuck test run.
@@ -10,7 +11,9 @@ child process so that a hang is a timeout, not a stuck test run.
 
 from __future__ import annotations
 
+import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +104,23 @@ def build(where: str) -> Case:
     )
 
 
-def main(where: str, path: str, root: Path) -> None:
-    assert_untouched(lambda: build(where), root, path, attribution_start_step=0, attribution_every_n_steps=1)
+def main(path: str, root: Path, places: list[str]) -> None:
+    outcomes: dict[str, str] = {}
+    for where in places:
+        try:
+            assert_untouched(
+                partial(build, where),
+                root / where,
+                path,
+                attribution_start_step=0,
+                attribution_every_n_steps=1,
+            )
+        except AssertionError as failed:
+            outcomes[where] = f"AssertionError: {failed}"
+        else:
+            outcomes[where] = "identical"
+    (root / "outcomes.json").write_text(json.dumps(outcomes))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])
