@@ -23,7 +23,7 @@ from lightning_vram.cli import main
 from lightning_vram.render.console import print_summary
 from lightning_vram.render.figures import MAX_MODULE_BARS, modules_figure, png_bytes
 from lightning_vram.render.markup import one_line
-from lightning_vram.render.tensorboard import FIGURE_TAGS
+from lightning_vram.render.tensorboard import FIGURE_TAGS, MONITOR_RUN
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 
 MIB = 1024**2
@@ -146,7 +146,7 @@ def test_hostile_names_in_html_figures_and_console_stay_text(hostile_run: tuple[
     }  # fmt: skip
     for module in report.modules:
         assert module.name in page.cells and module.type in page.cells
-    events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    events = EventAccumulator(str(log_dir / MONITOR_RUN), size_guidance={"images": 0})  # the monitor's own run
     events.Reload()
     assert set(FIGURE_TAGS) <= set(events.Tags()["images"])  # drawn, with "$...$" in labels
     terminal = Terminal()

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_vram.pytorch_lightning import VramMonitor
 from lightning_vram.records import Phase
-from lightning_vram.render.tensorboard import FIGURE_TAGS
+from lightning_vram.render.tensorboard import FIGURE_TAGS, MONITOR_RUN
 
 
 class ClassicModule(pl.LightningModule):
@@ -50,6 +50,6 @@ def test_pytorch_lightning_trainer(tmp_path: Path) -> None:
     parameter_bytes = PARAMETER_COUNTS["cnn"] * FLOAT32
     assert (breakdown.parameters, breakdown.optimizer_state) == (parameter_bytes, parameter_bytes)
     assert monitor.report_path == Path(logger.log_dir) / "vram_report.json"
-    events = EventAccumulator(logger.log_dir)
+    events = EventAccumulator(str(Path(logger.log_dir) / MONITOR_RUN))  # the monitor's own run
     events.Reload()
     assert set(FIGURE_TAGS) <= set(events.Tags()["images"])

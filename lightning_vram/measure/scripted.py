@@ -103,3 +103,8 @@ def scripted_refusal(module: nn.Module) -> str | None:
         f" {format_bytes(held)} of parameters and buffers: TorchScript copies its tensors for real, not as fake"
         f" tensors, and a replay would need that memory again (it copies up to {format_bytes(SCRIPTED_COPY_BYTES)})"
     )
+
+
+def traced_modules(model: nn.Module) -> list[str]:
+    """The paths in ``model`` of the modules ``torch.jit.trace`` made (``""`` for the model itself), outermost first."""
+    return [name for name, module in model.named_modules() if isinstance(module, torch.jit.TracedModule)]

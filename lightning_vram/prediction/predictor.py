@@ -21,7 +21,6 @@ import contextvars
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,8 +304,8 @@ class Predictor:
 
         The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
         (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
-        replayed. With ``count_flops``, the step's FLOPs are counted too (``ReplayedStep.flops``: one more dispatch
-        mode over the counted step, which changes none of its memory figures).
+        replayed. With ``count_flops``, the step's FLOPs are counted too (``ReplayedStep.flops``, from the ops the live
+        count sees: no mode of its own, so none of its memory figures changes).
         """
         left = self.seconds_left()
         deadline = None if left is None else time.perf_counter() + left
@@ -391,7 +390,9 @@ class Predictor:
                         live.add_sampler(reserved)
                     probe = WorkspaceProbe()
                     flops = StepFlops() if count_flops else None
-                    with probe, live, flops or nullcontext():
+                    if flops is not None:
+                        live.add_op_listener(flops.count)
+                    with probe, live:
                         run.run_step(twin, fake_batch, counter, live)
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}

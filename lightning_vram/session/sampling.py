@@ -24,6 +24,7 @@ from lightning_vram.measure.compiled import compiled_in_place
 from lightning_vram.measure.ddp import find_ddp, live_buckets
 from lightning_vram.measure.live import LiveTensors, dispatch_mode_active, leave_abandoned, state_tensors
 from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
+from lightning_vram.measure.scripted import traced_modules
 from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
 from lightning_vram.prediction.containment.reach import reach_of
 from lightning_vram.prediction.replay.step import compiled_refusal
@@ -132,15 +133,20 @@ class Sampler:
         return True
 
     def _start_live(self, model: nn.Module, context: RunContext, batch: Any, attributor: StepAttributor) -> None:
-        """Count every tensor alive on the device during this step, unless torch.compile is at work.
+        """Count every tensor alive on the device during this step, unless torch.compile or torch.jit.trace is at work.
 
         A compiled module or function would run differently under a dispatch mode (dynamo runs a compiled function
         eagerly there: it rounds differently): the step's peaks stay the sums of the counted parts (noted). (No
-        dispatch mode is active here: :meth:`begin` stood aside for the step otherwise.)
+        dispatch mode is active here: :meth:`begin` stood aside for the step otherwise.) A traced module's graph
+        holds what tracing saw as constants, and under a dispatch mode some of its ops raise (an ``aten::equal`` fed
+        an int): the live count stands aside for it too, so training runs as it does without the monitor.
         """
-        if attributor.compiled or self._compiled_code:
+        traced = traced_modules(model)
+        if attributor.compiled or self._compiled_code or traced:
             if attributor.compiled:
                 why = "torch.compile runs part of the model"
+            elif traced:
+                why = f"{traced[0]} is a torch.jit.trace module, whose graph can raise under a dispatch mode"
             else:
                 first, *more = self._compiled_code
                 also = f" and {len(more)} more" if more else ""

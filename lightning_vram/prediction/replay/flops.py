@@ -1,33 +1,49 @@
-"""The FLOPs of a replayed step: torch's ``FlopCounterMode`` without its module tracker.
+"""The FLOPs of a replayed step, counted from the ops the replay's live count already sees.
 
-``FlopCounterMode`` counts through a dispatch mode (so it runs on fake tensors) and attributes each op to the modules
-around it with a ``ModuleTracker``, which registers a gradient hook on every module's inputs and outputs; in
-``"all"`` mode such a hook holds each gradient until its siblings arrive, so a replay counted with it held gradients
-longer than training does (a checkpointed ResNet's backward peak rose by 28.6 KiB). The replay needs the step's
-total only: :class:`StepFlops` counts every op into ``"Global"`` and registers no hook, leaving each figure of the
-replay as it was.
+torch's ``FlopCounterMode`` is a dispatch mode of its own, and it changes the step it counts: an op without a FLOP
+formula is decomposed where it can be (CPU flash attention, ``_scaled_dot_product_flash_attention_for_cpu``, becomes
+its math ops, which save more for backward: a BERT-style replay's backward peak rose 4%), and its module tracker's
+gradient hooks held gradients longer (a checkpointed ResNet's backward peak rose 28.6 KiB). :class:`StepFlops`
+runs no mode of its own: the live count (:class:`~lightning_vram.prediction.replay.live.LiveMemory`) hands it each op
+as it ran, and it adds torch's own formula for it (``torch.utils.flop_counter.flop_registry``; CPU flash attention by
+torch's attention formulas), so every memory figure of the replay stays as it was.
 """
 
 from __future__ import annotations
 
-from torch.utils.flop_counter import FlopCounterMode
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-class _Everywhere:
-    """A module tracker that tracks nothing: every op counts towards the step's total (``"Global"``) alone."""
-
-    parents = frozenset({"Global"})
-
-    def __enter__(self) -> _Everywhere:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        """``FlopCounterMode`` leaves its tracker with no arguments."""
-
-
-class StepFlops(FlopCounterMode):
-    """``FlopCounterMode`` counting the step's total FLOPs without per-module hooks (:meth:`get_total_flops`)."""
+class StepFlops:
+    """The step's total FLOPs (:meth:`get_total_flops`), from every op :meth:`count` is handed."""
 
     def __init__(self) -> None:
-        super().__init__(display=False)
-        self.mod_tracker = _Everywhere()  # type: ignore[assignment]
+        self._total = 0
+
+    def count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Add the FLOPs of one op that ran (``func`` on ``args`` and ``kwargs``, giving ``output``).
+
+        Only where torch has a formula for it: an op without one (elementwise, copies) adds nothing, as in
+        ``FlopCounterMode``.
+        """
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is _CPU_FLASH:
+            query, key, value = args[:3]
+            self._total += sdpa_flop_count(query.shape, key.shape, value.shape)  # type: ignore[no-untyped-call]
+        elif packet is _CPU_FLASH_BACKWARD:
+            gradient, query, key, value = args[:4]
+            self._total += sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
+                gradient.shape, query.shape, key.shape, value.shape
+            )
+        elif packet in flop_registry:
+            self._total += int(flop_registry[packet](*args, **kwargs, out_val=output))
+
+    def get_total_flops(self) -> int:
+        """FLOPs counted so far (multiply-adds count 2, as in torch's formulas)."""
+        return self._total

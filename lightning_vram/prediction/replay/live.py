@@ -75,11 +75,16 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._phase: Phase | None = None
         self.phase_peaks: dict[Phase, int] = {}
         self._listeners: list[Callable[[Any], None]] = []
+        self._op_listeners: list[Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]] = []
         self._samplers: list[Sampler] = []
 
     def add_listener(self, listener: Callable[[Any], None]) -> None:
         """Also hand every op's output to ``listener`` (after it is tracked)."""
         self._listeners.append(listener)
+
+    def add_op_listener(self, listener: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]) -> None:
+        """Also hand every op (``func``, ``args``, ``kwargs``, its output) to ``listener``, as it ran."""
+        self._op_listeners.append(listener)
 
     def add_sampler(self, sampler: Sampler) -> None:
         """Also tell ``sampler`` of each phase's start and, after the listeners, of every op."""
@@ -137,11 +142,14 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.phase_peaks[phase] = self.live_bytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        output = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
         name = _op_name(func)
         self.track((leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)), name)
         for listener in self._listeners:
             listener(output)
+        for op_listener in self._op_listeners:
+            op_listener(func, args, kwargs, output)
         for sampler in self._samplers:
             sampler.sample(name)
         return output
