@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.jit._trace import TracedModule
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vram.measure.tallies import ROOT_MODULE
@@ -107,4 +108,4 @@ def scripted_refusal(module: nn.Module) -> str | None:
 
 def traced_modules(model: nn.Module) -> list[str]:
     """The paths in ``model`` of the modules ``torch.jit.trace`` made (``""`` for the model itself), outermost first."""
-    return [name for name, module in model.named_modules() if isinstance(module, torch.jit.TracedModule)]
+    return [name for name, module in model.named_modules() if isinstance(module, TracedModule)]
