@@ -2,14 +2,15 @@
 
 Used by the TensorBoard publisher; works with any writer that has these methods of
 ``torch.utils.tensorboard.SummaryWriter``. What the monitor writes itself (the layout, the figures, the advice) goes
-through writers of its own (:func:`own_writer`), never the logger's.
+through a writer of its own (:class:`OwnWriter`), never the logger's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Collection
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -41,7 +42,7 @@ MONITOR_RUN = "vram"
 
 TensorBoard keeps one layout per run (the last one written) and merges the layouts of all runs by category: in a run
 of its own, the monitor's layout neither replaces a layout the user writes in theirs nor is replaced by it, whichever
-comes first. The figures and the advice are written there too, by :func:`own_writer`: a write that fails (a full
+comes first. The figures and the advice are written there too, by :class:`OwnWriter`: a write that fails (a full
 disk) fails in the monitor's writer, not in the logger's (a ``SummaryWriter``'s background thread stops at its first
 failed write, and every later call of that writer, Lightning's ``finalize`` at the end of fit included, raises it
 again). A run of its own, not a second event file in the logger's run: TensorBoard follows only a run's newest event
@@ -96,27 +97,44 @@ def layout_for(names: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     return layout
 
 
-@contextmanager
-def own_writer(writer: TensorBoardWriter) -> Iterator[TensorBoardWriter]:
-    """A new writer of ``writer``'s class in the run :data:`MONITOR_RUN` below ``writer``'s, flushed and closed after.
+class OwnWriter:
+    """One writer of ``writer``'s class in the run :data:`MONITOR_RUN` below ``writer``'s, opened at its first write.
 
     ``torch.utils.tensorboard``'s or ``tensorboardX``'s ``SummaryWriter``, which both take the run's directory first.
-    Flushed before it closes, so that a write that failed raises here (``close`` alone would not say), in the
-    monitor's guard.
+    One event file for the run: TensorBoard reads a run's files in name order, and a file per write would sort out of
+    the order written (the names end in a counter, "10" before "9"), which made TensorBoard read the last advice
+    before an earlier one and drop it. Flushed after each write, so that a write that failed (a full disk) raises
+    there, in the monitor's guard; closed when its publisher goes away.
     """
-    new_writer = cast(Callable[[str], TensorBoardWriter], type(writer))
-    own = new_writer(f"{writer.get_logdir().rstrip('/')}/{MONITOR_RUN}")
-    try:
-        yield own
-        own.flush()
-    finally:
-        own.close()
+
+    def __init__(self, writer: TensorBoardWriter) -> None:
+        self._writer = writer
+        self._own: TensorBoardWriter | None = None
+
+    def get(self) -> TensorBoardWriter:
+        """The monitor's writer, opened now if this is its first write."""
+        if self._own is None:
+            new_writer = cast(Callable[[str], TensorBoardWriter], type(self._writer))
+            self._own = new_writer(f"{self._writer.get_logdir().rstrip('/')}/{MONITOR_RUN}")
+            weakref.finalize(self, _close, self._own)
+        return self._own
 
 
-def write_layout(writer: TensorBoardWriter, layout: dict[str, dict[str, list[Any]]]) -> None:
-    """The custom-scalars ``layout``, in the run :data:`MONITOR_RUN` below ``writer``'s (replacing the one before)."""
-    with own_writer(writer) as own:
-        own.add_custom_scalars(layout)
+def _close(writer: TensorBoardWriter) -> None:
+    """Close the monitor's writer, from a finalizer, which must not raise.
+
+    A writer whose file could not be written re-raises its thread's error here (of any type); it said so already, at
+    the write, where the guard warned.
+    """
+    with contextlib.suppress(Exception):
+        writer.close()
+
+
+def write_layout(own: OwnWriter, layout: dict[str, dict[str, list[Any]]]) -> None:
+    """The custom-scalars ``layout``, in the run :data:`MONITOR_RUN` (replacing the one before), flushed."""
+    writer = own.get()
+    writer.add_custom_scalars(layout)
+    writer.flush()
 
 
 def report_images(pngs: FigurePngs) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.publishers.logger import Logger, LoggerPublisher
-from lightning_vram.render.tensorboard import TensorBoardWriter, layout_for, own_writer, write_layout
+from lightning_vram.render.tensorboard import OwnWriter, TensorBoardWriter, layout_for, write_layout
 
 
 class TensorBoardPublisher(LoggerPublisher):
@@ -26,6 +26,7 @@ class TensorBoardPublisher(LoggerPublisher):
         self.writer: TensorBoardWriter = writer if writer is not None else self.logger.experiment
         self._logged: set[str] = set()
         self._layout: dict[str, dict[str, list[object]]] = {}
+        self._own = OwnWriter(self.writer)
 
     def run_dir(self, root: Location) -> Location | None:
         """The logger's versioned ``log_dir`` (``trainer.log_dir``); a bare writer's own directory."""
@@ -40,15 +41,17 @@ class TensorBoardPublisher(LoggerPublisher):
         self._logged |= values.keys()
         layout = layout_for(self._logged)
         if layout != self._layout:
-            write_layout(self.writer, layout)
+            write_layout(self._own, layout)
             self._layout = layout
 
     def image(self, name: str, pixels: np.ndarray, step: int) -> None:
         """``add_image`` (HWC), in the monitor's own run (:data:`~lightning_vram.render.tensorboard.MONITOR_RUN`)."""
-        with own_writer(self.writer) as writer:
-            writer.add_image(name, pixels, global_step=step, dataformats="HWC")
+        writer = self._own.get()
+        writer.add_image(name, pixels, global_step=step, dataformats="HWC")
+        writer.flush()
 
     def text(self, name: str, markdown: str, step: int) -> None:
         """``add_text`` (TensorBoard's text tab renders Markdown), in the monitor's own run."""
-        with own_writer(self.writer) as writer:
-            writer.add_text(name, markdown, global_step=step)
+        writer = self._own.get()
+        writer.add_text(name, markdown, global_step=step)
+        writer.flush()
