@@ -88,6 +88,24 @@ class LanguageModel(pl.LightningModule):
         return self.optimizer_factory(self.parameters())
 
 
+class ChunkedLanguageModel(LanguageModel):
+    """Next-token prediction with its loss computed by the chunked-loss advice's printed function."""
+
+    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any, optimizer: OptimizerFactory) -> None:
+        super().__init__(network, optimizer)
+        self.chunked_cross_entropy = chunked_cross_entropy
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        network = self.network
+        assert isinstance(network, TinyGPT)
+        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
+        for block in network.h:
+            x = block(x)
+        hidden = network.ln_f(x).flatten(0, 1)
+        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
+
+
 def sequential_cnn(width: int = 8, blocks: int = 4) -> nn.Sequential:
     """Conv-BN-ReLU(inplace) blocks in one ``nn.Sequential``, pooled, and a head."""
     layers: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1)]

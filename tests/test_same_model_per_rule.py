@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from advice_models import LanguageModel, TinyGPT, activation_mlp, features, images, tokens
+from advice_models import ChunkedLanguageModel, LanguageModel, TinyGPT, activation_mlp, features, images, tokens
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
 from torch import nn
@@ -289,24 +289,6 @@ def test_freeing_gradients_as_printed_trains_the_same_model_with_and_without_acc
 # ------------------------------------------------------------------------------------------------ chunked-loss
 
 
-class ChunkedLanguageModel(LanguageModel):
-    """Next-token prediction with its loss computed by the chunked-loss advice's printed function."""
-
-    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any) -> None:
-        super().__init__(network, OPTIMIZERS["adamw"])
-        self.chunked_cross_entropy = chunked_cross_entropy
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        network = self.network
-        assert isinstance(network, TinyGPT)
-        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
-        for block in network.h:
-            x = block(x)
-        hidden = network.ln_f(x).flatten(0, 1)
-        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
-
-
 @pytest.mark.replay
 def test_chunked_loss_as_printed_trains_the_same_model_to_the_tolerance_it_states(tmp_path: Path) -> None:
     # A 4096-token vocabulary: the log-probabilities are most of the activations, as the rule targets.
@@ -326,7 +308,12 @@ def test_chunked_loss_as_printed_trains_the_same_model_to_the_tolerance_it_state
     namespace: dict[str, Any] = {}
     exec(printed_code(advice), namespace)
     chunked = namespace["chunked_cross_entropy"]
-    applied = fit(tmp_path, lambda: ChunkedLanguageModel(network(), chunked), lambda: shuffled(data, 8), steps=8)
+    applied = fit(
+        tmp_path,
+        lambda: ChunkedLanguageModel(network(), chunked, OPTIMIZERS["adamw"]),
+        lambda: shuffled(data, 8),
+        steps=8,
+    )
     plain = fit(tmp_path, lambda: LanguageModel(network(), OPTIMIZERS["adamw"]), lambda: shuffled(data, 8), steps=8)
     assert_identical(monitored, plain)
     assert "float32 rounding (about 1e-6 relative), not bit for bit" in advice.detail

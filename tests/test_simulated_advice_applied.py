@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from advice_models import LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
+from advice_models import ChunkedLanguageModel, LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
 from models import OPTIMIZERS, Classifier, loader, trainer
 from replay_models import images, resnet
 from simulations import GIB
@@ -181,24 +181,6 @@ def test_stale_gradients_applied_saves_what_the_replay_said(tmp_path: Path) -> N
     assert_realised(before, after, advice)
 
 
-class ChunkedLanguageModel(LanguageModel):
-    """Next-token prediction with the loss computed by the chunked-loss advice's own function."""
-
-    def __init__(self, network: TinyGPT, chunked_cross_entropy: Any) -> None:
-        super().__init__(network, OPTIMIZERS["adam"])
-        self.chunked_cross_entropy = chunked_cross_entropy
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        network = self.network
-        assert isinstance(network, TinyGPT)
-        x = network.wte(ids) + network.wpe(torch.arange(ids.shape[1]))
-        for block in network.h:
-            x = block(x)
-        hidden = network.ln_f(x).flatten(0, 1)
-        return self.chunked_cross_entropy(hidden, network.lm_head, targets.flatten())  # type: ignore[no-any-return]
-
-
 def test_chunked_loss_applied_saves_what_it_modelled(tmp_path: Path) -> None:
     # A 4096-token vocabulary: the log-probabilities of 8 x 32 positions are 4 MiB, two thirds of the activations.
     before = monitored(
@@ -211,5 +193,5 @@ def test_chunked_loss_applied_saves_what_it_modelled(tmp_path: Path) -> None:
     )
     namespace: dict[str, Any] = {}
     exec(snippet(advice), namespace)
-    module = ChunkedLanguageModel(TinyGPT(vocab=4096, layers=2), namespace["chunked_cross_entropy"])
+    module = ChunkedLanguageModel(TinyGPT(vocab=4096, layers=2), namespace["chunked_cross_entropy"], OPTIMIZERS["adam"])
     assert_realised(before, monitored(tmp_path / "after", module, tokens(64, vocab=4096), 8), advice)
