@@ -366,7 +366,7 @@ class Predictor:
                 twin = make_twin(
                     self.module, self.optimizers, self.batch, mode, self._prepare(run), {id(a): a for a in scope.shared}
                 )
-                held = held_by(twin.module, scope.inside)
+                held = held_by(twin.module, scope.inside, own=(mode,))
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:
                     raise RefusedError(refusal)
