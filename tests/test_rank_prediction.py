@@ -19,6 +19,7 @@ from torch import nn
 from lightning_vram.measure.ddp import bucket_sizes, reduced_parameters
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import PREDICTORS, predict_rank
+from lightning_vram.prediction.strategies.fsdp2 import RankChunks
 from lightning_vram.records import Phase, RankStep, ReplayedStep, ReplaySkipped, StrategySpec
 
 FLOAT32 = 4
@@ -194,3 +195,23 @@ def test_fsdp2_leaves_a_process_group_of_the_user_s_alone(one_rank: None) -> Non
         "fsdp2: a process group is initialized in this process; the replay's fake group cannot replace it"
     )
     assert dist.group.WORLD is group and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+
+
+@pytest.mark.parametrize(("rows", "count"), [(10, 4), (10, 1024), (512, 8), (3, 3), (0, 4)])
+def test_fsdp2_s_lazy_chunks_are_torch_s_chunks_padded_with_empty_ones(rows: int, count: int) -> None:
+    tensor = torch.arange(rows * 3.0).reshape(rows, 3)
+    expected = list(torch.chunk(tensor, count, dim=0)) if rows else []
+    expected += [tensor.new_empty(0)] * (count - len(expected))
+    lazy = RankChunks(tensor, count, 0)
+    assert len(lazy) == count
+    for index, chunk in enumerate(expected):
+        got = lazy[index]
+        assert (got.shape, got.storage_offset(), got.stride() if got.numel() else ()) == (
+            chunk.shape,
+            chunk.storage_offset(),
+            chunk.stride() if chunk.numel() else (),
+        )
+        assert torch.equal(got, chunk)
+    assert lazy[-1].shape == expected[-1].shape
+    with pytest.raises(IndexError):
+        lazy[count]

@@ -21,9 +21,9 @@ second default group cannot be made beside it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.distributed as dist
@@ -63,26 +63,50 @@ def fake_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@contextmanager
-def shared_empty_chunks() -> Iterator[None]:
-    """FSDP2's chunking with one empty tensor for every empty chunk, while the replay shards (put back after).
+class RankChunks(Sequence[torch.Tensor]):
+    """``torch.chunk(tensor, count, dim)`` padded with empty tensors to ``count``, each chunk made when it is read.
 
-    ``fully_shard`` splits each parameter into ``world_size`` chunks on dim 0 and makes a new empty tensor for each
-    chunk past the parameter's rows (torch 2.13, ``_fsdp_common._chunk_with_empty``), of which it keeps only this
-    rank's: at 1,024 fake ranks that is a fake op per rank and parameter, most of the replay's time. One shared
-    empty tensor gives every rank's chunk the same size and this rank's the same tensor.
+    The chunk ``torch.chunk`` would give (a view of the same rows, by ``narrow``), or an empty tensor past the rows.
+    """
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
+        self.tensor, self.size, self.dim = tensor, count, dim
+        self.rows = -(-tensor.shape[dim] // count) if tensor.shape[dim] else 0  # torch.chunk's chunk size
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.size))]
+        if not -self.size <= index < self.size:
+            raise IndexError(index)
+        start = (index % self.size) * self.rows
+        length = min(self.rows, self.tensor.shape[self.dim] - start)
+        if length <= 0:
+            return self.tensor.new_empty(0)
+        return self.tensor.narrow(self.dim, start, length)
+
+
+@contextmanager
+def rank_chunks() -> Iterator[None]:
+    """FSDP2's chunking made lazy while the replay shards (put back after).
+
+    ``fully_shard`` splits each parameter into ``world_size`` chunks on dim 0, padded with a new empty tensor for
+    each chunk past the parameter's rows (torch 2.13, ``_fsdp_common._chunk_with_empty``), and reads only this
+    rank's: at 1,024 fake ranks that made a fake op per rank and parameter, most of the replay's time.
+    :class:`RankChunks` makes only the chunk read, the same view.
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
     original = getattr(_fsdp_param, CHUNKING)
-
-    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
-        chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
-        if len(chunks) < num_chunks:
-            chunks += [chunks[0].new_empty(0)] * (num_chunks - len(chunks))
-        return chunks
-
-    setattr(_fsdp_param, CHUNKING, chunk_with_empty)
+    setattr(_fsdp_param, CHUNKING, RankChunks)
     try:
         yield
     finally:
@@ -207,7 +231,7 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
     sharded.step_function = redirected(predictor.step_function)
     sharded.warm_up = True  # the gradients and optimizer state come as shards from a first step
     sharded.optimizers = None  # built by configure_optimizers on the sharded parameters (as Lightning does)
-    with fake_group(spec.world_size), shared_empty_chunks():
+    with fake_group(spec.world_size), rank_chunks():
         shard.append(sharder(spec, *meshes(spec.world_size, device_type)))
         replayed = sharded.replay(change)
     if isinstance(replayed, ReplaySkipped):
