@@ -18,6 +18,7 @@ put back.
 from __future__ import annotations
 
 import contextvars
+import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -264,6 +265,15 @@ class Predictor:
         return replayed_fit_table(
             self, context_bytes=context_bytes, gpus=gpus, known_steps=known_steps, unseen_bytes=unseen or None
         )
+
+    def sharing_walk(self) -> Predictor:
+        """A shallow copy of this predictor in the same round, sharing its walk of the user's code (made now, once).
+
+        For a strategy's replays of the same step (:mod:`~lightning_vram.prediction.strategies`): the caller sets
+        on the copy what differs (``strategy``, ``shard``, ``step_function`` wrapping this one's, ``warm_up``).
+        """
+        self._refusal()
+        return copy.copy(self)
 
     def _refusal(self) -> _Scope | str:
         """What the replays may reach, walked on the first replay; or why no replay may run (decided once)."""

@@ -9,7 +9,6 @@ in a ring: each rank sends ``2 (N - 1) / N`` of the buckets' bytes per optimizer
 
 from __future__ import annotations
 
-import copy
 import os
 
 from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
@@ -68,7 +67,7 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
     except ValueError as error:
         return ReplaySkipped(str(error))
     buckets = bucket_sizes(reduced_parameters(predictor.module), DEFAULT_BUCKET_BYTES, dtype)
-    holding = copy.copy(predictor)  # the same round (its walk, budget, calibration), holding the buckets
+    holding = predictor.sharing_walk()  # the same round (its walk, budget, calibration), holding the buckets
     holding.strategy = buckets
     replayed = holding.replay(change)
     if isinstance(replayed, ReplaySkipped):

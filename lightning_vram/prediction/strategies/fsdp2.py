@@ -20,7 +20,6 @@ second default group cannot be made beside it.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, overload
@@ -226,7 +225,7 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
 
     if not callable(getattr(predictor.module, "configure_optimizers", None)):
         return ReplaySkipped("fsdp2: the module has no configure_optimizers to build its optimizer on its shards")
-    sharded = copy.copy(predictor)  # the same round (its walk, budget), its step sharded and redirected
+    sharded = predictor.sharing_walk()  # the same round (its walk, budget), its step sharded and redirected
     sharded.shard = shard_and_size
     sharded.step_function = redirected(predictor.step_function)
     sharded.warm_up = True  # the gradients and optimizer state come as shards from a first step
