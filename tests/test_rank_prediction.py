@@ -215,3 +215,18 @@ def test_fsdp2_s_lazy_chunks_are_torch_s_chunks_padded_with_empty_ones(rows: int
     assert lazy[-1].shape == expected[-1].shape
     with pytest.raises(IndexError):
         lazy[count]
+
+
+class ShardedAllReducing(ShardedMlp):
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        dist.all_reduce(loss.detach().clone())  # a collective inside the step: under the fake group it sends nothing
+        return loss
+
+
+@pytest.mark.replay
+def test_a_collective_in_the_step_runs_on_the_fake_group_only() -> None:
+    predictor = Predictor(ShardedAllReducing(network(), OPTIMIZERS["adam"]), None, BATCH)
+    rank = predict_rank(predictor, StrategySpec("fsdp2", 4))
+    assert isinstance(rank, RankStep), rank
+    assert not dist.is_initialized()
