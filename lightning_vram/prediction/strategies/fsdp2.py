@@ -13,6 +13,11 @@ fake group's mesh as ``device_mesh`` (dimensions ``data_parallel`` of ``world_si
 as Lightning's ``ModelParallelStrategy`` builds it) and shards itself; any other module is sharded by the usual
 policy: each entry of every ``nn.ModuleList`` (a transformer's blocks), then the root.
 
+FSDP2 frees and regrows a gathered parameter by resizing its storage (``untyped_storage().resize_``), which no
+dispatch mode sees: the live count of a replay, like the monitor's live count of a CPU step, counts a storage from
+the op that made it to its death, at the size it was made (the CPU ground truth agrees to the byte; on CUDA the
+allocator sees each resize, which the allocator-side check on a GPU is still to compare).
+
 The fake group is the default process group while the replay runs, set up and destroyed around it; a process that
 already has a process group (a live multi-process run) is not predicted here: its group cannot be replaced, and a
 second default group cannot be made beside it.
