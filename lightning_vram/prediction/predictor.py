@@ -18,6 +18,7 @@ put back.
 from __future__ import annotations
 
 import contextvars
+import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -139,6 +140,9 @@ class Predictor:
         strategy: what a multi-process strategy holds on this rank beyond the step (DDP's gradient buckets): each
             replay allocates its buffers before the step and holds them to its end, so they are in every phase's
             peak and ``other`` (and in the allocator model's sequence). ``None``: nothing.
+        shard: applied to each replay's fake module after the step's own changes, before its optimizers are built
+            (FSDP2's ``fully_shard`` under a fake process group: see
+            :mod:`~lightning_vram.prediction.strategies.fsdp2`). ``None``: nothing.
     """
 
     def __init__(
@@ -162,6 +166,7 @@ class Predictor:
         allocator: AllocatorSettings | None = None,
         measured: Mapping[Phase, PhasePeak] | None = None,
         strategy: StrategyBuffers | None = None,
+        shard: Callable[[nn.Module], None] | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -191,6 +196,7 @@ class Predictor:
         self._scope: _Scope | str | None = None
         self.measured = measured
         self.strategy = strategy
+        self.shard = shard
         self.carried: Calibration | None = None
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
@@ -260,6 +266,15 @@ class Predictor:
             self, context_bytes=context_bytes, gpus=gpus, known_steps=known_steps, unseen_bytes=unseen or None
         )
 
+    def sharing_walk(self) -> Predictor:
+        """A shallow copy of this predictor in the same round, sharing its walk of the user's code (made now, once).
+
+        For a strategy's replays of the same step (:mod:`~lightning_vram.prediction.strategies`): the caller sets
+        on the copy what differs (``strategy``, ``shard``, ``step_function`` wrapping this one's, ``warm_up``).
+        """
+        self._refusal()
+        return copy.copy(self)
+
     def _refusal(self) -> _Scope | str:
         """What the replays may reach, walked on the first replay; or why no replay may run (decided once)."""
         if self._scope is None:
@@ -289,6 +304,18 @@ class Predictor:
         """The strategy's buffers as (fake) bytes on the counted device; call under the replay's fake mode."""
         buffers = self.strategy.buffers if self.strategy is not None else ()
         return [torch.empty(size, dtype=torch.uint8, device=self.device) for size in buffers]
+
+    def _prepare(self, run: StepRun) -> Callable[[nn.Module], None]:
+        """What changes a replay's fake module: the step's own changes, then :attr:`shard`."""
+        shard = self.shard
+        if shard is None:
+            return run.prepare_module
+
+        def prepare(module: nn.Module) -> None:
+            run.prepare_module(module)
+            shard(module)
+
+        return prepare
 
     def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
         """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
@@ -347,9 +374,9 @@ class Predictor:
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 register(mode)
                 twin = make_twin(
-                    self.module, self.optimizers, self.batch, mode, run.prepare_module, {id(a): a for a in scope.shared}
+                    self.module, self.optimizers, self.batch, mode, self._prepare(run), {id(a): a for a in scope.shared}
                 )
-                held = held_by(twin.module, scope.inside)
+                held = held_by(twin.module, scope.inside, own=(mode,))
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:
                     raise RefusedError(refusal)
