@@ -150,6 +150,10 @@ def test_lightning_defaults_at_1024_ranks(predictor: Predictor) -> None:
     unsharded = predict_rank(predictor, StrategySpec("fsdp", world_size=world, sharding="NO_SHARD"))
     assert not isinstance(unsharded, RankStep)
     assert "only FSDP1's FULL_SHARD" in unsharded.reason
+    serial = predict_zero(
+        predictor, StrategySpec("deepspeed_stage_1", world_size=2), None, ZeroSettings(overlap_comm=False)
+    )
+    assert not isinstance(serial, RankStep) and "without overlap_comm" in serial.reason
 
 
 def test_crossing_parameters_keep_their_whole_gradient() -> None:
