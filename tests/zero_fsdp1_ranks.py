@@ -10,7 +10,8 @@ DeepSpeed runs with the ZeRO settings Lightning's ``DeepSpeedStrategy`` writes (
 ``overlap_comm``, ``zero_allow_untested_optimizer``) with the two bucket sizes set small (:data:`ZERO_SETTINGS`),
 as a user of a small model would: Lightning's default of 2e8 elements would hold 800 MB per rank on the CPU.
 FSDP1 is torch's ``FullyShardedDataParallel`` (Lightning's ``fsdp`` strategy refuses the CPU), each encoder layer
-its own unit and the root the rest, ``use_orig_params=False`` (flat parameters).
+its own unit and the root the rest, ``use_orig_params=False`` (flat parameters), under ``FULL_SHARD``,
+``SHARD_GRAD_OP`` and ``NO_SHARD``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,15 @@ ZERO_SETTINGS: dict[str, Any] = {
     "stage3_param_persistence_threshold": 0,
 }
 """The ZeRO settings of the runs (elements), beside the stage."""
-STRATEGIES = ("fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+STRATEGIES = (
+    "fsdp",
+    "fsdp SHARD_GRAD_OP",
+    "fsdp NO_SHARD",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_3",
+)
+"""The runs, in order: FSDP1 under a sharding strategy (FULL_SHARD where none is named), then ZeRO."""
 
 
 def transformer() -> nn.Module:
@@ -83,13 +92,13 @@ def train(name: str, rank: int) -> dict[str, Any]:
         replay_budget_seconds=0.0,
         preflight=False,
     )
-    if name == "fsdp":
+    if name.startswith("fsdp"):
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         wrapped: Any = FullyShardedDataParallel(
             model,
-            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            sharding_strategy=ShardingStrategy[name.partition(" ")[2] or "FULL_SHARD"],
             auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
             use_orig_params=False,
             device_id=torch.device("cpu"),  # without it FSDP1 asks for an accelerator
@@ -114,7 +123,7 @@ def train(name: str, rank: int) -> dict[str, Any]:
         backward(loss)
         session.before_optimizer_step()
         step()
-        if name == "fsdp":
+        if name.startswith("fsdp"):
             optimizer.zero_grad(set_to_none=True)
         session.batch_end(index)
     report = session.finish(gather_ranks=False)

@@ -6,7 +6,8 @@ The replay does not wrap its twin in it yet, so the figures here are FSDP1's ari
 replay of one rank's batch, labelled so; checked against torch's FSDP1 on gloo at world sizes 2 and 4
 (tests/test_rank_prediction_zero.py). Each wrapped unit (a module of the types given, the root the rest) holds one
 flat parameter of its own parameters, padded to a multiple of ``N`` elements, and this rank's ``1/N`` of it between
-uses (``FULL_SHARD``):
+uses (``FULL_SHARD``, ``SHARD_GRAD_OP``; ``NO_SHARD`` holds it whole and unpadded, gathers nothing and all-reduces
+the gradients; ``HYBRID_SHARD`` and CPU offload are not modelled yet):
 
 - parameters, gradients (after the reduce-scatter) and the optimizer's state: over the units' shards, the state
   of one flat tensor per unit;
@@ -18,6 +19,10 @@ uses (``FULL_SHARD``):
 - the optimizer step's peak: the batch, three temporaries the size of the largest shard (fitted: Adam over the
   units' flat shards on gloo), and on the CPU the unsharded flat parameters the live count met in forward
   (FSDP1 frees them by resizing their storage to zero, which a count of storages does not see).
+
+``SHARD_GRAD_OP`` counts as ``FULL_SHARD`` on the CPU (the same figures on gloo: the count does not see either free
+its unsharded parameters) and sends one all-gather fewer; on a GPU it keeps them from forward to backward, which the
+allocator's peak would show (not checked here).
 """
 
 from __future__ import annotations
@@ -47,9 +52,11 @@ from lightning_vram.records import (
 
 METHOD = (
     "arithmetic on the single-process replay: FSDP1's flat parameters per wrapped unit, padded to N and sharded"
-    " (FULL_SHARD); FSDP1 runs under the fake process group, the replay does not wrap it yet"
+    "; FSDP1 runs under the fake process group, the replay does not wrap it yet"
 )
 """How an FSDP1 rank is predicted."""
+GATHERS = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 1, "NO_SHARD": 0}
+"""All-gathers of the parameters per step under each sharding modelled (FULL_SHARD gathers again for backward)."""
 OPTIMIZER_TEMPORARIES = 3
 """Temporaries the size of the largest flat shard at the optimizer step's peak (fitted on gloo with Adam)."""
 
@@ -79,46 +86,54 @@ def predict_units(
     predictor: Predictor, spec: StrategySpec, change: StepChange | None, units: tuple[type[nn.Module], ...] = ()
 ) -> RankStep | ReplaySkipped:
     """One rank of ``spec`` (FSDP1) with ``units`` wrapped (``ModuleWrapPolicy(units)``; none: the root alone)."""
-    if spec.sharding not in (None, "FULL_SHARD") or spec.offload:
-        return ReplaySkipped(f"{spec.label}: only FSDP1's FULL_SHARD without offload is modelled yet")
+    sharding = spec.sharding or "FULL_SHARD"
+    if sharding not in GATHERS or spec.offload:
+        return ReplaySkipped(f"{spec.label}: FSDP1's {sharding} with offload={spec.offload} is not modelled yet")
     replayed = predictor.replay(change)
     if isinstance(replayed, ReplaySkipped):
         return replayed
     world = spec.world_size
+    divisor = 1 if sharding == "NO_SHARD" else world  # NO_SHARD keeps each unit's flat parameter whole, unpadded
     precision = change.precision if isinstance(change, PrecisionChange) else predictor.precision
     element = next(predictor.module.parameters()).element_size()  # FSDP1 shards the parameters as they are
     gathered = element_bytes(precision) if precision.endswith("-mixed") else element  # MixedPrecision's param_dtype
     numels = unit_numels(predictor.module, units)
-    flats = [padded(numel, world) for numel in numels]
-    shards = [flat // world for flat in flats]
+    flats = [padded(numel, divisor) for numel in numels]
+    shards = [flat // divisor for flat in flats]
     parameters = sum(shards) * element
     optimizer = first_optimizer(predictor.optimizers)
     state = sum(flat_state_bytes(optimizer, shard) for shard in shards)
     forward = replayed.phases[Phase.FORWARD].breakdown
     assert forward is not None
     held = parameters if forward.gradients > 0 else 0  # the previous step's gradients, where the loop keeps them
-    unsharded = sum(flats) * gathered
+    unsharded = sum(flats) * gathered if divisor > 1 else 0  # NO_SHARD's parameters are the flat ones
     activations = forward.activations + unsharded
-    largest = max(flats) * gathered
+    scattered = max(flats) * gathered // world if divisor > 1 else 0  # the largest unit's reduce-scattered shard
     seen_in_forward = unsharded if predictor.device_type == "cpu" else 0
-    temporaries = OPTIMIZER_TEMPORARIES * max(flats) * element // world
+    temporaries = OPTIMIZER_TEMPORARIES * max(shards) * element
     optimizer_other = batch_bytes(predictor.batch) + seen_in_forward + temporaries
     phases = {
         Phase.FORWARD: ((parameters, held, state, activations), other_bytes(replayed, Phase.FORWARD)),
         Phase.BACKWARD: (  # the unsharded storages autograd saved stay counted through backward
             (parameters, held, state, activations),
-            other_bytes(replayed, Phase.BACKWARD) + largest // world,
+            other_bytes(replayed, Phase.BACKWARD) + scattered,
         ),
         Phase.OPTIMIZER: ((parameters, parameters, state, 0), optimizer_other),
     }
     step = replayed.phases[Phase.FORWARD].step
     peaks = {phase: phase_peak(step, phase, parts, sum(parts) + other) for phase, (parts, other) in phases.items()}
+    whole = sum(flats) * gathered
     lines = (
-        RankLine("FSDP1 unsharded unit (largest)", largest, f"the largest unit's flat parameter, padded to {world}"),
-        RankLine("FSDP1 reduce-scatter shard", largest // world, "the largest unit's gradient shard, in backward"),
-        RankLine("FSDP1 padding", (sum(flats) - sum(numels)) * element, f"each unit's flat parameter to {world}"),
+        RankLine("FSDP1 unsharded unit (largest)", max(flats) * gathered, f"the largest unit, padded to {divisor}"),
+        RankLine("FSDP1 reduce-scatter shard", scattered, "the largest unit's gradient shard, in backward"),
+        RankLine("FSDP1 padding", (sum(flats) - sum(numels)) * element, f"each unit's flat parameter to {divisor}"),
     )
-    return RankStep(spec, peaks, lines, shard_communication(unsharded, world, 2), METHOD, replayed.notes, replayed)
+    if sharding == "NO_SHARD":
+        sent = 2 * (world - 1) * whole // world  # an all-reduce of the gradients
+    else:
+        sent = shard_communication(whole, world, GATHERS[sharding])
+    method = f"{METHOD} ({sharding})"
+    return RankStep(spec, peaks, lines, sent, method, replayed.notes, replayed)
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
