@@ -7,6 +7,7 @@ flattens and shards; the user's optimizer, stepped once on tiny flat tensors, gi
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,10 +39,17 @@ def flat_state_bytes(optimizer: torch.optim.Optimizer | None, numel: int) -> int
     Stepped once for real on flat tensors of 1 and 2 elements with the optimizer's first group's settings: the
     state is ``a + b * numel`` for an optimizer whose state is element-wise (Adam's moments, SGD's momentum) with
     its scalars (Adam's step). Without an optimizer: Adam's (two moments and a step counter).
+
+    >>> flat = torch.nn.Parameter(torch.zeros(3))
+    >>> adam = torch.optim.Adam([flat], lr=0.1)
+    >>> scheduler = torch.optim.lr_scheduler.StepLR(adam, 1)  # adds "initial_lr" to the group
+    >>> flat_state_bytes(adam, 1000), flat_state_bytes(torch.optim.SGD([flat], lr=0.1, momentum=0.9), 1000)
+    (8004, 4000)
     """
     if optimizer is None:
         return 8 * numel + 4
-    settings = {key: value for key, value in optimizer.param_groups[0].items() if key != "params"}
+    accepted = inspect.signature(type(optimizer)).parameters  # a scheduler's "initial_lr" is no setting
+    settings = {key: value for key, value in optimizer.param_groups[0].items() if key != "params" and key in accepted}
     sizes = []
     for elements in (1, 2):
         flat = torch.zeros(elements, requires_grad=True)
