@@ -59,11 +59,13 @@ def test_a_spec_s_label_names_each_setting() -> None:
     assert StrategySpec("fsdp", 16, "HYBRID_SHARD", True, 8).label == "fsdp x16 HYBRID_SHARD offload (8 per node)"
 
 
-def test_a_strategy_not_registered_is_skipped_saying_so() -> None:
+def test_a_strategy_not_registered_is_skipped_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every strategy name is registered today: take one out, as a name added to the spec before its model would be.
+    monkeypatch.delitem(PREDICTORS, "deepspeed_stage_3")
     predictor = Predictor(Classifier(network(), OPTIMIZERS["sgd"]), None, BATCH, warm_up=True)
-    names = {"deepspeed_stage_3", "fsdp"} - set(PREDICTORS)
-    for name in names:
-        assert predict_rank(predictor, StrategySpec(name, 2)) == ReplaySkipped(f"{name}: not modelled yet")
+    assert predict_rank(predictor, StrategySpec("deepspeed_stage_3", 2)) == ReplaySkipped(
+        "deepspeed_stage_3: not modelled yet"
+    )
 
 
 @pytest.fixture
