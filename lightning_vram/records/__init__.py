@@ -71,6 +71,7 @@ from lightning_vram.records.simulation import (
     advised_variant,
 )
 from lightning_vram.records.timeline import StepTimeline, TimelinePoint
+from lightning_vram.records.work import OpGroup, StepTime, StepWork
 
 __all__ = [
     "CATEGORIES",
@@ -108,6 +109,7 @@ __all__ = [
     "NotMeasured",
     "OomDiagnosis",
     "OomMessage",
+    "OpGroup",
     "PartMatch",
     "Phase",
     "PhaseCalibration",
@@ -126,7 +128,9 @@ __all__ = [
     "Simulation",
     "StepChange",
     "StepPoint",
+    "StepTime",
     "StepTimeline",
+    "StepWork",
     "StrategyBuffers",
     "TensorShapes",
     "TimelinePoint",
