@@ -3,12 +3,13 @@
 A CPU has no datasheet figure a step could be predicted from (its clocks, cores, vector units and the threads torch
 uses all vary), so its :class:`~lightning_vram.prediction.timing.peaks.DevicePeaks` are measured, once per process
 (about a second), with torch's own kernels and thread count: a matrix product in fp32, bf16 and fp16, a large
-copy, and a tiny forward and backward whose ops do next to nothing (its time over its op count is the cost of an op
-in a training step: dispatch, autograd's bookkeeping, the allocator). A CPU's kernels reach their roofline unevenly
-(a convolution less than a matrix product, a max-pool or a batch norm a fraction of the copy's bandwidth, a tanh or
-a random mask bound by its arithmetic, which torch's FLOP formulas do not count): each such kind of op is run once
-on a small model's tensor sizes and its measured share of its roofline kept (``DevicePeaks.op_achieved``). Each
-figure is the median of a few repeats.
+copy, and a tiny training step whose ops do next to nothing (its time over its op count is the cost of an op in a
+training step: dispatch, autograd's bookkeeping, module calls, the optimizer's Python, the allocator). A CPU's
+kernels reach their roofline unevenly (a convolution less than a matrix product, a max-pool or a batch norm a
+fraction of the copy's bandwidth, a tanh or a random mask bound by arithmetic that torch's FLOP formulas do not
+count): each such kind of op is run on a small model's tensor sizes, its outputs kept as a step keeps its
+activations, and its measured share of its roofline kept (``DevicePeaks.op_achieved``). Each figure is the median
+of a few repeats.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ COPY_BYTES = 32 * 1024 * 1024
 """Bytes of the tensor copied to measure bandwidth (larger than a CPU's caches)."""
 REPEATS = 7
 """Timed repeats of each measurement, after one untimed warm-up; the median is kept."""
-TINY_STEPS = 50
-"""Tiny forward-and-backward passes timed together, for the cost of one op."""
+TINY_STEPS = 20
+"""Tiny training steps timed together, for the cost of one op."""
 
 
 Clock = Callable[[], float]
@@ -72,6 +73,7 @@ def _probes() -> dict[str, Callable[[], object]]:
     images = torch.randn(32, 32, 32, 32, generator=generator)  # 4 MiB: a small CNN's activation
     few = torch.randn(8, 32, 32, 32, generator=generator)
     weight = torch.randn(32, 32, 3, 3, generator=generator)
+    gradient = torch.randn(32, 32, 32, 32, generator=generator)
     rows = torch.randn(4096, 256, generator=generator)  # 4 MiB: a small transformer's hidden states
     mask = torch.empty_like(rows)
     scale, shift, mean, variance = torch.ones(32), torch.zeros(32), torch.zeros(32), torch.ones(32)
@@ -92,7 +94,7 @@ def _probes() -> dict[str, Callable[[], object]]:
             pooled, images, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
         ),
         "relu": lambda: aten.relu(images),
-        "threshold_backward": lambda: aten.threshold_backward(images, images, 0),
+        "threshold_backward": lambda: aten.threshold_backward(gradient, images, 0),
         "tanh": lambda: aten.tanh(rows),
         "_softmax": lambda: aten._softmax(rows, -1, False),
         "native_layer_norm": lambda: aten.native_layer_norm(rows, [256], None, None, 1e-5),
@@ -114,6 +116,12 @@ class _Roofline(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch sh
         return output
 
 
+def _keeping(probe: Callable[[], object]) -> Callable[[], None]:
+    """``probe``, its outputs kept: as a step keeps its activations, each output takes memory not used before."""
+    kept: list[object] = []
+    return lambda: kept.append(probe())
+
+
 def _op_achieved(fp32: float, bandwidth: float, repeats: int, clock: Clock) -> dict[str, float]:
     """Each probed kind of op's share of its roofline time (FLOPs at ``fp32`` FLOP/s, bytes at ``bandwidth``)."""
     shares = {}
@@ -123,7 +131,7 @@ def _op_achieved(fp32: float, bandwidth: float, repeats: int, clock: Clock) -> d
             probe()
         work = roofline.counted.work()
         ideal = sum(max(group.flops / fp32, group.bytes_moved / bandwidth) * group.count for group in work.groups)
-        shares[name] = ideal / _median_seconds(probe, repeats, clock)
+        shares[name] = ideal / _median_seconds(_keeping(probe), repeats, clock)
     return shares
 
 
@@ -148,26 +156,34 @@ class _OpCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
-def _tiny_step(weight: torch.Tensor, bias: torch.Tensor, inputs: torch.Tensor) -> None:
-    """A forward and backward of a few layers on one sample of four features: ops that do next to nothing."""
-    hidden = inputs
-    for _ in range(4):
-        hidden = torch.relu(torch.nn.functional.linear(hidden, weight, bias))
-    hidden.sum().backward()  # type: ignore[no-untyped-call]
+def _tiny_step(network: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
+    """A training step of a few modules on one sample of four features: ops that do next to nothing."""
+    loss = network(inputs).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
 
 
 def _op_overhead(repeats: int, clock: Clock) -> float:
-    """Seconds one op of a training step adds beyond its arithmetic and memory traffic (its dispatch)."""
-    weight = torch.ones(4, 4, requires_grad=True)
-    bias = torch.zeros(4, requires_grad=True)
+    """Seconds one op of a training step adds beyond its arithmetic and memory traffic.
+
+    Its dispatch, autograd's bookkeeping, the module calls and the optimizer's Python around it: a training step
+    of four tiny ``Linear`` and ``ReLU`` modules with Adam, timed, over the ops it dispatches.
+    """
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(4, 4), torch.nn.ReLU()]
+    network = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.Adam(network.parameters())
     inputs = torch.ones(1, 4)
+    _tiny_step(network, optimizer, inputs)  # Adam's state exists from here on, as in a steady step
     counter = _OpCount()
     with counter:
-        _tiny_step(weight, bias, inputs)
+        _tiny_step(network, optimizer, inputs)
 
     def steps() -> None:
         for _ in range(TINY_STEPS):
-            _tiny_step(weight, bias, inputs)
+            _tiny_step(network, optimizer, inputs)
 
     return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
@@ -209,7 +225,7 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
         op_overhead_seconds=overhead,
         source=(
             f"measured in this process: a {MATMUL_SIZE}x{MATMUL_SIZE} matrix product, a {COPY_BYTES // 2**20} MiB"
-            f" copy, a tiny forward and backward; median of {repeats} repeats, {threads} threads,"
+            f" copy, a tiny training step; median of {repeats} repeats, {threads} threads,"
             f" {'CPU time' if clock is time.process_time else 'wall time'}"
         ),
         achieved=1.0,
