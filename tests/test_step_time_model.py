@@ -9,6 +9,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.timing import (
@@ -131,8 +132,12 @@ def test_every_common_gpu_row_has_published_peaks_with_their_source() -> None:
     assert gpu_peaks("NVIDIA A100-SXM4-80GB") is GPU_PEAKS["A100 80GB SXM"]
 
 
-def test_the_host_is_measured_not_assumed() -> None:
+def test_the_host_is_measured_not_assumed_and_the_callers_random_state_stays() -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
     peaks = measure_host(1, time.process_time)
+    assert torch.equal(torch.rand(3), expected)
     figures = (peaks.fp32_flops, peaks.bf16_flops, peaks.fp16_flops, peaks.bandwidth, peaks.op_overhead_seconds)
     assert all(0 < figure < math.inf for figure in figures)
     assert peaks.tf32_flops == peaks.fp32_flops

@@ -98,7 +98,7 @@ def _probes() -> dict[str, Callable[[], object]]:
         "tanh": lambda: aten.tanh(rows),
         "_softmax": lambda: aten._softmax(rows, -1, False),
         "native_layer_norm": lambda: aten.native_layer_norm(rows, [256], None, None, 1e-5),
-        "bernoulli_": lambda: aten.bernoulli_(mask, 0.9),
+        "bernoulli_": lambda: aten.bernoulli_(mask, 0.9, generator=generator),
     }
 
 
@@ -208,12 +208,13 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
-    bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
-    fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
-    bandwidth = _copy_bandwidth(repeats, clock)
-    overhead = _op_overhead(repeats, clock)
-    op_achieved = _op_achieved(fp32, bandwidth, repeats, clock)
+    with torch.random.fork_rng(devices=[]):  # the tiny step's modules draw their weights: the caller's RNG stays
+        fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
+        bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
+        fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
+        bandwidth = _copy_bandwidth(repeats, clock)
+        overhead = _op_overhead(repeats, clock)
+        op_achieved = _op_achieved(fp32, bandwidth, repeats, clock)
     threads = torch.get_num_threads()
     return DevicePeaks(
         name=f"this CPU ({threads} threads)",
