@@ -8,6 +8,7 @@ so that a machine busy with other work is as busy for both. On one torch thread,
 waiting. Prints each round's figures and the medians.
 
     python benchmarks/step_time.py [--rounds 5] [--steps 3] [--wall]
+    python benchmarks/step_time.py --cuda   # on a GPU: the table's published peaks against the real step
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.timing import measure_host, predict_step_time
+from lightning_vram.prediction.timing import gpu_peaks, measure_host, predict_step_time
 from lightning_vram.prediction.timing.host import Clock
 from lightning_vram.records import ReplayedStep, StepTime
 
@@ -119,9 +120,9 @@ class Comparison:
         )
 
 
-def replayed(module: pl.LightningModule, batch: Any) -> ReplayedStep:
-    """The module's step replayed on the CPU under fake tensors, its ops counted."""
-    predictor = Predictor(module, None, batch, placement=torch.device("cpu"), warm_up=True)
+def replayed(module: pl.LightningModule, batch: Any, device: str = "cpu") -> ReplayedStep:
+    """The module's step replayed on ``device`` under fake tensors, its ops counted."""
+    predictor = Predictor(module, None, batch, placement=torch.device(device), warm_up=True)
     with round_of_replays():
         step = predictor.replay(None, count_flops=True)
     if not isinstance(step, ReplayedStep):
@@ -174,12 +175,48 @@ def compare(
     return Comparison(name, tuple(predicted), tuple(measured))
 
 
+def _cuda_step(module: pl.LightningModule, batch: Any, optimizer: torch.optim.Optimizer) -> float:
+    """Wall seconds of one real step on the GPU, from a synchronised start to a synchronised end."""
+    torch.cuda.synchronize()
+    return _real_step(module, batch, optimizer, _synchronised_clock)
+
+
+def _synchronised_clock() -> float:
+    """The wall clock once the GPU has finished what it was given."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def compare_cuda(name: str, steps: int = 20, warm_up: int = 5) -> tuple[StepTime, float]:
+    """Model ``name`` on this machine's GPU: its prediction from the table's peaks against the median real step."""
+    module, batch, length = MODELS[name]()
+    module = module.cuda()
+    batch = tuple(part.cuda() for part in batch) if isinstance(batch, tuple) else batch.cuda()
+    peaks = gpu_peaks(torch.cuda.get_device_name())
+    if peaks is None:
+        raise RuntimeError(f"no published peaks for {torch.cuda.get_device_name()}")
+    step = replayed(module, batch, "cuda")
+    optimizer = module.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    for _ in range(warm_up):
+        _cuda_step(module, batch, optimizer)
+    measured = statistics.median(_cuda_step(module, batch, optimizer) for _ in range(steps))
+    return predict_step_time(step, peaks, sequence_length=length), measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of peaks and steps measured in turn")
     parser.add_argument("--steps", type=int, default=3, help="real steps a round (their median is the round's)")
     parser.add_argument("--wall", action="store_true", help="time by the wall clock, not this process's CPU time")
+    parser.add_argument("--cuda", action="store_true", help="on this machine's GPU, priced by its published peaks")
     arguments = parser.parse_args()
+    if arguments.cuda:
+        for name in MODELS:
+            predicted, measured = compare_cuda(name)
+            print(f"{name}: predicted {predicted}; measured {1000 * measured:.2f} ms (median)")
+            print(f"  predicted/measured {predicted.seconds / measured:.2f}")
+        return
     clock = time.perf_counter if arguments.wall else time.process_time
     for name in MODELS:
         comparison = compare(name, arguments.rounds, arguments.steps, clock=clock)

@@ -208,7 +208,9 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    with torch.random.fork_rng(devices=[]):  # the tiny step's modules draw their weights: the caller's RNG stays
+    # The tiny step's modules draw their weights (the caller's RNG stays) and it runs backward, whatever the
+    # caller's grad mode.
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
         fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
