@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.timing import (
@@ -146,3 +147,17 @@ def test_the_host_is_measured_not_assumed_and_the_callers_random_state_stays() -
     assert set(peaks.op_achieved) >= {"convolution", "convolution_backward", "native_batch_norm", "relu", "_softmax"}
     assert all(share > 0 for share in peaks.op_achieved.values())
     assert "CPU time" in peaks.source
+
+
+def test_measuring_the_host_runs_none_of_the_user_s_global_module_or_optimizer_hooks() -> None:
+    calls: list[str] = []
+    handles = [
+        torch.nn.modules.module.register_module_forward_hook(lambda *_: calls.append("module")),
+        register_optimizer_step_pre_hook(lambda *_: calls.append("optimizer")),
+    ]
+    try:
+        measure_host(1, time.process_time)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == []

@@ -4,7 +4,7 @@ A CPU has no datasheet figure a step could be predicted from (its clocks, cores,
 uses all vary), so its :class:`~lightning_vram.prediction.timing.peaks.DevicePeaks` are measured, once per process
 (about a second), with torch's own kernels and thread count: a matrix product in fp32, bf16 and fp16, a large
 copy, and a tiny training step whose ops do next to nothing (its time over its op count is the cost of an op in a
-training step: dispatch, autograd's bookkeeping, module calls, the optimizer's Python, the allocator). A CPU's
+training step: dispatch, autograd's bookkeeping, the Python around each op, the allocator). A CPU's
 kernels reach their roofline unevenly (a convolution less than a matrix product, a max-pool or a batch norm a
 fraction of the copy's bandwidth, a tanh or a random mask bound by arithmetic that torch's FLOP formulas do not
 count): each such kind of op is run on a small model's tensor sizes, its outputs kept as a step keeps its
@@ -32,7 +32,7 @@ HALF_SIZE = 128
 """Rows of the fp16 product: a CPU without fp16 arithmetic runs it far slower, and its rate is flat in size."""
 COPY_BYTES = 32 * 1024 * 1024
 """Bytes of the tensor copied to measure bandwidth (larger than a CPU's caches)."""
-REPEATS = 7
+REPEATS = 3
 """Timed repeats of each measurement, after one untimed warm-up; the median is kept."""
 TINY_STEPS = 20
 """Tiny training steps timed together, for the cost of one op."""
@@ -156,34 +156,42 @@ class _OpCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
-def _tiny_step(network: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
-    """A training step of a few modules on one sample of four features: ops that do next to nothing."""
-    loss = network(inputs).sum()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
+def _tiny_step(parameters: list[torch.Tensor], moments: list[torch.Tensor], inputs: torch.Tensor) -> None:
+    """A training step of four tiny linear layers with ReLU and an Adam-like update: ops that do next to nothing.
+
+    Functional, with no module or optimizer: their calls would run the process's global module and optimizer
+    hooks, which belong to the user.
+    """
+    hidden = inputs
+    for index in range(0, len(parameters), 2):
+        hidden = torch.relu(torch.nn.functional.linear(hidden, parameters[index], parameters[index + 1]))
+    hidden.sum().backward()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for parameter, first, second in zip(parameters, moments[::2], moments[1::2], strict=True):
+            gradient = parameter.grad
+            assert gradient is not None  # every parameter is used
+            first.lerp_(gradient, 0.1)
+            second.mul_(0.999).addcmul_(gradient, gradient, value=0.001)
+            parameter.addcdiv_(first, second.sqrt().add_(1e-8), value=-1e-3)
+            parameter.grad = None
 
 
 def _op_overhead(repeats: int, clock: Clock) -> float:
     """Seconds one op of a training step adds beyond its arithmetic and memory traffic.
 
-    Its dispatch, autograd's bookkeeping, the module calls and the optimizer's Python around it: a training step
-    of four tiny ``Linear`` and ``ReLU`` modules with Adam, timed, over the ops it dispatches.
+    Its dispatch, autograd's bookkeeping, the Python around each op: a tiny training step timed, over the ops it
+    dispatches.
     """
-    layers: list[torch.nn.Module] = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(4, 4), torch.nn.ReLU()]
-    network = torch.nn.Sequential(*layers)
-    optimizer = torch.optim.Adam(network.parameters())
+    parameters = [torch.full(shape, 0.1, requires_grad=True) for _ in range(4) for shape in ((4, 4), (4,))]
+    moments = [torch.zeros_like(parameter) for parameter in parameters for _ in range(2)]
     inputs = torch.ones(1, 4)
-    _tiny_step(network, optimizer, inputs)  # Adam's state exists from here on, as in a steady step
     counter = _OpCount()
     with counter:
-        _tiny_step(network, optimizer, inputs)
+        _tiny_step(parameters, moments, inputs)
 
     def steps() -> None:
         for _ in range(TINY_STEPS):
-            _tiny_step(network, optimizer, inputs)
+            _tiny_step(parameters, moments, inputs)
 
     return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
@@ -208,8 +216,8 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    # The tiny step's modules draw their weights (the caller's RNG stays) and it runs backward, whatever the
-    # caller's grad mode.
+    # The probes draw random numbers (the caller's RNG stays) and the tiny step runs backward, whatever the caller's
+    # grad mode.
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
