@@ -76,6 +76,9 @@ def _probes() -> dict[str, Callable[[], object]]:
     gradient = torch.randn(32, 32, 32, 32, generator=generator)
     rows = torch.randn(4096, 256, generator=generator)  # 4 MiB: a small transformer's hidden states
     mask = torch.empty_like(rows)
+    queries = torch.randn(16, 128, 32, generator=generator)  # a small transformer's attention, heads batched
+    keys = torch.randn(16, 32, 128, generator=generator)
+    scores = torch.randn(16, 128, 128, generator=generator)
     scale, shift, mean, variance = torch.ones(32), torch.zeros(32), torch.zeros(32), torch.ones(32)
     _, saved_mean, saved_invstd = aten.native_batch_norm(images, scale, shift, mean, variance, True, 0.1, 1e-5)
     pooled, indices = aten.max_pool2d_with_indices(images, [2, 2], [2, 2])
@@ -96,7 +99,8 @@ def _probes() -> dict[str, Callable[[], object]]:
         "relu": lambda: aten.relu(images),
         "threshold_backward": lambda: aten.threshold_backward(gradient, images, 0),
         "tanh": lambda: aten.tanh(rows),
-        "_softmax": lambda: aten._softmax(rows, -1, False),
+        "_softmax": lambda: aten._softmax(scores, -1, False),
+        "bmm": lambda: aten.bmm(queries, keys),
         "native_layer_norm": lambda: aten.native_layer_norm(rows, [256], None, None, 1e-5),
         "bernoulli_": lambda: aten.bernoulli_(mask, 0.9, generator=generator),
     }
