@@ -103,8 +103,11 @@ class StepRun:
         step_function: StepFunction,
         placement: torch.device | None,
         shape: tuple[int, ...] | None = None,
+        accumulate: int = 1,
     ) -> None:
         self.shape = shape
+        self.accumulate = accumulate
+        """``accumulate_grad_batches``: micro-batches whose gradients add up before each optimizer step."""
         self.device = device
         self.precision = precision
         self.change = change
@@ -137,22 +140,43 @@ class StepRun:
             batch = move_batch(batch, self.placement)
         return self.precision.cast_batch(batch)
 
-    def run_step(self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None) -> None:
-        """Forward, zero_grad, backward and optimizer step, with the counters told of each boundary."""
+    def run_micro_batch(
+        self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None, zero_grad: bool = True
+    ) -> None:
+        """Forward, zero_grad (the first micro-batch of a window only) and backward, with the counters told.
+
+        Under accumulation the loss is divided by ``accumulate`` as Lightning divides it; the optimizer does not step.
+        """
         if counter is not None and live is not None:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
         with self.precision.forward_context(self.device.type):
             output = self.step_function(twin.module, batch)
         loss = loss_of(output)
-        _zero_grad(twin.module, twin.optimizers)
+        if self.accumulate > 1:
+            loss = loss / self.accumulate  # not in place, as Lightning divides it
+        if zero_grad:
+            _zero_grad(twin.module, twin.optimizers)
         if counter is not None and live is not None:
             counter.before_backward()
             live.start_phase(Phase.BACKWARD)
+        self.backward(loss)
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward from ``loss``: autograd's engine, or the graph walked where the engine cannot run."""
         if engine_can_run(self.device):
             loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
         else:  # fake CUDA without a CUDA device: autograd's engine cannot run (replay/backward.py)
             graph_backward(loss, self.checkpoint_frames())
+
+    def run_step(
+        self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None, zero_grad: bool = True
+    ) -> None:
+        """Forward, zero_grad, backward and optimizer step, with the counters told of each boundary.
+
+        ``zero_grad=False``: a later micro-batch of an accumulation window, whose backward adds to the gradients.
+        """
+        self.run_micro_batch(twin, batch, counter, live, zero_grad)
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)
