@@ -48,8 +48,6 @@ def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunc
         )
     if step_function is None:
         return "the model has no training_step: pass step_function to VramSession.start to replay its step"
-    if not setup.automatic_optimization:
-        return "manual optimization: the replay follows Lightning's automatic optimization only"
     if setup.strategy in SHARDING_STRATEGIES:
         return f"{setup.strategy}: sharded steps need the other ranks' collectives"
     if setup.world_size > 1 and setup.strategy not in PER_RANK_STRATEGIES:

@@ -320,8 +320,6 @@ class Predictor:
         left = self.seconds_left()
         deadline = None if left is None else time.perf_counter() + left
         started = time.perf_counter()
-        if getattr(self.module, "automatic_optimization", True) is False:
-            return ReplaySkipped("manual optimization: the replay reproduces Lightning's automatic optimization only")
         try:
             plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else self.precision)
         except ValueError as error:
