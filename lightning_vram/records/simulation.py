@@ -427,6 +427,9 @@ class PreflightRemedy:
     peak_bytes: int
     reserved_peak_bytes: int | None = None
     served: bool | None = None
+    accumulation: str | None = None
+    """For a smaller batch: the micro-batch and ``accumulate_grad_batches`` that keep the run's global batch, as the
+    warning says them (:func:`~lightning_vram.records.advice.accumulation_text`); ``None`` for other changes."""
 
 
 @dataclass(frozen=True)
