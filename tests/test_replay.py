@@ -154,7 +154,6 @@ def _small_batch() -> tuple[torch.Tensor, torch.Tensor]:
     [
         (ReadsLoss(nn.Linear(8, 10)), "reads a tensor's value (.item()"),
         (MasksOutputs(nn.Linear(8, 10)), "output shape depends on the data"),
-        (ManualOptimization(), "manual optimization"),
     ],
 )
 def test_a_step_fake_tensors_cannot_run_is_skipped_with_the_reason(module: Classifier, reason: str) -> None:
@@ -163,6 +162,13 @@ def test_a_step_fake_tensors_cannot_run_is_skipped_with_the_reason(module: Class
     assert reason in result.reason
     simulation = Predictor(module, [module.configure_optimizers()], _small_batch()).simulate()
     assert simulation.baseline is None and simulation.skipped == result.reason
+
+
+def test_a_manual_step_that_calls_no_backward_replays_its_forward_pass_only() -> None:
+    # Under manual optimization Lightning runs training_step alone: this one returns a loss and steps nothing.
+    module = ManualOptimization()
+    result = Predictor(module, [module.configure_optimizers()], _small_batch()).baseline()
+    assert isinstance(result, ReplayedStep) and set(result.phases) == {Phase.FORWARD}
 
 
 def test_a_baseline_that_does_not_match_is_not_trusted(

@@ -13,7 +13,7 @@ from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, linear_net, loa
 from torch import nn
 
 from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
-from lightning_vram.records import CheckpointChange, FreeGradientsChange, PrecisionChange
+from lightning_vram.records import CheckpointChange, FreeGradientsChange, Phase, PrecisionChange
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 from lightning_vram.units import format_bytes
 
@@ -82,11 +82,17 @@ class Manual(Classifier):
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize(
-    ("module", "reason"),
-    [(ReadsAValue(cnn_net()), "reads a tensor's value"), (Manual(), "manual optimization")],
-    ids=["item", "manual"],
-)
+def test_a_manual_step_with_one_optimizer_is_replayed_and_matches_its_counts(tmp_path: Path) -> None:
+    monitor = fit(tmp_path, Manual())  # self.optimizers() returns the one optimizer, not a list
+    simulation = monitor.session.simulation
+    assert simulation is not None and simulation.skipped is None
+    assert simulation.match is not None and simulation.match.matches and simulation.match.step == 1
+    assert simulation.baseline is not None
+    forward = simulation.baseline.phases[Phase.FORWARD].breakdown
+    assert forward is not None and forward.gradients == 0  # the step's own zero_grad after its step freed them
+
+
+@pytest.mark.parametrize(("module", "reason"), [(ReadsAValue(cnn_net()), "reads a tensor's value")], ids=["item"])
 def test_a_step_the_replay_cannot_reproduce_is_skipped_with_the_reason(
     tmp_path: Path, module: Classifier, reason: str
 ) -> None:

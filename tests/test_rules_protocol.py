@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from advice_summaries import GIB, MIB, blocks, healthy_setup, healthy_summary, leaky_relu, peak
 from simulations import BASELINE, replayed, simulated
 
@@ -73,6 +75,11 @@ def test_a_rule_reads_back_the_replay_of_the_change_it_declared() -> None:
     simulation = simulated(replayed(halved, 6 * GIB), baseline=BASELINE)
     near = next(advice for advice in advise(summary, setup, simulation) if advice.id == "near-capacity")
     assert "halve the batch to 16 (with accumulate_grad_batches=2): about 2.00 GiB (simulated)" in near.detail
+    # A run that accumulates 4 micro-batches keeps its global batch with twice as many halves.
+    accumulating = replace(setup, accumulate_grad_batches=4)
+    near = next(advice for advice in advise(summary, accumulating, simulation) if advice.id == "near-capacity")
+    assert "halve the batch to 16 (with accumulate_grad_batches=8): about 2.00 GiB (simulated)" in near.detail
+    assert " Half the batch with accumulate_grad_batches=8 sums the gradients of two halves" in near.detail
 
 
 def test_every_rule_that_declares_changes_says_why_it_did_not_advise_them() -> None:

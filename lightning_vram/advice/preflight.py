@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, mixed_precision_for
+from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import Serving, serves_step
@@ -32,6 +33,8 @@ from lightning_vram.records import (
     PreflightVerdict,
     ReplayedStep,
     StepChange,
+    accumulation_text,
+    keeping_global_batch,
 )
 
 
@@ -106,10 +109,22 @@ def preflight(
                         result.peak.peak_bytes,
                         reserved_peak_bytes=None if with_it is None else with_it.reserved_peak_bytes,
                         served=None if with_it is None else with_it.served,
+                        accumulation=_keeping(change, batch_size_of(predictor.batch), predictor.accumulate),
                     )
                 )
         remedies.sort(key=lambda remedy: remedy.peak_bytes)
         return replace(verdict, remedies=tuple(remedies))
+
+
+def _keeping(change: StepChange, batch_size: int | None, accumulate: int) -> str | None:
+    """For a smaller batch, the micro-batch and accumulation that keep the run's global batch; else ``None``.
+
+    The global batch is ``batch_size`` times ``accumulate``; each micro-batch is at most the replayed one.
+    """
+    if not isinstance(change, BatchSizeChange) or batch_size is None:
+        return None
+    kept = keeping_global_batch(batch_size * accumulate, change.batch_size)
+    return None if kept is None else accumulation_text(*kept, batch_size * accumulate)
 
 
 def replay_resized(predictor: Predictor) -> ReplayedStep | str:

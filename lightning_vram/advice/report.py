@@ -47,7 +47,7 @@ def build_report(
         precision=setup.precision if setup is not None else None,
         modules=largest_savers(summary.modules)[:top_modules],
         advice=advice,
-        fit=fit_table(summary, simulation),
+        fit=fit_table(summary, simulation, setup.accumulate_grad_batches if setup is not None else 1),
         ranks=ranks,
         not_measured=not_measured,
         simulation=simulation,

@@ -4,8 +4,11 @@ The changes are the union of those every rule declares
 (:func:`~lightning_vram.advice.rules.registry.changes_to_replay`), so each rule finds its own change replayed when
 the time budget allows.
 
-Called once per run, after the first sampled step past step 0 (so optimizer state exists and the counts are those
-of a steady step), under the time budget the user set. A set-up the replay does not reproduce is skipped with the
+Called once per run, after the first sampled step past step 0 (under gradient accumulation, past the first window:
+so optimizer state exists and the counts are those of a steady step), under the time budget the user set. Gradient
+accumulation and manual optimization are replayed as Lightning runs them (see
+:class:`~lightning_vram.prediction.predictor.Predictor`'s ``accumulate`` and
+:mod:`~lightning_vram.prediction.replay.manual`). A set-up the replay does not reproduce is skipped with the
 reason, and the rules keep their modelled estimates. Under DDP each rank replays its own step on its own (no
 collective runs in a replay), holding DDP's gradient buckets.
 """
@@ -48,10 +51,6 @@ def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunc
         )
     if step_function is None:
         return "the model has no training_step: pass step_function to VramSession.start to replay its step"
-    if not setup.automatic_optimization:
-        return "manual optimization: the replay follows Lightning's automatic optimization only"
-    if setup.accumulate_grad_batches > 1:
-        return "gradient accumulation: the replay runs one optimizer step per batch"
     if setup.strategy in SHARDING_STRATEGIES:
         return f"{setup.strategy}: sharded steps need the other ranks' collectives"
     if setup.world_size > 1 and setup.strategy not in PER_RANK_STRATEGIES:

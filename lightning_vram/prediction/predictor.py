@@ -80,6 +80,7 @@ from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
     Attribution,
     BatchSizeChange,
+    Breakdown,
     Calibration,
     FreeGradientsChange,
     Phase,
@@ -143,6 +144,13 @@ class Predictor:
         shard: applied to each replay's fake module after the step's own changes, before its optimizers are built
             (FSDP2's ``fully_shard`` under a fake process group: see
             :mod:`~lightning_vram.prediction.strategies.fsdp2`). ``None``: nothing.
+        accumulate: ``accumulate_grad_batches``. Above 1 a replay runs two micro-batches of a window: the first
+            (its gradients set to ``None`` before backward, as Lightning's ``zero_grad`` does after the first forward
+            pass of a window), counted apart (``ReplayedStep.window_first``), then a later one, whose backward adds to
+            the gradients the first left, and the optimizer step, counted as the step (``ReplayedStep.phases``, its
+            timeline and FLOPs). Every later micro-batch of a window holds what the second holds (the same forward
+            pass, the same gradients alive, the same accumulation) and only the window's last adds the optimizer
+            step: so the two and the step give the window's highest figure of each phase, at any ``accumulate``.
     """
 
     def __init__(
@@ -167,6 +175,7 @@ class Predictor:
         measured: Mapping[Phase, PhasePeak] | None = None,
         strategy: StrategyBuffers | None = None,
         shard: Callable[[nn.Module], None] | None = None,
+        accumulate: int = 1,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -197,6 +206,7 @@ class Predictor:
         self.measured = measured
         self.strategy = strategy
         self.shard = shard
+        self.accumulate = accumulate
         self.carried: Calibration | None = None
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
@@ -338,8 +348,6 @@ class Predictor:
         left = self.seconds_left()
         deadline = None if left is None else time.perf_counter() + left
         started = time.perf_counter()
-        if getattr(self.module, "automatic_optimization", True) is False:
-            return ReplaySkipped("manual optimization: the replay reproduces Lightning's automatic optimization only")
         try:
             plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else self.precision)
         except ValueError as error:
@@ -366,8 +374,11 @@ class Predictor:
     ) -> ReplayedStep | ReplaySkipped:
         """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds)."""
         anomaly_detection = torch.is_anomaly_enabled()  # off while the replay runs (isolated())
-        run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape)
+        run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape, self.accumulate)
         counter: ReplayCounter | None = None
+        first: ReplayCounter | None = None
+        first_counts: dict[Phase, Breakdown] | None = None
+        first_peaks: dict[Phase, int] = {}
         frames = CheckpointFrames()
         run.checkpoint_frames = frames.recorded
         try:
@@ -408,7 +419,6 @@ class Predictor:
                     timeline = TimelineRecorder(
                         lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module
                     )
-                    live.add_sampler(timeline)
                     workspaces = LibraryWorkspaces(
                         allocations, self.compute_capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
                     )
@@ -417,12 +427,22 @@ class Predictor:
                     if reserved is not None:
                         live.add_sampler(reserved)
                     probe = WorkspaceProbe()
-                    flops = StepFlops(lambda: counter is not None and counter.current_module is not None)
-                    if count_flops:
-                        live.add_op_listener(flops.count)
-                        live.add_sampler(flops)
+                    flops = (
+                        StepFlops(lambda: counter is not None and counter.current_module is not None)
+                        if count_flops
+                        else None
+                    )
                     with probe, live:
-                        run.run_step(twin, fake_batch, counter, live)
+                        if self.accumulate > 1:  # the window's first micro-batch, counted on its own
+                            first = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
+                            live.add_listener(first.on_output)
+                            run.run_micro_batch(twin, fake_batch, first, live)
+                            first_counts, first_peaks = first.finish()[0], live.restart()
+                        live.add_sampler(timeline)
+                        if flops is not None:
+                            live.add_op_listener(flops.count)
+                            live.add_sampler(flops)
+                        run.run_step(twin, fake_batch, counter, live, zero_grad=self.accumulate == 1)
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}
                     sequence = reserved.sequence() if reserved is not None else None
@@ -436,8 +456,9 @@ class Predictor:
             drain_autograd()
             return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
         finally:
-            if counter is not None:
-                counter.close()
+            for opened in (counter, first):
+                if opened is not None:
+                    opened.close()
         if change is None and reserved is not None:
             self._sequence = reserved
         step = self.calibration.step if self.calibration is not None else 0
@@ -472,10 +493,16 @@ class Predictor:
                 ),
             ),
             timeline=timeline.finish(),
-            flops=flops.get_total_flops() if count_flops else None,
-            work=flops.work() if count_flops else None,
+            flops=flops.get_total_flops() if flops is not None else None,
+            work=flops.work() if flops is not None else None,
             allocations=sequence,
             allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
             strategy=self.strategy,
+            window_first=None
+            if first_counts is None
+            else {
+                phase: PhasePeak(step, phase, first_peaks[phase], None, counted.with_measured_peak(first_peaks[phase]))
+                for phase, counted in first_counts.items()
+            },
         )
         return carry(replayed, self.carried, batch_size_of(self.batch)) if self.carried is not None else replayed

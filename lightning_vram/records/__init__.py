@@ -15,6 +15,8 @@ from lightning_vram.records.advice import (
     NotAdvised,
     SavingBasis,
     Severity,
+    accumulation_text,
+    keeping_global_batch,
 )
 from lightning_vram.records.measured import (
     CATEGORIES,
@@ -144,6 +146,8 @@ __all__ = [
     "TrainingSetup",
     "UtilizationReading",
     "VariantResult",
+    "accumulation_text",
     "advised_variant",
     "in_phase_order",
+    "keeping_global_batch",
 ]

@@ -6,7 +6,7 @@ severities (:class:`Severity`) and where a saving comes from (:class:`SavingBasi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -187,6 +187,39 @@ class FitRow:
     """Where batches above an answer are served again after some that are not (``"served to 336; 337-341 not served
     (fragmentation), served again at 342-352"``): each answer is the largest with every batch from the run's to it
     served. ``None``: no such gap, or a report before 0.12."""
+    micro_batch_size: int | None = None
+    """Where this run's batch does not fit (above :attr:`max_batch_size`): the micro-batch that keeps the run's global
+    batch (its batch times ``accumulate_grad_batches``) with :attr:`accumulate_grad_batches`
+    (:func:`keeping_global_batch`). ``None``: the batch fits, nothing fits, or a report before 0.13."""
+    accumulate_grad_batches: int | None = None
+    """The ``accumulate_grad_batches`` that goes with :attr:`micro_batch_size` (``None`` with it)."""
+    global_batch_size: int | None = None
+    """The run's global batch (samples per optimizer step) the micro-batch keeps (``None`` with it)."""
+
+    def keeping(self, batch_size: int, accumulate: int) -> FitRow:
+        """The row with the micro-batch and accumulation that keep a run's global batch, where its batch does not fit.
+
+        ``batch_size``: the run's batch (a micro-batch under accumulation); ``accumulate``: its
+        ``accumulate_grad_batches``. Unchanged where the batch fits or nothing fits.
+
+        >>> print(FitRow("A100", 80, 10).keeping(16, 4).accumulation_text)
+        micro-batch 10 with accumulate_grad_batches=7 (global batch 70, the run's 64)
+        >>> print(FitRow("A100", 80, 30).keeping(100, 1).accumulation_text)
+        micro-batch 25 with accumulate_grad_batches=4 (global batch 100, as now)
+        """
+        kept = keeping_global_batch(batch_size * accumulate, self.max_batch_size)
+        if batch_size <= self.max_batch_size or kept is None:
+            return self
+        micro, steps = kept
+        global_batch = batch_size * accumulate
+        return replace(self, micro_batch_size=micro, accumulate_grad_batches=steps, global_batch_size=global_batch)
+
+    @property
+    def accumulation_text(self) -> str | None:
+        """The micro-batch that keeps the run's global batch, as a report says it (``None`` where there is none)."""
+        if self.micro_batch_size is None or self.accumulate_grad_batches is None or self.global_batch_size is None:
+            return None
+        return accumulation_text(self.micro_batch_size, self.accumulate_grad_batches, self.global_batch_size)
 
     @property
     def batch_text(self) -> str:
@@ -218,3 +251,32 @@ class FitRow:
         if self.allocator is None:
             return "tensor peak, 10% kept free"
         return f"simulated allocator ({self.allocator or 'torch defaults'})"
+
+
+def keeping_global_batch(global_batch: int, max_micro_batch: int) -> tuple[int, int] | None:
+    """The micro-batch and ``accumulate_grad_batches`` that keep ``global_batch`` samples per optimizer step.
+
+    Micro-batches of at most ``max_micro_batch``: the fewest that hold the global batch (``ceil``), each the smallest
+    that keeps it with that many, so that their product is the global batch or, where it does not divide, a little
+    more (less than one sample per micro-batch). ``None`` where no micro-batch fits (``max_micro_batch`` 0).
+
+    >>> keeping_global_batch(100, 30)
+    (25, 4)
+    >>> keeping_global_batch(64, 10)
+    (10, 7)
+    """
+    if max_micro_batch <= 0 or global_batch <= 0:
+        return None
+    steps = -(-global_batch // max_micro_batch)
+    return -(-global_batch // steps), steps
+
+
+def accumulation_text(micro_batch: int, accumulate: int, global_batch: int) -> str:
+    """A micro-batch and its accumulation as a report says it, with the global batch they make beside the run's.
+
+    >>> accumulation_text(10, 7, 64)
+    "micro-batch 10 with accumulate_grad_batches=7 (global batch 70, the run's 64)"
+    """
+    kept = micro_batch * accumulate
+    global_text = "as now" if kept == global_batch else f"the run's {global_batch}"
+    return f"micro-batch {micro_batch} with accumulate_grad_batches={accumulate} (global batch {kept}, {global_text})"

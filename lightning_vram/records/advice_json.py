@@ -28,7 +28,12 @@ def advice_to_dict(advice: Advice) -> dict[str, Any]:
 
 
 def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
-    """One row of the report's ``fit`` table."""
+    """One row of the report's ``fit`` table (the micro-batch that keeps the global batch only where there is one)."""
+    kept = {
+        "micro_batch_size": row.micro_batch_size,
+        "accumulate_grad_batches": row.accumulate_grad_batches,
+        "global_batch_size": row.global_batch_size,
+    }
     return {
         "device": row.device,
         "capacity_bytes": row.capacity_bytes,
@@ -38,6 +43,7 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
         "allocator": row.allocator,
         "expandable_max_batch_size": row.expandable_max_batch_size,
         "note": row.note,
+        **(kept if row.micro_batch_size is not None else {}),
     }
 
 
@@ -100,7 +106,16 @@ def fit_row_from_dict(data: Any, where: str) -> FitRow:
             fields.optional_integer("expandable_max_batch_size") if fields.has("expandable_max_batch_size") else None
         ),
         note=fields.optional_text("note") if fields.has("note") else None,  # absent up to 0.12's first reports
+        # The three absent up to 0.12: no micro-batch given.
+        micro_batch_size=_optional_integer(fields, "micro_batch_size"),
+        accumulate_grad_batches=_optional_integer(fields, "accumulate_grad_batches"),
+        global_batch_size=_optional_integer(fields, "global_batch_size"),
     )
+
+
+def _optional_integer(fields: Reader, name: str) -> int | None:
+    """An optional integer field, ``None`` where the report has no such field."""
+    return fields.optional_integer(name) if fields.has(name) else None
 
 
 def not_advised_to_dict(item: NotAdvised) -> dict[str, Any]:

@@ -217,6 +217,11 @@ class ReplayedStep:
     torch reads it, ``""``: torch's defaults); ``None`` with :attr:`allocations`."""
     strategy: StrategyBuffers | None = None
     """What the strategy holds beyond the step, in every phase's peak and ``other`` (``None``: nothing added)."""
+    window_first: dict[Phase, PhasePeak] | None = field(default=None, compare=False, repr=False)
+    """Under gradient accumulation, the phases of the window's first micro-batch (its gradients set to ``None``
+    before backward, no optimizer step), beside :attr:`phases`, a later micro-batch and the optimizer step, which hold
+    the most; kept in memory only, for the baseline's match of a sampled first micro-batch (``None``: no
+    accumulation, or read back from JSON)."""
 
     @property
     def peak(self) -> PhasePeak:
@@ -426,6 +431,9 @@ class PreflightRemedy:
     peak_bytes: int
     reserved_peak_bytes: int | None = None
     served: bool | None = None
+    accumulation: str | None = None
+    """For a smaller batch: the micro-batch and ``accumulate_grad_batches`` that keep the run's global batch, as the
+    warning says them (:func:`~lightning_vram.records.advice.accumulation_text`); ``None`` for other changes."""
 
 
 @dataclass(frozen=True)

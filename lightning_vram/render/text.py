@@ -328,9 +328,15 @@ def not_advised_markdown(items: tuple[NotAdvised, ...]) -> list[str]:
 def fit_assumption(rows: Sequence[FitRow]) -> str:
     """What the fit table assumed, one sentence: the simulated allocator and its settings, or the margin kept.
 
+    Then, where the run's batch does not fit a GPU, the micro-batch and accumulation that keep its global batch.
+
     >>> fit_assumption([FitRow("H200", 141, 150, SavingBasis.SIMULATED, allocator="")]).split(" serves")[0]
     'A batch fits where the simulated CUDA caching allocator (torch defaults)'
     """
+    return _fit_rule(rows) + _kept_global_batch(rows)
+
+
+def _fit_rule(rows: Sequence[FitRow]) -> str:
     settings = sorted({row.allocator for row in rows if row.allocator is not None})
     if not settings:
         return "A batch fits where its tensor peak and the CUDA context leave 10% of the card free."
@@ -340,6 +346,16 @@ def fit_assumption(rows: Sequence[FitRow]) -> str:
         f"A batch fits where the simulated CUDA caching allocator ({named}) serves its whole step in the card's"
         f" memory less the CUDA context, no margin kept.{gaps}"
     )
+
+
+def _kept_global_batch(rows: Sequence[FitRow]) -> str:
+    """Where the run's batch does not fit: the micro-batch and accumulation that keep its global batch, per GPU.
+
+    >>> print(_kept_global_batch([FitRow("A100", 40, 10).keeping(16, 4)]).split(": ")[1])
+    A100, micro-batch 10 with accumulate_grad_batches=7 (global batch 70, the run's 64).
+    """
+    kept = [f"{row.device}, {row.accumulation_text}" for row in rows if row.accumulation_text is not None]
+    return f" Where this run's batch does not fit: {'; '.join(kept)}." if kept else ""
 
 
 def markdown_table(table: Table) -> list[str]:
@@ -489,6 +505,7 @@ def _remedies_text(remedies: Sequence[PreflightRemedy]) -> str:
     return "; ".join(
         f"{remedy.label}: peak {format_bytes(remedy.peak_bytes)}"
         + ("" if remedy.reserved_peak_bytes is None else f", reserved {format_bytes(remedy.reserved_peak_bytes)}")
+        + ("" if remedy.accumulation is None else f", as {remedy.accumulation}")
         for remedy in remedies
     )
 

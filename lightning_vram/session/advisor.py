@@ -120,6 +120,7 @@ class Advisor:
                 budget_seconds=budget,
                 compute_capability=device.compute_capability,
                 strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
+                accumulate=training.accumulate_grad_batches,
             )
             free = probe.free_bytes() if on_cuda else None
             if free is None or reading is None:
@@ -195,7 +196,8 @@ class Advisor:
     ) -> None:
         """Replay a counted step and every change the rules could advise.
 
-        The first sampled step past step 0, then a step whose batch is larger than any replayed (``worst``).
+        The first sampled step past step 0 (under gradient accumulation, past the first window: its optimizer state
+        exists), then a step whose batch is larger than any replayed (``worst``).
 
         ``size`` is the batch's elements and its length (``None``: no varying dimension), for the per-length table.
         """
@@ -209,8 +211,8 @@ class Advisor:
 
         def replay() -> Simulation | None:
             training = context.setup()
-            if training is None:
-                return None
+            if training is None or attribution.step < training.accumulate_grad_batches:
+                return None  # under accumulation, a micro-batch after the first optimizer step: its state exists
             step_function = context.step_function
             strategy = self._strategy(training)
             reason = unsupported(model, training, step_function) or (strategy if isinstance(strategy, str) else None)
@@ -232,6 +234,7 @@ class Advisor:
                 allocator=settings if isinstance(settings, AllocatorSettings) else None,
                 measured=measured,
                 strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
+                accumulate=training.accumulate_grad_batches,
             )
             return try_changes(predictor, run, training)
 

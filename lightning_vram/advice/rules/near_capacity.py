@@ -87,9 +87,12 @@ def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]
 
 
 def _halved_batch(
-    summary: RunSummary, peak: PhasePeak, breakdown: Breakdown, simulation: Simulation | None
+    summary: RunSummary, peak: PhasePeak, breakdown: Breakdown, simulation: Simulation | None, accumulate: int
 ) -> Remedy | None:
-    """Halving the batch: replayed where the simulation tried that batch, else half of what grows with the batch."""
+    """Halving the batch: replayed where the simulation tried that batch, else half of what grows with the batch.
+
+    ``accumulate``: the run's ``accumulate_grad_batches``, doubled to keep its global batch.
+    """
     halved = _halved(summary)
     if halved is None:
         return None
@@ -101,7 +104,7 @@ def _halved_batch(
     saving = resolve_saving(simulation, halved, modelled, measured=peak)
     if not isinstance(saving, Saving):
         return None
-    name = f"halve the batch to {halved.batch_size} (with accumulate_grad_batches=2)"
+    name = f"halve the batch to {halved.batch_size} (with accumulate_grad_batches={2 * accumulate})"
     name += _served_text(summary, halved, simulation)
     return Remedy(name, saving.saving_bytes, saving.basis, saving.predicted_peak_bytes)
 
@@ -124,15 +127,15 @@ def _served_text(summary: RunSummary, change: BatchSizeChange, simulation: Simul
     return ", still not served by the simulated allocator"
 
 
-def _halved_trains(summary: RunSummary) -> str:
-    """What training with half the batch and ``accumulate_grad_batches=2`` changes: a sentence for the detail.
+def _halved_trains(summary: RunSummary, accumulate: int) -> str:
+    """What training with half the batch and twice the run's ``accumulate`` changes: a sentence for the detail.
 
     The gradients of two halves, each loss divided by 2, add up to the whole batch's in another order; BatchNorm
     normalises over each half and updates its statistics once per half.
     """
     text = (
-        " Half the batch with accumulate_grad_batches=2 sums the gradients of two halves: the same as the whole"
-        " batch's up to float32 rounding (about 1e-6 relative)"
+        f" Half the batch with accumulate_grad_batches={2 * accumulate} sums the gradients of two halves: the same as"
+        " the whole batch's up to float32 rounding (about 1e-6 relative)"
     )
     if not any("BatchNorm" in profile.type for profile in summary.modules):
         return f"{text}."
@@ -161,7 +164,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         for rule in NEAR_CAPACITY_REMEDIES
         if (advice := rule.advise(summary, setup, simulation)) is not None and advice.estimated_saving_bytes
     ]
-    halved = _halved_batch(summary, peak, breakdown, simulation)
+    halved = _halved_batch(summary, peak, breakdown, simulation, setup.accumulate_grad_batches)
     if halved is not None and halved.saving_bytes > 0:
         remedies.append(halved)
     remedies.sort(key=lambda remedy: -remedy.saving_bytes)
@@ -175,7 +178,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         severity=Severity.CRITICAL,
         title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
         detail=f"Remedies this run's measurements support, largest saving first: {listed or NONE_MEASURED}."
-        + (_halved_trains(summary) if halved is not None and halved in remedies else ""),
+        + (_halved_trains(summary, setup.accumulate_grad_batches) if halved is not None and halved in remedies else ""),
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
             f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from lightning_vram.records import COUNTED_PARTS, LIVE_PEAK_PART, Attribution, BaselineMatch, PartMatch, ReplayedStep
+from collections.abc import Mapping
+
+from lightning_vram.records import (
+    COUNTED_PARTS,
+    LIVE_PEAK_PART,
+    Attribution,
+    BaselineMatch,
+    PartMatch,
+    Phase,
+    PhasePeak,
+    ReplayedStep,
+)
 
 BASELINE_TOLERANCE = 0.01
 """Each part of each phase must be within 1% of the sampled step's count before a variant is trusted."""
@@ -16,10 +27,27 @@ def match_baseline(
     Where the sampled step also counted every live tensor (its breakdowns carry ``other``: the CPU), each phase's
     live peak is compared with the replay's too, so that savings read as live-peak differences rest on a replay
     that reproduces the live peak. A phase the replay lacks compares as zero bytes.
+
+    Under gradient accumulation a sampled step is one micro-batch: one with an optimizer step, or a later one of its
+    window, is compared with the replay's :attr:`~lightning_vram.records.ReplayedStep.phases` (a later micro-batch,
+    whose backward adds to the gradients); one without, that does not match them, with the window's first
+    (:attr:`~lightning_vram.records.ReplayedStep.window_first`: its gradients set to ``None`` before backward). The
+    sampled micro-batch's place in its window is thus read from its counts, not from its index (an epoch whose
+    length is not a multiple of the window moves it).
     """
+    match = _match_phases(replayed, replayed.phases, attribution, tolerance)
+    if match.matches or replayed.window_first is None or Phase.OPTIMIZER in attribution.phases:
+        return match
+    first = _match_phases(replayed, replayed.window_first, attribution, tolerance)
+    return first if first.matches else match
+
+
+def _match_phases(
+    replayed: ReplayedStep, phases: Mapping[Phase, PhasePeak], attribution: Attribution, tolerance: float
+) -> BaselineMatch:
     parts = []
     for phase, measured in attribution.phases.items():
-        peak = replayed.phases.get(phase)
+        peak = phases.get(phase)
         breakdown = peak.breakdown if peak is not None else None
         for part in COUNTED_PARTS:
             replayed_bytes = getattr(breakdown, part) if breakdown is not None else 0

@@ -73,7 +73,8 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._producers: dict[int, str] = {}
         self.live_bytes = 0
         self._phase: Phase | None = None
-        self.phase_peaks: dict[Phase, int] = {}
+        self._segment_peak = 0
+        self._closed: dict[Phase, int] = {}  # the highest live bytes of each phase whose segment has closed
         self._listeners: list[Callable[[Any], None]] = []
         self._op_listeners: list[Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]] = []
         self._samplers: list[Sampler] = []
@@ -129,19 +130,46 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """The name of the op (``_log_softmax``: no namespace, no overload) that produced storage ``key``, if seen."""
         return self._producers.get(key)
 
-    def start_phase(self, phase: Phase) -> None:
-        """A phase starts: its peak starts from the bytes live now."""
+    @property
+    def phase_peaks(self) -> dict[Phase, int]:
+        """The highest live bytes of each phase so far (the open segment's included), bytes."""
+        peaks = dict(self._closed)
+        if self._phase is not None:
+            peaks[self._phase] = max(peaks.get(self._phase, 0), self._segment_peak)
+        return peaks
+
+    def start_phase(self, phase: Phase, ended: Phase | None = None) -> None:
+        """A phase starts: its peak starts from the bytes live now.
+
+        ``ended``: the phase the segment that ends now is counted as, where it is not the one it started as (under
+        manual optimization, the segment from an optimizer step to the next backward is a forward pass, as the
+        monitor counts it); ``None``: the phase it started as.
+        """
+        self._close_segment(ended)
         self._phase = phase
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.live_bytes)
+        self._segment_peak = self.live_bytes
         for sampler in self._samplers:
             sampler.start_phase(phase)
         if self._allocations is not None:
             self._allocations.reset_peaks()
 
+    def _close_segment(self, ended: Phase | None) -> None:
+        counted = ended or self._phase
+        if counted is not None and self._phase is not None:
+            self._closed[counted] = max(self._closed.get(counted, 0), self._segment_peak)
+
+    def restart(self) -> dict[Phase, int]:
+        """Close the open segment and start counting peaks afresh: the peaks so far, by phase (bytes).
+
+        Between an accumulation window's micro-batches, each counted on its own.
+        """
+        peaks = self.phase_peaks
+        self._closed, self._phase = {}, None
+        return peaks
+
     def _observe(self) -> None:
-        phase = self._phase
-        if phase is not None and self.live_bytes > self.phase_peaks[phase]:
-            self.phase_peaks[phase] = self.live_bytes
+        if self._phase is not None and self.live_bytes > self._segment_peak:
+            self._segment_peak = self.live_bytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -2,10 +2,14 @@
 
 The step follows Lightning's automatic optimization: ``training_step`` (under the precision's forward context),
 ``optimizer_zero_grad`` (``set_to_none`` by default), backward, each optimizer's ``step``
-(:meth:`StepRun.run_step`); backward is autograd's engine, except on fake CUDA without a CUDA device, where the
-engine cannot run and the graph is walked in Python (:mod:`~lightning_vram.prediction.replay.backward`). Only the
-replay's fake copy runs (:mod:`~lightning_vram.prediction.replay.twin`);
-:class:`~lightning_vram.prediction.predictor.Predictor` puts the pieces together, contained.
+(:meth:`StepRun.run_step`), with an accumulation window's micro-batches as Lightning runs them (the loss divided by
+``accumulate_grad_batches``, ``zero_grad`` in the window's first only: :meth:`StepRun.run_micro_batch`); or, under
+manual optimization, ``training_step`` alone, on the copy's own optimizers and backward
+(:mod:`~lightning_vram.prediction.replay.manual`). Backward is autograd's engine, except on fake CUDA without a CUDA
+device, where the engine cannot run and the graph is walked in Python
+(:mod:`~lightning_vram.prediction.replay.backward`). Only the replay's fake copy runs
+(:mod:`~lightning_vram.prediction.replay.twin`); :class:`~lightning_vram.prediction.predictor.Predictor` puts the
+pieces together, contained.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from lightning_vram.prediction.replay.batches import (
 from lightning_vram.prediction.replay.changes import change_module
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.live import LiveMemory
+from lightning_vram.prediction.replay.manual import bind_manual
 from lightning_vram.prediction.replay.precision import PrecisionPlan
 from lightning_vram.prediction.replay.twin import (
     Twin,
@@ -103,8 +108,11 @@ class StepRun:
         step_function: StepFunction,
         placement: torch.device | None,
         shape: tuple[int, ...] | None = None,
+        accumulate: int = 1,
     ) -> None:
         self.shape = shape
+        self.accumulate = accumulate
+        """``accumulate_grad_batches``: micro-batches whose gradients add up before each optimizer step."""
         self.device = device
         self.precision = precision
         self.change = change
@@ -137,27 +145,82 @@ class StepRun:
             batch = move_batch(batch, self.placement)
         return self.precision.cast_batch(batch)
 
-    def run_step(self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None) -> None:
-        """Forward, zero_grad, backward and optimizer step, with the counters told of each boundary."""
+    def run_micro_batch(
+        self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None, zero_grad: bool = True
+    ) -> None:
+        """Forward, zero_grad (the first micro-batch of a window only) and backward, with the counters told.
+
+        Under accumulation the loss is divided by ``accumulate`` as Lightning divides it; the optimizer does not step.
+        """
         if counter is not None and live is not None:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
         with self.precision.forward_context(self.device.type):
             output = self.step_function(twin.module, batch)
         loss = loss_of(output)
-        _zero_grad(twin.module, twin.optimizers)
+        if self.accumulate > 1:
+            loss = loss / self.accumulate  # not in place, as Lightning divides it
+        if zero_grad:
+            _zero_grad(twin.module, twin.optimizers)
         if counter is not None and live is not None:
             counter.before_backward()
             live.start_phase(Phase.BACKWARD)
+        self.backward(loss)
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward from ``loss``: autograd's engine, or the graph walked where the engine cannot run.
+
+        ``args``, ``kwargs``: as ``Tensor.backward`` takes them (``retain_graph``), for the engine.
+        """
         if engine_can_run(self.device):
-            loss.backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
+            loss.backward(*args, **kwargs)  # type: ignore[no-untyped-call]  # torch ships it unannotated here
         else:  # fake CUDA without a CUDA device: autograd's engine cannot run (replay/backward.py)
             graph_backward(loss, self.checkpoint_frames())
+
+    def run_step(
+        self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None, zero_grad: bool = True
+    ) -> None:
+        """Forward, zero_grad, backward and optimizer step, with the counters told of each boundary.
+
+        ``zero_grad=False``: a later micro-batch of an accumulation window, whose backward adds to the gradients.
+        Under manual optimization the user's ``training_step`` runs alone, calling backward and the optimizers as it
+        does (:meth:`run_manual`).
+        """
+        if getattr(twin.module, "automatic_optimization", True) is False:
+            self.run_manual(twin, batch, counter, live)
+            return
+        self.run_micro_batch(twin, batch, counter, live, zero_grad)
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)
         for optimizer in twin.optimizers:
             optimizer.step()
+
+    def run_manual(self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None) -> None:
+        """``training_step`` under manual optimization, on the copy's own optimizers and backward.
+
+        Each ``manual_backward`` ends a forward segment and each optimizer step a backward one (or an optimizer one,
+        after another step), as the monitor's hooks count a manual step
+        (:class:`~lightning_vram.measure.accounting.StepAttributor`): the segment from an optimizer step to the next
+        backward is a forward pass, the one after the last step the optimizer phase.
+        """
+
+        def before_backward() -> None:
+            if counter is not None and live is not None:
+                counter.before_backward()
+                live.start_phase(Phase.BACKWARD, ended=Phase.FORWARD)
+
+        def before_step() -> None:
+            if counter is not None and live is not None:
+                counter.before_optimizer_step()
+                live.start_phase(Phase.OPTIMIZER)
+
+        bind_manual(twin.module, twin.optimizers, self.backward, before_backward, before_step)
+        if counter is not None and live is not None:
+            counter.begin_forward()
+            live.start_phase(Phase.FORWARD)
+        with self.precision.forward_context(self.device.type):
+            self.step_function(twin.module, batch)
 
 
 def release_frames(error: BaseException) -> None:

@@ -1,0 +1,74 @@
+"""Gradient accumulation replayed (issue 26, item 3): a window's micro-batches as Lightning runs them.
+
+0.11.0 skipped the replay of any run with ``accumulate_grad_batches > 1`` ("the replay runs one optimizer step per
+batch"): its advice stayed modelled. The replay now runs the window's first micro-batch (its gradients set to None
+before backward) and a later one with the optimizer step; a sampled micro-batch matches the one of its place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from models import OPTIMIZERS, Classifier, dataset_for, loader, trainer
+from torch import nn
+
+from lightning_vram import VramMonitor
+from lightning_vram.records import COUNTED_PARTS, Phase, SavingBasis
+
+pytestmark = pytest.mark.replay
+
+
+def deep_cnn() -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(4):
+        layers += [nn.BatchNorm2d(16), nn.ReLU(inplace=True), nn.Conv2d(16, 16, 3, padding=1)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def accumulated(tmp_path: Path, sampled: int) -> VramMonitor:
+    torch.manual_seed(0)
+    monitor = VramMonitor(attribution_start_step=sampled, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=3, accumulate_grad_batches=4).fit(
+        Classifier(deep_cnn(), OPTIMIZERS["adam"]), loader(dataset_for("cnn"), batch_size=16)
+    )
+    return monitor
+
+
+@pytest.mark.parametrize(("sampled", "place"), [(4, "first"), (5, "later"), (7, "last")])
+def test_a_sampled_micro_batch_matches_the_replayed_one_of_its_place_and_advice_is_simulated(
+    tmp_path: Path, sampled: int, place: str
+) -> None:
+    monitor = accumulated(tmp_path, sampled)
+    simulation = monitor.session.simulation
+    assert simulation is not None and simulation.skipped is None
+    match, baseline = simulation.match, simulation.baseline
+    assert match is not None and match.matches and match.step == sampled
+    assert baseline is not None and baseline.window_first is not None
+    for part in match.parts:
+        print(f"{place} {part.phase.value:9} {part.part:16} {part.measured_bytes:8} {part.replayed_bytes:8}")
+        assert part.relative_error <= match.tolerance
+    phases = {part.phase for part in match.parts}
+    assert phases == (
+        {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER} if place == "last" else {Phase.FORWARD, Phase.BACKWARD}
+    )
+    compared = baseline.window_first if place == "first" else baseline.phases
+    for part in match.parts:
+        if part.part in COUNTED_PARTS:
+            breakdown = compared[part.phase].breakdown
+            assert breakdown is not None and getattr(breakdown, part.part) == part.replayed_bytes
+    # The later micro-batch's backward adds to the gradients the first left: it holds more, and is the steady figure.
+    first_backward, steady_backward = baseline.window_first[Phase.BACKWARD], baseline.phases[Phase.BACKWARD]
+    assert steady_backward.peak_bytes > first_backward.peak_bytes
+    assert first_backward.breakdown is not None and steady_backward.breakdown is not None
+    assert first_backward.breakdown.gradients < steady_backward.breakdown.gradients == 40104
+    report = monitor.report
+    assert report is not None and report.advice
+    assert {advice.saving_basis for advice in report.advice if advice.estimated_saving_bytes} == {SavingBasis.SIMULATED}
+
+
+def test_no_micro_batch_before_the_first_optimizer_step_is_replayed(tmp_path: Path) -> None:
+    monitor = accumulated(tmp_path, 2)  # the window's third micro-batch: no optimizer state exists yet
+    assert monitor.session.simulation is None
+    assert monitor.report is not None and monitor.report.simulation is None
