@@ -24,6 +24,9 @@ from torch.utils.data import TensorDataset
 from transformers_models import VOCAB, FineTuned
 
 from lightning_vram import VramMonitor, predict
+from lightning_vram.advice.budget import plan_for_budget
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.records import ReplayedStep
 from lightning_vram.records.budget import BudgetPlan
 
 pytestmark = pytest.mark.replay  # predict() replays
@@ -114,7 +117,8 @@ def test_budget_plan_as_printed_fits_as_predicted_and_trains_the_same(tmp_path: 
     print(f"{case}: unchanged {unchanged:,} B, budget {budget:,} B;", *found.lines(), sep="\n")
     assert found.fits and found.plan is not None and found.code is not None and found.peak_bytes is not None
     assert found.peak_bytes <= budget
-    assert found.recomputed_flops is not None and 0 < found.recomputed_flops < found.step_flops  # type: ignore[operator]
+    assert found.step_flops is not None and found.recomputed_flops is not None
+    assert 0 <= found.recomputed_flops < found.step_flops
 
     torch.manual_seed(1)
     applied = make()
@@ -154,3 +158,47 @@ def test_a_budget_below_every_plan_says_so_with_the_smallest_peak_reached() -> N
 def test_a_bad_memory_budget_is_refused_naming_the_argument(bad: object) -> None:
     with pytest.raises(ValueError, match="memory_budget must be a number of bytes"):
         predict(Classifier(ResNetStyle()), first_batch(images(4), 4), device_type="cpu", memory_budget=bad)  # type: ignore[arg-type]
+
+
+def test_whole_units_only_plan_as_printed_fits_as_predicted_and_trains_the_same(tmp_path: Path) -> None:
+    """The transformer encoder's plan without selective checkpointing: whole layers in the ``Checkpointed`` wrapper."""
+    data = token_classes(6 * 16, 64)
+    batch = first_batch(data, 16)
+    torch.manual_seed(1)
+    predictor = Predictor(Classifier(Encoder()), None, batch, placement=torch.device("cpu"), warm_up=True)
+    baseline = predictor.replay(None, count_flops=True)
+    assert isinstance(baseline, ReplayedStep)
+    budget = int(baseline.peak.peak_bytes * 0.8)
+    found = plan_for_budget(predictor, budget, baseline, selective=False)
+    assert isinstance(found, BudgetPlan) and found.plan is not None and found.code is not None
+    print(*found.lines(), sep="\n")
+    assert found.plan.selective == () and "SelectivelyCheckpointed" not in found.code
+    assert found.peak_bytes is not None and found.peak_bytes <= budget
+    assert found.recomputed_flops is not None and found.recomputed_flops > 0
+
+    torch.manual_seed(1)
+    applied = Classifier(Encoder())
+    apply_printed(applied, found.plan, found.code)
+    measured = measured_peak(tmp_path, applied, data, 16)
+    assert measured <= budget and measured == pytest.approx(found.peak_bytes, rel=0.03)
+    torch.manual_seed(1)
+    plain = Classifier(Encoder())
+    torch.manual_seed(1)
+    applied = Classifier(Encoder())
+    apply_printed(applied, found.plan, found.code)
+    assert_same(train(plain, data, 16, steps=4), train(applied, data, 16, steps=4))
+
+
+def test_the_prediction_prints_and_writes_its_budget_plan() -> None:
+    torch.manual_seed(1)
+    data = token_classes(16, 64)
+    prediction = predict(
+        Classifier(Encoder()), first_batch(data, 16), device_type="cpu", fit_table=False, memory_budget="20MiB"
+    )
+    assert prediction.budget is not None and prediction.budget.plan is not None
+    text = str(prediction)
+    assert "Memory budget 20.0 MiB (live peak):" in text and "checkpoint " in text
+    written = prediction.to_dict()["budget"]
+    assert written["budget_bytes"] == 20 * MIB and written["fits"] is True
+    assert written["plan"]["units"] == [list(unit) for unit in prediction.budget.plan.units]
+    assert written["peak_bytes"] == prediction.budget.peak_bytes <= 20 * MIB

@@ -61,10 +61,17 @@ class _Container:
     outside: tuple[int, int]
     forward_of: str | None
 
-    def plan(self, chosen: set[int], saving: int = 0) -> CheckpointPlan:
-        """The plan checkpointing units ``chosen`` (indices), in the order they run."""
-        units = tuple(self.units[index].names for index in sorted(chosen))
-        return CheckpointPlan(self.name, units, None, saving, self.forward_of)
+    def plan(self, chosen: set[int], saving: int = 0, selective: frozenset[int] = frozenset()) -> CheckpointPlan:
+        """The plan checkpointing units ``chosen`` (indices) whole and ``selective`` selectively, in run order."""
+        every = sorted(chosen | selective)
+        units = tuple(self.units[index].names for index in every)
+        kept = tuple(self.units[index].names[0] for index in every if index in selective)
+        return CheckpointPlan(self.name, units, None, saving, self.forward_of, selective=kept)
+
+    @property
+    def one_module(self) -> bool:
+        """Whether every unit that may be checkpointed is one module (the wrapper's form: selective ones too)."""
+        return all(len(self.units[index].names) == 1 for index in self.eligible)
 
     def modelled(self, chosen: set[int]) -> int:
         """The activation bytes :func:`plan_peak` models with ``chosen`` checkpointed."""
@@ -212,38 +219,48 @@ def _greedy_order(container: _Container, costs: dict[int, int]) -> list[int]:
     return order
 
 
-def _search_container(
-    search: _Search, container: _Container, order: list[int], baseline_peak: int
-) -> tuple[_Tried | None, _Tried | None]:
-    """The smallest prefix of ``order`` whose replayed step fits, and the replayed plan with the lowest peak."""
-    tried: dict[int, _Tried] = {}
+class _Probes:
+    """The replayed plans of one container, by the units checkpointed whole and selectively (indices)."""
 
-    def probe(count: int) -> _Tried | None:
-        if count not in tried:
-            if search.predictor.out_of_time():
+    def __init__(self, search: _Search, container: _Container, baseline_peak: int) -> None:
+        self.search = search
+        self.container = container
+        self.baseline_peak = baseline_peak
+        self.tried: dict[tuple[frozenset[int], frozenset[int]], _Tried | None] = {}
+
+    def __call__(self, whole: frozenset[int], selective: frozenset[int] = frozenset()) -> _Tried | None:
+        """The plan replayed (once): ``None`` where it could not be, or the budget of seconds ran out."""
+        key = (whole, selective)
+        if key not in self.tried:
+            if self.search.predictor.out_of_time():
                 return None
-            plan = container.plan(set(order[:count]))
-            step = search.replay(plan)
+            step = self.search.replay(self.container.plan(set(whole), selective=selective))
             if step is None:
-                return None
-            fits, peak = search.measure(step)
-            plan = container.plan(set(order[:count]), baseline_peak - peak)
-            tried[count] = _Tried(plan, fits, peak, search.recomputed(step))
-        return tried[count]
+                self.tried[key] = None
+            else:
+                fits, peak = self.search.measure(step)
+                plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
+                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step))
+        return self.tried[key]
 
-    modelled = [container.modelled(set(order[:count])) for count in range(len(order) + 1)]
-    excess = baseline_peak - search.budget
-    guess = next((count for count in range(1, len(order) + 1) if modelled[0] - modelled[count] >= excess), len(order))
-    low, high = 0, None  # the largest prefix known not to fit, the smallest known to fit
+    def lowest(self) -> _Tried | None:
+        """The replayed plan with the lowest peak."""
+        return min((tried for tried in self.tried.values() if tried is not None), key=lambda t: t.peak, default=None)
+
+
+def _smallest(probe: Callable[[int], _Tried | None], top: int, guess: int) -> tuple[int, _Tried] | None:
+    """The smallest count from 1 to ``top`` whose plan fits (0 is known not to), bisected from ``guess`` first."""
+    low, high = 0, top
     first = probe(guess)
     if first is not None and first.fits:
         high = guess
     else:
         low = guess
-        whole = probe(len(order)) if guess < len(order) else first
+        if guess == top:
+            return None
+        whole = probe(top)
         if whole is None or not whole.fits:
-            return None, min(tried.values(), key=lambda t: t.peak, default=None)
-        high = len(order)
+            return None
     while high - low > 1:
         middle = (low + high) // 2
         result = probe(middle)
@@ -253,8 +270,37 @@ def _search_container(
             high = middle
         else:
             low = middle
-    lowest = min(tried.values(), key=lambda t: t.peak)
-    return tried[high], lowest
+    found = probe(high)
+    return (high, found) if found is not None else None
+
+
+def _search_container(probes: _Probes, order: list[int], selective: bool) -> list[_Tried]:
+    """The plans that fit with the fewest units of ``order`` checkpointed.
+
+    Whole units; with ``selective``, also selective ones (the smallest prefix of ``order``), or where none fits,
+    the fewest whole units first with the rest selective.
+    """
+    container = probes.container
+    modelled = [container.modelled(set(order[:count])) for count in range(len(order) + 1)]
+    excess = probes.baseline_peak - probes.search.budget
+    guess = next((count for count in range(1, len(order) + 1) if modelled[0] - modelled[count] >= excess), len(order))
+    found: list[_Tried] = []
+    whole = _smallest(lambda count: probes(frozenset(order[:count])), len(order), guess)
+    if whole is not None:
+        found.append(whole[1])
+    if not selective:
+        return found
+    kept = _smallest(lambda count: probes(frozenset(), frozenset(order[:count])), len(order), len(order))
+    if kept is not None:
+        found.append(kept[1])
+    elif whole is not None and whole[0] > 1:
+        # the fewest whole units, the others selective: none whole is all selective, which does not fit
+        mixed = _smallest(
+            lambda count: probes(frozenset(order[:count]), frozenset(order[count:])), whole[0], whole[0] - 1
+        )
+        if mixed is not None:
+            found.append(mixed[1])
+    return found
 
 
 def plan_for_budget(
@@ -263,12 +309,14 @@ def plan_for_budget(
     baseline: ReplayedStep | None = None,
     context: CodeContext | None = None,
     progress: Callable[[str], None] | None = None,
+    selective: bool = True,
 ) -> BudgetPlan | str:
     """The checkpointing plan with the least recomputation whose replayed step fits ``budget_bytes``.
 
     ``baseline``: the step as it is, replayed with its FLOPs counted (replayed here when ``None``). ``context``: what
     the printed code is written for (default: a LightningModule). Returns why not where the step cannot be
-    replayed. ``progress``: told of each container searched (for benchmarks).
+    replayed. ``progress``: told of each container searched (for benchmarks). ``selective``: also try selective
+    checkpointing (the outputs of matrix products and attention kept) in containers of one-module units.
     """
     if baseline is None or baseline.flops is None:
         replayed = predictor.replay(None, count_flops=True)
@@ -306,20 +354,23 @@ def plan_for_budget(
         if not costs:
             continue
         order = _greedy_order(container, costs)
-        chosen, smallest = _search_container(search, container, order, baseline_peak)
+        probes = _Probes(search, container, baseline_peak)
+        for chosen in _search_container(probes, order, selective and container.one_module):
+            fitting.append((chosen, container, len(order)))
+        smallest = probes.lowest()
         if smallest is not None and (lowest is None or smallest.peak < lowest.peak):
             lowest = smallest
-        if chosen is not None:
-            fitting.append((chosen, container, len(order)))
     if not fitting:
         return _nothing_fits(search, lowest, searched)
     best, container, candidates = min(
         fitting, key=lambda item: (item[0].flops if item[0].flops is not None else 0, item[0].peak)
     )
     what, code = checkpoint_snippet(best.plan, context)
+    kept = f" ({len(best.plan.selective)} selectively)" if best.plan.selective else ""
     reason = (
-        f"{len(best.plan.units)} of {candidates} units of `{container.name or 'the model'}`, the fewest recomputed"
-        f" FLOPs of the {len(fitting)} container(s) that fit ({searched} searched, {search.replays} replays)"
+        f"{len(best.plan.units)}{kept} of {candidates} units of `{container.name or 'the model'}`, the fewest"
+        f" recomputed FLOPs of the {len(fitting)} plan(s) that fit ({searched} container(s) searched,"
+        f" {search.replays} replays)"
     )
     return BudgetPlan(
         budget_bytes=budget_bytes,
