@@ -20,7 +20,9 @@ Replays are the expensive part, so the search replays few:
    first).
 
 Containers are tried by their modelled saving, the largest first, at most :data:`MAX_CONTAINERS` and while the
-predictor's budget of seconds lasts; of the plans that fit, the one recomputing the fewest FLOPs is chosen.
+predictor's budget of seconds lasts; once a plan fits, a container modelled to save less than the budget needs is
+passed over, and a plan that fits recomputing no FLOPs (selective, every op kept whose FLOPs count) ends the search.
+Of the plans that fit, the one recomputing the fewest FLOPs is chosen.
 """
 
 from __future__ import annotations
@@ -277,23 +279,26 @@ def _smallest(probe: Callable[[int], _Tried | None], top: int, guess: int) -> tu
 def _search_container(probes: _Probes, order: list[int], selective: bool) -> list[_Tried]:
     """The plans that fit with the fewest units of ``order`` checkpointed.
 
-    Whole units; with ``selective``, also selective ones (the smallest prefix of ``order``), or where none fits,
-    the fewest whole units first with the rest selective.
+    With ``selective``, selective units first (the smallest prefix of ``order``): one that fits recomputing no FLOPs
+    ends the search. Then whole units, and where no selective prefix fits, the fewest whole units first with the
+    rest selective.
     """
     container = probes.container
     modelled = [container.modelled(set(order[:count])) for count in range(len(order) + 1)]
     excess = probes.baseline_peak - probes.search.budget
     guess = next((count for count in range(1, len(order) + 1) if modelled[0] - modelled[count] >= excess), len(order))
     found: list[_Tried] = []
+    kept = None
+    if selective:
+        kept = _smallest(lambda count: probes(frozenset(), frozenset(order[:count])), len(order), len(order))
+        if kept is not None:
+            found.append(kept[1])
+            if kept[1].flops == 0:
+                return found
     whole = _smallest(lambda count: probes(frozenset(order[:count])), len(order), guess)
     if whole is not None:
         found.append(whole[1])
-    if not selective:
-        return found
-    kept = _smallest(lambda count: probes(frozenset(), frozenset(order[:count])), len(order), len(order))
-    if kept is not None:
-        found.append(kept[1])
-    elif whole is not None and whole[0] > 1:
+    if selective and kept is None and whole is not None and whole[0] > 1:
         # the fewest whole units, the others selective: none whole is all selective, which does not fit
         mixed = _smallest(
             lambda count: probes(frozenset(order[:count]), frozenset(order[count:])), whole[0], whole[0] - 1
@@ -341,12 +346,15 @@ def plan_for_budget(
             basis=search.basis,
         )
     indexed = ProfileIndex(baseline.modules)
+    excess = baseline_peak - budget_bytes
     fitting: list[tuple[_Tried, _Container, int]] = []
     lowest: _Tried | None = None
     searched = 0
     for container in _containers(indexed):
-        if searched == MAX_CONTAINERS or predictor.out_of_time():
-            break
+        if searched == MAX_CONTAINERS or predictor.out_of_time() or any(tried.flops == 0 for tried, _, _ in fitting):
+            break  # a plan that fits recomputing no FLOPs: none recomputes fewer
+        if fitting and container.modelled(set()) - container.modelled(set(container.eligible)) < excess:
+            continue  # modelled to save too little, and a plan fits already
         searched += 1
         if progress is not None:
             progress(f"searching {container.name or 'the model'} ({len(container.eligible)} units)")
