@@ -202,3 +202,19 @@ def test_the_prediction_prints_and_writes_its_budget_plan() -> None:
     assert written["budget_bytes"] == 20 * MIB and written["fits"] is True
     assert written["plan"]["units"] == [list(unit) for unit in prediction.budget.plan.units]
     assert written["peak_bytes"] == prediction.budget.peak_bytes <= 20 * MIB
+
+
+def test_a_search_cut_by_budget_seconds_says_so() -> None:
+    now = [0.0]
+    batch = first_batch(images(32), 32)
+    torch.manual_seed(1)
+    predictor = Predictor(
+        Classifier(ResNetStyle()), None, batch, placement=torch.device("cpu"), budget_seconds=10.0, clock=lambda: now[0]
+    )
+    baseline = predictor.replay(None, count_flops=True)
+    assert isinstance(baseline, ReplayedStep)
+    now[0] = 11.0  # the budget of seconds is spent: no plan is replayed
+    found = plan_for_budget(predictor, baseline.peak.peak_bytes // 2, baseline)
+    assert isinstance(found, BudgetPlan) and not found.fits and found.replays == 1 and found.peak_bytes is None
+    assert found.reason.startswith("no checkpointing plan could be replayed (0 container(s) searched)")
+    assert found.reason.endswith("(the search stopped when budget_seconds ran out, after 1 replays)")

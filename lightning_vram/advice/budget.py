@@ -380,6 +380,8 @@ def plan_for_budget(
         f" recomputed FLOPs of the {len(fitting)} plan(s) that fit ({searched} container(s) searched,"
         f" {search.replays} replays)"
     )
+    if predictor.out_of_time():
+        reason += "; the search stopped when budget_seconds ran out: a plan recomputing less may fit"
     return BudgetPlan(
         budget_bytes=budget_bytes,
         baseline_peak_bytes=baseline_peak,
@@ -408,11 +410,14 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
         reason = f"no checkpointing plan could be replayed ({searched} container(s) searched){state}"
     else:
         units = lowest.plan.units
+        kept = f" ({len(lowest.plan.selective)} selectively)" if lowest.plan.selective else ""
         reason = (
-            f"the smallest peak reached is {format_bytes(lowest.peak)}, checkpointing {len(units)} unit(s) of"
+            f"the smallest peak reached is {format_bytes(lowest.peak)}, checkpointing {len(units)} unit(s){kept} of"
             f" `{lowest.plan.container or 'the model'}`, {format_bytes(lowest.peak - search.budget)} over the"
             f" budget{state}"
         )
+    if search.predictor.out_of_time():
+        reason += f" (the search stopped when budget_seconds ran out, after {search.replays} replays)"
     return BudgetPlan(
         budget_bytes=search.budget,
         baseline_peak_bytes=baseline_peak,
