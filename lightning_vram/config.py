@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,37 @@ def require_int(name: str, value: object, minimum: int, maximum: int, allow_none
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     if value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+MAX_MEMORY_BUDGET = 2**50
+"""Upper bound of ``memory_budget``: a pebibyte, far beyond any device."""
+_BUDGET_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BUDGET_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_BUDGET = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def memory_budget_bytes(name: str, value: object) -> int | None:
+    """``value`` (bytes, or a string such as ``"20GiB"`` or ``"512 MB"``) as bytes; ``None`` stays ``None``.
+
+    Raises a ValueError naming ``name`` for anything else, or a budget of 0 bytes or above :data:`MAX_MEMORY_BUDGET`.
+
+    >>> memory_budget_bytes("memory_budget", "1.5 GiB"), memory_budget_bytes("memory_budget", 4096)
+    (1610612736, 4096)
+    """
+    what = 'a number of bytes (an int > 0) or a string such as "20GiB" or "512MB"'
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = _BUDGET.fullmatch(value)
+        unit = _BUDGET_UNITS.get(match[2].lower()) if match is not None else None
+        if match is None or unit is None:
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+        value = int(float(match[1]) * unit)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if not 0 < value <= MAX_MEMORY_BUDGET:
+        raise ValueError(f"{name} must be {what}, at most {MAX_MEMORY_BUDGET} bytes, got {value!r}")
+    return value
 
 
 def require_shape(name: str, value: object) -> None:

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.config import MAX_LENGTH, require_int, require_one_of, require_shape
+from lightning_vram.advice.budget import plan_for_budget
+from lightning_vram.advice.checkpoint_code import CodeContext
+from lightning_vram.config import MAX_LENGTH, memory_budget_bytes, require_int, require_one_of, require_shape
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.devices import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
@@ -31,7 +33,8 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, resize_shape
 from lightning_vram.prediction.replay.precision import PLANS
 from lightning_vram.prediction.replay.reserved import run_settings
-from lightning_vram.records import FitRow, Prediction, ReplayedStep
+from lightning_vram.records import FitRow, Prediction, ReplayedStep, TrainingLoop
+from lightning_vram.records.budget import BudgetPlan
 
 
 def predict(
@@ -45,6 +48,7 @@ def predict(
     budget_seconds: float = 60.0,
     max_length: int | None = None,
     max_shape: tuple[int, ...] | None = None,
+    memory_budget: int | str | None = None,
 ) -> Prediction:
     """Predict one steady training step's memory, phase by phase, and the largest batch per common GPU.
 
@@ -76,11 +80,17 @@ def predict(
             each dimension past the first whose size is one of that tensor's takes its new size (tiled, or cut),
             matched from the last dimension where two of its sizes are equal (an image and its mask). Not with
             ``max_length``.
+        memory_budget: the memory the step may use, in bytes or as a string (``"20GiB"``, ``"512MB"``): the
+            prediction's ``budget`` then holds the checkpointing plan with the least recomputed FLOPs whose replayed
+            step fits it (:func:`~lightning_vram.advice.budget.plan_for_budget`: on CUDA the simulated caching
+            allocator serves the step within it, elsewhere the replayed live peak is at or under it), with the code
+            to write, or why no plan fits. Searched before the fit table, within ``budget_seconds``.
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
     """
     _check_arguments(module, precision, cuda_context_bytes, fit_table, budget_seconds)
+    budget_bytes = memory_budget_bytes("memory_budget", memory_budget)
     shape = _expected_shape(batch, max_length, max_shape)
     if shape is not None:
         batch = resize_shape(batch, shape)
@@ -103,9 +113,17 @@ def predict(
         allocator=settings if isinstance(settings, AllocatorSettings) else None,
     )
     with round_of_replays():
-        step = predictor.baseline()
+        step = predictor.replay(None, count_flops=budget_bytes is not None)
         if not isinstance(step, ReplayedStep):
             return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
+        budget: BudgetPlan | None = None
+        if budget_bytes is not None:
+            context = CodeContext(TrainingLoop.LIGHTNING, type(module).__name__)
+            found = plan_for_budget(predictor, budget_bytes, step, context)
+            if isinstance(found, str):
+                notes += (f"memory budget: no plan searched: {found}",)
+            else:
+                budget = found
         rows: tuple[FitRow, ...] = ()
         if fit_table:
             search = predictor.fit_table(
@@ -115,7 +133,7 @@ def predict(
             if search.missing is not None:
                 notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
             notes += tuple(f"fit table: {note}" for note in search.notes)
-        return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes)
+        return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes, budget=budget)
 
 
 REPLAYED_PRECISIONS = ("32-true", "32", *PLANS, "64")

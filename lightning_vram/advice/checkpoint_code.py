@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import groupby
 
+from lightning_vram.prediction.replay.buffer_copies import SAVED_OPS
 from lightning_vram.records import CheckpointPlan, TrainingLoop
 
 CHECKPOINT_LINES = 6
@@ -97,6 +98,46 @@ class Checkpointed(nn.Module):
             return getattr(self.block, name)
 '''
 """The wrapper the advice prints (the replay's ``_CheckpointedCall`` does the same: the unit at its first module)."""
+
+
+_SAVED_OPS_LINES = "".join(f'\n    "{op}",' for op in SAVED_OPS)
+
+SELECTIVE = (
+    "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts\n\n"
+    f"SAVED_OPS = {{{_SAVED_OPS_LINES}\n}}\n"
+    + '''
+
+def _keep_matmuls(context, op, *args, **kwargs):
+    saved = str(getattr(op, "overloadpacket", op)) in SAVED_OPS
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_saving_matmuls(modules, function, *args, **kwargs):
+    """`checkpoint_keeping_buffers` made selective: the outputs of matrix products, convolutions and attention
+    are kept from forward; only the other ops (norms, activations, dropout, additions) are recomputed."""
+    modules = list(modules)
+
+    @contextlib.contextmanager
+    def recomputing(recompute):
+        with recompute, _buffers_copied(modules):
+            yield
+
+    def contexts():
+        forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+        return forward, recomputing(recompute)
+
+    return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+class SelectivelyCheckpointed(Checkpointed):
+    """`Checkpointed`, keeping the outputs of matrix products, convolutions and attention."""
+
+    def forward(self, *args, **kwargs):
+        return checkpoint_saving_matmuls([self.block, *self.then], self._run, *args, **kwargs)
+'''
+)
+"""Selective checkpointing, printed after :data:`CHECKPOINTED_CLASS` for a plan with ``selective`` units (the
+replay runs :func:`~lightning_vram.prediction.replay.buffer_copies.checkpoint_saving_matmuls`)."""
 
 
 @dataclass(frozen=True)
@@ -220,8 +261,8 @@ def _switch_snippet(plan: CheckpointPlan, context: CodeContext) -> tuple[str, st
     return what, code
 
 
-def _wrap_lines(names: list[str], root: str = "self") -> list[str]:
-    """Lines putting ``Checkpointed`` in place of each module ``names`` (children of one parent), once it is built.
+def _wrap_lines(names: list[str], root: str = "self", wrapper: str = "Checkpointed") -> list[str]:
+    """Lines putting ``wrapper`` in place of each module ``names`` (children of one parent), once it is built.
 
     >>> _wrap_lines(["net.h.1", "net.h.2"])
     ['for index in range(1, 3):', '    self.net.h[index] = Checkpointed(self.net.h[index])']
@@ -229,26 +270,28 @@ def _wrap_lines(names: list[str], root: str = "self") -> list[str]:
     container = _code_path(names[0].rpartition(".")[0], "", root)
     indices = [name.rpartition(".")[2] for name in names]
     if len(names) == 1 or not all(map(str.isdigit, indices)):
-        return [f"{_code_path(name, '', root)} = Checkpointed({_code_path(name, '', root)})" for name in names]
+        return [f"{_code_path(name, '', root)} = {wrapper}({_code_path(name, '', root)})" for name in names]
     first, last = int(indices[0]), int(indices[-1])
     over = (
         f"range({first}, {last + 1})"
         if list(map(int, indices)) == list(range(first, last + 1))
         else f"({', '.join(indices)})"
     )
-    return [f"for index in {over}:", f"    {container}[index] = Checkpointed({container}[index])"]
+    return [f"for index in {over}:", f"    {container}[index] = {wrapper}({container}[index])"]
 
 
 def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
     """The ``Checkpointed`` wrapper put in place of each one-module unit (every stack's), once the model is built."""
     names = [unit[0] for unit in plan.units]
+    selective = set(plan.selective)
     lines = [
         line
-        for _, group in groupby(names, key=lambda name: name.rpartition(".")[0])
-        for line in _wrap_lines(list(group), context.model)
+        for (_, kept), group in groupby(names, key=lambda name: (name.rpartition(".")[0], name in selective))
+        for line in _wrap_lines(list(group), context.model, "SelectivelyCheckpointed" if kept else "Checkpointed")
     ]
+    classes = f"{CHECKPOINTED_CLASS}\n\n{SELECTIVE}" if selective else CHECKPOINTED_CLASS
     return (
-        f"{KEEPING_BUFFERS}\n\n{CHECKPOINTED_CLASS}\n\n"
+        f"{KEEPING_BUFFERS}\n\n{classes}\n\n"
         f"# {context.built('the model')} (their state_dict keys gain `.block`):\n" + "\n".join(lines)
     )
 
@@ -323,6 +366,8 @@ def checkpoint_snippet(plan: CheckpointPlan, context: CodeContext | None = None)
         f" `{last}`"
     )
     if one_module:
+        if plan.selective:
+            what += f" ({len(plan.selective)} selectively: their matrix products and attention kept)"
         return what, _wrapper_snippet(plan, context)
     lines = [_unit_line(unit, forward_of) for unit in plan.units]
     if len(lines) > CHECKPOINT_LINES:

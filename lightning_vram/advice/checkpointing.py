@@ -210,6 +210,25 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
     return plans
 
 
+def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
+    """Consecutive children ``names`` as checkpointing units: a child that starts inplace joins the unit before it.
+
+    The first group may start with an inplace op (it has no unit before it): :func:`starts_inplace` tells.
+    """
+    groups: list[list[str]] = []
+    for name in names:
+        if groups and starts_inplace(profiles, name):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def starts_inplace(profiles: ProfileIndex, name: str) -> bool:
+    """Whether the first op module ``name`` runs is an inplace module: it cannot start a checkpointed unit."""
+    return _starts_inplace(name, profiles.called, profiles.children)
+
+
 def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
     """Checkpoint a contiguous range of units that ends at the last unit saving something or the one before it.
 
@@ -217,12 +236,7 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode) is
     never checkpointed: it neither starts nor ends a range, and inside one it runs as before.
     """
-    groups: list[list[str]] = []
-    for name in names:
-        if groups and _starts_inplace(name, profiles.called, profiles.children):
-            groups[-1].append(name)
-        else:
-            groups.append([name])
+    groups = unit_groups(profiles, names)
     if len(groups) < 2:
         return []
     units = [profiles.unit(group) for group in groups]
@@ -268,10 +282,10 @@ def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
             plans += _sequential_plans(indexed, container, names)
         else:
             plans += _range_plans(indexed, container, names)
-    useful = [plan for plan in plans if plan.saving_bytes > 0 and not _recomputes_scripted(indexed, plan)]
+    useful = [plan for plan in plans if plan.saving_bytes > 0 and not recomputes_scripted(indexed, plan)]
     ranked = sorted(useful, key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))
     stacks = _stacks_plan(indexed, ranked)
-    if stacks is None or _recomputes_scripted(indexed, stacks):
+    if stacks is None or recomputes_scripted(indexed, stacks):
         return ranked
     return sorted([stacks, *ranked], key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))
 
@@ -280,7 +294,7 @@ SCRIPTED_TYPES = frozenset({"RecursiveScriptModule", "ScriptModule"})
 """The class names a ``torch.jit.script`` module profiles under."""
 
 
-def _recomputes_scripted(indexed: ProfileIndex, plan: CheckpointPlan) -> bool:
+def recomputes_scripted(indexed: ProfileIndex, plan: CheckpointPlan) -> bool:
     """Whether ``plan`` checkpoints a TorchScript module or a module holding one: torch's checkpoint fails there.
 
     Its recomputation in backward raises in the TorchScript interpreter (torch 2.13), for real as on fake tensors.
@@ -291,7 +305,7 @@ def _recomputes_scripted(indexed: ProfileIndex, plan: CheckpointPlan) -> bool:
     )
 
 
-def _is_stack(indexed: ProfileIndex, container: str) -> bool:
+def is_stack(indexed: ProfileIndex, container: str) -> bool:
     """A container of numbered children that is never called itself: an ``nn.ModuleList`` of layers."""
     names = indexed.children.get(container, [])
     return container not in indexed.called and all(name.rpartition(".")[2].isdigit() for name in names)
@@ -320,7 +334,7 @@ def _stacks_plan(indexed: ProfileIndex, ranked: list[CheckpointPlan]) -> Checkpo
     best: dict[str, CheckpointPlan] = {}
     for plan in ranked:
         one_module = plan.sequential_segments is None and all(len(unit) == 1 for unit in plan.units)
-        if one_module and _is_stack(indexed, plan.container):
+        if one_module and is_stack(indexed, plan.container):
             best.setdefault(plan.container, plan)
     if len(best) < 2:
         return None

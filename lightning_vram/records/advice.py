@@ -163,6 +163,9 @@ class CheckpointPlan:
     saving_bytes: int
     forward_of: str | None = None
     switch: str | None = None
+    selective: tuple[str, ...] = ()
+    """Units (by their first module) checkpointed selectively: the outputs of matrix products, convolutions and
+    attention are kept, only the other ops recomputed (``SAVED_OPS`` in the printed code); the others whole."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_vram.records.advice import FitRow
 from lightning_vram.records.advice_json import fit_row_to_dict
+from lightning_vram.records.budget import BudgetPlan
 from lightning_vram.records.measured import CATEGORIES, in_phase_order
 from lightning_vram.records.measured_json import module_to_dict
 from lightning_vram.records.simulation import ReplayedStep
@@ -23,7 +24,7 @@ class Prediction:
 
     ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
     predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
-    the prediction could not reproduce.
+    the prediction could not reproduce, ``budget`` what to checkpoint to fit a memory budget.
     """
 
     step: ReplayedStep | None
@@ -31,6 +32,8 @@ class Prediction:
     cuda_context_bytes: int
     skipped: str | None = None
     notes: tuple[str, ...] = ()
+    budget: BudgetPlan | None = None
+    """The checkpointing plan for ``predict(..., memory_budget=...)`` (``None``: no budget asked for)."""
 
     def __str__(self) -> str:
         """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
@@ -65,6 +68,7 @@ def prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
         "cuda_context_bytes": prediction.cuda_context_bytes,
         "skipped": prediction.skipped,
         "notes": list(prediction.notes),
+        "budget": prediction.budget.to_dict() if prediction.budget is not None else None,
     }
 
 
@@ -116,6 +120,8 @@ def prediction_text(prediction: Prediction) -> str:
         ]
         lines += _columns(fit)
         lines += [f"  {row.device}: {row.note}" for row in prediction.fit if row.note is not None]
+    if prediction.budget is not None:
+        lines += prediction.budget.lines()
     notes = list(dict.fromkeys((*step.notes, *prediction.notes)))  # the step's notes reach the prediction's too
     if notes:
         lines.append("Notes:")

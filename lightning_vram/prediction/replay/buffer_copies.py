@@ -12,12 +12,26 @@ code, the copies included.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+SAVED_OPS = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+)
+"""The ops whose outputs selective checkpointing keeps (matrix products, convolutions, attention: the FLOPs of a
+unit); every other op of the unit (norms, activations, dropout, additions) is recomputed in backward."""
 
 
 @contextmanager
@@ -49,3 +63,34 @@ def checkpoint_keeping_buffers(
         context_fn=lambda: (nullcontext(), buffers_copied(owners)),
         **kwargs,
     )
+
+
+def _keep_matmuls(_context: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing's policy: keep the outputs of :data:`SAVED_OPS`, recompute every other op."""
+    name = str(getattr(op, "overloadpacket", op))
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextmanager
+def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
+    """Both contexts, ``first`` entered first."""
+    with ExitStack() as stack:
+        stack.enter_context(first)
+        stack.enter_context(second)
+        yield
+
+
+def checkpoint_saving_matmuls(
+    modules: Iterable[nn.Module], function: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """:func:`checkpoint_keeping_buffers` made selective: the outputs of :data:`SAVED_OPS` are kept from forward.
+
+    Only the other ops are recomputed (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+    """
+    owners = list(modules)
+
+    def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)  # type: ignore[no-untyped-call]
+        return forward, _both(recompute, buffers_copied(owners))
+
+    return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)

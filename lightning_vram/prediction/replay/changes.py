@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers
+from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers, checkpoint_saving_matmuls
 from lightning_vram.records import CheckpointChange, CheckpointPlan, InplaceChange, StepChange
 
 
@@ -43,8 +43,11 @@ class _CheckpointedCall(nn.Module):
 
     _lightning_vram_stands_for: ClassVar[str] = "first"
 
-    def __init__(self, first: nn.Module, rest: list[nn.Module], passing: dict[int, bool]) -> None:
+    def __init__(
+        self, first: nn.Module, rest: list[nn.Module], passing: dict[int, bool], selective: bool = False
+    ) -> None:
         super().__init__()
+        self._checkpoint = checkpoint_saving_matmuls if selective else checkpoint_keeping_buffers
         self.first = first
         self._rest = list(rest)  # a plain list: their parent keeps them registered
         self._passing = passing
@@ -65,19 +68,22 @@ class _CheckpointedCall(nn.Module):
         return output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The unit, under ``checkpoint_keeping_buffers(...)``."""
-        output = checkpoint_keeping_buffers([self.first, *self._rest], self._unit, *args, **kwargs)
+        """The unit, under ``checkpoint_keeping_buffers(...)`` (``checkpoint_saving_matmuls`` where selective)."""
+        output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
         self._passing.update(dict.fromkeys(map(id, self._rest), True))
         return output
 
 
-def _checkpoint_unit(root: nn.Module, names: tuple[str, ...]) -> None:
-    """Run the modules ``names`` (consecutive children of one parent) as one checkpointed unit."""
+def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = False) -> None:
+    """Run the modules ``names`` (consecutive children of one parent) as one checkpointed unit.
+
+    ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops.
+    """
     modules = [_submodule(root, name, "the checkpointing plan") for name in names]
     passing: dict[int, bool] = {}
     parent_name, _, child = names[0].rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing))
+    setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing, selective))
     for module in modules[1:]:
         module.forward = _passing_once(module.forward, module, passing)
 
@@ -142,7 +148,7 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
         container.forward = run_segments  # type: ignore[method-assign]
         return
     for unit in plan.units:
-        _checkpoint_unit(module, unit)
+        _checkpoint_unit(module, unit, unit[0] in plan.selective)
 
 
 def apply_inplace(module: nn.Module, names: tuple[str, ...]) -> None:

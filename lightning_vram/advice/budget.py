@@ -1,0 +1,434 @@
+"""Checkpointing chosen for a memory budget: the plan with the least recomputation whose replayed step fits it.
+
+"Fits" is what the step would hold: on CUDA (a predictor that simulates the caching allocator) the simulated
+allocator serves the whole replayed step within the budget (:func:`~lightning_vram.prediction.replay.serves.serve`),
+elsewhere the replayed live peak is at or under it.
+
+The candidates are the units the checkpointing advice plans with (:mod:`~lightning_vram.advice.checkpointing`): in
+each module with two or more children that ran, its children as units (a child starting with an inplace op joins
+the one before it; a unit that saved nothing is never checkpointed), and all layer stacks (``nn.ModuleList``s of
+numbered layers) together where there are several. A plan is any subset of one such container's units.
+
+Replays are the expensive part, so the search replays few:
+
+1. the baseline, its FLOPs counted: a budget it meets needs no checkpointing;
+2. each kind of unit (the same module types and bytes: a stack's layers are one kind) checkpointed alone, once:
+   its recomputed FLOPs, the replay's over the baseline's;
+3. a greedy order: the unit whose checkpointing lowers the modelled peak (:func:`plan_peak`) most per recomputed
+   FLOP next, until every unit is in;
+4. the smallest prefix of that order whose replayed step fits, bisected by replay (the modelled answer probed
+   first).
+
+Containers are tried by their modelled saving, the largest first, at most :data:`MAX_CONTAINERS` and while the
+predictor's budget of seconds lasts; once a plan fits, a container modelled to save less than the budget needs is
+passed over, and a plan that fits recomputing no FLOPs (selective, every op kept whose FLOPs count) ends the search.
+Of the plans that fit, the one recomputing the fewest FLOPs is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
+from lightning_vram.advice.checkpointing import (
+    ProfileIndex,
+    Unit,
+    is_stack,
+    plan_peak,
+    recomputes_scripted,
+    starts_inplace,
+    unit_groups,
+)
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.serves import serves_step
+from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep
+from lightning_vram.records.budget import BudgetPlan
+from lightning_vram.units import format_bytes
+
+MAX_CONTAINERS = 3
+"""Containers whose plans are searched by replay, the largest modelled saving first."""
+
+LIVE_PEAK = "live peak"
+RESERVED = "reserved, simulated caching allocator"
+
+
+@dataclass(frozen=True)
+class _Container:
+    """One container's units in the order they run, which of them may be checkpointed, and where they are called."""
+
+    name: str
+    units: list[Unit]
+    eligible: list[int]
+    outside: tuple[int, int]
+    forward_of: str | None
+
+    def plan(self, chosen: set[int], saving: int = 0, selective: frozenset[int] = frozenset()) -> CheckpointPlan:
+        """The plan checkpointing units ``chosen`` (indices) whole and ``selective`` selectively, in run order."""
+        every = sorted(chosen | selective)
+        units = tuple(self.units[index].names for index in every)
+        kept = tuple(self.units[index].names[0] for index in every if index in selective)
+        return CheckpointPlan(self.name, units, None, saving, self.forward_of, selective=kept)
+
+    @property
+    def one_module(self) -> bool:
+        """Whether every unit that may be checkpointed is one module (the wrapper's form: selective ones too)."""
+        return all(len(self.units[index].names) == 1 for index in self.eligible)
+
+    def modelled(self, chosen: set[int]) -> int:
+        """The activation bytes :func:`plan_peak` models with ``chosen`` checkpointed."""
+        flags = [index in chosen for index in range(len(self.units))]
+        return plan_peak(self.units, flags, *self.outside)
+
+
+@dataclass(frozen=True)
+class _Tried:
+    """One replayed plan: whether it fits, its peak (bytes, as the budget counts), its recomputed FLOPs."""
+
+    plan: CheckpointPlan
+    fits: bool
+    peak: int
+    flops: int | None
+
+
+class _Search:
+    """The replays of one budget's search, counted, against one baseline."""
+
+    def __init__(self, predictor: Predictor, budget: int, baseline: ReplayedStep) -> None:
+        self.predictor = predictor
+        self.budget = budget
+        self.baseline = baseline
+        self.replays = 1
+        self.basis = RESERVED if baseline.allocations is not None and predictor.allocator is not None else LIVE_PEAK
+
+    def measure(self, step: ReplayedStep) -> tuple[bool, int]:
+        """Whether ``step`` fits the budget, and its peak as the budget counts it (bytes)."""
+        if self.basis == RESERVED:
+            unseen = self.predictor.unseen_bytes
+            serving = serves_step(step, self.budget, unseen_bytes=unseen or None)
+            if serving is not None and serving.served:
+                return True, serving.reserved_peak_bytes
+            extra = max(unseen.values(), default=0)
+            return False, max((phase.reserved_bytes or 0) for phase in step.phases.values()) + extra
+        peak = step.peak.peak_bytes
+        return peak <= self.budget, peak
+
+    def replay(self, plan: CheckpointPlan) -> ReplayedStep | None:
+        """The step with ``plan`` applied, its FLOPs counted; ``None`` where it could not be replayed."""
+        self.replays += 1
+        step = self.predictor.replay(CheckpointChange(plan), count_flops=True)
+        return step if isinstance(step, ReplayedStep) else None
+
+    def recomputed(self, step: ReplayedStep) -> int | None:
+        """The FLOPs ``step`` adds to the baseline's (never negative); ``None`` where either was not counted."""
+        if step.flops is None or self.baseline.flops is None:
+            return None
+        return max(step.flops - self.baseline.flops, 0)
+
+
+def _containers(indexed: ProfileIndex) -> list[_Container]:
+    """Every container with two or more units, and every layer stack together; the largest modelled saving first."""
+    found: list[tuple[str, list[list[str]], str | None, bool]] = []
+    for container, names in indexed.children.items():
+        groups = unit_groups(indexed, names)
+        if len(groups) < 2:
+            continue
+        profile = indexed.called.get(container)
+        sequential = profile is not None and profile.type == "Sequential"
+        forward_of: str | None = container if container in indexed.called else indexed.caller(container)
+        found.append((container, groups, forward_of, sequential))
+    stacks = [container for container in indexed.children if is_stack(indexed, container)]
+    if len(stacks) >= 2:
+        layers = sorted((name for stack in stacks for name in indexed.children[stack]), key=indexed.order.__getitem__)
+        found.append((_common_ancestor(stacks), [[name] for name in layers], indexed.caller(layers[0]) or None, True))
+    containers = []
+    for name, groups, forward_of, one_module_only in found:
+        units = [indexed.unit(group) for group in groups]
+        eligible = [
+            index
+            for index, (group, unit) in enumerate(zip(groups, units, strict=True))
+            if unit.saved > 0
+            and not (index == 0 and starts_inplace(indexed, group[0]))
+            # an nn.Sequential's children are put in place one by one: a unit of several is left out
+            and not (one_module_only and len(group) > 1)
+            and not recomputes_scripted(indexed, CheckpointPlan(name, (tuple(group),), None, 0))
+        ]
+        if eligible:
+            containers.append(
+                _Container(name, units, eligible, indexed.outside([n for group in groups for n in group]), forward_of)
+            )
+    return sorted(containers, key=lambda c: c.modelled(set()) - c.modelled(set(c.eligible)), reverse=True)
+
+
+def _common_ancestor(names: list[str]) -> str:
+    """The deepest module enclosing every one of ``names`` (``""``: the trained module).
+
+    >>> _common_ancestor(["model.encoder.layers", "model.decoder.layers"])
+    'model'
+    """
+    shared: list[str] = []
+    for column in zip(*(name.split(".") for name in names), strict=False):
+        if len(set(column)) > 1:
+            break
+        shared.append(column[0])
+    return ".".join(shared)
+
+
+def _kind(indexed: ProfileIndex, unit: Unit) -> tuple[object, ...]:
+    """What makes two units recompute the same: their modules' types by relative name, and their bytes."""
+    types = tuple(
+        (name[len(first) :], profile.type)
+        for first in unit.names
+        for name, profile in indexed.called.items()
+        if name == first or name.startswith(f"{first}.")
+    )
+    return (len(unit.names), types, unit.saved, unit.input_bytes)
+
+
+def _unit_costs(search: _Search, indexed: ProfileIndex, container: _Container) -> dict[int, int]:
+    """Each eligible unit's recomputed FLOPs (at least 1), one replay per kind of unit.
+
+    A unit whose replay fails is left out.
+    """
+    by_kind: dict[tuple[object, ...], int | None] = {}
+    costs: dict[int, int] = {}
+    for index in container.eligible:
+        kind = _kind(indexed, container.units[index])
+        if kind not in by_kind:
+            if search.predictor.out_of_time():
+                break
+            step = search.replay(container.plan({index}))
+            by_kind[kind] = None if step is None else (search.recomputed(step) or 0)
+        cost = by_kind[kind]
+        if cost is not None:
+            costs[index] = max(cost, 1)
+    return costs
+
+
+def _greedy_order(container: _Container, costs: dict[int, int]) -> list[int]:
+    """Units in the order the greedy adds them: the largest modelled peak reduction per recomputed FLOP first."""
+    chosen: set[int] = set()
+    order: list[int] = []
+    current = container.modelled(chosen)
+    while len(order) < len(costs):
+        best = max(
+            (index for index in costs if index not in chosen),
+            key=lambda index: ((current - container.modelled(chosen | {index})) / costs[index], -index),
+        )
+        chosen.add(best)
+        order.append(best)
+        current = container.modelled(chosen)
+    return order
+
+
+class _Probes:
+    """The replayed plans of one container, by the units checkpointed whole and selectively (indices)."""
+
+    def __init__(self, search: _Search, container: _Container, baseline_peak: int) -> None:
+        self.search = search
+        self.container = container
+        self.baseline_peak = baseline_peak
+        self.tried: dict[tuple[frozenset[int], frozenset[int]], _Tried | None] = {}
+
+    def __call__(self, whole: frozenset[int], selective: frozenset[int] = frozenset()) -> _Tried | None:
+        """The plan replayed (once): ``None`` where it could not be, or the budget of seconds ran out."""
+        key = (whole, selective)
+        if key not in self.tried:
+            if self.search.predictor.out_of_time():
+                return None
+            step = self.search.replay(self.container.plan(set(whole), selective=selective))
+            if step is None:
+                self.tried[key] = None
+            else:
+                fits, peak = self.search.measure(step)
+                plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
+                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step))
+        return self.tried[key]
+
+    def lowest(self) -> _Tried | None:
+        """The replayed plan with the lowest peak."""
+        return min((tried for tried in self.tried.values() if tried is not None), key=lambda t: t.peak, default=None)
+
+
+def _smallest(probe: Callable[[int], _Tried | None], top: int, guess: int) -> tuple[int, _Tried] | None:
+    """The smallest count from 1 to ``top`` whose plan fits (0 is known not to), bisected from ``guess`` first."""
+    low, high = 0, top
+    first = probe(guess)
+    if first is not None and first.fits:
+        high = guess
+    else:
+        low = guess
+        if guess == top:
+            return None
+        whole = probe(top)
+        if whole is None or not whole.fits:
+            return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        result = probe(middle)
+        if result is None:
+            break
+        if result.fits:
+            high = middle
+        else:
+            low = middle
+    found = probe(high)
+    return (high, found) if found is not None else None
+
+
+def _search_container(probes: _Probes, order: list[int], selective: bool) -> list[_Tried]:
+    """The plans that fit with the fewest units of ``order`` checkpointed.
+
+    With ``selective``, selective units first (the smallest prefix of ``order``): one that fits recomputing no FLOPs
+    ends the search. Then whole units, and where no selective prefix fits, the fewest whole units first with the
+    rest selective.
+    """
+    container = probes.container
+    modelled = [container.modelled(set(order[:count])) for count in range(len(order) + 1)]
+    excess = probes.baseline_peak - probes.search.budget
+    guess = next((count for count in range(1, len(order) + 1) if modelled[0] - modelled[count] >= excess), len(order))
+    found: list[_Tried] = []
+    kept = None
+    if selective:
+        kept = _smallest(lambda count: probes(frozenset(), frozenset(order[:count])), len(order), len(order))
+        if kept is not None:
+            found.append(kept[1])
+            if kept[1].flops == 0:
+                return found
+    whole = _smallest(lambda count: probes(frozenset(order[:count])), len(order), guess)
+    if whole is not None:
+        found.append(whole[1])
+    if selective and kept is None and whole is not None and whole[0] > 1:
+        # the fewest whole units, the others selective: none whole is all selective, which does not fit
+        mixed = _smallest(
+            lambda count: probes(frozenset(order[:count]), frozenset(order[count:])), whole[0], whole[0] - 1
+        )
+        if mixed is not None:
+            found.append(mixed[1])
+    return found
+
+
+def plan_for_budget(
+    predictor: Predictor,
+    budget_bytes: int,
+    baseline: ReplayedStep | None = None,
+    context: CodeContext | None = None,
+    progress: Callable[[str], None] | None = None,
+    selective: bool = True,
+) -> BudgetPlan | str:
+    """The checkpointing plan with the least recomputation whose replayed step fits ``budget_bytes``.
+
+    ``baseline``: the step as it is, replayed with its FLOPs counted (replayed here when ``None``). ``context``: what
+    the printed code is written for (default: a LightningModule). Returns why not where the step cannot be
+    replayed. ``progress``: told of each container searched (for benchmarks). ``selective``: also try selective
+    checkpointing (the outputs of matrix products and attention kept) in containers of one-module units.
+    """
+    if baseline is None or baseline.flops is None:
+        replayed = predictor.replay(None, count_flops=True)
+        if not isinstance(replayed, ReplayedStep):
+            return replayed.reason
+        baseline = replayed
+    search = _Search(predictor, budget_bytes, baseline)
+    fits, baseline_peak = search.measure(baseline)
+    if fits:
+        return BudgetPlan(
+            budget_bytes=budget_bytes,
+            baseline_peak_bytes=baseline_peak,
+            step_flops=baseline.flops,
+            fits=True,
+            plan=None,
+            peak_bytes=baseline_peak,
+            recomputed_flops=0,
+            what=None,
+            code=None,
+            reason=f"the step peaks at {format_bytes(baseline_peak)} without checkpointing: no recomputation needed",
+            replays=search.replays,
+            basis=search.basis,
+        )
+    indexed = ProfileIndex(baseline.modules)
+    excess = baseline_peak - budget_bytes
+    fitting: list[tuple[_Tried, _Container, int]] = []
+    lowest: _Tried | None = None
+    searched = 0
+    for container in _containers(indexed):
+        if searched == MAX_CONTAINERS or predictor.out_of_time() or any(tried.flops == 0 for tried, _, _ in fitting):
+            break  # a plan that fits recomputing no FLOPs: none recomputes fewer
+        if fitting and container.modelled(set()) - container.modelled(set(container.eligible)) < excess:
+            continue  # modelled to save too little, and a plan fits already
+        searched += 1
+        if progress is not None:
+            progress(f"searching {container.name or 'the model'} ({len(container.eligible)} units)")
+        costs = _unit_costs(search, indexed, container)
+        if not costs:
+            continue
+        order = _greedy_order(container, costs)
+        probes = _Probes(search, container, baseline_peak)
+        for chosen in _search_container(probes, order, selective and container.one_module):
+            fitting.append((chosen, container, len(order)))
+        smallest = probes.lowest()
+        if smallest is not None and (lowest is None or smallest.peak < lowest.peak):
+            lowest = smallest
+    if not fitting:
+        return _nothing_fits(search, lowest, searched)
+    best, container, candidates = min(
+        fitting, key=lambda item: (item[0].flops if item[0].flops is not None else 0, item[0].peak)
+    )
+    what, code = checkpoint_snippet(best.plan, context)
+    kept = f" ({len(best.plan.selective)} selectively)" if best.plan.selective else ""
+    reason = (
+        f"{len(best.plan.units)}{kept} of {candidates} units of `{container.name or 'the model'}`, the fewest"
+        f" recomputed FLOPs of the {len(fitting)} plan(s) that fit ({searched} container(s) searched,"
+        f" {search.replays} replays)"
+    )
+    if predictor.out_of_time():
+        reason += "; the search stopped when budget_seconds ran out: a plan recomputing less may fit"
+    return BudgetPlan(
+        budget_bytes=budget_bytes,
+        baseline_peak_bytes=baseline_peak,
+        step_flops=baseline.flops,
+        fits=True,
+        plan=best.plan,
+        peak_bytes=best.peak,
+        recomputed_flops=best.flops,
+        what=what,
+        code=code,
+        reason=reason,
+        replays=search.replays,
+        basis=search.basis,
+    )
+
+
+def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> BudgetPlan:
+    """The record of a budget no replayed plan meets: the smallest peak reached, and by which plan."""
+    baseline_peak = search.measure(search.baseline)[1]
+    parts = search.baseline.peak.breakdown
+    state = ""
+    if parts is not None:
+        model_state = parts.parameters + parts.gradients + parts.optimizer_state
+        state = f"; parameters, gradients and optimizer state alone hold {format_bytes(model_state)}"
+    if lowest is None:
+        reason = f"no checkpointing plan could be replayed ({searched} container(s) searched){state}"
+    else:
+        units = lowest.plan.units
+        kept = f" ({len(lowest.plan.selective)} selectively)" if lowest.plan.selective else ""
+        reason = (
+            f"the smallest peak reached is {format_bytes(lowest.peak)}, checkpointing {len(units)} unit(s){kept} of"
+            f" `{lowest.plan.container or 'the model'}`, {format_bytes(lowest.peak - search.budget)} over the"
+            f" budget{state}"
+        )
+    if search.predictor.out_of_time():
+        reason += f" (the search stopped when budget_seconds ran out, after {search.replays} replays)"
+    return BudgetPlan(
+        budget_bytes=search.budget,
+        baseline_peak_bytes=baseline_peak,
+        step_flops=search.baseline.flops,
+        fits=False,
+        plan=None,
+        peak_bytes=None if lowest is None else lowest.peak,
+        recomputed_flops=None if lowest is None else lowest.flops,
+        what=None,
+        code=None,
+        reason=reason,
+        replays=search.replays,
+        basis=search.basis,
+    )
