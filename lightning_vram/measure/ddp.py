@@ -22,6 +22,8 @@ with ``broadcast_buffers=True``, gloo's and NCCL's own buffers outside torch's a
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -61,14 +63,17 @@ def replay_refusal(ddp: DistributedDataParallel) -> str | None:
     return None
 
 
-def _reduced(ddp: DistributedDataParallel) -> list[nn.Parameter]:
-    """The parameters whose gradients DDP's buckets hold, in registration order (as DDP lists them)."""
-    ignored: set[str] = getattr(ddp, "parameters_to_ignore", set())
+def reduced_parameters(module: nn.Module, ignored: Collection[str] = ()) -> list[nn.Parameter]:
+    """The parameters whose gradients DDP's buckets hold, in registration order (as DDP lists them).
+
+    Every parameter of ``module`` that requires a gradient, is not named in ``ignored`` (DDP's
+    ``parameters_to_ignore``) and is not an ``nn.Embedding(sparse=True)``'s; shared ones once.
+    """
     seen: set[int] = set()
     reduced = []
-    for module_name, module in ddp.module.named_modules():
-        sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
-        for name, parameter in module.named_parameters(recurse=False):
+    for module_name, child in module.named_modules():
+        sparse = isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
+        for name, parameter in child.named_parameters(recurse=False):
             if not parameter.requires_grad or f"{module_name}.{name}" in ignored or id(parameter) in seen:
                 continue
             seen.add(id(parameter))
@@ -77,30 +82,42 @@ def _reduced(ddp: DistributedDataParallel) -> list[nn.Parameter]:
     return reduced
 
 
-def predicted_buckets(ddp: DistributedDataParallel) -> StrategyBuffers:
-    """DDP's buckets as its arithmetic gives them, for a replay to hold (``gradient_as_bucket_view=False``).
+def bucket_sizes(
+    parameters: Sequence[nn.Parameter], cap_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+) -> StrategyBuffers:
+    """DDP's buckets for ``parameters`` (as :func:`reduced_parameters` lists them), by its arithmetic.
 
     Each bucket's bytes, filled in reverse registration order (the order backward usually makes gradients ready,
-    which DDP's rebuild follows) to the first bucket's cap, then to ``bucket_cap_mb`` each, one dtype and device per
-    bucket (each with its own first bucket); their sum is exact, their split the usual one.
+    which DDP's rebuild follows) to the first bucket's cap, then to ``cap_bytes`` (``bucket_cap_mb``) each, one
+    dtype and device per bucket (each with its own first bucket); their sum is exact, their split the usual one.
+    ``dtype``: the parameters' dtype where the step casts them (a ``*-true`` precision); ``None``: their own.
     """
-    cap = int(ddp.bucket_bytes_cap)
-    first = DEFAULT_FIRST_BUCKET_BYTES if cap == DEFAULT_BUCKET_BYTES else cap
+    first = DEFAULT_FIRST_BUCKET_BYTES if cap_bytes == DEFAULT_BUCKET_BYTES else cap_bytes
     buckets: list[int] = []
     open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
     closed: set[tuple[torch.dtype, torch.device]] = set()  # the dtypes and devices whose first bucket closed
-    for parameter in reversed(_reduced(ddp)):
-        key = (parameter.dtype, parameter.device)
-        open_bytes[key] = open_bytes.get(key, 0) + parameter.numel() * parameter.element_size()
-        if open_bytes[key] >= (cap if key in closed else first):
+    for parameter in reversed(parameters):
+        cast = dtype if dtype is not None and parameter.is_floating_point() else parameter.dtype
+        key = (cast, parameter.device)
+        open_bytes[key] = open_bytes.get(key, 0) + parameter.numel() * cast.itemsize
+        if open_bytes[key] >= (cap_bytes if key in closed else first):
             buckets.append(open_bytes.pop(key))
             closed.add(key)
     buckets += open_bytes.values()
     basis = (
         f"gradient_as_bucket_view=False: a second copy of every reduced gradient, held for the whole run; buckets"
-        f" of {first} bytes first, then {cap} (bucket_cap_mb), in reverse parameter order (torch's Reducer)"
+        f" of {first} bytes first, then {cap_bytes} (bucket_cap_mb), in reverse parameter order (torch's Reducer)"
     )
     return StrategyBuffers(LABEL, tuple(buckets), basis)
+
+
+def predicted_buckets(ddp: DistributedDataParallel) -> StrategyBuffers:
+    """DDP's buckets as its arithmetic gives them, for a replay to hold (``gradient_as_bucket_view=False``).
+
+    See :func:`bucket_sizes`; the parameters and the cap are ``ddp``'s own.
+    """
+    ignored: set[str] = getattr(ddp, "parameters_to_ignore", set())
+    return bucket_sizes(reduced_parameters(ddp.module, ignored), int(ddp.bucket_bytes_cap))
 
 
 def live_buckets(ddp: DistributedDataParallel) -> tuple[int, ...]:

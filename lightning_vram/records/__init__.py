@@ -70,6 +70,7 @@ from lightning_vram.records.simulation import (
     VariantResult,
     advised_variant,
 )
+from lightning_vram.records.strategy import RankLine, RankStep, StrategySpec
 from lightning_vram.records.timeline import StepTimeline, TimelinePoint
 
 __all__ = [
@@ -116,6 +117,8 @@ __all__ = [
     "Prediction",
     "PreflightRemedy",
     "PreflightVerdict",
+    "RankLine",
+    "RankStep",
     "RankSummary",
     "ReplaySkipped",
     "ReplayedStep",
@@ -128,6 +131,7 @@ __all__ = [
     "StepPoint",
     "StepTimeline",
     "StrategyBuffers",
+    "StrategySpec",
     "TensorShapes",
     "TimelinePoint",
     "TimingSummary",
