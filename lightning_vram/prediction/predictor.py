@@ -305,7 +305,8 @@ class Predictor:
         The user's code runs on the replay's copies; what it can reach beyond them is saved and put back
         (:mod:`~lightning_vram.prediction.containment`). A step whose code reaches the trained model itself is not
         replayed. With ``count_flops``, the step's FLOPs are counted too (``ReplayedStep.flops``, from the ops the live
-        count sees: no mode of its own, so none of its memory figures changes).
+        count sees: no mode of its own, so none of its memory figures changes), with each op's bytes moved, phase and
+        recomputation (``ReplayedStep.work``).
         """
         left = self.seconds_left()
         deadline = None if left is None else time.perf_counter() + left
@@ -389,9 +390,10 @@ class Predictor:
                     if reserved is not None:
                         live.add_sampler(reserved)
                     probe = WorkspaceProbe()
-                    flops = StepFlops() if count_flops else None
-                    if flops is not None:
+                    flops = StepFlops(lambda: counter is not None and counter.current_module is not None)
+                    if count_flops:
                         live.add_op_listener(flops.count)
+                        live.add_sampler(flops)
                     with probe, live:
                         run.run_step(twin, fake_batch, counter, live)
                     phases, modules = counter.finish()
@@ -443,7 +445,8 @@ class Predictor:
                 ),
             ),
             timeline=timeline.finish(),
-            flops=flops.get_total_flops() if flops is not None else None,
+            flops=flops.get_total_flops() if count_flops else None,
+            work=flops.work() if count_flops else None,
             allocations=sequence,
             allocator=None if sequence is None or self.allocator is None else self.allocator.conf(),
             strategy=self.strategy,

@@ -72,6 +72,7 @@ from lightning_vram.records.simulation import (
 )
 from lightning_vram.records.strategy import RankLine, RankStep, StrategySpec
 from lightning_vram.records.timeline import StepTimeline, TimelinePoint
+from lightning_vram.records.work import OpGroup, StepTime, StepWork
 
 __all__ = [
     "CATEGORIES",
@@ -109,6 +110,7 @@ __all__ = [
     "NotMeasured",
     "OomDiagnosis",
     "OomMessage",
+    "OpGroup",
     "PartMatch",
     "Phase",
     "PhaseCalibration",
@@ -129,7 +131,9 @@ __all__ = [
     "Simulation",
     "StepChange",
     "StepPoint",
+    "StepTime",
     "StepTimeline",
+    "StepWork",
     "StrategyBuffers",
     "StrategySpec",
     "TensorShapes",

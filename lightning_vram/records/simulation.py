@@ -12,6 +12,7 @@ from typing import ClassVar
 from lightning_vram.records.advice import Advice, CheckpointPlan, FitRow, ReportText, SavingBasis
 from lightning_vram.records.measured import ModuleProfile, Phase, PhasePeak
 from lightning_vram.records.timeline import StepTimeline
+from lightning_vram.records.work import StepWork
 
 NOT_REPLAYED = "not replayed"
 """How :attr:`VariantResult.discarded` starts for a change the time budget never reached, or cut: untried, not
@@ -205,6 +206,9 @@ class ReplayedStep:
     """The step's floating-point operations as ``torch.utils.flop_counter.FlopCounterMode`` counts them (matrix
     products, convolutions, attention; forward, backward with any recomputation, optimizer step); ``None`` where not
     counted (a step read back from JSON, which leaves it out)."""
+    work: StepWork | None = field(default=None, compare=False, repr=False)
+    """Every op of the step with its FLOPs and bytes moved, by phase (counted with :attr:`flops`; in memory only,
+    not in JSON): what a step time is predicted from (:mod:`lightning_vram.prediction.step_time`)."""
     allocations: AllocationSequence | None = field(default=None, compare=False, repr=False)
     """The replay's allocation sequence, kept in memory only (not in JSON: ``None`` read back, and where no caching
     allocator was simulated): whether a caching allocator serves the step at a capacity is asked of it."""

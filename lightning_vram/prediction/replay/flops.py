@@ -7,43 +7,107 @@ gradient hooks held gradients longer (a checkpointed ResNet's backward peak rose
 runs no mode of its own: the live count (:class:`~lightning_vram.prediction.replay.live.LiveMemory`) hands it each op
 as it ran, and it adds torch's own formula for it (``torch.utils.flop_counter.flop_registry``; CPU flash attention by
 torch's attention formulas), so every memory figure of the replay stays as it was.
+
+Beside the FLOPs it counts each op's bytes moved (its tensor inputs read and outputs written: a roofline's memory
+traffic; a broadcast input is read once, its storage's bytes where they are fewer than its elements'), the ops
+themselves, the phase each ran in (as a :class:`~lightning_vram.prediction.replay.live.Sampler` it is told of each
+phase's start) and whether activation checkpointing recomputed it (a module's forward running in the backward
+phase): :meth:`StepFlops.work`, what a step time is predicted from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightning_vram.prediction.replay._fake import tree_leaves
+from lightning_vram.records import Phase, StepWork
+from lightning_vram.records.work import grouped
 
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view
+_DTYPE_CLASSES: dict[torch.dtype | None, str] = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+}
 
 
 class StepFlops:
-    """The step's total FLOPs (:meth:`get_total_flops`), from every op :meth:`count` is handed."""
+    """The step's total FLOPs (:meth:`get_total_flops`) and its ops' work (:meth:`work`), from every op it is handed.
 
-    def __init__(self) -> None:
+    ``recomputing`` tells whether a module's forward runs now (the replay's counter's ``current_module``): in the
+    backward phase, that is activation checkpointing's recomputation. Ops before the first phase starts count
+    under the forward phase.
+    """
+
+    def __init__(self, recomputing: Callable[[], bool] | None = None) -> None:
         self._total = 0
+        self._recomputing = recomputing
+        self._phase = Phase.FORWARD
+        self._ops: list[tuple[Phase, str, int, int, bool, bool]] = []
+
+    def start_phase(self, phase: Phase) -> None:
+        """``phase`` starts now: the ops from here on are its."""
+        self._phase = phase
+
+    def sample(self, op: str) -> None:
+        """An op ran (counted already by :meth:`count`, which the live count calls first)."""
 
     def count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """Add the FLOPs of one op that ran (``func`` on ``args`` and ``kwargs``, giving ``output``).
+        """Add the FLOPs, bytes and op of one op that ran (``func`` on ``args`` and ``kwargs``, giving ``output``).
 
-        Only where torch has a formula for it: an op without one (elementwise, copies) adds nothing, as in
-        ``FlopCounterMode``.
+        FLOPs only where torch has a formula for it: an op without one (elementwise, copies) adds none, as in
+        ``FlopCounterMode``; it still moves bytes.
         """
+        flops = self._flops(func, args, kwargs, output)
+        self._total += flops
+        view = bool(getattr(func, "is_view", False)) or getattr(func, "_overloadpacket", None) is _UNSAFE_VIEW
+        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        outputs = [leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)]
+        moved = 0 if view else sum(_bytes(tensor) for tensor in (*inputs, *outputs))
+        dtype = next(
+            (_DTYPE_CLASSES.get(tensor.dtype, "other") for tensor in inputs if tensor.is_floating_point()), "other"
+        )
+        recomputed = self._phase is Phase.BACKWARD and self._recomputing is not None and self._recomputing()
+        self._ops.append((self._phase, dtype, flops, moved, recomputed, view))
+
+    @staticmethod
+    def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> int:
         packet = getattr(func, "_overloadpacket", None)
         if packet is _CPU_FLASH:
             query, key, value = args[:3]
-            self._total += sdpa_flop_count(query.shape, key.shape, value.shape)  # type: ignore[no-untyped-call]
-        elif packet is _CPU_FLASH_BACKWARD:
+            return int(sdpa_flop_count(query.shape, key.shape, value.shape))  # type: ignore[no-untyped-call]
+        if packet is _CPU_FLASH_BACKWARD:
             gradient, query, key, value = args[:4]
-            self._total += sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
-                gradient.shape, query.shape, key.shape, value.shape
+            return int(
+                sdpa_backward_flop_count(  # type: ignore[no-untyped-call]
+                    gradient.shape, query.shape, key.shape, value.shape
+                )
             )
-        elif packet in flop_registry:
-            self._total += int(flop_registry[packet](*args, **kwargs, out_val=output))
+        if packet in flop_registry:
+            return int(flop_registry[packet](*args, **kwargs, out_val=output))
+        return 0
 
     def get_total_flops(self) -> int:
         """FLOPs counted so far (multiply-adds count 2, as in torch's formulas)."""
         return self._total
+
+    def work(self) -> StepWork:
+        """Every op counted so far, grouped: FLOPs, bytes moved, phase, dtype, recomputed or not."""
+        return grouped(self._ops)
+
+
+def _bytes(tensor: Tensor) -> int:
+    """Bytes an op reads or writes of ``tensor``: its elements', or its storage's where fewer (a broadcast)."""
+    elements = tensor.numel() * tensor.element_size()
+    try:
+        return min(elements, tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, a sparse layout)
+        return elements
