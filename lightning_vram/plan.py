@@ -31,7 +31,7 @@ from torch import nn
 from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.measure.setup import checkpointing_switches
 from lightning_vram.measure.tensors import batch_size_of
-from lightning_vram.plan_inputs import PlanInputError, resolve_batch, resolve_gpus
+from lightning_vram.plan_inputs import PlanGpu, PlanInputError, resolve_batch, resolve_gpus
 from lightning_vram.predict import REPLAYED_PRECISIONS, _replay_device
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.escapes import round_of_replays
@@ -40,7 +40,10 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import resize_batch
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.serves import serve
-from lightning_vram.records import CheckpointChange, ReplayedStep, ReplaySkipped
+from lightning_vram.prediction.strategies import predict_rank
+from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
+from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
+from lightning_vram.records import CheckpointChange, RankStep, ReplayedStep, ReplaySkipped, StepChange, StrategySpec
 from lightning_vram.records.plan import Plan, PlanRow
 
 SINGLE = "single"
@@ -55,7 +58,7 @@ MAX_WORLD_SIZE = 1024
 
 @dataclass(frozen=True)
 class _Configuration:
-    """What a replay is made for: the precision, checkpointing on or off, and the micro-batch (samples per rank)."""
+    """What a rank's step is predicted for: the precision, checkpointing on or off, the micro-batch (samples)."""
 
     precision: str
     checkpointing: bool
@@ -69,6 +72,30 @@ class _Fit:
     fits: bool
     reserved_bytes: int | None
     shortfall: str | None
+
+
+class _SharedReplays(Predictor):
+    """A predictor whose replays are kept: a strategy asking again for the same step gets the same replay.
+
+    Kept by the change and every attribute a replay reads (a strategy's rank prediction replays a shallow copy with
+    its own buffers: the copies share the store), and only for the strategies of :data:`SHARED_REPLAYS`, whose rank
+    is the single-process replay with arithmetic (the same replay at every world size). Ops are always counted: the
+    step time is predicted from them.
+    """
+
+    store: dict[tuple[object, ...], ReplayedStep | ReplaySkipped]
+
+    def replay(self, change: StepChange | None = None, count_flops: bool = True) -> ReplayedStep | ReplaySkipped:
+        """The replay of ``change``, made once for these settings."""
+        key = (repr(change), self.strategy, self.step_function, self.precision, self.shape, self.placement)
+        if key not in self.store:
+            self.store[key] = super().replay(change, count_flops=True)
+        return self.store[key]
+
+
+SHARED_REPLAYS = ("single", "ddp")
+"""Strategies whose rank is the single-process replay with the strategy's arithmetic: its replay at one world size
+serves every world size (:class:`_SharedReplays`)."""
 
 
 def plan(
@@ -97,8 +124,8 @@ def plan(
             ``example_input_array``, else the first training batch of ``datamodule`` or of the module's own
             ``train_dataloader`` (the plan says which).
         datamodule: a LightningDataModule whose first training batch is planned for when ``batch`` is ``None``.
-        gpus: GPU names from :data:`~lightning_vram.prediction.devices.COMMON_GPUS` (a unique part is enough:
-            ``"T4"``) or memory in bytes; ``None``: every common GPU.
+        gpus: GPU names (a card of :data:`~lightning_vram.prediction.timing.GPU_PEAKS`: ``"H100"``, ``"T4"``, or a
+            row of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`) or memory in bytes; ``None``: every card.
         world_sizes: how many GPUs in all, each tried (``(1, 2, 4, 8)``: a node's common counts).
         nodes: nodes the GPUs are spread over (each world size a multiple of it).
         strategies: the multi-GPU strategies tried (of :data:`MULTI_GPU_STRATEGIES`); ``None``: all of them. One
@@ -133,17 +160,25 @@ def plan(
     planner = _Planner(module, batch, device, allocator, chosen_gpus, cuda_context_bytes, started + budget_seconds)
     with round_of_replays():
         rows = planner.rows(sizes, nodes, chosen_strategies, chosen_precisions, modes, global_batch)
-    ordered = sorted(rows, key=_rank_key)
     return Plan(
-        tuple(ordered),
+        tuple(sorted(rows, key=_rank_key)),
         source,
         global_batch,
         None if allocator is None else allocator.conf(),
         cuda_context_bytes,
-        assumptions=planner.assumptions,
-        left_out=tuple(dict.fromkeys(planner.left_out)),
+        assumptions=_assumptions(nodes),
+        left_out=planner.left_out_lines(),
         notes=tuple(dict.fromkeys((*notes, *planner.notes))),
         seconds=time.perf_counter() - started,
+    )
+
+
+def _assumptions(nodes: int) -> tuple[str, ...]:
+    """What the step time assumes, in lines of at most 100 characters."""
+    network = f"; {NETWORK} between nodes" if nodes > 1 else ""
+    return (
+        f"step: roofline per op at {GPU_ACHIEVED:.0%} of the card's published peaks; accumulation repeats the step",
+        f"communication not overlapped: NVLink for SXM cards, PCIe otherwise{network}",
     )
 
 
@@ -153,8 +188,27 @@ def _rank_key(row: PlanRow) -> tuple[bool, float, int, int]:
     return (not row.fits, -rate, row.gpus, row.peak_bytes)
 
 
+def _link(gpu: PlanGpu, nodes: int) -> Link:
+    """The link a rank's traffic crosses: the network between nodes, else NVLink for SXM cards, else PCIe."""
+    if nodes > 1:
+        return LINKS[NETWORK]
+    return LINKS[CARD_LINKS.get(gpu.name, "PCIe 4.0 x16")]
+
+
+NETWORK = "200 Gb/s network"
+"""The network assumed between nodes (HDR InfiniBand)."""
+CARD_LINKS = {
+    "A100 40GB SXM": "NVLink 3",
+    "A100 80GB SXM": "NVLink 3",
+    "H100 SXM": "NVLink 4",
+    "H200 SXM": "NVLink 4",
+    "H100 PCIe": "PCIe 5.0 x16",
+}
+"""The link between the GPUs of a node, by card (others: PCIe 4.0 x16)."""
+
+
 class _Planner:
-    """The plan's replays, each made once and kept, and the rows they serve."""
+    """The plan's rank predictions, each made once and kept, and the rows they serve."""
 
     def __init__(
         self,
@@ -162,7 +216,7 @@ class _Planner:
         batch: Any,
         device: torch.device,
         allocator: AllocatorSettings | None,
-        gpus: tuple[tuple[str, int], ...],
+        gpus: tuple[PlanGpu, ...],
         context_bytes: int,
         deadline: float,
     ) -> None:
@@ -174,10 +228,10 @@ class _Planner:
         self.gpus = gpus
         self.context_bytes = context_bytes
         self.deadline = deadline
-        self.left_out: list[str] = []
+        self.left_out: dict[str, list[str]] = {}
+        """Why configurations were left out, each reason with the configurations it left out."""
         self.notes: list[str] = []
-        self.assumptions: tuple[str, ...] = ()
-        self._steps: dict[_Configuration, ReplayedStep | None] = {}
+        self._ranks: dict[tuple[_Configuration, StrategySpec], RankStep | None] = {}
         self._predictors: dict[tuple[str, int | None], Predictor] = {}
         self._checkpoint: CheckpointChange | str | None = None  # the change, or why there is none; None: not yet
 
@@ -190,58 +244,95 @@ class _Planner:
         checkpointing: Sequence[bool],
         global_batch: int | None,
     ) -> list[PlanRow]:
-        """Every configuration's row (its largest fitting micro-batch), as far as the budget reaches."""
+        """Every configuration's rows (one per GPU, its largest fitting micro-batch), as far as the budget reaches."""
         rows: list[PlanRow] = []
         for precision in precisions:
             for checkpointed in checkpointing:
                 for size in world_sizes:
                     for strategy in (SINGLE,) if size == 1 else strategies:
-                        rows += self._configuration_rows(precision, checkpointed, size, nodes, strategy, global_batch)
+                        per_node = None if nodes == 1 else size // nodes
+                        spec = StrategySpec(strategy, size, gpus_per_node=per_node)
+                        rows += self._configuration_rows(precision, checkpointed, spec, nodes, global_batch)
         return rows
 
     def _configuration_rows(
-        self, precision: str, checkpointed: bool, size: int, nodes: int, strategy: str, global_batch: int | None
+        self, precision: str, checkpointed: bool, spec: StrategySpec, nodes: int, global_batch: int | None
     ) -> list[PlanRow]:
-        """A row per GPU for a precision, checkpointing, world size and strategy: its largest micro-batch that fits."""
-        what = f"{size} x {strategy}, {precision}" + (", checkpointing" if checkpointed else "")
-        per_rank = self._per_rank(global_batch, size)
+        """A row per GPU for a precision, checkpointing and strategy: its largest micro-batch that fits."""
+        what = f"{spec.label}, {precision}" + (", checkpointing" if checkpointed else "")
+        per_rank = self._per_rank(global_batch, spec.world_size)
         if isinstance(per_rank, str):
-            self.left_out.append(f"{what}: {per_rank}")
+            self._leave_out(per_rank, what)
             return []
-        if strategy != SINGLE:
-            self.left_out.append(f"{what}: per-rank replay of {strategy} not available in this build")
-            return []
-        found: dict[str, PlanRow] = {}
-        last: dict[str, PlanRow] = {}
+        found: dict[PlanGpu, PlanRow] = {}
+        last: dict[PlanGpu, PlanRow] = {}
         for micro in _micro_batches(per_rank):
-            step = self._step(_Configuration(precision, checkpointed, micro), what)
-            if step is None:
+            rank = self._rank(_Configuration(precision, checkpointed, micro), spec, what)
+            if rank is None:
                 break
             accumulation = 1 if micro is None or per_rank is None else per_rank // micro
-            for gpu, capacity in self.gpus:
-                if gpu in found:
-                    continue
-                fit = self._fit(step, capacity)
-                row = PlanRow(
-                    gpu,
-                    capacity,
-                    size,
-                    nodes,
-                    strategy,
-                    precision,
-                    checkpointed,
-                    micro,
-                    accumulation,
-                    step.peak.peak_bytes,
-                    fit.reserved_bytes,
-                    fit.fits,
-                    fit.shortfall,
-                    method="replayed",
-                )
-                (found if fit.fits else last)[gpu] = row
+            for gpu in self.gpus:
+                if gpu not in found:
+                    row = self._row(rank, gpu, nodes, precision, checkpointed, micro, accumulation)
+                    (found if row.fits else last)[gpu] = row
             if len(found) == len(self.gpus):
                 break
-        return [found.get(gpu) or last[gpu] for gpu, _ in self.gpus if gpu in found or gpu in last]
+        return [found.get(gpu) or last[gpu] for gpu in self.gpus if gpu in found or gpu in last]
+
+    def _row(
+        self,
+        rank: RankStep,
+        gpu: PlanGpu,
+        nodes: int,
+        precision: str,
+        checkpointed: bool,
+        micro: int | None,
+        accumulation: int,
+    ) -> PlanRow:
+        """The row of one rank's step on one card."""
+        fit = self._fit(rank, gpu.capacity_bytes)
+        seconds = self._seconds(rank, gpu, nodes, accumulation)
+        spec = rank.spec
+        samples = None if micro is None else micro * accumulation * spec.world_size
+        rate = samples / seconds if samples is not None and seconds is not None and seconds > 0 else None
+        return PlanRow(
+            gpu.name,
+            gpu.capacity_bytes,
+            spec.world_size,
+            nodes,
+            spec.name,
+            precision,
+            checkpointed,
+            micro,
+            accumulation,
+            rank.peak.peak_bytes,
+            fit.reserved_bytes,
+            fit.fits,
+            fit.shortfall,
+            seconds,
+            rate,
+            rank.method,
+        )
+
+    def _seconds(self, rank: RankStep, gpu: PlanGpu, nodes: int, accumulation: int) -> float | None:
+        """The optimizer step's seconds on ``gpu``: each micro-batch's step, then the strategy's communication once."""
+        step = rank.replayed
+        if gpu.peaks is None or step is None or step.work is None:
+            return None
+        link = _link(gpu, nodes) if rank.communication_bytes else None
+        time_ = predict_step_time(step, gpu.peaks, rank.communication_bytes, link)
+        return accumulation * (time_.seconds - time_.communication_seconds) + time_.communication_seconds
+
+    def _leave_out(self, reason: str, what: str) -> None:
+        """Note a configuration left out, and why."""
+        self.left_out.setdefault(reason, []).append(what)
+
+    def left_out_lines(self) -> tuple[str, ...]:
+        """Each reason configurations were left out for, with how many and the first of them."""
+        return tuple(
+            f"{reason}: {whats[0]}" if len(whats) == 1 else f"{reason}: {len(whats)} configurations ({whats[0]}, ...)"
+            for reason, whats in self.left_out.items()
+        )
 
     def _per_rank(self, global_batch: int | None, size: int) -> int | str | None:
         """Samples each rank takes per optimizer step (``None``: no batch dimension), or why the size cannot split."""
@@ -253,75 +344,91 @@ class _Planner:
             return f"a global batch of {global_batch} does not split over {size} GPUs"
         return global_batch // size
 
-    def _step(self, configuration: _Configuration, what: str) -> ReplayedStep | None:
-        """The rank's step replayed for ``configuration`` (kept: replayed once); ``None`` where it failed."""
-        if configuration in self._steps:
-            return self._steps[configuration]
-        step = self._replay(configuration, what)
-        self._steps[configuration] = step
-        return step
+    def _rank(self, configuration: _Configuration, spec: StrategySpec, what: str) -> RankStep | None:
+        """The rank's step under ``spec`` for ``configuration`` (kept: predicted once); ``None`` where it failed."""
+        key = (configuration, spec)
+        if key not in self._ranks:
+            self._ranks[key] = self._predict_rank(configuration, spec, what)
+        return self._ranks[key]
 
-    def _replay(self, configuration: _Configuration, what: str) -> ReplayedStep | None:
+    def _predict_rank(self, configuration: _Configuration, spec: StrategySpec, what: str) -> RankStep | None:
+        micro = f", micro-batch {configuration.micro_batch}" if configuration.micro_batch is not None else ""
         left = self.deadline - time.perf_counter()
         if left <= 0:
-            self.left_out.append(f"{what}, micro-batch {configuration.micro_batch}: the time budget ran out")
+            self._leave_out("the time budget ran out", what + micro)
             return None
-        predictor = self._predictor(configuration.precision, configuration.micro_batch, left)
         change = None
         if configuration.checkpointing:
             checkpoint = self._checkpoint_change(configuration)
             if isinstance(checkpoint, str):
-                self.left_out.append(f"{what}: {checkpoint}")
+                self._leave_out(checkpoint, what)
                 return None
             change = checkpoint
-        step = predictor.replay(change, count_flops=True)
-        if isinstance(step, ReplaySkipped):
-            self.left_out.append(f"{what}, micro-batch {configuration.micro_batch}: not replayed ({step.reason})")
+        predictor = self._predictor(configuration.precision, configuration.micro_batch, left, spec.name)
+        rank = predict_rank(predictor, spec, change)
+        if isinstance(rank, ReplaySkipped):
+            self._leave_out(rank.reason, what + micro)
             return None
-        self.notes += step.notes
-        return step
+        self.notes += rank.notes
+        return rank
 
-    def _predictor(self, precision: str, micro_batch: int | None, left: float) -> Predictor:
-        """The predictor of a precision and micro-batch, its budget what is left of the plan's."""
+    def _predictor(self, precision: str, micro_batch: int | None, left: float, strategy: str) -> Predictor:
+        """The predictor of a precision and micro-batch; its budget counts from now to the plan's deadline.
+
+        The strategies of :data:`SHARED_REPLAYS` share one whose replays are kept; the others get a fresh one.
+        """
+        shared = strategy in SHARED_REPLAYS
         key = (precision, micro_batch)
-        predictor = self._predictors.get(key)
-        if predictor is None:  # its budget counts from now to the plan's deadline
-            batch = self.batch
-            if micro_batch is not None and self.batch_size is not None and micro_batch != self.batch_size:
-                batch = resize_batch(batch, self.batch_size, micro_batch)
-            predictor = Predictor(
-                self.module,
-                None,
-                batch,
-                precision=precision,
-                placement=self.device,
-                warm_up=True,
-                budget_seconds=left,
-                allocator=self.allocator,
-            )
+        if shared and key in self._predictors:
+            return self._predictors[key]
+        batch = self.batch
+        if micro_batch is not None and self.batch_size is not None and micro_batch != self.batch_size:
+            batch = resize_batch(batch, self.batch_size, micro_batch)
+        kind = _SharedReplays if shared else Predictor
+        predictor = kind(
+            self.module,
+            None,
+            batch,
+            precision=precision,
+            placement=self.device,
+            warm_up=True,
+            budget_seconds=left,
+            allocator=self.allocator,
+        )
+        if isinstance(predictor, _SharedReplays):
+            predictor.store = {}
             self._predictors[key] = predictor
         return predictor
 
     def _checkpoint_change(self, configuration: _Configuration) -> CheckpointChange | str:
         """The checkpointing the advice would print, chosen on the step without it; or why there is none."""
         if self._checkpoint is None:
-            plain = self._step(_Configuration(configuration.precision, False, configuration.micro_batch), "baseline")
-            if plain is None:
-                return "checkpointing: the step without it was not replayed"
-            plans = checkpoint_candidates(plain.modules, checkpointing_switches(self.module), limit=1)
-            self._checkpoint = (
-                CheckpointChange(plans[0]) if plans else "checkpointing: no plan frees memory at the peak"
+            plain = self._rank(
+                _Configuration(configuration.precision, False, configuration.micro_batch), StrategySpec(SINGLE), ""
             )
+            if plain is None or plain.replayed is None:
+                return "checkpointing: the step without it was not replayed"
+            plans = checkpoint_candidates(plain.replayed.modules, checkpointing_switches(self.module), limit=1)
+            self._checkpoint = CheckpointChange(plans[0]) if plans else "checkpointing: no plan frees memory"
         return self._checkpoint
 
-    def _fit(self, step: ReplayedStep, capacity: int) -> _Fit:
-        """Whether the step fits a card of ``capacity`` bytes: the simulated allocator serves it, the context kept."""
-        if step.allocations is None or self.allocator is None:
-            limit = capacity * (1 - BATCH_SAFETY_MARGIN) - self.context_bytes
-            return _Fit(step.peak.peak_bytes <= limit, None, None)
-        serving = serve(step.allocations, self.allocator, capacity - self.context_bytes)
+    def _fit(self, rank: RankStep, capacity: int) -> _Fit:
+        """Whether the rank's step fits a card of ``capacity`` bytes.
+
+        The simulated allocator serves it beside the context and NCCL's buffers, which are outside the allocator.
+        """
+        outside = sum(line.bytes for line in rank.lines if not line.on_host and line.label == NCCL_LINE)
+        step = rank.replayed
+        if step is None or step.allocations is None or self.allocator is None:
+            limit = capacity * (1 - BATCH_SAFETY_MARGIN) - self.context_bytes - outside
+            return _Fit(rank.peak.peak_bytes <= limit, None, None)
+        serving = serve(step.allocations, self.allocator, capacity - self.context_bytes - outside)
         shortfall = serving.shortfall.text if serving.shortfall is not None else None
         return _Fit(serving.served, serving.reserved_peak_bytes, shortfall)
+
+
+NCCL_LINE = "NCCL buffers"
+"""The rank line NCCL's own buffers are on: outside torch's allocator, kept free beside the context."""
 
 
 def _micro_batches(per_rank: int | None) -> Sequence[int | None]:

@@ -22,6 +22,7 @@ import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_vram.prediction.devices import COMMON_GPUS
+from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks
 from lightning_vram.units import format_bytes
 
 MAX_BATCH_ELEMENTS = 2**28
@@ -209,38 +211,66 @@ def _first(loader: Iterable[Any], argument: str) -> Any:
     raise PlanInputError(f"{argument}'s train_dataloader must yield a batch, got an empty loader")
 
 
-def resolve_gpus(gpus: Sequence[str | int] | None, argument: str = "gpus") -> tuple[tuple[str, int], ...]:
-    """The GPUs asked for, as (name, bytes CUDA can use): every common one by default.
+@dataclass(frozen=True)
+class PlanGpu:
+    """A GPU a plan asks about: its name, the memory CUDA can use on it (bytes), its peak rates (``None``: unknown).
 
-    A name matches a row of :data:`COMMON_GPUS` where it is the row's name or a unique part of it (case ignored);
-    bytes name a card of that memory (``"80000000000"`` from the command line too).
+    Without peaks (a GPU given by its memory, or a row of the memory table alone) no step time is predicted.
+    """
 
-    >>> resolve_gpus(["t4", 24 * 2**30])
-    (('T4 (16 GB)', 15843721216), ('24.00 GiB', 25769803776))
+    name: str
+    capacity_bytes: int
+    peaks: DevicePeaks | None
+
+
+def common_gpus() -> tuple[PlanGpu, ...]:
+    """Every card of :data:`~lightning_vram.prediction.timing.GPU_PEAKS`, with its row's memory in COMMON_GPUS."""
+    memory = dict(COMMON_GPUS)
+    return tuple(
+        PlanGpu(name, memory[peaks.memory_row], peaks)
+        for name, peaks in GPU_PEAKS.items()
+        if peaks.memory_row in memory
+    )
+
+
+def resolve_gpus(gpus: Sequence[str | int] | None, argument: str = "gpus") -> tuple[PlanGpu, ...]:
+    """The GPUs asked for: every common card by default (:func:`common_gpus`).
+
+    A name is a card's (``"H100 SXM"``), words of one (``"h100"``, ``"A100 80GB"``: the card with all of them, as
+    :func:`~lightning_vram.prediction.timing.gpu_peaks` reads a device's name), or a unique part of a row of
+    :data:`COMMON_GPUS` (memory only, no step time); bytes name a card of that memory (``"80000000000"`` from the
+    command line too).
+
+    >>> [(gpu.name, gpu.capacity_bytes) for gpu in resolve_gpus(["t4", "A100 80GB", 24 * 2**30])]
+    [('T4', 15843721216), ('A100 80GB SXM', 84447068160), ('24.00 GiB', 25769803776)]
     """
     if gpus is None:
-        return COMMON_GPUS
+        return common_gpus()
     if isinstance(gpus, (str, int)) or not gpus:
         raise PlanInputError(f"{argument} must be a non-empty list of GPU names or byte counts, got {gpus!r}")
     return tuple(dict.fromkeys(_gpu(gpu, argument) for gpu in gpus))
 
 
-def _gpu(gpu: str | int, argument: str) -> tuple[str, int]:
+def _gpu(gpu: str | int, argument: str) -> PlanGpu:
     if isinstance(gpu, str) and gpu.strip().isdigit():
         gpu = int(gpu.strip())
     if isinstance(gpu, int) and not isinstance(gpu, bool):
         if not 2**20 <= gpu <= 2**50:
             raise PlanInputError(f"{argument} must give a GPU's memory as bytes from 1 MiB to 1 PiB, got {gpu!r}")
-        return format_bytes(gpu), gpu
+        return PlanGpu(format_bytes(gpu), gpu, None)
     if not isinstance(gpu, str):
         raise PlanInputError(f"{argument} must hold GPU names or byte counts, got {gpu!r} ({type(gpu).__name__})")
-    exact = [row for row in COMMON_GPUS if row[0].lower() == gpu.strip().lower()]
-    found = exact or [row for row in COMMON_GPUS if _words(gpu) <= _words(row[0]) and gpu.strip()]
+    cards = {card.name.lower(): card for card in common_gpus()}
+    peaks = gpu_peaks(gpu) if gpu.strip() else None
+    card = cards.get(gpu.strip().lower()) or (cards.get(peaks.name.lower()) if peaks is not None else None)
+    if card is not None:
+        return card
+    found = [row for row in COMMON_GPUS if _words(gpu) <= _words(row[0]) and gpu.strip()]
     if len(found) != 1:
-        names = "; ".join(name for name, _ in COMMON_GPUS)
+        names = ", ".join(cards[name].name for name in cards)
         why = "matches several" if found else "is not one"
         raise PlanInputError(f"{argument} must name one of: {names} (or give bytes); {gpu!r} {why}")
-    return found[0]
+    return PlanGpu(found[0][0], found[0][1], None)
 
 
 def _words(name: str) -> set[str]:

@@ -104,10 +104,10 @@ class Plan:
         context = format_bytes(self.cuda_context_bytes)
         if self.allocator is None:
             return (f"fits: the rank's peak under 90% of the card's memory less {context} (CUDA context)",)
-        settings = f"PYTORCH_ALLOC_CONF={self.allocator}" if self.allocator else "PYTORCH_ALLOC_CONF unset (defaults)"
+        settings = f"PYTORCH_ALLOC_CONF={self.allocator}" if self.allocator else "PYTORCH_ALLOC_CONF: defaults"
         return (
             f"fits: the caching allocator model serves the step in the card's memory less {context} (CUDA context)",
-            f"peak/rank: reserved by that model, with {settings}; allocated peaks in to_dict() / --json",
+            f"peak/rank: reserved by that model ({settings}); allocated peaks in --json",
         )
 
     def __str__(self) -> str:
