@@ -40,12 +40,18 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import resize_batch
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.serves import serve
+from lightning_vram.prediction.replay.twin import module_device
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
 from lightning_vram.records import CheckpointChange, RankStep, ReplayedStep, ReplaySkipped, StepChange, StrategySpec
 from lightning_vram.records.plan import Plan, PlanRow
 
+META_NOTE = (
+    "replayed on the meta device, where the module's parameters are (no memory of the model's size was allocated):"
+    " parts and peaks are the meta kernels' (CUDA kernels such as attention's may save other tensors)"
+)
+"""The note of a plan for a module on the meta device (built under ``torch.device("meta")``)."""
 SINGLE = "single"
 """The strategy of one GPU: no process group."""
 MULTI_GPU_STRATEGIES = ("ddp", "fsdp2", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
@@ -138,6 +144,8 @@ def plan(
         cuda_context_bytes: what each card keeps outside the caching allocator (the CUDA context, libraries), bytes.
         budget_seconds: host seconds for the whole plan: configurations not reached are listed in ``left_out``.
         device_type: ``"cuda"`` (replayed on fake CUDA tensors where torch is a CUDA build, else on the CPU, noted).
+            A module on the meta device (built under ``torch.device("meta")``: a large model without its memory) is
+            replayed on the meta device, the batch moved there.
 
     Returns:
         The :class:`~lightning_vram.records.plan.Plan`, whose rows are best first.
@@ -153,6 +161,8 @@ def plan(
         raise PlanInputError(f"module must be a LightningModule, got {type(module).__name__}")
     batch, source = resolve_batch(module, batch, datamodule)
     device, notes = _replay_device(device_type)
+    if module_device(module).type == "meta":
+        device, notes = torch.device("meta"), (META_NOTE,)
     settings = run_settings() if device_type.startswith("cuda") else None
     if isinstance(settings, str):
         notes += (settings,)
@@ -170,6 +180,7 @@ def plan(
         left_out=planner.left_out_lines(),
         notes=tuple(dict.fromkeys((*notes, *planner.notes))),
         seconds=time.perf_counter() - started,
+        replays=planner.replays,
     )
 
 
@@ -207,6 +218,34 @@ CARD_LINKS = {
 """The link between the GPUs of a node, by card (others: PCIe 4.0 x16)."""
 
 
+class _Search:
+    """One configuration's search for the largest micro-batch each GPU fits, one micro-batch at a time."""
+
+    def __init__(self, precision: str, checkpointing: bool, spec: StrategySpec, what: str, per_rank: int | None):
+        self.precision = precision
+        self.checkpointing = checkpointing
+        self.spec = spec
+        self.what = what
+        """The configuration in words, for what the plan left out."""
+        self.per_rank = per_rank
+        self.micro_batches = _micro_batches(per_rank)
+        self.tried = 0
+        """How many of :attr:`micro_batches` were predicted."""
+        self.failed = False
+        self.found: dict[PlanGpu, PlanRow] = {}
+        """Each GPU's row at the largest micro-batch that fits it."""
+        self.last: dict[PlanGpu, PlanRow] = {}
+        """Each GPU's row at the smallest micro-batch tried, where none fitted."""
+
+    def goes_on(self, gpus: int) -> bool:
+        """Whether a smaller micro-batch is still to try: a GPU not fitted yet, and no prediction failed."""
+        return not self.failed and len(self.found) < gpus and self.tried < len(self.micro_batches)
+
+    def rows(self, gpus: Sequence[PlanGpu]) -> list[PlanRow]:
+        """A row per GPU: its fitting one, else its last."""
+        return [self.found.get(gpu) or self.last[gpu] for gpu in gpus if gpu in self.found or gpu in self.last]
+
+
 class _Planner:
     """The plan's rank predictions, each made once and kept, and the rows they serve."""
 
@@ -231,6 +270,8 @@ class _Planner:
         self.left_out: dict[str, list[str]] = {}
         """Why configurations were left out, each reason with the configurations it left out."""
         self.notes: list[str] = []
+        self.replays = 0
+        """Rank predictions made (each a replay, or one kept replay with a strategy's arithmetic)."""
         self._ranks: dict[tuple[_Configuration, StrategySpec], RankStep | None] = {}
         self._predictors: dict[tuple[str, int | None], Predictor] = {}
         self._checkpoint: CheckpointChange | str | None = None  # the change, or why there is none; None: not yet
@@ -244,40 +285,44 @@ class _Planner:
         checkpointing: Sequence[bool],
         global_batch: int | None,
     ) -> list[PlanRow]:
-        """Every configuration's rows (one per GPU, its largest fitting micro-batch), as far as the budget reaches."""
-        rows: list[PlanRow] = []
-        for precision in precisions:
-            for checkpointed in checkpointing:
+        """Every configuration's rows (one per GPU, its largest fitting micro-batch), as far as the budget reaches.
+
+        Breadth first: every configuration at its largest micro-batch (checkpointing off before on), then the next
+        smaller micro-batch for those a GPU did not fit yet, and so on; so a budget that runs out leaves out the
+        smallest micro-batches, not whole precisions.
+        """
+        searches: list[_Search] = []
+        for checkpointed in checkpointing:
+            for precision in precisions:
                 for size in world_sizes:
                     for strategy in (SINGLE,) if size == 1 else strategies:
-                        per_node = None if nodes == 1 else size // nodes
-                        spec = StrategySpec(strategy, size, gpus_per_node=per_node)
-                        rows += self._configuration_rows(precision, checkpointed, spec, nodes, global_batch)
-        return rows
+                        spec = StrategySpec(strategy, size, gpus_per_node=None if nodes == 1 else size // nodes)
+                        what = f"{spec.label}, {precision}" + (", checkpointing" if checkpointed else "")
+                        per_rank = self._per_rank(global_batch, size)
+                        if isinstance(per_rank, str):
+                            self._leave_out(per_rank, what)
+                        else:
+                            searches.append(_Search(precision, checkpointed, spec, what, per_rank))
+        pending = searches
+        while pending:
+            for search in pending:
+                self._next_micro_batch(search, nodes)
+            pending = [search for search in pending if search.goes_on(len(self.gpus))]
+        return [row for search in searches for row in search.rows(self.gpus)]
 
-    def _configuration_rows(
-        self, precision: str, checkpointed: bool, spec: StrategySpec, nodes: int, global_batch: int | None
-    ) -> list[PlanRow]:
-        """A row per GPU for a precision, checkpointing and strategy: its largest micro-batch that fits."""
-        what = f"{spec.label}, {precision}" + (", checkpointing" if checkpointed else "")
-        per_rank = self._per_rank(global_batch, spec.world_size)
-        if isinstance(per_rank, str):
-            self._leave_out(per_rank, what)
-            return []
-        found: dict[PlanGpu, PlanRow] = {}
-        last: dict[PlanGpu, PlanRow] = {}
-        for micro in _micro_batches(per_rank):
-            rank = self._rank(_Configuration(precision, checkpointed, micro), spec, what)
-            if rank is None:
-                break
-            accumulation = 1 if micro is None or per_rank is None else per_rank // micro
-            for gpu in self.gpus:
-                if gpu not in found:
-                    row = self._row(rank, gpu, nodes, precision, checkpointed, micro, accumulation)
-                    (found if row.fits else last)[gpu] = row
-            if len(found) == len(self.gpus):
-                break
-        return [found.get(gpu) or last[gpu] for gpu in self.gpus if gpu in found or gpu in last]
+    def _next_micro_batch(self, search: _Search, nodes: int) -> None:
+        """Predict ``search``'s next micro-batch and keep each GPU's row (a fitting one once found)."""
+        micro = search.micro_batches[search.tried]
+        search.tried += 1
+        rank = self._rank(_Configuration(search.precision, search.checkpointing, micro), search.spec, search.what)
+        if rank is None:
+            search.failed = True
+            return
+        accumulation = 1 if micro is None or search.per_rank is None else search.per_rank // micro
+        for gpu in self.gpus:
+            if gpu not in search.found:
+                row = self._row(rank, gpu, nodes, search.precision, search.checkpointing, micro, accumulation)
+                (search.found if row.fits else search.last)[gpu] = row
 
     def _row(
         self,
@@ -366,6 +411,7 @@ class _Planner:
             change = checkpoint
         predictor = self._predictor(configuration.precision, configuration.micro_batch, left, spec.name)
         rank = predict_rank(predictor, spec, change)
+        self.replays += 1
         if isinstance(rank, ReplaySkipped):
             self._leave_out(rank.reason, what + micro)
             return None

@@ -75,7 +75,8 @@ class Plan:
     ``""`` for the defaults; ``None``: none simulated, a fit is the peak under the memory less the context);
     ``cuda_context_bytes``: what each card keeps outside the allocator. ``assumptions``: what the step time assumes
     (achieved fraction of peak, the links). ``left_out``: configurations not predicted and why (the time budget, a
-    replay that failed). ``notes``: what the replays could not reproduce. ``seconds``: host seconds the plan took.
+    replay that failed). ``notes``: what the replays could not reproduce. ``seconds``: host seconds the plan took;
+    ``replays``: the steps it replayed.
     """
 
     rows: tuple[PlanRow, ...]
@@ -87,6 +88,7 @@ class Plan:
     left_out: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
+    replays: int = 0
 
     @property
     def fits(self) -> bool:
@@ -133,6 +135,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "left_out": list(plan.left_out),
         "notes": list(plan.notes),
         "seconds": plan.seconds,
+        "replays": plan.replays,
     }
 
 

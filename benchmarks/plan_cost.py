@@ -1,0 +1,100 @@
+"""Host seconds of ``plan()`` against model size and world size: a GPT-2 124M-class and a 1B-class model.
+
+Both are built on the meta device (``torch.device("meta")``: no memory of the model's size is allocated, so a 1B
+model plans on a laptop); ``plan()`` replays a module on the meta device there (its kernels' saved tensors, as the
+CPU's). Each row is one ``plan()`` over every common GPU, fp32 and bf16-mixed, checkpointing off and on, at the world
+sizes named, with the strategies modelled; printed: the seconds, the rows, the replays it ran, and its best row.
+Seconds are printed, not asserted.
+
+    python benchmarks/plan_cost.py              # the full table (under 60 s on two cores)
+    python benchmarks/plan_cost.py --small      # 2-layer versions (a few seconds)
+
+The classes are LightningModules the command takes too::
+
+    lightning-vram plan benchmarks/plan_cost.py:Gpt2 --init-kwargs '{"size": "124m"}' --batch "int64[8,1024]"
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_vram.plan import plan
+from lightning_vram.records.plan import short_gpu
+
+SIZES: dict[str, dict[str, int]] = {
+    "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+    "1b": {"n_layer": 20, "n_embd": 2048, "n_head": 16},
+    "small": {"n_layer": 2, "n_embd": 64, "n_head": 4},
+}
+"""GPT-2 configurations by name: GPT-2's own 124M; a 1.1B one (20 layers of 2048, its 50,257-token vocabulary)."""
+SEQUENCE = 1024
+"""Tokens a sample: GPT-2's context."""
+
+
+class Gpt2(pl.LightningModule):
+    """A GPT-2 of ``size`` (a key of :data:`SIZES`) trained with AdamW on its tokens; ``meta``: on the meta device."""
+
+    def __init__(self, size: str = "124m", meta: bool = True) -> None:
+        super().__init__()
+        import transformers
+
+        shape = SIZES[size]
+        config = transformers.GPT2Config(
+            n_layer=shape["n_layer"],
+            n_embd=shape["n_embd"],
+            n_head=shape["n_head"],
+            vocab_size=50257,
+            n_positions=SEQUENCE,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        with torch.device("meta" if meta else "cpu"):
+            self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="2-layer models (a few seconds)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences a rank (default 8)")
+    arguments = parser.parse_args()
+    models = ("small",) if arguments.small else ("124m", "1b")
+    batch = torch.zeros(arguments.batch, SEQUENCE, dtype=torch.int64)
+    print(f"{'model':<7}{'params':>8}{'GPUs':>10}{'seconds':>9}{'rows':>6}{'fit':>5}{'replays':>8}  best row")
+    for size in models:
+        module = Gpt2(size)
+        params = sum(parameter.numel() for parameter in module.parameters())
+        for world_sizes in ((1,), (1, 8), (1, 2, 4, 8)):
+            started = time.perf_counter()
+            result = plan(module, batch, world_sizes=world_sizes, budget_seconds=50.0)
+            seconds = time.perf_counter() - started
+            best = result.best
+            summary = (
+                "none"
+                if best is None
+                else f"{best.gpus} x {short_gpu(best.gpu)} {best.strategy} {best.precision}"
+                f" {best.micro_batch}x{best.accumulation}" + (" ckpt" if best.checkpointing else "")
+            )
+            fitting = sum(row.fits for row in result.rows)
+            sizes = ",".join(map(str, world_sizes))
+            print(
+                f"{size:<7}{params / 1e6:>7.0f}M{sizes:>10}{seconds:>9.1f}{len(result.rows):>6}{fitting:>5}  {summary}"
+            )
+            for item in result.left_out:
+                if "budget" in item:
+                    print(f"{'':<7}left out: {item}")
+
+
+if __name__ == "__main__":
+    main()
