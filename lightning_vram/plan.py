@@ -44,7 +44,15 @@ from lightning_vram.prediction.replay.twin import module_device
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
-from lightning_vram.records import CheckpointChange, RankStep, ReplayedStep, ReplaySkipped, StepChange, StrategySpec
+from lightning_vram.records import (
+    CheckpointChange,
+    RankStep,
+    ReplayedStep,
+    ReplaySkipped,
+    StepChange,
+    StrategySpec,
+    in_phase_order,
+)
 from lightning_vram.records.plan import Plan, PlanRow
 
 META_NOTE = (
@@ -357,6 +365,8 @@ class _Planner:
             seconds,
             rate,
             rank.method,
+            tuple((phase.value, peak.peak_bytes) for phase, peak in in_phase_order(rank.phases)),
+            _parts(rank),
         )
 
     def _seconds(self, rank: RankStep, gpu: PlanGpu, nodes: int, accumulation: int) -> float | None:
@@ -475,6 +485,15 @@ class _Planner:
 
 NCCL_LINE = "NCCL buffers"
 """The rank line NCCL's own buffers are on: outside torch's allocator, kept free beside the context."""
+
+
+def _parts(rank: RankStep) -> tuple[tuple[str, int], ...]:
+    """The counted parts of the rank's peak phase, bytes (``other``: the peak beyond them)."""
+    breakdown = rank.peak.breakdown
+    if breakdown is None:
+        return ()
+    parts = breakdown.to_dict()
+    return tuple((name, value) for name, value in parts.items() if isinstance(value, int))
 
 
 def _micro_batches(per_rank: int | None) -> Sequence[int | None]:

@@ -8,11 +8,14 @@ global batch; with each rank's predicted peak, whether it fits, and the predicte
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_vram.units import GIB, format_bytes
 
+WIDTH = 100
+"""The columns the notes are wrapped to (the table's rows are narrower)."""
 TABLE_ROWS = 20
 """The table prints at most this many rows, best first; ``to_dict`` has them all."""
 MAX_NOTES = 5
@@ -24,7 +27,7 @@ STRATEGY_LABELS = {
     "deepspeed_stage_3": "zero3",
 }
 """The table's short names of Lightning's strategy names (the others are their own)."""
-LEGEND = "n: GPUs (nodes x each); fsdp1: Lightning's fsdp; zeroN: deepspeed_stage_N; micro: batch x accumulation"
+LEGEND = "n: GPUs (nodes x each); fsdp1: Lightning's fsdp; zeroN: deepspeed_stage_N; micro: size x accum."
 """The table's legend line."""
 
 
@@ -39,7 +42,9 @@ class PlanRow:
     ``fits``: whether the step fits the card (see :attr:`Plan.fits_rule`); ``shortfall``: where it does not, the
     request that failed. ``step_seconds``: the predicted optimizer step (all its micro-batches, the strategy's
     communication included); ``samples_per_second``: the global batch over it. ``method``: how the rank's memory
-    was predicted (the strategy's real code replayed, or the replay with the strategy's arithmetic).
+    was predicted (the strategy's real code replayed, or the replay with the strategy's arithmetic). ``phases``:
+    each phase's predicted allocated peak in step order (phase name, bytes); ``parts``: the counted parts of the
+    peak phase (parameters, gradients, optimizer state, activations, other), bytes.
     """
 
     gpu: str
@@ -58,6 +63,8 @@ class PlanRow:
     step_seconds: float | None = None
     samples_per_second: float | None = None
     method: str = ""
+    phases: tuple[tuple[str, int], ...] = ()
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def global_batch(self) -> int | None:
@@ -108,7 +115,7 @@ class Plan:
             return (f"fits: the rank's peak under 90% of the card's memory less {context} (CUDA context)",)
         settings = f"PYTORCH_ALLOC_CONF={self.allocator}" if self.allocator else "PYTORCH_ALLOC_CONF: defaults"
         return (
-            f"fits: the caching allocator model serves the step in the card's memory less {context} (CUDA context)",
+            f"fits: the caching allocator model serves the step in the card's memory less {context} of context",
             f"peak/rank: reserved by that model ({settings}); allocated peaks in --json",
         )
 
@@ -125,7 +132,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The plan as JSON-ready data."""
     return {
         "fits": plan.fits,
-        "rows": [{**asdict(row), "global_batch": row.global_batch} for row in plan.rows],
+        "rows": [
+            {**asdict(row), "phases": dict(row.phases), "parts": dict(row.parts), "global_batch": row.global_batch}
+            for row in plan.rows
+        ],
         "batch_source": plan.batch_source,
         "global_batch": plan.global_batch,
         "allocator": plan.allocator,
@@ -222,7 +232,8 @@ def plan_text(plan: Plan) -> str:
     extra = [*(f"left out: {item}" for item in plan.left_out), *plan.notes]
     if extra:
         lines.append("Notes:")
-        lines += [f"  - {note}" for note in extra[:MAX_NOTES]]
+        for note in extra[:MAX_NOTES]:
+            lines += textwrap.wrap(note, WIDTH, initial_indent="  - ", subsequent_indent="    ")
         if len(extra) > MAX_NOTES:
             lines.append(f"  ({len(extra) - MAX_NOTES} more in to_dict()['left_out'] and ['notes'])")
     return "\n".join(lines)
