@@ -60,6 +60,11 @@ META_NOTE = (
     " parts and peaks are the meta kernels' (CUDA kernels such as attention's may save other tensors)"
 )
 """The note of a plan for a module on the meta device (built under ``torch.device("meta")``)."""
+META_AUTOCAST = (
+    "torch's autocast has no meta device: mixed precision is not replayed for a module on it (true precisions are:"
+    " bf16-true, 16-true, 32-true)"
+)
+"""Why a plan for a module on the meta device leaves the mixed precisions out."""
 SINGLE = "single"
 """The strategy of one GPU: no process group."""
 MULTI_GPU_STRATEGIES = ("ddp", "fsdp2", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
@@ -282,6 +287,8 @@ class _Planner:
         """Rank predictions made (each a replay, or one kept replay with a strategy's arithmetic)."""
         self._ranks: dict[tuple[_Configuration, StrategySpec], RankStep | None] = {}
         self._predictors: dict[tuple[str, int | None], Predictor] = {}
+        self._unbounded: dict[int, int] = {}
+        """Each kept replay's reserved peak with no memory limit, by the replay's id (replays are kept: ids hold)."""
         self._checkpoint: CheckpointChange | str | None = None  # the change, or why there is none; None: not yet
 
     def rows(
@@ -412,6 +419,9 @@ class _Planner:
         if left <= 0:
             self._leave_out("the time budget ran out", what + micro)
             return None
+        if self.device.type == "meta" and configuration.precision.endswith("-mixed"):
+            self._leave_out(META_AUTOCAST, what)
+            return None
         change = None
         if configuration.checkpointing:
             checkpoint = self._checkpoint_change(configuration)
@@ -478,11 +488,21 @@ class _Planner:
         if step is None or step.allocations is None or self.allocator is None:
             limit = capacity * (1 - BATCH_SAFETY_MARGIN) - self.context_bytes - outside
             return _Fit(rank.peak.peak_bytes <= limit, None, None)
-        serving = serve(step.allocations, self.allocator, capacity - self.context_bytes - outside)
+        available = capacity - self.context_bytes - outside
+        unbounded = self._unbounded.get(id(step))
+        if unbounded is None:
+            unbounded = self._unbounded[id(step)] = serve(
+                step.allocations, self.allocator, UNBOUNDED
+            ).reserved_peak_bytes
+        if unbounded <= available:  # never reserving more than the card holds, the allocator never had to free
+            return _Fit(True, unbounded, None)
+        serving = serve(step.allocations, self.allocator, available)
         shortfall = serving.shortfall.text if serving.shortfall is not None else None
         return _Fit(serving.served, serving.reserved_peak_bytes, shortfall)
 
 
+UNBOUNDED = 1 << 62
+"""A capacity no step reaches: the allocator model's reserved peak where nothing limits it."""
 NCCL_LINE = "NCCL buffers"
 """The rank line NCCL's own buffers are on: outside torch's allocator, kept free beside the context."""
 
