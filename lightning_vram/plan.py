@@ -93,28 +93,34 @@ class _Fit:
     shortfall: str | None
 
 
-class _SharedReplays(Predictor):
-    """A predictor whose replays are kept: a strategy asking again for the same step gets the same replay.
+class _PlanPredictor(Predictor):
+    """A predictor that counts every op (the step time is predicted from them) and the replays it runs.
 
-    Kept by the change and every attribute a replay reads (a strategy's rank prediction replays a shallow copy with
-    its own buffers: the copies share the store), and only for the strategies of :data:`SHARED_REPLAYS`, whose rank
-    is the single-process replay with arithmetic (the same replay at every world size). Ops are always counted: the
-    step time is predicted from them.
+    With a ``store``, its replays are kept: a strategy asking again for the same step gets the same replay. Kept by
+    the change and every attribute a replay reads (a strategy's rank prediction replays a shallow copy with its own
+    buffers: the copies share the store and the count); given only for the strategies of :data:`SHARED_REPLAYS`,
+    whose rank is the single-process replay with arithmetic (the same replay at every world size).
     """
 
-    store: dict[tuple[object, ...], ReplayedStep | ReplaySkipped]
+    store: dict[tuple[object, ...], ReplayedStep | ReplaySkipped] | None = None
+    ran: list[int]
+    """One count, shared by the plan's predictors: the replays run."""
 
     def replay(self, change: StepChange | None = None, count_flops: bool = True) -> ReplayedStep | ReplaySkipped:
-        """The replay of ``change``, made once for these settings."""
+        """The replay of ``change`` with its ops counted, made once for these settings where replays are kept."""
         key = (repr(change), self.strategy, self.step_function, self.precision, self.shape, self.placement)
-        if key not in self.store:
-            self.store[key] = super().replay(change, count_flops=True)
-        return self.store[key]
+        if self.store is not None and key in self.store:
+            return self.store[key]
+        self.ran[0] += 1
+        replayed = super().replay(change, count_flops=True)
+        if self.store is not None:
+            self.store[key] = replayed
+        return replayed
 
 
 SHARED_REPLAYS = ("single", "ddp")
 """Strategies whose rank is the single-process replay with the strategy's arithmetic: its replay at one world size
-serves every world size (:class:`_SharedReplays`)."""
+serves every world size (:class:`_PlanPredictor`)."""
 
 
 def plan(
@@ -193,7 +199,7 @@ def plan(
         left_out=planner.left_out_lines(),
         notes=tuple(dict.fromkeys((*notes, *planner.notes))),
         seconds=time.perf_counter() - started,
-        replays=planner.replays,
+        replays=planner.ran[0],
     )
 
 
@@ -283,8 +289,8 @@ class _Planner:
         self.left_out: dict[str, list[str]] = {}
         """Why configurations were left out, each reason with the configurations it left out."""
         self.notes: list[str] = []
-        self.replays = 0
-        """Rank predictions made (each a replay, or one kept replay with a strategy's arithmetic)."""
+        self.ran = [0]
+        """The replays run, one count shared by the plan's predictors."""
         self._ranks: dict[tuple[_Configuration, StrategySpec], RankStep | None] = {}
         self._predictors: dict[tuple[str, int | None], Predictor] = {}
         self._unbounded: dict[int, int] = {}
@@ -431,7 +437,6 @@ class _Planner:
             change = checkpoint
         predictor = self._predictor(configuration.precision, configuration.micro_batch, left, spec.name)
         rank = predict_rank(predictor, spec, change)
-        self.replays += 1
         if isinstance(rank, ReplaySkipped):
             self._leave_out(rank.reason, what + micro)
             return None
@@ -450,8 +455,7 @@ class _Planner:
         batch = self.batch
         if micro_batch is not None and self.batch_size is not None and micro_batch != self.batch_size:
             batch = resize_batch(batch, self.batch_size, micro_batch)
-        kind = _SharedReplays if shared else Predictor
-        predictor = kind(
+        predictor = _PlanPredictor(
             self.module,
             None,
             batch,
@@ -461,7 +465,8 @@ class _Planner:
             budget_seconds=left,
             allocator=self.allocator,
         )
-        if isinstance(predictor, _SharedReplays):
+        predictor.ran = self.ran
+        if shared:
             predictor.store = {}
             self._predictors[key] = predictor
         return predictor
