@@ -119,3 +119,78 @@ def test_a_ddp_rank_is_the_replay_holding_the_buckets_at_any_world_size() -> Non
             assert held.breakdown.counted_bytes == alone.breakdown.counted_bytes
         assert rank.peak.peak_bytes == single.peak.peak_bytes + gradients
     assert predictor.strategy is None  # the round's own predictor holds no buckets afterwards
+
+
+class ShardedMlp(Classifier):
+    """Three Linears, each its own FSDP2 unit under ModelParallelStrategy's mesh, then the network."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.network:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.network, mesh=mesh)
+
+
+def padded(rows: int, columns: int, world_size: int) -> int:
+    """One rank's shard of a (rows, columns) float32 parameter, dim 0 padded to the world size (bytes)."""
+    return -(-rows // world_size) * columns * FLOAT32
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("world_size", [1, 2, 8, 1024])
+def test_an_fsdp2_rank_holds_its_shards_at_any_world_size(world_size: int) -> None:
+    # torch's fully_shard on the replay's copy, under a fake group of world_size ranks, in this one process.
+    predictor = Predictor(ShardedMlp(network(), OPTIMIZERS["adam"]), None, BATCH)
+    rank = predict_rank(predictor, StrategySpec("fsdp2", world_size))
+    assert isinstance(rank, RankStep), rank
+    assert rank.method == "replayed: torch's fully_shard under a fake process group"
+    shard = 2 * (padded(512, 512, world_size) + padded(512, 1, world_size))
+    shard += padded(10, 512, world_size) + padded(10, 1, world_size)
+    optimizer = rank.phases[Phase.OPTIMIZER].breakdown
+    assert optimizer is not None
+    assert optimizer.parameters == optimizer.gradients == shard  # this rank's shards, padded
+    assert optimizer.optimizer_state == 2 * shard + 6 * FLOAT32  # Adam's two moments and a step per parameter
+    # Forward's peak holds the shards and one unit gathered whole (padded): a 512x512 Linear at most.
+    forward = rank.phases[Phase.FORWARD].breakdown
+    assert (
+        forward is not None and shard < forward.parameters <= shard + (padded(512, 512, world_size) + 2048) * world_size
+    )
+    gather, scatter = rank.lines
+    assert (
+        gather.label
+        == "FSDP2 all-gather buffer (largest unit: network.0)"
+        == scatter.label.replace("reduce-scatter", "all-gather")
+    )
+    assert gather.bytes == (padded(512, 512, world_size) + padded(512, 1, world_size)) * world_size
+    assert not dist.is_initialized()  # the fake group is gone
+
+
+@pytest.mark.replay
+def test_fsdp2_s_sent_bytes_and_the_single_rank_s_are_the_arithmetic() -> None:
+    predictor = Predictor(ShardedMlp(network(), OPTIMIZERS["adam"]), None, BATCH)
+    alone = predict_rank(predictor, StrategySpec("fsdp2", 1))
+    four = predict_rank(predictor, StrategySpec("fsdp2", 4))
+    kept = predict_rank(predictor, StrategySpec("fsdp2", 4, "SHARD_GRAD_OP"))
+    assert isinstance(alone, RankStep) and isinstance(four, RankStep) and isinstance(kept, RankStep)
+    assert alone.communication_bytes == 0
+    linear = LINEAR  # 512 rows divide by 4; the head's 10 rows are padded to 12
+    head = 4 * (padded(10, 512, 4) + padded(10, 1, 4))
+    # Each Linear gathered for forward and again for backward (resharded after forward), its gradients
+    # reduce-scattered; the root holds no parameter of its own.
+    assert four.communication_bytes == 3 * 3 * (2 * linear + head) // 4
+    assert kept.communication_bytes == 2 * 3 * (2 * linear + head) // 4
+    # SHARD_GRAD_OP keeps the gathered Linears after forward: backward's peak holds more parameters.
+    full, grad_op = four.phases[Phase.BACKWARD].breakdown, kept.phases[Phase.BACKWARD].breakdown
+    assert full is not None and grad_op is not None and grad_op.parameters > full.parameters
+
+
+def test_fsdp2_leaves_a_process_group_of_the_user_s_alone(one_rank: None) -> None:
+    predictor = Predictor(ShardedMlp(network(), OPTIMIZERS["adam"]), None, BATCH)
+    group = dist.group.WORLD
+    assert predict_rank(predictor, StrategySpec("fsdp2", 8)) == ReplaySkipped(
+        "fsdp2: a process group is initialized in this process; the replay's fake group cannot replace it"
+    )
+    assert dist.group.WORLD is group and dist.get_backend() == "gloo" and dist.get_world_size() == 1

@@ -139,6 +139,9 @@ class Predictor:
         strategy: what a multi-process strategy holds on this rank beyond the step (DDP's gradient buckets): each
             replay allocates its buffers before the step and holds them to its end, so they are in every phase's
             peak and ``other`` (and in the allocator model's sequence). ``None``: nothing.
+        shard: applied to each replay's fake module after the step's own changes, before its optimizers are built
+            (FSDP2's ``fully_shard`` under a fake process group: see
+            :mod:`~lightning_vram.prediction.strategies.fsdp2`). ``None``: nothing.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class Predictor:
         allocator: AllocatorSettings | None = None,
         measured: Mapping[Phase, PhasePeak] | None = None,
         strategy: StrategyBuffers | None = None,
+        shard: Callable[[nn.Module], None] | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -191,6 +195,7 @@ class Predictor:
         self._scope: _Scope | str | None = None
         self.measured = measured
         self.strategy = strategy
+        self.shard = shard
         self.carried: Calibration | None = None
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
@@ -290,6 +295,18 @@ class Predictor:
         buffers = self.strategy.buffers if self.strategy is not None else ()
         return [torch.empty(size, dtype=torch.uint8, device=self.device) for size in buffers]
 
+    def _prepare(self, run: StepRun) -> Callable[[nn.Module], None]:
+        """What changes a replay's fake module: the step's own changes, then :attr:`shard`."""
+        shard = self.shard
+        if shard is None:
+            return run.prepare_module
+
+        def prepare(module: nn.Module) -> None:
+            run.prepare_module(module)
+            shard(module)
+
+        return prepare
+
     def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
         """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
         if self.allocations is not None:
@@ -348,9 +365,9 @@ class Predictor:
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 register(mode)
                 twin = make_twin(
-                    self.module, self.optimizers, self.batch, mode, run.prepare_module, {id(a): a for a in scope.shared}
+                    self.module, self.optimizers, self.batch, mode, self._prepare(run), {id(a): a for a in scope.shared}
                 )
-                held = held_by(twin.module, scope.inside)
+                held = held_by(twin.module, scope.inside, own=(mode,))
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:
                     raise RefusedError(refusal)

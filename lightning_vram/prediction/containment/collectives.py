@@ -42,8 +42,12 @@ class NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def without_collectives() -> AbstractContextManager[Any]:
-    """:class:`NoCollectives` where a process group is initialized; nothing otherwise (a collective fails there)."""
+    """:class:`NoCollectives` where a process group is initialized; nothing otherwise (a collective fails there).
+
+    Nothing either where the default group is torch's fake one (a one-process replay of a multi-GPU strategy sets it
+    up: :mod:`~lightning_vram.prediction.strategies.fsdp2`): its collectives send nothing and wait for no rank.
+    """
     distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
+    if distributed.is_available() and distributed.is_initialized() and distributed.get_backend() != "fake":
         return NoCollectives()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
     return nullcontext()

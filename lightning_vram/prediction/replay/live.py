@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_vram.measure.storages import on_device, storage_key
+from lightning_vram.measure.storages import local_tensor, on_device, storage_key
 from lightning_vram.prediction.replay._fake import TorchDispatchMode, tree_leaves
 from lightning_vram.prediction.replay.storages import allocator_bytes
 from lightning_vram.records import Phase
@@ -92,7 +92,9 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def track(self, tensors: Iterable[Tensor], producer: str | None = None) -> None:
         """Count the storages of ``tensors`` (each once) until they are freed."""
-        for tensor in tensors:
+        for each in tensors:
+            # A DTensor (FSDP2's sharded parameters, their gradients and state): the shard this rank holds.
+            tensor = local_tensor(each) if isinstance(each, Tensor) else each
             if not isinstance(tensor, Tensor) or not on_device(tensor, self._device):
                 continue
             key = storage_key(tensor)

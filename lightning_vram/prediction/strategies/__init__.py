@@ -1,7 +1,8 @@
 """One rank of a multi-GPU strategy predicted from one process, at any world size (:func:`predict_rank`).
 
 Each strategy has its own module, registered in :data:`PREDICTORS` by its :class:`StrategySpec` name (``ddp``:
-the single-process replay with DDP's buckets, by torch's arithmetic). A name not registered is answered with a
+the single-process replay with DDP's buckets, by torch's arithmetic; ``fsdp2``: torch's ``fully_shard`` replayed
+under a fake process group). A name not registered is answered with a
 :class:`ReplaySkipped` saying so.
 """
 
@@ -10,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.strategies import ddp
+from lightning_vram.prediction.strategies import ddp, fsdp2
 from lightning_vram.prediction.strategies.common import single
 from lightning_vram.records import RankStep, ReplaySkipped, StepChange, StrategySpec
 
 RankPredictor = Callable[[Predictor, StrategySpec, StepChange | None], RankStep | ReplaySkipped]
 """A strategy's prediction of one rank: the round's predictor, the spec, the change to the step (or ``None``)."""
 
-PREDICTORS: dict[str, RankPredictor] = {"single": single, "ddp": ddp.predict}
+PREDICTORS: dict[str, RankPredictor] = {"single": single, "ddp": ddp.predict, "fsdp2": fsdp2.predict}
 """Each modelled strategy's prediction, by :attr:`StrategySpec.name`; another strategy's module adds itself here."""
 
 

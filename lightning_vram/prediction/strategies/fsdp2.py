@@ -1,0 +1,254 @@
+"""FSDP2's rank at any world size: torch's own ``fully_shard`` replayed under torch's fake process group.
+
+The replay's fake copy of the module is sharded by ``fully_shard`` over a one-dimensional mesh of a fake process
+group of ``world_size`` ranks (``init_process_group("fake", ...)``: every collective returns at once, sends nothing
+and waits for no rank), as torchtitan's estimator does; the step then runs through the root module's ``forward``
+(Lightning's forward redirection under ``ModelParallelStrategy``), so FSDP2's hooks all-gather and free each unit's
+parameters, reduce-scatter its gradients, and the optimizer steps on this rank's shards, all on fake tensors,
+counted as any replay (sharded parameters, gradients and state at this rank's shard; gathered parameters while
+gathered, as parameters; the all-gather and reduce-scatter buffers in ``other``).
+
+The sharding is the module's own where it has one: a LightningModule overriding ``configure_model`` is given the
+fake group's mesh as ``device_mesh`` (dimensions ``data_parallel`` of ``world_size`` and ``tensor_parallel`` of 1,
+as Lightning's ``ModelParallelStrategy`` builds it) and shards itself; any other module is sharded by the usual
+policy: each entry of every ``nn.ModuleList`` (a transformer's blocks), then the root.
+
+The fake group is the default process group while the replay runs, set up and destroyed around it; a process that
+already has a process group (a live multi-process run) is not predicted here: its group cannot be replaced, and a
+second default group cannot be made beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.step import StepFunction
+from lightning_vram.prediction.strategies.ddp import nccl_line
+from lightning_vram.records import RankLine, RankStep, ReplaySkipped, StepChange, StrategySpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+METHOD = "replayed: torch's fully_shard under a fake process group"
+"""How an FSDP2 rank is predicted."""
+CHUNKING = "_chunk_with_empty"
+"""FSDP2's function splitting a parameter into its ranks' chunks (torch 2.13, imported into ``_fsdp_param``)."""
+FSDP_NOTES = ("FSDP", "_fsdp", "_state_ctx", "_comm_ctx")
+"""What marks a containment note about FSDP2's own state on the replay's copy (the objects its hooks hold, which
+the replay's copy made and changes as FSDP2 does): left out of the rank's notes."""
+
+
+@contextmanager
+def fake_group(world_size: int) -> Iterator[None]:
+    """The fake process group of ``world_size`` ranks as the default group, this process rank 0; destroyed after.
+
+    ``RuntimeError`` where a process group is initialized already (it is left as it was).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def shared_empty_chunks() -> Iterator[None]:
+    """FSDP2's chunking with one empty tensor for every empty chunk, while the replay shards (put back after).
+
+    ``fully_shard`` splits each parameter into ``world_size`` chunks on dim 0 and makes a new empty tensor for each
+    chunk past the parameter's rows (torch 2.13, ``_fsdp_common._chunk_with_empty``), of which it keeps only this
+    rank's: at 1,024 fake ranks that is a fake op per rank and parameter, most of the replay's time. One shared
+    empty tensor gives every rank's chunk the same size and this rank's the same tensor.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = getattr(_fsdp_param, CHUNKING)
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
+        chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
+        if len(chunks) < num_chunks:
+            chunks += [chunks[0].new_empty(0)] * (num_chunks - len(chunks))
+        return chunks
+
+    setattr(_fsdp_param, CHUNKING, chunk_with_empty)
+    try:
+        yield
+    finally:
+        setattr(_fsdp_param, CHUNKING, original)
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The modules the usual policy shards, innermost first: each entry of every ``nn.ModuleList``, then the root."""
+    units = [entry for child in module.modules() if isinstance(child, nn.ModuleList) for entry in child]
+    return [*units, module]
+
+
+def meshes(world_size: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The fake group's meshes: one-dimensional, and Lightning's ``ModelParallelStrategy`` one.
+
+    The second has dimensions ``data_parallel`` (``world_size``) and ``tensor_parallel`` (1). Make them with the fake
+    group set up, outside any fake mode (a mesh reads its ranks' values).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat = init_device_mesh(device_type, (world_size,))
+    lightning = init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    return flat, lightning
+
+
+def sharder(spec: StrategySpec, flat: DeviceMesh, lightning: DeviceMesh) -> Callable[[nn.Module], None]:
+    """The function that shards a replay's fake copy under ``spec`` over the fake group's meshes (:func:`meshes`)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    reshard = spec.sharding != "SHARD_GRAD_OP"
+
+    def shard(module: nn.Module) -> None:
+        if _configures_itself(module):
+            vars(module)["_device_mesh"] = lightning  # as ModelParallelStrategy sets it before configure_model
+            module.configure_model()  # type: ignore[operator]
+            if spec.sharding is not None:
+                for unit in module.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.set_reshard_after_forward(reshard, recurse=False)
+            return
+        for unit in shard_units(module):
+            fully_shard(unit, mesh=flat, reshard_after_forward=reshard)
+
+    return shard
+
+
+def _configures_itself(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule whose ``configure_model`` is its own (it shards itself there)."""
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:
+        return False
+    return isinstance(module, LightningModule) and type(module).configure_model is not LightningModule.configure_model
+
+
+def redirected(step_function: StepFunction) -> StepFunction:
+    """``step_function`` run through the root module's ``forward``, so that its FSDP2 hooks run.
+
+    As Lightning's forward redirection does under ``ModelParallelStrategy``.
+    """
+
+    def step(module: nn.Module, batch: Any) -> Any:
+        def forward() -> Any:
+            del module.forward  # the class's forward again, should the step call it
+            return step_function(module, batch)
+
+        module.forward = forward  # an instance attribute of the replay's copy
+        return module()
+
+    return step
+
+
+def padded_bytes(parameter: torch.Tensor, world_size: int) -> int:
+    """A parameter's bytes all-gathered under FSDP2: dim 0 padded to a multiple of the world size.
+
+    >>> padded_bytes(torch.empty(10, 3), 4)
+    144
+    """
+    if parameter.dim() == 0:
+        return world_size * parameter.element_size()
+    rows = -(-parameter.shape[0] // world_size) * world_size
+    return rows * (parameter.numel() // max(parameter.shape[0], 1)) * parameter.element_size()
+
+
+def unit_bytes(module: nn.Module, world_size: int) -> list[tuple[str, int]]:
+    """Each FSDP2 unit of the module sharded ``world_size`` ways, with its parameters' bytes all-gathered (padded).
+
+    A unit's parameters are those under it that no nested unit manages. The root is named ``""``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [(name, unit) for name, unit in module.named_modules() if isinstance(unit, FSDPModule)]
+    claimed: set[int] = set()
+    sized = []
+    for name, unit in reversed(units):  # innermost first
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        sized.append((name, sum(padded_bytes(p, world_size) for p in own)))
+    return sized[::-1]
+
+
+def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
+    """One FSDP2 rank of ``spec.world_size``: the predictor's (per-rank) step, sharded by ``fully_shard``."""
+    if spec.offload:
+        return ReplaySkipped("fsdp2 with CPU offload: not modelled yet")
+    if dist.is_initialized():
+        return ReplaySkipped(
+            "fsdp2: a process group is initialized in this process; the replay's fake group cannot replace it"
+        )
+    device_type = predictor.device_type
+    units: list[tuple[str, int]] = []
+    shard: list[Callable[[nn.Module], None]] = []
+
+    def shard_and_size(module: nn.Module) -> None:
+        shard[0](module)
+        units[:] = unit_bytes(module, spec.world_size)
+
+    if not callable(getattr(predictor.module, "configure_optimizers", None)):
+        return ReplaySkipped("fsdp2: the module has no configure_optimizers to build its optimizer on its shards")
+    sharded = copy.copy(predictor)  # the same round (its walk, budget), its step sharded and redirected
+    sharded.shard = shard_and_size
+    sharded.step_function = redirected(predictor.step_function)
+    sharded.warm_up = True  # the gradients and optimizer state come as shards from a first step
+    sharded.optimizers = None  # built by configure_optimizers on the sharded parameters (as Lightning does)
+    with fake_group(spec.world_size), shared_empty_chunks():
+        shard.append(sharder(spec, *meshes(spec.world_size, device_type)))
+        replayed = sharded.replay(change)
+    if isinstance(replayed, ReplaySkipped):
+        return replayed
+    lines = _lines(units, spec, device_type)
+    reshard = spec.sharding != "SHARD_GRAD_OP"
+    sent = _sent(units, spec.world_size, reshard)
+    notes = tuple(note for note in replayed.notes if not any(mark in note for mark in FSDP_NOTES))
+    return RankStep(spec, replayed.phases, lines, sent, METHOD, notes, replayed)
+
+
+def _lines(units: list[tuple[str, int]], spec: StrategySpec, device_type: str) -> tuple[RankLine, ...]:
+    """The strategy's lines: the largest unit's all-gather and reduce-scatter buffers (in the replayed peaks)."""
+    if not units:
+        return nccl_line(spec.world_size, device_type)
+    name, largest = max(units, key=lambda unit: unit[1])
+    where = name or "the root"
+    return (
+        RankLine(
+            f"FSDP2 all-gather buffer (largest unit: {where})",
+            largest,
+            "the unit's parameters, dim 0 padded to the world size, gathered whole for its forward and backward;"
+            " replayed, in the parameters of the phases' peaks while gathered",
+        ),
+        RankLine(
+            f"FSDP2 reduce-scatter buffer (largest unit: {where})",
+            largest,
+            "the unit's unsharded gradients, padded, reduce-scattered in backward; replayed, in the phases' other",
+        ),
+        *nccl_line(spec.world_size, device_type),
+    )
+
+
+def _sent(units: list[tuple[str, int]], world_size: int, reshard: bool) -> int:
+    """Bytes each rank sends per step: ``(N - 1) / N`` of each unit per all-gather and per reduce-scatter.
+
+    Forward all-gathers every unit; backward gathers again each unit resharded after forward (every one but the
+    root, which FSDP2 keeps unsharded for backward); backward reduce-scatters every unit's gradients.
+    """
+    total = 0
+    for name, size in units:
+        gathers = 2 if reshard and name else 1
+        total += (gathers + 1) * (world_size - 1) * size // world_size
+    return total

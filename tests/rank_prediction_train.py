@@ -1,0 +1,172 @@
+"""One training run per rank on the CPU (gloo), measured by the monitor, for tests/test_rank_prediction_distributed.py:
+``python tests/rank_prediction_train.py OUT_DIR WORLD_SIZE STRATEGY MODEL``.
+
+STRATEGY is ``ddp`` or ``fsdp2`` (Lightning's ``ModelParallelStrategy``, the model's ``configure_model`` calling
+``fully_shard``); MODEL is ``gpt`` (a 2-block GPT-2-class language model from a transformers config) or ``cnn`` (the
+quickstart's CNN). Two steps, the second sampled (replays off: the ranks only measure). Rank ``r`` writes
+``rank<r>.json``: each phase's live peak and counted parts as its report has them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vram import VramMonitor
+
+VOCAB, LENGTH = 1000, 32
+BATCH = {"gpt": 4, "cnn": 16}
+"""Samples per rank and step."""
+
+
+class TinyGPT(LightningModule):
+    """A GPT-2-class language model (2 blocks of width 64), AdamW; each block and the model are FSDP2 units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0
+        )
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:  # DDP
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def quickstart_cnn() -> nn.Sequential:
+    """The quickstart's features (conv, BatchNorm, ReLU, pooling twice), Dropout, a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.1),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 10),
+    )
+
+
+class QuickstartCNN(LightningModule):
+    """The quickstart's CNN, Adam; each convolution and the head are FSDP2 units, then the network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = quickstart_cnn()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return nn.functional.cross_entropy(self.network(images), labels)
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:  # DDP
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.network:
+            if isinstance(layer, nn.Conv2d | nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.network, mesh=mesh)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def model_named(name: str) -> LightningModule:
+    torch.manual_seed(0)
+    return TinyGPT() if name == "gpt" else QuickstartCNN()
+
+
+def samples(name: str, count: int) -> TensorDataset:
+    """``count`` samples of the model's data: token sequences, or 32x32 images with their classes."""
+    generator = torch.Generator().manual_seed(0)
+    if name == "gpt":
+        return TensorDataset(torch.randint(0, VOCAB, (count, LENGTH), generator=generator))
+    return TensorDataset(torch.randn(count, 3, 32, 32, generator=generator), torch.randint(0, 10, (count,)))
+
+
+def one_batch(name: str) -> list[torch.Tensor]:
+    """One rank's batch, as its DataLoader gives it."""
+    return next(iter(DataLoader(samples(name, BATCH[name]), batch_size=BATCH[name])))  # type: ignore[no-any-return]
+
+
+class Record(Callback):
+    """After the monitor's own train-end hook, in each rank's process: its report's phases."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (monitor,) = (callback for callback in trainer.callbacks if isinstance(callback, VramMonitor))  # type: ignore[attr-defined]
+        report = monitor.report
+        assert report is not None
+        record = {
+            phase.value: {
+                "live peak": peak.peak_bytes,
+                "parameters": b.parameters,
+                "gradients": b.gradients,
+                "optimizer_state": b.optimizer_state,
+                "activations": b.activations,
+            }
+            for phase, peak in report.phases.items()
+            if (b := peak.breakdown) is not None
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def strategy_named(name: str, world_size: int) -> Strategy | str:
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    return name
+
+
+def main() -> None:
+    out, world_size, strategy, name = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    monitor = VramMonitor(
+        attribution_start_step=1, attribution_every_n_steps=1, console_summary=False, replay_budget_seconds=0
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy_named(strategy, world_size),
+        max_steps=2,
+        logger=False,
+        default_root_dir=out,
+        callbacks=[monitor, Record(out)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    dataset = samples(name, 2 * BATCH[name] * world_size)
+    trainer.fit(model_named(name), DataLoader(dataset, batch_size=BATCH[name]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""One rank predicted from one process against each gloo rank's measured step, at world sizes 2 and 4.
+
+Each configuration trains two steps on the CPU (tests/rank_prediction_train.py), the monitor counting each rank's
+second step (its counted parts and the live peak of every phase). In this process, with no process group, the same
+module and one rank's batch are predicted by ``predict_rank`` for that world size: DDP as the replay holding its
+buckets, FSDP2 as torch's ``fully_shard`` replayed under a fake process group. Every part and live peak of every
+phase of every rank must be within 5% (the table is printed: run with -s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rank_prediction_train import model_named, one_batch
+
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.strategies import predict_rank
+from lightning_vram.records import RankStep, StrategySpec
+
+HANG = 900
+"""Seconds a run may take: far more than a loaded 2-core machine needs, so only a hang reaches it."""
+TOLERANCE = 0.05
+PARTS = ("parameters", "gradients", "optimizer_state", "activations", "live peak")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.replay]
+
+
+def measured(out: Path, world_size: int, strategy: str, model: str) -> list[dict[str, dict[str, int]]]:
+    """Each rank's phases as its monitor measured them (``{phase: {part: bytes}}``)."""
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    environment.pop("CUDA_VISIBLE_DEVICES", None)
+    script = Path(__file__).parent / "rank_prediction_train.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), str(world_size), strategy, model],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def predicted(world_size: int, strategy: str, model: str) -> dict[str, dict[str, int]]:
+    """One rank's phases predicted in this process (``{phase: {part: bytes}}``)."""
+    predictor = Predictor(model_named(model), None, one_batch(model), warm_up=True)
+    rank = predict_rank(predictor, StrategySpec(strategy, world_size))
+    assert isinstance(rank, RankStep), rank
+    phases = {}
+    for phase, peak in rank.phases.items():
+        b = peak.breakdown
+        assert b is not None
+        phases[phase.value] = {
+            "parameters": b.parameters,
+            "gradients": b.gradients,
+            "optimizer_state": b.optimizer_state,
+            "activations": b.activations,
+            "live peak": peak.peak_bytes,
+        }
+    return phases
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world_size", "model"),
+    [
+        ("ddp", 2, "gpt"),
+        ("ddp", 4, "gpt"),
+        ("fsdp2", 2, "gpt"),
+        ("fsdp2", 4, "gpt"),
+        ("ddp", 2, "cnn"),
+        ("fsdp2", 2, "cnn"),
+    ],
+)
+def test_each_rank_is_within_5_percent_of_the_one_process_prediction(
+    tmp_path: Path, strategy: str, world_size: int, model: str
+) -> None:
+    ranks = measured(tmp_path, world_size, strategy, model)
+    prediction = predicted(world_size, strategy, model)
+    print(f"\n{strategy} x{world_size} on gloo, {model}: each rank measured, one rank predicted in one process (bytes)")
+    print(f"{'rank':>4} {'phase':<9} {'part':<15} {'measured':>10} {'predicted':>10} {'error':>8}")
+    failures = []
+    for rank, phases in enumerate(ranks):
+        assert phases.keys() == prediction.keys() == {"forward", "backward", "optimizer"}
+        for phase, parts in phases.items():
+            for part in PARTS:
+                value, guess = parts[part], prediction[phase][part]
+                error = abs(guess - value) / value if value else float(guess != 0)
+                print(f"{rank:>4} {phase:<9} {part:<15} {value:>10} {guess:>10} {error:>8.4%}")
+                if error > TOLERANCE:
+                    failures.append((rank, phase, part, value, guess))
+    assert not failures
