@@ -7,18 +7,26 @@ amount changes, a time cost: the run's measured median step time times ``ratio -
 forward). Where the FLOPs are the same, the cost is 0 and the advice says so; where the change alters what is
 computed in another way (another precision, fewer tokens a step), the ratio is given and the time is not modelled
 from it.
+
+Beside the cost, each replayed change's step time is predicted (``Advice.predicted_step_seconds``): both replays'
+ops priced on the run's device by a roofline per op (:mod:`lightning_vram.prediction.timing`; the CPU measured once
+per process, a GPU by its published peaks), the baseline's prediction calibrated to the run's measured median step
+time and the factor carried to the change's. Unlike the FLOP ratio it prices every op, memory-bound ones too: a
+change of precision or of tokens a step gets a predicted time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_vram.prediction.timing import DevicePeaks, calibrated, gpu_peaks, measure_host_peaks, predict_step_time
 from lightning_vram.records import (
     Advice,
     AdviceId,
     BatchSizeChange,
     ChangeKind,
     CostBasis,
+    DeviceInfo,
     ReplayedStep,
     RunSummary,
     SavingBasis,
@@ -102,12 +110,14 @@ def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation |
     """``advice`` with its step-time cost, where its change was replayed with FLOPs counted (else as it is).
 
     The run's median step time (``summary.step_seconds_median``) prices the FLOP ratio; without it the ratio is
-    given and the seconds are ``None``.
+    given and the seconds are ``None``. It also calibrates the change's predicted step time
+    (:func:`predicted_step_seconds`); advice that changes no op (the allocator's settings) keeps the measured one.
     """
     baseline = simulation.baseline if simulation is not None and simulation.skipped is None else None
     if simulation is None or baseline is None or baseline.flops is None:
         return advice
     step_seconds = summary.step_seconds_median
+    variant: VariantResult | None = None
     if advice.id in SAME_FLOPS_ADVICE and advice.saving_basis is SavingBasis.SIMULATED:
         found: TimeCost | None = TimeCost(None if step_seconds is None else 0.0, 1.0, CostBasis.SAME_FLOPS)
     elif advice.predicted_peak_bytes is not None:
@@ -118,4 +128,43 @@ def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation |
         found = None
     if found is None:
         return advice
-    return replace(advice, estimated_cost_seconds=found.seconds, flop_ratio=found.ratio, cost_basis=found.basis)
+    predicted = step_seconds if found.basis is CostBasis.SAME_FLOPS and baseline.work is not None else None
+    if advice.predicted_peak_bytes is not None and variant is not None and variant.replayed is not None:
+        predicted = predicted_step_seconds(variant.change, baseline, variant.replayed, step_seconds, summary.device)
+    return replace(
+        advice,
+        estimated_cost_seconds=found.seconds,
+        flop_ratio=found.ratio,
+        cost_basis=found.basis,
+        predicted_step_seconds=predicted,
+    )
+
+
+def device_peaks(device: DeviceInfo) -> DevicePeaks | None:
+    """The peaks a step on ``device`` is priced with: the CPU measured, a GPU of the table (``None``: unknown)."""
+    if device.type == "cpu":
+        return measure_host_peaks()
+    if device.type == "cuda":
+        return gpu_peaks(device.name)
+    return None
+
+
+def predicted_step_seconds(
+    change: StepChange,
+    baseline: ReplayedStep,
+    variant: ReplayedStep,
+    step_seconds: float | None,
+    device: DeviceInfo,
+) -> float | None:
+    """The step time with ``change``: ``variant``'s prediction, calibrated by the run's measured ``step_seconds``.
+
+    A halved batch is two half steps. ``None`` without a measured step time, counted ops or the device's peaks.
+    """
+    if step_seconds is None or step_seconds <= 0 or baseline.work is None or variant.work is None:
+        return None
+    peaks = device_peaks(device)
+    if peaks is None:
+        return None
+    run = calibrated(predict_step_time(baseline, peaks), step_seconds)
+    seconds = predict_step_time(variant, peaks, calibration=run.calibration).seconds
+    return 2 * seconds if isinstance(change, BatchSizeChange) else seconds

@@ -83,6 +83,10 @@ class Advice:
     ``estimated_cost_seconds`` is the change's expected step-time cost (its replay's FLOPs over the baseline's, minus
     one, times the run's median step time; 0 for the same FLOPs; ``None``: not modelled), ``flop_ratio`` that FLOP
     ratio and ``cost_basis`` what it says of the time (``None`` for both where no replay counted FLOPs).
+    ``predicted_step_seconds`` is the step time predicted with the change: its replay's ops priced on the run's
+    device (a roofline per op, :mod:`lightning_vram.prediction.timing`), times the run's measured median step time
+    over the same prediction for its own step (``None``: not predicted: no step time measured, no ops counted, or a
+    device without known peaks).
     """
 
     id: AdviceId
@@ -97,6 +101,7 @@ class Advice:
     estimated_cost_seconds: float | None = None
     flop_ratio: float | None = None
     cost_basis: CostBasis | None = None
+    predicted_step_seconds: float | None = None
 
     @property
     def cost_text(self) -> str | None:

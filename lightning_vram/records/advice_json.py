@@ -23,6 +23,7 @@ def advice_to_dict(advice: Advice) -> dict[str, Any]:
         "estimated_cost_seconds": advice.estimated_cost_seconds,
         "flop_ratio": advice.flop_ratio,
         "cost_basis": None if advice.cost_basis is None else str(advice.cost_basis),
+        "predicted_step_seconds": advice.predicted_step_seconds,
     }
 
 
@@ -68,6 +69,10 @@ def advice_from_dict(data: Any, where: str) -> Advice:
         ),
         flop_ratio=fields.added("flop_ratio", lambda reader, key: reader.optional_number(key), None),
         cost_basis=_cost_basis(fields.optional_text("cost_basis") if fields.has("cost_basis") else None, where),
+        # Absent from reports written before the step time.
+        predicted_step_seconds=fields.added(
+            "predicted_step_seconds", lambda reader, key: reader.optional_number(key), None
+        ),
     )
 
 

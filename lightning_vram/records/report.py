@@ -247,7 +247,8 @@ def report_from_dict(data: Any) -> Report:
     - the recomputed units: ``recomputed_units``: ``None`` (not recorded);
     - the reasons not advised: ``not_advised``: empty;
     - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``;
-    - the time cost: ``advice[].estimated_cost_seconds``, ``advice[].flop_ratio``, ``advice[].cost_basis``: ``None``.
+    - the time cost: ``advice[].estimated_cost_seconds``, ``advice[].flop_ratio``, ``advice[].cost_basis``: ``None``;
+    - the step time: ``advice[].predicted_step_seconds``: ``None``.
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.

@@ -23,7 +23,8 @@ class OpGroup:
     """``count`` ops of one phase that each did ``flops`` FLOPs and moved ``bytes_moved`` bytes, in ``dtype``.
 
     ``recomputed``: run again in backward by activation checkpointing. ``view``: an alias of its input (a view,
-    a reshape that copies nothing), dispatched without a kernel: it moves no bytes.
+    a reshape that copies nothing), dispatched without a kernel: it moves no bytes. ``op``: the op's name, without
+    namespace or overload (``convolution_backward``).
     """
 
     phase: Phase
@@ -33,6 +34,7 @@ class OpGroup:
     count: int
     recomputed: bool = False
     view: bool = False
+    op: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,19 @@ class StepWork:
         return StepWork(tuple(group for group in self.groups if group.recomputed))
 
 
-def grouped(ops: Iterable[tuple[Phase, str, int, int, bool, bool]]) -> StepWork:
-    """Ops as ``(phase, dtype, flops, bytes_moved, recomputed, view)`` gathered into groups, in first-seen order."""
-    counts: dict[tuple[Phase, str, int, int, bool, bool], int] = {}
+OpKey = tuple[Phase, str, int, int, bool, bool, str]
+"""One op as counted: ``(phase, dtype, flops, bytes_moved, recomputed, view, op)``, the fields of :class:`OpGroup`."""
+
+
+def grouped(ops: Iterable[OpKey]) -> StepWork:
+    """Ops gathered into groups of alike ones, in first-seen order."""
+    counts: dict[OpKey, int] = {}
     for op in ops:
         counts[op] = counts.get(op, 0) + 1
     return StepWork(
         tuple(
-            OpGroup(phase, dtype, flops, moved, count, recomputed, view)
-            for (phase, dtype, flops, moved, recomputed, view), count in counts.items()
+            OpGroup(phase, dtype, flops, moved, count, recomputed, view, name)
+            for (phase, dtype, flops, moved, recomputed, view, name), count in counts.items()
         )
     )
 

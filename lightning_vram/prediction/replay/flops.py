@@ -26,7 +26,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from lightning_vram.prediction.replay._fake import tree_leaves
 from lightning_vram.records import Phase, StepWork
-from lightning_vram.records.work import grouped
+from lightning_vram.records.work import OpKey, grouped
 
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -51,7 +51,7 @@ class StepFlops:
         self._total = 0
         self._recomputing = recomputing
         self._phase = Phase.FORWARD
-        self._ops: list[tuple[Phase, str, int, int, bool, bool]] = []
+        self._ops: list[OpKey] = []
 
     def start_phase(self, phase: Phase) -> None:
         """``phase`` starts now: the ops from here on are its."""
@@ -64,8 +64,10 @@ class StepFlops:
         """Add the FLOPs, bytes and op of one op that ran (``func`` on ``args`` and ``kwargs``, giving ``output``).
 
         FLOPs only where torch has a formula for it: an op without one (elementwise, copies) adds none, as in
-        ``FlopCounterMode``; it still moves bytes.
+        ``FlopCounterMode``; it still moves bytes. A query of a tensor's metadata is not counted.
         """
+        if _metadata(func):
+            return
         flops = self._flops(func, args, kwargs, output)
         self._total += flops
         view = bool(getattr(func, "is_view", False)) or getattr(func, "_overloadpacket", None) is _UNSAFE_VIEW
@@ -76,7 +78,8 @@ class StepFlops:
             (_DTYPE_CLASSES.get(tensor.dtype, "other") for tensor in inputs if tensor.is_floating_point()), "other"
         )
         recomputed = self._phase is Phase.BACKWARD and self._recomputing is not None and self._recomputing()
-        self._ops.append((self._phase, dtype, flops, moved, recomputed, view))
+        name = str(getattr(func, "__name__", func)).split(".")[0]
+        self._ops.append((self._phase, dtype, flops, moved, recomputed, view, name))
 
     @staticmethod
     def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> int:
@@ -102,6 +105,28 @@ class StepFlops:
     def work(self) -> StepWork:
         """Every op counted so far, grouped: FLOPs, bytes moved, phase, dtype, recomputed or not."""
         return grouped(self._ops)
+
+
+_METADATA_RETURNS = frozenset({"int", "SymInt", "bool", "Device", "ScalarType", "Layout", "int[]", "SymInt[]"})
+"""Return types of an op that only reads a tensor's metadata."""
+
+
+def _metadata(func: Any) -> bool:
+    """Whether ``func`` only reads tensors' metadata (``prim.device``, ``aten.sym_size``): no kernel, not an op.
+
+    Under fake tensors such queries are dispatched (eager tensors answer them without dispatch).
+
+    >>> _metadata(torch.ops.prim.device.default), _metadata(torch.ops.aten.sym_size.int)
+    (True, True)
+    >>> _metadata(torch.ops.aten._local_scalar_dense.default), _metadata(torch.ops.aten._foreach_add_.Scalar)
+    (False, False)
+    """
+    schema = getattr(func, "_schema", None)
+    if getattr(func, "namespace", None) == "prim":
+        return True
+    if schema is None or schema.is_mutable or not schema.returns:
+        return False
+    return all(str(returned.type) in _METADATA_RETURNS for returned in schema.returns)
 
 
 def _bytes(tensor: Tensor) -> int:

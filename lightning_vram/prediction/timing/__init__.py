@@ -8,7 +8,7 @@ bandwidths and :func:`communication_seconds`; ``model.py``: :func:`predict_step_
 
 from __future__ import annotations
 
-from lightning_vram.prediction.timing.host import measure_host_peaks
+from lightning_vram.prediction.timing.host import measure_host, measure_host_peaks
 from lightning_vram.prediction.timing.links import LINKS, Link, communication_seconds
 from lightning_vram.prediction.timing.model import calibrated, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_PEAKS, DevicePeaks, gpu_peaks
@@ -21,6 +21,7 @@ __all__ = [
     "calibrated",
     "communication_seconds",
     "gpu_peaks",
+    "measure_host",
     "measure_host_peaks",
     "predict_step_time",
 ]

@@ -3,9 +3,13 @@
 A CPU has no datasheet figure a step could be predicted from (its clocks, cores, vector units and the threads torch
 uses all vary), so its :class:`~lightning_vram.prediction.timing.peaks.DevicePeaks` are measured, once per process
 (about a second), with torch's own kernels and thread count: a matrix product in fp32, bf16 and fp16, a large
-copy, and a tiny forward and backward whose ops do next to nothing (its time over its op count is the cost of an op
-in a training step: dispatch, autograd's bookkeeping, the allocator). Each figure is the median of a few repeats,
-so a machine busy with other work is measured as busy as it is.
+copy, and a tiny training step whose ops do next to nothing (its time over its op count is the cost of an op in a
+training step: dispatch, autograd's bookkeeping, module calls, the optimizer's Python, the allocator). A CPU's
+kernels reach their roofline unevenly (a convolution less than a matrix product, a max-pool or a batch norm a
+fraction of the copy's bandwidth, a tanh or a random mask bound by arithmetic that torch's FLOP formulas do not
+count): each such kind of op is run on a small model's tensor sizes, its outputs kept as a step keeps its
+activations, and its measured share of its roofline kept (``DevicePeaks.op_achieved``). Each figure is the median
+of a few repeats.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_vram.prediction.replay._fake import TorchDispatchMode
+from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.timing.peaks import DevicePeaks
 
 MATMUL_SIZE = 512
@@ -29,36 +34,112 @@ COPY_BYTES = 32 * 1024 * 1024
 """Bytes of the tensor copied to measure bandwidth (larger than a CPU's caches)."""
 REPEATS = 7
 """Timed repeats of each measurement, after one untimed warm-up; the median is kept."""
-TINY_STEPS = 50
-"""Tiny forward-and-backward passes timed together, for the cost of one op."""
+TINY_STEPS = 20
+"""Tiny training steps timed together, for the cost of one op."""
 
 
-def _median_seconds(work: Callable[[], object], repeats: int = REPEATS) -> float:
-    """The median wall-clock seconds of ``work`` over ``repeats`` runs, after one run not timed."""
+Clock = Callable[[], float]
+"""A clock in seconds: ``time.perf_counter`` (wall time) or ``time.process_time`` (this process's CPU time)."""
+
+
+def _median_seconds(work: Callable[[], object], repeats: int, clock: Clock) -> float:
+    """The median seconds of ``work`` by ``clock`` over ``repeats`` runs, after one run not timed."""
     work()
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         work()
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
     return statistics.median(times)
 
 
-def _matmul_flops(dtype: torch.dtype, size: int = MATMUL_SIZE) -> float:
-    """FLOP/s of a square matrix product of ``size`` rows in ``dtype``."""
+def _matmul_flops(dtype: torch.dtype, size: int, repeats: int, clock: Clock) -> float:
+    """FLOP/s of a square matrix product of ``size`` rows in ``dtype`` (the median of ``repeats``)."""
     generator = torch.Generator().manual_seed(0)
     left = torch.randn(size, size, generator=generator).to(dtype)
     right = torch.randn(size, size, generator=generator).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
-    seconds = _median_seconds(lambda: torch.mm(left, right, out=out))
+    seconds = _median_seconds(lambda: torch.mm(left, right, out=out), repeats, clock)
     return 2 * size**3 / seconds
 
 
-def _copy_bandwidth() -> float:
+def _probes() -> dict[str, Callable[[], object]]:
+    """One call of each kind of op whose share of the roofline is measured, on tensors of a small model's sizes.
+
+    Forward ops and their backward, each called directly (``torch.ops.aten``) with what its forward gave.
+    """
+    aten = torch.ops.aten
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(32, 32, 32, 32, generator=generator)  # 4 MiB: a small CNN's activation
+    few = torch.randn(8, 32, 32, 32, generator=generator)
+    weight = torch.randn(32, 32, 3, 3, generator=generator)
+    gradient = torch.randn(32, 32, 32, 32, generator=generator)
+    rows = torch.randn(4096, 256, generator=generator)  # 4 MiB: a small transformer's hidden states
+    mask = torch.empty_like(rows)
+    scale, shift, mean, variance = torch.ones(32), torch.zeros(32), torch.zeros(32), torch.ones(32)
+    _, saved_mean, saved_invstd = aten.native_batch_norm(images, scale, shift, mean, variance, True, 0.1, 1e-5)
+    pooled, indices = aten.max_pool2d_with_indices(images, [2, 2], [2, 2])
+    both = [True, True, False]
+    return {
+        "convolution": lambda: aten.convolution(few, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+        "convolution_backward": lambda: aten.convolution_backward(
+            few, few, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, both
+        ),
+        "native_batch_norm": lambda: aten.native_batch_norm(images, scale, shift, mean, variance, True, 0.1, 1e-5),
+        "native_batch_norm_backward": lambda: aten.native_batch_norm_backward(
+            images, images, scale, mean, variance, saved_mean, saved_invstd, True, 1e-5, [True, True, True]
+        ),
+        "max_pool2d_with_indices": lambda: aten.max_pool2d_with_indices(images, [2, 2], [2, 2]),
+        "max_pool2d_with_indices_backward": lambda: aten.max_pool2d_with_indices_backward(
+            pooled, images, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
+        ),
+        "relu": lambda: aten.relu(images),
+        "threshold_backward": lambda: aten.threshold_backward(gradient, images, 0),
+        "tanh": lambda: aten.tanh(rows),
+        "_softmax": lambda: aten._softmax(rows, -1, False),
+        "native_layer_norm": lambda: aten.native_layer_norm(rows, [256], None, None, 1e-5),
+        "bernoulli_": lambda: aten.bernoulli_(mask, 0.9, generator=generator),
+    }
+
+
+class _Roofline(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch ships it without annotations
+    """The FLOPs and bytes of the one op run inside it, as the replay counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counted = StepFlops()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        self.counted.count(func, args, kwargs, output)
+        return output
+
+
+def _keeping(probe: Callable[[], object]) -> Callable[[], None]:
+    """``probe``, its outputs kept: as a step keeps its activations, each output takes memory not used before."""
+    kept: list[object] = []
+    return lambda: kept.append(probe())
+
+
+def _op_achieved(fp32: float, bandwidth: float, repeats: int, clock: Clock) -> dict[str, float]:
+    """Each probed kind of op's share of its roofline time (FLOPs at ``fp32`` FLOP/s, bytes at ``bandwidth``)."""
+    shares = {}
+    for name, probe in _probes().items():
+        roofline = _Roofline()
+        with roofline:
+            probe()
+        work = roofline.counted.work()
+        ideal = sum(max(group.flops / fp32, group.bytes_moved / bandwidth) * group.count for group in work.groups)
+        shares[name] = ideal / _median_seconds(_keeping(probe), repeats, clock)
+    return shares
+
+
+def _copy_bandwidth(repeats: int, clock: Clock) -> float:
     """Bytes a second read and written by a copy of :data:`COPY_BYTES` (each byte counted read and written)."""
     source = torch.ones(COPY_BYTES // 4)
     target = torch.empty_like(source)
-    seconds = _median_seconds(lambda: target.copy_(source))
+    seconds = _median_seconds(lambda: target.copy_(source), repeats, clock)
     return 2 * COPY_BYTES / seconds
 
 
@@ -75,42 +156,67 @@ class _OpCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
-def _tiny_step(weight: torch.Tensor, bias: torch.Tensor, inputs: torch.Tensor) -> None:
-    """A forward and backward of a few layers on one sample of four features: ops that do next to nothing."""
-    hidden = inputs
+def _tiny_step(network: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
+    """A training step of a few modules on one sample of four features: ops that do next to nothing."""
+    loss = network(inputs).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _op_overhead(repeats: int, clock: Clock) -> float:
+    """Seconds one op of a training step adds beyond its arithmetic and memory traffic.
+
+    Its dispatch, autograd's bookkeeping, the module calls and the optimizer's Python around it: a training step
+    of four tiny ``Linear`` and ``ReLU`` modules with Adam, timed, over the ops it dispatches.
+    """
+    layers: list[torch.nn.Module] = []
     for _ in range(4):
-        hidden = torch.relu(torch.nn.functional.linear(hidden, weight, bias))
-    hidden.sum().backward()  # type: ignore[no-untyped-call]
-
-
-def _op_overhead() -> float:
-    """Seconds one op of a training step adds beyond its arithmetic and memory traffic (its dispatch)."""
-    weight = torch.ones(4, 4, requires_grad=True)
-    bias = torch.zeros(4, requires_grad=True)
+        layers += [torch.nn.Linear(4, 4), torch.nn.ReLU()]
+    network = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.Adam(network.parameters())
     inputs = torch.ones(1, 4)
+    _tiny_step(network, optimizer, inputs)  # Adam's state exists from here on, as in a steady step
     counter = _OpCount()
     with counter:
-        _tiny_step(weight, bias, inputs)
+        _tiny_step(network, optimizer, inputs)
 
     def steps() -> None:
         for _ in range(TINY_STEPS):
-            _tiny_step(weight, bias, inputs)
+            _tiny_step(network, optimizer, inputs)
 
-    return _median_seconds(steps, repeats=3) / (TINY_STEPS * counter.ops)
+    return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
 
 @functools.cache
 def measure_host_peaks() -> DevicePeaks:
-    """The CPU of the machine as torch runs on it now, measured once per process (about a second).
+    """The CPU of the machine as torch runs on it, measured once per process (about a second; later calls reuse it).
+
+    See :func:`measure_host`.
+    """
+    return measure_host()
+
+
+def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> DevicePeaks:
+    """The CPU of the machine as torch runs on it now, each figure the median of ``repeats`` runs timed by ``clock``.
 
     The figures are what torch's own kernels reached with its current thread count: they are achieved rates, so
-    ``achieved`` is 1.0. TF32 does not exist on a CPU (its figure is fp32's).
+    ``achieved`` is 1.0. TF32 does not exist on a CPU (its figure is fp32's). Measured again at each call: a
+    comparison with a measured step on a busy machine measures both at the same time, in turns. With
+    ``clock=time.process_time`` and one torch thread, the figures are per second of CPU time, which other
+    processes on the machine change far less than wall time (what it waits for the CPU is left out).
     """
-    fp32 = _matmul_flops(torch.float32)
-    bf16 = _matmul_flops(torch.bfloat16)
-    fp16 = _matmul_flops(torch.float16, HALF_SIZE)
-    bandwidth = _copy_bandwidth()
-    overhead = _op_overhead()
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    # The tiny step's modules draw their weights (the caller's RNG stays) and it runs backward, whatever the
+    # caller's grad mode.
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+        fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
+        bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
+        fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
+        bandwidth = _copy_bandwidth(repeats, clock)
+        overhead = _op_overhead(repeats, clock)
+        op_achieved = _op_achieved(fp32, bandwidth, repeats, clock)
     threads = torch.get_num_threads()
     return DevicePeaks(
         name=f"this CPU ({threads} threads)",
@@ -122,7 +228,9 @@ def measure_host_peaks() -> DevicePeaks:
         op_overhead_seconds=overhead,
         source=(
             f"measured in this process: a {MATMUL_SIZE}x{MATMUL_SIZE} matrix product, a {COPY_BYTES // 2**20} MiB"
-            f" copy, a tiny forward and backward; median of {REPEATS} repeats, {threads} threads"
+            f" copy, a tiny training step; median of {repeats} repeats, {threads} threads,"
+            f" {'CPU time' if clock is time.process_time else 'wall time'}"
         ),
         achieved=1.0,
+        op_achieved=op_achieved,
     )

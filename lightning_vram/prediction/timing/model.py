@@ -87,12 +87,16 @@ def predict_step_time(
 
 
 def _seconds(work: StepWork, device: DevicePeaks, share: float, tf32: bool) -> tuple[float, float, float]:
-    """(compute-bound, memory-bound, overhead) seconds of ``work``'s ops on ``device`` at ``share`` of its peaks."""
+    """(compute-bound, memory-bound, overhead) seconds of ``work``'s ops on ``device`` at ``share`` of its peaks.
+
+    An op of a kind whose share the device measured (``DevicePeaks.op_achieved``) takes that share instead.
+    """
     compute = memory = 0.0
-    bandwidth = device.bandwidth * share
     for group in work.groups:
-        arithmetic = group.flops / (device.flops_per_second(group.dtype, tf32) * share)
-        traffic = group.bytes_moved / bandwidth
+        measured = device.achieved_for(group.op)
+        op_share = share if measured is None else measured
+        arithmetic = group.flops / (device.flops_per_second(group.dtype, tf32) * op_share)
+        traffic = group.bytes_moved / (device.bandwidth * op_share)
         if arithmetic >= traffic:
             compute += arithmetic * group.count
         else:

@@ -9,7 +9,8 @@ never assumed: :func:`~lightning_vram.prediction.timing.host.measure_host_peaks`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 TERA = 1e12
 """FLOP/s in a TFLOP/s."""
@@ -47,6 +48,17 @@ class DevicePeaks:
     source: str
     achieved: float = GPU_ACHIEVED
     memory_row: str | None = None
+    op_achieved: Mapping[str, float] = field(default_factory=dict)
+    """Measured shares of the roofline reached by some kinds of op, by op name (a variant priced as its plain form,
+    :data:`OP_FAMILIES`); the other ops take :attr:`achieved`. Empty for the published GPUs."""
+
+    def achieved_for(self, op: str) -> float | None:
+        """The measured share of the roofline op ``op`` reaches (``None``: none measured for its kind).
+
+        >>> DevicePeaks("cpu", 1, 1, 1, 1, 1, 0, "", op_achieved={"_softmax": 0.25}).achieved_for("_safe_softmax")
+        0.25
+        """
+        return self.op_achieved.get(OP_FAMILIES.get(op, op))
 
     def flops_per_second(self, dtype: str, tf32: bool = False) -> float:
         """The peak FLOP/s for ops in ``dtype`` (a class of :data:`~lightning_vram.records.work.DTYPE_CLASSES`).
@@ -87,6 +99,12 @@ def _gpu(
         memory_row=memory_row,
     )
 
+
+OP_FAMILIES: dict[str, str] = {
+    "_native_batch_norm_legit_functional": "native_batch_norm",
+    "_safe_softmax": "_softmax",
+}
+"""Ops priced as another op's kind: a variant as its plain form."""
 
 _ROW_12 = "RTX 3060 (12 GB)"
 _ROW_16 = "T4 (16 GB)"
