@@ -11,14 +11,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.strategies import ddp, fsdp2
+from lightning_vram.prediction.strategies import ddp, deepspeed, fsdp1, fsdp2
 from lightning_vram.prediction.strategies.common import single
 from lightning_vram.records import RankStep, ReplaySkipped, StepChange, StrategySpec
 
 RankPredictor = Callable[[Predictor, StrategySpec, StepChange | None], RankStep | ReplaySkipped]
 """A strategy's prediction of one rank: the round's predictor, the spec, the change to the step (or ``None``)."""
 
-PREDICTORS: dict[str, RankPredictor] = {"single": single, "ddp": ddp.predict, "fsdp2": fsdp2.predict}
+PREDICTORS: dict[str, RankPredictor] = {
+    "single": single,
+    "ddp": ddp.predict,
+    "fsdp2": fsdp2.predict,
+    "fsdp": fsdp1.predict,
+    "deepspeed_stage_1": deepspeed.predict,
+    "deepspeed_stage_2": deepspeed.predict,
+    "deepspeed_stage_3": deepspeed.predict,
+}
 """Each modelled strategy's prediction, by :attr:`StrategySpec.name`; another strategy's module adds itself here."""
 
 

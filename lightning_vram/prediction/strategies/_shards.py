@@ -1,0 +1,107 @@
+"""What the sharded strategies' arithmetic (ZeRO, FSDP1) shares: sizes read from the module and the replay.
+
+Every figure is in bytes. The single-process replay gives what does not depend on the strategy (the activations
+autograd saves, the step's own temporaries); the module's parameters, in their order, give what the strategy
+flattens and shards; the user's optimizer, stepped once on tiny flat tensors, gives its state per element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.records import Breakdown, Phase, PhasePeak, ReplayedStep
+
+
+def parameter_numels(module: nn.Module) -> list[int]:
+    """Elements of each parameter that trains, in ``module.parameters()`` order (a tied one once)."""
+    return [parameter.numel() for parameter in module.parameters() if parameter.requires_grad]
+
+
+def padded(numel: int, multiple: int) -> int:
+    """``numel`` rounded up to a multiple of ``multiple``.
+
+    >>> padded(67594, 4)
+    67596
+    """
+    return math.ceil(numel / multiple) * multiple
+
+
+def flat_state_bytes(optimizer: torch.optim.Optimizer | None, numel: int) -> int:
+    """Bytes of the state ``optimizer``'s class keeps for one flat fp32 tensor of ``numel`` elements.
+
+    Stepped once for real on flat tensors of 1 and 2 elements with the optimizer's first group's settings: the
+    state is ``a + b * numel`` for an optimizer whose state is element-wise (Adam's moments, SGD's momentum) with
+    its scalars (Adam's step). Without an optimizer: Adam's (two moments and a step counter).
+    """
+    if optimizer is None:
+        return 8 * numel + 4
+    settings = {key: value for key, value in optimizer.param_groups[0].items() if key != "params"}
+    sizes = []
+    for elements in (1, 2):
+        flat = torch.zeros(elements, requires_grad=True)
+        flat.grad = torch.ones(elements)
+        stepped = type(optimizer)([flat], **settings)
+        stepped.step()
+        sizes.append(sum(tensor.untyped_storage().nbytes() for tensor in iter_tensors(list(stepped.state.values()))))
+    per_element = sizes[1] - sizes[0]
+    return sizes[0] - per_element + per_element * numel
+
+
+def first_optimizer(optimizers: Sequence[torch.optim.Optimizer] | None) -> torch.optim.Optimizer | None:
+    """The run's first optimizer, or ``None`` where the module builds its own (``configure_optimizers``)."""
+    return optimizers[0] if optimizers else None
+
+
+def batch_bytes(batch: Any) -> int:
+    """Bytes of the batch's tensors (each storage once)."""
+    seen: dict[int, int] = {}
+    for tensor in iter_tensors(batch if isinstance(batch, (list, tuple, dict)) else [batch]):
+        storage = tensor.untyped_storage()
+        seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def backward_activations(replayed: ReplayedStep) -> int:
+    """Activations held where backward is first counted: the forward's, less the loss's and the last module's.
+
+    The monitor counts backward at module hooks: its first count comes after the loss's ops (the step's own
+    profiles, named in parentheses) and the last module the forward ran (the last one listed) have released what
+    they saved. Under a sharded strategy whose gradients sit in a fixed buffer, that first count is backward's
+    counted peak.
+    """
+    forward = replayed.phases[Phase.FORWARD].breakdown
+    assert forward is not None
+    step_own = sum(profile.activation_bytes for profile in replayed.modules if profile.name.startswith("("))
+    modules = [profile for profile in replayed.modules if not profile.name.startswith("(")]
+    last = modules[-1].activation_bytes if modules else 0
+    return max(forward.activations - max(step_own, replayed.loss_activation_bytes) - last, 0)
+
+
+def phase_peak(step: int, phase: Phase, parts: tuple[int, int, int, int], peak: int) -> PhasePeak:
+    """A phase's peak with its counted parts (parameters, gradients, optimizer state, activations), in bytes.
+
+    ``other`` is the peak beyond the counted parts; a peak under them is raised to them (as the report does).
+    """
+    breakdown = Breakdown(*parts, other=None).with_measured_peak(peak)
+    return PhasePeak(step, phase, breakdown.peak_bytes, None, breakdown)
+
+
+def other_bytes(replayed: ReplayedStep, phase: Phase) -> int:
+    """The single-process replay's ``other`` in ``phase``: the step's own temporaries beyond the counted parts."""
+    breakdown = replayed.phases[phase].breakdown
+    return (breakdown.other or 0) if breakdown is not None else 0
+
+
+def shard_communication(full_bytes: int, world_size: int, gathers: int) -> int:
+    """Bytes one rank sends per step: ``gathers`` all-gathers and one reduce-scatter, each ``(N - 1) / N`` of it.
+
+    >>> shard_communication(1000, 4, 2)
+    2250
+    """
+    return (gathers + 1) * (world_size - 1) * full_bytes // world_size

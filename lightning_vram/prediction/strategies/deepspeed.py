@@ -1,0 +1,296 @@
+"""DeepSpeed ZeRO 1, 2 and 3: one rank at any world size, by ZeRO's arithmetic on the single-process replay.
+
+DeepSpeed 0.19 trains a step under torch's fake process group with real tensors (``LOCAL_RANK`` set), not with
+fake ones: ``deepspeed.initialize`` under ``FakeTensorMode`` raises ``RuntimeError: _apply(): Couldn't swap
+NonDynamicallyQuantizableLinear.weight`` (torch: "Cannot swap t1 because it has weakref associated with it"), so no
+replay runs its code: each figure is the strategy's arithmetic on the single-process replay of one rank's batch (the
+activations and the step's temporaries) and on the module's parameters in order (what ZeRO flattens). Checked
+against DeepSpeed 0.19 on gloo at world sizes 2 and 4 (tests/test_rank_prediction_zero.py); the monitor counts:
+
+- ZeRO-1 and 2 (one flat buffer per optimizer param group, padded to a multiple of ``2 N`` elements,
+  ``nccl_start_alignment_factor`` 2): the whole parameters; gradients none in forward (freed at the step), one
+  reduce bucket of ``reduce_bucket_size`` elements in backward (``contiguous_gradients``: ``param.grad`` is a view of
+  it), this rank's ``1/N`` partition at the step plus the whole gradient of each parameter that crosses the
+  partition's edges (DeepSpeed copies its slice in and keeps the gradient); optimizer state: the fp32 master
+  partition and the user's optimizer's state over that one flat partition. ZeRO-1 and ZeRO-2 hold the same there
+  (DeepSpeed 0.19 reduces ZeRO-1's gradients through the same buckets).
+- ZeRO-3: every parameter partitioned, ``ceil(numel / N)`` elements each, and its gradient partition held the whole
+  run (``grad_partitions_flat_buffer``), plus the reduce bucket in backward; parameters a module uses directly
+  while it has submodules (``nn.MultiheadAttention``'s packed in-projection) are gathered into a storage of their
+  own that autograd saves: counted as activations.
+
+Backward's activations are the forward's less what the loss and the last module release before backward's first
+count. The peaks (fitted on those runs, Adam): forward, the counted parts (ZeRO-1/2; the CPU's live count misses the
+master partition) or those and the step's own temporaries (ZeRO-3); backward, the counted parts and the step's
+temporaries (ZeRO-1/2) or the counted parts (ZeRO-3); the optimizer step, the partition's gradients, one
+partition-sized temporary of the optimizer's and the batch beside the parameters and state (ZeRO-3: and the reduce
+bucket).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.strategies._shards import (
+    backward_activations,
+    batch_bytes,
+    first_optimizer,
+    flat_state_bytes,
+    other_bytes,
+    padded,
+    parameter_numels,
+    phase_peak,
+    shard_communication,
+)
+from lightning_vram.records import (
+    Phase,
+    PrecisionChange,
+    RankLine,
+    RankStep,
+    ReplayedStep,
+    ReplaySkipped,
+    StepChange,
+    StrategySpec,
+)
+
+FP32 = 4
+"""Bytes of an fp32 element: ZeRO's master copy and its optimizer state."""
+ALIGNMENT = 2
+"""DeepSpeed's ``nccl_start_alignment_factor``: ZeRO-1/2's flat buffer is padded to ``ALIGNMENT x N`` elements."""
+METHOD = (
+    "arithmetic on the single-process replay: ZeRO's partitions (DeepSpeed 0.19 refuses fake tensors), sized from"
+    " the module's parameters in order"
+)
+"""How a ZeRO rank is predicted."""
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The ``zero_optimization`` settings the arithmetic reads, in elements; defaults: Lightning's DeepSpeedStrategy.
+
+    ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters`` are DeepSpeed's own defaults (Lightning sets
+    neither).
+    """
+
+    reduce_bucket_size: int = 200_000_000
+    allgather_bucket_size: int = 200_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    overlap_comm: bool = True
+
+
+Phases = dict[Phase, tuple[tuple[int, int, int, int], int]]
+"""Each phase's counted parts (parameters, gradients, optimizer state, activations) and the bytes beyond them."""
+
+
+LIGHTNING_DEFAULTS = ZeroSettings()
+"""What ``DeepSpeedStrategy(stage=...)`` writes into the config."""
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of a parameter element DeepSpeed trains in: 2 under Lightning's 16-bit precisions, else 4."""
+    return 2 if precision.startswith(("16", "bf16")) else FP32
+
+
+def group_numels(predictor: Predictor) -> list[list[int]]:
+    """Each optimizer param group's parameter sizes (elements, in order): what ZeRO flattens, group by group."""
+    optimizer = first_optimizer(predictor.optimizers)
+    if optimizer is None:
+        return [parameter_numels(predictor.module)]
+    return [[p.numel() for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
+
+
+def crossing_bytes(numels: Sequence[int], start: int, end: int, element: int) -> int:
+    """Bytes of the gradients outside ``[start, end)`` of the parameters that cross either edge of it.
+
+    ``numels`` are laid out one after the other from element 0 (a ZeRO-1/2 flat buffer); a parameter that starts
+    before an edge and ends after it keeps its whole gradient on the rank whose partition holds part of it.
+
+    >>> crossing_bytes([10, 10, 10], 5, 15, 4)  # the first two cross: 5 + 5 elements outside
+    40
+    """
+    offsets = list(itertools.accumulate(numels, initial=0))
+    outside = 0
+    crossing: set[int] = set()
+    for edge in (start, end):
+        index = bisect.bisect_right(offsets, edge) - 1
+        if 0 <= index < len(numels) and offsets[index] < edge < offsets[index + 1]:
+            crossing.add(index)
+    for index in crossing:
+        inside = min(offsets[index + 1], end) - max(offsets[index], start)
+        outside += numels[index] - inside
+    return outside * element
+
+
+def gathered_direct_bytes(module: nn.Module, element: int) -> int:
+    """Bytes of the parameters held directly by modules that have submodules (ZeRO-3 gathers them apart)."""
+    total = 0
+    for child in module.modules():
+        if next(child.children(), None) is not None:
+            total += sum(p.numel() for p in child.parameters(recurse=False) if p.requires_grad) * element
+    return total
+
+
+def _stage12(
+    predictor: Predictor,
+    replayed: ReplayedStep,
+    spec: StrategySpec,
+    settings: ZeroSettings,
+    rank: int | None,
+    element: int,
+) -> tuple[Phases, tuple[RankLine, ...], int]:
+    world = spec.world_size
+    optimizer = first_optimizer(predictor.optimizers)
+    parameters = gradients = state = master = 0
+    partition = 0
+    for numels in group_numels(predictor):
+        flat = padded(sum(numels), ALIGNMENT * world)
+        share = flat // world
+        parameters += flat * element
+        partition += share * element
+        master += share * FP32
+        state += share * FP32 + flat_state_bytes(optimizer, share)
+        ranks = range(world) if rank is None else (rank,)
+        crossing = max(crossing_bytes(numels, r * share, (r + 1) * share, element) for r in ranks)
+        gradients += share * element + crossing
+    bucket = settings.reduce_bucket_size * element
+    forward_activations = replayed.phases[Phase.FORWARD].breakdown.activations  # type: ignore[union-attr]
+    phases = {
+        Phase.FORWARD: ((parameters, 0, state, forward_activations), 0),
+        Phase.BACKWARD: (
+            (parameters, bucket, state, backward_activations(replayed)),
+            other_bytes(replayed, Phase.BACKWARD),
+        ),
+        # the step's peak: the partition's gradients and one partition-sized temporary of the optimizer's, the batch
+        Phase.OPTIMIZER: ((parameters, gradients, state, 0), 2 * partition + batch_bytes(predictor.batch) - gradients),
+    }
+    buckets = 2 if settings.overlap_comm else 1
+    lines = (
+        RankLine("ZeRO fp32 master partition", master, f"1/{world} of the flat fp32 copy (padded to 2N elements)"),
+        RankLine(
+            f"ZeRO reduce buckets ({buckets})",
+            buckets * bucket,
+            f"reduce_bucket_size {settings.reduce_bucket_size} elements each, overlap_comm={settings.overlap_comm}",
+        ),
+        RankLine(
+            "ZeRO all-gather bucket",
+            min(settings.allgather_bucket_size, parameters // element) * element,
+            f"allgather_bucket_size {settings.allgather_bucket_size} elements, at most the parameters",
+        ),
+    )
+    return phases, lines, shard_communication(parameters, world, 1)
+
+
+def _stage3(
+    predictor: Predictor, replayed: ReplayedStep, spec: StrategySpec, settings: ZeroSettings, element: int
+) -> tuple[Phases, tuple[RankLine, ...], int]:
+    world = spec.world_size
+    optimizer = first_optimizer(predictor.optimizers)
+    numels = [n for group in group_numels(predictor) for n in group]
+    share = sum(math.ceil(n / world) for n in numels)
+    parameters = gradients = share * element
+    state = share * FP32 + flat_state_bytes(optimizer, share)
+    bucket = settings.reduce_bucket_size * element
+    gathered = gathered_direct_bytes(predictor.module, element)
+    forward = replayed.phases[Phase.FORWARD].breakdown.activations + gathered  # type: ignore[union-attr]
+    backward = backward_activations(replayed) + gathered
+    phases = {
+        Phase.FORWARD: ((parameters, gradients, state, forward), other_bytes(replayed, Phase.FORWARD)),
+        Phase.BACKWARD: ((parameters, gradients + bucket, state, backward), 0),
+        Phase.OPTIMIZER: ((parameters, gradients, state, 0), parameters + bucket + batch_bytes(predictor.batch)),
+    }
+    whole = sum(numels) * element
+    lines = (
+        RankLine("ZeRO fp32 master partition", share * FP32, f"ceil(numel / {world}) of every parameter, in fp32"),
+        RankLine("ZeRO gradient partition", gradients, "grad_partitions_flat_buffer, held the whole run"),
+        RankLine(
+            "ZeRO reduce bucket", bucket, f"reduce_bucket_size {settings.reduce_bucket_size} elements, in backward"
+        ),
+        RankLine(
+            "ZeRO-3 prefetch bucket",
+            min(settings.stage3_prefetch_bucket_size * element, whole),
+            f"stage3_prefetch_bucket_size {settings.stage3_prefetch_bucket_size} elements, at most the parameters;"
+            " a bound, not in the phases' peaks",
+        ),
+        RankLine(
+            "ZeRO-3 live parameters (bound)",
+            min(settings.stage3_max_live_parameters * element, whole),
+            f"stage3_max_live_parameters {settings.stage3_max_live_parameters} elements, at most the parameters;"
+            " a bound, not in the phases' peaks",
+        ),
+    )
+    return phases, lines, shard_communication(whole, world, 2)
+
+
+OFFLOAD_BASIS = (
+    "ZeRO-Offload (offload_optimizer to the CPU, as DeepSpeedStrategy(offload_optimizer=True) sets it): the fp32"
+    " master partition, the optimizer's state and the gradient partition live in host memory and the step runs"
+    " there; documented arithmetic, not checked against a run (the CPU runs cannot tell host from device)"
+)
+"""How an offloaded ZeRO rank's host and device figures are made."""
+
+
+def offloaded(phases: Phases, lines: tuple[RankLine, ...], batch: int) -> tuple[Phases, tuple[RankLine, ...]]:
+    """``phases`` with the optimizer's state and the gradient partition moved to the host, as their own lines.
+
+    On the device stay the parameters (ZeRO-3: the partition), backward's reduce bucket, the activations and the
+    step's temporaries; the optimizer step runs on the host, its device peak the parameters and the batch.
+    """
+    parameters, gradients, state, _ = phases[Phase.OPTIMIZER][0]
+    (_, held, _, forward), forward_other = phases[Phase.FORWARD]
+    (_, backward_gradients, _, backward), backward_other = phases[Phase.BACKWARD]
+    device: Phases = {
+        Phase.FORWARD: ((parameters, 0, 0, forward), forward_other),
+        Phase.BACKWARD: ((parameters, backward_gradients - held, 0, backward), backward_other),  # the bucket
+        Phase.OPTIMIZER: ((parameters, 0, 0, 0), batch),
+    }
+    host = (
+        RankLine("ZeRO-Offload optimizer state and fp32 master (host)", state, OFFLOAD_BASIS, on_host=True),
+        RankLine("ZeRO-Offload gradient partition (host)", gradients, OFFLOAD_BASIS, on_host=True),
+    )
+    return device, (*lines, *host)
+
+
+def predict_zero(
+    predictor: Predictor,
+    spec: StrategySpec,
+    change: StepChange | None,
+    settings: ZeroSettings = LIGHTNING_DEFAULTS,
+    rank: int | None = None,
+) -> RankStep | ReplaySkipped:
+    """Rank ``rank`` (``None``: the one holding the most) of ``spec``'s ZeRO stage, with ``settings``.
+
+    ZeRO-1/2 without ``overlap_comm`` hold other gradients in backward (ZeRO-1 the whole ones,
+    tests/test_distributed.py): not modelled, skipped saying so.
+    """
+    if not settings.overlap_comm and spec.name != "deepspeed_stage_3":
+        return ReplaySkipped(f"{spec.label}: ZeRO-1/2 without overlap_comm is not modelled yet")
+    replayed = predictor.replay(change)
+    if isinstance(replayed, ReplaySkipped):
+        return replayed
+    precision = change.precision if isinstance(change, PrecisionChange) else predictor.precision
+    element = element_bytes(precision)
+    stage = int(spec.name.removeprefix("deepspeed_stage_"))
+    if stage == 3:
+        phases, lines, sent = _stage3(predictor, replayed, spec, settings, element)
+    else:
+        phases, lines, sent = _stage12(predictor, replayed, spec, settings, rank, element)
+    method = f"{METHOD} (stage {stage})"
+    if spec.offload:
+        phases, lines = offloaded(phases, lines, batch_bytes(predictor.batch))
+        method += f"; {OFFLOAD_BASIS}"
+    step = replayed.phases[Phase.FORWARD].step
+    peaks = {phase: phase_peak(step, phase, parts, sum(parts) + other) for phase, (parts, other) in phases.items()}
+    return RankStep(spec, peaks, lines, sent, method, replayed.notes, replayed)
+
+
+def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
+    """One rank of ``spec`` under Lightning's ``DeepSpeedStrategy`` defaults: the rank holding the most."""
+    return predict_zero(predictor, spec, change)

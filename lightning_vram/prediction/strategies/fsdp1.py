@@ -1,0 +1,126 @@
+"""FSDP1 (``FullyShardedDataParallel``, flat parameters): one rank at any world size, by FSDP's arithmetic.
+
+FSDP1 runs under torch's fake process group, with real and with fake tensors (torch 2.13: a ``FakeStore`` group of
+4, the module wrapped, one step; it reads a fake tensor's ``data_ptr()`` on the way, which torch warns "will error").
+The replay does not wrap its twin in it yet, so the figures here are FSDP1's arithmetic on the single-process
+replay of one rank's batch, labelled so; checked against torch's FSDP1 on gloo at world sizes 2 and 4
+(tests/test_rank_prediction_zero.py). Each wrapped unit (a module of the types given, the root the rest) holds one
+flat parameter of its own parameters, padded to a multiple of ``N`` elements, and this rank's ``1/N`` of it between
+uses (``FULL_SHARD``):
+
+- parameters, gradients (after the reduce-scatter) and the optimizer's state: over the units' shards, the state
+  of one flat tensor per unit;
+- activations: the replay's, plus each unit's unsharded flat parameter, which autograd saves (the module's
+  parameters are views of it while it runs), as the monitor counts them: at their gathered size, kept after
+  FSDP1 frees them (``resize_(0)``; a unit gathered later at a freed one's address is counted once, so the
+  measured count varies between runs, the peak not);
+- backward's peak: the unit's unsharded gradient reduce-scattered into a shard of its own, the largest unit's;
+- the optimizer step's peak: the batch, three temporaries the size of the largest shard (fitted: Adam over the
+  units' flat shards on gloo), and on the CPU the unsharded flat parameters the live count met in forward
+  (FSDP1 frees them by resizing their storage to zero, which a count of storages does not see).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.strategies._shards import (
+    batch_bytes,
+    first_optimizer,
+    flat_state_bytes,
+    other_bytes,
+    padded,
+    phase_peak,
+    shard_communication,
+)
+from lightning_vram.prediction.strategies.deepspeed import element_bytes
+from lightning_vram.records import (
+    Phase,
+    PrecisionChange,
+    RankLine,
+    RankStep,
+    ReplaySkipped,
+    StepChange,
+    StrategySpec,
+)
+
+METHOD = (
+    "arithmetic on the single-process replay: FSDP1's flat parameters per wrapped unit, padded to N and sharded"
+    " (FULL_SHARD); FSDP1 runs under the fake process group, the replay does not wrap it yet"
+)
+"""How an FSDP1 rank is predicted."""
+OPTIMIZER_TEMPORARIES = 3
+"""Temporaries the size of the largest flat shard at the optimizer step's peak (fitted on gloo with Adam)."""
+
+
+def unit_numels(module: nn.Module, units: tuple[type[nn.Module], ...]) -> list[int]:
+    """Elements of each FSDP1 unit's flat parameter, units first in module order, the root's (the rest) last.
+
+    A unit is a module of one of ``units``' types (``ModuleWrapPolicy``); a unit inside a unit is its own.
+    """
+    owner: dict[int, int] = {}
+    sizes: list[int] = []
+    for child in module.modules():
+        if child is not module and isinstance(child, units):
+            sizes.append(0)
+            for parameter in child.parameters():
+                owner[id(parameter)] = len(sizes) - 1
+    sizes.append(0)
+    seen: set[int] = set()
+    for parameter in module.parameters():
+        if parameter.requires_grad and id(parameter) not in seen:
+            seen.add(id(parameter))
+            sizes[owner.get(id(parameter), len(sizes) - 1)] += parameter.numel()
+    return [size for size in sizes if size]
+
+
+def predict_units(
+    predictor: Predictor, spec: StrategySpec, change: StepChange | None, units: tuple[type[nn.Module], ...] = ()
+) -> RankStep | ReplaySkipped:
+    """One rank of ``spec`` (FSDP1) with ``units`` wrapped (``ModuleWrapPolicy(units)``; none: the root alone)."""
+    if spec.sharding not in (None, "FULL_SHARD") or spec.offload:
+        return ReplaySkipped(f"{spec.label}: only FSDP1's FULL_SHARD without offload is modelled yet")
+    replayed = predictor.replay(change)
+    if isinstance(replayed, ReplaySkipped):
+        return replayed
+    world = spec.world_size
+    precision = change.precision if isinstance(change, PrecisionChange) else predictor.precision
+    element = next(predictor.module.parameters()).element_size()  # FSDP1 shards the parameters as they are
+    gathered = element_bytes(precision) if precision.endswith("-mixed") else element  # MixedPrecision's param_dtype
+    numels = unit_numels(predictor.module, units)
+    flats = [padded(numel, world) for numel in numels]
+    shards = [flat // world for flat in flats]
+    parameters = sum(shards) * element
+    optimizer = first_optimizer(predictor.optimizers)
+    state = sum(flat_state_bytes(optimizer, shard) for shard in shards)
+    forward = replayed.phases[Phase.FORWARD].breakdown
+    assert forward is not None
+    held = parameters if forward.gradients > 0 else 0  # the previous step's gradients, where the loop keeps them
+    unsharded = sum(flats) * gathered
+    activations = forward.activations + unsharded
+    largest = max(flats) * gathered
+    seen_in_forward = unsharded if predictor.device_type == "cpu" else 0
+    temporaries = OPTIMIZER_TEMPORARIES * max(flats) * element // world
+    optimizer_other = batch_bytes(predictor.batch) + seen_in_forward + temporaries
+    phases = {
+        Phase.FORWARD: ((parameters, held, state, activations), other_bytes(replayed, Phase.FORWARD)),
+        Phase.BACKWARD: (  # the unsharded storages autograd saved stay counted through backward
+            (parameters, held, state, activations),
+            other_bytes(replayed, Phase.BACKWARD) + largest // world,
+        ),
+        Phase.OPTIMIZER: ((parameters, parameters, state, 0), optimizer_other),
+    }
+    step = replayed.phases[Phase.FORWARD].step
+    peaks = {phase: phase_peak(step, phase, parts, sum(parts) + other) for phase, (parts, other) in phases.items()}
+    lines = (
+        RankLine("FSDP1 unsharded unit (largest)", largest, f"the largest unit's flat parameter, padded to {world}"),
+        RankLine("FSDP1 reduce-scatter shard", largest // world, "the largest unit's gradient shard, in backward"),
+        RankLine("FSDP1 padding", (sum(flats) - sum(numels)) * element, f"each unit's flat parameter to {world}"),
+    )
+    return RankStep(spec, peaks, lines, shard_communication(unsharded, world, 2), METHOD, replayed.notes, replayed)
+
+
+def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
+    """One rank of ``spec`` with the root as the only unit (Lightning's ``FSDPStrategy`` without a wrap policy)."""
+    return predict_units(predictor, spec, change)
