@@ -118,7 +118,7 @@ class _PlanPredictor(Predictor):
         return replayed
 
 
-SHARED_REPLAYS = ("single", "ddp")
+SHARED_REPLAYS = ("single", "ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
 """Strategies whose rank is the single-process replay with the strategy's arithmetic: its replay at one world size
 serves every world size (:class:`_PlanPredictor`)."""
 
@@ -490,7 +490,10 @@ class _Planner:
         """
         outside = sum(line.bytes for line in rank.lines if not line.on_host and line.label == NCCL_LINE)
         step = rank.replayed
-        if step is None or step.allocations is None or self.allocator is None:
+        if step is None or step.allocations is None or self.allocator is None or rank.phases != step.phases:
+            # No sequence of this rank's allocations to serve (a strategy's arithmetic changed the replay's peaks).
+            if self.allocator is not None:
+                self.notes.append(ARITHMETIC_FIT)
             limit = capacity * (1 - BATCH_SAFETY_MARGIN) - self.context_bytes - outside
             return _Fit(rank.peak.peak_bytes <= limit, None, None)
         available = capacity - self.context_bytes - outside
@@ -506,6 +509,11 @@ class _Planner:
         return _Fit(serving.served, serving.reserved_peak_bytes, shortfall)
 
 
+ARITHMETIC_FIT = (
+    "a rank predicted by a strategy's arithmetic on the replay (ZeRO, FSDP1) has no allocation sequence to serve:"
+    " it fits where its peak leaves 10% of the card free beside the context; its reserved memory is not predicted"
+)
+"""The note of a plan with such a rank."""
 UNBOUNDED = 1 << 62
 """A capacity no step reaches: the allocator model's reserved peak where nothing limits it."""
 NCCL_LINE = "NCCL buffers"

@@ -22,7 +22,7 @@ import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +220,8 @@ class PlanGpu:
 
     name: str
     capacity_bytes: int
-    peaks: DevicePeaks | None
+    peaks: DevicePeaks | None = field(compare=False)
+    """Not compared: a GPU is its name and memory (the peaks hold a dict, which does not hash)."""
 
 
 def common_gpus() -> tuple[PlanGpu, ...]:
