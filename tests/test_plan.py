@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
-from lightning_vram.plan import plan
+from lightning_vram.plan import ARITHMETIC_FIT, plan
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.records import ReplayedStep, in_phase_order
@@ -141,3 +141,18 @@ def test_the_table_reads_in_100_columns_and_the_json_has_every_row() -> None:
 def test_a_bad_argument_fails_naming_it(options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         quickstart_plan(**options)
+
+
+def test_a_rank_by_a_strategy_s_arithmetic_fits_by_its_peak_with_the_margin() -> None:
+    zero = quickstart_plan(gpus=["T4"], world_sizes=(2,), strategies=("deepspeed_stage_2",))
+    (row,) = zero.rows
+    assert row.strategy == "deepspeed_stage_2" and row.method.startswith("arithmetic on the single-process replay")
+    assert row.fits and row.reserved_bytes is None and ARITHMETIC_FIT in zero.notes
+    # A card whose 90%, less the context, is just under the peak: it does not fit, at any micro-batch tried.
+    capacity = int(row.peak_bytes / 0.9) + 2 * MIB
+    larger = quickstart_plan(gpus=[capacity], world_sizes=(2,), strategies=("deepspeed_stage_2",), cuda_context_bytes=0)
+    assert larger.rows[0].fits and larger.rows[0].micro_batch == BATCH
+    smaller = quickstart_plan(
+        gpus=[capacity - 4 * MIB], world_sizes=(2,), strategies=("deepspeed_stage_2",), cuda_context_bytes=0
+    )
+    assert smaller.rows[0].micro_batch != BATCH or not smaller.rows[0].fits
