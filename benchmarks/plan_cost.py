@@ -3,9 +3,11 @@
 Both are built on the meta device (``torch.device("meta")``: no memory of the model's size is allocated, so a 1B
 model plans on a laptop); ``plan()`` replays a module on the meta device there (its kernels' saved tensors, as the
 CPU's; torch's autocast has no meta device, so the mixed precisions are left out: bf16-true by default). Each row is
-one ``plan()`` over every common GPU, checkpointing off and on, at the world sizes named, with the strategies
-modelled; printed: the seconds, the rows, the rank predictions it made, and its best row. The table's budget
-(``--seconds``) is shared among the plans: a plan that reaches it lists what it left out. Seconds are printed, not
+one ``plan()`` over every common GPU, checkpointing off and on, at world sizes 1, 2, 4 and 8, with every strategy
+modelled; printed: the seconds, the replays it ran, its rows (and those that fit) per world size, its best row. A
+replay serves every world size of a strategy whose rank is the replay with arithmetic (DDP, ZeRO, FSDP1); FSDP2 is
+replayed per world size. The table's budget (``--seconds``) is shared among the plans: a plan that reaches it lists
+what it left out. Seconds are printed, not
 asserted.
 
     python benchmarks/plan_cost.py              # the full table, within 60 s
@@ -20,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_vram.plan import plan
-from lightning_vram.records.plan import short_gpu
+from lightning_vram.records.plan import PlanRow, short_gpu
 
 SIZES: dict[str, dict[str, int]] = {
     "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12},
@@ -66,8 +69,14 @@ class Gpt2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-WORLD_SIZES = ((1,), (1, 8), (1, 2, 4, 8))
-"""The world sizes of each model's plans: one GPU, then one and eight, then a node's common counts."""
+WORLD_SIZES = (1, 2, 4, 8)
+"""The world sizes of each model's plan: a node's common counts."""
+
+
+def _count(rows: Sequence[PlanRow], gpus: int) -> str:
+    """The rows of ``gpus`` GPUs, and those that fit: ``"22 (20)"``."""
+    mine = [row for row in rows if row.gpus == gpus]
+    return f"{len(mine)} ({sum(row.fits for row in mine)})"
 
 
 def main() -> None:
@@ -81,32 +90,26 @@ def main() -> None:
     precisions = tuple(arguments.precision or ("bf16-true",))
     batch = torch.zeros(arguments.batch, SEQUENCE, dtype=torch.int64)
     deadline = time.perf_counter() + arguments.seconds
-    plans = len(models) * len(WORLD_SIZES)
-    print(f"precisions {', '.join(precisions)}; checkpointing off and on; every common GPU; batch {arguments.batch}")
-    print(f"{'model':<7}{'params':>8}{'GPUs':>10}{'seconds':>9}{'rows':>6}{'fit':>5}{'replays':>8}  best row")
-    for size in models:
+    print(f"{', '.join(precisions)}; checkpointing off and on; every common GPU; {arguments.batch} x {SEQUENCE} tokens")
+    print(f"{'model':<6}{'params':>8}{'seconds':>9}{'replays':>8}  {'GPUs: rows (fit)':<44}best row")
+    for index, size in enumerate(models):
         module = Gpt2(size)
         params = sum(parameter.numel() for parameter in module.parameters())
-        for world_sizes in WORLD_SIZES:
-            budget = max((deadline - time.perf_counter()) / plans, 1.0)
-            plans -= 1
-            started = time.perf_counter()
-            result = plan(module, batch, world_sizes=world_sizes, precisions=precisions, budget_seconds=budget)
-            seconds = time.perf_counter() - started
-            best = result.best
-            summary = (
-                "none"
-                if best is None
-                else f"{best.gpus} x {short_gpu(best.gpu)} {best.strategy} {best.precision}"
-                f" {best.micro_batch}x{best.accumulation}" + (" ckpt" if best.checkpointing else "")
-            )
-            fitting = sum(row.fits for row in result.rows)
-            sizes = ",".join(map(str, world_sizes))
-            counts = f"{len(result.rows):>6}{fitting:>5}{result.replays:>8}"
-            print(f"{size:<7}{params / 1e6:>7.0f}M{sizes:>10}{seconds:>9.1f}{counts}  {summary}")
-            for item in result.left_out:
-                if "budget" in item:
-                    print(f"{'':<7}left out: {item}")
+        budget = max((deadline - time.perf_counter()) / (len(models) - index), 1.0)
+        started = time.perf_counter()
+        result = plan(module, batch, world_sizes=WORLD_SIZES, precisions=precisions, budget_seconds=budget)
+        seconds = time.perf_counter() - started
+        best = result.best
+        summary = (
+            "none"
+            if best is None
+            else f"{best.gpus} x {short_gpu(best.gpu)} {best.strategy} {best.micro_batch}x{best.accumulation}"
+            + (" ckpt" if best.checkpointing else "")
+        )
+        counts = " ".join(f"{n}: {_count(result.rows, n)}" for n in WORLD_SIZES)
+        print(f"{size:<6}{params / 1e6:>7.0f}M{seconds:>9.1f}{result.replays:>8}  {counts:<44}{summary}")
+        for item in result.left_out:
+            print(f"{'':<6}left out: {item}")
 
 
 if __name__ == "__main__":
