@@ -156,3 +156,32 @@ def test_a_rank_by_a_strategy_s_arithmetic_fits_by_its_peak_with_the_margin() ->
         gpus=[capacity - 4 * MIB], world_sizes=(2,), strategies=("deepspeed_stage_2",), cuda_context_bytes=0
     )
     assert smaller.rows[0].micro_batch != BATCH or not smaller.rows[0].fits
+
+
+class WithExample(SmallCNN):
+    """The quickstart's model with an example batch of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = images(8)
+
+
+class WithLoader(SmallCNN):
+    """The quickstart's model with its own training loader."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*images(32)), batch_size=16)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "size"),
+    [
+        (WithExample(), "the module's example_input_array", 8),
+        (WithLoader(), "the module's train_dataloader's first batch", 16),
+    ],
+)
+def test_without_a_batch_the_plan_says_where_its_batch_came_from(module: SmallCNN, source: str, size: int) -> None:
+    result = plan(module, gpus=["T4"], world_sizes=(1,), precisions=("32-true",), checkpointing=(False,))
+    assert result.batch_source == source
+    assert [(row.micro_batch, row.accumulation) for row in result.rows] == [(size, 1)]
+    assert f"batch: {source};" in str(result)
