@@ -28,7 +28,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
 def test_the_first_fitting_row_trains_within_5_percent_of_its_prediction(tmp_path: Path) -> None:
     batch = (torch.zeros(BATCH, 3, 32, 32), torch.zeros(BATCH, dtype=torch.int64))
-    result = plan(SmallCNN(), batch, gpus=["T4"], world_sizes=(2,), precisions=("32-true",), checkpointing=(False,))
+    result = plan(
+        SmallCNN(),
+        batch,
+        gpus=["T4"],
+        world_sizes=(2,),
+        strategies=("ddp",),
+        precisions=("32-true",),
+        checkpointing=(False,),
+    )
     row = next(row for row in result.rows if row.fits)
     assert (row.gpus, row.strategy, row.micro_batch, row.accumulation) == (2, "ddp", BATCH, 1)
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
