@@ -9,6 +9,11 @@
                                         a memory snapshot torch wrote, replayed through the caching allocator
                                         model: the recorded and the simulated reserved peak, and what other
                                         allocator settings would have held
+    lightning-vram plan MODULE [--batch DESCRIPTION] [--gpu NAME|BYTES ...] [--gpus N ...] [--nodes N]
+                       [--strategy NAME ...] [--precision NAME ...] [--global-batch N] [--json]
+                                        which GPUs, how many, which strategy and settings fit a LightningModule's
+                                        step, and how fast, predicted without training: a table, best first;
+                                        exits 0 when a configuration fits, 1 when none does
     lightning-vram --version
 
 The command starts without importing torch, Lightning or matplotlib, nor the records: each command imports what it
@@ -16,6 +21,9 @@ needs (the HTML page alone needs matplotlib), so that ``--help`` and ``--version
 
 Every report written under schema ``lightning_vram.report/1`` reads, from 0.1.0 on: a field added by a later release
 takes its default where a file lacks it (listed in :func:`lightning_vram.codec.report_from_dict`).
+``plan`` exits 1 when no configuration fits, so that ``lightning-vram plan ... && sbatch train.sh`` runs only a job
+that fits; a module that cannot be imported or built, a batch description or a GPU that is not one, prints one line
+on stderr and exits with status 2.
 A missing path, or a file that is not a report (not a regular file, too large, not UTF-8 JSON, or a field missing,
 of the wrong type or out of range), prints one line on stderr and exits with status 2.
 """
@@ -28,7 +36,8 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -39,7 +48,15 @@ from lightning_vram.units import format_bytes
 if TYPE_CHECKING:
     from lightning_vram.records import Report
 
+STARTED = time.perf_counter()
+"""When the command started (the module's import): ``plan``'s budget counts from it."""
 USAGE_ERROR = 2
+NOTHING_FITS = 1
+"""``plan``'s status when no configuration fits."""
+COMMAND_BUDGET_SECONDS = 45.0
+"""``plan``'s default budget for the whole command, seconds: it prints within a minute on two loaded cores."""
+MIN_PLAN_SECONDS = 5.0
+"""The least ``plan()`` is given where imports and the module's construction took the command's budget."""
 STANDARD_OUTPUT = Path("-")
 """The output path that means standard output."""
 MAX_REPORT_BYTES = 128 * 1024**2
@@ -206,7 +223,58 @@ def _parser() -> argparse.ArgumentParser:
     )
     allocator.add_argument("snapshot", type=_path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
     allocator.add_argument("--json", action="store_true", help="print the figures as JSON")
+    _plan_parser(commands)
     return parser
+
+
+def _plan_parser(commands: Any) -> None:
+    """``plan``'s arguments."""
+    plan = commands.add_parser(
+        "plan",
+        help="which GPUs, how many and which strategy fit a LightningModule, and how fast",
+        description="Replay a LightningModule's training step under fake tensors for every configuration (GPU x"
+        " count x strategy x precision x checkpointing x micro-batch x accumulation) and print each rank's predicted"
+        " peak, whether it fits, the step time and throughput, best first. Exits 0 when a configuration fits, 1 when"
+        " none does, 2 on bad input.",
+    )
+    plan.add_argument("module", metavar="MODULE", help="package.module:ClassName or path/to/file.py:ClassName")
+    plan.add_argument(
+        "--init-kwargs", metavar="JSON", help="keyword arguments to build the module with (a JSON object)"
+    )
+    plan.add_argument(
+        "--batch",
+        metavar="DESCRIPTION",
+        help="the batch as dtype[sizes] items: 'float32[64,3,32,32] int64[64]' (a tuple), 'x=float32[8,16] y=int64[8]'"
+        " (a dict), one item (a tensor); default: the module's example_input_array, else --datamodule's (or the"
+        " module's own) first training batch",
+    )
+    plan.add_argument("--datamodule", metavar="CLASS", help="a LightningDataModule (package.module:ClassName)")
+    plan.add_argument(
+        "--gpu",
+        action="append",
+        metavar="NAME|BYTES",
+        help="a GPU (repeat for several): a common GPU's name or part"
+        " of it ('T4', 'A100 80GB', 'H200') or its memory in bytes; default: every common GPU",
+    )
+    plan.add_argument(
+        "--gpus", action="append", type=int, metavar="N", help="GPUs in all (repeat for several); default: 1 2 4 8"
+    )
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    plan.add_argument("--strategy", action="append", metavar="NAME", help="a multi-GPU strategy (repeat); default: all")
+    plan.add_argument("--precision", action="append", metavar="NAME", help="default: 32-true and bf16-mixed")
+    plan.add_argument(
+        "--checkpointing", choices=("both", "on", "off"), default="both", help="activation checkpointing (default both)"
+    )
+    plan.add_argument("--global-batch", type=int, metavar="N", help="samples per optimizer step over every GPU")
+    plan.add_argument(
+        "--budget",
+        type=float,
+        default=COMMAND_BUDGET_SECONDS,
+        metavar="SECONDS",
+        help="host seconds for the whole command, imports and building the module included (default 45): the"
+        " configurations not reached are listed as left out",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def _show(arguments: argparse.Namespace) -> None:
@@ -266,15 +334,83 @@ def _allocator(arguments: argparse.Namespace) -> None:
     _print(allocator_text(result), sys.stdout)
 
 
-COMMANDS = {"show": _show, "html": _html, "diff": _diff, "allocator": _allocator}
-"""Each command and the function that runs it."""
+def _plan(arguments: argparse.Namespace) -> int:
+    """``plan``: the configurations' table (or JSON); 0 when one fits, :data:`NOTHING_FITS` when none does."""
+    from lightning_vram.plan import DEFAULT_WORLD_SIZES, plan
+    from lightning_vram.plan_inputs import PlanInputError, build_module, load_class, parse_batch
+
+    checkpointing = {"both": (False, True), "on": (True,), "off": (False,)}[arguments.checkpointing]
+    try:
+        module = build_module(load_class(arguments.module, "MODULE"), arguments.init_kwargs, "MODULE")
+        batch = None if arguments.batch is None else parse_batch(arguments.batch, "--batch")
+        datamodule = None
+        if arguments.datamodule is not None:
+            datamodule = _build_datamodule(load_class(arguments.datamodule, "--datamodule"))
+        result = plan(
+            module,
+            batch,
+            datamodule=datamodule,
+            gpus=arguments.gpu,
+            world_sizes=arguments.gpus or DEFAULT_WORLD_SIZES,
+            nodes=arguments.nodes,
+            strategies=arguments.strategy,
+            precisions=arguments.precision or ("32-true", "bf16-mixed"),
+            checkpointing=checkpointing,
+            global_batch=arguments.global_batch,
+            budget_seconds=max(arguments.budget - (time.perf_counter() - STARTED), MIN_PLAN_SECONDS),
+        )
+    except PlanInputError as error:
+        raise CommandError(_named(error)) from error
+    _print(json.dumps(result.to_dict(), indent=2) if arguments.json else str(result), sys.stdout)
+    return 0 if result.fits else NOTHING_FITS
+
+
+def _build_datamodule(cls: type) -> Any:
+    """An instance of a datamodule class, built with no arguments; a TypeError or ValueError is a bad argument."""
+    from lightning_vram.plan_inputs import PlanInputError
+
+    try:
+        return cls()
+    except (TypeError, ValueError) as error:  # arguments it needs, or refuses; its other errors are its own
+        raise PlanInputError(f"--datamodule {cls.__name__}() raised {type(error).__name__}: {error}") from None
+
+
+_OPTIONS = {
+    "gpus": "--gpu",
+    "world_sizes": "--gpus",
+    "nodes": "--nodes",
+    "strategies": "--strategy",
+    "precisions": "--precision",
+    "global_batch": "--global-batch",
+    "budget_seconds": "--budget",
+    "batch": "--batch",
+}
+"""plan()'s argument names as the command line spells them, for its error messages."""
+
+
+def _named(error: Exception) -> str:
+    """``plan()``'s message with its argument named as the command line names it."""
+    message = str(error)
+    first, _, rest = message.partition(" ")
+    return f"{_OPTIONS[first]} {rest}" if first in _OPTIONS else message
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
+    "show": _show,
+    "html": _html,
+    "diff": _diff,
+    "allocator": _allocator,
+    "plan": _plan,
+}
+"""Each command and the function that runs it (``None`` returned: status 0)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the exit status (0, or 2 for bad input)."""
+    """Run the command; returns the exit status (0; 1 where ``plan`` found nothing that fits; 2 for bad input)."""
     arguments = _parser().parse_args(argv)
+    status = 0
     try:
-        COMMANDS[arguments.command](arguments)
+        status = COMMANDS[arguments.command](arguments) or 0
         # Into a pipe, standard output is block-buffered unless PYTHONUNBUFFERED is set (it is not under `env -i` or
         # cron): flushed here, a reader gone away is met below, not in Python's flush at exit.
         sys.stdout.flush()
@@ -283,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, and no traceback at exit
         _silence_stdout()
-    return 0
+    return status
 
 
 def _silence_stdout() -> None:

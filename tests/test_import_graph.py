@@ -28,6 +28,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "lightning_vram._lightning",
         "lightning_vram._handback",
         "lightning_vram.predict",
+        "lightning_vram.plan",
+        "lightning_vram.plan_inputs",
         "lightning_vram.cli",
     ),
     ("lightning_vram.pytorch_lightning", "lightning_vram"),

@@ -1,0 +1,187 @@
+"""``plan()``: the README's quickstart at 1 and 2 GPUs, the micro-batch and accumulation a small card needs, the
+global batch split over the ranks, and the table a person reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
+from lightning_vram.plan import ARITHMETIC_FIT, plan
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.reserved import run_settings
+from lightning_vram.records import ReplayedStep, in_phase_order
+from lightning_vram.records.plan import TABLE_ROWS, Plan
+from lightning_vram.units import MIB
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from quickstart import SmallCNN
+
+# plan() replays the step under fake tensors.
+pytestmark = pytest.mark.replay
+
+BATCH = 64
+
+
+def images(size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(size, 3, 32, 32), torch.zeros(size, dtype=torch.int64)
+
+
+def quickstart_plan(**options: object) -> Plan:
+    settings: dict[str, object] = {
+        "gpus": ["T4", "H100 SXM"],
+        "world_sizes": (1, 2),
+        "strategies": ("ddp",),
+        "precisions": ("32-true",),
+        "checkpointing": (False,),
+    }
+    return plan(SmallCNN(), images(), **{**settings, **options})  # type: ignore[arg-type]
+
+
+def test_the_quickstart_at_one_and_two_gpus() -> None:
+    module = SmallCNN()
+    result = quickstart_plan()
+    assert result.fits and result.batch_source == "given" and result.global_batch is None
+    configurations = {(row.gpu, row.gpus, row.strategy) for row in result.rows}
+    assert configurations == {(gpu, 1, "single") for gpu in ("T4", "H100 SXM")} | {
+        (gpu, 2, "ddp") for gpu in ("T4", "H100 SXM")
+    }
+    assert len(result.rows) == 4
+    # The single GPU's rows are the step as predict() replays it, allocated per phase.
+    step = Predictor(module, None, images(), placement=torch.device("cpu"), warm_up=True, allocator=run_settings())
+    baseline = step.baseline()
+    assert isinstance(baseline, ReplayedStep)
+    expected = tuple((phase.value, peak.peak_bytes) for phase, peak in in_phase_order(baseline.phases))
+    buckets = bucket_sizes(reduced_parameters(module), DEFAULT_BUCKET_BYTES, torch.float32).total_bytes
+    assert buckets == sum(parameter.numel() * 4 for parameter in module.parameters())
+    for row in result.rows:
+        assert row.fits and row.shortfall is None
+        assert (row.micro_batch, row.accumulation, row.global_batch) == (BATCH, 1, BATCH * row.gpus)
+        assert row.precision == "32-true" and row.checkpointing is False
+        held = buckets if row.strategy == "ddp" else 0  # DDP's buckets are held in every phase
+        assert row.phases == tuple((phase, peak + held) for phase, peak in expected)
+        assert row.peak_bytes == max(peak for _, peak in row.phases)
+        assert row.reserved_bytes is not None and row.reserved_bytes >= row.peak_bytes
+        assert row.step_seconds is not None and row.step_seconds > 0
+        assert row.samples_per_second == pytest.approx(row.global_batch / row.step_seconds)  # type: ignore[operator]
+    # Best first: all fit, so by throughput.
+    rates = [row.samples_per_second for row in result.rows]
+    assert rates == sorted(rates, reverse=True)  # type: ignore[type-var]
+    # What the plan could not predict is said: the sharded strategies were not asked for, so nothing is left out.
+    assert result.left_out == ()
+    # One replay for the single GPU and one holding DDP's buckets: it serves DDP at every world size and each GPU.
+    assert result.replays == 2
+
+
+def test_ddp_s_replay_serves_every_world_size() -> None:
+    result = quickstart_plan(gpus=["H100 SXM"], world_sizes=(1, 2, 4, 8))
+    assert result.replays == 2 and [row.gpus for row in result.rows] == [8, 4, 2, 1]  # the most samples/s first
+    ddp = [row for row in result.rows if row.strategy == "ddp"]
+    assert len({(row.peak_bytes, row.phases, row.parts) for row in ddp}) == 1  # a DDP rank's memory: any world size
+
+
+def test_a_card_too_small_for_the_batch_gets_a_micro_batch_and_accumulation_that_keep_it() -> None:
+    whole = quickstart_plan(gpus=[1024 * MIB], world_sizes=(1,)).rows[0]
+    assert whole.fits and whole.micro_batch == BATCH
+    # A card whose memory is under the whole batch's reserved peak: the largest halving that fits, accumulated.
+    capacity = whole.reserved_bytes - 2 * MIB  # type: ignore[operator]
+    result = quickstart_plan(gpus=[capacity], world_sizes=(1,), cuda_context_bytes=0)
+    (row,) = result.rows
+    assert row.fits and row.micro_batch is not None and row.micro_batch < BATCH
+    assert row.micro_batch * row.accumulation == BATCH
+    assert row.reserved_bytes is not None and row.reserved_bytes <= capacity < whole.reserved_bytes  # type: ignore[operator]
+    # Nothing fits a card of 1 MiB: the row is the smallest micro-batch tried, with the request that failed.
+    nothing = quickstart_plan(gpus=[MIB], world_sizes=(1,), cuda_context_bytes=0)
+    (row,) = nothing.rows
+    assert not nothing.fits and not row.fits and (row.micro_batch, row.accumulation) == (1, BATCH)
+    assert row.shortfall is not None and "asked for" in row.shortfall
+    assert str(nothing).startswith("Plan: none of 1 configurations fits")
+
+
+def test_a_global_batch_is_split_over_the_ranks() -> None:
+    result = quickstart_plan(gpus=["H100 SXM"], world_sizes=(1, 2, 3), global_batch=128)
+    shares = {row.gpus: (row.micro_batch, row.accumulation, row.global_batch) for row in result.rows}
+    assert shares == {1: (128, 1, 128), 2: (64, 1, 128)}
+    assert result.left_out == ("a global batch of 128 does not split over 3 GPUs: ddp x3, 32-true",)
+
+
+def test_the_table_reads_in_100_columns_and_the_json_has_every_row() -> None:
+    result = quickstart_plan(precisions=("32-true", "bf16-mixed"), checkpointing=(False, True))
+    text = str(result)
+    lines = text.splitlines()
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    assert lines[0].startswith(f"Plan: {len(result.rows)} of {len(result.rows)} configurations fit; best: ")
+    header = "GPU mem n strategy precision ckpt micro peak/rank fits step samples/s"
+    assert lines[2].split() == header.split()
+    best = result.rows[0]
+    assert lines[3].split()[:3] == [*best.gpu.split(), f"{best.gpu_bytes / 2**30:.1f}G"]
+    assert len(result.rows) == 16 and f"({16 - TABLE_ROWS} more" not in text  # 16 rows: all printed
+    assert any(line.startswith("  fits: the caching allocator model serves the step") for line in lines)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["fits"] is True and len(data["rows"]) == 16
+    assert data["rows"][0]["phases"] == dict(best.phases) and data["rows"][0]["global_batch"] == best.global_batch
+    assert {row["checkpointing"] for row in data["rows"]} == {False, True}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"gpus": ["Z80"]}, "gpus must name one of: RTX 3060"),
+        ({"world_sizes": (0,)}, "world_sizes must hold ints from 1 to 1024, got 0"),
+        ({"strategies": ("horovod",)}, "strategies must be of ddp, fsdp2, fsdp"),
+        ({"precisions": ("fp8",)}, "precisions must be of 32-true"),
+        ({"global_batch": 0}, "global_batch must be None or an int from 1"),
+        ({"nodes": 2, "world_sizes": (1, 2)}, r"world_sizes must be multiples of nodes \(2\), got 1"),
+    ],
+)
+def test_a_bad_argument_fails_naming_it(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quickstart_plan(**options)
+
+
+def test_a_rank_by_a_strategy_s_arithmetic_fits_by_its_peak_with_the_margin() -> None:
+    zero = quickstart_plan(gpus=["T4"], world_sizes=(2,), strategies=("deepspeed_stage_2",))
+    (row,) = zero.rows
+    assert row.strategy == "deepspeed_stage_2" and row.method.startswith("arithmetic on the single-process replay")
+    assert row.fits and row.reserved_bytes is None and ARITHMETIC_FIT in zero.notes
+    # A card whose 90%, less the context, is just under the peak: it does not fit, at any micro-batch tried.
+    capacity = int(row.peak_bytes / 0.9) + 2 * MIB
+    larger = quickstart_plan(gpus=[capacity], world_sizes=(2,), strategies=("deepspeed_stage_2",), cuda_context_bytes=0)
+    assert larger.rows[0].fits and larger.rows[0].micro_batch == BATCH
+    smaller = quickstart_plan(
+        gpus=[capacity - 4 * MIB], world_sizes=(2,), strategies=("deepspeed_stage_2",), cuda_context_bytes=0
+    )
+    assert smaller.rows[0].micro_batch != BATCH or not smaller.rows[0].fits
+
+
+class WithExample(SmallCNN):
+    """The quickstart's model with an example batch of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = images(8)
+
+
+class WithLoader(SmallCNN):
+    """The quickstart's model with its own training loader."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*images(32)), batch_size=16)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "size"),
+    [
+        (WithExample(), "the module's example_input_array", 8),
+        (WithLoader(), "the module's train_dataloader's first batch", 16),
+    ],
+)
+def test_without_a_batch_the_plan_says_where_its_batch_came_from(module: SmallCNN, source: str, size: int) -> None:
+    result = plan(module, gpus=["T4"], world_sizes=(1,), precisions=("32-true",), checkpointing=(False,))
+    assert result.batch_source == source
+    assert [(row.micro_batch, row.accumulation) for row in result.rows] == [(size, 1)]
+    assert f"batch: {source};" in str(result)

@@ -1,0 +1,86 @@
+"""``lightning-vram plan``: its exit status (0: a configuration fits, 1: none does, 2: bad input in one line naming
+the argument), its table and its JSON, on the README's quickstart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_vram.cli import main
+
+# The command replays the step under fake tensors.
+pytestmark = pytest.mark.replay
+
+ROOT = Path(__file__).parents[1]
+QUICKSTART = f"{ROOT / 'examples' / 'quickstart.py'}:SmallCNN"
+BATCH = "float32[16,3,32,32] int64[16]"
+ONE_CONFIGURATION = ["--gpus", "1", "--precision", "32-true", "--checkpointing", "off"]
+
+
+def test_a_configuration_that_fits_prints_the_table_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", QUICKSTART, "--batch", BATCH, "--gpu", "T4", "--gpu", "H100", *ONE_CONFIGURATION])
+    out = capsys.readouterr().out
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0] == "Plan: 2 of 2 configurations fit; best: 1 x H100 SXM, single, 32-true"
+    assert lines[1] == "  batch: given; each rank trains on the batch's own size per optimizer step"
+    assert [line.split()[0] for line in lines[3:5]] == ["H100", "T4"]
+    assert all(line.split()[-4] == "yes" for line in lines[3:5])  # fits, then the step in ms and samples/s
+
+
+def test_json_has_every_row_and_none_fitting_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", QUICKSTART, "--batch", BATCH, "--gpu", str(2**20), *ONE_CONFIGURATION, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert data["fits"] is False and len(data["rows"]) == 1
+    row = data["rows"][0]
+    assert (row["gpu"], row["gpu_bytes"], row["fits"], row["micro_batch"], row["accumulation"]) == (
+        "1.0 MiB",
+        2**20,
+        False,
+        1,
+        16,
+    )
+    assert row["step_seconds"] is None  # a card given by its memory alone has no peak rates
+
+
+def test_the_exit_status_reaches_the_shell() -> None:
+    """``lightning-vram plan ... && sbatch train.sh``: the process exits 1 where nothing fits."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "lightning_vram.cli", "plan", QUICKSTART, "--batch", BATCH, "--gpu", "1048576"]
+    result = subprocess.run([*command, *ONE_CONFIGURATION], capture_output=True, text=True, env=environment)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.startswith("Plan: none of 1 configurations fits")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "starts"),
+    [
+        ([QUICKSTART, "--batch", BATCH, "--gpu", "Z80"], "lightning-vram: error: --gpu must name one of: RTX 3060,"),
+        ([QUICKSTART, "--batch", BATCH, "--gpu", "A100"], "lightning-vram: error: --gpu must name one of:"),
+        ([QUICKSTART, "--batch", "float32[16,3"], "lightning-vram: error: --batch must be dtype[sizes] items"),
+        ([QUICKSTART, "--batch", "complex[4]"], "lightning-vram: error: --batch must name a dtype of float32,"),
+        ([QUICKSTART, "--batch", "x=float32[4] int64[4]"], "lightning-vram: error: --batch must name every tensor"),
+        ([QUICKSTART], "lightning-vram: error: --batch must be given"),
+        (["no_such_package.models:Net"], "lightning-vram: error: MODULE 'no_such_package.models:Net' cannot be"),
+        (["examples.quickstart"], "lightning-vram: error: MODULE must be package.module:ClassName"),
+        ([f"{ROOT / 'examples' / 'quickstart.py'}:Missing"], "lightning-vram: error: MODULE '"),
+        ([QUICKSTART, "--init-kwargs", "[1]"], "lightning-vram: error: init-kwargs must be a JSON object"),
+        ([QUICKSTART, "--init-kwargs", '{"depth": 3}'], "lightning-vram: error: MODULE SmallCNN(**{'depth': 3})"),
+        ([QUICKSTART, "--batch", BATCH, "--gpus", "0"], "lightning-vram: error: --gpus must hold ints from 1"),
+        ([QUICKSTART, "--batch", BATCH, "--strategy", "x"], "lightning-vram: error: --strategy must be of ddp,"),
+        ([QUICKSTART, "--batch", BATCH, "--precision", "8"], "lightning-vram: error: --precision must be of 32-true"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_naming_the_argument(
+    capsys: pytest.CaptureFixture[str], arguments: list[str], starts: str
+) -> None:
+    status = main(["plan", *arguments])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(starts), captured.err
