@@ -14,17 +14,18 @@ of a few repeats.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from lightning_vram.prediction.replay._fake import TorchDispatchMode
 from lightning_vram.prediction.replay.flops import StepFlops
-from lightning_vram.prediction.timing.peaks import DevicePeaks
+from lightning_vram.prediction.timing.peaks import OP_FAMILIES, DevicePeaks
 
 MATMUL_SIZE = 512
 """Rows (and columns) of the square matrices multiplied to measure FLOP/s."""
@@ -36,6 +37,22 @@ REPEATS = 3
 """Timed repeats of each measurement, after one untimed warm-up; the median is kept."""
 TINY_STEPS = 20
 """Tiny training steps timed together, for the cost of one op."""
+PROBED_KINDS = (
+    "convolution",
+    "convolution_backward",
+    "native_batch_norm",
+    "native_batch_norm_backward",
+    "max_pool2d_with_indices",
+    "max_pool2d_with_indices_backward",
+    "relu",
+    "threshold_backward",
+    "tanh",
+    "_softmax",
+    "bmm",
+    "native_layer_norm",
+    "bernoulli_",
+)
+"""The kinds of op whose measured share of the roofline a CPU's prediction uses (:func:`_probes` runs each)."""
 
 
 Clock = Callable[[], float]
@@ -126,10 +143,18 @@ def _keeping(probe: Callable[[], object]) -> Callable[[], None]:
     return lambda: kept.append(probe())
 
 
-def _op_achieved(fp32: float, bandwidth: float, repeats: int, clock: Clock) -> dict[str, float]:
-    """Each probed kind of op's share of its roofline time (FLOPs at ``fp32`` FLOP/s, bytes at ``bandwidth``)."""
+def _op_achieved(
+    fp32: float, bandwidth: float, repeats: int, clock: Clock, kinds: Iterable[str] | None = None
+) -> dict[str, float]:
+    """Each probed kind of op's share of its roofline time (FLOPs at ``fp32`` FLOP/s, bytes at ``bandwidth``).
+
+    ``kinds``: only these of the probed kinds (``None``: every one).
+    """
     shares = {}
+    wanted = None if kinds is None else set(kinds)
     for name, probe in _probes().items():
+        if wanted is not None and name not in wanted:
+            continue
         roofline = _Roofline()
         with roofline:
             probe()
@@ -200,17 +225,47 @@ def _op_overhead(repeats: int, clock: Clock) -> float:
     return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
 
-@functools.cache
-def measure_host_peaks() -> DevicePeaks:
-    """The CPU of the machine as torch runs on it, measured once per process (about a second; later calls reuse it).
+_MEASURED: list[DevicePeaks] = []
+"""This process's measurement (:func:`measure_host_peaks`), its kinds of op as far as a call asked for them."""
 
-    See :func:`measure_host`.
+
+def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks:
+    """The CPU of the machine as torch runs on it, measured once per process; later calls reuse it.
+
+    ``kinds``: the kinds of op whose share of the roofline a step needs (op names, as
+    :data:`~lightning_vram.prediction.timing.peaks.OP_FAMILIES` groups them; ``None``: every kind probed). The first
+    call measures the matrix products, the copy and the cost of an op (about a second), and each kind is measured
+    the first time a call names it (0.1 to 0.5 s each), so a run prices its step without measuring kinds it does not
+    run. See :func:`measure_host`.
     """
-    return measure_host()
+    names = set(PROBED_KINDS) if kinds is None else {OP_FAMILIES.get(kind, kind) for kind in kinds}
+    if not _MEASURED:
+        _MEASURED.append(measure_host(kinds=names))
+    peaks = _MEASURED[0]
+    missing = names & set(PROBED_KINDS) - set(peaks.op_achieved)
+    if missing:
+        with _isolated():
+            shares = _op_achieved(peaks.fp32_flops, peaks.bandwidth, REPEATS, time.perf_counter, missing)
+        peaks = replace(peaks, op_achieved={**peaks.op_achieved, **shares})
+        _MEASURED[0] = peaks
+    return peaks
 
 
-def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> DevicePeaks:
+def _isolated() -> contextlib.AbstractContextManager[object]:
+    """Around a measurement: the caller's RNG kept, and the tiny step's backward run whatever the grad mode."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+def measure_host(
+    repeats: int = REPEATS, clock: Clock = time.perf_counter, kinds: Iterable[str] | None = None
+) -> DevicePeaks:
     """The CPU of the machine as torch runs on it now, each figure the median of ``repeats`` runs timed by ``clock``.
+
+    ``kinds``: the kinds of op whose share of the roofline is measured (``None``: every kind probed).
 
     The figures are what torch's own kernels reached with its current thread count: they are achieved rates, so
     ``achieved`` is 1.0. TF32 does not exist on a CPU (its figure is fp32's). Measured again at each call: a
@@ -222,13 +277,13 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     # The probes draw random numbers (the caller's RNG stays) and the tiny step runs backward, whatever the caller's
     # grad mode.
-    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+    with _isolated():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
         fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
         bandwidth = _copy_bandwidth(repeats, clock)
         overhead = _op_overhead(repeats, clock)
-        op_achieved = _op_achieved(fp32, bandwidth, repeats, clock)
+        op_achieved = _op_achieved(fp32, bandwidth, repeats, clock, kinds)
     threads = torch.get_num_threads()
     return DevicePeaks(
         name=f"this CPU ({threads} threads)",
