@@ -33,8 +33,10 @@ demo: $(DEMO_STAMP)
 # `$(BIN)/python -m pytest tests/test_x.py` for one file. `--dist loadfile` keeps each file's tests on one worker: the
 # multi-process tests (tests/test_distributed.py, which start their own processes) run one at a time, and a module
 # fixture trains once. (`--dist loadgroup` would be finer, but pytest-xdist 3.8 cannot group under pytest 9.2:
-# pytest-dev/pytest-xdist#1386.)
-PYTEST_PARALLEL ?= -n auto --dist loadfile
+# pytest-dev/pytest-xdist#1386.) `--no-loadscope-reorder` hands out the files in the order tests/conftest.py sorts them,
+# the longest first (multi-process, then replay); pytest-xdist's own order (most tests first) put files of few but long
+# tests (tests/test_distributed_replay.py, one-test replay files) late, one worker busy with them while the other idled.
+PYTEST_PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
