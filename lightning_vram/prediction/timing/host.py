@@ -14,14 +14,17 @@ of a few repeats.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from lightning_vram.measure.live import outside_dispatch_modes, outside_function_modes
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.prediction.replay._fake import TorchDispatchMode
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.timing.peaks import DevicePeaks
@@ -200,6 +203,28 @@ def _op_overhead(repeats: int, clock: Clock) -> float:
     return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
 
+def _passed_through(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor, kept as it is (the pair of hooks that stands in front of the caller's)."""
+    return tensor
+
+
+@contextlib.contextmanager
+def _apart_from_the_caller() -> Iterator[None]:
+    """The caller's dispatch modes and torch-function modes off the stack, its saved-tensor hooks out of reach.
+
+    The measurement runs in the user's process, at the end of a run or inside ``predict()``: an op counter, a
+    ``FlopCounterMode`` or a torch-function mode around ``fit``, or a pair of saved-tensor hooks, must not see its
+    ops. torch runs only the top pair of saved-tensor hooks: where the caller has one, a pair that keeps each tensor
+    as it is stands in front of it (none otherwise: the tiny step saves as a training step does).
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(outside_function_modes())
+        stack.enter_context(outside_dispatch_modes())
+        if saved_tensor_hooks_active():
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_passed_through, _passed_through))
+        yield
+
+
 @functools.cache
 def measure_host_peaks() -> DevicePeaks:
     """The CPU of the machine as torch runs on it, measured once per process (about a second; later calls reuse it).
@@ -221,8 +246,8 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     # The probes draw random numbers (the caller's RNG stays) and the tiny step runs backward, whatever the caller's
-    # grad mode.
-    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+    # grad mode; none of the caller's modes or hooks sees an op of it.
+    with _apart_from_the_caller(), torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
         fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
