@@ -16,10 +16,11 @@ stack (``torch._C``'s ``_pop_torch_function_stack``, ``_push_on_torch_function_s
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +60,26 @@ def outside_function_modes() -> Iterator[None]:
     finally:
         for mode in reversed(modes):
             _push_on_torch_function_stack(mode)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def apart_from_function_modes(hook: Callable[P, R]) -> Callable[P, R]:
+    """``hook`` run with the torch-function modes active now off the stack (put back after): a decorator.
+
+    The monitor's hooks (its Callback's, a sampled step's module, saved-tensor and gradient hooks) run under it: a
+    ``TorchFunctionMode`` of the user's spanning the steps or ``fit`` (a call counter) sees none of the monitor's
+    own torch calls, its replays' included, as a dispatch mode of theirs sees none of its ops.
+    """
+
+    @functools.wraps(hook)
+    def apart(*args: P.args, **kwargs: P.kwargs) -> R:
+        with outside_function_modes():
+            return hook(*args, **kwargs)
+
+    return apart
 
 
 def leave_abandoned() -> int:
