@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from lightning_vram.measure.live import outside_dispatch_modes, outside_function_modes
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.prediction.replay._fake import TorchDispatchMode
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.timing.peaks import OP_FAMILIES, DevicePeaks
@@ -225,6 +227,28 @@ def _op_overhead(repeats: int, clock: Clock) -> float:
     return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
 
+def _passed_through(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor, kept as it is (the pair of hooks that stands in front of the caller's)."""
+    return tensor
+
+
+@contextlib.contextmanager
+def _apart_from_the_caller() -> Iterator[None]:
+    """The caller's dispatch modes and torch-function modes off the stack, its saved-tensor hooks out of reach.
+
+    The measurement runs in the user's process, at the end of a run or inside ``predict()``: an op counter, a
+    ``FlopCounterMode`` or a torch-function mode around ``fit``, or a pair of saved-tensor hooks, must not see its
+    ops. torch runs only the top pair of saved-tensor hooks: where the caller has one, a pair that keeps each tensor
+    as it is stands in front of it (none otherwise: the tiny step saves as a training step does).
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(outside_function_modes())
+        stack.enter_context(outside_dispatch_modes())
+        if saved_tensor_hooks_active():
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_passed_through, _passed_through))
+        yield
+
+
 _MEASURED: list[DevicePeaks] = []
 """This process's measurement (:func:`measure_host_peaks`), its kinds of op as far as a call asked for them."""
 
@@ -252,8 +276,12 @@ def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks:
 
 
 def _isolated() -> contextlib.AbstractContextManager[object]:
-    """Around a measurement: the caller's RNG kept, and the tiny step's backward run whatever the grad mode."""
+    """Around a measurement: the caller's modes and hooks out of reach, its RNG kept, backward whatever the grad mode.
+
+    See :func:`_apart_from_the_caller`.
+    """
     stack = contextlib.ExitStack()
+    stack.enter_context(_apart_from_the_caller())
     stack.enter_context(torch.random.fork_rng(devices=[]))
     stack.enter_context(torch.inference_mode(False))
     stack.enter_context(torch.enable_grad())
@@ -276,7 +304,7 @@ def measure_host(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     # The probes draw random numbers (the caller's RNG stays) and the tiny step runs backward, whatever the caller's
-    # grad mode.
+    # grad mode; none of the caller's modes or hooks sees an op of it.
     with _isolated():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
