@@ -77,4 +77,4 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
         *nccl_line(spec.world_size, predictor.device_type),
     )
     sent = ring_all_reduce_bytes(buckets.total_bytes, spec.world_size)
-    return RankStep(spec, replayed.phases, lines, sent, METHOD, replayed.notes, replayed)
+    return RankStep(spec, replayed.phases, lines, sent, METHOD, replayed.notes, replayed, replayed.window_first)

@@ -242,9 +242,11 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
         return replayed
     lines = _lines(units, spec, device_type)
     reshard = spec.sharding != "SHARD_GRAD_OP"
-    sent = _sent(units, spec.world_size, reshard)
+    # Lightning's ModelParallelStrategy keeps gradient sync on under accumulation (its block_backward_sync blocks
+    # DDP's alone): every micro-batch gathers and reduce-scatters, adding into the sharded gradients it holds.
+    sent = _sent(units, spec.world_size, reshard) * predictor.accumulate
     notes = tuple(note for note in replayed.notes if not any(mark in note for mark in FSDP_NOTES))
-    return RankStep(spec, replayed.phases, lines, sent, METHOD, notes, replayed)
+    return RankStep(spec, replayed.phases, lines, sent, METHOD, notes, replayed, replayed.window_first)
 
 
 def _lines(units: list[tuple[str, int]], spec: StrategySpec, device_type: str) -> tuple[RankLine, ...]:
