@@ -110,7 +110,8 @@ class RankStep:
     ``"arithmetic on the single-process replay: <the strategy's rule>"``). ``replayed``: the replay underneath.
     Under gradient accumulation (``Predictor(accumulate=k)``, ``k > 1``) ``phases`` are the window's steady
     micro-batch (a later one, with the optimizer step) as the strategy runs it, and ``window_first`` the window's
-    first micro-batch (its forward and backward, no optimizer step); ``None`` without accumulation.
+    first micro-batch (its forward and backward, no optimizer step); ``None`` without accumulation, and where a
+    strategy's arithmetic does not predict the first micro-batch (ZeRO, FSDP1: a note says so).
     """
 
     spec: StrategySpec
@@ -125,9 +126,10 @@ class RankStep:
     @property
     def micro_batch(self) -> str:
         """Which micro-batch ``phases`` are: the step itself, or an accumulation window's steady one."""
-        if self.window_first is None:
+        if self.replayed is None or self.replayed.window_first is None:
             return "the step"
-        return "steady: a later micro-batch of the window, with the optimizer step (window_first: the first)"
+        first = "window_first: the first" if self.window_first is not None else "the first not predicted"
+        return f"steady: a later micro-batch of the window, with the optimizer step ({first})"
 
     @property
     def peak(self) -> PhasePeak:
