@@ -18,6 +18,11 @@ dispatch mode sees: the live count of a replay, like the monitor's live count of
 the op that made it to its death, at the size it was made (the CPU ground truth agrees to the byte; on CUDA the
 allocator sees each resize, which the allocator-side check on a GPU is still to compare).
 
+Under gradient accumulation (``Predictor(accumulate=k)``) the replay runs a window's first micro-batch and a later
+one with the step, sharded the same way: Lightning's ``ModelParallelStrategy`` keeps gradient sync on (its
+``block_backward_sync`` blocks DDP's alone; it never calls ``set_requires_gradient_sync(False)``), so every
+micro-batch gathers and reduce-scatters, adding into the sharded gradients held across the window.
+
 The fake group is the default process group while the replay runs, set up and destroyed around it; a process that
 already has a process group (a live multi-process run) is not predicted here: its group cannot be replaced, and a
 second default group cannot be made beside it.
