@@ -97,9 +97,9 @@ class _PlanPredictor(Predictor):
     """A predictor that counts every op (the step time is predicted from them) and the replays it runs.
 
     With a ``store``, its replays are kept: a strategy asking again for the same step gets the same replay. Kept by
-    the change and every attribute a replay reads (a strategy's rank prediction replays a shallow copy with its own
-    buffers: the copies share the store and the count); given only for the strategies of :data:`SHARED_REPLAYS`,
-    whose rank is the single-process replay with arithmetic (the same replay at every world size).
+    the change and every attribute a replay reads; given only for the strategies of :data:`SHARED_REPLAYS`, whose
+    rank is the single-process replay with arithmetic (DDP's buckets too): one replay per precision, checkpointing
+    and micro-batch serves all of them at every world size.
     """
 
     store: dict[tuple[object, ...], ReplayedStep | ReplaySkipped] | None = None
