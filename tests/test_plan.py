@@ -185,3 +185,22 @@ def test_without_a_batch_the_plan_says_where_its_batch_came_from(module: SmallCN
     assert result.batch_source == source
     assert [(row.micro_batch, row.accumulation) for row in result.rows] == [(size, 1)]
     assert f"batch: {source};" in str(result)
+
+
+def test_the_peak_column_says_which_rows_are_allocated_peaks() -> None:
+    mixed = quickstart_plan(gpus=["T4"], world_sizes=(1, 2), strategies=("ddp", "deepspeed_stage_2"))
+    kinds = {row.strategy: (row.shown_kind, row.shown_bytes) for row in mixed.rows}
+    single, zero = (next(row for row in mixed.rows if row.strategy == name) for name in ("single", "deepspeed_stage_2"))
+    assert kinds["single"] == ("reserved", single.reserved_bytes) and kinds["ddp"][0] == "reserved"
+    assert kinds["deepspeed_stage_2"] == ("allocated", zero.peak_bytes)
+    cells = {line.split()[3]: line.split()[8] for line in str(mixed).splitlines()[3:6]}  # strategy: its peak's unit
+    assert cells == {"single": "MiB", "ddp": "MiB", "zero2": "MiB*"}
+    assert "  * allocated peak: a strategy's arithmetic (ZeRO, FSDP1) has no allocation sequence;" in str(mixed)
+    data = mixed.to_dict()["rows"]
+    assert {row["strategy"]: row["shown_kind"] for row in data} == {
+        "single": "reserved",
+        "ddp": "reserved",
+        "deepspeed_stage_2": "allocated",
+    }
+    alone = quickstart_plan(gpus=["T4"], world_sizes=(1,))
+    assert "*" not in str(alone)  # no allocated peak among the rows: no mark, no legend line
