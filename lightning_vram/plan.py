@@ -488,7 +488,7 @@ class _Planner:
 
         The simulated allocator serves it beside the context and NCCL's buffers, which are outside the allocator.
         """
-        outside = sum(line.bytes for line in rank.lines if not line.on_host and line.label == NCCL_LINE)
+        outside = sum(line.beside_allocator_bytes for line in rank.lines)
         step = rank.replayed
         if step is None or step.allocations is None or self.allocator is None or rank.phases != step.phases:
             # No sequence of this rank's allocations to serve (a strategy's arithmetic changed the replay's peaks).
@@ -516,8 +516,6 @@ ARITHMETIC_FIT = (
 """The note of a plan with such a rank."""
 UNBOUNDED = 1 << 62
 """A capacity no step reaches: the allocator model's reserved peak where nothing limits it."""
-NCCL_LINE = "NCCL buffers"
-"""The rank line NCCL's own buffers are on: outside torch's allocator, kept free beside the context."""
 
 
 def _parts(rank: RankStep) -> tuple[tuple[str, int], ...]:

@@ -204,3 +204,19 @@ def test_the_peak_column_says_which_rows_are_allocated_peaks() -> None:
     }
     alone = quickstart_plan(gpus=["T4"], world_sizes=(1,))
     assert "*" not in str(alone)  # no allocated peak among the rows: no mark, no legend line
+
+
+def test_a_line_outside_the_allocator_is_kept_free_whatever_its_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_vram.prediction.strategies import ddp
+
+    held = quickstart_plan(gpus=["H100 SXM"], world_sizes=(2,)).rows[0]
+    assert held.reserved_bytes is not None and held.micro_batch == BATCH
+    capacity = held.reserved_bytes + 1024 * MIB  # with a context of 1 GiB less 8 MiB: 8 MiB to spare
+    fits = quickstart_plan(gpus=[capacity], world_sizes=(2,), cuda_context_bytes=1024 * MIB - 8 * MIB).rows[0]
+    assert fits.fits and fits.micro_batch == BATCH
+    outside = ddp.RankLine("collective buffers", 16 * MIB, "a test's", outside_allocator=True)
+    monkeypatch.setattr(ddp, "nccl_line", lambda world_size, device_type: (outside,))
+    squeezed = quickstart_plan(gpus=[capacity], world_sizes=(2,), cuda_context_bytes=1024 * MIB - 8 * MIB).rows[0]
+    assert squeezed.micro_batch != BATCH or not squeezed.fits  # 16 MiB outside the allocator: 8 MiB short
+    assert outside.beside_allocator_bytes == 16 * MIB
+    assert ddp.RankLine("NCCL buffers", MIB, "on the device, inside", False).beside_allocator_bytes == 0

@@ -65,7 +65,7 @@ def nccl_line(world_size: int, device_type: str) -> tuple[RankLine, ...]:
         f"lower bound: one ring channel's Simple-protocol buffers to its two neighbours, 2 x NCCL_BUFFSIZE ({size});"
         " outside torch's allocator, not in the phases' peaks"
     )
-    return (RankLine("NCCL buffers", 2 * size, basis),)
+    return (RankLine("NCCL buffers", 2 * size, basis, outside_allocator=True),)
 
 
 BUCKET_BLOCKS = -(1 << 41)
