@@ -26,7 +26,8 @@ class SmallGPT2(L.LightningModule):
         self.model = GPT2LMHeadModel(config)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch, labels=batch).loss
+        loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=3e-4)
