@@ -324,7 +324,9 @@ class _Planner:
                             self._leave_out(per_rank, what)
                         else:
                             searches.append(_Search(precision, checkpointed, spec, what, per_rank))
-        pending = searches
+        # The configurations one replay serves first, then FSDP2's (a replay of its own for each world size): a
+        # budget that runs out leaves out FSDP2's rows before any that cost no replay of their own.
+        pending = searches = sorted(searches, key=lambda search: search.spec.name not in SHARED_REPLAYS)
         while pending:
             for search in pending:
                 self._next_micro_batch(search, nodes)
@@ -422,7 +424,9 @@ class _Planner:
     def _predict_rank(self, configuration: _Configuration, spec: StrategySpec, what: str) -> RankStep | None:
         micro = f", micro-batch {configuration.micro_batch}" if configuration.micro_batch is not None else ""
         left = self.deadline - time.perf_counter()
-        if left <= 0:
+        kept = (configuration.precision, configuration.micro_batch) in self._predictors
+        shared = spec.name in SHARED_REPLAYS and kept
+        if left <= 0 and not shared:  # a shared predictor's kept replay costs nothing; one it lacks stops at once
             self._leave_out("the time budget ran out", what + micro)
             return None
         if self.device.type == "meta" and configuration.precision.endswith("-mixed"):
