@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -220,3 +221,19 @@ def test_a_line_outside_the_allocator_is_kept_free_whatever_its_label(monkeypatc
     assert squeezed.micro_batch != BATCH or not squeezed.fits  # 16 MiB outside the allocator: 8 MiB short
     assert outside.beside_allocator_bytes == 16 * MIB
     assert ddp.RankLine("NCCL buffers", MIB, "on the device, inside", False).beside_allocator_bytes == 0
+
+
+def test_once_the_budget_ends_a_kept_replay_still_serves_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = sys.modules["lightning_vram.plan"]  # lightning_vram.plan is the function
+    predict_rank = module._Planner._predict_rank
+
+    def ending(self: Any, *arguments: Any) -> Any:
+        rank = predict_rank(self, *arguments)
+        self.deadline = 0.0  # the budget ends after the first prediction
+        return rank
+
+    monkeypatch.setattr(module._Planner, "_predict_rank", ending)
+    result = quickstart_plan(gpus=["T4"], world_sizes=(1, 2), strategies=("fsdp2", "ddp", "deepspeed_stage_2"))
+    assert sorted(row.strategy for row in result.rows) == ["ddp", "deepspeed_stage_2", "single"]
+    assert result.replays == 1
+    assert result.left_out == ("the time budget ran out: fsdp2 x2, 32-true, micro-batch 64",)
