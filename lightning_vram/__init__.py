@@ -3,8 +3,9 @@
 Public: :class:`VramMonitor` (the Lightning callback), :class:`VramSession` (the same monitor for Fabric and plain
 PyTorch loops), :class:`Report`, :class:`VramMonitorWarning`, :class:`Publisher` and
 :func:`publisher_for` (where the results go: one publisher per logger), :func:`predict` (a training step's memory
-and the largest batch per GPU, predicted without training); ``lightning_vram.testing`` (a scripted probe for tests),
-``lightning_vram.pytorch_lightning`` (the callback for the ``pytorch_lightning`` package) and the records in
+and the largest batch per GPU, predicted without training), :func:`plan` (which GPUs, how many, which strategy and
+settings, and how fast a step runs, predicted without training); ``lightning_vram.testing`` (a scripted probe for
+tests), ``lightning_vram.pytorch_lightning`` (the callback for the ``pytorch_lightning`` package) and the records in
 ``lightning_vram.records``. Everything else is internal; a module whose name starts with an underscore is used only
 inside its own package.
 
@@ -24,6 +25,7 @@ from lightning_vram._version import __version__
 if TYPE_CHECKING:
     from lightning_vram.callback import VramMonitor
     from lightning_vram.exceptions import VramMonitorWarning
+    from lightning_vram.plan import plan
     from lightning_vram.predict import predict
     from lightning_vram.records import Report
     from lightning_vram.render.publishers import publisher_for
@@ -37,6 +39,7 @@ __all__ = [
     "VramMonitorWarning",
     "VramSession",
     "__version__",
+    "plan",
     "predict",
     "publisher_for",
 ]
@@ -47,6 +50,7 @@ _EXPORTS = {
     "VramMonitor": "lightning_vram.callback",
     "VramMonitorWarning": "lightning_vram.exceptions",
     "VramSession": "lightning_vram.session",
+    "plan": "lightning_vram.plan",
     "predict": "lightning_vram.predict",
     "publisher_for": "lightning_vram.render.publishers",
 }
@@ -69,7 +73,7 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The package's module: a submodule named like an export (``lightning_vram.predict``) leaves the export in place.
+    """The package's module: a submodule named like an export (``lightning_vram.plan``) leaves the export in place.
 
     The import system names each submodule on its package once it is loaded; ``import lightning_vram.predict``
     would otherwise make ``lightning_vram.predict`` the module rather than the function.

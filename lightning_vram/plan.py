@@ -97,9 +97,9 @@ class _PlanPredictor(Predictor):
     """A predictor that counts every op (the step time is predicted from them) and the replays it runs.
 
     With a ``store``, its replays are kept: a strategy asking again for the same step gets the same replay. Kept by
-    the change and every attribute a replay reads (a strategy's rank prediction replays a shallow copy with its own
-    buffers: the copies share the store and the count); given only for the strategies of :data:`SHARED_REPLAYS`,
-    whose rank is the single-process replay with arithmetic (the same replay at every world size).
+    the change and every attribute a replay reads; given only for the strategies of :data:`SHARED_REPLAYS`, whose
+    rank is the single-process replay with arithmetic (DDP's buckets too): one replay per precision, checkpointing
+    and micro-batch serves all of them at every world size.
     """
 
     store: dict[tuple[object, ...], ReplayedStep | ReplaySkipped] | None = None
@@ -324,7 +324,9 @@ class _Planner:
                             self._leave_out(per_rank, what)
                         else:
                             searches.append(_Search(precision, checkpointed, spec, what, per_rank))
-        pending = searches
+        # The configurations one replay serves first, then FSDP2's (a replay of its own for each world size): a
+        # budget that runs out leaves out FSDP2's rows before any that cost no replay of their own.
+        pending = searches = sorted(searches, key=lambda search: search.spec.name not in SHARED_REPLAYS)
         while pending:
             for search in pending:
                 self._next_micro_batch(search, nodes)
@@ -422,7 +424,9 @@ class _Planner:
     def _predict_rank(self, configuration: _Configuration, spec: StrategySpec, what: str) -> RankStep | None:
         micro = f", micro-batch {configuration.micro_batch}" if configuration.micro_batch is not None else ""
         left = self.deadline - time.perf_counter()
-        if left <= 0:
+        kept = (configuration.precision, configuration.micro_batch) in self._predictors
+        shared = spec.name in SHARED_REPLAYS and kept
+        if left <= 0 and not shared:  # a shared predictor's kept replay costs nothing; one it lacks stops at once
             self._leave_out("the time budget ran out", what + micro)
             return None
         if self.device.type == "meta" and configuration.precision.endswith("-mixed"):
@@ -488,7 +492,7 @@ class _Planner:
 
         The simulated allocator serves it beside the context and NCCL's buffers, which are outside the allocator.
         """
-        outside = sum(line.bytes for line in rank.lines if not line.on_host and line.label == NCCL_LINE)
+        outside = sum(line.beside_allocator_bytes for line in rank.lines)
         step = rank.replayed
         if step is None or step.allocations is None or self.allocator is None or rank.phases != step.phases:
             # No sequence of this rank's allocations to serve (a strategy's arithmetic changed the replay's peaks).
@@ -516,8 +520,6 @@ ARITHMETIC_FIT = (
 """The note of a plan with such a rank."""
 UNBOUNDED = 1 << 62
 """A capacity no step reaches: the allocator model's reserved peak where nothing limits it."""
-NCCL_LINE = "NCCL buffers"
-"""The rank line NCCL's own buffers are on: outside torch's allocator, kept free beside the context."""
 
 
 def _parts(rank: RankStep) -> tuple[tuple[str, int], ...]:

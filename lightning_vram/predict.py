@@ -33,7 +33,8 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, resize_shape
 from lightning_vram.prediction.replay.precision import PLANS
 from lightning_vram.prediction.replay.reserved import run_settings
-from lightning_vram.records import FitRow, Prediction, ReplayedStep, TrainingLoop
+from lightning_vram.prediction.timing import GPU_PEAKS, predict_step_time
+from lightning_vram.records import FitRow, Prediction, ReplayedStep, StepTime, TrainingLoop
 from lightning_vram.records.budget import BudgetPlan
 
 
@@ -113,7 +114,7 @@ def predict(
         allocator=settings if isinstance(settings, AllocatorSettings) else None,
     )
     with round_of_replays():
-        step = predictor.replay(None, count_flops=budget_bytes is not None)
+        step = predictor.replay(None, count_flops=True)
         if not isinstance(step, ReplayedStep):
             return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
         budget: BudgetPlan | None = None
@@ -133,7 +134,22 @@ def predict(
             if search.missing is not None:
                 notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
             notes += tuple(f"fit table: {note}" for note in search.notes)
-        return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes, budget=budget)
+        times = _step_times(step, rows) if device_type.startswith("cuda") else ()
+        return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes, budget=budget, step_times=times)
+
+
+def _step_times(step: ReplayedStep, rows: tuple[FitRow, ...]) -> tuple[StepTime, ...]:
+    """The step's predicted time on each card of the fit table's rows (every card of GPU_PEAKS without rows).
+
+    A roofline per op at the card's published peaks (:func:`~lightning_vram.prediction.timing.predict_step_time`),
+    at the replayed batch, uncalibrated: nothing measured it.
+    """
+    if step.work is None:
+        return ()
+    devices = {row.device for row in rows}
+    return tuple(
+        predict_step_time(step, peaks) for peaks in GPU_PEAKS.values() if not devices or peaks.memory_row in devices
+    )
 
 
 REPLAYED_PRECISIONS = ("32-true", "32", *PLANS, "64")

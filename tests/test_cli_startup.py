@@ -93,6 +93,10 @@ import lightning_vram.predict
 from lightning_vram import predict, VramMonitor, Report, VramSession, VramMonitorWarning
 exported = set(lightning_vram.__all__) <= set(dir(lightning_vram))
 print(callable(predict) and predict.__module__, VramMonitor.__name__, exported)
+import lightning_vram.plan
+from lightning_vram.plan import DEFAULT_WORLD_SIZES
+from lightning_vram import plan
+print(callable(plan) and plan.__module__, lightning_vram.plan is plan, DEFAULT_WORLD_SIZES)
 """
 
 
@@ -100,10 +104,11 @@ def test_the_package_imports_its_exports_on_first_use() -> None:
     result = subprocess.run(
         [sys.executable, "-c", IMPORTS_AND_REPORTS], capture_output=True, text=True, check=True, timeout=300
     )
-    first, second = result.stdout.splitlines()
+    first, second, third = result.stdout.splitlines()
     assert first == f"{lightning_vram.__version__} []"
     # `import lightning_vram.predict` names the submodule on the package: the export stays the function.
     assert second == "lightning_vram.predict VramMonitor True"
+    assert third == "lightning_vram.plan True (1, 2, 4, 8)"  # plan() likewise, its module's names still importable
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,13 +74,13 @@ def test_the_quickstart_at_one_and_two_gpus() -> None:
     assert rates == sorted(rates, reverse=True)  # type: ignore[type-var]
     # What the plan could not predict is said: the sharded strategies were not asked for, so nothing is left out.
     assert result.left_out == ()
-    # One replay for the single GPU and one holding DDP's buckets: it serves DDP at every world size and each GPU.
-    assert result.replays == 2
+    # One replay: the single GPU's, which with DDP's buckets added serves DDP at every world size, and each GPU.
+    assert result.replays == 1
 
 
 def test_ddp_s_replay_serves_every_world_size() -> None:
     result = quickstart_plan(gpus=["H100 SXM"], world_sizes=(1, 2, 4, 8))
-    assert result.replays == 2 and [row.gpus for row in result.rows] == [8, 4, 2, 1]  # the most samples/s first
+    assert result.replays == 1 and [row.gpus for row in result.rows] == [8, 4, 2, 1]  # the most samples/s first
     ddp = [row for row in result.rows if row.strategy == "ddp"]
     assert len({(row.peak_bytes, row.phases, row.parts) for row in ddp}) == 1  # a DDP rank's memory: any world size
 
@@ -185,3 +186,54 @@ def test_without_a_batch_the_plan_says_where_its_batch_came_from(module: SmallCN
     assert result.batch_source == source
     assert [(row.micro_batch, row.accumulation) for row in result.rows] == [(size, 1)]
     assert f"batch: {source};" in str(result)
+
+
+def test_the_peak_column_says_which_rows_are_allocated_peaks() -> None:
+    mixed = quickstart_plan(gpus=["T4"], world_sizes=(1, 2), strategies=("ddp", "deepspeed_stage_2"))
+    kinds = {row.strategy: (row.shown_kind, row.shown_bytes) for row in mixed.rows}
+    single, zero = (next(row for row in mixed.rows if row.strategy == name) for name in ("single", "deepspeed_stage_2"))
+    assert kinds["single"] == ("reserved", single.reserved_bytes) and kinds["ddp"][0] == "reserved"
+    assert kinds["deepspeed_stage_2"] == ("allocated", zero.peak_bytes)
+    cells = {line.split()[3]: line.split()[8] for line in str(mixed).splitlines()[3:6]}  # strategy: its peak's unit
+    assert cells == {"single": "MiB", "ddp": "MiB", "zero2": "MiB*"}
+    assert "  * allocated peak: a strategy's arithmetic (ZeRO, FSDP1) has no allocation sequence;" in str(mixed)
+    data = mixed.to_dict()["rows"]
+    assert {row["strategy"]: row["shown_kind"] for row in data} == {
+        "single": "reserved",
+        "ddp": "reserved",
+        "deepspeed_stage_2": "allocated",
+    }
+    alone = quickstart_plan(gpus=["T4"], world_sizes=(1,))
+    assert "*" not in str(alone)  # no allocated peak among the rows: no mark, no legend line
+
+
+def test_a_line_outside_the_allocator_is_kept_free_whatever_its_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_vram.prediction.strategies import ddp
+
+    held = quickstart_plan(gpus=["H100 SXM"], world_sizes=(2,)).rows[0]
+    assert held.reserved_bytes is not None and held.micro_batch == BATCH
+    capacity = held.reserved_bytes + 1024 * MIB  # with a context of 1 GiB less 8 MiB: 8 MiB to spare
+    fits = quickstart_plan(gpus=[capacity], world_sizes=(2,), cuda_context_bytes=1024 * MIB - 8 * MIB).rows[0]
+    assert fits.fits and fits.micro_batch == BATCH
+    outside = ddp.RankLine("collective buffers", 16 * MIB, "a test's", outside_allocator=True)
+    monkeypatch.setattr(ddp, "nccl_line", lambda world_size, device_type: (outside,))
+    squeezed = quickstart_plan(gpus=[capacity], world_sizes=(2,), cuda_context_bytes=1024 * MIB - 8 * MIB).rows[0]
+    assert squeezed.micro_batch != BATCH or not squeezed.fits  # 16 MiB outside the allocator: 8 MiB short
+    assert outside.beside_allocator_bytes == 16 * MIB
+    assert ddp.RankLine("NCCL buffers", MIB, "on the device, inside", False).beside_allocator_bytes == 0
+
+
+def test_once_the_budget_ends_a_kept_replay_still_serves_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = sys.modules["lightning_vram.plan"]  # lightning_vram.plan is the function
+    predict_rank = module._Planner._predict_rank
+
+    def ending(self: Any, *arguments: Any) -> Any:
+        rank = predict_rank(self, *arguments)
+        self.deadline = 0.0  # the budget ends after the first prediction
+        return rank
+
+    monkeypatch.setattr(module._Planner, "_predict_rank", ending)
+    result = quickstart_plan(gpus=["T4"], world_sizes=(1, 2), strategies=("fsdp2", "ddp", "deepspeed_stage_2"))
+    assert sorted(row.strategy for row in result.rows) == ["ddp", "deepspeed_stage_2", "single"]
+    assert result.replays == 1
+    assert result.left_out == ("the time budget ran out: fsdp2 x2, 32-true, micro-batch 64",)

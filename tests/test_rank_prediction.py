@@ -17,7 +17,9 @@ from models import OPTIMIZERS, Classifier
 from torch import nn
 
 from lightning_vram.measure.ddp import bucket_sizes, reduced_parameters
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.strategies import PREDICTORS, predict_rank
 from lightning_vram.prediction.strategies.fsdp2 import RankChunks
 from lightning_vram.records import Phase, RankStep, ReplayedStep, ReplaySkipped, StrategySpec
@@ -122,6 +124,43 @@ def test_a_ddp_rank_is_the_replay_holding_the_buckets_at_any_world_size() -> Non
             assert held.breakdown.counted_bytes == alone.breakdown.counted_bytes
         assert rank.peak.peak_bytes == single.peak.peak_bytes + gradients
     assert predictor.strategy is None  # the round's own predictor holds no buckets afterwards
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_ddp_rank_from_the_single_replay_is_the_replay_holding_the_buckets(precision: str) -> None:
+    """The single-process replay plus the buckets' arithmetic gives what a second replay holding them gave."""
+    module = Classifier(network(), OPTIMIZERS["adam"])
+    predictor = Predictor(module, None, BATCH, precision=precision, warm_up=True, allocator=AllocatorSettings())
+    rank = predict_rank(predictor, StrategySpec("ddp", 4))
+    assert isinstance(rank, RankStep) and rank.replayed is not None
+    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
+    buckets = bucket_sizes(reduced_parameters(module), dtype=dtype)
+    second = predictor.sharing_walk()
+    second.strategy = buckets
+    replayed = second.replay()
+    assert isinstance(replayed, ReplayedStep)
+    assert rank.phases == replayed.phases  # peaks, reserved peaks and breakdowns, to the byte
+    assert all(peak.reserved_bytes for peak in rank.phases.values())
+    assert rank.replayed.strategy == replayed.strategy == buckets
+    assert rank.replayed.allocations is not None and replayed.allocations is not None
+    unbounded = serve(replayed.allocations, AllocatorSettings(), 2**40).reserved_peak_bytes
+    assert serve(rank.replayed.allocations, AllocatorSettings(), 2**40).reserved_peak_bytes == unbounded
+    for capacity in range(unbounded - 8 * 2**20, unbounded + 2**20, 2**20):  # where it fits, and where it does not
+        derived = serve(rank.replayed.allocations, AllocatorSettings(), capacity)
+        again = serve(replayed.allocations, AllocatorSettings(), capacity)
+        assert derived.served == again.served, capacity
+        assert derived.served or derived.shortfall.phase == again.shortfall.phase  # type: ignore[union-attr]
+    alone = predictor.replay()
+    assert isinstance(alone, ReplayedStep) and alone.timeline is not None
+    assert rank.replayed.timeline is not None and replayed.timeline is not None
+    points = list(zip(alone.timeline.points, rank.replayed.timeline.points, replayed.timeline.points, strict=True))
+    # The timeline's other is clamped at 0 where the counted parts exceed the live bytes (gradients let go of and
+    # still counted): only there may the derived point be above the replayed one.
+    assert [derived for single, derived, _ in points if single.other > 0] == [
+        again for single, _, again in points if single.other > 0
+    ]
+    assert sum(single.other > 0 for single, _, _ in points) > len(points) // 2
 
 
 class ShardedMlp(Classifier):

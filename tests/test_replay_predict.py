@@ -190,3 +190,31 @@ def test_a_prediction_prints_as_a_short_table_and_has_a_json_form() -> None:
     assert [row["max_batch_size"] for row in data["fit"]] == [row.max_batch_size for row in prediction.fit]
     assert [row["name"] for row in data["step"]["modules"]] == [row.name for row in step.modules]
     assert data["cuda_context_bytes"] == prediction.cuda_context_bytes and data["skipped"] is None
+
+
+def test_a_prediction_for_gpus_gives_the_step_time_on_each_card_of_its_fit_table() -> None:
+    from lightning_vram.prediction.timing import GPU_PEAKS, predict_step_time
+
+    torch.manual_seed(0)
+    module = Classifier(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), OPTIMIZERS["adam"])
+    prediction = predict(module, (torch.randn(16, 64), torch.randint(0, 10, (16,))), device_type="cuda")
+    step = prediction.step
+    assert step is not None and prediction.fit
+    rows = {row.device for row in prediction.fit}
+    cards = [peaks for peaks in GPU_PEAKS.values() if peaks.memory_row in rows]
+    assert [time.device for time in prediction.step_times] == [peaks.name for peaks in cards] and len(cards) >= 6
+    for time, peaks in zip(prediction.step_times, cards, strict=True):
+        assert time.seconds == predict_step_time(step, peaks).seconds > 0 and time.samples == 16
+    lines = str(prediction).splitlines()
+    start = lines.index(
+        "Step time at batch 16 (roofline per op at 50% of each card's published peaks, ops one after another, not"
+        " calibrated by a run):"
+    )
+    assert lines[start + 1].split() == ["GPU", "step", "samples/s"]
+    first = prediction.step_times[0]
+    assert lines[start + 2].split()[-3:] == [f"{1000 * first.seconds:.2f}", "ms", f"{first.samples_per_second:,.0f}"]
+    data = json.loads(json.dumps(prediction.to_dict()))
+    assert [(row["device"], row["seconds"]) for row in data["step_times"]] == [
+        (time.device, time.seconds) for time in prediction.step_times
+    ]
+    assert data["step_times"][0]["basis"].startswith("roofline per op on ")

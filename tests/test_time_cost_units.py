@@ -33,7 +33,7 @@ from lightning_vram.records import (
 from lightning_vram.records.advice_json import advice_from_dict, advice_to_dict
 from lightning_vram.render.diff import time_line
 from lightning_vram.render.html import _advice_html
-from lightning_vram.render.text import advice_markdown
+from lightning_vram.render.text import advice_markdown, advice_summary
 
 PLAN = CheckpointPlan("network", (("0",), ("1",)), None, GIB)
 FLOPS = 1_000_000
@@ -174,3 +174,17 @@ def test_diff_allows_a_millisecond_on_a_tiny_step_and_gives_no_verdict_without_t
         "step time (activation-checkpointing): A's advice said step time not modelled from FLOPs (same FLOPs in"
         " another precision); B's median step took -20.0 ms (100.0 ms -> 80.0 ms)"
     )
+
+
+def test_the_views_show_the_predicted_step_time_where_set() -> None:
+    found = replace(priced(CheckpointChange(PLAN), 1_300_000), predicted_step_seconds=0.1234)
+    text = "predicted step 123.4 ms with the change (roofline, calibrated by this run)"
+    assert f"\n**Step time:** {text}\n" in advice_markdown((found,))
+    assert f"<p><strong>Step time:</strong> {text}</p>" in _advice_html(found)
+    assert advice_summary(found).endswith(f"; {text})")
+    assert "Step time" not in advice_markdown((advice(),)) + _advice_html(advice())
+    assert "predicted step" not in advice_summary(advice())
+    report = load_report(Path(__file__).parent / "data" / "reports" / "0.10.0" / "cpu.json")
+    line = time_line(found, _timed(report, 0.1), _timed(report, 0.128))
+    assert "(100.0 ms -> 128.0 ms); predicted step with the change 123.4 ms: within the tolerance" in line
+    assert "predicted step" not in time_line(found, _timed(report, 0.1), _timed(report, None))

@@ -27,6 +27,8 @@ STRATEGY_LABELS = {
     "deepspeed_stage_3": "zero3",
 }
 """The table's short names of Lightning's strategy names (the others are their own)."""
+ALLOCATED_MARK = "*"
+"""Marks a peak/rank that is the allocated peak, where the others are the allocator model's reserved peaks."""
 LEGEND = "n: GPUs (nodes x each); fsdp1: Lightning's fsdp; zeroN: deepspeed_stage_N; micro: size x accum."
 """The table's legend line."""
 
@@ -65,6 +67,16 @@ class PlanRow:
     method: str = ""
     phases: tuple[tuple[str, int], ...] = ()
     parts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def shown_bytes(self) -> int:
+        """The table's peak/rank: the reserved peak where the allocator model served the step, else the allocated."""
+        return self.reserved_bytes if self.reserved_bytes is not None else self.peak_bytes
+
+    @property
+    def shown_kind(self) -> str:
+        """What :attr:`shown_bytes` is: ``"reserved"`` (the allocator model's) or ``"allocated"`` (the peak alone)."""
+        return "reserved" if self.reserved_bytes is not None else "allocated"
 
     @property
     def global_batch(self) -> int | None:
@@ -112,12 +124,21 @@ class Plan:
         """What "fits" and the peak column meant for this plan, in lines of at most 100 characters."""
         context = format_bytes(self.cuda_context_bytes)
         if self.allocator is None:
-            return (f"fits: the rank's peak under 90% of the card's memory less {context} (CUDA context)",)
+            return (
+                f"fits: the rank's peak under 90% of the card's memory less {context} (CUDA context)",
+                "peak/rank: allocated (no caching allocator simulated)",
+            )
         settings = f"PYTORCH_ALLOC_CONF={self.allocator}" if self.allocator else "PYTORCH_ALLOC_CONF: defaults"
-        return (
+        lines = [
             f"fits: the caching allocator model serves the step in the card's memory less {context} of context",
             f"peak/rank: reserved by that model ({settings}); allocated peaks in --json",
-        )
+        ]
+        if any(row.reserved_bytes is None for row in self.rows):
+            lines.append(
+                f"{ALLOCATED_MARK} allocated peak: a strategy's arithmetic (ZeRO, FSDP1) has no allocation sequence;"
+                " it fits with 10% of the card free"
+            )
+        return tuple(lines)
 
     def __str__(self) -> str:
         """The table, best first, with the legend (what fits means, what the step time assumes) and the notes."""
@@ -133,7 +154,14 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     return {
         "fits": plan.fits,
         "rows": [
-            {**asdict(row), "phases": dict(row.phases), "parts": dict(row.parts), "global_batch": row.global_batch}
+            {
+                **asdict(row),
+                "phases": dict(row.phases),
+                "parts": dict(row.parts),
+                "global_batch": row.global_batch,
+                "shown_bytes": row.shown_bytes,
+                "shown_kind": row.shown_kind,
+            }
             for row in plan.rows
         ],
         "batch_source": plan.batch_source,
@@ -216,7 +244,7 @@ def plan_text(plan: Plan) -> str:
                 row.precision,
                 "yes" if row.checkpointing else "no",
                 micro,
-                format_bytes(row.reserved_bytes if row.reserved_bytes is not None else row.peak_bytes),
+                format_bytes(row.shown_bytes) + (" " if row.reserved_bytes is not None else ALLOCATED_MARK),
                 "yes" if row.fits else "NO",
                 _seconds(row.step_seconds),
                 _rate(row.samples_per_second),

@@ -12,6 +12,7 @@ from lightning_vram.records.measured import CATEGORIES, in_phase_order
 from lightning_vram.records.measured_json import module_to_dict
 from lightning_vram.records.simulation import ReplayedStep
 from lightning_vram.records.simulation_json import replayed_phases_to_dict
+from lightning_vram.records.work import StepTime
 from lightning_vram.units import format_bytes
 
 MAX_NOTES = 5
@@ -34,6 +35,9 @@ class Prediction:
     notes: tuple[str, ...] = ()
     budget: BudgetPlan | None = None
     """The checkpointing plan for ``predict(..., memory_budget=...)`` (``None``: no budget asked for)."""
+    step_times: tuple[StepTime, ...] = ()
+    """The step's predicted time on each common GPU of the fit table, at the replayed batch (a roofline per op at
+    an assumed share of the card's published peaks, each :attr:`StepTime.basis` says; empty: not predicted)."""
 
     def __str__(self) -> str:
         """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
@@ -69,7 +73,40 @@ def prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
         "skipped": prediction.skipped,
         "notes": list(prediction.notes),
         "budget": prediction.budget.to_dict() if prediction.budget is not None else None,
+        "step_times": [step_time_to_dict(time) for time in prediction.step_times],
     }
+
+
+def step_time_to_dict(time: StepTime) -> dict[str, Any]:
+    """One device's predicted step time as JSON-ready data: seconds, its parts, throughput, the assumption."""
+    return {
+        "device": time.device,
+        "seconds": time.seconds,
+        "compute_seconds": time.compute_seconds,
+        "memory_seconds": time.memory_seconds,
+        "overhead_seconds": time.overhead_seconds,
+        "samples": time.samples,
+        "samples_per_second": time.samples_per_second,
+        "achieved": time.achieved,
+        "calibration": time.calibration,
+        "basis": time.basis,
+    }
+
+
+def step_time_lines(times: tuple[StepTime, ...], batch_size: int | None) -> list[str]:
+    """The step times as a few lines: the assumption once, then each card's time and throughput."""
+    if not times:
+        return []
+    batch = f" at batch {batch_size}" if batch_size is not None else ""
+    lines = [
+        f"Step time{batch} (roofline per op at {times[0].achieved:.0%} of each card's published peaks, ops one"
+        " after another, not calibrated by a run):"
+    ]
+    rows = [["GPU", "step", "samples/s"]]
+    for time in times:
+        rate = time.samples_per_second
+        rows.append([time.device, f"{1000 * time.seconds:.2f} ms", "-" if rate is None else f"{rate:,.0f}"])
+    return lines + _columns(rows)
 
 
 def _columns(rows: list[list[str]]) -> list[str]:
@@ -120,6 +157,7 @@ def prediction_text(prediction: Prediction) -> str:
         ]
         lines += _columns(fit)
         lines += [f"  {row.device}: {row.note}" for row in prediction.fit if row.note is not None]
+    lines += step_time_lines(prediction.step_times, step.batch_size)
     if prediction.budget is not None:
         lines += prediction.budget.lines()
     notes = list(dict.fromkeys((*step.notes, *prediction.notes)))  # the step's notes reach the prediction's too

@@ -90,13 +90,20 @@ class RankLine:
     """Something a strategy holds on one rank beyond the module's tensors: DDP's buckets, FSDP's buffers, NCCL's.
 
     ``bytes``: its size; ``basis``: the arithmetic or the code it came from; ``on_host``: held in host memory (an
-    offloaded copy), not on the device.
+    offloaded copy), not on the device; ``outside_allocator``: on the device but outside torch's caching allocator
+    (NCCL's own buffers): in no phase's peak, kept free beside the CUDA context when a fit is simulated.
     """
 
     label: str
     bytes: int
     basis: str
     on_host: bool = False
+    outside_allocator: bool = False
+
+    @property
+    def beside_allocator_bytes(self) -> int:
+        """Device bytes this line takes outside the caching allocator (0 in host memory or inside the allocator)."""
+        return self.bytes if self.outside_allocator and not self.on_host else 0
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,8 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
         if median_before is not None and median_after is not None
         else f"step time {NOT_RECORDED}"
     )
+    if advice.predicted_step_seconds is not None and median_after is not None:
+        measured += f"; predicted step with the change {advice.predicted_step_seconds * 1000:.1f} ms"
     predicted = advice.estimated_cost_seconds
     if predicted is None:
         return f"step time ({label}): A's advice said {advice.cost_text}; {measured}"

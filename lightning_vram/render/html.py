@@ -24,6 +24,7 @@ from lightning_vram.render.text import (
     fit_assumption,
     headline,
     peak_label,
+    predicted_step_text,
     ranks_line,
     saving_text,
     timing_line,
@@ -102,6 +103,9 @@ def _advice_html(item: Advice) -> str:
     saving = f"<p><strong>Expected saving:</strong> {html.escape(savings)}</p>" if savings else ""
     if item.cost_text is not None:
         saving += f"<p><strong>Time cost:</strong> {html.escape(item.cost_text)}</p>"
+    predicted = predicted_step_text(item)
+    if predicted is not None:
+        saving += f"<p><strong>Step time:</strong> {html.escape(predicted)}</p>"
     return (
         f'<div class="advice {html.escape(item.severity)}" id="{html.escape(item.id)}">'
         f"<h3>{inline_markdown(item.title)}</h3>"

@@ -99,7 +99,24 @@ def advice_summary(advice: Advice) -> str:
         figures.append(f"up to {1000 * advice.estimated_saving_seconds:.1f} ms per step")
     if advice.cost_text is not None:
         figures.append(advice.cost_text)
+    predicted = predicted_step_text(advice)
+    if predicted is not None:
+        figures.append(predicted)
     return f"advice: {advice.title}" + (f" ({'; '.join(figures)})" if figures else "")
+
+
+def predicted_step_text(advice: Advice) -> str | None:
+    """The step time predicted with the change, in words (``None``: not predicted).
+
+    >>> from lightning_vram.records import AdviceId, Severity
+    >>> advice = Advice(AdviceId.LARGE_LINEAR, Severity.INFO, "t", "d", "e", 1, predicted_step_seconds=0.0234)
+    >>> predicted_step_text(advice)
+    'predicted step 23.4 ms with the change (roofline, calibrated by this run)'
+    """
+    seconds = advice.predicted_step_seconds
+    if seconds is None:
+        return None
+    return f"predicted step {1000 * seconds:.1f} ms with the change (roofline, calibrated by this run)"
 
 
 def folded_line(label: str, names: list[str], why: str) -> str:
@@ -310,6 +327,9 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
         saving_line = f"\n**Expected saving:** {saving}\n" if saving else "\n"
         if item.cost_text is not None:
             saving_line += f"\n**Time cost:** {escape_markdown(item.cost_text)}\n"
+        predicted = predicted_step_text(item)
+        if predicted is not None:
+            saving_line += f"\n**Step time:** {escape_markdown(predicted)}\n"
         sections.append(
             f"### {safe_markdown(item.title, keep_lines=False)}\n\n{code_span(item.id)} ·"
             f" {escape_markdown(item.severity)}\n\n**Evidence:** {escape_markdown(item.evidence)}\n{saving_line}\n"

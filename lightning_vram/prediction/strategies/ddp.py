@@ -11,17 +11,26 @@ stay allocated, and the all-reduce runs once, on the window's last micro-batch (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.precision import precision_plan
+from lightning_vram.prediction.replay.reserved import ReservedPeaks
+from lightning_vram.prediction.replay.storages import allocator_bytes
 from lightning_vram.records import (
+    AllocationSequence,
+    Phase,
+    PhasePeak,
     PrecisionChange,
     RankLine,
     RankStep,
+    ReplayedStep,
     ReplaySkipped,
     StepChange,
+    StrategyBuffers,
     StrategySpec,
 )
 
@@ -58,22 +67,91 @@ def nccl_line(world_size: int, device_type: str) -> tuple[RankLine, ...]:
         f"lower bound: one ring channel's Simple-protocol buffers to its two neighbours, 2 x NCCL_BUFFSIZE ({size});"
         " outside torch's allocator, not in the phases' peaks"
     )
-    return (RankLine("NCCL buffers", 2 * size, basis),)
+    return (RankLine("NCCL buffers", 2 * size, basis, outside_allocator=True),)
+
+
+BUCKET_BLOCKS = -(1 << 41)
+"""The first block id of the buckets put in a replay's allocation sequence (counting down: storages take positive
+ids, workspaces small negative ones, a phase's unseen bytes ``-(1 << 40)``)."""
+
+
+def holding(replayed: ReplayedStep, buffers: StrategyBuffers, allocator: AllocatorSettings | None) -> ReplayedStep:
+    """``replayed`` with ``buffers`` alive for the whole step, as a replay holding them from its start counts it.
+
+    Every phase's peak and ``other`` grow by the buffers' bytes (in the allocator's 512-byte blocks on CUDA), the
+    timeline's ``other`` too; the allocation sequence gets their allocations at its start, and the reserved peaks
+    are the allocator model's (``allocator``) on it. The single-process replay plus this is the replay of the same
+    step holding them (the phases to the byte; a timeline point whose ``other`` was clamped at 0 may be up to the
+    buffers' bytes above), so one replay serves every world size.
+    """
+    held = sum(allocator_bytes(size) if replayed.device_type == "cuda" else size for size in buffers.buffers)
+    allocations = replayed.allocations
+    reserved: dict[Phase, int] = {}
+    if allocations is not None:
+        allocations = with_buffers(allocations, buffers.buffers)
+        if allocator is not None:
+            reserved = reserved_peaks(allocations, allocator)
+    timeline = replayed.timeline
+    if timeline is not None:
+        points = tuple(dataclasses.replace(point, other=point.other + held) for point in timeline.points)
+        timeline = dataclasses.replace(timeline, points=points)
+    return dataclasses.replace(
+        replayed,
+        phases=_shifted(replayed.phases, held, reserved),
+        timeline=timeline,
+        allocations=allocations,
+        strategy=buffers,
+        window_first=None if replayed.window_first is None else _shifted(replayed.window_first, held, {}),
+    )
+
+
+def _shifted(phases: dict[Phase, PhasePeak], held: int, reserved: dict[Phase, int]) -> dict[Phase, PhasePeak]:
+    """Each phase's peak and ``other`` ``held`` bytes higher; its reserved peak from ``reserved`` where given."""
+    return {
+        phase: dataclasses.replace(
+            peak,
+            peak_bytes=peak.peak_bytes + held,
+            reserved_bytes=reserved.get(phase, peak.reserved_bytes),
+            breakdown=None if peak.breakdown is None else peak.breakdown.with_measured_peak(peak.peak_bytes + held),
+        )
+        for phase, peak in phases.items()
+    }
+
+
+def with_buffers(allocations: AllocationSequence, buffers: tuple[int, ...]) -> AllocationSequence:
+    """``allocations`` with each of ``buffers`` (bytes) allocated at its start and never freed."""
+    held = tuple(("malloc", BUCKET_BLOCKS - index, size, 0) for index, size in enumerate(buffers) if size > 0)
+    return (*held, *allocations)
+
+
+def reserved_peaks(allocations: AllocationSequence, allocator: AllocatorSettings) -> dict[Phase, int]:
+    """Each phase's reserved peak of ``allocations`` through the allocator model with ``allocator``, bytes."""
+    model = ReservedPeaks(allocator)
+    for event in allocations:
+        if isinstance(event, Phase):
+            model.start_phase(event)
+        elif event[0] == "malloc":
+            model.malloc(event[1], event[2], event[3])
+        else:
+            model.free(event[1])
+    return model.finish()
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
-    """One DDP rank of ``spec.world_size``: the replay of the predictor's (per-rank) batch holding DDP's buckets."""
+    """One DDP rank of ``spec.world_size``: the replay of the predictor's (per-rank) batch holding DDP's buckets.
+
+    The single-process replay with the buckets added by :func:`holding` (what a replay holding them counts).
+    """
     precision = change.precision if isinstance(change, PrecisionChange) else predictor.precision
     try:
         dtype = precision_plan(precision).true_dtype
     except ValueError as error:
         return ReplaySkipped(str(error))
     buckets = bucket_sizes(reduced_parameters(predictor.module), DEFAULT_BUCKET_BYTES, dtype)
-    holding = predictor.sharing_walk()  # the same round (its walk, budget, calibration), holding the buckets
-    holding.strategy = buckets
-    replayed = holding.replay(change)
-    if isinstance(replayed, ReplaySkipped):
-        return replayed
+    single = predictor.replay(change)  # the single-process step: the same replay at every world size
+    if isinstance(single, ReplaySkipped):
+        return single
+    replayed = holding(single, buckets, predictor.allocator)
     lines = (
         RankLine(f"{buckets.label} ({len(buckets.buffers)})", buckets.total_bytes, buckets.basis),
         *nccl_line(spec.world_size, predictor.device_type),
