@@ -7,10 +7,12 @@ to is simulated.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from sharded_runs import run_zero
+from test_distributed import run_sharded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
@@ -35,3 +37,15 @@ def test_each_zero_rank_replays_its_own_step_and_simulates_its_advice(tmp_path: 
         dict(((p, part), m) for p, part, m, _ in record["match"])[("optimizer", "gradients")] for record in ranks
     ]
     assert at_step[0] != at_step[1]
+
+
+def test_lightning_deepspeed_stage_2_ranks_simulate_their_advice(tmp_path: Path) -> None:
+    # Lightning's DeepSpeedStrategy (its CUDA checks lifted, tests/sharded_train.py) with the ZeRO settings it writes:
+    # the callback hands the ZeRO optimizer to the session, and each rank's advice is simulated on its own replay.
+    records = run_sharded(tmp_path, "deepspeed_stage_2", "mlp")
+    for record in records:
+        assert record["skipped"] is None
+        assert record["advice"]["inplace-activations"] == "simulated"
+    report = json.loads((tmp_path / "vram_report.json").read_text())
+    assert report["simulation"]["skipped"] is None
+    assert {item["id"]: item["saving_basis"] for item in report["advice"]}["inplace-activations"] == "simulated"
