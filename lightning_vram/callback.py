@@ -25,6 +25,7 @@ from lightning_vram._lightning import (
 )
 from lightning_vram.config import MonitorOptions, check_option_names
 from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.measure.live import apart_from_function_modes as _apart
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.render.scalars import chart_scalars
 from lightning_vram.session import VramSession
@@ -107,12 +108,14 @@ class VramMonitor(Callback):
 
     @property
     @override
+    @_apart
     def state_key(self) -> str:
         # Two monitors in one Trainer keep apart in the checkpoint when their settings differ. Lightning reads the key
         # on every hook it calls (to name the profiler's span): built once, from the frozen settings.
         return self._state_key
 
     @override
+    @_apart
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # With several monitors, the first logs and writes as usual; each other one writes its files to a folder
         # of its own and leaves the loggers alone (the same scalar names would collide).
@@ -136,6 +139,7 @@ class VramMonitor(Callback):
         )
 
     @override
+    @_apart
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path is not None and not self._state_loaded:
             warnings.warn(
@@ -146,11 +150,13 @@ class VramMonitor(Callback):
             )
 
     @override
+    @_apart
     def state_dict(self) -> dict[str, Any]:
         """The run's aggregates, so that the report after a resume covers the whole run."""
         return self.session.state_dict()
 
     @override
+    @_apart
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks before on_fit_start for most strategies (the session keeps the state until
         # the run starts), and after it for those that restore after setup (FSDP, DeepSpeed).
@@ -158,51 +164,61 @@ class VramMonitor(Callback):
         self.session.load_state_dict(state_dict)
 
     @override
+    @_apart
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.break_continuity()
 
     @override
+    @_apart
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.session.batch_start(batch)
 
     @override
+    @_apart
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self.session.before_backward()
 
     @override
+    @_apart
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self.session.before_optimizer_step()
 
     @override
+    @_apart
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
         self.session.batch_end(logging_step(trainer))  # the session publishes the scalars to the loggers
 
     @override
+    @_apart
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.epoch_end(logging_step(trainer))
 
     @override
+    @_apart
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # With several ranks, the others wait at the barrier while rank zero writes the files.
         self.session.finish(step=logging_step(trainer))
 
     @override
+    @_apart
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning skips on_train_end when no training batch can run (max_epochs=0, limit_train_batches=0).
         self.session.finish(step=logging_step(trainer))
 
     @override
+    @_apart
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Write the report of the run so far, and on CUDA out-of-memory this rank's diagnosis. Never raises."""
         self.session.fail(exception)
 
     @override
+    @_apart
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.session.close()
         if self._handback.in_a_copy() and trainer.is_global_zero and self.session.report is not None:
@@ -223,37 +239,45 @@ class VramMonitor(Callback):
             print(VramSession.evaluation_line(peak, trainer.strategy.root_device))
 
     @override
+    @_apart
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.break_continuity()
         self.session.start_evaluation("validation", pl_module)
 
     @override
+    @_apart
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_evaluation(trainer)
 
     @override
+    @_apart
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.start_evaluation("test", pl_module)
 
     @override
+    @_apart
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_evaluation(trainer)
 
     @override
+    @_apart
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.start_evaluation("predict", pl_module)
 
     @override
+    @_apart
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_evaluation(trainer)
 
     @override
+    @_apart
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self.session.evaluation_batch_start()
 
     @override
+    @_apart
     def on_validation_batch_end(
         self,
         trainer: pl.Trainer,

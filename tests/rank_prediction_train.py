@@ -1,10 +1,12 @@
 """One training run per rank on the CPU (gloo), measured by the monitor, for tests/test_rank_prediction_distributed.py:
-``python tests/rank_prediction_train.py OUT_DIR WORLD_SIZE STRATEGY MODEL``.
+``python tests/rank_prediction_train.py OUT_DIR WORLD_SIZE STRATEGY MODEL [ACCUMULATE [SAMPLED]]``.
 
 STRATEGY is ``ddp`` or ``fsdp2`` (Lightning's ``ModelParallelStrategy``, the model's ``configure_model`` calling
 ``fully_shard``); MODEL is ``gpt`` (a 2-block GPT-2-class language model from a transformers config) or ``cnn`` (the
-quickstart's CNN). Two steps, the second sampled (replays off: the ranks only measure). Rank ``r`` writes
-``rank<r>.json``: each phase's live peak and counted parts as its report has them.
+quickstart's CNN). Two optimizer steps of ACCUMULATE micro-batches each (``accumulate_grad_batches``, 1 unless
+given); one micro-batch sampled (the monitor counts a micro-batch as a step): SAMPLED, by default the last (the
+second window's, with the optimizer step); replays off, the ranks only measure. Rank ``r`` writes ``rank<r>.json``:
+each phase's live peak and counted parts as its report has them.
 """
 
 from __future__ import annotations
@@ -148,15 +150,18 @@ def strategy_named(name: str, world_size: int) -> Strategy | str:
 
 def main() -> None:
     out, world_size, strategy, name = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    accumulate = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    sampled = int(sys.argv[6]) if len(sys.argv) > 6 else 2 * accumulate - 1
     torch.set_num_threads(1)
     monitor = VramMonitor(
-        attribution_start_step=1, attribution_every_n_steps=1, console_summary=False, replay_budget_seconds=0
+        attribution_start_step=sampled, attribution_every_n_steps=None, console_summary=False, replay_budget_seconds=0
     )
     trainer = Trainer(
         accelerator="cpu",
         devices=world_size,
         strategy=strategy_named(strategy, world_size),
         max_steps=2,
+        accumulate_grad_batches=accumulate,
         logger=False,
         default_root_dir=out,
         callbacks=[monitor, Record(out)],
@@ -164,7 +169,7 @@ def main() -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    dataset = samples(name, 2 * BATCH[name] * world_size)
+    dataset = samples(name, 2 * accumulate * BATCH[name] * world_size)
     trainer.fit(model_named(name), DataLoader(dataset, batch_size=BATCH[name]))
 
 

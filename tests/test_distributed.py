@@ -149,18 +149,26 @@ def test_fsdp2_gathered_parameters_are_parameters_not_activations(tmp_path: Path
         assert abs(tracker["_FSDPRefType.ACT"] - forward["activations"]) <= 0.001 * forward["activations"]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_counts_this_ranks_partitions(tmp_path: Path, stage: int) -> None:
+ZERO_STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def zero_counts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each rank's counts for every ZeRO stage, from one pair of processes (one DeepSpeed import and process group)."""
+    out = tmp_path_factory.mktemp("zero")
     script = Path(__file__).parent / "zero_accounting.py"
+    stages = ",".join(str(stage) for stage in ZERO_STAGES)
     result = subprocess.run(
-        [sys.executable, str(script), str(stage), str(free_port()), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
+        [sys.executable, str(script), stages, str(free_port()), str(out)], capture_output=True, text=True, timeout=HANG
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_deepspeed_zero_counts_this_ranks_partitions(zero_counts: Path, stage: int) -> None:
     for rank in (0, 1):
-        counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        counts = json.loads((zero_counts / f"rank{rank}.stage{stage}.json").read_text())
         numel, partition = counts["numel"], counts["partition_numel"]
         assert numel == 100 * 200 + 200 + 200 * 50 + 50
         assert counts["wrapped_optimizer"] == "AdamW"  # DeepSpeed's "Adam" with torch_adam, inside the ZeRO optimizer

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,24 @@ def run(out: Path, world_size: int, strategy: str = "ddp", *extra: str) -> list[
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+MonitoredRun = Callable[[int, str], tuple[Path, list[dict[str, Any]]]]
+"""A monitored run at a world size and strategy: its output folder and each rank's record."""
+
+
+@pytest.fixture(scope="module")
+def monitored_run(tmp_path_factory: pytest.TempPathFactory) -> MonitoredRun:
+    """Each monitored run once per module: the tests that read the same run (two DDP ranks) share its processes."""
+    runs: dict[tuple[int, str], tuple[Path, list[dict[str, Any]]]] = {}
+
+    def monitored(world_size: int, strategy: str) -> tuple[Path, list[dict[str, Any]]]:
+        if (world_size, strategy) not in runs:
+            out = tmp_path_factory.mktemp(f"{strategy}-{world_size}")
+            runs[world_size, strategy] = out, run(out, world_size, strategy)
+        return runs[world_size, strategy]
+
+    return monitored
+
+
 def table(ranks: list[dict[str, Any]]) -> str:
     """Each rank's parts and live peaks per phase: measured, replayed, and how far apart."""
     lines = [f"{'rank':>4} {'phase':<9} {'part':<15} {'measured':>10} {'replayed':>10} {'error':>8}"]
@@ -52,9 +71,9 @@ def table(ranks: list[dict[str, Any]]) -> str:
 
 @pytest.mark.parametrize(("world_size", "strategy"), [(2, "ddp"), (4, "ddp"), (2, "ddp_spawn")])
 def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(
-    tmp_path: Path, world_size: int, strategy: str
+    monitored_run: MonitoredRun, world_size: int, strategy: str
 ) -> None:
-    ranks = run(tmp_path, world_size, strategy)
+    out, ranks = monitored_run(world_size, strategy)
     print(f"\n{strategy}, {world_size} gloo ranks: each rank's sampled step measured and replayed (bytes)")
     print(table(ranks))
     for rank in ranks:
@@ -80,13 +99,13 @@ def test_each_rank_s_replay_is_within_5_percent_of_its_measured_step(
     # Rank 1 doubles its batch inside the step: its own replay predicts its larger step.
     peaks = [rank["replayed_peaks"]["forward"] for rank in ranks]
     assert peaks[1] > peaks[0] == min(peaks)
-    report = json.loads(next(tmp_path.rglob("vram_report.json")).read_text())
+    report = json.loads(next(out.rglob("vram_report.json")).read_text())
     simulation = report["simulation"]
     assert simulation["skipped"] is None and simulation["strategy"]["label"] == "DDP gradient buckets"
     assert {item["id"]: item["saving_basis"] for item in report["advice"]}["inplace-activations"] == "simulated"
     assert (
         "DDP gradient buckets: 1.0 MiB (1 buffer) held in every phase of each rank"
-        in next(tmp_path.rglob("vram_report.md")).read_text()
+        in next(out.rglob("vram_report.md")).read_text()
     )
 
 
@@ -101,12 +120,12 @@ def test_a_rank_that_skips_its_replay_leaves_no_rank_waiting(tmp_path: Path) -> 
     assert [rank["rank"] for rank in report["ranks"]] == [0, 1]
 
 
-def test_each_rank_trains_the_same_with_and_without_its_replay(tmp_path: Path) -> None:
+def test_each_rank_trains_the_same_with_and_without_its_replay(monitored_run: MonitoredRun, tmp_path: Path) -> None:
     # Every rank replays its step inside training (and reads DDP's buckets on each sampled step): the losses, the
     # parameters, the optimizer state and the random number generator's state come out as without the monitor.
-    with_monitor, without = tmp_path / "with", tmp_path / "without"
-    with_monitor.mkdir(), without.mkdir()
-    ranks = run(with_monitor, 2)
+    with_monitor, ranks = monitored_run(2, "ddp")  # the run the test above checks, replays and all
+    without = tmp_path / "without"
+    without.mkdir()
     assert all(rank["skipped"] is None for rank in ranks)  # both replayed
     run(without, 2, "ddp", "no-monitor")
     for rank in (0, 1):

@@ -38,6 +38,12 @@ REACHED: dict[tuple[str, str, str], float] = {
 size 2, rank 0's is 7% under rank 1's; the buckets' gradients against each rank's partition), which the arithmetic
 (the rank's counted parts and the single-process step's temporaries) does not follow: rank 0 at world size 2 is
 predicted 6.3% high, every other rank within 5%."""
+ACCUMULATION_REACHED: dict[tuple[str, str, str], float] = {("deepspeed_stage_2", "backward", "peak"): 0.10}
+"""Under accumulation (2 micro-batches), beside :data:`REACHED`: the bounds reached where 5% is not. ZeRO-2's
+backward peak varies by rank more than without accumulation: at world size 4 the ranks measured 979,060, 979,060,
+1,043,828 and 1,014,428 bytes against 947,712 predicted (rank 2 9.2% over), every counted part exact; the excess
+(31-96 KB) follows neither the ranks' gradient partitions (99,328, 116,480, 99,328, 69,952 bytes) nor the bucket,
+and is not modelled."""
 UNSTABLE = {
     (name, phase, "activations") for name in ("fsdp", "fsdp SHARD_GRAD_OP") for phase in ("forward", "backward")
 }
@@ -59,21 +65,35 @@ def loss_of(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return module(batch).square().mean()
 
 
-@pytest.fixture(scope="module")
-def predictor() -> Predictor:
+def predictor_of(accumulate: int) -> Predictor:
     """One process's replay of one rank's step (the runs free the gradients before the next forward)."""
     torch.manual_seed(0)
     module = transformer()
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     batch = torch.randn(*BATCH_SHAPE)
-    return Predictor(module, [optimizer], batch, step_function=loss_of, warm_up=True, gradients_at_forward=False)
+    return Predictor(
+        module,
+        [optimizer],
+        batch,
+        step_function=loss_of,
+        warm_up=True,
+        gradients_at_forward=False,
+        accumulate=accumulate,
+    )
 
 
-def measured_ranks(tmp_path: Path, world: int) -> list[dict[str, Any]]:
-    """Each rank's report phases, by strategy, from a gloo run of ``world`` processes."""
+@pytest.fixture(scope="module")
+def predictor() -> Predictor:
+    """One process's replay of one rank's step, without accumulation."""
+    return predictor_of(1)
+
+
+def measured_ranks(tmp_path: Path, world: int, accumulate: int = 1) -> list[dict[str, Any]]:
+    """Each rank's report phases, by strategy, from a gloo run of ``world`` processes (``accumulate`` micro-batches
+    per optimizer step, the last sampled)."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "zero_fsdp1_ranks.py"
-    command = [sys.executable, str(script), str(world), str(free_port()), str(tmp_path)]
+    command = [sys.executable, str(script), str(world), str(free_port()), str(tmp_path), str(accumulate)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
@@ -98,9 +118,12 @@ def figures(step: RankStep, phase: Phase) -> dict[str, int]:
     return {**{part: getattr(peak.breakdown, part) for part in PARTS[:-1]}, "peak": peak.peak_bytes}
 
 
-def compare(predictor: Predictor, world: int, ranks: list[dict[str, Any]]) -> list[str]:
+def compare(
+    predictor: Predictor, world: int, ranks: list[dict[str, Any]], reached: dict[tuple[str, str, str], float] = REACHED
+) -> list[str]:
     """Every part of every phase, predicted against measured, rank by rank: the table's lines and the misses."""
-    print(f"\nworld size {world}: predicted / measured bytes (error)")
+    window = f", accumulate {predictor.accumulate} (the steady micro-batch)" if predictor.accumulate > 1 else ""
+    print(f"\nworld size {world}{window}: predicted / measured bytes (error)")
     misses = []
     for name in STRATEGIES:
         for rank, record in enumerate(ranks):
@@ -112,7 +135,7 @@ def compare(predictor: Predictor, world: int, ranks: list[dict[str, Any]]) -> li
                     actual = measured[part]
                     error = (guess - actual) / actual if actual else float(guess != 0)
                     cells.append(f"{part} {guess}/{actual} ({error:+.1%})")
-                    bound = REACHED.get((name, phase.value, part), TOLERANCE)
+                    bound = reached.get((name, phase.value, part), TOLERANCE)
                     if (name, phase.value, part) in UNSTABLE:
                         low = step.replayed.phases[Phase.FORWARD].breakdown.activations  # type: ignore[union-attr]
                         if not low <= actual <= guess:
@@ -127,6 +150,37 @@ def compare(predictor: Predictor, world: int, ranks: list[dict[str, Any]]) -> li
 def test_each_rank_within_five_percent_of_gloo(tmp_path: Path, predictor: Predictor, world: int) -> None:
     ranks = measured_ranks(tmp_path, world)
     assert compare(predictor, world, ranks) == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_under_accumulation_within_five_percent_of_gloo(tmp_path: Path, world: int) -> None:
+    # gradient_accumulation_steps=2 (DeepSpeed) and no_sync() on the window's first micro-batch (FSDP1), the last
+    # micro-batch of the second window measured: ZeRO-1 holds every whole gradient across the window, FSDP1's
+    # FULL_SHARD and SHARD_GRAD_OP every unit's unsharded one; ZeRO-2, ZeRO-3 and NO_SHARD what they hold without.
+    ranks = measured_ranks(tmp_path, world, 2)
+    assert compare(predictor_of(2), world, ranks, {**REACHED, **ACCUMULATION_REACHED}) == []
+
+
+def test_accumulation_sends_what_each_strategy_sends_per_micro_batch(predictor: Predictor) -> None:
+    # Two micro-batches a window at world size 4, against one: ZeRO-3 gathers twice and reduce-scatters every
+    # micro-batch (twice the bytes); ZeRO-2 reduce-scatters each (one more, 3/4 of the 270,400-byte flat buffer);
+    # ZeRO-1 and FSDP1's NO_SHARD reduce once a window; FSDP1 FULL_SHARD gathers twice each micro-batch, reduces once.
+    accumulating = predictor_of(2)
+    sent = {}
+    for name in ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp", "fsdp NO_SHARD"):
+        once, window = predicted(predictor, name, 4, 0), predicted(accumulating, name, 4, 0)
+        sent[name] = window.communication_bytes - once.communication_bytes
+        assert window.window_first is None and once.window_first is None
+        assert "does not predict the window's first micro-batch" in window.notes[-1]
+        assert window.micro_batch.startswith("steady") and once.micro_batch == "the step"
+    whole = 4 * 67_594
+    assert sent == {
+        "deepspeed_stage_1": 0,
+        "deepspeed_stage_2": 3 * 270_400 // 4,
+        "deepspeed_stage_3": 3 * 3 * whole // 4,
+        "fsdp": 2 * 3 * 4 * (2 * 33_472 + 652) // 4,
+        "fsdp NO_SHARD": 0,
+    }
 
 
 def test_lightning_defaults_at_1024_ranks(predictor: Predictor) -> None:

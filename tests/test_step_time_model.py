@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from lightning_vram.prediction.timing import (
     calibrated,
     communication_seconds,
     gpu_peaks,
+    host,
     measure_host,
     predict_step_time,
 )
@@ -161,3 +163,24 @@ def test_measuring_the_host_runs_none_of_the_user_s_global_module_or_optimizer_h
         for handle in handles:
             handle.remove()
     assert calls == []
+
+
+def test_the_host_measures_only_the_kinds_of_op_asked_for_and_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run prices its own step: the kinds it does not run are not measured (each costs 0.1 to 0.5 s at the run's end).
+    monkeypatch.setattr(host, "_MEASURED", [])
+    measured: list[str] = []
+    real = host._op_achieved
+
+    def counting(*args: Any, **kwargs: Any) -> dict[str, float]:
+        shares = real(*args, **kwargs)
+        measured.extend(shares)
+        return shares
+
+    monkeypatch.setattr(host, "_op_achieved", counting)
+    first = host.measure_host_peaks({"relu", "addmm"})  # addmm: no probe (its matrix products are priced as fp32's)
+    assert set(first.op_achieved) == {"relu"}
+    second = host.measure_host_peaks({"threshold_backward", "relu", "_safe_softmax"})  # a family of _softmax
+    assert set(second.op_achieved) == {"relu", "threshold_backward", "_softmax"}
+    assert second.op_achieved["relu"] == first.op_achieved["relu"] and second.fp32_flops == first.fp32_flops
+    assert sorted(measured) == ["_softmax", "relu", "threshold_backward"]
+    assert set(host.PROBED_KINDS) == set(host._probes())

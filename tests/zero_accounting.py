@@ -1,6 +1,8 @@
 """Two processes train with DeepSpeed ZeRO on the CPU (gloo); each counts, step by step, what it holds.
 
-Run by tests/test_distributed.py: ``python tests/zero_accounting.py STAGE PORT OUT_DIR``. Each rank drives
+Run by tests/test_distributed.py: ``python tests/zero_accounting.py STAGES PORT OUT_DIR`` (``STAGES`` such as ``1,2,3``:
+each stage in turn in the same two processes, one DeepSpeed import and one process group for all; each rank writes
+``rank{RANK}.stage{STAGE}.json``). Each rank drives
 ``StepAttributor`` at the points where VramMonitor's hooks run under Lightning's DeepSpeed strategy (batch start,
 before ``engine.backward``, before ``engine.step``, batch end) and writes the counts beside independent figures: the
 whole parameter count, and each parameter's ZeRO-3 partition size as ``ceil(numel / world size)``.
@@ -30,9 +32,16 @@ WORLD_SIZE = 2
 STEPS = 2
 
 
-def run(rank: int, stage: int, port: int, out: Path) -> None:
+def run(rank: int, stages: list[int], port: int, out: Path) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))  # DeepSpeed reads these
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    for stage in stages:
+        count_stage(rank, stage, out)
+    dist.destroy_process_group()
+
+
+def count_stage(rank: int, stage: int, out: Path) -> None:
+    """Train a fresh model with ZeRO ``stage`` for ``STEPS`` steps; write this rank's counts."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 200), nn.ReLU(), nn.Linear(200, 50))
     config = {
@@ -64,9 +73,9 @@ def run(rank: int, stage: int, port: int, out: Path) -> None:
         for phase, breakdown in attribution.phases.items()
     }
     counts["saved_activation_bytes"] = sum(profile.activation_bytes for profile in attribution.modules)
-    (out / f"rank{rank}.json").write_text(json.dumps(counts))
-    dist.destroy_process_group()
+    (out / f"rank{rank}.stage{stage}.json").write_text(json.dumps(counts))
 
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])), nprocs=WORLD_SIZE)
+    stages = [int(stage) for stage in sys.argv[1].split(",")]
+    mp.spawn(run, args=(stages, int(sys.argv[2]), Path(sys.argv[3])), nprocs=WORLD_SIZE)

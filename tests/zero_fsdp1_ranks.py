@@ -1,10 +1,15 @@
 """DeepSpeed ZeRO 1-3 and FSDP1 on WORLD CPU processes (gloo), each rank measured by VramSession.
 
-Run by tests/test_rank_prediction_zero.py: ``python tests/zero_fsdp1_ranks.py WORLD PORT OUT_DIR``. Every rank
-trains the same small transformer (:func:`transformer`) two steps under each strategy in turn (one process start and
-one DeepSpeed import per world size), with a plain loop driving :class:`~lightning_vram.VramSession` at the points
-where VramMonitor's hooks run (batch start, before backward, before the optimizer step, batch end), step 1 sampled.
-Each rank writes its report's phases (peak and breakdown) to ``rankN.json``.
+Run by tests/test_rank_prediction_zero.py: ``python tests/zero_fsdp1_ranks.py WORLD PORT OUT_DIR [ACCUMULATE]``.
+Every rank trains the same small transformer (:func:`transformer`) two optimizer steps under each strategy in turn
+(one process start and one DeepSpeed import per world size), with a plain loop driving
+:class:`~lightning_vram.VramSession` at the points where VramMonitor's hooks run (batch start, before backward,
+before the optimizer step, batch end), the last micro-batch sampled. Each rank writes its report's phases (peak and
+breakdown) to ``rankN.json``. With ACCUMULATE (1 unless given) micro-batches per optimizer step, each strategy
+accumulates as it does under Lightning: FSDP1 runs the window's earlier micro-batches in ``no_sync()`` and steps on
+the last; DeepSpeed gets ``gradient_accumulation_steps`` and its engine's ``backward`` and ``step`` run on every
+micro-batch (Lightning's ``DeepSpeedStrategy`` handles accumulation so: the hook before the optimizer step runs on
+each), the engine stepping the optimizer at the window's boundary.
 
 DeepSpeed runs with the ZeRO settings Lightning's ``DeepSpeedStrategy`` writes (``contiguous_gradients``,
 ``overlap_comm``, ``zero_allow_untested_optimizer``) with the two bucket sizes set small (:data:`ZERO_SETTINGS`),
@@ -16,6 +21,7 @@ its own unit and the root the rest, ``use_orig_params=False`` (flat parameters),
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -61,10 +67,11 @@ def transformer() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(64, 10))
 
 
-def zero_config(stage: int) -> dict[str, Any]:
-    """The DeepSpeed config of a run at ``stage``."""
+def zero_config(stage: int, accumulate: int = 1) -> dict[str, Any]:
+    """The DeepSpeed config of a run at ``stage`` accumulating ``accumulate`` micro-batches."""
     return {
         "train_micro_batch_size_per_gpu": BATCH_SHAPE[0],
+        "gradient_accumulation_steps": accumulate,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, **ZERO_SETTINGS},
     }
@@ -80,14 +87,14 @@ def record(report: Report) -> dict[str, Any]:
     return phases
 
 
-def train(name: str, rank: int) -> dict[str, Any]:
-    """Two steps of ``name`` on this rank, measured; the report's phases."""
+def train(name: str, rank: int, accumulate: int) -> dict[str, Any]:
+    """Two optimizer steps of ``name`` on this rank, measured; the report's phases."""
     torch.manual_seed(0)
     model = transformer()
     optimizer: Any = torch.optim.Adam(model.parameters(), lr=1e-3)
     session = VramSession(
-        attribution_start_step=1,
-        attribution_every_n_steps=1,
+        attribution_start_step=STEPS * accumulate - 1,
+        attribution_every_n_steps=None,
         console_summary=False,
         replay_budget_seconds=0.0,
         preflight=False,
@@ -110,20 +117,24 @@ def train(name: str, rank: int) -> dict[str, Any]:
 
         stage = int(name.removeprefix("deepspeed_stage_"))
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=zero_config(stage), dist_init_required=False
+            model=model, optimizer=optimizer, config=zero_config(stage, accumulate), dist_init_required=False
         )
         measured, run, backward, step = model, engine, engine.backward, engine.step
     session.start(measured, [optimizer], device=torch.device("cpu"), wrapper=lambda: run)
     generator = torch.Generator().manual_seed(rank)
-    for index in range(STEPS):
+    for index in range(STEPS * accumulate):
+        last = (index + 1) % accumulate == 0  # the window's last micro-batch: the optimizer steps
+        fsdp = name.startswith("fsdp")
         batch = torch.randn(*BATCH_SHAPE, generator=generator)
         session.batch_start(batch)
-        loss = run(batch).square().mean()
-        session.before_backward()
-        backward(loss)
-        session.before_optimizer_step()
-        step()
-        if name.startswith("fsdp"):
+        with contextlib.nullcontext() if last or not fsdp else run.no_sync():
+            loss = run(batch).square().mean()
+            session.before_backward()
+            backward(loss)
+        if last or not fsdp:
+            session.before_optimizer_step()
+            step()
+        if fsdp and last:
             optimizer.zero_grad(set_to_none=True)
         session.batch_end(index)
     report = session.finish(gather_ranks=False)
@@ -131,15 +142,16 @@ def train(name: str, rank: int) -> dict[str, Any]:
     return record(report)
 
 
-def run_rank(rank: int, world: int, port: int, out: Path) -> None:
+def run_rank(rank: int, world: int, port: int, out: Path, accumulate: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # DeepSpeed reads these
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results = {name: train(name, rank) for name in STRATEGIES}
+    results = {name: train(name, rank, accumulate) for name in STRATEGIES}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     world_size = int(sys.argv[1])
-    mp.spawn(run_rank, args=(world_size, int(sys.argv[2]), Path(sys.argv[3])), nprocs=world_size)
+    accumulation = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    mp.spawn(run_rank, args=(world_size, int(sys.argv[2]), Path(sys.argv[3]), accumulation), nprocs=world_size)

@@ -17,6 +17,7 @@ change of precision or of tokens a step gets a predicted time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lightning_vram.prediction.timing import DevicePeaks, calibrated, gpu_peaks, measure_host_peaks, predict_step_time
@@ -140,10 +141,13 @@ def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation |
     )
 
 
-def device_peaks(device: DeviceInfo) -> DevicePeaks | None:
-    """The peaks a step on ``device`` is priced with: the CPU measured, a GPU of the table (``None``: unknown)."""
+def device_peaks(device: DeviceInfo, steps: Sequence[ReplayedStep] = ()) -> DevicePeaks | None:
+    """The peaks ``steps`` on ``device`` are priced with: the CPU measured, a GPU of the table (``None``: unknown).
+
+    On the CPU only the kinds of op the steps run are measured beyond the matrix products and the copy.
+    """
     if device.type == "cpu":
-        return measure_host_peaks()
+        return measure_host_peaks({group.op for step in steps if step.work for group in step.work.groups})
     if device.type == "cuda":
         return gpu_peaks(device.name)
     return None
@@ -162,7 +166,7 @@ def predicted_step_seconds(
     """
     if step_seconds is None or step_seconds <= 0 or baseline.work is None or variant.work is None:
         return None
-    peaks = device_peaks(device)
+    peaks = device_peaks(device, (baseline, variant))
     if peaks is None:
         return None
     run = calibrated(predict_step_time(baseline, peaks), step_seconds)

@@ -25,6 +25,7 @@ from lightning_vram.measure.compiled import compiled_in_place, compiled_module_n
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
 from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation, SavedTensor
+from lightning_vram.measure.live import apart_from_function_modes
 from lightning_vram.measure.module_names import user_named_modules
 from lightning_vram.measure.observations import ModuleObserver, stored_attribute
 from lightning_vram.measure.scripted import hook_forward, scripted_module_names, scripted_note
@@ -194,6 +195,7 @@ class StepAttributor:
         self._saved_tensors_hooks = hooks
 
     def _make_enter(self, label: str) -> Any:
+        @apart_from_function_modes
         def enter(_module: nn.Module, args: Any) -> None:
             if self.error is not None:
                 return
@@ -249,6 +251,7 @@ class StepAttributor:
             self._ledger.unsharded.hold(parameter)
         self._ledger.observe_unsharded()
 
+    @apart_from_function_modes
     def _leave(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if self.error is not None:
             return
@@ -306,6 +309,7 @@ class StepAttributor:
             if key and key not in self._parameters and self._ledger.hold_recomputed(key, storage.nbytes()):
                 self._recomputed_finalizers.append(weakref.finalize(storage, self._ledger.free_recomputed, key))
 
+    @apart_from_function_modes
     def _pack(self, tensor: Tensor) -> Any:
         if self.error is not None:
             return SavedTensor(tensor)
@@ -334,6 +338,7 @@ class StepAttributor:
             self._observer.saved(key)
         return SavedActivation(tensor, self._ledger, tuple(key for key, _ in keys))
 
+    @apart_from_function_modes
     def _unpack(self, packed: Any) -> Tensor:
         if self.error is None and self._ledger.unsharded.watching:
             try:  # FSDP2 gathered the parameters again for the backward that reads this: a moment to count
@@ -360,6 +365,7 @@ class StepAttributor:
                     handle = parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
                     self._gradient_handles.append(handle)
 
+    @apart_from_function_modes
     def _on_gradient(self, parameter: Tensor) -> None:
         if self.error is not None or self._gradients is None or parameter.grad is None:
             return

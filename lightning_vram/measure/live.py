@@ -9,18 +9,22 @@ allocator blocks), and removed when it is freed (a weak reference's callback), a
 it computes without it. It costs Python time per op, so it runs on sampled steps only.
 
 ``torch.utils._python_dispatch`` is private; ``TorchDispatchMode`` and its mode stack have had these names since
-torch 2.0, and this module is the only place in ``measure/`` that names them.
+torch 2.0, and this module is the only place in ``measure/`` that names them; so is the torch-function mode
+stack (``torch._C``'s ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``,
+``_len_torch_function_stack``, there since torch 2.0).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
@@ -41,6 +45,41 @@ def outside_dispatch_modes() -> AbstractContextManager[Any]:
     user's (an op counter, a ``FlopCounterMode`` spanning the step) sees the ops it sees without the monitor.
     """
     return _disable_current_modes()
+
+
+@contextmanager
+def outside_function_modes() -> Iterator[None]:
+    """A context taking the torch-function modes active now off the stack, putting them back when it ends.
+
+    A ``TorchFunctionMode`` of the user's (a call counter around ``fit``) sees every ``torch`` function and tensor
+    method called under it: the monitor's own work runs here so that it sees none of them.
+    """
+    modes = [_pop_torch_function_stack() for _ in range(_len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_on_torch_function_stack(mode)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def apart_from_function_modes(hook: Callable[P, R]) -> Callable[P, R]:
+    """``hook`` run with the torch-function modes active now off the stack (put back after): a decorator.
+
+    The monitor's hooks (its Callback's, a sampled step's module, saved-tensor and gradient hooks) run under it: a
+    ``TorchFunctionMode`` of the user's spanning the steps or ``fit`` (a call counter) sees none of the monitor's
+    own torch calls, its replays' included, as a dispatch mode of theirs sees none of its ops.
+    """
+
+    @functools.wraps(hook)
+    def apart(*args: P.args, **kwargs: P.kwargs) -> R:
+        with outside_function_modes():
+            return hook(*args, **kwargs)
+
+    return apart
 
 
 def leave_abandoned() -> int:

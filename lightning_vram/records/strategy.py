@@ -108,6 +108,10 @@ class RankStep:
     on its own line (host memory with ``on_host``). ``communication_bytes``: what each rank sends per optimizer step.
     ``method``: how the figures were made (``"replayed: ..."`` where the strategy's own code ran, else
     ``"arithmetic on the single-process replay: <the strategy's rule>"``). ``replayed``: the replay underneath.
+    Under gradient accumulation (``Predictor(accumulate=k)``, ``k > 1``) ``phases`` are the window's steady
+    micro-batch (a later one, with the optimizer step) as the strategy runs it, and ``window_first`` the window's
+    first micro-batch (its forward and backward, no optimizer step); ``None`` without accumulation, and where a
+    strategy's arithmetic does not predict the first micro-batch (ZeRO, FSDP1: a note says so).
     """
 
     spec: StrategySpec
@@ -117,11 +121,21 @@ class RankStep:
     method: str
     notes: tuple[str, ...] = ()
     replayed: ReplayedStep | None = field(default=None, compare=False, repr=False)
+    window_first: dict[Phase, PhasePeak] | None = None
+
+    @property
+    def micro_batch(self) -> str:
+        """Which micro-batch ``phases`` are: the step itself, or an accumulation window's steady one."""
+        if self.replayed is None or self.replayed.window_first is None:
+            return "the step"
+        first = "window_first: the first" if self.window_first is not None else "the first not predicted"
+        return f"steady: a later micro-batch of the window, with the optimizer step ({first})"
 
     @property
     def peak(self) -> PhasePeak:
-        """The phase with the highest peak on the device (the first in step order on a tie)."""
-        return max(self.phases.values(), key=lambda phase: phase.peak_bytes)
+        """The highest phase peak on the device (the first in step order on a tie), the window's first included."""
+        first = () if self.window_first is None else tuple(self.window_first.values())
+        return max((*self.phases.values(), *first), key=lambda phase: phase.peak_bytes)
 
     @property
     def host_bytes(self) -> int:

@@ -4,7 +4,9 @@ A DDP rank runs the module's own step on its batch; beyond it the Reducer holds 
 reduced gradient for the whole run (:mod:`lightning_vram.measure.ddp`), whatever the world size. At world size 1
 too: torch 2.13's ``DistributedDataParallel.__init__`` builds its Reducer without looking at the world size (a
 one-rank gloo group's Reducer holds one bucket of every gradient's bytes). The gradients are all-reduced
-in a ring: each rank sends ``2 (N - 1) / N`` of the buckets' bytes per optimizer step.
+in a ring: each rank sends ``2 (N - 1) / N`` of the buckets' bytes per optimizer step. Under gradient accumulation
+Lightning runs a window's earlier micro-batches in ``no_sync()``: the gradients add up in ``param.grad``, the buckets
+stay allocated, and the all-reduce runs once, on the window's last micro-batch (the replay's window as it is).
 """
 
 from __future__ import annotations
@@ -77,4 +79,4 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
         *nccl_line(spec.world_size, predictor.device_type),
     )
     sent = ring_all_reduce_bytes(buckets.total_bytes, spec.world_size)
-    return RankStep(spec, replayed.phases, lines, sent, METHOD, replayed.notes, replayed)
+    return RankStep(spec, replayed.phases, lines, sent, METHOD, replayed.notes, replayed, replayed.window_first)

@@ -163,11 +163,15 @@ def _stage12(
         gradients += share * element + crossing
     bucket = settings.reduce_bucket_size * element
     buckets = 2 if settings.overlap_comm else 1
+    # ZeRO-1 accumulating: each parameter's whole gradient stays in param.grad until the window's boundary, where it
+    # is reduced; ZeRO-2 reduces every micro-batch into its partition, holding what it holds without accumulation.
+    accumulating = predictor.accumulate > 1
+    held = WINDOW_HELD.get(spec.name, 0) * element * sum(map(sum, group_numels(predictor))) if accumulating else 0
     forward_activations = replayed.phases[Phase.FORWARD].breakdown.activations  # type: ignore[union-attr]
     phases = {
-        Phase.FORWARD: ((parameters, 0, state, forward_activations), 0),
+        Phase.FORWARD: ((parameters, held, state, forward_activations), 0),
         Phase.BACKWARD: (  # beyond the counted parts: the step's temporaries, or at least the idle bucket
-            (parameters, bucket, state, backward_activations(replayed)),
+            (parameters, held + bucket, state, backward_activations(replayed)),
             max(other_bytes(replayed, Phase.BACKWARD), (buckets - 1) * bucket),
         ),
         # the step's peak: the partition's gradients and one partition-sized temporary of the optimizer's, the batch
@@ -186,7 +190,15 @@ def _stage12(
             f"allgather_bucket_size {settings.allgather_bucket_size} elements, at most the parameters",
         ),
     )
-    return phases, lines, shard_communication(parameters, world, 1)
+    # one all-gather a step; ZeRO-2 reduce-scatters every micro-batch, ZeRO-1 once a window
+    reduces = predictor.accumulate if spec.name == "deepspeed_stage_2" else 1
+    return phases, lines, shard_communication(parameters, world, 1) + (reduces - 1) * (world - 1) * parameters // world
+
+
+WINDOW_HELD = {"deepspeed_stage_1": 1}
+"""Copies of every parameter's whole gradient a ZeRO stage holds between an accumulation window's micro-batches
+(measured on gloo with ``gradient_accumulation_steps=2``: ZeRO-1 keeps ``param.grad`` whole; ZeRO-2 and 3 reduce
+each micro-batch into their partitions)."""
 
 
 def _stage3(
@@ -227,9 +239,14 @@ def _stage3(
             " a bound, not in the phases' peaks",
         ),
     )
-    return phases, lines, shard_communication(whole, world, 2)
+    return phases, lines, shard_communication(whole, world, 2) * predictor.accumulate  # all of it every micro-batch
 
 
+FIRST_MICRO_BATCH = (
+    "accumulation: the figures are the window's steady micro-batch (with the optimizer step); the strategy's"
+    " arithmetic does not predict the window's first micro-batch (no window_first)"
+)
+"""The note of a sharded strategy's arithmetic under accumulation."""
 OFFLOAD_BASIS = (
     "ZeRO-Offload (offload_optimizer to the CPU, as DeepSpeedStrategy(offload_optimizer=True) sets it): the fp32"
     " master partition, the optimizer's state and the gradient partition live in host memory and the step runs"
@@ -289,7 +306,8 @@ def predict_zero(
         method += f"; {OFFLOAD_BASIS}"
     step = replayed.phases[Phase.FORWARD].step
     peaks = {phase: phase_peak(step, phase, parts, sum(parts) + other) for phase, (parts, other) in phases.items()}
-    return RankStep(spec, peaks, lines, sent, method, replayed.notes, replayed)
+    notes = (*replayed.notes, *((FIRST_MICRO_BATCH,) if predictor.accumulate > 1 else ()))
+    return RankStep(spec, peaks, lines, sent, method, notes, replayed)
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:

@@ -39,7 +39,7 @@ from lightning_vram.prediction.strategies._shards import (
     phase_peak,
     shard_communication,
 )
-from lightning_vram.prediction.strategies.deepspeed import element_bytes
+from lightning_vram.prediction.strategies.deepspeed import FIRST_MICRO_BATCH, element_bytes
 from lightning_vram.records import (
     Phase,
     PrecisionChange,
@@ -106,6 +106,11 @@ def predict_units(
     forward = replayed.phases[Phase.FORWARD].breakdown
     assert forward is not None
     held = parameters if forward.gradients > 0 else 0  # the previous step's gradients, where the loop keeps them
+    # accumulating under no_sync(): each unit keeps its unsharded gradient across the window, reduced on its last
+    # micro-batch (NO_SHARD's gradients are whole anyway)
+    accumulating = predictor.accumulate > 1 and divisor > 1
+    if accumulating:
+        held = sum(numels) * element
     unsharded = sum(flats) * gathered if divisor > 1 else 0  # NO_SHARD's parameters are the flat ones
     activations = forward.activations + unsharded
     scattered = max(flats) * gathered // world if divisor > 1 else 0  # the largest unit's reduce-scattered shard
@@ -131,9 +136,10 @@ def predict_units(
     if sharding == "NO_SHARD":
         sent = 2 * (world - 1) * whole // world  # an all-reduce of the gradients
     else:
-        sent = shard_communication(whole, world, GATHERS[sharding])
+        sent = shard_communication(whole, world, GATHERS[sharding] * predictor.accumulate)  # gathers each micro-batch
     method = f"{METHOD} ({sharding})"
-    return RankStep(spec, peaks, lines, sent, method, replayed.notes, replayed)
+    notes = (*replayed.notes, *((FIRST_MICRO_BATCH,) if predictor.accumulate > 1 else ()))
+    return RankStep(spec, peaks, lines, sent, method, notes, replayed)
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:

@@ -18,6 +18,11 @@ dispatch mode sees: the live count of a replay, like the monitor's live count of
 the op that made it to its death, at the size it was made (the CPU ground truth agrees to the byte; on CUDA the
 allocator sees each resize, which the allocator-side check on a GPU is still to compare).
 
+Under gradient accumulation (``Predictor(accumulate=k)``) the replay runs a window's first micro-batch and a later
+one with the step, sharded the same way: Lightning's ``ModelParallelStrategy`` keeps gradient sync on (its
+``block_backward_sync`` blocks DDP's alone; it never calls ``set_requires_gradient_sync(False)``), so every
+micro-batch gathers and reduce-scatters, adding into the sharded gradients held across the window.
+
 The fake group is the default process group while the replay runs, set up and destroyed around it; a process that
 already has a process group (a live multi-process run) is not predicted here: its group cannot be replaced, and a
 second default group cannot be made beside it.
@@ -242,9 +247,11 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
         return replayed
     lines = _lines(units, spec, device_type)
     reshard = spec.sharding != "SHARD_GRAD_OP"
-    sent = _sent(units, spec.world_size, reshard)
+    # Lightning's ModelParallelStrategy keeps gradient sync on under accumulation (its block_backward_sync blocks
+    # DDP's alone): every micro-batch gathers and reduce-scatters, adding into the sharded gradients it holds.
+    sent = _sent(units, spec.world_size, reshard) * predictor.accumulate
     notes = tuple(note for note in replayed.notes if not any(mark in note for mark in FSDP_NOTES))
-    return RankStep(spec, replayed.phases, lines, sent, METHOD, notes, replayed)
+    return RankStep(spec, replayed.phases, lines, sent, METHOD, notes, replayed, replayed.window_first)
 
 
 def _lines(units: list[tuple[str, int]], spec: StrategySpec, device_type: str) -> tuple[RankLine, ...]:

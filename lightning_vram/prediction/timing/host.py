@@ -14,17 +14,20 @@ of a few repeats.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from lightning_vram.measure.live import outside_dispatch_modes, outside_function_modes
+from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.prediction.replay._fake import TorchDispatchMode
 from lightning_vram.prediction.replay.flops import StepFlops
-from lightning_vram.prediction.timing.peaks import DevicePeaks
+from lightning_vram.prediction.timing.peaks import OP_FAMILIES, DevicePeaks
 
 MATMUL_SIZE = 512
 """Rows (and columns) of the square matrices multiplied to measure FLOP/s."""
@@ -36,6 +39,22 @@ REPEATS = 3
 """Timed repeats of each measurement, after one untimed warm-up; the median is kept."""
 TINY_STEPS = 20
 """Tiny training steps timed together, for the cost of one op."""
+PROBED_KINDS = (
+    "convolution",
+    "convolution_backward",
+    "native_batch_norm",
+    "native_batch_norm_backward",
+    "max_pool2d_with_indices",
+    "max_pool2d_with_indices_backward",
+    "relu",
+    "threshold_backward",
+    "tanh",
+    "_softmax",
+    "bmm",
+    "native_layer_norm",
+    "bernoulli_",
+)
+"""The kinds of op whose measured share of the roofline a CPU's prediction uses (:func:`_probes` runs each)."""
 
 
 Clock = Callable[[], float]
@@ -126,10 +145,18 @@ def _keeping(probe: Callable[[], object]) -> Callable[[], None]:
     return lambda: kept.append(probe())
 
 
-def _op_achieved(fp32: float, bandwidth: float, repeats: int, clock: Clock) -> dict[str, float]:
-    """Each probed kind of op's share of its roofline time (FLOPs at ``fp32`` FLOP/s, bytes at ``bandwidth``)."""
+def _op_achieved(
+    fp32: float, bandwidth: float, repeats: int, clock: Clock, kinds: Iterable[str] | None = None
+) -> dict[str, float]:
+    """Each probed kind of op's share of its roofline time (FLOPs at ``fp32`` FLOP/s, bytes at ``bandwidth``).
+
+    ``kinds``: only these of the probed kinds (``None``: every one).
+    """
     shares = {}
+    wanted = None if kinds is None else set(kinds)
     for name, probe in _probes().items():
+        if wanted is not None and name not in wanted:
+            continue
         roofline = _Roofline()
         with roofline:
             probe()
@@ -200,17 +227,73 @@ def _op_overhead(repeats: int, clock: Clock) -> float:
     return _median_seconds(steps, max(1, repeats // 2), clock) / (TINY_STEPS * counter.ops)
 
 
-@functools.cache
-def measure_host_peaks() -> DevicePeaks:
-    """The CPU of the machine as torch runs on it, measured once per process (about a second; later calls reuse it).
+def _passed_through(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor, kept as it is (the pair of hooks that stands in front of the caller's)."""
+    return tensor
 
-    See :func:`measure_host`.
+
+@contextlib.contextmanager
+def _apart_from_the_caller() -> Iterator[None]:
+    """The caller's dispatch modes and torch-function modes off the stack, its saved-tensor hooks out of reach.
+
+    The measurement runs in the user's process, at the end of a run or inside ``predict()``: an op counter, a
+    ``FlopCounterMode`` or a torch-function mode around ``fit``, or a pair of saved-tensor hooks, must not see its
+    ops. torch runs only the top pair of saved-tensor hooks: where the caller has one, a pair that keeps each tensor
+    as it is stands in front of it (none otherwise: the tiny step saves as a training step does).
     """
-    return measure_host()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(outside_function_modes())
+        stack.enter_context(outside_dispatch_modes())
+        if saved_tensor_hooks_active():
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_passed_through, _passed_through))
+        yield
 
 
-def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> DevicePeaks:
+_MEASURED: list[DevicePeaks] = []
+"""This process's measurement (:func:`measure_host_peaks`), its kinds of op as far as a call asked for them."""
+
+
+def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks:
+    """The CPU of the machine as torch runs on it, measured once per process; later calls reuse it.
+
+    ``kinds``: the kinds of op whose share of the roofline a step needs (op names, as
+    :data:`~lightning_vram.prediction.timing.peaks.OP_FAMILIES` groups them; ``None``: every kind probed). The first
+    call measures the matrix products, the copy and the cost of an op (about a second), and each kind is measured
+    the first time a call names it (0.1 to 0.5 s each), so a run prices its step without measuring kinds it does not
+    run. See :func:`measure_host`.
+    """
+    names = set(PROBED_KINDS) if kinds is None else {OP_FAMILIES.get(kind, kind) for kind in kinds}
+    if not _MEASURED:
+        _MEASURED.append(measure_host(kinds=names))
+    peaks = _MEASURED[0]
+    missing = names & set(PROBED_KINDS) - set(peaks.op_achieved)
+    if missing:
+        with _isolated():
+            shares = _op_achieved(peaks.fp32_flops, peaks.bandwidth, REPEATS, time.perf_counter, missing)
+        peaks = replace(peaks, op_achieved={**peaks.op_achieved, **shares})
+        _MEASURED[0] = peaks
+    return peaks
+
+
+def _isolated() -> contextlib.AbstractContextManager[object]:
+    """Around a measurement: the caller's modes and hooks out of reach, its RNG kept, backward whatever the grad mode.
+
+    See :func:`_apart_from_the_caller`.
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(_apart_from_the_caller())
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+def measure_host(
+    repeats: int = REPEATS, clock: Clock = time.perf_counter, kinds: Iterable[str] | None = None
+) -> DevicePeaks:
     """The CPU of the machine as torch runs on it now, each figure the median of ``repeats`` runs timed by ``clock``.
+
+    ``kinds``: the kinds of op whose share of the roofline is measured (``None``: every kind probed).
 
     The figures are what torch's own kernels reached with its current thread count: they are achieved rates, so
     ``achieved`` is 1.0. TF32 does not exist on a CPU (its figure is fp32's). Measured again at each call: a
@@ -221,14 +304,14 @@ def measure_host(repeats: int = REPEATS, clock: Clock = time.perf_counter) -> De
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     # The probes draw random numbers (the caller's RNG stays) and the tiny step runs backward, whatever the caller's
-    # grad mode.
-    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+    # grad mode; none of the caller's modes or hooks sees an op of it.
+    with _isolated():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
         fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
         bandwidth = _copy_bandwidth(repeats, clock)
         overhead = _op_overhead(repeats, clock)
-        op_achieved = _op_achieved(fp32, bandwidth, repeats, clock)
+        op_achieved = _op_achieved(fp32, bandwidth, repeats, clock, kinds)
     threads = torch.get_num_threads()
     return DevicePeaks(
         name=f"this CPU ({threads} threads)",
