@@ -1,10 +1,12 @@
 """Lightning's sharded strategies on two CPU processes (gloo): ``python tests/sharded_train.py OUT_DIR STRATEGY``.
 
-Run by test_distributed.py. STRATEGY is ``fsdp2`` (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``)
-or ``deepspeed_stage_2`` / ``deepspeed_stage_3``. Lightning allows DeepSpeed on CUDA only; ``CpuDeepSpeedStrategy``
-lifts its CUDA-only checks (the three overrides below) and nothing else, so the Trainer, DeepSpeed's engine and ZeRO
-optimizer and VramMonitor's hooks all run as on GPUs (tests/test_gpu.py has the GPU run). Each rank writes its
-report's phase breakdowns to ``rankN.json``.
+Run by test_distributed.py (and by test_sharded_advice.py with a third argument, ``mlp``: an MLP with LeakyReLU out
+of place, 32 wide, whose advice a replay simulates). STRATEGY is ``fsdp2`` (``ModelParallelStrategy``,
+``fully_shard`` in ``configure_model``) or ``deepspeed_stage_2`` / ``deepspeed_stage_3``. Lightning allows DeepSpeed
+on CUDA only; ``CpuDeepSpeedStrategy`` lifts its CUDA-only checks (the three overrides below) and nothing else, so
+the Trainer, DeepSpeed's engine and ZeRO optimizer and VramMonitor's hooks all run as on GPUs (tests/test_gpu.py
+has the GPU run). Each rank writes its report's phase breakdowns, its simulation's skip reason and its advice's
+saving bases to ``rankN.json``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, Strategy
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
+from advice_models import activation_mlp
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader
+from zero_fsdp1_ranks import ZERO_SETTINGS
 
 from lightning_vram import VramMonitor
 
@@ -85,12 +90,16 @@ class RecordReport(Callback):
                 if (b := peak.breakdown) is not None
             },
             "ranks": len(report.ranks),
+            "skipped": report.simulation.skipped if report.simulation is not None else "no simulation",
+            "advice": {advice.id: str(advice.saving_basis) for advice in report.advice},
             "steps": report.steps,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def strategy_named(name: str) -> Strategy:
+def strategy_named(name: str, lightning_settings: bool = False) -> Strategy:
+    """``name``'s strategy; with ``lightning_settings``, ZeRO's settings as ``DeepSpeedStrategy(stage=...)`` writes
+    them (``overlap_comm``, ``contiguous_gradients``), the buckets small (tests/zero_fsdp1_ranks.py's)."""
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     stage = int(name.removeprefix("deepspeed_stage_"))
@@ -99,6 +108,8 @@ def strategy_named(name: str) -> Strategy:
         "zero_allow_untested_optimizer": True,
         "train_micro_batch_size_per_gpu": BATCH_SIZE,
     }
+    if lightning_settings:
+        config["zero_optimization"] = {"stage": stage, **ZERO_SETTINGS}
     return CpuDeepSpeedStrategy(config=config)
 
 
@@ -109,7 +120,7 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy_named(name),
+        strategy=strategy_named(name, lightning_settings=sys.argv[3:] == ["mlp"]),
         max_steps=4,
         logger=False,
         default_root_dir=out,
@@ -118,8 +129,9 @@ def main() -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    model = (ShardedClassifier if name == "fsdp2" else Classifier)(linear_net(), OPTIMIZERS["adam"])
-    trainer.fit(model, loader(dataset_for("linear", samples=128), batch_size=BATCH_SIZE))
+    network = activation_mlp(nn.LeakyReLU, width=32) if sys.argv[3:] == ["mlp"] else linear_net()
+    model = (ShardedClassifier if name == "fsdp2" else Classifier)(network, OPTIMIZERS["adam"])
+    trainer.fit(model, loader(dataset_for("linear", samples=128), batch_size=BATCH_SIZE))  # 32 features
 
 
 if __name__ == "__main__":

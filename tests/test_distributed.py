@@ -207,12 +207,17 @@ def single_process_activations(root: Path, batch_size: int) -> int:
     return forward.activations
 
 
-def run_sharded(out: Path, strategy: str) -> list[dict[str, Any]]:
-    """Train with ``strategy`` on two CPU processes (tests/sharded_train.py); each rank's record."""
+def run_sharded(out: Path, strategy: str, *extra: str) -> list[dict[str, Any]]:
+    """Train with ``strategy`` on two CPU processes (tests/sharded_train.py, ``extra`` its further arguments); each
+    rank's record."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "sharded_train.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(out), strategy], capture_output=True, text=True, timeout=HANG, env=environment
+        [sys.executable, str(script), str(out), strategy, *extra],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        env=environment,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -10,7 +10,8 @@ accumulation and manual optimization are replayed as Lightning runs them (see
 :class:`~lightning_vram.prediction.predictor.Predictor`'s ``accumulate`` and
 :mod:`~lightning_vram.prediction.replay.manual`). A set-up the replay does not reproduce is skipped with the
 reason, and the rules keep their modelled estimates. Under DDP each rank replays its own step on its own (no
-collective runs in a replay), holding DDP's gradient buckets.
+collective runs in a replay), holding DDP's gradient buckets; under DeepSpeed ZeRO-1/2 each rank replays the
+unsharded step on its own and predicts its own share by ZeRO's arithmetic (:func:`try_rank_changes`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.devices import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT
+from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, simulate
 from lightning_vram.prediction.replay.step import StepFunction
+from lightning_vram.prediction.strategies.rank_replays import RANK_TOLERANCE, RankReplays
 from lightning_vram.records import (
     BatchSizeChange,
     DeviceInfo,
@@ -41,8 +43,15 @@ PER_RANK_STRATEGIES = frozenset({"DDPStrategy"})
 model), with what the strategy itself holds added by its arithmetic (:mod:`~lightning_vram.measure.ddp`)."""
 
 
-def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None) -> str | None:
-    """Why the replay cannot reproduce this set-up's step, or ``None`` when it can."""
+def unsupported(
+    module: nn.Module, setup: TrainingSetup, step_function: StepFunction | None, per_rank: bool = False
+) -> str | None:
+    """Why the replay cannot reproduce this set-up's step, or ``None`` when it can.
+
+    ``per_rank``: the run's sharded strategy is predicted rank by rank
+    (:class:`~lightning_vram.prediction.strategies.rank_replays.RankReplays`), so neither sharding nor the world
+    size refuses it.
+    """
     compiled = compiled_module_names(module)
     if compiled:
         return (
@@ -51,6 +60,8 @@ def unsupported(module: nn.Module, setup: TrainingSetup, step_function: StepFunc
         )
     if step_function is None:
         return "the model has no training_step: pass step_function to VramSession.start to replay its step"
+    if per_rank:
+        return None
     if setup.strategy in SHARDING_STRATEGIES:
         return f"{setup.strategy}: sharded steps need the other ranks' collectives"
     if setup.world_size > 1 and setup.strategy not in PER_RANK_STRATEGIES:
@@ -87,6 +98,20 @@ def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup)
             device_max_batch_size=own.max_batch_size if own is not None else None,
             seconds=predictor.clock() - predictor.started,
         )
+
+
+def try_rank_changes(replays: RankReplays, summary: RunSummary, setup: TrainingSetup) -> Simulation:
+    """One rank of a sharded run: its sampled step against the per-rank model's, then each declared change.
+
+    The baseline is checked with :data:`~lightning_vram.prediction.strategies.rank_replays.RANK_TOLERANCE`; no fit
+    table is searched (the model keeps no allocation sequence for the allocator to serve). Raises what
+    :func:`try_changes` raises.
+    """
+    with round_of_replays():
+        simulation = simulate(replays, changes_to_replay(summary, setup), RANK_TOLERANCE)
+    if simulation.skipped is None and summary.on_cuda:
+        return replace(simulation, fit_note=f"{replays.spec.label}: no fit table is searched for a sharded rank yet")
+    return simulation
 
 
 def _replayed_batch_sizes(simulation: Simulation) -> dict[int, ReplayedStep]:

@@ -18,7 +18,7 @@ from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.oom import diagnose
 from lightning_vram.advice.preflight import candidate_changes, preflight, replay_resized
 from lightning_vram.advice.rules.registry import advise
-from lightning_vram.advice.trials import try_changes, unsupported
+from lightning_vram.advice.trials import try_changes, try_rank_changes, unsupported
 from lightning_vram.config import MonitorConfig
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.measure.compiled import compiled_module_names
@@ -33,6 +33,9 @@ from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
 from lightning_vram.prediction.replay.reserved import run_settings
+from lightning_vram.prediction.replay.step import StepFunction
+from lightning_vram.prediction.strategies.live import LiveSharding, live_sharding, unsharded_optimizer
+from lightning_vram.prediction.strategies.rank_replays import RankReplays
 from lightning_vram.records import (
     Advice,
     AllocatorReading,
@@ -214,8 +217,18 @@ class Advisor:
             if training is None or attribution.step < training.accumulate_grad_batches:
                 return None  # under accumulation, a micro-batch after the first optimizer step: its state exists
             step_function = context.step_function
+            sharding = live_sharding(context.current_optimizers())
+            if isinstance(sharding, LiveSharding):
+                reason = unsupported(model, training, step_function, per_rank=True)
+                if reason is not None or step_function is None:
+                    return Simulation(context.device.type, None, None, reason, (), 0.0)
+                return self._rank_simulation(sharding, attribution, batch, summary(), training, step_function)
             strategy = self._strategy(training)
-            reason = unsupported(model, training, step_function) or (strategy if isinstance(strategy, str) else None)
+            reason = (
+                (sharding if isinstance(sharding, str) else None)
+                or unsupported(model, training, step_function)
+                or (strategy if isinstance(strategy, str) else None)
+            )
             if reason is not None or step_function is None:
                 return Simulation(context.device.type, None, None, reason, (), 0.0)
             run = summary()
@@ -258,6 +271,38 @@ class Advisor:
                 VramMonitorWarning,
                 stacklevel=4,
             )
+
+    def _rank_simulation(
+        self,
+        sharding: LiveSharding,
+        attribution: Attribution,
+        batch: Any,
+        run: RunSummary,
+        training: TrainingSetup,
+        step_function: StepFunction,
+    ) -> Simulation:
+        """A rank of a sharded run, this process's: the unsharded step replayed, as the per-rank model predicts it.
+
+        Each rank decides on its own, with no collective; the replay warms up one step of its own so that the
+        optimizer state the model sizes exists.
+        """
+        model = self._context.model
+        assert model is not None
+        predictor = Predictor(
+            model,
+            [unsharded_optimizer(sharding.optimizer, list(model.parameters()))],
+            batch,
+            precision=training.precision,
+            device=self._context.device,
+            step_function=step_function,
+            warm_up=True,
+            budget_seconds=self._config.replay_budget_seconds,
+            calibration=attribution,
+            compute_capability=run.device.compute_capability,
+            accumulate=training.accumulate_grad_batches,
+        )
+        replays = RankReplays(predictor, sharding.spec, sharding.settings, self._context.rank)
+        return try_rank_changes(replays, run, training)
 
     def _strategy(self, training: TrainingSetup) -> StrategyBuffers | str | None:
         """What the strategy holds beyond the step for a replay to hold, or why the replay cannot add it.

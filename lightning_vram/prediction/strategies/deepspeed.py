@@ -22,9 +22,10 @@ against DeepSpeed 0.19 on gloo at world sizes 2 and 4 (tests/test_rank_predictio
 Backward's activations are the forward's less what the loss and the last module release before backward's first
 count. The peaks (fitted on those runs, Adam): forward, the counted parts (ZeRO-1/2; the CPU's live count misses the
 master partition) or those and the step's own temporaries (ZeRO-3); backward, the counted parts and the step's
-temporaries (ZeRO-1/2) or the counted parts (ZeRO-3); the optimizer step, the partition's gradients, one
-partition-sized temporary of the optimizer's and the batch beside the parameters and state (ZeRO-3: and the reduce
-bucket).
+temporaries (ZeRO-1/2; at least ``overlap_comm``'s second reduce bucket, which DeepSpeed holds beside the one the
+gradients sit in: the whole of ``other`` for a model smaller than a bucket) or the counted parts (ZeRO-3); the
+optimizer step, the partition's gradients, one partition-sized temporary of the optimizer's and the batch beside the
+parameters and state (ZeRO-3: and the reduce bucket).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def _stage12(
         crossing = max(crossing_bytes(numels, r * share, (r + 1) * share, element) for r in ranks)
         gradients += share * element + crossing
     bucket = settings.reduce_bucket_size * element
+    buckets = 2 if settings.overlap_comm else 1
     # ZeRO-1 accumulating: each parameter's whole gradient stays in param.grad until the window's boundary, where it
     # is reduced; ZeRO-2 reduces every micro-batch into its partition, holding what it holds without accumulation.
     accumulating = predictor.accumulate > 1
@@ -168,14 +170,13 @@ def _stage12(
     forward_activations = replayed.phases[Phase.FORWARD].breakdown.activations  # type: ignore[union-attr]
     phases = {
         Phase.FORWARD: ((parameters, held, state, forward_activations), 0),
-        Phase.BACKWARD: (
+        Phase.BACKWARD: (  # beyond the counted parts: the step's temporaries, or at least the idle bucket
             (parameters, held + bucket, state, backward_activations(replayed)),
-            other_bytes(replayed, Phase.BACKWARD),
+            max(other_bytes(replayed, Phase.BACKWARD), (buckets - 1) * bucket),
         ),
         # the step's peak: the partition's gradients and one partition-sized temporary of the optimizer's, the batch
         Phase.OPTIMIZER: ((parameters, gradients, state, 0), 2 * partition + batch_bytes(predictor.batch) - gradients),
     }
-    buckets = 2 if settings.overlap_comm else 1
     lines = (
         RankLine("ZeRO fp32 master partition", master, f"1/{world} of the flat fp32 copy (padded to 2N elements)"),
         RankLine(

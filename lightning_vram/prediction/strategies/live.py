@@ -1,0 +1,72 @@
+"""A live sharded run's strategy, read from its own objects: what each rank's replay predicts it as.
+
+Read by attribute (DeepSpeed 0.19), so deepspeed is never imported and no process group is asked anything: the ZeRO
+optimizer keeps its stage, its partition count and its bucket settings on itself. ZeRO-1 and 2 only: ZeRO-3 empties
+``param.data`` (the whole shapes are in ``param.ds_shape``), which the replay's twin does not rebuild yet.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_vram.measure.deepspeed_zero import wrapped_optimizer
+from lightning_vram.prediction.strategies.deepspeed import ZeroSettings
+from lightning_vram.records import StrategySpec
+
+ZERO12_ATTRIBUTE = "single_partition_of_fp32_groups"
+"""The attribute only DeepSpeed's ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``) has: its fp32 master partition."""
+ZERO3_ATTRIBUTE = "fp32_partitioned_groups_flat"
+"""The attribute only DeepSpeed's ZeRO-3 optimizer has."""
+
+
+@dataclass(frozen=True)
+class LiveSharding:
+    """A live sharded run as one rank predicts it.
+
+    ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements. ``optimizer``: the
+    user's optimizer inside the strategy's (its class and first group's settings size the partition's state).
+    """
+
+    spec: StrategySpec
+    settings: ZeroSettings
+    optimizer: torch.optim.Optimizer
+
+
+def live_sharding(optimizers: Sequence[torch.optim.Optimizer]) -> LiveSharding | str | None:
+    """The run's sharded strategy, read from its optimizers; why it is not modelled (a reason); ``None``: none."""
+    for optimizer in optimizers:
+        if hasattr(optimizer, ZERO3_ATTRIBUTE):
+            return "DeepSpeed ZeRO-3: the replay's twin does not rebuild the partitioned parameters yet"
+        if not hasattr(optimizer, ZERO12_ATTRIBUTE):
+            continue
+        counts = getattr(optimizer, "partition_count", None)
+        world = counts[0] if isinstance(counts, list) and counts and isinstance(counts[0], int) else None
+        if world is None:
+            return "DeepSpeed ZeRO-1/2: its optimizer holds no partition count"
+        stage = 2 if getattr(optimizer, "partition_gradients", False) else 1
+        offload = bool(getattr(optimizer, "cpu_offload", False))
+        settings = ZeroSettings(
+            reduce_bucket_size=int(getattr(optimizer, "reduce_bucket_size", ZeroSettings.reduce_bucket_size)),
+            allgather_bucket_size=int(getattr(optimizer, "allgather_bucket_size", ZeroSettings.allgather_bucket_size)),
+            overlap_comm=bool(getattr(optimizer, "overlap_comm", ZeroSettings.overlap_comm)),
+        )
+        spec = StrategySpec(f"deepspeed_stage_{stage}", world, offload=offload)
+        return LiveSharding(spec, settings, wrapped_optimizer(optimizer))
+    return None
+
+
+def unsharded_optimizer(
+    inner: torch.optim.Optimizer, parameters: Sequence[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    """An optimizer of ``inner``'s class and first group's settings over the unsharded ``parameters``, without state.
+
+    ``inner`` steps ZeRO's flat partition; the replay's step runs over the module's own parameters. Made on the real
+    parameters (nothing is stepped): the replay copies it to its fake ones.
+    """
+    accepted = inspect.signature(type(inner)).parameters  # a scheduler's "initial_lr" is no setting
+    settings = {key: value for key, value in inner.param_groups[0].items() if key != "params" and key in accepted}
+    return type(inner)(parameters, **settings)

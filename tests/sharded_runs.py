@@ -1,0 +1,30 @@
+"""Starting tests/zero_advice_train.py's gloo run and reading each rank's files back (shared by its tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from test_distributed import HANG, free_port
+
+WORLD = 2
+
+
+def run_zero(out: Path, stage: int, *extra: str) -> list[dict[str, Any]]:
+    """Each rank's ``rank<r>.json`` (``{}`` with ``no-monitor``) from a ZeRO-``stage`` run of :data:`WORLD` ranks."""
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    script = Path(__file__).parent / "zero_advice_train.py"
+    command = [sys.executable, str(script), str(WORLD), str(free_port()), str(out), str(stage), *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = [out / f"rank{rank}.json" for rank in range(WORLD)]
+    return [json.loads(file.read_text()) if file.exists() else {} for file in files]
+
+
+def training(out: Path, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` trained: losses, parameters, optimizer state, ZeRO's master partition, RNG state."""
+    return json.loads((out / f"training{rank}.json").read_text())
