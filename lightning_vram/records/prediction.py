@@ -92,8 +92,9 @@ def prediction_text(prediction: Prediction) -> str:
         return f"Prediction: skipped ({prediction.skipped})"
     peak = step.peak
     batch = f", batch {step.batch_size}" if step.batch_size is not None else ""
+    figure = "allocated" if step.device_type == "cuda" else "live"  # the budget's lines may give a reserved one
     lines = [
-        f"Prediction: {step.device_type}, {step.precision}{batch}: peak {format_bytes(peak.peak_bytes)} in"
+        f"Prediction: {step.device_type}, {step.precision}{batch}: {figure} peak {format_bytes(peak.peak_bytes)} in"
         f" {peak.phase.value}"
     ]
     header = ["phase", "peak", *(name.replace("_", " ") for name in CATEGORIES)]
