@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_vram.records.advice import FitRow
+from lightning_vram.records.advice import FitRow, expandable_lines
 from lightning_vram.records.advice_json import fit_row_to_dict
 from lightning_vram.records.budget import BudgetPlan
 from lightning_vram.records.measured import CATEGORIES, in_phase_order
@@ -121,6 +121,7 @@ def prediction_text(prediction: Prediction) -> str:
         ]
         lines += _columns(fit)
         lines += [f"  {row.device}: {row.note}" for row in prediction.fit if row.note is not None]
+        lines += [f"  {line}" for line in expandable_lines(prediction.fit)]
     if prediction.budget is not None:
         lines += prediction.budget.lines()
     notes = list(dict.fromkeys((*step.notes, *prediction.notes)))  # the step's notes reach the prediction's too

@@ -24,6 +24,7 @@ from lightning_vram.records import (
     PreflightVerdict,
     Report,
     SavingBasis,
+    expandable_lines,
     in_phase_order,
 )
 from lightning_vram.records.oom import oom_headline
@@ -355,6 +356,7 @@ def _fit_rule(rows: Sequence[FitRow]) -> str:
         return "A batch fits where its tensor peak and the CUDA context leave 10% of the card free."
     named = ", ".join(setting or "torch defaults" for setting in settings)
     gaps = "".join(f" {row.device}: {row.note}." for row in rows if row.note is not None)
+    gaps += "".join(f" {line[0].upper()}{line[1:]}." for line in expandable_lines(rows))
     return (
         f"A batch fits where the simulated CUDA caching allocator ({named}) serves its whole step in the card's"
         f" memory less the CUDA context, no margin kept.{gaps}"
