@@ -335,7 +335,11 @@ def _allocator(arguments: argparse.Namespace) -> None:
 
 
 def _plan(arguments: argparse.Namespace) -> int:
-    """``plan``: the configurations' table (or JSON); 0 when one fits, :data:`NOTHING_FITS` when none does."""
+    """``plan``: the configurations' table (or JSON); 0 when one fits, :data:`NOTHING_FITS` when none does.
+
+    The arguments' syntax is checked first, before torch and the module are imported (many seconds).
+    """
+    _check_plan_syntax(arguments)
     from lightning_vram.plan import DEFAULT_WORLD_SIZES, plan
     from lightning_vram.plan_inputs import PlanInputError, build_module, load_class, parse_batch
 
@@ -363,6 +367,26 @@ def _plan(arguments: argparse.Namespace) -> int:
         raise CommandError(_named(error)) from error
     _print(json.dumps(result.to_dict(), indent=2) if arguments.json else str(result), sys.stdout)
     return 0 if result.fits else NOTHING_FITS
+
+
+def _check_plan_syntax(arguments: argparse.Namespace) -> None:
+    """What can be refused without torch: the batch's syntax, GPUs given in bytes, the counts, the budget."""
+    from lightning_vram.plan_syntax import PlanInputError, batch_items, check_count, gpu_bytes
+    from lightning_vram.records.strategy import MAX_WORLD_SIZE
+
+    try:
+        if arguments.batch is not None:
+            batch_items(arguments.batch, "--batch")
+        for gpu in arguments.gpu or ():
+            gpu_bytes(gpu, "--gpu")
+        for count in arguments.gpus or ():
+            check_count(count, "--gpus", MAX_WORLD_SIZE, "hold ints")
+        check_count(arguments.nodes, "--nodes", MAX_WORLD_SIZE)
+        check_count(arguments.global_batch, "--global-batch", 10**9)
+        if not 0 < arguments.budget < 86_400:  # NaN fails too
+            raise PlanInputError(f"--budget must be a number of seconds > 0 and under a day, got {arguments.budget!r}")
+    except PlanInputError as error:
+        raise CommandError(str(error)) from error
 
 
 def _build_datamodule(cls: type) -> Any:

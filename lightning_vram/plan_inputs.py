@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -29,37 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.plan_syntax import DTYPE_NAMES, batch_items, gpu_bytes
+from lightning_vram.plan_syntax import PlanInputError as PlanInputError  # where plan() and the command read it
 from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks
 from lightning_vram.units import format_bytes
 
-MAX_BATCH_ELEMENTS = 2**28
-"""The most elements one described tensor may have (1 GiB of float32): the zeros are real, on the CPU."""
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "double": torch.float64,
-    "int64": torch.int64,
-    "long": torch.int64,
-    "int32": torch.int32,
-    "int": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-"""The dtypes a batch description names, torch's names and their short forms."""
-_ITEM = re.compile(r"^(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)=)?(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9, ]*)\]$")
-BATCH_SYNTAX = "dtype[sizes] items separated by spaces, each optionally name=, e.g. 'float32[8,3,32,32] int64[8]'"
-"""The batch description's syntax, as an error message names it."""
-
-
-class PlanInputError(ValueError):
-    """An argument of a plan that is not one: its message names the argument, what it must be and what it got."""
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
+"""The dtypes a batch description names (:data:`~lightning_vram.plan_syntax.DTYPE_NAMES`), as torch's dtypes."""
 
 
 def parse_batch(text: str, argument: str = "batch") -> Any:
@@ -73,47 +49,13 @@ def parse_batch(text: str, argument: str = "batch") -> Any:
     >>> parse_batch("float32[8,3")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    lightning_vram.plan_inputs.PlanInputError: batch must be dtype[sizes] items ...; got ... no closing ']')
+    lightning_vram.plan_syntax.PlanInputError: batch must be dtype[sizes] items ...; got ... no closing ']')
     """
-    items = _items(text, argument)
-    named = [name for name, _ in items if name is not None]
-    if named and len(named) != len(items):
-        raise PlanInputError(f"{argument} must name every tensor (name=dtype[sizes]) or none, got {text!r}")
-    if len(set(named)) != len(named):
-        raise PlanInputError(f"{argument} must name each tensor once, got {text!r}")
-    if named:
+    items = [(name, torch.zeros(shape, dtype=DTYPES[dtype])) for name, dtype, shape in batch_items(text, argument)]
+    if items[0][0] is not None:
         return {name: tensor for name, tensor in items}
     tensors = tuple(tensor for _, tensor in items)
     return tensors[0] if len(tensors) == 1 else tensors
-
-
-def _items(text: str, argument: str) -> list[tuple[str | None, torch.Tensor]]:
-    """Each tensor of the description, with its name (``None``: unnamed)."""
-    shown = text if len(text) <= 200 else text[:199] + "…"
-    tokens = re.findall(r"[^\s\[]+\[[^\]]*\]|\S+", text)
-    if not tokens:
-        raise PlanInputError(f"{argument} must be {BATCH_SYNTAX}; got an empty description")
-    items = []
-    for token in tokens:
-        match = _ITEM.match(token)
-        if match is None:
-            why = "no closing ']'" if "[" in token and "]" not in token else "not name=dtype[sizes]"
-            raise PlanInputError(f"{argument} must be {BATCH_SYNTAX}; got {shown!r} (item {token!r}, {why})")
-        dtype = DTYPES.get(match["dtype"])
-        if dtype is None:
-            raise PlanInputError(
-                f"{argument} must name a dtype of {', '.join(DTYPES)}; got {match['dtype']!r} in {shown!r}"
-            )
-        sizes = [part.strip() for part in match["dims"].split(",")] if match["dims"].strip() else []
-        if any(not size.isdigit() or int(size) < 1 for size in sizes):
-            raise PlanInputError(f"{argument} must give sizes as integers >= 1; got {token!r} in {shown!r}")
-        shape = tuple(int(size) for size in sizes)
-        if math.prod(shape) > MAX_BATCH_ELEMENTS:
-            raise PlanInputError(
-                f"{argument} must describe tensors of at most {MAX_BATCH_ELEMENTS:,} elements each; got {token!r}"
-            )
-        items.append((match["name"], torch.zeros(shape, dtype=dtype)))
-    return items
 
 
 def load_class(path: str, argument: str = "module") -> type:
@@ -253,12 +195,8 @@ def resolve_gpus(gpus: Sequence[str | int] | None, argument: str = "gpus") -> tu
 
 
 def _gpu(gpu: str | int, argument: str) -> PlanGpu:
-    if isinstance(gpu, str) and gpu.strip().isdigit():
-        gpu = int(gpu.strip())
-    if isinstance(gpu, int) and not isinstance(gpu, bool):
-        if not 2**20 <= gpu <= 2**50:
-            raise PlanInputError(f"{argument} must give a GPU's memory as bytes from 1 MiB to 1 PiB, got {gpu!r}")
-        return PlanGpu(format_bytes(gpu), gpu, None)
+    if (memory := gpu_bytes(gpu, argument)) is not None:
+        return PlanGpu(format_bytes(memory), memory, None)
     if not isinstance(gpu, str):
         raise PlanInputError(f"{argument} must hold GPU names or byte counts, got {gpu!r} ({type(gpu).__name__})")
     cards = {card.name.lower(): card for card in common_gpus()}

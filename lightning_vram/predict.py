@@ -85,7 +85,8 @@ def predict(
             prediction's ``budget`` then holds the checkpointing plan with the least recomputed FLOPs whose replayed
             step fits it (:func:`~lightning_vram.advice.budget.plan_for_budget`: on CUDA the simulated caching
             allocator serves the step within it, elsewhere the replayed live peak is at or under it), with the code
-            to write, or why no plan fits. Searched before the fit table, within ``budget_seconds``.
+            to write, or why no plan fits. Searched before the fit table, within ``budget_seconds``: with a fit
+            table, within half of what is left after the baseline (:data:`BUDGET_SEARCH_SHARE`), the table the rest.
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
@@ -120,13 +121,26 @@ def predict(
         budget: BudgetPlan | None = None
         if budget_bytes is not None:
             context = CodeContext(TrainingLoop.LIGHTNING, type(module).__name__)
-            found = plan_for_budget(predictor, budget_bytes, step, context)
+            left = predictor.seconds_left()
+            if fit_table and left is not None and left > 0:  # the fit table keeps the rest
+                share = left * BUDGET_SEARCH_SHARE
+                predictor.budget_seconds = predictor.clock() - predictor.started + share
+                notes += (
+                    f"time budget: the memory budget's search was cut to {share:.1f} s ({BUDGET_SEARCH_SHARE:.0%} of"
+                    f" the {left:.1f} s left after the baseline), the fit table to what it left",
+                )
+            try:
+                found = plan_for_budget(predictor, budget_bytes, step, context)
+            finally:
+                predictor.budget_seconds = budget_seconds
             if isinstance(found, str):
                 notes += (f"memory budget: no plan searched: {found}",)
             else:
                 budget = found
         rows: tuple[FitRow, ...] = ()
         if fit_table:
+            if budget_bytes is not None and (left := predictor.seconds_left()) is not None:
+                notes += (f"time budget: the fit table had {max(left, 0.0):.1f} s of {budget_seconds} s",)
             search = predictor.fit_table(
                 cuda_context_bytes, known_steps={step.batch_size: step} if step.batch_size is not None else None
             )
@@ -151,6 +165,10 @@ def _step_times(step: ReplayedStep, rows: tuple[FitRow, ...]) -> tuple[StepTime,
         predict_step_time(step, peaks) for peaks in GPU_PEAKS.values() if not devices or peaks.memory_row in devices
     )
 
+
+BUDGET_SEARCH_SHARE = 0.5
+"""The share of the seconds left after the baseline that a memory budget's search may take where a fit table
+follows it: the table keeps the rest (a search given it all left the table empty)."""
 
 REPLAYED_PRECISIONS = ("32-true", "32", *PLANS, "64")
 """The precisions a replay reproduces, as Lightning names them (``"32"`` and ``"64"``: its short forms)."""

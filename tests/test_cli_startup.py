@@ -114,3 +114,37 @@ def test_the_package_imports_its_exports_on_first_use() -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="has no attribute 'missing'"):
         _ = lightning_vram.missing  # type: ignore[attr-defined]
+
+
+QUICKSTART = f"{Path(__file__).resolve().parents[1] / 'examples' / 'quickstart.py'}:SmallCNN"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "starts"),
+    [
+        (["--batch", "int64[8,128"], "--batch must be dtype[sizes] items"),
+        (["--batch", "complex[4]"], "--batch must name a dtype of float32,"),
+        (["--batch", "x=float32[4] int64[4]"], "--batch must name every tensor"),
+        (["--batch", "int64[8,0]"], "--batch must give sizes as integers >= 1"),
+        (["--gpu", "1024"], "--gpu must give a GPU's memory as bytes from 1 MiB to 1 PiB, got 1024"),
+        (["--gpus", "0"], "--gpus must hold ints from 1 to 1024, got 0"),
+        (["--nodes", "0"], "--nodes must be an int from 1 to 1024, got 0"),
+        (["--global-batch", "0"], "--global-batch must be an int from 1 to 1000000000, got 0"),
+        (["--budget", "0"], "--budget must be a number of seconds > 0 and under a day, got 0.0"),
+    ],
+)
+def test_plan_refuses_bad_syntax_before_importing_torch_or_building_the_module(
+    arguments: list[str], starts: str
+) -> None:
+    # A new user's malformed --batch was refused only after ~18 s of imports and the module's construction.
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_AND_REPORT, "plan", QUICKSTART, *arguments],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    answer = json.loads(result.stdout)
+    assert answer["status"] == 2 and answer["out"] == ""
+    assert result.stderr.startswith(f"lightning-vram: error: {starts}") and result.stderr.count("\n") == 1
+    assert answer["heavy"] == []

@@ -4,9 +4,10 @@ table's row says why where they do."""
 from __future__ import annotations
 
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
-from lightning_vram.prediction.replay.fit_table import EXPANDABLE_FEWER, _served_fit_row
+from lightning_vram.prediction.replay.fit_table import _served_fit_row
 from lightning_vram.prediction.replay.serves import serve
-from lightning_vram.records import AllocationSequence, Phase
+from lightning_vram.records import AllocationSequence, FitRow, Phase, PhasePeak, Prediction, ReplayedStep, SavingBasis
+from lightning_vram.records.advice import EXPANDABLE_FEWER, EXPANDABLE_MORE
 from lightning_vram.render.text import fit_assumption
 
 MIB = 1024**2
@@ -32,10 +33,44 @@ def test_a_page_shared_with_a_live_tensor_stays_mapped_where_the_default_frees_i
 
 def test_a_row_whose_expandable_batch_is_below_its_default_one_says_why() -> None:
     row = _served_fit_row("RTX 3060 (12 GB)", 11_811_160_064, 24_234, 24_108, AllocatorSettings())
-    assert row.note == f"with expandable_segments:True 126 fewer: {EXPANDABLE_FEWER}"
-    assert "20 MiB pages" in EXPANDABLE_FEWER
-    assert fit_assumption([row]).endswith(f" RTX 3060 (12 GB): {row.note}.")
+    assert row.note is None and "20 MiB pages" in EXPANDABLE_FEWER
+    assert fit_assumption([row]).endswith(
+        f" With expandable_segments:True fewer on RTX 3060 (12 GB) (24,108 against 24,234): {EXPANDABLE_FEWER}."
+    )
     gaps = _served_fit_row("x", 1, 336, 300, AllocatorSettings(), note="served to 336; 337-341 not served")
-    assert gaps.note == f"served to 336; 337-341 not served; with expandable_segments:True 36 fewer: {EXPANDABLE_FEWER}"
+    assert gaps.note == "served to 336; 337-341 not served"
     assert _served_fit_row("x", 1, 336, 342, AllocatorSettings()).note is None
-    assert _served_fit_row("x", 1, 336, 336, AllocatorSettings()).note is None
+
+
+# The new user's table: four GPUs with fewer batches under expandable segments, two with more (the figures seen).
+TABLE = (
+    ("RTX 3060", 24_234, 24_108),
+    ("RTX 4090", 48_561, 48_420),
+    ("A100 40GB", 1_771, 1_768),
+    ("A100 80GB", 3_556, 3_564),
+    ("H100 80GB", 3_560, 3_552),
+    ("H200", 6_343, 6_356),
+)
+
+
+def test_each_reason_is_said_once_naming_its_gpus_and_more_is_explained() -> None:
+    rows = [
+        FitRow(name, 1 << 30, run, SavingBasis.SIMULATED, allocator="", expandable_max_batch_size=wide)
+        for name, run, wide in TABLE
+    ]
+    assert fit_assumption(rows).count(EXPANDABLE_FEWER) == 1
+    assert fit_assumption(rows).count(EXPANDABLE_MORE) == 1
+    step = ReplayedStep(
+        "cuda", "32-true", 8, {Phase.FORWARD: PhasePeak(0, Phase.FORWARD, 1 << 20, None, None)}, (), 0, 0.0
+    )
+    lines = str(Prediction(step, tuple(rows), None)).splitlines()
+    fewer = [line for line in lines if EXPANDABLE_FEWER in line]
+    more = [line for line in lines if EXPANDABLE_MORE in line]
+    assert fewer == [
+        "  with expandable_segments:True fewer on RTX 3060 (24,108 against 24,234), RTX 4090 (48,420 against 48,561),"
+        f" A100 40GB (1,768 against 1,771), H100 80GB (3,552 against 3,560): {EXPANDABLE_FEWER}"
+    ]
+    assert more == [
+        "  with expandable_segments:True more on A100 80GB (3,564 against 3,556), H200 (6,356 against 6,343):"
+        f" {EXPANDABLE_MORE}"
+    ]

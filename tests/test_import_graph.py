@@ -30,6 +30,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "lightning_vram.predict",
         "lightning_vram.plan",
         "lightning_vram.plan_inputs",
+        "lightning_vram.plan_syntax",
         "lightning_vram.cli",
     ),
     ("lightning_vram.pytorch_lightning", "lightning_vram"),

@@ -15,7 +15,12 @@ from models import OPTIMIZERS, Classifier, dataset_for, loader, trainer
 from torch import nn
 
 from lightning_vram import VramMonitor
+from lightning_vram.codec import report_from_dict
 from lightning_vram.records import COUNTED_PARTS, Phase, SavingBasis
+from lightning_vram.render.html import render_html
+from lightning_vram.render.simulation import simulation_view
+from lightning_vram.render.text import summary_text
+from lightning_vram.units import format_bytes
 
 pytestmark = pytest.mark.replay
 
@@ -72,3 +77,44 @@ def test_no_micro_batch_before_the_first_optimizer_step_is_replayed(tmp_path: Pa
     monitor = accumulated(tmp_path, 2)  # the window's third micro-batch: no optimizer state exists yet
     assert monitor.session.simulation is None
     assert monitor.report is not None and monitor.report.simulation is None
+
+
+def test_the_report_shows_the_first_micro_batch_it_matched_and_says_the_advice_is_the_steady_one(
+    tmp_path: Path,
+) -> None:
+    # A new user's report (issue 26 polish): sampled step 4 is a window's first micro-batch, matched against the
+    # replayed first micro-batch, but the table showed the steady micro-batch beside it (backward 138.0 counted
+    # against 145.1 replayed "within 1%") and an optimizer row measured 0 B.
+    monitor = accumulated(tmp_path, 4)
+    report = monitor.report
+    assert report is not None and report.simulation is not None
+    match, baseline = report.simulation.match, report.simulation.baseline
+    assert match is not None and match.window_first and baseline is not None and baseline.window_first is not None
+    assert report.simulation.accumulate_grad_batches == 4
+    view = simulation_view(report)
+    assert view is not None and view.baseline is not None
+    rows = {row[0]: row for row in view.baseline.rows}
+    assert set(rows) == {"forward (first micro-batch)", "backward (first micro-batch)"}
+    for phase, row in zip((Phase.FORWARD, Phase.BACKWARD), rows.values(), strict=True):
+        first = baseline.window_first[phase]
+        assert first.breakdown is not None
+        assert row[2] == format_bytes(first.breakdown.counted_bytes) == row[1]
+        assert row[3] == "none"
+        assert row[5] == format_bytes(first.peak_bytes) == row[4]
+    steady = baseline.phases[Phase.BACKWARD].breakdown
+    assert steady is not None and format_bytes(steady.counted_bytes) not in rows["backward (first micro-batch)"]
+    assert "accumulate_grad_batches=4: sampled step 4 is the first micro-batch of its window" in view.summary
+    assert "the advice's figures are the steady micro-batch's" in view.summary
+    html = render_html(report)
+    assert "backward (first micro-batch)" in html and "accumulate_grad_batches=4" in html
+    summary = summary_text(report, width=400)
+    assert Phase.OPTIMIZER not in report.phases
+    assert (
+        "(no optimizer entry: sampled step 4 is the first micro-batch of an accumulation window of 4, which takes no"
+        " optimizer step)" in summary
+    )
+    read_back = report_from_dict(report.to_dict())
+    assert read_back.simulation is not None and read_back.simulation.accumulate_grad_batches == 4
+    again = simulation_view(read_back)
+    assert again is not None and again.baseline is not None
+    assert again.baseline.rows == view.baseline.rows and again.summary == view.summary

@@ -158,7 +158,10 @@ def test_a_prediction_prints_as_a_short_table_and_has_a_json_form() -> None:
     lines = str(prediction).splitlines()
     assert len(lines) < 30 and len(str(prediction)) < 2500  # not the dataclass's several-KB dump
     peak = step.peak
-    assert lines[0] == f"Prediction: cpu, 32-true, batch 16: peak {format_bytes(peak.peak_bytes)} in {peak.phase.value}"
+    assert (
+        lines[0]
+        == f"Prediction: cpu, 32-true, batch 16: live peak {format_bytes(peak.peak_bytes)} in {peak.phase.value}"
+    )
     assert lines[1].split() == [
         "phase",
         "peak",

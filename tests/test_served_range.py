@@ -12,6 +12,7 @@ from lightning_vram.prediction.replay import fit_table, served_range
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.synthesis import AffineSteps
 from lightning_vram.records import AllocationSequence, BatchSizeChange, ReplayedStep
+from lightning_vram.records.advice import EXPANDABLE_MORE
 from lightning_vram.records.advice_json import fit_row_from_dict, fit_row_to_dict
 from lightning_vram.render.text import fit_assumption
 
@@ -65,5 +66,6 @@ def test_the_conv_batchnorm_row_is_the_largest_batch_below_the_first_one_not_ser
     ]
     assert fit_row_from_dict(fit_row_to_dict(row), "row") == row
     assert fit_assumption([row]).endswith(
-        " 9x: served to 336; 337-341 not served (fragmentation), served again at 342-352."
+        " 9x: served to 336; 337-341 not served (fragmentation), served again at 342-352. With"
+        f" expandable_segments:True more on 9x (342 against 336): {EXPANDABLE_MORE}."
     )

@@ -16,6 +16,7 @@ from lightning_vram.records.advice import (
     SavingBasis,
     Severity,
     accumulation_text,
+    expandable_lines,
     keeping_global_batch,
 )
 from lightning_vram.records.measured import (
@@ -148,6 +149,7 @@ __all__ = [
     "VariantResult",
     "accumulation_text",
     "advised_variant",
+    "expandable_lines",
     "in_phase_order",
     "keeping_global_batch",
 ]

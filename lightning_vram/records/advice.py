@@ -6,6 +6,7 @@ severities (:class:`Severity`) and where a saving comes from (:class:`SavingBasi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -283,3 +284,45 @@ def accumulation_text(micro_batch: int, accumulate: int, global_batch: int) -> s
     kept = micro_batch * accumulate
     global_text = "as now" if kept == global_batch else f"the run's {global_batch}"
     return f"micro-batch {micro_batch} with accumulate_grad_batches={accumulate} (global batch {kept}, {global_text})"
+
+
+EXPANDABLE_FEWER = (
+    "their segment is mapped in 20 MiB pages, and a page that a live tensor shares with freed bytes stays mapped"
+    " through the allocator's release-and-retry, so near the card's memory it can hold more than the default"
+    " allocator, which frees whole cached segments and sizes a new one to 2 MiB"
+)
+"""Why a row's expandable-segments batch can be below its default one (torch's ``unmap_block`` unmaps only the
+whole pages of a free block; the allocator model follows it)."""
+
+EXPANDABLE_MORE = (
+    "the default allocator serves a request only from one free block of one cached segment (freed bytes in"
+    " different segments never join, and a rest of 1 MiB or less is handed out with the block), so near the card's"
+    " memory it asks for a new segment where the free bytes would do; an expandable segment maps its free pages next"
+    " to each other and grows at its end"
+)
+"""Why a row's expandable-segments batch can be above its default one: the fragmentation expandable segments exist
+to avoid, as the allocator model follows torch (``should_split``, one segment per stream and pool grown by pages)."""
+
+
+def expandable_lines(rows: Sequence[FitRow]) -> tuple[str, ...]:
+    """Why expandable segments fit fewer or more batches than the default allocator, each reason once with its GPUs.
+
+    >>> rows = [FitRow(name, 1, 100, allocator="", expandable_max_batch_size=n) for name, n in (("A", 98), ("B", 97))]
+    >>> print(expandable_lines(rows)[0][:80])
+    with expandable_segments:True fewer on A (98 against 100), B (97 against 100): t
+    """
+    lines = []
+    for word, reason, sign in (("fewer", EXPANDABLE_FEWER, -1), ("more", EXPANDABLE_MORE, 1)):
+        named = [
+            f"{row.device} ({row.expandable_max_batch_size:,} against {row.max_batch_size:,})"
+            for row in rows
+            if row.allocator is not None
+            and row.expandable_max_batch_size is not None
+            and row.max_batch_size is not None
+            and (row.expandable_max_batch_size > row.max_batch_size)
+            - (row.expandable_max_batch_size < row.max_batch_size)
+            == sign
+        ]
+        if named:
+            lines.append(f"with expandable_segments:True {word} on {', '.join(named)}: {reason}")
+    return tuple(lines)

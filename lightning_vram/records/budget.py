@@ -72,7 +72,11 @@ class BudgetPlan:
         }
 
     def lines(self) -> list[str]:
-        """A few lines for the prediction's table: the verdict, the plan and its cost (the code in ``code``)."""
+        """A few lines for the prediction's table: the verdict, the plan, its cost and the code to write.
+
+        Each peak names its figure: ``reserved`` (on CUDA the simulated allocator's, above the allocated peak the
+        prediction's header gives by what it caches) or ``live``.
+        """
         head = f"Memory budget {format_bytes(self.budget_bytes)} ({self.basis}):"
         if not self.fits:
             return [head, f"  no plan fits: {self.reason}"]
@@ -84,9 +88,12 @@ class BudgetPlan:
             if self.recomputed_flops is not None and share is not None
             else "recomputation not counted"
         )
+        figure = "reserved" if self.basis.startswith("reserved") else "live"
+        code = [f"    {line}" for line in (self.code or "").splitlines()]
         return [
             head,
-            f"  checkpoint {self.what}: peak {format_bytes(self.peak_bytes)} (from"
-            f" {format_bytes(self.baseline_peak_bytes)}), {cost}",
-            f"  {self.reason}; the code: prediction.budget.code",
+            f"  checkpoint {self.what}: {figure} peak {format_bytes(self.peak_bytes)} (from"
+            f" {format_bytes(self.baseline_peak_bytes)} {figure}), {cost}",
+            f"  {self.reason}; the code:" if code else f"  {self.reason}",
+            *code,
         ]

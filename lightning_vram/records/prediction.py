@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_vram.records.advice import FitRow
+from lightning_vram.records.advice import FitRow, expandable_lines
 from lightning_vram.records.advice_json import fit_row_to_dict
 from lightning_vram.records.budget import BudgetPlan
 from lightning_vram.records.measured import CATEGORIES, in_phase_order
@@ -129,8 +129,9 @@ def prediction_text(prediction: Prediction) -> str:
         return f"Prediction: skipped ({prediction.skipped})"
     peak = step.peak
     batch = f", batch {step.batch_size}" if step.batch_size is not None else ""
+    figure = "allocated" if step.device_type == "cuda" else "live"  # the budget's lines may give a reserved one
     lines = [
-        f"Prediction: {step.device_type}, {step.precision}{batch}: peak {format_bytes(peak.peak_bytes)} in"
+        f"Prediction: {step.device_type}, {step.precision}{batch}: {figure} peak {format_bytes(peak.peak_bytes)} in"
         f" {peak.phase.value}"
     ]
     header = ["phase", "peak", *(name.replace("_", " ") for name in CATEGORIES)]
@@ -157,6 +158,7 @@ def prediction_text(prediction: Prediction) -> str:
         ]
         lines += _columns(fit)
         lines += [f"  {row.device}: {row.note}" for row in prediction.fit if row.note is not None]
+        lines += [f"  {line}" for line in expandable_lines(prediction.fit)]
     lines += step_time_lines(prediction.step_times, step.batch_size)
     if prediction.budget is not None:
         lines += prediction.budget.lines()

@@ -283,6 +283,10 @@ class BaselineMatch:
     step: int
     parts: tuple[PartMatch, ...]
     tolerance: float
+    window_first: bool = False
+    """Under gradient accumulation, whether the sampled step was matched against the replay of its window's first
+    micro-batch (:attr:`ReplayedStep.window_first`: no optimizer step), not the steady micro-batch with the optimizer
+    step (:attr:`ReplayedStep.phases`) that the advice's figures are."""
 
     @property
     def matches(self) -> bool:
@@ -417,6 +421,8 @@ class Simulation:
     expandable_reserved_bytes: dict[Phase, int] | None = None
     """Each phase's simulated reserved peak of the baseline's own allocations with ``expandable_segments:True``
     (``None``: not simulated, as where the run already has them)."""
+    accumulate_grad_batches: int = 1
+    """The run's ``accumulate_grad_batches`` the step was replayed with (above 1: a window's micro-batches)."""
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None
         "step": match.step,
         "matches": match.matches,
         "tolerance": match.tolerance,
+        **({"window_first": True} if match.window_first else {}),
         "parts": [
             {
                 "phase": part.phase.value,
@@ -221,6 +222,11 @@ def simulation_to_dict(
                 if phase in simulation.expandable_reserved_bytes
             }
         ),
+        **(
+            {"accumulate_grad_batches": simulation.accumulate_grad_batches}
+            if simulation.accumulate_grad_batches > 1
+            else {}
+        ),
         "variants": [variant_to_dict(variant, variant is advised) for variant in simulation.variants],
         **timelines,
     }
@@ -284,6 +290,7 @@ def _baseline_match(fields: Reader | None) -> BaselineMatch | None:
         step=fields.integer("step"),
         parts=tuple(fields.each("parts", _part_match)),
         tolerance=fields.number("tolerance"),
+        window_first=fields.added("window_first", Reader.flag, False),
     )
 
 
@@ -355,7 +362,12 @@ def _simulation(fields: Reader | None) -> Simulation | None:
         calibration=fields.added("calibration", _calibration, None),
         allocator_conf=fields.added("allocator_conf", Reader.optional_text, None),
         expandable_reserved_bytes=fields.added("expandable_reserved_bytes", _phase_bytes, None),
+        accumulate_grad_batches=fields.added("accumulate_grad_batches", _accumulation, 1),
     )
+
+
+def _accumulation(fields: Reader, key: str) -> int:
+    return fields.integer(key, minimum=1)
 
 
 def _phase_or_none(text: str | None, where: str) -> Phase | None:

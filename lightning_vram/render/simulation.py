@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from lightning_vram.advice.rules.mixed_precision import not_advised
 from lightning_vram.records import (
     COUNTED_PARTS,
+    LIVE_PEAK_PART,
     BaselineMatch,
     Calibration,
     Phase,
@@ -83,7 +84,34 @@ def _summary(simulation: Simulation) -> str:
         if match is None
         else f"; it matches the measured step, every counted part within {match.tolerance:.0%}"
     )
-    return f"{replayed}{compared}. Each change below was replayed on it; a peak is {measure}."
+    return f"{replayed}{compared}{_window_text(simulation)}. Each change below was replayed on it; a peak is {measure}."
+
+
+def _window_text(simulation: Simulation) -> str:
+    """Under gradient accumulation, which micro-batch the sampled step was matched against, and which the advice is.
+
+    >>> from lightning_vram.records import Simulation
+    >>> match = BaselineMatch(2, (), 0.01, window_first=True)
+    >>> print(_window_text(Simulation("cpu", None, match, None, (), 0.0, accumulate_grad_batches=2))[:108], "...")
+    , with accumulate_grad_batches=2: sampled step 2 is the first micro-batch of its window (no optimizer step), ...
+    """
+    window = simulation.accumulate_grad_batches
+    if window <= 1:
+        return ""
+    match = simulation.match
+    steady = "the steady micro-batch's (a later one of the window, with the optimizer step), which holds the most"
+    if match is None:
+        return f", with accumulate_grad_batches={window}; the advice's figures are {steady}"
+    if match.window_first:
+        return (
+            f", with accumulate_grad_batches={window}: sampled step {match.step} is the first micro-batch of its window"
+            " (no optimizer step), and the table sets it against the replay of a window's first micro-batch; the"
+            f" advice's figures are {steady}"
+        )
+    return (
+        f", with accumulate_grad_batches={window}: sampled step {match.step} is a later micro-batch of its window, set"
+        f" against the replay of one; the advice's figures are {steady}"
+    )
 
 
 def _largest_difference(match: BaselineMatch, phase: Phase) -> str:
@@ -111,6 +139,10 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
             "measured live peak (run's highest)",
             "predicted peak (replayed + carried)" if carried else "replayed live peak",
         ]
+    if match is not None and match.window_first:
+        header = [name.replace("(run's highest)", "(sampled step)") if measured_live else name for name in header]
+        rows = _window_first_rows(report, match, baseline, on_cuda or measured_live)
+        return Table(tuple(header), _numeric(header), tuple(rows))
     rows = []
     for phase, peak in in_phase_order(baseline.phases):
         measured = (
@@ -126,8 +158,41 @@ def _baseline_table(report: Report, simulation: Simulation, baseline: ReplayedSt
             run_peak = report.phases.get(phase)
             row += [format_bytes(run_peak.peak_bytes if run_peak is not None else None), format_bytes(peak.peak_bytes)]
         rows.append(tuple(row))
-    numeric = tuple(name not in ("phase", "largest difference") for name in header)
-    return Table(tuple(header), numeric, tuple(rows))
+    return Table(tuple(header), _numeric(header), tuple(rows))
+
+
+def _numeric(header: list[str]) -> tuple[bool, ...]:
+    return tuple(name not in ("phase", "largest difference") for name in header)
+
+
+def _window_first_rows(
+    report: Report, match: BaselineMatch, baseline: ReplayedStep, peaks: bool
+) -> list[tuple[str, ...]]:
+    """The rows of a sampled first micro-batch: each phase it counted, against the replayed first micro-batch's.
+
+    The replayed bytes are the match's own (what the sampled step was compared with); the peaks are the sampled
+    step's live peak and the replay's where the match compared them (the CPU), else the run's highest and the
+    replayed first micro-batch's (``n/a`` read back from a file, which keeps only the steady micro-batch's phases).
+    """
+    rows = []
+    for phase in [phase for phase in Phase if any(part.phase is phase for part in match.parts)]:
+        parts = [part for part in match.parts if part.phase is phase]
+        counted = [part for part in parts if part.part in COUNTED_PARTS]
+        row = [
+            f"{phase.value} (first micro-batch)",
+            format_bytes(sum(part.measured_bytes for part in counted)),
+            format_bytes(sum(part.replayed_bytes for part in counted)),
+            _largest_difference(match, phase),
+        ]
+        if peaks:
+            live = next((part for part in parts if part.part == LIVE_PEAK_PART), None)
+            first = baseline.window_first.get(phase) if baseline.window_first is not None else None
+            run_peak = report.phases.get(phase)
+            measured = live.measured_bytes if live is not None else run_peak.peak_bytes if run_peak else None
+            replayed = live.replayed_bytes if live is not None else first.peak_bytes if first is not None else None
+            row += [format_bytes(measured), format_bytes(replayed)]
+        rows.append(tuple(row))
+    return rows
 
 
 def error_text(error: float | None) -> str:

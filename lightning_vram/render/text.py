@@ -19,10 +19,12 @@ from lightning_vram.records import (
     ModuleProfile,
     NotAdvised,
     OomDiagnosis,
+    Phase,
     PreflightRemedy,
     PreflightVerdict,
     Report,
     SavingBasis,
+    expandable_lines,
     in_phase_order,
 )
 from lightning_vram.records.oom import oom_headline
@@ -280,8 +282,20 @@ def peak_lines(report: Report) -> list[str]:
                 f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
             )
         phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
-        lines.append(f"phase peaks: {phases}")
+        lines.append(f"phase peaks: {phases}{_no_optimizer_reason(report)}")
     return lines
+
+
+def _no_optimizer_reason(report: Report) -> str:
+    """Why the phase peaks hold no optimizer entry where the sampled step was a window's first micro-batch."""
+    simulation = report.simulation
+    match = simulation.match if simulation is not None else None
+    if simulation is None or match is None or not match.window_first or Phase.OPTIMIZER in report.phases:
+        return ""
+    return (
+        f" (no optimizer entry: sampled step {match.step} is the first micro-batch of an accumulation window of"
+        f" {simulation.accumulate_grad_batches}, which takes no optimizer step)"
+    )
 
 
 def fact_lines(report: Report, top_modules: int, written_to: str | None, width: int, details: str) -> list[str]:
@@ -362,6 +376,7 @@ def _fit_rule(rows: Sequence[FitRow]) -> str:
         return "A batch fits where its tensor peak and the CUDA context leave 10% of the card free."
     named = ", ".join(setting or "torch defaults" for setting in settings)
     gaps = "".join(f" {row.device}: {row.note}." for row in rows if row.note is not None)
+    gaps += "".join(f" {line[0].upper()}{line[1:]}." for line in expandable_lines(rows))
     return (
         f"A batch fits where the simulated CUDA caching allocator ({named}) serves its whole step in the card's"
         f" memory less the CUDA context, no margin kept.{gaps}"

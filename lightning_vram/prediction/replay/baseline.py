@@ -38,12 +38,16 @@ def match_baseline(
     match = _match_phases(replayed, replayed.phases, attribution, tolerance)
     if match.matches or replayed.window_first is None or Phase.OPTIMIZER in attribution.phases:
         return match
-    first = _match_phases(replayed, replayed.window_first, attribution, tolerance)
+    first = _match_phases(replayed, replayed.window_first, attribution, tolerance, window_first=True)
     return first if first.matches else match
 
 
 def _match_phases(
-    replayed: ReplayedStep, phases: Mapping[Phase, PhasePeak], attribution: Attribution, tolerance: float
+    replayed: ReplayedStep,
+    phases: Mapping[Phase, PhasePeak],
+    attribution: Attribution,
+    tolerance: float,
+    window_first: bool = False,
 ) -> BaselineMatch:
     parts = []
     for phase, measured in attribution.phases.items():
@@ -55,7 +59,7 @@ def _match_phases(
         if measured.other is not None:
             live = replayed.reported_bytes(peak) if peak is not None else 0
             parts.append(PartMatch(phase, LIVE_PEAK_PART, measured.peak_bytes, live))
-    return BaselineMatch(step=attribution.step, parts=tuple(parts), tolerance=tolerance)
+    return BaselineMatch(attribution.step, tuple(parts), tolerance, window_first)
 
 
 def mismatch_reason(match: BaselineMatch) -> str:

@@ -244,27 +244,15 @@ def _gaps_note(ranges: Sequence[ServedRange]) -> str | None:
     return "; ".join(parts) or None
 
 
-EXPANDABLE_FEWER = (
-    "their segment is mapped in 20 MiB pages, and a page that a live tensor shares with freed bytes stays mapped"
-    " through the allocator's release-and-retry, so near the card's memory it can hold more than the default"
-    " allocator, which frees whole cached segments and sizes a new one to 2 MiB"
-)
-"""Why a row's expandable-segments batch can be below its default one (torch's ``unmap_block`` unmaps only the
-whole pages of a free block; the model follows it)."""
-
-
 def _served_fit_row(
     name: str, capacity_bytes: int, largest: int, wider: int | None, run: AllocatorSettings, note: str | None = None
 ) -> FitRow:
     """A row found by the simulated allocator, batch sizes.
 
     ``largest``: the largest batch it serves with the run's settings (``run``); ``wider``: with expandable segments;
-    ``note``: where served batches above them have gaps. Where expandable segments serve fewer, the note says why
-    (:data:`EXPANDABLE_FEWER`).
+    ``note``: where served batches above them have gaps. Why expandable segments serve fewer or more is said once
+    for the table (:func:`~lightning_vram.records.advice.expandable_lines`).
     """
-    if wider is not None and wider < largest:
-        fewer = f"with expandable_segments:True {largest - wider:,} fewer: {EXPANDABLE_FEWER}"
-        note = fewer if note is None else f"{note}; {fewer}"
     return FitRow(
         name,
         capacity_bytes,

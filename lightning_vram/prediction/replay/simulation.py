@@ -52,6 +52,8 @@ class Replays(Protocol):
     """The sampled step's allocator peaks per phase, or ``None``."""
     carried: Calibration | None
     """The calibration every later replay carries (set here, after the baseline)."""
+    accumulate: int
+    """``accumulate_grad_batches``: above 1, each replay runs a window's first micro-batch and a later one."""
     allocator: AllocatorSettings | None
     """The allocator settings the replays' reserved peaks are simulated with and their allocation sequences kept for
     (``None``: none simulated, none kept)."""
@@ -124,6 +126,7 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
             calibration=calibration,
             allocator_conf=allocator.conf() if allocator is not None and baseline is not None else None,
             expandable_reserved_bytes=expandable,
+            accumulate_grad_batches=replays.accumulate,
         )
 
     raw = replay(None)

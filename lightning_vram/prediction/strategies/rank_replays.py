@@ -66,6 +66,11 @@ class RankReplays:
         """The counted device's type."""
         return self.predictor.device_type
 
+    @property
+    def accumulate(self) -> int:
+        """``accumulate_grad_batches``, as the rank's predictor replays it."""
+        return self.predictor.accumulate
+
     def seconds_left(self) -> float | None:
         """Host seconds left of the budget."""
         return self.predictor.seconds_left()

@@ -1,0 +1,91 @@
+"""``predict(..., memory_budget=...)`` beside the fit table: the budget search's share of the time, and the printout.
+
+A new user's ``predict(gpt2, batch, memory_budget=...)`` spent every second of ``budget_seconds`` on the budget's
+search and came back with an empty fit table; its printout said "peak 186.0 MiB (from 234.0 MiB)" (reserved) under
+a header "peak 200.5 MiB in backward" (allocated), and "the code: prediction.budget.code" in place of the code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any
+
+import pytest
+import torch
+from models import Classifier, loader
+from test_memory_budget import Encoder, token_classes
+
+from lightning_vram import predict
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.records.advice import CheckpointPlan
+from lightning_vram.records.budget import BudgetPlan
+
+BUDGET_SECONDS = 6.0
+
+
+@pytest.mark.replay
+def test_a_budget_search_that_takes_all_it_is_given_leaves_the_fit_table_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, float | None] = {}
+
+    def greedy_search(predictor: Predictor, *_: Any) -> str:
+        seen["search"] = predictor.seconds_left()
+        while not predictor.out_of_time():  # a search as long as its budget lets it be
+            time.sleep(0.01)
+        return "no plan: the search took every second it had"
+
+    original = Predictor.fit_table
+
+    def fit_table(self: Predictor, *args: Any, **kwargs: Any) -> Any:
+        seen["fit"] = self.seconds_left()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module("lightning_vram.predict"), "plan_for_budget", greedy_search)
+    monkeypatch.setattr(Predictor, "fit_table", fit_table)
+    torch.manual_seed(0)
+    batch = next(iter(loader(token_classes(16, 32), 8)))
+    prediction = predict(
+        Classifier(Encoder()), batch, device_type="cpu", budget_seconds=BUDGET_SECONDS, memory_budget="1MiB"
+    )
+    search, fit = seen["search"], seen["fit"]
+    assert search is not None and fit is not None
+    assert search <= BUDGET_SECONDS / 2  # half of what the baseline left, at most
+    assert fit > 0  # 0.x gave the table nothing: the search had run the clock out
+    notes = "\n".join(prediction.notes)
+    assert "time budget: the memory budget's search was cut to" in notes
+    assert f"time budget: the fit table had {fit:.1f} s of {BUDGET_SECONDS} s" in notes
+
+
+def budget(basis: str) -> BudgetPlan:
+    plan = CheckpointPlan("model.layers", (("model.layers.0",), ("model.layers.1",)), None, 1 << 20)
+    code = "from lightning_vram import checkpoint_keeping_buffers\nmodel.layers[0] = checkpoint(model.layers[0])"
+    return BudgetPlan(
+        1 << 30,
+        True,
+        plan,
+        186 << 20,
+        234 << 20,
+        10,
+        100,
+        "2 units of model.layers",
+        code,
+        "least recomputed",
+        3,
+        basis,
+    )
+
+
+@pytest.mark.parametrize(("basis", "figure"), [("reserved (simulated allocator)", "reserved"), ("live peak", "live")])
+def test_the_budget_lines_name_their_figure_and_print_the_code(basis: str, figure: str) -> None:
+    lines = budget(basis).lines()
+    assert lines[1] == (
+        f"  checkpoint 2 units of model.layers: {figure} peak 186.0 MiB (from 234.0 MiB {figure}), 10 FLOPs recomputed"
+        " (10.0% of the step)"
+    )
+    assert lines[2:] == [
+        "  least recomputed; the code:",
+        "    from lightning_vram import checkpoint_keeping_buffers",
+        "    model.layers[0] = checkpoint(model.layers[0])",
+    ]
