@@ -52,8 +52,11 @@ class Replays(Protocol):
     """The sampled step's allocator peaks per phase, or ``None``."""
     carried: Calibration | None
     """The calibration every later replay carries (set here, after the baseline)."""
-    accumulate: int
-    """``accumulate_grad_batches``: above 1, each replay runs a window's first micro-batch and a later one."""
+
+    @property
+    def accumulate(self) -> int:
+        """``accumulate_grad_batches``: above 1, each replay runs a window's first micro-batch and a later one."""
+
     allocator: AllocatorSettings | None
     """The allocator settings the replays' reserved peaks are simulated with and their allocation sequences kept for
     (``None``: none simulated, none kept)."""
