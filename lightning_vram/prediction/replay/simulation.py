@@ -52,14 +52,14 @@ class Replays(Protocol):
     """The sampled step's allocator peaks per phase, or ``None``."""
     carried: Calibration | None
     """The calibration every later replay carries (set here, after the baseline)."""
+    allocator: AllocatorSettings | None
+    """The allocator settings the replays' reserved peaks are simulated with and their allocation sequences kept for
+    (``None``: none simulated, none kept)."""
 
     @property
     def accumulate(self) -> int:
         """``accumulate_grad_batches``: above 1, each replay runs a window's first micro-batch and a later one."""
-
-    allocator: AllocatorSettings | None
-    """The allocator settings the replays' reserved peaks are simulated with and their allocation sequences kept for
-    (``None``: none simulated, none kept)."""
+        ...
 
     @property
     def device_type(self) -> str:
