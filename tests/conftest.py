@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -6,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_vram.config import MonitorConfig
 
@@ -66,3 +68,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         own = 2 if item.get_closest_marker("distributed") else 1 if item.get_closest_marker("replay") else 0
         weight[item.path] = max(weight.get(item.path, 0), own)
     items.sort(key=lambda item: -weight[item.path])
+
+
+@pytest.fixture
+def gloo_one_rank() -> Iterator[None]:
+    """A gloo process group of one rank (this process) on a free port, destroyed after the test.
+
+    Not torch's fake group: DDP's backward fails there (its all-reduce's future holds no tensor: "expected the hook
+    result is either a Tensor or a TensorList found None", c10d/comm.cpp).
+    """
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

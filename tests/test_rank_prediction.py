@@ -6,10 +6,6 @@ size) is in tests/test_rank_prediction_distributed.py.
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,26 +66,8 @@ def test_a_strategy_not_registered_is_skipped_saying_so(monkeypatch: pytest.Monk
     )
 
 
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A gloo process group of one rank (this process), destroyed after the test.
-
-    Not torch's fake group: DDP's backward fails there (its all-reduce's future holds no tensor: "expected the hook
-    result is either a Tensor or a TensorList found None", c10d/comm.cpp).
-    """
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("cap_mb", [None, 1])
-def test_the_buckets_from_the_parameters_are_the_reducer_s(one_rank: None, cap_mb: int | None) -> None:
+def test_the_buckets_from_the_parameters_are_the_reducer_s(gloo_one_rank: None, cap_mb: int | None) -> None:
     # torch's own DDP at world size 1 builds its Reducer (and holds the buckets): after the rebuild at its second
     # forward, its buckets are the arithmetic's, worked out without a DDP.
     module = network()
@@ -229,7 +207,7 @@ def test_fsdp2_s_sent_bytes_and_the_single_rank_s_are_the_arithmetic() -> None:
     assert full is not None and grad_op is not None and grad_op.parameters > full.parameters
 
 
-def test_fsdp2_leaves_a_process_group_of_the_user_s_alone(one_rank: None) -> None:
+def test_fsdp2_leaves_a_process_group_of_the_user_s_alone(gloo_one_rank: None) -> None:
     predictor = Predictor(ShardedMlp(network(), OPTIMIZERS["adam"]), None, BATCH)
     group = dist.group.WORLD
     assert predict_rank(predictor, StrategySpec("fsdp2", 8)) == ReplaySkipped(

@@ -7,9 +7,6 @@ tests/test_distributed_replay.py.
 from __future__ import annotations
 
 import json
-import os
-import socket
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,20 +30,6 @@ pytestmark = pytest.mark.replay
 
 FLOAT32 = 4
 BATCH = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
-
-
-@pytest.fixture
-def process_group() -> Iterator[None]:
-    """A gloo process group of one rank (this process), destroyed after the test."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_strategy_s_buffers_are_in_every_phase_and_in_other() -> None:
@@ -90,7 +73,7 @@ class AllReducesItsLoss(Classifier):
         return loss
 
 
-def test_a_collective_in_the_step_stops_the_replay(process_group: None) -> None:
+def test_a_collective_in_the_step_stops_the_replay(gloo_one_rank: None) -> None:
     # Each rank replays on its own: a collective there would wait for ranks whose replays never reach it.
     module = AllReducesItsLoss(nn.Linear(32, 10), OPTIMIZERS["sgd"])
     result = Predictor(module, None, BATCH, warm_up=True).baseline()
@@ -98,7 +81,7 @@ def test_a_collective_in_the_step_stops_the_replay(process_group: None) -> None:
     assert result.reason.startswith("the step runs a collective (c10d.allreduce_.default): a rank's replay runs none")
 
 
-def test_ddp_buckets_hold_a_second_copy_of_every_gradient(process_group: None) -> None:
+def test_ddp_buckets_hold_a_second_copy_of_every_gradient(gloo_one_rank: None) -> None:
     # Three Linears. In reverse order the head and the second Linear pass 1 MiB and close the first bucket; the
     # first Linear opens the second (of at most 25 MiB).
     network = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 10))
@@ -116,7 +99,7 @@ def test_ddp_buckets_hold_a_second_copy_of_every_gradient(process_group: None) -
     assert [bucket.buffer().nbytes for bucket in ddp.reducer._get_zeros_like_grad_buckets()] == list(buckets.buffers)
 
 
-def test_ddp_with_gradients_as_bucket_views_is_not_replayed_with_buckets(process_group: None) -> None:
+def test_ddp_with_gradients_as_bucket_views_is_not_replayed_with_buckets(gloo_one_rank: None) -> None:
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(8, 2), gradient_as_bucket_view=True)
     reason = replay_refusal(ddp)
     assert reason is not None and reason.startswith("DDP with gradient_as_bucket_view=True")
