@@ -76,6 +76,8 @@ def apart_from_function_modes(hook: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(hook)
     def apart(*args: P.args, **kwargs: P.kwargs) -> R:
+        if not _len_torch_function_stack():  # the usual case, on every step: no context to enter
+            return hook(*args, **kwargs)
         with outside_function_modes():
             return hook(*args, **kwargs)
 
