@@ -48,7 +48,7 @@ def test_helper_scripts_are_not_imported_while_collecting() -> None:
     # The files that start processes come first, the long ones `make test` hands its workers before the short ones.
     starts = [start for _, start in found["files"]]
     assert starts == sorted(starts, reverse=True) and starts.count(True) >= 2
-    assert [name for name, start in found["files"][:2]] == ["test_distributed.py", "test_distributed_replay.py"]
+    assert {"test_distributed.py", "test_distributed_replay.py"} <= {name for name, start in found["files"] if start}
 
 
 # ------------------------------------------------------------------------------------------------ replays in tests
