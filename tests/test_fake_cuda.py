@@ -199,7 +199,7 @@ def test_graph_backward_recomputes_and_frees_checkpointed_units_as_the_engine_do
         walked_step, walked_ops = recorded_replay(module, batch, change=change)
     assert walked_ops == engine_ops
     assert names(walked_ops).count("addmm") == 16  # 8 in forward, 8 in the two units' recomputation
-    assert peaks(walked_step) == peaks(engine_step) == {"forward": 1580200, "backward": 2349576, "optimizer": 4455028}
+    assert peaks(walked_step) == peaks(engine_step) == {"forward": 1580200, "backward": 2349576, "optimizer": 4455024}
     for phase in Phase:
         assert walked_step.phases[phase].breakdown == engine_step.phases[phase].breakdown
 

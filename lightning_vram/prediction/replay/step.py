@@ -147,12 +147,10 @@ class StepRun:
 
     def run_micro_batch(
         self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None, zero_grad: bool = True
-    ) -> tuple[Any, Tensor]:
+    ) -> None:
         """Forward, zero_grad (the first micro-batch of a window only) and backward, with the counters told.
 
         Under accumulation the loss is divided by ``accumulate`` as Lightning divides it; the optimizer does not step.
-        Returns the step's output and its loss: a caller that steps the optimizer holds them through the step, as
-        Lightning's closure result holds the loss.
         """
         if counter is not None and live is not None:
             counter.begin_forward()
@@ -168,7 +166,6 @@ class StepRun:
             counter.before_backward()
             live.start_phase(Phase.BACKWARD)
         self.backward(loss)
-        return output, loss
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward from ``loss``: autograd's engine, or the graph walked where the engine cannot run.
@@ -192,8 +189,7 @@ class StepRun:
         if getattr(twin.module, "automatic_optimization", True) is False:
             self.run_manual(twin, batch, counter, live)
             return
-        # The output and loss stay alive through the optimizer step, as Lightning's closure result holds the loss.
-        output_and_loss = self.run_micro_batch(twin, batch, counter, live, zero_grad)  # noqa: F841
+        self.run_micro_batch(twin, batch, counter, live, zero_grad)
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)
