@@ -174,7 +174,7 @@ class Advisor:
 
         result = self._guard.call(Part.REPLAY, replay)
         if result is None:
-            return "the replay failed (warned)"
+            return "the replay failed, or replays were switched off by an earlier failure (warned)"
         step = result.step if isinstance(result, PreflightVerdict) else result
         if isinstance(step, ReplayedStep) and length is not None:
             self.lengths.append(LengthPeak(length, step.reported_bytes(step.reported_peak), None))
