@@ -6,9 +6,9 @@ CPU's; torch's autocast has no meta device, so the mixed precisions are left out
 one ``plan()`` over every common GPU, checkpointing off and on, at world sizes 1, 2, 4 and 8, with every strategy
 modelled; printed: the seconds, the replays it ran, its rows (and those that fit) per world size, its best row. A
 replay serves every world size of a strategy whose rank is the replay with arithmetic (DDP, ZeRO, FSDP1); FSDP2 is
-replayed per world size. The table's budget (``--seconds``) is shared among the plans: a plan that reaches it lists
-what it left out. Seconds are printed, not
-asserted.
+replayed per world size, but not on the meta device (torch's ``fully_shard`` cannot run there: its rows are left
+out, saying why). The table's budget (``--seconds``) is shared among the plans, counted after the imports: a plan
+that reaches it lists what it left out. Seconds are printed, not asserted.
 
     python benchmarks/plan_cost.py              # the full table, within 60 s
     python benchmarks/plan_cost.py --small      # 2-layer versions (a few seconds)

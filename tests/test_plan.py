@@ -15,6 +15,7 @@ from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduc
 from lightning_vram.plan import ARITHMETIC_FIT, plan
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.reserved import run_settings
+from lightning_vram.prediction.strategies.fsdp2 import META_SKIP
 from lightning_vram.records import ReplayedStep, in_phase_order
 from lightning_vram.records.plan import TABLE_ROWS, Plan
 from lightning_vram.units import MIB
@@ -238,3 +239,22 @@ def test_once_the_budget_ends_a_kept_replay_still_serves_its_rows(monkeypatch: p
     assert sorted(row.strategy for row in result.rows) == ["ddp", "deepspeed_stage_2", "single"]
     assert result.replays == 1
     assert result.left_out == ("the time budget ran out: fsdp2 x2, 32-true, micro-batch 64",)
+
+
+def test_fsdp2_of_a_module_on_the_meta_device_is_left_out_saying_why_without_a_replay() -> None:
+    with torch.device("meta"):
+        module = SmallCNN()
+    result = plan(
+        module,
+        images(8),
+        gpus=["H100 SXM"],
+        world_sizes=(1, 2, 4),
+        strategies=("fsdp2", "ddp"),
+        precisions=("32-true",),
+        checkpointing=(False,),
+    )
+    # fully_shard cannot run on the meta device (torch 2.13 raised an AttributeError there): the plan says why, in
+    # words, and spends no replay on it; the single GPU's replay serves DDP at both world sizes.
+    assert result.left_out == (f"{META_SKIP}: 2 configurations (fsdp2 x2, 32-true, micro-batch 8, ...)",)
+    assert {(row.gpus, row.strategy) for row in result.rows} == {(1, "single"), (2, "ddp"), (4, "ddp")}
+    assert result.replays == 1

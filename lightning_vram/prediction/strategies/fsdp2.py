@@ -50,6 +50,12 @@ METHOD = "replayed: torch's fully_shard under a fake process group"
 """How an FSDP2 rank is predicted."""
 CHUNKING = "_chunk_with_empty"
 """FSDP2's function splitting a parameter into its ranks' chunks (torch 2.13, imported into ``_fsdp_param``)."""
+META_SKIP = (
+    "fsdp2 on the meta device: not replayed (torch's fully_shard takes its device, streams and events from the"
+    " device mesh's device module, and the meta device has none); a module built on the CPU is replayed"
+)
+"""Why an FSDP2 rank of a module on the meta device is not predicted (torch 2.13: ``fully_shard`` raised
+``AttributeError: 'NoneType' object has no attribute 'current_device'`` there)."""
 FSDP_NOTES = ("FSDP", "_fsdp", "_state_ctx", "_comm_ctx")
 """What marks a containment note about FSDP2's own state on the replay's copy (the objects its hooks hold, which
 the replay's copy made and changes as FSDP2 does): left out of the rank's notes."""
@@ -221,6 +227,8 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
     """One FSDP2 rank of ``spec.world_size``: the predictor's (per-rank) step, sharded by ``fully_shard``."""
     if spec.offload:
         return ReplaySkipped("fsdp2 with CPU offload: not modelled yet")
+    if predictor.device_type == "meta":
+        return ReplaySkipped(META_SKIP)
     if dist.is_initialized():
         return ReplaySkipped(
             "fsdp2: a process group is initialized in this process; the replay's fake group cannot replace it"
