@@ -21,8 +21,8 @@ from dataclasses import replace
 from lightning_vram.advice.catalogue import FULL_PRECISIONS, mixed_precision_for
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.prediction.containment.escapes import round_of_replays
-from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import Serving, serves_step
+from lightning_vram.prediction.replay.simulation import Replays
 from lightning_vram.records import (
     AllocatorReading,
     BatchSizeChange,
@@ -52,7 +52,7 @@ def candidate_changes(
 
 
 def preflight(
-    predictor: Predictor,
+    predictor: Replays,
     *,
     reading: AllocatorReading,
     free_bytes: int,
@@ -68,7 +68,10 @@ def preflight(
     Args:
         predictor: the first step (with a warm-up step, resized to the largest shape expected), within the replay
             budget: one replay running when it ends stops at its next op, and changes not reached in time are left
-            out. Its allocator settings (``predictor.allocator``) are the simulated allocator's.
+            out. Its allocator settings (``predictor.allocator``) are the simulated allocator's. A
+            :class:`~lightning_vram.prediction.predictor.Predictor`, or one rank of a sharded run
+            (:class:`~lightning_vram.prediction.strategies.rank_replays.RankReplays`: the rank's figures, tensor
+            peaks only).
         reading: the allocator now (what is allocated and cached).
         free_bytes: the device's free memory now.
         changes: the changes to replay when the step does not fit.
@@ -82,7 +85,7 @@ def preflight(
         return serves_step(step, capacity, predictor.allocator, unseen_bytes)
 
     with round_of_replays():
-        replayed = predictor.baseline()
+        replayed = predictor.replay()
         if not isinstance(replayed, ReplayedStep):
             return replayed.reason
         served = serving(replayed)
@@ -127,12 +130,12 @@ def _keeping(change: StepChange, batch_size: int | None, accumulate: int) -> str
     return None if kept is None else accumulation_text(*kept, batch_size * accumulate)
 
 
-def replay_resized(predictor: Predictor) -> ReplayedStep | str:
+def replay_resized(predictor: Replays) -> ReplayedStep | str:
     """Replay the first step as ``predictor`` holds it (resized, after a warm-up step); or why it could not be.
 
     Where no free memory is known (the CPU): the prediction for the report's table of peaks per length. Raises what
     :func:`preflight` raises.
     """
     with round_of_replays():
-        replayed = predictor.baseline()
+        replayed = predictor.replay()
     return replayed if isinstance(replayed, ReplayedStep) else replayed.reason

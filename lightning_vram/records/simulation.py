@@ -534,6 +534,31 @@ class PreflightVerdict:
         return remedy.peak_bytes - (self.step.peak.peak_bytes - self.needed_bytes) <= self.available_bytes
 
 
+@dataclass(frozen=True)
+class RankPreflight:
+    """One rank's preflight verdict as every rank agreed on it before step 0 (one gather), in bytes.
+
+    ``fits``: whether the rank's first step is predicted to fit (:attr:`PreflightVerdict.fits`); ``None`` where the
+    rank's preflight was skipped (``skipped`` says why on that rank; the other ranks see ``None``: a reason is text,
+    and the gather carries numbers). ``needed_bytes`` and ``available_bytes`` as in :class:`PreflightVerdict`,
+    ``peak_bytes`` the rank's replayed peak; ``None`` where skipped.
+    """
+
+    rank: int
+    fits: bool | None
+    needed_bytes: int | None = None
+    available_bytes: int | None = None
+    peak_bytes: int | None = None
+    skipped: str | None = None
+
+    @classmethod
+    def of(cls, rank: int, outcome: PreflightVerdict | str) -> RankPreflight:
+        """Rank ``rank``'s row: its verdict, or the reason its preflight was skipped."""
+        if isinstance(outcome, str):
+            return cls(rank, None, skipped=outcome)
+        return cls(rank, outcome.fits, outcome.needed_bytes, outcome.available_bytes, outcome.step.peak.peak_bytes)
+
+
 def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -> VariantResult | None:
     """The replayed change behind the first piece of ``advice`` whose saving was simulated, if any.
 

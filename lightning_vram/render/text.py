@@ -22,6 +22,7 @@ from lightning_vram.records import (
     Phase,
     PreflightRemedy,
     PreflightVerdict,
+    RankPreflight,
     Report,
     SavingBasis,
     expandable_lines,
@@ -33,6 +34,8 @@ from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sen
 from lightning_vram.render.simulation import Table, calibration_line, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
+MONITOR_PREFIX = "VramMonitor: "
+"""How the monitor's warnings start."""
 SUMMARY_TOP_MODULES = 3
 """How many of the top modules the console summary names."""
 
@@ -515,7 +518,7 @@ def preflight_warning(
     if shape is not None:
         what = f"a training step on batches of {shape_text(shape)} per sample, the largest expected,"
     text = (
-        f"VramMonitor: {what} is predicted to run out of memory in {peak.phase.value} on"
+        f"{MONITOR_PREFIX}{what} is predicted to run out of memory in {peak.phase.value} on"
         f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
         f" allocated already; {format_bytes(verdict.available_bytes)} more is available, {format_bytes(shortfall)}"
         " short."
@@ -533,6 +536,42 @@ def preflight_warning(
     if short:
         text += f" Replayed changes that save memory but still do not fit: {_remedies_text(short)}."
     return text
+
+
+def ranks_preflight_warning(agreed: Sequence[RankPreflight], rank: int, own: str | None) -> str:
+    """The warning rank ``rank`` gives before step 0 when some rank's first step is predicted not to fit.
+
+    ``agreed``: every rank's verdict, rank by rank, as the ranks gathered them. Each rank predicted to run out of
+    memory is named with what its step still needs and what its device has; the others fit or were skipped. Every
+    rank's warning starts with the same sentence; ``own``, this rank's :func:`preflight_warning` where its own step
+    does not fit (its remedies), follows.
+    """
+    short = [row for row in agreed if row.fits is False]
+    named = "; ".join(map(_rank_shortfall, short))
+    fitting = [str(row.rank) for row in agreed if row.fits]
+    skipped = [str(row.rank) for row in agreed if row.fits is None]
+    text = (
+        f"{MONITOR_PREFIX}preflight on {len(agreed)} ranks before step 0: {len(short)} of {len(agreed)} ranks predicted"
+        f" to run out of memory: {named}."
+    )
+    if fitting:
+        text += f" Predicted to fit: rank {', '.join(fitting)}."
+    if skipped:
+        text += f" Not checked (preflight skipped there): rank {', '.join(skipped)}."
+    if own is not None:
+        text += f" Rank {rank}'s own check: {own.removeprefix(MONITOR_PREFIX)}"
+    return text
+
+
+def _rank_shortfall(row: RankPreflight) -> str:
+    """A rank predicted not to fit: what its step still needs and what its device has, in bytes."""
+    needed, available = row.needed_bytes, row.available_bytes
+    if needed is None or available is None:
+        return f"rank {row.rank}"
+    text = f"rank {row.rank} needs {format_bytes(needed)} more, {format_bytes(available)} available"
+    if needed > available:
+        return f"{text} ({format_bytes(needed - available)} short)"
+    return f"{text} (the simulated caching allocator cannot serve it in that)"
 
 
 def _remedies_text(remedies: Sequence[PreflightRemedy]) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vram._guard import Guard, Part
+from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
 from lightning_vram.advice.oom import diagnose
 from lightning_vram.advice.preflight import candidate_changes, preflight, replay_resized
 from lightning_vram.advice.rules.registry import advise
@@ -48,13 +49,19 @@ from lightning_vram.records import (
     Phase,
     PhasePeak,
     PreflightVerdict,
+    RankPreflight,
     ReplayedStep,
     RunSummary,
     Simulation,
     StrategyBuffers,
     TrainingSetup,
 )
-from lightning_vram.render.text import preflight_warning, shape_mismatch_warning, worst_batch_warning
+from lightning_vram.render.text import (
+    preflight_warning,
+    ranks_preflight_warning,
+    shape_mismatch_warning,
+    worst_batch_warning,
+)
 from lightning_vram.session.context import RunContext
 
 GROWTH = 1.1
@@ -78,6 +85,11 @@ class Advisor:
         """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
         self.preflight_verdict: PreflightVerdict | None = None
         """The first step replayed against the device's free memory before it ran (CUDA, ``preflight=True``)."""
+        self.preflight_ranks: tuple[RankPreflight, ...] = ()
+        """Every rank's preflight verdict as the ranks agreed on it before step 0 (this rank's alone without a
+        gather); empty before preflight."""
+        self._preflight_warning: str | None = None  # this rank's own warning, given once the ranks have agreed
+        self._preflight_shape: tuple[tuple[int, ...] | None, int | None] = (None, None)
         self.replayed_step: int | None = None
         """The step whose batch :attr:`simulation` replayed."""
         self.lengths: list[LengthPeak] = []
@@ -85,70 +97,129 @@ class Advisor:
         self._taken_elements: int | None = None  # the most elements of a batch counted (and replayed) so far
         self._worst_replays = 0
 
-    def preflight(self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo) -> None:
-        """Before the first step: replay it (resized to the largest shape expected) and on CUDA warn if it won't fit.
+    def preflight(
+        self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo
+    ) -> RankPreflight:
+        """Before the first step: replay it (resized to the largest shape expected) and on CUDA judge if it fits.
 
         The largest shape is ``max_shape``, else the one the longest length means: ``max_length``, else the
         DataLoader's own (see :meth:`_expected`). On the CPU only that shape is replayed, for the report's peak per
-        length: nothing is said about fitting.
+        length: nothing is said about fitting. Under several processes this rank's own step is replayed: DDP's with
+        its gradient buckets held, a DeepSpeed ZeRO-1/2 rank's as :class:`RankReplays` predicts it. Returns this
+        rank's row for the ranks to agree on; :meth:`warn_preflight` warns once they have.
         """
+        with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
+            outcome = self._preflight(batch, reading, probe, device)
+        verdict = outcome if isinstance(outcome, PreflightVerdict) else None
+        self.preflight_verdict = verdict
+        self._preflight_warning = None
+        if verdict is not None and not verdict.fits:
+            shape, length = self._preflight_shape
+            where = f"{device.name} ({device.type}:{device.index})"
+            if self._config.max_shape is not None:
+                self._preflight_warning = preflight_warning(verdict, where, shape=shape)
+            else:
+                self._preflight_warning = preflight_warning(verdict, where, length)
+        if isinstance(outcome, ReplayedStep):
+            outcome = "no free memory to fit on: the step was replayed for the peak per length only"
+        return RankPreflight.of(self._context.rank, outcome)
+
+    def warn_preflight(self, agreed: tuple[RankPreflight, ...]) -> None:
+        """Warn once, as every rank agreed: the ranks predicted not to fit, then this rank's own verdict and remedies.
+
+        One process (or ranks that could not gather): this rank's own warning alone. Every rank of a gathered run
+        warns the same first sentence, naming each rank that does not fit with its figures.
+        """
+        self.preflight_ranks = agreed
+        own = self._preflight_warning
+        if len(agreed) > 1 and any(row.fits is False for row in agreed):
+            text = ranks_preflight_warning(agreed, self._context.rank, own)
+            warnings.warn(text, VramMonitorWarning, stacklevel=5)
+        elif own is not None:
+            warnings.warn(own, VramMonitorWarning, stacklevel=5)
+
+    def _preflight(
+        self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo
+    ) -> PreflightVerdict | ReplayedStep | str:
+        """The rank's first step replayed against its device's memory; on the CPU, resized; or why it was not."""
         context, config = self._context, self._config
         budget, on_cuda = config.replay_budget_seconds, device.type == "cuda"
         if not config.preflight or budget <= 0:
-            return
+            return "preflight is off (preflight=False or replay_budget_seconds=0)"
         model, step_function = context.model, context.step_function
         if probe is None or model is None or context.read_setup is None or step_function is None:
-            return
+            return "no step to replay (no probe, model, set-up or step function)"
         if compiled_module_names(model):  # replaying compiled graphs on fake tensors would make them recompile
-            return
+            return "torch.compile: replaying compiled graphs under fake tensors would make them recompile"
         if saved_tensor_hooks_active():  # the user's pair would pack the replay's fake tensors
-            return
+            return "a saved-tensor-hook pair of the user's is active: it would pack the replay's fake tensors"
         training = self._guard.call(Part.REPLAY, context.setup)
         if training is None:
-            return
-        shape, length = self._expected(batch, training)
+            return "the training set-up could not be read"
+        shape, length = self._preflight_shape = self._expected(batch, training)
         if not (on_cuda or length is not None):
-            return
+            return f"no device memory to fit on ({device.type}) and no longest batch to replay"
 
-        def replay() -> PreflightVerdict | ReplayedStep | None:
-            strategy = self._strategy(training)  # each rank's own verdict: no collective
-            predictor = Predictor(
-                model,
-                context.current_optimizers(),
-                batch,
-                precision=training.precision,
-                step_function=step_function,
-                warm_up=True,
-                shape=shape,
-                budget_seconds=budget,
-                compute_capability=device.compute_capability,
-                strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
-                accumulate=training.accumulate_grad_batches,
-            )
+        def replay() -> PreflightVerdict | ReplayedStep | str:
+            predictor = self._preflight_replays(batch, training, shape, device)
+            if isinstance(predictor, str):
+                return predictor
             free = probe.free_bytes() if on_cuda else None
             if free is None or reading is None:
                 if length is None:
-                    return None
-                step = replay_resized(predictor)
-                return step if isinstance(step, ReplayedStep) else None
+                    return "the device's free memory is not known"
+                return replay_resized(predictor)
             changes = candidate_changes(training.precision, batch_size_of(batch), device.compute_capability)
-            verdict = preflight(predictor, reading=reading, free_bytes=free, changes=changes)
-            return verdict if isinstance(verdict, PreflightVerdict) else None
+            return preflight(predictor, reading=reading, free_bytes=free, changes=changes)
 
-        with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
-            result = self._guard.call(Part.REPLAY, replay)
-        verdict = result if isinstance(result, PreflightVerdict) else None
-        self.preflight_verdict = verdict
-        step = verdict.step if verdict is not None else result
+        result = self._guard.call(Part.REPLAY, replay)
+        if result is None:
+            return "the replay failed, or replays were switched off by an earlier failure (warned)"
+        step = result.step if isinstance(result, PreflightVerdict) else result
         if isinstance(step, ReplayedStep) and length is not None:
             self.lengths.append(LengthPeak(length, step.reported_bytes(step.reported_peak), None))
-        if verdict is not None and not verdict.fits:
-            where = f"{device.name} ({device.type}:{device.index})"
-            if config.max_shape is not None:
-                warning = preflight_warning(verdict, where, shape=shape)
-            else:
-                warning = preflight_warning(verdict, where, length)
-            warnings.warn(warning, VramMonitorWarning, stacklevel=4)
+        return result
+
+    def _preflight_replays(
+        self, batch: Any, training: TrainingSetup, shape: tuple[int, ...] | None, device: DeviceInfo
+    ) -> Predictor | RankReplays | str:
+        """The rank's first step to replay: one process's, DDP's with its buckets, a ZeRO-1/2 rank's; or why not.
+
+        Each replay warms up one step of its own first, so the gradients and optimizer state of step 1 on exist.
+        """
+        context, budget = self._context, self._config.replay_budget_seconds
+        model, step_function = context.model, context.step_function
+        assert model is not None
+        assert step_function is not None
+        sharding = live_sharding(context.current_optimizers())
+        if isinstance(sharding, str):
+            return sharding
+        if isinstance(sharding, LiveSharding):
+            optimizers = [unsharded_optimizer(sharding.optimizer, list(model.parameters()))]
+            strategy: StrategyBuffers | None = None
+        elif training.world_size > 1 and training.strategy in SHARDING_STRATEGIES:
+            return f"{training.strategy}: a live rank of this sharded strategy is not predicted yet (ZeRO-1/2 is)"
+        else:
+            buffers = self._strategy(training)
+            if isinstance(buffers, str):
+                return buffers
+            optimizers, strategy = context.current_optimizers(), buffers
+        predictor = Predictor(
+            model,
+            optimizers,
+            batch,
+            precision=training.precision,
+            step_function=step_function,
+            warm_up=True,
+            shape=shape,
+            budget_seconds=budget,
+            compute_capability=device.compute_capability,
+            strategy=strategy,
+            accumulate=training.accumulate_grad_batches,
+        )
+        if isinstance(sharding, LiveSharding):
+            return RankReplays(predictor, sharding.spec, sharding.settings, context.rank)
+        return predictor
 
     def _expected(self, batch: Any, training: TrainingSetup) -> tuple[tuple[int, ...] | None, int | None]:
         """The largest shape expected past the batch dimension, and its length in the report's peak per length.

@@ -1,7 +1,7 @@
 """Putting a run's measurements together: its summary, what was not measured, the ranks' headlines, the scalars.
 
-The only part that talks to the other ranks (:class:`Ranks`): one gather per log interval and one at the end, and a
-barrier while rank zero writes the files.
+The only part that talks to the other ranks (:class:`Ranks`): one gather before step 0 (preflight's verdicts), one
+per log interval and one at the end, and a barrier while rank zero writes the files.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lightning_vram.config import MonitorConfig
 from lightning_vram.records import (
     IntervalMemory,
     NotMeasured,
+    RankPreflight,
     RankSummary,
     Report,
     RunSummary,
@@ -215,6 +216,20 @@ class Ranks:
         rows = self.guard.call(Part.RANKS, gather, _rank_row(own))
         return (own,) if rows is None else tuple(map(_rank_from_row, enumerate(rows)))
 
+    def agree_preflight(self, own: RankPreflight) -> tuple[RankPreflight, ...]:
+        """Every rank's preflight verdict, rank by rank (one gather every rank joins, before step 0); else ``own``.
+
+        Each rank joins exactly once whatever its own preflight did (a skipped one carries ``fits=None``), so no rank
+        waits for one that has nothing to say. A gather that fails warns once (the guard): this rank's row alone.
+        """
+        gather = self._gather
+        if self.world_size <= 1 or gather is None:
+            return (own,)
+        rows = self.guard.call(Part.RANKS, gather, _preflight_row(own))
+        if rows is None or len(rows) != self.world_size:
+            return (own,)
+        return tuple(own if rank == self.rank else _preflight_from_row(rank, row) for rank, row in enumerate(rows))
+
     def meet(self, gather_ranks: bool) -> None:
         """With several ranks and ``gather_ranks``, wait at the barrier until every rank is there."""
         barrier = self._barrier
@@ -243,3 +258,14 @@ def _rank_from_row(item: tuple[int, list[float]]) -> RankSummary:
         peak_bytes=None if math.isnan(peak_bytes) else int(peak_bytes),
         steps=int(steps),
     )
+
+
+def _preflight_row(own: RankPreflight) -> list[float]:
+    """A rank's preflight verdict as numbers for a gather: fits (1, 0, NaN: skipped), needed, available, peak bytes."""
+    values = (None if own.fits is None else int(own.fits), own.needed_bytes, own.available_bytes, own.peak_bytes)
+    return [math.nan if value is None else float(value) for value in values]
+
+
+def _preflight_from_row(rank: int, row: list[float]) -> RankPreflight:
+    fits, needed, available, peak = (None if math.isnan(value) else int(value) for value in row)
+    return RankPreflight(rank, None if fits is None else bool(fits), needed, available, peak)

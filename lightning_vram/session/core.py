@@ -25,6 +25,7 @@ from lightning_vram.records import (
     OomDiagnosis,
     Phase,
     PreflightVerdict,
+    RankPreflight,
     Report,
     RunSummary,
     Simulation,
@@ -130,6 +131,15 @@ class VramSession:
         return self._advisor.preflight_verdict
 
     @property
+    def preflight_ranks(self) -> tuple[RankPreflight, ...]:
+        """Every rank's preflight verdict, rank by rank, as the ranks agreed on it before step 0.
+
+        One gather; this rank's alone with one process or no gather; empty before the first step or with preflight
+        off.
+        """
+        return self._advisor.preflight_ranks
+
+    @property
     def simulation(self) -> Simulation | None:
         """The replay of the run's sampled step and of each change tried on it (``None`` before it ran)."""
         return self._advisor.simulation
@@ -225,6 +235,8 @@ class VramSession:
         """A training step starts (before its forward pass). ``batch`` gives the batch size on sampled steps."""
         recorder, sampler = self._recorder, self._sampler
         if recorder.probe is None or self._finished:
+            if self._preflight_pending and not self._finished:  # the other ranks' preflight gather waits for this one
+                self._agree_preflight(RankPreflight(self._context.rank, None, skipped="no probe on this rank"))
             return
         if sampler.attributor is not None:  # the last sampled step never ended (its batch stopped at its start hook)
             sampler.close()
@@ -232,9 +244,11 @@ class VramSession:
         every, step = self._log_every, recorder.tracker.steps
         reading = recorder.start_step(every is not None and (step + 1) % every == 0)
         if self._preflight_pending:  # the run's first step: read phase by phase, `reading` is there
-            self._preflight_pending = False
-            if recorder.device is not None:
-                self._advisor.preflight(batch, reading, recorder.probe, recorder.device)
+            device, rank = recorder.device, self._context.rank
+            own = RankPreflight(rank, None, skipped="no device")
+            if device is not None:
+                own = self._advisor.preflight(batch, reading, recorder.probe, device)
+            self._agree_preflight(own)
         due = sampler.next_step
         live = not recorder.reads_allocator  # no allocator measures the peak (the CPU): the sampled step counts all
         # Every step records its batch's shapes; one larger than any replayed is counted and replayed at its end (a
@@ -249,6 +263,19 @@ class VramSession:
         elif sampled and (worst or self._advisor.simulation is None):
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
             self._worst_batch = worst
+
+    def _agree_preflight(self, own: RankPreflight) -> None:
+        """Once a run, before step 0: the ranks agree on every rank's preflight verdict (one gather), then warn.
+
+        Every rank joins the gather exactly once, at its first :meth:`batch_start`, whatever its own preflight did
+        (``own`` carries ``fits=None`` where it was skipped); with preflight off on every rank (``preflight=False``
+        or no replay budget: options every rank shares) no rank joins.
+        """
+        self._preflight_pending = False
+        config = self.config
+        if not config.preflight or config.replay_budget_seconds <= 0:
+            return
+        self._advisor.warn_preflight(self._ranks.agree_preflight(own))
 
     def before_backward(self) -> None:
         """A backward pass is about to run: what ran since the last boundary was a forward pass."""
