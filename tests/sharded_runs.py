@@ -14,14 +14,14 @@ from test_distributed import HANG, free_port
 WORLD = 2
 
 
-def run_zero(out: Path, stage: int, *extra: str) -> list[dict[str, Any]]:
-    """Each rank's ``rank<r>.json`` (``{}`` with ``no-monitor``) from a ZeRO-``stage`` run of :data:`WORLD` ranks."""
+def run_zero(out: Path, stage: int, *extra: str, world: int = WORLD) -> list[dict[str, Any]]:
+    """Each rank's ``rank<r>.json`` (``{}`` with ``no-monitor``) from a ZeRO-``stage`` run of ``world`` ranks."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "zero_advice_train.py"
-    command = [sys.executable, str(script), str(WORLD), str(free_port()), str(out), str(stage), *extra]
+    command = [sys.executable, str(script), str(world), str(free_port()), str(out), str(stage), *extra]
     result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
-    files = [out / f"rank{rank}.json" for rank in range(WORLD)]
+    files = [out / f"rank{rank}.json" for rank in range(world)]
     return [json.loads(file.read_text()) if file.exists() else {} for file in files]
 
 

@@ -40,6 +40,7 @@ def test_every_rule_has_its_own_stable_id() -> None:
         "batch-size-headroom",
         "near-capacity",
         "long-tail",
+        "sharding-stage",
     }
 
 

@@ -1,12 +1,14 @@
 """DeepSpeed ZeRO-1/2 in a plain loop on WORLD CPU processes (gloo), each rank's replay and advice beside its step.
 
-Run by tests/test_sharded_advice.py: ``python tests/zero_advice_train.py WORLD PORT OUT_DIR STAGE [no-monitor]``.
+Run by tests/test_sharded_advice.py (and tests/hostile/test_sharded_training.py):
+``python tests/zero_advice_train.py WORLD PORT OUT_DIR STAGE [no-monitor] [bucket=ELEMENTS]``.
 Each rank trains an MLP with LeakyReLU out of place (its advice: checkpointing, inplace activations) 3 steps under
 ``deepspeed.initialize`` (the ZeRO settings of tests/zero_fsdp1_ranks.py), a plain loop driving
 :class:`~lightning_vram.VramSession` with replays on, step 1 sampled. Rank ``r`` writes ``rank<r>.json``: the
-simulation's skip reason, its baseline match part by part, each advice's saving basis and saving; and
-``training<r>.json``: each step's loss, the final parameters, the optimizer's state and the RNG's state. With
-``no-monitor`` the same run trains without the session.
+simulation's skip reason, its baseline match part by part, each advice's saving basis, saving and detail, the
+report's peak and the stronger ZeRO stage predicted (``sharding``); and ``training<r>.json``: each step's loss, the
+final parameters (ZeRO-3's gathered whole), the optimizer's state and the RNG's state. With
+``no-monitor`` the same run trains without the session; ``bucket=ELEMENTS`` sets ``reduce_bucket_size``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from zero_fsdp1_ranks import ZERO_SETTINGS
 
 from lightning_vram import VramSession
+from lightning_vram.records.simulation_json import sharding_to_dict
 
 STEPS = 3
 BATCH, WIDTH = 64, 128
@@ -47,7 +50,7 @@ def gather(values: list[float]) -> list[list[float]]:
     return rows
 
 
-def train(rank: int, world: int, stage: int, monitored: bool, out: Path) -> None:
+def train(rank: int, world: int, stage: int, monitored: bool, out: Path, bucket: int) -> None:
     import deepspeed  # type: ignore[import-untyped]
 
     torch.manual_seed(0)
@@ -55,7 +58,7 @@ def train(rank: int, world: int, stage: int, monitored: bool, out: Path) -> None
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage, **ZERO_SETTINGS},
+        "zero_optimization": {"stage": stage, **ZERO_SETTINGS, "reduce_bucket_size": bucket},
     }
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
@@ -101,27 +104,39 @@ def train(rank: int, world: int, stage: int, monitored: bool, out: Path) -> None
                 advice.id: [str(advice.saving_basis), advice.estimated_saving_bytes] for advice in report.advice
             },
             "notes": list(simulation.baseline.notes) if simulation.baseline is not None else [],
+            "details": {advice.id: advice.detail for advice in report.advice},
+            "peak": None if report.peak is None else [report.peak.phase.value, report.peak.peak_bytes],
+            "phases": {
+                phase.value: [peak.peak_bytes, *(peak.breakdown.to_dict().values() if peak.breakdown else ())]
+                for phase, peak in report.phases.items()
+            },
+            "sharding": sharding_to_dict(simulation.sharding),
         }
         (out / f"rank{rank}.json").write_text(json.dumps(record))
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):  # ZeRO-3's are partitioned
+        parameters = {name: tensor.flatten().tolist() for name, tensor in model.named_parameters()}
     state = {
         "losses": losses,
-        "parameters": {name: tensor.flatten().tolist() for name, tensor in model.state_dict().items()},
-        "optimizer": repr(zero.optimizer.state_dict()),
-        "master": [tensor.tolist() for tensor in zero.single_partition_of_fp32_groups],
+        "parameters": parameters,
+        "optimizer": repr(zero.optimizer.state_dict()) if stage < 3 else None,  # ZeRO-3's holds its flat partitions
+        "master": [tensor.tolist() for tensor in getattr(zero, "single_partition_of_fp32_groups", ())],
         "rng": torch.get_rng_state().tolist(),
     }
     (out / f"training{rank}.json").write_text(json.dumps(state))
 
 
-def run_rank(rank: int, world: int, port: int, out: Path, stage: int, monitored: bool) -> None:
+def run_rank(rank: int, world: int, port: int, out: Path, stage: int, monitored: bool, bucket: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # DeepSpeed reads these
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    train(rank, world, stage, monitored, out)
+    train(rank, world, stage, monitored, out, bucket)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     world_size, port, directory, zero_stage = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    arguments = (world_size, port, directory, zero_stage, sys.argv[5:] != ["no-monitor"])
+    options = sys.argv[5:]
+    buckets = [int(option.removeprefix("bucket=")) for option in options if option.startswith("bucket=")]
+    reduce_bucket = buckets[0] if buckets else ZERO_SETTINGS["reduce_bucket_size"]
+    arguments = (world_size, port, directory, zero_stage, "no-monitor" not in options, reduce_bucket)
     mp.spawn(run_rank, args=arguments, nprocs=world_size)

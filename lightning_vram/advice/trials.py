@@ -29,11 +29,13 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, simulate
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.prediction.strategies.rank_replays import RANK_TOLERANCE, RankReplays
+from lightning_vram.prediction.strategies.stronger import sharding_trial
 from lightning_vram.records import (
     BatchSizeChange,
     DeviceInfo,
     ReplayedStep,
     RunSummary,
+    ShardingTrial,
     Simulation,
     TrainingSetup,
 )
@@ -103,12 +105,19 @@ def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup)
 def try_rank_changes(replays: RankReplays, summary: RunSummary, setup: TrainingSetup) -> Simulation:
     """One rank of a sharded run: its sampled step against the per-rank model's, then each declared change.
 
+    Where the baseline matched and time is left, the rank is also predicted under the next stronger ZeRO stage
+    (:attr:`~lightning_vram.records.Simulation.sharding`, for the ``sharding-stage`` advice).
+
     The baseline is checked with :data:`~lightning_vram.prediction.strategies.rank_replays.RANK_TOLERANCE`; no fit
     table is searched (the model keeps no allocation sequence for the allocator to serve). Raises what
     :func:`try_changes` raises.
     """
     with round_of_replays():
         simulation = simulate(replays, changes_to_replay(summary, setup), RANK_TOLERANCE)
+        if simulation.skipped is None and not replays.out_of_time():
+            trial = sharding_trial(replays.predictor, replays.spec, replays.settings, replays.rank)
+            if isinstance(trial, ShardingTrial):
+                simulation = replace(simulation, sharding=trial)
     if simulation.skipped is None and summary.on_cuda:
         return replace(simulation, fit_note=f"{replays.spec.label}: no fit table is searched for a sharded rank yet")
     return simulation

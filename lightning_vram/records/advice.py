@@ -35,6 +35,7 @@ class AdviceId(ReportText):
     NEAR_CAPACITY = "near-capacity"
     EVALUATION_BATCH_SIZE = "evaluation-batch-size"
     LONG_TAIL = "long-tail"
+    SHARDING_STAGE = "sharding-stage"
 
 
 class Severity(ReportText):

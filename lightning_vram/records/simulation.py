@@ -392,6 +392,64 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class ShardingTrial:
+    """One rank's step under the run's strategy and under the next stronger sharding at the same world size.
+
+    Both are the per-rank model's predictions on the run's own step
+    (:func:`~lightning_vram.prediction.strategies.predict_rank`), no collective run. ``current`` and ``target`` name
+    the strategies as :class:`~lightning_vram.records.StrategySpec` does (``"deepspeed_stage_2"``, ``"fsdp"``), at
+    ``world_size`` ranks, ``target_sharding`` the target's sharding (FSDP's ``"FULL_SHARD"``; ``None``: none),
+    ``offload`` ZeRO-Offload kept as the run has it. Per strategy, in bytes: the highest phase peak on the device
+    and its phase, and what this rank sends per optimizer step; ``target_host_bytes`` the host memory the target's
+    offloaded state needs (0 without offload). ``reduce_bucket_size`` and ``allgather_bucket_size``: ZeRO's settings
+    read from the run, in elements, which the target keeps (``None``: the run is not ZeRO). ``small_parameter_bytes``:
+    for a ZeRO-3 target, the parameters of at most :data:`PERSISTENCE_THRESHOLD` elements, which DeepSpeed's default
+    ``param_persistence_threshold`` would keep whole on every rank where the prediction partitions them (0
+    otherwise). ``method``: how the target was predicted. ``measured_peak_bytes``: the sampled step's measured peak on
+    this rank (the allocator's on CUDA, the live one on the CPU; ``None``: not measured), which the saving starts
+    from where known: the run's own peak is a fact, the model's figure for it has its own error.
+    """
+
+    current: str
+    target: str
+    world_size: int
+    offload: bool
+    current_peak_bytes: int
+    current_phase: Phase
+    target_peak_bytes: int
+    target_phase: Phase
+    current_communication_bytes: int
+    target_communication_bytes: int
+    target_host_bytes: int
+    method: str
+    target_sharding: str | None = None
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
+    small_parameter_bytes: int = 0
+    measured_peak_bytes: int | None = None
+
+    @property
+    def start_bytes(self) -> int:
+        """The rank's peak under the current strategy the saving starts from: measured where known, else predicted."""
+        return self.current_peak_bytes if self.measured_peak_bytes is None else self.measured_peak_bytes
+
+    @property
+    def saving_bytes(self) -> int:
+        """:attr:`start_bytes` less the target's predicted peak (negative: the target holds more)."""
+        return self.start_bytes - self.target_peak_bytes
+
+    @property
+    def extra_communication_bytes(self) -> int:
+        """What the target sends per optimizer step beyond the current strategy, in bytes (negative: less)."""
+        return self.target_communication_bytes - self.current_communication_bytes
+
+
+PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's (and Lightning's ``DeepSpeedStrategy``'s) default ``param_persistence_threshold``, in elements: ZeRO-3
+keeps a parameter of at most this many elements whole on every rank once gathered."""
+
+
+@dataclass(frozen=True)
 class Simulation:
     """The replay of a run's sampled step and of each change tried on it.
 
@@ -423,6 +481,9 @@ class Simulation:
     (``None``: not simulated, as where the run already has them)."""
     accumulate_grad_batches: int = 1
     """The run's ``accumulate_grad_batches`` the step was replayed with (above 1: a window's micro-batches)."""
+    sharding: ShardingTrial | None = None
+    """Under DeepSpeed ZeRO-1/2, this rank under the next stronger ZeRO stage beside its own strategy, both by the
+    per-rank model (``None``: not a run whose sharding can grow, or not predicted)."""
 
 
 @dataclass(frozen=True)

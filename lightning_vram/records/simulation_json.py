@@ -25,6 +25,7 @@ from lightning_vram.records.simulation import (
     PhaseCalibration,
     PrecisionChange,
     ReplayedStep,
+    ShardingTrial,
     Simulation,
     StepChange,
     StrategyBuffers,
@@ -131,6 +132,58 @@ def _strategy(fields: Reader, key: str) -> StrategyBuffers | None:
     return StrategyBuffers(child.text("label"), tuple(buffers), child.text("basis"))
 
 
+def sharding_to_dict(trial: ShardingTrial | None) -> dict[str, Any] | None:
+    """The simulation's ``sharding``: this rank under its strategy and the next stronger one, with the saving."""
+    if trial is None:
+        return None
+    return {
+        "current": trial.current,
+        "target": trial.target,
+        "target_sharding": trial.target_sharding,
+        "world_size": trial.world_size,
+        "offload": trial.offload,
+        "current_peak_bytes": trial.current_peak_bytes,
+        "measured_peak_bytes": trial.measured_peak_bytes,
+        "current_phase": trial.current_phase.value,
+        "target_peak_bytes": trial.target_peak_bytes,
+        "target_phase": trial.target_phase.value,
+        "saving_bytes": trial.saving_bytes,
+        "current_communication_bytes": trial.current_communication_bytes,
+        "target_communication_bytes": trial.target_communication_bytes,
+        "target_host_bytes": trial.target_host_bytes,
+        "reduce_bucket_size": trial.reduce_bucket_size,
+        "allgather_bucket_size": trial.allgather_bucket_size,
+        "small_parameter_bytes": trial.small_parameter_bytes,
+        "method": trial.method,
+    }
+
+
+def _sharding(fields: Reader, key: str) -> ShardingTrial | None:
+    child = fields.optional_child(key)
+    if child is None:
+        return None
+    child.integer("saving_bytes", minimum=None)  # derived from the peaks
+    return ShardingTrial(
+        current=child.text("current"),
+        target=child.text("target"),
+        target_sharding=child.optional_text("target_sharding"),
+        world_size=child.integer("world_size", minimum=1),
+        offload=child.flag("offload"),
+        current_peak_bytes=child.integer("current_peak_bytes"),
+        measured_peak_bytes=child.optional_integer("measured_peak_bytes"),
+        current_phase=phase_from_text(child.text("current_phase"), f"{key}.current_phase"),
+        target_peak_bytes=child.integer("target_peak_bytes"),
+        target_phase=phase_from_text(child.text("target_phase"), f"{key}.target_phase"),
+        current_communication_bytes=child.integer("current_communication_bytes"),
+        target_communication_bytes=child.integer("target_communication_bytes"),
+        target_host_bytes=child.integer("target_host_bytes"),
+        reduce_bucket_size=child.optional_integer("reduce_bucket_size"),
+        allgather_bucket_size=child.optional_integer("allgather_bucket_size"),
+        small_parameter_bytes=child.integer("small_parameter_bytes"),
+        method=child.text("method"),
+    )
+
+
 def calibration_to_dict(calibration: Calibration | None) -> dict[str, Any] | None:
     """The simulation's ``calibration``: the sampled step's allocator peaks beside the replay's, per phase."""
     if calibration is None:
@@ -228,6 +281,7 @@ def simulation_to_dict(
             else {}
         ),
         "variants": [variant_to_dict(variant, variant is advised) for variant in simulation.variants],
+        **({"sharding": sharding_to_dict(simulation.sharding)} if simulation.sharding is not None else {}),
         **timelines,
     }
 
@@ -363,6 +417,7 @@ def _simulation(fields: Reader | None) -> Simulation | None:
         allocator_conf=fields.added("allocator_conf", Reader.optional_text, None),
         expandable_reserved_bytes=fields.added("expandable_reserved_bytes", _phase_bytes, None),
         accumulate_grad_batches=fields.added("accumulate_grad_batches", _accumulation, 1),
+        sharding=fields.added("sharding", _sharding, None),
     )
 
 

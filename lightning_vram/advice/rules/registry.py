@@ -20,6 +20,7 @@ from lightning_vram.advice.rules import (
     near_capacity,
     optimizer_state,
     pin_memory,
+    sharding_stage,
     stale_gradients,
 )
 from lightning_vram.advice.rules.base import Rule
@@ -36,6 +37,7 @@ RULES: tuple[Rule, ...] = (
     pin_memory.RULE,
     stale_gradients.RULE,
     optimizer_state.RULE,
+    sharding_stage.RULE,
     large_linear.RULE,
     allocator_fragmentation.RULE,
     long_tail.RULE,

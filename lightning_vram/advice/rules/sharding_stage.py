@@ -1,0 +1,160 @@
+"""Sharding stage: the next stronger ZeRO stage at the same world size, this rank's peak predicted under both.
+
+Fires on a live DeepSpeed ZeRO-1/2 run whose rank was predicted under the next stage by the per-rank model
+(:attr:`~lightning_vram.records.Simulation.sharding`): ZeRO-1 to ZeRO-2 partitions the gradients, ZeRO-2 to ZeRO-3
+the parameters too. The advice gives this rank's peak from X (measured on the sampled step, else predicted) to Y
+(predicted), the saving, what the stronger stage sends
+per optimizer step beyond the run's, with ZeRO-Offload the host memory its offloaded state needs, and the exact
+change for the loop that trains the model, keeping the run's bucket settings (which the prediction used). Sharding
+more changes where each element lives and what is communicated, not the update: the same Adam step over the same
+averaged gradients (bit-identical on 2 CPU ranks in fp32, tests/test_sharded_advice.py).
+"""
+
+from __future__ import annotations
+
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, share_text
+from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    RunSummary,
+    SavingBasis,
+    Severity,
+    ShardingTrial,
+    Simulation,
+    TrainingLoop,
+    TrainingSetup,
+)
+from lightning_vram.records.simulation import PERSISTENCE_THRESHOLD
+from lightning_vram.units import format_bytes
+
+ID = AdviceId.SHARDING_STAGE
+MIN_SHARDING_SAVING_SHARE = MIN_SAVING_SHARE
+"""The saving (a share of the rank's predicted peak) below which a stronger stage is not worth its communication."""
+
+
+def trial_of(simulation: Simulation | None) -> ShardingTrial | None:
+    """The run's rank predicted under the next stronger stage, where the replay's baseline was trusted."""
+    if simulation is None or simulation.skipped is not None:
+        return None
+    return simulation.sharding
+
+
+def stage_of(name: str) -> int:
+    """The ZeRO stage a strategy name carries.
+
+    >>> stage_of("deepspeed_stage_3")
+    3
+    """
+    return int(name.removeprefix("deepspeed_stage_"))
+
+
+def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
+    """The change to make, as code for ``loop``: the target stage with the run's settings the prediction used.
+
+    A ZeRO-3 target partitions every parameter as predicted (``param_persistence_threshold=0``) where the model has
+    parameters DeepSpeed's default would keep whole.
+    """
+    stage = stage_of(trial.target)
+    persist = stage == 3 and trial.small_parameter_bytes > 0
+    buckets = (trial.reduce_bucket_size, trial.allgather_bucket_size)
+    defaults = buckets == (LIGHTNING_DEFAULTS.reduce_bucket_size, LIGHTNING_DEFAULTS.allgather_bucket_size)
+    if loop is TrainingLoop.PLAIN:
+        settings = [f'"stage": {stage}']
+        if persist:
+            settings.append('"stage3_param_persistence_threshold": 0')
+        return (
+            f'config["zero_optimization"].update({{{", ".join(settings)}}})  # the rest of your zero_optimization'
+            " kept, then deepspeed.initialize(..., config=config)"
+        )
+    owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
+    if defaults and not persist:
+        return f'{owner}(strategy="{trial.target}{"_offload" if trial.offload else ""}")'
+    arguments = [f"stage={stage}"]
+    if trial.offload:
+        arguments.append("offload_optimizer=True")
+    if not defaults:
+        arguments += [
+            f"reduce_bucket_size={trial.reduce_bucket_size:_}",
+            f"allgather_bucket_size={trial.allgather_bucket_size:_}",
+        ]
+    if persist:
+        arguments.append("param_persistence_threshold=0")
+    return f"{owner}(strategy=DeepSpeedStrategy({', '.join(arguments)}))"
+
+
+def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
+    """A stronger ZeRO stage lowers this rank's predicted peak by the threshold or more: the change and its cost."""
+    trial = trial_of(simulation)
+    if trial is None:
+        return None
+    saving = trial.saving_bytes
+    if saving < MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
+        return None
+    current, target = stage_of(trial.current), stage_of(trial.target)
+    sharded = "gradients" if target == 2 else "parameters"
+    extra = trial.extra_communication_bytes
+    sent = (
+        f"sends {format_bytes(extra)} more per optimizer step ({format_bytes(trial.target_communication_bytes)}"
+        f" against {format_bytes(trial.current_communication_bytes)})"
+        if extra > 0
+        else f"sends {format_bytes(trial.target_communication_bytes)} per optimizer step, no more than now"
+    )
+    host = (
+        f" ZeRO-Offload stays on: the offloaded optimizer state, fp32 master and gradient partition need"
+        f" {format_bytes(trial.target_host_bytes)} of host RAM per rank under ZeRO-{target}."
+        if trial.offload
+        else ""
+    )
+    persist = (
+        f" `param_persistence_threshold=0` partitions every parameter, as predicted: DeepSpeed's default"
+        f" ({PERSISTENCE_THRESHOLD:,} elements) would keep the parameters under it"
+        f" ({format_bytes(trial.small_parameter_bytes)} here) whole on every rank, for fewer all-gathers."
+        if target == 3 and trial.small_parameter_bytes > 0
+        else ""
+    )
+    code = strategy_code(trial, setup.loop)
+    return Advice(
+        id=ID,
+        severity=Severity.INFO,
+        title=(
+            f"ZeRO-{current} to ZeRO-{target} takes this rank's peak from {format_bytes(trial.start_bytes)}"
+            f" to {format_bytes(trial.target_peak_bytes)}"
+        ),
+        detail=(
+            f"Shard the {sharded} too: at the same {trial.world_size} ranks, ZeRO-{target} saves"
+            f" {format_bytes(saving)} of this rank's peak and {sent}.{host}{persist} The update is the same (the"
+            f" same optimizer step over the same averaged gradients): the same model.\n```python\n{code}\n```"
+        ),
+        evidence=(
+            f"this rank under ZeRO-{current} x{trial.world_size} {_now(trial)}; under ZeRO-{target} the per-rank model"
+            f" predicts {format_bytes(trial.target_peak_bytes)} in {trial.target_phase.value}"
+            f" ({share_text(saving, trial.start_bytes)} less) on this run's replayed step ({trial.method})"
+        ),
+        estimated_saving_bytes=saving,
+        saving_basis=SavingBasis.SIMULATED,
+        predicted_peak_bytes=trial.target_peak_bytes,
+    )
+
+
+def _now(trial: ShardingTrial) -> str:
+    """The rank's peak under the run's strategy in words: measured, with the model's figure beside it."""
+    predicted = f"{format_bytes(trial.current_peak_bytes)} in {trial.current_phase.value}"
+    if trial.measured_peak_bytes is None:
+        return f"peaks at {predicted} by the per-rank model (the sampled step's peak was not measured)"
+    return f"measured a peak of {format_bytes(trial.measured_peak_bytes)} on the sampled step (the model: {predicted})"
+
+
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> str | None:
+    """Why a stronger stage that was predicted is not advised: its saving is under the threshold."""
+    trial = trial_of(simulation)
+    if trial is None or trial.saving_bytes >= MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
+        return None
+    return (
+        f"predicted, {trial.target} x{trial.world_size} peaks at {format_bytes(trial.target_peak_bytes)} on this"
+        f" rank against {format_bytes(trial.start_bytes)} under {trial.current}: under the"
+        f" {share_text(int(MIN_SHARDING_SAVING_SHARE * 1000), 1000)} saving the rule needs"
+    )
+
+
+RULE = Rule(ID, sharding_stage, no_changes, why_not)
