@@ -5,7 +5,8 @@ An MLP with LeakyReLU out of place (its advice: checkpointing, inplace activatio
 inside the step, 4 steps, steps 2 and 3 sampled. Rank ``r`` writes ``rank<r>.json``: the monitor's measured phase
 peaks and counted parts of the sampled step its replay was checked against (``simulation.match``), each phase's
 measured peak in its report, the replay's phases, the strategy's line, DDP's own buckets (read from its Reducer at
-train end), the advice; ``training<r>.json`` what training did. With ``rank1-skips`` rank 1 reads its loss's
+train end), the advice (with its titles, savings and what was not advised) and the rank predicted under ZeRO-2 and
+FSDP (``sharding``); ``training<r>.json`` what training did. With ``rank1-skips`` rank 1 reads its loss's
 value in its step instead (a replay cannot), so rank 1 skips the replay that rank 0 runs; with ``no-monitor`` the
 same run trains without the monitor.
 """
@@ -26,6 +27,7 @@ from advice_models import activation_mlp, features
 from models import Classifier, loader
 
 from lightning_vram import VramMonitor
+from lightning_vram.records.simulation_json import sharding_to_dict
 
 BATCH = 512
 WIDTH = 256
@@ -77,6 +79,10 @@ class Record(Callback):
             ],
             "gradient_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
             "advice": [[advice.id, advice.saving_basis] for advice in report.advice],
+            "titles": {advice.id: advice.title for advice in report.advice},
+            "savings": {advice.id: advice.estimated_saving_bytes for advice in report.advice},
+            "not_advised": {item.id: item.reason for item in report.not_advised},
+            "sharding": sharding_to_dict(simulation.sharding),
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -11,15 +11,20 @@ from dataclasses import replace
 import torch
 from advice_summaries import MIB, healthy_setup, healthy_summary
 from simulations import step
-from test_rank_prediction_zero import SETTINGS, predictor_of
+from test_rank_prediction_zero import SETTINGS, loss_of, predictor_of
 
 from lightning_vram.advice.rules.registry import advise, not_advised
 from lightning_vram.advice.rules.sharding_stage import sharding_stage, strategy_code
-from lightning_vram.prediction.strategies.deepspeed import predict_zero
+from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.strategies import predict_rank
+from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS, predict_zero
+from lightning_vram.prediction.strategies.from_ddp import ddp_trial, targets
 from lightning_vram.prediction.strategies.stronger import sharding_trial, small_parameter_bytes, stronger
 from lightning_vram.records import (
     Phase,
     RankStep,
+    ReplayedStep,
     SavingBasis,
     ShardingTrial,
     Simulation,
@@ -157,3 +162,127 @@ def test_small_parameters_are_those_deepspeed_persists() -> None:
     module = torch.nn.Sequential(torch.nn.Linear(400, 250), torch.nn.Linear(250, 401))
     # 400 x 250 = 100,000 elements: persisted (at most the threshold); 250 x 401 = 100,250: partitioned
     assert small_parameter_bytes(module, 2) == (100_000 + 250 + 401) * 2
+
+
+FROM_DDP = replace(
+    TRIAL,
+    current="ddp",
+    target="fsdp",
+    target_sharding="FULL_SHARD",
+    reduce_bucket_size=None,
+    allgather_bucket_size=None,
+    method="arithmetic on the single-process replay (FULL_SHARD); deepspeed_stage_2 x8 predicted at 1,700,000,000"
+    " bytes",
+)
+"""DDP on 8 ranks measured at 960 MiB (the model: 1000), FSDP full shard predicted at 600 MiB, sending 1050 MiB a
+step against DDP's all-reduce of 700 MiB."""
+ZERO2_PLAIN = (
+    'model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config={"zero_optimization":'
+    ' {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 200_000_000,'
+    ' "allgather_bucket_size": 200_000_000}, ...})  # in place of DistributedDataParallel(model)'
+)
+"""The plain loop's change from DDP to ZeRO-2, with Lightning's DeepSpeedStrategy defaults the prediction used."""
+
+
+def test_ddp_to_fsdp_full_shard_gives_the_peak_the_traffic_and_each_loops_change() -> None:
+    summary, setup = healthy_summary(), healthy_setup()
+    advice = sharding_stage(summary, setup, simulation_with(FROM_DDP))
+    assert advice is not None and advice.id == "sharding-stage"
+    assert advice.title == "DDP to FSDP (full shard) takes this rank's peak from 960.0 MiB to 600.0 MiB"
+    assert advice.estimated_saving_bytes == 360 * MIB and advice.predicted_peak_bytes == 600 * MIB
+    assert advice.detail.startswith(
+        "Shard the parameters, gradients and optimizer state: at the same 8 ranks, FSDP (full shard) saves 360.0 MiB"
+        " of this rank's peak and sends 350.0 MiB more per optimizer step (1.03 GiB against 700.0 MiB)."
+    )
+    assert "the root as the only unit" in advice.detail and "host RAM" not in advice.detail
+    assert advice.detail.endswith('```python\nTrainer(strategy="fsdp")\n```')
+    assert "this rank under DDP x8 measured a peak of 960.0 MiB on the sampled step" in advice.evidence
+    assert "deepspeed_stage_2 x8 predicted at 1,700,000,000 bytes" in advice.evidence  # the other candidate
+    assert strategy_code(FROM_DDP, TrainingLoop.FABRIC) == 'Fabric(strategy="fsdp")'
+    assert strategy_code(FROM_DDP, TrainingLoop.PLAIN).startswith(
+        "model = torch.distributed.fsdp.FullyShardedDataParallel(model, device_id=torch.cuda.current_device())"
+    )
+
+
+def test_ddp_to_zero2_names_lightnings_strategy_and_the_plain_loops_config() -> None:
+    trial = replace(
+        FROM_DDP,
+        target="deepspeed_stage_2",
+        target_sharding=None,
+        reduce_bucket_size=200_000_000,
+        allgather_bucket_size=200_000_000,
+        target_communication_bytes=700 * MIB,
+    )
+    advice = sharding_stage(healthy_summary(), healthy_setup(), simulation_with(trial))
+    assert advice is not None
+    assert advice.title == "DDP to ZeRO-2 takes this rank's peak from 960.0 MiB to 600.0 MiB"
+    assert "Shard the gradients and optimizer state: at the same 8 ranks, ZeRO-2 saves 360.0 MiB" in advice.detail
+    assert "sends 700.0 MiB per optimizer step, no more than now" in advice.detail
+    assert advice.detail.endswith('```python\nTrainer(strategy="deepspeed_stage_2")\n```')
+    assert strategy_code(trial, TrainingLoop.PLAIN) == ZERO2_PLAIN
+
+
+def test_from_ddp_silent_under_5_percent_of_the_measured_peak_and_says_why() -> None:
+    summary, setup = healthy_summary(), healthy_setup()
+    under = replace(FROM_DDP, target_peak_bytes=913 * MIB)  # 47 MiB of the measured 960: 4.9%
+    assert sharding_stage(summary, setup, simulation_with(under)) is None
+    reasons = {item.id: item.reason for item in not_advised(summary, setup, simulation_with(under), ())}
+    assert reasons["sharding-stage"] == (
+        "predicted, fsdp x8 FULL_SHARD peaks at 913.0 MiB on this rank against 960.0 MiB under ddp: under the 5.0%"
+        " saving the rule needs"
+    )
+    assert sharding_stage(summary, setup, simulation_with(replace(FROM_DDP, target_peak_bytes=912 * MIB))) is not None
+    # The model's own figure for DDP (1000 MiB) would make 913 a saving of 8.7%: the measured peak is the start.
+    assert sharding_stage(summary, setup, simulation_with(replace(under, measured_peak_bytes=None))) is not None
+
+
+def ddp_predictor(buckets: bool) -> Predictor:
+    """One process's replay of an MLP's step (Adam, batch 64), holding DDP's gradient buckets where ``buckets``."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
+    held = bucket_sizes(reduced_parameters(module), DEFAULT_BUCKET_BYTES, torch.float32) if buckets else None
+    return Predictor(
+        module,
+        [torch.optim.Adam(module.parameters(), lr=1e-3)],
+        torch.randn(64, 256),
+        step_function=loss_of,
+        warm_up=True,
+        strategy=held,
+    )
+
+
+def test_the_ddp_trial_is_predict_ranks_figures_on_the_step_without_ddps_buckets() -> None:
+    # The DDP rank's predictor holds the buckets in every replay; ZeRO-2 and FSDP hold none, so the trial's targets
+    # must be predict_rank's on a plain Predictor of the same module and batch, not on the bucketed one.
+    bucketed, plain = ddp_predictor(True), ddp_predictor(False)
+    assert bucketed.strategy is not None and bucketed.strategy.total_bytes == 1_597_480  # 399,370 fp32 gradients
+    baseline = bucketed.replay()
+    assert isinstance(baseline, ReplayedStep)
+    trial = ddp_trial(bucketed, baseline, 2, 1)
+    assert isinstance(trial, ShardingTrial)
+    zero, fsdp = targets(2)
+    by_name = {
+        "deepspeed_stage_2": predict_zero(plain, zero, None, LIGHTNING_DEFAULTS, 1),
+        "fsdp": predict_rank(plain, fsdp),
+    }
+    ddp = predict_rank(plain, StrategySpec("ddp", 2))
+    assert all(isinstance(step, RankStep) for step in (*by_name.values(), ddp))
+    chosen = by_name[trial.target]
+    assert isinstance(chosen, RankStep) and isinstance(ddp, RankStep)
+    print({name: step.peak.peak_bytes for name, step in by_name.items() if isinstance(step, RankStep)}, trial)
+    # On 400K parameters ZeRO-2's two 2e8-element reduce buckets (1.6 GB) dwarf the step: FSDP is the lower.
+    assert trial.target == "fsdp" and trial.target_sharding == "FULL_SHARD"
+    assert (trial.target_peak_bytes, trial.target_phase) == (chosen.peak.peak_bytes, chosen.peak.phase)
+    assert trial.target_communication_bytes == chosen.communication_bytes
+    assert (trial.current_peak_bytes, trial.current_phase) == (ddp.peak.peak_bytes, ddp.peak.phase)
+    assert trial.current_communication_bytes == ddp.communication_bytes == 1_597_480  # 2(N-1)/N of the buckets
+    zero2 = by_name["deepspeed_stage_2"]
+    assert isinstance(zero2, RankStep) and zero2.peak.peak_bytes > 1_600_000_000
+    assert f"{zero.label} predicted at {zero2.peak.peak_bytes:,} bytes" in trial.method
+    with_buckets = predict_rank(bucketed, fsdp)  # what the bucketed predictor would give: the buckets counted twice
+    assert isinstance(with_buckets, RankStep) and with_buckets.peak.peak_bytes > trial.target_peak_bytes
+    assert trial.measured_peak_bytes is None and trial.reduce_bucket_size is None
+    assert ddp_trial(bucketed, baseline, 1, 0) is None  # one rank: nothing to shard over
+    assert ddp_trial(plain, baseline, 2, 0) is None  # not a DDP rank's predictor

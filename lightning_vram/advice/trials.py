@@ -10,8 +10,9 @@ accumulation and manual optimization are replayed as Lightning runs them (see
 :class:`~lightning_vram.prediction.predictor.Predictor`'s ``accumulate`` and
 :mod:`~lightning_vram.prediction.replay.manual`). A set-up the replay does not reproduce is skipped with the
 reason, and the rules keep their modelled estimates. Under DDP each rank replays its own step on its own (no
-collective runs in a replay), holding DDP's gradient buckets; under DeepSpeed ZeRO-1/2 each rank replays the
-unsharded step on its own and predicts its own share by ZeRO's arithmetic (:func:`try_rank_changes`).
+collective runs in a replay), holding DDP's gradient buckets, and is predicted under ZeRO-2 and FSDP full shard too;
+under DeepSpeed ZeRO-1/2 each rank replays the unsharded step on its own and predicts its own share by ZeRO's
+arithmetic (:func:`try_rank_changes`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lightning_vram.prediction.devices import COMMON_GPUS, DEFAULT_CUDA_CONTEXT_
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, simulate
 from lightning_vram.prediction.replay.step import StepFunction
+from lightning_vram.prediction.strategies.from_ddp import ddp_trial
 from lightning_vram.prediction.strategies.rank_replays import RANK_TOLERANCE, RankReplays
 from lightning_vram.prediction.strategies.stronger import sharding_trial
 from lightning_vram.records import (
@@ -71,8 +73,12 @@ def unsupported(
     return None
 
 
-def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup) -> Simulation:
+def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup, rank: int | None = None) -> Simulation:
     """Replay the sampled step and each change the rules declared; on CUDA also the largest batch per GPU.
+
+    On a rank of a DDP run of several (``predictor.strategy`` holds its buckets; ``rank``: this one) whose baseline
+    matched, with time left, the rank is also predicted under ZeRO-2 and FSDP full shard at the same world size
+    (:func:`~lightning_vram.prediction.strategies.from_ddp.ddp_trial`, for the ``sharding-stage`` advice).
 
     ``predictor`` holds the run's step, calibrated by the sampled step's counts, with the replay budget; the caller
     has checked that the set-up is not :func:`unsupported`. What it cannot run it skips with the reason. Raises only
@@ -82,6 +88,11 @@ def try_changes(predictor: Predictor, summary: RunSummary, setup: TrainingSetup)
     """
     with round_of_replays():
         simulation = predictor.simulate(changes_to_replay(summary, setup))
+        baseline = simulation.baseline
+        if simulation.skipped is None and baseline is not None and not predictor.out_of_time():
+            trial = ddp_trial(predictor, baseline, setup.world_size, rank)
+            if isinstance(trial, ShardingTrial):
+                simulation = replace(simulation, sharding=trial)
         if simulation.skipped is not None or not summary.on_cuda:
             return simulation
         if predictor.out_of_time():

@@ -320,7 +320,7 @@ class Advisor:
                 strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
                 accumulate=training.accumulate_grad_batches,
             )
-            return try_changes(predictor, run, training)
+            return try_changes(predictor, run, training, context.rank)
 
         with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
             simulation = self._guard.call(Part.REPLAY, replay)

@@ -1,13 +1,15 @@
-"""Sharding stage: the next stronger ZeRO stage at the same world size, this rank's peak predicted under both.
+"""Sharding stage: the next stronger sharding at the same world size, this rank's peak predicted under both.
 
 Fires on a live DeepSpeed ZeRO-1/2 run whose rank was predicted under the next stage by the per-rank model
 (:attr:`~lightning_vram.records.Simulation.sharding`): ZeRO-1 to ZeRO-2 partitions the gradients, ZeRO-2 to ZeRO-3
-the parameters too. The advice gives this rank's peak from X (measured on the sampled step, else predicted) to Y
-(predicted), the saving, what the stronger stage sends
-per optimizer step beyond the run's, with ZeRO-Offload the host memory its offloaded state needs, and the exact
-change for the loop that trains the model, keeping the run's bucket settings (which the prediction used). Sharding
-more changes where each element lives and what is communicated, not the update: the same Adam step over the same
-averaged gradients (bit-identical on 2 CPU ranks in fp32, tests/test_sharded_advice.py).
+the parameters too; and on a live DDP run whose rank was predicted under ZeRO-2 and FSDP full shard (the lower of
+the two, under Lightning's defaults for each: DDP's gradient buckets go, the state is partitioned). The advice gives
+this rank's peak from X (measured on the sampled step, else predicted) to Y (predicted), the saving, what the
+stronger sharding sends per optimizer step beyond the run's, with ZeRO-Offload the host memory its offloaded state
+needs, and the exact change for the loop that trains the model, keeping the run's bucket settings (which the
+prediction used). Sharding more changes where each element lives and what is communicated, not the update: the same
+Adam step over the same averaged gradients (ZeRO-2 to ZeRO-3 bit-identical on 2 CPU ranks in fp32,
+tests/test_sharded_advice.py).
 """
 
 from __future__ import annotations
@@ -49,12 +51,58 @@ def stage_of(name: str) -> int:
     return int(name.removeprefix("deepspeed_stage_"))
 
 
+def strategy_words(name: str) -> str:
+    """How the advice names a strategy of :class:`~lightning_vram.records.StrategySpec`'s names.
+
+    >>> strategy_words("fsdp"), strategy_words("deepspeed_stage_2")
+    ('FSDP (full shard)', 'ZeRO-2')
+    """
+    if name.startswith("deepspeed_stage_"):
+        return f"ZeRO-{stage_of(name)}"
+    return {"ddp": "DDP", "fsdp": "FSDP (full shard)"}[name]
+
+
+def sharded_words(trial: ShardingTrial) -> str:
+    """What the target shards beyond the run's strategy."""
+    if trial.current == "ddp":
+        return (
+            "parameters, gradients and optimizer state" if trial.target == "fsdp" else "gradients and optimizer state"
+        )
+    return "gradients" if stage_of(trial.target) == 2 else "parameters"
+
+
+def from_ddp_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
+    """The change from DDP to the trial's target as code for ``loop``, with the settings the prediction used.
+
+    Lightning's and Fabric's strategy names mean them (``"fsdp"``: FULL_SHARD, no wrap policy; ``"deepspeed_stage_2"``:
+    2e8-element buckets, ``overlap_comm``, contiguous gradients); a plain loop wraps the model in their place.
+    """
+    if loop is not TrainingLoop.PLAIN:
+        owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
+        return f'{owner}(strategy="{trial.target}")'
+    if trial.target == "fsdp":
+        return (
+            "model = torch.distributed.fsdp.FullyShardedDataParallel(model, device_id=torch.cuda.current_device())"
+            "  # in place of DistributedDataParallel(model); build the optimizer after it, on model.parameters()"
+        )
+    zero = (
+        f'{{"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size":'
+        f' {trial.reduce_bucket_size:_}, "allgather_bucket_size": {trial.allgather_bucket_size:_}}}'
+    )
+    return (
+        f'model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config={{"zero_optimization":'
+        f" {zero}, ...}})  # in place of DistributedDataParallel(model)"
+    )
+
+
 def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
     """The change to make, as code for ``loop``: the target stage with the run's settings the prediction used.
 
     A ZeRO-3 target partitions every parameter as predicted (``param_persistence_threshold=0``) where the model has
     parameters DeepSpeed's default would keep whole.
     """
+    if trial.current == "ddp":
+        return from_ddp_code(trial, loop)
     stage = stage_of(trial.target)
     persist = stage == 3 and trial.small_parameter_bytes > 0
     buckets = (trial.reduce_bucket_size, trial.allgather_bucket_size)
@@ -91,8 +139,7 @@ def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simula
     saving = trial.saving_bytes
     if saving < MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
         return None
-    current, target = stage_of(trial.current), stage_of(trial.target)
-    sharded = "gradients" if target == 2 else "parameters"
+    current, target = strategy_words(trial.current), strategy_words(trial.target)
     extra = trial.extra_communication_bytes
     sent = (
         f"sends {format_bytes(extra)} more per optimizer step ({format_bytes(trial.target_communication_bytes)}"
@@ -102,7 +149,7 @@ def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simula
     )
     host = (
         f" ZeRO-Offload stays on: the offloaded optimizer state, fp32 master and gradient partition need"
-        f" {format_bytes(trial.target_host_bytes)} of host RAM per rank under ZeRO-{target}."
+        f" {format_bytes(trial.target_host_bytes)} of host RAM per rank under {target}."
         if trial.offload
         else ""
     )
@@ -110,7 +157,7 @@ def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simula
         f" `param_persistence_threshold=0` partitions every parameter, as predicted: DeepSpeed's default"
         f" ({PERSISTENCE_THRESHOLD:,} elements) would keep the parameters under it"
         f" ({format_bytes(trial.small_parameter_bytes)} here) whole on every rank, for fewer all-gathers."
-        if target == 3 and trial.small_parameter_bytes > 0
+        if trial.target == "deepspeed_stage_3" and trial.small_parameter_bytes > 0
         else ""
     )
     code = strategy_code(trial, setup.loop)
@@ -118,16 +165,16 @@ def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simula
         id=ID,
         severity=Severity.INFO,
         title=(
-            f"ZeRO-{current} to ZeRO-{target} takes this rank's peak from {format_bytes(trial.start_bytes)}"
+            f"{current} to {target} takes this rank's peak from {format_bytes(trial.start_bytes)}"
             f" to {format_bytes(trial.target_peak_bytes)}"
         ),
         detail=(
-            f"Shard the {sharded} too: at the same {trial.world_size} ranks, ZeRO-{target} saves"
-            f" {format_bytes(saving)} of this rank's peak and {sent}.{host}{persist} The update is the same (the"
-            f" same optimizer step over the same averaged gradients): the same model.\n```python\n{code}\n```"
+            f"Shard the {sharded_words(trial)}{'' if trial.current == 'ddp' else ' too'}: at the same"
+            f" {trial.world_size} ranks, {target} saves {format_bytes(saving)} of this rank's peak and"
+            f" {sent}.{host}{persist} {_same_update(trial)}\n```python\n{code}\n```"
         ),
         evidence=(
-            f"this rank under ZeRO-{current} x{trial.world_size} {_now(trial)}; under ZeRO-{target} the per-rank model"
+            f"this rank under {current} x{trial.world_size} {_now(trial)}; under {target} the per-rank model"
             f" predicts {format_bytes(trial.target_peak_bytes)} in {trial.target_phase.value}"
             f" ({share_text(saving, trial.start_bytes)} less) on this run's replayed step ({trial.method})"
         ),
@@ -135,6 +182,19 @@ def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simula
         saving_basis=SavingBasis.SIMULATED,
         predicted_peak_bytes=trial.target_peak_bytes,
     )
+
+
+def _same_update(trial: ShardingTrial) -> str:
+    """What the change does to the update, in words."""
+    if trial.current != "ddp":
+        return "The update is the same (the same optimizer step over the same averaged gradients): the same model."
+    same = (
+        "The update is the same optimizer step over the same averaged gradients (summed in another order: equal to"
+        " float rounding in fp32)."
+    )
+    if trial.target == "fsdp":
+        return f"{same} Predicted with the root as the only unit; a wrap policy (auto_wrap_policy) holds less."
+    return f"{same} Under a 16-bit precision DeepSpeed trains 16-bit weights beside an fp32 master copy."
 
 
 def _now(trial: ShardingTrial) -> str:
@@ -146,13 +206,14 @@ def _now(trial: ShardingTrial) -> str:
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> str | None:
-    """Why a stronger stage that was predicted is not advised: its saving is under the threshold."""
+    """Why a stronger sharding that was predicted is not advised: its saving is under the threshold."""
     trial = trial_of(simulation)
     if trial is None or trial.saving_bytes >= MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
         return None
+    sharding = "" if trial.target_sharding is None else f" {trial.target_sharding}"
     return (
-        f"predicted, {trial.target} x{trial.world_size} peaks at {format_bytes(trial.target_peak_bytes)} on this"
-        f" rank against {format_bytes(trial.start_bytes)} under {trial.current}: under the"
+        f"predicted, {trial.target} x{trial.world_size}{sharding} peaks at {format_bytes(trial.target_peak_bytes)}"
+        f" on this rank against {format_bytes(trial.start_bytes)} under {trial.current}: under the"
         f" {share_text(int(MIN_SHARDING_SAVING_SHARE * 1000), 1000)} saving the rule needs"
     )
 

@@ -50,6 +50,17 @@ def small_parameter_bytes(module: nn.Module, element: int) -> int:
     return total
 
 
+def measured_peak(predictor: Predictor) -> int | None:
+    """The rank's measured peak on the sampled step the predictor is calibrated by, in bytes.
+
+    The highest phase's; ``None`` where the calibration did not measure every phase's peak (or there is none).
+    """
+    sampled = predictor.calibration
+    if sampled is None or not sampled.phases or any(part.other is None for part in sampled.phases.values()):
+        return None
+    return max(part.peak_bytes for part in sampled.phases.values())
+
+
 def sharding_trial(
     predictor: Predictor, spec: StrategySpec, settings: ZeroSettings, rank: int
 ) -> ShardingTrial | ReplaySkipped | None:
@@ -71,10 +82,6 @@ def sharding_trial(
             return predicted
         steps.append(predicted)
     now, then = steps
-    sampled = predictor.calibration
-    measured = None
-    if sampled is not None and sampled.phases and all(part.other is not None for part in sampled.phases.values()):
-        measured = max(part.peak_bytes for part in sampled.phases.values())
     small = small_parameter_bytes(predictor.module, element_bytes(predictor.precision))
     return ShardingTrial(
         current=spec.name,
@@ -92,5 +99,5 @@ def sharding_trial(
         reduce_bucket_size=settings.reduce_bucket_size,
         allgather_bucket_size=settings.allgather_bucket_size,
         small_parameter_bytes=small if target.name == "deepspeed_stage_3" else 0,
-        measured_peak_bytes=measured,
+        measured_peak_bytes=measured_peak(predictor),
     )
