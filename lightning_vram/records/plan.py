@@ -86,7 +86,7 @@ class PlanRow:
 
 @dataclass(frozen=True)
 class Plan:
-    """Configurations to train in, best first: those that fit, then the highest throughput.
+    """Configurations to train in, best first: those that fit, then the most samples per second per GPU.
 
     ``batch_source`` says where the batch came from (given, the module's ``example_input_array``, a loader's first
     batch); ``global_batch``: samples per optimizer step every row keeps (``None``: each rank the batch's own size).
