@@ -220,11 +220,10 @@ that holds several times the memory for 0.1% more samples per second is no bette
 
 
 def _rank_key(row: PlanRow) -> tuple[bool, float, int, int]:
-    """Best first: fitting rows, then the most samples per second per GPU rented (in 1% steps, :data:`TIE_STEP`),
-    then fewer GPUs, then the lower peak.
+    """Best first: fitting rows, the most samples per second per GPU, fewer GPUs, the lower peak.
 
-    Per GPU, not in all: eight cards train about eight times the samples of one, and a renter pays for each; the
-    table's ``samples/s`` column still gives the whole run's.
+    Samples per second per GPU rented, in 1% steps (:data:`TIE_STEP`). Per GPU, not in all: eight cards train about
+    eight times the samples of one, and a renter pays for each; the table's ``samples/s`` column is the whole run's.
     """
     if row.samples_per_second is None or row.samples_per_second <= 0:
         step = -math.inf

@@ -3,7 +3,9 @@ global batch split over the ranks, and the table a person reads."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.strategies.fsdp2 import META_SKIP
 from lightning_vram.records import ReplayedStep, in_phase_order
 from lightning_vram.records.plan import TABLE_ROWS, Plan
-from lightning_vram.units import MIB
+from lightning_vram.units import MIB, format_bytes
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from quickstart import SmallCNN
@@ -72,7 +74,7 @@ def test_the_quickstart_at_one_and_two_gpus() -> None:
         assert row.samples_per_second == pytest.approx(row.global_batch / row.step_seconds)  # type: ignore[operator]
     # Best first: all fit, so by throughput per GPU (1% steps), then fewer GPUs.
     per_gpu = [row.samples_per_second / row.gpus for row in result.rows]  # type: ignore[operator]
-    assert all(later <= earlier * 1.01 for earlier, later in zip(per_gpu, per_gpu[1:], strict=False))
+    assert all(later <= earlier * 1.01 for earlier, later in itertools.pairwise(per_gpu))
     # What the plan could not predict is said: the sharded strategies were not asked for, so nothing is left out.
     assert result.left_out == ()
     # One replay: the single GPU's, which with DDP's buckets added serves DDP at every world size, and each GPU.
@@ -260,3 +262,21 @@ def test_fsdp2_of_a_module_on_the_meta_device_is_left_out_saying_why_without_a_r
     assert result.left_out == (f"{META_SKIP}: 2 configurations (fsdp2 x2, 32-true, micro-batch 8, ...)",)
     assert {(row.gpus, row.strategy) for row in result.rows} == {(1, "single"), (2, "ddp"), (4, "ddp")}
     assert result.replays == 1
+
+
+def test_a_card_under_the_context_shows_the_peak_the_step_needs_not_what_was_reserved() -> None:
+    # 200 MB of memory under the 512 MiB CUDA context: the allocator model serves nothing (0 B reserved), and the
+    # table shows the allocated peak the step needs, marked, where it showed "0 B" beside "NO".
+    result = quickstart_plan(gpus=[200_000_000], world_sizes=(1,))
+    assert not result.fits
+    (row,) = result.rows
+    assert row.reserved_bytes == 0 and row.peak_bytes > 0 and row.served_short
+    assert (row.shown_bytes, row.shown_kind) == (row.peak_bytes, "allocated")
+    assert row.step_seconds is None and row.shortfall is not None and "before the step" in row.shortfall
+    text = str(result)
+    assert re.search(re.escape(format_bytes(row.peak_bytes)) + r"\*\s+NO\s+-\s+-$", text.splitlines()[3])
+    assert "* on a row that does not fit: the allocated peak the step needs" in text
+    assert "step, samples/s: - where the step was not timed" in text
+    fitting = quickstart_plan(gpus=["H100 SXM"], world_sizes=(1,))
+    assert not fitting.rows[0].served_short and fitting.rows[0].shown_kind == "reserved"
+    assert "on a row that does not fit" not in str(fitting) and "was not timed" not in str(fitting)

@@ -69,14 +69,25 @@ class PlanRow:
     parts: tuple[tuple[str, int], ...] = ()
 
     @property
+    def served_short(self) -> bool:
+        """Whether the allocator model ran out before the step's peak.
+
+        What it reserved is then under the allocated peak (a card smaller than the context reserves nothing).
+        """
+        return self.reserved_bytes is not None and not self.fits and self.reserved_bytes < self.peak_bytes
+
+    @property
     def shown_bytes(self) -> int:
-        """The table's peak/rank: the reserved peak where the allocator model served the step, else the allocated."""
-        return self.reserved_bytes if self.reserved_bytes is not None else self.peak_bytes
+        """The table's peak/rank: the reserved peak, or the allocated one the step needs where none was reserved.
+
+        Allocated where no allocator was simulated or the model ran out before the step's peak (:attr:`served_short`).
+        """
+        return self.reserved_bytes if self.shown_kind == "reserved" else self.peak_bytes  # type: ignore[return-value]
 
     @property
     def shown_kind(self) -> str:
         """What :attr:`shown_bytes` is: ``"reserved"`` (the allocator model's) or ``"allocated"`` (the peak alone)."""
-        return "reserved" if self.reserved_bytes is not None else "allocated"
+        return "reserved" if self.reserved_bytes is not None and not self.served_short else "allocated"
 
     @property
     def global_batch(self) -> int | None:
@@ -137,6 +148,15 @@ class Plan:
             lines.append(
                 f"{ALLOCATED_MARK} allocated peak: a strategy's arithmetic (ZeRO, FSDP1) has no allocation sequence;"
                 " it fits with 10% of the card free"
+            )
+        if any(row.served_short for row in self.rows):
+            lines.append(
+                f"{ALLOCATED_MARK} on a row that does not fit: the allocated peak the step needs (the allocator model"
+                " ran out first; where, in --json)"
+            )
+        if any(row.step_seconds is None for row in self.rows):
+            lines.append(
+                "step, samples/s: - where the step was not timed (a card given by its memory has no published peaks)"
             )
         return tuple(lines)
 
@@ -244,7 +264,7 @@ def plan_text(plan: Plan) -> str:
                 row.precision,
                 "yes" if row.checkpointing else "no",
                 micro,
-                format_bytes(row.shown_bytes) + (" " if row.reserved_bytes is not None else ALLOCATED_MARK),
+                format_bytes(row.shown_bytes) + (" " if row.shown_kind == "reserved" else ALLOCATED_MARK),
                 "yes" if row.fits else "NO",
                 _seconds(row.step_seconds),
                 _rate(row.samples_per_second),
