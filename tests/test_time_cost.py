@@ -76,11 +76,16 @@ def checkpointing(report: Report) -> Advice:
 
 
 def assert_priced(report: Report, advice: Advice) -> None:
-    """The advice's cost is the run's median step time times its FLOP ratio less one."""
+    """The advice's cost is its predicted step time less the run's median (they add up as printed), else the median
+    times its FLOP ratio less one."""
     step_seconds = report.timing.step_seconds_median
     assert step_seconds is not None and advice.flop_ratio is not None
     assert advice.cost_basis is CostBasis.RECOMPUTED_FORWARD
-    assert advice.estimated_cost_seconds == pytest.approx(step_seconds * (advice.flop_ratio - 1), rel=1e-12)
+    if advice.predicted_step_seconds is not None:
+        expected = advice.predicted_step_seconds - step_seconds
+    else:
+        expected = step_seconds * (advice.flop_ratio - 1)
+    assert advice.estimated_cost_seconds == pytest.approx(expected, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------- counting changes nothing

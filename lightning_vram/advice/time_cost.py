@@ -3,10 +3,10 @@
 Each replay of the simulation counts its step's floating-point operations (``ReplayedStep.flops``, torch's
 ``FlopCounterMode`` over the fake step: matrix products, convolutions, attention). An advice whose change was
 replayed gets the ratio of its replay's FLOPs to the baseline's, and, where the work stays the same and only its
-amount changes, a time cost: the run's measured median step time times ``ratio - 1`` (checkpointing's recomputed
-forward). Where the FLOPs are the same, the cost is 0 and the advice says so; where the change alters what is
-computed in another way (another precision, fewer tokens a step), the ratio is given and the time is not modelled
-from it.
+amount changes, a time cost (checkpointing's recomputed forward): the predicted step time below less the run's
+measured median, where the step's ops could be priced, else the median times ``ratio - 1``. Where the FLOPs are the
+same, the cost is 0 and the advice says so; where the change alters what is computed in another way (another
+precision, fewer tokens a step), the ratio is given and the time is not modelled from it.
 
 Beside the cost, each replayed change's step time is predicted (``Advice.predicted_step_seconds``): both replays'
 ops priced on the run's device by a roofline per op (:mod:`lightning_vram.prediction.timing`; the CPU measured once
@@ -113,6 +113,8 @@ def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation |
     The run's median step time (``summary.step_seconds_median``) prices the FLOP ratio; without it the ratio is
     given and the seconds are ``None``. It also calibrates the change's predicted step time
     (:func:`predicted_step_seconds`); advice that changes no op (the allocator's settings) keeps the measured one.
+    Where the change's step time is predicted, the cost is that prediction less the median: the cost and the
+    predicted step time printed beside it add up.
     """
     baseline = simulation.baseline if simulation is not None and simulation.skipped is None else None
     if simulation is None or baseline is None or baseline.flops is None:
@@ -132,9 +134,12 @@ def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation |
     predicted = step_seconds if found.basis is CostBasis.SAME_FLOPS and baseline.work is not None else None
     if advice.predicted_peak_bytes is not None and variant is not None and variant.replayed is not None:
         predicted = predicted_step_seconds(variant.change, baseline, variant.replayed, step_seconds, summary.device)
+    seconds = found.seconds
+    if seconds is not None and predicted is not None and step_seconds is not None:
+        seconds = predicted - step_seconds  # one figure: the cost is the predicted step's excess over the run's
     return replace(
         advice,
-        estimated_cost_seconds=found.seconds,
+        estimated_cost_seconds=seconds,
         flop_ratio=found.ratio,
         cost_basis=found.basis,
         predicted_step_seconds=predicted,
