@@ -8,7 +8,9 @@ laid out as the parameter, on each parameter the full warm-up left one on, then 
 state they make is their own code's, as in the full step). It is used only when the state it leaves is the full
 warm-up's, tensor by tensor (:func:`signature`: each gradient's and optimizer state entry's shape, strides, dtype,
 device, offset and storage bytes, which storages they share, the buffers and every tensor a submodule holds as an
-attribute, such as a cache its forward made); otherwise the replay runs again with the full warm-up. The replays'
+attribute, such as a cache its forward made); otherwise the replay runs again with the full warm-up. A step that
+changed a number, string or flag a submodule holds (a counter that makes the next step another one) is always
+warmed up in full: the arithmetic cannot advance it. The replays'
 figures are the same either way: the counted step starts from the same tensors.
 """
 
@@ -27,24 +29,44 @@ from lightning_vram.prediction.replay.twin import Twin
 MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
 """A module's own registries, read as parameters, buffers and submodules rather than as attributes."""
 
+SCALARS = (bool, int, float, str, type(None))
+"""Attribute values a step may advance (a counter, a flag): compared before and after the full warm-up."""
+
 
 @dataclass(frozen=True)
 class WarmStart:
-    """What a full warm-up left: the parameters with a gradient (by position in ``parameters()``), and the state."""
+    """What a full warm-up left: the parameters with a gradient (by position in ``parameters()``), and the state.
+
+    ``moved``: the submodules' attributes (module name, attribute) holding a number, string, flag or ``None`` that
+    the full warm-up's step changed; where there is one, no warm-up is made by arithmetic.
+    """
 
     graded: frozenset[int]
     signature: tuple[Any, ...]
+    moved: frozenset[tuple[str, str]] = frozenset()
 
 
 class WarmMismatchError(Exception):
     """The arithmetic warm-up left other tensors than the full one: the replay runs again with the full warm-up."""
 
 
-def recorded(twin: Twin) -> WarmStart:
-    """What the full warm-up just run on ``twin`` left (:class:`WarmStart`)."""
+def scalars(twin: Twin) -> dict[tuple[str, str], str]:
+    """Each submodule's attributes holding a number, string, flag or ``None``: (module name, attribute) to its repr."""
+    return {
+        (name, key): repr(value)
+        for name, child in twin.module.named_modules()
+        for key, value in vars(child).items()
+        if isinstance(value, SCALARS)
+    }
+
+
+def recorded(twin: Twin, before: dict[tuple[str, str], str]) -> WarmStart:
+    """What the full warm-up just run on ``twin`` left (:class:`WarmStart`); ``before``: :func:`scalars` before it."""
     parameters = list(twin.module.parameters())
     graded = frozenset(index for index, parameter in enumerate(parameters) if parameter.grad is not None)
-    return WarmStart(graded, signature(twin))
+    after = scalars(twin)
+    moved = frozenset(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    return WarmStart(graded, signature(twin), moved)
 
 
 def arithmetic_warm_up(twin: Twin, start: WarmStart) -> None:
@@ -52,6 +74,8 @@ def arithmetic_warm_up(twin: Twin, start: WarmStart) -> None:
 
     Call under the replay's fake mode.
     """
+    if start.moved:
+        raise WarmMismatchError(f"the full warm-up's step changed {sorted(start.moved)[0]}: the arithmetic cannot")
     for index, parameter in enumerate(twin.module.parameters()):
         if index in start.graded:
             parameter.grad = torch.zeros_like(parameter)
