@@ -81,7 +81,7 @@ from lightning_vram.prediction.replay.warm_start import (
     WarmStart,
     arithmetic_warm_up,
     recorded,
-    scalars,
+    step_state,
 )
 from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
@@ -356,7 +356,7 @@ class Predictor:
             arithmetic_warm_up(twin, known)
             return
         recording = starts is not None and plain and known is None
-        before = scalars(twin) if recording else {}
+        before = step_state(twin) if recording else {}
         run.run_step(twin, batch, None, None)
         if starts is not None and recording:
             starts[precision] = recorded(twin, before)

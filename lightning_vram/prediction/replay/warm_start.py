@@ -9,13 +9,14 @@ state they make is their own code's, as in the full step). It is used only when 
 warm-up's, tensor by tensor (:func:`signature`: each gradient's and optimizer state entry's shape, strides, dtype,
 device, offset and storage bytes, which storages they share, the buffers and every tensor a submodule holds as an
 attribute, such as a cache its forward made); otherwise the replay runs again with the full warm-up. A step that
-changed a number, string or flag a submodule holds (a counter that makes the next step another one) is always
-warmed up in full: the arithmetic cannot advance it. The replays'
+changed the Python state a step may branch on (:func:`step_state`: a counter, a list it appends to, a parameter
+it unfreezes) is always warmed up in full: the arithmetic cannot make that change. The replays'
 figures are the same either way: the counted step starts from the same tensors.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,18 @@ MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
 """A module's own registries, read as parameters, buffers and submodules rather than as attributes."""
 
 SCALARS = (bool, int, float, str, type(None))
-"""Attribute values a step may advance (a counter, a flag): compared before and after the full warm-up."""
+"""Attribute values read as they are (a counter, a flag): compared before and after the full warm-up."""
+
+SIZED = (list, tuple, dict, set, collections.deque)
+"""Attribute values read by their length (a list the step appends to): compared before and after the full warm-up."""
 
 
 @dataclass(frozen=True)
 class WarmStart:
     """What a full warm-up left: the parameters with a gradient (by position in ``parameters()``), and the state.
 
-    ``moved``: the submodules' attributes (module name, attribute) holding a number, string, flag or ``None`` that
-    the full warm-up's step changed; where there is one, no warm-up is made by arithmetic.
+    ``moved``: the entries of :func:`step_state` the full warm-up's step changed; where there is one, no warm-up is
+    made by arithmetic.
     """
 
     graded: frozenset[int]
@@ -50,21 +54,28 @@ class WarmMismatchError(Exception):
     """The arithmetic warm-up left other tensors than the full one: the replay runs again with the full warm-up."""
 
 
-def scalars(twin: Twin) -> dict[tuple[str, str], str]:
-    """Each submodule's attributes holding a number, string, flag or ``None``: (module name, attribute) to its repr."""
-    return {
-        (name, key): repr(value)
+def step_state(twin: Twin) -> dict[tuple[str, str], str]:
+    """The Python state a step may branch on, keyed (module name, attribute) or (parameter position, ``requires_grad``).
+
+    Each submodule's attributes holding a number, string, flag or ``None`` (their repr), those holding a list, tuple,
+    dict, set or deque (their length), and whether each parameter requires a gradient.
+    """
+    state = {
+        (name, key): repr(value) if isinstance(value, SCALARS) else f"len {len(value)}"
         for name, child in twin.module.named_modules()
         for key, value in vars(child).items()
-        if isinstance(value, SCALARS)
+        if isinstance(value, SCALARS + SIZED)
     }
+    for index, parameter in enumerate(twin.module.parameters()):
+        state[(str(index), "requires_grad")] = repr(parameter.requires_grad)
+    return state
 
 
 def recorded(twin: Twin, before: dict[tuple[str, str], str]) -> WarmStart:
-    """What the full warm-up just run on ``twin`` left (:class:`WarmStart`); ``before``: :func:`scalars` before it."""
+    """What the full warm-up just run on ``twin`` left (:class:`WarmStart`); ``before``: :func:`step_state` first."""
     parameters = list(twin.module.parameters())
     graded = frozenset(index for index, parameter in enumerate(parameters) if parameter.grad is not None)
-    after = scalars(twin)
+    after = step_state(twin)
     moved = frozenset(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
     return WarmStart(graded, signature(twin), moved)
 
