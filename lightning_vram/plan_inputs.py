@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_vram.plan_syntax import DTYPE_NAMES, batch_items, gpu_bytes
 from lightning_vram.plan_syntax import PlanInputError as PlanInputError  # where plan() and the command read it
+from lightning_vram.prediction.containment.isolation import generators_kept
 from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks
 from lightning_vram.units import format_bytes
@@ -124,22 +125,28 @@ def resolve_batch(module: nn.Module, batch: Any, datamodule: Any = None) -> tupl
     """The batch to plan for and where it came from: given, the module's ``example_input_array``, or a loader's.
 
     The loader is the datamodule's ``train_dataloader`` (after its ``prepare_data`` and ``setup("fit")``), else the
-    module's own where it overrides Lightning's.
+    module's own where it overrides Lightning's; the generators they draw from are put back as they were.
     """
     if batch is not None:
         return batch, "given"
     example = getattr(module, "example_input_array", None)
     if example is not None:
         return example, "the module's example_input_array"
+    # A loader draws from the generators (a shuffled order, a dataset's augmentation): the user's runs after the plan
+    # start from the states they would have without it.
     if datamodule is not None:
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        return _first(datamodule.train_dataloader(), "datamodule"), "the datamodule's first training batch"
+        with generators_kept():
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+            first = _first(datamodule.train_dataloader(), "datamodule")
+        return first, "the datamodule's first training batch"
     own = getattr(type(module), "train_dataloader", None)
     hooks = sys.modules.get("lightning.pytorch.core.hooks")
     default = getattr(getattr(hooks, "DataHooks", None), "train_dataloader", None)
     if own is not None and own is not default:
-        return _first(module.train_dataloader(), "module"), "the module's train_dataloader's first batch"  # type: ignore[operator]
+        with generators_kept():
+            first = _first(module.train_dataloader(), "module")  # type: ignore[operator]
+        return first, "the module's train_dataloader's first batch"
     raise PlanInputError(
         "batch must be given (a description such as 'float32[8,3,32,32] int64[8]'), or the module must have an"
         " example_input_array or a train_dataloader, or a datamodule be given; got none of them"

@@ -81,6 +81,7 @@ from lightning_vram.prediction.replay.warm_start import (
     WarmStart,
     arithmetic_warm_up,
     recorded,
+    step_state,
 )
 from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
@@ -354,9 +355,11 @@ class Predictor:
         if known is not None and arithmetic:
             arithmetic_warm_up(twin, known)
             return
+        recording = starts is not None and plain and known is None
+        before = step_state(twin) if recording else {}
         run.run_step(twin, batch, None, None)
-        if starts is not None and plain and known is None:
-            starts[precision] = recorded(twin)
+        if starts is not None and recording:
+            starts[precision] = recorded(twin, before)
 
     def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
         """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""

@@ -134,16 +134,11 @@ def _eager_compiled_code() -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
-def isolated() -> Iterator[None]:
-    """Restore the process-wide state on exit; silence the replayed code's output meanwhile.
+def generators_kept() -> Iterator[None]:
+    """Put back on exit every generator the code run inside may draw from, as it was.
 
-    Silenced: its prints, the warnings it shows and its log records (all from the replaying thread only).
-
-    Saved and restored: torch's CPU generator, every initialised CUDA generator, Python's ``random``, NumPy's
-    global generator (when NumPy is imported), the default dtype, grad mode, torch's intra-op thread count and the
-    process environment (``os.environ``), autograd's anomaly detection. Meanwhile compiled code runs eagerly
-    (:func:`_eager_compiled_code`) and anomaly detection is off: it checks every backward result for NaN, and fake
-    tensors have no values.
+    Torch's CPU generator, every initialised CUDA generator, Python's ``random`` and NumPy's global generator (when
+    NumPy is imported).
     """
     cpu_state = torch.get_rng_state()
     # torch ships is_initialized without annotations.
@@ -152,6 +147,28 @@ def isolated() -> Iterator[None]:
     python_state = random.getstate()
     numpy = sys.modules.get("numpy")
     numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        random.setstate(python_state)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """Restore the process-wide state on exit; silence the replayed code's output meanwhile.
+
+    Silenced: its prints, the warnings it shows and its log records (all from the replaying thread only).
+
+    Saved and restored: the generators (:func:`generators_kept`), the default dtype, grad mode, torch's intra-op
+    thread count and the process environment (``os.environ``), autograd's anomaly detection. Meanwhile compiled code
+    runs eagerly (:func:`_eager_compiled_code`) and anomaly detection is off: it checks every backward result for
+    NaN, and fake tensors have no values.
+    """
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
     threads = torch.get_num_threads()
@@ -159,7 +176,7 @@ def isolated() -> Iterator[None]:
     anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
     try:
         torch.set_anomaly_enabled(False)  # it reads every backward result's values, which fake tensors lack
-        with _quiet_thread(), _quiet_logs(), _eager_compiled_code():
+        with generators_kept(), _quiet_thread(), _quiet_logs(), _eager_compiled_code():
             yield
     finally:
         if dict(os.environ) != environment:
@@ -169,9 +186,3 @@ def isolated() -> Iterator[None]:
         torch.set_grad_enabled(grad_enabled)
         torch.set_anomaly_enabled(*anomaly)
         torch.set_default_dtype(default_dtype)
-        torch.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        random.setstate(python_state)
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)

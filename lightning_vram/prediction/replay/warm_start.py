@@ -8,12 +8,15 @@ laid out as the parameter, on each parameter the full warm-up left one on, then 
 state they make is their own code's, as in the full step). It is used only when the state it leaves is the full
 warm-up's, tensor by tensor (:func:`signature`: each gradient's and optimizer state entry's shape, strides, dtype,
 device, offset and storage bytes, which storages they share, the buffers and every tensor a submodule holds as an
-attribute, such as a cache its forward made); otherwise the replay runs again with the full warm-up. The replays'
+attribute, such as a cache its forward made); otherwise the replay runs again with the full warm-up. A step that
+changed the Python state a step may branch on (:func:`step_state`: a counter, a list it appends to, a parameter
+it unfreezes) is always warmed up in full: the arithmetic cannot make that change. The replays'
 figures are the same either way: the counted step starts from the same tensors.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,24 +30,54 @@ from lightning_vram.prediction.replay.twin import Twin
 MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
 """A module's own registries, read as parameters, buffers and submodules rather than as attributes."""
 
+SCALARS = (bool, int, float, str, type(None))
+"""Attribute values read as they are (a counter, a flag): compared before and after the full warm-up."""
+
+SIZED = (list, tuple, dict, set, collections.deque)
+"""Attribute values read by their length (a list the step appends to): compared before and after the full warm-up."""
+
 
 @dataclass(frozen=True)
 class WarmStart:
-    """What a full warm-up left: the parameters with a gradient (by position in ``parameters()``), and the state."""
+    """What a full warm-up left: the parameters with a gradient (by position in ``parameters()``), and the state.
+
+    ``moved``: the entries of :func:`step_state` the full warm-up's step changed; where there is one, no warm-up is
+    made by arithmetic.
+    """
 
     graded: frozenset[int]
     signature: tuple[Any, ...]
+    moved: frozenset[tuple[str, str]] = frozenset()
 
 
 class WarmMismatchError(Exception):
     """The arithmetic warm-up left other tensors than the full one: the replay runs again with the full warm-up."""
 
 
-def recorded(twin: Twin) -> WarmStart:
-    """What the full warm-up just run on ``twin`` left (:class:`WarmStart`)."""
+def step_state(twin: Twin) -> dict[tuple[str, str], str]:
+    """The Python state a step may branch on, keyed (module name, attribute) or (parameter position, ``requires_grad``).
+
+    Each submodule's attributes holding a number, string, flag or ``None`` (their repr), those holding a list, tuple,
+    dict, set or deque (their length), and whether each parameter requires a gradient.
+    """
+    state = {
+        (name, key): repr(value) if isinstance(value, SCALARS) else f"len {len(value)}"
+        for name, child in twin.module.named_modules()
+        for key, value in vars(child).items()
+        if isinstance(value, SCALARS + SIZED)
+    }
+    for index, parameter in enumerate(twin.module.parameters()):
+        state[(str(index), "requires_grad")] = repr(parameter.requires_grad)
+    return state
+
+
+def recorded(twin: Twin, before: dict[tuple[str, str], str]) -> WarmStart:
+    """What the full warm-up just run on ``twin`` left (:class:`WarmStart`); ``before``: :func:`step_state` first."""
     parameters = list(twin.module.parameters())
     graded = frozenset(index for index, parameter in enumerate(parameters) if parameter.grad is not None)
-    return WarmStart(graded, signature(twin))
+    after = step_state(twin)
+    moved = frozenset(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    return WarmStart(graded, signature(twin), moved)
 
 
 def arithmetic_warm_up(twin: Twin, start: WarmStart) -> None:
@@ -52,6 +85,8 @@ def arithmetic_warm_up(twin: Twin, start: WarmStart) -> None:
 
     Call under the replay's fake mode.
     """
+    if start.moved:
+        raise WarmMismatchError(f"the full warm-up's step changed {sorted(start.moved)[0]}: the arithmetic cannot")
     for index, parameter in enumerate(twin.module.parameters()):
         if index in start.graded:
             parameter.grad = torch.zeros_like(parameter)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from torch.nn.parameter import UninitializedParameter
+
 from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
@@ -137,6 +139,13 @@ def reserved_peaks(allocations: AllocationSequence, allocator: AllocatorSettings
     return model.finish()
 
 
+LAZY_SKIP = (
+    "DDP: the module has uninitialized (lazy) parameters, which DistributedDataParallel cannot wrap: run a forward"
+    " on a batch first to make them"
+)
+"""Why DDP's rank is not predicted for a module with lazy parameters (``nn.LazyLinear`` before its first forward)."""
+
+
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
     """One DDP rank of ``spec.world_size``: the replay of the predictor's (per-rank) batch holding DDP's buckets.
 
@@ -147,7 +156,10 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
         dtype = precision_plan(precision).true_dtype
     except ValueError as error:
         return ReplaySkipped(str(error))
-    buckets = bucket_sizes(reduced_parameters(predictor.module), DEFAULT_BUCKET_BYTES, dtype)
+    parameters = reduced_parameters(predictor.module)
+    if any(isinstance(parameter, UninitializedParameter) for parameter in parameters):
+        return ReplaySkipped(LAZY_SKIP)
+    buckets = bucket_sizes(parameters, DEFAULT_BUCKET_BYTES, dtype)
     single = predictor.replay(change)  # the single-process step: the same replay at every world size
     if isinstance(single, ReplaySkipped):
         return single
