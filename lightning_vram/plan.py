@@ -42,7 +42,6 @@ from lightning_vram.prediction.replay.batches import resize_batch
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.twin import module_device
-from lightning_vram.prediction.replay.warm_start import WarmStart
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
@@ -310,8 +309,6 @@ class _Planner:
         self._unbounded: dict[int, int] = {}
         """Each kept replay's reserved peak with no memory limit, by the replay's id (replays are kept: ids hold)."""
         self._checkpoint: CheckpointChange | str | None = None  # the change, or why there is none; None: not yet
-        self._warm_starts: dict[str, WarmStart] = {}
-        """What the shared predictors' first full warm-up left, by precision: their later warm-ups are arithmetic."""
 
     def rows(
         self,
@@ -488,7 +485,6 @@ class _Planner:
         predictor.ran = self.ran
         if shared:
             predictor.store = {}
-            predictor.warm_starts = self._warm_starts
             self._predictors[key] = predictor
         return predictor
 

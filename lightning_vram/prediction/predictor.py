@@ -75,14 +75,7 @@ from lightning_vram.prediction.replay.step import (
     release_frames,
 )
 from lightning_vram.prediction.replay.timeline import TimelineRecorder
-from lightning_vram.prediction.replay.twin import Twin, make_twin, module_device, shared_arrays, state_tensors
-from lightning_vram.prediction.replay.warm_start import (
-    WarmMismatchError,
-    WarmStart,
-    arithmetic_warm_up,
-    recorded,
-    step_state,
-)
+from lightning_vram.prediction.replay.twin import make_twin, module_device, shared_arrays, state_tensors
 from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
     Attribution,
@@ -218,10 +211,6 @@ class Predictor:
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
         self._sequence: ReservedPeaks | None = None  # the baseline's allocation sequence, kept for what-ifs
-        self.warm_starts: dict[str, WarmStart] | None = None
-        """Where given, what a full warm-up left, by precision, shared by predictors of the same module: a later
-        replay's warm-up is made by arithmetic from it (:mod:`~lightning_vram.prediction.replay.warm_start`), and a
-        full one is recorded here. ``None``: every warm-up is run."""
 
     @property
     def unseen_bytes(self) -> dict[Phase, int]:
@@ -338,29 +327,6 @@ class Predictor:
 
         return prepare
 
-    def _warm_up(self, run: StepRun, twin: Twin, batch: Any, precision: str, arithmetic: bool) -> None:
-        """The uncounted first step: by arithmetic where :attr:`warm_starts` holds a full one's record, else run.
-
-        Only a plain step (no shard, automatic optimization, no accumulation) is warmed up by arithmetic; a full
-        warm-up of one is recorded in :attr:`warm_starts` under its precision.
-        """
-        starts = self.warm_starts
-        plain = (
-            starts is not None
-            and self.shard is None
-            and self.accumulate == 1
-            and getattr(twin.module, "automatic_optimization", True) is not False
-        )
-        known = starts.get(precision) if starts is not None and plain else None
-        if known is not None and arithmetic:
-            arithmetic_warm_up(twin, known)
-            return
-        recording = starts is not None and plain and known is None
-        before = step_state(twin) if recording else {}
-        run.run_step(twin, batch, None, None)
-        if starts is not None and recording:
-            starts[precision] = recorded(twin, before)
-
     def _listener(self) -> tuple[AllocationListener | None, ReservedPeaks | None]:
         """A replay's allocation listener: the caller's, else the allocator model (its reserved peaks), else none."""
         if self.allocations is not None:
@@ -393,14 +359,9 @@ class Predictor:
             return ReplaySkipped(PROFILER_SKIP)
         # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
         # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
-        try:
-            return contextvars.copy_context().run(
-                self._replay_in_context, change, plan, scope, deadline, started, count_flops, True
-            )
-        except WarmMismatchError:  # a step from other tensors than the full warm-up's: replayed with it
-            return contextvars.copy_context().run(
-                self._replay_in_context, change, plan, scope, deadline, started, count_flops, False
-            )
+        return contextvars.copy_context().run(
+            self._replay_in_context, change, plan, scope, deadline, started, count_flops
+        )
 
     def _replay_in_context(
         self,
@@ -410,12 +371,8 @@ class Predictor:
         deadline: float | None,
         started: float,
         count_flops: bool,
-        arithmetic: bool,
     ) -> ReplayedStep | ReplaySkipped:
-        """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds).
-
-        ``arithmetic``: whether the warm-up may be made by arithmetic (:meth:`_warm_up`).
-        """
+        """:meth:`replay`'s body, once the precision and the walk allow it (``deadline``, ``started``: perf seconds)."""
         anomaly_detection = torch.is_anomaly_enabled()  # off while the replay runs (isolated())
         run = StepRun(self.device, plan, change, self.step_function, self.placement, self.shape, self.accumulate)
         counter: ReplayCounter | None = None
@@ -447,7 +404,7 @@ class Predictor:
                 ):
                     fake_batch = run.prepare_batch(twin.batch)
                     if self.warm_up:
-                        self._warm_up(run, twin, fake_batch, plan.name, arithmetic)
+                        run.run_step(twin, fake_batch, None, None)
                     if isinstance(change, FreeGradientsChange) or not self.gradients_at_forward:
                         for parameter in twin.module.parameters():
                             parameter.grad = None
@@ -489,7 +446,7 @@ class Predictor:
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}
                     sequence = reserved.sequence() if reserved is not None else None
-        except (ContainmentError, WarmMismatchError):
+        except ContainmentError:
             raise
         except RefusedError as refused:
             return ReplaySkipped(str(refused), time.perf_counter() - started)

@@ -3,7 +3,8 @@
 A store is shared by every rank and outlives the step: ``store.add`` inside a replay advances the user's count as
 a real step would, so the run after it counts differently (under DDP the process group's store counts each rank's
 preflight and sampled-step replays; found with two gloo ranks: the user's counts went 5..8 instead of 1..4). A
-``HashStore`` stands for it in one process: its ``add`` is a call into C++ that no tensor sees.
+``HashStore`` stands for it in one process: its ``add`` is a call into C++ that no tensor sees. A store the step's
+code reaches is a reason not to replay (``containment/reach.py``'s ``STORE``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ class CountsInAStore(Classifier):
         return nn.functional.cross_entropy(self(inputs), targets)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the replay runs the user's Store calls (pybind methods, not dispatched ops): not contained yet",
-)
 @pytest.mark.parametrize("path", PATHS)
 def test_a_step_counting_in_a_store_counts_the_same_with_the_monitor(tmp_path: Path, path: str) -> None:
     def build() -> Case:

@@ -92,6 +92,10 @@ ATTRIBUTE_DEPTH = 2
 
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), range, torch.dtype, torch.device, torch.Size)
 
+STORE: type | None = getattr(torch.distributed, "Store", None)
+"""``torch.distributed``'s key-value store (``None`` on a build without distributed): a step that counts in one
+(``store.add``) would count again in each replay, and every rank and later step sees the count."""
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -293,6 +297,8 @@ class _Walk:
             return  # a compiled module held outside the trained one: a reason not to run, not state to save
         elif hasattr(type(value), "__next__"):  # an iterator or a generator: what it has yielded cannot be put back
             self.reach.unrestorable.append(f"{path} (a {type(value).__name__})")
+        elif STORE is not None and isinstance(value, STORE):  # its methods are calls into C++ no dispatch mode sees
+            self.reach.unrestorable.append(f"{path} (a torch.distributed store: every rank shares what it holds)")
         elif data and not is_user_class(type(value)):
             return  # a library's object held by the module: the replay's deep copy holds its own copy
         else:
