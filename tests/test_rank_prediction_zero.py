@@ -69,6 +69,11 @@ SETTINGS = ZeroSettings(
 )
 
 
+def miss_key(miss: str) -> str:
+    """Which figure a miss (``"deepspeed_stage_1 rank 2 backward peak: 999420 vs 1114012 (-10.3%)"``) is of."""
+    return miss.partition(":")[0]
+
+
 def loss_of(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """The runs' loss: the output's mean square."""
     return module(batch).square().mean()
@@ -158,7 +163,8 @@ def compare(
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_within_five_percent_of_gloo(tmp_path: Path, predictor: Predictor, world: int) -> None:
     measure = lambda out: measured_ranks(out, world)  # noqa: E731
-    assert measured_again_where_missed(tmp_path, measure, lambda ranks: compare(predictor, world, ranks)) == []
+    misses = measured_again_where_missed(tmp_path, measure, lambda ranks: compare(predictor, world, ranks), miss_key)
+    assert misses == []
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -169,7 +175,9 @@ def test_each_rank_under_accumulation_within_five_percent_of_gloo(tmp_path: Path
     accumulating = predictor_of(2)
     measure = lambda out: measured_ranks(out, world, 2)  # noqa: E731
     bounds = {**REACHED, **ACCUMULATION_REACHED}
-    misses = measured_again_where_missed(tmp_path, measure, lambda ranks: compare(accumulating, world, ranks, bounds))
+    misses = measured_again_where_missed(
+        tmp_path, measure, lambda ranks: compare(accumulating, world, ranks, bounds), miss_key
+    )
     assert misses == []
 
 
