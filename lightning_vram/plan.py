@@ -250,16 +250,35 @@ CARD_LINKS = {
 """The link between the GPUs of a node, by card (others: PCIe 4.0 x16)."""
 
 
+NO_BF16 = "has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed)"
+"""Why a card without bf16 tensor cores (the T4) gets no bf16 rows."""
+
+
+def _computes(gpu: PlanGpu, precision: str) -> bool:
+    """Whether ``gpu`` is planned in ``precision``: bf16 only on a card with bf16 tensor cores (or none known)."""
+    return not precision.startswith("bf16") or gpu.peaks is None or gpu.peaks.bf16_tensor_cores
+
+
 class _Search:
     """One configuration's search for the largest micro-batch each GPU fits, one micro-batch at a time."""
 
-    def __init__(self, precision: str, checkpointing: bool, spec: StrategySpec, what: str, per_rank: int | None):
+    def __init__(
+        self,
+        precision: str,
+        checkpointing: bool,
+        spec: StrategySpec,
+        what: str,
+        per_rank: int | None,
+        gpus: tuple[PlanGpu, ...],
+    ):
         self.precision = precision
         self.checkpointing = checkpointing
         self.spec = spec
         self.what = what
         """The configuration in words, for what the plan left out."""
         self.per_rank = per_rank
+        self.gpus = gpus
+        """The GPUs this configuration is planned on: those that compute its precision."""
         self.micro_batches = _micro_batches(per_rank)
         self.tried = 0
         """How many of :attr:`micro_batches` were predicted."""
@@ -269,13 +288,13 @@ class _Search:
         self.last: dict[PlanGpu, PlanRow] = {}
         """Each GPU's row at the smallest micro-batch tried, where none fitted."""
 
-    def goes_on(self, gpus: int) -> bool:
+    def goes_on(self) -> bool:
         """Whether a smaller micro-batch is still to try: a GPU not fitted yet, and no prediction failed."""
-        return not self.failed and len(self.found) < gpus and self.tried < len(self.micro_batches)
+        return not self.failed and len(self.found) < len(self.gpus) and self.tried < len(self.micro_batches)
 
-    def rows(self, gpus: Sequence[PlanGpu]) -> list[PlanRow]:
+    def rows(self) -> list[PlanRow]:
         """A row per GPU: its fitting one, else its last."""
-        return [self.found.get(gpu) or self.last[gpu] for gpu in gpus if gpu in self.found or gpu in self.last]
+        return [self.found.get(gpu) or self.last[gpu] for gpu in self.gpus if gpu in self.found or gpu in self.last]
 
 
 class _Planner:
@@ -326,9 +345,14 @@ class _Planner:
         smallest micro-batches, not whole precisions.
         """
         searches: list[_Search] = []
+        for precision in precisions:
+            for gpu in self.gpus:
+                if not _computes(gpu, precision):
+                    self._leave_out(f"{gpu.name} {NO_BF16}", precision)
         for checkpointed in checkpointing:
             for precision in precisions:
-                for size in world_sizes:
+                gpus = tuple(gpu for gpu in self.gpus if _computes(gpu, precision))
+                for size in world_sizes if gpus else ():
                     for strategy in (SINGLE,) if size == 1 else strategies:
                         spec = StrategySpec(strategy, size, gpus_per_node=None if nodes == 1 else size // nodes)
                         what = f"{spec.label}, {precision}" + (", checkpointing" if checkpointed else "")
@@ -336,15 +360,15 @@ class _Planner:
                         if isinstance(per_rank, str):
                             self._leave_out(per_rank, what)
                         else:
-                            searches.append(_Search(precision, checkpointed, spec, what, per_rank))
+                            searches.append(_Search(precision, checkpointed, spec, what, per_rank, gpus))
         # The configurations one replay serves first, then FSDP2's (a replay of its own for each world size): a
         # budget that runs out leaves out FSDP2's rows before any that cost no replay of their own.
         pending = searches = sorted(searches, key=lambda search: search.spec.name not in SHARED_REPLAYS)
         while pending:
             for search in pending:
                 self._next_micro_batch(search, nodes)
-            pending = [search for search in pending if search.goes_on(len(self.gpus))]
-        return [row for search in searches for row in search.rows(self.gpus)]
+            pending = [search for search in pending if search.goes_on()]
+        return [row for search in searches for row in search.rows()]
 
     def _next_micro_batch(self, search: _Search, nodes: int) -> None:
         """Predict ``search``'s next micro-batch and keep each GPU's row (a fitting one once found)."""
@@ -355,7 +379,7 @@ class _Planner:
             search.failed = True
             return
         accumulation = 1 if micro is None or search.per_rank is None else search.per_rank // micro
-        for gpu in self.gpus:
+        for gpu in search.gpus:
             if gpu not in search.found:
                 row = self._row(rank, gpu, nodes, search.precision, search.checkpointing, micro, accumulation)
                 (search.found if row.fits else search.last)[gpu] = row

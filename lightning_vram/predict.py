@@ -97,6 +97,7 @@ def predict(
     if shape is not None:
         batch = resize_shape(batch, shape)
     device, notes = _replay_device(device_type)
+    asked = device_type.split(":")[0]
     on_gpu = device.type == "cuda" and torch.cuda.is_available()  # fake CUDA without a device has no capability
     capability = torch.cuda.get_device_capability(device) if on_gpu else None
     # For a GPU, "fits" is the simulated caching allocator serving the step: its settings are the environment's.
@@ -117,7 +118,7 @@ def predict(
     with round_of_replays():
         step = predictor.replay(None, count_flops=True)
         if not isinstance(step, ReplayedStep):
-            return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes)
+            return Prediction(None, (), cuda_context_bytes, skipped=step.reason, notes=notes, device_type=asked)
         budget: BudgetPlan | None = None
         if budget_bytes is not None:
             context = CodeContext(TrainingLoop.LIGHTNING, type(module).__name__)
@@ -149,7 +150,15 @@ def predict(
                 notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
             notes += tuple(f"fit table: {note}" for note in search.notes)
         times = _step_times(step, rows) if device_type.startswith("cuda") else ()
-        return Prediction(step, rows, cuda_context_bytes, notes=notes + step.notes, budget=budget, step_times=times)
+        return Prediction(
+            step,
+            rows,
+            cuda_context_bytes,
+            notes=notes + step.notes,
+            budget=budget,
+            step_times=times,
+            device_type=asked,
+        )
 
 
 def _step_times(step: ReplayedStep, rows: tuple[FitRow, ...]) -> tuple[StepTime, ...]:

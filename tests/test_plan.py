@@ -125,10 +125,20 @@ def test_the_table_reads_in_100_columns_and_the_json_has_every_row() -> None:
     assert lines[2].split() == header.split()
     best = result.rows[0]
     assert lines[3].split()[:3] == [*best.gpu.split(), f"{best.gpu_bytes / 2**30:.1f}G"]
-    assert len(result.rows) == 16 and f"({16 - TABLE_ROWS} more" not in text  # 16 rows: all printed
+    # The T4 has no bf16 tensor cores: its bf16 rows are left out, saying so; 12 rows, all printed.
+    assert len(result.rows) == 12 and f"({12 - TABLE_ROWS} more" not in text
+    assert {(row.gpu, row.precision) for row in result.rows if row.precision == "bf16-mixed"} == {
+        ("H100 SXM", "bf16-mixed")
+    }
+    assert result.left_out == (
+        "T4 has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed): bf16-mixed",
+    )
+    assert "left out: T4 has no bf16 tensor cores" in text
+    sixteen = quickstart_plan(gpus=["T4"], world_sizes=(1,), precisions=("16-mixed",))
+    assert [(row.gpu, row.precision) for row in sixteen.rows] == [("T4", "16-mixed")] and sixteen.left_out == ()
     assert any(line.startswith("  fits: the caching allocator model serves the step") for line in lines)
     data = json.loads(json.dumps(result.to_dict()))
-    assert data["fits"] is True and len(data["rows"]) == 16
+    assert data["fits"] is True and len(data["rows"]) == 12
     assert data["rows"][0]["phases"] == dict(best.phases) and data["rows"][0]["global_batch"] == best.global_batch
     assert {row["checkpointing"] for row in data["rows"]} == {False, True}
 

@@ -209,6 +209,10 @@ def test_a_prediction_for_gpus_gives_the_step_time_on_each_card_of_its_fit_table
     for time, peaks in zip(prediction.step_times, cards, strict=True):
         assert time.seconds == predict_step_time(step, peaks).seconds > 0 and time.samples == 16
     lines = str(prediction).splitlines()
+    # Asked for CUDA, replayed on the CPU where this torch can fake no CUDA tensors (a CUDA build replays on them).
+    device = "cuda" if step.device_type == "cuda" else "cuda (replayed on cpu)"
+    assert lines[0].startswith(f"Prediction: {device}, 32-true, batch 16: ")
+    assert prediction.to_dict()["device_type"] == "cuda"
     start = lines.index(
         "Step time at batch 16 (roofline per op at 50% of each card's published peaks, ops one after another, not"
         " calibrated by a run):"

@@ -38,6 +38,9 @@ class Prediction:
     step_times: tuple[StepTime, ...] = ()
     """The step's predicted time on each common GPU of the fit table, at the replayed batch (a roofline per op at
     an assumed share of the card's published peaks, each :attr:`StepTime.basis` says; empty: not predicted)."""
+    device_type: str | None = None
+    """The device the prediction was asked for (``"cuda"``, ``"cpu"``); the step's own ``device_type`` is where
+    the replay ran, the CPU for ``"cuda"`` on a machine that can fake no CUDA tensors (``None``: not recorded)."""
 
     def __str__(self) -> str:
         """A short table: each phase's predicted peak and parts, the largest batch per GPU, the notes."""
@@ -67,6 +70,7 @@ def prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
             "notes": list(step.notes),
         }
     return {
+        "device_type": prediction.device_type,
         "step": replayed,
         "fit": [fit_row_to_dict(row) for row in prediction.fit],
         "cuda_context_bytes": prediction.cuda_context_bytes,
@@ -130,8 +134,10 @@ def prediction_text(prediction: Prediction) -> str:
     peak = step.peak
     batch = f", batch {step.batch_size}" if step.batch_size is not None else ""
     figure = "allocated" if step.device_type == "cuda" else "live"  # the budget's lines may give a reserved one
+    asked = prediction.device_type
+    device = step.device_type if asked in (None, step.device_type) else f"{asked} (replayed on {step.device_type})"
     lines = [
-        f"Prediction: {step.device_type}, {step.precision}{batch}: {figure} peak {format_bytes(peak.peak_bytes)} in"
+        f"Prediction: {device}, {step.precision}{batch}: {figure} peak {format_bytes(peak.peak_bytes)} in"
         f" {peak.phase.value}"
     ]
     header = ["phase", "peak", *(name.replace("_", " ") for name in CATEGORIES)]

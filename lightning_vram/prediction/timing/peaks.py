@@ -48,6 +48,9 @@ class DevicePeaks:
     source: str
     achieved: float = GPU_ACHIEVED
     memory_row: str | None = None
+    bf16_tensor_cores: bool = True
+    """Whether the card computes bf16 on tensor cores (``False``: Turing's T4 runs bf16 at its fp32 rate, where a
+    plan gives 16-mixed instead)."""
     op_achieved: Mapping[str, float] = field(default_factory=dict)
     """Measured shares of the roofline reached by some kinds of op, by op name (a variant priced as its plain form,
     :data:`OP_FAMILIES`); the other ops take :attr:`achieved`. Empty for the published GPUs."""
@@ -86,7 +89,10 @@ def _gpu(
     memory_row: str,
     bf16: float | None = None,
 ) -> DevicePeaks:
-    """A GPU's row: rates in TFLOP/s (``half``: fp16, and bf16 unless ``bf16`` says otherwise), bandwidth in GB/s."""
+    """A GPU's row: rates in TFLOP/s, bandwidth in GB/s.
+
+    ``half`` is the fp16 rate, and the bf16 one unless ``bf16`` gives the rate of a card without bf16 tensor cores.
+    """
     return DevicePeaks(
         name,
         fp32 * TERA,
@@ -97,6 +103,7 @@ def _gpu(
         GPU_OP_OVERHEAD_SECONDS,
         source,
         memory_row=memory_row,
+        bf16_tensor_cores=bf16 is None,
     )
 
 
