@@ -4,7 +4,9 @@ where that check disagrees)."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,9 @@ from lightning_vram.prediction.replay import fit_table
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.synthesis import AffineSteps, synthesize
 from lightning_vram.records import AllocationSequence, BatchSizeChange, Phase, ReplayedStep
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from quickstart import SmallCNN
 
 pytestmark = pytest.mark.replay
 
@@ -53,8 +58,11 @@ def test_synthesize_refuses_a_size_not_affine_in_whole_bytes_and_a_structure_tha
     second[2] = ("malloc", 71, 1024 + 3072 * 12 + 4, 0)  # 4 bytes over 8 samples: half a byte per sample
     assert synthesize(_hand(4, 10), 4, tuple(second), 12, 20) is None
     late = _hand(12, 70)
-    freed_late = (*late[:5], late[7], late[6], late[5])  # the frees in another order
-    assert synthesize(_hand(4, 10), 4, freed_late, 12, 20) is None
+    freed_early = (*late[:3], late[5], late[4], *late[6:])  # the activation freed before backward's malloc
+    assert synthesize(_hand(4, 10), 4, freed_early, 12, 20) is None
+    # Frees one after another in another order are the same structure: the allocator holds the same blocks after.
+    freed_late = (*late[:5], late[7], late[6], late[5])
+    assert synthesize(_hand(4, 10), 4, freed_late, 12, 20) == _hand(20, 10)
     law = AffineSteps.fit(_hand(4, 10), 4, _hand(12, 70), 12)
     third = list(_hand(30, 1))
     third[4] = ("malloc", 3, 512 * 30 + 512, 1)  # a third replay off the law by one block
@@ -140,6 +148,27 @@ def test_the_synthesized_sequence_is_the_replayed_one_and_the_table_equals_the_r
     # Two replays for the law, the table's largest answer with the batch above it; each row's own where that
     # check disagrees (the conv/BatchNorm model's serving is not monotone).
     assert counts["synthesized"] <= 3 + 2 * len(distinct) < counts["replayed"]
+
+
+def test_under_bf16_mixed_autocast_s_cache_freed_in_hash_order_still_gives_the_law() -> None:
+    """Autocast's cache of bf16 weight casts is cleared at its exit in the order of the weights' addresses' hashes:
+    the frees of that burst come in another order in each replay. The law holds, and the simulated allocator serves
+    the synthesized sequence as it serves the replayed one (a burst of frees leaves the same blocks in any order)."""
+    torch.manual_seed(0)
+    own = 16
+    batch = (torch.zeros(own, 3, 32, 32), torch.zeros(own, dtype=torch.int64))
+    predictor = Predictor(SmallCNN(), None, batch, precision="bf16-mixed", warm_up=True, allocator=AllocatorSettings())
+    with round_of_replays():
+        first, second, far = (_replayed(predictor, size) for size in (2 * own, 3 * own, 7 * own + 3))
+    law = AffineSteps.fit(first, 2 * own, second, 3 * own)
+    assert law is not None and law.agrees(far, 7 * own + 3)
+    synthesized = law.at(7 * own + 3)
+    assert synthesized is not None
+    for capacity in (None, 2 * serve(far, AllocatorSettings(), 2**40).reserved_peak_bytes // 3):
+        for settings in SETTINGS.values():
+            cap = capacity if capacity is not None else 2**40
+            ours, replayed = serve(synthesized, settings, cap), serve(far, settings, cap)
+            assert (ours.reserved_peak_bytes, ours.served) == (replayed.reserved_peak_bytes, replayed.served)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

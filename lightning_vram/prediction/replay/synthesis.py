@@ -18,23 +18,38 @@ _Shape = tuple[object, ...]
 
 
 def _shape(sequence: AllocationSequence) -> tuple[_Shape, array[int]]:
-    """The sequence's structure (block ids as the position of the malloc that made them) and its malloc sizes."""
+    """The sequence's structure (block ids as the position of the malloc that made them) and its malloc sizes.
+
+    Frees one after another (no malloc or phase mark between them) are one set, in the order of the mallocs they
+    return: the allocator holds the same blocks after them whatever their order, and a step's frees of a container
+    (autocast's cache of cast weights, cleared at its exit) come in the order of their addresses' hashes.
+
+    >>> one = (("malloc", 7, 1000, 0), ("malloc", 8, 512, 0), ("free", 7, 0, 0), ("free", 8, 0, 0))
+    >>> two = (("malloc", 3, 1800, 0), ("malloc", 4, 512, 0), ("free", 4, 0, 0), ("free", 3, 0, 0))
+    >>> _shape(one)[0] == _shape(two)[0]
+    True
+    """
     live: dict[int, int] = {}
     unmatched: dict[int, int] = {}
     shape: list[object] = []
+    frees: list[int] = []
     sizes = array("q")
     for position, event in enumerate(sequence):
-        if isinstance(event, Phase):
-            shape.append(event)
-        elif event[0] == "malloc":
-            live[event[1]] = position
-            shape.append(("malloc", event[3]))
-            sizes.append(event[2])
-        else:
+        if not isinstance(event, Phase) and event[0] == "free":
             made = live.pop(event[1], None)
             if made is None:  # freed without a malloc in the step: named by order of first appearance
                 made = -1 - unmatched.setdefault(event[1], len(unmatched))
-            shape.append(("free", made))
+            frees.append(made)
+            continue
+        shape.extend(("free", made) for made in sorted(frees))
+        frees.clear()
+        if isinstance(event, Phase):
+            shape.append(event)
+        else:
+            live[event[1]] = position
+            shape.append(("malloc", event[3]))
+            sizes.append(event[2])
+    shape.extend(("free", made) for made in sorted(frees))
     return tuple(shape), sizes
 
 
