@@ -3,8 +3,9 @@
 A rank's measured peak varies from run to run, every counted part the same: now and then one rank holds one tensor
 more (FSDP2's optimizer step on a GPT-2-like model: 264,712 bytes on one rank, in two fresh-clone runs of the suite
 out of four; ZeRO-2's optimizer peak on rank 2 of 4: 697,008 bytes for 624,800, on this machine and on the CI's). The
-cause is not established (one candidate: gloo's worker thread letting go of a collective's tensors after the rank has
-gone on). A figure must match the prediction in one of two runs: both missing it fails the test.
+cause: gloo's worker thread holds a finished collective's tensors until it gets the GIL to let go of them, after the
+rank's code has dropped them (docs/measurement.md, "Why a gloo rank's live peak varies from run to run";
+scripts/gloo_late_release.py). A figure must match the prediction in one of two runs: both missing it fails the test.
 """
 
 from __future__ import annotations
