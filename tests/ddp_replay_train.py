@@ -24,6 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp, features
+from forked_ranks import lightning_ranks
 from models import Classifier, loader
 
 from lightning_vram import VramMonitor
@@ -134,4 +135,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[3] == "ddp":  # ddp_spawn's runs start their ranks as Lightning does
+        lightning_ranks(main, int(sys.argv[2]))
+    else:
+        main()

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from forked_ranks import lightning_ranks
 from quickstart import SmallCNN, synthetic_images
 from torch.utils.data import DataLoader
 
@@ -66,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lightning_ranks(main, int(sys.argv[2]))

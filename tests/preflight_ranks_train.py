@@ -23,6 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp, features
 from ddp_replay_train import BATCH, WIDTH, RankOneDiffers, Training
+from forked_ranks import lightning_ranks
 from models import loader
 
 from lightning_vram import VramMonitor, VramMonitorWarning
@@ -70,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lightning_ranks(main, WORLD_SIZE)

@@ -23,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
@@ -119,4 +119,4 @@ def run_rank(rank: int, port: int, out: Path, free_bytes: int) -> None:
 
 if __name__ == "__main__":
     port, directory, free = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    mp.spawn(run_rank, args=(port, directory, free), nprocs=WORLD)
+    start_ranks(run_rank, (port, directory, free), WORLD, ("deepspeed",))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from forked_ranks import lightning_ranks
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
@@ -174,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lightning_ranks(main, int(sys.argv[2]), ("deepspeed",) if sys.argv[3].startswith("deepspeed") else ())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -53,4 +53,4 @@ def run(rank: int, port: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]), Path(sys.argv[2])), nprocs=2)
+    start_ranks(run, (int(sys.argv[1]), Path(sys.argv[2])), 2)

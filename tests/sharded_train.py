@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
+from forked_ranks import lightning_ranks
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader
 from zero_fsdp1_ranks import ZERO_SETTINGS
 
@@ -135,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lightning_ranks(main, 2, ("deepspeed",) if sys.argv[2].startswith("deepspeed") else ())

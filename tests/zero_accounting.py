@@ -21,7 +21,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # type: ignore[import-untyped]
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 from torch import nn
 
 from lightning_vram.measure.accounting import StepAttributor
@@ -78,4 +78,4 @@ def count_stage(rank: int, stage: int, out: Path) -> None:
 
 if __name__ == "__main__":
     stages = [int(stage) for stage in sys.argv[1].split(",")]
-    mp.spawn(run, args=(stages, int(sys.argv[2]), Path(sys.argv[3])), nprocs=WORLD_SIZE)
+    start_ranks(run, (stages, int(sys.argv[2]), Path(sys.argv[3])), WORLD_SIZE, ("deepspeed",))

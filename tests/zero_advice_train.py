@@ -23,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
@@ -139,4 +139,4 @@ if __name__ == "__main__":
     buckets = [int(option.removeprefix("bucket=")) for option in options if option.startswith("bucket=")]
     reduce_bucket = buckets[0] if buckets else ZERO_SETTINGS["reduce_bucket_size"]
     arguments = (world_size, port, directory, zero_stage, "no-monitor" not in options, reduce_bucket)
-    mp.spawn(run_rank, args=arguments, nprocs=world_size)
+    start_ranks(run_rank, arguments, world_size, ("deepspeed",))

@@ -32,7 +32,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 from torch import nn
 
 from lightning_vram import VramSession
@@ -154,4 +154,4 @@ def run_rank(rank: int, world: int, port: int, out: Path, accumulate: int) -> No
 if __name__ == "__main__":
     world_size = int(sys.argv[1])
     accumulation = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    mp.spawn(run_rank, args=(world_size, int(sys.argv[2]), Path(sys.argv[3]), accumulation), nprocs=world_size)
+    start_ranks(run_rank, (world_size, int(sys.argv[2]), Path(sys.argv[3]), accumulation), world_size, ("deepspeed",))
