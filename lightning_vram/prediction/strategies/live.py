@@ -1,8 +1,11 @@
 """A live sharded run's strategy, read from its own objects: what each rank's replay predicts it as.
 
-Read by attribute (DeepSpeed 0.19), so deepspeed is never imported and no process group is asked anything: the ZeRO
-optimizer keeps its stage, its partition count and its bucket settings on itself. ZeRO-1 and 2 only: ZeRO-3 empties
-``param.data`` (the whole shapes are in ``param.ds_shape``), which the replay's twin does not rebuild yet.
+DeepSpeed is read by attribute (DeepSpeed 0.19), so deepspeed is never imported: the ZeRO optimizer keeps its stage,
+its partition count and its bucket settings on itself. ZeRO-1 and 2 only: ZeRO-3 empties ``param.data`` (the whole
+shapes are in ``param.ds_shape``), which the replay's twin does not rebuild yet. FSDP2 (``fully_shard``: Lightning's
+``ModelParallelStrategy``, Fabric's) is read from the module: a unit of it is an ``FSDPModule``, each unit's settings
+on its FSDP state (:func:`~lightning_vram.prediction.strategies.fsdp2.live_units`), the world size from the default
+process group (asked locally: no collective).
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from lightning_vram.measure.deepspeed_zero import wrapped_optimizer
-from lightning_vram.prediction.strategies.deepspeed import ZeroSettings
+from lightning_vram.prediction.replay.unsharded import live_fsdp2
+from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS, ZeroSettings
+from lightning_vram.prediction.strategies.fsdp2 import LiveUnits, live_units
 from lightning_vram.records import StrategySpec
 
 ZERO12_ATTRIBUTE = "single_partition_of_fp32_groups"
@@ -27,17 +33,34 @@ ZERO3_ATTRIBUTE = "fp32_partitioned_groups_flat"
 class LiveSharding:
     """A live sharded run as one rank predicts it.
 
-    ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements. ``optimizer``: the
-    user's optimizer inside the strategy's (its class and first group's settings size the partition's state).
+    ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements (Lightning's defaults
+    for FSDP2, which has none). ``optimizer``: the user's optimizer inside ZeRO's (its class and first group's
+    settings size the partition's state); ``None`` for FSDP2 (the replay builds it with ``configure_optimizers`` on
+    its shards). ``units``: FSDP2's units as the run sharded them; ``None`` for ZeRO.
     """
 
     spec: StrategySpec
     settings: ZeroSettings
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
+    units: LiveUnits | None = None
 
 
-def live_sharding(optimizers: Sequence[torch.optim.Optimizer]) -> LiveSharding | str | None:
-    """The run's sharded strategy, read from its optimizers; why it is not modelled (a reason); ``None``: none."""
+def live_sharding(
+    optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None = None, rank: int = 0
+) -> LiveSharding | str | None:
+    """The run's sharded strategy; why it is not modelled (a reason); ``None``: none.
+
+    Read from its optimizers (ZeRO) and from ``module`` (FSDP2; this process is ``rank``).
+    """
+    if module is not None and live_fsdp2(module):
+        distributed = torch.distributed
+        if not (distributed.is_available() and distributed.is_initialized()):
+            return "fsdp2: the module is sharded but no process group is initialized"
+        units = live_units(module, rank)
+        if isinstance(units, str):
+            return units
+        spec = StrategySpec("fsdp2", distributed.get_world_size())
+        return LiveSharding(spec, LIGHTNING_DEFAULTS, None, units)
     for optimizer in optimizers:
         if hasattr(optimizer, ZERO3_ATTRIBUTE):
             return "DeepSpeed ZeRO-3: the replay's twin does not rebuild the partitioned parameters yet"
