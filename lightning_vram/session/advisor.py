@@ -108,7 +108,7 @@ class Advisor:
         The largest shape is ``max_shape``, else the one the longest length means: ``max_length``, else the
         DataLoader's own (see :meth:`_expected`). On the CPU only that shape is replayed, for the report's peak per
         length: nothing is said about fitting. Under several processes this rank's own step is replayed: DDP's with
-        its gradient buckets held, a DeepSpeed ZeRO-1/2 or FSDP2 rank's as :class:`RankReplays` predicts it. Returns
+        its gradient buckets held, a DeepSpeed ZeRO or FSDP2 rank's as :class:`RankReplays` predicts it. Returns
         this rank's row for the ranks to agree on; :meth:`warn_preflight` warns once they have.
         """
         with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
@@ -186,7 +186,7 @@ class Advisor:
     def _preflight_replays(
         self, batch: Any, training: TrainingSetup, shape: tuple[int, ...] | None, device: DeviceInfo
     ) -> Predictor | RankReplays | str:
-        """The rank's first step to replay: one process's, DDP's with its buckets, a ZeRO-1/2 or FSDP2 rank's; or why.
+        """The rank's first step to replay: one process's, DDP's with its buckets, a ZeRO or FSDP2 rank's; or why not.
 
         Each replay warms up one step of its own first, so the gradients and optimizer state of step 1 on exist.
         """
@@ -202,8 +202,7 @@ class Advisor:
             strategy: StrategyBuffers | None = None
         elif training.world_size > 1 and training.strategy in SHARDING_STRATEGIES:
             return (
-                f"{training.strategy}: a live rank of this sharded strategy is not predicted yet"
-                " (ZeRO-1/2 and FSDP2 are)"
+                f"{training.strategy}: a live rank of this sharded strategy is not predicted yet (ZeRO and FSDP2 are)"
             )
         else:
             buffers = self._strategy(training)

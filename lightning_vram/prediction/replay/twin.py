@@ -29,7 +29,7 @@ from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
-from lightning_vram.prediction.replay.unsharded import Unsharding, live_fsdp2
+from lightning_vram.prediction.replay.unsharded import Unsharding, sharded_live
 
 _ARRAY_DEPTH = 3
 """How deep into attributes, lists and dicts :func:`shared_arrays` and :func:`generator_copies` look."""
@@ -126,14 +126,15 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
     """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy).
 
     The objects in ``substitutes`` are not copied: the copy holds their substitutes. A module sharded by FSDP2's
-    ``fully_shard`` is copied unsharded (:class:`~lightning_vram.prediction.replay.unsharded.Unsharding`).
+    ``fully_shard`` or DeepSpeed's ZeRO-3 is copied unsharded
+    (:class:`~lightning_vram.prediction.replay.unsharded.Unsharding`).
     """
     memo: dict[int, Any] = {**generator_copies(module), **substitutes}
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
     with FakeCopyMode(mode):
-        if live_fsdp2(module):
+        if sharded_live(module):
             Unsharding(module, mode).fill(memo)
         copied = copy.deepcopy(module, memo)
         for name in scripted_module_names(dict(module.named_modules())):

@@ -1,4 +1,4 @@
-"""A live FSDP2 module as the replay's twin copies it: unsharded, of its original classes, without FSDP's state.
+"""A live FSDP2 or ZeRO-3 module as the replay's twin copies it: unsharded, without the strategy's state or hooks.
 
 ``fully_shard`` turns each parameter of a unit into a DTensor of the whole (global) shape holding this rank's shard,
 swaps each unit's class for an ``FSDP<Name>`` subclass (which refuses ``deepcopy``), keeps its state (process groups,
@@ -9,6 +9,12 @@ class with the same attributes and submodules, every hook FSDP registered left o
 Nothing of the real module is changed or read beyond its attributes: the shards' values are never read, no
 collective runs. A rank's replay shards the twin again its own way
 (:mod:`~lightning_vram.prediction.strategies.fsdp2`).
+
+DeepSpeed's ZeRO-3 empties each parameter's ``.data`` (its whole shape is ``param.ds_shape``, this rank's partition
+``param.ds_tensor``) and registers its fetch and release hooks on every module: the twin's parameter is a fake one of
+``ds_shape``, every hook whose code is DeepSpeed's left out; the classes are the module's own. The replay runs the
+unsharded step, which the per-rank arithmetic turns into the rank's
+(:mod:`~lightning_vram.prediction.strategies.deepspeed`).
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from lightning_vram.prediction.replay._fake import FakeTensorMode
 
 STATE_KEY_PREFIX = "__composable_api_state_key"
 """How the attributes holding a composable API's state and registry start (torch 2.13, ``_composable/contract``)."""
-FSDP_CODE = "torch.distributed.fsdp"
-"""The package whose functions and methods FSDP2 registers as hooks."""
+STRATEGY_CODE = ("torch.distributed.fsdp", "deepspeed")
+"""The packages whose functions and methods FSDP2 and ZeRO-3 register as hooks."""
 
 
 def fsdp2_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -43,18 +49,28 @@ def original_class(unit: nn.Module) -> type[nn.Module]:
     return found
 
 
+def zero3_shape(parameter: Tensor) -> torch.Size | None:
+    """The whole shape of a parameter ZeRO-3 partitioned (``ds_shape``); ``None`` for any other parameter."""
+    shape = getattr(parameter, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else None
+
+
 def whole_parameter(parameter: Tensor, mode: FakeTensorMode) -> nn.Parameter:
-    """A fake parameter of ``parameter``'s global shape and dtype, on the device its shard is on."""
+    """A fake parameter of ``parameter``'s whole shape and dtype, on the device its shard is on.
+
+    The whole shape is ZeRO-3's ``ds_shape``, else the parameter's own (a DTensor's is the global one).
+    """
+    shape = zero3_shape(parameter) or parameter.shape
     with mode:
-        data = torch.empty(parameter.shape, dtype=parameter.dtype, device=parameter.device)
+        data = torch.empty(shape, dtype=parameter.dtype, device=parameter.device)
     return nn.Parameter(data, requires_grad=parameter.requires_grad)
 
 
-def _is_fsdp_hook(hook: Any) -> bool:
-    """Whether ``hook`` (a function, bound method or torch's ``_WrappedHook``) is FSDP's own."""
+def _is_strategy_hook(hook: Any) -> bool:
+    """Whether ``hook`` (a function, bound method or torch's ``_WrappedHook``) is FSDP's or DeepSpeed's own."""
     inner = getattr(hook, "hook", hook)
     function = getattr(inner, "__func__", inner)
-    return str(getattr(function, "__module__", "") or "").startswith(FSDP_CODE)
+    return str(getattr(function, "__module__", "") or "").startswith(STRATEGY_CODE)
 
 
 def _hook_tables(module: nn.Module) -> list[dict[Any, Any]]:
@@ -63,7 +79,7 @@ def _hook_tables(module: nn.Module) -> list[dict[Any, Any]]:
 
 
 class Unsharding:
-    """What the copy of a live FSDP2 module holds instead of FSDP's objects, by each object's ``id``.
+    """What the copy of a live sharded module holds instead of the strategy's objects, by each object's ``id``.
 
     Args:
         module: the live module (not changed).
@@ -76,21 +92,22 @@ class Unsharding:
     def fill(self, memo: dict[int, Any]) -> None:
         """Put into ``memo`` the copies of the module's FSDP objects; call under the copy's ``FakeCopyMode``.
 
-        Each DTensor parameter's copy is a whole fake parameter; each unit's an instance of its original class, its
-        attributes copied but FSDP's state and hooks; each hook table holding one of FSDP's hooks, its copy without;
+        Each DTensor or ZeRO-3 parameter's copy is a whole fake parameter; each FSDP2 unit's an instance of its
+        original class, its attributes copied but FSDP's state; each hook table holding one of FSDP's or DeepSpeed's
+        hooks, its copy without;
         a device mesh a module holds (Lightning's ``device_mesh``), ``None`` (the replay's sharding sets its own).
         """
         from torch.distributed.device_mesh import DeviceMesh
 
         for parameter in self.module.parameters():
-            if DTENSOR is not None and isinstance(parameter, DTENSOR):
+            if (DTENSOR is not None and isinstance(parameter, DTENSOR)) or zero3_shape(parameter) is not None:
                 memo[id(parameter)] = whole_parameter(parameter, self.mode)
         for child in self.module.modules():
             memo.update((id(value), None) for value in vars(child).values() if isinstance(value, DeviceMesh))
         dropped: set[Any] = set()
         for child in self.module.modules():
             for table in _hook_tables(child):
-                dropped.update(key for key, hook in table.items() if _is_fsdp_hook(hook))
+                dropped.update(key for key, hook in table.items() if _is_strategy_hook(hook))
         units = [unit for _name, unit in fsdp2_units(self.module)]
         shells = {id(unit): original_class(unit).__new__(original_class(unit)) for unit in units}
         memo.update(shells)
@@ -107,3 +124,8 @@ class Unsharding:
 def live_fsdp2(module: nn.Module) -> bool:
     """Whether ``module`` (or a module under it) is a ``fully_shard`` unit."""
     return bool(fsdp2_units(module))
+
+
+def sharded_live(module: nn.Module) -> bool:
+    """Whether ``module`` is sharded by FSDP2 or has a parameter ZeRO-3 partitioned (copied by :class:`Unsharding`)."""
+    return live_fsdp2(module) or any(zero3_shape(parameter) is not None for parameter in module.parameters())

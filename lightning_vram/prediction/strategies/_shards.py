@@ -15,13 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.measure.deepspeed_zero import full_numel
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.records import Breakdown, Phase, PhasePeak, ReplayedStep
 
 
 def parameter_numels(module: nn.Module) -> list[int]:
-    """Elements of each parameter that trains, in ``module.parameters()`` order (a tied one once)."""
-    return [parameter.numel() for parameter in module.parameters() if parameter.requires_grad]
+    """Elements of each parameter that trains, in ``module.parameters()`` order (a tied one once).
+
+    A parameter ZeRO-3 partitioned counts whole.
+    """
+    return [full_numel(parameter) for parameter in module.parameters() if parameter.requires_grad]
 
 
 def padded(numel: int, multiple: int) -> int:

@@ -1,8 +1,9 @@
 """A live sharded run's strategy, read from its own objects: what each rank's replay predicts it as.
 
 DeepSpeed is read by attribute (DeepSpeed 0.19), so deepspeed is never imported: the ZeRO optimizer keeps its stage,
-its partition count and its bucket settings on itself. ZeRO-1 and 2 only: ZeRO-3 empties ``param.data`` (the whole
-shapes are in ``param.ds_shape``), which the replay's twin does not rebuild yet. FSDP2 (``fully_shard``: Lightning's
+its partition count and its bucket settings on itself. ZeRO-3 empties ``param.data`` (the whole shapes are in
+``param.ds_shape``): the replay's twin rebuilds the whole parameters
+(:mod:`~lightning_vram.prediction.replay.unsharded`). FSDP2 (``fully_shard``: Lightning's
 ``ModelParallelStrategy``, Fabric's) is read from the module: a unit of it is an ``FSDPModule``, each unit's settings
 on its FSDP state (:func:`~lightning_vram.prediction.strategies.fsdp2.live_units`), the world size from the default
 process group (asked locally: no collective).
@@ -63,7 +64,7 @@ def live_sharding(
         return LiveSharding(spec, LIGHTNING_DEFAULTS, None, units)
     for optimizer in optimizers:
         if hasattr(optimizer, ZERO3_ATTRIBUTE):
-            return "DeepSpeed ZeRO-3: the replay's twin does not rebuild the partitioned parameters yet"
+            return _zero3(optimizer, module)
         if not hasattr(optimizer, ZERO12_ATTRIBUTE):
             continue
         counts = getattr(optimizer, "partition_count", None)
@@ -80,6 +81,26 @@ def live_sharding(
         spec = StrategySpec(f"deepspeed_stage_{stage}", world, offload=offload)
         return LiveSharding(spec, settings, wrapped_optimizer(optimizer))
     return None
+
+
+def _zero3(optimizer: torch.optim.Optimizer, module: nn.Module | None) -> LiveSharding | str:
+    """A live ZeRO-3 rank: its partition count, bucket settings and offload from its optimizer; or why not modelled."""
+    world = getattr(optimizer, "partition_count", None)
+    if not isinstance(world, int):
+        return "DeepSpeed ZeRO-3: its optimizer holds no partition count"
+    if module is not None and any(getattr(parameter, "ds_persist", False) for parameter in module.parameters()):
+        return (
+            "DeepSpeed ZeRO-3 keeping parameters whole on every rank (under stage3_param_persistence_threshold):"
+            " not modelled yet (the per-rank model partitions every parameter)"
+        )
+    settings = ZeroSettings(
+        reduce_bucket_size=int(getattr(optimizer, "reduce_bucket_size", ZeroSettings.reduce_bucket_size)),
+        stage3_prefetch_bucket_size=int(
+            getattr(optimizer, "prefetch_elements", ZeroSettings.stage3_prefetch_bucket_size)
+        ),
+    )
+    spec = StrategySpec("deepspeed_stage_3", world, offload=bool(getattr(optimizer, "offload_optimizer", False)))
+    return LiveSharding(spec, settings, wrapped_optimizer(optimizer))
 
 
 def unsharded_optimizer(
