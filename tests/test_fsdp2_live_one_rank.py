@@ -88,3 +88,26 @@ def test_a_collective_of_the_run_s_group_in_a_live_fsdp2_step_stops_the_replay(g
     step = replays_of(sharded(AllReducesItsLoss)).replay()
     assert isinstance(step, ReplaySkipped)
     assert step.reason.startswith("the step runs a collective (c10d.allreduce_.default): a rank's replay runs none")
+
+
+def test_a_live_fsdp2_module_without_configure_optimizers_is_replayed_with_an_optimizer_like_the_run_s(
+    gloo_one_rank: None,
+) -> None:
+    # A Fabric or plain loop's module: no configure_optimizers; the run's optimizer (AdamW, weight decay 0.5) gives
+    # the replay's copy one of the same class and settings over its shards.
+    network = sharded().network
+    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-3, weight_decay=0.5)
+
+    def loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.cross_entropy(module(inputs), targets)
+
+    sharding = live_sharding([optimizer], network, 0)
+    assert isinstance(sharding, LiveSharding) and sharding.units is not None
+    assert sharding.units.optimizer is optimizer
+    predictor = Predictor(network, None, BATCH, step_function=loss_of, warm_up=True)
+    step = RankReplays(predictor, sharding.spec, sharding.settings, 0, sharding.units).replay()
+    assert isinstance(step, ReplayedStep), step
+    state = step.phases[Phase.OPTIMIZER].breakdown
+    assert state is not None and state.optimizer_state == 2 * PARAMETERS + 6 * FLOAT32  # AdamW's, as Adam's
+    assert optimizer.state == {} and not hasattr(network, "configure_optimizers")

@@ -48,6 +48,7 @@ from torch import nn
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.prediction.replay.unsharded import fsdp2_units
+from lightning_vram.prediction.strategies._shards import optimizer_like
 from lightning_vram.prediction.strategies.ddp import nccl_line
 from lightning_vram.records import RankLine, RankStep, ReplaySkipped, StepChange, StrategySpec
 
@@ -158,16 +159,22 @@ class LiveUnit:
 
 @dataclass(frozen=True)
 class LiveUnits:
-    """A live FSDP2 run's units, outermost first, and this process's rank in it."""
+    """A live FSDP2 run's units, outermost first, this process's rank in it, and its optimizer.
+
+    ``optimizer``: the run's (its class and first group's settings), for a module without ``configure_optimizers``
+    (a Fabric loop's): the replay builds one like it on its copy's shards. ``None``: none known.
+    """
 
     units: tuple[LiveUnit, ...]
     rank: int
+    optimizer: torch.optim.Optimizer | None = None
 
 
-def live_units(module: nn.Module, rank: int) -> LiveUnits | str:
+def live_units(module: nn.Module, rank: int, optimizer: torch.optim.Optimizer | None = None) -> LiveUnits | str:
     """The units of a live FSDP2 ``module`` as the run sharded them; or why they are not modelled (a reason).
 
-    Read from FSDP2's state on each unit (torch 2.13: ``FSDPState``, its ``FSDPParamGroup``): nothing is changed.
+    ``optimizer``: the run's, kept with them (:attr:`LiveUnits.optimizer`). Read from FSDP2's state on each unit
+    (torch 2.13: ``FSDPState``, its ``FSDPParamGroup``): nothing is changed.
     """
     units = []
     for name, unit in fsdp2_units(module):
@@ -186,7 +193,7 @@ def live_units(module: nn.Module, rank: int) -> LiveUnits | str:
             if not getattr(state, "_auto_reshard_after_forward", False):
                 reshard = after is not None
         units.append(LiveUnit(name, reshard, state._mp_policy))
-    return LiveUnits(tuple(units), rank)
+    return LiveUnits(tuple(units), rank, optimizer)
 
 
 @contextmanager
@@ -228,12 +235,19 @@ def side_meshes(world_size: int, rank: int, device_type: str) -> Iterator[tuple[
 
 
 def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> Callable[[nn.Module], None]:
-    """The function that shards a replay's unsharded twin as the live run sharded its module, over fake meshes."""
+    """The function that shards a replay's unsharded twin as the live run sharded its module, over fake meshes.
+
+    A module without ``configure_optimizers`` is given one building an optimizer like the run's on its shards.
+    """
     from torch.distributed.fsdp import fully_shard
 
     def shard(module: nn.Module) -> None:
         if "_device_mesh" in vars(module):
             vars(module)["_device_mesh"] = lightning  # as ModelParallelStrategy set it on the live module
+        optimizer = units.optimizer
+        if optimizer is not None and not callable(getattr(module, "configure_optimizers", None)):
+            # an instance attribute of the replay's copy only
+            vars(module)["configure_optimizers"] = lambda: optimizer_like(optimizer, module.parameters())
         for unit in reversed(units.units):  # innermost first
             target = module.get_submodule(unit.name)
             fully_shard(target, mesh=flat, reshard_after_forward=unit.reshard, mp_policy=unit.mp_policy)
@@ -363,7 +377,9 @@ def predict(
         shard[0](module)
         units[:] = unit_bytes(module, spec.world_size)
 
-    if not callable(getattr(predictor.module, "configure_optimizers", None)):
+    if not callable(getattr(predictor.module, "configure_optimizers", None)) and (
+        live is None or live.optimizer is None
+    ):
         return ReplaySkipped("fsdp2: the module has no configure_optimizers to build its optimizer on its shards")
     sharded = predictor.sharing_walk()  # the same round (its walk, budget), its step sharded and redirected
     sharded.shard = shard_and_size

@@ -11,7 +11,6 @@ process group (asked locally: no collective).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from lightning_vram.measure.deepspeed_zero import wrapped_optimizer
 from lightning_vram.prediction.replay.unsharded import live_fsdp2
+from lightning_vram.prediction.strategies._shards import optimizer_like
 from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS, ZeroSettings
 from lightning_vram.prediction.strategies.fsdp2 import LiveUnits, live_units
 from lightning_vram.records import StrategySpec
@@ -57,7 +57,8 @@ def live_sharding(
         distributed = torch.distributed
         if not (distributed.is_available() and distributed.is_initialized()):
             return "fsdp2: the module is sharded but no process group is initialized"
-        units = live_units(module, rank)
+        inner = wrapped_optimizer(optimizers[0]) if optimizers else None
+        units = live_units(module, rank, inner)
         if isinstance(units, str):
             return units
         spec = StrategySpec("fsdp2", distributed.get_world_size())
@@ -111,6 +112,4 @@ def unsharded_optimizer(
     ``inner`` steps ZeRO's flat partition; the replay's step runs over the module's own parameters. Made on the real
     parameters (nothing is stepped): the replay copies it to its fake ones.
     """
-    accepted = inspect.signature(type(inner)).parameters  # a scheduler's "initial_lr" is no setting
-    settings = {key: value for key, value in inner.param_groups[0].items() if key != "params" and key in accepted}
-    return type(inner)(parameters, **settings)
+    return optimizer_like(inner, parameters)
