@@ -1,6 +1,7 @@
 """A live FSDP2 run's advice, replayed rank by rank (issue 26: simulated where 0.11.0 said "skipped").
 
-Two gloo ranks train under Lightning's ``ModelParallelStrategy`` (tests/fsdp2_live_train.py). Each rank's replay
+Two gloo ranks train under Lightning's ``ModelParallelStrategy`` (tests/fsdp2_live_train.py), and under Fabric's
+in a plain loop driving ``VramSession`` (tests/fsdp2_fabric_train.py). Each rank's replay
 copies its ``fully_shard``-ed module unsharded (plain fake parameters of each DTensor's global shape, the original
 classes, no FSDP hook or state), shards the copy again as the run did over fake groups made beside the run's, and
 replays its step: no collective of the run's, no real DTensor or FSDP state touched. Its per-rank peaks must be
@@ -32,10 +33,10 @@ TIGHT = 1_100_000
 """Free bytes on each rank's scripted device at preflight: each rank's first step is predicted at 1,174,728 B."""
 
 
-def run(out: Path, *mode: str) -> None:
+def run(out: Path, *mode: str, script: str = "fsdp2_live_train.py") -> None:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, str(Path(__file__).parent / "fsdp2_live_train.py"), str(out), *mode]
+    command = [sys.executable, str(Path(__file__).parent / script), str(out), *mode]
     result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -124,3 +125,28 @@ def test_fsdp2_ranks_agree_on_their_own_preflight_predictions(tmp_path: Path) ->
         assert record["warnings"][0].startswith(
             "VramMonitor: preflight on 2 ranks before step 0: 2 of 2 ranks predicted to run out of memory"
         )
+
+
+def test_a_fabric_fsdp2_loop_s_ranks_replay_their_steps_and_train_the_same(tmp_path: Path) -> None:
+    # Fabric's ModelParallelStrategy, the MLP sharded in its parallelize_fn, no configure_optimizers: each rank's
+    # replay builds an Adam like the run's on its copy's shards.
+    monitored_out, bare = tmp_path / "monitored", tmp_path / "bare"
+    monitored_out.mkdir(), bare.mkdir()
+    run(monitored_out, script="fsdp2_fabric_train.py")
+    run(bare, "no-monitor", script="fsdp2_fabric_train.py")
+    ranks = [read(monitored_out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
+    for record in ranks:
+        assert record["notes"][-1] == NOTE
+        advice = {entry[0]: entry[1:] for entry in record["advice"]}
+        assert advice["inplace-activations"][0] == "simulated" and advice["inplace-activations"][1] > 0
+    measure = lambda path: ranks if path == monitored_out else fabric_ranks(path)  # noqa: E731
+    assert measured_again_where_missed(monitored_out, measure, misses, lambda miss: miss[:2]) == []
+    for rank in range(WORLD_SIZE):
+        assert read(monitored_out / f"training{rank}.json") == read(bare / f"training{rank}.json"), rank
+
+
+def fabric_ranks(out: Path) -> list[dict[str, Any]]:
+    """Each rank's record of a monitored Fabric run made in ``out``."""
+    out.mkdir(exist_ok=True)
+    run(out, script="fsdp2_fabric_train.py")
+    return [read(out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_vram.measure.deepspeed_zero import wrapped_optimizer
+from lightning_vram.measure.setup import user_optimizer
 from lightning_vram.prediction.replay.unsharded import live_fsdp2
 from lightning_vram.prediction.strategies._shards import optimizer_like
 from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS, ZeroSettings
@@ -57,7 +58,7 @@ def live_sharding(
         distributed = torch.distributed
         if not (distributed.is_available() and distributed.is_initialized()):
             return "fsdp2: the module is sharded but no process group is initialized"
-        inner = wrapped_optimizer(optimizers[0]) if optimizers else None
+        inner = user_optimizer(optimizers[0]) if optimizers else None  # Fabric's wrapper looked through
         units = live_units(module, rank, inner)
         if isinstance(units, str):
             return units
