@@ -90,12 +90,12 @@ class Unsharding:
         self.module, self.mode = module, mode
 
     def fill(self, memo: dict[int, Any]) -> None:
-        """Put into ``memo`` the copies of the module's FSDP objects; call under the copy's ``FakeCopyMode``.
+        """Put into ``memo`` the copies of the strategy's objects; call under the copy's ``FakeCopyMode``.
 
         Each DTensor or ZeRO-3 parameter's copy is a whole fake parameter; each FSDP2 unit's an instance of its
         original class, its attributes copied but FSDP's state; each hook table holding one of FSDP's or DeepSpeed's
-        hooks, its copy without;
-        a device mesh a module holds (Lightning's ``device_mesh``), ``None`` (the replay's sharding sets its own).
+        hooks, its copy without; a device mesh a module holds (Lightning's ``device_mesh``), ``None`` (the replay's
+        sharding sets its own).
         """
         from torch.distributed.device_mesh import DeviceMesh
 

@@ -205,13 +205,12 @@ def side_meshes(world_size: int, rank: int, device_type: str) -> Iterator[tuple[
     ``torch.distributed``'s tables for the replay only (made locally, no collective: the run's own groups are not
     used), and destroyed after. ``RuntimeError`` where the run's world size is not ``world_size``.
     """
-    import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
 
     if dist.get_world_size() != world_size:
         raise RuntimeError(f"the run has {dist.get_world_size()} ranks, not {world_size}")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     made: list[dist.ProcessGroup] = []
     try:

@@ -37,8 +37,9 @@ class LiveSharding:
 
     ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements (Lightning's defaults
     for FSDP2, which has none). ``optimizer``: the user's optimizer inside ZeRO's (its class and first group's
-    settings size the partition's state); ``None`` for FSDP2 (the replay builds it with ``configure_optimizers`` on
-    its shards). ``units``: FSDP2's units as the run sharded them; ``None`` for ZeRO.
+    settings size the partition's state); ``None`` for FSDP2 (the replay builds it on its shards: the module's
+    ``configure_optimizers``, else one like :attr:`LiveUnits.optimizer`). ``units``: FSDP2's units as the run sharded
+    them; ``None`` for ZeRO.
     """
 
     spec: StrategySpec
