@@ -4,8 +4,9 @@
 The MLP, optimizer and ZeRO settings of tests/zero_advice_train.py, 2 steps; rank ``r`` trains on batches of
 ``BATCH * (r + 1)`` samples, so rank 1's step needs more. Each rank's session reads a
 :class:`~lightning_vram.testing.ScriptedProbe` whose device has ``FREE_BYTES`` free; the session's gather is
-``all_gather_object``. In one process start (one DeepSpeed import) each rank trains three times: ZeRO-2 with the
-session, ZeRO-2 without it, ZeRO-3 with it. For each, named ``zero2``, ``bare2``, ``zero3``, rank ``r`` writes
+``all_gather_object``. In one process start (one DeepSpeed import) each rank trains four times: ZeRO-2 with the
+session, ZeRO-2 without it, ZeRO-3 with it and without it. For each, named ``zero2``, ``bare2``, ``zero3``,
+``bare3``, rank ``r`` writes
 ``<name>-training<r>.json`` (what training did, to compare with and without) and, with the session,
 ``<name>-preflight<r>.json`` (the rows the ranks agreed on, its own verdict and how it was predicted, the monitor's
 warnings).
@@ -103,6 +104,11 @@ def train(rank: int, stage: int, free_bytes: int, monitored: bool, out: Path) ->
         "losses": losses,
         "parameters": {key: tensor.flatten().tolist() for key, tensor in model.state_dict().items()},
         "optimizer": repr(zero.optimizer.state_dict()) if stage < 3 else None,  # ZeRO-3's is keyed by its partitions
+        "state": [
+            {key: value.tolist() for key, value in state.items()} for state in zero.optimizer.state.values()
+        ],  # the user's optimizer's state (ZeRO-3: over its flat partitions)
+        "partitions": [parameter.ds_tensor.tolist() for parameter in model.parameters() if stage == 3],
+        "master": [tensor.tolist() for tensor in getattr(zero, "fp32_partitioned_groups_flat", ())],
         "rng": torch.get_rng_state().tolist(),
     }
     (out / f"{name}-training{rank}.json").write_text(json.dumps(state))
@@ -112,7 +118,7 @@ def run_rank(rank: int, port: int, out: Path, free_bytes: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # DeepSpeed reads these
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    for stage, monitored in ((2, True), (2, False), (3, True)):
+    for stage, monitored in ((2, True), (2, False), (3, True), (3, False)):
         train(rank, stage, free_bytes, monitored, out)
     dist.destroy_process_group()
 

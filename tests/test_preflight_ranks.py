@@ -29,7 +29,8 @@ DDP_FREE = 10 * 1024**2
 DDP_TIGHT = 4 * 1024**2
 """Free bytes for the run where rank 1's preflight is skipped: rank 0's step does not fit."""
 ZERO_FREE = 1_228_800
-"""Free bytes on each ZeRO rank's scripted device: rank 0's step needs 1,095,548 B here, rank 1's 1,357,692 B."""
+"""Free bytes on each ZeRO rank's scripted device: rank 0's step needs 1,095,548 B here, rank 1's 1,357,692 B (ZeRO-2;
+ZeRO-3: 1,015,528 B and 1,277,672 B)."""
 
 
 def run_script(script: str, *arguments: str) -> None:
@@ -108,8 +109,8 @@ def test_a_rank_whose_preflight_is_skipped_still_joins_the_gather(tmp_path: Path
     assert own.startswith(f"{line} Rank 0's own check: ")
 
 
-def test_zero_ranks_agree_on_their_own_predictions_and_zero_3_is_skipped_saying_why(tmp_path: Path) -> None:
-    # One process start per rank trains ZeRO-2 with the session, ZeRO-2 without it, then ZeRO-3 with it.
+def test_zero_ranks_agree_on_their_own_predictions_and_train_unchanged(tmp_path: Path) -> None:
+    # One process start per rank trains ZeRO-2 with the session and without it, then ZeRO-3 with it and without it.
     run_script("preflight_zero_train.py", str(free_port()), str(tmp_path), str(ZERO_FREE))
     records = [read(tmp_path / f"zero2-preflight{rank}.json") for rank in range(WORLD)]
     rows = check_agreement(records, ZERO_FREE)
@@ -121,10 +122,17 @@ def test_zero_ranks_agree_on_their_own_predictions_and_zero_3_is_skipped_saying_
         assert record["notes"][-1].startswith("deepspeed_stage_2 x2: arithmetic on the single-process replay")
     for rank in range(WORLD):
         assert read(tmp_path / f"zero2-training{rank}.json") == read(tmp_path / f"bare2-training{rank}.json"), rank
-    # ZeRO-3's live ranks are not predicted yet: each rank says so, joins the gather, and warns nothing.
+    # A live ZeRO-3 rank is predicted too: its replay copies the module's partitioned parameters whole (ds_shape),
+    # without DeepSpeed's hooks, and ZeRO-3's arithmetic gives the rank's figures; the ranks agree the same way.
     zero3 = [read(tmp_path / f"zero3-preflight{rank}.json") for rank in range(WORLD)]
-    reason = "DeepSpeed ZeRO-3: the replay's twin does not rebuild the partitioned parameters yet"
-    for rank, record in enumerate(zero3):
-        assert record["agreed"] == [[0, None, None, None, None], [1, None, None, None, None]]
-        assert record["skipped"][rank] == reason
-        assert record["own"] is None and record["warnings"] == []
+    rows = check_agreement(zero3, ZERO_FREE)
+    line = agreed_line(rows)
+    assert zero3[0]["warnings"] == [line]
+    assert zero3[1]["warnings"][0].startswith(f"{line} Rank 1's own check: ")
+    for record in zero3:
+        assert record["skipped"] == [None, None]
+        assert record["notes"][-1].startswith("deepspeed_stage_3 x2: arithmetic on the single-process replay")
+    for rank in range(WORLD):
+        trained, bare = read(tmp_path / f"zero3-training{rank}.json"), read(tmp_path / f"bare3-training{rank}.json")
+        assert trained["partitions"] and trained["master"]  # this rank's ZeRO-3 partitions, compared whole
+        assert trained == bare, rank

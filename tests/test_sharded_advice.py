@@ -1,4 +1,4 @@
-"""A live DeepSpeed ZeRO-1/2 run's advice, replayed rank by rank (issue 26: simulated where 0.11.0 said "skipped").
+"""A live DeepSpeed ZeRO run's advice, replayed rank by rank (issue 26: simulated where 0.11.0 said "skipped").
 
 Each of 2 gloo ranks replays the unsharded module's step on its own and predicts its share by ZeRO's arithmetic
 (``predict_rank``); its sampled step is the baseline, within 5% per part and phase, so the advice a change applies
@@ -138,10 +138,14 @@ def test_zero2_to_zero3_applied_as_printed_saves_what_each_rank_was_told_and_tra
         assert (trial["current"], trial["target"], trial["world_size"]) == ("deepspeed_stage_2", "deepspeed_stage_3", 2)
         assert before["advice"]["sharding-stage"] == ["simulated", trial["saving_bytes"]]
         assert trial["saving_bytes"] >= 0.05 * trial["measured_peak_bytes"]  # over the rule's threshold
-        # No sharding-stage advice after it: no stage beyond ZeRO-3 is modelled (and a live ZeRO-3 rank is not
-        # replayed yet: its other advice is modelled, and says so).
+        # No sharding-stage advice after it: no stage beyond ZeRO-3 is modelled. The live ZeRO-3 rank replays its own
+        # step (its partitioned parameters copied whole, without DeepSpeed's hooks), its counted parts ZeRO-3's
+        # arithmetic to the byte, and its other advice simulated.
         assert "sharding-stage" not in after["advice"]
-        assert after["skipped"].startswith("DeepSpeed ZeRO-3")
+        assert after["skipped"] is None, after["skipped"]
+        assert after["notes"][-1].startswith("deepspeed_stage_3 x2: arithmetic on the single-process replay")
+        assert all(replayed == measured for _, part, measured, replayed in after["match"] if part != "live peak")
+        assert after["advice"]["inplace-activations"][0] == "simulated"
         # The same model: ZeRO-3 takes the same Adam step over the same averaged gradients; on 2 ranks bit-identical
         # (losses as hex, every parameter, gathered whole from ZeRO-3's partitions).
         trained2, trained3 = training(out2, rank), training(out3, rank)

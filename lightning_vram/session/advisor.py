@@ -14,6 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from lightning_vram._guard import Guard, Part
 from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
 from lightning_vram.advice.oom import diagnose
@@ -105,8 +108,8 @@ class Advisor:
         The largest shape is ``max_shape``, else the one the longest length means: ``max_length``, else the
         DataLoader's own (see :meth:`_expected`). On the CPU only that shape is replayed, for the report's peak per
         length: nothing is said about fitting. Under several processes this rank's own step is replayed: DDP's with
-        its gradient buckets held, a DeepSpeed ZeRO-1/2 rank's as :class:`RankReplays` predicts it. Returns this
-        rank's row for the ranks to agree on; :meth:`warn_preflight` warns once they have.
+        its gradient buckets held, a DeepSpeed ZeRO or FSDP2 rank's as :class:`RankReplays` predicts it. Returns
+        this rank's row for the ranks to agree on; :meth:`warn_preflight` warns once they have.
         """
         with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
             outcome = self._preflight(batch, reading, probe, device)
@@ -183,7 +186,7 @@ class Advisor:
     def _preflight_replays(
         self, batch: Any, training: TrainingSetup, shape: tuple[int, ...] | None, device: DeviceInfo
     ) -> Predictor | RankReplays | str:
-        """The rank's first step to replay: one process's, DDP's with its buckets, a ZeRO-1/2 rank's; or why not.
+        """The rank's first step to replay: one process's, DDP's with its buckets, a ZeRO or FSDP2 rank's; or why not.
 
         Each replay warms up one step of its own first, so the gradients and optimizer state of step 1 on exist.
         """
@@ -191,14 +194,16 @@ class Advisor:
         model, step_function = context.model, context.step_function
         assert model is not None
         assert step_function is not None
-        sharding = live_sharding(context.current_optimizers())
+        sharding = live_sharding(context.current_optimizers(), model, context.rank)
         if isinstance(sharding, str):
             return sharding
         if isinstance(sharding, LiveSharding):
-            optimizers = [unsharded_optimizer(sharding.optimizer, list(model.parameters()))]
+            optimizers = _unsharded_optimizers(sharding, model)
             strategy: StrategyBuffers | None = None
         elif training.world_size > 1 and training.strategy in SHARDING_STRATEGIES:
-            return f"{training.strategy}: a live rank of this sharded strategy is not predicted yet (ZeRO-1/2 is)"
+            return (
+                f"{training.strategy}: a live rank of this sharded strategy is not predicted yet (ZeRO and FSDP2 are)"
+            )
         else:
             buffers = self._strategy(training)
             if isinstance(buffers, str):
@@ -218,7 +223,7 @@ class Advisor:
             accumulate=training.accumulate_grad_batches,
         )
         if isinstance(sharding, LiveSharding):
-            return RankReplays(predictor, sharding.spec, sharding.settings, context.rank)
+            return RankReplays(predictor, sharding.spec, sharding.settings, context.rank, sharding.units)
         return predictor
 
     def _expected(self, batch: Any, training: TrainingSetup) -> tuple[tuple[int, ...] | None, int | None]:
@@ -288,7 +293,7 @@ class Advisor:
             if training is None or attribution.step < training.accumulate_grad_batches:
                 return None  # under accumulation, a micro-batch after the first optimizer step: its state exists
             step_function = context.step_function
-            sharding = live_sharding(context.current_optimizers())
+            sharding = live_sharding(context.current_optimizers(), model, context.rank)
             if isinstance(sharding, LiveSharding):
                 reason = unsupported(model, training, step_function, per_rank=True)
                 if reason is not None or step_function is None:
@@ -361,7 +366,7 @@ class Advisor:
         assert model is not None
         predictor = Predictor(
             model,
-            [unsharded_optimizer(sharding.optimizer, list(model.parameters()))],
+            _unsharded_optimizers(sharding, model),
             batch,
             precision=training.precision,
             device=self._context.device,
@@ -372,7 +377,7 @@ class Advisor:
             compute_capability=run.device.compute_capability,
             accumulate=training.accumulate_grad_batches,
         )
-        replays = RankReplays(predictor, sharding.spec, sharding.settings, self._context.rank)
+        replays = RankReplays(predictor, sharding.spec, sharding.settings, self._context.rank, sharding.units)
         return try_rank_changes(replays, run, training)
 
     def _strategy(self, training: TrainingSetup) -> StrategyBuffers | str | None:
@@ -447,6 +452,13 @@ class Advisor:
             simulation=self.simulation,
             preflight=self.preflight_verdict,
         )
+
+
+def _unsharded_optimizers(sharding: LiveSharding, model: nn.Module) -> list[torch.optim.Optimizer] | None:
+    """ZeRO's user optimizer over the unsharded parameters; ``None`` for FSDP2 (built by ``configure_optimizers``)."""
+    if sharding.optimizer is None:
+        return None
+    return [unsharded_optimizer(sharding.optimizer, list(model.parameters()))]
 
 
 def _sampled_peaks(summary: RunSummary, step: int) -> dict[Phase, PhasePeak] | None:

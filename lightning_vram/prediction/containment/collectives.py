@@ -5,7 +5,9 @@ replay another rank runs (its budget ran out, its batch was not the largest). A 
 (a ``torch.distributed`` call in the user's step, ``SyncBatchNorm``, ``self.all_gather``) would wait for ranks that
 never join it, or pair with a collective of their training: the replay stops at the first one, before it runs, and
 is skipped saying so. ``torch.distributed``'s collectives reach the dispatcher as ``c10d`` ops (the fake tensors'
-ones included), where :class:`NoCollectives` sees each before it runs.
+ones included), where :class:`NoCollectives` sees each before it runs. A collective of a group of torch's ``fake``
+backend runs (an FSDP2 rank's replay shards its copy over such groups, made beside the run's: see
+:mod:`~lightning_vram.prediction.strategies.fsdp2`): it sends nothing and waits for no rank.
 """
 
 from __future__ import annotations
@@ -21,19 +23,39 @@ COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"
 """The dispatcher namespaces of torch's collectives (``c10d.allreduce_``, ``_c10d_functional.all_reduce``...)."""
 
 
+PROCESS_GROUP = "__torch__.torch.classes.c10d.ProcessGroup"
+"""The TorchScript class a ``c10d`` op receives its process group as."""
+
+
+def on_fake_group(args: tuple[Any, ...]) -> bool:
+    """Whether a collective op's process group (an argument, or its name for ``_c10d_functional``) is a fake one."""
+    from torch.distributed import distributed_c10d as c10d
+
+    named: dict[str, Any] = {name: group for group, name in c10d._world.pg_names.items()}
+    for arg in args:
+        group = None
+        if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name() == PROCESS_GROUP:
+            group = c10d.ProcessGroup.unbox(arg)
+        elif isinstance(arg, str):
+            group = named.get(arg)
+        if group is not None:
+            return bool(c10d.get_backend(group) == "fake")
+    return False
+
+
 class CollectiveError(RuntimeError):
     """The replayed step called a collective; it was not run."""
 
 
 # torch ships TorchDispatchMode without annotations.
 class NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Raises :class:`CollectiveError` at the first collective op, before it runs.
+    """Raises :class:`CollectiveError` at the first collective op, before it runs (but on a fake group).
 
     Enter it inside the fake mode, so that every op the replayed code runs passes through it.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES:
+        if getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES and not on_fake_group(args):
             raise CollectiveError(
                 f"the step runs a collective ({func}): a rank's replay runs none, so that no rank waits at a collective"
                 " another rank's replay never reaches"

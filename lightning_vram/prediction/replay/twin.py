@@ -6,7 +6,8 @@ but for its rank under several processes: :class:`RanksOnly`; its ``log`` and ``
 arrays the module or the batch hold are shared, not copied (a 400 MB table would be copied on every replay): the
 replay makes them read-only while it runs. The batch is deep-copied
 the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
-the copy. Gradients are faked from the real ones; optimizers come from
+the copy. Gradients are faked from the real ones (not a DTensor's shard: an FSDP2 rank's replay warms up its own);
+optimizers come from
 :mod:`~lightning_vram.prediction.replay.optimizers`, on the path the real run takes
 (:mod:`~lightning_vram.prediction.replay.optimizer_path`).
 """
@@ -23,10 +24,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.measure.scripted import scripted_module_names, scripted_tensors
+from lightning_vram.measure.storages import DTENSOR
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
+from lightning_vram.prediction.replay.unsharded import Unsharding, sharded_live
 
 _ARRAY_DEPTH = 3
 """How deep into attributes, lists and dicts :func:`shared_arrays` and :func:`generator_copies` look."""
@@ -122,13 +125,17 @@ Substitutes = dict[int, Any]
 def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitutes) -> tuple[nn.Module, dict[int, Any]]:
     """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy).
 
-    The objects in ``substitutes`` are not copied: the copy holds their substitutes.
+    The objects in ``substitutes`` are not copied: the copy holds their substitutes. A module sharded by FSDP2's
+    ``fully_shard`` or DeepSpeed's ZeRO-3 is copied unsharded
+    (:class:`~lightning_vram.prediction.replay.unsharded.Unsharding`).
     """
     memo: dict[int, Any] = {**generator_copies(module), **substitutes}
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
     with FakeCopyMode(mode):
+        if sharded_live(module):
+            Unsharding(module, mode).fill(memo)
         copied = copy.deepcopy(module, memo)
         for name in scripted_module_names(dict(module.named_modules())):
             _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
@@ -219,7 +226,7 @@ def make_twin(
                 raise RuntimeError("a parameter of the module was not copied (a parameter held outside the module?)")
             parameters[id(real)] = fake
             real_types[id(fake)] = type(real)
-            if real.grad is not None:
+            if real.grad is not None and not (DTENSOR is not None and isinstance(real.grad, DTENSOR)):
                 grad = mode.from_tensor(real.grad, static_shapes=True)
                 same = (grad.dtype, grad.device) == (fake.dtype, fake.device)
                 fake.grad = grad if same else grad.to(fake.device, fake.dtype)

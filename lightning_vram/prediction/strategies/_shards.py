@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_vram.measure.deepspeed_zero import full_numel
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.records import Breakdown, Phase, PhasePeak, ReplayedStep
 
 
 def parameter_numels(module: nn.Module) -> list[int]:
-    """Elements of each parameter that trains, in ``module.parameters()`` order (a tied one once)."""
-    return [parameter.numel() for parameter in module.parameters() if parameter.requires_grad]
+    """Elements of each parameter that trains, in ``module.parameters()`` order (a tied one once).
+
+    A parameter ZeRO-3 partitioned counts whole.
+    """
+    return [full_numel(parameter) for parameter in module.parameters() if parameter.requires_grad]
 
 
 def padded(numel: int, multiple: int) -> int:
@@ -31,6 +35,18 @@ def padded(numel: int, multiple: int) -> int:
     67596
     """
     return math.ceil(numel / multiple) * multiple
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class with its first group's settings over ``parameters``, without state.
+
+    >>> adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1, betas=(0.8, 0.9))
+    >>> optimizer_like(adam, [torch.nn.Parameter(torch.zeros(2))]).param_groups[0]["betas"]
+    (0.8, 0.9)
+    """
+    accepted = inspect.signature(type(optimizer)).parameters  # a scheduler's "initial_lr" is no setting
+    settings = {key: value for key, value in optimizer.param_groups[0].items() if key != "params" and key in accepted}
+    return type(optimizer)(parameters, **settings)
 
 
 def flat_state_bytes(optimizer: torch.optim.Optimizer | None, numel: int) -> int:
@@ -48,13 +64,11 @@ def flat_state_bytes(optimizer: torch.optim.Optimizer | None, numel: int) -> int
     """
     if optimizer is None:
         return 8 * numel + 4
-    accepted = inspect.signature(type(optimizer)).parameters  # a scheduler's "initial_lr" is no setting
-    settings = {key: value for key, value in optimizer.param_groups[0].items() if key != "params" and key in accepted}
     sizes = []
     for elements in (1, 2):
         flat = torch.zeros(elements, requires_grad=True)
         flat.grad = torch.ones(elements)
-        stepped = type(optimizer)([flat], **settings)
+        stepped = optimizer_like(optimizer, [flat])
         stepped.step()
         sizes.append(sum(tensor.untyped_storage().nbytes() for tensor in iter_tensors(list(stepped.state.values()))))
     per_element = sizes[1] - sizes[0]

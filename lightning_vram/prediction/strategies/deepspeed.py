@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_vram.measure.deepspeed_zero import full_numel
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies._shards import (
     backward_activations,
@@ -105,7 +106,7 @@ def group_numels(predictor: Predictor) -> list[list[int]]:
     optimizer = first_optimizer(predictor.optimizers)
     if optimizer is None:
         return [parameter_numels(predictor.module)]
-    return [[p.numel() for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
+    return [[full_numel(p) for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
 
 
 def crossing_bytes(numels: Sequence[int], start: int, end: int, element: int) -> int:
@@ -135,7 +136,7 @@ def gathered_direct_bytes(module: nn.Module, element: int) -> int:
     total = 0
     for child in module.modules():
         if next(child.children(), None) is not None:
-            total += sum(p.numel() for p in child.parameters(recurse=False) if p.requires_grad) * element
+            total += sum(full_numel(p) for p in child.parameters(recurse=False) if p.requires_grad) * element
     return total
 
 

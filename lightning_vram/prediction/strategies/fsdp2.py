@@ -23,15 +23,22 @@ one with the step, sharded the same way: Lightning's ``ModelParallelStrategy`` k
 ``block_backward_sync`` blocks DDP's alone; it never calls ``set_requires_gradient_sync(False)``), so every
 micro-batch gathers and reduce-scatters, adding into the sharded gradients held across the window.
 
-The fake group is the default process group while the replay runs, set up and destroyed around it; a process that
-already has a process group (a live multi-process run) is not predicted here: its group cannot be replaced, and a
-second default group cannot be made beside it.
+The fake group is the default process group while the replay runs, set up and destroyed around it. A live rank of a
+run sharded by ``fully_shard`` (its process group already the default one) is predicted too
+(:func:`predict`'s ``live``): its units are read from the live module (:func:`live_units`), the replay's twin is the
+module unsharded (:mod:`~lightning_vram.prediction.replay.unsharded`), and each unit is sharded again as the run
+sharded it, over fake groups of torch's ``fake`` backend made beside the run's (:func:`side_meshes`: registered for
+the replay only, destroyed after it); their collectives send nothing and wait for no rank, and no collective of the
+run's own groups runs (:mod:`~lightning_vram.prediction.containment.collectives`).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -40,11 +47,14 @@ from torch import nn
 
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.step import StepFunction
+from lightning_vram.prediction.replay.unsharded import fsdp2_units
+from lightning_vram.prediction.strategies._shards import optimizer_like
 from lightning_vram.prediction.strategies.ddp import nccl_line
 from lightning_vram.records import RankLine, RankStep, ReplaySkipped, StepChange, StrategySpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 METHOD = "replayed: torch's fully_shard under a fake process group"
 """How an FSDP2 rank is predicted."""
@@ -126,6 +136,122 @@ def rank_chunks() -> Iterator[None]:
         yield
     finally:
         setattr(_fsdp_param, CHUNKING, original)
+
+
+TIMEOUT = timedelta(minutes=1)
+"""The side groups' timeout (a fake group never waits)."""
+SIDE_GROUP = "lightning_vram_fake"
+"""How the names of the fake groups made beside a live run's start (each ends with a fresh uuid)."""
+
+
+@dataclass(frozen=True)
+class LiveUnit:
+    """One ``fully_shard`` unit of a live run, as the run sharded it.
+
+    ``name``: its name in the module (the root's ``""``). ``reshard``: ``reshard_after_forward`` as given (``None``:
+    torch's default, every unit but the root). ``mp_policy``: its mixed-precision policy.
+    """
+
+    name: str
+    reshard: bool | None
+    mp_policy: MixedPrecisionPolicy
+
+
+@dataclass(frozen=True)
+class LiveUnits:
+    """A live FSDP2 run's units, outermost first, this process's rank in it, and its optimizer.
+
+    ``optimizer``: the run's (its class and first group's settings), for a module without ``configure_optimizers``
+    (a Fabric loop's): the replay builds one like it on its copy's shards. ``None``: none known.
+    """
+
+    units: tuple[LiveUnit, ...]
+    rank: int
+    optimizer: torch.optim.Optimizer | None = None
+
+
+def live_units(module: nn.Module, rank: int, optimizer: torch.optim.Optimizer | None = None) -> LiveUnits | str:
+    """The units of a live FSDP2 ``module`` as the run sharded them; or why they are not modelled (a reason).
+
+    ``optimizer``: the run's, kept with them (:attr:`LiveUnits.optimizer`). Read from FSDP2's state on each unit
+    (torch 2.13: ``FSDPState``, its ``FSDPParamGroup``): nothing is changed.
+    """
+    units = []
+    for name, unit in fsdp2_units(module):
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        if len(getattr(state, "_modules", (unit,))) != 1:
+            return "fsdp2: a unit of several modules (fully_shard of a list) is not modelled yet"
+        reshard: bool | None = None
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            if type(group.mesh_info).__name__ != "FSDPMeshInfo":
+                return "fsdp2: HSDP (a two-dimensional mesh) is not modelled yet"
+            if type(group.offload_policy).__name__ != "OffloadPolicy":
+                return "fsdp2 with CPU offload: not modelled yet"
+            after = group.post_forward_mesh_info
+            if after is not None and after is not group.mesh_info:
+                return "fsdp2: reshard_after_forward to a smaller mesh (an integer) is not modelled yet"
+            if not getattr(state, "_auto_reshard_after_forward", False):
+                reshard = after is not None
+        units.append(LiveUnit(name, reshard, state._mp_policy))
+    return LiveUnits(tuple(units), rank, optimizer)
+
+
+@contextmanager
+def side_meshes(world_size: int, rank: int, device_type: str) -> Iterator[tuple[DeviceMesh, DeviceMesh]]:
+    """Meshes over fake groups of ``world_size`` ranks beside a live run's groups, this process ``rank``.
+
+    The flat mesh and Lightning's ``ModelParallelStrategy`` one (as :func:`meshes`). Each group is of torch's
+    ``fake`` backend: its collectives send nothing and wait for no rank. They are registered in
+    ``torch.distributed``'s tables for the replay only (made locally, no collective: the run's own groups are not
+    used), and destroyed after. ``RuntimeError`` where the run's world size is not ``world_size``.
+    """
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
+
+    if dist.get_world_size() != world_size:
+        raise RuntimeError(f"the run has {dist.get_world_size()} ranks, not {world_size}")
+
+    made: list[dist.ProcessGroup] = []
+    try:
+        for ranks in (list(range(world_size)), [rank]):
+            name = c10d.GroupName(f"{SIDE_GROUP}_{uuid.uuid4().hex}")
+            group, _store = c10d._new_process_group_helper(
+                len(ranks), ranks.index(rank), ranks, "fake", FakeStore(), group_name=name, timeout=TIMEOUT
+            )
+            assert isinstance(group, dist.ProcessGroup)
+            made.append(group)
+            c10d._world.pg_group_ranks[group] = {global_rank: index for index, global_rank in enumerate(ranks)}
+        data, single = made
+        flat = DeviceMesh.from_group(data, device_type)
+        grid = torch.arange(world_size).reshape(world_size, 1)
+        names = ("data_parallel", "tensor_parallel")
+        lightning = DeviceMesh.from_group([data, single], device_type, mesh=grid, mesh_dim_names=names)
+        yield flat, lightning
+    finally:
+        for group in made:
+            dist.destroy_process_group(group)
+
+
+def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> Callable[[nn.Module], None]:
+    """The function that shards a replay's unsharded twin as the live run sharded its module, over fake meshes.
+
+    A module without ``configure_optimizers`` is given one building an optimizer like the run's on its shards.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(module: nn.Module) -> None:
+        if "_device_mesh" in vars(module):
+            vars(module)["_device_mesh"] = lightning  # as ModelParallelStrategy set it on the live module
+        optimizer = units.optimizer
+        if optimizer is not None and not callable(getattr(module, "configure_optimizers", None)):
+            # an instance attribute of the replay's copy only
+            vars(module)["configure_optimizers"] = lambda: optimizer_like(optimizer, module.parameters())
+        for unit in reversed(units.units):  # innermost first
+            target = module.get_submodule(unit.name)
+            fully_shard(target, mesh=flat, reshard_after_forward=unit.reshard, mp_policy=unit.mp_policy)
+
+    return shard
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
@@ -223,16 +349,25 @@ def unit_bytes(module: nn.Module, world_size: int) -> list[tuple[str, int]]:
     return sized[::-1]
 
 
-def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
-    """One FSDP2 rank of ``spec.world_size``: the predictor's (per-rank) step, sharded by ``fully_shard``."""
+def predict(
+    predictor: Predictor, spec: StrategySpec, change: StepChange | None, live: LiveUnits | None = None
+) -> RankStep | ReplaySkipped:
+    """One FSDP2 rank of ``spec.world_size``: the predictor's (per-rank) step, sharded by ``fully_shard``.
+
+    ``live``: the units of the live run this process is a rank of (its module unsharded in the twin, sharded again
+    as the run sharded it over fake groups beside the run's); ``None``: the module is sharded by its own
+    ``configure_model`` or the usual policy, under a fake default group.
+    """
     if spec.offload:
         return ReplaySkipped("fsdp2 with CPU offload: not modelled yet")
     if predictor.device_type == "meta":
         return ReplaySkipped(META_SKIP)
-    if dist.is_initialized():
+    if live is None and dist.is_initialized():
         return ReplaySkipped(
             "fsdp2: a process group is initialized in this process; the replay's fake group cannot replace it"
         )
+    if live is not None and dist.get_world_size() != spec.world_size:
+        return ReplaySkipped(f"fsdp2: a live rank is predicted at its run's world size ({dist.get_world_size()})")
     device_type = predictor.device_type
     units: list[tuple[str, int]] = []
     shard: list[Callable[[nn.Module], None]] = []
@@ -241,16 +376,23 @@ def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None)
         shard[0](module)
         units[:] = unit_bytes(module, spec.world_size)
 
-    if not callable(getattr(predictor.module, "configure_optimizers", None)):
+    if not callable(getattr(predictor.module, "configure_optimizers", None)) and (
+        live is None or live.optimizer is None
+    ):
         return ReplaySkipped("fsdp2: the module has no configure_optimizers to build its optimizer on its shards")
     sharded = predictor.sharing_walk()  # the same round (its walk, budget), its step sharded and redirected
     sharded.shard = shard_and_size
     sharded.step_function = redirected(predictor.step_function)
     sharded.warm_up = True  # the gradients and optimizer state come as shards from a first step
     sharded.optimizers = None  # built by configure_optimizers on the sharded parameters (as Lightning does)
-    with fake_group(spec.world_size), rank_chunks():
-        shard.append(sharder(spec, *meshes(spec.world_size, device_type)))
-        replayed = sharded.replay(change)
+    if live is None:
+        with fake_group(spec.world_size), rank_chunks():
+            shard.append(sharder(spec, *meshes(spec.world_size, device_type)))
+            replayed = sharded.replay(change)
+    else:
+        with side_meshes(spec.world_size, live.rank, device_type) as (flat, lightning), rank_chunks():
+            shard.append(live_sharder(live, flat, lightning))
+            replayed = sharded.replay(change)
     if isinstance(replayed, ReplaySkipped):
         return replayed
     lines = _lines(units, spec, device_type)

@@ -1,20 +1,28 @@
 """A live sharded run's strategy, read from its own objects: what each rank's replay predicts it as.
 
-Read by attribute (DeepSpeed 0.19), so deepspeed is never imported and no process group is asked anything: the ZeRO
-optimizer keeps its stage, its partition count and its bucket settings on itself. ZeRO-1 and 2 only: ZeRO-3 empties
-``param.data`` (the whole shapes are in ``param.ds_shape``), which the replay's twin does not rebuild yet.
+DeepSpeed is read by attribute (DeepSpeed 0.19), so deepspeed is never imported: the ZeRO optimizer keeps its stage,
+its partition count and its bucket settings on itself. ZeRO-3 empties ``param.data`` (the whole shapes are in
+``param.ds_shape``): the replay's twin rebuilds the whole parameters
+(:mod:`~lightning_vram.prediction.replay.unsharded`). FSDP2 (``fully_shard``: Lightning's
+``ModelParallelStrategy``, Fabric's) is read from the module: a unit of it is an ``FSDPModule``, each unit's settings
+on its FSDP state (:func:`~lightning_vram.prediction.strategies.fsdp2.live_units`), the world size from the default
+process group (asked locally: no collective).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from lightning_vram.measure.deepspeed_zero import wrapped_optimizer
-from lightning_vram.prediction.strategies.deepspeed import ZeroSettings
+from lightning_vram.measure.setup import user_optimizer
+from lightning_vram.prediction.replay.unsharded import live_fsdp2
+from lightning_vram.prediction.strategies._shards import optimizer_like
+from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS, ZeroSettings
+from lightning_vram.prediction.strategies.fsdp2 import LiveUnits, live_units
 from lightning_vram.records import StrategySpec
 
 ZERO12_ATTRIBUTE = "single_partition_of_fp32_groups"
@@ -27,20 +35,39 @@ ZERO3_ATTRIBUTE = "fp32_partitioned_groups_flat"
 class LiveSharding:
     """A live sharded run as one rank predicts it.
 
-    ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements. ``optimizer``: the
-    user's optimizer inside the strategy's (its class and first group's settings size the partition's state).
+    ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements (Lightning's defaults
+    for FSDP2, which has none). ``optimizer``: the user's optimizer inside ZeRO's (its class and first group's
+    settings size the partition's state); ``None`` for FSDP2 (the replay builds it on its shards: the module's
+    ``configure_optimizers``, else one like :attr:`LiveUnits.optimizer`). ``units``: FSDP2's units as the run sharded
+    them; ``None`` for ZeRO.
     """
 
     spec: StrategySpec
     settings: ZeroSettings
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
+    units: LiveUnits | None = None
 
 
-def live_sharding(optimizers: Sequence[torch.optim.Optimizer]) -> LiveSharding | str | None:
-    """The run's sharded strategy, read from its optimizers; why it is not modelled (a reason); ``None``: none."""
+def live_sharding(
+    optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None = None, rank: int = 0
+) -> LiveSharding | str | None:
+    """The run's sharded strategy; why it is not modelled (a reason); ``None``: none.
+
+    Read from its optimizers (ZeRO) and from ``module`` (FSDP2; this process is ``rank``).
+    """
+    if module is not None and live_fsdp2(module):
+        distributed = torch.distributed
+        if not (distributed.is_available() and distributed.is_initialized()):
+            return "fsdp2: the module is sharded but no process group is initialized"
+        inner = user_optimizer(optimizers[0]) if optimizers else None  # Fabric's wrapper looked through
+        units = live_units(module, rank, inner)
+        if isinstance(units, str):
+            return units
+        spec = StrategySpec("fsdp2", distributed.get_world_size())
+        return LiveSharding(spec, LIGHTNING_DEFAULTS, None, units)
     for optimizer in optimizers:
         if hasattr(optimizer, ZERO3_ATTRIBUTE):
-            return "DeepSpeed ZeRO-3: the replay's twin does not rebuild the partitioned parameters yet"
+            return _zero3(optimizer, module)
         if not hasattr(optimizer, ZERO12_ATTRIBUTE):
             continue
         counts = getattr(optimizer, "partition_count", None)
@@ -59,6 +86,26 @@ def live_sharding(optimizers: Sequence[torch.optim.Optimizer]) -> LiveSharding |
     return None
 
 
+def _zero3(optimizer: torch.optim.Optimizer, module: nn.Module | None) -> LiveSharding | str:
+    """A live ZeRO-3 rank: its partition count, bucket settings and offload from its optimizer; or why not modelled."""
+    world = getattr(optimizer, "partition_count", None)
+    if not isinstance(world, int):
+        return "DeepSpeed ZeRO-3: its optimizer holds no partition count"
+    if module is not None and any(getattr(parameter, "ds_persist", False) for parameter in module.parameters()):
+        return (
+            "DeepSpeed ZeRO-3 keeping parameters whole on every rank (under stage3_param_persistence_threshold):"
+            " not modelled yet (the per-rank model partitions every parameter)"
+        )
+    settings = ZeroSettings(
+        reduce_bucket_size=int(getattr(optimizer, "reduce_bucket_size", ZeroSettings.reduce_bucket_size)),
+        stage3_prefetch_bucket_size=int(
+            getattr(optimizer, "prefetch_elements", ZeroSettings.stage3_prefetch_bucket_size)
+        ),
+    )
+    spec = StrategySpec("deepspeed_stage_3", world, offload=bool(getattr(optimizer, "offload_optimizer", False)))
+    return LiveSharding(spec, settings, wrapped_optimizer(optimizer))
+
+
 def unsharded_optimizer(
     inner: torch.optim.Optimizer, parameters: Sequence[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
@@ -67,6 +114,4 @@ def unsharded_optimizer(
     ``inner`` steps ZeRO's flat partition; the replay's step runs over the module's own parameters. Made on the real
     parameters (nothing is stepped): the replay copies it to its fake ones.
     """
-    accepted = inspect.signature(type(inner)).parameters  # a scheduler's "initial_lr" is no setting
-    settings = {key: value for key, value in inner.param_groups[0].items() if key != "params" and key in accepted}
-    return type(inner)(parameters, **settings)
+    return optimizer_like(inner, parameters)

@@ -3,7 +3,9 @@
 :class:`RankReplays` answers :class:`~lightning_vram.prediction.replay.simulation.Replays` with this rank's step by
 :func:`~lightning_vram.prediction.strategies.predict_rank`'s figures, so the run's sampled step is checked against
 the rank's prediction (its baseline) and each change's saving is the rank's. Every replay underneath is the
-single-process one of the predictor's unsharded module: no collective, no process group.
+single-process one of the predictor's unsharded module: no collective of the run's, no process group of its (an
+FSDP2 rank's replay shards its copy over fake groups of its own:
+:mod:`~lightning_vram.prediction.strategies.fsdp2`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.strategies import fsdp2
 from lightning_vram.prediction.strategies.deepspeed import ZeroSettings, predict_zero
 from lightning_vram.records import (
     Attribution,
@@ -40,10 +43,19 @@ class RankReplays:
         spec: the run's strategy and world size.
         settings: ZeRO's bucket settings, read from the run.
         rank: this rank (ZeRO-1/2's gradients crossing its partition's edges differ by rank).
+        units: an FSDP2 run's units as it sharded them (``spec`` is ``fsdp2``): the step is replayed sharded again
+            that way (:func:`~lightning_vram.prediction.strategies.fsdp2.predict`); ``None`` for ZeRO.
     """
 
-    def __init__(self, predictor: Predictor, spec: StrategySpec, settings: ZeroSettings, rank: int) -> None:
-        self.predictor, self.spec, self.settings, self.rank = predictor, spec, settings, rank
+    def __init__(
+        self,
+        predictor: Predictor,
+        spec: StrategySpec,
+        settings: ZeroSettings,
+        rank: int,
+        units: fsdp2.LiveUnits | None = None,
+    ) -> None:
+        self.predictor, self.spec, self.settings, self.rank, self.units = predictor, spec, settings, rank, units
         self.batch: Any = predictor.batch
         """The rank's batch."""
         self.budget_seconds: float | None = predictor.budget_seconds
@@ -84,7 +96,10 @@ class RankReplays:
 
         ``count_flops`` is not honoured: the strategy's model replays without counting FLOPs.
         """
-        predicted = predict_zero(self.predictor, self.spec, change, self.settings, self.rank)
+        if self.units is not None:
+            predicted = fsdp2.predict(self.predictor, self.spec, change, self.units)
+        else:
+            predicted = predict_zero(self.predictor, self.spec, change, self.settings, self.rank)
         if isinstance(predicted, ReplaySkipped):
             return predicted
         return as_replayed(predicted)

@@ -1,0 +1,170 @@
+"""A live FSDP2 run on two CPU ranks (gloo), each rank's replay and advice beside its step.
+
+Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_live_train.py OUT_DIR [no-monitor | preflight=FREE_BYTES]``.
+
+Lightning's ``ModelParallelStrategy`` (data parallel 2, tensor parallel 1): the module's ``configure_model`` calls
+``fully_shard`` on each linear layer of an MLP with LeakyReLU out of place, then on the MLP (its advice:
+checkpointing, inplace activations). Adam, 4 steps, step 2 sampled, replays on. Rank ``r`` writes ``rank<r>.json``:
+the simulation's skip reason, its baseline's notes, the match part by part, the measured and replayed peaks per
+phase, each advice's id, saving basis, saving and detail; and ``training<r>.json``: each step's loss, the rank's
+shards of the final parameters and of the optimizer's state, and the RNG's state. With ``no-monitor`` the same run
+trains without the monitor. With ``preflight=FREE_BYTES`` each rank's monitor reads a scripted CUDA device with that
+many bytes free (``ScriptedProbe``) and rank ``r`` writes ``preflight<r>.json`` instead: the rows the ranks agreed
+on, its own verdict and the monitor's warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).parent))
+from advice_models import activation_mlp, features
+from models import loader
+
+from lightning_vram import VramMonitor, VramMonitorWarning
+from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
+
+WORLD_SIZE = 2
+BATCH, WIDTH = 64, 128
+
+
+class ShardedMLP(LightningModule):
+    """The MLP, each linear layer and then the whole an FSDP2 unit; Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = activation_mlp(nn.LeakyReLU, width=WIDTH)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.cross_entropy(self.network(inputs), targets)
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.network:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.network, mesh=mesh)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def local(tensor: Any) -> Any:
+    """A tensor's values on this rank as a list (a DTensor's local shard); anything else as it is."""
+    if isinstance(tensor, torch.Tensor):
+        shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return [value.hex() for value in shard.detach().flatten().double().tolist()]
+    return tensor
+
+
+class Training(Callback):
+    """What training did on this rank: each step's loss, its shards of the parameters and state, the RNG's state."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[str] = []
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]).hex())
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        state = {
+            "losses": self.losses,
+            "parameters": {name: local(tensor) for name, tensor in pl_module.named_parameters()},
+            "optimizer": [
+                {key: local(value) for key, value in optimizer.state[parameter].items()}
+                for group in optimizer.param_groups
+                for parameter in group["params"]
+            ],
+            "rng": torch.get_rng_state().tolist(),
+        }
+        (self.out / f"training{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
+class Record(Callback):
+    """After the monitor's own hooks, in each rank's process: what it measured, what its replay predicted."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (monitor,) = (callback for callback in trainer.callbacks if isinstance(callback, VramMonitor))  # type: ignore[attr-defined]
+        report, simulation = monitor.report, monitor.session.simulation
+        assert report is not None and simulation is not None
+        baseline, match = simulation.baseline, simulation.match
+        record = {
+            "skipped": simulation.skipped,
+            "notes": [] if baseline is None else list(baseline.notes),
+            "match": None
+            if match is None
+            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
+            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
+            "replayed_peaks": None
+            if baseline is None
+            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
+            "advice": [
+                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
+                for advice in report.advice
+            ],
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    out, mode = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    monitored = mode != ["no-monitor"]
+    free = [int(option.removeprefix("preflight=")) for option in mode if option.startswith("preflight=")]
+    if free:
+        probe = ScriptedProbe([ScriptedBoundary(0, 0, 0)], free_bytes=free[0])
+        monitor = VramMonitor(probe=probe, attribution_start_step=100, console_summary=False)
+        callbacks: list[Callback] = [monitor]
+    else:
+        monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+        callbacks = [monitor, Record(out), Training(out)] if monitored else [Training(out)]
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1),
+        max_steps=4,
+        logger=False,
+        default_root_dir=out,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", VramMonitorWarning)
+        trainer.fit(ShardedMLP(), loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
+    if free:
+        session = monitor.session
+        verdict, rows = session.preflight_verdict, session.preflight_ranks
+        record = {
+            "agreed": [[row.rank, row.fits, row.needed_bytes, row.available_bytes, row.peak_bytes] for row in rows],
+            "skipped": [row.skipped for row in rows],
+            "own": None if verdict is None else [verdict.fits, verdict.needed_bytes, verdict.available_bytes],
+            "notes": [] if verdict is None else list(verdict.step.notes),
+            "warnings": [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)],
+        }
+        (out / f"preflight{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
