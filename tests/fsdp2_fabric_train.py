@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
+from forked_ranks import lightning_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE, local
 
 from lightning_vram import VramSession
@@ -124,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lightning_ranks(main, WORLD_SIZE)

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp, features
+from forked_ranks import lightning_ranks
 from models import loader
 
 from lightning_vram import VramMonitor, VramMonitorWarning
@@ -167,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    lightning_ranks(main, WORLD_SIZE)
