@@ -234,8 +234,9 @@ def test_lightning_defaults_at_1024_ranks(predictor: Predictor) -> None:
 def test_each_rank_holds_its_partition_buffer_from_its_first_bucket_reduce(accumulate: int) -> None:
     # World size 4, the runs' settings: ranks 2 and 3 hold their grads_in_partition (99,328 and 69,928 bytes) from
     # the first bucket reduce on, at backward's peak; ranks 0 and 1 allocate theirs after it. The gloo runs measured
-    # 979,060, 979,060, 1,043,828 and 1,014,428 bytes (ZeRO-1 and ZeRO-2, with and without accumulation but ZeRO-1's
-    # accumulating, which holds every whole gradient until its hook: 1,166,324, 1,166,324, 1,227,636, 1,198,236).
+    # 979,060, 979,060, 1,043,828 and 1,014,428 bytes under ZeRO-1 and ZeRO-2, with and without accumulation, but for
+    # ZeRO-1 accumulating, which holds every whole gradient until its hook: 1,166,324, 1,166,324, 1,227,636 and
+    # 1,198,236. Before this model every rank was predicted the same (999,420; 964,980 and 1,235,356 accumulating).
     predictor = predictor_of(accumulate)
     expected = {
         "deepspeed_stage_2": [979_052, 979_052, 1_043_820, 1_014_420],
