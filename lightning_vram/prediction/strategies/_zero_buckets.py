@@ -110,9 +110,14 @@ def partition_params(layout: Sequence[Flat], shares: Sequence[int], rank: int) -
 class BucketModel:
     """What ZeRO-1/2 holds in backward beside the parameters and the optimizer state, in bytes.
 
-    ``bucket``: one reduce bucket; ``element``: a gradient element under ZeRO, ``replay_element``: in the replay;
-    ``held_whole``: ZeRO-1 under accumulation (every whole gradient held until its hook, the buckets seen when first
-    written).
+    ``bucket_elements``: one reduce bucket; ``element``: a gradient element under ZeRO, ``replay_element``: in the
+    replay; ``stage``: 1 or 2; ``accumulating``: a window's later micro-batch; ``cpu``: counted by the CPU's live
+    count, which sees only what it registered or saw made in the step (CUDA's allocator counts every allocation).
+
+    Accumulating, ZeRO-1 holds every whole gradient until its hook, its buckets made in an earlier micro-batch (on
+    the CPU each counted once first written: the second after the first reduce); ZeRO-2 holds the previous
+    micro-batch's partition buffer in ``all_grad_tensors`` (not seen on the CPU). What CUDA counts there follows
+    DeepSpeed's source and is not yet checked on a GPU.
     """
 
     groups: Sequence[Sequence[int]]
@@ -120,13 +125,16 @@ class BucketModel:
     bucket_elements: int
     element: int
     replay_element: int
-    held_whole: bool
+    stage: int
+    accumulating: bool
+    cpu: bool
 
     def peak(self, timeline: StepTimeline, rank: int) -> int | None:
         """The most rank ``rank`` holds over ``timeline``'s backward beyond parameters and state, in bytes.
 
         At each point: the replay's activations and temporaries, the buckets seen, the whole gradients held (ZeRO-1
-        accumulating) and, from its first reduce on, the rank's partition buffer. ``None``: no backward in it.
+        accumulating), the partition buffer carried (ZeRO-2 accumulating, on CUDA) and, from the rank's first reduce
+        on, its partition buffer. ``None``: no backward in it.
         """
         points = [point for point in timeline.points if point.phase is Phase.BACKWARD]
         if not points:
@@ -142,12 +150,14 @@ class BucketModel:
         total = sum(numels)
         ready = list(itertools.accumulate((numels[index] for index in order), initial=0))
         bucket = self.bucket_elements * self.element
+        held_whole = self.accumulating and self.stage == 1
+        carried = partition if self.accumulating and self.stage == 2 and not self.cpu else 0
         highest = 0
         for point, count in zip(points, counts, strict=True):
-            held = (total - ready[count]) * self.element if self.held_whole else 0
-            seen = 1 + (first_reduce is not None and count >= first_reduce) if self.held_whole else 2
+            held = (total - ready[count]) * self.element if held_whole else 0
+            seen = 1 + (first_reduce is not None and count >= first_reduce) if held_whole and self.cpu else 2
             buffer = partition if first is not None and count >= first else 0
-            highest = max(highest, point.activations + point.other + seen * bucket + held + buffer)
+            highest = max(highest, point.activations + point.other + seen * bucket + held + buffer + carried)
         if mine and first is None:  # the last reduce, as backward ends
-            highest = max(highest, points[-1].activations + points[-1].other + 2 * bucket + partition)
+            highest = max(highest, points[-1].activations + points[-1].other + 2 * bucket + partition + carried)
         return highest

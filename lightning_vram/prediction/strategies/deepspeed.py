@@ -186,7 +186,9 @@ def _stage12(
         settings.reduce_bucket_size,
         element,
         replay_element(predictor),
-        held_whole=accumulating and spec.name == "deepspeed_stage_1",
+        stage=int(spec.name.removeprefix("deepspeed_stage_")),
+        accumulating=accumulating,
+        cpu=replayed.device_type == "cpu",
     )
     timeline = replayed.window_first_timeline if accumulating else replayed.timeline
     if timeline is not None and settings.overlap_comm:
