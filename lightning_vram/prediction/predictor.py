@@ -378,6 +378,7 @@ class Predictor:
         counter: ReplayCounter | None = None
         first: ReplayCounter | None = None
         first_counts: dict[Phase, Breakdown] | None = None
+        first_timeline: TimelineRecorder | None = None
         first_peaks: dict[Phase, int] = {}
         frames = CheckpointFrames()
         run.checkpoint_frames = frames.recorded
@@ -436,7 +437,12 @@ class Predictor:
                         if self.accumulate > 1:  # the window's first micro-batch, counted on its own
                             first = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
                             live.add_listener(first.on_output)
+                            first_timeline = TimelineRecorder(
+                                lambda: live.live_bytes, first.live_parts, lambda: first.current_module
+                            )
+                            live.add_sampler(first_timeline)
                             run.run_micro_batch(twin, fake_batch, first, live)
+                            live.remove_sampler(first_timeline)
                             first_counts, first_peaks = first.finish()[0], live.restart()
                         live.add_sampler(timeline)
                         if flops is not None:
@@ -504,5 +510,6 @@ class Predictor:
                 phase: PhasePeak(step, phase, first_peaks[phase], None, counted.with_measured_peak(first_peaks[phase]))
                 for phase, counted in first_counts.items()
             },
+            window_first_timeline=None if first_timeline is None else first_timeline.finish(),
         )
         return carry(replayed, self.carried, batch_size_of(self.batch)) if self.carried is not None else replayed

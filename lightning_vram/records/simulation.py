@@ -223,6 +223,10 @@ class ReplayedStep:
     before backward, no optimizer step), beside :attr:`phases`, a later micro-batch and the optimizer step, which hold
     the most; kept in memory only, for the baseline's match of a sampled first micro-batch (``None``: no
     accumulation, or read back from JSON)."""
+    window_first_timeline: StepTimeline | None = field(default=None, compare=False, repr=False)
+    """Under gradient accumulation, the window's first micro-batch op by op (its gradients appear as backward makes
+    them, none held before): what a sharded strategy's per-rank arithmetic reads (ZeRO-1/2's reduce buckets); kept in
+    memory only (``None``: no accumulation, or read back from JSON)."""
 
     @property
     def peak(self) -> PhasePeak:

@@ -91,6 +91,10 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Also tell ``sampler`` of each phase's start and, after the listeners, of every op."""
         self._samplers.append(sampler)
 
+    def remove_sampler(self, sampler: Sampler) -> None:
+        """Tell ``sampler`` nothing more (one added by :meth:`add_sampler`)."""
+        self._samplers.remove(sampler)
+
     def track(self, tensors: Iterable[Tensor], producer: str | None = None) -> None:
         """Count the storages of ``tensors`` (each once) until they are freed."""
         for each in tensors:

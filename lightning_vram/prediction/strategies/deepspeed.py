@@ -21,11 +21,12 @@ against DeepSpeed 0.19 on gloo at world sizes 2 and 4 (tests/test_rank_predictio
 
 Backward's activations are the forward's less what the loss and the last module release before backward's first
 count. The peaks (fitted on those runs, Adam): forward, the counted parts (ZeRO-1/2; the CPU's live count misses the
-master partition) or those and the step's own temporaries (ZeRO-3); backward, the counted parts and the step's
-temporaries (ZeRO-1/2; at least ``overlap_comm``'s second reduce bucket, which DeepSpeed holds beside the one the
-gradients sit in: the whole of ``other`` for a model smaller than a bucket) or the counted parts (ZeRO-3); the
-optimizer step, the partition's gradients, one partition-sized temporary of the optimizer's and the batch beside the
-parameters and state (ZeRO-3: and the reduce bucket).
+master partition) or those and the step's own temporaries (ZeRO-3); backward, ZeRO-1/2 rank by rank, op by op over
+the replay's backward (:mod:`~lightning_vram.prediction.strategies._zero_buckets`: both reduce buckets, the rank's
+``grads_in_partition`` from the first bucket reduce that reaches its partition, ZeRO-1's whole gradients under
+accumulation; without a timeline, the counted parts and the step's temporaries, at least the second bucket), or the
+counted parts (ZeRO-3); the optimizer step, the partition's gradients, one partition-sized temporary of the
+optimizer's and the batch beside the parameters and state (ZeRO-3: and the reduce bucket).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from lightning_vram.prediction.strategies._shards import (
     phase_peak,
     shard_communication,
 )
+from lightning_vram.prediction.strategies._zero_buckets import BucketModel
 from lightning_vram.records import (
     Phase,
     PrecisionChange,
@@ -140,6 +142,11 @@ def gathered_direct_bytes(module: nn.Module, element: int) -> int:
     return total
 
 
+def replay_element(predictor: Predictor) -> int:
+    """Bytes of a gradient element in the single-process replay: the first trainable parameter's (4 without one)."""
+    return next((p.element_size() for p in predictor.module.parameters() if p.requires_grad), FP32)
+
+
 def _stage12(
     predictor: Predictor,
     replayed: ReplayedStep,
@@ -152,9 +159,11 @@ def _stage12(
     optimizer = first_optimizer(predictor.optimizers)
     parameters = gradients = state = master = 0
     partition = 0
+    shares = []
     for numels in group_numels(predictor):
         flat = padded(sum(numels), ALIGNMENT * world)
         share = flat // world
+        shares.append(share)
         parameters += flat * element
         partition += share * element
         master += share * FP32
@@ -169,12 +178,31 @@ def _stage12(
     accumulating = predictor.accumulate > 1
     held = WINDOW_HELD.get(spec.name, 0) * element * sum(map(sum, group_numels(predictor))) if accumulating else 0
     forward_activations = replayed.phases[Phase.FORWARD].breakdown.activations  # type: ignore[union-attr]
+    backward_parts = (parameters, held + bucket, state, backward_activations(replayed))
+    # beyond the counted parts: the step's temporaries, or at least the idle bucket
+    backward_other = max(other_bytes(replayed, Phase.BACKWARD), (buckets - 1) * bucket)
+    buckets_held = BucketModel(
+        group_numels(predictor),
+        shares,
+        settings.reduce_bucket_size,
+        element,
+        replay_element(predictor),
+        stage=int(spec.name.removeprefix("deepspeed_stage_")),
+        accumulating=accumulating,
+        cpu=replayed.device_type == "cpu",
+    )
+    timeline = replayed.window_first_timeline if accumulating else replayed.timeline
+    if timeline is not None and settings.overlap_comm:
+        # the CPU's live count does not see the fp32 master partition (allocated before the step, held by no tensor
+        # it registers); CUDA's allocator counts it
+        unseen = master if replayed.device_type == "cpu" else 0
+        ranks = range(world) if rank is None else (rank,)
+        highest = max((buckets_held.peak(timeline, r) for r in ranks), key=lambda peak: peak or 0)
+        if highest is not None:
+            backward_other = parameters + state - unseen + highest - sum(backward_parts)
     phases = {
         Phase.FORWARD: ((parameters, held, state, forward_activations), 0),
-        Phase.BACKWARD: (  # beyond the counted parts: the step's temporaries, or at least the idle bucket
-            (parameters, held + bucket, state, backward_activations(replayed)),
-            max(other_bytes(replayed, Phase.BACKWARD), (buckets - 1) * bucket),
-        ),
+        Phase.BACKWARD: (backward_parts, backward_other),
         # the step's peak: the partition's gradients and one partition-sized temporary of the optimizer's, the batch
         Phase.OPTIMIZER: ((parameters, gradients, state, 0), 2 * partition + batch_bytes(predictor.batch) - gradients),
     }
