@@ -29,13 +29,9 @@ HANG = 900
 TOLERANCE = 0.05
 MISS_KEY = operator.itemgetter(0, 1, 2)
 """Which figure a miss ``(rank, phase, part, measured, predicted)`` is of."""
-UNSTABLE_PEAKS = {("fsdp2", 4, "optimizer"): 0.20}
-"""(strategy, world size, phase) -> the bound on a live peak measured differently from run to run, under
-accumulation. FSDP2 at world size 4, the window's last micro-batch: every rank's optimizer live peak measured
-1,458,288-1,458,296 bytes (predicted 1,458,288) in most runs, but one rank of four measured 1,723,000 (rank 0, the
-project's fresh-clone run of this session) or 18% over (rank 1, an earlier one) on a loaded machine: 264,704 bytes
-more held while the optimizer steps, every counted part the same; not modelled, bounded here (and measured again
-where a run misses: ``measured_again.py``); every other part and phase keeps 5%."""
+# Every part and live peak within 5%. Now and then one rank holds a collective's tensors more while the optimizer
+# steps (FSDP2 x4 under accumulation: 1,723,000 bytes for 1,458,288 once, the root group's 264,704-byte
+# reduce-scatter input freed late by gloo's thread; docs/measurement.md): measured again (``measured_again.py``).
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "live peak")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
@@ -135,28 +131,15 @@ def test_each_rank_under_accumulation_is_within_5_percent_of_the_one_process_pre
     title = f"{strategy} x{world_size} on gloo, gpt, accumulate_grad_batches=2, {place} micro-batch"
     prediction = predicted(world_size, strategy, "gpt", 2, first)
     assert prediction.keys() == ({"forward", "backward"} if first else {"forward", "backward", "optimizer"})
-    bounds = {} if first else unstable(strategy, world_size)
     measure = lambda out: measured(out, world_size, strategy, "gpt", 2, 2 if first else 3)  # noqa: E731
-    misses = measured_again_where_missed(
-        tmp_path, measure, lambda ranks: compare(ranks, prediction, title, bounds), MISS_KEY
-    )
+    misses = measured_again_where_missed(tmp_path, measure, lambda ranks: compare(ranks, prediction, title), MISS_KEY)
     assert misses == []
-
-
-def unstable(strategy: str, world_size: int) -> dict[str, float]:
-    """The bounds of :data:`UNSTABLE_PEAKS` for this run, by phase."""
-    return {
-        phase: bound
-        for (name, world, phase), bound in UNSTABLE_PEAKS.items()
-        if (name, world) == (strategy, world_size)
-    }
 
 
 def compare(
     ranks: list[dict[str, dict[str, int]]],
     prediction: dict[str, dict[str, int]],
     title: str,
-    peak_bounds: dict[str, float] | None = None,
 ) -> list[tuple[int, str, str, int, int]]:
     """Every rank's every part and live peak of every phase against the prediction: the misses past 5% (a live peak
     past its phase's bound in ``peak_bounds`` where one is given); the table printed."""
@@ -170,7 +153,6 @@ def compare(
                 value, guess = parts[part], prediction[phase][part]
                 error = abs(guess - value) / value if value else float(guess != 0)
                 print(f"{rank:>4} {phase:<9} {part:<15} {value:>10} {guess:>10} {error:>8.4%}")
-                bound = (peak_bounds or {}).get(phase, TOLERANCE) if part == "live peak" else TOLERANCE
-                if error > bound:
+                if error > TOLERANCE:
                     failures.append((rank, phase, part, value, guess))
     return failures

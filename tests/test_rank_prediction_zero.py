@@ -31,20 +31,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "peak")
 TOLERANCE = 0.05
 """The issue's bound: each part of each phase within 5% of the measured one."""
-REACHED: dict[tuple[str, str, str], float] = {}
-"""(strategy, phase, part) -> the bound reached where 5% is not: none. ZeRO-1/2's backward peak, once 15% (it
-differs by rank: at world size 4 ranks 2 and 3 measured 1,043,828 and 1,014,428 bytes, ranks 0 and 1 979,060), is
-predicted rank by rank from the bucket reduces (``_zero_buckets``): each rank's ``grads_in_partition`` counted from
-the first reduce that reaches its partition. The figures vary from run to run by a collective's tensors that gloo's
-thread frees late (``measured_again.py``)."""
-ACCUMULATION_REACHED: dict[tuple[str, str, str], float] = {
-    ("deepspeed_stage_2", "optimizer", "peak"): 0.15,
-}
-"""Under accumulation (2 micro-batches), beside :data:`REACHED`: the bounds reached where 5% is not. ZeRO-2's
-optimizer peak is exact on every rank here (624,800 bytes against 624,788 predicted), and rank 2's was 697,008 on the
-CI machine (10.4% over): a collective's tensors freed late by gloo's thread (docs/measurement.md). Its backward peak,
-once 15% here (ranks 979,060, 979,060, 1,043,828 and 1,014,428 bytes against 947,712 predicted for each), is
-predicted rank by rank: ZeRO-2's later micro-batches hold, as the monitor counts them, what the window's first does."""
+# Every part of every phase within 5%, ZeRO-1/2's backward peak predicted rank by rank (``_zero_buckets``: each
+# rank's ``grads_in_partition`` from the first reduce that reaches its partition; once 15%). A rank now and then
+# holds a collective's tensors more at a peak, freed late by gloo's thread (ZeRO-2's optimizer peak under
+# accumulation: 697,008 bytes for 624,800 once on the CI machine; docs/measurement.md): measured again
+# (``measured_again.py``), each figure within 5% in one of the two runs.
 UNSTABLE = {
     (name, phase, "activations") for name in ("fsdp", "fsdp SHARD_GRAD_OP") for phase in ("forward", "backward")
 }
@@ -124,9 +115,7 @@ def figures(step: RankStep, phase: Phase) -> dict[str, int]:
     return {**{part: getattr(peak.breakdown, part) for part in PARTS[:-1]}, "peak": peak.peak_bytes}
 
 
-def compare(
-    predictor: Predictor, world: int, ranks: list[dict[str, Any]], reached: dict[tuple[str, str, str], float] = REACHED
-) -> list[str]:
+def compare(predictor: Predictor, world: int, ranks: list[dict[str, Any]]) -> list[str]:
     """Every part of every phase, predicted against measured, rank by rank: the table's lines and the misses."""
     window = f", accumulate {predictor.accumulate} (the steady micro-batch)" if predictor.accumulate > 1 else ""
     print(f"\nworld size {world}{window}: predicted / measured bytes (error)")
@@ -141,12 +130,11 @@ def compare(
                     actual = measured[part]
                     error = (guess - actual) / actual if actual else float(guess != 0)
                     cells.append(f"{part} {guess}/{actual} ({error:+.1%})")
-                    bound = reached.get((name, phase.value, part), TOLERANCE)
                     if (name, phase.value, part) in UNSTABLE:
                         low = step.replayed.phases[Phase.FORWARD].breakdown.activations  # type: ignore[union-attr]
                         if not low <= actual <= guess:
                             misses.append(f"{name} rank {rank} {phase.value} {part}: {actual} not in {low}..{guess}")
-                    elif abs(error) > bound:
+                    elif abs(error) > TOLERANCE:
                         misses.append(f"{name} rank {rank} {phase.value} {part}: {guess} vs {actual} ({error:+.1%})")
                 print(f"{name:18} r{rank} {phase.value:9} " + "  ".join(cells))
     return misses
@@ -166,10 +154,7 @@ def test_each_rank_under_accumulation_within_five_percent_of_gloo(tmp_path: Path
     # FULL_SHARD and SHARD_GRAD_OP every unit's unsharded one; ZeRO-2, ZeRO-3 and NO_SHARD what they hold without.
     accumulating = predictor_of(2)
     measure = lambda out: measured_ranks(out, world, 2)  # noqa: E731
-    bounds = {**REACHED, **ACCUMULATION_REACHED}
-    misses = measured_again_where_missed(
-        tmp_path, measure, lambda ranks: compare(accumulating, world, ranks, bounds), miss_key
-    )
+    misses = measured_again_where_missed(tmp_path, measure, lambda ranks: compare(accumulating, world, ranks), miss_key)
     assert misses == []
 
 
