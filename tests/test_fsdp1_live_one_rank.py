@@ -59,8 +59,13 @@ def test_a_live_fsdp1_rank_is_replayed_and_its_module_left_as_it_was(gloo_one_ra
     module = wrapped(orig)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.5)
     loss_of(module, BATCH).backward()  # a real step first: the flat parameters' gradients and Adam's state exist
-    optimizer.step()
-    parameters = {name: (parameter, parameter.detach().clone()) for name, parameter in module.named_parameters()}
+    optimizer.step()  # the gradients kept (no zero_grad): the replay must leave them
+    parameters = {
+        name: (parameter, parameter.detach().clone(), parameter.grad.clone())
+        for name, parameter in module.named_parameters()
+        if parameter.grad is not None
+    }
+    assert len(parameters) == len(list(module.parameters()))
     flats = flat_parameters(module)
     assert len(flats) == len(UNITS)
     classes = [type(child) for child in module.modules()]
@@ -79,10 +84,10 @@ def test_a_live_fsdp1_rank_is_replayed_and_its_module_left_as_it_was(gloo_one_ra
     assert state.optimizer_state == 2 * PARAMETERS + 3 * FLOAT32  # AdamW's two moments, a step count per unit
     assert [type(child) for child in module.modules()] == classes
     assert [dict(vars(child)) for child in module.modules()] == attributes  # hooks, handles, views: the same objects
-    for name, (parameter, values) in parameters.items():
+    for name, (parameter, values, grad) in parameters.items():
         now = module.get_parameter(name)
         assert now is parameter and torch.equal(now.detach(), values), name
-        assert now.grad is not None, name
+        assert now.grad is not None and torch.equal(now.grad, grad), name
     assert flat_parameters(module) == flats
     assert not hasattr(module, "configure_optimizers")
 

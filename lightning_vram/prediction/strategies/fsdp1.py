@@ -23,6 +23,11 @@ the gradients; ``HYBRID_SHARD`` and CPU offload are not modelled yet):
 ``SHARD_GRAD_OP`` counts as ``FULL_SHARD`` on the CPU (the same figures on gloo: the count does not see either free
 its unsharded parameters) and sends one all-gather fewer; on a GPU it keeps them from forward to backward, which the
 allocator's peak would show (not checked here).
+
+A live FSDP1 rank (:func:`predict_live`) is the same arithmetic on its module's unsharded copy
+(:mod:`~lightning_vram.prediction.replay.unsharded`), sized by the run's own flat parameters and sharding strategy
+(:func:`live_flats`); its sampled step's activations are not compared with the replay's where the live peak is
+(:attr:`~lightning_vram.prediction.strategies.rank_replays.RankReplays.loose_parts`).
 """
 
 from __future__ import annotations
