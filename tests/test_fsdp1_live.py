@@ -65,10 +65,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
 
 
 def misses(ranks: list[dict[str, Any]]) -> list[tuple[int, str, int, int]]:
-    """Each rank's phases whose replayed peak is past 5% of the measured one; the table printed."""
+    """Each rank's phases whose replayed peak is past 5% of the measured one, and each rank not trusted; printed.
+
+    A rank's baseline is not trusted (``"skipped"``) where gloo's worker thread held a tensor in its live peak.
+    """
     found = []
     for rank, record in enumerate(ranks):
-        assert record["skipped"] is None, (rank, record["skipped"])
+        if record["skipped"] is not None:
+            print(f"rank {rank} not trusted: {record['skipped']}")
+            found.append((rank, "skipped", 0, 0))
         replayed = record["replayed_peaks"]
         assert replayed.keys() == record["measured_peaks"].keys() == {"forward", "backward", "optimizer"}
         for phase, measured in record["measured_peaks"].items():
@@ -84,7 +89,6 @@ def test_each_fsdp1_rank_replays_its_own_step_within_5_percent_of_its_measured_p
 ) -> None:
     out, ranks = runs
     for rank, record in enumerate(ranks):
-        assert record["skipped"] is None, (rank, record["skipped"])
         assert record["notes"][-1] == NOTE
         parts = {(phase, part): (measured, replayed) for phase, part, measured, replayed in record["match"]}
         # The activations are left out where the live peak is compared: the count splits FSDP1's gathered flat
@@ -99,8 +103,28 @@ def test_each_fsdp1_rank_replays_its_own_step_within_5_percent_of_its_measured_p
     assert measured_again_where_missed(out, measure, misses, lambda miss: miss[:2]) == []
 
 
+def unsimulated(ranks: list[dict[str, Any]]) -> list[tuple[int, str | None]]:
+    """Each rank whose inplace-activations advice is not simulated, with why its baseline was not trusted.
+
+    A rank's live peak now and then holds a tensor gloo's worker thread frees late (tests/measured_again.py): its
+    baseline is not trusted that run (Fabric's FSDP2 loop: the optimizer's live peak 973,220 B for 907,168 once).
+    """
+    found = []
+    for rank, record in enumerate(ranks):
+        advice = {entry[0]: entry[1:] for entry in record["advice"]}
+        if advice["inplace-activations"][0] != "simulated":
+            found.append((rank, record["skipped"]))
+    return found
+
+
 def test_each_fsdp1_rank_gets_simulated_advice_with_its_saving(runs: tuple[Path, list[dict[str, Any]]]) -> None:
-    for rank, record in enumerate(ranks := runs[1]):
+    out, first = runs
+    (out / "advice").mkdir()
+    measure = lambda path: first if path == out / "advice" else monitored(path)  # noqa: E731  # the module's run first
+    assert measured_again_where_missed(out / "advice", measure, unsimulated, lambda miss: miss[0]) == []
+    again = out / "advice" / "again"
+    ranks = [read(again / f"rank{rank}.json") for rank in range(WORLD_SIZE)] if again.exists() else first
+    for rank, record in enumerate(ranks):
         assert [discarded for _change, discarded in record["variants"]] == [None] * len(record["variants"]), rank
         advice = {entry[0]: entry[1:] for entry in record["advice"]}
         basis, saving, detail = advice["inplace-activations"]
@@ -146,9 +170,12 @@ def test_fsdp1_ranks_with_their_original_parameters_replay_and_train_the_same(tm
     for record in ranks:
         assert record["notes"][-1] == NOTE
         advice = {entry[0]: entry[1:] for entry in record["advice"]}
-        assert advice["inplace-activations"][0] == "simulated" and advice["inplace-activations"][1] > 0
+        assert advice["inplace-activations"][1] > 0
     measure = lambda path: ranks if path == monitored_out else monitored(path, "orig")  # noqa: E731
     assert measured_again_where_missed(monitored_out, measure, misses, lambda miss: miss[:2]) == []
+    (simulated := monitored_out / "advice").mkdir()
+    measure = lambda path: ranks if path == simulated else monitored(path, "orig")  # noqa: E731
+    assert measured_again_where_missed(simulated, measure, unsimulated, lambda miss: miss[0]) == []
     bare.mkdir()
     run(bare, "no-monitor", "orig")
     for rank in range(WORLD_SIZE):
