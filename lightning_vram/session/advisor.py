@@ -108,7 +108,7 @@ class Advisor:
         The largest shape is ``max_shape``, else the one the longest length means: ``max_length``, else the
         DataLoader's own (see :meth:`_expected`). On the CPU only that shape is replayed, for the report's peak per
         length: nothing is said about fitting. Under several processes this rank's own step is replayed: DDP's with
-        its gradient buckets held, a DeepSpeed ZeRO or FSDP2 rank's as :class:`RankReplays` predicts it. Returns
+        its gradient buckets held, a DeepSpeed ZeRO, FSDP2 or FSDP1 rank's as :class:`RankReplays` predicts it. Returns
         this rank's row for the ranks to agree on; :meth:`warn_preflight` warns once they have.
         """
         with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
@@ -186,7 +186,9 @@ class Advisor:
     def _preflight_replays(
         self, batch: Any, training: TrainingSetup, shape: tuple[int, ...] | None, device: DeviceInfo
     ) -> Predictor | RankReplays | str:
-        """The rank's first step to replay: one process's, DDP's with its buckets, a ZeRO or FSDP2 rank's; or why not.
+        """The rank's first step to replay: one process's, DDP's with its buckets, a sharded rank's; or why not.
+
+        A sharded rank is a ZeRO, FSDP2 or FSDP1 one, as :class:`RankReplays` predicts it.
 
         Each replay warms up one step of its own first, so the gradients and optimizer state of step 1 on exist.
         """
@@ -202,7 +204,8 @@ class Advisor:
             strategy: StrategyBuffers | None = None
         elif training.world_size > 1 and training.strategy in SHARDING_STRATEGIES:
             return (
-                f"{training.strategy}: a live rank of this sharded strategy is not predicted yet (ZeRO and FSDP2 are)"
+                f"{training.strategy}: a live rank of this sharded strategy is not predicted yet"
+                " (ZeRO, FSDP2 and FSDP1 are)"
             )
         else:
             buffers = self._strategy(training)
@@ -455,7 +458,7 @@ class Advisor:
 
 
 def _unsharded_optimizers(sharding: LiveSharding, model: nn.Module) -> list[torch.optim.Optimizer] | None:
-    """ZeRO's user optimizer over the unsharded parameters; ``None`` for FSDP2 (built by ``configure_optimizers``)."""
+    """ZeRO's user optimizer over the unsharded parameters; ``None`` for FSDP2 and FSDP1 (built on the copy)."""
     if sharding.optimizer is None:
         return None
     return [unsharded_optimizer(sharding.optimizer, list(model.parameters()))]

@@ -18,7 +18,7 @@ import copy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,7 @@ from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
-from lightning_vram.prediction.replay.unsharded import Unsharding, sharded_live
+from lightning_vram.prediction.replay.unsharded import Unsharding, is_flat_parameter, sharded_live
 
 _ARRAY_DEPTH = 3
 """How deep into attributes, lists and dicts :func:`shared_arrays` and :func:`generator_copies` look."""
@@ -126,7 +126,7 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
     """A deep copy of ``module`` with fake tensors, and the copy's memo (real object ``id`` -> its copy).
 
     The objects in ``substitutes`` are not copied: the copy holds their substitutes. A module sharded by FSDP2's
-    ``fully_shard`` or DeepSpeed's ZeRO-3 is copied unsharded
+    ``fully_shard``, FSDP1's ``FullyShardedDataParallel`` or DeepSpeed's ZeRO-3 is copied unsharded
     (:class:`~lightning_vram.prediction.replay.unsharded.Unsharding`).
     """
     memo: dict[int, Any] = {**generator_copies(module), **substitutes}
@@ -134,9 +134,12 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
     if fabric is not None:
         memo[id(fabric)] = None
     with FakeCopyMode(mode):
-        if sharded_live(module):
-            Unsharding(module, mode).fill(memo)
+        unsharding = Unsharding(module, mode) if sharded_live(module) else None
+        if unsharding is not None:
+            unsharding.fill(memo)
         copied = copy.deepcopy(module, memo)
+        if unsharding is not None:
+            unsharding.finish(memo)
         for name in scripted_module_names(dict(module.named_modules())):
             _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
     ranks = RanksOnly.of(getattr(module, "_trainer", None))
@@ -222,12 +225,15 @@ def make_twin(
         real_types: dict[int, type] = {}
         for real in module.parameters():
             fake = memo.get(id(real))
+            if fake is None and id(real) in memo and is_flat_parameter(real):
+                continue  # FSDP1's flat parameter: the copy holds the unit's original parameters, whole, instead
             if not isinstance(fake, Tensor):
                 raise RuntimeError("a parameter of the module was not copied (a parameter held outside the module?)")
             parameters[id(real)] = fake
             real_types[id(fake)] = type(real)
-            if real.grad is not None and not (DTENSOR is not None and isinstance(real.grad, DTENSOR)):
-                grad = mode.from_tensor(real.grad, static_shapes=True)
+            grad_kept = real.grad is not None and real.grad.shape == fake.shape  # not FSDP1's shard of a whole one
+            if grad_kept and not (DTENSOR is not None and isinstance(real.grad, DTENSOR)):
+                grad = mode.from_tensor(cast(Tensor, real.grad), static_shapes=True)
                 same = (grad.dtype, grad.device) == (fake.dtype, fake.device)
                 fake.grad = grad if same else grad.to(fake.device, fake.dtype)
         configured = configured_optimizers(copied) if optimizers is None else None

@@ -15,6 +15,17 @@ DeepSpeed's ZeRO-3 empties each parameter's ``.data`` (its whole shape is ``para
 ``ds_shape``, every hook whose code is DeepSpeed's left out; the classes are the module's own. The replay runs the
 unsharded step, which the per-rank arithmetic turns into the rank's
 (:mod:`~lightning_vram.prediction.strategies.deepspeed`).
+
+FSDP1 (``FullyShardedDataParallel``) wraps each unit in a ``FullyShardedDataParallel`` module holding it as
+``_fsdp_wrapped_module``, and flattens the unit's parameters into one ``FlatParameter`` holding this rank's shard:
+with ``use_orig_params=False`` the flat parameter is the unit's only registered parameter (on the wrapped module),
+each original one a plain tensor attribute viewing it; with ``use_orig_params=True`` the originals stay registered,
+each a view of the shard. The twin holds in each wrapper's place an :class:`UnwrappedShell` around its inner
+module's copy, under the same name (the wrapper, its state, handle and hooks not copied), and each original
+parameter as a fake parameter of its whole shape (the flat parameter's ``_shapes``) registered again on its module,
+a parameter shared in the unit (``_shared_param_infos``) one object; the flat parameter itself has no copy
+(:meth:`Unsharding.finish`). Nothing of the live wrappers, flat parameters or FSDP1's state is changed, no
+collective runs.
 """
 
 from __future__ import annotations
@@ -27,6 +38,11 @@ from torch import Tensor, nn
 
 from lightning_vram.measure.storages import DTENSOR, FSDP_MODULE
 from lightning_vram.prediction.replay._fake import FakeTensorMode
+
+WRAPPED = "_fsdp_wrapped_module"
+"""The name FSDP1's wrapper holds its inner module under (torch 2.13, ``_FSDP_WRAPPED_MODULE``)."""
+FLAT_PARAMETER = "_flat_param"
+"""The name FSDP1 registers a unit's flat parameter under, on its wrapped module (torch 2.13, ``FLAT_PARAM``)."""
 
 STATE_KEY_PREFIX = "__composable_api_state_key"
 """How the attributes holding a composable API's state and registry start (torch 2.13, ``_composable/contract``)."""
@@ -47,6 +63,81 @@ def original_class(unit: nn.Module) -> type[nn.Module]:
     index = getattr(type(unit), "_orig_cls_mro_index", 2)
     found: type[nn.Module] = type(unit).__mro__[index]
     return found
+
+
+class UnwrappedShell(nn.Module):
+    """An FSDP1 wrapper's place in the twin: its inner module's copy under the same name, run and read through.
+
+    The module names the advice's changes use (``_fsdp_wrapped_module.1``) are the live module's, so the twin keeps
+    them; the shell holds no state, hook or parameter of its own.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The inner module's forward (FSDP1's without gathering, casting or hooks)."""
+        return self._modules[WRAPPED](*args, **kwargs)  # type: ignore[misc]
+
+    def __getattr__(self, name: str) -> Any:
+        """The shell's own submodule, else the inner module's attribute (as FSDP1's wrapper reads through)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED or WRAPPED not in vars(self).get("_modules", {}):
+                raise
+            return getattr(self._modules[WRAPPED], name)
+
+    def __getitem__(self, key: Any) -> Any:
+        """The inner module's item (an ``nn.Sequential``'s layer), as FSDP1's wrapper gives it."""
+        return self._modules[WRAPPED][key]  # type: ignore[index]
+
+
+def fsdp1_wrappers(module: nn.Module) -> list[nn.Module]:
+    """Each ``FullyShardedDataParallel`` (FSDP1) wrapper under ``module`` (itself included), outermost first."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [child for child in module.modules() if isinstance(child, FullyShardedDataParallel)]
+
+
+def flat_parameters(module: nn.Module) -> list[Any]:
+    """FSDP1's flat parameters of ``module``: its wrappers' (``use_orig_params=True`` too), then any registered one.
+
+    Each once, outermost wrapper's first; the root's flat parameter where the root wrapper is outside ``module``
+    (Lightning's ``fsdp`` strategy wraps the LightningModule itself) is found among its parameters.
+    """
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    found: dict[int, Any] = {}
+    for wrapper in fsdp1_wrappers(module):
+        handle = getattr(wrapper, "_handle", None)
+        if handle is not None:
+            found.setdefault(id(handle.flat_param), handle.flat_param)
+    for parameter in module.parameters():
+        if isinstance(parameter, FlatParameter):
+            found.setdefault(id(parameter), parameter)
+    return list(found.values())
+
+
+def is_flat_parameter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is one of FSDP1's flat parameters."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    return isinstance(tensor, FlatParameter)
+
+
+def live_fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` is (or holds) an FSDP1 wrapper or a flat parameter of FSDP1's."""
+    return bool(fsdp1_wrappers(module) or flat_parameters(module))
+
+
+def _original_places(flat: Any) -> list[tuple[nn.Module, str, int]]:
+    """Where each original parameter of ``flat`` lives: its module, its name, and its index in ``flat._shapes``.
+
+    A parameter shared in the unit appears once per place, with the index of the first place it is in.
+    """
+    places = [(info.module, info.param_name, index) for index, info in enumerate(flat._param_infos)]
+    first = {(id(info.module), info.param_name): index for index, info in enumerate(flat._param_infos)}
+    for shared in flat._shared_param_infos:
+        places.append((shared.module, shared.param_name, first[(id(shared.prim_module), shared.prim_param_name)]))
+    return places
 
 
 def zero3_shape(parameter: Tensor) -> torch.Size | None:
@@ -88,6 +179,10 @@ class Unsharding:
 
     def __init__(self, module: nn.Module, mode: FakeTensorMode) -> None:
         self.module, self.mode = module, mode
+        self.flats = flat_parameters(module)
+        """FSDP1's flat parameters of the module (none for FSDP2 and ZeRO-3)."""
+        self.wholes: list[tuple[nn.Module, str, nn.Parameter]] = []
+        """Each FSDP1 original parameter's place (its live module and name) and its whole fake parameter."""
 
     def fill(self, memo: dict[int, Any]) -> None:
         """Put into ``memo`` the copies of the strategy's objects; call under the copy's ``FakeCopyMode``.
@@ -108,6 +203,7 @@ class Unsharding:
         for child in self.module.modules():
             for table in _hook_tables(child):
                 dropped.update(key for key, hook in table.items() if _is_strategy_hook(hook))
+        self._fill_fsdp1(memo)
         units = [unit for _name, unit in fsdp2_units(self.module)]
         shells = {id(unit): original_class(unit).__new__(original_class(unit)) for unit in units}
         memo.update(shells)
@@ -119,6 +215,41 @@ class Unsharding:
         for unit in units:
             attributes = {name: value for name, value in vars(unit).items() if not name.startswith(STATE_KEY_PREFIX)}
             vars(shells[id(unit)]).update(copy.deepcopy(attributes, memo))
+        for wrapper in reversed(fsdp1_wrappers(self.module)):  # innermost first: an outer one's copy holds its copy
+            shell = UnwrappedShell()
+            shell.training = wrapper.training
+            shell._modules[WRAPPED] = copy.deepcopy(wrapper._modules[WRAPPED], memo)
+            memo[id(wrapper)] = shell
+
+    def _fill_fsdp1(self, memo: dict[int, Any]) -> None:
+        """FSDP1: each original parameter's whole fake parameter in the memo; each flat parameter copied as ``None``.
+
+        The original parameter is the registered one (``use_orig_params=True``) or the tensor attribute viewing the
+        flat parameter (``use_orig_params=False``); either's copy is the whole parameter, registered by :meth:`finish`.
+        """
+        for flat in self.flats:
+            memo[id(flat)] = None
+            wholes: dict[int, nn.Parameter] = {}
+            for owner, name, index in _original_places(flat):
+                if index not in wholes:
+                    with self.mode:
+                        data = torch.empty(flat._shapes[index], dtype=flat.dtype, device=flat.device)
+                    wholes[index] = nn.Parameter(data, requires_grad=flat.requires_grad)
+                self.wholes.append((owner, name, wholes[index]))
+                original = owner._parameters.get(name, vars(owner).get(name))
+                if isinstance(original, Tensor):
+                    memo[id(original)] = wholes[index]
+
+    def finish(self, memo: dict[int, Any]) -> None:
+        """After the copy: each FSDP1 whole parameter registered on its module's copy, the flat parameters dropped."""
+        for module in self.module.modules():
+            copied = memo.get(id(module))
+            if FLAT_PARAMETER in module._parameters and isinstance(copied, nn.Module):
+                copied._parameters.pop(FLAT_PARAMETER, None)
+        for owner, name, whole in self.wholes:
+            copied = memo[id(owner)]
+            vars(copied).pop(name, None)  # use_orig_params=False: the view's copy held as a plain attribute
+            copied._parameters[name] = whole
 
 
 def live_fsdp2(module: nn.Module) -> bool:
@@ -127,5 +258,9 @@ def live_fsdp2(module: nn.Module) -> bool:
 
 
 def sharded_live(module: nn.Module) -> bool:
-    """Whether ``module`` is sharded by FSDP2 or has a parameter ZeRO-3 partitioned (copied by :class:`Unsharding`)."""
-    return live_fsdp2(module) or any(zero3_shape(parameter) is not None for parameter in module.parameters())
+    """Whether ``module`` is sharded by FSDP2, FSDP1 or ZeRO-3 (copied unsharded by :class:`Unsharding`)."""
+    return (
+        live_fsdp2(module)
+        or live_fsdp1(module)
+        or any(zero3_shape(parameter) is not None for parameter in module.parameters())
+    )

@@ -23,17 +23,28 @@ the gradients; ``HYBRID_SHARD`` and CPU offload are not modelled yet):
 ``SHARD_GRAD_OP`` counts as ``FULL_SHARD`` on the CPU (the same figures on gloo: the count does not see either free
 its unsharded parameters) and sends one all-gather fewer; on a GPU it keeps them from forward to backward, which the
 allocator's peak would show (not checked here).
+
+A live FSDP1 rank (:func:`predict_live`) is the same arithmetic on its module's unsharded copy
+(:mod:`~lightning_vram.prediction.replay.unsharded`), sized by the run's own flat parameters and sharding strategy
+(:func:`live_flats`); its sampled step's activations are not compared with the replay's where the live peak is
+(:attr:`~lightning_vram.prediction.strategies.rank_replays.RankReplays.loose_parts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay.unsharded import flat_parameters, fsdp1_wrappers
 from lightning_vram.prediction.strategies._shards import (
     batch_bytes,
     first_optimizer,
     flat_state_bytes,
+    optimizer_like,
     other_bytes,
     padded,
     phase_peak,
@@ -61,6 +72,47 @@ OPTIMIZER_TEMPORARIES = 3
 """Temporaries the size of the largest flat shard at the optimizer step's peak (fitted on gloo with Adam)."""
 
 
+LIVE_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+"""The sharding strategies of a live FSDP1 run that are modelled (``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2``
+shard within a node and replicate across: not yet)."""
+
+
+@dataclass(frozen=True)
+class LiveFlats:
+    """A live FSDP1 run's flat parameters as the run made them, and its optimizer.
+
+    ``numels``: each flat parameter's elements before FSDP1 pads it to the world size (``_unpadded_unsharded_size``:
+    the unit's parameters, with ``use_orig_params=True`` the alignment padding between them). ``optimizer``: the
+    run's (its class and first group's settings): the replay builds one like it on its copy's whole parameters where
+    the module has no ``configure_optimizers``, and it sizes the state per flat shard.
+    """
+
+    numels: tuple[int, ...]
+    optimizer: torch.optim.Optimizer | None = None
+
+
+def live_flats(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[str, LiveFlats] | str:
+    """A live FSDP1 ``module``'s sharding strategy's name and flat parameters; or why it is not modelled (a reason).
+
+    Read from its wrappers' settings (``sharding_strategy``, ``cpu_offload``) and its flat parameters; nothing is
+    changed, no collective runs.
+    """
+    wrappers = fsdp1_wrappers(module)
+    strategies = {getattr(wrapper.sharding_strategy, "name", str(wrapper.sharding_strategy)) for wrapper in wrappers}
+    if any(getattr(getattr(wrapper, "cpu_offload", None), "offload_params", False) for wrapper in wrappers):
+        return "fsdp (FSDP1) with CPU offload: a live rank is not modelled yet"
+    if len(strategies) > 1:
+        return f"fsdp (FSDP1) with several sharding strategies ({', '.join(sorted(strategies))}): not modelled yet"
+    sharding = strategies.pop() if strategies else "FULL_SHARD"
+    if sharding not in LIVE_SHARDINGS:
+        return f"fsdp (FSDP1) {sharding}: a live rank is not modelled yet (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD are)"
+    flats = flat_parameters(module)
+    if not flats:
+        return "fsdp (FSDP1): no flat parameter found on the module"
+    numels = tuple(flat._unpadded_unsharded_size.numel() for flat in flats if flat.requires_grad)
+    return sharding, LiveFlats(numels, optimizer)
+
+
 def unit_numels(module: nn.Module, units: tuple[type[nn.Module], ...]) -> list[int]:
     """Elements of each FSDP1 unit's flat parameter, units first in module order, the root's (the rest) last.
 
@@ -83,9 +135,16 @@ def unit_numels(module: nn.Module, units: tuple[type[nn.Module], ...]) -> list[i
 
 
 def predict_units(
-    predictor: Predictor, spec: StrategySpec, change: StepChange | None, units: tuple[type[nn.Module], ...] = ()
+    predictor: Predictor,
+    spec: StrategySpec,
+    change: StepChange | None,
+    units: tuple[type[nn.Module], ...] = (),
+    live: LiveFlats | None = None,
 ) -> RankStep | ReplaySkipped:
-    """One rank of ``spec`` (FSDP1) with ``units`` wrapped (``ModuleWrapPolicy(units)``; none: the root alone)."""
+    """One rank of ``spec`` (FSDP1) with ``units`` wrapped (``ModuleWrapPolicy(units)``; none: the root alone).
+
+    ``live``: a live run's flat parameters and optimizer, in place of the units' and the predictor's.
+    """
     sharding = spec.sharding or "FULL_SHARD"
     if sharding not in GATHERS or spec.offload:
         return ReplaySkipped(f"{spec.label}: FSDP1's {sharding} with offload={spec.offload} is not modelled yet")
@@ -97,11 +156,11 @@ def predict_units(
     precision = change.precision if isinstance(change, PrecisionChange) else predictor.precision
     element = next(predictor.module.parameters()).element_size()  # FSDP1 shards the parameters as they are
     gathered = element_bytes(precision) if precision.endswith("-mixed") else element  # MixedPrecision's param_dtype
-    numels = unit_numels(predictor.module, units)
+    numels = list(live.numels) if live is not None else unit_numels(predictor.module, units)
     flats = [padded(numel, divisor) for numel in numels]
     shards = [flat // divisor for flat in flats]
     parameters = sum(shards) * element
-    optimizer = first_optimizer(predictor.optimizers)
+    optimizer = live.optimizer if live is not None else first_optimizer(predictor.optimizers)
     state = sum(flat_state_bytes(optimizer, shard) for shard in shards)
     forward = replayed.phases[Phase.FORWARD].breakdown
     assert forward is not None
@@ -145,3 +204,31 @@ def predict_units(
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
     """One rank of ``spec`` with the root as the only unit (Lightning's ``FSDPStrategy`` without a wrap policy)."""
     return predict_units(predictor, spec, change)
+
+
+def predict_live(
+    predictor: Predictor, spec: StrategySpec, change: StepChange | None, live: LiveFlats
+) -> RankStep | ReplaySkipped:
+    """One rank of a live FSDP1 run: its module's unsharded twin replayed, sized by the run's flat parameters.
+
+    The twin holds the whole original parameters (:mod:`~lightning_vram.prediction.replay.unsharded`); a module
+    without ``configure_optimizers`` (a plain loop's) is given one building an optimizer like the run's on them.
+    """
+    optimizer = live.optimizer
+    if optimizer is None and not callable(getattr(predictor.module, "configure_optimizers", None)):
+        return ReplaySkipped("fsdp (FSDP1): the run's optimizer is not known to build the replay's on")
+    replays = predictor.sharing_walk()
+    replays.optimizers = None  # built on the twin's whole parameters
+    replays.shard = _optimizer_builder(optimizer)
+    return predict_units(replays, spec, change, live=live)
+
+
+def _optimizer_builder(optimizer: torch.optim.Optimizer | None) -> Callable[[nn.Module], None]:
+    """What gives a replay's twin without ``configure_optimizers`` one building an optimizer like ``optimizer``."""
+
+    def prepare(module: nn.Module) -> None:
+        if optimizer is not None and not callable(getattr(module, "configure_optimizers", None)):
+            # an instance attribute of the replay's copy only
+            vars(module)["configure_optimizers"] = lambda: optimizer_like(optimizer, module.parameters())
+
+    return prepare

@@ -6,7 +6,9 @@ its partition count and its bucket settings on itself. ZeRO-3 empties ``param.da
 (:mod:`~lightning_vram.prediction.replay.unsharded`). FSDP2 (``fully_shard``: Lightning's
 ``ModelParallelStrategy``, Fabric's) is read from the module: a unit of it is an ``FSDPModule``, each unit's settings
 on its FSDP state (:func:`~lightning_vram.prediction.strategies.fsdp2.live_units`), the world size from the default
-process group (asked locally: no collective).
+process group (asked locally: no collective). FSDP1 (``FullyShardedDataParallel``: Lightning's ``fsdp`` strategy) is
+read from the module too: its wrappers' sharding strategy and CPU offload, its flat parameters' sizes
+(:func:`~lightning_vram.prediction.strategies.fsdp1.live_flats`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from torch import nn
 
 from lightning_vram.measure.deepspeed_zero import wrapped_optimizer
 from lightning_vram.measure.setup import user_optimizer
-from lightning_vram.prediction.replay.unsharded import live_fsdp2
+from lightning_vram.prediction.replay.unsharded import live_fsdp1, live_fsdp2
 from lightning_vram.prediction.strategies._shards import optimizer_like
 from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS, ZeroSettings
+from lightning_vram.prediction.strategies.fsdp1 import LiveFlats, live_flats
 from lightning_vram.prediction.strategies.fsdp2 import LiveUnits, live_units
 from lightning_vram.records import StrategySpec
 
@@ -38,14 +41,14 @@ class LiveSharding:
     ``spec``: the strategy and world size. ``settings``: ZeRO's bucket settings, in elements (Lightning's defaults
     for FSDP2, which has none). ``optimizer``: the user's optimizer inside ZeRO's (its class and first group's
     settings size the partition's state); ``None`` for FSDP2 (the replay builds it on its shards: the module's
-    ``configure_optimizers``, else one like :attr:`LiveUnits.optimizer`). ``units``: FSDP2's units as the run sharded
-    them; ``None`` for ZeRO.
+    ``configure_optimizers``, else one like :attr:`LiveUnits.optimizer`) and FSDP1. ``units``: FSDP2's units as the
+    run sharded them, FSDP1's flat parameters as the run made them; ``None`` for ZeRO.
     """
 
     spec: StrategySpec
     settings: ZeroSettings
     optimizer: torch.optim.Optimizer | None
-    units: LiveUnits | None = None
+    units: LiveUnits | LiveFlats | None = None
 
 
 def live_sharding(
@@ -53,7 +56,7 @@ def live_sharding(
 ) -> LiveSharding | str | None:
     """The run's sharded strategy; why it is not modelled (a reason); ``None``: none.
 
-    Read from its optimizers (ZeRO) and from ``module`` (FSDP2; this process is ``rank``).
+    Read from its optimizers (ZeRO) and from ``module`` (FSDP2, FSDP1; this process is ``rank``).
     """
     if module is not None and live_fsdp2(module):
         distributed = torch.distributed
@@ -65,6 +68,8 @@ def live_sharding(
             return units
         spec = StrategySpec("fsdp2", distributed.get_world_size())
         return LiveSharding(spec, LIGHTNING_DEFAULTS, None, units)
+    if module is not None and live_fsdp1(module):
+        return _fsdp1(optimizers, module)
     for optimizer in optimizers:
         if hasattr(optimizer, ZERO3_ATTRIBUTE):
             return _zero3(optimizer, module)
@@ -84,6 +89,20 @@ def live_sharding(
         spec = StrategySpec(f"deepspeed_stage_{stage}", world, offload=offload)
         return LiveSharding(spec, settings, wrapped_optimizer(optimizer))
     return None
+
+
+def _fsdp1(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> LiveSharding | str:
+    """A live FSDP1 rank: its world size, sharding strategy and flat parameters; or why it is not modelled."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return "fsdp (FSDP1): the module is wrapped but no process group is initialized"
+    inner = user_optimizer(optimizers[0]) if optimizers else None  # Fabric's wrapper looked through
+    flats = live_flats(module, inner)
+    if isinstance(flats, str):
+        return flats
+    sharding, live = flats
+    spec = StrategySpec("fsdp", distributed.get_world_size(), sharding=sharding)
+    return LiveSharding(spec, LIGHTNING_DEFAULTS, None, live)
 
 
 def _zero3(optimizer: torch.optim.Optimizer, module: nn.Module | None) -> LiveSharding | str:
