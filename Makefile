@@ -38,11 +38,12 @@ demo: $(DEMO_STAMP)
 # tests (tests/test_distributed_replay.py, one-test replay files) late, one worker busy with them while the other idled.
 PYTEST_PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 
+# `--durations=30`: the slowest tests end the output, where CI's log shows where the suite's time goes.
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not timing"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not timing" --durations=30
 
 # The inner loop: everything but the multi-process tests and the replay tier (CI and `make test` run all).
 # Tests marked `replay` read what the replay under fake tensors predicts, and replay every change it could advise:

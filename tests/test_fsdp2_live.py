@@ -15,12 +15,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
-from measured_again import measured_again_where_missed
 from test_distributed import HANG
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
@@ -52,18 +52,31 @@ def monitored(out: Path) -> list[dict[str, Any]]:
     return [read(out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
 
 
+def trusted(out: Path, measure: Callable[[Path], list[dict[str, Any]]]) -> tuple[Path, list[dict[str, Any]]]:
+    """A monitored run (its directory and each rank's record) whose every rank's replay matched its sampled step.
+
+    Measured once more where one did not: gloo's worker thread now and then frees a collective's tensors late, and a
+    rank holding them at a peak refuses its baseline (docs/measurement.md). The second run is returned as it is.
+    """
+    ranks = measure(out)
+    if all(record["skipped"] is None for record in ranks) and not misses(ranks):
+        return out, ranks
+    again = out.parent / f"{out.name}-again"
+    return again, measure(again)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """The monitored run (its directory and each rank's record), made once for the module."""
-    out = tmp_path_factory.mktemp("fsdp2-live")
-    return out, monitored(out)
+    return trusted(tmp_path_factory.mktemp("fsdp2-live"), monitored)
 
 
 def misses(ranks: list[dict[str, Any]]) -> list[tuple[int, str, int, int]]:
-    """Each rank's phases whose replayed peak is past 5% of the measured one; the table printed."""
+    """Each replayed rank's phases whose replayed peak is past 5% of the measured one; the table printed."""
     found = []
     for rank, record in enumerate(ranks):
-        assert record["skipped"] is None, (rank, record["skipped"])
+        if record["skipped"] is not None:
+            continue
         replayed = record["replayed_peaks"]
         assert replayed.keys() == record["measured_peaks"].keys() == {"forward", "backward", "optimizer"}
         for phase, measured in record["measured_peaks"].items():
@@ -77,7 +90,7 @@ def misses(ranks: list[dict[str, Any]]) -> list[tuple[int, str, int, int]]:
 def test_each_fsdp2_rank_replays_its_own_step_within_5_percent_of_its_measured_peaks(
     runs: tuple[Path, list[dict[str, Any]]],
 ) -> None:
-    out, ranks = runs
+    ranks = runs[1]
     for rank, record in enumerate(ranks):
         assert record["skipped"] is None, (rank, record["skipped"])
         assert record["notes"][-1] == NOTE
@@ -85,8 +98,7 @@ def test_each_fsdp2_rank_replays_its_own_step_within_5_percent_of_its_measured_p
         for (phase, part), (measured, replayed) in parts.items():
             if part != "live peak":  # the shards the rank holds, counted by the replay as by the run
                 assert replayed == measured, (rank, phase, part)
-    measure = lambda path: ranks if path == out else monitored(path)  # noqa: E731  # the module's run first
-    assert measured_again_where_missed(out, measure, misses, lambda miss: miss[:2]) == []
+    assert misses(ranks) == []
 
 
 def test_each_fsdp2_rank_gets_simulated_advice_with_its_saving(runs: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -130,17 +142,16 @@ def test_fsdp2_ranks_agree_on_their_own_preflight_predictions(tmp_path: Path) ->
 def test_a_fabric_fsdp2_loop_s_ranks_replay_their_steps_and_train_the_same(tmp_path: Path) -> None:
     # Fabric's ModelParallelStrategy, the MLP sharded in its parallelize_fn, no configure_optimizers: each rank's
     # replay builds an Adam like the run's on its copy's shards.
-    monitored_out, bare = tmp_path / "monitored", tmp_path / "bare"
-    monitored_out.mkdir(), bare.mkdir()
-    run(monitored_out, script="fsdp2_fabric_train.py")
+    bare = tmp_path / "bare"
+    bare.mkdir()
     run(bare, "no-monitor", script="fsdp2_fabric_train.py")
-    ranks = [read(monitored_out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
-    for record in ranks:
+    monitored_out, ranks = trusted(tmp_path / "monitored", fabric_ranks)
+    for rank, record in enumerate(ranks):
+        assert record["skipped"] is None, (rank, record["skipped"])
         assert record["notes"][-1] == NOTE
         advice = {entry[0]: entry[1:] for entry in record["advice"]}
         assert advice["inplace-activations"][0] == "simulated" and advice["inplace-activations"][1] > 0
-    measure = lambda path: ranks if path == monitored_out else fabric_ranks(path)  # noqa: E731
-    assert measured_again_where_missed(monitored_out, measure, misses, lambda miss: miss[:2]) == []
+    assert misses(ranks) == []
     for rank in range(WORLD_SIZE):
         assert read(monitored_out / f"training{rank}.json") == read(bare / f"training{rank}.json"), rank
 
