@@ -23,6 +23,10 @@ COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"
 """The dispatcher namespaces of torch's collectives (``c10d.allreduce_``, ``_c10d_functional.all_reduce``...)."""
 
 
+WAITS = frozenset({"_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"})
+"""The functional collectives' wait (on a tensor, no group): it issues nothing, only waits for a collective the
+replay already let through (a fake group's: ``DTensor.full_tensor()`` on a replayed FSDP2 copy's parameter)."""
+
 PROCESS_GROUP = "__torch__.torch.classes.c10d.ProcessGroup"
 """The TorchScript class a ``c10d`` op receives its process group as."""
 
@@ -49,13 +53,17 @@ class CollectiveError(RuntimeError):
 
 # torch ships TorchDispatchMode without annotations.
 class NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Raises :class:`CollectiveError` at the first collective op, before it runs (but on a fake group).
+    """Raises :class:`CollectiveError` at the first collective op, before it runs (but on a fake group, or a wait).
 
     Enter it inside the fake mode, so that every op the replayed code runs passes through it.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES and not on_fake_group(args):
+        if (
+            getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES
+            and func.name() not in WAITS
+            and not on_fake_group(args)
+        ):
             raise CollectiveError(
                 f"the step runs a collective ({func}): a rank's replay runs none, so that no rank waits at a collective"
                 " another rank's replay never reaches"
