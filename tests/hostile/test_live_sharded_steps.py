@@ -1,9 +1,10 @@
-"""A live FSDP2 rank's step that reads and talks to its sharded run, replayed: training unchanged on each rank.
+"""A live FSDP2 or ZeRO-3 rank's step that reads and talks to its sharded run, replayed: training unchanged.
 
-Two gloo ranks under Lightning's ``ModelParallelStrategy`` (tests/hostile/fsdp2_hostile_train.py) train with and
-without the monitor. Found by attacking the live FSDP2 replay: a step calling ``full_tensor()`` on a parameter was
-skipped as "the step runs a collective (_c10d_functional.wait_tensor.default)": the replay let the copy's all-gather
-over its fake group through, then refused the wait that follows it, which names no group and issues nothing.
+Two gloo ranks under Lightning's ``ModelParallelStrategy`` (tests/hostile/fsdp2_hostile_train.py), and under
+DeepSpeed's ZeRO-3 in a plain loop (tests/hostile/zero3_hostile_train.py), train with and without the monitor.
+Found by attacking the live FSDP2 replay: a step calling ``full_tensor()`` on a parameter was skipped as "the step
+runs a collective (_c10d_functional.wait_tensor.default)": the replay let the copy's all-gather over its fake group
+through, then refused the wait that follows it, which names no group and issues nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_distributed import HANG
+from test_distributed import HANG, free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -26,12 +27,13 @@ CPU = "VramMonitor: the model trains on cpu, not a CUDA GPU"
 """The one warning a CPU run gives (the monitor's own, at the start)."""
 
 
-def run(out: Path, case: str, *mode: str) -> list[dict[str, Any]]:
-    """Each rank's record of the hostile run ``case`` made in ``out``."""
+def run(out: Path, case: str, *mode: str, script: str = "fsdp2_hostile_train.py") -> list[dict[str, Any]]:
+    """Each rank's record of the hostile run ``case`` of ``script`` made in ``out``."""
     out.mkdir()
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, str(Path(__file__).parent / "fsdp2_hostile_train.py"), str(out), case, *mode]
+    where = [str(free_port())] if script.startswith("zero3") else []
+    command = [sys.executable, str(Path(__file__).parent / script), *where, str(out), case, *mode]
     result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"run{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
@@ -72,3 +74,26 @@ def test_a_step_running_collectives_on_its_run_s_group_is_skipped_and_trains_the
     for record in compare("collectives", tmp_path):
         assert record["skipped"].startswith("the step runs a collective (c10d.barrier.default)")
         assert record["note"] is None
+
+
+def test_a_zero3_step_with_the_user_s_hooks_rng_and_rank_branch_is_replayed_and_trains_the_same(
+    tmp_path: Path,
+) -> None:
+    # Dropout, a generator of the user's, get_rank() to branch, counting hooks: each rank's replay runs; a step
+    # reading ZeRO-3's ds_numel fails in the replay (its copy's parameters are whole, plain) and is skipped saying
+    # so, without a warning of its own. Both train as the plain step without the monitor (ds_numel > 0 multiplies
+    # by one).
+    zero3 = "zero3_hostile_train.py"
+    bare = run(tmp_path / "bare", "plain", "no-monitor", script=zero3)
+    monitored = run(tmp_path / "monitored", "plain", script=zero3)
+    failing = run(tmp_path / "failing", "partition", script=zero3)
+    for rank in range(WORLD_SIZE):
+        assert bare[rank]["skipped"] is None and bare[rank]["warnings"] == []
+        assert trained(monitored[rank]) == trained(failing[rank]) == trained(bare[rank]), rank
+        assert bare[rank]["calls"] == {"forward hook": 3, "backward hook": 3} and len(bare[rank]["groups"]) == 2
+        assert monitored[rank]["skipped"] is None
+        assert failing[rank]["skipped"] == (
+            "the step failed under fake tensors: AttributeError: 'FakeTensor' object has no attribute 'ds_numel'"
+        )
+        for record in (monitored[rank], failing[rank]):
+            assert len(record["warnings"]) == 1 and record["warnings"][0].startswith(CPU)
