@@ -8,11 +8,12 @@ holds and runs no collective of the run's: the module's device mesh, a parameter
 a forward hook and a full backward hook counting calls, a step counter; units sharded three ways (the first linear
 layer with ``reshard_after_forward=False``, the second in bfloat16 (``MixedPrecisionPolicy``), the last left to the
 root). ``collectives``: the same step all-reducing a metric over its mesh's group (in a replay, the copy's mesh over
-fake groups), then ``dist.barrier()`` on the default group, ``self.all_gather`` and reading Lightning's mesh from
-``self.trainer`` (a rank's replay stops at the barrier, before it runs). Rank ``r`` writes ``run<r>.json``: each
-step's loss, its shards of the parameters and of the optimizer's state, every RNG's state (torch's, the user's
-generator, Python's), the call counts, the process groups left in ``torch.distributed``, the monitor's warnings and,
-with the monitor, the simulation's skip reason and its baseline's last note.
+fake groups), then ``dist.barrier()`` on a group of the run's ranks it makes (``dist.new_group()``),
+``self.all_gather`` and reading Lightning's mesh from ``self.trainer`` (a rank's replay stops at the new group).
+Rank ``r`` writes ``run<r>.json``: each step's loss, its shards of the parameters and of the optimizer's state,
+every RNG's state (torch's, the user's generator, Python's), the call counts, the process groups left in
+``torch.distributed``, the monitor's warnings and, with the monitor, the simulation's skip reason and its
+baseline's last note.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Hostile(LightningModule):
         if self.case == "collectives":
             metric = loss.detach().clone()
             dist.all_reduce(metric, group=mesh["data_parallel"].get_group())  # the replay's copy's mesh is fake
-            dist.barrier()  # on the run's default group
+            dist.barrier(group=dist.new_group())  # a group of the run's ranks, made in the step
             gathered = self.all_gather(loss.detach())
             strategy = self.trainer.strategy.device_mesh.mesh_dim_names  # a replay does not attach the Trainer
             self.seen.append(f"{float(metric).hex()} {float(gathered.sum()).hex()} {strategy}")
