@@ -37,6 +37,12 @@ class AllReducesItsLoss(Classifier):
         return loss
 
 
+class MakesAGroup(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        dist.barrier(group=dist.new_group([0]))  # a group of the run's ranks made inside the step
+        return super().training_step(batch, batch_idx)
+
+
 def sharded(kind: type[Classifier] = Classifier) -> Classifier:
     """The MLP with each Linear and then the network ``fully_shard``-ed over the run's (gloo) group."""
     network = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
@@ -88,6 +94,20 @@ def test_a_collective_of_the_run_s_group_in_a_live_fsdp2_step_stops_the_replay(g
     step = replays_of(sharded(AllReducesItsLoss)).replay()
     assert isinstance(step, ReplaySkipped)
     assert step.reason.startswith("the step runs a collective (c10d.allreduce_.default): a rank's replay runs none")
+
+
+def test_a_process_group_made_in_a_live_fsdp2_step_stops_the_replay_before_it_is_made(gloo_one_rank: None) -> None:
+    # Before: the replay made the group, left it in torch.distributed (the run's later groups named one further on)
+    # and stopped at its barrier.
+    from torch.distributed import distributed_c10d as c10d
+
+    module = sharded(MakesAGroup)
+    groups, count = dict(c10d._world.pg_names), c10d._world.group_count
+    step = replays_of(module).replay()
+    assert isinstance(step, ReplaySkipped)
+    assert step.reason.startswith("the step makes a process group (torch.distributed.new_group)")
+    assert dict(c10d._world.pg_names) == groups and c10d._world.group_count == count
+    assert c10d._new_group_with_tag.__name__ == "_new_group_with_tag"  # torch's own, put back
 
 
 def test_a_live_fsdp2_module_without_configure_optimizers_is_replayed_with_an_optimizer_like_the_run_s(
