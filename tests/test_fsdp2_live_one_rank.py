@@ -17,7 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from lightning_vram.prediction.containment.collectives import CollectiveError, NoCollectives
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+from lightning_vram.prediction.strategies.fsdp2 import side_meshes
 from lightning_vram.prediction.strategies.live import LiveSharding, live_sharding
 from lightning_vram.prediction.strategies.rank_replays import RankReplays
 from lightning_vram.records import Phase, ReplayedStep, ReplaySkipped, StrategySpec
@@ -131,3 +134,15 @@ def test_a_live_fsdp2_module_without_configure_optimizers_is_replayed_with_an_op
     state = step.phases[Phase.OPTIMIZER].breakdown
     assert state is not None and state.optimizer_state == 2 * PARAMETERS + 6 * FLOAT32  # AdamW's, as Adam's
     assert optimizer.state == {} and not hasattr(network, "configure_optimizers")
+
+
+def test_a_functional_gather_over_a_side_group_and_its_wait_run_in_a_replay(gloo_one_rank: None) -> None:
+    # DTensor.full_tensor() on a replayed copy's parameter: an all-gather over the copy's fake group, then the wait
+    # on its result (no group named). Before: the wait was refused as a collective, the replay skipped.
+    import torch.distributed._functional_collectives as funcol
+
+    with side_meshes(1, 0, "cpu") as (flat, _lightning), FakeTensorMode(), NoCollectives():  # type: ignore[no-untyped-call]
+        whole = funcol.wait_tensor(funcol.all_gather_single(torch.empty(4), 0, flat.get_group()))
+        assert whole.shape == (4,)
+        with pytest.raises(CollectiveError, match=r"\(_c10d_functional\.all_gather_into_tensor"):
+            funcol.all_gather_single(torch.empty(4), 0, dist.group.WORLD)  # the run's group: refused before the wait
