@@ -3,7 +3,7 @@
 Run by tests/hostile/test_live_sharded_steps.py: ``python zero3_hostile_train.py PORT OUT_DIR CASE [no-monitor]``.
 
 A plain loop driving :class:`~lightning_vram.VramSession` (step 1 sampled, replays on) trains
-tests/advice_models.py's MLP (LeakyReLU) with dropout after its first layer 3 steps under ``deepspeed.initialize``
+tests/advice_models.py's MLP (LeakyReLU) with dropout after its first layer 2 steps under ``deepspeed.initialize``
 (ZeRO-3, the settings of tests/zero_fsdp1_ranks.py). The step draws noise from a generator of the user's and
 branches on ``torch.distributed.get_rank()``; a forward hook and a full backward hook of the user's count their
 calls in a global. ``CASE`` ``plain``: that step; ``partition``: it also reads the
@@ -37,7 +37,7 @@ from zero_fsdp1_ranks import ZERO_SETTINGS
 
 from lightning_vram import VramMonitorWarning, VramSession
 
-STEPS, BATCH, WIDTH = 3, 64, 128
+STEPS, BATCH, WIDTH = 2, 64, 128
 CALLS = {"forward hook": 0, "backward hook": 0}
 """The hooks' calls, counted in a module's global (the replay must leave it as training left it)."""
 NOISE = torch.Generator()
