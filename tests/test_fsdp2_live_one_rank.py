@@ -17,7 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from lightning_vram.prediction.containment.collectives import CollectiveError, NoCollectives
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+from lightning_vram.prediction.strategies.fsdp2 import side_meshes
 from lightning_vram.prediction.strategies.live import LiveSharding, live_sharding
 from lightning_vram.prediction.strategies.rank_replays import RankReplays
 from lightning_vram.records import Phase, ReplayedStep, ReplaySkipped, StrategySpec
@@ -35,6 +38,12 @@ class AllReducesItsLoss(Classifier):
         loss = super().training_step(batch, batch_idx)
         dist.all_reduce(loss.detach().clone())  # a collective of the run's own group inside the step
         return loss
+
+
+class MakesAGroup(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        dist.barrier(group=dist.new_group([0]))  # a group of the run's ranks made inside the step
+        return super().training_step(batch, batch_idx)
 
 
 def sharded(kind: type[Classifier] = Classifier) -> Classifier:
@@ -90,6 +99,20 @@ def test_a_collective_of_the_run_s_group_in_a_live_fsdp2_step_stops_the_replay(g
     assert step.reason.startswith("the step runs a collective (c10d.allreduce_.default): a rank's replay runs none")
 
 
+def test_a_process_group_made_in_a_live_fsdp2_step_stops_the_replay_before_it_is_made(gloo_one_rank: None) -> None:
+    # Before: the replay made the group, left it in torch.distributed (the run's later groups named one further on)
+    # and stopped at its barrier.
+    from torch.distributed import distributed_c10d as c10d
+
+    module = sharded(MakesAGroup)
+    groups, count = dict(c10d._world.pg_names), c10d._world.group_count
+    step = replays_of(module).replay()
+    assert isinstance(step, ReplaySkipped)
+    assert step.reason.startswith("the step makes a process group (torch.distributed.new_group)")
+    assert dict(c10d._world.pg_names) == groups and c10d._world.group_count == count
+    assert c10d._new_group_with_tag.__name__ == "_new_group_with_tag"  # torch's own, put back
+
+
 def test_a_live_fsdp2_module_without_configure_optimizers_is_replayed_with_an_optimizer_like_the_run_s(
     gloo_one_rank: None,
 ) -> None:
@@ -111,3 +134,15 @@ def test_a_live_fsdp2_module_without_configure_optimizers_is_replayed_with_an_op
     state = step.phases[Phase.OPTIMIZER].breakdown
     assert state is not None and state.optimizer_state == 2 * PARAMETERS + 6 * FLOAT32  # AdamW's, as Adam's
     assert optimizer.state == {} and not hasattr(network, "configure_optimizers")
+
+
+def test_a_functional_gather_over_a_side_group_and_its_wait_run_in_a_replay(gloo_one_rank: None) -> None:
+    # DTensor.full_tensor() on a replayed copy's parameter: an all-gather over the copy's fake group, then the wait
+    # on its result (no group named). Before: the wait was refused as a collective, the replay skipped.
+    import torch.distributed._functional_collectives as funcol
+
+    with side_meshes(1, 0, "cpu") as (flat, _lightning), FakeTensorMode(), NoCollectives():  # type: ignore[no-untyped-call]
+        whole = funcol.wait_tensor(funcol.all_gather_single(torch.empty(4), 0, flat.get_group()))
+        assert whole.shape == (4,)
+        with pytest.raises(CollectiveError, match=r"\(_c10d_functional\.all_gather_into_tensor"):
+            funcol.all_gather_single(torch.empty(4), 0, dist.group.WORLD)  # the run's group: refused before the wait

@@ -12,8 +12,9 @@ backend runs (an FSDP2 rank's replay shards its copy over such groups, made besi
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, NoReturn
 
 import torch
 
@@ -22,6 +23,10 @@ from lightning_vram.prediction.replay._fake import TorchDispatchMode
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 """The dispatcher namespaces of torch's collectives (``c10d.allreduce_``, ``_c10d_functional.all_reduce``...)."""
 
+
+WAITS = frozenset({"_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"})
+"""The functional collectives' wait (on a tensor, no group): it issues nothing, only waits for a collective the
+replay already let through (a fake group's: ``DTensor.full_tensor()`` on a replayed FSDP2 copy's parameter)."""
 
 PROCESS_GROUP = "__torch__.torch.classes.c10d.ProcessGroup"
 """The TorchScript class a ``c10d`` op receives its process group as."""
@@ -49,13 +54,17 @@ class CollectiveError(RuntimeError):
 
 # torch ships TorchDispatchMode without annotations.
 class NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Raises :class:`CollectiveError` at the first collective op, before it runs (but on a fake group).
+    """Raises :class:`CollectiveError` at the first collective op, before it runs (but on a fake group, or a wait).
 
     Enter it inside the fake mode, so that every op the replayed code runs passes through it.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES and not on_fake_group(args):
+        if (
+            getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES
+            and func.name() not in WAITS
+            and not on_fake_group(args)
+        ):
             raise CollectiveError(
                 f"the step runs a collective ({func}): a rank's replay runs none, so that no rank waits at a collective"
                 " another rank's replay never reaches"
@@ -63,13 +72,45 @@ class NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def no_new_groups() -> Iterator[None]:
+    """``torch.distributed.new_group`` (``new_subgroups`` through it) raising :class:`CollectiveError` meanwhile.
+
+    Making a group of the run's ranks waits for each of them (gloo's store barrier) and registers it under the next
+    name of ``torch.distributed``'s count: a replay's group would be left behind, the run's later groups' names
+    shifted. torch's ``_new_group_with_tag`` (which ``new_group`` calls before naming the group) is swapped for the
+    refusal while the replay runs, and put back after.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise CollectiveError(
+            "the step makes a process group (torch.distributed.new_group): a rank's replay makes none, so that no"
+            " rank waits for ranks whose replays never make it"
+        )
+
+    original = c10d._new_group_with_tag
+    c10d._new_group_with_tag = refuse
+    try:
+        yield
+    finally:
+        c10d._new_group_with_tag = original
+
+
 def without_collectives() -> AbstractContextManager[Any]:
-    """:class:`NoCollectives` where a process group is initialized; nothing otherwise (a collective fails there).
+    """:class:`NoCollectives` and :func:`no_new_groups` where a process group is initialized; nothing otherwise.
 
     Nothing either where the default group is torch's fake one (a one-process replay of a multi-GPU strategy sets it
     up: :mod:`~lightning_vram.prediction.strategies.fsdp2`): its collectives send nothing and wait for no rank.
     """
     distributed = torch.distributed
     if distributed.is_available() and distributed.is_initialized() and distributed.get_backend() != "fake":
-        return NoCollectives()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
+        return _refused()
     return nullcontext()
+
+
+@contextmanager
+def _refused() -> Iterator[None]:
+    """:func:`no_new_groups` and :class:`NoCollectives`, entered together."""
+    with no_new_groups(), NoCollectives():  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
+        yield
