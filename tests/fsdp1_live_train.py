@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
 from forked_ranks import start_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
+from preflight_records import preflight_record
 
 from lightning_vram import VramMonitorWarning, VramSession
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -110,14 +111,7 @@ def run_rank(rank: int, port: int, out: Path, mode: list[str]) -> None:
         warnings.simplefilter("always", VramMonitorWarning)
         losses = steps(model, optimizer, session if monitored else None, rank)
     if free:
-        verdict, rows = session.preflight_verdict, session.preflight_ranks
-        preflight = {
-            "agreed": [[row.rank, row.fits, row.needed_bytes, row.available_bytes, row.peak_bytes] for row in rows],
-            "skipped": [row.skipped for row in rows],
-            "own": None if verdict is None else [verdict.fits, verdict.needed_bytes, verdict.available_bytes],
-            "notes": [] if verdict is None else list(verdict.step.notes),
-            "warnings": [str(item.message) for item in seen if issubclass(item.category, VramMonitorWarning)],
-        }
+        preflight = preflight_record(session, seen)
         (out / f"preflight{rank}.json").write_text(json.dumps(preflight))
         session.finish(gather_ranks=False)
     elif monitored:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp, features
 from forked_ranks import lightning_ranks
 from models import loader
+from preflight_records import preflight_record
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -156,14 +157,7 @@ def main() -> None:
         trainer.fit(ShardedMLP(), loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
     if free:
         session = monitor.session
-        verdict, rows = session.preflight_verdict, session.preflight_ranks
-        record = {
-            "agreed": [[row.rank, row.fits, row.needed_bytes, row.available_bytes, row.peak_bytes] for row in rows],
-            "skipped": [row.skipped for row in rows],
-            "own": None if verdict is None else [verdict.fits, verdict.needed_bytes, verdict.available_bytes],
-            "notes": [] if verdict is None else list(verdict.step.notes),
-            "warnings": [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)],
-        }
+        record = preflight_record(session, caught)
         (out / f"preflight{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

@@ -25,6 +25,7 @@ from advice_models import activation_mlp, features
 from ddp_replay_train import BATCH, WIDTH, RankOneDiffers, Training
 from forked_ranks import lightning_ranks
 from models import loader
+from preflight_records import preflight_record
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -59,14 +60,7 @@ def main() -> None:
     if not monitored:
         return
     session = monitor.session
-    verdict, rows = session.preflight_verdict, session.preflight_ranks
-    record = {
-        "agreed": [[row.rank, row.fits, row.needed_bytes, row.available_bytes, row.peak_bytes] for row in rows],
-        "skipped": [row.skipped for row in rows],
-        "own": None if verdict is None else [verdict.fits, verdict.needed_bytes, verdict.available_bytes],
-        "strategy": None if verdict is None or verdict.step.strategy is None else verdict.step.strategy.label,
-        "warnings": [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)],
-    }
+    record = preflight_record(session, caught)
     (out / f"preflight{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

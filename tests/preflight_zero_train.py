@@ -25,6 +25,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.distributed as dist
 from forked_ranks import start_ranks
+from preflight_records import preflight_record
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
@@ -88,17 +89,7 @@ def train(rank: int, stage: int, free_bytes: int, monitored: bool, out: Path) ->
             losses.append(loss.item().hex())
     if monitored:
         session.finish(gather_ranks=False)
-        verdict = session.preflight_verdict
-        record = {
-            "agreed": [
-                [row.rank, row.fits, row.needed_bytes, row.available_bytes, row.peak_bytes]
-                for row in session.preflight_ranks
-            ],
-            "skipped": [row.skipped for row in session.preflight_ranks],
-            "own": None if verdict is None else [verdict.fits, verdict.needed_bytes, verdict.available_bytes],
-            "notes": [] if verdict is None else list(verdict.step.notes),
-            "warnings": [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)],
-        }
+        record = preflight_record(session, caught)
         (out / f"{name}-preflight{rank}.json").write_text(json.dumps(record))
     state = {
         "losses": losses,
