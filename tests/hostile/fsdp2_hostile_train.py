@@ -10,6 +10,9 @@ layer with ``reshard_after_forward=False``, the second in bfloat16 (``MixedPreci
 root). ``collectives``: the same step all-reducing a metric over its mesh's group (in a replay, the copy's mesh over
 fake groups), then ``dist.barrier()`` on a group of the run's ranks it makes (``dist.new_group()``),
 ``self.all_gather`` and reading Lightning's mesh from ``self.trainer`` (a rank's replay stops at the new group).
+``accumulate``: the ``reads`` step under ``accumulate_grad_batches=2`` (2 optimizer steps of 2 micro-batches), turning
+FSDP2's gradient sync off on each window's first micro-batch (``set_requires_gradient_sync(batch_idx % 2 == 1)``);
+the sampled step (2) is such a micro-batch.
 Rank ``r`` writes ``run<r>.json``: each step's loss, its shards of the parameters and of the optimizer's state,
 every RNG's state (torch's, the user's generator, Python's), the call counts, the process groups left in
 ``torch.distributed``, the monitor's warnings and, with the monitor, the simulation's skip reason and its
@@ -76,6 +79,8 @@ class Hostile(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.steps += 1
+        if self.case == "accumulate":
+            self.network.set_requires_gradient_sync(batch_idx % 2 == 1)
         inputs, targets = batch
         inputs = inputs + 0.01 * torch.rand(inputs.shape, generator=self.generator)
         mesh = self.device_mesh
@@ -162,7 +167,8 @@ def main() -> None:
         accelerator="cpu",
         devices=WORLD_SIZE,
         strategy=ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1),
-        max_steps=4,
+        max_steps=2 if case == "accumulate" else 4,
+        accumulate_grad_batches=2 if case == "accumulate" else 1,
         logger=False,
         default_root_dir=out,
         callbacks=callbacks,

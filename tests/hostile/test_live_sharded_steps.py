@@ -67,6 +67,15 @@ def test_a_step_reading_its_sharded_run_s_objects_is_replayed_and_trains_the_sam
         assert record["seen"][0] == "('data_parallel', 'tensor_parallel') 2 (16, 32)"  # the first layer's shard
 
 
+def test_a_step_turning_gradient_sync_off_by_batch_index_is_replayed_and_trains_the_same(tmp_path: Path) -> None:
+    # accumulate_grad_batches=2, the step calling set_requires_gradient_sync(batch_idx % 2 == 1): the sampled
+    # micro-batch (2) reduces nothing and holds no sharded gradient. The replay gave every micro-batch batch_idx 0, so
+    # its window never synced ("backward gradients replayed 5544 bytes, measured 0"); each replayed micro-batch now
+    # gets the index of its place in the window, and the rank's baseline matches (within 5%: it is not skipped).
+    for record in compare("accumulate", tmp_path):
+        assert record["skipped"] is None and record["note"] == REPLAYED
+
+
 def test_a_step_running_collectives_on_its_run_s_group_is_skipped_and_trains_the_same(tmp_path: Path) -> None:
     # An all-reduce of a metric over the module's mesh (the copy's, over fake groups, in a replay), a barrier on a
     # group of the run's ranks the step makes, self.all_gather: each rank's replay stops at the new group, before it

@@ -18,6 +18,7 @@ import functools
 import inspect
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -67,15 +68,24 @@ StepFunction = Callable[[nn.Module, Any], Any]
 """Runs the training step on the replay's module and batch; returns the loss, or a dict with ``"loss"``."""
 
 
+BATCH_INDEX: ContextVar[int] = ContextVar("lightning_vram_replay_batch_index", default=0)
+"""The ``batch_idx`` :func:`lightning_training_step` passes: set by :meth:`StepRun.run_micro_batch` around each
+replayed micro-batch (0, a window's first; ``accumulate_grad_batches - 1``, the one whose optimizer steps)."""
+
+
 def lightning_training_step(module: nn.Module, batch: Any) -> Any:
-    """Call ``module.training_step`` as Lightning does: with ``batch_idx`` when its signature takes one."""
+    """Call ``module.training_step`` as Lightning does: with ``batch_idx`` when its signature takes one.
+
+    ``batch_idx`` is :data:`BATCH_INDEX`'s: a step that reads it (``set_requires_gradient_sync(batch_idx % 2 == 1)``
+    under FSDP2) runs in the replay as it runs at that place of an accumulation window.
+    """
     training_step = getattr(module, "training_step", None)
     if not callable(training_step):
         raise TypeError(f"{type(module).__name__} has no training_step: pass step_function")
     parameters = inspect.signature(training_step).parameters.values()
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     takes_index = len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
-    return training_step(batch, 0) if takes_index else training_step(batch)
+    return training_step(batch, BATCH_INDEX.get()) if takes_index else training_step(batch)
 
 
 def loss_of(output: Any) -> Tensor:
@@ -146,17 +156,30 @@ class StepRun:
         return self.precision.cast_batch(batch)
 
     def run_micro_batch(
-        self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None, zero_grad: bool = True
+        self,
+        twin: Twin,
+        batch: Any,
+        counter: ReplayCounter | None,
+        live: LiveMemory | None,
+        zero_grad: bool = True,
+        stepping: bool = False,
     ) -> None:
         """Forward, zero_grad (the first micro-batch of a window only) and backward, with the counters told.
 
         Under accumulation the loss is divided by ``accumulate`` as Lightning divides it; the optimizer does not step.
+        ``stepping``: the micro-batch ends in the optimizer's step, so ``training_step`` is given ``batch_idx``
+        ``accumulate - 1`` (the window's last, as Lightning numbers it from 0 in a window-aligned epoch); otherwise 0,
+        the window's first.
         """
         if counter is not None and live is not None:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
-        with self.precision.forward_context(self.device.type):
-            output = self.step_function(twin.module, batch)
+        index = BATCH_INDEX.set(self.accumulate - 1 if stepping else 0)
+        try:
+            with self.precision.forward_context(self.device.type):
+                output = self.step_function(twin.module, batch)
+        finally:
+            BATCH_INDEX.reset(index)
         loss = loss_of(output)
         if self.accumulate > 1:
             loss = loss / self.accumulate  # not in place, as Lightning divides it
@@ -189,7 +212,7 @@ class StepRun:
         if getattr(twin.module, "automatic_optimization", True) is False:
             self.run_manual(twin, batch, counter, live)
             return
-        self.run_micro_batch(twin, batch, counter, live, zero_grad)
+        self.run_micro_batch(twin, batch, counter, live, zero_grad, stepping=True)
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)

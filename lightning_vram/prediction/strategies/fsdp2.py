@@ -21,7 +21,11 @@ allocator sees each resize, which the allocator-side check on a GPU is still to 
 Under gradient accumulation (``Predictor(accumulate=k)``) the replay runs a window's first micro-batch and a later
 one with the step, sharded the same way: Lightning's ``ModelParallelStrategy`` keeps gradient sync on (its
 ``block_backward_sync`` blocks DDP's alone; it never calls ``set_requires_gradient_sync(False)``), so every
-micro-batch gathers and reduce-scatters, adding into the sharded gradients held across the window.
+micro-batch gathers and reduce-scatters, adding into the sharded gradients held across the window. A step that turns
+sync off itself (``self.network.set_requires_gradient_sync(batch_idx % 2 == 1)``) does so on the replay's copy too:
+each replayed micro-batch is given the ``batch_idx`` of its place in the window (0 for the first, ``k - 1`` for the
+one with the step: :data:`~lightning_vram.prediction.replay.step.BATCH_INDEX`), and FSDP2 then keeps that
+micro-batch's unsharded gradients (``unsharded_accumulated_grad``, no reduce-scatter) as the run does.
 
 The fake group is the default process group while the replay runs, set up and destroyed around it. A live rank of a
 run sharded by ``fully_shard`` (its process group already the default one) is predicted too
