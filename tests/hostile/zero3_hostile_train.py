@@ -8,6 +8,7 @@ tests/advice_models.py's MLP (LeakyReLU) with dropout after its first layer 2 st
 branches on ``torch.distributed.get_rank()``; a forward hook and a full backward hook of the user's count their
 calls in a global. ``CASE`` ``plain``: that step; ``partition``: it also reads the
 first layer's weight's ``ds_numel`` (ZeRO-3's attribute, which the replay's whole copy of the parameter lacks).
+``relu``: the plain step on ``Linear(128, 128)``, ReLU, dropout and ``Linear(128, 10)``.
 Rank ``r`` writes ``run<r>.json``: each step's loss, the final parameters (gathered whole), every RNG's state
 (torch's, the user's generator, Python's), the call counts, the process groups left in ``torch.distributed`` and,
 with the monitor, the simulation's skip reason and the monitor's warnings.
@@ -74,8 +75,11 @@ def train(rank: int, out: Path, case: str, monitored: bool) -> None:
     torch.manual_seed(0)
     random.seed(0)
     NOISE.manual_seed(1)
-    layers = list(activation_mlp(nn.LeakyReLU, width=WIDTH))
-    model = nn.Sequential(*layers[:2], nn.Dropout(0.25), *layers[2:])
+    if case == "relu":  # one hidden layer: its gathered parameters are a large share of the rank's peaks
+        model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Dropout(0.25), nn.Linear(WIDTH, 10))
+    else:
+        layers = list(activation_mlp(nn.LeakyReLU, width=WIDTH))
+        model = nn.Sequential(*layers[:2], nn.Dropout(0.25), *layers[2:])
     model[0].register_forward_hook(forward_hook)
     model[-1].register_full_backward_hook(backward_hook)
     config = {

@@ -21,11 +21,14 @@ against DeepSpeed 0.19 on gloo at world sizes 2 and 4 (tests/test_rank_predictio
 
 Backward's activations are the forward's less what the loss and the last module release before backward's first
 count. The peaks (fitted on those runs, Adam): forward, the counted parts (ZeRO-1/2; the CPU's live count misses the
-master partition) or those and the step's own temporaries (ZeRO-3); backward, ZeRO-1/2 rank by rank, op by op over
+master partition) or those and the step's own temporaries (ZeRO-3 under accumulation); backward, ZeRO-1/2 rank by rank, op by op over
 the replay's backward (:mod:`~lightning_vram.prediction.strategies._zero_buckets`: both reduce buckets, the rank's
 ``grads_in_partition`` from the first bucket reduce that reaches its partition, ZeRO-1's whole gradients under
-accumulation; without a timeline, the counted parts and the step's temporaries, at least the second bucket), or the
-counted parts (ZeRO-3); the optimizer step, the partition's gradients, one partition-sized temporary of the
+accumulation; without a timeline, the counted parts and the step's temporaries, at least the second bucket); ZeRO-3's
+forward and backward, the parameters it gathers whole and holds from each module's forward to its backward and one
+all-gather's buffer beside the replay's activations and temporaries, op by op over backward
+(:mod:`~lightning_vram.prediction.strategies._zero3_peaks`; under accumulation, the counted parts in backward); the
+optimizer step, the partition's gradients, one partition-sized temporary of the
 optimizer's and the batch beside the parameters and state (ZeRO-3: and the reduce bucket).
 """
 
@@ -51,6 +54,12 @@ from lightning_vram.prediction.strategies._shards import (
     parameter_numels,
     phase_peak,
     shard_communication,
+)
+from lightning_vram.prediction.strategies._zero3_peaks import (
+    backward_live,
+    forward_live,
+    last_module_bytes,
+    unseen_partitions,
 )
 from lightning_vram.prediction.strategies._zero_buckets import BucketModel
 from lightning_vram.records import (
@@ -243,9 +252,22 @@ def _stage3(
     gathered = gathered_direct_bytes(predictor.module, element)
     forward = replayed.phases[Phase.FORWARD].breakdown.activations + gathered  # type: ignore[union-attr]
     backward = backward_activations(replayed) + gathered
+    forward_parts = (parameters, gradients, state, forward)
+    backward_parts = (parameters, gradients + bucket, state, backward)
+    forward_other, backward_other = other_bytes(replayed, Phase.FORWARD), 0
+    if predictor.accumulate == 1:
+        # the parameters gathered whole and held from forward to their backward, one all-gather's buffer
+        # (_zero3_peaks); the CPU's live count misses three of the partitions
+        resident = parameters + gradients + state - unseen_partitions(replayed.device_type, share, element, FP32)
+        held = sum(numels) * element - gathered
+        buffer = min(settings.stage3_prefetch_bucket_size, sum(numels)) * element
+        forward_other = max(forward_live(replayed, resident, held, buffer, gathered) - sum(forward_parts), 0)
+        last = last_module_bytes(predictor, replayed, element)
+        live = backward_live(replayed, resident, bucket, held, last, gathered)
+        backward_other = 0 if live is None else max(live - sum(backward_parts), 0)
     phases = {
-        Phase.FORWARD: ((parameters, gradients, state, forward), other_bytes(replayed, Phase.FORWARD)),
-        Phase.BACKWARD: ((parameters, gradients + bucket, state, backward), 0),
+        Phase.FORWARD: (forward_parts, forward_other),
+        Phase.BACKWARD: (backward_parts, backward_other),
         Phase.OPTIMIZER: ((parameters, gradients, state, 0), parameters + bucket + batch_bytes(predictor.batch)),
     }
     whole = sum(numels) * element

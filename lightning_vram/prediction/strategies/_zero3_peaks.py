@@ -1,0 +1,82 @@
+"""ZeRO-3's forward and backward peaks beyond the counted parts: the parameters it gathers whole and holds.
+
+DeepSpeed 0.19's ``PartitionedParameterCoordinator`` gathers each module's parameters whole before it runs and, after
+it, releases only those not used again within ``stage3_max_reuse_distance`` elements of the step's trace (10^9 by
+default, ``__params_to_release``): every parameter a module uses in forward is used again in its backward, so each
+stays gathered from its forward to the end of its module's backward. At the forward's peak the rank thus holds every
+parameter whole (those a module with submodules uses directly are saved by autograd: counted as activations), and
+the flat buffer of one coalesced all-gather (``_all_gather_coalesced``: ``torch.empty`` of the gathered elements,
+each parameter then ``torch.cat`` out of it, the buffer held until the last of its parameters is waited on); the
+prefetch gathers parameters in trace order until ``stage3_prefetch_bucket_size`` elements are in flight, so the
+buffer is taken as that many elements (the whole parameters where fewer). In backward the reduce bucket appears at
+the first gradient's hook, and the last module's parameters are released once its backward has run.
+
+The CPU's live count (:mod:`lightning_vram.measure.live`) does not see three of the counted partitions, held by no
+tensor it registers: the parameters' (``ds_tensor``), the gradients' (``grad_partitions_flat_buffer``) and the fp32
+master copy (``fp32_partitioned_groups_flat``); the monitor reports a phase's peak as the larger of its live count
+and its counted parts. On 2 gloo ranks an MLP (``Linear(128, 128)``, ReLU, dropout, ``Linear(128, 10)``, batch 64,
+Adam) measured 414,396 bytes at backward's peak and 377,980 at forward's: 164,880 and 172,624 beyond the counted
+parts less those partitions (the batch, 66,048 bytes of the first layer gathered, two 32,768-byte activation
+gradients; forward: both layers gathered twice over, the parameters and the all-gather's buffer).
+"""
+
+from __future__ import annotations
+
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.records import Phase, ReplayedStep
+
+
+def unseen_partitions(device_type: str, share: int, element: int, master_element: int) -> int:
+    """Bytes of ZeRO-3's partitions the live count misses: the parameters', the gradients' and the fp32 master's.
+
+    ``share``: the partition's elements; ``element``: bytes of a parameter element; ``master_element``: of the master
+    copy's. None on CUDA, whose allocator counts them.
+    """
+    return (2 * share * element + share * master_element) if device_type == "cpu" else 0
+
+
+def last_module_bytes(predictor: Predictor, replayed: ReplayedStep, element: int) -> int:
+    """Bytes of the parameters (whole) of the last module the forward ran: released first in backward."""
+    modules = [profile.name for profile in replayed.modules if not profile.name.startswith("(")]
+    if not modules:
+        return 0
+    try:
+        module = predictor.module.get_submodule(modules[-1])
+    except AttributeError:
+        return 0
+    return sum(parameter.numel() for parameter in module.parameters() if parameter.requires_grad) * element
+
+
+def forward_live(replayed: ReplayedStep, resident: int, held: int, buffer: int, saved: int) -> int:
+    """The rank's forward live peak, in bytes.
+
+    ``resident`` bytes, the replay's activations and temporaries at its peak, the ``held`` gathered parameters, one
+    all-gather's ``buffer`` and the ``saved`` gathered copies autograd keeps.
+    """
+    breakdown = replayed.phases[Phase.FORWARD].breakdown
+    assert breakdown is not None
+    return resident + breakdown.activations + (breakdown.other or 0) + held + buffer + saved
+
+
+def backward_live(replayed: ReplayedStep, resident: int, bucket: int, held: int, last: int, saved: int) -> int | None:
+    """The rank's backward live peak over the replay's timeline; ``None`` without one.
+
+    Before the first gradient appears: ``resident`` bytes, every ``held`` parameter, the ``saved`` gathered copies
+    autograd keeps, each point's activations and temporaries; from then on the reduce ``bucket`` too, the ``last``
+    module's parameters released.
+    """
+    timeline = replayed.timeline
+    if timeline is None:
+        return None
+    points = [point for point in timeline.points if point.phase is Phase.BACKWARD]
+    if not points:
+        return None
+    first = next((index for index, point in enumerate(points) if point.gradients > 0), len(points))
+    before = max((point.activations + point.other for point in points[:first]), default=None)
+    after = max((point.activations + point.other for point in points[first:]), default=None)
+    peaks = []
+    if before is not None:
+        peaks.append(resident + held + saved + before)
+    if after is not None:
+        peaks.append(resident + bucket + held - last + saved + after)
+    return max(peaks)
