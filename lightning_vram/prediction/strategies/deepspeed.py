@@ -22,14 +22,14 @@ against DeepSpeed 0.19 on gloo at world sizes 2 and 4 (tests/test_rank_predictio
 Backward's activations are the forward's less what the loss and the last module release before backward's first
 count. The peaks (fitted on those runs, Adam): forward, the counted parts (ZeRO-1/2; the CPU's live count misses the
 master partition) or those and the step's own temporaries (ZeRO-3 under accumulation); backward, ZeRO-1/2 rank by
-rank, op by op over the replay's backward (:mod:`~lightning_vram.prediction.strategies._zero_buckets`: both reduce buckets, the rank's
-``grads_in_partition`` from the first bucket reduce that reaches its partition, ZeRO-1's whole gradients under
-accumulation; without a timeline, the counted parts and the step's temporaries, at least the second bucket); ZeRO-3's
-forward and backward, the parameters it gathers whole and holds from each module's forward to its backward and one
-all-gather's buffer beside the replay's activations and temporaries, op by op over backward
+rank, op by op over the replay's backward (:mod:`~lightning_vram.prediction.strategies._zero_buckets`: both reduce
+buckets, the rank's ``grads_in_partition`` from the first bucket reduce that reaches its partition, ZeRO-1's whole
+gradients under accumulation; without a timeline, the counted parts and the step's temporaries, at least the second
+bucket); ZeRO-3's forward and backward, the parameters it gathers whole and holds from each module's forward to its
+backward and one all-gather's buffer beside the replay's activations and temporaries, op by op over backward
 (:mod:`~lightning_vram.prediction.strategies._zero3_peaks`; under accumulation, the counted parts in backward); the
-optimizer step, the partition's gradients, one partition-sized temporary of the
-optimizer's and the batch beside the parameters and state (ZeRO-3: and the reduce bucket).
+optimizer step, the partition's gradients, one partition-sized temporary of the optimizer's and the batch beside the
+parameters and state (ZeRO-3: and the reduce bucket).
 """
 
 from __future__ import annotations
