@@ -24,8 +24,9 @@ one with the step, sharded the same way: Lightning's ``ModelParallelStrategy`` k
 micro-batch gathers and reduce-scatters, adding into the sharded gradients held across the window. A step that turns
 sync off itself (``self.network.set_requires_gradient_sync(batch_idx % 2 == 1)``) does so on the replay's copy too:
 each replayed micro-batch is given the ``batch_idx`` of its place in the window (0 for the first, ``k - 1`` for the
-one with the step: :data:`~lightning_vram.prediction.replay.step.BATCH_INDEX`), and FSDP2 then keeps that
-micro-batch's unsharded gradients (``unsharded_accumulated_grad``, no reduce-scatter) as the run does.
+one with the step: :data:`~lightning_vram.prediction.replay.step.BATCH_INDEX`), and FSDP2's ``post_backward`` then
+skips that micro-batch's reduce-scatter as the run does, its gradients left on the unsharded parameters
+(``_unsharded_param.grad``, or ``unsharded_accumulated_grad`` under a reduce dtype), none on the sharded ones.
 
 The fake group is the default process group while the replay runs, set up and destroyed around it. A live rank of a
 run sharded by ``fully_shard`` (its process group already the default one) is predicted too
