@@ -22,6 +22,7 @@ gradients; forward: both layers gathered twice over, the parameters and the all-
 
 from __future__ import annotations
 
+from lightning_vram.measure.deepspeed_zero import full_numel
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import Phase, ReplayedStep
 
@@ -44,7 +45,7 @@ def last_module_bytes(predictor: Predictor, replayed: ReplayedStep, element: int
         module = predictor.module.get_submodule(modules[-1])
     except AttributeError:
         return 0
-    return sum(parameter.numel() for parameter in module.parameters() if parameter.requires_grad) * element
+    return sum(full_numel(parameter) for parameter in module.parameters() if parameter.requires_grad) * element
 
 
 def forward_live(replayed: ReplayedStep, resident: int, held: int, buffer: int, saved: int) -> int:
