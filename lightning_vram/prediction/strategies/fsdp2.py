@@ -149,12 +149,14 @@ class LiveUnit:
     """One ``fully_shard`` unit of a live run, as the run sharded it.
 
     ``name``: its name in the module (the root's ``""``). ``reshard``: ``reshard_after_forward`` as given (``None``:
-    torch's default, every unit but the root). ``mp_policy``: its mixed-precision policy.
+    torch's default, every unit but the root). ``mp_policy``: its mixed-precision policy. ``offload``: whether it
+    offloads to the CPU (``CPUOffloadPolicy``; sharded again with :func:`offload_policy`).
     """
 
     name: str
     reshard: bool | None
     mp_policy: MixedPrecisionPolicy
+    offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,11 @@ class LiveUnits:
     rank: int
     optimizer: torch.optim.Optimizer | None = None
 
+    @property
+    def offload(self) -> bool:
+        """Whether the run offloads to the CPU (every unit does: :func:`live_units` refuses a mix)."""
+        return any(unit.offload for unit in self.units)
+
 
 def live_units(module: nn.Module, rank: int, optimizer: torch.optim.Optimizer | None = None) -> LiveUnits | str:
     """The units of a live FSDP2 ``module`` as the run sharded them; or why they are not modelled (a reason).
@@ -177,23 +184,31 @@ def live_units(module: nn.Module, rank: int, optimizer: torch.optim.Optimizer | 
     (torch 2.13: ``FSDPState``, its ``FSDPParamGroup``): nothing is changed.
     """
     units = []
+    offloads: set[bool] = set()  # of the units holding parameters
     for name, unit in fsdp2_units(module):
         state = unit._get_fsdp_state()  # type: ignore[operator]
         if len(getattr(state, "_modules", (unit,))) != 1:
             return "fsdp2: a unit of several modules (fully_shard of a list) is not modelled yet"
         reshard: bool | None = None
+        offload = False
         for group in getattr(state, "_fsdp_param_groups", ()):
             if type(group.mesh_info).__name__ != "FSDPMeshInfo":
                 return "fsdp2: HSDP (a two-dimensional mesh) is not modelled yet"
-            if type(group.offload_policy).__name__ != "OffloadPolicy":
-                return "fsdp2 with CPU offload: not modelled yet"
+            policy = type(group.offload_policy).__name__
+            if policy not in ("OffloadPolicy", "CPUOffloadPolicy"):
+                return f"fsdp2 with the offload policy {policy}: not modelled yet"
+            offload = policy == "CPUOffloadPolicy"
+            offloads.add(offload)
             after = group.post_forward_mesh_info
             if after is not None and after is not group.mesh_info:
                 return "fsdp2: reshard_after_forward to a smaller mesh (an integer) is not modelled yet"
             if not getattr(state, "_auto_reshard_after_forward", False):
                 reshard = after is not None
-        units.append(LiveUnit(name, reshard, state._mp_policy))
-    return LiveUnits(tuple(units), rank, optimizer)
+        units.append(LiveUnit(name, reshard, state._mp_policy, offload))
+    if len(offloads) > 1:
+        return "fsdp2: some units offloaded to the CPU and some not: not modelled yet"
+    offload = offloads == {True}  # a unit holding no parameter of its own (the root) as the others
+    return LiveUnits(tuple(replace(unit, offload=offload) for unit in units), rank, optimizer)
 
 
 @contextmanager
@@ -238,7 +253,7 @@ def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> C
 
     A module without ``configure_optimizers`` is given one building an optimizer like the run's on its shards.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
     def shard(module: nn.Module) -> None:
         if "_device_mesh" in vars(module):
@@ -249,7 +264,10 @@ def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> C
             vars(module)["configure_optimizers"] = lambda: optimizer_like(optimizer, module.parameters())
         for unit in reversed(units.units):  # innermost first
             target = module.get_submodule(unit.name)
-            fully_shard(target, mesh=flat, reshard_after_forward=unit.reshard, mp_policy=unit.mp_policy)
+            policy = offload_policy() if unit.offload else OffloadPolicy()
+            fully_shard(
+                target, mesh=flat, reshard_after_forward=unit.reshard, mp_policy=unit.mp_policy, offload_policy=policy
+            )
 
     return shard
 
