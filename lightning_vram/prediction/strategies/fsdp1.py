@@ -208,13 +208,16 @@ def predict_units(
     else:
         sent = shard_communication(whole, world, GATHERS[sharding] * predictor.accumulate)  # gathers each micro-batch
     method = f"{METHOD} ({sharding})"
+    transfer = 0
     if spec.offload:
+        # each all-gather copies the shards to the device, each reduce-scatter their gradients to _cpu_grad
+        transfer = (GATHERS[sharding] * predictor.accumulate + 1) * parameters
         host = Offloaded(parameters, state, max(shards) * element, held if accumulating else 0)
         peaks = host.device_peaks(step, phases, batch_bytes(predictor.batch), predictor.device_type)
         lines = (*lines, *host.lines(divisor))
         method += f"; {OFFLOAD_METHOD}"
     notes = (*replayed.notes, *((FIRST_MICRO_BATCH,) if predictor.accumulate > 1 else ()))
-    return RankStep(spec, peaks, lines, sent, method, notes, replayed)
+    return RankStep(spec, peaks, lines, sent, method, notes, replayed, host_transfer_bytes=transfer)
 
 
 OFFLOADED = ("FULL_SHARD", "SHARD_GRAD_OP")

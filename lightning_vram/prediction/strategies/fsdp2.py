@@ -464,7 +464,14 @@ def predict(
     window_first = replayed.window_first
     if spec.offload and window_first is not None:
         window_first = offloaded(window_first, units, spec.world_size, device_type, optimizer)[0]
-    return RankStep(spec, phases, lines, sent, method, notes, replayed, window_first)
+    # offloaded, each all-gather copies the unit's shard to the device and each reduce-scatter its output back
+    transfer = _copied(units, spec.world_size, reshard) * predictor.accumulate if spec.offload else 0
+    return RankStep(spec, phases, lines, sent, method, notes, replayed, window_first, transfer)
+
+
+def _copied(units: list[tuple[str, int]], world_size: int, reshard: bool) -> int:
+    """Bytes an offloading rank copies between host and device per micro-batch: a shard per gather and per scatter."""
+    return sum((2 if reshard and name else 1) * size // world_size + size // world_size for name, size in units)
 
 
 OFFLOAD_METHOD = (
