@@ -13,7 +13,7 @@ parameters, their gradients and the state. The advice gives the peak from X (mea
 the offloaded tensors need on each rank, the bytes copied between host and device per optimizer step with their
 time over PCIe at its nominal bandwidth (a lower bound: the optimizer step then runs on the host's CPU, which is not
 predicted), and the change for the loop. Offloading moves where the state lives and where the update runs, not the
-update itself.
+update's arithmetic (the host's CPU may round differently from the GPU: not bit-identical, unlike sharding more).
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ def offload_optimizer(summary: RunSummary, setup: TrainingSetup, simulation: Sim
         detail=(
             f"{moved_words(trial)} in host memory: at the same {trial.world_size} ranks this rank's peak falls by"
             f" {format_bytes(saving)}, and each rank needs {format_bytes(trial.host_bytes)} of host RAM for it."
-            f" {copies_text(trial)}{_caveat(trial)} The update is the same.\n```python\n"
+            f" {copies_text(trial)}{_caveat(trial)} The update's arithmetic is the same; run by the host's CPU, its"
+            " results can differ from the GPU's in the last bits.\n```python\n"
             f"{strategy_code(trial, setup.loop)}\n```"
         ),
         evidence=(
