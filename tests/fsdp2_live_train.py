@@ -1,6 +1,7 @@
 """A live FSDP2 run on two CPU ranks (gloo), each rank's replay and advice beside its step.
 
-Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_live_train.py OUT_DIR [no-monitor | preflight=FREE_BYTES]``.
+Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_live_train.py OUT_DIR [no-monitor | preflight=FREE_BYTES]
+[offload]``.
 
 Lightning's ``ModelParallelStrategy`` (data parallel 2, tensor parallel 1): the module's ``configure_model`` calls
 ``fully_shard`` on each linear layer of an MLP with LeakyReLU out of place, then on the MLP (its advice:
@@ -10,7 +11,8 @@ phase, each advice's id, saving basis, saving and detail; and ``training<r>.json
 shards of the final parameters and of the optimizer's state, and the RNG's state. With ``no-monitor`` the same run
 trains without the monitor. With ``preflight=FREE_BYTES`` each rank's monitor reads a scripted CUDA device with that
 many bytes free (``ScriptedProbe``) and rank ``r`` writes ``preflight<r>.json`` instead: the rows the ranks agreed
-on, its own verdict and the monitor's warnings.
+on, its own verdict and the monitor's warnings. With ``offload`` every unit is sharded with
+``CPUOffloadPolicy(pin_memory=False)``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp, features
@@ -42,11 +44,12 @@ BATCH, WIDTH = 64, 128
 
 
 class ShardedMLP(LightningModule):
-    """The MLP, each linear layer and then the whole an FSDP2 unit; Adam."""
+    """The MLP, each linear layer and then the whole an FSDP2 unit (offloaded to the CPU with ``offload``); Adam."""
 
-    def __init__(self) -> None:
+    def __init__(self, offload: bool = False) -> None:
         super().__init__()
         self.network = activation_mlp(nn.LeakyReLU, width=WIDTH)
+        self.offload = offload
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -54,10 +57,11 @@ class ShardedMLP(LightningModule):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
+        policy = CPUOffloadPolicy(pin_memory=False) if self.offload else OffloadPolicy()
         for layer in self.network:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.network, mesh=mesh)
+                fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(self.network, mesh=mesh, offload_policy=policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -131,7 +135,7 @@ def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    monitored = mode != ["no-monitor"]
+    monitored = "no-monitor" not in mode
     free = [int(option.removeprefix("preflight=")) for option in mode if option.startswith("preflight=")]
     if free:
         probe = ScriptedProbe([ScriptedBoundary(0, 0, 0)], free_bytes=free[0])
@@ -154,7 +158,7 @@ def main() -> None:
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", VramMonitorWarning)
-        trainer.fit(ShardedMLP(), loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
+        trainer.fit(ShardedMLP("offload" in mode), loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
     if free:
         session = monitor.session
         record = preflight_record(session, caught)

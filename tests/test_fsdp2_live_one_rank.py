@@ -146,3 +146,53 @@ def test_a_functional_gather_over_a_side_group_and_its_wait_run_in_a_replay(gloo
         assert whole.shape == (4,)
         with pytest.raises(CollectiveError, match=r"\(_c10d_functional\.all_gather_into_tensor"):
             funcol.all_gather_single(torch.empty(4), 0, dist.group.WORLD)  # the run's group: refused before the wait
+
+
+def test_a_live_fsdp2_rank_offloading_to_the_cpu_is_replayed_offloading(gloo_one_rank: None) -> None:
+    # Before: "fsdp2 with CPU offload: not modelled yet". The copy is sharded again with CPUOffloadPolicy; on the CPU
+    # the rank's phases are its device's and host's together (one memory), the host lines its shards and state.
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from lightning_vram.prediction.strategies import fsdp2
+
+    network = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    module = Classifier(network, OPTIMIZERS["adam"])
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in network:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(network, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    sharding = live_sharding([], module, 0)
+    assert isinstance(sharding, LiveSharding) and isinstance(sharding.units, fsdp2.LiveUnits), sharding
+    assert sharding.spec == StrategySpec("fsdp2", 1, offload=True)
+    assert [unit.offload for unit in sharding.units.units] == [True] * 4
+    offloading: list[bool] = []
+    init = _fsdp_param.FSDPParam.__init__
+
+    def recorded(self: _fsdp_param.FSDPParam, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        offloading.append(self.offload_to_cpu)
+
+    predictor = Predictor(module, None, BATCH, warm_up=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_fsdp_param.FSDPParam, "__init__", recorded)
+        rank = fsdp2.predict(predictor, sharding.spec, None, sharding.units)
+        step = RankReplays(predictor, sharding.spec, sharding.settings, 0, sharding.units).replay()
+    assert offloading == [True] * 12  # the copy's 6 parameters, sharded again twice
+    assert not isinstance(rank, ReplaySkipped) and isinstance(step, ReplayedStep), (rank, step)
+    host = {line.label: line.bytes for line in rank.lines if line.on_host}
+    assert host == {
+        "FSDP2 offloaded sharded parameters (host)": PARAMETERS,
+        "FSDP2 offloaded sharded gradients (host)": PARAMETERS,
+        "FSDP2 offloaded optimizer state (host)": 2 * PARAMETERS + 6 * FLOAT32,
+    }
+    for phase in Phase:
+        device, whole = rank.phases[phase], step.phases[phase]
+        assert device.breakdown is not None and whole.breakdown is not None
+        held = whole.breakdown.parameters - device.breakdown.parameters
+        assert held == PARAMETERS
+        assert (
+            whole.peak_bytes == device.peak_bytes + held + whole.breakdown.gradients + whole.breakdown.optimizer_state
+        )
+    assert step.notes[-1].startswith("fsdp2 x1 offload: replayed: torch's fully_shard under a fake process group; CPU")

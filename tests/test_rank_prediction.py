@@ -249,3 +249,46 @@ def test_a_collective_in_the_step_runs_on_the_fake_group_only() -> None:
     rank = predict_rank(predictor, StrategySpec("fsdp2", 4))
     assert isinstance(rank, RankStep), rank
     assert not dist.is_initialized()
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("module", [ShardedMlp, Classifier])
+def test_an_fsdp2_rank_with_cpu_offload_holds_its_shards_on_the_host(
+    module: type[Classifier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's fully_shard runs with CPUOffloadPolicy(pin_memory=False); on the CPU the device's phases plus the
+    host lines are the rank without offload (one memory), the host lines this rank's shards and their state."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    offloading: list[bool] = []
+    init = _fsdp_param.FSDPParam.__init__
+
+    def recorded(self: _fsdp_param.FSDPParam, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        offloading.append(self.offload_to_cpu)
+
+    monkeypatch.setattr(_fsdp_param.FSDPParam, "__init__", recorded)
+    predictor = Predictor(module(network(), OPTIMIZERS["adam"]), None, BATCH)
+    kept = predict_rank(predictor, StrategySpec("fsdp2", 4))
+    assert offloading and not any(offloading)
+    offloading.clear()
+    rank = predict_rank(predictor, StrategySpec("fsdp2", 4, offload=True))
+    assert isinstance(rank, RankStep) and isinstance(kept, RankStep), rank
+    assert offloading and all(offloading)  # the module's configure_model and the usual policy alike
+    assert rank.method.endswith("the reduce-scatter output and the activations on the device")
+    shard = 2 * (padded(512, 512, 4) + padded(512, 1, 4)) + padded(10, 512, 4) + padded(10, 1, 4)
+    host = [(line.label, line.bytes) for line in rank.lines if line.on_host]
+    assert host == [
+        ("FSDP2 offloaded sharded parameters (host)", shard),
+        ("FSDP2 offloaded sharded gradients (host)", shard),
+        ("FSDP2 offloaded optimizer state (host)", 2 * shard + 6 * FLOAT32),
+    ]
+    assert rank.host_bytes == 4 * shard + 6 * FLOAT32
+    for phase in Phase:
+        device, whole = rank.phases[phase], kept.phases[phase]
+        assert device.breakdown is not None and whole.breakdown is not None
+        assert device.breakdown.gradients == device.breakdown.optimizer_state == 0
+        held = whole.breakdown.gradients + whole.breakdown.optimizer_state
+        assert device.breakdown.parameters == whole.breakdown.parameters - shard  # the gathered units only
+        assert device.peak_bytes == whole.peak_bytes - shard - held
+    assert rank.phases[Phase.OPTIMIZER].breakdown.parameters == 0  # type: ignore[union-attr]

@@ -24,7 +24,7 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.strategies.deepspeed import ZeroSettings, crossing_bytes, predict_zero
 from lightning_vram.prediction.strategies.fsdp1 import predict_units, unit_numels
-from lightning_vram.records import Phase, RankStep, StrategySpec
+from lightning_vram.records import Phase, RankStep, ReplaySkipped, StrategySpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
@@ -265,6 +265,43 @@ def test_offload_moves_the_state_and_gradient_partition_to_the_host(predictor: P
         assert peak.breakdown.gradients == (80_000 if phase is Phase.BACKWARD else 0)
     assert step.phases[Phase.OPTIMIZER].peak_bytes == 4 * 67_600 + 4 * 4 * 16 * 64  # the parameters, the batch
     assert "ZeRO-Offload" in step.method
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1_offload_moves_the_shards_their_gradients_and_the_state_to_the_host(
+    predictor: Predictor, sharding: str
+) -> None:
+    """FSDP1's CPUOffload(offload_params=True) by arithmetic: the rank without offload, its shards, their gradients
+    (_cpu_grad) and the state as host lines; the device keeps the unsharded unit (in activations, as autograd saves
+    it) and backward's reduce-scatter output; the optimizer steps on the host (the device holds the batch)."""
+    kept = predict_rank(predictor, StrategySpec("fsdp", world_size=4, sharding=sharding))
+    step = predict_rank(predictor, StrategySpec("fsdp", world_size=4, sharding=sharding, offload=True))
+    assert isinstance(step, RankStep) and isinstance(kept, RankStep), step
+    shard = 4 * 67_596 // 4  # the root's one flat parameter, 67,594 elements padded to 4, one rank's quarter
+    stepped = kept.phases[Phase.OPTIMIZER].breakdown
+    assert stepped is not None and stepped.parameters == stepped.gradients == shard
+    host = [(line.label, line.bytes) for line in step.lines if line.on_host]
+    assert host == [
+        ("FSDP1 offloaded flat parameter shards (host)", shard),
+        ("FSDP1 offloaded gradient shards, _cpu_grad (host)", shard),
+        ("FSDP1 offloaded optimizer state (host)", stepped.optimizer_state),
+    ]
+    assert stepped.optimizer_state == 2 * shard + 4  # Adam's two moments and a step, over the one flat shard
+    (copied,) = [line for line in step.lines if line.label == "FSDP1 shard copied to the device (largest)"]
+    assert copied.bytes == shard and not copied.on_host
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        device, whole = step.phases[phase].breakdown, kept.phases[phase].breakdown
+        assert device is not None and whole is not None
+        assert (device.parameters, device.gradients, device.optimizer_state) == (0, 0, 0)
+        assert device.activations == whole.activations  # the unsharded unit among them
+        # on the CPU the copy to the device is the shard itself: the device holds the rest of the peak
+        assert step.phases[phase].peak_bytes == kept.phases[phase].peak_bytes - whole.counted_bytes + whole.activations
+    assert step.phases[Phase.OPTIMIZER].peak_bytes == 4 * 4 * 16 * 64  # the batch
+    assert "CPUOffload(offload_params=True)" in step.method
+    unsharded = predict_rank(predictor, StrategySpec("fsdp", world_size=4, sharding="NO_SHARD", offload=True))
+    assert unsharded == ReplaySkipped(
+        "fsdp x4 NO_SHARD offload: FSDP1's NO_SHARD with offload=True is not modelled yet"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor is deprecated:UserWarning")

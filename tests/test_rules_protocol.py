@@ -41,6 +41,7 @@ def test_every_rule_has_its_own_stable_id() -> None:
         "near-capacity",
         "long-tail",
         "sharding-stage",
+        "offload-optimizer",
     }
 
 

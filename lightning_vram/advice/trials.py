@@ -22,6 +22,7 @@ from dataclasses import replace
 from torch import nn
 
 from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
+from lightning_vram.advice.rules.offload_optimizer import wants_offload_trial
 from lightning_vram.advice.rules.registry import changes_to_replay
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.prediction.containment.escapes import round_of_replays
@@ -30,11 +31,14 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, simulate
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.prediction.strategies.from_ddp import ddp_trial
+from lightning_vram.prediction.strategies.fsdp2 import LiveUnits
+from lightning_vram.prediction.strategies.offloading import offload_trial
 from lightning_vram.prediction.strategies.rank_replays import RANK_TOLERANCE, RankReplays
 from lightning_vram.prediction.strategies.stronger import sharding_trial
 from lightning_vram.records import (
     BatchSizeChange,
     DeviceInfo,
+    OffloadTrial,
     ReplayedStep,
     RunSummary,
     ShardingTrial,
@@ -117,7 +121,9 @@ def try_rank_changes(replays: RankReplays, summary: RunSummary, setup: TrainingS
     """One rank of a sharded run: its sampled step against the per-rank model's, then each declared change.
 
     Where the baseline matched and time is left, the rank is also predicted under the next stronger ZeRO stage
-    (:attr:`~lightning_vram.records.Simulation.sharding`, for the ``sharding-stage`` advice).
+    (:attr:`~lightning_vram.records.Simulation.sharding`, for the ``sharding-stage`` advice), and, on CUDA near the
+    device's capacity where the run does not offload, with CPU offload
+    (:attr:`~lightning_vram.records.Simulation.offload`, for the ``offload-optimizer`` advice).
 
     The baseline is checked with :data:`~lightning_vram.prediction.strategies.rank_replays.RANK_TOLERANCE`; no fit
     table is searched (the model keeps no allocation sequence for the allocator to serve). Raises what
@@ -129,6 +135,11 @@ def try_rank_changes(replays: RankReplays, summary: RunSummary, setup: TrainingS
             trial = sharding_trial(replays.predictor, replays.spec, replays.settings, replays.rank)
             if isinstance(trial, ShardingTrial):
                 simulation = replace(simulation, sharding=trial)
+        if simulation.skipped is None and wants_offload_trial(summary) and not replays.out_of_time():
+            units = replays.units if isinstance(replays.units, LiveUnits) else None
+            offload = offload_trial(replays.predictor, replays.spec, replays.settings, replays.rank, units)
+            if isinstance(offload, OffloadTrial):
+                simulation = replace(simulation, offload=offload)
     if simulation.skipped is None and summary.on_cuda:
         return replace(simulation, fit_note=f"{replays.spec.label}: no fit table is searched for a sharded rank yet")
     return simulation

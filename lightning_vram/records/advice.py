@@ -36,6 +36,7 @@ class AdviceId(ReportText):
     EVALUATION_BATCH_SIZE = "evaluation-batch-size"
     LONG_TAIL = "long-tail"
     SHARDING_STAGE = "sharding-stage"
+    OFFLOAD_OPTIMIZER = "offload-optimizer"
 
 
 class Severity(ReportText):

@@ -448,6 +448,44 @@ class ShardingTrial:
         return self.target_communication_bytes - self.current_communication_bytes
 
 
+@dataclass(frozen=True)
+class OffloadTrial:
+    """One rank of a live sharded run that does not offload, predicted from the same replay with CPU offload.
+
+    ``strategy``, ``world_size`` and ``sharding`` name the run's strategy as :class:`~lightning_vram.records.
+    StrategySpec` does (``"deepspeed_stage_2"``, ``"fsdp2"``). In bytes: ``current_peak_bytes`` the per-rank model's
+    peak for the run as it is, ``measured_peak_bytes`` the sampled step's (``None``: not measured), which the saving
+    starts from where known; ``target_peak_bytes`` the device's peak with offload and ``target_phase`` its phase;
+    ``host_bytes`` the host memory the offloaded tensors need on this rank; ``transfer_bytes`` what is copied
+    between host and device per optimizer step. ``reduce_bucket_size`` and ``allgather_bucket_size``: ZeRO's
+    settings read from the run, in elements, which the change keeps (``None``: not ZeRO). ``method``: how the
+    offloaded rank was predicted.
+    """
+
+    strategy: str
+    world_size: int
+    current_peak_bytes: int
+    target_peak_bytes: int
+    target_phase: Phase
+    host_bytes: int
+    transfer_bytes: int
+    method: str
+    sharding: str | None = None
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
+    measured_peak_bytes: int | None = None
+
+    @property
+    def start_bytes(self) -> int:
+        """The rank's peak the saving starts from: measured where known, else predicted."""
+        return self.current_peak_bytes if self.measured_peak_bytes is None else self.measured_peak_bytes
+
+    @property
+    def saving_bytes(self) -> int:
+        """:attr:`start_bytes` less the offloaded rank's predicted device peak (negative: it holds more)."""
+        return self.start_bytes - self.target_peak_bytes
+
+
 PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's (and Lightning's ``DeepSpeedStrategy``'s) default ``param_persistence_threshold``, in elements: ZeRO-3
 keeps a parameter of at most this many elements whole on every rank once gathered."""
@@ -488,6 +526,9 @@ class Simulation:
     sharding: ShardingTrial | None = None
     """Under DeepSpeed ZeRO-1/2, this rank under the next stronger ZeRO stage beside its own strategy, both by the
     per-rank model (``None``: not a run whose sharding can grow, or not predicted)."""
+    offload: OffloadTrial | None = None
+    """On CUDA, a rank of a sharded run that does not offload, near the device's capacity: the rank predicted with CPU
+    offload (``None``: not such a run, or not predicted)."""
 
 
 @dataclass(frozen=True)

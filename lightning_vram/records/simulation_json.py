@@ -21,6 +21,7 @@ from lightning_vram.records.simulation import (
     FreeGradientsChange,
     InplaceChange,
     LengthChange,
+    OffloadTrial,
     PartMatch,
     PhaseCalibration,
     PrecisionChange,
@@ -184,6 +185,48 @@ def _sharding(fields: Reader, key: str) -> ShardingTrial | None:
     )
 
 
+def offload_to_dict(trial: OffloadTrial | None) -> dict[str, Any] | None:
+    """The simulation's ``offload``: this rank as it is and predicted with CPU offload, with the saving."""
+    if trial is None:
+        return None
+    return {
+        "strategy": trial.strategy,
+        "sharding": trial.sharding,
+        "world_size": trial.world_size,
+        "current_peak_bytes": trial.current_peak_bytes,
+        "measured_peak_bytes": trial.measured_peak_bytes,
+        "target_peak_bytes": trial.target_peak_bytes,
+        "target_phase": trial.target_phase.value,
+        "saving_bytes": trial.saving_bytes,
+        "host_bytes": trial.host_bytes,
+        "transfer_bytes": trial.transfer_bytes,
+        "reduce_bucket_size": trial.reduce_bucket_size,
+        "allgather_bucket_size": trial.allgather_bucket_size,
+        "method": trial.method,
+    }
+
+
+def _offload(fields: Reader, key: str) -> OffloadTrial | None:
+    child = fields.optional_child(key)
+    if child is None:
+        return None
+    child.integer("saving_bytes", minimum=None)  # derived from the peaks
+    return OffloadTrial(
+        strategy=child.text("strategy"),
+        sharding=child.optional_text("sharding"),
+        world_size=child.integer("world_size", minimum=1),
+        current_peak_bytes=child.integer("current_peak_bytes"),
+        measured_peak_bytes=child.optional_integer("measured_peak_bytes"),
+        target_peak_bytes=child.integer("target_peak_bytes"),
+        target_phase=phase_from_text(child.text("target_phase"), f"{key}.target_phase"),
+        host_bytes=child.integer("host_bytes"),
+        transfer_bytes=child.integer("transfer_bytes"),
+        reduce_bucket_size=child.optional_integer("reduce_bucket_size"),
+        allgather_bucket_size=child.optional_integer("allgather_bucket_size"),
+        method=child.text("method"),
+    )
+
+
 def calibration_to_dict(calibration: Calibration | None) -> dict[str, Any] | None:
     """The simulation's ``calibration``: the sampled step's allocator peaks beside the replay's, per phase."""
     if calibration is None:
@@ -282,6 +325,7 @@ def simulation_to_dict(
         ),
         "variants": [variant_to_dict(variant, variant is advised) for variant in simulation.variants],
         **({"sharding": sharding_to_dict(simulation.sharding)} if simulation.sharding is not None else {}),
+        **({"offload": offload_to_dict(simulation.offload)} if simulation.offload is not None else {}),
         **timelines,
     }
 
@@ -418,6 +462,7 @@ def _simulation(fields: Reader | None) -> Simulation | None:
         expandable_reserved_bytes=fields.added("expandable_reserved_bytes", _phase_bytes, None),
         accumulate_grad_batches=fields.added("accumulate_grad_batches", _accumulation, 1),
         sharding=fields.added("sharding", _sharding, None),
+        offload=fields.added("offload", _offload, None),
     )
 
 

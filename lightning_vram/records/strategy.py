@@ -129,6 +129,8 @@ class RankStep:
     notes: tuple[str, ...] = ()
     replayed: ReplayedStep | None = field(default=None, compare=False, repr=False)
     window_first: dict[Phase, PhasePeak] | None = None
+    host_transfer_bytes: int = 0
+    """Bytes copied between the host and the device per optimizer step (CPU offload; 0 without it)."""
 
     @property
     def micro_batch(self) -> str:

@@ -17,6 +17,7 @@ from lightning_vram.advice.rules import (
     chunked_loss,
     inplace_activations,
     mixed_precision,
+    offload_optimizer,
     optimizer_state,
     stale_gradients,
 )
@@ -49,6 +50,7 @@ NEAR_CAPACITY_REMEDIES: tuple[Rule, ...] = (
     stale_gradients.RULE,
     chunked_loss.RULE,
     optimizer_state.RULE,
+    offload_optimizer.RULE,
     allocator_fragmentation.RULE,
 )
 """The rules whose savings near-capacity lists as remedies."""

@@ -352,13 +352,16 @@ def predict_zero(
     else:
         phases, lines, sent = _stage12(predictor, replayed, spec, settings, rank, element)
     method = f"{METHOD} (stage {stage})"
+    transfer = 0
     if spec.offload:
+        # each step the gradient partition goes to the host, the updated parameter partition comes back
+        transfer = 2 * phases[Phase.OPTIMIZER][0][1]
         phases, lines = offloaded(phases, lines, batch_bytes(predictor.batch))
         method += f"; {OFFLOAD_BASIS}"
     step = replayed.phases[Phase.FORWARD].step
     peaks = {phase: phase_peak(step, phase, parts, sum(parts) + other) for phase, (parts, other) in phases.items()}
     notes = (*replayed.notes, *((FIRST_MICRO_BATCH,) if predictor.accumulate > 1 else ()))
-    return RankStep(spec, peaks, lines, sent, method, notes, replayed)
+    return RankStep(spec, peaks, lines, sent, method, notes, replayed, host_transfer_bytes=transfer)
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:

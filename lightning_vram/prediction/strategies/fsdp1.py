@@ -7,7 +7,8 @@ replay of one rank's batch, labelled so; checked against torch's FSDP1 on gloo a
 (tests/test_rank_prediction_zero.py). Each wrapped unit (a module of the types given, the root the rest) holds one
 flat parameter of its own parameters, padded to a multiple of ``N`` elements, and this rank's ``1/N`` of it between
 uses (``FULL_SHARD``, ``SHARD_GRAD_OP``; ``NO_SHARD`` holds it whole and unpadded, gathers nothing and all-reduces
-the gradients; ``HYBRID_SHARD`` and CPU offload are not modelled yet):
+the gradients; ``HYBRID_SHARD`` is not modelled yet; CPU offload under ``FULL_SHARD`` and ``SHARD_GRAD_OP`` moves the
+shards, their gradients and the optimizer's state to the host as lines of their own, :class:`Offloaded`):
 
 - parameters, gradients (after the reduce-scatter) and the optimizer's state: over the units' shards, the state
   of one flat tensor per unit;
@@ -53,6 +54,7 @@ from lightning_vram.prediction.strategies._shards import (
 from lightning_vram.prediction.strategies.deepspeed import FIRST_MICRO_BATCH, element_bytes
 from lightning_vram.records import (
     Phase,
+    PhasePeak,
     PrecisionChange,
     RankLine,
     RankStep,
@@ -75,6 +77,15 @@ OPTIMIZER_TEMPORARIES = 3
 LIVE_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 """The sharding strategies of a live FSDP1 run that are modelled (``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2``
 shard within a node and replicate across: not yet)."""
+
+
+LIVE_OFFLOAD_SKIP = (
+    "fsdp (FSDP1) with CPU offload: a live rank is not modelled yet (FSDP1 pins its offloaded shards, which torch"
+    " refuses without an accelerator, so no CPU run checks it)"
+)
+"""Why a live FSDP1 rank offloading its parameters is not replayed (torch 2.13 on a CPU-only machine:
+``RuntimeError: Cannot access accelerator device when none is available`` from ``pin_memory`` in
+``FlatParamHandle``'s init): :func:`predict_units`'s arithmetic predicts it from a plan, unchecked."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +111,7 @@ def live_flats(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     wrappers = fsdp1_wrappers(module)
     strategies = {getattr(wrapper.sharding_strategy, "name", str(wrapper.sharding_strategy)) for wrapper in wrappers}
     if any(getattr(getattr(wrapper, "cpu_offload", None), "offload_params", False) for wrapper in wrappers):
-        return "fsdp (FSDP1) with CPU offload: a live rank is not modelled yet"
+        return LIVE_OFFLOAD_SKIP
     if len(strategies) > 1:
         return f"fsdp (FSDP1) with several sharding strategies ({', '.join(sorted(strategies))}): not modelled yet"
     sharding = strategies.pop() if strategies else "FULL_SHARD"
@@ -146,7 +157,7 @@ def predict_units(
     ``live``: a live run's flat parameters and optimizer, in place of the units' and the predictor's.
     """
     sharding = spec.sharding or "FULL_SHARD"
-    if sharding not in GATHERS or spec.offload:
+    if sharding not in GATHERS or (spec.offload and sharding not in OFFLOADED):
         return ReplaySkipped(f"{spec.label}: FSDP1's {sharding} with offload={spec.offload} is not modelled yet")
     replayed = predictor.replay(change)
     if isinstance(replayed, ReplaySkipped):
@@ -187,7 +198,7 @@ def predict_units(
     step = replayed.phases[Phase.FORWARD].step
     peaks = {phase: phase_peak(step, phase, parts, sum(parts) + other) for phase, (parts, other) in phases.items()}
     whole = sum(flats) * gathered
-    lines = (
+    lines: tuple[RankLine, ...] = (
         RankLine("FSDP1 unsharded unit (largest)", max(flats) * gathered, f"the largest unit, padded to {divisor}"),
         RankLine("FSDP1 reduce-scatter shard", scattered, "the largest unit's gradient shard, in backward"),
         RankLine("FSDP1 padding", (sum(flats) - sum(numels)) * element, f"each unit's flat parameter to {divisor}"),
@@ -197,8 +208,72 @@ def predict_units(
     else:
         sent = shard_communication(whole, world, GATHERS[sharding] * predictor.accumulate)  # gathers each micro-batch
     method = f"{METHOD} ({sharding})"
+    transfer = 0
+    if spec.offload:
+        # each all-gather copies the shards to the device, each reduce-scatter their gradients to _cpu_grad
+        transfer = (GATHERS[sharding] * predictor.accumulate + 1) * parameters
+        host = Offloaded(parameters, state, max(shards) * element, held if accumulating else 0)
+        peaks = host.device_peaks(step, phases, batch_bytes(predictor.batch), predictor.device_type)
+        lines = (*lines, *host.lines(divisor))
+        method += f"; {OFFLOAD_METHOD}"
     notes = (*replayed.notes, *((FIRST_MICRO_BATCH,) if predictor.accumulate > 1 else ()))
-    return RankStep(spec, peaks, lines, sent, method, notes, replayed)
+    return RankStep(spec, peaks, lines, sent, method, notes, replayed, host_transfer_bytes=transfer)
+
+
+OFFLOADED = ("FULL_SHARD", "SHARD_GRAD_OP")
+"""The sharding strategies whose CPU offload (``CPUOffload(offload_params=True)``) is modelled (``NO_SHARD`` copies
+its whole flat parameters to the device and back: not yet)."""
+OFFLOAD_METHOD = (
+    "CPUOffload(offload_params=True) by FSDP1's arithmetic (torch 2.13 _flat_param.py, _runtime_utils.py): each"
+    " flat parameter's shard (_local_shard) and its gradient (_cpu_grad, allocated once and held) on the host, the"
+    " optimizer stepping there; on the device the shard's copy for the all-gather, the unsharded unit in forward and"
+    " backward, the reduce-scatter output before its copy to _cpu_grad and the activations; not checked against a"
+    " run (FSDP1 offload pins memory, which a CPU-only machine refuses)"
+)
+"""How an FSDP1 rank with CPU offload is split between the device and the host."""
+
+
+@dataclass(frozen=True)
+class Offloaded:
+    """What an FSDP1 rank with CPU offload holds on the host, and what it copies to the device, in bytes.
+
+    ``parameters``: the flat parameters' shards (``_local_shard``); their gradients (``_cpu_grad``) the same size.
+    ``state``: the optimizer's, over the shards. ``copied``: the largest shard, copied to the device before its
+    all-gather (``FlatParamHandle.pre_unshard``: ``flat_param_to(device)``). ``window``: the unsharded gradients
+    kept on the device under ``no_sync`` while accumulating (0 otherwise).
+    """
+
+    parameters: int
+    state: int
+    copied: int
+    window: int
+
+    def device_peaks(
+        self, step: int, phases: dict[Phase, tuple[tuple[int, int, int, int], int]], batch: int, device_type: str
+    ) -> dict[Phase, PhasePeak]:
+        """Each phase's peak on the device: the host's parts out; the copy to the device where it is not the host.
+
+        The optimizer steps on the host: its device peak is the batch (and under ``no_sync`` the window's
+        gradients, reduced before it).
+        """
+        copied = self.copied if device_type != "cpu" else 0  # on the CPU the copy is the shard itself
+        device = {}
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            (_, _, _, activations), other = phases[phase]
+            parts = (0, self.window, 0, activations)
+            device[phase] = phase_peak(step, phase, parts, sum(parts) + other + copied)
+        device[Phase.OPTIMIZER] = phase_peak(step, Phase.OPTIMIZER, (0, 0, 0, 0), batch)
+        return device
+
+    def lines(self, divisor: int) -> tuple[RankLine, ...]:
+        """The host lines: the shards, their gradients, the optimizer's state."""
+        basis = f"{OFFLOAD_METHOD}; 1/{divisor} of each unit's flat parameter, padded"
+        return (
+            RankLine("FSDP1 offloaded flat parameter shards (host)", self.parameters, basis, on_host=True),
+            RankLine("FSDP1 offloaded gradient shards, _cpu_grad (host)", self.parameters, basis, on_host=True),
+            RankLine("FSDP1 offloaded optimizer state (host)", self.state, basis, on_host=True),
+            RankLine("FSDP1 shard copied to the device (largest)", self.copied, basis),
+        )
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:

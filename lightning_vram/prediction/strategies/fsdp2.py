@@ -42,7 +42,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, overload
 
@@ -53,13 +53,13 @@ from torch import nn
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.prediction.replay.unsharded import fsdp2_units
-from lightning_vram.prediction.strategies._shards import optimizer_like
+from lightning_vram.prediction.strategies._shards import first_optimizer, flat_state_bytes, optimizer_like
 from lightning_vram.prediction.strategies.ddp import nccl_line
-from lightning_vram.records import RankLine, RankStep, ReplaySkipped, StepChange, StrategySpec
+from lightning_vram.records import Phase, PhasePeak, RankLine, RankStep, ReplaySkipped, StepChange, StrategySpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 METHOD = "replayed: torch's fully_shard under a fake process group"
 """How an FSDP2 rank is predicted."""
@@ -154,12 +154,14 @@ class LiveUnit:
     """One ``fully_shard`` unit of a live run, as the run sharded it.
 
     ``name``: its name in the module (the root's ``""``). ``reshard``: ``reshard_after_forward`` as given (``None``:
-    torch's default, every unit but the root). ``mp_policy``: its mixed-precision policy.
+    torch's default, every unit but the root). ``mp_policy``: its mixed-precision policy. ``offload``: whether it
+    offloads to the CPU (``CPUOffloadPolicy``; sharded again with :func:`offload_policy`).
     """
 
     name: str
     reshard: bool | None
     mp_policy: MixedPrecisionPolicy
+    offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,11 @@ class LiveUnits:
     rank: int
     optimizer: torch.optim.Optimizer | None = None
 
+    @property
+    def offload(self) -> bool:
+        """Whether the run offloads to the CPU (every unit does: :func:`live_units` refuses a mix)."""
+        return any(unit.offload for unit in self.units)
+
 
 def live_units(module: nn.Module, rank: int, optimizer: torch.optim.Optimizer | None = None) -> LiveUnits | str:
     """The units of a live FSDP2 ``module`` as the run sharded them; or why they are not modelled (a reason).
@@ -182,23 +189,31 @@ def live_units(module: nn.Module, rank: int, optimizer: torch.optim.Optimizer | 
     (torch 2.13: ``FSDPState``, its ``FSDPParamGroup``): nothing is changed.
     """
     units = []
+    offloads: set[bool] = set()  # of the units holding parameters
     for name, unit in fsdp2_units(module):
         state = unit._get_fsdp_state()  # type: ignore[operator]
         if len(getattr(state, "_modules", (unit,))) != 1:
             return "fsdp2: a unit of several modules (fully_shard of a list) is not modelled yet"
         reshard: bool | None = None
+        offload = False
         for group in getattr(state, "_fsdp_param_groups", ()):
             if type(group.mesh_info).__name__ != "FSDPMeshInfo":
                 return "fsdp2: HSDP (a two-dimensional mesh) is not modelled yet"
-            if type(group.offload_policy).__name__ != "OffloadPolicy":
-                return "fsdp2 with CPU offload: not modelled yet"
+            policy = type(group.offload_policy).__name__
+            if policy not in ("OffloadPolicy", "CPUOffloadPolicy"):
+                return f"fsdp2 with the offload policy {policy}: not modelled yet"
+            offload = policy == "CPUOffloadPolicy"
+            offloads.add(offload)
             after = group.post_forward_mesh_info
             if after is not None and after is not group.mesh_info:
                 return "fsdp2: reshard_after_forward to a smaller mesh (an integer) is not modelled yet"
             if not getattr(state, "_auto_reshard_after_forward", False):
                 reshard = after is not None
-        units.append(LiveUnit(name, reshard, state._mp_policy))
-    return LiveUnits(tuple(units), rank, optimizer)
+        units.append(LiveUnit(name, reshard, state._mp_policy, offload))
+    if len(offloads) > 1:
+        return "fsdp2: some units offloaded to the CPU and some not: not modelled yet"
+    offload = offloads == {True}  # a unit holding no parameter of its own (the root) as the others
+    return LiveUnits(tuple(replace(unit, offload=offload) for unit in units), rank, optimizer)
 
 
 @contextmanager
@@ -243,7 +258,7 @@ def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> C
 
     A module without ``configure_optimizers`` is given one building an optimizer like the run's on its shards.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
     def shard(module: nn.Module) -> None:
         if "_device_mesh" in vars(module):
@@ -254,7 +269,10 @@ def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> C
             vars(module)["configure_optimizers"] = lambda: optimizer_like(optimizer, module.parameters())
         for unit in reversed(units.units):  # innermost first
             target = module.get_submodule(unit.name)
-            fully_shard(target, mesh=flat, reshard_after_forward=unit.reshard, mp_policy=unit.mp_policy)
+            policy = offload_policy() if unit.offload else OffloadPolicy()
+            fully_shard(
+                target, mesh=flat, reshard_after_forward=unit.reshard, mp_policy=unit.mp_policy, offload_policy=policy
+            )
 
     return shard
 
@@ -279,24 +297,62 @@ def meshes(world_size: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
 
 
 def sharder(spec: StrategySpec, flat: DeviceMesh, lightning: DeviceMesh) -> Callable[[nn.Module], None]:
-    """The function that shards a replay's fake copy under ``spec`` over the fake group's meshes (:func:`meshes`)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    """The function that shards a replay's fake copy under ``spec`` over the fake group's meshes (:func:`meshes`).
+
+    With ``spec.offload`` every unit gets ``CPUOffloadPolicy(pin_memory=False)`` (a module sharding itself in
+    ``configure_model``: as torch's default offload policy while it runs, :func:`offloading_by_default`).
+    """
+    from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     reshard = spec.sharding != "SHARD_GRAD_OP"
+    policy = offload_policy() if spec.offload else OffloadPolicy()
 
     def shard(module: nn.Module) -> None:
         if _configures_itself(module):
             vars(module)["_device_mesh"] = lightning  # as ModelParallelStrategy sets it before configure_model
-            module.configure_model()  # type: ignore[operator]
+            with offloading_by_default(spec.offload):
+                module.configure_model()  # type: ignore[operator]
             if spec.sharding is not None:
                 for unit in module.modules():
                     if isinstance(unit, FSDPModule):
                         unit.set_reshard_after_forward(reshard, recurse=False)
             return
         for unit in shard_units(module):
-            fully_shard(unit, mesh=flat, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=flat, reshard_after_forward=reshard, offload_policy=policy)
 
     return shard
+
+
+def offload_policy() -> OffloadPolicy:
+    """FSDP2's CPU offload as the replay runs it: unpinned (pinning needs a CUDA device, and fake tensors have none).
+
+    Pinning changes where the host copies live, not their size; unpinned, FSDP2 copies the gradients back to the
+    host synchronously (torch 2.13, ``foreach_reduce``), which a replay of one stream does anyway.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=False)
+
+
+@contextmanager
+def offloading_by_default(offload: bool) -> Iterator[None]:
+    """``fully_shard``'s default ``offload_policy`` is :func:`offload_policy` while this runs (where ``offload``).
+
+    For a module sharding itself in ``configure_model`` without naming an offload policy: the plan asks how it would
+    run with CPU offload, as if it passed ``offload_policy=CPUOffloadPolicy()``. Put back after.
+    """
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    function = getattr(_fully_shard.fully_shard, "__wrapped__", _fully_shard.fully_shard)
+    defaults = function.__kwdefaults__
+    if not offload or defaults is None:
+        yield
+        return
+    function.__kwdefaults__ = {**defaults, "offload_policy": offload_policy()}
+    try:
+        yield
+    finally:
+        function.__kwdefaults__ = defaults
 
 
 def _configures_itself(module: nn.Module) -> bool:
@@ -363,8 +419,6 @@ def predict(
     as the run sharded it over fake groups beside the run's); ``None``: the module is sharded by its own
     ``configure_model`` or the usual policy, under a fake default group.
     """
-    if spec.offload:
-        return ReplaySkipped("fsdp2 with CPU offload: not modelled yet")
     if predictor.device_type == "meta":
         return ReplaySkipped(META_SKIP)
     if live is None and dist.is_initialized():
@@ -401,12 +455,83 @@ def predict(
     if isinstance(replayed, ReplaySkipped):
         return replayed
     lines = _lines(units, spec, device_type)
+    phases, method = replayed.phases, METHOD
+    optimizer = live.optimizer if live is not None and live.optimizer is not None else None
+    optimizer = optimizer or first_optimizer(predictor.optimizers)
+    if spec.offload:
+        phases, host = offloaded(replayed.phases, units, spec.world_size, device_type, optimizer)
+        lines, method = (*lines, *host), f"{METHOD}; {OFFLOAD_METHOD}"
     reshard = spec.sharding != "SHARD_GRAD_OP"
     # Lightning's ModelParallelStrategy keeps gradient sync on under accumulation (its block_backward_sync blocks
     # DDP's alone): every micro-batch gathers and reduce-scatters, adding into the sharded gradients it holds.
     sent = _sent(units, spec.world_size, reshard) * predictor.accumulate
     notes = tuple(note for note in replayed.notes if not any(mark in note for mark in FSDP_NOTES))
-    return RankStep(spec, replayed.phases, lines, sent, METHOD, notes, replayed, replayed.window_first)
+    window_first = replayed.window_first
+    if spec.offload and window_first is not None:
+        window_first = offloaded(window_first, units, spec.world_size, device_type, optimizer)[0]
+    # offloaded, each all-gather copies the unit's shard to the device and each reduce-scatter its output back
+    transfer = _copied(units, spec.world_size, reshard) * predictor.accumulate if spec.offload else 0
+    return RankStep(spec, phases, lines, sent, method, notes, replayed, window_first, transfer)
+
+
+def _copied(units: list[tuple[str, int]], world_size: int, reshard: bool) -> int:
+    """Bytes an offloading rank copies between host and device per micro-batch: a shard per gather and per scatter."""
+    return sum((2 if reshard and name else 1) * size // world_size + size // world_size for name, size in units)
+
+
+OFFLOAD_METHOD = (
+    "CPUOffloadPolicy(pin_memory=False) replayed: the sharded parameters, their gradients and the optimizer state"
+    " on the host (host lines), the gathered units, their copies to the device, the reduce-scatter output and the"
+    " activations on the device"
+)
+"""How an FSDP2 rank with CPU offload is split between the device and the host."""
+
+
+def offloaded(
+    phases: dict[Phase, PhasePeak],
+    units: list[tuple[str, int]],
+    world_size: int,
+    device_type: str,
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[dict[Phase, PhasePeak], tuple[RankLine, RankLine, RankLine]]:
+    """An offloading rank's replayed ``phases`` on the device, and its host lines (shards, their gradients, state).
+
+    Under ``CPUOffloadPolicy`` FSDP2 keeps each sharded parameter and its sharded gradient on the CPU, and the
+    optimizer steps there (torch 2.13: ``FSDPParam._init_sharded_param`` moves the shard with ``.cpu()``,
+    ``all_gather_inputs`` copies it to the device for each all-gather, ``foreach_reduce`` copies the reduce-scatter
+    output back with ``.to("cpu")``). A replay on a device counts only the device's storages: its phases are the
+    device's already (the copies to the device and the reduce-scatter output included), and the host lines are the
+    shards' arithmetic (the state: ``optimizer``'s per element over each unit's shard, Adam's without one). On the
+    CPU, host and device are one memory and torch's copies are no-ops: every part the host holds (the shards
+    counted as parameters, the gradients, the state) is taken out of the phases, so that the device's phases and
+    the host lines add up to what the replay counted, and the host lines are the counted parts; the optimizer
+    step's temporaries, which a GPU's rank makes on the host, stay in the optimizer phase's ``other`` there.
+    """
+    shards = sum(size // world_size for _, size in units)  # each unit's padded bytes, one rank's share
+    element = 4 if optimizer is None else next(p for g in optimizer.param_groups for p in g["params"]).element_size()
+    state = sum(flat_state_bytes(optimizer, size // world_size // element) for _, size in units if size)
+    gradients = shards
+    device = phases
+    if device_type == "cpu":
+        stepped = phases[Phase.OPTIMIZER].breakdown
+        if stepped is not None:
+            gradients, state = stepped.gradients, stepped.optimizer_state
+        device = {}
+        for phase, peak in phases.items():
+            parts = peak.breakdown
+            if parts is None:
+                device[phase] = peak
+                continue
+            held = (min(shards, parts.parameters), parts.gradients, parts.optimizer_state)
+            kept = replace(parts, parameters=parts.parameters - held[0], gradients=0, optimizer_state=0)
+            device[phase] = replace(peak, peak_bytes=peak.peak_bytes - sum(held), breakdown=kept)
+    basis = f"{OFFLOAD_METHOD}; one rank's 1/{world_size} of each unit, padded"
+    host = (
+        RankLine("FSDP2 offloaded sharded parameters (host)", shards, basis, on_host=True),
+        RankLine("FSDP2 offloaded sharded gradients (host)", gradients, basis, on_host=True),
+        RankLine("FSDP2 offloaded optimizer state (host)", state, basis, on_host=True),
+    )
+    return device, host
 
 
 def _lines(units: list[tuple[str, int]], spec: StrategySpec, device_type: str) -> tuple[RankLine, ...]:

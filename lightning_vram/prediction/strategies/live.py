@@ -66,7 +66,7 @@ def live_sharding(
         units = live_units(module, rank, inner)
         if isinstance(units, str):
             return units
-        spec = StrategySpec("fsdp2", distributed.get_world_size())
+        spec = StrategySpec("fsdp2", distributed.get_world_size(), offload=units.offload)
         return LiveSharding(spec, LIGHTNING_DEFAULTS, None, units)
     if module is not None and live_fsdp1(module):
         return _fsdp1(optimizers, module)

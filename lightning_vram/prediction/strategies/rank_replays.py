@@ -124,8 +124,15 @@ class RankReplays:
 
 
 def as_replayed(predicted: RankStep) -> ReplayedStep:
-    """The rank's prediction as a replayed step: the single-process replay with the rank's phases and method noted."""
+    """The rank's prediction as a replayed step: the single-process replay with the rank's phases and method noted.
+
+    On the CPU the host is the device: an FSDP2 rank offloading to the CPU holds its device phases and its host
+    lines in one memory, which are the phases its sharded replay counted (:func:`fsdp2.offloaded` takes the host
+    lines out of them and nothing else), and what the run's own count of the step measures.
+    """
     replayed = predicted.replayed
     assert replayed is not None
     note = f"{predicted.spec.label}: {predicted.method}"
-    return replace(replayed, phases=predicted.phases, timeline=None, allocations=None, notes=(*predicted.notes, note))
+    one_memory = predicted.spec.name == "fsdp2" and predicted.spec.offload and replayed.device_type == "cpu"
+    phases = replayed.phases if one_memory else predicted.phases
+    return replace(replayed, phases=phases, timeline=None, allocations=None, notes=(*predicted.notes, note))
