@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from preloaded_python import run_script
 from test_distributed import HANG, free_port
 
 WORLD = 2
@@ -18,8 +17,8 @@ def run_zero(out: Path, stage: int, *extra: str, world: int = WORLD) -> list[dic
     """Each rank's ``rank<r>.json`` (``{}`` with ``no-monitor``) from a ZeRO-``stage`` run of ``world`` ranks."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "zero_advice_train.py"
-    command = [sys.executable, str(script), str(world), str(free_port()), str(out), str(stage), *extra]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    arguments = (str(world), str(free_port()), str(out), str(stage), *extra)
+    result = run_script(script, *arguments, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     files = [out / f"rank{rank}.json" for rank in range(world)]
     return [json.loads(file.read_text()) if file.exists() else {} for file in files]

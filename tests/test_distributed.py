@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from models import OPTIMIZERS, Classifier, dataset_for, linear_net, loader, trainer
+from preloaded_python import run_script
 
 from lightning_vram import VramMonitor
 from lightning_vram.records import Phase
@@ -102,9 +103,7 @@ def free_port() -> int:
 
 def test_fsdp2_shards_count_what_each_rank_holds(tmp_path: Path) -> None:
     script = Path(__file__).parent / "shard_accounting.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True, text=True, timeout=HANG
-    )
+    result = run_script(script, str(free_port()), str(tmp_path), timeout=HANG)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -123,13 +122,7 @@ def test_fsdp2_gathered_parameters_are_parameters_not_activations(tmp_path: Path
     pytest.importorskip("transformers")
     script = Path(__file__).parent / "fsdp2_counting.py"
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, str(script), str(free_port()), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        env=environment,
-    )
+    result = run_script(script, str(free_port()), str(tmp_path), timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -158,9 +151,7 @@ def zero_counts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("zero")
     script = Path(__file__).parent / "zero_accounting.py"
     stages = ",".join(str(stage) for stage in ZERO_STAGES)
-    result = subprocess.run(
-        [sys.executable, str(script), stages, str(free_port()), str(out)], capture_output=True, text=True, timeout=HANG
-    )
+    result = run_script(script, stages, str(free_port()), str(out), timeout=HANG)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -212,13 +203,7 @@ def run_sharded(out: Path, strategy: str, *extra: str) -> list[dict[str, Any]]:
     rank's record."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "sharded_train.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out), strategy, *extra],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        env=environment,
-    )
+    result = run_script(script, str(out), strategy, *extra, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for record in records:

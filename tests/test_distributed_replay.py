@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 import torch
 from advice_models import activation_mlp
 from ddp_replay_train import BATCH, WIDTH, RankOneDiffers
+from preloaded_python import run_script
 from torch import nn
 
 from lightning_vram.prediction.predictor import Predictor
@@ -37,13 +36,7 @@ def run(out: Path, world_size: int, strategy: str = "ddp", *extra: str) -> list[
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "ddp_replay_train.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out), str(world_size), strategy, *extra],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        env=environment,
-    )
+    result = run_script(script, str(out), str(world_size), strategy, *extra, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     if extra == ("no-monitor",):
         return []

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
 from measured_again import measured_again_where_missed
+from preloaded_python import run_script
 from test_distributed import HANG
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
@@ -41,8 +40,7 @@ SHARD = 4 * (4 * (WIDTH * WIDTH + WIDTH) + WIDTH * 10 + 10) // WORLD_SIZE
 def run(out: Path, *mode: str) -> None:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, str(Path(__file__).parent / "fsdp1_live_train.py"), str(out), *mode]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    result = run_script(Path(__file__).parent / "fsdp1_live_train.py", str(out), *mode, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
+from preloaded_python import run_script
 from test_distributed import HANG
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
@@ -36,8 +35,7 @@ TIGHT = 1_100_000
 def run(out: Path, *mode: str, script: str = "fsdp2_live_train.py") -> None:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, str(Path(__file__).parent / script), str(out), *mode]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    result = run_script(Path(__file__).parent / script, str(out), *mode, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from preloaded_python import run_script
 
 from lightning_vram.plan import plan
 
@@ -43,9 +43,7 @@ def test_the_first_fitting_row_trains_within_5_percent_of_its_prediction(tmp_pat
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "plan_applied_train.py"
     arguments = [str(tmp_path), str(row.gpus), str(row.micro_batch), str(row.accumulation), row.precision]
-    ran = subprocess.run(
-        [sys.executable, str(script), *arguments], capture_output=True, text=True, timeout=HANG, env=environment
-    )
+    ran = run_script(script, *arguments, timeout=HANG, env=environment)
     assert ran.returncode == 0, ran.stderr[-3000:]
     predicted_phases, predicted_parts = dict(row.phases), dict(row.parts)
     peak_phase = max(predicted_phases, key=predicted_phases.__getitem__)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import preloaded_python
 import pytest
 from test_distributed import HANG, free_port
 
@@ -36,8 +35,7 @@ ZeRO-3: 1,015,528 B and 1,277,672 B)."""
 def run_script(script: str, *arguments: str) -> None:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, str(Path(__file__).parent / script), *arguments]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    result = preloaded_python.run_script(Path(__file__).parent / script, *arguments, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import operator
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from measured_again import measured_again_where_missed
+from preloaded_python import run_script
 from rank_prediction_train import model_named, one_batch
 
 from lightning_vram.prediction.predictor import Predictor
@@ -44,22 +43,9 @@ def measured(
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "rank_prediction_train.py"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(out),
-            str(world_size),
-            strategy,
-            model,
-            str(accumulate),
-            str(2 * accumulate - 1 if sampled is None else sampled),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        env=environment,
-    )
+    micro_batch = str(2 * accumulate - 1 if sampled is None else sampled)
+    arguments = (str(out), str(world_size), strategy, model, str(accumulate), micro_batch)
+    result = run_script(script, *arguments, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from measured_again import measured_again_where_missed
+from preloaded_python import run_script
 from test_distributed import HANG, free_port
 from zero_fsdp1_ranks import BATCH_SHAPE, STRATEGIES, ZERO_SETTINGS, transformer
 
@@ -90,8 +89,8 @@ def measured_ranks(tmp_path: Path, world: int, accumulate: int = 1) -> list[dict
     per optimizer step, the last sampled)."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "zero_fsdp1_ranks.py"
-    command = [sys.executable, str(script), str(world), str(free_port()), str(tmp_path), str(accumulate)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    arguments = (str(world), str(free_port()), str(tmp_path), str(accumulate))
+    result = run_script(script, *arguments, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 

@@ -15,8 +15,6 @@ import contextlib
 import os
 import random
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch
 from advice_models import ChunkedLanguageModel, LanguageModel, TinyGPT, activation_mlp, features, images, tokens
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
+from preloaded_python import run_script
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -420,13 +419,8 @@ def test_allocator_settings_as_printed_train_the_same_model(tmp_path: Path) -> N
     saved = []
     for launch in ({}, {name: value}):
         saved.append(tmp_path / f"trained{len(saved)}.pt")
-        subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "root"), str(saved[-1])],
-            env={**environment, **launch},
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
+        ran = run_script(script, str(tmp_path / "root"), str(saved[-1]), env={**environment, **launch}, timeout=300)
+        assert ran.returncode == 0, ran.stderr[-3000:]
     (state, optimizer, rng), (state_set, optimizer_set, rng_set) = (torch.load(path) for path in saved)
     assert [key for key in state if not torch.equal(state[key], state_set[key])] == []
     assert state["network.1.num_batches_tracked"].item() == 4

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+from preloaded_python import run_script
 from sessions import train_steps
 from torch import nn
 
@@ -107,13 +106,8 @@ def small_cnn_parameters() -> tuple[int, int]:
     [("plain_pytorch.py", tiny_transformer_parameters), ("fabric_loop.py", small_cnn_parameters)],
 )
 def test_examples_write_reports_with_exact_model_state(tmp_path: Path, script: str, parameters: Any) -> None:
-    completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--log-dir", str(tmp_path), "--steps", "6", "--batch-size", "8"],
-        capture_output=True,
-        text=True,
-        timeout=900,  # only a hang takes this long, even on a loaded 2-core machine
-        check=False,
-    )
+    arguments = ("--log-dir", str(tmp_path), "--steps", "6", "--batch-size", "8")
+    completed = run_script(EXAMPLES / script, *arguments, timeout=900)  # only a hang takes 900 s, even under load
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads((tmp_path / "vram_report.json").read_text())
     elements, tensors = parameters()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from harness import PATHS
+from preloaded_python import run_script
 
 SCRIPT = Path(__file__).with_name("dispatch_mode_run.py")
 WHERE = ("module", "before", "after")
@@ -36,14 +36,7 @@ def outcome(
         root = tmp_path_factory.mktemp(f"dispatch-{path}")
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
         try:
-            done = subprocess.run(
-                [sys.executable, str(SCRIPT), path, str(root), *WHERE],
-                capture_output=True,
-                text=True,
-                timeout=240 * len(WHERE),
-                env=environment,
-                check=False,
-            )
+            done = run_script(SCRIPT, path, str(root), *WHERE, timeout=240 * len(WHERE), env=environment)
         except subprocess.TimeoutExpired:
             outcomes[path] = dict.fromkeys(WHERE, "training hung")
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,24 @@ from lightning_vram import VramMonitorWarning
 # A failed write stops the event file writer's background thread with the error: threading reports it, as it would.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 
+WRITER_THREAD = "_AsyncWriterThread"
+"""The class of TensorBoard's event file writer's background thread."""
 MONITOR_TAGS = (b"vram/figures", b"vram/advice")
 """What the monitor writes itself, as its events hold it."""
+
+
+@pytest.fixture(autouse=True)
+def writer_threads_ended() -> Iterator[None]:
+    """Each event file writer's thread that stopped on a failed write has ended before its test does.
+
+    threading reports the thread's error when the thread ends. On a loaded machine one ended after its test, and pytest
+    reported it at the set-up of the next test on the same worker, where this module's filter does not apply.
+    """
+    before = set(threading.enumerate())
+    yield
+    for thread in set(threading.enumerate()) - before:
+        if type(thread).__name__ == WRITER_THREAD and thread.is_alive():
+            thread.join(timeout=60)  # a thread stopping on its error ends at once; only a healthy one waits it out
 
 
 class LogsItsLoss(Classifier):

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from measured_again import measured_again_where_missed
+from preloaded_python import run_script
 from test_distributed import HANG, free_port
 
 pytestmark = pytest.mark.distributed
@@ -34,8 +33,7 @@ def run(out: Path, case: str, *mode: str, script: str = "fsdp2_hostile_train.py"
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     where = [str(free_port())] if script.startswith("zero3") else []
-    command = [sys.executable, str(Path(__file__).parent / script), *where, str(out), case, *mode]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG, env=environment)
+    result = run_script(Path(__file__).parent / script, *where, str(out), case, *mode, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"run{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
 

@@ -20,9 +20,10 @@ from lightning_vram.prediction.replay.calibration import unseen_at
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.records import AllocationSequence, Phase
 
-SCAN_EVENTS = 200_000
+SCAN_EVENTS = 50_000
 """Most allocator events (mallocs, frees and phase marks, over all batches) one row's scan runs through the model:
-about 0.7 s at the model's 3-4 µs an event, unloaded. Every batch of a range whose sequences fit it is checked."""
+about 0.2 s at the model's 3-4 µs an event, unloaded, 3 s for a fit table's 14 rows and settings. Every batch of a
+range whose sequences fit it is checked (docs/allocator-model.md weighs the budget)."""
 
 
 @dataclass(frozen=True)
