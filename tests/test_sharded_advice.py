@@ -73,6 +73,21 @@ def baseline_misses(ranks: list[dict[str, Any]]) -> list[str]:
     return misses
 
 
+def test_zero2_ranks_train_the_same_with_and_without_their_replays(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    # Hostile (with and without, compared exactly): each rank replays the unsharded module's step (a fake twin, its
+    # own warm-up step, an optimizer of the user's class built beside ZeRO's) inside training. The losses, the
+    # parameters, the user's optimizer's state, ZeRO's fp32 master partition and the RNG's state come out as without
+    # the monitor. The monitored run is the module's ZeRO-2 run, which the advice test below reads too.
+    monitored, ranks = zero_runs(2)
+    # Every rank's replay ran: matched, or compared with its sampled step and refused (gloo's late-freed tensors).
+    assert all(record["skipped"] is None or "does not reproduce" in record["skipped"] for record in ranks)
+    run_zero(tmp_path, 2, "no-monitor")
+    for rank in range(WORLD):
+        trained = training(monitored, rank)
+        assert trained == training(tmp_path, rank)
+        assert len(trained["losses"]) == 3
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_each_zero_rank_replays_its_own_step_and_simulates_its_advice(
     zero_runs: ZeroRuns, stage: int, tmp_path: Path

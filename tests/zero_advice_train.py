@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2 in a plain loop on WORLD CPU processes (gloo), each rank's replay and advice beside its step.
 
-Run by tests/test_sharded_advice.py (and tests/hostile/test_sharded_training.py):
+Run by tests/test_sharded_advice.py (its advice and its with-and-without training test):
 ``python tests/zero_advice_train.py WORLD PORT OUT_DIR STAGE [no-monitor] [bucket=ELEMENTS]``.
 Each rank trains an MLP with LeakyReLU out of place (its advice: checkpointing, inplace activations) 3 steps under
 ``deepspeed.initialize`` (the ZeRO settings of tests/zero_fsdp1_ranks.py), a plain loop driving
