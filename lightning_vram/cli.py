@@ -13,7 +13,8 @@
                        [--strategy NAME ...] [--precision NAME ...] [--global-batch N] [--json]
                                         which GPUs, how many, which strategy and settings fit a LightningModule's
                                         step, and how fast, predicted without training: a table, best first;
-                                        exits 0 when a configuration fits, 1 when none does
+                                        exits 0 when a configuration fits, 1 when none does,
+                                        3 when none could be predicted
     lightning-vram --version
 
 The command starts without importing torch, Lightning or matplotlib, nor the records: each command imports what it
@@ -22,8 +23,9 @@ needs (the HTML page alone needs matplotlib), so that ``--help`` and ``--version
 Every report written under schema ``lightning_vram.report/1`` reads, from 0.1.0 on: a field added by a later release
 takes its default where a file lacks it (listed in :func:`lightning_vram.codec.report_from_dict`).
 ``plan`` exits 1 when no configuration fits, so that ``lightning-vram plan ... && sbatch train.sh`` runs only a job
-that fits; a module that cannot be imported or built, a batch description or a GPU that is not one, prints one line
-on stderr and exits with status 2.
+that fits, and 3 when none could be predicted (the step failed under fake tensors, or reads a tensor's value: its
+first line says why); a module that cannot be imported or built, a batch description or a GPU that is not one,
+prints one line on stderr and exits with status 2.
 A missing path, or a file that is not a report (not a regular file, too large, not UTF-8 JSON, or a field missing,
 of the wrong type or out of range), prints one line on stderr and exits with status 2.
 """
@@ -53,6 +55,9 @@ STARTED = time.perf_counter()
 USAGE_ERROR = 2
 NOTHING_FITS = 1
 """``plan``'s status when no configuration fits."""
+NOTHING_PREDICTED = 3
+"""``plan``'s status when no configuration could be predicted (the step failed under fake tensors, or reads a
+tensor's value): nothing was weighed, so neither "fits" nor "none fits" is known."""
 COMMAND_BUDGET_SECONDS = 45.0
 """``plan``'s default budget for the whole command, seconds: it prints within a minute on two loaded cores."""
 MIN_PLAN_SECONDS = 5.0
@@ -235,7 +240,7 @@ def _plan_parser(commands: Any) -> None:
         description="Replay a LightningModule's training step under fake tensors for every configuration (GPU x"
         " count x strategy x precision x checkpointing x micro-batch x accumulation) and print each rank's predicted"
         " peak, whether it fits, the step time and throughput, best first. Exits 0 when a configuration fits, 1 when"
-        " none does, 2 on bad input.",
+        " none does, 3 when none could be predicted (the step failed under fake tensors), 2 on bad input.",
     )
     plan.add_argument("module", metavar="MODULE", help="package.module:ClassName or path/to/file.py:ClassName")
     plan.add_argument(
@@ -366,6 +371,8 @@ def _plan(arguments: argparse.Namespace) -> int:
     except PlanInputError as error:
         raise CommandError(_named(error)) from error
     _print(json.dumps(result.to_dict(), indent=2) if arguments.json else str(result), sys.stdout)
+    if not result.rows:
+        return NOTHING_PREDICTED
     return 0 if result.fits else NOTHING_FITS
 
 
@@ -430,7 +437,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the exit status (0; 1 where ``plan`` found nothing that fits; 2 for bad input)."""
+    """Run the command; returns the exit status (0; 1, 3 from ``plan``: none fits, none predicted; 2: bad input)."""
     arguments = _parser().parse_args(argv)
     status = 0
     try:

@@ -1,5 +1,5 @@
-"""``lightning-vram plan``: its exit status (0: a configuration fits, 1: none does, 2: bad input in one line naming
-the argument), its table and its JSON, on the README's quickstart."""
+"""``lightning-vram plan``: its exit status (0: a configuration fits, 1: none does, 3: none could be predicted, 2: bad
+input in one line naming the argument), its table and its JSON, on the README's quickstart."""
 
 from __future__ import annotations
 
@@ -47,6 +47,33 @@ def test_json_has_every_row_and_none_fitting_exits_1(capsys: pytest.CaptureFixtu
         16,
     )
     assert row["step_seconds"] is None  # a card given by its memory alone has no peak rates
+
+
+READS_ITS_LOSS = """
+import sys
+sys.path.insert(0, {examples!r})
+from quickstart import SmallCNN
+
+
+class ReadsItsLoss(SmallCNN):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.last_loss = loss.item()  # a value read in the step: fake tensors have none
+        return loss
+"""
+
+
+def test_a_step_that_cannot_be_replayed_exits_3_saying_why_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nothing was weighed: not "none fits" (1), which a script would read as "rent a larger GPU".
+    module = tmp_path / "reads_its_loss.py"
+    module.write_text(READS_ITS_LOSS.format(examples=str(ROOT / "examples")))
+    status = main(["plan", f"{module}:ReadsItsLoss", "--batch", BATCH, "--gpu", "H100", *ONE_CONFIGURATION])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert status == 3
+    assert first.startswith("Plan: no configuration predicted: ") and "reads a tensor's value (.item()" in first
+    assert "self.log takes tensors" in first  # what to change for the step to be replayed
 
 
 def test_the_exit_status_reaches_the_shell() -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram.records import CheckpointChange, FreeGradientsChange, Phase, PrecisionChange
+from lightning_vram.render.text import summary_text
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 from lightning_vram.units import format_bytes
 
@@ -101,6 +102,12 @@ def test_a_step_the_replay_cannot_reproduce_is_skipped_with_the_reason(
     assert simulation is not None and simulation.skipped is not None and reason in simulation.skipped
     assert simulation.variants == ()
     assert monitor.report is not None and monitor.report.steps == 4
+    # The console says why the advice is modelled, not only the report's files (a new user's trial found it there
+    # alone), with what to change where the step reads its loss's value.
+    summary = summary_text(monitor.report, width=10_000)
+    line = next(line for line in summary.splitlines() if "advice modelled" in line)
+    assert line.startswith("  advice modelled, the step not replayed (the Markdown report says more): the step reads")
+    assert "keep loss.detach() and read it after the step" in line
 
 
 def plain_run(session: VramSession, model: nn.Module, step_function: Any = None) -> None:

@@ -243,7 +243,8 @@ def plan_text(plan: Plan) -> str:
     fitting = sum(row.fits for row in plan.rows)
     best = plan.best
     if best is None:
-        lines = ["Plan: no configuration predicted"]
+        why = plan.left_out[0] if plan.left_out else (plan.notes[0] if plan.notes else None)
+        lines = ["Plan: no configuration predicted" + (f": {why}" if why is not None else "")]
     elif best.fits:
         lines = [
             f"Plan: {fitting} of {len(plan.rows)} configurations fit; best: {best.gpus} x {short_gpu(best.gpu)},"

@@ -316,6 +316,8 @@ def fact_lines(report: Report, top_modules: int, written_to: str | None, width: 
         )
         lines.append(f"most activations saved by: {top}")
     lines.append(timing_line(report))
+    if report.simulation is not None and report.simulation.skipped is not None:
+        lines.append(f"advice modelled, the step not replayed ({details} says more): {report.simulation.skipped}")
     if report.simulation is not None and report.simulation.calibration is not None:
         lines.append(calibration_line(report.simulation.calibration))
     if report.shapes is not None and report.shapes.varies and (lengths := lengths_line(report.shapes)):

@@ -25,7 +25,8 @@ def skip_reason(error: BaseException) -> str:
     if isinstance(error, DataDependentOutputException):
         return (
             "the step reads a tensor's value (.item(), bool(), a Python condition on a tensor); fake tensors have"
-            f" shapes but no values ({text})"
+            f" shapes but no values ({text}). A value read for logging can stay a tensor in the step"
+            " (self.log takes tensors; keep loss.detach() and read it after the step) and the step is replayed"
         )
     if isinstance(error, DynamicOutputShapeException):
         return f"an op's output shape depends on the data (nonzero, masked_select, unique...): {text}"
