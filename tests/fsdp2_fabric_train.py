@@ -10,7 +10,6 @@ Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_fabric_train.py OUT_DIR [n
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
 from forked_ranks import lightning_ranks
-from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE, local
+from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
+from training_records import sharded_training, write_record
 
 from lightning_vram import VramSession
 
@@ -110,18 +110,8 @@ def main() -> None:
                 for advice in report.advice
             ],
         }
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
-    state = {
-        "losses": losses,
-        "parameters": {name: local(tensor) for name, tensor in network.named_parameters()},
-        "optimizer": [
-            {key: local(value) for key, value in optimizer.state[parameter].items()}
-            for group in optimizer.param_groups
-            for parameter in group["params"]
-        ],
-        "rng": torch.get_rng_state().tolist(),
-    }
-    (out / f"training{rank}.json").write_text(json.dumps(state))
+        write_record(out / f"rank{rank}.json", record)
+    write_record(out / f"training{rank}.json", sharded_training(losses, network, optimizer))
 
 
 if __name__ == "__main__":
