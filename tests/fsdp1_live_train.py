@@ -31,6 +31,7 @@ from advice_models import activation_mlp
 from forked_ranks import start_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
 from preflight_records import preflight_record
+from replay_records import advice_rows, match_rows, phase_peaks
 from training_records import sharded_training, write_record
 
 from lightning_vram import VramMonitorWarning, VramSession
@@ -117,18 +118,11 @@ def run_rank(rank: int, port: int, out: Path, mode: list[str]) -> None:
         record = {
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
-            "match": None
-            if match is None
-            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
+            "match": match_rows(match),
             "variants": [[type(variant.change).__name__, variant.discarded] for variant in simulation.variants],
-            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
-            "replayed_peaks": None
-            if baseline is None
-            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
-            "advice": [
-                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
-                for advice in report.advice
-            ],
+            "measured_peaks": phase_peaks(report.phases),
+            "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "advice": advice_rows(report.advice),
         }
         write_record(out / f"rank{rank}.json", record)
     write_record(out / f"training{rank}.json", sharded_training(losses, model, optimizer))

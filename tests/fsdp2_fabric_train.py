@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
 from forked_ranks import lightning_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
+from replay_records import advice_rows, phase_peaks
 from training_records import sharded_training, write_record
 
 from lightning_vram import VramSession
@@ -101,14 +102,9 @@ def main() -> None:
         record = {
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
-            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
-            "replayed_peaks": None
-            if baseline is None
-            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
-            "advice": [
-                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
-                for advice in report.advice
-            ],
+            "measured_peaks": phase_peaks(report.phases),
+            "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "advice": advice_rows(report.advice),
         }
         write_record(out / f"rank{rank}.json", record)
     write_record(out / f"training{rank}.json", sharded_training(losses, network, optimizer))

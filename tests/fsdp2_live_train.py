@@ -34,6 +34,7 @@ from advice_models import activation_mlp, features
 from forked_ranks import lightning_ranks
 from models import loader
 from preflight_records import preflight_record
+from replay_records import advice_rows, match_rows, phase_peaks
 from training_records import sharded_training, write_record
 
 from lightning_vram import VramMonitor, VramMonitorWarning
@@ -98,17 +99,10 @@ class Record(Callback):
         record = {
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
-            "match": None
-            if match is None
-            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
-            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
-            "replayed_peaks": None
-            if baseline is None
-            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
-            "advice": [
-                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
-                for advice in report.advice
-            ],
+            "match": match_rows(match),
+            "measured_peaks": phase_peaks(report.phases),
+            "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "advice": advice_rows(report.advice),
         }
         write_record(self.out / f"rank{trainer.global_rank}.json", record)
 

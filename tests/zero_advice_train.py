@@ -26,6 +26,7 @@ from forked_ranks import start_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
+from replay_records import match_rows
 from torch import nn
 from training_records import torch_rng, write_record
 from zero_fsdp1_ranks import ZERO_SETTINGS
@@ -97,9 +98,7 @@ def train(rank: int, world: int, stage: int, monitored: bool, out: Path, bucket:
         match = simulation.match
         record = {
             "skipped": simulation.skipped,
-            "match": None
-            if match is None
-            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
+            "match": match_rows(match),
             "advice": {
                 advice.id: [str(advice.saving_basis), advice.estimated_saving_bytes] for advice in report.advice
             },
