@@ -13,7 +13,6 @@ same run trains without the monitor.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp, features
 from forked_ranks import lightning_ranks
 from models import Classifier, loader
+from training_records import torch_rng, write_record
 
 from lightning_vram import VramMonitor
 from lightning_vram.records.simulation_json import sharding_to_dict
@@ -85,7 +85,7 @@ class Record(Callback):
             "not_advised": {item.id: item.reason for item in report.not_advised},
             "sharding": sharding_to_dict(simulation.sharding),
         }
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        write_record(self.out / f"rank{trainer.global_rank}.json", record)
 
 
 class Training(Callback):
@@ -106,9 +106,9 @@ class Training(Callback):
             "losses": [value.hex() for value in self.losses],
             "parameters": {name: tensor.flatten().tolist() for name, tensor in pl_module.state_dict().items()},
             "optimizer": repr(trainer.optimizers[0].state_dict()),
-            "rng": torch.get_rng_state().tolist(),
+            "rng": torch_rng(),
         }
-        (self.out / f"training{trainer.global_rank}.json").write_text(json.dumps(state))
+        write_record(self.out / f"training{trainer.global_rank}.json", state)
 
 
 def main() -> None:

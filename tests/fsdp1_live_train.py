@@ -14,7 +14,6 @@ rank's session reads a scripted CUDA device with that many bytes free (``Scripte
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -32,6 +31,8 @@ from advice_models import activation_mlp
 from forked_ranks import start_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
 from preflight_records import preflight_record
+from replay_records import advice_rows, match_rows, phase_peaks
+from training_records import sharded_training, write_record
 
 from lightning_vram import VramMonitorWarning, VramSession
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -49,11 +50,6 @@ def gather(values: list[float]) -> list[list[float]]:
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, values)
     return rows
-
-
-def values(tensor: torch.Tensor) -> list[str]:
-    """A tensor's values on this rank, exactly (hex)."""
-    return [value.hex() for value in tensor.detach().flatten().double().tolist()]
 
 
 def steps(model: nn.Module, optimizer: torch.optim.Optimizer, session: VramSession | None, rank: int) -> list[str]:
@@ -112,7 +108,7 @@ def run_rank(rank: int, port: int, out: Path, mode: list[str]) -> None:
         losses = steps(model, optimizer, session if monitored else None, rank)
     if free:
         preflight = preflight_record(session, seen)
-        (out / f"preflight{rank}.json").write_text(json.dumps(preflight))
+        write_record(out / f"preflight{rank}.json", preflight)
         session.finish(gather_ranks=False)
     elif monitored:
         report = session.finish(gather_ranks=False)
@@ -122,31 +118,14 @@ def run_rank(rank: int, port: int, out: Path, mode: list[str]) -> None:
         record = {
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
-            "match": None
-            if match is None
-            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
+            "match": match_rows(match),
             "variants": [[type(variant.change).__name__, variant.discarded] for variant in simulation.variants],
-            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
-            "replayed_peaks": None
-            if baseline is None
-            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
-            "advice": [
-                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
-                for advice in report.advice
-            ],
+            "measured_peaks": phase_peaks(report.phases),
+            "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "advice": advice_rows(report.advice),
         }
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
-    state = {
-        "losses": losses,
-        "parameters": {name: values(tensor) for name, tensor in model.named_parameters()},
-        "optimizer": [
-            {key: values(value) for key, value in optimizer.state[parameter].items()}
-            for group in optimizer.param_groups
-            for parameter in group["params"]
-        ],
-        "rng": torch.get_rng_state().tolist(),
-    }
-    (out / f"training{rank}.json").write_text(json.dumps(state))
+        write_record(out / f"rank{rank}.json", record)
+    write_record(out / f"training{rank}.json", sharded_training(losses, model, optimizer))
     dist.destroy_process_group()
 
 

@@ -10,7 +10,6 @@ Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_fabric_train.py OUT_DIR [n
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,9 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
 from forked_ranks import lightning_ranks
-from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE, local
+from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
+from replay_records import advice_rows, phase_peaks
+from training_records import sharded_training, write_record
 
 from lightning_vram import VramSession
 
@@ -101,27 +102,12 @@ def main() -> None:
         record = {
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
-            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
-            "replayed_peaks": None
-            if baseline is None
-            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
-            "advice": [
-                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
-                for advice in report.advice
-            ],
+            "measured_peaks": phase_peaks(report.phases),
+            "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "advice": advice_rows(report.advice),
         }
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
-    state = {
-        "losses": losses,
-        "parameters": {name: local(tensor) for name, tensor in network.named_parameters()},
-        "optimizer": [
-            {key: local(value) for key, value in optimizer.state[parameter].items()}
-            for group in optimizer.param_groups
-            for parameter in group["params"]
-        ],
-        "rng": torch.get_rng_state().tolist(),
-    }
-    (out / f"training{rank}.json").write_text(json.dumps(state))
+        write_record(out / f"rank{rank}.json", record)
+    write_record(out / f"training{rank}.json", sharded_training(losses, network, optimizer))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ on, its own verdict and the monitor's warnings. With ``offload`` every unit is s
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -35,6 +34,8 @@ from advice_models import activation_mlp, features
 from forked_ranks import lightning_ranks
 from models import loader
 from preflight_records import preflight_record
+from replay_records import advice_rows, match_rows, phase_peaks
+from training_records import sharded_training, write_record
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
@@ -67,14 +68,6 @@ class ShardedMLP(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def local(tensor: Any) -> Any:
-    """A tensor's values on this rank as a list (a DTensor's local shard); anything else as it is."""
-    if isinstance(tensor, torch.Tensor):
-        shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return [value.hex() for value in shard.detach().flatten().double().tolist()]
-    return tensor
-
-
 class Training(Callback):
     """What training did on this rank: each step's loss, its shards of the parameters and state, the RNG's state."""
 
@@ -88,18 +81,8 @@ class Training(Callback):
         self.losses.append(float(outputs["loss"]).hex())
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        state = {
-            "losses": self.losses,
-            "parameters": {name: local(tensor) for name, tensor in pl_module.named_parameters()},
-            "optimizer": [
-                {key: local(value) for key, value in optimizer.state[parameter].items()}
-                for group in optimizer.param_groups
-                for parameter in group["params"]
-            ],
-            "rng": torch.get_rng_state().tolist(),
-        }
-        (self.out / f"training{trainer.global_rank}.json").write_text(json.dumps(state))
+        record = sharded_training(self.losses, pl_module, trainer.optimizers[0])
+        write_record(self.out / f"training{trainer.global_rank}.json", record)
 
 
 class Record(Callback):
@@ -116,19 +99,12 @@ class Record(Callback):
         record = {
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
-            "match": None
-            if match is None
-            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
-            "measured_peaks": {phase.value: peak.peak_bytes for phase, peak in report.phases.items()},
-            "replayed_peaks": None
-            if baseline is None
-            else {phase.value: peak.peak_bytes for phase, peak in baseline.phases.items()},
-            "advice": [
-                [advice.id, str(advice.saving_basis), advice.estimated_saving_bytes, advice.detail]
-                for advice in report.advice
-            ],
+            "match": match_rows(match),
+            "measured_peaks": phase_peaks(report.phases),
+            "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "advice": advice_rows(report.advice),
         }
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        write_record(self.out / f"rank{trainer.global_rank}.json", record)
 
 
 def main() -> None:
@@ -162,7 +138,7 @@ def main() -> None:
     if free:
         session = monitor.session
         record = preflight_record(session, caught)
-        (out / f"preflight{trainer.global_rank}.json").write_text(json.dumps(record))
+        write_record(out / f"preflight{trainer.global_rank}.json", record)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning_vram import VramMonitorWarning, VramSession
+from training_records import monitor_warnings
+
+from lightning_vram import VramSession
 
 
 def preflight_record(session: VramSession, caught: list[warnings.WarningMessage]) -> dict[str, Any]:
@@ -19,5 +21,5 @@ def preflight_record(session: VramSession, caught: list[warnings.WarningMessage]
         "own": None if verdict is None else [verdict.fits, verdict.needed_bytes, verdict.available_bytes],
         "notes": [] if step is None else list(step.notes),
         "strategy": None if step is None or step.strategy is None else step.strategy.label,
-        "warnings": [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)],
+        "warnings": monitor_warnings(caught),
     }

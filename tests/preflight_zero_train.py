@@ -14,7 +14,6 @@ warnings).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -30,6 +29,7 @@ from preflight_records import preflight_record
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
 from torch import nn
+from training_records import torch_rng, write_record
 from zero_advice_train import BATCH, WIDTH, gather, loss_of
 from zero_fsdp1_ranks import ZERO_SETTINGS
 
@@ -90,7 +90,7 @@ def train(rank: int, stage: int, free_bytes: int, monitored: bool, out: Path) ->
     if monitored:
         session.finish(gather_ranks=False)
         record = preflight_record(session, caught)
-        (out / f"{name}-preflight{rank}.json").write_text(json.dumps(record))
+        write_record(out / f"{name}-preflight{rank}.json", record)
     state = {
         "losses": losses,
         "parameters": {key: tensor.flatten().tolist() for key, tensor in model.state_dict().items()},
@@ -100,9 +100,9 @@ def train(rank: int, stage: int, free_bytes: int, monitored: bool, out: Path) ->
         ],  # the user's optimizer's state (ZeRO-3: over its flat partitions)
         "partitions": [parameter.ds_tensor.tolist() for parameter in model.parameters() if stage == 3],
         "master": [tensor.tolist() for tensor in getattr(zero, "fp32_partitioned_groups_flat", ())],
-        "rng": torch.get_rng_state().tolist(),
+        "rng": torch_rng(),
     }
-    (out / f"{name}-training{rank}.json").write_text(json.dumps(state))
+    write_record(out / f"{name}-training{rank}.json", state)
 
 
 def run_rank(rank: int, port: int, out: Path, free_bytes: int) -> None:

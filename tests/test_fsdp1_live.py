@@ -11,19 +11,19 @@ as without the monitor, and preflight must carry both ranks' FSDP1 predictions i
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
+import live_ranks
 import pytest
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
+from live_ranks import check_preflight_agreed, read, run, trained_apart
 from measured_again import measured_again_where_missed
-from preloaded_python import run_script
-from test_distributed import HANG
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
+SCRIPT = "fsdp1_live_train.py"
+"""The run's script."""
 TOLERANCE = 0.05
 """The per-rank model's bound on each phase's peak (issue 26)."""
 NOTE = (
@@ -37,22 +37,9 @@ SHARD = 4 * (4 * (WIDTH * WIDTH + WIDTH) + WIDTH * 10 + 10) // WORLD_SIZE
 """Bytes of one rank's shards of the five units' flat parameters (float32; 16,512 and 1,290 elements, even): 134,676."""
 
 
-def run(out: Path, *mode: str) -> None:
-    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    environment.pop("CUDA_VISIBLE_DEVICES", None)
-    result = run_script(Path(__file__).parent / "fsdp1_live_train.py", str(out), *mode, timeout=HANG, env=environment)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-def read(path: Path) -> Any:
-    return json.loads(path.read_text())
-
-
 def monitored(out: Path, *mode: str) -> list[dict[str, Any]]:
     """Each rank's record of a monitored run made in ``out``."""
-    out.mkdir(exist_ok=True)
-    run(out, *mode)
-    return [read(out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
+    return live_ranks.monitored(SCRIPT, out, *mode)
 
 
 @pytest.fixture(scope="module")
@@ -137,27 +124,13 @@ def test_fsdp1_ranks_train_the_same_with_and_without_the_monitor(
     runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     out = runs[0]
-    run(tmp_path, "no-monitor")
-    for rank in range(WORLD_SIZE):
-        assert read(out / f"training{rank}.json") == read(tmp_path / f"training{rank}.json"), rank
+    run(SCRIPT, tmp_path, "no-monitor")
+    assert trained_apart(out, tmp_path) == []
 
 
 def test_fsdp1_ranks_agree_on_their_own_preflight_predictions(tmp_path: Path) -> None:
-    run(tmp_path, f"preflight={TIGHT}")
-    records = [read(tmp_path / f"preflight{rank}.json") for rank in range(WORLD_SIZE)]
-    rows = records[0]["agreed"]
-    assert records[1]["agreed"] == rows
-    assert [row[0] for row in rows] == [0, 1]
-    for rank, record in enumerate(records):
-        assert record["skipped"] == [None, None]
-        assert record["notes"][-1] == NOTE
-        fits, needed, available = record["own"]
-        assert rows[rank] == [rank, fits, needed, available, needed]
-        assert not fits and needed > available == TIGHT
-        print(f"rank {rank}: needs {needed:,} B of {available:,} B free")
-        assert record["warnings"][0].startswith(
-            "VramMonitor: preflight on 2 ranks before step 0: 2 of 2 ranks predicted to run out of memory"
-        )
+    run(SCRIPT, tmp_path, f"preflight={TIGHT}")
+    check_preflight_agreed(tmp_path, NOTE, TIGHT)
 
 
 def test_fsdp1_ranks_with_their_original_parameters_replay_and_train_the_same(tmp_path: Path) -> None:
@@ -175,6 +148,5 @@ def test_fsdp1_ranks_with_their_original_parameters_replay_and_train_the_same(tm
     measure = lambda path: ranks if path == simulated else monitored(path, "orig")  # noqa: E731
     assert measured_again_where_missed(simulated, measure, unsimulated, lambda miss: miss[0]) == []
     bare.mkdir()
-    run(bare, "no-monitor", "orig")
-    for rank in range(WORLD_SIZE):
-        assert read(monitored_out / f"training{rank}.json") == read(bare / f"training{rank}.json"), rank
+    run(SCRIPT, bare, "no-monitor", "orig")
+    assert trained_apart(monitored_out, bare) == []

@@ -11,19 +11,19 @@ and preflight must carry both ranks' FSDP2 predictions into the ranks' agreement
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import live_ranks
 import pytest
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
-from preloaded_python import run_script
-from test_distributed import HANG
+from live_ranks import check_preflight_agreed, run, trained_apart
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
+SCRIPT, FABRIC = "fsdp2_live_train.py", "fsdp2_fabric_train.py"
+"""The Lightning and the Fabric runs' scripts."""
 TOLERANCE = 0.05
 """The per-rank model's bound on each phase's peak (issue 26)."""
 NOTE = "fsdp2 x2: replayed: torch's fully_shard under a fake process group"
@@ -32,22 +32,9 @@ TIGHT = 1_100_000
 """Free bytes on each rank's scripted device at preflight: each rank's first step is predicted at 1,174,728 B."""
 
 
-def run(out: Path, *mode: str, script: str = "fsdp2_live_train.py") -> None:
-    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    environment.pop("CUDA_VISIBLE_DEVICES", None)
-    result = run_script(Path(__file__).parent / script, str(out), *mode, timeout=HANG, env=environment)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-def read(path: Path) -> Any:
-    return json.loads(path.read_text())
-
-
 def monitored(out: Path) -> list[dict[str, Any]]:
     """Each rank's record of a monitored run made in ``out``."""
-    out.mkdir(exist_ok=True)
-    run(out)
-    return [read(out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
+    return live_ranks.monitored(SCRIPT, out)
 
 
 def trusted(out: Path, measure: Callable[[Path], list[dict[str, Any]]]) -> tuple[Path, list[dict[str, Any]]]:
@@ -114,27 +101,13 @@ def test_fsdp2_ranks_train_the_same_with_and_without_the_monitor(
     runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     out = runs[0]
-    run(tmp_path, "no-monitor")
-    for rank in range(WORLD_SIZE):
-        assert read(out / f"training{rank}.json") == read(tmp_path / f"training{rank}.json"), rank
+    run(SCRIPT, tmp_path, "no-monitor")
+    assert trained_apart(out, tmp_path) == []
 
 
 def test_fsdp2_ranks_agree_on_their_own_preflight_predictions(tmp_path: Path) -> None:
-    run(tmp_path, f"preflight={TIGHT}")
-    records = [read(tmp_path / f"preflight{rank}.json") for rank in range(WORLD_SIZE)]
-    rows = records[0]["agreed"]
-    assert records[1]["agreed"] == rows
-    assert [row[0] for row in rows] == [0, 1]
-    for rank, record in enumerate(records):
-        assert record["skipped"] == [None, None]
-        assert record["notes"][-1] == NOTE
-        fits, needed, available = record["own"]
-        assert rows[rank] == [rank, fits, needed, available, needed]
-        assert not fits and needed > available == TIGHT
-        print(f"rank {rank}: needs {needed:,} B of {available:,} B free")
-        assert record["warnings"][0].startswith(
-            "VramMonitor: preflight on 2 ranks before step 0: 2 of 2 ranks predicted to run out of memory"
-        )
+    run(SCRIPT, tmp_path, f"preflight={TIGHT}")
+    check_preflight_agreed(tmp_path, NOTE, TIGHT)
 
 
 def test_a_fabric_fsdp2_loop_s_ranks_replay_their_steps_and_train_the_same(tmp_path: Path) -> None:
@@ -142,7 +115,7 @@ def test_a_fabric_fsdp2_loop_s_ranks_replay_their_steps_and_train_the_same(tmp_p
     # replay builds an Adam like the run's on its copy's shards.
     bare = tmp_path / "bare"
     bare.mkdir()
-    run(bare, "no-monitor", script="fsdp2_fabric_train.py")
+    run(FABRIC, bare, "no-monitor")
     monitored_out, ranks = trusted(tmp_path / "monitored", fabric_ranks)
     for rank, record in enumerate(ranks):
         assert record["skipped"] is None, (rank, record["skipped"])
@@ -150,15 +123,12 @@ def test_a_fabric_fsdp2_loop_s_ranks_replay_their_steps_and_train_the_same(tmp_p
         advice = {entry[0]: entry[1:] for entry in record["advice"]}
         assert advice["inplace-activations"][0] == "simulated" and advice["inplace-activations"][1] > 0
     assert misses(ranks) == []
-    for rank in range(WORLD_SIZE):
-        assert read(monitored_out / f"training{rank}.json") == read(bare / f"training{rank}.json"), rank
+    assert trained_apart(monitored_out, bare) == []
 
 
 def fabric_ranks(out: Path) -> list[dict[str, Any]]:
     """Each rank's record of a monitored Fabric run made in ``out``."""
-    out.mkdir(exist_ok=True)
-    run(out, script="fsdp2_fabric_train.py")
-    return [read(out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
+    return live_ranks.monitored(FABRIC, out)
 
 
 def test_each_fsdp2_rank_offloading_to_the_cpu_replays_its_step_within_5_percent(tmp_path: Path) -> None:
@@ -170,9 +140,8 @@ def test_each_fsdp2_rank_offloading_to_the_cpu_replays_its_step_within_5_percent
     out, ranks = trusted(tmp_path / "offload", offloading)
     bare = tmp_path / "bare"
     bare.mkdir()
-    run(bare, "offload", "no-monitor")
-    for rank in range(WORLD_SIZE):
-        assert read(out / f"training{rank}.json") == read(bare / f"training{rank}.json"), rank
+    run(SCRIPT, bare, "offload", "no-monitor")
+    assert trained_apart(out, bare) == []
     for rank, record in enumerate(ranks):
         assert record["skipped"] is None, (rank, record["skipped"])  # before: "fsdp2 with CPU offload: not modelled"
         assert record["notes"][-1].startswith(f"{NOTE.replace('x2', 'x2 offload')}; CPUOffloadPolicy(pin_memory=False)")
@@ -184,6 +153,4 @@ def test_each_fsdp2_rank_offloading_to_the_cpu_replays_its_step_within_5_percent
 
 def offloading(out: Path) -> list[dict[str, Any]]:
     """Each rank's record of a monitored run offloading to the CPU, made in ``out``."""
-    out.mkdir(exist_ok=True)
-    run(out, "offload")
-    return [read(out / f"rank{rank}.json") for rank in range(WORLD_SIZE)]
+    return live_ranks.monitored(SCRIPT, out, "offload")

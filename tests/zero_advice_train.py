@@ -13,7 +13,6 @@ final parameters (ZeRO-3's gathered whole), the optimizer's state and the RNG's 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,9 @@ from forked_ranks import start_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
+from replay_records import match_rows
 from torch import nn
+from training_records import torch_rng, write_record
 from zero_fsdp1_ranks import ZERO_SETTINGS
 
 from lightning_vram import VramSession
@@ -97,9 +98,7 @@ def train(rank: int, world: int, stage: int, monitored: bool, out: Path, bucket:
         match = simulation.match
         record = {
             "skipped": simulation.skipped,
-            "match": None
-            if match is None
-            else [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts],
+            "match": match_rows(match),
             "advice": {
                 advice.id: [str(advice.saving_basis), advice.estimated_saving_bytes] for advice in report.advice
             },
@@ -112,7 +111,7 @@ def train(rank: int, world: int, stage: int, monitored: bool, out: Path, bucket:
             },
             "sharding": sharding_to_dict(simulation.sharding),
         }
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        write_record(out / f"rank{rank}.json", record)
     with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):  # ZeRO-3's are partitioned
         parameters = {name: tensor.flatten().tolist() for name, tensor in model.named_parameters()}
     state = {
@@ -120,9 +119,9 @@ def train(rank: int, world: int, stage: int, monitored: bool, out: Path, bucket:
         "parameters": parameters,
         "optimizer": repr(zero.optimizer.state_dict()) if stage < 3 else None,  # ZeRO-3's holds its flat partitions
         "master": [tensor.tolist() for tensor in getattr(zero, "single_partition_of_fp32_groups", ())],
-        "rng": torch.get_rng_state().tolist(),
+        "rng": torch_rng(),
     }
-    (out / f"training{rank}.json").write_text(json.dumps(state))
+    write_record(out / f"training{rank}.json", state)
 
 
 def run_rank(rank: int, world: int, port: int, out: Path, stage: int, monitored: bool, bucket: int) -> None:

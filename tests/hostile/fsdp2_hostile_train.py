@@ -34,7 +34,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed import distributed_c10d as c10d
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from advice_models import features
 from forked_ranks import lightning_ranks
 from models import loader
+from training_records import groups_left, monitor_warnings, optimizer_hex, parameters_hex, rng_states, write_record
 
 from lightning_vram import VramMonitor, VramMonitorWarning
 
@@ -113,14 +113,6 @@ class Hostile(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def local(tensor: Any) -> Any:
-    """A tensor's values on this rank as hex floats (a DTensor's local shard); anything else as it is."""
-    if isinstance(tensor, torch.Tensor):
-        shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return [value.hex() for value in shard.detach().flatten().double().tolist()]
-    return tensor
-
-
 class Training(Callback):
     """What training did on this rank (``training<r>.json``, at the end of fit, after the monitor's own hooks)."""
 
@@ -135,25 +127,17 @@ class Training(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert isinstance(pl_module, Hostile)
-        optimizer = trainer.optimizers[0]
         state = {
             "losses": self.losses,
-            "parameters": {name: local(tensor) for name, tensor in pl_module.named_parameters()},
-            "optimizer": [
-                {key: local(value) for key, value in optimizer.state[parameter].items()}
-                for group in optimizer.param_groups
-                for parameter in group["params"]
-            ],
-            "rng": torch.get_rng_state().tolist(),
-            "generator": pl_module.generator.get_state().tolist(),
-            "python rng": repr(random.getstate()),
+            "parameters": parameters_hex(pl_module),
+            "optimizer": optimizer_hex(trainer.optimizers[0]),
+            **rng_states(pl_module.generator),
             "calls": dict(CALLS),
             "steps": pl_module.steps,
             "seen": pl_module.seen,
-            "groups": sorted(str(name) for name in c10d._world.pg_names.values()),
-            "group ranks": len(c10d._world.pg_group_ranks),
+            **groups_left(),
         }
-        (self.out / f"training{trainer.global_rank}.json").write_text(json.dumps(state))
+        write_record(self.out / f"training{trainer.global_rank}.json", state)
 
 
 def main() -> None:
@@ -180,12 +164,12 @@ def main() -> None:
         warnings.simplefilter("always", VramMonitorWarning)
         trainer.fit(Hostile(case), loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
     record = json.loads((out / f"training{trainer.global_rank}.json").read_text())
-    record["warnings"] = [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
+    record["warnings"] = monitor_warnings(caught)
     simulation = monitor.session.simulation if mode != ["no-monitor"] else None
     record["skipped"] = None if simulation is None else simulation.skipped
     baseline = None if simulation is None else simulation.baseline
     record["note"] = None if baseline is None else baseline.notes[-1]
-    (out / f"run{trainer.global_rank}.json").write_text(json.dumps(record))
+    write_record(out / f"run{trainer.global_rank}.json", record)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ with the monitor, the simulation's skip reason and the monitor's warnings.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -29,11 +28,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import distributed_c10d as c10d
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from advice_models import activation_mlp
 from forked_ranks import start_ranks
+from training_records import groups_left, monitor_warnings, parameters_hex, rng_states, write_record
 from zero_fsdp1_ranks import ZERO_SETTINGS
 
 from lightning_vram import VramMonitorWarning, VramSession
@@ -123,20 +122,17 @@ def train(rank: int, out: Path, case: str, monitored: bool) -> None:
             session.finish(gather_ranks=False)
     simulation = session.simulation
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        parameters = {name: [v.hex() for v in tensor.flatten().tolist()] for name, tensor in model.named_parameters()}
+        parameters = parameters_hex(model)
     record = {
         "losses": losses,
         "parameters": parameters,
-        "rng": torch.get_rng_state().tolist(),
-        "generator": NOISE.get_state().tolist(),
-        "python rng": repr(random.getstate()),
+        **rng_states(NOISE),
         "calls": dict(CALLS),
-        "groups": sorted(str(name) for name in c10d._world.pg_names.values()),
-        "group ranks": len(c10d._world.pg_group_ranks),
+        **groups_left(),
         "skipped": None if simulation is None else simulation.skipped,
-        "warnings": [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)],
+        "warnings": monitor_warnings(caught),
     }
-    (out / f"run{rank}.json").write_text(json.dumps(record))
+    write_record(out / f"run{rank}.json", record)
 
 
 def run_rank(rank: int, port: int, out: Path, case: str, monitored: bool) -> None:

@@ -1,0 +1,27 @@
+"""A gloo rank's replay beside its measured step, as the live sharded scripts write it to ``rank<rank>.json``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lightning_vram.records.advice import Advice
+from lightning_vram.records.measured import Phase, PhasePeak
+from lightning_vram.records.simulation import BaselineMatch
+
+
+def match_rows(match: BaselineMatch | None) -> list[list[Any]] | None:
+    """The baseline's match part by part: phase, part, measured and replayed bytes; None where nothing matched."""
+    if match is None:
+        return None
+    return [[part.phase.value, part.part, part.measured_bytes, part.replayed_bytes] for part in match.parts]
+
+
+def phase_peaks(phases: Mapping[Phase, PhasePeak]) -> dict[str, int]:
+    """Each phase's peak, bytes."""
+    return {phase.value: peak.peak_bytes for phase, peak in phases.items()}
+
+
+def advice_rows(advice: Iterable[Advice]) -> list[list[Any]]:
+    """Each advice's id, saving basis, estimated saving (bytes) and detail."""
+    return [[item.id, str(item.saving_basis), item.estimated_saving_bytes, item.detail] for item in advice]
