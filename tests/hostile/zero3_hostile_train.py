@@ -2,13 +2,12 @@
 
 Run by tests/hostile/test_live_sharded_steps.py: ``python zero3_hostile_train.py PORT OUT_DIR CASE [no-monitor]``.
 
-A plain loop driving :class:`~lightning_vram.VramSession` (step 1 sampled, replays on) trains
-tests/advice_models.py's MLP (LeakyReLU) with dropout after its first layer 2 steps under ``deepspeed.initialize``
-(ZeRO-3, the settings of tests/zero_fsdp1_ranks.py). The step draws noise from a generator of the user's and
+A plain loop driving :class:`~lightning_vram.VramSession` (step 1 sampled, replays on) trains an MLP of one hidden
+layer (``Linear(128, 128)``, ReLU, dropout, ``Linear(128, 10)``) 2 steps under ``deepspeed.initialize`` (ZeRO-3, the
+settings of tests/zero_fsdp1_ranks.py). The step draws noise from a generator of the user's and
 branches on ``torch.distributed.get_rank()``; a forward hook and a full backward hook of the user's count their
 calls in a global. ``CASE`` ``plain``: that step; ``partition``: it also reads the
 first layer's weight's ``ds_numel`` (ZeRO-3's attribute, which the replay's whole copy of the parameter lacks).
-``relu``: the plain step on ``Linear(128, 128)``, ReLU, dropout and ``Linear(128, 10)``.
 Rank ``r`` writes ``run<r>.json``: each step's loss, the final parameters (gathered whole), every RNG's state
 (torch's, the user's generator, Python's), the call counts, the process groups left in ``torch.distributed`` and,
 with the monitor, the simulation's skip reason and the monitor's warnings.
@@ -30,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from advice_models import activation_mlp
 from forked_ranks import start_ranks
 from training_records import groups_left, monitor_warnings, parameters_hex, rng_states, write_record
 from zero_fsdp1_ranks import ZERO_SETTINGS
@@ -74,11 +72,8 @@ def train(rank: int, out: Path, case: str, monitored: bool) -> None:
     torch.manual_seed(0)
     random.seed(0)
     NOISE.manual_seed(1)
-    if case == "relu":  # one hidden layer: its gathered parameters are a large share of the rank's peaks
-        model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Dropout(0.25), nn.Linear(WIDTH, 10))
-    else:
-        layers = list(activation_mlp(nn.LeakyReLU, width=WIDTH))
-        model = nn.Sequential(*layers[:2], nn.Dropout(0.25), *layers[2:])
+    # One hidden layer: the parameters ZeRO-3 keeps gathered from forward to backward weigh in the rank's peaks.
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Dropout(0.25), nn.Linear(WIDTH, 10))
     model[0].register_forward_hook(forward_hook)
     model[-1].register_full_backward_hook(backward_hook)
     config = {
