@@ -127,8 +127,8 @@ def predict(
                 share = left * BUDGET_SEARCH_SHARE
                 predictor.budget_seconds = predictor.clock() - predictor.started + share
                 notes += (
-                    f"time budget: the memory budget's search was cut to {share:.1f} s ({BUDGET_SEARCH_SHARE:.0%} of"
-                    f" the {left:.1f} s left after the baseline), the fit table to what it left",
+                    f"time budget: the memory budget's search may take up to {share:.1f} s ({BUDGET_SEARCH_SHARE:.0%}"
+                    f" of the {left:.1f} s left after the baseline), the fit table what it leaves",
                 )
             try:
                 found = plan_for_budget(predictor, budget_bytes, step, context)
@@ -141,7 +141,7 @@ def predict(
         rows: tuple[FitRow, ...] = ()
         if fit_table:
             if budget_bytes is not None and (left := predictor.seconds_left()) is not None:
-                notes += (f"time budget: the fit table had {max(left, 0.0):.1f} s of {budget_seconds} s",)
+                notes += (f"time budget: the fit table may take up to {max(left, 0.0):.1f} s of {budget_seconds} s",)
             search = predictor.fit_table(
                 cuda_context_bytes, known_steps={step.batch_size: step} if step.batch_size is not None else None
             )

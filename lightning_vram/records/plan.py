@@ -29,7 +29,11 @@ STRATEGY_LABELS = {
 """The table's short names of Lightning's strategy names (the others are their own)."""
 ALLOCATED_MARK = "*"
 """Marks a peak/rank that is the allocated peak, where the others are the allocator model's reserved peaks."""
-LEGEND = "n: GPUs (nodes x each); fsdp1: Lightning's fsdp; zeroN: deepspeed_stage_N; micro: size x accum."
+LEGEND = (
+    "best first: fitting rows by samples/s per GPU, then fewer GPUs, then the lower peak. n: GPUs (nodes x each);"
+    " fsdp1: Lightning's fsdp; zeroN: deepspeed_stage_N (ZeRO-1/2 hold two reduce buckets, 800 MB each in fp32 under"
+    " Lightning's defaults); micro: size x accum."
+)
 """The table's legend line."""
 
 
@@ -276,7 +280,7 @@ def plan_text(plan: Plan) -> str:
     if len(plan.rows) > TABLE_ROWS:
         lines.append(f"  ({len(plan.rows) - TABLE_ROWS} more rows in to_dict()['rows'] / --json)")
     lines += [f"  {line}" for line in plan.fits_rule]
-    lines.append(f"  {LEGEND}")
+    lines += textwrap.wrap(LEGEND, WIDTH, initial_indent="  ", subsequent_indent="  ")
     lines += [f"  {assumption}" for assumption in plan.assumptions]
     extra = [*(f"left out: {item}" for item in plan.left_out), *plan.notes]
     if extra:
