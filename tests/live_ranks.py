@@ -61,3 +61,15 @@ def check_preflight_agreed(out: Path, note: str, free_bytes: int) -> None:
         assert record["warnings"][0].startswith(
             "VramMonitor: preflight on 2 ranks before step 0: 2 of 2 ranks predicted to run out of memory"
         )
+
+
+def check_inplace_advice(ranks: list[dict[str, Any]], batch: int, width: int) -> None:
+    """Each rank's inplace-activations advice is simulated, saving three of the MLP's four LeakyReLU inputs
+    (``batch`` x ``width`` float32 each) that are no longer kept beside their outputs."""
+    for rank, record in enumerate(ranks):
+        advice = {entry[0]: entry[1:] for entry in record["advice"]}
+        basis, saving, detail = advice["inplace-activations"]
+        assert basis == "simulated", rank
+        assert saving >= 3 * batch * width * 4, (rank, saving)
+        assert "nn.LeakyReLU(inplace=True)" in detail
+    assert len(ranks) == WORLD_SIZE

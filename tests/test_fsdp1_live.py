@@ -17,7 +17,7 @@ from typing import Any
 import live_ranks
 import pytest
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
-from live_ranks import check_preflight_agreed, read, run, trained_apart
+from live_ranks import check_inplace_advice, check_preflight_agreed, read, run, trained_apart
 from measured_again import measured_again_where_missed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
@@ -111,13 +111,7 @@ def test_each_fsdp1_rank_gets_simulated_advice_with_its_saving(runs: tuple[Path,
     ranks = [read(again / f"rank{rank}.json") for rank in range(WORLD_SIZE)] if again.exists() else first
     for rank, record in enumerate(ranks):
         assert [discarded for _change, discarded in record["variants"]] == [None] * len(record["variants"]), rank
-        advice = {entry[0]: entry[1:] for entry in record["advice"]}
-        basis, saving, detail = advice["inplace-activations"]
-        assert basis == "simulated", rank
-        # Three of the MLP's four LeakyReLU inputs (64 x 128 float32 each) are no longer kept beside their outputs.
-        assert saving >= 3 * BATCH * WIDTH * 4, (rank, saving)
-        assert "nn.LeakyReLU(inplace=True)" in detail
-    assert len(ranks) == WORLD_SIZE
+    check_inplace_advice(ranks, BATCH, WIDTH)
 
 
 def test_fsdp1_ranks_train_the_same_with_and_without_the_monitor(

@@ -17,8 +17,8 @@ from typing import Any
 
 import live_ranks
 import pytest
-from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
-from live_ranks import check_preflight_agreed, run, trained_apart
+from fsdp2_live_train import BATCH, WIDTH
+from live_ranks import check_inplace_advice, check_preflight_agreed, run, trained_apart
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
 
@@ -87,14 +87,7 @@ def test_each_fsdp2_rank_replays_its_own_step_within_5_percent_of_its_measured_p
 
 
 def test_each_fsdp2_rank_gets_simulated_advice_with_its_saving(runs: tuple[Path, list[dict[str, Any]]]) -> None:
-    for rank, record in enumerate(ranks := runs[1]):
-        advice = {entry[0]: entry[1:] for entry in record["advice"]}
-        basis, saving, detail = advice["inplace-activations"]
-        assert basis == "simulated", rank
-        # Three of the MLP's four LeakyReLU inputs (64 x 128 float32 each) are no longer kept beside their outputs.
-        assert saving >= 3 * BATCH * WIDTH * 4, (rank, saving)
-        assert "nn.LeakyReLU(inplace=True)" in detail
-    assert len(ranks) == WORLD_SIZE
+    check_inplace_advice(runs[1], BATCH, WIDTH)
 
 
 def test_fsdp2_ranks_train_the_same_with_and_without_the_monitor(

@@ -395,8 +395,29 @@ class Calibration:
         return any(self.unseen_bytes.values()) or any(self.unseen_reserved_bytes.values())
 
 
+class SavingFromMeasuredPeak:
+    """A rank's peak now and under a change: the saving starts from the measured peak where known.
+
+    A mixin of the trials below, whose fields (in bytes) these are.
+    """
+
+    current_peak_bytes: int
+    measured_peak_bytes: int | None
+    target_peak_bytes: int
+
+    @property
+    def start_bytes(self) -> int:
+        """The rank's peak the saving starts from: measured where known, else predicted."""
+        return self.current_peak_bytes if self.measured_peak_bytes is None else self.measured_peak_bytes
+
+    @property
+    def saving_bytes(self) -> int:
+        """:attr:`start_bytes` less the target's predicted peak (negative: the target holds more)."""
+        return self.start_bytes - self.target_peak_bytes
+
+
 @dataclass(frozen=True)
-class ShardingTrial:
+class ShardingTrial(SavingFromMeasuredPeak):
     """One rank's step under the run's strategy and under the next stronger sharding at the same world size.
 
     Both are the per-rank model's predictions on the run's own step
@@ -433,23 +454,13 @@ class ShardingTrial:
     measured_peak_bytes: int | None = None
 
     @property
-    def start_bytes(self) -> int:
-        """The rank's peak under the current strategy the saving starts from: measured where known, else predicted."""
-        return self.current_peak_bytes if self.measured_peak_bytes is None else self.measured_peak_bytes
-
-    @property
-    def saving_bytes(self) -> int:
-        """:attr:`start_bytes` less the target's predicted peak (negative: the target holds more)."""
-        return self.start_bytes - self.target_peak_bytes
-
-    @property
     def extra_communication_bytes(self) -> int:
         """What the target sends per optimizer step beyond the current strategy, in bytes (negative: less)."""
         return self.target_communication_bytes - self.current_communication_bytes
 
 
 @dataclass(frozen=True)
-class OffloadTrial:
+class OffloadTrial(SavingFromMeasuredPeak):
     """One rank of a live sharded run that does not offload, predicted from the same replay with CPU offload.
 
     ``strategy``, ``world_size`` and ``sharding`` name the run's strategy as :class:`~lightning_vram.records.
@@ -474,16 +485,6 @@ class OffloadTrial:
     reduce_bucket_size: int | None = None
     allgather_bucket_size: int | None = None
     measured_peak_bytes: int | None = None
-
-    @property
-    def start_bytes(self) -> int:
-        """The rank's peak the saving starts from: measured where known, else predicted."""
-        return self.current_peak_bytes if self.measured_peak_bytes is None else self.measured_peak_bytes
-
-    @property
-    def saving_bytes(self) -> int:
-        """:attr:`start_bytes` less the offloaded rank's predicted device peak (negative: it holds more)."""
-        return self.start_bytes - self.target_peak_bytes
 
 
 PERSISTENCE_THRESHOLD = 100_000
