@@ -1,9 +1,10 @@
 """Counting one training step tensor by tensor: parameters, gradients, optimizer state, activations, per phase.
 
 One counter, :class:`StepAttributor`, counts sampled steps of the real training and steps replayed under fake
-tensors; a :class:`Counting` says what differs between the two: how storages are told apart (data pointers, or
-``StorageWeakRef`` identities that fake storages have too), who shows it what a recomputation creates, and whether
-errors inside its hooks are contained (the user's training) or raised (a replay). Storages are counted by
+tensors; a :class:`Counting` says how storages are told apart (``StorageWeakRef`` identities, which fake storages
+have too and which no later allocation takes while the storage lives) and what differs between the two: who shows
+it what a recomputation creates, and whether errors inside its hooks are contained (the user's training) or raised
+(a replay). Storages are counted by
 :mod:`~lightning_vram.measure.storages`, live bytes by :mod:`~lightning_vram.measure.ledgers`, and phases and
 modules add up in :mod:`~lightning_vram.measure.tallies`. Activations are the tensors autograd saves for backward,
 seen through ``torch.autograd.graph.saved_tensors_hooks``.

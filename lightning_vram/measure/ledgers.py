@@ -1,7 +1,7 @@
 """Live bytes while a step runs: the activations autograd holds for backward, and the gradients backward creates.
 
-Both ledgers work on storage keys (see :mod:`~lightning_vram.measure.storages`), whatever identifies the storages:
-data pointers on a sampled step, ``StorageWeakRef`` identities on a replayed one.
+Both ledgers work on storage keys (see :mod:`~lightning_vram.measure.storages`): ``StorageWeakRef`` identities, on a
+sampled step as on a replayed one.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Storages of tensors on the monitored device, each counted once, for real and fake tensors alike.
 
-A count is a :class:`StorageBytes`: storage key -> storage size in bytes. What the key is depends on the tensors:
-a real storage is known by its data pointer (:data:`DATA_POINTER`), a fake one
-(under ``FakeTensorMode``) has none and is known by the address of its C++ storage object
-(:func:`weak_identity`, through ``StorageWeakRef``), unique while the storage lives. A key of 0 means the storage
-holds nothing (an empty one) and is not counted.
+A count is a :class:`StorageBytes`: storage key -> storage size in bytes. A step's count (sampled or replayed)
+knows a storage by the address of its C++ storage object (:func:`weak_identity`, through ``StorageWeakRef``), real or
+fake (a fake one has no data pointer), unique while the storage lives. Its data pointer (:data:`DATA_POINTER`) is not:
+a storage whose data is freed while the storage lives (``resize_(0)``, as FSDP1 frees a gathered flat parameter that
+autograd saved a view of) leaves its address to the next allocation, which a count by address takes for it. Data
+pointers serve counts made at one moment, of storages all alive then. A key of 0 means the storage holds nothing (an
+empty one) and is not counted.
 
 Only tensors on the monitored device count, so views, tied weights and Adam's CPU ``step`` counters on a GPU run
 are not counted twice or at all. Sharded tensors count as the shard this rank holds: a DTensor's local tensor
@@ -42,9 +44,10 @@ class StorageBytes(dict[int, int]):
 
 
 StorageKey = Callable[[torch.UntypedStorage], int]
-"""How a caller identifies a storage: its data pointer (real tensors), or its ``StorageWeakRef`` (fake ones too)."""
+"""How a caller identifies a storage: its ``StorageWeakRef`` identity (a step's count), or its data pointer."""
 DATA_POINTER: StorageKey = torch.UntypedStorage.data_ptr
-"""A real storage's key: its address (0 for an empty one), read by torch's own method, as fast as a direct call."""
+"""A real storage's address (0 for an empty one), read by torch's own method: a key for storages all alive at once
+(freed data's address is reused by the next allocation, the storage alive or not)."""
 
 
 def storage_identity(storage: torch.UntypedStorage) -> int:
