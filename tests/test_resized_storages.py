@@ -2,15 +2,18 @@
 
 A storage's data can be freed while the storage lives (``untyped_storage().resize_(0)``): the next allocation of its
 size is then placed at its address. The count knows storages by identity, so that allocation is never taken for
-the freed one.
+the freed one; and FSDP1's gathered flat parameters, which autograd saves views of, are not activations.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+from zero_fsdp1_ranks import BATCH_SHAPE, train, transformer
 
 from lightning_vram.measure.accounting import StepAttributor
+from lightning_vram.prediction.strategies.fsdp2 import fake_group
 from lightning_vram.records import Phase
 
 ELEMENTS = 9 * 2**20
@@ -56,3 +59,36 @@ def test_a_storage_allocated_at_a_freed_saved_storages_address_counts_apart() ->
     forward = attribution.phases[Phase.FORWARD]
     assert forward.activations == 2 * 4 * ELEMENTS
     assert output.shape == (ELEMENTS,)
+
+
+def saved_bytes(module: nn.Module, batch: torch.Tensor) -> int:
+    """Bytes autograd saves in ``module``'s step (the output's mean square), counted directly: unique storages,
+    parameters left out."""
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(batch).square().mean()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1s_gathered_flat_parameters_are_not_activations(sharding: str) -> None:
+    # tests/zero_fsdp1_ranks.py's transformer, each encoder layer a unit, rank 0 of 2 under the fake process group
+    # (FSDP1 gathers into and frees its storages as on gloo; the gathered values are not read), two runs: the step's
+    # activations are what the unwrapped module saves (350,720 bytes), the same each run. Counted by data pointer
+    # they were 621,096 then 487,208 bytes in the two runs (FULL_SHARD); by identity with each unit's gathered flat
+    # parameter at its gathered size, 621,096 (every unit's 67,594 elements, 270,376 bytes, more).
+    torch.manual_seed(0)
+    expected = saved_bytes(transformer(), torch.randn(*BATCH_SHAPE))
+    assert expected == 350_720
+    with fake_group(2):
+        runs = [train(f"fsdp {sharding}", 0, 1) for _ in range(2)]
+    counted = [(phases["forward"]["activations"], phases["backward"]["activations"]) for phases in runs]
+    assert counted == [(expected, expected)] * 2

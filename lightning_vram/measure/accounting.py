@@ -25,6 +25,7 @@ from lightning_vram.measure._recompute import Recomputation, backward_node, runn
 from lightning_vram.measure.compiled import compiled_in_place, compiled_module_names
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
+from lightning_vram.measure.fsdp1 import GatheredFlatParameters
 from lightning_vram.measure.ledgers import ActivationLedger, GradientLedger, SavedActivation, SavedTensor
 from lightning_vram.measure.live import apart_from_function_modes
 from lightning_vram.measure.module_names import user_named_modules
@@ -67,7 +68,12 @@ class StepAttributor:
 
     Parameters are this rank's shards, plus under FSDP2 the whole parameters gathered at that phase's counted peak
     (the module's registered parameters while it runs unsharded): parameters even where autograd saves them, never
-    activations or a module's saving. Gradients are read from the parameters as the step began (FSDP2's shards).
+    activations or a module's saving. FSDP1's gathered flat parameters (:mod:`~lightning_vram.measure.fsdp1`) are
+    not activations either, though autograd saves views of them: FSDP1 frees them by ``resize_(0)`` after the unit's
+    forward and gathers them again for its backward, so autograd's saving holds none of their bytes; they are
+    FSDP1's all-gather output, left to the live peak's ``other`` with the strategy's other buffers (the same figure
+    every run, where counting each at its gathered size varied with the addresses the allocator reused). Gradients
+    are read from the parameters as the step began (FSDP2's shards).
 
     Uninitialised parameters count once materialised; tensors whose data cannot be reached are skipped and
     listed in ``notes``. ``counting`` says how storages are told apart and how the hooks behave (:data:`SAMPLED`,
@@ -101,6 +107,7 @@ class StepAttributor:
         module shows its unsharded ones."""
         self._refresh_parameters()
         self._ledger = ActivationLedger()
+        self._fsdp1_gathered = GatheredFlatParameters(module)
         self._module_stack: list[str] = []
         self._modules = {name or ROOT_MODULE: child for name, child in user_named_modules(module).items()}
         self.compiled = compiled_module_names(module)
@@ -305,10 +312,17 @@ class StepAttributor:
     def _hold_recomputed(self, tensor: Tensor) -> None:
         for storage in self._storages(tensor):
             key = self._key_of(storage)
-            if self._ledger.unsharded.holds(storage):
-                continue  # a parameter FSDP2 gathered again for backward
+            if self._gathered(storage):
+                continue  # a parameter FSDP1 or FSDP2 gathered again for backward
             if key and key not in self._parameters and self._ledger.hold_recomputed(key, storage.nbytes()):
                 self._recomputed_finalizers.append(weakref.finalize(storage, self._ledger.free_recomputed, key))
+
+    def _gathered(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` holds parameters FSDP1 or FSDP2 gathered: never activations.
+
+        FSDP2's count as parameters, FSDP1's are left to ``other``.
+        """
+        return self._ledger.unsharded.holds(storage) or self._fsdp1_gathered.holds(storage)
 
     @apart_from_function_modes
     def _pack(self, tensor: Tensor) -> Any:
@@ -323,7 +337,7 @@ class StepAttributor:
     def _pack_counted(self, tensor: Tensor) -> Any:
         if parameter_partition(tensor) is not None:
             return tensor  # a ZeRO-3 parameter, gathered for this layer: DeepSpeed frees it and gathers it again
-        found = [storage for storage in self._storages(tensor) if not self._ledger.unsharded.holds(storage)]
+        found = [storage for storage in self._storages(tensor) if not self._gathered(storage)]
         self._refresh_parameters()
         keys = [(self._key_of(storage), storage.nbytes()) for storage in found]
         keys = [(key, nbytes) for key, nbytes in keys if key and key not in self._parameters]

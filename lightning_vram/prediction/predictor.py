@@ -207,8 +207,6 @@ class Predictor:
         self.strategy = strategy
         self.shard = shard
         self.accumulate = accumulate
-        self.loose_parts: tuple[str, ...] = ()
-        """Every counted part is matched against the sampled step's (see ``Replays.loose_parts``)."""
         self.carried: Calibration | None = None
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""

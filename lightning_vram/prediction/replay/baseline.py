@@ -23,15 +23,12 @@ def match_baseline(
     replayed: ReplayedStep,
     attribution: Attribution,
     tolerance: float = BASELINE_TOLERANCE,
-    loose: tuple[str, ...] = (),
 ) -> BaselineMatch:
     """Every counted part of every phase the sampled step counted, against the replay's.
 
     Where the sampled step also counted every live tensor (its breakdowns carry ``other``: the CPU), each phase's
     live peak is compared with the replay's too, so that savings read as live-peak differences rest on a replay
-    that reproduces the live peak; the ``loose`` parts are then left out of that phase's match (the count splits
-    them with ``other`` from run to run: a live FSDP1 rank's activations). A phase the replay lacks compares as zero
-    bytes.
+    that reproduces the live peak. A phase the replay lacks compares as zero bytes.
 
     Under gradient accumulation a sampled step is one micro-batch: one with an optimizer step, or a later one of its
     window, is compared with the replay's :attr:`~lightning_vram.records.ReplayedStep.phases` (a later micro-batch,
@@ -40,10 +37,10 @@ def match_baseline(
     sampled micro-batch's place in its window is thus read from its counts, not from its index (an epoch whose
     length is not a multiple of the window moves it).
     """
-    match = _match_phases(replayed, replayed.phases, attribution, tolerance, loose)
+    match = _match_phases(replayed, replayed.phases, attribution, tolerance)
     if match.matches or replayed.window_first is None or Phase.OPTIMIZER in attribution.phases:
         return match
-    first = _match_phases(replayed, replayed.window_first, attribution, tolerance, loose, window_first=True)
+    first = _match_phases(replayed, replayed.window_first, attribution, tolerance, window_first=True)
     return first if first.matches else match
 
 
@@ -52,7 +49,6 @@ def _match_phases(
     phases: Mapping[Phase, PhasePeak],
     attribution: Attribution,
     tolerance: float,
-    loose: tuple[str, ...],
     window_first: bool = False,
 ) -> BaselineMatch:
     parts = []
@@ -60,8 +56,6 @@ def _match_phases(
         peak = phases.get(phase)
         breakdown = peak.breakdown if peak is not None else None
         for part in COUNTED_PARTS:
-            if part in loose and measured.other is not None:
-                continue
             replayed_bytes = getattr(breakdown, part) if breakdown is not None else 0
             parts.append(PartMatch(phase, part, getattr(measured, part), replayed_bytes))
         if measured.other is not None:

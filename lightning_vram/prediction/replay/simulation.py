@@ -66,14 +66,6 @@ class Replays(Protocol):
         """The counted device's type."""
         ...
 
-    @property
-    def loose_parts(self) -> tuple[str, ...]:
-        """Counted parts (``"activations"``) left out of the baseline's match where a phase's live peak is compared.
-
-        The sampled step's count splits them with ``other`` differently from run to run (FSDP1's gathered parameters).
-        """
-        ...
-
     def seconds_left(self) -> float | None:
         """Host seconds left of the budget; ``None`` without one."""
         ...
@@ -146,7 +138,7 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
     baseline = raw
     if allocator is not None and not allocator.expandable_segments:
         expandable = replays.reserved_with(replace(allocator, expandable_segments=True))
-    match = match_baseline(raw, attribution, tolerance, replays.loose_parts) if attribution is not None else None
+    match = match_baseline(raw, attribution, tolerance) if attribution is not None else None
     if replays.measured:
         calibration = calibrate(raw, replays.measured, attribution.step if attribution is not None else 0)
         replays.carried = calibration

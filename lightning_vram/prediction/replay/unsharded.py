@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_vram.measure.fsdp1 import flat_parameters, fsdp1_wrappers
 from lightning_vram.measure.storages import DTENSOR, FSDP_MODULE
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 
@@ -88,32 +89,6 @@ class UnwrappedShell(nn.Module):
     def __getitem__(self, key: Any) -> Any:
         """The inner module's item (an ``nn.Sequential``'s layer), as FSDP1's wrapper gives it."""
         return self._modules[WRAPPED][key]  # type: ignore[index]
-
-
-def fsdp1_wrappers(module: nn.Module) -> list[nn.Module]:
-    """Each ``FullyShardedDataParallel`` (FSDP1) wrapper under ``module`` (itself included), outermost first."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return [child for child in module.modules() if isinstance(child, FullyShardedDataParallel)]
-
-
-def flat_parameters(module: nn.Module) -> list[Any]:
-    """FSDP1's flat parameters of ``module``: its wrappers' (``use_orig_params=True`` too), then any registered one.
-
-    Each once, outermost wrapper's first; the root's flat parameter where the root wrapper is outside ``module``
-    (Lightning's ``fsdp`` strategy wraps the LightningModule itself) is found among its parameters.
-    """
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
-    found: dict[int, Any] = {}
-    for wrapper in fsdp1_wrappers(module):
-        handle = getattr(wrapper, "_handle", None)
-        if handle is not None:
-            found.setdefault(id(handle.flat_param), handle.flat_param)
-    for parameter in module.parameters():
-        if isinstance(parameter, FlatParameter):
-            found.setdefault(id(parameter), parameter)
-    return list(found.values())
 
 
 def is_flat_parameter(tensor: Tensor) -> bool:

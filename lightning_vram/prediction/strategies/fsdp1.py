@@ -12,10 +12,11 @@ shards, their gradients and the optimizer's state to the host as lines of their 
 
 - parameters, gradients (after the reduce-scatter) and the optimizer's state: over the units' shards, the state
   of one flat tensor per unit;
-- activations: the replay's, plus each unit's unsharded flat parameter, which autograd saves (the module's
-  parameters are views of it while it runs), as the monitor counts them: at their gathered size, kept after
-  FSDP1 frees them (``resize_(0)``; a unit gathered later at a freed one's address is counted once, so the
-  measured count varies between runs, the peak not);
+- activations: the replay's. Autograd saves views of each unit's unsharded flat parameter (the module's parameters
+  are views of it while it runs), but FSDP1 frees it by ``resize_(0)`` after the unit's forward and gathers it
+  again for backward: the monitor counts it as FSDP1's gathered parameters, never as activations
+  (:mod:`~lightning_vram.measure.fsdp1`), so it is in ``other`` here, every unit at its gathered size as the
+  CPU's live count meets them (it counts a storage from its first op until it is freed, and FSDP1 never frees one);
 - backward's peak: the unit's unsharded gradient reduce-scattered into a shard of its own, the largest unit's;
 - the optimizer step's peak: the batch, three temporaries the size of the largest shard (fitted: Adam over the
   units' flat shards on gloo), and on the CPU the unsharded flat parameters the live count met in forward
@@ -27,8 +28,7 @@ allocator's peak would show (not checked here).
 
 A live FSDP1 rank (:func:`predict_live`) is the same arithmetic on its module's unsharded copy
 (:mod:`~lightning_vram.prediction.replay.unsharded`), sized by the run's own flat parameters and sharding strategy
-(:func:`live_flats`); its sampled step's activations are not compared with the replay's where the live peak is
-(:attr:`~lightning_vram.prediction.strategies.rank_replays.RankReplays.loose_parts`).
+(:func:`live_flats`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_vram.measure.fsdp1 import flat_parameters, fsdp1_wrappers
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.replay.unsharded import flat_parameters, fsdp1_wrappers
 from lightning_vram.prediction.strategies._shards import (
     batch_bytes,
     first_optimizer,
@@ -182,16 +182,16 @@ def predict_units(
     if accumulating:
         held = sum(numels) * element
     unsharded = sum(flats) * gathered if divisor > 1 else 0  # NO_SHARD's parameters are the flat ones
-    activations = forward.activations + unsharded
+    activations = forward.activations  # the gathered flat parameters autograd saves views of are not activations
     scattered = max(flats) * gathered // world if divisor > 1 else 0  # the largest unit's reduce-scattered shard
     seen_in_forward = unsharded if predictor.device_type == "cpu" else 0
     temporaries = OPTIMIZER_TEMPORARIES * max(shards) * element
     optimizer_other = batch_bytes(predictor.batch) + seen_in_forward + temporaries
-    phases = {
-        Phase.FORWARD: ((parameters, held, state, activations), other_bytes(replayed, Phase.FORWARD)),
-        Phase.BACKWARD: (  # the unsharded storages autograd saved stay counted through backward
+    phases = {  # the live count holds each unsharded storage it met from forward on, at its gathered size
+        Phase.FORWARD: ((parameters, held, state, activations), other_bytes(replayed, Phase.FORWARD) + unsharded),
+        Phase.BACKWARD: (
             (parameters, held, state, activations),
-            other_bytes(replayed, Phase.BACKWARD) + scattered,
+            other_bytes(replayed, Phase.BACKWARD) + unsharded + scattered,
         ),
         Phase.OPTIMIZER: ((parameters, parameters, state, 0), optimizer_other),
     }

@@ -81,16 +81,6 @@ class RankReplays:
         return self.predictor.device_type
 
     @property
-    def loose_parts(self) -> tuple[str, ...]:
-        """A live FSDP1 rank's activations, left out of the match where the live peak is compared.
-
-        The count takes each unit's gathered flat parameter, freed by ``resize_(0)``, for another gathered later at
-        its address, so it counts some of them as activations and the rest in ``other``, differently from run to
-        run, the live peak the same (tests/test_fsdp1_live.py).
-        """
-        return ("activations",) if isinstance(self.units, fsdp1.LiveFlats) else ()
-
-    @property
     def accumulate(self) -> int:
         """``accumulate_grad_batches``, as the rank's predictor replays it."""
         return self.predictor.accumulate
