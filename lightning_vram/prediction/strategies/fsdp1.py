@@ -14,9 +14,10 @@ shards, their gradients and the optimizer's state to the host as lines of their 
   of one flat tensor per unit;
 - activations: the replay's. Autograd saves views of each unit's unsharded flat parameter (the module's parameters
   are views of it while it runs), but FSDP1 frees it by ``resize_(0)`` after the unit's forward and gathers it
-  again for backward: the monitor counts it as FSDP1's gathered parameters, never as activations
-  (:mod:`~lightning_vram.measure.fsdp1`), so it is in ``other`` here, every unit at its gathered size as the
-  CPU's live count meets them (it counts a storage from its first op until it is freed, and FSDP1 never frees one);
+  again for backward, so autograd's saving holds none of its bytes: the monitor leaves it out of the activations
+  (:mod:`~lightning_vram.measure.fsdp1`), and so does this model. It is in ``other`` here, every unit at its
+  gathered size, as the CPU's live count meets them (it counts a storage from its first op until the storage object
+  dies, and FSDP1 keeps each, only resized);
 - backward's peak: the unit's unsharded gradient reduce-scattered into a shard of its own, the largest unit's;
 - the optimizer step's peak: the batch, three temporaries the size of the largest shard (fitted: Adam over the
   units' flat shards on gloo), and on the CPU the unsharded flat parameters the live count met in forward
