@@ -41,6 +41,21 @@ def test_a_range_longer_than_the_scans_budget_is_checked_from_the_top(monkeypatc
     assert (found.largest, found.unserved, found.checked_from) == (51, ((52, 52),), 49)
 
 
+def test_an_answer_at_the_search_s_bound_is_not_scanned() -> None:
+    asked: list[int] = []
+
+    def sequences(size: int) -> AllocationSequence:
+        asked.append(size)
+        return (("malloc", 1, MIB, 0), ("free", 1, 0, 0))
+
+    bound = served_range.MAX_BATCH_SIZE
+    found = served_range.served_range(sequences, AllocatorSettings(), 2 * MIB, 8, bound)
+    # The row says "at least" the bound: the batches just under it (none trains at) cost no row's budget.
+    assert (found.largest, found.found, found.unserved, found.checked_from, asked) == (bound, bound, (), bound, [])
+    below = served_range.served_range(sequences, AllocatorSettings(), 2 * MIB, bound - 3, bound - 1)
+    assert (below.largest, below.checked_from, asked) == (bound - 1, bound - 3, [bound - 2, bound - 3])
+
+
 def test_the_conv_batchnorm_row_is_the_largest_batch_below_the_first_one_not_served() -> None:
     predictor, own = _fit_predictor("conv-batchnorm")
     with round_of_replays():

@@ -7,7 +7,10 @@ to 336, not at 337 to 341, served again from 342 to 352). A bisection finds one 
 a user may train at any batch up to the answer: so the answer is scanned down to the run's batch, every batch
 served (``~0.3 ms`` a batch for a 74-event step, ``~4 ms`` for 659 events, here), and the largest batch is the one
 below the lowest failure. The scan holds at most :data:`SCAN_EVENTS` events; where the range is longer, the top of it
-(where the step is nearest the card's memory) is scanned and :attr:`ServedRange.checked_from` says from where.
+(where the step is nearest the card's memory) is scanned and :attr:`ServedRange.checked_from` says from where. An
+answer at the search's bound (:data:`~lightning_vram.prediction.replay.search.MAX_BATCH_SIZE`: the row says "at least")
+is not scanned: the card never ran short below it, and a scan there would check the batches just under the bound,
+which no one trains at, at the price of a whole row's budget.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.calibration import unseen_at
+from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.records import AllocationSequence, Phase
 
@@ -73,8 +77,10 @@ def served_range(
     ``synthesized``: a batch's allocation sequence (``None`` where it has none: counted as not served); ``found``:
     a batch the bisection found served; ``unseen_bytes``: measured at ``start``, carried in proportion above it
     (:func:`unseen_at`). Scans down from ``found`` to ``start`` (1 where ``found`` is below it) while
-    :data:`SCAN_EVENTS` allows.
+    :data:`SCAN_EVENTS` allows; not at all where ``found`` is the search's bound (the module's docstring).
     """
+    if found >= MAX_BATCH_SIZE:
+        return ServedRange(found, found, (), found)
     low = start if start <= found else 1
     unserved: list[int] = []
     events = 0
