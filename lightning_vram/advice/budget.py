@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
 from lightning_vram.advice.checkpointing import (
+    Outside,
     ProfileIndex,
     Unit,
     is_stack,
@@ -60,7 +61,7 @@ class _Container:
     name: str
     units: list[Unit]
     eligible: list[int]
-    outside: tuple[int, int]
+    outside: Outside
     forward_of: str | None
 
     def plan(self, chosen: set[int], saving: int = 0, selective: frozenset[int] = frozenset()) -> CheckpointPlan:
@@ -154,9 +155,7 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
             and not recomputes_scripted(indexed, CheckpointPlan(name, (tuple(group),), None, 0))
         ]
         if eligible:
-            containers.append(
-                _Container(name, units, eligible, indexed.outside([n for group in groups for n in group]), forward_of)
-            )
+            containers.append(_Container(name, units, eligible, indexed.outside(groups), forward_of))
     return sorted(containers, key=lambda c: c.modelled(set()) - c.modelled(set(c.eligible)), reverse=True)
 
 
