@@ -354,6 +354,9 @@ class RunSummary:
     recomputed_units: tuple[tuple[str, ...], ...] | None = None
     """What activation checkpointing re-ran in backward on the sampled step (:attr:`Attribution.recomputed_units`;
     ``None``: not recorded)."""
+    step_time_iqr_fraction: float | None = None
+    """How much the recent steps' times vary: their interquartile range over their median, a fraction (``None``: not
+    measured, fewer than four steps timed, or an older report)."""
 
     @property
     def on_cuda(self) -> bool:
