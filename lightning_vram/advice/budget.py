@@ -44,7 +44,7 @@ from lightning_vram.advice.checkpointing import (
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import serves_step
 from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep
-from lightning_vram.records.budget import BudgetPlan
+from lightning_vram.records.budget import BudgetPlan, peak_text
 from lightning_vram.units import format_bytes
 
 MAX_CONTAINERS = 3
@@ -84,12 +84,16 @@ class _Container:
 
 @dataclass(frozen=True)
 class _Tried:
-    """One replayed plan: whether it fits, its peak (bytes, as the budget counts), its recomputed FLOPs."""
+    """One replayed plan: whether it fits, its peak and allocated peak (bytes), its recomputed FLOPs.
+
+    ``peak`` is as the budget counts it (reserved or live), ``allocated`` what the step's tensors hold.
+    """
 
     plan: CheckpointPlan
     fits: bool
     peak: int
     flops: int | None
+    allocated: int
 
 
 class _Search:
@@ -241,7 +245,7 @@ class _Probes:
             else:
                 fits, peak = self.search.measure(step)
                 plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
-                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step))
+                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step), step.peak.peak_bytes)
         return self.tried[key]
 
     def lowest(self) -> _Tried | None:
@@ -329,7 +333,9 @@ def plan_for_budget(
         baseline = replayed
     search = _Search(predictor, budget_bytes, baseline)
     fits, baseline_peak = search.measure(baseline)
+    baseline_allocated = baseline.peak.peak_bytes
     if fits:
+        peak = peak_text(search.basis == RESERVED, baseline_peak, baseline_allocated)
         return BudgetPlan(
             budget_bytes=budget_bytes,
             baseline_peak_bytes=baseline_peak,
@@ -340,9 +346,11 @@ def plan_for_budget(
             recomputed_flops=0,
             what=None,
             code=None,
-            reason=f"the step peaks at {format_bytes(baseline_peak)} without checkpointing: no recomputation needed",
+            reason=f"the step peaks at {peak} without checkpointing: no recomputation needed",
             replays=search.replays,
             basis=search.basis,
+            allocated_peak_bytes=baseline_allocated,
+            baseline_allocated_bytes=baseline_allocated,
         )
     indexed = ProfileIndex(baseline.modules)
     excess = baseline_peak - budget_bytes
@@ -394,6 +402,8 @@ def plan_for_budget(
         reason=reason,
         replays=search.replays,
         basis=search.basis,
+        allocated_peak_bytes=best.allocated,
+        baseline_allocated_bytes=baseline_allocated,
     )
 
 
@@ -410,8 +420,9 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
     else:
         units = lowest.plan.units
         kept = f" ({len(lowest.plan.selective)} selectively)" if lowest.plan.selective else ""
+        peak = peak_text(search.basis == RESERVED, lowest.peak, lowest.allocated)
         reason = (
-            f"the smallest peak reached is {format_bytes(lowest.peak)}, checkpointing {len(units)} unit(s){kept} of"
+            f"the smallest peak reached is {peak}, checkpointing {len(units)} unit(s){kept} of"
             f" `{lowest.plan.container or 'the model'}`, {format_bytes(lowest.peak - search.budget)} over the"
             f" budget{state}"
         )
@@ -425,6 +436,8 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
         plan=None,
         peak_bytes=None if lowest is None else lowest.peak,
         recomputed_flops=None if lowest is None else lowest.flops,
+        allocated_peak_bytes=None if lowest is None else lowest.allocated,
+        baseline_allocated_bytes=search.baseline.peak.peak_bytes,
         what=None,
         code=None,
         reason=reason,
