@@ -157,6 +157,7 @@ class ProfileIndex:
         self.order = {profile.name: index for index, profile in enumerate(profiles)}
         self.called = {profile.name: profile for profile in profiles if profile.name not in (ROOT, OUTSIDE)}
         self.own = {profile.name: profile.activation_bytes for profile in profiles}
+        self.calls = {profile.name: profile.calls for profile in profiles}
         self.inclusive = dict.fromkeys(self.called, 0)
         for name, profile in self.called.items():
             while name:
@@ -185,6 +186,14 @@ class ProfileIndex:
             input_saved=first.input_saved_bytes,
             output_saved=last.output_saved_bytes,
         )
+
+    def repeated(self, names: Sequence[str]) -> bool:
+        """Whether one of modules ``names`` ran more often than the module calling it.
+
+        A block's one ReLU, called after its first BatchNorm and again after the residual sum: its profile sums calls
+        that fall between other modules, so no unit can hold it.
+        """
+        return any(self.calls[name] > self.calls.get(self.caller(name) or ROOT, 1) for name in names)
 
     def outside(self, groups: Sequence[Sequence[str]]) -> Outside:
         """Activations saved outside the units ``groups`` (each a unit's modules), by when they ran.
@@ -235,7 +244,9 @@ def _plan(
 
 def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
     """``checkpoint_sequential`` with every segment count whose checkpointed segments start without an inplace op."""
-    plans = []
+    plans: list[CheckpointPlan] = []
+    if profiles.repeated(names):
+        return plans  # torch's segments cannot leave a child out (a module that ran twice: see ProfileIndex.repeated)
     for segments in range(2, len(names) + 1):
         size = len(names) // segments
         groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
@@ -254,7 +265,9 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
 def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
     """Consecutive children ``names`` as checkpointing units: a child that starts inplace joins the unit before it.
 
-    The first group may start with an inplace op (it has no unit before it): :func:`starts_inplace` tells.
+    The first group may start with an inplace op (it has no unit before it): :func:`starts_inplace` tells. A group
+    holding a module that ran more than once a call (:meth:`ProfileIndex.repeated`) is left out: its modules count
+    as run between the units around it, what they saved stays.
     """
     groups: list[list[str]] = []
     for name in names:
@@ -262,7 +275,7 @@ def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
             groups[-1].append(name)
         else:
             groups.append([name])
-    return groups
+    return [group for group in groups if not profiles.repeated(group)]
 
 
 def starts_inplace(profiles: ProfileIndex, name: str) -> bool:
@@ -274,8 +287,9 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     """Checkpoint a contiguous range of units that ends at the last unit saving something or the one before it.
 
     A child that starts with an inplace op joins the unit before it; the first child cannot start a range then.
-    A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode) is
-    never checkpointed: it neither starts nor ends a range, and inside one it runs as before.
+    A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode), or
+    that holds a module run more than once a call, is never checkpointed: it neither starts nor ends a range, and
+    inside one it runs as before.
     """
     groups = unit_groups(profiles, names)
     if len(groups) < 2:
