@@ -224,9 +224,9 @@ def test_plan_peak_without_checkpoints_is_what_was_saved() -> None:
     groups = [["network.conv1"], ["network.bn1", "network.relu"], *[[profile.name] for profile in profiles[4:-1]]]
     indexed = checkpointing.ProfileIndex(profiles)
     units = [indexed.unit(group) for group in groups]
-    before, after = indexed.outside([name for group in groups for name in group])
-    assert (before, after) == (0, MIB)
-    assert checkpointing.plan_peak(units, [False] * len(units), before, after) == 502 * MIB
+    outside = indexed.outside(groups)
+    assert outside == (0, MIB, (None,) * len(groups))
+    assert checkpointing.plan_peak(units, [False] * len(units), *outside) == 502 * MIB
 
 
 def test_inplace_activations_promises_the_saved_input_it_merges() -> None:

@@ -19,7 +19,8 @@ from test_memory_budget import Encoder, token_classes
 from lightning_vram import predict
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records.advice import CheckpointPlan
-from lightning_vram.records.budget import BudgetPlan
+from lightning_vram.records.budget import RESERVED_LEGEND, BudgetPlan
+from lightning_vram.units import format_bytes
 
 BUDGET_SECONDS = 6.0
 
@@ -58,7 +59,8 @@ def test_a_budget_search_that_takes_all_it_is_given_leaves_the_fit_table_the_res
     assert f"time budget: the fit table may take up to {fit:.1f} s of {BUDGET_SECONDS} s" in notes
 
 
-def budget(basis: str) -> BudgetPlan:
+def budget(basis: str, allocated: tuple[int, int] | None = None) -> BudgetPlan:
+    """A plan that fits, peaking at 186 MiB (from 234 MiB) as ``basis`` counts, at ``allocated`` (after, before)."""
     plan = CheckpointPlan("model.layers", (("model.layers.0",), ("model.layers.1",)), None, 1 << 20)
     code = "from lightning_vram import checkpoint_keeping_buffers\nmodel.layers[0] = checkpoint(model.layers[0])"
     return BudgetPlan(
@@ -74,18 +76,60 @@ def budget(basis: str) -> BudgetPlan:
         "least recomputed",
         3,
         basis,
+        *(allocated or (186 << 20, 234 << 20)),
     )
 
 
-@pytest.mark.parametrize(("basis", "figure"), [("reserved (simulated allocator)", "reserved"), ("live peak", "live")])
-def test_the_budget_lines_name_their_figure_and_print_the_code(basis: str, figure: str) -> None:
-    lines = budget(basis).lines()
-    assert lines[1] == (
-        f"  checkpoint 2 units of model.layers: {figure} peak 186.0 MiB (from 234.0 MiB {figure}), 10 FLOPs recomputed"
-        " (10.0% of the step)"
-    )
+def test_the_budget_lines_name_their_figure_and_print_the_code() -> None:
+    lines = budget("live peak").lines()
+    assert lines[:2] == [
+        "Memory budget 1.00 GiB (live peak):",
+        "  checkpoint 2 units of model.layers: peak 186.0 MiB live (from 234.0 MiB live), 10 FLOPs recomputed (10.0% of"
+        " the step)",
+    ]
     assert lines[2:] == [
         "  least recomputed; the code:",
         "    from lightning_vram import checkpoint_keeping_buffers",
         "    model.layers[0] = checkpoint(model.layers[0])",
     ]
+
+
+def test_a_reserved_budget_prints_the_allocated_peak_beside_it_and_writes_both() -> None:
+    # The trial: "no plan fits: the smallest peak reached is 62.0 MiB" (reserved) where a CPU run measured 45.2 MiB.
+    found = budget("reserved, simulated caching allocator", (180 << 20, 230 << 20))
+    lines = found.lines()
+    assert lines[:3] == [
+        "Memory budget 1.00 GiB (reserved, simulated caching allocator):",
+        f"  {RESERVED_LEGEND}",
+        "  checkpoint 2 units of model.layers: peak 186.0 MiB reserved, 180.0 MiB allocated (from 234.0 MiB reserved,"
+        " 230.0 MiB allocated), 10 FLOPs recomputed (10.0% of the step)",
+    ]
+    assert RESERVED_LEGEND.startswith("reserved: what the caching allocator holds from the device")
+    written = found.to_dict()
+    assert (written["peak_bytes"], written["allocated_peak_bytes"]) == (186 << 20, 180 << 20)
+    assert (written["baseline_peak_bytes"], written["baseline_allocated_bytes"]) == (234 << 20, 230 << 20)
+
+
+@pytest.mark.replay
+def test_predict_for_cuda_on_the_cpu_prints_allocated_beside_every_reserved_figure() -> None:
+    torch.manual_seed(0)
+    batch = next(iter(loader(token_classes(16, 32), 8)))
+    asked = {"memory_budget": "1MiB", "fit_table": False, "budget_seconds": BUDGET_SECONDS}
+    prediction = predict(Classifier(Encoder()), batch, device_type="cuda", **asked)
+    found = prediction.budget
+    assert found is not None and found.reserved and found.peak_bytes is not None and not found.fits
+    assert found.allocated_peak_bytes is not None and found.allocated_peak_bytes < found.peak_bytes
+    text = str(prediction)
+    print(text)
+    expected = f"{format_bytes(found.peak_bytes)} reserved, {format_bytes(found.allocated_peak_bytes)} allocated"
+    assert f"the smallest peak reached is {expected}, checkpointing" in text
+    assert RESERVED_LEGEND in text
+    assert text.count(" reserved") == text.count(" allocated")  # every reserved figure has its allocated one
+    written = prediction.to_dict()["budget"]
+    assert (written["peak_bytes"], written["allocated_peak_bytes"]) == (found.peak_bytes, found.allocated_peak_bytes)
+    assert written["baseline_allocated_bytes"] == found.baseline_allocated_bytes is not None
+    # The allocated figure is what a CPU run measures live: the step without checkpointing, the same replay.
+    torch.manual_seed(0)
+    on_cpu = predict(Classifier(Encoder()), batch, device_type="cpu", **asked).budget
+    assert on_cpu is not None and on_cpu.basis == "live peak"
+    assert found.baseline_allocated_bytes == on_cpu.baseline_peak_bytes < found.baseline_peak_bytes

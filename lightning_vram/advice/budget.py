@@ -6,8 +6,9 @@ elsewhere the replayed live peak is at or under it.
 
 The candidates are the units the checkpointing advice plans with (:mod:`~lightning_vram.advice.checkpointing`): in
 each module with two or more children that ran, its children as units (a child starting with an inplace op joins
-the one before it; a unit that saved nothing is never checkpointed), and all layer stacks (``nn.ModuleList``s of
-numbered layers) together where there are several. A plan is any subset of one such container's units.
+the one before it; a unit that saved nothing, or holds a module run more than once a call, is never checkpointed),
+and all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several. A plan is any subset
+of one such container's units.
 
 Replays are the expensive part, so the search replays few:
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
 from lightning_vram.advice.checkpointing import (
+    Outside,
     ProfileIndex,
     Unit,
     is_stack,
@@ -43,7 +45,7 @@ from lightning_vram.advice.checkpointing import (
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import serves_step
 from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep
-from lightning_vram.records.budget import BudgetPlan
+from lightning_vram.records.budget import BudgetPlan, peak_text
 from lightning_vram.units import format_bytes
 
 MAX_CONTAINERS = 3
@@ -60,7 +62,7 @@ class _Container:
     name: str
     units: list[Unit]
     eligible: list[int]
-    outside: tuple[int, int]
+    outside: Outside
     forward_of: str | None
 
     def plan(self, chosen: set[int], saving: int = 0, selective: frozenset[int] = frozenset()) -> CheckpointPlan:
@@ -83,12 +85,16 @@ class _Container:
 
 @dataclass(frozen=True)
 class _Tried:
-    """One replayed plan: whether it fits, its peak (bytes, as the budget counts), its recomputed FLOPs."""
+    """One replayed plan: whether it fits, its peak and allocated peak (bytes), its recomputed FLOPs.
+
+    ``peak`` is as the budget counts it (reserved or live), ``allocated`` what the step's tensors hold.
+    """
 
     plan: CheckpointPlan
     fits: bool
     peak: int
     flops: int | None
+    allocated: int
 
 
 class _Search:
@@ -154,9 +160,7 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
             and not recomputes_scripted(indexed, CheckpointPlan(name, (tuple(group),), None, 0))
         ]
         if eligible:
-            containers.append(
-                _Container(name, units, eligible, indexed.outside([n for group in groups for n in group]), forward_of)
-            )
+            containers.append(_Container(name, units, eligible, indexed.outside(groups), forward_of))
     return sorted(containers, key=lambda c: c.modelled(set()) - c.modelled(set(c.eligible)), reverse=True)
 
 
@@ -242,7 +246,7 @@ class _Probes:
             else:
                 fits, peak = self.search.measure(step)
                 plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
-                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step))
+                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step), step.peak.peak_bytes)
         return self.tried[key]
 
     def lowest(self) -> _Tried | None:
@@ -330,7 +334,9 @@ def plan_for_budget(
         baseline = replayed
     search = _Search(predictor, budget_bytes, baseline)
     fits, baseline_peak = search.measure(baseline)
+    baseline_allocated = baseline.peak.peak_bytes
     if fits:
+        peak = peak_text(search.basis == RESERVED, baseline_peak, baseline_allocated)
         return BudgetPlan(
             budget_bytes=budget_bytes,
             baseline_peak_bytes=baseline_peak,
@@ -341,9 +347,11 @@ def plan_for_budget(
             recomputed_flops=0,
             what=None,
             code=None,
-            reason=f"the step peaks at {format_bytes(baseline_peak)} without checkpointing: no recomputation needed",
+            reason=f"the step peaks at {peak} without checkpointing: no recomputation needed",
             replays=search.replays,
             basis=search.basis,
+            allocated_peak_bytes=baseline_allocated,
+            baseline_allocated_bytes=baseline_allocated,
         )
     indexed = ProfileIndex(baseline.modules)
     excess = baseline_peak - budget_bytes
@@ -395,6 +403,8 @@ def plan_for_budget(
         reason=reason,
         replays=search.replays,
         basis=search.basis,
+        allocated_peak_bytes=best.allocated,
+        baseline_allocated_bytes=baseline_allocated,
     )
 
 
@@ -411,8 +421,9 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
     else:
         units = lowest.plan.units
         kept = f" ({len(lowest.plan.selective)} selectively)" if lowest.plan.selective else ""
+        peak = peak_text(search.basis == RESERVED, lowest.peak, lowest.allocated)
         reason = (
-            f"the smallest peak reached is {format_bytes(lowest.peak)}, checkpointing {len(units)} unit(s){kept} of"
+            f"the smallest peak reached is {peak}, checkpointing {len(units)} unit(s){kept} of"
             f" `{lowest.plan.container or 'the model'}`, {format_bytes(lowest.peak - search.budget)} over the"
             f" budget{state}"
         )
@@ -426,6 +437,8 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
         plan=None,
         peak_bytes=None if lowest is None else lowest.peak,
         recomputed_flops=None if lowest is None else lowest.flops,
+        allocated_peak_bytes=None if lowest is None else lowest.allocated,
+        baseline_allocated_bytes=search.baseline.peak.peak_bytes,
         what=None,
         code=None,
         reason=reason,

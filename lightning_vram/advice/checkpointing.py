@@ -21,13 +21,17 @@ one plan only, its own call: every layer of every stack (encoder and decoder) in
 
 What a plan frees is modelled storage by storage (:func:`plan_peak`): in forward a checkpointed unit keeps only
 its input; storages at a unit's boundary stay while a neighbour that is not checkpointed saves them; in backward
-each checkpointed unit is recomputed in turn while the earlier units keep what they keep.
+each checkpointed unit is recomputed in turn while the earlier units keep what they keep. Units are neighbours only
+where no other module ran between them: where one did (a stem, then blocks called through slices of their
+``nn.Sequential``, then the pooling), a unit's output goes to that module, which may keep it (a checkpoint keeps its
+input), so it stays as the last unit's does, and the next unit's input counts as the first unit's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lightning_vram.records import CheckpointPlan, CheckpointSwitch, ModuleProfile
 
@@ -62,28 +66,51 @@ class Unit:
         return max(self.saved - self.charged_input - self.output_saved, 0)
 
 
+class Outside(NamedTuple):
+    """Activations saved outside a plan's units, in bytes, by when they ran.
+
+    ``before`` / ``after``: saved before the first unit (and by the enclosing modules) / after the last one (and by
+    the training step). ``between[i]``: saved by modules that ran between unit ``i - 1`` and unit ``i``, ``None``
+    where none ran (the units are neighbours; always ``None`` for the first unit); empty: every unit a neighbour.
+    """
+
+    before: int
+    after: int
+    between: tuple[int | None, ...] = ()
+
+
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def plan_peak(units: Sequence[Unit], checkpointed: Sequence[bool], before: int, after: int) -> int:
+def plan_peak(
+    units: Sequence[Unit], checkpointed: Sequence[bool], before: int, after: int, between: Sequence[int | None] = ()
+) -> int:
     """Highest activation bytes, over forward and backward, with the ``checkpointed`` units checkpointed.
 
     ``before`` / ``after``: activations saved outside the units before / after them (after ones are freed by
-    the time backward reaches the units). A boundary storage between units ``i - 1`` and ``i`` stays after
-    forward when unit ``i - 1`` is not checkpointed and saved it, or unit ``i`` keeps it (as a checkpointed
-    input, or saving it). Recomputing unit ``i`` holds what the units before it keep, and everything unit ``i``
-    saves again (its input is the one it kept).
+    the time backward reaches the units). ``between``: as :attr:`Outside.between`. A boundary storage between
+    neighbouring units ``i - 1`` and ``i`` stays after forward when unit ``i - 1`` is not checkpointed and saved it,
+    or unit ``i`` keeps it (as a checkpointed input, or saving it). Where other modules ran between two units, what
+    they saved stays until backward has passed them, unit ``i - 1``'s output stays as it was saved (the module after
+    it may keep it: a checkpoint keeps its input) and unit ``i``'s input counts as the first unit's. Recomputing
+    unit ``i`` holds what the units before it keep, and everything unit ``i`` saves again (its input is the one it
+    kept).
 
     >>> block = Unit(("b",), saved=20, input_bytes=2, input_held=False, input_saved=0, output_saved=0)
     >>> plan_peak([block, block, block], [True, True, False], before=0, after=0)  # 2 + 2 + 20, 60 unchanged
     24
+    >>> stem = Unit(("stem",), saved=9, input_bytes=1, input_held=False, input_saved=1, output_saved=4)
+    >>> head = Unit(("head",), saved=0, input_bytes=4, input_held=True, input_saved=0, output_saved=0)
+    >>> plan_peak([stem, head], [True, False], 0, 0, between=(None, 20))  # 20 between, the stem's input and output
+    25
     """
+    gaps = list(between) or [None] * len(units)
     boundaries = []
     for index, unit in enumerate(units):
-        if index == 0:
-            # The units' input: outside ``before`` when an earlier op saved it, else kept by the first unit.
-            kept = not unit.input_held and (checkpointed[0] or unit.input_saved > 0)
+        if index == 0 or gaps[index] is not None:
+            # The units' input, or one after other modules: outside when an earlier op saved it, else kept here.
+            kept = not unit.input_held and (checkpointed[index] or unit.input_saved > 0)
         else:
             kept = (
                 (not checkpointed[index - 1] and units[index - 1].output_saved > 0)
@@ -91,19 +118,24 @@ def plan_peak(units: Sequence[Unit], checkpointed: Sequence[bool], before: int, 
                 or unit.input_saved > 0
             )
         boundaries.append(unit.input_bytes if kept else 0)
-    last = units[-1]
-    # The last unit's output: the consumer after the units is unknown; assume it keeps what was kept before.
-    output_kept = last.output_saved
-    forward = before + after + sum(boundaries) + output_kept
+    # A unit's output before other modules, and the last unit's: the consumer is not a unit; assume it keeps what
+    # was kept before.
+    outputs = [
+        unit.output_saved if index == len(units) - 1 or gaps[index + 1] is not None else 0
+        for index, unit in enumerate(units)
+    ]
+    forward = before + after + sum(boundaries) + sum(outputs) + sum(gap or 0 for gap in gaps)
     forward += sum(unit.internal for unit, flag in zip(units, checkpointed, strict=True) if not flag)
     peak = forward
     held_before = before
     for index, unit in enumerate(units):
-        held_before += boundaries[index]
+        held_before += boundaries[index] + (gaps[index] or 0)
         if checkpointed[index]:
             peak = max(peak, held_before + unit.internal + unit.output_saved)
         else:
             held_before += unit.internal
+        if outputs[index] and index < len(units) - 1:
+            held_before += outputs[index]
     return peak
 
 
@@ -125,6 +157,7 @@ class ProfileIndex:
         self.order = {profile.name: index for index, profile in enumerate(profiles)}
         self.called = {profile.name: profile for profile in profiles if profile.name not in (ROOT, OUTSIDE)}
         self.own = {profile.name: profile.activation_bytes for profile in profiles}
+        self.calls = {profile.name: profile.calls for profile in profiles}
         self.inclusive = dict.fromkeys(self.called, 0)
         for name, profile in self.called.items():
             while name:
@@ -154,48 +187,66 @@ class ProfileIndex:
             output_saved=last.output_saved_bytes,
         )
 
-    def outside(self, names: Sequence[str]) -> tuple[int, int]:
-        """Activations saved outside the units' modules: (before them, after them) in the order modules run.
+    def repeated(self, names: Sequence[str]) -> bool:
+        """Whether one of modules ``names`` ran more often than the module calling it.
 
-        Modules registered before the first unit, and the enclosing modules' own saves, count as before;
-        those registered after the last unit and the training step's own (the loss) as after.
+        A block's one ReLU, called after its first BatchNorm and again after the residual sum: its profile sums calls
+        that fall between other modules, so no unit can hold it.
         """
-        units = set(names)
-        first = self.order[names[0]]
+        return any(self.calls[name] > self.calls.get(self.caller(name) or ROOT, 1) for name in names)
+
+    def outside(self, groups: Sequence[Sequence[str]]) -> Outside:
+        """Activations saved outside the units ``groups`` (each a unit's modules), by when they ran.
+
+        Modules registered before the first unit, and the enclosing modules' own saves, count as before; those
+        registered after the last unit and the training step's own (the loss) as after; those registered between
+        two units (not inside either) as between them.
+        """
+        units = {name for group in groups for name in group}
+        starts = [self.order[group[0]] for group in groups]
         before = after = 0
+        between: list[int | None] = [None] * len(groups)
         for name, saved in self.own.items():
             enclosing = name
             while enclosing and enclosing not in units:
                 enclosing = _parent(enclosing)
             if enclosing:
                 continue  # inside a unit
-            ancestor = name == ROOT or names[0].startswith(f"{name}.")
-            if name != OUTSIDE and (ancestor or self.order[name] < first):
+            ancestor = name == ROOT or groups[0][0].startswith(f"{name}.")
+            if name != OUTSIDE and (ancestor or self.order[name] < starts[0]):
                 before += saved
-            else:
+            elif name == OUTSIDE or self.order[name] > starts[-1]:
                 after += saved
-        return before, after
+            else:
+                index = next(index for index, start in enumerate(starts) if self.order[name] < start)
+                between[index] = (between[index] or 0) + saved
+        return Outside(before, after, tuple(between))
+
+
+def modelled_saving(units: Sequence[Unit], checkpointed: Sequence[bool], outside: Outside) -> int:
+    """The activation bytes the ``checkpointed`` units free at the peak: what was saved less :func:`plan_peak`."""
+    plain = outside.before + outside.after + sum(gap or 0 for gap in outside.between) + sum(u.saved for u in units)
+    return plain - plan_peak(units, checkpointed, *outside)
 
 
 def _plan(
     container: str,
     units: list[Unit],
     flags: list[bool],
-    outside: tuple[int, int],
+    outside: Outside,
     segments: int | None,
     forward_of: str,
 ) -> CheckpointPlan:
-    before, after = outside
-    plain = before + after + sum(unit.saved for unit in units)
-    saving = plain - plan_peak(units, flags, before, after)
+    saving = modelled_saving(units, flags, outside)
     chosen = tuple(unit.names for unit, flag in zip(units, flags, strict=True) if flag)
     return CheckpointPlan(container, chosen, segments, saving, forward_of)
 
 
 def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
     """``checkpoint_sequential`` with every segment count whose checkpointed segments start without an inplace op."""
-    plans = []
-    outside = profiles.outside(names)
+    plans: list[CheckpointPlan] = []
+    if profiles.repeated(names):
+        return plans  # torch's segments cannot leave a child out (a module that ran twice: see ProfileIndex.repeated)
     for segments in range(2, len(names) + 1):
         size = len(names) // segments
         groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
@@ -206,6 +257,7 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
         if any(unit.saved == 0 for unit in units[:-1]):
             continue  # a checkpointed segment that saves nothing frees nothing and costs a forward
         flags = [True] * (len(units) - 1) + [False]
+        outside = profiles.outside(groups)
         plans.append(_plan(container, units, flags, outside, segments, profiles.caller(container)))
     return plans
 
@@ -213,7 +265,9 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
 def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
     """Consecutive children ``names`` as checkpointing units: a child that starts inplace joins the unit before it.
 
-    The first group may start with an inplace op (it has no unit before it): :func:`starts_inplace` tells.
+    The first group may start with an inplace op (it has no unit before it): :func:`starts_inplace` tells. A group
+    holding a module that ran more than once a call (:meth:`ProfileIndex.repeated`) is left out: its modules count
+    as run between the units around it, what they saved stays.
     """
     groups: list[list[str]] = []
     for name in names:
@@ -221,7 +275,7 @@ def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
             groups[-1].append(name)
         else:
             groups.append([name])
-    return groups
+    return [group for group in groups if not profiles.repeated(group)]
 
 
 def starts_inplace(profiles: ProfileIndex, name: str) -> bool:
@@ -233,15 +287,16 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     """Checkpoint a contiguous range of units that ends at the last unit saving something or the one before it.
 
     A child that starts with an inplace op joins the unit before it; the first child cannot start a range then.
-    A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode) is
-    never checkpointed: it neither starts nor ends a range, and inside one it runs as before.
+    A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode), or
+    that holds a module run more than once a call, is never checkpointed: it neither starts nor ends a range, and
+    inside one it runs as before.
     """
     groups = unit_groups(profiles, names)
     if len(groups) < 2:
         return []
     units = [profiles.unit(group) for group in groups]
     forward_of = container if container in profiles.called else profiles.caller(container)
-    outside = profiles.outside(names)
+    outside = profiles.outside(groups)
     plans = []
     saving = [index for index, unit in enumerate(units) if unit.saved > 0]
     for end in saving[-2:]:
@@ -340,9 +395,7 @@ def _stacks_plan(indexed: ProfileIndex, ranked: list[CheckpointPlan]) -> Checkpo
         return None
     names = sorted((unit[0] for plan in best.values() for unit in plan.units), key=indexed.order.__getitem__)
     units = [indexed.unit([name]) for name in names]
-    before, after = indexed.outside(names)
-    plain = before + after + sum(unit.saved for unit in units)
-    saving = plain - plan_peak(units, [True] * len(units), before, after)
+    saving = modelled_saving(units, [True] * len(units), indexed.outside([[name] for name in names]))
     return CheckpointPlan(
         _common_ancestor(list(best)), tuple((name,) for name in names), None, saving, indexed.caller(names[0]) or None
     )
@@ -358,13 +411,12 @@ def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -
     if not names:
         return None
     units = [indexed.unit([name]) for name in names]
-    before, after = indexed.outside(names)
+    outside = indexed.outside([[name] for name in names])
     if switch.model:
         # A transformers task model runs its base model's layers, then its head and loss: its own saves come after.
         head = indexed.own.get(switch.model, 0)
-        before, after = before - head, after + head
-    plain = before + after + sum(unit.saved for unit in units)
-    saving = plain - plan_peak(units, [True] * len(units), before, after)
+        outside = outside._replace(before=outside.before - head, after=outside.after + head)
+    saving = modelled_saving(units, [True] * len(units), outside)
     return CheckpointPlan(
         switch.model, tuple((name,) for name in switch.layers), None, saving, switch.model, switch=switch.method
     )

@@ -232,6 +232,7 @@ class StepAttributor:
                 counter = self._counters[label] = ModuleTally()
             inputs = storage_bytes(args, self._device, self._key_of)
             self._note_uncounted(inputs.uncounted)
+            counter.calls += 1
             counter.input_bytes += sum(inputs.values())
             if any(self._ledger.holds(key) for key in inputs):
                 counter.input_saved_for_backward = True

@@ -22,9 +22,10 @@ ROOT_MODULE = "(root)"
 class ModuleTally:
     """Mutable tallies of one module during a sampled (or replayed) forward pass, in bytes."""
 
-    __slots__ = ("input_bytes", "input_saved_for_backward", "output_bytes")
+    __slots__ = ("calls", "input_bytes", "input_saved_for_backward", "output_bytes")
 
     def __init__(self) -> None:
+        self.calls = 0
         self.input_bytes = 0
         self.output_bytes = 0
         self.input_saved_for_backward = False
@@ -72,6 +73,7 @@ def module_profile(
         output_saved_bytes=facts.output_saved_bytes,
         output_saved_for_backward=facts.output_saved_for_backward,
         input_feature_map=facts.input_feature_map,
+        calls=tally.calls,
     )
 
 

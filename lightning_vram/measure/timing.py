@@ -20,6 +20,8 @@ from lightning_vram.records.json_reader import FormatError, Reader
 
 Clock = Callable[[], float]
 """A monotonic host clock, in seconds (``time.perf_counter``)."""
+SPREAD_MIN_STEPS = 4
+"""The fewest timed steps whose spread is given: their quartiles need four."""
 
 
 class StepTimer:
@@ -115,6 +117,18 @@ class StepTimer:
     def median_step_seconds(self) -> float | None:
         """Median step time over the recent window, in seconds."""
         return statistics.median(step for _, step in self._window) if self._window else None
+
+    def step_time_iqr_fraction(self) -> float | None:
+        """How much the recent window's step times vary: their interquartile range over their median (a fraction).
+
+        ``None`` with fewer than :data:`SPREAD_MIN_STEPS` steps timed in the window, or a median of zero.
+        """
+        steps = [step for _, step in self._window]
+        median = statistics.median(steps) if len(steps) >= SPREAD_MIN_STEPS else 0.0
+        if median <= 0:
+            return None
+        first, _, third = statistics.quantiles(steps, n=4, method="inclusive")
+        return (third - first) / median
 
     def recent_data_wait_fraction(self) -> float | None:
         """Share of step time spent waiting for data over the recent window."""

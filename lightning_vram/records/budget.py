@@ -11,6 +11,12 @@ from typing import Any
 from lightning_vram.records.advice import CheckpointPlan
 from lightning_vram.units import format_bytes, format_percent
 
+RESERVED_LEGEND = (
+    "reserved: what the caching allocator holds from the device, the figure the budget is met on; allocated: what"
+    " the step's tensors hold (a CPU run measures this as its live peak)"
+)
+"""The line that tells a budget's two figures apart, under its head where the budget counts reserved memory."""
+
 
 @dataclass(frozen=True)
 class BudgetPlan:
@@ -23,7 +29,10 @@ class BudgetPlan:
     backward's recomputation adds (the plan's replayed step less the baseline's; ``None``: not counted), and
     ``step_flops`` the baseline step's. ``what`` / ``code``: the plan in words and the code to write (``None``
     without a plan). ``reason``: why this plan, or why nothing fits. ``replays``: replays the search ran.
-    ``basis``: how the peak is measured (``"live peak"`` or ``"reserved (simulated allocator)"``).
+    ``basis``: how the peak is measured (``"live peak"`` or ``"reserved, simulated caching allocator"``).
+    ``allocated_peak_bytes`` / ``baseline_allocated_bytes``: the same steps' allocated peaks, what their tensors hold
+    (the replay's live peak, on CUDA in the allocator's 512-byte blocks), which a reserved figure is printed beside;
+    the same as ``peak_bytes`` / ``baseline_peak_bytes`` on the live basis (``None`` where not recorded).
     """
 
     budget_bytes: int
@@ -38,6 +47,13 @@ class BudgetPlan:
     reason: str
     replays: int
     basis: str
+    allocated_peak_bytes: int | None = None
+    baseline_allocated_bytes: int | None = None
+
+    @property
+    def reserved(self) -> bool:
+        """Whether ``peak_bytes`` is the simulated caching allocator's reserved figure (else a live peak)."""
+        return self.basis.startswith("reserved")
 
     @property
     def recomputed_share(self) -> float | None:
@@ -69,31 +85,46 @@ class BudgetPlan:
             "reason": self.reason,
             "replays": self.replays,
             "basis": self.basis,
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "baseline_allocated_bytes": self.baseline_allocated_bytes,
         }
 
     def lines(self) -> list[str]:
         """A few lines for the prediction's table: the verdict, the plan, its cost and the code to write.
 
-        Each peak names its figure: ``reserved`` (on CUDA the simulated allocator's, above the allocated peak the
-        prediction's header gives by what it caches) or ``live``.
+        Each peak names its figure: ``reserved`` (on CUDA the simulated allocator's, above the allocated peak by what
+        it caches), always with the allocated one beside it and :data:`RESERVED_LEGEND` under the head, or ``live``.
         """
-        head = f"Memory budget {format_bytes(self.budget_bytes)} ({self.basis}):"
+        head = [f"Memory budget {format_bytes(self.budget_bytes)} ({self.basis}):"]
+        if self.reserved:
+            head.append(f"  {RESERVED_LEGEND}")
         if not self.fits:
-            return [head, f"  no plan fits: {self.reason}"]
+            return [*head, f"  no plan fits: {self.reason}"]
         if self.plan is None:
-            return [head, f"  fits without checkpointing: {self.reason}"]
+            return [*head, f"  fits without checkpointing: {self.reason}"]
         share = self.recomputed_share
         cost = (
             f"{self.recomputed_flops:,} FLOPs recomputed ({format_percent(share)} of the step)"
             if self.recomputed_flops is not None and share is not None
             else "recomputation not counted"
         )
-        figure = "reserved" if self.basis.startswith("reserved") else "live"
         code = [f"    {line}" for line in (self.code or "").splitlines()]
+        after = peak_text(self.reserved, self.peak_bytes, self.allocated_peak_bytes)
+        before = peak_text(self.reserved, self.baseline_peak_bytes, self.baseline_allocated_bytes)
         return [
-            head,
-            f"  checkpoint {self.what}: {figure} peak {format_bytes(self.peak_bytes)} (from"
-            f" {format_bytes(self.baseline_peak_bytes)} {figure}), {cost}",
+            *head,
+            f"  checkpoint {self.what}: peak {after} (from {before}), {cost}",
             f"  {self.reason}; the code:" if code else f"  {self.reason}",
             *code,
         ]
+
+
+def peak_text(reserved: bool, peak_bytes: int | None, allocated_bytes: int | None) -> str:
+    """A budget's peak in words: a reserved figure with the allocated one beside it, or a live peak.
+
+    >>> peak_text(True, 65011712, 47441380), peak_text(False, 47441380, 47441380)
+    ('62.0 MiB reserved, 45.2 MiB allocated', '45.2 MiB live')
+    """
+    if not reserved:
+        return f"{format_bytes(peak_bytes)} live"
+    return f"{format_bytes(peak_bytes)} reserved, {format_bytes(allocated_bytes)} allocated"

@@ -151,6 +151,7 @@ class ModuleProfile:
     later op (observed for modules with an ``inplace`` flag only).
     ``input_feature_map``: ``(channels, positions)`` of the convolutional feature map (the output of a Conv,
     Pool or BatchNorm layer) a ``Linear`` read flattened, else ``None``.
+    ``calls``: how many times the forward pass called it (a block's one ReLU, called twice, sums both calls).
     """
 
     name: str
@@ -164,6 +165,7 @@ class ModuleProfile:
     output_saved_bytes: int = 0
     output_saved_for_backward: bool = False
     input_feature_map: tuple[int, int] | None = None
+    calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,9 @@ class RunSummary:
     recomputed_units: tuple[tuple[str, ...], ...] | None = None
     """What activation checkpointing re-ran in backward on the sampled step (:attr:`Attribution.recomputed_units`;
     ``None``: not recorded)."""
+    step_time_iqr_fraction: float | None = None
+    """How much the recent steps' times vary: their interquartile range over their median, a fraction (``None``: not
+    measured, fewer than four steps timed, or an older report)."""
 
     @property
     def on_cuda(self) -> bool:

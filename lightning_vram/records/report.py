@@ -52,11 +52,16 @@ SCHEMA = "lightning_vram.report/1"
 
 @dataclass(frozen=True)
 class TimingSummary:
-    """Run timing: median step in seconds, share of step time waiting for data, mean GPU utilization in percent."""
+    """Run timing: median step in seconds, share of step time waiting for data, mean GPU utilization in percent.
+
+    ``step_time_iqr_fraction``: the recent steps' interquartile range of step times over their median (a fraction;
+    ``None``: not measured), how far their median can be trusted: a loaded machine's step times vary widely.
+    """
 
     step_seconds_median: float | None
     data_wait_fraction: float | None
     gpu_utilization_mean: float | None
+    step_time_iqr_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,12 @@ class Report:
     def timing(self) -> TimingSummary:
         """Step time, data wait and GPU utilization over the run."""
         summary = self.summary
-        return TimingSummary(summary.step_seconds_median, summary.data_wait_fraction, summary.gpu_utilization_mean)
+        return TimingSummary(
+            summary.step_seconds_median,
+            summary.data_wait_fraction,
+            summary.gpu_utilization_mean,
+            summary.step_time_iqr_fraction,
+        )
 
     def to_dict(self) -> dict[str, object]:
         """The report as JSON-ready data, exactly as written to ``vram_report.json``."""
@@ -177,6 +187,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             "step_seconds_median": timing.step_seconds_median,
             "data_wait_fraction": timing.data_wait_fraction,
             "gpu_utilization_mean": timing.gpu_utilization_mean,
+            "step_time_iqr_fraction": timing.step_time_iqr_fraction,
         },
         "advice": [advice_to_dict(advice) for advice in report.advice],
         "not_advised": [not_advised_to_dict(item) for item in report.not_advised],
@@ -248,7 +259,8 @@ def report_from_dict(data: Any) -> Report:
     - the reasons not advised: ``not_advised``: empty;
     - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``;
     - the time cost: ``advice[].estimated_cost_seconds``, ``advice[].flop_ratio``, ``advice[].cost_basis``: ``None``;
-    - the step time: ``advice[].predicted_step_seconds``: ``None``.
+    - the step time: ``advice[].predicted_step_seconds``: ``None``;
+    - the step times' spread: ``timing.step_time_iqr_fraction``: ``None`` (not measured).
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
@@ -291,6 +303,7 @@ def report_from_dict(data: Any) -> Report:
         recomputed_units=recomputed_units_from_dict(fields.raw("recomputed_units"), "report.recomputed_units")
         if fields.has("recomputed_units")
         else None,
+        step_time_iqr_fraction=timing.added("step_time_iqr_fraction", Reader.optional_number, None),
     )
     return Report(
         summary=summary,

@@ -5,7 +5,9 @@ run's settings as the reports record them (a setting a report does not record is
 advice added, removed and changed, and where run B applied one of the changes run A's replay simulated (a precision,
 a batch size, a length cap, or a checkpointing plan, which B's recomputed units show), the peak A's replay predicted
 for it beside the peak B measured, and the step-time cost A's advice predicted for it beside the change of B's
-median step time.
+median step time. A step-time ratio or verdict always comes with how much each run's step times varied (their
+interquartile range over their median): above :data:`STEP_TIME_SPREAD_BOUND` in either run (a loaded machine), the
+diff says the ratio is not reliable.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ TIME_TOLERANCE_SHARE = 0.25
 """
 TIME_TOLERANCE_SECONDS = 0.001
 """...or within this many seconds of it (a tiny step's cost is below the timer's run-to-run noise)."""
+STEP_TIME_SPREAD_BOUND = 0.25
+"""A run's median step time is compared only where its recent step times' interquartile range is at most this share
+of their median; above it (a machine loaded by other work), a ratio of step times is said to be not reliable."""
 
 
 def change_text(before: int | None, after: int | None) -> str:
@@ -137,6 +142,40 @@ def _seconds(before: float | None, after: float | None) -> str:
     return f"{shown[0]} -> {shown[1]}{ratio}"
 
 
+def _spread(report: Report) -> float | None:
+    """How much the run's recent step times varied: interquartile range over the median (``None``: not recorded)."""
+    return report.timing.step_time_iqr_fraction
+
+
+def noise_text(before: Report, after: Report) -> str:
+    """How much each run's step times varied, and whether a ratio of their medians can be trusted.
+
+    Not reliable where either run's interquartile range of step times is above :data:`STEP_TIME_SPREAD_BOUND` of its
+    median; unknown where a report does not record it (an older report, or under four steps timed).
+    """
+    spreads = {"A": _spread(before), "B": _spread(after)}
+    shown = ", ".join(f"{_share(spread)} in {run}" for run, spread in spreads.items())
+    measure = f"step times vary (interquartile range over the median) {shown}"
+    noisy = [run for run, spread in spreads.items() if spread is not None and spread > STEP_TIME_SPREAD_BOUND]
+    if noisy:
+        runs = " and ".join(noisy)
+        return (
+            f"{measure}: not reliable, over {format_percent(STEP_TIME_SPREAD_BOUND)} in {runs} (a machine loaded by"
+            " other work times steps unevenly; measure again on a quiet one)"
+        )
+    if None in spreads.values():
+        return f"{measure}: reliability unknown"
+    return f"{measure}: within {format_percent(STEP_TIME_SPREAD_BOUND)}"
+
+
+def _step_time_line(before: Report, after: Report) -> str:
+    """The median step times and their ratio, never without how much each run's step times varied."""
+    seconds = _seconds(before.timing.step_seconds_median, after.timing.step_seconds_median)
+    if before.timing.step_seconds_median is None or after.timing.step_seconds_median is None:
+        return f"  step time (median): {seconds}"
+    return f"  step time (median): {seconds}; {noise_text(before, after)}"
+
+
 def _share(fraction: float | None) -> str:
     """A share of the step time as a percent, or "not recorded".
 
@@ -164,7 +203,7 @@ def settings_lines(before: Report, after: Report) -> list[str]:
         _setting("world size", _world_size(before), _world_size(after)),
         _setting("strategy", None, None),
         _setting("device", _device(before), _device(after)),
-        f"  step time (median): {_seconds(before.timing.step_seconds_median, after.timing.step_seconds_median)}",
+        _step_time_line(before, after),
         f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
         " of step time",
         _setting("units recomputed in backward (activation checkpointing)", _recomputed(before), _recomputed(after)),
@@ -299,6 +338,7 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
 
     The prediction is met where the measured change is within :data:`TIME_TOLERANCE_SHARE` of it or within
     :data:`TIME_TOLERANCE_SECONDS`; a cost not modelled from FLOPs (another precision) is shown without a verdict.
+    Where both medians are measured, the line ends with how much each run's step times varied (:func:`noise_text`).
     """
     median_before, median_after = before.timing.step_seconds_median, after.timing.step_seconds_median
     label = advice.id.value
@@ -310,9 +350,10 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
     )
     if advice.predicted_step_seconds is not None and median_after is not None:
         measured += f"; predicted step with the change {advice.predicted_step_seconds * 1000:.1f} ms"
+    noise = f"; {noise_text(before, after)}" if median_before is not None and median_after is not None else ""
     predicted = advice.estimated_cost_seconds
     if predicted is None:
-        return f"step time ({label}): A's advice said {advice.cost_text}; {measured}"
+        return f"step time ({label}): A's advice said {advice.cost_text}; {measured}{noise}"
     verdict = ""
     if median_before is not None and median_after is not None:
         tolerance = max(TIME_TOLERANCE_SHARE * abs(predicted), TIME_TOLERANCE_SECONDS)
@@ -322,7 +363,10 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
             f" {1000 * TIME_TOLERANCE_SECONDS:.0f} ms"
         )
     flops = f"{advice.flop_ratio - 1:+.1%} FLOPs, {advice.cost_basis}" if advice.flop_ratio is not None else ""
-    return f"step time ({label}): A's replay predicted {_milliseconds(predicted)} a step ({flops}), {measured}{verdict}"
+    return (
+        f"step time ({label}): A's replay predicted {_milliseconds(predicted)} a step ({flops}), {measured}{verdict}"
+        f"{noise}"
+    )
 
 
 def _applied_variants(before: Report, after: Report) -> list[tuple[VariantResult, int]]:

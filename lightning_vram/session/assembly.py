@@ -105,6 +105,7 @@ class Assembly:
             modules=largest.modules if largest is not None else (),
             batch_size=largest.batch_size if largest is not None else None,
             step_seconds_median=timer.median_step_seconds(),
+            step_time_iqr_fraction=timer.step_time_iqr_fraction(),
             data_wait_fraction=timer.data_wait_fraction(),
             recent_data_wait_fraction=timer.recent_data_wait_fraction(),
             timed_steps=timer.timed_steps,
