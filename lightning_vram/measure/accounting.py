@@ -41,6 +41,7 @@ from lightning_vram.measure.storages import (
     tensor_kind,
     tensor_storages,
     unsharded_parameters,
+    weak_identity,
 )
 from lightning_vram.measure.tallies import OUTSIDE_MODULES, ROOT_MODULE, ModuleTally, module_profiles, phase_breakdown
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
@@ -95,7 +96,6 @@ class StepAttributor:
         self._optimizers = optimizers
         self._device = device
         self._counting = counting
-        self._key_of = counting.key_of
         self._on_saved = on_saved
         self.notes: dict[str, NotMeasured] = notes if notes is not None else {}
         """What the counting skipped and why, by what; shared with the caller when it passes its own dict."""
@@ -117,7 +117,7 @@ class StepAttributor:
         if self.scripted:
             self.notes.setdefault("scripted", scripted_note(self.scripted))
         self._counters: dict[str, ModuleTally] = {}
-        self._observer = ModuleObserver(counting.key_of)
+        self._observer = ModuleObserver(weak_identity)
         self._batch_size: int | None = None
         self._handles: list[RemovableHandle] = []
         self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -154,7 +154,7 @@ class StepAttributor:
         """Read the parameters' storages again while some are uninitialised (lazy modules materialise later)."""
         if self._lazy_parameters:
             self._parameter_tensors = tuple(self._module.parameters())
-            self._parameters = parameter_storages(self._module, self._device, self._key_of)
+            self._parameters = parameter_storages(self._module, self._device, weak_identity)
             self._parameter_bytes = sum(self._parameters.values())
             self._note_uncounted(self._parameters.uncounted)
             self._lazy_parameters = any(is_lazy(parameter) for parameter in self._module.parameters())
@@ -163,7 +163,7 @@ class StepAttributor:
         """(gradient bytes, optimizer-state bytes) alive now."""
         self._refresh_parameters()
         _, gradients, state = model_state_storages(
-            self._module, self._optimizers, self._device, self._key_of, self._parameter_tensors
+            self._module, self._optimizers, self._device, weak_identity, self._parameter_tensors
         )
         self._note_uncounted(gradients.uncounted | state.uncounted)
         return sum(gradients.values()), sum(state.values())
@@ -230,7 +230,7 @@ class StepAttributor:
             counter = self._counters.get(label)
             if counter is None:
                 counter = self._counters[label] = ModuleTally()
-            inputs = storage_bytes(args, self._device, self._key_of)
+            inputs = storage_bytes(args, self._device, weak_identity)
             self._note_uncounted(inputs.uncounted)
             counter.calls += 1
             counter.input_bytes += sum(inputs.values())
@@ -282,7 +282,7 @@ class StepAttributor:
                 if self._gradients is not None:
                     self._gradients.observe()
             return
-        outputs = storage_bytes(output, self._device, self._key_of)
+        outputs = storage_bytes(output, self._device, weak_identity)
         counter = self._counters.get(label)
         if counter is not None:
             counter.output_bytes += sum(outputs.values())
@@ -312,7 +312,7 @@ class StepAttributor:
 
     def _hold_recomputed(self, tensor: Tensor) -> None:
         for storage in self._storages(tensor):
-            key = self._key_of(storage)
+            key = weak_identity(storage)
             if self._gathered(storage):
                 continue  # a parameter FSDP1 or FSDP2 gathered again for backward
             if key and key not in self._parameters and self._ledger.hold_recomputed(key, storage.nbytes()):
@@ -340,7 +340,7 @@ class StepAttributor:
             return tensor  # a ZeRO-3 parameter, gathered for this layer: DeepSpeed frees it and gathers it again
         found = [storage for storage in self._storages(tensor) if not self._gathered(storage)]
         self._refresh_parameters()
-        keys = [(self._key_of(storage), storage.nbytes()) for storage in found]
+        keys = [(weak_identity(storage), storage.nbytes()) for storage in found]
         keys = [(key, nbytes) for key, nbytes in keys if key and key not in self._parameters]
         if not keys:
             return SavedTensor(tensor)
@@ -372,7 +372,7 @@ class StepAttributor:
         self._close_segment(Phase.FORWARD)
         self._phase = Phase.BACKWARD
         self._gradients = GradientLedger(
-            self._module, self._optimizers, self._ledger, self._device, self._key_of, self._parameter_tensors
+            self._module, self._optimizers, self._ledger, self._device, weak_identity, self._parameter_tensors
         )
         if not self._gradient_handles:
             for parameter in self._parameter_tensors or tuple(self._module.parameters()):

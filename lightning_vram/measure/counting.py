@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_vram.measure.storages import StorageKey, weak_identity
-
 
 @dataclass(frozen=True)
 class Counting:
     """What differs between counting a sampled step of the real training and a step replayed under fake tensors."""
 
-    key_of: StorageKey
-    """Storage -> its key (0 for one that holds nothing): its ``StorageWeakRef`` identity, real or fake."""
     watch_recomputation: bool
     """Whether the counter pushes a dispatch mode of its own to see what a recomputation creates; otherwise the
     caller hands it every operator's output (``StepAttributor.on_output``)."""
@@ -20,7 +16,7 @@ class Counting:
     """Whether an error inside the hooks propagates; otherwise it is kept in ``error`` and the hooks stand aside."""
 
 
-SAMPLED = Counting(weak_identity, watch_recomputation=True, raise_errors=False)
+SAMPLED = Counting(watch_recomputation=True, raise_errors=False)
 """A sampled step of the user's training: real storages, and the monitor never breaks the step.
 
 Storages are known by identity, not by data pointer: autograd may hold a storage whose data was freed

@@ -1,14 +1,13 @@
 """The monitor's count of one training step, phase by phase, for a step replayed under fake tensors.
 
 The counter is the monitor's own :class:`~lightning_vram.measure.accounting.StepAttributor`, so that a replay can
-be compared with a sampled step part by part; :data:`REPLAYED` says what differs. A fake storage has no data
-pointer, so storages are told apart by their ``StorageWeakRef`` identity
-(:func:`~lightning_vram.measure.storages.weak_identity`); what a recomputation creates comes from the replay's
+be compared with a sampled step part by part; :data:`REPLAYED` says what differs. Storages are told apart by their
+``StorageWeakRef`` identity (:func:`~lightning_vram.measure.storages.weak_identity`), as in a sampled step; what a recomputation creates comes from the replay's
 :class:`~lightning_vram.prediction.replay.live.LiveMemory` through :meth:`ReplayCounter.on_output`; saved tensors are
 checked for in-place changes, so that a change that breaks backward raises here as it would in training; and an
-error inside the hooks ends the replay. Module profiles carry what the monitor's
-:class:`~lightning_vram.measure.observations.ModuleObserver` tells from storage keys (the input and output bytes
-each module saved), not what it tells from data pointers (feature maps, outputs held at the end of forward). The
+error inside the hooks ends the replay. Module profiles carry the input and output bytes each
+module saved, not the :class:`~lightning_vram.measure.observations.ModuleObserver`'s facts (feature maps, outputs
+held at the end of forward): those are the sampled step's. The
 counter also charges each saved tensor to the op that produced it, to tell the loss's own share.
 """
 
@@ -23,10 +22,9 @@ from torch import nn
 
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.counting import Counting
-from lightning_vram.measure.storages import weak_identity
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
 
-REPLAYED = Counting(weak_identity, watch_recomputation=False, raise_errors=True)
+REPLAYED = Counting(watch_recomputation=False, raise_errors=True)
 """A step replayed under fake tensors: storages known by identity, outputs from the replay, errors raised."""
 
 Producer = Callable[[int], str | None]
@@ -86,8 +84,8 @@ class ReplayCounter:
     def finish(self) -> tuple[dict[Phase, Breakdown], tuple[ModuleProfile, ...]]:
         """Close the optimizer phase, remove every hook, and return the counted phases and module profiles."""
         attribution = self._attributor.finish()
-        # Whether an output stayed saved and which feature map a Linear read are told by data pointers, which fake
-        # storages lack: a replay leaves them unknown (their defaults).
+        # Whether an output stayed saved and which feature map a Linear read are the sampled step's facts: a replay
+        # leaves them unknown (their defaults).
         modules = tuple(
             replace(profile, output_saved_for_backward=False, input_feature_map=None) for profile in attribution.modules
         )
