@@ -1,14 +1,14 @@
 """The monitor's count of one training step, phase by phase, for a step replayed under fake tensors.
 
-The counter is the monitor's own :class:`~lightning_vram.measure.accounting.StepAttributor`, so that a replay can
-be compared with a sampled step part by part; :data:`REPLAYED` says what differs. Storages are told apart by their
-``StorageWeakRef`` identity (:func:`~lightning_vram.measure.storages.weak_identity`), as in a sampled step; what a recomputation creates comes from the replay's
-:class:`~lightning_vram.prediction.replay.live.LiveMemory` through :meth:`ReplayCounter.on_output`; saved tensors are
-checked for in-place changes, so that a change that breaks backward raises here as it would in training; and an
-error inside the hooks ends the replay. Module profiles carry the input and output bytes each
-module saved, not the :class:`~lightning_vram.measure.observations.ModuleObserver`'s facts (feature maps, outputs
-held at the end of forward): those are the sampled step's. The
-counter also charges each saved tensor to the op that produced it, to tell the loss's own share.
+The counter is the monitor's own :class:`~lightning_vram.measure.accounting.StepAttributor`, so that a replay can be
+compared with a sampled step part by part; :data:`REPLAYED` says what differs. Storages are told apart by their
+``StorageWeakRef`` identity (:func:`~lightning_vram.measure.storages.weak_identity`), as in a sampled step; what a
+recomputation creates comes from the replay's :class:`~lightning_vram.prediction.replay.live.LiveMemory` through
+:meth:`ReplayCounter.on_output`; saved tensors are checked for in-place changes, so that a change that breaks
+backward raises here as it would in training; and an error inside the hooks ends the replay. Module profiles carry
+the input and output bytes each module saved, not the :class:`~lightning_vram.measure.observations.ModuleObserver`'s
+facts (feature maps, outputs held at the end of forward): those are the sampled step's. The counter also charges
+each saved tensor to the op that produced it, to tell the loss's own share.
 """
 
 from __future__ import annotations
