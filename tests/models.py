@@ -177,6 +177,22 @@ def trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 4, **kwar
     return pl.Trainer(callbacks=callbacks, **options)
 
 
+def saved_storage_bytes(module: nn.Module, step: Callable[[], object]) -> int:
+    """Bytes autograd saves while ``step()`` runs, counted directly: unique storages, the parameters left out."""
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return sum(saved.values())
+
+
 class ScriptedClock:
     """A host clock for ``VramMonitor(clock=...)``: the time in seconds moves only when the test advances it."""
 

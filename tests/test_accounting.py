@@ -7,7 +7,17 @@ from typing import Any
 
 import pytest
 import torch
-from models import FLOAT32, NETWORKS, OPTIMIZERS, PARAMETER_COUNTS, Classifier, dataset_for, loader, trainer
+from models import (
+    FLOAT32,
+    NETWORKS,
+    OPTIMIZERS,
+    PARAMETER_COUNTS,
+    Classifier,
+    dataset_for,
+    loader,
+    saved_storage_bytes,
+    trainer,
+)
 from torch import nn
 
 from lightning_vram import VramMonitor
@@ -28,18 +38,7 @@ OPTIMIZER_STATE_SHAPE = {
 
 def reference_saved_bytes(module: Classifier, batch: Any) -> int:
     """Bytes autograd saves in one training_step, counted directly: unique storages, parameters excluded."""
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module.training_step(batch, 0)
-    return sum(saved.values())
+    return saved_storage_bytes(module, lambda: module.training_step(batch, 0))
 
 
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))

@@ -37,7 +37,8 @@ few non-boundary bytes) frees nothing worth advising, modelled or replayed."""
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm, an inplace ReLU, and the identity added."""
+    """Two 3x3 convolutions with BatchNorm, an inplace ReLU, and the identity added out of place, as the trial's user
+    wrote it (tests/models.py's block adds it in place: another set of saved tensors)."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import saved_storage_bytes
 from torch import nn
 from zero_fsdp1_ranks import BATCH_SHAPE, train, transformer
 
@@ -64,18 +65,7 @@ def test_a_storage_allocated_at_a_freed_saved_storages_address_counts_apart() ->
 def saved_bytes(module: nn.Module, batch: torch.Tensor) -> int:
     """Bytes autograd saves in ``module``'s step (the output's mean square), counted directly: unique storages,
     parameters left out."""
-    parameters = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(batch).square().mean()
-    return sum(saved.values())
+    return saved_storage_bytes(module, lambda: module(batch).square().mean())
 
 
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
