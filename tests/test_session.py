@@ -17,7 +17,7 @@ from lightning_vram import VramMonitor, VramSession
 from lightning_vram.records import Phase
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
-TIMING_FIELDS = ("step_seconds_median", "data_wait_fraction")
+TIMING_FIELDS = ("step_seconds_median", "data_wait_fraction", "step_time_iqr_fraction")
 
 
 def plain_loop(session: VramSession, module: Classifier, steps: int) -> None:

@@ -191,9 +191,11 @@ class ProfileIndex:
         """Whether one of modules ``names`` ran more often than the module calling it.
 
         A block's one ReLU, called after its first BatchNorm and again after the residual sum: its profile sums calls
-        that fall between other modules, so no unit can hold it.
+        that fall between other modules, so no unit can hold it. A module the training step calls itself is never
+        repeated: each of its calls (a GAN's generator for each optimizer, a siamese encoder on each input) is a
+        whole forward of its own, which a checkpoint wrapper around it covers.
         """
-        return any(self.calls[name] > self.calls.get(self.caller(name) or ROOT, 1) for name in names)
+        return any((caller := self.caller(name)) and self.calls[name] > self.calls.get(caller, 1) for name in names)
 
     def outside(self, groups: Sequence[Sequence[str]]) -> Outside:
         """Activations saved outside the units ``groups`` (each a unit's modules), by when they ran.
