@@ -1,10 +1,10 @@
 """Counting one training step tensor by tensor: parameters, gradients, optimizer state, activations, per phase.
 
 One counter, :class:`StepAttributor`, counts sampled steps of the real training and steps replayed under fake
-tensors; a :class:`Counting` says how storages are told apart (``StorageWeakRef`` identities, which fake storages
-have too and which no later allocation takes while the storage lives) and what differs between the two: who shows
-it what a recomputation creates, and whether errors inside its hooks are contained (the user's training) or raised
-(a replay). Storages are counted by
+tensors. Both tell storages apart by their ``StorageWeakRef`` identities (which fake storages have too, and which no
+later allocation takes while the storage lives); a :class:`Counting` says what differs between the two: who shows it
+what a recomputation creates, and whether errors inside its hooks are contained (the user's training) or raised (a
+replay). Storages are counted by
 :mod:`~lightning_vram.measure.storages`, live bytes by :mod:`~lightning_vram.measure.ledgers`, and phases and
 modules add up in :mod:`~lightning_vram.measure.tallies`. Activations are the tensors autograd saves for backward,
 seen through ``torch.autograd.graph.saved_tensors_hooks``.
@@ -77,7 +77,7 @@ class StepAttributor:
     are read from the parameters as the step began (FSDP2's shards).
 
     Uninitialised parameters count once materialised; tensors whose data cannot be reached are skipped and
-    listed in ``notes``. ``counting`` says how storages are told apart and how the hooks behave (:data:`SAMPLED`,
+    listed in ``notes``. ``counting`` says who watches recomputation and how the hooks behave (:data:`SAMPLED`,
     or the replay's); ``on_saved(key, nbytes)`` hears of each storage autograd starts to hold for backward.
     """
 
