@@ -76,14 +76,17 @@ def step_time_line(before: Report, after: Report, tmp_path: Path, capsys: pytest
 def test_a_ratio_from_a_noisy_run_is_said_to_be_unreliable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = step_time_line(report(0.1, 0.04), report(1.3, 0.9), tmp_path, capsys)
     assert line == (
-        f"  step time (median): 0.1 s -> 1.3 s (13.00x); {MEASURE} 4.0% in A, 90.0% in B: not reliable, over 25.0%"
+        f"  step time (median): 100.0 ms -> 1300.0 ms (13.00x); {MEASURE} 4.0% in A, 90.0% in B: not reliable, over"
+        " 25.0%"
         " in B (a machine loaded by other work times steps unevenly; measure again on a quiet one)"
     )
 
 
 def test_a_ratio_from_quiet_runs_comes_with_their_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = step_time_line(report(0.2, 0.05), report(0.1, 0.25), tmp_path, capsys)
-    assert line == f"  step time (median): 0.2 s -> 0.1 s (0.50x); {MEASURE} 5.0% in A, 25.0% in B: within 25.0%"
+    assert line == (
+        f"  step time (median): 200.0 ms -> 100.0 ms (0.50x); {MEASURE} 5.0% in A, 25.0% in B: within 25.0%, reliable"
+    )
     # An older report records no spread: the ratio is still never bare.
     line = step_time_line(report(0.2, None), report(0.1, 0.05), tmp_path, capsys)
     assert line.endswith(f"(0.50x); {MEASURE} not recorded in A, 5.0% in B: reliability unknown")

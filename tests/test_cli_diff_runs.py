@@ -180,7 +180,8 @@ def test_the_settings_and_timing_of_both_runs(
         "  world size: 1 in both runs",
         "  strategy: not recorded",
         f"  device: {device} in both runs",
-        f"  step time (median): {seconds_before:.3g} s -> {seconds_after:.3g} s ({ratio:.2f}x); step times vary"
+        f"  step time (median): {seconds_before * 1000:.1f} ms -> {seconds_after * 1000:.1f} ms ({ratio:.2f}x); step"
+        " times vary"
         " (interquartile range over the median) not recorded in A, not recorded in B: reliability unknown",
         f"  data wait: {waits[0]} -> {waits[1]} of step time",
         "  units recomputed in backward (activation checkpointing): 0 in both runs",

@@ -161,7 +161,8 @@ def test_diff_judges_the_measured_step_time_against_the_predicted_cost(after_sec
     assert line == (
         "step time (activation-checkpointing): A's replay predicted +30.0 ms a step (+30.0% FLOPs, recomputed"
         f" forward), B's median step took {1000 * (after_seconds - 0.1):+.1f} ms (100.0 ms ->"
-        f" {1000 * after_seconds:.1f} ms): {verdict} the tolerance of 25.0% or 1 ms; {UNKNOWN_SPREAD}"
+        f" {1000 * after_seconds:.1f} ms); the cost measured {1000 * (after_seconds - 0.1):+.1f} ms for +30.0 ms"
+        f" predicted: {verdict} the tolerance of 25.0% or 1 ms; {UNKNOWN_SPREAD}"
     )
 
 
@@ -169,10 +170,10 @@ def test_diff_allows_a_millisecond_on_a_tiny_step_and_gives_no_verdict_without_t
     report = load_report(Path(__file__).parent / "data" / "reports" / "0.10.0" / "cpu.json")
     tiny = priced(CheckpointChange(PLAN), 1_300_000, step_seconds=0.002)  # +0.6 ms
     assert time_line(tiny, _timed(report, 0.002), _timed(report, 0.0035)).endswith(
-        f": within the tolerance of 25.0% or 1 ms; {UNKNOWN_SPREAD}"
+        f" predicted: within the tolerance of 25.0% or 1 ms; {UNKNOWN_SPREAD}"
     )
     assert time_line(tiny, _timed(report, 0.002), _timed(report, 0.0037)).endswith(
-        f": outside the tolerance of 25.0% or 1 ms; {UNKNOWN_SPREAD}"
+        f" predicted: outside the tolerance of 25.0% or 1 ms; {UNKNOWN_SPREAD}"
     )
     assert time_line(tiny, _timed(report, None), _timed(report, 0.003)).endswith(", step time not recorded")
     precision = priced(PrecisionChange("bf16-mixed"), FLOPS)
@@ -192,5 +193,8 @@ def test_the_views_show_the_predicted_step_time_where_set() -> None:
     assert "predicted step" not in advice_summary(advice())
     report = load_report(Path(__file__).parent / "data" / "reports" / "0.10.0" / "cpu.json")
     line = time_line(found, _timed(report, 0.1), _timed(report, 0.128))
-    assert "(100.0 ms -> 128.0 ms); predicted step with the change 123.4 ms: within the tolerance" in line
+    assert (
+        "(100.0 ms -> 128.0 ms); the cost measured +28.0 ms for +30.0 ms predicted: within the tolerance of 25.0% or"
+        " 1 ms; predicted step with the change 123.4 ms; "
+    ) in line
     assert "predicted step" not in time_line(found, _timed(report, 0.1), _timed(report, None))

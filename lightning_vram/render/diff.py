@@ -134,10 +134,10 @@ def _world_size(report: Report) -> int | None:
 def _seconds(before: float | None, after: float | None) -> str:
     """A time per step from ``before`` to ``after``, with their ratio.
 
-    >>> _seconds(0.2, 0.1), _seconds(None, 0.1)
-    ('0.2 s -> 0.1 s (0.50x)', 'not recorded -> 0.1 s')
+    >>> _seconds(0.2, 0.0686), _seconds(None, 0.1)
+    ('200.0 ms -> 68.6 ms (0.34x)', 'not recorded -> 100.0 ms')
     """
-    shown = [NOT_RECORDED if value is None else f"{value:.3g} s" for value in (before, after)]
+    shown = [NOT_RECORDED if value is None else f"{value * 1000:.1f} ms" for value in (before, after)]
     ratio = f" ({after / before:.2f}x)" if before and after is not None else ""
     return f"{shown[0]} -> {shown[1]}{ratio}"
 
@@ -165,7 +165,7 @@ def noise_text(before: Report, after: Report) -> str:
         )
     if None in spreads.values():
         return f"{measure}: reliability unknown"
-    return f"{measure}: within {format_percent(STEP_TIME_SPREAD_BOUND)}"
+    return f"{measure}: within {format_percent(STEP_TIME_SPREAD_BOUND)}, reliable"
 
 
 def _step_time_line(before: Report, after: Report) -> str:
@@ -348,20 +348,21 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
         if median_before is not None and median_after is not None
         else f"step time {NOT_RECORDED}"
     )
-    if advice.predicted_step_seconds is not None and median_after is not None:
-        measured += f"; predicted step with the change {advice.predicted_step_seconds * 1000:.1f} ms"
-    noise = f"; {noise_text(before, after)}" if median_before is not None and median_after is not None else ""
     predicted = advice.estimated_cost_seconds
-    if predicted is None:
-        return f"step time ({label}): A's advice said {advice.cost_text}; {measured}{noise}"
     verdict = ""
-    if median_before is not None and median_after is not None:
+    if predicted is not None and median_before is not None and median_after is not None:
         tolerance = max(TIME_TOLERANCE_SHARE * abs(predicted), TIME_TOLERANCE_SECONDS)
         within = abs(median_after - median_before - predicted) <= tolerance
         verdict = (
-            f": {'within' if within else 'outside'} the tolerance of {format_percent(TIME_TOLERANCE_SHARE)} or"
-            f" {1000 * TIME_TOLERANCE_SECONDS:.0f} ms"
+            f"; the cost measured {_milliseconds(median_after - median_before)} for {_milliseconds(predicted)}"
+            f" predicted: {'within' if within else 'outside'} the tolerance of {format_percent(TIME_TOLERANCE_SHARE)}"
+            f" or {1000 * TIME_TOLERANCE_SECONDS:.0f} ms"
         )
+    if advice.predicted_step_seconds is not None and median_after is not None:
+        verdict += f"; predicted step with the change {advice.predicted_step_seconds * 1000:.1f} ms"
+    noise = f"; {noise_text(before, after)}" if median_before is not None and median_after is not None else ""
+    if predicted is None:
+        return f"step time ({label}): A's advice said {advice.cost_text}; {measured}{verdict}{noise}"
     flops = f"{advice.flop_ratio - 1:+.1%} FLOPs, {advice.cost_basis}" if advice.flop_ratio is not None else ""
     return (
         f"step time ({label}): A's replay predicted {_milliseconds(predicted)} a step ({flops}), {measured}{verdict}"
