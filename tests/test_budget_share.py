@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -105,6 +106,14 @@ def test_a_reserved_budget_prints_the_allocated_peak_beside_it_and_writes_both()
         " 230.0 MiB allocated), 10 FLOPs recomputed (10.0% of the step)",
     ]
     assert RESERVED_LEGEND.startswith("reserved: what the caching allocator holds from the device")
+    assert RESERVED_LEGEND.endswith('live peak; `device_type="cpu"` budgets that instead)')
+    # Where nothing fits, the step without checkpointing is given beside the smallest peak reached (the trial's
+    # user could not tell where the 40.0 MiB reserved had started from).
+    short = replace(found, fits=False, reason="the smallest peak reached is 186.0 MiB reserved")
+    assert short.lines()[2] == (
+        "  no plan fits: the smallest peak reached is 186.0 MiB reserved; without checkpointing the step peaks at"
+        " 234.0 MiB reserved, 230.0 MiB allocated"
+    )
     written = found.to_dict()
     assert (written["peak_bytes"], written["allocated_peak_bytes"]) == (186 << 20, 180 << 20)
     assert (written["baseline_peak_bytes"], written["baseline_allocated_bytes"]) == (234 << 20, 230 << 20)

@@ -13,7 +13,7 @@ from lightning_vram.units import format_bytes, format_percent
 
 RESERVED_LEGEND = (
     "reserved: what the caching allocator holds from the device, the figure the budget is met on; allocated: what"
-    " the step's tensors hold (a CPU run measures this as its live peak)"
+    ' the step\'s tensors hold (a CPU run measures this as its live peak; `device_type="cpu"` budgets that instead)'
 )
 """The line that tells a budget's two figures apart, under its head where the budget counts reserved memory."""
 
@@ -98,8 +98,9 @@ class BudgetPlan:
         head = [f"Memory budget {format_bytes(self.budget_bytes)} ({self.basis}):"]
         if self.reserved:
             head.append(f"  {RESERVED_LEGEND}")
+        before = peak_text(self.reserved, self.baseline_peak_bytes, self.baseline_allocated_bytes)
         if not self.fits:
-            return [*head, f"  no plan fits: {self.reason}"]
+            return [*head, f"  no plan fits: {self.reason}; without checkpointing the step peaks at {before}"]
         if self.plan is None:
             return [*head, f"  fits without checkpointing: {self.reason}"]
         share = self.recomputed_share
@@ -110,7 +111,6 @@ class BudgetPlan:
         )
         code = [f"    {line}" for line in (self.code or "").splitlines()]
         after = peak_text(self.reserved, self.peak_bytes, self.allocated_peak_bytes)
-        before = peak_text(self.reserved, self.baseline_peak_bytes, self.baseline_allocated_bytes)
         return [
             *head,
             f"  checkpoint {self.what}: peak {after} (from {before}), {cost}",
