@@ -114,12 +114,11 @@ def require_one_of(first: str, first_value: object, second: str, second_value: o
 
 
 def _require_seconds(name: str, value: object, minimum: float, maximum: float) -> None:
+    what = f"{name} must be a positive number of seconds from {minimum} to {maximum}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number of seconds, got {value!r} ({type(value).__name__})")
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not minimum <= value <= maximum:  # also infinity; NaN failed the test above
-        raise ValueError(f"{name} must be a positive number of seconds from {minimum} to {maximum}, got {value!r}")
+        raise TypeError(f"{what}, got {value!r} ({type(value).__name__})")
+    if not minimum <= value <= maximum:  # also infinity and NaN
+        raise ValueError(f"{what}, got {value!r}")
 
 
 def _require_budget(name: str, value: object, maximum: float) -> None:

@@ -65,8 +65,8 @@ def test_session_arguments_fail_at_construction_naming_the_argument() -> None:
         ("utilization_interval_seconds", math.inf, "must be a positive number of seconds from 0.01 to 60.0, got inf"),
         ("utilization_interval_seconds", 61, "must be a positive number of seconds from 0.01 to 60.0, got 61"),
         ("utilization_interval_seconds", 1e-4, "must be a positive number of seconds from 0.01 to 60.0, got 0.0001"),
-        ("utilization_interval_seconds", math.nan, "utilization_interval_seconds must be a positive number of"),
-        ("utilization_interval_seconds", -math.inf, "utilization_interval_seconds must be a positive number of"),
+        ("utilization_interval_seconds", math.nan, "must be a positive number of seconds from 0.01 to 60.0, got nan"),
+        ("utilization_interval_seconds", -math.inf, "must be a positive number of seconds from 0.01 to 60.0, got -inf"),
     ],
 )
 def test_out_of_range_settings_fail_at_construction_naming_the_argument(
@@ -90,6 +90,16 @@ def test_the_largest_settings_allowed_are_accepted(build: Any) -> None:
     )
     assert built.config.recent_steps == 10**6
     assert build(utilization_interval_seconds=0.01).config.utilization_interval_seconds == 0.01
+
+
+@pytest.mark.parametrize("value", [True, "1s"])
+def test_a_number_of_seconds_of_another_type_is_refused_with_its_range(value: object) -> None:
+    with pytest.raises(TypeError) as raised:
+        VramMonitor(utilization_interval_seconds=value)
+    assert str(raised.value) == (
+        "utilization_interval_seconds must be a positive number of seconds from 0.01 to 60.0, got"
+        f" {value!r} ({type(value).__name__})"
+    )
 
 
 MAX_SHAPE_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
