@@ -240,10 +240,19 @@ class FitRow:
     def expandable_text(self) -> str:
         """The batch with expandable segments as a report shows it (``"n/a"`` where not simulated).
 
+        ``"at least"`` as in :attr:`batch_text` where the run's settings reached the search's bound and expandable
+        segments did too.
+
         >>> FitRow("H200", 141, 150, SavingBasis.SIMULATED, allocator="", expandable_max_batch_size=162).expandable_text
         '162'
+        >>> bound = FitRow("H200", 141, 65536, SavingBasis.SIMULATED, at_least=True, expandable_max_batch_size=65536)
+        >>> bound.expandable_text
+        'at least 65536'
         """
-        return "n/a" if self.expandable_max_batch_size is None else str(self.expandable_max_batch_size)
+        wider = self.expandable_max_batch_size
+        if wider is None:
+            return "n/a"
+        return f"at least {wider}" if self.at_least and wider >= self.max_batch_size else str(wider)
 
     @property
     def allocator_text(self) -> str:
