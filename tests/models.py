@@ -177,14 +177,14 @@ def trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 4, **kwar
     return pl.Trainer(callbacks=callbacks, **options)
 
 
-def saved_storage_bytes(module: nn.Module, step: Callable[[], object]) -> int:
-    """Bytes autograd saves while ``step()`` runs, counted directly: unique storages, the parameters left out."""
-    parameters = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
+def saved_storage_bytes(step: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes autograd saves while ``step()`` runs, counted directly: unique storages, minus ``exclude``'s storages."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in excluded:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 

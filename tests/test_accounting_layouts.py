@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import FLOAT32, Classifier, dataset_for, loader, trainer
+from models import FLOAT32, Classifier, dataset_for, loader, saved_storage_bytes, trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
@@ -21,22 +21,6 @@ from lightning_vram.records import Phase
 
 INT64 = 8
 CPU = torch.device("cpu")
-
-
-def saved_bytes(step: Any, exclude: Any = ()) -> int:
-    """Bytes autograd saves while ``step()`` runs, counted directly: unique storages, minus ``exclude``'s storages."""
-    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        step()
-    return sum(saved.values())
 
 
 def failed_parts(report: Report) -> list[str]:
@@ -117,7 +101,7 @@ def test_sparse_gradients_count_their_indices_and_values(tmp_path: Path, manual:
     state = 2 * embedding_bytes + 2 * head_bytes + 2 * FLOAT32 if manual else 0
     assert optimizer.optimizer_state == state
     tokens, targets = next(iter(token_batches()))
-    expected = saved_bytes(
+    expected = saved_storage_bytes(
         lambda: nn.functional.cross_entropy(module(tokens), targets), exclude=list(module.parameters())
     )
     assert forward.activations == expected
@@ -247,7 +231,9 @@ def test_lazy_parameters_count_once_materialised(tmp_path: Path) -> None:
     assert forward.breakdown.parameters == parameter_bytes
     assert forward.breakdown.gradients == parameter_bytes
     inputs, targets = next(iter(loader(dataset_for("linear"))))
-    expected = saved_bytes(lambda: module.training_step((inputs, targets), 0), exclude=list(module.parameters()))
+    expected = saved_storage_bytes(
+        lambda: module.training_step((inputs, targets), 0), exclude=list(module.parameters())
+    )
     assert forward.breakdown.activations == expected
 
 
@@ -376,7 +362,7 @@ def test_recomputed_transformer_layers_count_in_backward(tmp_path: Path) -> None
     assert backward is not None
     # What one layer saves beyond its input, counted independently on the layer run without checkpointing.
     layer_input = torch.randn(batch, tokens, width, requires_grad=True)
-    per_layer = saved_bytes(lambda: layers[0](layer_input), exclude=[layer_input, *layers[0].parameters()])
+    per_layer = saved_storage_bytes(lambda: layers[0](layer_input), exclude=[layer_input, *layers[0].parameters()])
     assert per_layer > 0
     # The peak comes when the first layer is recomputed: its input is held, the other layers' gradients exist.
     assert backward.activations == batch * tokens * width * FLOAT32 + per_layer
