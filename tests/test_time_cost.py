@@ -222,7 +222,11 @@ def test_diff_sets_the_predicted_cost_beside_the_measured_step_time(
     assert advice.estimated_cost_seconds is not None and advice.flop_ratio is not None
     predicted = f"A's replay predicted {1000 * advice.estimated_cost_seconds:+.1f} ms a step"
     assert f"{predicted} ({advice.flop_ratio - 1:+.1%} FLOPs, recomputed forward), B's median step took " in line
-    assert re.search(r": (within|outside) the tolerance of 25\.0% or 1 ms; step times vary \(", line), line
+    assert re.search(
+        r"; the cost measured [+-]\d+\.\d ms for [+-]\d+\.\d ms predicted: (within|outside) the tolerance of 25\.0% or"
+        r" 1 ms(; predicted step with the change \d+\.\d ms)?; step times vary \(",
+        line,
+    ), line
     # A report from before the time cost, or a run that applied nothing: no time line.
     for after_report in (before,):
         paths[1].write_text(json.dumps(report_to_dict(after_report)))
