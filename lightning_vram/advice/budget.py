@@ -6,7 +6,7 @@ elsewhere the replayed live peak is at or under it.
 
 The candidates are the units the checkpointing advice plans with (:mod:`~lightning_vram.advice.checkpointing`): in
 each module with two or more children that ran, its children as units (a child starting with an inplace op joins
-the one before it; a unit that saved nothing, or holds a module run more than once a call, is never checkpointed),
+the one before it; a unit that saved nothing, or holds a module that outran its caller, is never checkpointed),
 and all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several. A plan is any subset
 of one such container's units.
 

@@ -248,7 +248,7 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
     """``checkpoint_sequential`` with every segment count whose checkpointed segments start without an inplace op."""
     plans: list[CheckpointPlan] = []
     if profiles.repeated(names):
-        return plans  # torch's segments cannot leave a child out (a module that ran twice: see ProfileIndex.repeated)
+        return plans  # torch's segments cannot leave a child out (see ProfileIndex.repeated)
     for segments in range(2, len(names) + 1):
         size = len(names) // segments
         groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
@@ -268,7 +268,7 @@ def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
     """Consecutive children ``names`` as checkpointing units: a child that starts inplace joins the unit before it.
 
     The first group may start with an inplace op (it has no unit before it): :func:`starts_inplace` tells. A group
-    holding a module that ran more than once a call (:meth:`ProfileIndex.repeated`) is left out: its modules count
+    holding a module that outran its caller (:meth:`ProfileIndex.repeated`) is left out: its modules count
     as run between the units around it, what they saved stays.
     """
     groups: list[list[str]] = []
@@ -290,7 +290,7 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
 
     A child that starts with an inplace op joins the unit before it; the first child cannot start a range then.
     A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode), or
-    that holds a module run more than once a call, is never checkpointed: it neither starts nor ends a range, and
+    that holds a module that outran its caller, is never checkpointed: it neither starts nor ends a range, and
     inside one it runs as before.
     """
     groups = unit_groups(profiles, names)
