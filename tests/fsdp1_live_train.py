@@ -31,7 +31,7 @@ from advice_models import activation_mlp
 from forked_ranks import start_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
 from preflight_records import preflight_record
-from replay_records import advice_rows, match_rows, phase_peaks
+from replay_records import advice_rows, match_rows, phase_peaks, released_late
 from training_records import sharded_training, write_record
 
 from lightning_vram import VramMonitorWarning, VramSession
@@ -119,6 +119,7 @@ def run_rank(rank: int, port: int, out: Path, mode: list[str]) -> None:
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
             "match": match_rows(match),
+            "released_late": released_late(match),
             "variants": [[type(variant.change).__name__, variant.discarded] for variant in simulation.variants],
             "measured_peaks": phase_peaks(report.phases),
             "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),

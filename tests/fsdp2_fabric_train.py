@@ -4,7 +4,8 @@ Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_fabric_train.py OUT_DIR [n
 ``ModelParallelStrategy`` (data parallel 2) shards the MLP of tests/fsdp2_live_train.py in its ``parallelize_fn``
 (each linear layer, then the MLP); a plain loop drives :class:`~lightning_vram.VramSession` (no
 ``configure_optimizers``: the replay builds an Adam like the run's on its shards), 4 steps, step 2 sampled. Rank
-``r`` writes ``rank<r>.json`` (the simulation's skip reason, notes, measured and replayed peaks, advice) and
+``r`` writes ``rank<r>.json`` (the simulation's skip reason, notes, measured and replayed peaks, what gloo's thread
+released late of each live peak, advice) and
 ``training<r>.json`` (losses, its shards of the parameters and of Adam's state, the RNG's state).
 """
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from advice_models import activation_mlp
 from forked_ranks import lightning_ranks
 from fsdp2_live_train import BATCH, WIDTH, WORLD_SIZE
-from replay_records import advice_rows, phase_peaks
+from replay_records import advice_rows, phase_peaks, released_late
 from training_records import sharded_training, write_record
 
 from lightning_vram import VramSession
@@ -104,6 +105,7 @@ def main() -> None:
             "notes": [] if baseline is None else list(baseline.notes),
             "measured_peaks": phase_peaks(report.phases),
             "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
+            "released_late": released_late(simulation.match),
             "advice": advice_rows(report.advice),
         }
         write_record(out / f"rank{rank}.json", record)

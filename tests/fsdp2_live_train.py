@@ -6,9 +6,10 @@ Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_live_train.py OUT_DIR [no-
 Lightning's ``ModelParallelStrategy`` (data parallel 2, tensor parallel 1): the module's ``configure_model`` calls
 ``fully_shard`` on each linear layer of an MLP with LeakyReLU out of place, then on the MLP (its advice:
 checkpointing, inplace activations). Adam, 4 steps, step 2 sampled, replays on. Rank ``r`` writes ``rank<r>.json``:
-the simulation's skip reason, its baseline's notes, the match part by part, the measured and replayed peaks per
-phase, each advice's id, saving basis, saving and detail; and ``training<r>.json``: each step's loss, the rank's
-shards of the final parameters and of the optimizer's state, and the RNG's state. With ``no-monitor`` the same run
+the simulation's skip reason, its baseline's notes, the match part by part, what gloo's thread released late of each
+live peak, the measured and replayed peaks per phase, each advice's id, saving basis, saving and detail; and
+``training<r>.json``: each step's loss, the rank's shards of the final parameters and of the optimizer's state, and
+the RNG's state. With ``no-monitor`` the same run
 trains without the monitor. With ``preflight=FREE_BYTES`` each rank's monitor reads a scripted CUDA device with that
 many bytes free (``ScriptedProbe``) and rank ``r`` writes ``preflight<r>.json`` instead: the rows the ranks agreed
 on, its own verdict and the monitor's warnings. With ``offload`` every unit is sharded with
@@ -34,7 +35,7 @@ from advice_models import activation_mlp, features
 from forked_ranks import lightning_ranks
 from models import loader
 from preflight_records import preflight_record
-from replay_records import advice_rows, match_rows, phase_peaks
+from replay_records import advice_rows, match_rows, phase_peaks, released_late
 from training_records import sharded_training, write_record
 
 from lightning_vram import VramMonitor, VramMonitorWarning
@@ -100,6 +101,7 @@ class Record(Callback):
             "skipped": simulation.skipped,
             "notes": [] if baseline is None else list(baseline.notes),
             "match": match_rows(match),
+            "released_late": released_late(match),
             "measured_peaks": phase_peaks(report.phases),
             "replayed_peaks": None if baseline is None else phase_peaks(baseline.phases),
             "advice": advice_rows(report.advice),

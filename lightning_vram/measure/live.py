@@ -8,6 +8,11 @@ allocator blocks), and removed when it is freed (a weak reference's callback), a
 (``prediction/replay/live.py``) does on fake tensors. It only reads what ops return: the step computes exactly what
 it computes without it. It costs Python time per op, so it runs on sampled steps only.
 
+A storage another thread frees (gloo's worker thread, which keeps a finished collective's tensors until it gets the
+GIL back, after the step's code has let go of them: docs/measurement.md) was still allocated at the instants it
+was counted at; where it was alive at a phase's peak, :meth:`LiveTensors.released_late` says how many bytes of that
+peak were such, so that a replay (which has no such thread) is held to the peak with and without them.
+
 ``torch.utils._python_dispatch`` is private; ``TorchDispatchMode`` and its mode stack have had these names since
 torch 2.0, and this module is the only place in ``measure/`` that names them; so is the torch-function mode
 stack (``torch._C``'s ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``,
@@ -17,6 +22,7 @@ stack (``torch._C``'s ``_pop_torch_function_stack``, ``_push_on_torch_function_s
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -125,13 +131,23 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, device: torch.device) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._device = device
+        self._thread = threading.get_ident()  # the step's: a free on any other thread is a late release
+        # Another thread's free runs between any two of the step's bytecodes; this thread's own, wherever an
+        # allocation starts a garbage collection (inside a held lock too: reentrant).
+        self._lock = threading.RLock()
         self._sizes: dict[int, int] = {}
+        self._born: dict[int, int] = {}  # each storage's instant of counting (see _instant)
         self._references: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.live_bytes = 0
         """Bytes of the storages alive now that this tracker has seen."""
+        self._instant = 0  # counts each storage counted or freed: orders them against each phase's peak
         self._segment_peak = 0
+        self._segment_peak_at = 0
+        self._segment_late = 0  # bytes alive at the open segment's peak that another thread has freed since
         self.phase_peaks: dict[Phase, int] = {}
         """The highest live bytes of each phase whose segment has closed."""
+        self._peak_at: dict[Phase, int] = {}
+        self._late: dict[Phase, int] = {}
         self._held: list[int] = []  # bytes of each storage held from the start, not yet seen (see hold)
         self._entered = False
         self._counting = True
@@ -156,11 +172,11 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         from the start, and the first op that writes into an unseen storage of one of these sizes is taken to be
         writing into it (it is counted once, and uncounted when freed).
         """
-        for nbytes in sizes:
-            self._held.append(nbytes)
-            self.live_bytes += nbytes
-        if self.live_bytes > self._segment_peak:
-            self._segment_peak = self.live_bytes
+        with self._lock:
+            for nbytes in sizes:
+                self._held.append(nbytes)
+                self.live_bytes += nbytes
+            self._new_peak()
 
     def track(self, tensors: Iterable[Any], written: bool = False) -> None:
         """Count the storages of ``tensors`` on the device (each once) until they are freed; others are skipped.
@@ -176,43 +192,77 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 continue
             for storage in tensor_storages(local) or ():
                 self._add(storage, written)
+        with self._lock:
+            self._new_peak()
+
+    def _new_peak(self) -> None:
+        """Where the live bytes are the open segment's highest yet, that is its peak now (call holding the lock)."""
         if self.live_bytes > self._segment_peak:
-            self._segment_peak = self.live_bytes
+            self._segment_peak, self._segment_peak_at, self._segment_late = self.live_bytes, self._instant, 0
 
     def _add(self, storage: torch.UntypedStorage, written: bool = False) -> None:
         key = storage_identity(storage)
         if key in self._sizes:
             return
         nbytes = storage.nbytes()
-        self._sizes[key] = nbytes
-        self._references[key] = weakref.ref(storage, self._freed_callback(key))
-        if written and nbytes in self._held:
-            self._held.remove(nbytes)  # counted since the start, by hold
-            return
-        self.live_bytes += nbytes
+        reference = weakref.ref(storage, self._freed_callback(key))
+        with self._lock:
+            self._instant += 1
+            self._sizes[key], self._born[key], self._references[key] = nbytes, self._instant, reference
+            if written and nbytes in self._held:
+                self._held.remove(nbytes)  # counted since the start, by hold
+                return
+            self.live_bytes += nbytes
 
     def _freed_callback(self, key: int) -> Any:
         def freed(_reference: object) -> None:
-            self.live_bytes -= self._sizes.pop(key, 0)
-            self._references.pop(key, None)
+            late = threading.get_ident() != self._thread
+            with self._lock:
+                self._instant += 1
+                nbytes, born = self._sizes.pop(key, 0), self._born.pop(key, None)
+                self._references.pop(key, None)
+                self.live_bytes -= nbytes
+                if not late or born is None:
+                    return
+                if self._counting and born <= self._segment_peak_at:
+                    self._segment_late += nbytes
+                for phase, peak_at in self._peak_at.items():
+                    if born <= peak_at:
+                        self._late[phase] = self._late.get(phase, 0) + nbytes
 
         return freed
 
+    def released_late(self) -> dict[Phase, int]:
+        """Of each phase's peak, the bytes another thread freed later (in bytes; phases with none left out).
+
+        Such a storage was still allocated at the peak, after the step's own code had let go of it: gloo's worker
+        thread, which keeps a finished collective's tensors until it gets the GIL. The step itself, without that
+        thread's delay, peaked between ``phase_peaks[phase]`` less these bytes and ``phase_peaks[phase]``. Frees
+        after :meth:`stop` count too, until :meth:`forget`: read it as late as the caller can (after a replay).
+        """
+        with self._lock:
+            return {phase: nbytes for phase, nbytes in self._late.items() if nbytes}
+
     def start(self) -> None:
         """Enter the mode: from now on every op's outputs are counted (until :meth:`stop`)."""
-        self._segment_peak = self.live_bytes
+        with self._lock:
+            self._segment_peak, self._segment_peak_at, self._segment_late = self.live_bytes, self._instant, 0
         self.__enter__()  # type: ignore[no-untyped-call]
         self._entered = True
 
     def close_segment(self, phase: Phase) -> None:
         """The segment since the last boundary ran ``phase``: keep its peak; the next starts from what is live now."""
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self._segment_peak)
-        self._segment_peak = self.live_bytes
+        with self._lock:
+            if self._segment_peak > self.phase_peaks.get(phase, -1):
+                self.phase_peaks[phase], self._peak_at[phase] = self._segment_peak, self._segment_peak_at
+                self._late[phase] = self._segment_late
+            self._segment_peak, self._segment_peak_at, self._segment_late = self.live_bytes, self._instant, 0
 
     def stop(self) -> bool:
-        """Leave the mode and forget every storage. Returns whether the counts are whole.
+        """Leave the mode; forget every storage but those alive at a phase's peak. Returns whether counts are whole.
 
-        They are not when counting failed, or when another mode entered after this one is still active: that mode
+        Those alive at a peak are watched until :meth:`forget`, for :meth:`released_late`. The counts are not whole
+        when counting failed, or when another mode entered after this one is still active: that mode
         is left in place (leaving this one would pop the user's), and this one stays below it, passing every op
         through untouched, until :func:`leave_abandoned` takes it off once the user's mode has left.
         """
@@ -224,10 +274,19 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.leave()
             else:
                 whole = False
-        self._sizes.clear()
-        self._held.clear()
-        self._references.clear()  # the weak references die with it: no callback reaches this tracker again
+        with self._lock:
+            latest_peak = max(self._peak_at.values(), default=0)
+            for key in [key for key, born in self._born.items() if born > latest_peak]:
+                del self._sizes[key], self._born[key], self._references[key]  # its weak reference dies with it
+            self._held.clear()
         return whole
+
+    def forget(self) -> None:
+        """Forget every storage: no weak reference's callback reaches this tracker again."""
+        with self._lock:
+            self._sizes.clear()
+            self._born.clear()
+            self._references.clear()
 
     def leave(self) -> None:
         """Take this mode off the stack; call only while it is on top (it pops the top)."""

@@ -123,6 +123,9 @@ class Predictor:
         budget_seconds: host seconds for every replay asked of this predictor, counted from its creation: a replay
             running when they end stops at its next op. ``None``: no limit.
         calibration: the sampled step's counts (the baseline is checked against them); ``None`` before any.
+        released_late: of each of the sampled step's live peaks, the bytes another thread freed after the step's code
+            had let go of them (gloo's worker thread; :meth:`~lightning_vram.measure.live.LiveTensors.released_late`),
+            read when the baseline is checked: the replay is held to each peak with and without them. Default: none.
         gradients_at_forward: whether the previous step's gradients are alive when the forward pass starts, as
             under Lightning's default; ``False`` where the run frees them first. ``None``: as the calibration's
             forward pass had them (alive without a calibration).
@@ -167,6 +170,7 @@ class Predictor:
         shape: tuple[int, ...] | None = None,
         budget_seconds: float | None = None,
         calibration: Attribution | None = None,
+        released_late: Callable[[], Mapping[Phase, int]] = dict,
         gradients_at_forward: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
         allocations: Callable[[], AllocationListener] | None = None,
@@ -189,6 +193,7 @@ class Predictor:
         self.shape = shape
         self.budget_seconds = budget_seconds
         self.calibration = calibration
+        self.released_late = released_late
         if gradients_at_forward is None:
             forward = calibration.phases.get(Phase.FORWARD) if calibration is not None else None
             gradients_at_forward = forward is None or forward.gradients > 0

@@ -106,6 +106,7 @@ def baseline_match_to_dict(match: BaselineMatch | None) -> dict[str, Any] | None
                 "part": part.part,
                 "measured_bytes": part.measured_bytes,
                 "replayed_bytes": part.replayed_bytes,
+                **({"released_late_bytes": part.released_late_bytes} if part.released_late_bytes else {}),
             }
             for part in match.parts
         ],
@@ -377,6 +378,7 @@ def _part_match(data: Any, where: str) -> PartMatch:
         part,
         fields.integer("measured_bytes"),
         fields.integer("replayed_bytes"),
+        fields.added("released_late_bytes", Reader.integer, 0),
     )
 
 

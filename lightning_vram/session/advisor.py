@@ -9,7 +9,7 @@ refers to it, and on CUDA a replayed peak beyond the device's memory warns at th
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -275,6 +275,7 @@ class Advisor:
         summary: Callable[[], RunSummary],
         size: tuple[int, int | None],
         worst: bool = False,
+        released_late: Callable[[], Mapping[Phase, int]] = dict,
     ) -> None:
         """Replay a counted step and every change the rules could advise.
 
@@ -282,6 +283,8 @@ class Advisor:
         exists), then a step whose batch is larger than any replayed (``worst``).
 
         ``size`` is the batch's elements and its length (``None``: no varying dimension), for the per-length table.
+        ``released_late``: of each of the step's live peaks, the bytes another thread freed late (read when the
+        replay is set against the step: :attr:`~lightning_vram.prediction.predictor.Predictor.released_late`).
         """
         context, budget = self._context, self._config.replay_budget_seconds
         model = context.model
@@ -301,7 +304,9 @@ class Advisor:
                 reason = unsupported(model, training, step_function, per_rank=True)
                 if reason is not None or step_function is None:
                     return Simulation(context.device.type, None, None, reason, (), 0.0)
-                return self._rank_simulation(sharding, attribution, batch, summary(), training, step_function)
+                return self._rank_simulation(
+                    sharding, attribution, batch, summary(), training, step_function, released_late
+                )
             strategy = self._strategy(training)
             reason = (
                 (sharding if isinstance(sharding, str) else None)
@@ -322,6 +327,7 @@ class Advisor:
                 step_function=step_function,
                 budget_seconds=budget,
                 calibration=attribution,
+                released_late=released_late,
                 compute_capability=run.device.compute_capability,
                 allocator=settings if isinstance(settings, AllocatorSettings) else None,
                 measured=measured,
@@ -359,6 +365,7 @@ class Advisor:
         run: RunSummary,
         training: TrainingSetup,
         step_function: StepFunction,
+        released_late: Callable[[], Mapping[Phase, int]],
     ) -> Simulation:
         """A rank of a sharded run, this process's: the unsharded step replayed, as the per-rank model predicts it.
 
@@ -377,6 +384,7 @@ class Advisor:
             warm_up=True,
             budget_seconds=self._config.replay_budget_seconds,
             calibration=attribution,
+            released_late=released_late,
             compute_capability=run.device.compute_capability,
             accumulate=training.accumulate_grad_batches,
         )

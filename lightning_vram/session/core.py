@@ -322,8 +322,9 @@ class VramSession:
             if attribution is not None and batch is not None:
                 shapes = recorder.shapes
                 size = (shapes.elements, self._guard.call(Part.SHAPES, shapes.length_of, batch))
-                self._advisor.replay(attribution, batch, self.summary, size, self._worst_batch)
+                self._advisor.replay(attribution, batch, self.summary, size, self._worst_batch, sampler.released_late)
                 recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
+            sampler.forget_late_releases()
             self._sampled_batch = None
         every = self._log_every
         if every is None or steps % every != 0:

@@ -68,6 +68,7 @@ class Sampler:
         self.attributor: StepAttributor | None = None
         """The attributor counting a step now."""
         self._live: LiveTensors | None = None  # the CPU's live count of the same step
+        self._stopped_live: LiveTensors | None = None  # the last step's, watching for late releases until forgotten
         self._live_phase = Phase.FORWARD
         self._notes: dict[str, NotMeasured] = {}  # what sampled steps skipped, shared with the attributors
         self._compiled_note: NotMeasured | None = None
@@ -184,7 +185,10 @@ class Sampler:
         live.close_segment(self._live_phase)
         whole = live.stop()
         if attribution is None:
+            live.forget()
             return None
+        self.forget_late_releases()
+        self._stopped_live = live
         if not whole or any(phase not in live.phase_peaks for phase in attribution.phases):
             self._notes.setdefault(
                 "live",
@@ -270,6 +274,23 @@ class Sampler:
         attribution = self._stop_live(attribution)
         self.close()  # finish removed its hooks already; this frees the process-wide slot
         return attribution
+
+    def released_late(self) -> dict[Phase, int]:
+        """Of each live peak of the last counted step, the bytes another thread freed late, read now.
+
+        Freed after the step's code had let go of them (gloo's worker thread):
+        :meth:`~lightning_vram.measure.live.LiveTensors.released_late`.
+
+        Empty where no live count ran, or after :meth:`forget_late_releases`.
+        """
+        live = self._stopped_live
+        return live.released_late() if live is not None else {}
+
+    def forget_late_releases(self) -> None:
+        """Stop watching the last counted step's storages (once its replay has read :meth:`released_late`)."""
+        live, self._stopped_live = self._stopped_live, None
+        if live is not None:
+            live.forget()
 
     def close(self) -> None:
         """Stop counting: remove the attributor's hooks (safe when none is open)."""

@@ -44,6 +44,9 @@ class Replays(Protocol):
     """Host seconds for all the replays (``None``: no limit)."""
     calibration: Attribution | None
     """The sampled step's counts, or ``None``."""
+    released_late: Callable[[], Mapping[Phase, int]]
+    """Of each of the sampled step's live peaks, the bytes another thread freed late, read when the baseline is set
+    against the step (:attr:`~lightning_vram.prediction.predictor.Predictor.released_late`)."""
     clock: Callable[[], float]
     """The host clock the budget is read from, in seconds."""
     started: float
@@ -138,7 +141,7 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
     baseline = raw
     if allocator is not None and not allocator.expandable_segments:
         expandable = replays.reserved_with(replace(allocator, expandable_segments=True))
-    match = match_baseline(raw, attribution, tolerance) if attribution is not None else None
+    match = match_baseline(raw, attribution, tolerance, replays.released_late()) if attribution is not None else None
     if replays.measured:
         calibration = calibrate(raw, replays.measured, attribution.step if attribution is not None else 0)
         replays.carried = calibration

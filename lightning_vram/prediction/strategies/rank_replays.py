@@ -64,6 +64,8 @@ class RankReplays:
         """The predictor's budget, in host seconds."""
         self.calibration: Attribution | None = predictor.calibration
         """The sampled step's counts on this rank."""
+        self.released_late: Callable[[], Mapping[Phase, int]] = predictor.released_late
+        """Of each of this rank's sampled live peaks, the bytes gloo's thread freed late (the predictor's)."""
         self.clock: Callable[[], float] = predictor.clock
         """The predictor's clock, in seconds."""
         self.started: float = predictor.started
