@@ -6,7 +6,8 @@ the outputs of the operators it runs (a ``TorchDispatchMode``); the storages amo
 holds for backward. torch's dispatch-mode base class and its graph-task id are private: this module is the only one
 that names them, with the autograd node the engine runs (which tells one checkpointed unit's recomputation from the
 next). Without the graph-task id (a torch that lacks it), a module's forward during the backward phase is taken for a
-recomputation.
+recomputation. torch's selective checkpointing (``create_selective_checkpoint_contexts``) recomputes under a private
+dispatch mode of its own, which tells a selective recomputation from a whole one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 _WALK = threading.local()
 """The node a backward walked outside autograd's engine runs now on this thread (``node``: its sequence number)."""
@@ -67,6 +69,19 @@ def backward_node() -> int | None:
     current_node = getattr(torch._C, "_current_autograd_node", None)
     node = current_node() if current_node is not None else None
     return None if node is None else int(node._sequence_nr())
+
+
+def selective_recomputation() -> bool:
+    """Whether torch's selective checkpointing recomputes on this thread now (``False`` if torch cannot tell).
+
+    Its recomputation runs under the dispatch mode that hands back the outputs its forward kept (the ops its policy
+    saved) and recomputes the others: that mode on this thread's dispatch-mode stack.
+
+    >>> selective_recomputation()
+    False
+    """
+    replaying = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+    return replaying is not None and any(isinstance(mode, replaying) for mode in _get_current_dispatch_mode_stack())
 
 
 # torch ships TorchDispatchMode without annotations.

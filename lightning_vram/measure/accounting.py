@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from lightning_vram.measure._recompute import Recomputation, backward_node, running_backward
+from lightning_vram.measure._recompute import Recomputation, backward_node, running_backward, selective_recomputation
 from lightning_vram.measure.compiled import compiled_in_place, compiled_module_names
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
@@ -63,7 +63,8 @@ class StepAttributor:
     - backward: parameters + optimizer state + the highest sum of live activations and gradients
       while backward frees one and creates the other; a module's forward re-run during backward by
       activation checkpointing adds what it creates and still holds when it ends (and the modules it re-ran are
-      listed, unit by unit, in the attribution's ``recomputed_units``);
+      listed, unit by unit, in the attribution's ``recomputed_units``, those torch's selective checkpointing re-ran
+      in its ``selective_units``);
     - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
       update + activations still held.
 
@@ -129,6 +130,8 @@ class StepAttributor:
         self._recomputed_finalizers: list[weakref.finalize[Any, Any]] = []
         self._recomputed_units: list[list[str]] = []
         """The outermost modules each recomputation re-ran in backward, unit by unit, in the order they ran."""
+        self._selective_units: list[str] = []
+        """The first module of each of those units torch's selective checkpointing re-ran."""
         self._recomputing_node: int | None = None
         """The autograd node (its sequence number) whose backward ran the last recomputation."""
         self._phase = Phase.FORWARD
@@ -245,13 +248,15 @@ class StepAttributor:
         """Module ``label`` is re-run in backward, outside any other recomputed module.
 
         It joins the unit the same autograd node is recomputing, or starts the next unit (each module its own unit
-        where torch cannot tell the nodes apart).
+        where torch cannot tell the nodes apart), noted as selective where torch's selective checkpointing re-runs it.
         """
         node = backward_node()
         if self._recomputed_units and node is not None and node == self._recomputing_node:
             self._recomputed_units[-1].append(label)
         else:
             self._recomputed_units.append([label])
+            if selective_recomputation():
+                self._selective_units.append(label)
         self._recomputing_node = node
 
     def _watch_unsharded(self, module: nn.Module) -> None:
@@ -407,6 +412,7 @@ class StepAttributor:
             modules=module_profiles(self._modules, self._counters, self._ledger.saved_bytes_by_module, self._observer),
             batch_size=self._batch_size,
             recomputed_units=tuple(tuple(unit) for unit in self._recomputed_units),
+            selective_units=tuple(self._selective_units),
         )
 
     def _close_segment(self, phase: Phase) -> None:
