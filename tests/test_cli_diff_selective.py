@@ -34,7 +34,7 @@ LAYERS = tuple(f"network.encoder.layers.{index}" for index in range(3))
 """The encoder layers A's replay checkpoints in one of its plans, and B checkpoints selectively."""
 RERUN = [[f"{name}.block"] for name in reversed(LAYERS)]
 """What B's backward re-ran: each wrapper's block, last layer first."""
-WHOLE_LABEL = "checkpoint 3 units of network.encoder.layers (network.encoder.layers.0 to network.encoder.layers.2)"
+WHOLE_LABEL = "checkpoint network.encoder.layers.0 to network.encoder.layers.2 (3 units)"
 
 
 def run(root: Path, module: Classifier) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def test_a_selective_prediction_in_a_is_checked_against_b(
     assert report.simulation is not None
     change = report.simulation.variants[-1].change
     assert isinstance(change, CheckpointChange) and change.plan.selective == LAYERS
-    label = f"{WHOLE_LABEL}, 3 selectively"
+    label = "checkpoint network.encoder.layers.0 to network.encoder.layers.2 (3 units, 3 selectively)"
     assert change.label == label
     lines = diff_lines(with_selective, after, tmp_path, capsys)
     measured = after["peak"]["allocated_bytes"]
