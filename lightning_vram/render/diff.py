@@ -113,8 +113,8 @@ def peak_lines(before: Report, after: Report) -> list[str]:
 def _setting(name: str, before: object, after: object) -> str:
     """One setting's line: its value in both runs, or from ``before`` to ``after``; ``None`` is "not recorded".
 
-    >>> _setting("precision", "32-true", "bf16-mixed"), _setting("batch size", 8, 8), _setting("strategy", None, None)
-    ('  precision: 32-true -> bf16-mixed', '  batch size: 8 in both runs', '  strategy: not recorded')
+    >>> _setting("precision", "32-true", "bf16-mixed"), _setting("batch size", 8, 8), _setting("device", None, None)
+    ('  precision: 32-true -> bf16-mixed', '  batch size: 8 in both runs', '  device: not recorded')
     """
     shown_before, shown_after = (NOT_RECORDED if value is None else printable(str(value)) for value in (before, after))
     if shown_before == shown_after:
@@ -199,17 +199,34 @@ def _recomputed(report: Report) -> str | None:
     return f"{len(units)} ({len(selective)} selectively)" if selective else str(len(units))
 
 
+def _strategy(report: Report) -> str | None:
+    """The run's strategy where its report names it (``"deepspeed_stage_2"``, ``"fsdp2"``; ``None`` elsewhere).
+
+    The report has no field of its own for the strategy (schema ``lightning_vram.report/1``): a sharded run's replay
+    names it in its trial of the next stronger sharding or of CPU offload.
+    """
+    simulation = report.simulation
+    if simulation is None:
+        return None
+    if simulation.sharding is not None:
+        return simulation.sharding.current
+    return simulation.offload.strategy if simulation.offload is not None else None
+
+
 def settings_lines(before: Report, after: Report) -> list[str]:
     """The run's settings and timing, as each report records them.
 
-    The strategy is not in the report (schema ``lightning_vram.report/1``): it reads "not recorded".
+    The strategy only where either report names it (:func:`_strategy`): a line that would always read "not
+    recorded" says nothing.
     """
+    strategies = _strategy(before), _strategy(after)
+    strategy = [_setting("strategy", *strategies)] if strategies != (None, None) else []
     return [
         "run:",
         _setting("precision", before.precision, after.precision),
         _setting("batch size", before.batch_size, after.batch_size),
         _setting("world size", _world_size(before), _world_size(after)),
-        _setting("strategy", None, None),
+        *strategy,
         _setting("device", _device(before), _device(after)),
         _step_time_line(before, after),
         f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
