@@ -137,9 +137,9 @@ class StepAttributor:
         self._recomputation: Recomputation | None = None
         self._held_finalizers: list[weakref.finalize[Any, Any]] = []
         """One per storage held until freed: a recomputation's, or one selective checkpointing keeps."""
-        self._keeping: list[tuple[weakref.ref[Any], int]] = []
+        self._keeping: list[tuple[weakref.ref[Any], int, str]] = []
         """Selective checkpointing's forward modes met this step (weakly: the monitor keeps none of them alive), each
-        with the module stack's length outside the outermost modules it runs."""
+        with the module stack's length outside the outermost modules it runs and the first of those modules."""
         self._recomputed_units: list[list[str]] = []
         """The outermost modules each recomputation re-ran in backward, unit by unit, in the order they ran."""
         self._selective_units: list[str] = []
@@ -245,7 +245,7 @@ class StepAttributor:
             counter = self._counters.get(label)
             if counter is None:
                 counter = self._counters[label] = ModuleTally()
-            self._watch_keeping()
+            self._watch_keeping(label)
             inputs = storage_bytes(args, self._device, weak_identity)
             self._note_uncounted(inputs.uncounted)
             counter.calls += 1
@@ -272,28 +272,30 @@ class StepAttributor:
                 self._selective_units.append(label)
         self._recomputing_node = node
 
-    def _watch_keeping(self) -> None:
-        """A module's forward starts: note the selective checkpointing forward it runs in, if any and new."""
+    def _watch_keeping(self, label: str) -> None:
+        """Module ``label``'s forward starts: note the selective checkpointing forward it runs in, if any and new."""
         mode = selective_forward()
-        if mode is not None and not any(known() is mode for known, _ in self._keeping):
-            self._keeping.append((weakref.ref(mode), len(self._module_stack)))
+        if mode is not None and not any(known() is mode for known, _, _ in self._keeping):
+            self._keeping.append((weakref.ref(mode), len(self._module_stack), label))
 
-    def _hold_kept(self, label: str | None) -> None:
-        """Hold what selective checkpointing keeps from forward, as ``label``'s saving (``None``: at a boundary).
+    def _hold_kept(self) -> None:
+        """Hold what selective checkpointing keeps from forward until it is freed, as its region's first module saves.
 
-        Called as a module at the top of a selectively checkpointed region ends, and at each boundary (a region's
-        ops outside any module): every op output its forward keeps now, each held until freed.
+        Called as each module ends: where it is one of the outermost modules of a selectively checkpointed region,
+        every op output the region's forward keeps now (those held already stay). An op the region runs after its
+        last module (outside any) keeps its output unseen here: torch drops its forward's mode as the region ends,
+        and the output counts once backward's recomputation reads it back.
         """
         depth = len(self._module_stack)
         alive = []
-        for known, top in self._keeping:
+        for known, top, first in self._keeping:
             mode = known()
             if mode is None:
                 continue
-            alive.append((known, top))
-            if label is None or depth == top:
+            alive.append((known, top, first))
+            if depth == top:
                 for tensor in kept_outputs(mode):
-                    self._hold_until_freed(tensor, label)
+                    self._hold_until_freed(tensor, first)
         self._keeping = alive
 
     def _watch_unsharded(self, module: nn.Module) -> None:
@@ -331,7 +333,7 @@ class StepAttributor:
         module = self._modules[label]
         self._observer.leave(label, module, output, outputs, isinstance(stored_attribute(module, "inplace"), bool))
         if self._keeping:
-            self._hold_kept(label)
+            self._hold_kept()
 
     def on_output(self, output: Any) -> None:
         """An operator created ``output``: during a recomputation, hold its new storages until they are freed."""
@@ -457,8 +459,6 @@ class StepAttributor:
 
     def _close_segment(self, phase: Phase) -> None:
         """Count the segment that ends now as ``phase``; a phase met twice in a step keeps its highest count."""
-        if self._keeping:
-            self._hold_kept(None)
         now = self._model_state()
         gradients = self._gradients
         if gradients is not None:
