@@ -72,7 +72,7 @@ def budget(basis: str, allocated: tuple[int, int] | None = None) -> BudgetPlan:
         234 << 20,
         10,
         100,
-        "2 units of model.layers",
+        "`model.layers.0` to `model.layers.1` (2 units)",
         code,
         "least recomputed",
         3,
@@ -85,8 +85,8 @@ def test_the_budget_lines_name_their_figure_and_print_the_code() -> None:
     lines = budget("live peak").lines()
     assert lines[:2] == [
         "Memory budget 1.00 GiB (live peak):",
-        "  checkpoint 2 units of model.layers: peak 186.0 MiB live (from 234.0 MiB live), 10 FLOPs recomputed (10.0% of"
-        " the step)",
+        "  checkpoint `model.layers.0` to `model.layers.1` (2 units): peak 186.0 MiB live (from 234.0 MiB live), 10"
+        " FLOPs recomputed (10.0% of the step)",
     ]
     assert lines[2:] == [
         "  least recomputed; the code:",
@@ -102,8 +102,8 @@ def test_a_reserved_budget_prints_the_allocated_peak_beside_it_and_writes_both()
     assert lines[:3] == [
         "Memory budget 1.00 GiB (reserved, simulated caching allocator):",
         f"  {RESERVED_LEGEND}",
-        "  checkpoint 2 units of model.layers: peak 186.0 MiB reserved, 180.0 MiB allocated (from 234.0 MiB reserved,"
-        " 230.0 MiB allocated), 10 FLOPs recomputed (10.0% of the step)",
+        "  checkpoint `model.layers.0` to `model.layers.1` (2 units): peak 186.0 MiB reserved, 180.0 MiB allocated"
+        " (from 234.0 MiB reserved, 230.0 MiB allocated), 10 FLOPs recomputed (10.0% of the step)",
     ]
     assert RESERVED_LEGEND.startswith("reserved: what the caching allocator holds from the device")
     assert RESERVED_LEGEND.endswith('live peak; `device_type="cpu"` budgets that instead)')

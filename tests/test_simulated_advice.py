@@ -43,6 +43,7 @@ from lightning_vram.records import (
     BatchSizeChange,
     Breakdown,
     CheckpointChange,
+    CheckpointPlan,
     FitRow,
     FreeGradientsChange,
     InplaceChange,
@@ -90,15 +91,39 @@ def test_checkpointing_advises_the_replayed_saving() -> None:
         "simulated",
         6 * GIB,
     )
-    assert (
-        advice.title
-        == "Checkpoint 3 units of `encoder.layers`, `encoder.layers.0` to `encoder.layers.2` to free about 2.00 GiB"
-    )
+    assert advice.title == "Checkpoint `encoder.layers.0` to `encoder.layers.2` (3 units) to free about 2.00 GiB"
     assert f"{CheckpointChange(plans[0]).label} lowers the allocator peak by 2.00 GiB, from the measured" in (
         advice.evidence
     )
     assert "(replayed on this run's step from 8.00 GiB in backward to 6.00 GiB in backward)" in advice.evidence
     assert checkpoint_snippet(plans[0])[1] in advice.detail
+
+
+KEPT = ": matrix products and attention kept"
+
+
+@pytest.mark.parametrize(
+    ("units", "selective", "what", "label"),
+    [
+        ((("h.0",), ("h.1",), ("h.2",)), (), "`h.0` to `h.2` (3 units)", "checkpoint h.0 to h.2 (3 units)"),
+        (
+            (("h.0",), ("h.1",), ("h.2",)),
+            ("h.1", "h.2"),
+            f"`h.0` to `h.2` (3 units, 2 selectively{KEPT})",
+            "checkpoint h.0 to h.2 (3 units, 2 selectively)",
+        ),
+        ((("h.1",), ("h.3",)), (), "2 of the units from `h.1` to `h.3`", "checkpoint 2 of the units from h.1 to h.3"),
+        ((("h.0",),), ("h.0",), f"`h.0` (selectively{KEPT})", "checkpoint h.0 (selectively)"),
+        ((("h.3", "h.4"),), (), "`h.3`+`h.4`", "checkpoint h.3+h.4"),
+    ],
+)
+def test_a_plan_names_its_units_first_to_last_and_counts_them_once(
+    units: tuple[tuple[str, ...], ...], selective: tuple[str, ...], what: str, label: str
+) -> None:
+    """The trial's title: "Checkpoint 3 units of `encoder.layers`, `encoder.layers.0` to `encoder.layers.2`"."""
+    plan = CheckpointPlan("h", units, None, 0, "", selective=selective)
+    assert checkpoint_snippet(plan)[0] == what
+    assert CheckpointChange(plan).label == label
 
 
 def test_checkpointing_under_the_threshold_when_replayed_is_silent() -> None:

@@ -215,9 +215,7 @@ def test_markdown_html_and_console_show_predicted_against_measured() -> None:
     assert "| forward | 6.00 GiB | 6.00 GiB | activations +0.10% | 7.00 GiB | 7.00 GiB |" in text
     assert "| backward | 6.00 GiB | 6.00 GiB | none | 8.00 GiB | 8.00 GiB |" in text
     assert "| batch size 16 | 5.00 GiB | -3.00 GiB | replayed, peak in backward |" in text
-    assert (
-        "| checkpoint 4 units of encoder.layers (encoder.layers.0 to encoder.layers.3) | n/a | n/a | discarded:" in text
-    )
+    assert "| checkpoint encoder.layers.0 to encoder.layers.3 (4 units) | n/a | n/a | discarded:" in text
     assert "discarded: RuntimeError: one of the" in text
     assert "| T4 (16 GiB) | 16.00 GiB | 60 | n/a | simulated |" in text  # no expandable-segments figure
     assert "A batch fits where its tensor peak and the CUDA context leave 10% of the card free." in text
@@ -227,7 +225,7 @@ def test_markdown_html_and_console_show_predicted_against_measured() -> None:
     assert '<td class="n">60</td><td class="n">n/a</td><td>simulated</td>' in page  # the fit table's basis
     assert "about 2.00 GiB of peak memory (simulated: replayed peak 6.00 GiB after the change)" in page
     console = summary_text(report)
-    assert console.splitlines()[3].startswith("  advice: Checkpoint 3 units")  # first after the headline
+    assert console.splitlines()[3].startswith("  advice: Checkpoint `encoder.layers.0` to `encoder.layers.2` (3 units)")
     assert console.count("simulated)") == 2  # checkpointing and mixed precision; the others have no memory figure
     # A discarded change's reason is the user's exception text: escaped in both, never markup.
     hostile = replace(

@@ -358,16 +358,8 @@ def checkpoint_snippet(plan: CheckpointPlan, context: CodeContext | None = None)
             " segment runs without checkpointing:\n" + "\n".join(_segments_lines(plan, path))
         )
         return what, code
-    first, last = plan.units[0][0], plan.units[-1][-1]
-    what = (
-        f"`{first}`"
-        if len(plan.units) == 1
-        else f"{len(plan.units)} units of {f'`{plan.container}`' if plan.container else 'the model'}, `{first}` to"
-        f" `{last}`"
-    )
+    what = plan.span_text("`", ": matrix products and attention kept")
     if one_module:
-        if plan.selective:
-            what += f" ({len(plan.selective)} selectively: their matrix products and attention kept)"
         return what, _wrapper_snippet(plan, context)
     lines = [_unit_line(unit, forward_of) for unit in plan.units]
     if len(lines) > CHECKPOINT_LINES:

@@ -6,7 +6,10 @@ the outputs of the operators it runs (a ``TorchDispatchMode``); the storages amo
 holds for backward. torch's dispatch-mode base class and its graph-task id are private: this module is the only one
 that names them, with the autograd node the engine runs (which tells one checkpointed unit's recomputation from the
 next). Without the graph-task id (a torch that lacks it), a module's forward during the backward phase is taken for a
-recomputation.
+recomputation. torch's selective checkpointing (``create_selective_checkpoint_contexts``) runs its forward and its
+recomputation under private dispatch modes of its own: the recomputation's tells a selective recomputation from a
+whole one, the forward's holds the outputs kept for backward (outside autograd's saving, so outside the saved-tensor
+hooks).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import Tensor
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
 
 _WALK = threading.local()
 """The node a backward walked outside autograd's engine runs now on this thread (``node``: its sequence number)."""
@@ -67,6 +73,54 @@ def backward_node() -> int | None:
     current_node = getattr(torch._C, "_current_autograd_node", None)
     node = current_node() if current_node is not None else None
     return None if node is None else int(node._sequence_nr())
+
+
+def selective_recomputation() -> bool:
+    """Whether torch's selective checkpointing recomputes on this thread now (``False`` if torch cannot tell).
+
+    Its recomputation runs under the dispatch mode that hands back the outputs its forward kept (the ops its policy
+    saved) and recomputes the others: that mode on this thread's dispatch-mode stack.
+
+    >>> selective_recomputation()
+    False
+    """
+    replaying = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+    return replaying is not None and any(isinstance(mode, replaying) for mode in _get_current_dispatch_mode_stack())
+
+
+def selective_forward() -> object | None:
+    """The mode with which torch's selective checkpointing runs a forward on this thread now (``None``: none).
+
+    It keeps the outputs of the ops its policy saves until the recomputation reads them back (:func:`kept_outputs`).
+    ``None`` too where torch cannot tell.
+
+    >>> selective_forward() is None
+    True
+    """
+    keeping = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+    if keeping is None:
+        return None
+    return next((mode for mode in reversed(_get_current_dispatch_mode_stack()) if isinstance(mode, keeping)), None)
+
+
+def kept_outputs(mode: object) -> list[Tensor]:
+    """The tensors selective checkpointing's forward ``mode`` (:func:`selective_forward`) keeps for backward now.
+
+    Each op output its policy saved, until backward's recomputation reads it back (its entry is then replaced by a
+    marker); empty where torch keeps them otherwise than this module knows.
+    """
+    wrapper = getattr(torch_checkpoint, "_VersionWrapper", None)
+    entries = getattr(mode, "storage", None)
+    if wrapper is None or not isinstance(entries, dict):
+        return []
+    kept = []
+    for by_call in list(entries.values()):
+        for entry in list(by_call.values()) if isinstance(by_call, dict) else ():
+            for leaf in tree_leaves(entry):  # an op with several outputs keeps a tuple of them
+                value = getattr(leaf, "val", None) if isinstance(leaf, wrapper) else None
+                if isinstance(value, Tensor):
+                    kept.append(value)
+    return kept
 
 
 # torch ships TorchDispatchMode without annotations.

@@ -7,7 +7,8 @@ what a recomputation creates, and whether errors inside its hooks are contained 
 replay). Storages are counted by
 :mod:`~lightning_vram.measure.storages`, live bytes by :mod:`~lightning_vram.measure.ledgers`, and phases and
 modules add up in :mod:`~lightning_vram.measure.tallies`. Activations are the tensors autograd saves for backward,
-seen through ``torch.autograd.graph.saved_tensors_hooks``.
+seen through ``torch.autograd.graph.saved_tensors_hooks``, and the op outputs torch's selective checkpointing keeps
+from forward for its recomputation (outside those hooks: read from its forward's dispatch mode).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from lightning_vram.measure._recompute import Recomputation, backward_node, running_backward
+from lightning_vram.measure._recompute import (
+    Recomputation,
+    backward_node,
+    kept_outputs,
+    running_backward,
+    selective_forward,
+    selective_recomputation,
+)
 from lightning_vram.measure.compiled import compiled_in_place, compiled_module_names
 from lightning_vram.measure.counting import SAMPLED, Counting
 from lightning_vram.measure.deepspeed_zero import parameter_partition
@@ -63,7 +71,8 @@ class StepAttributor:
     - backward: parameters + optimizer state + the highest sum of live activations and gradients
       while backward frees one and creates the other; a module's forward re-run during backward by
       activation checkpointing adds what it creates and still holds when it ends (and the modules it re-ran are
-      listed, unit by unit, in the attribution's ``recomputed_units``);
+      listed, unit by unit, in the attribution's ``recomputed_units``, those torch's selective checkpointing re-ran
+      in its ``selective_units``);
     - optimizer: parameters + gradients alive when it began (or after, if more) + optimizer state after the
       update + activations still held.
 
@@ -126,9 +135,15 @@ class StepAttributor:
         self._segment_state: tuple[int, int] = (0, 0)
         self._awaiting_forward = False
         self._recomputation: Recomputation | None = None
-        self._recomputed_finalizers: list[weakref.finalize[Any, Any]] = []
+        self._held_finalizers: list[weakref.finalize[Any, Any]] = []
+        """One per storage held until freed: a recomputation's, or one selective checkpointing keeps."""
+        self._keeping: list[tuple[weakref.ref[Any], int, str]] = []
+        """Selective checkpointing's forward modes met this step (weakly: the monitor keeps none of them alive), each
+        with the module stack's length outside the outermost modules it runs and the first of those modules."""
         self._recomputed_units: list[list[str]] = []
         """The outermost modules each recomputation re-ran in backward, unit by unit, in the order they ran."""
+        self._selective_units: list[str] = []
+        """The first module of each of those units torch's selective checkpointing re-ran."""
         self._recomputing_node: int | None = None
         """The autograd node (its sequence number) whose backward ran the last recomputation."""
         self._phase = Phase.FORWARD
@@ -230,6 +245,7 @@ class StepAttributor:
             counter = self._counters.get(label)
             if counter is None:
                 counter = self._counters[label] = ModuleTally()
+            self._watch_keeping(label)
             inputs = storage_bytes(args, self._device, weak_identity)
             self._note_uncounted(inputs.uncounted)
             counter.calls += 1
@@ -245,14 +261,42 @@ class StepAttributor:
         """Module ``label`` is re-run in backward, outside any other recomputed module.
 
         It joins the unit the same autograd node is recomputing, or starts the next unit (each module its own unit
-        where torch cannot tell the nodes apart).
+        where torch cannot tell the nodes apart), noted as selective where torch's selective checkpointing re-runs it.
         """
         node = backward_node()
         if self._recomputed_units and node is not None and node == self._recomputing_node:
             self._recomputed_units[-1].append(label)
         else:
             self._recomputed_units.append([label])
+            if selective_recomputation():
+                self._selective_units.append(label)
         self._recomputing_node = node
+
+    def _watch_keeping(self, label: str) -> None:
+        """Module ``label``'s forward starts: note the selective checkpointing forward it runs in, if any and new."""
+        mode = selective_forward()
+        if mode is not None and not any(known() is mode for known, _, _ in self._keeping):
+            self._keeping.append((weakref.ref(mode), len(self._module_stack), label))
+
+    def _hold_kept(self) -> None:
+        """Hold what selective checkpointing keeps from forward until it is freed, as its region's first module saves.
+
+        Called as each module ends: where it is one of the outermost modules of a selectively checkpointed region,
+        every op output the region's forward keeps now (those held already stay). An op the region runs after its
+        last module (outside any) keeps its output unseen here: torch drops its forward's mode as the region ends,
+        and the output counts once backward's recomputation reads it back.
+        """
+        depth = len(self._module_stack)
+        alive = []
+        for known, top, first in self._keeping:
+            mode = known()
+            if mode is None:
+                continue
+            alive.append((known, top, first))
+            if depth == top:
+                for tensor in kept_outputs(mode):
+                    self._hold_until_freed(tensor, first)
+        self._keeping = alive
 
     def _watch_unsharded(self, module: nn.Module) -> None:
         """FSDP2 gathered ``module``'s parameters before this call: parameters, never its activations."""
@@ -288,6 +332,8 @@ class StepAttributor:
             counter.output_bytes += sum(outputs.values())
         module = self._modules[label]
         self._observer.leave(label, module, output, outputs, isinstance(stored_attribute(module, "inplace"), bool))
+        if self._keeping:
+            self._hold_kept()
 
     def on_output(self, output: Any) -> None:
         """An operator created ``output``: during a recomputation, hold its new storages until they are freed."""
@@ -295,7 +341,7 @@ class StepAttributor:
             return
         try:
             for tensor in iter_tensors(output):
-                self._hold_recomputed(tensor)
+                self._hold_until_freed(tensor, None)
         except Exception as error:  # noqa: BLE001 -- inside the user's backward: report, never raise
             self._failed(error)
 
@@ -310,13 +356,14 @@ class StepAttributor:
             return []
         return found
 
-    def _hold_recomputed(self, tensor: Tensor) -> None:
+    def _hold_until_freed(self, tensor: Tensor, owner: str | None) -> None:
+        """Count ``tensor``'s storages as activations until freed, as ``owner``'s saving (``None``: no module's)."""
         for storage in self._storages(tensor):
             key = weak_identity(storage)
             if self._gathered(storage):
                 continue  # a parameter FSDP1 or FSDP2 gathered again for backward
-            if key and key not in self._parameters and self._ledger.hold_recomputed(key, storage.nbytes()):
-                self._recomputed_finalizers.append(weakref.finalize(storage, self._ledger.free_recomputed, key))
+            if key and key not in self._parameters and self._ledger.hold_until_freed(key, storage.nbytes(), owner):
+                self._held_finalizers.append(weakref.finalize(storage, self._ledger.free_held, key))
 
     def _gathered(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` holds parameters FSDP1 or FSDP2 gathered: never activations.
@@ -407,6 +454,7 @@ class StepAttributor:
             modules=module_profiles(self._modules, self._counters, self._ledger.saved_bytes_by_module, self._observer),
             batch_size=self._batch_size,
             recomputed_units=tuple(tuple(unit) for unit in self._recomputed_units),
+            selective_units=tuple(self._selective_units),
         )
 
     def _close_segment(self, phase: Phase) -> None:
@@ -441,9 +489,10 @@ class StepAttributor:
         recomputation, self._recomputation = self._recomputation, None
         if recomputation is not None:
             recomputation.end()
-        for finalizer in self._recomputed_finalizers:
+        for finalizer in self._held_finalizers:
             finalizer.detach()
-        self._recomputed_finalizers.clear()
+        self._held_finalizers.clear()
+        self._keeping.clear()
         self._recomputing_node = None
         for handle in (*self._handles, *self._gradient_handles):
             handle.remove()

@@ -96,8 +96,9 @@ class ActivationLedger:
     """Live bytes of the storages autograd holds for backward.
 
     A storage saved several times counts once; it is released when autograd drops its last saved
-    reference (node by node during backward). Storages a recomputation under activation checkpointing
-    holds (``hold_recomputed``) count as well, until they are freed. Thread-safe: the autograd engine
+    reference (node by node during backward). Storages held for backward outside autograd's saving count as well,
+    until they are freed (``hold_until_freed``): what a recomputation under activation checkpointing creates, and
+    the outputs selective checkpointing keeps from forward. Thread-safe: the autograd engine
     may release from its own threads.
 
     Parameters FSDP2 gathered (``unsharded``) are not activations, even where autograd saves them: they count
@@ -108,7 +109,7 @@ class ActivationLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._references: dict[int, int] = {}
-        self._recomputed: set[int] = set()
+        self._held: set[int] = set()
         self._sizes: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_live_bytes = 0
@@ -145,26 +146,32 @@ class ActivationLedger:
             count = self._references.get(key, 0)
             self._references[key] = count + 1
             if count == 0:
-                if key not in self._recomputed:
+                if key not in self._held:
                     self._add_live(key, nbytes)
                 if module_name is not None:
                     by_module = self.saved_bytes_by_module
                     by_module[module_name] = by_module.get(module_name, 0) + nbytes
 
-    def hold_recomputed(self, key: int, nbytes: int) -> bool:
-        """A recomputation created storage ``key`` of ``nbytes`` bytes; ``False`` if it is held already."""
+    def hold_until_freed(self, key: int, nbytes: int, module_name: str | None = None) -> bool:
+        """Storage ``key`` of ``nbytes`` bytes is held for backward until it is freed; ``False`` if held already.
+
+        A recomputation created it, or selective checkpointing keeps it from the forward of ``module_name`` (what
+        that module saves; ``None``: a recomputation's, saved by no module's forward pass).
+        """
         with self._lock:
-            if key in self._references or key in self._recomputed:
+            if key in self._references or key in self._held:
                 return False
-            self._recomputed.add(key)
+            self._held.add(key)
             self._add_live(key, nbytes)
+            if module_name is not None:
+                self.saved_bytes_by_module[module_name] = self.saved_bytes_by_module.get(module_name, 0) + nbytes
             return True
 
-    def free_recomputed(self, key: int) -> None:
-        """Storage ``key`` that a recomputation created was freed (or is no longer watched)."""
+    def free_held(self, key: int) -> None:
+        """Storage ``key`` held until freed (:meth:`hold_until_freed`) was freed (or is no longer watched)."""
         with self._lock:
-            if key in self._recomputed:
-                self._recomputed.discard(key)
+            if key in self._held:
+                self._held.discard(key)
                 if key not in self._references:
                     self.live_bytes -= self._sizes.pop(key)
 
@@ -177,7 +184,7 @@ class ActivationLedger:
     def holds(self, key: int) -> bool:
         """Whether autograd holds storage ``key`` for backward now."""
         with self._lock:
-            return key in self._references or key in self._recomputed
+            return key in self._references or key in self._held
 
     def release(self, key: int) -> None:
         """Autograd dropped one saved reference to storage ``key``."""
@@ -187,7 +194,7 @@ class ActivationLedger:
                 self._references[key] = count
             elif count == 0:
                 del self._references[key]
-                if key not in self._recomputed:
+                if key not in self._held:
                     self.live_bytes -= self._sizes.pop(key)
 
 

@@ -170,6 +170,47 @@ class CheckpointPlan:
     """Units (by their first module) checkpointed selectively: the outputs of matrix products, convolutions and
     attention are kept, only the other ops recomputed (``SAVED_OPS`` in the printed code); the others whole."""
 
+    def span_text(self, quote: str = "", kept: str = "") -> str:
+        """The units in a few words, each name between ``quote``: the first module to the last, with their count.
+
+        With how many of them are checkpointed selectively, followed by ``kept`` (what selective checkpointing keeps).
+        Where the units' indices under one parent skip some, "N of the units from" the first to the last.
+
+        >>> plan = CheckpointPlan("h", (("h.0",), ("h.1",), ("h.2",)), None, 0)
+        >>> plan.span_text("`"), replace(plan, selective=("h.1", "h.2")).span_text(kept=": matmuls kept")
+        ('`h.0` to `h.2` (3 units)', 'h.0 to h.2 (3 units, 2 selectively: matmuls kept)')
+        >>> CheckpointPlan("h", (("h.1",), ("h.3",)), None, 0).span_text()
+        '2 of the units from h.1 to h.3'
+        >>> CheckpointPlan("h", (("h.3", "h.4"),), None, 0, selective=("h.3",)).span_text("`")
+        '`h.3`+`h.4` (selectively)'
+        """
+        names = [f"{quote}{name}{quote}" for unit in self.units for name in unit]
+        selective = f"selectively{kept}" if self.selective else ""
+        if len(self.units) == 1:
+            return "+".join(names) + (f" ({selective})" if selective else "")
+        count = len(self.units)
+        if _skips([name for unit in self.units for name in unit]):
+            span, notes = f"{count} of the units from {names[0]} to {names[-1]}", []
+        else:
+            span, notes = f"{names[0]} to {names[-1]}", [f"{count} units"]
+        if selective:
+            notes.append(f"{len(self.selective)} {selective}")
+        return f"{span} ({', '.join(notes)})" if notes else span
+
+
+def _skips(names: Sequence[str]) -> bool:
+    """Whether modules ``names``, indices of one parent, skip some (``False`` where they are not all indices).
+
+    >>> _skips(["h.0", "h.1", "h.2"]), _skips(["h.1", "h.3"]), _skips(["h.norm", "h.head"]), _skips(["a.1", "b.3"])
+    (False, True, False, False)
+    """
+    parents = {name.rpartition(".")[0] for name in names}
+    indices = [name.rpartition(".")[2] for name in names]
+    if len(parents) != 1 or not all(index.isdigit() for index in indices):
+        return False
+    numbers = [int(index) for index in indices]
+    return numbers != list(range(numbers[0], numbers[0] + len(numbers)))
+
 
 @dataclass(frozen=True)
 class FitRow:

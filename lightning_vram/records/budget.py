@@ -63,7 +63,10 @@ class BudgetPlan:
         return self.recomputed_flops / self.step_flops
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready data: bytes and FLOPs as numbers, the plan's units as lists of module names."""
+        """JSON-ready data: bytes and FLOPs as numbers, the plan's units as lists of module names.
+
+        The plan's ``selective``: the units (by their first module) it checkpoints selectively.
+        """
         plan = self.plan
         return {
             "budget_bytes": self.budget_bytes,
@@ -74,6 +77,7 @@ class BudgetPlan:
                 "container": plan.container,
                 "units": [list(unit) for unit in plan.units],
                 "forward_of": plan.forward_of,
+                "selective": list(plan.selective),
             },
             "peak_bytes": self.peak_bytes,
             "baseline_peak_bytes": self.baseline_peak_bytes,

@@ -184,6 +184,10 @@ class Attribution:
     """What activation checkpointing re-ran in backward: per recomputed unit, in the order backward recomputed them,
     the outermost modules it re-ran (names as in ``modules``; torch may stop a recomputation before a unit's last
     modules, once backward has what it needs). Empty: nothing re-ran; ``None``: not recorded (an older state)."""
+    selective_units: tuple[str, ...] | None = None
+    """The first module of each of :attr:`recomputed_units` that torch's selective checkpointing re-ran
+    (``create_selective_checkpoint_contexts``: the outputs its policy kept from forward read back, the other ops
+    recomputed); the others re-ran whole. ``None``: not recorded (an older state)."""
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,9 @@ class RunSummary:
     recomputed_units: tuple[tuple[str, ...], ...] | None = None
     """What activation checkpointing re-ran in backward on the sampled step (:attr:`Attribution.recomputed_units`;
     ``None``: not recorded)."""
+    selective_units: tuple[str, ...] | None = None
+    """Of those, the units torch's selective checkpointing re-ran, by their first module
+    (:attr:`Attribution.selective_units`; ``None``: not recorded)."""
     step_time_iqr_fraction: float | None = None
     """How much the recent steps' times vary: their interquartile range over their median, a fraction (``None``: not
     measured, fewer than four steps timed, or an older report)."""

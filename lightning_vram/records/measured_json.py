@@ -62,6 +62,7 @@ def attribution_to_dict(attribution: Attribution | None) -> dict[str, Any] | Non
         "modules": [module_to_dict(profile) for profile in attribution.modules],
         "batch_size": attribution.batch_size,
         "recomputed_units": recomputed_units_to_dict(attribution.recomputed_units),
+        "selective_units": selective_units_to_dict(attribution.selective_units),
     }
 
 
@@ -81,6 +82,23 @@ def recomputed_units_from_dict(data: Any, where: str) -> tuple[tuple[str, ...], 
     if not isinstance(data, list):
         raise FormatError(f"{where} must be a list, got {kind_of(data)}")
     return tuple(tuple(text_list(unit, f"{where}[{index}]")) for index, unit in enumerate(data))
+
+
+def selective_units_to_dict(units: tuple[str, ...] | None) -> list[str] | None:
+    """The first module of each unit selective checkpointing re-ran (``None``: not recorded)."""
+    return None if units is None else list(units)
+
+
+def selective_units_from_dict(fields: Reader, where: str) -> tuple[str, ...] | None:
+    """The units :func:`selective_units_to_dict` wrote, ``None`` where null or absent (written before they were).
+
+    >>> selective_units_from_dict(Reader({"selective_units": ["net.2.block"]}, "report"), "report")
+    ('net.2.block',)
+    >>> selective_units_from_dict(Reader({}, "report"), "report") is None
+    True
+    """
+    data = fields.raw("selective_units") if fields.has("selective_units") else None
+    return None if data is None else tuple(text_list(data, f"{where}.selective_units"))
 
 
 def evaluation_to_dict(peaks: tuple[EvaluationPeak, ...]) -> dict[str, Any]:
@@ -194,6 +212,7 @@ def attribution_from_dict(data: Any, where: str) -> Attribution | None:
         recomputed_units=recomputed_units_from_dict(fields.raw("recomputed_units"), f"{where}.recomputed_units")
         if fields.has("recomputed_units")
         else None,
+        selective_units=selective_units_from_dict(fields, where),
     )
 
 

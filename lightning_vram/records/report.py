@@ -39,6 +39,8 @@ from lightning_vram.records.measured_json import (
     phase_peak_to_dict,
     recomputed_units_from_dict,
     recomputed_units_to_dict,
+    selective_units_from_dict,
+    selective_units_to_dict,
     step_point_from_dict,
     step_point_to_dict,
 )
@@ -129,6 +131,14 @@ class Report:
         return self.summary.recomputed_units
 
     @property
+    def selective_units(self) -> tuple[str, ...] | None:
+        """Of :attr:`recomputed_units`, those torch's selective checkpointing re-ran, by their first module.
+
+        ``None``: not recorded (a report written before they were).
+        """
+        return self.summary.selective_units
+
+    @property
     def recovered_ooms(self) -> int | None:
         """CUDA out-of-memory errors the training code caught and survived."""
         return self.summary.recovered_ooms
@@ -183,6 +193,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             {"name": row.name, "type": row.type, "activation_bytes": row.activation_bytes} for row in report.modules
         ],
         "recomputed_units": recomputed_units_to_dict(report.recomputed_units),
+        "selective_units": selective_units_to_dict(report.selective_units),
         "timing": {
             "step_seconds_median": timing.step_seconds_median,
             "data_wait_fraction": timing.data_wait_fraction,
@@ -256,6 +267,7 @@ def report_from_dict(data: Any) -> Report:
       ``None``; ``fit[].basis``: ``"modelled"``;
     - the batch shapes: ``shapes``: ``None``; the batch lengths: ``shapes.length_counts``: empty;
     - the recomputed units: ``recomputed_units``: ``None`` (not recorded);
+    - the units recomputed selectively: ``selective_units``: ``None`` (not recorded);
     - the reasons not advised: ``not_advised``: empty;
     - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``;
     - the time cost: ``advice[].estimated_cost_seconds``, ``advice[].flop_ratio``, ``advice[].cost_basis``: ``None``;
@@ -303,6 +315,7 @@ def report_from_dict(data: Any) -> Report:
         recomputed_units=recomputed_units_from_dict(fields.raw("recomputed_units"), "report.recomputed_units")
         if fields.has("recomputed_units")
         else None,
+        selective_units=selective_units_from_dict(fields, "report"),
         step_time_iqr_fraction=timing.added("step_time_iqr_fraction", Reader.optional_number, None),
     )
     return Report(

@@ -71,11 +71,7 @@ class CheckpointChange:
             return f"{where}.{plan.switch}() ({len(plan.units)} layers)"
         if plan.sequential_segments is not None:
             return f"checkpoint {where} in {plan.sequential_segments} segments"
-        first, last = plan.units[0][0], plan.units[-1][-1]
-        kept = f", {len(plan.selective)} selectively" if plan.selective else ""
-        if len(plan.units) == 1:
-            return f"checkpoint {'+'.join(plan.units[0])}{kept}"
-        return f"checkpoint {len(plan.units)} units of {where} ({first} to {last}){kept}"
+        return f"checkpoint {plan.span_text()}"
 
 
 @dataclass(frozen=True)

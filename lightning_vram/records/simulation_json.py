@@ -50,6 +50,7 @@ def change_parameters(change: StepChange) -> dict[str, Any]:
             "forward_of": plan.forward_of,
             "modelled_saving_bytes": plan.saving_bytes,
             "switch": plan.switch,
+            "selective": list(plan.selective),
         }
     if isinstance(change, InplaceChange):
         return {"modules": list(change.modules)}
@@ -344,6 +345,7 @@ def _change(kind: ChangeKind, parameters: Reader) -> StepChange:
             saving_bytes=parameters.integer("modelled_saving_bytes", minimum=None),
             forward_of=parameters.optional_text("forward_of"),
             switch=parameters.added("switch", Reader.optional_text, None),
+            selective=tuple(parameters.added("selective", Reader.texts, [])),
         )
         return CheckpointChange(plan)
     if kind == ChangeKind.INPLACE:

@@ -3,17 +3,20 @@
 The peak and each of its parts (or, where the peak moved to another phase, each phase compared with itself), the
 run's settings as the reports record them (a setting a report does not record is said to be "not recorded"), the
 advice added, removed and changed, and where run B applied one of the changes run A's replay simulated (a precision,
-a batch size, a length cap, or a checkpointing plan, which B's recomputed units show), the peak A's replay predicted
-for it beside the peak B measured, and the step-time cost A's advice predicted for it beside the change of B's
-median step time. A step-time ratio or verdict always comes with how much each run's step times varied (their
-interquartile range over their median): above :data:`STEP_TIME_SPREAD_BOUND` in either run (a loaded machine), the
-diff says the ratio is not reliable.
+a batch size, a length cap, or a checkpointing plan, which B's recomputed units show, each re-run whole or under
+torch's selective checkpointing as the plan says), the peak A's replay predicted for it beside the peak B measured,
+and the step-time cost A's advice predicted for it beside the change of B's median step time. Where B checkpointed a
+simulated plan's units otherwise (selectively where the plan keeps them whole), it says that A's prediction is of
+another plan, with no verdict. A step-time ratio or verdict always comes with how much each run's step times varied
+(their interquartile range over their median): above :data:`STEP_TIME_SPREAD_BOUND` in either run (a loaded
+machine), the diff says the ratio is not reliable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from lightning_vram.advice.checkpoint_code import layer_ranges
 from lightning_vram.records import (
     CATEGORIES,
     Advice,
@@ -110,8 +113,8 @@ def peak_lines(before: Report, after: Report) -> list[str]:
 def _setting(name: str, before: object, after: object) -> str:
     """One setting's line: its value in both runs, or from ``before`` to ``after``; ``None`` is "not recorded".
 
-    >>> _setting("precision", "32-true", "bf16-mixed"), _setting("batch size", 8, 8), _setting("strategy", None, None)
-    ('  precision: 32-true -> bf16-mixed', '  batch size: 8 in both runs', '  strategy: not recorded')
+    >>> _setting("precision", "32-true", "bf16-mixed"), _setting("batch size", 8, 8), _setting("device", None, None)
+    ('  precision: 32-true -> bf16-mixed', '  batch size: 8 in both runs', '  device: not recorded')
     """
     shown_before, shown_after = (NOT_RECORDED if value is None else printable(str(value)) for value in (before, after))
     if shown_before == shown_after:
@@ -185,23 +188,45 @@ def _share(fraction: float | None) -> str:
     return NOT_RECORDED if fraction is None else format_percent(fraction)
 
 
-def _recomputed(report: Report) -> int | None:
-    """How many units activation checkpointing recomputed in backward on the sampled step (``None``: not recorded)."""
-    units = report.recomputed_units
-    return None if units is None else len(units)
+def _recomputed(report: Report) -> str | None:
+    """How many units activation checkpointing recomputed in backward on the sampled step (``None``: not recorded).
+
+    With how many of them torch's selective checkpointing re-ran, where any did.
+    """
+    units, selective = report.recomputed_units, report.selective_units
+    if units is None:
+        return None
+    return f"{len(units)} ({len(selective)} selectively)" if selective else str(len(units))
+
+
+def _strategy(report: Report) -> str | None:
+    """The run's strategy where its report names it (``"deepspeed_stage_2"``, ``"fsdp2"``; ``None`` elsewhere).
+
+    The report has no field of its own for the strategy (schema ``lightning_vram.report/1``): a sharded run's replay
+    names it in its trial of the next stronger sharding or of CPU offload.
+    """
+    simulation = report.simulation
+    if simulation is None:
+        return None
+    if simulation.sharding is not None:
+        return simulation.sharding.current
+    return simulation.offload.strategy if simulation.offload is not None else None
 
 
 def settings_lines(before: Report, after: Report) -> list[str]:
     """The run's settings and timing, as each report records them.
 
-    The strategy is not in the report (schema ``lightning_vram.report/1``): it reads "not recorded".
+    The strategy only where either report names it (:func:`_strategy`): a line that would always read "not
+    recorded" says nothing.
     """
+    strategies = _strategy(before), _strategy(after)
+    strategy = [_setting("strategy", *strategies)] if strategies != (None, None) else []
     return [
         "run:",
         _setting("precision", before.precision, after.precision),
         _setting("batch size", before.batch_size, after.batch_size),
         _setting("world size", _world_size(before), _world_size(after)),
-        _setting("strategy", None, None),
+        *strategy,
         _setting("device", _device(before), _device(after)),
         _step_time_line(before, after),
         f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
@@ -265,24 +290,43 @@ def _reruns(recomputed: tuple[str, ...], unit: tuple[str, ...]) -> bool:
     return bool(recomputed) and _within(recomputed[0], unit[:1]) and all(_within(name, unit) for name in recomputed)
 
 
-def _checkpointed(plan: CheckpointPlan, before: Report, after: Report) -> bool:
-    """Whether run ``after`` recomputed exactly ``plan``'s units in backward, besides what ``before`` recomputed.
+def _selectively_rerun(plan: CheckpointPlan, before: Report, after: Report) -> frozenset[str] | None:
+    """The units of ``plan`` (by their first module) run ``after`` re-ran selectively; ``None``: not ``plan``'s units.
 
-    One recomputation per unit, each the unit's own (a ``Checkpointed`` wrapper, a segment of
-    ``checkpoint_sequential``, a layer under a library's switch); ``False`` where ``after`` did not record them.
+    Run ``after`` recomputed ``plan``'s units where it recomputed exactly those in backward, besides what ``before``
+    recomputed: one recomputation per unit, each the unit's own (a ``Checkpointed`` wrapper, a segment of
+    ``checkpoint_sequential``, a layer under a library's switch); ``None`` where ``after`` did not record them. A
+    report that does not record which units re-ran selectively (written before it did) is taken to have re-run
+    ``plan``'s.
     """
     if after.recomputed_units is None:
-        return False
+        return None
     already = before.recomputed_units or ()
     added = [rerun for rerun in after.recomputed_units if rerun not in already]
-    return len(added) == len(plan.units) and all(any(_reruns(rerun, unit) for rerun in added) for unit in plan.units)
+    reruns = [next((rerun for rerun in added if _reruns(rerun, unit)), None) for unit in plan.units]
+    if len(added) != len(plan.units) or any(rerun is None for rerun in reruns):
+        return None
+    if after.selective_units is None:
+        return frozenset(plan.selective)
+    return frozenset(
+        unit[0] for unit, rerun in zip(plan.units, reruns, strict=True) if rerun and rerun[0] in after.selective_units
+    )
+
+
+def _checkpointed(plan: CheckpointPlan, before: Report, after: Report) -> bool:
+    """Whether run ``after`` recomputed exactly ``plan``'s units in backward, each selectively where ``plan`` says.
+
+    :func:`_selectively_rerun`: a unit ``plan`` checkpoints whole re-ran whole, a selective one selectively.
+    """
+    return _selectively_rerun(plan, before, after) == frozenset(plan.selective)
 
 
 def _applied(change: StepChange, before: Report, after: Report) -> bool:
     """Whether run ``after`` is run ``before`` with ``change`` applied, as far as the reports can tell.
 
     Decided for a precision, a batch size and a length cap, each with the other two settings alike in both runs, and
-    for a checkpointing plan (what run ``after`` recomputed in backward), with the precision and batch size alike;
+    for a checkpointing plan (what run ``after`` recomputed in backward, whole or selectively), with the precision
+    and batch size alike;
     a change the reports hold no evidence of (inplace activations, freed gradients, batching by tokens) is never
     said to be applied.
     """
@@ -398,6 +442,52 @@ def prediction_lines(before: Report, after: Report) -> list[str]:
     return lines
 
 
+def _how(selective: frozenset[str], plan: CheckpointPlan) -> str:
+    """Which of ``plan``'s units are checkpointed selectively (``selective``, by first module), in a few words.
+
+    >>> plan = CheckpointPlan("h", (("h.0",), ("h.1",), ("h.2",)), None, 0)
+    >>> _how(frozenset(), plan), _how(frozenset({"h.0", "h.1", "h.2"}), plan), _how(frozenset({"h.1", "h.2"}), plan)
+    ('every unit whole', 'every unit selectively', 'h.1-2 selectively, the others whole')
+    """
+    if len(plan.units) == 1:
+        return "selectively" if selective else "whole"
+    if not selective:
+        return "every unit whole"
+    if len(selective) == len(plan.units):
+        return "every unit selectively"
+    kept = layer_ranges(tuple(unit[0] for unit in plan.units if unit[0] in selective))
+    return f"{kept} selectively, the others whole"
+
+
+def other_plan_lines(before: Report, after: Report) -> list[str]:
+    """Where run ``after`` checkpointed a simulated plan's units otherwise (selectively, not whole): no verdict.
+
+    That is where ``after`` recomputed the units of a plan ``before``'s replay simulated, selectively where that plan
+    checkpoints them whole (or the other way), and applied no plan ``before`` simulated: the prediction is of another
+    plan. Selective checkpointing keeps what its policy saves (matrix products' outputs), so its peak is above the whole
+    plan's: the whole plan's prediction is no test of it.
+    """
+    measured = _peak_bytes(after)
+    if measured is None or before.device.type != after.device.type or before.simulation is None:
+        return []
+    if any(isinstance(variant.change, CheckpointChange) for variant, _ in _applied_variants(before, after)):
+        return []
+    same_settings = before.precision == after.precision and before.batch_size == after.batch_size
+    lines = []
+    for variant in before.simulation.variants:
+        change, predicted = variant.change, _predicted_bytes(variant)
+        if not same_settings or not isinstance(change, CheckpointChange) or predicted is None:
+            continue
+        rerun = _selectively_rerun(change.plan, before, after)
+        if rerun is not None and rerun != frozenset(change.plan.selective):
+            lines.append(
+                f"A's replay predicted {format_bytes(predicted)} for {printable(change.label)},"
+                f" {_how(frozenset(change.plan.selective), change.plan)}; B checkpointed"
+                f" {_how(rerun, change.plan)}: another plan, no verdict (B measured {format_bytes(measured)})"
+            )
+    return lines
+
+
 def time_lines(before: Report, after: Report) -> list[str]:
     """Where run ``after`` applied a change ``before`` advised with a step-time cost: that cost and the measured one.
 
@@ -412,6 +502,7 @@ SECTIONS: tuple[Callable[[Report, Report], list[str]], ...] = (
     settings_lines,
     advice_lines,
     prediction_lines,
+    other_plan_lines,
     time_lines,
 )
 """The diff's sections, in order."""

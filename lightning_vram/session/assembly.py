@@ -120,6 +120,7 @@ class Assembly:
             length_counts=tuple(sorted(recorder.shapes.length_counts.items())),
             length_peaks=self._length_peaks(),
             recomputed_units=largest.recomputed_units if largest is not None else None,
+            selective_units=largest.selective_units if largest is not None else None,
         )
 
     def not_measured(self) -> tuple[NotMeasured, ...]:
