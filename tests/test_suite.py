@@ -25,8 +25,10 @@ import json, sys, pytest
 class Report:
     def pytest_collection_finish(self, session):
         helpers = sorted(name for name in sys.modules if name.rsplit(".", 1)[-1] in {helpers!r})
-        starts = {{item.path.name: bool(item.get_closest_marker("distributed")) for item in session.items}}
-        files = [[name, starts[name]] for name in dict.fromkeys(item.path.name for item in session.items)]
+        starts = {{}}
+        for item in session.items:
+            starts[item.path.name] = starts.get(item.path.name, False) or bool(item.get_closest_marker("distributed"))
+        files = [[name, start] for name, start in starts.items()]
         found = {{"deepspeed": "deepspeed" in sys.modules, "helpers": helpers, "items": len(session.items)}}
         found["files"] = files
         print("IMPORTED", json.dumps(found), flush=True)
@@ -45,7 +47,8 @@ def test_helper_scripts_are_not_imported_while_collecting() -> None:
     assert all((TESTS / f"{script}.py").exists() for script in HELPER_SCRIPTS)
     assert (found["deepspeed"], found["helpers"]) == (False, [])
     assert found["items"] > 100  # the tests themselves were collected
-    # The files that start processes come first, the long ones `make test` hands its workers before the short ones.
+    # The files that start processes (any of their tests) come first, the long ones `make test` hands its workers
+    # before the short ones.
     starts = [start for _, start in found["files"]]
     assert starts == sorted(starts, reverse=True) and starts.count(True) >= 2
     assert {"test_distributed.py", "test_distributed_replay.py"} <= {name for name, start in found["files"] if start}
