@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
-from lightning_vram.advice.checkpoint_code import layer_ranges
 from lightning_vram.advice.checkpointing import switch_plan
 from lightning_vram.measure.setup import checkpointing_switches
 from lightning_vram.records import CheckpointChange, CheckpointPlan, Simulation, VariantResult
+from lightning_vram.records.advice import layer_ranges
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 from lightning_vram.render.diff import prediction_lines
 from lightning_vram.units import format_bytes

@@ -27,6 +27,7 @@ from itertools import groupby
 
 from lightning_vram.prediction.replay.buffer_copies import SAVED_OPS
 from lightning_vram.records import CheckpointPlan, TrainingLoop
+from lightning_vram.records.advice import layer_ranges
 
 CHECKPOINT_LINES = 6
 """Units spelled out one line each in the advice's code; the rest are named."""
@@ -191,25 +192,6 @@ def _code_path(name: str, forward_of: str, root: str = "self") -> str:
     if not relative:
         return root
     return root + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
-
-
-def layer_ranges(names: tuple[str, ...]) -> str:
-    """Layers by name, consecutive indices of one parent as a range.
-
-    >>> layer_ranges(("m.encoder.block.0", "m.encoder.block.1", "m.decoder.block.0", "m.decoder.block.1", "m.head"))
-    'm.encoder.block.0-1, m.decoder.block.0-1 and m.head'
-    """
-    parts: list[str] = []
-    for parent, group in groupby(names, key=lambda name: name.rpartition(".")[0]):
-        indices = [name.rpartition(".")[2] for name in group]
-        if all(index.isdigit() for index in indices) and [int(index) for index in indices] == list(
-            range(int(indices[0]), int(indices[0]) + len(indices))
-        ):
-            span = indices[0] if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
-            parts.append(f"{parent}.{span}" if parent else span)
-        else:
-            parts += [f"{parent}.{index}" if parent else index for index in indices]
-    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _unit_line(unit: tuple[str, ...], forward_of: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from itertools import groupby
 
 
 class ReportText(str, Enum):
@@ -210,6 +211,25 @@ def _skips(names: Sequence[str]) -> bool:
         return False
     numbers = [int(index) for index in indices]
     return numbers != list(range(numbers[0], numbers[0] + len(numbers)))
+
+
+def layer_ranges(names: tuple[str, ...]) -> str:
+    """Layers by name, consecutive indices of one parent as a range.
+
+    >>> layer_ranges(("m.encoder.block.0", "m.encoder.block.1", "m.decoder.block.0", "m.decoder.block.1", "m.head"))
+    'm.encoder.block.0-1, m.decoder.block.0-1 and m.head'
+    """
+    parts: list[str] = []
+    for parent, group in groupby(names, key=lambda name: name.rpartition(".")[0]):
+        indices = [name.rpartition(".")[2] for name in group]
+        if all(index.isdigit() for index in indices) and [int(index) for index in indices] == list(
+            range(int(indices[0]), int(indices[0]) + len(indices))
+        ):
+            span = indices[0] if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+            parts.append(f"{parent}.{span}" if parent else span)
+        else:
+            parts += [f"{parent}.{index}" if parent else index for index in indices]
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_vram.advice.checkpoint_code import layer_ranges
 from lightning_vram.records import (
     CATEGORIES,
     Advice,
@@ -32,6 +31,7 @@ from lightning_vram.records import (
     VariantResult,
     in_phase_order,
 )
+from lightning_vram.records.advice import layer_ranges
 from lightning_vram.render.markup import printable
 from lightning_vram.units import format_bytes, format_percent
 
