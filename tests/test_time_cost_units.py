@@ -198,3 +198,25 @@ def test_the_views_show_the_predicted_step_time_where_set() -> None:
         " 1 ms; predicted step with the change 123.4 ms; "
     ) in line
     assert "predicted step" not in time_line(found, _timed(report, 0.1), _timed(report, None))
+
+
+def test_diff_gives_no_step_time_verdict_where_a_run_s_step_times_are_not_reliable() -> None:
+    # A new user's trial: "the cost measured +1710.4 ms for +12.0 ms predicted: outside the tolerance ...; ... 90.4% in
+    # B: not reliable": a verdict on timings the same line calls unreliable.
+    report = load_report(Path(__file__).parent / "data" / "reports" / "0.10.0" / "cpu.json")
+    found = priced(CheckpointChange(PLAN), 1_300_000)  # +30 ms on a 100 ms step
+
+    def spread(seconds: float, fraction: float) -> Report:
+        timed = _timed(report, seconds)
+        return replace(timed, summary=replace(timed.summary, step_time_iqr_fraction=fraction))
+
+    noisy = time_line(found, spread(0.1, 0.04), spread(1.81, 0.904))
+    assert (
+        "; the cost measured +1710.0 ms for +30.0 ms predicted: no verdict, the step times are not reliable;" in noisy
+    )
+    assert "tolerance" not in noisy and noisy.endswith(
+        "90.4% in B: not reliable, over 25.0% in B (a machine loaded by"
+        " other work times steps unevenly; measure again on a quiet one)"
+    )
+    quiet = time_line(found, spread(0.1, 0.04), spread(0.128, 0.05))
+    assert "predicted: within the tolerance of 25.0% or 1 ms; " in quiet and quiet.endswith(": within 25.0%, reliable")

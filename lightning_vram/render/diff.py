@@ -159,7 +159,7 @@ def noise_text(before: Report, after: Report) -> str:
     spreads = {"A": _spread(before), "B": _spread(after)}
     shown = ", ".join(f"{_share(spread)} in {run}" for run, spread in spreads.items())
     measure = f"step times vary (interquartile range over the median) {shown}"
-    noisy = [run for run, spread in spreads.items() if spread is not None and spread > STEP_TIME_SPREAD_BOUND]
+    noisy = _noisy(before, after)
     if noisy:
         runs = " and ".join(noisy)
         return (
@@ -169,6 +169,12 @@ def noise_text(before: Report, after: Report) -> str:
     if None in spreads.values():
         return f"{measure}: reliability unknown"
     return f"{measure}: within {format_percent(STEP_TIME_SPREAD_BOUND)}, reliable"
+
+
+def _noisy(before: Report, after: Report) -> list[str]:
+    """The runs ("A", "B") whose step times varied more than :data:`STEP_TIME_SPREAD_BOUND` of their median."""
+    spreads = {"A": _spread(before), "B": _spread(after)}
+    return [run for run, spread in spreads.items() if spread is not None and spread > STEP_TIME_SPREAD_BOUND]
 
 
 def _step_time_line(before: Report, after: Report) -> str:
@@ -381,7 +387,8 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
     """The step-time cost ``advice`` predicted beside the change of the median step time from run A to run B.
 
     The prediction is met where the measured change is within :data:`TIME_TOLERANCE_SHARE` of it or within
-    :data:`TIME_TOLERANCE_SECONDS`; a cost not modelled from FLOPs (another precision) is shown without a verdict.
+    :data:`TIME_TOLERANCE_SECONDS`; a cost not modelled from FLOPs (another precision) is shown without a verdict, and
+    so is any cost where a run's step times are not reliable (:func:`noise_text`): a loaded machine's.
     Where both medians are measured, the line ends with how much each run's step times varied (:func:`noise_text`).
     """
     median_before, median_after = before.timing.step_seconds_median, after.timing.step_seconds_median
@@ -397,10 +404,15 @@ def time_line(advice: Advice, before: Report, after: Report) -> str:
     if predicted is not None and median_before is not None and median_after is not None:
         tolerance = max(TIME_TOLERANCE_SHARE * abs(predicted), TIME_TOLERANCE_SECONDS)
         within = abs(median_after - median_before - predicted) <= tolerance
+        judged = (
+            "no verdict, the step times are not reliable"
+            if _noisy(before, after)
+            else f"{'within' if within else 'outside'} the tolerance of {format_percent(TIME_TOLERANCE_SHARE)}"
+            f" or {1000 * TIME_TOLERANCE_SECONDS:.0f} ms"
+        )
         verdict = (
             f"; the cost measured {_milliseconds(median_after - median_before)} for {_milliseconds(predicted)}"
-            f" predicted: {'within' if within else 'outside'} the tolerance of {format_percent(TIME_TOLERANCE_SHARE)}"
-            f" or {1000 * TIME_TOLERANCE_SECONDS:.0f} ms"
+            f" predicted: {judged}"
         )
     if advice.predicted_step_seconds is not None and median_after is not None:
         verdict += f"; predicted step with the change {advice.predicted_step_seconds * 1000:.1f} ms"
