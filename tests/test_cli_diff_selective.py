@@ -135,3 +135,23 @@ def test_a_selective_prediction_in_a_is_checked_against_b(
     lines = diff_lines(with_selective, after, tmp_path, capsys)
     measured = after["peak"]["allocated_bytes"]
     assert checkpoint_lines(lines) == [prediction_line(whole["predicted_peak_bytes"], label, measured)]
+
+
+def test_units_no_plan_of_a_covers_are_said_to_have_no_prediction(
+    runs: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's trial: B checkpointed two units A's replay never simulated (a plan from ``predict``), and diff
+    said nothing of them, the only predicted figure in sight an advice's."""
+    before, after = runs
+    unsimulated = {**after, "recomputed_units": [["network.head"], ["network.embed"]], "selective_units": []}
+    lines = diff_lines(before, unsimulated, tmp_path, capsys)
+    measured = after["peak"]["allocated_bytes"]
+    assert (
+        "B recomputed 2 unit(s) in backward that no checkpointing plan A's replay simulated: no prediction to check"
+        f" (B measured {format_bytes(measured)})"
+    ) in lines
+    # Units a simulated plan has get that plan's verdict (whole) or "another plan" (selective), never this line.
+    for units in (after, {**after, "selective_units": []}):
+        assert not any(
+            "no checkpointing plan A's replay simulated" in line for line in diff_lines(before, units, tmp_path, capsys)
+        )

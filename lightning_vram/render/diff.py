@@ -474,6 +474,9 @@ def _how(selective: frozenset[str], plan: CheckpointPlan) -> str:
 def other_plan_lines(before: Report, after: Report) -> list[str]:
     """Where run ``after`` checkpointed a simulated plan's units otherwise (selectively, not whole): no verdict.
 
+    Where it checkpointed units no simulated plan has, it says that no prediction covers them
+    (:func:`_unsimulated_lines`).
+
     That is where ``after`` recomputed the units of a plan ``before``'s replay simulated, selectively where that plan
     checkpoints them whole (or the other way), and applied no plan ``before`` simulated: the prediction is of another
     plan. Selective checkpointing keeps what its policy saves (matrix products' outputs), so its peak is above the whole
@@ -497,7 +500,28 @@ def other_plan_lines(before: Report, after: Report) -> list[str]:
                 f" {_how(frozenset(change.plan.selective), change.plan)}; B checkpointed"
                 f" {_how(rerun, change.plan)}: another plan, no verdict (B measured {format_bytes(measured)})"
             )
-    return lines
+    return lines or _unsimulated_lines(before, after, measured)
+
+
+def _unsimulated_lines(before: Report, after: Report, measured: int) -> list[str]:
+    """Where run ``after`` recomputed units ``before`` did not, by no plan ``before``'s replay simulated: say so.
+
+    Without it the diff is silent on the change a user made (a plan from ``predict(memory_budget=...)``, units of
+    several containers), and the only predicted figure left in sight is an advice's, easily taken for this one's.
+    """
+    already = before.recomputed_units or ()
+    added = [unit for unit in after.recomputed_units or () if unit not in already]
+    plans = (
+        [variant.change.plan for variant in before.simulation.variants if isinstance(variant.change, CheckpointChange)]
+        if before.simulation is not None
+        else []
+    )
+    if not added or any(_selectively_rerun(plan, before, after) is not None for plan in plans):
+        return []
+    return [
+        f"B recomputed {len(added)} unit(s) in backward that no checkpointing plan A's replay simulated: no prediction"
+        f" to check (B measured {format_bytes(measured)})"
+    ]
 
 
 def time_lines(before: Report, after: Report) -> list[str]:
