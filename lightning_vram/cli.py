@@ -116,10 +116,12 @@ def _read_text(path: Path) -> str:
         raise CommandError(f"{path}: not UTF-8 text (byte {error.start})") from error
 
 
-def find_report(directory: Path) -> Path:
+def find_report(directory: Path, notices: list[str] | None = None) -> Path:
     """The newest ``vram_report.json`` in ``directory`` or up to :data:`SEARCH_DEPTH` levels below it.
 
-    Symbolic links to directories are not followed (no loops); unreadable directories are skipped.
+    Symbolic links to directories are not followed (no loops); unreadable directories are skipped. Where there are
+    several, which one was taken is printed on stderr, or added to ``notices`` for the caller to print once every
+    argument has been read (bad input then prints its one line, and nothing else).
     """
     from lightning_vram.render.files import JSON_FILENAME
 
@@ -137,7 +139,11 @@ def find_report(directory: Path) -> Path:
         raise CommandError(f"{directory}: no {JSON_FILENAME} in this directory or {SEARCH_DEPTH} levels below it")
     newest = Path(max(found)[1])
     if len(found) > 1:  # say which one was taken, on stderr so that the output stays the report's
-        _print(one_line(f"lightning-vram: reading {newest}, the newest of {len(found)} reports"), sys.stderr)
+        notice = one_line(f"lightning-vram: reading {newest}, the newest of {len(found)} reports")
+        if notices is None:
+            _print(notice, sys.stderr)
+        else:
+            notices.append(notice)
     return newest
 
 
@@ -154,12 +160,15 @@ def _not_json(text: str, error: json.JSONDecodeError) -> str:
     return f"not JSON ({error.msg} at line {error.lineno})"
 
 
-def load_report(path: Path) -> Report:
-    """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it)."""
+def load_report(path: Path, notices: list[str] | None = None) -> Report:
+    """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it).
+
+    ``notices``: as :func:`find_report` takes them.
+    """
     from lightning_vram.codec import FormatError, report_from_dict
 
     if path.is_dir():
-        path = find_report(path)
+        path = find_report(path, notices)
     text = _read_text(path)
     try:
         data = json.loads(text, parse_constant=_refuse_constant, parse_int=_parse_int)
@@ -317,7 +326,11 @@ def _diff(arguments: argparse.Namespace) -> None:
     """``diff``: what changed from run A to run B."""
     from lightning_vram.render.diff import diff_text
 
-    _print(diff_text(load_report(arguments.before), load_report(arguments.after)), sys.stdout)
+    notices: list[str] = []
+    before, after = load_report(arguments.before, notices), load_report(arguments.after, notices)
+    for notice in notices:
+        _print(notice, sys.stderr)
+    _print(diff_text(before, after), sys.stdout)
 
 
 def _allocator(arguments: argparse.Namespace) -> None:

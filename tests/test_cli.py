@@ -414,6 +414,24 @@ def test_a_log_dir_with_several_reports_says_which_one_it_read(
     assert f"{after.steps} steps" in captured.out
 
 
+def test_diff_with_a_bad_argument_prints_one_line_not_the_other_s_notice(
+    two_runs: tuple[tuple[Report, Path], tuple[Report, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A new user's trial: `diff runs/base nothere` printed "reading ..., the newest of 4 reports" before its error.
+    import shutil
+
+    (_, first), (_, second) = two_runs
+    for name, source in (("a", first), ("b", second)):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        shutil.copy(source / "vram_report.json", tmp_path / "runs" / name / "vram_report.json")
+    missing = tmp_path / "nothere"
+    assert main(["diff", str(tmp_path / "runs"), str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"lightning-vram: error: {missing}: no such file or directory"]
+    assert main(["diff", str(tmp_path / "runs"), str(tmp_path / "runs" / "a")]) == 0
+    assert "the newest of 2 reports" in capsys.readouterr().err  # said once both are read
+
+
 def without_phases(report: dict[str, Any], where: str) -> dict[str, Any]:
     """The report with the ``phases`` at ``where`` emptied: the run's, the replayed baseline's, each change's."""
     data = copy.deepcopy(report)
