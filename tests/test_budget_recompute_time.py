@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vram.advice.budget import plan_for_budget
+from lightning_vram.advice.budget import plan_for_budget, recomputation_seconds
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.timing import measure_host_peaks, predict_step_time
+from lightning_vram.prediction.timing import measure_host_peaks
+from lightning_vram.prediction.timing.checkpoint_ops import measure_checkpoint_overhead
 from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep
 from lightning_vram.records.budget import BudgetPlan
 
@@ -68,7 +69,7 @@ class LanguageModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
-def blocks_plan(whole: range, selective: range) -> CheckpointPlan:
+def blocks_plan(whole: range, selective: range = range(0)) -> CheckpointPlan:
     """``blocks`` checkpointed whole (``whole``) and selectively (``selective``), as the budget's search writes it."""
     every = sorted({*whole, *selective})
     units = tuple((f"blocks.{index}",) for index in every)
@@ -90,18 +91,23 @@ def test_the_budget_plan_is_the_one_whose_recomputation_is_predicted_fastest() -
     assert isinstance(found, BudgetPlan) and found.fits and found.plan is not None
     print(*found.lines()[:3], sep="\n")
 
-    # The candidates the search may find, replayed here and priced on the same (this process's) peaks.
+    # The candidates the search may find, replayed here and priced on the same (this process's) peaks and overhead.
     peaks = measure_host_peaks({group.op for group in baseline.work.groups})
+    overhead = measure_checkpoint_overhead(peaks.op_overhead_seconds)
+    one = predictor.replay(CheckpointChange(blocks_plan(range(1))), count_flops=True)
+    assert isinstance(one, ReplayedStep) and one.work is not None
+    block_ops = one.work.recomputed().ops  # what one block checkpointed whole recomputes
     candidates = {
-        "every block selectively": blocks_plan(range(0), range(LAYERS)),
-        **{f"{count} whole": blocks_plan(range(count), range(0)) for count in range(1, LAYERS + 1)},
-        **{f"1 whole, {count} selectively": blocks_plan(range(1), range(1, 1 + count)) for count in (1, 2, 3)},
+        "every block selectively": (blocks_plan(range(0), range(LAYERS)), 0),
+        **{f"{count} whole": (blocks_plan(range(count)), count * block_ops) for count in range(1, LAYERS + 1)},
+        **{f"1 whole, {n} selectively": (blocks_plan(range(1), range(1, 1 + n)), block_ops) for n in (1, 2, 3)},
     }
     fitting: dict[str, float] = {}
-    for name, plan in candidates.items():
+    for name, (plan, whole_ops) in candidates.items():
         step = predictor.replay(CheckpointChange(plan), count_flops=True)
         assert isinstance(step, ReplayedStep)
-        seconds = predict_step_time(step, peaks).recompute_seconds
+        seconds = recomputation_seconds(step, peaks, overhead, whole_ops)
+        assert seconds is not None
         print(f"{name}: peak {step.peak.peak_bytes:,} B, recomputation predicted {1000 * seconds:.2f} ms")
         assert seconds > 0  # a selective plan's recomputation is priced, not free
         if step.peak.peak_bytes <= budget:

@@ -15,10 +15,15 @@ backward, each priced by the step-time model (:func:`~lightning_vram.prediction.
 slower of its FLOPs at the device's peak FLOP/s and its bytes moved at the device's bandwidth, plus an op's
 overhead) on the run's device: the host's measured peaks for the CPU, the GPU table's row for CUDA (for CUDA without
 a device, :data:`REFERENCE_GPU`'s). FLOPs alone do not price it: selective checkpointing keeps the matrix products
-and recomputes the elementwise ops, normalisations and softmaxes, which count 0 FLOPs but are memory-bound, not
-free (a trial's 4-layer transformer LM: its all-selective plan counted 0 FLOPs and measured +34% a step on a CPU,
-slower than two layers checkpointed whole). The recomputed FLOPs are kept beside the time; where the device has no
-peaks (no row of the table, another device type), plans are compared by their FLOPs.
+and recomputes the elementwise ops, normalisations and softmaxes, which count 0 FLOPs but are memory-bound, not free
+(a trial's 4-layer transformer LM: its all-selective plan counted 0 FLOPs and measured +34% a step on a CPU, slower
+than two layers checkpointed whole). On the CPU each recomputed op also carries what checkpointing itself adds to
+it, measured once a process (:mod:`~lightning_vram.prediction.timing.checkpoint_ops`: saved-tensor hooks, and
+selective checkpointing's Python dispatch mode in forward and recompute, several times an op's own cost); the ops of
+a plan's whole units are those its units recomputed checkpointed whole alone (step 2 below), the rest are its
+selective units'. On a GPU that overhead is host time, overlapped by the device's work where its kernels outlast it,
+and is not added. The recomputed FLOPs are kept beside the time; where the device has no peaks (no row of the table,
+another device type), plans are compared by their FLOPs.
 
 Replays are the expensive part, so the search replays few:
 
@@ -62,6 +67,7 @@ from lightning_vram.advice.checkpointing import (
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import serves_step
 from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks, measure_host_peaks, predict_step_time
+from lightning_vram.prediction.timing.checkpoint_ops import CheckpointOverhead, measure_checkpoint_overhead
 from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep
 from lightning_vram.records.budget import BudgetPlan, peak_text
 from lightning_vram.units import format_bytes
@@ -130,11 +136,12 @@ class _Tried:
 class _Search:
     """The replays of one budget's search, counted, against one baseline."""
 
-    def __init__(self, predictor: Predictor, budget: int, baseline: ReplayedStep, peaks: DevicePeaks | None) -> None:
+    def __init__(self, predictor: Predictor, budget: int, baseline: ReplayedStep) -> None:
         self.predictor = predictor
         self.budget = budget
         self.baseline = baseline
-        self.peaks = peaks
+        self.peaks: DevicePeaks | None = None
+        self.overhead: CheckpointOverhead | None = None
         self.replays = 1
         self.basis = RESERVED if baseline.allocations is not None and predictor.allocator is not None else LIVE_PEAK
 
@@ -162,11 +169,15 @@ class _Search:
             return None
         return max(step.flops - self.baseline.flops, 0)
 
-    def seconds(self, step: ReplayedStep) -> float | None:
-        """The predicted time of ``step``'s recomputation; ``None`` without the device's peaks or counted ops."""
-        if self.peaks is None or step.work is None:
+    def seconds(self, step: ReplayedStep, whole_ops: int | None = None) -> float | None:
+        """The predicted time of ``step``'s recomputation; ``None`` without the device's peaks or counted ops.
+
+        With the checkpointing overhead measured (:attr:`overhead`), each recomputed op adds its share: the first
+        ``whole_ops`` of them (``None``: all) in units checkpointed whole, the rest in selective ones.
+        """
+        if self.peaks is None:
             return None
-        return predict_step_time(step, self.peaks).recompute_seconds
+        return recomputation_seconds(step, self.peaks, self.overhead, whole_ops)
 
     def seconds_of(self, step: ReplayedStep) -> float:
         """The predicted time of the whole of ``step`` (its ops counted, the device's peaks known)."""
@@ -174,11 +185,32 @@ class _Search:
         return predict_step_time(step, self.peaks).seconds
 
     def cost(self, step: ReplayedStep) -> float | None:
-        """What ``step``'s recomputation costs: its predicted seconds, else its FLOPs; ``None`` where neither."""
+        """What ``step``'s recomputation (units checkpointed whole) costs: its predicted seconds, else its FLOPs.
+
+        ``None`` where neither.
+        """
         if self.peaks is not None:
             return self.seconds(step)
         flops = self.recomputed(step)
         return None if flops is None else float(flops)
+
+
+def recomputation_seconds(
+    step: ReplayedStep, peaks: DevicePeaks, overhead: CheckpointOverhead | None, whole_ops: int | None = None
+) -> float | None:
+    """The predicted seconds of ``step``'s recomputation on ``peaks``, ``None`` where its ops were not counted.
+
+    The recomputed ops priced by the step-time model, and with ``overhead``, what checkpointing adds to each: the
+    first ``whole_ops`` of them (``None``: all) in units checkpointed whole, the rest in selective ones.
+    """
+    if step.work is None:
+        return None
+    seconds = predict_step_time(step, peaks).recompute_seconds
+    if overhead is None:
+        return seconds
+    ops = step.work.recomputed().ops
+    whole = ops if whole_ops is None else min(whole_ops, ops)
+    return seconds + whole * overhead.whole + (ops - whole) * overhead.selective
 
 
 def _device_peaks(predictor: Predictor, baseline: ReplayedStep) -> DevicePeaks | None:
@@ -256,23 +288,24 @@ def _kind(indexed: ProfileIndex, unit: Unit) -> tuple[object, ...]:
     return (len(unit.names), types, unit.saved, unit.input_bytes)
 
 
-def _unit_costs(search: _Search, indexed: ProfileIndex, container: _Container) -> dict[int, float]:
-    """Each eligible unit's cost checkpointed whole (:meth:`_Search.cost`, above 0), one replay per kind of unit.
+def _unit_costs(search: _Search, indexed: ProfileIndex, container: _Container) -> dict[int, tuple[float, int]]:
+    """Each eligible unit checkpointed whole: its cost (:meth:`_Search.cost`, above 0) and the ops it recomputes.
 
-    A unit whose replay fails is left out.
+    One replay per kind of unit; a unit whose replay fails is left out.
     """
-    by_kind: dict[tuple[object, ...], float | None] = {}
-    costs: dict[int, float] = {}
+    by_kind: dict[tuple[object, ...], tuple[float, int] | None] = {}
+    costs: dict[int, tuple[float, int]] = {}
     for index in container.eligible:
         kind = _kind(indexed, container.units[index])
         if kind not in by_kind:
             if search.predictor.out_of_time():
                 break
             step = search.replay(container.plan({index}))
-            by_kind[kind] = None if step is None else (search.cost(step) or 0.0)
+            ops = 0 if step is None or step.work is None else step.work.recomputed().ops
+            by_kind[kind] = None if step is None else (max(search.cost(step) or 0.0, 1e-12), ops)
         cost = by_kind[kind]
         if cost is not None:
-            costs[index] = max(cost, 1e-12)
+            costs[index] = cost
     return costs
 
 
@@ -295,10 +328,11 @@ def _greedy_order(container: _Container, costs: dict[int, float]) -> list[int]:
 class _Probes:
     """The replayed plans of one container, by the units checkpointed whole and selectively (indices)."""
 
-    def __init__(self, search: _Search, container: _Container, baseline_peak: int) -> None:
+    def __init__(self, search: _Search, container: _Container, baseline_peak: int, unit_ops: dict[int, int]) -> None:
         self.search = search
         self.container = container
         self.baseline_peak = baseline_peak
+        self.unit_ops = unit_ops
         self.tried: dict[tuple[frozenset[int], frozenset[int]], _Tried | None] = {}
 
     def __call__(self, whole: frozenset[int], selective: frozenset[int] = frozenset()) -> _Tried | None:
@@ -314,7 +348,7 @@ class _Probes:
                 fits, peak = self.search.measure(step)
                 plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
                 recomputed = self.search.recomputed(step)
-                seconds = self.search.seconds(step)
+                seconds = self.search.seconds(step, sum(self.unit_ops[index] for index in whole))
                 self.tried[key] = _Tried(plan, fits, peak, recomputed, step.peak.peak_bytes, seconds)
         return self.tried[key]
 
@@ -410,7 +444,7 @@ def plan_for_budget(
         if not isinstance(replayed, ReplayedStep):
             return replayed.reason
         baseline = replayed
-    search = _Search(predictor, budget_bytes, baseline, None)
+    search = _Search(predictor, budget_bytes, baseline)
     fits, baseline_peak = search.measure(baseline)
     baseline_allocated = baseline.peak.peak_bytes
     if fits:
@@ -432,6 +466,8 @@ def plan_for_budget(
             baseline_allocated_bytes=baseline_allocated,
         )
     search.peaks = peaks if peaks is not None else _device_peaks(predictor, baseline)
+    if search.peaks is not None and predictor.device.type == "cpu":
+        search.overhead = measure_checkpoint_overhead(search.peaks.op_overhead_seconds)
     indexed = ProfileIndex(baseline.modules)
     excess = baseline_peak - budget_bytes
     fitting: list[tuple[_Tried, _Container, int]] = []
@@ -445,11 +481,12 @@ def plan_for_budget(
         searched += 1
         if progress is not None:
             progress(f"searching {container.name or 'the model'} ({len(container.eligible)} units)")
-        costs = _unit_costs(search, indexed, container)
-        if not costs:
+        measured = _unit_costs(search, indexed, container)
+        if not measured:
             continue
+        costs = {index: cost for index, (cost, _) in measured.items()}
         order = _greedy_order(container, costs)
-        probes = _Probes(search, container, baseline_peak)
+        probes = _Probes(search, container, baseline_peak, {index: ops for index, (_, ops) in measured.items()})
         for chosen in _search_container(probes, order, costs, selective and container.one_module):
             fitting.append((chosen, container, len(order)))
         smallest = probes.lowest()
