@@ -201,8 +201,9 @@ def test_the_prediction_prints_and_writes_its_budget_plan() -> None:
     written = prediction.to_dict()["budget"]
     assert written["budget_bytes"] == 20 * MIB and written["fits"] is True
     assert written["plan"]["units"] == [list(unit) for unit in prediction.budget.plan.units]
-    assert prediction.budget.plan.selective  # at 20 MiB, some of the encoder's layers are checkpointed selectively
     assert written["plan"]["selective"] == list(prediction.budget.plan.selective)
+    assert written["recompute_seconds"] == prediction.budget.recompute_seconds is not None
+    assert "recomputation predicted to take" in text
     assert written["peak_bytes"] == prediction.budget.peak_bytes <= 20 * MIB
 
 

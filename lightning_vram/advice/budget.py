@@ -1,4 +1,4 @@
-"""Checkpointing chosen for a memory budget: the plan with the least recomputation whose replayed step fits it.
+"""Checkpointing chosen for a memory budget: the plan with the least recomputation time whose replayed step fits it.
 
 "Fits" is what the step would hold: on CUDA (a predictor that simulates the caching allocator) the simulated
 allocator serves the whole replayed step within the budget (:func:`~lightning_vram.prediction.replay.serves.serve`),
@@ -10,26 +10,48 @@ the one before it; a unit that saved nothing, or holds a module that outran its 
 and all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several. A plan is any subset
 of one such container's units.
 
+A plan's cost is the time its recomputation is predicted to take: the ops its replay counted as recomputed in
+backward, each priced by the step-time model (:func:`~lightning_vram.prediction.timing.predict_step_time`: the
+slower of its FLOPs at the device's peak FLOP/s and its bytes moved at the device's bandwidth, plus an op's
+overhead) on the run's device: the host's measured peaks for the CPU, the GPU table's row for CUDA (for CUDA without
+a device, :data:`REFERENCE_GPU`'s). FLOPs alone do not price it: selective checkpointing keeps the matrix products
+and recomputes the elementwise ops, normalisations and softmaxes, which count 0 FLOPs but are memory-bound, not free
+(a trial's 4-layer transformer LM: its all-selective plan counted 0 FLOPs and measured +34% a step on a CPU, slower
+than two layers checkpointed whole). On the CPU each recomputed op also carries what checkpointing itself adds to
+it, measured once a process (:mod:`~lightning_vram.prediction.timing.checkpoint_ops`: saved-tensor hooks, and
+selective checkpointing's Python dispatch mode in forward and recompute, several times an op's own cost); the ops of
+a plan's whole units are those its units recomputed checkpointed whole alone (step 2 below), the rest are its
+selective units'. On a GPU that overhead is host time, overlapped by the device's work where its kernels outlast it,
+and is not added. The recomputed FLOPs are kept beside the time; where the device has no peaks (no row of the table,
+another device type), plans are compared by their FLOPs.
+
 Replays are the expensive part, so the search replays few:
 
 1. the baseline, its FLOPs counted: a budget it meets needs no checkpointing;
-2. each kind of unit (the same module types and bytes: a stack's layers are one kind) checkpointed alone, once:
-   its recomputed FLOPs, the replay's over the baseline's;
-3. a greedy order: the unit whose checkpointing lowers the modelled peak (:func:`plan_peak`) most per recomputed
-   FLOP next, until every unit is in;
+2. each kind of unit (the same module types and bytes: a stack's layers are one kind) checkpointed whole alone,
+   once: its recomputation's cost;
+3. a greedy order: the unit whose checkpointing lowers the modelled peak (:func:`plan_peak`) most per second of
+   recomputation next, until every unit is in;
 4. the smallest prefix of that order whose replayed step fits, bisected by replay (the modelled answer probed
-   first).
+   first): checkpointed selectively, checkpointed whole, and (with ``w`` the fewest whole units that fit) each
+   ``c`` below ``w`` whole units followed by the fewest selective ones that fit. A mixed plan whose whole units
+   alone are costed (step 2) at or above the cheapest plan found is not replayed.
+
+The search is over prefixes of one order, not every subset: a plan that fits with a unit left out of the prefix
+before a unit in it is not tried (the greedy puts the units that save most per second first, and a stack's layers,
+one kind, cost the same).
 
 Containers are tried by their modelled saving, the largest first, at most :data:`MAX_CONTAINERS` and while the
 predictor's budget of seconds lasts; once a plan fits, a container modelled to save less than the budget needs is
-passed over, and a plan that fits recomputing no FLOPs (selective, every op kept whose FLOPs count) ends the search.
-Of the plans that fit, the one recomputing the fewest FLOPs is chosen.
+passed over. Of the plans that fit, the one whose recomputation is predicted to take least time is chosen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
 from lightning_vram.advice.checkpointing import (
@@ -44,12 +66,17 @@ from lightning_vram.advice.checkpointing import (
 )
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import serves_step
+from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks, measure_host_peaks, predict_step_time
+from lightning_vram.prediction.timing.checkpoint_ops import CheckpointOverhead, measure_checkpoint_overhead
 from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep
 from lightning_vram.records.budget import BudgetPlan, peak_text
 from lightning_vram.units import format_bytes
 
 MAX_CONTAINERS = 3
 """Containers whose plans are searched by replay, the largest modelled saving first."""
+
+REFERENCE_GPU = "A100 80GB SXM"
+"""The GPU table's row that prices recomputation for CUDA where no device says which card it is."""
 
 LIVE_PEAK = "live peak"
 RESERVED = "reserved, simulated caching allocator"
@@ -85,9 +112,10 @@ class _Container:
 
 @dataclass(frozen=True)
 class _Tried:
-    """One replayed plan: whether it fits, its peak and allocated peak (bytes), its recomputed FLOPs.
+    """One replayed plan: whether it fits, its peak and allocated peak (bytes), its recomputed FLOPs and seconds.
 
-    ``peak`` is as the budget counts it (reserved or live), ``allocated`` what the step's tensors hold.
+    ``peak`` is as the budget counts it (reserved or live), ``allocated`` what the step's tensors hold. ``seconds``:
+    the recomputation's predicted time (``None``: not priced).
     """
 
     plan: CheckpointPlan
@@ -95,6 +123,14 @@ class _Tried:
     peak: int
     flops: int | None
     allocated: int
+    seconds: float | None
+
+    @property
+    def cost(self) -> float:
+        """What plans are compared on: the predicted seconds, else the FLOPs (0 where neither is known)."""
+        if self.seconds is not None:
+            return self.seconds
+        return float(self.flops or 0)
 
 
 class _Search:
@@ -104,6 +140,8 @@ class _Search:
         self.predictor = predictor
         self.budget = budget
         self.baseline = baseline
+        self.peaks: DevicePeaks | None = None
+        self.overhead: CheckpointOverhead | None = None
         self.replays = 1
         self.basis = RESERVED if baseline.allocations is not None and predictor.allocator is not None else LIVE_PEAK
 
@@ -130,6 +168,67 @@ class _Search:
         if step.flops is None or self.baseline.flops is None:
             return None
         return max(step.flops - self.baseline.flops, 0)
+
+    def seconds(self, step: ReplayedStep, whole_ops: int | None = None) -> float | None:
+        """The predicted time of ``step``'s recomputation; ``None`` without the device's peaks or counted ops.
+
+        With the checkpointing overhead measured (:attr:`overhead`), each recomputed op adds its share: the first
+        ``whole_ops`` of them (``None``: all) in units checkpointed whole, the rest in selective ones.
+        """
+        if self.peaks is None:
+            return None
+        return recomputation_seconds(step, self.peaks, self.overhead, whole_ops)
+
+    def seconds_of(self, step: ReplayedStep) -> float:
+        """The predicted time of the whole of ``step`` (its ops counted, the device's peaks known)."""
+        assert self.peaks is not None
+        return predict_step_time(step, self.peaks).seconds
+
+    def cost(self, step: ReplayedStep) -> float | None:
+        """What ``step``'s recomputation (units checkpointed whole) costs: its predicted seconds, else its FLOPs.
+
+        ``None`` where neither.
+        """
+        if self.peaks is not None:
+            return self.seconds(step)
+        flops = self.recomputed(step)
+        return None if flops is None else float(flops)
+
+
+def recomputation_seconds(
+    step: ReplayedStep, peaks: DevicePeaks, overhead: CheckpointOverhead | None, whole_ops: int | None = None
+) -> float | None:
+    """The predicted seconds of ``step``'s recomputation on ``peaks``, ``None`` where its ops were not counted.
+
+    The recomputed ops priced by the step-time model, and with ``overhead``, what checkpointing adds to each: the
+    first ``whole_ops`` of them (``None``: all) in units checkpointed whole, the rest in selective ones.
+    """
+    if step.work is None:
+        return None
+    seconds = predict_step_time(step, peaks).recompute_seconds
+    if overhead is None:
+        return seconds
+    ops = step.work.recomputed().ops
+    whole = ops if whole_ops is None else min(whole_ops, ops)
+    return seconds + whole * overhead.whole + (ops - whole) * overhead.selective
+
+
+def _device_peaks(predictor: Predictor, baseline: ReplayedStep) -> DevicePeaks | None:
+    """The peaks recomputation is priced with on the predictor's device (``None``: none known, or no ops counted).
+
+    The CPU: the host's, measured once a process (the kinds of op the baseline runs). CUDA: the table's row for the
+    device's name, :data:`REFERENCE_GPU`'s where no device is there to name it.
+    """
+    if baseline.work is None:
+        return None
+    placement = predictor.device
+    if placement.type == "cpu":
+        return measure_host_peaks({group.op for group in baseline.work.groups})
+    if placement.type == "cuda":
+        if torch.cuda.is_available():
+            return gpu_peaks(torch.cuda.get_device_name(placement))
+        return GPU_PEAKS[REFERENCE_GPU]
+    return None
 
 
 def _containers(indexed: ProfileIndex) -> list[_Container]:
@@ -189,28 +288,29 @@ def _kind(indexed: ProfileIndex, unit: Unit) -> tuple[object, ...]:
     return (len(unit.names), types, unit.saved, unit.input_bytes)
 
 
-def _unit_costs(search: _Search, indexed: ProfileIndex, container: _Container) -> dict[int, int]:
-    """Each eligible unit's recomputed FLOPs (at least 1), one replay per kind of unit.
+def _unit_costs(search: _Search, indexed: ProfileIndex, container: _Container) -> dict[int, tuple[float, int]]:
+    """Each eligible unit checkpointed whole: its cost (:meth:`_Search.cost`, above 0) and the ops it recomputes.
 
-    A unit whose replay fails is left out.
+    One replay per kind of unit; a unit whose replay fails is left out.
     """
-    by_kind: dict[tuple[object, ...], int | None] = {}
-    costs: dict[int, int] = {}
+    by_kind: dict[tuple[object, ...], tuple[float, int] | None] = {}
+    costs: dict[int, tuple[float, int]] = {}
     for index in container.eligible:
         kind = _kind(indexed, container.units[index])
         if kind not in by_kind:
             if search.predictor.out_of_time():
                 break
             step = search.replay(container.plan({index}))
-            by_kind[kind] = None if step is None else (search.recomputed(step) or 0)
+            ops = 0 if step is None or step.work is None else step.work.recomputed().ops
+            by_kind[kind] = None if step is None else (max(search.cost(step) or 0.0, 1e-12), ops)
         cost = by_kind[kind]
         if cost is not None:
-            costs[index] = max(cost, 1)
+            costs[index] = cost
     return costs
 
 
-def _greedy_order(container: _Container, costs: dict[int, int]) -> list[int]:
-    """Units in the order the greedy adds them: the largest modelled peak reduction per recomputed FLOP first."""
+def _greedy_order(container: _Container, costs: dict[int, float]) -> list[int]:
+    """Units in the order the greedy adds them: the largest modelled peak reduction per unit of cost first."""
     chosen: set[int] = set()
     order: list[int] = []
     current = container.modelled(chosen)
@@ -228,10 +328,11 @@ def _greedy_order(container: _Container, costs: dict[int, int]) -> list[int]:
 class _Probes:
     """The replayed plans of one container, by the units checkpointed whole and selectively (indices)."""
 
-    def __init__(self, search: _Search, container: _Container, baseline_peak: int) -> None:
+    def __init__(self, search: _Search, container: _Container, baseline_peak: int, unit_ops: dict[int, int]) -> None:
         self.search = search
         self.container = container
         self.baseline_peak = baseline_peak
+        self.unit_ops = unit_ops
         self.tried: dict[tuple[frozenset[int], frozenset[int]], _Tried | None] = {}
 
     def __call__(self, whole: frozenset[int], selective: frozenset[int] = frozenset()) -> _Tried | None:
@@ -246,7 +347,9 @@ class _Probes:
             else:
                 fits, peak = self.search.measure(step)
                 plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
-                self.tried[key] = _Tried(plan, fits, peak, self.search.recomputed(step), step.peak.peak_bytes)
+                recomputed = self.search.recomputed(step)
+                seconds = self.search.seconds(step, sum(self.unit_ops[index] for index in whole))
+                self.tried[key] = _Tried(plan, fits, peak, recomputed, step.peak.peak_bytes, seconds)
         return self.tried[key]
 
     def lowest(self) -> _Tried | None:
@@ -280,36 +383,43 @@ def _smallest(probe: Callable[[int], _Tried | None], top: int, guess: int) -> tu
     return (high, found) if found is not None else None
 
 
-def _search_container(probes: _Probes, order: list[int], selective: bool) -> list[_Tried]:
-    """The plans that fit with the fewest units of ``order`` checkpointed.
+def _search_container(probes: _Probes, order: list[int], costs: dict[int, float], selective: bool) -> list[_Tried]:
+    """The plans that fit with the fewest units of ``order`` checkpointed, whole, selectively, and both.
 
-    With ``selective``, selective units first (the smallest prefix of ``order``): one that fits recomputing no FLOPs
-    ends the search. Then whole units, and where no selective prefix fits, the fewest whole units first with the
-    rest selective.
+    With ``selective``, the smallest prefix of selective units; then the smallest of whole units (``w`` of them);
+    then, with ``selective``, for each count ``c`` below ``w``, ``c`` whole units followed by the fewest selective
+    ones that fit, skipped where those whole units' ``costs`` alone reach the cheapest plan found.
     """
     container = probes.container
     modelled = [container.modelled(set(order[:count])) for count in range(len(order) + 1)]
     excess = probes.baseline_peak - probes.search.budget
     guess = next((count for count in range(1, len(order) + 1) if modelled[0] - modelled[count] >= excess), len(order))
     found: list[_Tried] = []
-    kept = None
     if selective:
         kept = _smallest(lambda count: probes(frozenset(), frozenset(order[:count])), len(order), len(order))
         if kept is not None:
             found.append(kept[1])
-            if kept[1].flops == 0:
-                return found
     whole = _smallest(lambda count: probes(frozenset(order[:count])), len(order), guess)
     if whole is not None:
         found.append(whole[1])
-    if selective and kept is None and whole is not None and whole[0] > 1:
-        # the fewest whole units, the others selective: none whole is all selective, which does not fit
-        mixed = _smallest(
-            lambda count: probes(frozenset(order[:count]), frozenset(order[count:])), whole[0], whole[0] - 1
-        )
+    if not selective or whole is None:
+        return found
+    for count in range(whole[0] - 1, 0, -1):
+        if sum(costs[index] for index in order[:count]) >= min(tried.cost for tried in found):
+            continue  # its whole units alone cost as much as a plan that fits
+        mixed = _smallest(_mixed(probes, order, count), len(order) - count, len(order) - count)
         if mixed is not None:
             found.append(mixed[1])
     return found
+
+
+def _mixed(probes: _Probes, order: list[int], whole: int) -> Callable[[int], _Tried | None]:
+    """The probe of ``whole`` units of ``order`` checkpointed whole and the next ``count`` selectively."""
+
+    def probe(count: int) -> _Tried | None:
+        return probes(frozenset(order[:whole]), frozenset(order[whole : whole + count]))
+
+    return probe
 
 
 def plan_for_budget(
@@ -319,13 +429,15 @@ def plan_for_budget(
     context: CodeContext | None = None,
     progress: Callable[[str], None] | None = None,
     selective: bool = True,
+    peaks: DevicePeaks | None = None,
 ) -> BudgetPlan | str:
-    """The checkpointing plan with the least recomputation whose replayed step fits ``budget_bytes``.
+    """The checkpointing plan with the least predicted recomputation time whose replayed step fits ``budget_bytes``.
 
     ``baseline``: the step as it is, replayed with its FLOPs counted (replayed here when ``None``). ``context``: what
     the printed code is written for (default: a LightningModule). Returns why not where the step cannot be
     replayed. ``progress``: told of each container searched (for benchmarks). ``selective``: also try selective
-    checkpointing (the outputs of matrix products and attention kept) in containers of one-module units.
+    checkpointing (the outputs of matrix products and attention kept) in containers of one-module units. ``peaks``:
+    the device recomputation is priced on (``None``: the predictor's, see :func:`_device_peaks`).
     """
     if baseline is None or baseline.flops is None:
         replayed = predictor.replay(None, count_flops=True)
@@ -353,40 +465,42 @@ def plan_for_budget(
             allocated_peak_bytes=baseline_allocated,
             baseline_allocated_bytes=baseline_allocated,
         )
+    search.peaks = peaks if peaks is not None else _device_peaks(predictor, baseline)
+    if search.peaks is not None and predictor.device.type == "cpu":
+        search.overhead = measure_checkpoint_overhead(search.peaks.op_overhead_seconds)
     indexed = ProfileIndex(baseline.modules)
     excess = baseline_peak - budget_bytes
     fitting: list[tuple[_Tried, _Container, int]] = []
     lowest: _Tried | None = None
     searched = 0
     for container in _containers(indexed):
-        if searched == MAX_CONTAINERS or predictor.out_of_time() or any(tried.flops == 0 for tried, _, _ in fitting):
-            break  # a plan that fits recomputing no FLOPs: none recomputes fewer
+        if searched == MAX_CONTAINERS or predictor.out_of_time():
+            break
         if fitting and container.modelled(set()) - container.modelled(set(container.eligible)) < excess:
             continue  # modelled to save too little, and a plan fits already
         searched += 1
         if progress is not None:
             progress(f"searching {container.name or 'the model'} ({len(container.eligible)} units)")
-        costs = _unit_costs(search, indexed, container)
-        if not costs:
+        measured = _unit_costs(search, indexed, container)
+        if not measured:
             continue
+        costs = {index: cost for index, (cost, _) in measured.items()}
         order = _greedy_order(container, costs)
-        probes = _Probes(search, container, baseline_peak)
-        for chosen in _search_container(probes, order, selective and container.one_module):
+        probes = _Probes(search, container, baseline_peak, {index: ops for index, (_, ops) in measured.items()})
+        for chosen in _search_container(probes, order, costs, selective and container.one_module):
             fitting.append((chosen, container, len(order)))
         smallest = probes.lowest()
         if smallest is not None and (lowest is None or smallest.peak < lowest.peak):
             lowest = smallest
     if not fitting:
         return _nothing_fits(search, lowest, searched)
-    best, container, candidates = min(
-        fitting, key=lambda item: (item[0].flops if item[0].flops is not None else 0, item[0].peak)
-    )
+    best, container, candidates = min(fitting, key=lambda item: (item[0].cost, item[0].peak))
     what, code = checkpoint_snippet(best.plan, context)
     kept = f" ({len(best.plan.selective)} selectively)" if best.plan.selective else ""
+    least = "the least predicted recomputation time" if search.peaks is not None else "the fewest recomputed FLOPs"
     reason = (
-        f"{len(best.plan.units)}{kept} of {candidates} units of `{container.name or 'the model'}`, the fewest"
-        f" recomputed FLOPs of the {len(fitting)} plan(s) that fit ({searched} container(s) searched,"
-        f" {search.replays} replays)"
+        f"{len(best.plan.units)}{kept} of {candidates} units of `{container.name or 'the model'}`, {least} of the"
+        f" {len(fitting)} plan(s) that fit ({searched} container(s) searched, {search.replays} replays)"
     )
     if predictor.out_of_time():
         reason += "; the search stopped when budget_seconds ran out: a plan recomputing less may fit"
@@ -405,6 +519,9 @@ def plan_for_budget(
         basis=search.basis,
         allocated_peak_bytes=best.allocated,
         baseline_allocated_bytes=baseline_allocated,
+        recompute_seconds=best.seconds,
+        step_seconds=None if search.peaks is None or baseline.work is None else search.seconds_of(baseline),
+        timed_on=None if search.peaks is None else search.peaks.name,
     )
 
 

@@ -33,6 +33,8 @@ class BudgetPlan:
     ``allocated_peak_bytes`` / ``baseline_allocated_bytes``: the same steps' allocated peaks, what their tensors hold
     (the replay's live peak, on CUDA in the allocator's 512-byte blocks), which a reserved figure is printed beside;
     the same as ``peak_bytes`` / ``baseline_peak_bytes`` on the live basis (``None`` where not recorded).
+    ``recompute_seconds``: the predicted time of the plan's recomputation a step, ``step_seconds`` the baseline
+    step's, both on ``timed_on``'s peaks (a CPU measured, a GPU of the table; ``None``: not priced), uncalibrated.
     """
 
     budget_bytes: int
@@ -49,6 +51,9 @@ class BudgetPlan:
     basis: str
     allocated_peak_bytes: int | None = None
     baseline_allocated_bytes: int | None = None
+    recompute_seconds: float | None = None
+    step_seconds: float | None = None
+    timed_on: str | None = None
 
     @property
     def reserved(self) -> bool:
@@ -91,6 +96,9 @@ class BudgetPlan:
             "basis": self.basis,
             "allocated_peak_bytes": self.allocated_peak_bytes,
             "baseline_allocated_bytes": self.baseline_allocated_bytes,
+            "recompute_seconds": self.recompute_seconds,
+            "step_seconds": self.step_seconds,
+            "timed_on": self.timed_on,
         }
 
     def lines(self) -> list[str]:
@@ -113,6 +121,14 @@ class BudgetPlan:
             if self.recomputed_flops is not None and share is not None
             else "recomputation not counted"
         )
+        if self.recompute_seconds is not None and self.step_seconds:
+            # selective checkpointing recomputes ops that count 0 FLOPs and still take time: the time comes first
+            flops = "" if self.recomputed_flops is None else f"; {self.recomputed_flops:,} FLOPs"
+            cost = (
+                f"recomputation predicted to take {1000 * self.recompute_seconds:.2f} ms a step"
+                f" (+{format_percent(self.recompute_seconds / self.step_seconds)} of the step's predicted"
+                f" {1000 * self.step_seconds:.2f} ms on {self.timed_on}{flops})"
+            )
         code = [f"    {line}" for line in (self.code or "").splitlines()]
         after = peak_text(self.reserved, self.peak_bytes, self.allocated_peak_bytes)
         return [
