@@ -131,7 +131,7 @@ def test_predict_for_cuda_on_the_cpu_prints_allocated_beside_every_reserved_figu
     text = str(prediction)
     print(text)
     expected = f"{format_bytes(found.peak_bytes)} reserved, {format_bytes(found.allocated_peak_bytes)} allocated"
-    assert f"the smallest peak reached is {expected}, checkpointing" in text
+    assert f"the smallest peak the search reached is {expected}, checkpointing" in text
     assert RESERVED_LEGEND in text
     assert text.count(" reserved") == text.count(" allocated")  # every reserved figure has its allocated one
     written = prediction.to_dict()["budget"]

@@ -150,7 +150,9 @@ def test_a_budget_below_every_plan_says_so_with_the_smallest_peak_reached() -> N
     found = budget_plan(Classifier(ResNetStyle()), first_batch(images(32), 32), 1 * MIB)
     assert not found.fits and found.plan is None and found.code is None
     assert found.peak_bytes is not None and 1 * MIB < found.peak_bytes < found.baseline_peak_bytes
-    assert "the smallest peak reached is" in found.reason and "over the budget" in found.reason
+    assert "the smallest peak the search reached is" in found.reason and "over the budget" in found.reason
+    # It says what it searched (a trial found a plan across several modules' children that peaked lower).
+    assert "it tries the children of one module at a time" in found.reason
     assert "no plan fits" in "\n".join(found.lines())
 
 
@@ -205,6 +207,8 @@ def test_the_prediction_prints_and_writes_its_budget_plan() -> None:
     assert written["recompute_seconds"] == prediction.budget.recompute_seconds is not None
     assert "recomputation predicted to take" in text
     assert written["peak_bytes"] == prediction.budget.peak_bytes <= 20 * MIB
+    # print(prediction.budget) gives the plan's lines, as docs/planning.md shows it (a trial met the record's repr).
+    assert str(prediction.budget) == "\n".join(prediction.budget.lines()) and str(prediction.budget) in text
 
 
 def test_a_search_cut_by_budget_seconds_says_so() -> None:

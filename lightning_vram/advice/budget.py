@@ -499,7 +499,7 @@ def plan_for_budget(
     kept = f" ({len(best.plan.selective)} selectively)" if best.plan.selective else ""
     least = "the least predicted recomputation time" if search.peaks is not None else "the fewest recomputed FLOPs"
     reason = (
-        f"{len(best.plan.units)}{kept} of {candidates} units of `{container.name or 'the model'}`, {least} of the"
+        f"{len(best.plan.units)}{kept} of {candidates} units of {_container_text(container.name)}, {least} of the"
         f" {len(fitting)} plan(s) that fit ({searched} container(s) searched, {search.replays} replays)"
     )
     if predictor.out_of_time():
@@ -525,6 +525,15 @@ def plan_for_budget(
     )
 
 
+def _container_text(name: str | None) -> str:
+    """A container in words: its name as code, or "the model" for the root.
+
+    >>> _container_text("encoder.layers"), _container_text("")
+    ('`encoder.layers`', 'the model')
+    """
+    return f"`{name}`" if name else "the model"
+
+
 def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> BudgetPlan:
     """The record of a budget no replayed plan meets: the smallest peak reached, and by which plan."""
     baseline_peak = search.measure(search.baseline)[1]
@@ -540,9 +549,10 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
         kept = f" ({len(lowest.plan.selective)} selectively)" if lowest.plan.selective else ""
         peak = peak_text(search.basis == RESERVED, lowest.peak, lowest.allocated)
         reason = (
-            f"the smallest peak reached is {peak}, checkpointing {len(units)} unit(s){kept} of"
-            f" `{lowest.plan.container or 'the model'}`, {format_bytes(lowest.peak - search.budget)} over the"
-            f" budget{state}"
+            f"the smallest peak the search reached is {peak}, checkpointing {len(units)} unit(s){kept} of"
+            f" {_container_text(lowest.plan.container)}, {format_bytes(lowest.peak - search.budget)} over the"
+            f" budget (it tries the children of one module at a time: units of several modules together, such as"
+            f" every block of every stage, may peak lower){state}"
         )
     if search.predictor.out_of_time():
         reason += f" (the search stopped when budget_seconds ran out, after {search.replays} replays)"

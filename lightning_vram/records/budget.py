@@ -101,6 +101,10 @@ class BudgetPlan:
             "timed_on": self.timed_on,
         }
 
+    def __str__(self) -> str:
+        """The plan as ``print(prediction)`` shows it (:meth:`lines`), not the record's fields."""
+        return "\n".join(self.lines())
+
     def lines(self) -> list[str]:
         """A few lines for the prediction's table: the verdict, the plan, its cost and the code to write.
 

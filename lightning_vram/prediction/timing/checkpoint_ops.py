@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_vram.prediction.timing.host import _isolated
+from lightning_vram.prediction.timing.host import isolated_measurement
 
 CHAIN_OPS = 100
 """Ops in the measured chain."""
@@ -50,7 +50,7 @@ def measure_checkpoint_overhead(op_seconds: float) -> CheckpointOverhead:
     Each figure is at least 0.
     """
     if not _MEASURED:
-        with _isolated():
+        with isolated_measurement():
             plain, whole, selective = (_seconds_an_op(run) for run in (_plain, _whole, _selective))
         _MEASURED.append(
             CheckpointOverhead(max(whole - plain - op_seconds, 0.0), max(selective - plain - op_seconds, 0.0))

@@ -268,14 +268,14 @@ def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks:
     peaks = _MEASURED[0]
     missing = names & set(PROBED_KINDS) - set(peaks.op_achieved)
     if missing:
-        with _isolated():
+        with isolated_measurement():
             shares = _op_achieved(peaks.fp32_flops, peaks.bandwidth, REPEATS, time.perf_counter, missing)
         peaks = replace(peaks, op_achieved={**peaks.op_achieved, **shares})
         _MEASURED[0] = peaks
     return peaks
 
 
-def _isolated() -> contextlib.AbstractContextManager[object]:
+def isolated_measurement() -> contextlib.AbstractContextManager[object]:
     """Around a measurement: the caller's modes and hooks out of reach, its RNG kept, backward whatever the grad mode.
 
     See :func:`_apart_from_the_caller`.
@@ -305,7 +305,7 @@ def measure_host(
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     # The probes draw random numbers (the caller's RNG stays) and the tiny step runs backward, whatever the caller's
     # grad mode; none of the caller's modes or hooks sees an op of it.
-    with _isolated():
+    with isolated_measurement():
         fp32 = _matmul_flops(torch.float32, MATMUL_SIZE, repeats, clock)
         bf16 = _matmul_flops(torch.bfloat16, MATMUL_SIZE, repeats, clock)
         fp16 = _matmul_flops(torch.float16, HALF_SIZE, repeats, clock)
