@@ -4,12 +4,20 @@
 (about 4.5 CPU seconds a rank on this machine, more than half of a small run's CPU time). A forked rank starts with
 them imported. The parent only parses its arguments and imports before forking: no tensor op has run in it, so no
 thread pool of torch's (nor gloo, nor a process group) exists to be copied half-made into the ranks.
+
+DeepSpeed's CPU backend builds a C++ op of its own when a rank starts its communication (``deepspeed_shm_comm``,
+which only ``deepspeed.comm.inference_all_reduce`` uses: no ZeRO stage calls it, training's collectives are torch's
+own on gloo). Built under ``~/.cache/torch_extensions`` for one venv's path, it compiles again for each new clone's
+venv: 44 s of two compilers on the 2-core machine (about 80 CPU seconds) inside whichever test first starts DeepSpeed
+ranks. The ranks here mark it unbuildable, as DeepSpeed marks it on a platform without its shared memory, and run
+without it.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +35,16 @@ def start_ranks(
     """
     for name in preload:
         importlib.import_module(name)
+    if "deepspeed" in sys.modules:
+        _without_deepspeed_shared_memory_op()
     mp.start_processes(function, args=arguments, nprocs=world_size, start_method="fork")
+
+
+def _without_deepspeed_shared_memory_op() -> None:
+    """DeepSpeed's ranks start their communication without compiling ``deepspeed_shm_comm`` (see above)."""
+    import deepspeed.ops  # type: ignore[import-untyped]
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def lightning_ranks(main: Callable[[], None], world_size: int, preload: Sequence[str] = ()) -> None:

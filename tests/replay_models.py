@@ -10,7 +10,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from models import OPTIMIZERS, BasicBlock, Classifier, LastStep, MeanOverTime, OptimizerFactory, loader, trainer
+from models import (
+    OPTIMIZERS,
+    REPLAYS_OFF,
+    BasicBlock,
+    Classifier,
+    LastStep,
+    MeanOverTime,
+    OptimizerFactory,
+    loader,
+    trainer,
+)
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -129,9 +139,12 @@ def counted_step(
 ) -> tuple[Attribution, Any]:
     """Train ``module`` for ``steps`` steps with the monitor counting step 1; its counts and the first batch.
 
-    ``callbacks`` run before the monitor's hooks.
+    ``callbacks`` run before the monitor's hooks. The monitor's own replays (in training, preflight) are off: the
+    callers replay the counted step with a Predictor of their own, and nothing reads the monitor's.
     """
-    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    monitor = VramMonitor(
+        attribution_start_step=1, attribution_every_n_steps=None, console_summary=False, **REPLAYS_OFF
+    )
     batches = loader(data, batch_size)
     trainer(root, [*callbacks, monitor], max_steps=steps, **options).fit(module, batches)
     attribution = monitor.session._recorder.tracker.latest_attribution

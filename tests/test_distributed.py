@@ -6,8 +6,6 @@ import csv
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +30,7 @@ def test_two_process_ddp_reduces_over_ranks(tmp_path: Path, strategy: str) -> No
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "ddp_train.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), strategy],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        env=environment,
-    )
+    result = run_script(script, str(tmp_path), strategy, timeout=HANG, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "rank0.steps").read_text() == (tmp_path / "rank1.steps").read_text() == "4"
     (log_dir,) = (tmp_path / "ddp").iterdir()
@@ -69,14 +61,7 @@ def test_a_rank_that_fails_leaves_rank_zero_its_own_report(tmp_path: Path) -> No
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("CUDA_VISIBLE_DEVICES", None)
     script = Path(__file__).parent / "ddp_train.py"
-    subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "ddp", "peer-fails"],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        env=environment,
-        check=False,
-    )
+    run_script(script, str(tmp_path), "ddp", "peer-fails", timeout=HANG, env=environment)
     assert (tmp_path / "rank1.outcome").read_text() == "RuntimeError: rank 1 fails at train end"
     assert (tmp_path / "rank0.outcome").read_text() == "finished"  # no gloo error reached rank 0's fit
     warned = [text for text in json.loads((tmp_path / "rank0.warnings").read_text()) if "trains on cpu" not in text]

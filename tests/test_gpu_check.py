@@ -35,7 +35,10 @@ def gpu_check() -> ModuleType:
 @pytest.mark.replay
 def test_the_cpu_dry_run_prints_every_row_with_figures_that_parse(tmp_path: Path) -> None:
     out = tmp_path / "table.md"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # One intra-op thread, as tests/conftest.py gives the tests' own process: the tiny models' steps spent more than
+    # half of the script's CPU time in torch's spinning thread pool (49 CPU s with this machine's 2, 20 s with 1).
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     # Budgets far above what tiny models need (CI shares its CPUs): no row may be cut short; the timeout bounds it.
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-dry-run", "--out", str(out), "--total-seconds", "1500"],

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from advice_models import ChunkedLanguageModel, LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
-from models import OPTIMIZERS, Classifier, loader, trainer
+from models import OPTIMIZERS, REPLAYS_OFF, Classifier, loader, trainer
 from replay_models import images, resnet
 from simulations import GIB
 from torch import nn
@@ -83,9 +83,15 @@ def monitored(
     on: DeviceInfo | None = None,
     **options: Any,
 ) -> Run:
-    """Three steps with step 1 counted; its replay; the advice as if on device ``on`` (default: the CPU run's)."""
+    """Three steps with step 1 counted; its replay; the advice as if on device ``on`` (default: the CPU run's).
+
+    The replay is this function's own Predictor's, from the run's attribution: the monitor's own replays (in training
+    and preflight) are off, as nothing here reads them.
+    """
     torch.manual_seed(0)
-    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    monitor = VramMonitor(
+        attribution_start_step=1, attribution_every_n_steps=None, console_summary=False, **REPLAYS_OFF
+    )
     batches = loader(data, batch_size)
     fit = trainer(root, [monitor], max_steps=3, **options)
     fit.fit(module, batches)
