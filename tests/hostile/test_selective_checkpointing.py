@@ -16,6 +16,7 @@ import pytest
 import torch
 from harness import PATHS, Case, assert_untouched
 from models import FLOAT32, Classifier, loader
+from test_selective_kept import Residual
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.data import TensorDataset
@@ -29,21 +30,6 @@ def keep_convolutions(_context: Any, op: Any, *_args: Any, **_kwargs: Any) -> Ch
     """The user's policy: keep every convolution's output, recompute the rest; counts its calls."""
     CALLS["policy"] += 1
     return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.convolution.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class Residual(nn.Module):
-    """A ResNet basic block: two 3x3 convolutions with BatchNorm and ReLU, and the skip connection."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        hidden = torch.relu(self.bn1(self.conv1(inputs)))
-        return torch.relu(inputs + self.bn2(self.conv2(hidden)))
 
 
 class Selective(nn.Module):
