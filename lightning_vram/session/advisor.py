@@ -274,8 +274,8 @@ class Advisor:
         batch: Any,
         summary: Callable[[], RunSummary],
         size: tuple[int, int | None],
-        worst: bool = False,
-        released_late: Callable[[], Mapping[Phase, int]] = dict,
+        worst: bool,
+        released_late: Callable[[], Mapping[Phase, int]],
     ) -> None:
         """Replay a counted step and every change the rules could advise.
 
