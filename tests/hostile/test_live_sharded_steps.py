@@ -61,7 +61,7 @@ def compare(case: str, tmp_path: Path) -> list[dict[str, Any]]:
 def test_a_step_reading_its_sharded_run_s_objects_is_replayed_and_trains_the_same(tmp_path: Path) -> None:
     # The module's mesh, a parameter's full_tensor() and to_local(), a DTensor attribute, get_rank(), dropout, a
     # generator of the user's, counting hooks; units with reshard_after_forward=False and in bfloat16.
-    # Now and then (2 runs of 6 at 727d918, 1 of 4 since, on an idle machine; once in the CI's fresh-clone run) a
+    # Now and then (2 runs of 6 at 727d918, 2 of 26 since, on an idle machine; once in a fresh-clone run) a
     # rank's optimizer live peak measures 4,232 bytes over its replay (37,796 for 33,564) and the rank refuses it:
     # the size of the first unit's reduce-scatter input (1,056 fp32 elements, 4,224 bytes) and 8 more, still
     # allocated when the optimizer steps. Not found why: the live count said nothing was released late by another
