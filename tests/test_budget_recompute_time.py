@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from advice_models import TransformerBlock
 from torch import nn
 
 from lightning_vram.advice.budget import plan_for_budget, recomputation_seconds
@@ -29,29 +30,13 @@ pytestmark = pytest.mark.replay  # plan_for_budget replays
 WIDTH, VOCAB, LAYERS = 128, 1000, 4
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: attention and an MLP, each after a LayerNorm and added back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(WIDTH)
-        self.attn = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
-        self.norm2 = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
-
-
 class LanguageModel(pl.LightningModule):
     """Token embeddings, ``LAYERS`` blocks, a final norm and the LM head; AdamW."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(TransformerBlock(WIDTH, heads=4) for _ in range(LAYERS))
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
 
