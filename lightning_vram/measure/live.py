@@ -32,10 +32,9 @@ import torch
 from torch import Tensor, nn
 from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
-from torch.utils._pytree import tree_leaves
 
 from lightning_vram.measure.storages import local_tensor, on_device, storage_identity, tensor_storages
-from lightning_vram.measure.tensors import iter_tensors
+from lightning_vram.measure.tensors import iter_tensors, op_tensors
 from lightning_vram.records import Phase
 
 
@@ -298,7 +297,7 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._counting:
             try:
                 written = bool(self._held) and func._schema.is_mutable
-                self.track((leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)), written)
+                self.track(op_tensors(output), written)
             except Exception as error:  # noqa: BLE001 -- inside the user's step: stop counting, never raise
                 self.error, self._counting = error, False
         return output

@@ -57,3 +57,32 @@ def batch_size_of(batch: Any) -> int | None:
         if tensor.dim() > 0:
             return int(tensor.shape[0])
     return None
+
+
+def op_tensors(value: Any) -> list[Tensor]:
+    """The tensors in an op's ``(args, kwargs)`` or in its output, depth first, in order (as pytree's leaves).
+
+    Called for every op a dispatch mode sees: aten's schemas nest a list of tensors at most, so lists, tuples and
+    dicts are walked and nothing else (pytree's general walk cost a replay 13 s of 191 in a profile of the suite).
+
+    >>> a, b = torch.zeros(1), torch.ones(2)
+    >>> [tuple(t.shape) for t in op_tensors(((a, [None, b], 3), {"out": a}))]
+    [(1,), (2,), (1,)]
+    """
+    found: list[Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[Tensor]) -> None:
+    if isinstance(value, Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                _collect(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found)

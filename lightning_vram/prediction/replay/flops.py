@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from lightning_vram.prediction.replay._fake import tree_leaves
+from lightning_vram.measure.tensors import op_tensors
+from lightning_vram.prediction.replay.ops import op_name
 from lightning_vram.records import Phase, StepWork
 from lightning_vram.records.work import OpKey, grouped
 
@@ -71,15 +72,14 @@ class StepFlops:
         flops = self._flops(func, args, kwargs, output)
         self._total += flops
         view = bool(getattr(func, "is_view", False)) or getattr(func, "_overloadpacket", None) is _UNSAFE_VIEW
-        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
-        outputs = [leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)]
+        inputs = op_tensors((args, kwargs))
+        outputs = op_tensors(output)
         moved = 0 if view else sum(_bytes(tensor) for tensor in (*inputs, *outputs))
         dtype = next(
             (_DTYPE_CLASSES.get(tensor.dtype, "other") for tensor in inputs if tensor.is_floating_point()), "other"
         )
         recomputed = self._phase is Phase.BACKWARD and self._recomputing is not None and self._recomputing()
-        name = str(getattr(func, "__name__", func)).split(".")[0]
-        self._ops.append((self._phase, dtype, flops, moved, recomputed, view, name))
+        self._ops.append((self._phase, dtype, flops, moved, recomputed, view, op_name(func)))
 
     @staticmethod
     def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> int:
@@ -111,6 +111,10 @@ _METADATA_RETURNS = frozenset({"int", "SymInt", "bool", "Device", "ScalarType", 
 """Return types of an op that only reads a tensor's metadata."""
 
 
+_METADATA: dict[Any, bool] = {}
+"""Each op met: whether it only reads metadata (:func:`_metadata`, worked out once per op)."""
+
+
 def _metadata(func: Any) -> bool:
     """Whether ``func`` only reads tensors' metadata (``prim.device``, ``aten.sym_size``): no kernel, not an op.
 
@@ -121,12 +125,17 @@ def _metadata(func: Any) -> bool:
     >>> _metadata(torch.ops.aten._local_scalar_dense.default), _metadata(torch.ops.aten._foreach_add_.Scalar)
     (False, False)
     """
-    schema = getattr(func, "_schema", None)
-    if getattr(func, "namespace", None) == "prim":
-        return True
-    if schema is None or schema.is_mutable or not schema.returns:
-        return False
-    return all(str(returned.type) in _METADATA_RETURNS for returned in schema.returns)
+    known = _METADATA.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = getattr(func, "namespace", None) == "prim" or (
+            schema is not None
+            and not schema.is_mutable
+            and bool(schema.returns)
+            and all(str(returned.type) in _METADATA_RETURNS for returned in schema.returns)
+        )
+        _METADATA[func] = known
+    return known
 
 
 def _bytes(tensor: Tensor) -> int:

@@ -24,14 +24,15 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_vram.measure.storages import storage_key
+from lightning_vram.measure.tensors import op_tensors
 from lightning_vram.prediction.replay._fake import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     TorchDispatchMode,
-    tree_leaves,
     tree_map_only,
 )
+from lightning_vram.prediction.replay.ops import device_query, op_name, written_arguments
 
 VALUE_ELEMENTS = 1 << 20
 """The most elements a known value may have (a 1M-element mask: 8 MiB of ``int64`` on the CPU at most)."""
@@ -100,9 +101,12 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._bytes += nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        device = device_query(func, args)
+        if device is not None:  # a fake tensor's device: no value, nothing written
+            return device
         kwargs = kwargs or {}
-        name = _op_name(func)
-        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        name = op_name(func)
+        inputs = op_tensors((args, kwargs))
         fakes = [leaf for leaf in inputs if isinstance(leaf, FakeTensor)]
         known = all(fake in self._values for fake in fakes) and (
             bool(fakes) or (not inputs and name in DETERMINISTIC_FACTORIES)
@@ -140,7 +144,7 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _value_outputs(self, func: Any, args: Any, kwargs: Any, output: Any) -> None:
         """Work out the real value of each of ``output``'s tensors; where that fails they stay unknown."""
-        fakes = [leaf for leaf in tree_leaves(output) if isinstance(leaf, FakeTensor)]
+        fakes = [leaf for leaf in op_tensors(output) if isinstance(leaf, FakeTensor)]
         if not fakes or sum(fake.numel() for fake in fakes) > VALUE_ELEMENTS:
             self._forget_written(func, args, kwargs)
             return
@@ -149,7 +153,7 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         except (RuntimeError, TypeError, ValueError, IndexError):  # what an op raises: the value stays unknown
             self._forget_written(func, args, kwargs)
             return
-        reals = [leaf for leaf in tree_leaves(real) if isinstance(leaf, Tensor)]
+        reals = op_tensors(real)
         if len(reals) != len(fakes):
             return
         for fake, value in zip(fakes, reals, strict=True):
@@ -159,16 +163,13 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
         """An op whose inputs are not all known wrote into some of them: their values are no longer known."""
-        schema = getattr(func, "_schema", None)
-        if schema is None or not schema.is_mutable:
-            return
-        for argument, value in zip(schema.arguments, args, strict=False):
-            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, Tensor):
-                self._forget(value)
-        for argument in schema.arguments:
-            written = kwargs.get(argument.name)
-            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(written, Tensor):
-                self._forget(written)
+        positions, names = written_arguments(func)
+        for position in positions:
+            if position < len(args) and isinstance(args[position], Tensor):
+                self._forget(args[position])
+        for name in names:
+            if isinstance(kwargs.get(name), Tensor):
+                self._forget(kwargs[name])
 
     def _with_real_shapes(self, func: Any, args: Any, kwargs: Any, device: torch.device) -> Any:
         """An op whose output shape depends on the data: fake outputs shaped as the real ones, with their values."""
@@ -189,8 +190,3 @@ def _no_modes() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
-
-
-def _op_name(func: Any) -> str:
-    """An op's name without namespace or overload: ``aten._local_scalar_dense.default`` -> ``_local_scalar_dense``."""
-    return str(getattr(func, "__name__", func)).split(".")[0]

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 from lightning_vram.measure.storages import local_tensor, on_device, storage_key
-from lightning_vram.prediction.replay._fake import TorchDispatchMode, tree_leaves
+from lightning_vram.measure.tensors import op_tensors
+from lightning_vram.prediction.replay._fake import TorchDispatchMode
+from lightning_vram.prediction.replay.ops import device_query, op_name
 from lightning_vram.prediction.replay.storages import allocator_bytes
 from lightning_vram.records import Phase
 
@@ -176,10 +178,13 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._segment_peak = self.live_bytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        device = device_query(func, args)
+        if device is not None:  # a fake tensor's device, asked by C++: not an op (the real step does not dispatch it)
+            return device
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
-        name = _op_name(func)
-        self.track((leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)), name)
+        name = op_name(func)
+        self.track(op_tensors(output), name)
         for listener in self._listeners:
             listener(output)
         for op_listener in self._op_listeners:
@@ -187,8 +192,3 @@ class LiveMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for sampler in self._samplers:
             sampler.sample(name)
         return output
-
-
-def _op_name(func: Any) -> str:
-    """An op's name without namespace or overload: ``aten._log_softmax.default`` -> ``_log_softmax``."""
-    return str(getattr(func, "__name__", func)).split(".")[0]
