@@ -11,6 +11,10 @@ own on gloo). Built under ``~/.cache/torch_extensions`` for one venv's path, it 
 venv: 44 s of two compilers on the 2-core machine (about 80 CPU seconds) inside whichever test first starts DeepSpeed
 ranks. The ranks here mark it unbuildable, as DeepSpeed marks it on a platform without its shared memory, and run
 without it.
+
+``deepspeed.initialize`` checks the optimizer against ZeRO's list after importing DeepSpeed's Muon optimizer, whose
+import decorates its kernels with ``torch.compile`` and so imports torch's inductor: 1.5 of a ZeRO rank's 2.8 CPU
+seconds of training, in every rank. The parent imports it before forking (no tensor op, no thread, no process).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 
+DEEPSPEED_OPTIMIZER_CHECK = "deepspeed.runtime.zero.muon.muon_optimizer"
+"""What ``deepspeed.initialize`` imports in each rank to check the optimizer (see above)."""
+
+
 def start_ranks(
     function: Callable[..., None], arguments: tuple[Any, ...], world_size: int, preload: Sequence[str] = ()
 ) -> None:
@@ -37,6 +45,7 @@ def start_ranks(
         importlib.import_module(name)
     if "deepspeed" in sys.modules:
         _without_deepspeed_shared_memory_op()
+        importlib.import_module(DEEPSPEED_OPTIMIZER_CHECK)
     mp.start_processes(function, args=arguments, nprocs=world_size, start_method="fork")
 
 

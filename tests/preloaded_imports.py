@@ -15,3 +15,4 @@ import torch  # noqa: F401
 
 with contextlib.suppress(ImportError):  # the ZeRO tests' extra: a run without it imports nothing more
     import deepspeed  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  # what each rank imports (forked_ranks.py)
