@@ -28,7 +28,6 @@ from typing import Any
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-
 DEEPSPEED_OPTIMIZER_CHECK = "deepspeed.runtime.zero.muon.muon_optimizer"
 """What ``deepspeed.initialize`` imports in each rank to check the optimizer (see above)."""
 
