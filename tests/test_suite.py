@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from models import REPLAYS_ON
+from preloaded_python import run_script
 
 from lightning_vram import VramMonitor, VramSession
 from lightning_vram.config import MonitorConfig
@@ -52,6 +53,16 @@ def test_helper_scripts_are_not_imported_while_collecting() -> None:
     starts = [start for _, start in found["files"]]
     assert starts == sorted(starts, reverse=True) and starts.count(True) >= 2
     assert {"test_distributed.py", "test_distributed_replay.py"} <= {name for name, start in found["files"] if start}
+
+
+def test_a_script_run_by_the_tests_starts_with_torch_lightning_and_deepspeed_imported(tmp_path: Path) -> None:
+    # tests/preloaded_python.py's server imported them once (tests/preloaded_imports.py): a script's run does not.
+    # Python 3.11's forkserver skipped that preload without a word when started from the repository's root.
+    script = tmp_path / "what_is_imported.py"
+    names = ["torch", "lightning", "deepspeed", "transformers.models.gpt2.modeling_gpt2"]
+    script.write_text(f"import sys\nprint([name in sys.modules for name in {names!r}])\n")
+    result = run_script(script, timeout=900)  # only a hang takes 900 s
+    assert (result.returncode, result.stdout.strip()) == (0, str([True] * len(names))), result.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ replays in tests
