@@ -10,6 +10,8 @@ second run recomputed) and sets the replay's predicted peak beside the measured 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +34,19 @@ from lightning_vram.render.diff import prediction_lines
 from lightning_vram.units import format_bytes
 
 pytest.importorskip("transformers")
+
+
+def test_reading_the_switches_imports_nothing_of_transformers() -> None:
+    # A process that imported transformers for a tokenizer only: transformers' attributes are lazy, and reading
+    # transformers.PreTrainedModel imported its modeling_utils (2.4 s here) for a model that is not one of its own.
+    code = (
+        "import sys, torch, transformers\n"
+        "from lightning_vram.measure.setup import checkpointing_switches\n"
+        "print(checkpointing_switches(torch.nn.Linear(2, 2)), 'transformers.modeling_utils' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=False)
+    assert run.stdout.strip() == "() False", run.stderr[-2000:]
+
 
 VOCAB, LENGTH, BATCH = 1000, 128, 8
 

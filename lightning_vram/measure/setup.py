@@ -275,12 +275,14 @@ def _checkpointing_off(layer: nn.Module) -> bool:
 def checkpointing_switches(module: nn.Module) -> tuple[CheckpointSwitch, ...]:
     """The outermost transformers models in ``module`` that checkpoint their layers with one call, and whether they do.
 
-    Only where the user's code imported transformers (nothing is imported here) and its layers are its
-    ``GradientCheckpointingLayer``s, which ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
-    before it) turns on, every stack's at once.
+    Only where the user's code imported transformers' models (nothing is imported here: ``transformers``' own
+    attributes are lazy, and reading ``transformers.PreTrainedModel`` imported ``modeling_utils``, 2.4 s, in a
+    process that had imported only a tokenizer) and its layers are its ``GradientCheckpointingLayer``s, which
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before it) turns on, every stack's at once.
     """
-    library, layers_module = sys.modules.get("transformers"), sys.modules.get("transformers.modeling_layers")
-    pretrained = getattr(library, "PreTrainedModel", None)
+    models_module = sys.modules.get("transformers.modeling_utils")
+    layers_module = sys.modules.get("transformers.modeling_layers")
+    pretrained = getattr(models_module, "PreTrainedModel", None)
     layer_type = getattr(layers_module, "GradientCheckpointingLayer", None)
     if not isinstance(pretrained, type) or not isinstance(layer_type, type):
         return ()
