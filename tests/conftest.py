@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE))
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
+from collected import COLLECTED, Collection  # noqa: E402 -- collected.py sits beside this file, on the path above
 from models import REPLAY_OPTIONS, REPLAYS_OFF  # noqa: E402 -- models.py sits beside this file, on the path above
 
 
@@ -59,19 +60,26 @@ def replays_off_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest
     yield
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first: those that start processes, then those that replay, then the rest (each file's tests
-    stay together and in order).
+    stay together and in order); what the collection saw kept in ``config.stash`` (:mod:`collected`).
 
     ``make test`` runs ``--dist loadfile --no-loadscope-reorder``: pytest-xdist hands the files to its workers in this
     order, so the short files fill the end of the run, where a long file that came last would keep one worker busy
-    while the other idles.
+    while the other idles. This hook runs before ``-m`` deselects: the record holds every test collected.
     """
     weight: dict[Path, int] = {}
     for item in items:
         own = 2 if item.get_closest_marker("distributed") else 1 if item.get_closest_marker("replay") else 0
         weight[item.path] = max(weight.get(item.path, 0), own)
     items.sort(key=lambda item: -weight[item.path])
+    files = {item.path: weight[item.path] == 2 for item in items if item.path.name.startswith("test_")}
+    config.stash[COLLECTED] = Collection(
+        frozenset(sys.modules),
+        tuple((path.name, starts) for path, starts in files.items()),
+        len(items),
+        frozenset(str(path) for path in files),
+    )
 
 
 @pytest.fixture

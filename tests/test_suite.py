@@ -7,11 +7,13 @@ the tests' monitors replay only where a test asks (tests/conftest.py).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from collected import COLLECTED, Collection
 from models import REPLAYS_ON
 from preloaded_python import run_script
 
@@ -21,38 +23,47 @@ from lightning_vram.config import MonitorConfig
 TESTS = Path(__file__).parent
 HELPER_SCRIPTS = ("ddp_train", "shard_accounting", "sharded_train", "zero_accounting")
 COLLECT_AND_REPORT = """
-import json, sys, pytest
+import json, pytest
+from collected import COLLECTED
 
 class Report:
     def pytest_collection_finish(self, session):
-        helpers = sorted(name for name in sys.modules if name.rsplit(".", 1)[-1] in {helpers!r})
-        starts = {{}}
-        for item in session.items:
-            starts[item.path.name] = starts.get(item.path.name, False) or bool(item.get_closest_marker("distributed"))
-        files = [[name, start] for name, start in starts.items()]
-        found = {{"deepspeed": "deepspeed" in sys.modules, "helpers": helpers, "items": len(session.items)}}
-        found["files"] = files
-        print("IMPORTED", json.dumps(found), flush=True)
+        found = session.config.stash[COLLECTED]
+        record = [sorted(found.modules), found.files, found.items, sorted(found.paths)]
+        print("IMPORTED", json.dumps(record), flush=True)
 
 pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", {tests!r}], plugins=[Report()])
 """
 
 
-def test_helper_scripts_are_not_imported_while_collecting() -> None:
-    code = COLLECT_AND_REPORT.format(helpers=set(HELPER_SCRIPTS), tests=str(TESTS))
+def collection(config: pytest.Config) -> Collection:
+    """What this session's collection saw, where it collected every test file; else a collection of the whole suite
+    in a process of its own (``tests/collected.py``)."""
+    every = {str(path) for path in TESTS.rglob("test_*.py")}
+    found = config.stash.get(COLLECTED, None)
+    if found is not None and every <= found.paths:
+        return found
+    code = COLLECT_AND_REPORT.format(tests=str(TESTS))
     completed = subprocess.run(  # only a hang takes 900 s, even on a loaded 2-core machine
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=False, cwd=TESTS.parent
-    )
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=False, cwd=TESTS.parent,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
+    )  # fmt: skip
     line = next(line for line in completed.stdout.splitlines() if line.startswith("IMPORTED "))
-    found = json.loads(line.removeprefix("IMPORTED "))
+    modules, files, items, paths = json.loads(line.removeprefix("IMPORTED "))
+    return Collection(frozenset(modules), tuple((name, start) for name, start in files), items, frozenset(paths))
+
+
+def test_helper_scripts_are_not_imported_while_collecting(request: pytest.FixtureRequest) -> None:
+    found = collection(request.config)
     assert all((TESTS / f"{script}.py").exists() for script in HELPER_SCRIPTS)
-    assert (found["deepspeed"], found["helpers"]) == (False, [])
-    assert found["items"] > 100  # the tests themselves were collected
+    helpers = sorted(name for name in found.modules if name.rsplit(".", 1)[-1] in HELPER_SCRIPTS)
+    assert ("deepspeed" in found.modules, helpers) == (False, [])
+    assert found.items > 100  # the tests themselves were collected
     # The files that start processes (any of their tests) come first, the long ones `make test` hands its workers
     # before the short ones.
-    starts = [start for _, start in found["files"]]
+    starts = [start for _, start in found.files]
     assert starts == sorted(starts, reverse=True) and starts.count(True) >= 2
-    assert {"test_distributed.py", "test_distributed_replay.py"} <= {name for name, start in found["files"] if start}
+    assert {"test_distributed.py", "test_distributed_replay.py"} <= {name for name, start in found.files if start}
 
 
 def test_a_script_run_by_the_tests_starts_with_torch_lightning_and_deepspeed_imported(tmp_path: Path) -> None:
