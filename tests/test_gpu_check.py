@@ -6,12 +6,12 @@ import functools
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from preloaded_python import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -40,10 +40,10 @@ def test_the_cpu_dry_run_prints_every_row_with_figures_that_parse(tmp_path: Path
     # half of the script's CPU time in torch's spinning thread pool (49 CPU s with this machine's 2, 20 s with 1).
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     # Budgets far above what tiny models need (CI shares its CPUs): no row may be cut short; the timeout bounds it.
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-dry-run", "--out", str(out), "--total-seconds", "1500"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=560,
-    )  # fmt: skip
+    # Started from the preloaded server (tests/preloaded_python.py), as `python scripts/gpu_check.py ...` would run.
+    run = run_script(
+        SCRIPT, "--cpu-dry-run", "--out", str(out), "--total-seconds", "1500", cwd=ROOT, env=env, timeout=560
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     text = out.read_text()
     assert text in run.stdout
