@@ -435,10 +435,15 @@ class _Planner:
         self.left_out.setdefault(reason, []).append(what)
 
     def left_out_lines(self) -> tuple[str, ...]:
-        """Each reason configurations were left out for, with how many and the first of them."""
+        """Each reason configurations were left out for, with how many and the first of them, most first.
+
+        Where none was predicted, the plan's first line gives the first: a step that cannot be replayed leaves out
+        every configuration, a card without bf16 only its bf16 ones. Ties keep the order they came in.
+        """
+        reasons = sorted(self.left_out.items(), key=lambda item: -len(item[1]))
         return tuple(
             f"{reason}: {whats[0]}" if len(whats) == 1 else f"{reason}: {len(whats)} configurations ({whats[0]}, ...)"
-            for reason, whats in self.left_out.items()
+            for reason, whats in reasons
         )
 
     def _per_rank(self, global_batch: int | None, size: int) -> int | str | None:

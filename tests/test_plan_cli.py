@@ -76,6 +76,22 @@ def test_a_step_that_cannot_be_replayed_exits_3_saying_why_first(
     assert "self.log takes tensors" in first  # what to change for the step to be replayed
 
 
+def test_the_first_line_gives_the_reason_that_left_out_the_most_configurations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A new user's plan of a step reading .item() on every common card: the first line blamed the T4's bf16 (one
+    # configuration left out for it, noted first), the value read (every other one) a note below.
+    module = tmp_path / "reads_its_loss.py"
+    module.write_text(READS_ITS_LOSS.format(examples=str(ROOT / "examples")))
+    cards = ["--gpu", "T4", "--gpu", "H100", "--gpus", "1", "--checkpointing", "off"]
+    status = main(["plan", f"{module}:ReadsItsLoss", "--batch", BATCH, *cards])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 3
+    assert lines[0].startswith("Plan: no configuration predicted: the step reads a tensor's value (.item()"), lines[0]
+    assert lines[0].endswith("2 configurations (single, 32-true, micro-batch 16, ...)"), lines[0]
+    assert "  - left out: T4 has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed):" in lines
+
+
 def test_the_exit_status_reaches_the_shell() -> None:
     """``lightning-vram plan ... && sbatch train.sh``: the process exits 1 where nothing fits."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
