@@ -11,7 +11,7 @@ from advice_summaries import healthy_setup, healthy_summary
 from models import Classifier, loader, trainer
 from replay_models import images, mlp, resnet, vectors
 from simulations import GIB, MIB, checkpoint_summary, replayed, simulated
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from lightning_vram import VramMonitor
 from lightning_vram.advice.checkpointing import recomputed_modules
@@ -153,3 +153,39 @@ def test_a_checkpointing_plan_under_the_threshold_says_what_it_saves() -> None:
         f"replayed, {cheapest.label} peaks at {format_bytes(8 * GIB - 300 * MIB)}, 300.0 MiB (3.7%) below the"
         " replayed baseline's 8.00 GiB: saves 300.0 MiB (3.7% of the measured peak), under the 10.0% the rule needs"
     )
+
+
+class TokenLSTM(torch.nn.Module):
+    """Token ids -> Embedding(50, 16) -> a 2-layer LSTM(16, 32) -> the last step's Linear(32, 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.lstm = torch.nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outputs, _ = self.lstm(self.emb(tokens))
+        return self.head(outputs[:, -1])  # type: ignore[no-any-return]
+
+
+def test_an_lstm_is_told_why_no_checkpointing_plan_lowers_its_peak(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(1)
+    tokens = TensorDataset(torch.randint(0, 50, (16, 40), generator=generator), torch.randint(0, 5, (16,)))
+    report = cpu_run(tmp_path, TokenLSTM(), tokens, 8)
+    peak = report.peak
+    assert peak is not None and peak.breakdown is not None and peak.breakdown.largest_part == "activations"
+    assert "activation-checkpointing" not in {advice.id for advice in report.advice}
+    lstm = next(profile for profile in report.modules if profile.name == "network.lstm")
+    assert lstm.type == "LSTM" and lstm.activation_bytes == max(profile.activation_bytes for profile in report.modules)
+    activations = peak.breakdown.activations
+    entry = (
+        f"activations are {format_percent(activations / peak.peak_bytes)} of the backward peak"
+        f" ({format_bytes(activations)} of {format_bytes(peak.peak_bytes)}), but checkpointing consecutive child"
+        " modules of any module one by one would not lower it: network.lstm (LSTM) saves"
+        f" {format_bytes(lstm.activation_bytes)} in its own ops, with no child modules, and a checkpoint of it would"
+        " recompute them all at once in backward; split its forward into child modules called in turn (for a"
+        " multi-layer nn.LSTM, one nn.LSTM per layer) to checkpoint them one by one"
+    )
+    assert {"id": "activation-checkpointing", "reason": entry} in report.to_dict()["not_advised"]
+    assert f"- `activation-checkpointing`: {entry}" in markdown(report)

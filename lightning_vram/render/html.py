@@ -22,11 +22,13 @@ from lightning_vram.render.text import (
     capacity_text,
     evaluation_text,
     fit_assumption,
+    has_step_time,
     headline,
     peak_label,
     predicted_step_text,
     ranks_line,
     saving_text,
+    spread_note,
     timing_line,
 )
 from lightning_vram.units import format_bytes
@@ -98,7 +100,7 @@ def markdown_to_html(text: str) -> str:
     return "\n".join(parts)
 
 
-def _advice_html(item: Advice) -> str:
+def _advice_html(item: Advice, spread: float | None = None) -> str:
     savings = saving_text(item)
     saving = f"<p><strong>Expected saving:</strong> {html.escape(savings)}</p>" if savings else ""
     if item.cost_text is not None:
@@ -106,6 +108,8 @@ def _advice_html(item: Advice) -> str:
     predicted = predicted_step_text(item)
     if predicted is not None:
         saving += f"<p><strong>Step time:</strong> {html.escape(predicted)}</p>"
+    if has_step_time(item) and (note := spread_note(spread)) is not None:
+        saving += f"<p><strong>Timing:</strong> {html.escape(note)}</p>"
     return (
         f'<div class="advice {html.escape(item.severity)}" id="{html.escape(item.id)}">'
         f"<h3>{inline_markdown(item.title)}</h3>"
@@ -177,7 +181,7 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
         sections.append(f"<p class='headline'>{html.escape(ranks)}</p>")
     sections.append("<h2>Advice</h2>")
     if report.advice:
-        sections += [_advice_html(item) for item in report.advice]
+        sections += [_advice_html(item, report.timing.step_time_iqr_fraction) for item in report.advice]
     else:
         sections.append("<p>No advice: no rule found a change worth making in this run's measurements.</p>")
     if report.not_advised:

@@ -29,6 +29,7 @@ from lightning_vram.records import (
     in_phase_order,
 )
 from lightning_vram.records.oom import oom_headline
+from lightning_vram.render.diff import STEP_TIME_SPREAD_BOUND
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
 from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table, calibration_line, simulation_view
@@ -82,8 +83,35 @@ def saving_text(advice: Advice) -> str | None:
     return ", ".join(savings) if savings else None
 
 
-def advice_summary(advice: Advice) -> str:
+def spread_note(spread: float | None) -> str | None:
+    """Why the run's step-time figures are not to be trusted, where its step times varied too much (else ``None``).
+
+    ``spread``: the recent step times' interquartile range over their median (a fraction; ``None``: not measured).
+    Above :data:`~lightning_vram.render.diff.STEP_TIME_SPREAD_BOUND`, the bound ``lightning-vram diff`` holds a
+    ratio of step times to (a machine loaded by other work).
+
+    >>> spread_note(1.08)
+    'step times varied 108.0% (interquartile range over the median): timings not reliable'
+    >>> spread_note(0.25), spread_note(None)
+    (None, None)
+    """
+    if spread is None or spread <= STEP_TIME_SPREAD_BOUND:
+        return None
+    return f"step times varied {format_percent(spread)} (interquartile range over the median): timings not reliable"
+
+
+def has_step_time(advice: Advice) -> bool:
+    """Whether the advice prints a step-time figure: a saving per step, a cost, or a predicted step."""
+    return any(
+        value is not None
+        for value in (advice.estimated_saving_seconds, advice.cost_text, advice.predicted_step_seconds)
+    )
+
+
+def advice_summary(advice: Advice, spread: float | None = None) -> str:
     """One advice as the console leads with it: its title, then its expected saving, how that is known and its time.
+
+    ``spread``: the run's step-time spread (:func:`spread_note`), noted after the step-time figures above the bound.
 
     >>> from lightning_vram.records import AdviceId, Severity
     >>> fired = AdviceId.LARGE_LINEAR, Severity.INFO, "Split the head", "d", "e", 2048
@@ -107,6 +135,8 @@ def advice_summary(advice: Advice) -> str:
     predicted = predicted_step_text(advice)
     if predicted is not None:
         figures.append(predicted)
+    if has_step_time(advice) and (note := spread_note(spread)) is not None:
+        figures.append(note)
     return f"advice: {advice.title}" + (f" ({'; '.join(figures)})" if figures else "")
 
 
@@ -266,7 +296,7 @@ def lead_lines(report: Report, width: int) -> list[str]:
     lines = [f"VRAM report: {device_line(report)}", f"  {headline(report)}"]
     if (ranks := ranks_line(report)) is not None:
         lines.append(f"  {ranks}")
-    lines += [f"  {advice_summary(advice)}" for advice in report.advice]
+    lines += [f"  {advice_summary(advice, report.timing.step_time_iqr_fraction)}" for advice in report.advice]
     if not report.advice and report.peak is not None:
         lines.append("  no advice: no rule found a change worth making")
     return _fitted(lines, width)
@@ -336,8 +366,11 @@ def fact_lines(report: Report, top_modules: int, written_to: str | None, width: 
     return _fitted([f"  {line}" for line in lines], width)
 
 
-def advice_markdown(advice: tuple[Advice, ...]) -> str:
-    """The advice as Markdown: one section each with evidence, saving and the change to make."""
+def advice_markdown(advice: tuple[Advice, ...], spread: float | None = None) -> str:
+    """The advice as Markdown: one section each with evidence, saving and the change to make.
+
+    ``spread``: the run's step-time spread (:func:`spread_note`), noted after the step-time figures above the bound.
+    """
     if not advice:
         return "No advice: no rule found a change worth making in this run's measurements.\n"
     sections = []
@@ -349,6 +382,8 @@ def advice_markdown(advice: tuple[Advice, ...]) -> str:
         predicted = predicted_step_text(item)
         if predicted is not None:
             saving_line += f"\n**Step time:** {escape_markdown(predicted)}\n"
+        if has_step_time(item) and (note := spread_note(spread)) is not None:
+            saving_line += f"\n**Timing:** {escape_markdown(note)}\n"
         sections.append(
             f"### {safe_markdown(item.title, keep_lines=False)}\n\n{code_span(item.id)} ·"
             f" {escape_markdown(item.severity)}\n\n**Evidence:** {escape_markdown(item.evidence)}\n{saving_line}\n"
@@ -421,7 +456,7 @@ def markdown(report: Report) -> str:
         "",
         "## Advice",
         "",
-        advice_markdown(report.advice).rstrip(),
+        advice_markdown(report.advice, report.timing.step_time_iqr_fraction).rstrip(),
         *not_advised_markdown(report.not_advised),
         "",
         "## Breakdown at each phase's peak",

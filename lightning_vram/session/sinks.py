@@ -111,7 +111,12 @@ class Sinks:
             if self._advice is not None and self._advice[1] == step:
                 self._advice = None  # the last epoch's advice: the report's replaces it
             self._write_advice()
-            self._each(lambda each: each.text, ADVICE_TAG, advice_markdown(report.advice), step)
+            self._each(
+                lambda each: each.text,
+                ADVICE_TAG,
+                advice_markdown(report.advice, report.timing.step_time_iqr_fraction),
+                step,
+            )
             self._each(lambda each: each.tags, [item.id for item in report.advice])
             if report.peak is not None:
                 peak = report.peak.peak_bytes

@@ -10,13 +10,15 @@ with its modelled saving.
 from __future__ import annotations
 
 from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
-from lightning_vram.advice.checkpointing import ROOT, checkpoint_candidates, recomputed_modules
+from lightning_vram.advice.checkpointing import ROOT, ProfileIndex, checkpoint_candidates, recomputed_modules
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
 from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
     AdviceId,
+    Breakdown,
     CheckpointChange,
+    PhasePeak,
     RunSummary,
     SavingBasis,
     Severity,
@@ -95,13 +97,23 @@ def activation_checkpointing(
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
-    """Why the replayed checkpointing plans are not advised: the best one's figure, against the rule's threshold."""
+    """Why checkpointing is not advised: the best replayed plan's figure against the rule's threshold.
+
+    Where activations are the largest part of the peak and no plan is a candidate, why none would lower it
+    (:func:`no_plan_reason`).
+    """
     attributed = attributed_peak(summary)
     if attributed is None:
         return None
     peak, breakdown = attributed
     found = [(change, resolve_saving(simulation, change, None, measured=peak)) for change in changes(summary, setup)]
     replayed = [(change, saving) for change, saving in found if isinstance(saving, Saving)]
+    if (
+        not found
+        and breakdown.largest_part == "activations"
+        and not any(switch.on for switch in setup.checkpointing_switches)
+    ):
+        return no_plan_reason(summary, peak, breakdown)
     if not replayed:
         raised = next((saving for _, saving in found if isinstance(saving, Discarded)), None)
         return f"every candidate plan's replay raised, e.g. {raised.evidence[2:]}" if raised else None
@@ -114,6 +126,41 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
             f" measured peak), under the {format_percent(CHECKPOINT_MIN_SAVING_SHARE)} the rule needs"
         )
     return f"{replayed_figure(simulation, change)}: {why}"
+
+
+def no_plan_reason(summary: RunSummary, peak: PhasePeak, breakdown: Breakdown) -> str | None:
+    """Why activations, the largest part of the peak, get no checkpointing plan: none would lower the peak.
+
+    A plan checkpoints consecutive child modules of one module, one by one; where no module ran two or more, or
+    checkpointing them would free nothing (an ``nn.LSTM`` saves nearly all in its own ops, and a checkpoint of it
+    recomputes them all at once in backward), no plan is a candidate. The module that saved the most activations
+    in its own ops is named, with what the user could change. ``None`` when no module's profile was recorded.
+    """
+    indexed = ProfileIndex(summary.modules)
+    if not indexed.called:
+        return None
+    measured = (
+        f"activations are {share_text(breakdown.activations, peak.peak_bytes)} of the {peak.phase.value} peak"
+        f" ({format_bytes(breakdown.activations)} of {format_bytes(peak.peak_bytes)})"
+    )
+    if any(len(names) >= 2 for names in indexed.children.values()):
+        why = "checkpointing consecutive child modules of any module one by one would not lower it"
+    else:
+        why = "no module ran two or more child modules to checkpoint one by one"
+    holder = max(indexed.called.values(), key=lambda profile: profile.activation_bytes, default=None)
+    if holder is None or holder.activation_bytes <= 0:
+        return f"{measured}, but {why}"
+    alone = "" if holder.name in indexed.children else ", with no child modules,"
+    layers = f" (for a multi-layer nn.{holder.type}, one nn.{holder.type} per layer)" if holder.type in RNNS else ""
+    return (
+        f"{measured}, but {why}: {holder.name} ({holder.type}) saves {format_bytes(holder.activation_bytes)} in its"
+        f" own ops{alone} and a checkpoint of it would recompute them all at once in backward; split its forward"
+        f" into child modules called in turn{layers} to checkpoint them one by one"
+    )
+
+
+RNNS = frozenset({"LSTM", "GRU", "RNN"})
+"""Recurrent layers whose ``num_layers`` stack runs inside one module: one module per layer can be checkpointed."""
 
 
 def _recomputed(change: StepChange) -> int:
