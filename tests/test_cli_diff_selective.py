@@ -155,3 +155,28 @@ def test_units_no_plan_of_a_covers_are_said_to_have_no_prediction(
         assert not any(
             "no checkpointing plan A's replay simulated" in line for line in diff_lines(before, units, tmp_path, capsys)
         )
+
+
+def test_a_run_not_replayed_says_so_beside_its_modelled_promise(
+    runs: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's trial: A's step was not replayed (its advice modelled, "about 62.0 MiB"), B applied it and saved
+    47.5 MiB, and diff said "no checkpointing plan A's replay simulated"."""
+    before, after = runs
+    skipped = "the step reads a tensor's value"
+    fell = before["peak"]["allocated_bytes"] - after["peak"]["allocated_bytes"]
+    assert fell > 0
+    (advice,) = [item for item in before["advice"] if item["id"] == "activation-checkpointing"]
+    modelled = {**advice, "saving_basis": "modelled", "estimated_saving_bytes": 2 * fell}
+    unreplayed = {
+        **before,
+        "simulation": {**before["simulation"], "skipped": skipped, "variants": []},
+        "advice": [modelled if item is advice else item for item in before["advice"]],
+    }
+    lines = diff_lines(unreplayed, after, tmp_path, capsys)
+    assert (
+        f"B recomputed 3 unit(s) in backward; A's step was not replayed ({skipped}): no simulated prediction to check"
+        f" (B measured {format_bytes(after['peak']['allocated_bytes'])}); A's modelled activation-checkpointing advice"
+        f" promised about {format_bytes(2 * fell)}, the peak fell {format_bytes(fell)} (50.0% of it)"
+    ) in lines
+    assert not any("A's replay" in line for line in lines)

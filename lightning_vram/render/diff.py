@@ -19,6 +19,7 @@ from collections.abc import Callable
 from lightning_vram.records import (
     CATEGORIES,
     Advice,
+    AdviceId,
     BatchSizeChange,
     CheckpointChange,
     CheckpointPlan,
@@ -27,6 +28,7 @@ from lightning_vram.records import (
     PhasePeak,
     PrecisionChange,
     Report,
+    SavingBasis,
     StepChange,
     VariantResult,
     in_phase_order,
@@ -483,8 +485,10 @@ def other_plan_lines(before: Report, after: Report) -> list[str]:
     plan's: the whole plan's prediction is no test of it.
     """
     measured = _peak_bytes(after)
-    if measured is None or before.device.type != after.device.type or before.simulation is None:
+    if measured is None or before.device.type != after.device.type:
         return []
+    if before.simulation is None or before.simulation.skipped is not None:
+        return _unreplayed_lines(before, after, measured)
     if any(isinstance(variant.change, CheckpointChange) for variant, _ in _applied_variants(before, after)):
         return []
     same_settings = before.precision == after.precision and before.batch_size == after.batch_size
@@ -522,6 +526,40 @@ def _unsimulated_lines(before: Report, after: Report, measured: int) -> list[str
         f"B recomputed {len(added)} unit(s) in backward that no checkpointing plan A's replay simulated: no prediction"
         f" to check (B measured {format_bytes(measured)})"
     ]
+
+
+def _unreplayed_lines(before: Report, after: Report, measured: int) -> list[str]:
+    """Where run ``after`` recomputed units ``before`` did not, and ``before``'s step was not replayed: say so.
+
+    Beside it, ``before``'s modelled checkpointing promise and how far the peak fell. A new user's trial applied a
+    modelled advice ("about 62.0 MiB (modelled)"), saved 47.5 MiB, and read "no checkpointing plan A's replay
+    simulated", of a run whose step was never replayed.
+    """
+    already = before.recomputed_units or ()
+    added = [unit for unit in after.recomputed_units or () if unit not in already]
+    if not added:
+        return []
+    why = before.simulation.skipped if before.simulation is not None else "no replay in its report"
+    line = (
+        f"B recomputed {len(added)} unit(s) in backward; A's step was not replayed ({why}): no simulated prediction"
+        f" to check (B measured {format_bytes(measured)})"
+    )
+    promised = next(
+        (
+            item.estimated_saving_bytes
+            for item in before.advice
+            if item.id is AdviceId.ACTIVATION_CHECKPOINTING and item.saving_basis is SavingBasis.MODELLED
+        ),
+        None,
+    )
+    before_peak = _peak_bytes(before)
+    if promised and before_peak is not None:
+        fell = before_peak - measured
+        line += (
+            f"; A's modelled {AdviceId.ACTIVATION_CHECKPOINTING.value} advice promised about {format_bytes(promised)},"
+            f" the peak fell {format_bytes(max(fell, 0))} ({format_percent(max(fell, 0) / promised)} of it)"
+        )
+    return [line]
 
 
 def time_lines(before: Report, after: Report) -> list[str]:
