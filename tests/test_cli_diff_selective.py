@@ -180,3 +180,9 @@ def test_a_run_not_replayed_says_so_beside_its_modelled_promise(
         f" promised about {format_bytes(2 * fell)}, the peak fell {format_bytes(fell)} (50.0% of it)"
     ) in lines
     assert not any("A's replay" in line for line in lines)
+    risen = {**after, "peak": {**after["peak"], "allocated_bytes": before["peak"]["allocated_bytes"] + 1000}}
+    lines = diff_lines(unreplayed, risen, tmp_path, capsys)
+    assert any(
+        line.endswith(f"promised about {format_bytes(2 * fell)}, the peak did not fall (B's is 1000 B above A's)")
+        for line in lines
+    ), lines

@@ -555,10 +555,13 @@ def _unreplayed_lines(before: Report, after: Report, measured: int) -> list[str]
     before_peak = _peak_bytes(before)
     if promised and before_peak is not None:
         fell = before_peak - measured
-        line += (
-            f"; A's modelled {AdviceId.ACTIVATION_CHECKPOINTING.value} advice promised about {format_bytes(promised)},"
-            f" the peak fell {format_bytes(max(fell, 0))} ({format_percent(max(fell, 0) / promised)} of it)"
+        outcome = (
+            f"the peak fell {format_bytes(fell)} ({format_percent(fell / promised)} of it)"
+            if fell > 0
+            else f"the peak did not fall (B's is {format_bytes(-fell)} above A's)"
         )
+        advice = AdviceId.ACTIVATION_CHECKPOINTING.value
+        line += f"; A's modelled {advice} advice promised about {format_bytes(promised)}, {outcome}"
     return [line]
 
 
