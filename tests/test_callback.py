@@ -84,6 +84,8 @@ def test_console_summary_names_the_peak(tmp_path: Path, capsys: pytest.CaptureFi
     assert "VRAM report" in output
     assert f"in {monitor.report.peak.phase.value} of step 1" in output
     assert "not measured: allocator peaks" in output
+    words = " ".join(output.split())  # lines folded to the terminal's width
+    assert f"(why: {tmp_path / 'vram_report.md'})" in words  # where the reasons are, folder and all
 
 
 def test_cpu_run_warns_once(tmp_path: Path) -> None:

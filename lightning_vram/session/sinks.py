@@ -131,7 +131,8 @@ class Sinks:
                 self._each(lambda each: each.artifacts, local)
         if self._console:
             where = str(self.report_path) if self.report_path is not None else None
-            details = MARKDOWN_FILENAME if where is not None else DETAILS
+            markdown_file = join(directory, MARKDOWN_FILENAME) if where is not None and directory is not None else None
+            details = str(markdown_file) if markdown_file is not None else DETAILS  # the folder too, not only a name
             guard.call(Part.CONSOLE, print_summary, report, None, where, details)
         return replace(report, not_measured=not_measured())
 
