@@ -106,12 +106,33 @@ def budget_plan(module: nn.Module, batch: Any, memory_budget: int | str) -> Budg
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_budget_plan_as_printed_fits_as_predicted_and_trains_the_same(tmp_path: Path, case: str) -> None:
     make, make_data, batch_size = CASES[case]
-    data = make_data()
+    check_budget_plan(tmp_path, case, make, make_data(), batch_size, 0.85)
+
+
+def test_a_budget_no_stage_meets_alone_is_met_by_blocks_of_several_stages(tmp_path: Path) -> None:
+    """Half the ResNet-style model's peak: checkpointing whole stages, or the blocks of any one stage, peaks above it
+    (the search said "no plan fits" with a smallest peak 63.4 KiB over); blocks of every stage meet it."""
+    found = check_budget_plan(tmp_path, "resnet", CASES["resnet"][0], images(6 * 32), 32, 0.5)
+    assert found.plan is not None
+    stages = {unit[0].rpartition(".")[0] for unit in found.plan.units}
+    assert len(stages) >= 2 and all(stage.startswith("network.layer") for stage in stages), found.plan.units
+
+
+def check_budget_plan(
+    tmp_path: Path,
+    case: str,
+    make: Callable[[], pl.LightningModule],
+    data: TensorDataset,
+    batch_size: int,
+    share: float,
+) -> BudgetPlan:
+    """The budget plan for ``share`` of the unchanged replayed peak, applied as printed: it fits as predicted (the
+    sampled step's measured live peak within 3%) and trains the same."""
     torch.manual_seed(1)
     baseline = predict(make(), first_batch(data, batch_size), device_type="cpu", fit_table=False)
     assert baseline.step is not None
     unchanged = baseline.step.peak.peak_bytes
-    budget = int(unchanged * 0.85)
+    budget = int(unchanged * share)
     torch.manual_seed(1)
     found = budget_plan(make(), first_batch(data, batch_size), budget)
     print(f"{case}: unchanged {unchanged:,} B, budget {budget:,} B;", *found.lines(), sep="\n")
@@ -134,6 +155,7 @@ def test_budget_plan_as_printed_fits_as_predicted_and_trains_the_same(tmp_path: 
     applied = make()
     apply_printed(applied, found.plan, found.code)
     assert_same(train(plain, data, batch_size, steps=4), train(applied, data, batch_size, steps=4))
+    return found
 
 
 def test_a_budget_already_met_needs_no_checkpointing() -> None:
@@ -152,7 +174,7 @@ def test_a_budget_below_every_plan_says_so_with_the_smallest_peak_reached() -> N
     assert found.peak_bytes is not None and 1 * MIB < found.peak_bytes < found.baseline_peak_bytes
     assert "the smallest peak the search reached is" in found.reason and "over the budget" in found.reason
     # It says what it searched (a trial found a plan across several modules' children that peaked lower).
-    assert "it tries the children of one module at a time" in found.reason
+    assert "it tries the children of one module at a time, and the layers of several stacks" in found.reason
     assert "no plan fits" in "\n".join(found.lines())
 
 

@@ -7,7 +7,8 @@ elsewhere the replayed live peak is at or under it.
 The candidates are the units the checkpointing advice plans with (:mod:`~lightning_vram.advice.checkpointing`): in
 each module with two or more children that ran, its children as units (a child starting with an inplace op joins
 the one before it; a unit that saved nothing, or holds a module that outran its caller, is never checkpointed),
-and all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several. A plan is any subset
+all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several, and the blocks of all
+stages (called containers of numbered blocks, a ResNet's ``layer1`` to ``layer4``) together. A plan is any subset
 of one such container's units.
 
 A plan's cost is the time its recomputation is predicted to take: the ops its replay counted as recomputed in
@@ -242,10 +243,14 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
         sequential = profile is not None and profile.type == "Sequential"
         forward_of: str | None = container if container in indexed.called else indexed.caller(container)
         found.append((container, groups, forward_of, sequential))
-    stacks = [container for container in indexed.children if is_stack(indexed, container)]
-    if len(stacks) >= 2:
-        layers = sorted((name for stack in stacks for name in indexed.children[stack]), key=indexed.order.__getitem__)
-        found.append((_common_ancestor(stacks), [[name] for name in layers], indexed.caller(layers[0]) or None, True))
+    for together in (_stacks(indexed), _block_sequences(indexed)):
+        if len(together) >= 2:
+            layers = sorted(
+                (layer for name in together for layer in indexed.children[name]), key=indexed.order.__getitem__
+            )
+            found.append(
+                (_common_ancestor(together), [[name] for name in layers], indexed.caller(layers[0]) or None, True)
+            )
     containers = []
     for name, groups, forward_of, one_module_only in found:
         units = [indexed.unit(group) for group in groups]
@@ -261,6 +266,27 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
         if eligible:
             containers.append(_Container(name, units, eligible, indexed.outside(groups), forward_of))
     return sorted(containers, key=lambda c: c.modelled(set()) - c.modelled(set(c.eligible)), reverse=True)
+
+
+def _stacks(indexed: ProfileIndex) -> list[str]:
+    """The layer stacks (``nn.ModuleList``s of numbered layers, never called themselves): an encoder's, a decoder's."""
+    return [container for container in indexed.children if is_stack(indexed, container)]
+
+
+def _block_sequences(indexed: ProfileIndex) -> list[str]:
+    """The called containers of numbered blocks (modules with children of their own): a ResNet's stages.
+
+    Their blocks together are one container: a budget that no stage's blocks alone meet may be met by blocks of
+    several (every block of every stage), and the cheapest plan may take blocks of two stages. Containers of numbered
+    single modules (a ``Sequential`` of convolutions, normalisations and activations) are not blocks.
+    """
+    return [
+        container
+        for container, names in indexed.children.items()
+        if container in indexed.called
+        and len(names) >= 2
+        and all(name.rpartition(".")[2].isdigit() and indexed.children.get(name) for name in names)
+    ]
 
 
 def _common_ancestor(names: list[str]) -> str:
@@ -551,8 +577,8 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
         reason = (
             f"the smallest peak the search reached is {peak}, checkpointing {len(units)} unit(s){kept} of"
             f" {_container_text(lowest.plan.container)}, {format_bytes(lowest.peak - search.budget)} over the"
-            f" budget (it tries the children of one module at a time: units of several modules together, such as"
-            f" every block of every stage, may peak lower){state}"
+            f" budget (it tries the children of one module at a time, and the layers of several stacks or the blocks"
+            f" of several stages together: other units together may peak lower){state}"
         )
     if search.predictor.out_of_time():
         reason += f" (the search stopped when budget_seconds ran out, after {search.replays} replays)"
