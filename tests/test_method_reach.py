@@ -142,6 +142,7 @@ def test_a_method_the_training_step_calls_is_walked_however_it_names_it() -> Non
 
 def test_a_name_computed_at_run_time_brings_every_method_in() -> None:
     assert effects(CallsByAComputedName()) == sorted([SAVES, OPENS, COPIES])
+    assert effects(CallsByAConstantName()) == [SAVES]  # a constant name brings that name only
 
 
 def test_a_name_computed_to_set_an_attribute_brings_the_setters_in_and_no_other_method() -> None:
