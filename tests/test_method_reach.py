@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_vram.advice.checkpoint_code import CHECKPOINTED_CLASS, KEEPING_BUFFERS
 from lightning_vram.prediction.containment.code_roots import code_roots, data_roots, inside_ids, instance_roots
-from lightning_vram.prediction.containment.method_reach import OUTSIDE_BATCH_HOOKS, computed_names
+from lightning_vram.prediction.containment.method_reach import OUTSIDE_BATCH_HOOKS, computed_names, library_names
 from lightning_vram.prediction.containment.reach import Reach, reach_of
 
 OUTPUT = Path("never-written")
@@ -153,6 +153,19 @@ def test_a_name_computed_to_set_an_attribute_brings_the_setters_in_and_no_other_
 def test_the_trainer_read_in_the_step_brings_lightning_s_other_hooks_in() -> None:
     assert effects(ReadsTheTrainer()) == sorted([OPENS, COPIES])  # export: no code names it
     assert {"on_save_checkpoint", "validation_step", "on_train_epoch_end"} <= OUTSIDE_BATCH_HOOKS
+
+
+def test_the_hooks_left_out_are_lightning_s_and_its_batch_hooks_stay_in() -> None:
+    """Every name left out is one Lightning's module defines (a renamed hook would show here)."""
+    defined = {name for cls in pl.LightningModule.__mro__ for name in vars(cls)}
+    assert defined >= OUTSIDE_BATCH_HOOKS
+    in_reach = {name for cls in pl.LightningModule.__mro__ for name in library_names(cls)}
+    assert in_reach & OUTSIDE_BATCH_HOOKS == set()
+    batch = {"training_step", "on_train_batch_start", "on_before_backward", "backward", "on_after_backward"}
+    batch |= {"on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step", "optimizer_zero_grad"}
+    batch |= {"on_before_zero_grad", "on_train_batch_end", "lr_scheduler_step", "transfer_batch_to_device"}
+    batch |= {"configure_optimizers", "configure_model", "forward", "manual_backward"}  # the replay calls these too
+    assert in_reach >= batch
 
 
 class OpensInTheStep:

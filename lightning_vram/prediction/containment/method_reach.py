@@ -19,8 +19,10 @@ replay of the run. A method's name is in reach when:
   sets or deletes them (``setattr(module, name, value)``), every data descriptor (a property's setter) is.
 
 Methods whose name is not in reach are parked (:class:`MethodReach`) and walked as soon as it comes in reach, whatever
-the order the walk meets the classes and the code in. What code holds as an object (a bound method, a hook, a
-function in a closure, a ``functools.partial``) is walked whatever its name.
+the order the walk meets the classes and the code in. A class's other attributes (a class-level list, a counter)
+follow the same rule: one no code in reach names is neither saved nor put back, as nothing the replay runs can change
+it. What code holds as an object (a bound method, a hook, a function in a closure, a ``functools.partial``) is walked
+whatever its name.
 """
 
 from __future__ import annotations
@@ -142,9 +144,13 @@ _JUMPS = frozenset({*dis.hasjrel, *dis.hasjabs, *getattr(dis, "hasjump", ())})
 _CALLS = frozenset({"CALL", "PRECALL", "CALL_FUNCTION"})
 
 
-def _stack_effect(instruction: dis.Instruction) -> int:
+def _stack_effect(instruction: dis.Instruction) -> int | None:
+    """How many items ``instruction`` leaves on the stack, net, where it does not jump; ``None`` where not known."""
     argument = instruction.arg if instruction.opcode >= dis.HAVE_ARGUMENT else None
-    return dis.stack_effect(instruction.opcode, argument, jump=False)
+    try:
+        return dis.stack_effect(instruction.opcode, argument, jump=False)
+    except ValueError:  # an opcode this Python's dis has no effect for
+        return None
 
 
 def _reads_attribute(instruction: dis.Instruction) -> bool:
@@ -160,6 +166,8 @@ def _by_constant_name(code: types.CodeType, instructions: list[dis.Instruction],
     method was called with counts as constant.
     """
     base = _stack_effect(instructions[start])  # the builtin (and the NULL before it), consumed with the arguments
+    if base is None:
+        return False
     depth = base
     run: list[tuple[dis.Instruction, int, int]] = []
     for instruction in instructions[start + 1 :]:
@@ -167,7 +175,10 @@ def _by_constant_name(code: types.CodeType, instructions: list[dis.Instruction],
             return False
         if instruction.opname in _CALLS and depth - (instruction.arg or 0) == base:
             return instruction.arg in BY_NAME_BUILTINS[str(instructions[start].argval)] and _constant(code, run, base)
-        before, depth = depth, depth + _stack_effect(instruction)
+        effect = _stack_effect(instruction)
+        if effect is None:
+            return False
+        before, depth = depth, depth + effect
         if depth < base:
             return False
         run.append((instruction, before, depth))
@@ -262,7 +273,6 @@ def string_names(code: types.CodeType) -> frozenset[str]:
     return frozenset(name for constant in code.co_consts for name in _strings(constant))
 
 
-@functools.lru_cache(maxsize=1024)
 def library_names(cls: type) -> frozenset[str]:
     """The names a library class ``cls`` defines that the code a training batch runs may call on an override.
 
@@ -271,8 +281,17 @@ def library_names(cls: type) -> frozenset[str]:
     >>> "forward" in library_names(__import__("torch").nn.Module)
     True
     """
+    try:
+        return _library_names(cls)
+    except TypeError:  # a class its metaclass made unhashable: worked out each time
+        return _library_names.__wrapped__(cls)
+
+
+@functools.lru_cache(maxsize=1024)
+def _library_names(cls: type) -> frozenset[str]:
     names = frozenset(vars(cls))
-    if cls.__module__.startswith(LIGHTNING_MODULES):
+    module = vars(cls).get("__module__")
+    if isinstance(module, str) and module.startswith(LIGHTNING_MODULES):
         return names - OUTSIDE_BATCH_HOOKS
     return names
 
