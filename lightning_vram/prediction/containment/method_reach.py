@@ -100,9 +100,10 @@ Still in reach: ``training_step``, ``on_train_batch_start``/``_end``, ``on_befor
 LIGHTNING_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
 """Where the classes defining :data:`OUTSIDE_BATCH_HOOKS` live (the unified package and the standalone one)."""
 
-PROTOCOL_NAMES = frozenset({"to", "pin_memory"})
+PROTOCOL_NAMES = frozenset({"to", "pin_memory", "right_inverse"})
 """Names library code calls on any object that has them, whatever its classes: Lightning moves a batch with its
-``to`` (``move_data_to_device``), torch's DataLoader pins one with its ``pin_memory``."""
+``to`` (``move_data_to_device``), torch's DataLoader pins one with its ``pin_memory``, ``torch.nn.utils.parametrize``
+sets a parametrized weight through its parametrization's ``right_inverse``."""
 
 TRAINER_NAMES = frozenset({"trainer", "_trainer"})
 """Names through which code reaches Lightning's Trainer, whose code may call any of the module's hooks."""
