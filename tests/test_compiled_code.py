@@ -56,6 +56,17 @@ class UsesADecoratedFunction(Net):
 
 
 class HasACompiledMethod(Net):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(inputs))
+
+    @torch.compile
+    def activation(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs.relu()
+
+
+class HasAnUncalledCompiledMethod(Net):
+    """``activation`` is compiled, but nothing a training step runs calls it."""
+
     @torch.compile
     def activation(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs.relu()
@@ -98,6 +109,7 @@ def test_the_walk_finds_a_compiled_function_a_global_a_decorator_or_a_class_attr
     assert walk(UsesAGlobal()).compiled == ["gelu (UsesAGlobal.forward: global COMPILED_GELU)"]
     assert walk(UsesADecoratedFunction()).compiled == ["decorated (UsesADecoratedFunction.forward: global decorated)"]
     assert walk(HasACompiledMethod()).compiled == ["HasACompiledMethod.activation (HasACompiledMethod.activation)"]
+    assert walk(HasAnUncalledCompiledMethod()).compiled == []
 
 
 def test_the_walk_finds_a_compiled_module_held_outside_the_model_but_not_one_inside_it() -> None:

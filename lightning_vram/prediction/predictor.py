@@ -394,7 +394,7 @@ class Predictor:
                 twin = make_twin(
                     self.module, self.optimizers, self.batch, mode, self._prepare(run), {id(a): a for a in scope.shared}
                 )
-                held = held_by(twin.module, scope.inside, own=(mode,))
+                held = held_by(twin.module, scope.inside, own=(mode,), after=scope.reach)
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:
                     raise RefusedError(refusal)

@@ -45,7 +45,8 @@ def code_roots(
     """Where the code a replay runs starts, before any copy exists.
 
     Each submodule's class, torch's process-wide module and optimizer hooks, the step function, the optimizers'
-    classes and the batch's class. What the module's instances hold (hooks, callables, data) is walked on the copy:
+    classes and the batch's class; of each class, the walk takes the methods the step may call by name
+    (:mod:`~.method_reach`). What the module's instances hold (hooks, callables, data) is walked on the copy:
     :func:`instance_roots`.
     """
     roots: list[tuple[str, Any]] = []

@@ -8,6 +8,13 @@ reading names, closure cells and attributes (never calling a property, a ``__get
 lists those places so that the replay can save and restore them, give the code fresh caches, or decide not to run
 at all.
 
+Of a user class, the walk takes only the attributes the code may reach by name (:mod:`~.method_reach`): dunders,
+overrides of what torch's and Lightning's code calls during a training batch, and the names the walked code reads
+(``self.export()``, ``getattr(self, "export")``), or all of them where it computes names. A method nothing the step
+runs can call (``export`` writing a file with ``torch.save``, a ``validation_step``) neither rules the replay out nor
+has its state saved: code that cannot run changes nothing. What the code holds as an object (a bound method, a hook,
+a function in a closure) is walked whatever its name.
+
 The same walk tells whether the code uses APIs that refuse saved-tensor hooks (``torch.func``'s ``grad``,
 ``vjp``, ``jacrev``, ``hessian``; ``disable_saved_tensors_hooks``) or installs its own, which the sampled step's
 counting must stand aside for, and whether it calls functions ``torch.compile`` made (or compiled modules held
@@ -35,6 +42,15 @@ from torch import Tensor
 
 from lightning_vram.measure.compiled import compiled_callable_name
 from lightning_vram.prediction.containment.code_roots import Remapped
+from lightning_vram.prediction.containment.method_reach import (
+    OUTSIDE_BATCH_HOOKS,
+    TRAINER_NAMES,
+    Member,
+    MethodReach,
+    computed_names,
+    library_names,
+    string_names,
+)
 from lightning_vram.prediction.containment.plain_reads import (
     contents,
     dict_items,
@@ -137,6 +153,8 @@ class Reach:
     outside the process's objects, which a replay would do again (files it opens, threads, exit callbacks), by path.
     ``complete``: the walk ended before :data:`WALK_LIMIT`. ``paths``: where the walk first found each of
     ``objects``, by id (``the model.seen``: an attribute of the module; ``Model.history``: a class's), for the notes.
+    ``methods``: the names in reach and the classes' attributes the walk left for want of theirs
+    (:mod:`~.method_reach`), for a later walk to go on from.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -151,6 +169,7 @@ class Reach:
     effects: list[str] = field(default_factory=list)
     complete: bool = True
     paths: dict[int, str] = field(default_factory=dict)
+    methods: MethodReach = field(default_factory=MethodReach)
 
     def add(self, other: Reach) -> None:
         """Take in what ``other`` (another walk) found."""
@@ -176,8 +195,8 @@ class _Walk:
     shares it; one reached through code (a closure, a global) is the user's own object.
     """
 
-    def __init__(self, inside: set[int], limit: int, ignore: set[int]) -> None:
-        self.reach = Reach()
+    def __init__(self, inside: set[int], limit: int, ignore: set[int], methods: MethodReach) -> None:
+        self.reach = Reach(methods=methods)
         self._inside = inside
         self._ignore = ignore
         self._seen: set[tuple[int, bool]] = set()
@@ -320,6 +339,7 @@ class _Walk:
         code = function.__code__
         global_names, attribute_names = code_names(code)
         self._note_hook_apis(global_names, attribute_names, function.__globals__)
+        self._bring_names(code, global_names, attribute_names)
         where = f"{function.__qualname__}"
         namespace = function.__globals__
         if namespace is not None and id(namespace) not in self._namespaces:
@@ -382,18 +402,42 @@ class _Walk:
             values = [vars(module).get(attribute) for module in modules for attribute in attribute_names]
         self.reach.hook_apis |= found
 
+    def _bring_names(self, code: types.CodeType, global_names: frozenset[str], attribute_names: frozenset[str]) -> None:
+        """Put in reach the methods a function's ``code`` may call by name (:mod:`~.method_reach`)."""
+        methods = self.reach.methods
+        computed = computed_names(code)
+        released = methods.bring_everything() if computed.reads else methods.bring(attribute_names | string_names(code))
+        if computed.writes:
+            released += methods.bring_descriptors()
+        if (global_names | attribute_names) & TRAINER_NAMES:
+            released += methods.bring(OUTSIDE_BATCH_HOOKS)
+        for member in released:
+            self._member(member)
+
     def _class(self, cls: type, path: str) -> None:
+        """A user class: its bases, and its attributes whose name is in reach (the others wait for their name)."""
         if not is_user_class(cls) or issubclass(cls, BaseException):
             return
+        methods = self.reach.methods
         for base in cls.__mro__[1:]:
-            self._push(base, path)
+            if is_user_class(base):
+                self._push(base, path)
+            else:  # library code may call an override by the name its class defines
+                for member in methods.bring(library_names(base)):
+                    self._member(member)
         for name, attribute in list(vars(cls).items()):
             if name.startswith("__") and name.endswith("__") and not callable(attribute):
                 continue
-            if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property)):
-                self._push(attribute, f"{cls.__qualname__}.{name}")
-            elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
-                self._slot(cls, name, f"{cls.__qualname__}.{name}")
+            if methods.admits((cls, name, attribute)):
+                self._member((cls, name, attribute))
+
+    def _member(self, member: Member) -> None:
+        """A class's attribute whose name is in reach: a method walked, any other value a slot."""
+        cls, name, attribute = member
+        if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property)):
+            self._push(attribute, f"{cls.__qualname__}.{name}")
+        elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
+            self._slot(cls, name, f"{cls.__qualname__}.{name}")
 
     def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
         """The attributes of ``module`` the code names, and (a package's submodules) theirs, at any depth."""
@@ -435,10 +479,14 @@ def reach_of(
     data: Iterable[tuple[str, Any]] = (),
     ignore: set[int] | None = None,
     limit: int = WALK_LIMIT,
+    after: Reach | None = None,
 ) -> Reach:
     """Walk from the code ``roots`` and the ``data`` roots (``(path, object)``).
 
     ``inside``: the ids of the trained module's own objects (code reaching one reaches the real model); ``ignore``:
-    ids not to walk (the replay's copy of the module, whose state is its own).
+    ids not to walk (the replay's copy of the module, whose state is its own). ``after``: an earlier walk of the same
+    step's code this one goes on from: the names in its reach are in this one's, and the methods it left are walked
+    when this walk's code brings their name (a hook on the copy calling ``self.export()``).
     """
-    return _Walk(inside, limit, ignore or set()).run(roots, data)
+    methods = after.methods.copy() if after is not None else MethodReach()
+    return _Walk(inside, limit, ignore or set(), methods).run(roots, data)

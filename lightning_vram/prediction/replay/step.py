@@ -278,20 +278,22 @@ class RefusedError(Exception):
     """What the copy of the module holds rules the replay out (its message says why)."""
 
 
-def held_by(copy: nn.Module, inside: set[int], own: Iterable[object] = ()) -> Reach:
+def held_by(copy: nn.Module, inside: set[int], own: Iterable[object] = (), after: Reach | None = None) -> Reach:
     """What the replay's ``copy`` of the module shares with the user's objects, found on the copy itself.
 
     Its hooks and callables (a function closing over the real module reaches it), and what ``deepcopy`` shared
     instead of copying. Each ``functools.lru_cache`` the copy holds as an attribute becomes a fresh one. ``own``:
     the replay's own objects, not walked (its fake mode, which a fake tensor the copy's hooks hold names: its
-    converter's memo is keyed by the real tensors the copy was made from).
+    converter's memo is keyed by the real tensors the copy was made from). ``after``: the walk of the step's code
+    (from its classes), whose names in reach this walk goes on from (see :func:`~.reach.reach_of`).
     """
     for child in copy.modules():
         attributes = vars(child)
         for name, value in list(attributes.items()):
             if isinstance(value, functools._lru_cache_wrapper):
                 attributes[name] = fresh_cache(value)
-    held = reach_of(instance_roots(copy), inside, data_roots(copy), ignore=inside_ids(copy) | {id(o) for o in own})
+    ignore = inside_ids(copy) | {id(o) for o in own}
+    held = reach_of(instance_roots(copy), inside, data_roots(copy), ignore=ignore, after=after)
     held.tensors = [tensor for tensor in held.tensors if not isinstance(tensor, FakeTensor)]
     return held
 
