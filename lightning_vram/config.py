@@ -354,6 +354,42 @@ def start_device(device: object) -> torch.device | None:
         raise ValueError(message.removesuffix(" (str)")) from None
 
 
+PRECISIONS = (
+    "32-true",
+    "bf16-mixed",
+    "16-mixed",
+    "bf16-true",
+    "16-true",
+    "64-true",
+    "transformer-engine",
+    "transformer-engine-float16",
+)
+"""The precisions Lightning 2 names (``Trainer(precision=...)``, ``Fabric(precision=...)``)."""
+
+PRECISION_ALIASES: dict[str | int, str] = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+"""Lightning's older names and what it takes each for (``"bf16"`` is ``"bf16-mixed"``), and the same as ints."""
+PRECISION_ALIASES.update({int(name): full for name, full in PRECISION_ALIASES.items() if name != "bf16"})
+
+
+def precision_name(precision: object) -> str:
+    """``precision`` as Lightning names it, its older names (``"bf16"``, ``16``) taken as Lightning takes them.
+
+    >>> precision_name("bf16-mixed"), precision_name("bf16"), precision_name(32)
+    ('bf16-mixed', 'bf16-mixed', '32-true')
+
+    Raises:
+        TypeError, ValueError: not one of Lightning's precisions (the message names the argument and lists them).
+    """
+    if isinstance(precision, (str, int)) and not isinstance(precision, bool):
+        if precision in PRECISIONS:
+            return str(precision)
+        if precision in PRECISION_ALIASES:
+            return PRECISION_ALIASES[precision]
+    error = ValueError if isinstance(precision, (str, int)) and not isinstance(precision, bool) else TypeError
+    names = ", ".join(repr(name) for name in (*PRECISIONS, *PRECISION_ALIASES))
+    raise error(f"precision must be one of Lightning's precisions ({names}), got {_shown(precision)}")
+
+
 def check_start(
     model: object,
     optimizers: object,
@@ -374,9 +410,7 @@ def check_start(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {_shown(model)}")
     _require_optimizers(optimizers)
-    if not isinstance(precision, str) or not precision:
-        error = ValueError if isinstance(precision, str) else TypeError
-        raise error(f"precision must be a str such as '32-true' or 'bf16-mixed', got {_shown(precision)}")
+    precision_name(precision)
     require_int("rank", rank, 0, MAX_WORLD_SIZE)
     require_int("world_size", world_size, 1, MAX_WORLD_SIZE)
     if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size:  # ints: checked above

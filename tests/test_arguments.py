@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from models import Classifier, linear_net
-from sessions import new_session
+from models import Classifier, dataset_for, linear_net, loader
+from sessions import new_session, train_steps
 
 from lightning_vram import VramMonitor, VramSession
+from lightning_vram.config import PRECISION_ALIASES, PRECISIONS
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
 # ---------------------------------------------------------------------------------------- the constructors' settings
@@ -156,6 +157,12 @@ class NotAWriter:
     """Has none of SummaryWriter's methods."""
 
 
+PRECISIONS_LISTED = (
+    "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', '64-true', 'transformer-engine',"
+    " 'transformer-engine-float16', '64', '32', '16', 'bf16', 64, 32, 16"
+)
+"""What a bad ``precision`` is told it may be: Lightning's names, then its older ones (strings and ints)."""
+
 START_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"model": None}, TypeError, "model must be a torch.nn.Module, got None"),
     ({"model": "net"}, TypeError, "model must be a torch.nn.Module, got 'net' (str)"),
@@ -167,8 +174,12 @@ START_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
         "optimizers must be a list of optimizers or a callable returning them, got 'sgd'",
     ),
     ({"optimizers": ["sgd"]}, TypeError, "optimizers[0] must be an optimizer (with param_groups), got 'sgd' (str)"),
-    ({"precision": 16}, TypeError, "precision must be a str such as '32-true' or 'bf16-mixed', got 16 (int)"),
-    ({"precision": ""}, ValueError, "precision must be a str such as '32-true' or 'bf16-mixed', got ''"),
+    ({"precision": 8}, ValueError, f"precision must be one of Lightning's precisions ({PRECISIONS_LISTED}), got 8"),
+    ({"precision": ""}, ValueError, f"precision must be one of Lightning's precisions ({PRECISIONS_LISTED}), got ''"),
+    ({"precision": "garbage"}, ValueError, "precision must be one of Lightning's precisions ('32-true', "),
+    ({"precision": "fp16"}, ValueError, "got 'fp16'"),  # a trial's typo for "16-mixed", taken before
+    ({"precision": True}, TypeError, "precision must be one of Lightning's precisions ('32-true', "),
+    ({"precision": 16.0}, TypeError, "got 16.0 (float)"),
     (
         {"device": "cpu:abc"},
         ValueError,
@@ -223,3 +234,29 @@ def test_a_device_string_is_a_device() -> None:
     session.start(model, [optimizer], device="cuda:1")
     assert probe.opened_with == torch.device("cuda", 1)
     session.close()
+
+
+def test_the_precisions_are_lightnings_own() -> None:
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision import precision as lightning_precision
+
+    assert set(PRECISIONS) == set(get_args(lightning_precision._PRECISION_INPUT_STR))
+    aliases = {name: full for name, full in PRECISION_ALIASES.items() if isinstance(name, str)}
+    assert aliases == lightning_precision._PRECISION_INPUT_STR_ALIAS_CONVERSION
+    assert {name for name in PRECISION_ALIASES if isinstance(name, int)} == set(
+        get_args(lightning_precision._PRECISION_INPUT_INT)
+    )
+
+
+@pytest.mark.parametrize(("given", "taken"), [("bf16", "bf16-mixed"), (16, "16-mixed"), ("32", "32-true")])
+def test_lightnings_older_precision_names_are_taken_as_lightning_takes_them(given: str | int, taken: str) -> None:
+    """A trial's session started with ``precision="bf16"`` (which Fabric takes for "bf16-mixed") reported "precision
+    'bf16' cannot be replayed" after training, its advice modelled."""
+    model = Classifier(linear_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = new_session()
+    session.start(model, [optimizer], precision=given)
+    train_steps(session, model, optimizer, loader(dataset_for("linear")), 2)
+    report = session.finish()
+    assert report is not None and report.precision == taken

@@ -16,7 +16,14 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_vram._guard import Guard, Output, Part
-from lightning_vram.config import MonitorConfig, MonitorOptions, check_option_names, check_start, start_device
+from lightning_vram.config import (
+    MonitorConfig,
+    MonitorOptions,
+    check_option_names,
+    check_start,
+    precision_name,
+    start_device,
+)
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Advice,
@@ -152,7 +159,7 @@ class VramSession:
         optimizers: Optimizers = (),
         *,
         dataloader: Any = None,
-        precision: str = "32-true",
+        precision: str | int = "32-true",
         device: torch.device | None = None,
         setup: Callable[[], TrainingSetup] | None = None,
         rank: int = 0,
@@ -171,7 +178,8 @@ class VramSession:
             model: the module trained; its parameters' device is the one measured unless ``device`` is given.
             optimizers: its optimizers, or a callable returning them (read again on each sampled step).
             dataloader: the training DataLoader, so advice can read ``num_workers`` and ``pin_memory``.
-            precision: the precision trained in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...).
+            precision: the precision trained in, as Lightning names it (``"32-true"``, ``"bf16-mixed"``...); its older
+                names are taken as Lightning takes them (``"bf16"`` is ``"bf16-mixed"``, ``16`` is ``"16-mixed"``).
             device: the device to measure, when the model's first parameter is not on it (a ``torch.device`` or a
                 device string such as ``"cuda:1"``).
             setup: a callable returning the training set-up for advice (the callback reads its Trainer); default:
@@ -179,7 +187,8 @@ class VramSession:
                 first time advice needs it (training has started then).
             rank: this process's global rank.
             world_size: the number of processes training together.
-            gather: every rank's numbers (one collective); needed when ``world_size > 1``.
+            gather: every rank's numbers (one collective), with ``world_size > 1``: the report's per-rank headlines,
+                logged maxima and preflight's verdicts then cover every rank; without it each covers this rank.
             barrier: waits until every rank calls it (one collective): with ``world_size > 1``, :meth:`finish`
                 holds the other ranks there until rank zero has written the files. A collective that fails (a rank
                 gone) warns once; the monitor runs no other one, and its report covers this rank.
@@ -214,7 +223,9 @@ class VramSession:
             step_function=step_function,
             wrapper=wrapper,
         )
-        context = run_context(model, optimizers, dataloader, precision, start_device(device), setup, step_function)
+        context = run_context(
+            model, optimizers, dataloader, precision_name(precision), start_device(device), setup, step_function
+        )
         context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
