@@ -25,9 +25,10 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
+from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
 from lightning_vram.advice.checkpointing import switch_plan
 from lightning_vram.measure.setup import checkpointing_switches
-from lightning_vram.records import CheckpointChange, CheckpointPlan, Simulation, VariantResult
+from lightning_vram.records import CheckpointChange, CheckpointPlan, Simulation, TrainingLoop, VariantResult
 from lightning_vram.records.advice import layer_ranges
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 from lightning_vram.render.diff import prediction_lines
@@ -379,3 +380,15 @@ def test_one_round_of_plain_checkpointing_advice_covers_encoder_and_decoder(tmp_
     after = _report(tmp_path / "after", module, _masked_features(4 * BATCH))
     assert module.steps == 3
     _assert_realised(before, after, advice)
+
+
+def test_a_switch_plan_on_the_trained_model_itself_names_it_in_words() -> None:
+    """A plain or Fabric loop trains the transformers model itself (the plan's container is the root): a trial read
+    "every layer of `the model`" and "the model.activation_checkpointing_enable()", words set as code."""
+    plan = CheckpointPlan(
+        "", (("model.layers.0",), ("model.layers.1",)), None, 1024, "", "gradient_checkpointing_enable"
+    )
+    assert CheckpointChange(plan).label == "the model's gradient_checkpointing_enable() (2 layers)"
+    what, code = checkpoint_snippet(plan, CodeContext(TrainingLoop.PLAIN, "LlamaForCausalLM"))
+    assert what == "every layer of the model (model.layers.0-1) with its own switch"
+    assert 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})' in code

@@ -234,7 +234,8 @@ def _switch_snippet(plan: CheckpointPlan, context: CodeContext) -> tuple[str, st
     layers = tuple(unit[0] for unit in plan.units)
     model = _code_path(plan.container, "", context.model)
     argument = (plan.switch or "").removesuffix("_enable") + "_kwargs"
-    what = f"every layer of `{plan.container or 'the model'}` ({layer_ranges(layers)}) with its own switch"
+    owner = f"`{plan.container}`" if plan.container else "the model"
+    what = f"every layer of {owner} ({layer_ranges(layers)}) with its own switch"
     code = (
         f"# {context.built(model)} (it checkpoints while training):\n"
         f"{model}.config.use_cache = False  # a key/value cache is of no use in training and clashes with it\n"

@@ -68,7 +68,8 @@ class CheckpointChange:
         plan = self.plan
         where = plan.container or "the model"
         if plan.switch is not None:
-            return f"{where}.{plan.switch}() ({len(plan.units)} layers)"
+            owner = f"{plan.container}." if plan.container else "the model's "
+            return f"{owner}{plan.switch}() ({len(plan.units)} layers)"
         if plan.sequential_segments is not None:
             return f"checkpoint {where} in {plan.sequential_segments} segments"
         return f"checkpoint {plan.span_text()}"
