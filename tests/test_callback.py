@@ -29,7 +29,7 @@ from lightning_vram.records import Phase
 def test_report_json_equals_report_and_sits_in_default_root_dir_without_logger(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=1, console_summary=False)
     trainer(tmp_path, [monitor], max_steps=3).fit(Classifier(cnn_net()), loader(dataset_for("cnn")))
-    assert monitor.report is not None
+    assert monitor.report is not None and monitor.report.ended_with is None
     assert monitor.report_path == tmp_path / "vram_report.json"
     written = json.loads(monitor.report_path.read_text())
     assert written == monitor.report.to_dict()
@@ -122,7 +122,13 @@ def test_user_exception_passes_through_untouched_and_the_report_is_written(tmp_p
         trainer(tmp_path, [monitor], max_steps=5).fit(module, loader(dataset_for("cnn")))
     assert caught.value is module.raised
     assert monitor.report is not None and monitor.report.steps == 2
-    assert json.loads((tmp_path / "vram_report.json").read_text())["steps"] == 2
+    written = json.loads((tmp_path / "vram_report.json").read_text())
+    assert written["steps"] == 2
+    # Every view says the run failed (a trial's report of a failed run read as a finished one of 5 steps).
+    assert monitor.report.ended_with == written["ended_with"] == "Boom: the user's own error"
+    ended = "The run stopped with Boom: the user's own error: these figures cover its steps until then."
+    assert ended in (tmp_path / "vram_report.md").read_text()
+    assert ended.replace("'", "&#x27;") in (tmp_path / "vram_report.html").read_text()
     # The sampled step failed mid-forward: no saved-tensor hook and no module hook may be left behind.
     with torch.autograd.graph.disable_saved_tensors_hooks("a hook was left behind"):
         pass

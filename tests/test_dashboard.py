@@ -256,6 +256,9 @@ def test_report_round_trips_through_json(tensorboard_run: tuple[VramMonitor, Pat
     assert report is not None
     rebuilt: Report = report_from_dict(report.to_dict())
     assert rebuilt.to_dict() == report.to_dict()
+    failed = replace(report, ended_with="KeyError: 'labels'")
+    read = report_from_dict(json.loads(json.dumps(failed.to_dict())))
+    assert read.ended_with == "KeyError: 'labels'" and read.to_dict() == failed.to_dict()
 
 
 def test_html_page_puts_the_headline_and_advice_first(tensorboard_run: tuple[VramMonitor, Path]) -> None:

@@ -96,6 +96,8 @@ class Report:
     """The batch shapes the run saw, its largest batch and the peak replayed per length (``None``: not recorded)."""
     not_advised: tuple[NotAdvised, ...] = ()
     """The remedies the rules weighed (replayed, or measured against a threshold) and did not advise, with why."""
+    ended_with: str | None = None
+    """The error the run ended with, in words (:func:`error_text`); ``None``: it finished (or was not recorded)."""
 
     @property
     def device(self) -> DeviceInfo:
@@ -169,6 +171,22 @@ class Report:
         return report_to_dict(self)
 
 
+ERROR_TEXT_LIMIT = 200
+"""Characters of an error's message a report keeps (its first line)."""
+
+
+def error_text(error: BaseException) -> str:
+    """``error`` in words for a report: its type and its message's first line, cut to :data:`ERROR_TEXT_LIMIT`.
+
+    >>> error_text(KeyError("labels")), error_text(KeyboardInterrupt())
+    ("KeyError: 'labels'", 'KeyboardInterrupt')
+    """
+    message = str(error).strip().partition("\n")[0]
+    if len(message) > ERROR_TEXT_LIMIT:
+        message = message[: ERROR_TEXT_LIMIT - 3] + "..."
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
 def report_to_dict(report: Report) -> dict[str, Any]:
     """The report as JSON-ready data (schema ``lightning_vram.report/1``)."""
     device = report.device
@@ -187,6 +205,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         "steps": report.steps,
         "batch_size": report.batch_size,
         "recovered_ooms": report.recovered_ooms,
+        "ended_with": report.ended_with,
         "peak": phase_peak_to_dict(report.peak, peak_key="allocated_bytes"),
         "phases": {phase.value: phase_peak_to_dict(peak) for phase, peak in in_phase_order(report.phases)},
         "modules": [
@@ -272,7 +291,8 @@ def report_from_dict(data: Any) -> Report:
     - the step's memory: ``simulation.timeline``, ``simulation.variants[].timeline``: ``None``;
     - the time cost: ``advice[].estimated_cost_seconds``, ``advice[].flop_ratio``, ``advice[].cost_basis``: ``None``;
     - the step time: ``advice[].predicted_step_seconds``: ``None``;
-    - the step times' spread: ``timing.step_time_iqr_fraction``: ``None`` (not measured).
+    - the step times' spread: ``timing.step_time_iqr_fraction``: ``None`` (not measured);
+    - the error a run ended with: ``ended_with``: ``None`` (finished, or not recorded).
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
@@ -332,4 +352,5 @@ def report_from_dict(data: Any) -> Report:
         else None,
         shapes=batch_shapes_from_dict(fields.raw("shapes"), "report.shapes") if fields.has("shapes") else None,
         not_advised=tuple(fields.each("not_advised", not_advised_from_dict)) if fields.has("not_advised") else (),
+        ended_with=fields.added("ended_with", Reader.optional_text, None),
     )

@@ -216,18 +216,23 @@ def peak_label(report: Report) -> str:
 
 
 def headline(report: Report) -> str:
-    """One sentence: the peak, where it happened, and what held most of it."""
+    """One sentence: the peak, where it happened, and what held most of it; then the error the run ended with."""
+    ended = (
+        f" The run stopped with {report.ended_with}: these figures cover its steps until then."
+        if report.ended_with
+        else ""
+    )
     peak = report.peak
     if peak is None:
-        return "No step was measured."
+        return "No step was measured." + ended
     capacity = report.device.total_bytes
     share = f" ({format_percent(peak.peak_bytes / capacity)} of {capacity_text(report.device)})" if capacity else ""
     label = peak_label(report).capitalize()
     text = f"{label} {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
     if peak.breakdown is None:
-        return text + "."
+        return text + "." + ended
     largest = peak.breakdown.largest_part
-    return f"{text}; {largest.replace('_', ' ')} held {format_bytes(peak.breakdown.to_dict()[largest])}."
+    return f"{text}; {largest.replace('_', ' ')} held {format_bytes(peak.breakdown.to_dict()[largest])}.{ended}"
 
 
 def evaluation_text(peaks: tuple[EvaluationPeak, ...]) -> str:

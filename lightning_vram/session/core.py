@@ -38,6 +38,7 @@ from lightning_vram.records import (
     Simulation,
     TrainingSetup,
 )
+from lightning_vram.records.report import error_text
 from lightning_vram.render.files import Location, as_location
 from lightning_vram.render.publishers.tensorboard import TensorBoardPublisher
 from lightning_vram.render.publishing import Publisher
@@ -420,6 +421,10 @@ class VramSession:
         Returns:
             The report, or ``None`` when :meth:`start` was never called or the report could not be built.
         """
+        return self._finish(gather_ranks, step, None)
+
+    def _finish(self, gather_ranks: bool, step: int | None, ended_with: str | None) -> Report | None:
+        """:meth:`finish`, the report saying that the run ended with ``ended_with`` (an error, in words) if given."""
         recorder = self._recorder
         if recorder.probe is None or recorder.device is None or self._finished:
             return self.report
@@ -428,7 +433,7 @@ class VramSession:
         assembly = self._assembly
         report = assembly.report(self._context.setup, self._advisor.simulation, gather_ranks)
         if report is not None:
-            report = replace(report, shapes=self._advisor.shapes(self._recorder.shapes.record()))
+            report = replace(report, shapes=self._advisor.shapes(self._recorder.shapes.record()), ended_with=ended_with)
             self.report = report
             if self._context.rank == 0:
                 at = step if step is not None else self._step if self._step is not None else report.steps
@@ -446,7 +451,7 @@ class VramSession:
         if isinstance(error, torch.cuda.OutOfMemoryError):
             self._guard.call(Part.OOM, self._diagnose_oom, error)
         self._recorder.phase = None
-        self.finish(gather_ranks=False)
+        self._finish(False, None, error_text(error))
 
     def _diagnose_oom(self, error: BaseException) -> None:
         context, recorder, sinks, directory = self._context, self._recorder, self._sinks, self.log_dir
