@@ -75,6 +75,10 @@ class CostBasis(ReportText):
         return self not in (CostBasis.OTHER_PRECISION, CostBasis.FEWER_TOKENS)
 
 
+ZERO_FLOPS = 0.0005
+"""A FLOP ratio this close to 1 prints as "+0.0% FLOPs": a recomputation of memory-bound ops only."""
+
+
 @dataclass(frozen=True)
 class Advice:
     """One piece of advice: what to change, the figures that fired it, and what it should save.
@@ -122,6 +126,13 @@ class Advice:
         'step time not modelled from FLOPs (same FLOPs in another precision)'
         >>> cost(None, 0.5, CostBasis.FEWER_TOKENS)
         'step time not modelled from FLOPs (fewer tokens a step: -50.0% FLOPs)'
+
+        Where the recomputation counts no FLOPs (no matrix product, convolution or attention re-runs: torch stops a
+        recomputation once it has what backward needs, before a convolution whose output is saved outside the unit
+        runs again), its ops are memory-bound and priced by the bytes they move:
+
+        >>> cost(0.0143, 1.0, CostBasis.RECOMPUTED_FORWARD)
+        'costs about +14.3 ms a step (recomputed forward: memory-bound ops only, +0.0% FLOPs, priced by bytes moved)'
         """
         ratio, basis, seconds = self.flop_ratio, self.cost_basis, self.estimated_cost_seconds
         if ratio is None or basis is None:
@@ -134,6 +145,8 @@ class Advice:
             return f"{flops}; no step time measured to price it"
         if seconds == 0 and basis is CostBasis.SAME_FLOPS:
             return f"costs no step time ({basis})"
+        if basis is CostBasis.RECOMPUTED_FORWARD and abs(ratio - 1) < ZERO_FLOPS:
+            flops = f"{basis}: memory-bound ops only, +0.0% FLOPs, priced by bytes moved"
         return f"costs about {1000 * seconds:+.1f} ms a step ({flops})"
 
 
