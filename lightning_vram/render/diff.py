@@ -522,10 +522,44 @@ def _unsimulated_lines(before: Report, after: Report, measured: int) -> list[str
     )
     if not added or any(_selectively_rerun(plan, before, after) is not None for plan in plans):
         return []
-    return [
-        f"B recomputed {len(added)} unit(s) in backward that no checkpointing plan A's replay simulated: no prediction"
-        f" to check (B measured {format_bytes(measured)})"
-    ]
+    lines, chunks = _chunked_loss_lines(before, added, measured)
+    rest = [unit for unit in added if unit not in chunks]
+    if rest:
+        lines.append(
+            f"B recomputed {len(rest)} unit(s) in backward that no checkpointing plan A's replay simulated: no"
+            f" prediction to check (B measured {format_bytes(measured)})"
+        )
+    return lines
+
+
+def _chunked_loss_lines(
+    before: Report, added: list[tuple[str, ...]], measured: int
+) -> tuple[list[str], list[tuple[str, ...]]]:
+    """Where ``before`` advised chunked-loss and run ``after`` recomputed one unit several times (``added``): say so.
+
+    The advice's printed function recomputes the output layer once per chunk in backward, so run ``after`` records it
+    as a unit recomputed as many times. Its saving was modelled (no replay applies it): set beside how far the peak
+    fell. Returns the lines and the units they account for.
+    """
+    promised = next((item.estimated_saving_bytes for item in before.advice if item.id is AdviceId.CHUNKED_LOSS), None)
+    repeated = [unit for unit in dict.fromkeys(added) if added.count(unit) >= 2]
+    before_peak = _peak_bytes(before)
+    if promised is None or len(repeated) != 1 or before_peak is None:
+        return [], []
+    (unit,) = repeated
+    fell = before_peak - measured
+    outcome = (
+        f"the peak fell {format_bytes(fell)} ({format_percent(fell / promised)} of it)"
+        if fell > 0
+        else f"the peak did not fall (B's is {format_bytes(-fell)} above A's)"
+    )
+    chunks = added.count(unit)
+    line = (
+        f"B recomputed {', '.join(unit)} {chunks} times in backward: A's {AdviceId.CHUNKED_LOSS.value} advice applied"
+        f" ({chunks} chunks); it promised about {format_bytes(promised)} (modelled), {outcome}"
+        f" (B measured {format_bytes(measured)})"
+    )
+    return [line], [unit]
 
 
 def _unreplayed_lines(before: Report, after: Report, measured: int) -> list[str]:
