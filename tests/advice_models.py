@@ -35,6 +35,28 @@ class ResNetStyle(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
 
 
+class ResidualBlocks(nn.Module):
+    """A user's ResNet-style model in plain torch: a stem (conv, BatchNorm, inplace ReLU), four residual blocks with
+    BatchNorm and inplace ReLUs, each an attribute of its own, global pooling and a linear head."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.block1 = BasicBlock(width)
+        self.block2 = BasicBlock(width)
+        self.block3 = BasicBlock(width)
+        self.block4 = BasicBlock(width)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(inputs)))
+        x = self.block4(self.block3(self.block2(self.block1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
+
+
 class TransformerBlock(nn.Module):
     """A pre-norm transformer block: attention and an MLP, each added back to its input."""
 

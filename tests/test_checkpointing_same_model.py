@@ -19,8 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from advice_models import ResNetStyle, images
-from models import Classifier, loader, trainer
+from advice_models import ResidualBlocks, ResNetStyle, images
+from models import OPTIMIZERS, Classifier, loader, trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
@@ -28,7 +28,9 @@ from torch.utils.data import TensorDataset
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.checkpoint_code import KEEPING_BUFFERS, checkpoint_snippet
 from lightning_vram.advice.checkpointing import checkpoint_candidates
-from lightning_vram.records import Advice, CheckpointPlan
+from lightning_vram.advice.savings import change_key
+from lightning_vram.advice.time_cost import predicted_step_seconds
+from lightning_vram.records import Advice, CheckpointChange, CheckpointPlan
 
 pytestmark = pytest.mark.replay  # the advice and its saving come from the replay
 
@@ -210,22 +212,53 @@ def advised(report: Report) -> tuple[Advice, CheckpointPlan, str]:
     return advice, plans[0], match.group(1)
 
 
-CASES: dict[str, tuple[Callable[[], nn.Module], int, str]] = {
-    # a stem's bn1 with its inplace relu, then stages: lines in the forward, each a unit's modules
-    "resnet": (ResNetStyle, 32, "x = checkpoint_keeping_buffers([self.bn1, self.relu], lambda t: self.relu("),
-    "unet": (SmallUNet, 16, "checkpoint_keeping_buffers("),
+CASES: dict[str, tuple[Callable[[], nn.Module], int, str, str]] = {
+    # stages of basic blocks after a stem: the stem and the last stage free nothing at the peak (backward recomputes
+    # the last unit first, while all else is held), so the two stages before it, each wrapped where it is
+    "resnet": (ResNetStyle, 32, "self.network.layer1 = Checkpointed(self.network.layer1)\n", "sgd"),
+    # the same with four blocks as the model's own attributes and SGD with momentum: the three blocks before the last
+    "resnet-blocks": (ResidualBlocks, 32, "self.network.block3 = Checkpointed(self.network.block3)", "sgd_momentum"),
+    "unet": (SmallUNet, 16, "checkpoint_keeping_buffers(", "sgd"),
     # the quickstart's kind: an nn.Sequential in segments
-    "quickstart": (quickstart_cnn, 32, "for start, end in ("),
+    "quickstart": (quickstart_cnn, 32, "for start, end in (", "sgd"),
 }
+STEM = "x = checkpoint_keeping_buffers([self.bn1, self.relu], lambda t: self.relu("
+"""A stem's bn1 with its inplace relu, printed in the forward as one unit: the best plan by modelled saving of the
+ResNet cases (it checkpoints the stem and every stage), not the one advised."""
+
+
+def classifier(case: str) -> Classifier:
+    make_network, _, _, optimizer = CASES[case]
+    return Classifier(make_network(), OPTIMIZERS[optimizer])
+
+
+def trained(
+    case: str, data: TensorDataset, batch_size: int, plan: CheckpointPlan | None = None, code: str = ""
+) -> Trained:
+    """Case ``case``'s model from seed 1, with ``plan``'s ``code`` applied as printed, trained for six steps."""
+    torch.manual_seed(1)
+    module = classifier(case)
+    if plan is not None:
+        apply_printed(module, plan, code)
+    return train(module, data, batch_size, steps=6)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_checkpointing_advice_as_printed_trains_the_same_model(tmp_path: Path, case: str) -> None:
-    make_network, batch_size, printed = CASES[case]
+    _, batch_size, printed, _ = CASES[case]
     data = images(batch_size * 6, size=32 if case == "quickstart" else 16)
-    before = report_of(tmp_path, Classifier(make_network()), data, batch_size)
+    before = report_of(tmp_path, classifier(case), data, batch_size)
     advice, plan, code = advised(before)
     assert printed in code and KEEPING_BUFFERS in code
+    # The step time printed is the advised plan's own replay's, not another plan's replayed to the same peak.
+    assert before.simulation is not None and before.simulation.baseline is not None
+    key = change_key(CheckpointChange(plan))
+    (own,) = [variant for variant in before.simulation.variants if change_key(variant.change) == key]
+    assert own.replayed is not None
+    step_seconds = before.summary.step_seconds_median
+    assert advice.predicted_step_seconds == predicted_step_seconds(
+        own.change, before.simulation.baseline, own.replayed, step_seconds, before.summary.device
+    )
     assert any(
         "BatchNorm" in profile.type
         for unit in plan.units
@@ -233,21 +266,24 @@ def test_checkpointing_advice_as_printed_trains_the_same_model(tmp_path: Path, c
         if any(profile.name == name or profile.name.startswith(f"{name}.") for name in unit)
     )
 
-    torch.manual_seed(1)
-    plain = Classifier(make_network())
-    torch.manual_seed(1)
-    applied = Classifier(make_network())
-    apply_printed(applied, plan, code)
-    assert_same(train(plain, data, batch_size, steps=6), train(applied, data, batch_size, steps=6))
+    plain = trained(case, data, batch_size)
+    assert_same(plain, trained(case, data, batch_size, plan, code))
+    if case.startswith("resnet"):
+        # The modelled best plan's code, a stem unit printed in the forward, trains the same model too.
+        best = checkpoint_candidates(before.summary.modules)[0]
+        best_code = checkpoint_snippet(best)[1]
+        assert STEM in best_code and best != plan
+        assert_same(plain, trained(case, data, batch_size, best, best_code))
 
     # The saving the replay predicted shows when the printed code runs.
     torch.manual_seed(1)
-    module = Classifier(make_network())
+    module = classifier(case)
     apply_printed(module, plan, code)
     after = report_of(tmp_path, module, data, batch_size)
     assert advice.estimated_saving_bytes is not None and before.peak is not None and after.peak is not None
     realised = before.peak.peak_bytes - after.peak.peak_bytes
     assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.01)
+    assert [advice.id for advice in after.advice if advice.id == "activation-checkpointing"] == []
 
 
 def test_plain_checkpointing_counts_batchnorm_twice() -> None:

@@ -86,6 +86,20 @@ def test_the_advice_s_own_kind_of_change_is_priced_where_two_replay_to_its_peak(
     assert (inplace_advice.flop_ratio, inplace_advice.cost_basis) == (1.0, CostBasis.SAME_FLOPS)
 
 
+def test_of_checkpointing_plans_replayed_to_the_advice_s_peak_the_advised_one_is_priced() -> None:
+    # Two plans replay to the same peak: the advice gives the one recomputing less (fewer FLOPs, where no replay's
+    # ops were priced), so its step time is that plan's, not the first one replayed (which recomputes a layer more).
+    more = CheckpointChange(CheckpointPlan("network", (("0",), ("1",), ("2",)), None, GIB))
+    variants = []
+    for change, flops in ((more, 1_500_000), (CheckpointChange(PLAN), 1_300_000)):
+        variant = replayed(change, PREDICTED)
+        assert variant.replayed is not None
+        variants.append(replace(variant, replayed=replace(variant.replayed, flops=flops)))
+    simulation = simulated(*variants, baseline=replace(BASELINE, flops=FLOPS))
+    found = with_time_cost(advice(), healthy_summary(), simulation)
+    assert (found.flop_ratio, found.cost_basis) == (1.3, CostBasis.RECOMPUTED_FORWARD)
+
+
 def test_a_halved_batch_with_accumulation_runs_two_half_steps() -> None:
     found = priced(BatchSizeChange(16), 520_000)  # half the batch, and what does not scale with it
     assert (found.flop_ratio, found.cost_basis) == (1.04, CostBasis.TWO_HALF_BATCHES)

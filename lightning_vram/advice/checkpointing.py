@@ -312,7 +312,12 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
 
 CANDIDATE_PLANS = 3
 """Plans offered to the step replay: the best few by modelled saving, so that one that breaks backward has a
-runner-up."""
+runner-up (and each one's trim, :func:`trimmed`)."""
+
+SAVING_TOLERANCE = 0.02
+"""Plans whose saving is within this share of the peak of the best one save nearly as much: the checkpointing
+advice gives the cheapest of its replayed plans that do, and a candidate is trimmed of the units it can lose while
+its modelled saving stays within this share of the sampled step's saved activations (at most its peak)."""
 
 
 def recomputed_modules(plan: CheckpointPlan) -> int:
@@ -427,11 +432,12 @@ def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -
 def checkpoint_candidates(
     profiles: tuple[ModuleProfile, ...], switches: tuple[CheckpointSwitch, ...] = (), limit: int = CANDIDATE_PLANS
 ) -> list[CheckpointPlan]:
-    """Up to ``limit`` applicable plans, the largest modelled saving first: what the step replay should try.
+    """Up to ``limit`` applicable plans, the largest modelled saving first, then their trims: what to replay.
 
-    Where the model has ``switches`` (transformers' own call) that are off, only those are offered: the user's
-    idiom. A library model that checkpoints its layers already is left alone: no plan checkpoints it, a module in
-    it, or a module holding it, again.
+    Each plan's trim (:func:`trimmed`) follows them where it has one that is not among them. Where the model has
+    ``switches`` (transformers' own call) that are off, only those are offered: the user's idiom. A library model
+    that checkpoints its layers already is left alone: no plan checkpoints it, a module in it, or a module holding
+    it, again.
     """
     own = [plan for switch in switches if not switch.on and (plan := switch_plan(profiles, switch)) is not None]
     if own:
@@ -441,8 +447,49 @@ def checkpoint_candidates(
         plan
         for plan in _ranked_plans(profiles)
         if not any(_overlaps(unit[0], model) for unit in plan.units for model in done)
-    ]
-    return plans[:limit]
+    ][:limit]
+    indexed = ProfileIndex(profiles)
+    for plan in list(plans):
+        trim = trimmed(indexed, plan)
+        if trim is not None and all((trim.container, trim.units) != (other.container, other.units) for other in plans):
+            plans.append(trim)
+    return plans
+
+
+def trimmed(indexed: ProfileIndex, plan: CheckpointPlan) -> CheckpointPlan | None:
+    """``plan`` without the units it can lose for nearly nothing: a cheaper plan for nearly its modelled saving.
+
+    Every unit dropped is one recomputation fewer. One at a time, the unit whose loss lowers the modelled saving
+    least (on a tie the unit of more modules, then the later one) is dropped while the saving stays within
+    :data:`SAVING_TOLERANCE` of the sampled step's saved activations below the plan's. Checkpointing the last unit
+    that runs before backward's peak frees nothing there (backward recomputes it first, while everything before it
+    is still held): a ResNet's last block, or a stem's normalisation whose output the first block keeps anyway.
+    Only a range plan (:func:`_range_plans`) is trimmed; ``None`` where no unit can go.
+    """
+    if plan.sequential_segments is not None or plan.switch is not None or plan.container not in indexed.children:
+        return None
+    groups = unit_groups(indexed, indexed.children[plan.container])
+    names = [tuple(group) for group in groups]
+    if any(unit not in names for unit in plan.units):
+        return None  # not a plan of this container's units (several stacks together)
+    units = [indexed.unit(group) for group in groups]
+    outside = indexed.outside(groups)
+    kept = {names.index(unit) for unit in plan.units}
+    tolerance = int(SAVING_TOLERANCE * sum(indexed.own.values()))
+    floor = modelled_saving(units, [index in kept for index in range(len(units))], outside) - tolerance
+    while len(kept) > 1:
+        savings = {
+            index: modelled_saving(units, [other in kept and other != index for other in range(len(units))], outside)
+            for index in kept
+        }
+        index = max(kept, key=lambda index: (savings[index], len(names[index]), index))
+        if savings[index] < floor:
+            break
+        kept.remove(index)
+    if len(kept) == len(plan.units):
+        return None
+    flags = [index in kept for index in range(len(units))]
+    return _plan(plan.container, units, flags, outside, None, plan.forward_of or "")
 
 
 def _overlaps(name: str, model: str) -> bool:

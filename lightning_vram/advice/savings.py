@@ -57,6 +57,14 @@ def _variant(simulation: Simulation, change: StepChange) -> VariantResult | None
     return next((variant for variant in simulation.variants if change_key(variant.change) == key), None)
 
 
+def replayed_step(simulation: Simulation | None, change: StepChange) -> ReplayedStep | None:
+    """The step replayed with ``change``, where a trusted simulation replayed it (else ``None``)."""
+    if simulation is None or trusted(simulation) is None:
+        return None
+    variant = _variant(simulation, change)
+    return variant.replayed if variant is not None else None
+
+
 @dataclass(frozen=True)
 class Saving:
     """What a change takes off the peak and how that is known.

@@ -20,12 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from lightning_vram.advice.budget import recomputation_seconds
+from lightning_vram.advice.checkpointing import recomputed_modules
 from lightning_vram.prediction.timing import DevicePeaks, calibrated, gpu_peaks, measure_host_peaks, predict_step_time
+from lightning_vram.prediction.timing.checkpoint_ops import measure_checkpoint_overhead
 from lightning_vram.records import (
     Advice,
     AdviceId,
     BatchSizeChange,
     ChangeKind,
+    CheckpointChange,
     CostBasis,
     DeviceInfo,
     ReplayedStep,
@@ -93,18 +97,88 @@ def time_cost(
     return TimeCost(seconds, ratio, basis)
 
 
-def _variant_of(advice: Advice, simulation: Simulation) -> VariantResult | None:
+@dataclass(frozen=True)
+class RecomputeCosts:
+    """Replayed checkpointing plans' recomputation, priced alike.
+
+    ``values``: in predicted seconds a step where ``seconds``, else in recomputed FLOPs a step.
+    """
+
+    values: tuple[float, ...]
+    seconds: bool
+
+    def text(self, index: int) -> str:
+        """Plan ``index``'s cost, with its unit.
+
+        >>> RecomputeCosts((0.0551, 2.4e9), True).text(0), RecomputeCosts((2.4e9,), False).text(0)
+        ('55.1 ms', '2.4 GFLOPs')
+        """
+        value = self.values[index]
+        return f"{1000 * value:.1f} ms" if self.seconds else f"{value / 1e9:.1f} GFLOPs"
+
+
+def recompute_costs(
+    steps: Sequence[ReplayedStep | None], baseline: ReplayedStep | None, device: DeviceInfo
+) -> RecomputeCosts | None:
+    """Each replayed checkpointing plan's recomputation (``steps``: their replays), priced as the budget search does.
+
+    Predicted seconds on ``device`` where every step's ops were counted and the device's peaks are known
+    (:func:`~lightning_vram.advice.budget.recomputation_seconds`: the recomputed ops by the step-time model, on the
+    CPU with checkpointing's own overhead an op, units checkpointed whole); else the FLOPs each step adds to
+    ``baseline``'s where all were counted; ``None`` where neither (a step missing).
+    """
+    if not steps or any(step is None for step in steps):
+        return None
+    replays = [step for step in steps if step is not None]
+    if all(step.work is not None for step in replays):
+        peaks = device_peaks(device, replays)
+        if peaks is not None:
+            overhead = measure_checkpoint_overhead(peaks.op_overhead_seconds) if device.type == "cpu" else None
+            seconds = [recomputation_seconds(step, peaks, overhead) for step in replays]
+            return RecomputeCosts(tuple(value or 0.0 for value in seconds), True)
+    if baseline is None or baseline.flops is None or any(step.flops is None for step in replays):
+        return None
+    return RecomputeCosts(tuple(float(max((step.flops or 0) - baseline.flops, 0)) for step in replays), False)
+
+
+def cheapest_alike(
+    variants: Sequence[VariantResult], baseline: ReplayedStep | None, device: DeviceInfo
+) -> VariantResult:
+    """Of checkpointing ``variants`` (replayed, in the simulation's order) that save alike, the one advised.
+
+    The least recomputation (:func:`recompute_costs`), then the fewest recomputed modules, then the first: the order
+    the checkpointing advice breaks a tie in, so that its step time is its own plan's.
+    """
+    costs = recompute_costs([variant.replayed for variant in variants], baseline, device)
+
+    def key(index: int) -> tuple[float, int, int]:
+        change = variants[index].change
+        modules = recomputed_modules(change.plan) if isinstance(change, CheckpointChange) else 0
+        return (costs.values[index] if costs is not None else 0.0, modules, index)
+
+    return variants[min(range(len(variants)), key=key)]
+
+
+def _variant_of(advice: Advice, simulation: Simulation, device: DeviceInfo) -> VariantResult | None:
     """The replayed change behind ``advice``: the variant whose replayed peak is the advice's predicted peak.
 
     A variant of the kind the advice's rule replays comes first (two changes can replay to the same peak); any other
-    kind is a remedy the advice lists (near capacity lists checkpointing, a halved batch...).
+    kind is a remedy the advice lists (near capacity lists checkpointing, a halved batch...). Of checkpointing plans
+    replayed to the same peak, the one the checkpointing advice picks (:func:`cheapest_alike`).
     """
     own = _OWN_KINDS.get(advice.id, frozenset())
-    for variant in sorted(simulation.variants, key=lambda variant: variant.change.kind not in own):
-        replayed = variant.replayed
-        if replayed is not None and replayed.reported_bytes(replayed.reported_peak) == advice.predicted_peak_bytes:
-            return variant
-    return None
+    matching = [
+        variant
+        for variant in sorted(simulation.variants, key=lambda variant: variant.change.kind not in own)
+        if variant.replayed is not None
+        and variant.replayed.reported_bytes(variant.replayed.reported_peak) == advice.predicted_peak_bytes
+    ]
+    alike = [
+        variant for variant in matching if variant.change.kind in own and isinstance(variant.change, CheckpointChange)
+    ]
+    if len(alike) > 1:
+        return cheapest_alike(alike, simulation.baseline, device)
+    return matching[0] if matching else None
 
 
 def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation | None) -> Advice:
@@ -124,7 +198,7 @@ def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation |
     if advice.id in SAME_FLOPS_ADVICE and advice.saving_basis is SavingBasis.SIMULATED:
         found: TimeCost | None = TimeCost(None if step_seconds is None else 0.0, 1.0, CostBasis.SAME_FLOPS)
     elif advice.predicted_peak_bytes is not None:
-        variant = _variant_of(advice, simulation)
+        variant = _variant_of(advice, simulation, summary.device)
         replayed = variant.replayed if variant is not None else None
         found = time_cost(variant.change, baseline, replayed, step_seconds) if variant and replayed else None
     else:

@@ -1,23 +1,61 @@
 """Activation checkpointing: activations hold the largest part of the peak, and checkpointing frees a tenth of it.
 
-Up to :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans are candidates, each declared for replay.
-Where the simulation replayed any of them, only a replayed plan can be advised (the one whose replay lowers the
-peak most; of plans that lower it alike, the one that recomputes the fewest modules); a plan whose replay raised
-would break backward and is never advised. Without a replay of any candidate, the best modelled plan is advised
-with its modelled saving.
+The best :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans by modelled saving are candidates,
+with each one's trim (the plan without the units it can lose for nearly nothing,
+:func:`~lightning_vram.advice.checkpointing.trimmed`), each declared for replay. The modelled saving ranks plans by
+bytes alone: the best ones can recompute units that free nothing at the peak (a ResNet's stem and last block), which
+their trim leaves out. Where the simulation replayed any of them, only a replayed plan can be advised: the cheapest
+of those that realise nearly the best saving (:func:`advised_choice`). A plan whose replay raised would break
+backward and is never advised. Without a replay of any candidate, the best modelled plan is advised with its
+modelled saving.
+
+Which replayed plan, exactly:
+
+- the plans whose replayed saving is within
+  :data:`~lightning_vram.advice.checkpointing.SAVING_TOLERANCE` (2%) of the measured peak of the largest replayed
+  saving (and, where that one meets the rule's :data:`CHECKPOINT_MIN_SAVING_SHARE`, meet it too) realise nearly
+  the best saving. Two percent is twice the replay's own tolerance against a measured step (its baseline must match
+  each part within 1%) and a fifth of what the rule asks of a plan: a plan recomputing a third less is worth more
+  than the last sliver of the saving;
+- of them, the one whose recomputation is predicted to take least time, priced as the memory-budget search
+  (``predict(memory_budget=...)``) prices it (:func:`~lightning_vram.advice.time_cost.recompute_costs`: the
+  recomputed ops on the run's device, with the CPU's checkpointing overhead an op; the recomputed FLOPs where the
+  device's peaks are not known);
+- ties (the same cost, or none priced) go to the larger saving, then to the plan that recomputes the fewest modules,
+  then to the first in the simulation's order (the candidates by modelled saving, then their trims). The step time
+  quoted is the advised plan's (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of replayed
+  peaks the same way).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippet
-from lightning_vram.advice.checkpointing import ROOT, ProfileIndex, checkpoint_candidates, recomputed_modules
+from lightning_vram.advice.checkpointing import (
+    ROOT,
+    SAVING_TOLERANCE,
+    ProfileIndex,
+    checkpoint_candidates,
+    recomputed_modules,
+)
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
-from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
+from lightning_vram.advice.savings import (
+    Discarded,
+    Modelled,
+    Saving,
+    change_key,
+    replayed_step,
+    resolve_saving,
+    trusted,
+)
+from lightning_vram.advice.time_cost import RecomputeCosts, recompute_costs
 from lightning_vram.records import (
     Advice,
     AdviceId,
     Breakdown,
     CheckpointChange,
+    CheckpointPlan,
     PhasePeak,
     RunSummary,
     SavingBasis,
@@ -61,10 +99,11 @@ def activation_checkpointing(
     ]
     savings = [(plan, saving) for plan, saving in found if isinstance(saving, Saving)]
     discarded = [saving for _, saving in found if isinstance(saving, Discarded)]
-    replayed = [(plan, saving) for plan, saving in savings if saving.basis == SavingBasis.SIMULATED]
-    if replayed:
-        # On a tie, the plan that recomputes the fewest modules (then the first: the best modelled).
-        plan, best = max(replayed, key=lambda pair: (pair[1].saving_bytes, -recomputed_modules(pair[0])))
+    choice = advised_choice(summary, setup, simulation)
+    cheaper = ""
+    if choice is not None:
+        plan, best = choice.plan, choice.saving
+        cheaper = choice.evidence
     elif discarded or not savings:
         return None
     else:
@@ -88,12 +127,101 @@ def activation_checkpointing(
         evidence=(
             f"activations are {share_text(breakdown.activations, peak.peak_bytes)} of the {peak.phase.value} peak"
             f" ({format_bytes(breakdown.activations)} of {format_bytes(peak.peak_bytes)}); top modules: {top_text};"
-            f" {best.evidence}{''.join(item.evidence for item in discarded)}"
+            f" {best.evidence}{cheaper}{''.join(item.evidence for item in discarded)}"
         ),
         estimated_saving_bytes=best.saving_bytes,
         saving_basis=best.basis,
         predicted_peak_bytes=best.predicted_peak_bytes,
     )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The replayed plan advised, and how it was chosen.
+
+    ``saving``: its saving; of the ``alike`` plans (nearly the best saving) it is the one at ``index``, the cheapest
+    by ``costs`` (``None``: none priced); ``best`` (at ``best_index``): the largest saving.
+    """
+
+    plan: CheckpointPlan
+    saving: Saving
+    alike: int
+    costs: RecomputeCosts | None
+    index: int
+    best: Saving
+    best_index: int
+
+    @property
+    def evidence(self) -> str:
+        """How it was chosen, in words (``""`` where no other plan saved alike).
+
+        >>> saving = Saving(3, 10, 7, SavingBasis.SIMULATED, "")
+        >>> costs = RecomputeCosts((0.05, 0.08), True)
+        >>> choice = Choice(CheckpointPlan("n", (("n.a",),), None, 3), saving, 2, costs, 0, saving, 1)
+        >>> head, cost = choice.evidence.split(": ")
+        >>> head
+        '; of 2 replayed plans saving within 2.0% of the peak of the most (3 B), it recomputes least'
+        >>> cost
+        'predicted 50.0 ms a step, against 80.0 ms for the one saving most'
+        """
+        if self.alike < 2:
+            return ""
+        head = (
+            f"; of {self.alike} replayed plans saving within {format_percent(SAVING_TOLERANCE)} of the peak of the"
+            f" most ({format_bytes(self.best.saving_bytes)}), it"
+        )
+        if self.costs is None:
+            return f"{head} recomputes the fewest modules"
+        against = (
+            f", against {self.costs.text(self.best_index)} for the one saving most"
+            if self.index != self.best_index
+            else ""
+        )
+        predicted = "predicted " if self.costs.seconds else ""
+        return f"{head} recomputes least: {predicted}{self.costs.text(self.index)} a step{against}"
+
+
+def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> Choice | None:
+    """The replayed candidate the rule advises (see the module's doc).
+
+    ``None`` where none was replayed or the peak is not attributed.
+    """
+    attributed = attributed_peak(summary)
+    if attributed is None:
+        return None
+    peak = attributed[0]
+    candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
+    variants = simulation.variants if simulation is not None else ()
+    order = {change_key(variant.change): index for index, variant in enumerate(variants)}
+    replayed = []
+    for plan in candidates:
+        saving = resolve_saving(simulation, CheckpointChange(plan), None, measured=peak)
+        if isinstance(saving, Saving) and saving.basis == SavingBasis.SIMULATED:
+            replayed.append((plan, saving))
+    if not replayed:
+        return None
+    # Without a simulation (a test's savings), the candidates' own order.
+    replayed.sort(key=lambda pair: order.get(change_key(CheckpointChange(pair[0])), len(order)))
+    best = max((saving for _, saving in replayed), key=lambda saving: saving.saving_bytes)  # the first of equals
+    floor = best.saving_bytes - SAVING_TOLERANCE * best.peak_bytes
+    enough = best.at_least(CHECKPOINT_MIN_SAVING_SHARE)
+    alike = [
+        (plan, saving)
+        for plan, saving in replayed
+        if saving.saving_bytes >= floor and (saving.at_least(CHECKPOINT_MIN_SAVING_SHARE) or not enough)
+    ]
+    steps = [replayed_step(simulation, CheckpointChange(plan)) for plan, _ in alike]
+    costs = recompute_costs(steps, trusted(simulation), summary.device)
+
+    def key(index: int) -> tuple[float, int, int, int]:
+        plan, saving = alike[index]
+        cost = costs.values[index] if costs is not None else 0.0
+        return (cost, -saving.saving_bytes, recomputed_modules(plan), index)
+
+    index = min(range(len(alike)), key=key)
+    plan, saving = alike[index]
+    best_index = next(index for index, (_, saving) in enumerate(alike) if saving is best)
+    return Choice(plan, saving, len(alike), costs, index, best, best_index)
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
