@@ -164,6 +164,7 @@ class VramSession:
         default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
         step_function: StepFunction | None = None,
         wrapper: Callable[[], nn.Module | None] | None = None,
+        accumulate_grad_batches: int | None = None,
     ) -> None:
         """Start measuring a run of ``model`` (on its device) with ``optimizers``.
 
@@ -195,6 +196,11 @@ class VramSession:
             wrapper: returns the module training runs ``model`` through, where a strategy wraps it (a
                 ``DistributedDataParallel``; the callback passes its strategy's ``model``): read on sampled steps,
                 so that DDP's gradient buckets are counted in the CPU's live peak and held by each rank's replay.
+            accumulate_grad_batches: batches whose gradients add up before each optimizer step, where the loop
+                accumulates gradients (the replay then runs a window's micro-batches). Observed too: a batch that
+                ends without :meth:`before_optimizer_step` is a micro-batch of a window, and once the optimizer has
+                stepped the window observed is used (a declared one that differs warns once). Default: observed,
+                else 1; ``setup``'s own value is replaced the same way.
 
         Raises:
             TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
@@ -213,8 +219,12 @@ class VramSession:
             default_log_every_n_steps=default_log_every_n_steps,
             step_function=step_function,
             wrapper=wrapper,
+            accumulate_grad_batches=accumulate_grad_batches,
         )
-        context = run_context(model, optimizers, dataloader, precision, start_device(device), setup, step_function)
+        device = start_device(device)
+        context = run_context(
+            model, optimizers, dataloader, precision, device, setup, step_function, accumulate_grad_batches
+        )
         context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
@@ -292,6 +302,7 @@ class VramSession:
         if phase is None:
             return
         recorder.boundary(phase, Phase.OPTIMIZER)
+        self._context.windows.optimizer_step()
         if self._sampler.attributor is not None:
             self._sampler.before_optimizer_step()
 
@@ -309,6 +320,7 @@ class VramSession:
         phase = recorder.phase
         if phase is None:
             return NO_SCALARS
+        self._context.windows.batch_end()
         sampler = self._sampler
         if sampler.attributor is None:  # every step but the sampled ones: one call
             steps = recorder.end_step(phase)
@@ -478,6 +490,7 @@ class VramSession:
             self._pending_state = state
             return
         restored = restored_state(state, self.config)
+        self._context.windows.resumed()
         if restored is not None:
             self._recorder.restore(restored.tracker, restored.timer)
             self._advisor.simulation = restored.simulation

@@ -1,0 +1,72 @@
+"""Gradient accumulation as a loop runs it: the batches per optimizer step, declared and observed.
+
+A session is told ``before_optimizer_step`` in each batch whose optimizer steps; a batch that ends without one is a
+micro-batch of an accumulation window. The window observed is the most batches that ended between two optimizer
+steps, the stepping one included (or from the run's first batch to its first step, where the run did not resume
+from saved state): a shorter window, as at an epoch's end, is a partial one. Until a loop has stepped once (and in a
+loop that never says so) the declared window stands.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from lightning_vram.exceptions import VramMonitorWarning
+
+
+class AccumulationWindows:
+    """The accumulation window of one run: ``accumulate_grad_batches`` as declared and as observed.
+
+    Args:
+        declared: the window the user declared (``VramSession.start``'s ``accumulate_grad_batches``); ``None``: not
+            declared (the set-up's own value stands until one is observed, and no disagreement is warned about).
+    """
+
+    def __init__(self, declared: int | None = None) -> None:
+        self.declared = declared
+        self.observed: int | None = None
+        """The most batches observed per optimizer step (``None``: no complete window observed yet)."""
+        self.stepped = False
+        """Whether the batch now running has called ``before_optimizer_step``."""
+        self.steps_seen = 0
+        """Batches that ended with an optimizer step."""
+        self._since: int | None = 0  # batches ended since the last optimizer step (None: since an unknown point)
+        self._warned = False
+
+    def optimizer_step(self) -> None:
+        """The batch now running steps an optimizer (called once or more per stepping batch)."""
+        self.stepped = True
+
+    def batch_end(self) -> None:
+        """A batch ends: where it stepped, the batches since the previous step make a window."""
+        since = None if self._since is None else self._since + 1
+        if not self.stepped:
+            self._since = since
+            return
+        if since is not None:
+            self.observed = max(self.observed or 0, since)
+        self.steps_seen += 1
+        self._since, self.stepped = 0, False
+
+    def resumed(self) -> None:
+        """The run continues from saved state: the batches before its first step may be a window's tail."""
+        self._since = None
+
+    def window(self, default: int) -> int:
+        """The run's window: the observed one, else the declared one, else ``default`` (the set-up's own).
+
+        Warns once (:class:`~lightning_vram.exceptions.VramMonitorWarning`) where the declared window is not the
+        observed one.
+        """
+        observed = self.observed
+        if observed is None:
+            return self.declared if self.declared is not None else default
+        if self.declared is not None and observed != self.declared and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"VramSession: accumulate_grad_batches={self.declared} was declared, but the optimizer stepped once"
+                f" every {observed} batch(es) (before_optimizer_step): the replay and the advice use {observed}",
+                VramMonitorWarning,
+                stacklevel=2,
+            )
+        return observed
