@@ -49,8 +49,19 @@ def loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(module(ids).flatten(0, 1), targets.flatten())
 
 
-def train(loop: str, session: VramSession | None, declared: int | None = None, batches: int = 8) -> dict[str, Any]:
-    """``batches`` micro-batches, the optimizer stepping every :data:`WINDOW`-th; what training left behind."""
+def train(
+    loop: str,
+    session: VramSession | None,
+    declared: int | None = None,
+    batches: int = 8,
+    window: int = WINDOW,
+    says_steps: bool = True,
+) -> dict[str, Any]:
+    """``batches`` micro-batches, the optimizer stepping every ``window``-th; what training left behind.
+
+    ``says_steps``: the loop calls ``before_optimizer_step`` (a loop that does not zeroes the gradients before
+    backward instead, as Lightning does, so that each forward pass holds the last step's).
+    """
     torch.manual_seed(0)
     random.seed(0)
     model = TinyEncoder()
@@ -72,18 +83,21 @@ def train(loop: str, session: VramSession | None, declared: int | None = None, b
     for index, batch in enumerate(data):
         if session is not None:
             session.batch_start(batch)
-        loss = loss_of(trained, batch) / WINDOW
+        loss = loss_of(trained, batch) / window
+        if not says_steps:
+            stepped.zero_grad()
         if session is not None:
             session.before_backward()
         if fabric is not None:
             fabric.backward(loss)
         else:
             loss.backward()  # type: ignore[no-untyped-call]
-        if (index + 1) % WINDOW == 0:
-            if session is not None:
+        if (index + 1) % window == 0:
+            if session is not None and says_steps:
                 session.before_optimizer_step()
             stepped.step()
-            stepped.zero_grad()
+            if says_steps:
+                stepped.zero_grad()
         losses.append(loss.detach())
         if session is not None:
             session.batch_end()
@@ -99,8 +113,8 @@ def train(loop: str, session: VramSession | None, declared: int | None = None, b
 
 
 @cache
-def bare(loop: str) -> dict[str, Any]:
-    return train(loop, None)
+def bare(loop: str, batches: int = 8, window: int = WINDOW, says_steps: bool = True) -> dict[str, Any]:
+    return train(loop, None, batches=batches, window=window, says_steps=says_steps)
 
 
 def same(left: Any, right: Any) -> bool:
@@ -114,17 +128,20 @@ def same(left: Any, right: Any) -> bool:
     return bool(left == right)
 
 
-def measured(loop: str, declared: int | None, sampled: int) -> Report:
+def measured(
+    loop: str, declared: int | None, sampled: int, batches: int = 8, window: int = WINDOW, says_steps: bool = True
+) -> Report:
     session = VramSession(attribution_start_step=sampled, attribution_every_n_steps=None, console_summary=False)
-    assert same(bare(loop), train(loop, session, declared))  # losses, weights, AdamW's state, both generators
+    watched = train(loop, session, declared, batches, window, says_steps)
+    assert same(bare(loop, batches, window, says_steps), watched)  # losses, weights, AdamW's state, both generators
     assert session.report is not None
     return session.report
 
 
-def assert_replayed_as_a_window(report: Report) -> None:
+def assert_replayed_as_a_window(report: Report, window: int = WINDOW) -> None:
     simulation = report.simulation
     assert simulation is not None and simulation.skipped is None, simulation and simulation.skipped
-    assert simulation.accumulate_grad_batches == WINDOW
+    assert simulation.accumulate_grad_batches == window
     match, baseline = simulation.match, simulation.baseline
     assert match is not None and match.matches, match
     assert baseline is not None and baseline.window_first is not None
@@ -167,6 +184,31 @@ def test_a_sampled_stepping_micro_batch_is_matched_with_its_gradients_and_optimi
     assert forward is not None and forward.gradients > 0  # the first micro-batch's, held into the second
 
 
+@pytest.mark.parametrize(("window", "replayed"), [(4, 7), (3, 5)])
+@pytest.mark.parametrize("loop", ["plain", "fabric"])
+def test_an_undeclared_first_window_longer_than_the_steps_before_the_sampled_one_is_waited_for(
+    loop: str, window: int, replayed: int
+) -> None:
+    # Sampled step 2 is the third micro-batch of a window of 4 (or the stepping one of a window of 3): no optimizer
+    # state existed before it, and nothing said the loop accumulates. Its replay waits for the first optimizer step;
+    # the window's next stepping micro-batch is sampled and replayed.
+    report = measured(loop, None, sampled=2, batches=12, window=window)
+    assert_replayed_as_a_window(report, window)
+    simulation = report.simulation
+    assert simulation is not None and simulation.match is not None
+    assert simulation.match.step == replayed and not simulation.match.window_first
+    assert report.peak is not None and report.peak.step == replayed and Phase.OPTIMIZER in report.phases
+
+
+def test_a_loop_that_never_calls_before_optimizer_step_is_still_replayed() -> None:
+    # Gradients zeroed before backward: each forward pass holds the last step's, as a micro-batch's would. Nothing
+    # shows a window: the replay waits one batch, then runs as it did (every batch steps).
+    report = measured("plain", None, sampled=2, window=1, says_steps=False)
+    simulation = report.simulation
+    assert simulation is not None and simulation.skipped is None and simulation.accumulate_grad_batches == 1
+    assert simulation.match is not None and simulation.match.matches and simulation.match.step == 3
+
+
 def test_a_declared_window_the_loop_does_not_run_warns_once_and_the_observed_one_is_used() -> None:
     session = VramSession(attribution_start_step=3, attribution_every_n_steps=None, console_summary=False)
     with pytest.warns(VramMonitorWarning, match=r"accumulate_grad_batches=4 was declared.* every 2 batch") as caught:
@@ -190,9 +232,9 @@ def test_a_bad_accumulate_grad_batches_is_refused_at_start_naming_it(value: Any,
         session.start(TinyEncoder(), [], accumulate_grad_batches=value)
 
 
-def windows_after(stepping: str, resumed: bool = False) -> AccumulationWindows:
+def windows_after(stepping: str, resumed: bool = False, known: bool = True) -> AccumulationWindows:
     """A window fed one batch a character: ``s`` steps, ``.`` does not."""
-    windows = AccumulationWindows()
+    windows = AccumulationWindows(known=known)
     if resumed:
         windows.resumed()
     for batch in stepping:
@@ -211,3 +253,21 @@ def test_the_window_observed_is_the_longest_between_steps_an_epoch_end_and_a_res
     assert windows_after(".s...s", resumed=True).observed == 4  # the tail before the first step is not a window
     assert windows_after(".s", resumed=True).observed is None
     assert windows_after("ssss").observed == 1
+
+
+def test_a_replay_waits_once_where_no_window_is_known_and_no_step_came_before() -> None:
+    assert not AccumulationWindows(declared=4).defers(2, 100)  # declared
+    assert not AccumulationWindows(known=True).defers(2, 100)  # a set-up given (a Trainer's)
+    assert not AccumulationWindows(known=False).defers(2, 0)  # no gradients carried in: not a later micro-batch
+    windows = windows_after("..", known=False)
+    assert windows.resample_at(2) is None
+    assert windows.defers(1, 100) and not windows.defers(2, 100)  # once a run
+    windows.batch_end()
+    assert windows.resample_at(3) is None  # no step yet
+    windows.optimizer_step()
+    windows.batch_end()
+    assert windows.resample_at(4) == 7 and windows.resample_at(4) is None  # step 3 + a window of 4
+    stepped_first = windows_after("..s", known=False)
+    assert stepped_first.defers(2, 100)  # the first step is this batch's: its optimizer state is new
+    assert stepped_first.resample_at(3) == 5
+    assert not windows_after(".s.", known=False).defers(2, 100)  # a step came before: its state exists

@@ -5,6 +5,12 @@ micro-batch of an accumulation window. The window observed is the most batches t
 steps, the stepping one included (or from the run's first batch to its first step, where the run did not resume
 from saved state): a shorter window, as at an epoch's end, is a partial one. Until a loop has stepped once (and in a
 loop that never says so) the declared window stands.
+
+Where no window is known (none declared, no set-up given), a sampled step with no optimizer step before it that
+holds gradients from an earlier batch may be a micro-batch of a first window longer than the steps before it (its
+optimizer state does not exist yet): its replay waits, once a run, and the window's next stepping micro-batch is
+sampled once the window is observed (:meth:`AccumulationWindows.defers`, :meth:`AccumulationWindows.resample_at`).
+A loop that never calls ``before_optimizer_step`` has the next batch sampled and replayed instead, as before.
 """
 
 from __future__ import annotations
@@ -20,18 +26,23 @@ class AccumulationWindows:
     Args:
         declared: the window the user declared (``VramSession.start``'s ``accumulate_grad_batches``); ``None``: not
             declared (the set-up's own value stands until one is observed, and no disagreement is warned about).
+        known: whether a window is known before any is observed (declared, or a set-up given, as a Trainer's).
     """
 
-    def __init__(self, declared: int | None = None) -> None:
+    def __init__(self, declared: int | None = None, known: bool = True) -> None:
         self.declared = declared
+        self.known = known or declared is not None
         self.observed: int | None = None
         """The most batches observed per optimizer step (``None``: no complete window observed yet)."""
         self.stepped = False
         """Whether the batch now running has called ``before_optimizer_step``."""
         self.steps_seen = 0
         """Batches that ended with an optimizer step."""
+        self.last_stepped = False
+        """Whether the last batch that ended stepped."""
         self._since: int | None = 0  # batches ended since the last optimizer step (None: since an unknown point)
         self._warned = False
+        self._deferred: bool | None = None  # a replay waits for the first optimizer step (False: it waited once)
 
     def optimizer_step(self) -> None:
         """The batch now running steps an optimizer (called once or more per stepping batch)."""
@@ -40,6 +51,7 @@ class AccumulationWindows:
     def batch_end(self) -> None:
         """A batch ends: where it stepped, the batches since the previous step make a window."""
         since = None if self._since is None else self._since + 1
+        self.last_stepped = self.stepped
         if not self.stepped:
             self._since = since
             return
@@ -70,3 +82,26 @@ class AccumulationWindows:
                 stacklevel=2,
             )
         return observed
+
+    def defers(self, step: int, carried_gradient_bytes: int) -> bool:
+        """Whether the replay of sampled step ``step`` (just ended) waits until the window is observed.
+
+        Once a run, where no window is known and no optimizer step came before it, for a step past the first whose
+        forward pass held ``carried_gradient_bytes`` of gradients from earlier batches (as a micro-batch does).
+        """
+        stepped_before = self.steps_seen > (1 if self.last_stepped else 0)
+        if self.known or stepped_before or self._deferred is not None or step < 1 or carried_gradient_bytes <= 0:
+            return False
+        self._deferred = True
+        return True
+
+    def resample_at(self, steps: int) -> int | None:
+        """The step to sample for the replay that waited, once the batch that ended (``steps`` have) stepped first.
+
+        The window's next stepping micro-batch: ``steps - 1`` plus the window observed. ``None``: none waits, or the
+        optimizer has not stepped yet.
+        """
+        if not self._deferred or not self.steps_seen:
+            return None
+        self._deferred = False
+        return steps - 1 + (self.observed or 1)

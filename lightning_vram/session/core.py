@@ -20,6 +20,7 @@ from lightning_vram.config import MonitorConfig, MonitorOptions, check_option_na
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Advice,
+    Attribution,
     EvaluationPeak,
     NotMeasured,
     OomDiagnosis,
@@ -331,13 +332,16 @@ class VramSession:
             steps = recorder.fold_step(attribution)
             recorder.end_timing()
             batch = self._sampled_batch
-            if attribution is not None and batch is not None:
+            if attribution is not None and batch is not None and not self._waits_for_window(attribution):
                 shapes = recorder.shapes
                 size = (shapes.elements, self._guard.call(Part.SHAPES, shapes.length_of, batch))
                 self._advisor.replay(attribution, batch, self.summary, size, self._worst_batch, sampler.released_late)
                 recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
             sampler.forget_late_releases()
             self._sampled_batch = None
+        resample = self._context.windows.resample_at(steps)
+        if resample is not None:
+            sampler.sample_at(resample)
         every = self._log_every
         if every is None or steps % every != 0:
             return NO_SCALARS
@@ -346,6 +350,20 @@ class VramSession:
         if scalars and self._sinks.publishers:
             self._sinks.scalars(scalars, self._step)
         return scalars
+
+    def _waits_for_window(self, attribution: Attribution) -> bool:
+        """Whether the replay of the sampled step waits for the loop's accumulation window (see ``accumulation``).
+
+        Before any optimizer step, the next batch is sampled too: its end may show the window (or a loop that never
+        calls :meth:`before_optimizer_step` replays it as before).
+        """
+        windows = self._context.windows
+        forward = attribution.phases.get(Phase.FORWARD)
+        if not windows.defers(attribution.step, forward.gradients if forward is not None else 0):
+            return False
+        if not windows.steps_seen:
+            self._sampler.sample_at(attribution.step + 1)
+        return True
 
     def break_continuity(self) -> None:
         """The time until the next training step is not data wait (an epoch boundary, a validation run)."""
