@@ -232,9 +232,9 @@ def test_a_bad_accumulate_grad_batches_is_refused_at_start_naming_it(value: Any,
         session.start(TinyEncoder(), [], accumulate_grad_batches=value)
 
 
-def windows_after(stepping: str, resumed: bool = False, known: bool = True) -> AccumulationWindows:
+def windows_after(stepping: str, resumed: bool = False, from_setup: bool = False) -> AccumulationWindows:
     """A window fed one batch a character: ``s`` steps, ``.`` does not."""
-    windows = AccumulationWindows(known=known)
+    windows = AccumulationWindows(from_setup=from_setup)
     if resumed:
         windows.resumed()
     for batch in stepping:
@@ -253,13 +253,16 @@ def test_the_window_observed_is_the_longest_between_steps_an_epoch_end_and_a_res
     assert windows_after(".s...s", resumed=True).observed == 4  # the tail before the first step is not a window
     assert windows_after(".s", resumed=True).observed is None
     assert windows_after("ssss").observed == 1
+    # A set-up given (the callback's: the Trainer's own accumulate_grad_batches) stands; a declared one is checked.
+    assert windows_after("...s", from_setup=True).window(2) == 2
+    assert windows_after("...s").window(2) == 4
 
 
 def test_a_replay_waits_once_where_no_window_is_known_and_no_step_came_before() -> None:
     assert not AccumulationWindows(declared=4).defers(2, 100)  # declared
-    assert not AccumulationWindows(known=True).defers(2, 100)  # a set-up given (a Trainer's)
-    assert not AccumulationWindows(known=False).defers(2, 0)  # no gradients carried in: not a later micro-batch
-    windows = windows_after("..", known=False)
+    assert not AccumulationWindows(from_setup=True).defers(2, 100)  # a set-up given (a Trainer's)
+    assert not AccumulationWindows().defers(2, 0)  # no gradients carried in: not a later micro-batch
+    windows = windows_after("..")
     assert windows.resample_at(2) is None
     assert windows.defers(1, 100) and not windows.defers(2, 100)  # once a run
     windows.batch_end()
@@ -267,7 +270,7 @@ def test_a_replay_waits_once_where_no_window_is_known_and_no_step_came_before() 
     windows.optimizer_step()
     windows.batch_end()
     assert windows.resample_at(4) == 7 and windows.resample_at(4) is None  # step 3 + a window of 4
-    stepped_first = windows_after("..s", known=False)
+    stepped_first = windows_after("..s")
     assert stepped_first.defers(2, 100)  # the first step is this batch's: its optimizer state is new
     assert stepped_first.resample_at(3) == 5
-    assert not windows_after(".s.", known=False).defers(2, 100)  # a step came before: its state exists
+    assert not windows_after(".s.").defers(2, 100)  # a step came before: its state exists

@@ -4,7 +4,8 @@ A session is told ``before_optimizer_step`` in each batch whose optimizer steps;
 micro-batch of an accumulation window. The window observed is the most batches that ended between two optimizer
 steps, the stepping one included (or from the run's first batch to its first step, where the run did not resume
 from saved state): a shorter window, as at an epoch's end, is a partial one. Until a loop has stepped once (and in a
-loop that never says so) the declared window stands.
+loop that never says so) the declared window stands. Where a set-up is given and no window declared (the callback's,
+whose ``accumulate_grad_batches`` is the Trainer's own setting), the set-up's window stands and none is observed.
 
 Where no window is known (none declared, no set-up given), a sampled step with no optimizer step before it that
 holds gradients from an earlier batch may be a micro-batch of a first window longer than the steps before it (its
@@ -26,12 +27,12 @@ class AccumulationWindows:
     Args:
         declared: the window the user declared (``VramSession.start``'s ``accumulate_grad_batches``); ``None``: not
             declared (the set-up's own value stands until one is observed, and no disagreement is warned about).
-        known: whether a window is known before any is observed (declared, or a set-up given, as a Trainer's).
+        from_setup: a set-up was given (a Trainer's): with none declared, its window stands, not the observed one.
     """
 
-    def __init__(self, declared: int | None = None, known: bool = True) -> None:
+    def __init__(self, declared: int | None = None, from_setup: bool = False) -> None:
         self.declared = declared
-        self.known = known or declared is not None
+        self.from_setup = from_setup and declared is None
         self.observed: int | None = None
         """The most batches observed per optimizer step (``None``: no complete window observed yet)."""
         self.stepped = False
@@ -71,7 +72,7 @@ class AccumulationWindows:
         observed one.
         """
         observed = self.observed
-        if observed is None:
+        if observed is None or self.from_setup:
             return self.declared if self.declared is not None else default
         if self.declared is not None and observed != self.declared and not self._warned:
             self._warned = True
@@ -90,7 +91,8 @@ class AccumulationWindows:
         forward pass held ``carried_gradient_bytes`` of gradients from earlier batches (as a micro-batch does).
         """
         stepped_before = self.steps_seen > (1 if self.last_stepped else 0)
-        if self.known or stepped_before or self._deferred is not None or step < 1 or carried_gradient_bytes <= 0:
+        known = self.from_setup or self.declared is not None
+        if known or stepped_before or self._deferred is not None or step < 1 or carried_gradient_bytes <= 0:
             return False
         self._deferred = True
         return True

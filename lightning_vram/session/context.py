@@ -105,7 +105,7 @@ def run_context(
         optimizers,
         device if device is not None else model_device(model),
         step_function=step_function,
-        windows=AccumulationWindows(accumulate_grad_batches, known=setup is not None),
+        windows=AccumulationWindows(accumulate_grad_batches, from_setup=setup is not None),
     )
     context.read_setup = setup or (
         lambda: training_setup(

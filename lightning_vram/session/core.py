@@ -201,7 +201,7 @@ class VramSession:
                 accumulates gradients (the replay then runs a window's micro-batches). Observed too: a batch that
                 ends without :meth:`before_optimizer_step` is a micro-batch of a window, and once the optimizer has
                 stepped the window observed is used (a declared one that differs warns once). Default: observed,
-                else 1; ``setup``'s own value is replaced the same way.
+                else 1; with ``setup`` given, the set-up's own value (the callback's: the Trainer's setting).
 
         Raises:
             TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
