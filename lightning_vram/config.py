@@ -405,6 +405,7 @@ def check_start(
     default_log_every_n_steps: object,
     step_function: object,
     wrapper: object = None,
+    accumulate_grad_batches: object = None,
 ) -> None:
     """Check ``VramSession.start``'s arguments; the first bad one raises a TypeError or ValueError naming it."""
     if not isinstance(model, nn.Module):
@@ -426,3 +427,4 @@ def check_start(
     _require_writers(tensorboard)
     _require_publishers(publishers)
     require_int("default_log_every_n_steps", default_log_every_n_steps, 1, MAX_STEPS, allow_none=True)
+    require_int("accumulate_grad_batches", accumulate_grad_batches, 1, MAX_STEPS, allow_none=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from lightning_vram.measure.setup import session_loop, training_setup
 from lightning_vram.prediction.containment.user_code import is_user_file
 from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step
 from lightning_vram.records import TrainingSetup
+from lightning_vram.session.accumulation import AccumulationWindows
 
 Optimizers = Sequence[torch.optim.Optimizer] | Callable[[], Sequence[torch.optim.Optimizer]]
 """A run's optimizers, or a callable returning them (read again each time they are needed)."""
@@ -34,6 +35,7 @@ class RunContext:
         world_size: the number of processes training together.
         wrapper: returns the module training runs the model through (a ``DistributedDataParallel``), read on
             sampled steps and replays; ``None`` where there is none.
+        windows: the accumulation window, declared and observed: :meth:`setup` carries it.
     """
 
     model: nn.Module | None = None
@@ -44,6 +46,7 @@ class RunContext:
     rank: int = 0
     world_size: int = 1
     wrapper: Callable[[], nn.Module | None] | None = None
+    windows: AccumulationWindows = field(default_factory=AccumulationWindows)
     _setup: TrainingSetup | None = None
 
     def current_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -56,14 +59,21 @@ class RunContext:
         return self.wrapper() if self.wrapper is not None else None
 
     def setup(self) -> TrainingSetup | None:
-        """The training set-up, computed once per run (the first time training has started); ``None`` after close.
+        """The training set-up, read once per run (the first time training has started); ``None`` after close.
+
+        Its ``accumulate_grad_batches`` is the window observed so far, else the declared one, else the set-up's own
+        (:meth:`AccumulationWindows.window`).
 
         Raises:
             Exception: whatever reading it raised; the caller's guard handles it, and the next call reads again.
         """
         if self._setup is None and self.read_setup is not None:
             self._setup = self.read_setup()
-        return self._setup
+        setup = self._setup
+        if setup is None:
+            return None
+        window = self.windows.window(setup.accumulate_grad_batches)
+        return setup if window == setup.accumulate_grad_batches else replace(setup, accumulate_grad_batches=window)
 
     def release(self) -> None:
         """Let go of the model, its optimizers and the callables that may hold a Trainer (and its process group)."""
@@ -79,17 +89,23 @@ def run_context(
     device: torch.device | None,
     setup: Callable[[], TrainingSetup] | None,
     step_function: StepFunction | None,
+    accumulate_grad_batches: int | None = None,
 ) -> RunContext:
     """The facts of a run as ``VramSession.start`` takes them (checked).
 
     The device defaults to the model's, the set-up to one read from the model, optimizers, ``dataloader`` and
     ``precision`` (a plain loop, or Fabric where Fabric wrapped any of them), the step function to a
-    LightningModule's ``training_step``.
+    LightningModule's ``training_step``. ``accumulate_grad_batches``: the window declared (``None``: not declared),
+    which the set-up carries until the loop's own is observed.
     """
     if step_function is None and callable(getattr(model, "training_step", None)):
         step_function = lightning_training_step
     context = RunContext(
-        model, optimizers, device if device is not None else model_device(model), step_function=step_function
+        model,
+        optimizers,
+        device if device is not None else model_device(model),
+        step_function=step_function,
+        windows=AccumulationWindows(accumulate_grad_batches, from_setup=setup is not None),
     )
     context.read_setup = setup or (
         lambda: training_setup(

@@ -27,6 +27,7 @@ from lightning_vram.config import (
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Advice,
+    Attribution,
     EvaluationPeak,
     NotMeasured,
     OomDiagnosis,
@@ -172,6 +173,7 @@ class VramSession:
         default_log_every_n_steps: int | None = DEFAULT_LOG_EVERY_N_STEPS,
         step_function: StepFunction | None = None,
         wrapper: Callable[[], nn.Module | None] | None = None,
+        accumulate_grad_batches: int | None = None,
     ) -> None:
         """Start measuring a run of ``model`` (on its device) with ``optimizers``.
 
@@ -205,6 +207,11 @@ class VramSession:
             wrapper: returns the module training runs ``model`` through, where a strategy wraps it (a
                 ``DistributedDataParallel``; the callback passes its strategy's ``model``): read on sampled steps,
                 so that DDP's gradient buckets are counted in the CPU's live peak and held by each rank's replay.
+            accumulate_grad_batches: batches whose gradients add up before each optimizer step, where the loop
+                accumulates gradients (the replay then runs a window's micro-batches). Observed too: a batch that
+                ends without :meth:`before_optimizer_step` is a micro-batch of a window, and once the optimizer has
+                stepped the window observed is used (a declared one that differs warns once). Default: observed,
+                else 1; with ``setup`` given, the set-up's own value (the callback's: the Trainer's setting).
 
         Raises:
             TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
@@ -223,9 +230,18 @@ class VramSession:
             default_log_every_n_steps=default_log_every_n_steps,
             step_function=step_function,
             wrapper=wrapper,
+            accumulate_grad_batches=accumulate_grad_batches,
         )
+        device = start_device(device)
         context = run_context(
-            model, optimizers, dataloader, precision_name(precision), start_device(device), setup, step_function
+            model,
+            optimizers,
+            dataloader,
+            precision_name(precision),
+            device,
+            setup,
+            step_function,
+            accumulate_grad_batches,
         )
         context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
@@ -304,6 +320,7 @@ class VramSession:
         if phase is None:
             return
         recorder.boundary(phase, Phase.OPTIMIZER)
+        self._context.windows.optimizer_step()
         if self._sampler.attributor is not None:
             self._sampler.before_optimizer_step()
 
@@ -321,6 +338,7 @@ class VramSession:
         phase = recorder.phase
         if phase is None:
             return NO_SCALARS
+        self._context.windows.batch_end()
         sampler = self._sampler
         if sampler.attributor is None:  # every step but the sampled ones: one call
             steps = recorder.end_step(phase)
@@ -331,13 +349,16 @@ class VramSession:
             steps = recorder.fold_step(attribution)
             recorder.end_timing()
             batch = self._sampled_batch
-            if attribution is not None and batch is not None:
+            if attribution is not None and batch is not None and not self._waits_for_window(attribution):
                 shapes = recorder.shapes
                 size = (shapes.elements, self._guard.call(Part.SHAPES, shapes.length_of, batch))
                 self._advisor.replay(attribution, batch, self.summary, size, self._worst_batch, sampler.released_late)
                 recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
             sampler.forget_late_releases()
             self._sampled_batch = None
+        resample = self._context.windows.resample_at(steps)
+        if resample is not None:
+            sampler.sample_at(resample)
         every = self._log_every
         if every is None or steps % every != 0:
             return NO_SCALARS
@@ -346,6 +367,20 @@ class VramSession:
         if scalars and self._sinks.publishers:
             self._sinks.scalars(scalars, self._step)
         return scalars
+
+    def _waits_for_window(self, attribution: Attribution) -> bool:
+        """Whether the replay of the sampled step waits for the loop's accumulation window (see ``accumulation``).
+
+        Before any optimizer step, the next batch is sampled too: its end may show the window (or a loop that never
+        calls :meth:`before_optimizer_step` replays it as before).
+        """
+        windows = self._context.windows
+        forward = attribution.phases.get(Phase.FORWARD)
+        if not windows.defers(attribution.step, forward.gradients if forward is not None else 0):
+            return False
+        if not windows.steps_seen:
+            self._sampler.sample_at(attribution.step + 1)
+        return True
 
     def break_continuity(self) -> None:
         """The time until the next training step is not data wait (an epoch boundary, a validation run)."""
@@ -494,6 +529,7 @@ class VramSession:
             self._pending_state = state
             return
         restored = restored_state(state, self.config)
+        self._context.windows.resumed()
         if restored is not None:
             self._recorder.restore(restored.tracker, restored.timer)
             self._advisor.simulation = restored.simulation

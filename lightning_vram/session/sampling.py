@@ -79,6 +79,11 @@ class Sampler:
         self.next_step: int | None = config.attribution_start_step
         """The next sampled step (``None``: none): :meth:`begin` returns ``False`` on any step before it."""
 
+    def sample_at(self, step: int) -> None:
+        """Sample ``step`` too, unless a step scheduled before it comes first (the schedule goes on after it)."""
+        scheduled = self.next_step
+        self.next_step = step if scheduled is None else min(step, scheduled)
+
     def begin(self, step: int, batch: Any, count_live: bool = False, force: bool = False) -> bool:
         """Step ``step`` (0-based) starts: count it when it is sampled. Returns whether it is sampled (and on).
 
