@@ -49,6 +49,7 @@ from lightning_vram.prediction.containment.method_reach import (
     MethodReach,
     computed_names,
     library_names,
+    names_computed_by,
     string_names,
 )
 from lightning_vram.prediction.containment.plain_reads import (
@@ -249,6 +250,7 @@ class _Walk:
         self._seen.add((id(value), data))
         if id(value) in self._ignore:
             return
+        self._bring_computed(value)
         if id(value) in self._inside:
             if not data:  # code reaching the trained model; through its own attributes it is the copy's
                 self.reach.real_modules.append(path)
@@ -411,6 +413,15 @@ class _Walk:
             released += methods.bring_descriptors()
         if (global_names | attribute_names) & TRAINER_NAMES:
             released += methods.bring(OUTSIDE_BATCH_HOOKS)
+        for member in released:
+            self._member(member)
+
+    def _bring_computed(self, value: Any) -> None:
+        """Put in reach what ``value`` may reach by computed names (``methodcaller(name)``, an alias of ``getattr``)."""
+        methods, computed = self.reach.methods, names_computed_by(value)
+        released = methods.bring_everything() if computed.reads else []
+        if computed.writes:
+            released += methods.bring_descriptors()
         for member in released:
             self._member(member)
 
