@@ -2,13 +2,15 @@
 
 The walk takes a user class's method only when its name is in reach (``method_reach.py``). Library code reads
 attributes by names the user's code never reads itself: ``str.format`` reads ``{0.line}`` from its format string,
-``print(..., file=sink)`` calls the sink's ``write``, ``contextlib.closing`` calls ``close``, and ``methodcaller``
-imported by name calls whatever name it is given. A replay running them must leave training exactly as it was.
+``print(..., file=sink)`` calls the sink's ``write``, ``contextlib.closing`` calls ``close``, a Logger calls its
+filters' ``filter``, and ``methodcaller`` imported by name calls whatever name it is given. A replay running them
+must leave training exactly as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from operator import methodcaller
 from pathlib import Path
@@ -169,5 +171,36 @@ def test_a_method_a_held_methodcaller_calls(tmp_path: Path, path: str) -> None:
         CallsItsExtras.counted = 0
         module = CallsItsExtras([methodcaller(configured)])
         return Case(module, cnn_loader(), observe=lambda: CallsItsExtras.counted)
+
+    assert_untouched(build, tmp_path, path)
+
+
+class CountingFilter:
+    """A logging filter by duck typing (no ``logging.Filter`` base): the Logger calls its ``filter``."""
+
+    seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        CountingFilter.seen += 1
+        return False
+
+
+LOG = logging.Logger("hostile.filtered", logging.INFO)
+"""A logger no handler with a stream reaches (a script's, whose root logger has none; under pytest the root's capture
+handlers hold streams, which a replay cannot put back)."""
+LOG.addFilter(CountingFilter())
+
+
+class Logging(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        LOG.info("step %d", batch_idx)  # the Logger calls ``filter``
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_filter_a_logger_calls(tmp_path: Path, path: str) -> None:
+    def build() -> Case:
+        CountingFilter.seen = 0
+        return Case(Logging(cnn_net()), cnn_loader(), observe=lambda: CountingFilter.seen)
 
     assert_untouched(build, tmp_path, path)

@@ -20,6 +20,10 @@ replay of the run. A method's name is in reach when:
   it does not hold as a constant, ``attrgetter`` or ``methodcaller`` under any name): every name is in reach; where it
   only sets or deletes them (``setattr(module, name, value)``), every data descriptor (a property's setter) is.
 
+A class with no library base whose instance a library's object holds (a duck-typed logging filter in a Logger's
+``filters``) is wholly in reach: the library calls its methods by names of its own, which the walk cannot read
+(:meth:`MethodReach.bring_class`; a class with a library base is called by the names that base defines).
+
 Methods whose name is not in reach are parked (:class:`MethodReach`) and walked as soon as it comes in reach, whatever
 the order the walk meets the classes and the code in. A class's other attributes (a class-level list, a counter)
 follow the same rule: one no code in reach names is neither saved nor put back, as nothing the replay runs can change
@@ -385,16 +389,20 @@ class MethodReach:
     everything: bool = False
     descriptors: bool = False
     parked: dict[str, list[Member]] = field(default_factory=dict)
+    classes: set[type] = field(default_factory=set)
+    """Classes every attribute of which is in reach, whatever its name (:meth:`bring_class`)."""
 
     def copy(self) -> MethodReach:
         """A copy to go on from (another walk continuing this one), which changes nothing in this one."""
         parked = {name: list(members) for name, members in self.parked.items()}
-        return MethodReach(set(self.names), self.everything, self.descriptors, parked)
+        return MethodReach(set(self.names), self.everything, self.descriptors, parked, set(self.classes))
 
     def admits(self, member: Member) -> bool:
         """Whether ``member``'s name is in reach; if not, it waits for its name."""
         name = member[1]
         if self.everything or is_dunder(name) or name in self.names or (self.descriptors and _sets(member)):
+            return True
+        if member[0] in self.classes:
             return True
         self.parked.setdefault(name, []).append(member)
         return False
@@ -408,6 +416,19 @@ class MethodReach:
             if name not in self.names:
                 self.names.add(name)
                 released += self.parked.pop(name, [])
+        return released
+
+    def bring_class(self, classes: Iterable[type]) -> list[Member]:
+        """Put every attribute of ``classes`` in reach, whatever its name; the members that waited."""
+        new = set(classes) - self.classes
+        if self.everything or not new:
+            return []
+        self.classes |= new
+        released = [member for members in self.parked.values() for member in members if member[0] in new]
+        for name, members in list(self.parked.items()):
+            self.parked[name] = [member for member in members if member[0] not in new]
+            if not self.parked[name]:
+                del self.parked[name]
         return released
 
     def bring_everything(self) -> list[Member]:

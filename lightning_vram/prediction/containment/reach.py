@@ -426,10 +426,11 @@ class _Walk:
             self._member(member)
 
     def _class(self, cls: type, path: str) -> None:
-        """A user class: its bases, and its attributes whose name is in reach (the others wait for their name)."""
+        """A user class: its metaclass, its bases, and its attributes whose name is in reach (the others wait)."""
         if not is_user_class(cls) or issubclass(cls, BaseException):
             return
         methods = self.reach.methods
+        self._push(type(cls), f"{path} (its metaclass)")  # ``Meta.__call__`` runs on each ``cls()``
         for base in cls.__mro__[1:]:
             if is_user_class(base):
                 self._push(base, path)
@@ -449,6 +450,19 @@ class _Walk:
             self._push(attribute, f"{cls.__qualname__}.{name}")
         elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
             self._slot(cls, name, f"{cls.__qualname__}.{name}")
+
+    def _held_by_library(self, attributes: Iterable[tuple[str, Any]]) -> None:
+        """The attributes of a library's object (a Logger's ``filters``), and the items of those that are containers.
+
+        A class of theirs with no library base is wholly in reach: the library calls it by names of its own
+        (a duck-typed logging filter's ``filter``), which no code the walk reads names.
+        """
+        for _, attribute in attributes:
+            for item in (attribute, *_items(attribute)):
+                mro = type(item).__mro__
+                if is_user_class(type(item)) and all(is_user_class(base) for base in mro[1:-1]):
+                    for member in self.reach.methods.bring_class(mro[:-1]):
+                        self._member(member)
 
     def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
         """The attributes of ``module`` the code names, and (a package's submodules) theirs, at any depth."""
@@ -473,6 +487,8 @@ class _Walk:
             self._hold(value, path)
             for name, item in dict_items(attributes):
                 self._push(item, f"{path}.{name}", data=data)
+            if not is_user_class(type(value)):
+                self._held_by_library(dict_items(attributes))
         if slot_names(type(value)):
             self._hold(value, path)
             for name in slot_names(type(value)):
@@ -482,6 +498,11 @@ class _Walk:
                     continue
                 self._push(item, f"{path}.{name}", data=data)
         self._push(type(value), path)
+
+
+def _items(value: Any) -> list[Any]:
+    """The items of a built-in container (a dict's values), read through its built-in type; none for anything else."""
+    return [item for _, item in dict_items(value)] if isinstance(value, dict) else contents(value)
 
 
 def reach_of(
