@@ -122,11 +122,13 @@ class Slot:
     key: str | None = None
 
     def get(self) -> Any:
-        """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``)."""
+        """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``); a class's own entry."""
         if isinstance(self.holder, types.CellType):
             return self.holder.cell_contents
         if isinstance(self.holder, dict):
             return self.holder[self.key]
+        if isinstance(self.holder, type):  # not what ``__get__`` makes: a singledispatchmethod makes a new function
+            return vars(self.holder)[self.key or ""]  # each time, which putting back would set in the class's entry
         return getattr(self.holder, self.key or "")
 
     def set(self, value: Any) -> None:
@@ -330,9 +332,13 @@ class _Walk:
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is not None:
             self._push(wrapped, path)
+        attributes = instance_dict(function)
+        registry = attributes.get("registry") if attributes is not None else None
+        if isinstance(registry, types.MappingProxyType):  # functools.singledispatch's: each implementation registered
+            for index, implementation in enumerate(types.MappingProxyType.values(registry)):
+                self._push(implementation, f"{path}.registry[{index}]")
         if not is_user_function(function):
             return
-        attributes = instance_dict(function)
         if attributes is not None:  # the function's own attributes (``helper.calls += 1``)
             self._hold(attributes, f"{function.__qualname__}.__dict__")
             for name, item in dict_items(attributes):
