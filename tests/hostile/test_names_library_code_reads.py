@@ -3,8 +3,8 @@
 The walk takes a user class's method only when its name is in reach (``method_reach.py``). Library code reads
 attributes by names the user's code never reads itself: ``str.format`` reads ``{0.line}`` from its format string,
 ``print(..., file=sink)`` calls the sink's ``write``, ``contextlib.closing`` calls ``close``, a Logger calls its
-filters' ``filter``, and ``methodcaller`` imported by name calls whatever name it is given. A replay running them
-must leave training exactly as it was.
+filters' ``filter``, ``{**mapping}`` calls ``keys``, and ``methodcaller`` imported by name calls whatever name
+it is given. A replay running them must leave training exactly as it was.
 """
 
 from __future__ import annotations
@@ -202,5 +202,37 @@ def test_a_filter_a_logger_calls(tmp_path: Path, path: str) -> None:
     def build() -> Case:
         CountingFilter.seen = 0
         return Case(Logging(cnn_net()), cnn_loader(), observe=lambda: CountingFilter.seen)
+
+    assert_untouched(build, tmp_path, path)
+
+
+class Settings:
+    """A mapping by duck typing: ``{**settings}`` calls its ``keys``; how many times, class-wide."""
+
+    listed = 0
+
+    def keys(self) -> list[str]:
+        Settings.listed += 1
+        return ["scale"]
+
+    def __getitem__(self, key: str) -> float:
+        return 1.0
+
+
+class Unpacking(Classifier):
+    def __init__(self) -> None:
+        super().__init__(cnn_net())
+        self.settings = Settings()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        options = {"scale": 2.0, **self.settings}  # Python calls ``keys``
+        return super().training_step(batch, batch_idx) * options["scale"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_keys_mapping_unpacking_calls(tmp_path: Path, path: str) -> None:
+    def build() -> Case:
+        Settings.listed = 0
+        return Case(Unpacking(), cnn_loader(), observe=lambda: Settings.listed)
 
     assert_untouched(build, tmp_path, path)
