@@ -290,6 +290,7 @@ class _Walk:
         """An object that holds state: saved, or (an iterator, a generator) a reason the replay must not run."""
         if isinstance(value, Tensor):
             self.reach.tensors.append(value)
+            self._push(type(value), path)  # a subclass's: its ``__torch_function__`` runs on each op
             attributes = instance_dict(value)
             if attributes is not None:  # Python attributes set on the tensor (``GLOBAL_T.counter = n``)
                 self._hold(attributes, f"{path}.__dict__")
@@ -444,7 +445,8 @@ class _Walk:
                 for member in methods.bring(library_names(base)):
                     self._member(member)
         for name, attribute in list(vars(cls).items()):
-            if name.startswith("__") and name.endswith("__") and not callable(attribute):
+            dunder_method = callable(attribute) or isinstance(attribute, classmethod)  # ``__init_subclass__``'s too
+            if name.startswith("__") and name.endswith("__") and not dunder_method:
                 continue
             if methods.admits((cls, name, attribute)):
                 self._member((cls, name, attribute))
