@@ -177,20 +177,21 @@ def _slot_saver(slot: Slot) -> _Saved:
 class _TensorSaved:
     """A tensor held outside the module: its version counter and a copy of its values (on its own device, no sync).
 
-    Fake tensors compute in-place ops on a real tensor for real; the copy puts its values back.
+    Fake tensors compute in-place ops on a real tensor for real; the copy puts its values back. Read and written with
+    a subclass's ``__torch_function__`` off: the user's code (a tensor subclass counting its calls) must not run.
     """
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
-        self.version = _version(tensor)
-        with torch.no_grad():
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            self.version = _version(tensor)
             self.copy = tensor.detach().clone()
 
     def restore(self) -> bool:
         """Whether the tensor changed (and was put back)."""
-        if _version(self.tensor) == self.version:
-            return False
-        with torch.no_grad():
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            if _version(self.tensor) == self.version:
+                return False
             self.tensor.copy_(self.copy)
         return True
 

@@ -11,12 +11,18 @@ replay of the run. A method's name is in reach when:
   runs may call an override by its name (``forward``, ``training_step``, ``on_before_backward``, an optimizer's
   ``step``), except Lightning's hooks that run outside a training batch (:data:`OUTSIDE_BATCH_HOOKS`);
 - library code calls it on any object that has it (:data:`PROTOCOL_NAMES`: a batch's ``to``);
-- walked user code reads an attribute by that name (``self.export()``, ``super().export``) or holds it as a string
-  constant (``getattr(self, "export")``);
+- walked user code reads an attribute by that name (``self.export()``, ``super().export``), holds it as a string
+  constant (``getattr(self, "export")``) or as an attribute in a constant format string's field (``"{0.line}"``,
+  which ``str.format`` reads);
 - walked code reads ``trainer`` (``self.trainer.save_checkpoint(...)``): the trainer's code may run any of Lightning's
   hooks, :data:`OUTSIDE_BATCH_HOOKS` come in reach;
-- walked code reads attributes by names it computes (:func:`computed_names`): every name is in reach; where it only
-  sets or deletes them (``setattr(module, name, value)``), every data descriptor (a property's setter) is.
+- walked code reads attributes by names it computes (:func:`computed_names`: ``getattr(self, name)``, a format string
+  it does not hold as a constant, ``attrgetter`` or ``methodcaller`` under any name): every name is in reach; where it
+  only sets or deletes them (``setattr(module, name, value)``), every data descriptor (a property's setter) is.
+
+A class with no library base whose instance a library's object holds (a duck-typed logging filter in a Logger's
+``filters``) is wholly in reach: the library calls its methods by names of its own, which the walk cannot read
+(:meth:`MethodReach.bring_class`; a class with a library base is called by the names that base defines).
 
 Methods whose name is not in reach are parked (:class:`MethodReach`) and walked as soon as it comes in reach, whatever
 the order the walk meets the classes and the code in. A class's other attributes (a class-level list, a counter)
@@ -29,6 +35,10 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
+import operator
+import re
+import string
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -100,10 +110,12 @@ Still in reach: ``training_step``, ``on_train_batch_start``/``_end``, ``on_befor
 LIGHTNING_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
 """Where the classes defining :data:`OUTSIDE_BATCH_HOOKS` live (the unified package and the standalone one)."""
 
-PROTOCOL_NAMES = frozenset({"to", "pin_memory", "right_inverse"})
+PROTOCOL_NAMES = frozenset({"to", "pin_memory", "right_inverse", "write", "flush", "read", "readline", "close", "keys"})
 """Names library code calls on any object that has them, whatever its classes: Lightning moves a batch with its
 ``to`` (``move_data_to_device``), torch's DataLoader pins one with its ``pin_memory``, ``torch.nn.utils.parametrize``
-sets a parametrized weight through its parametrization's ``right_inverse``."""
+sets a parametrized weight through its parametrization's ``right_inverse``; Python's own code treats an object as a
+file (``print(..., file=sink)``, ``json.dump``, ``pickle.load``: ``write``, ``flush``, ``read``, ``readline``), closes
+it (``contextlib.closing``: ``close``) or unpacks it as a mapping (``{**mapping}``, ``dict(mapping)``: ``keys``)."""
 
 TRAINER_NAMES = frozenset({"trainer", "_trainer"})
 """Names through which code reaches Lightning's Trainer, whose code may call any of the module's hooks."""
@@ -127,6 +139,14 @@ READING_ATTRIBUTES = frozenset(
 """Attribute names through which code reads attributes by names it computes (``operator.attrgetter(name)``,
 ``object.__getattribute__(self, name)``, ``self.__dict__[name]``)."""
 
+READING_CALLABLES = frozenset(
+    map(id, (getattr, hasattr, vars, operator.attrgetter, operator.methodcaller, inspect.getmembers))
+)
+"""Callables reading attributes by the names they are given, by identity: under whatever name the code binds them
+(``from operator import methodcaller``, ``get = getattr``), or held as objects (:func:`names_computed_by`)."""
+
+WRITING_CALLABLES = frozenset(map(id, (setattr, delattr)))
+
 WRITING_ATTRIBUTES = frozenset({"__setattr__", "__delattr__", "setattr", "delattr"})
 """Attribute names through which code sets or deletes attributes by names it computes (``object.__setattr__``)."""
 
@@ -140,6 +160,10 @@ WRITING_BUILTINS = frozenset({"setattr", "delattr"})
 ACCESS_DUNDERS = frozenset({"__getattr__", "__getattribute__", "__setattr__", "__delattr__"})
 """Methods Python calls with the name of an attribute read or set elsewhere: passing that name on (``getattr(
 self.block, name)``, ``super().__getattr__(name)``) reaches only names already in reach."""
+
+FORMATTING_ATTRIBUTES = frozenset({"format", "format_map"})
+"""``str``'s methods that read the attributes its fields name (``"{0.line}"``): on a format string held as a constant,
+those names are in reach (:func:`string_names`); on any other, every name is."""
 
 _JUMPS = frozenset({*dis.hasjrel, *dis.hasjabs, *getattr(dis, "hasjump", ())})
 _CALLS = frozenset({"CALL", "PRECALL", "CALL_FUNCTION"})
@@ -233,6 +257,8 @@ def computed_names(code: types.CodeType) -> ComputedNames:
     ComputedNames(reads=True, writes=False)
     >>> computed_names((lambda self, name: setattr(self, name, getattr(self, "export", None))).__code__)
     ComputedNames(reads=False, writes=True)
+    >>> computed_names((lambda self, template: template.format(self) + "{0.line}".format(self)).__code__)
+    ComputedNames(reads=True, writes=False)
     """
     instructions = list(dis.get_instructions(code))
     passed_on = ACCESS_DUNDERS if code.co_name in ACCESS_DUNDERS else frozenset()
@@ -244,7 +270,7 @@ def computed_names(code: types.CodeType) -> ComputedNames:
             reads = reads or name in COMPUTING_GLOBALS or (computed and name not in WRITING_BUILTINS)
             writes = writes or (computed and name in WRITING_BUILTINS)
         elif _reads_attribute(instruction):
-            reads = reads or name in READING_ATTRIBUTES - passed_on
+            reads = reads or name in READING_ATTRIBUTES - passed_on or _formats_unknown(instructions, index)
             writes = writes or name in WRITING_ATTRIBUTES - passed_on
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
@@ -253,10 +279,46 @@ def computed_names(code: types.CodeType) -> ComputedNames:
     return ComputedNames(reads, writes)
 
 
+def _formats_unknown(instructions: list[dis.Instruction], index: int) -> bool:
+    """Whether the attribute read at ``index`` is ``format`` on anything but a string constant pushed just before."""
+    if instructions[index].argval not in FORMATTING_ATTRIBUTES:
+        return False
+    before = instructions[index - 1] if index else None
+    return before is None or before.opname != "LOAD_CONST" or not isinstance(before.argval, str)
+
+
+def _field_attributes(text: str) -> Iterable[str]:
+    """The attribute names the fields of format string ``text`` read (``"{0.line:>{1.width}}"``: line, width)."""
+    try:
+        fields = list(string.Formatter().parse(text))
+    except ValueError:  # not a format string
+        return
+    for _, name, spec, _ in fields:
+        if name is not None:
+            yield from (part for part in re.findall(r"\.([^.\[]+)", name) if part.isidentifier())
+        if spec:
+            yield from _field_attributes(spec)
+
+
+def names_computed_by(value: Any) -> ComputedNames:
+    """How ``value``, an object the code holds (a global, a closure's, an attribute), reaches attributes by name.
+
+    ``getattr`` bound to another name, ``operator.attrgetter`` and ``methodcaller`` (the classes, and what they make:
+    ``methodcaller(name)`` built from a configuration) read them; ``setattr`` and ``delattr`` write them.
+
+    >>> names_computed_by(operator.methodcaller("export")), names_computed_by(len)
+    (ComputedNames(reads=True, writes=False), ComputedNames(reads=False, writes=False))
+    """
+    reads = id(value) in READING_CALLABLES or isinstance(value, (operator.attrgetter, operator.methodcaller))
+    return ComputedNames(reads, id(value) in WRITING_CALLABLES)
+
+
 def _strings(constant: Any) -> Iterable[str]:
     if isinstance(constant, str):
         if constant.isidentifier():
             yield constant
+        elif "{" in constant:
+            yield from _field_attributes(constant)
     elif isinstance(constant, (tuple, frozenset)):
         for item in constant:
             yield from _strings(item)
@@ -266,10 +328,15 @@ def _strings(constant: Any) -> Iterable[str]:
 
 @functools.lru_cache(maxsize=4096)
 def string_names(code: types.CodeType) -> frozenset[str]:
-    """The identifier-like string constants of ``code`` and the functions defined in it (``getattr(self, "n")``).
+    """The names ``code`` and the functions defined in it hold as string constants.
+
+    Identifier-like constants (``getattr(self, "n")``), and the attributes constant format strings' fields read
+    (``"{0.line}".format(progress)``).
 
     >>> sorted(string_names((lambda self: getattr(self, "export") or hasattr(self, "a b")).__code__))
     ['export']
+    >>> sorted(string_names((lambda self: "{0.line:>{0.width}} {0[a.b]}".format(self)).__code__))
+    ['line', 'width']
     """
     return frozenset(name for constant in code.co_consts for name in _strings(constant))
 
@@ -322,16 +389,20 @@ class MethodReach:
     everything: bool = False
     descriptors: bool = False
     parked: dict[str, list[Member]] = field(default_factory=dict)
+    classes: set[type] = field(default_factory=set)
+    """Classes every attribute of which is in reach, whatever its name (:meth:`bring_class`)."""
 
     def copy(self) -> MethodReach:
         """A copy to go on from (another walk continuing this one), which changes nothing in this one."""
         parked = {name: list(members) for name, members in self.parked.items()}
-        return MethodReach(set(self.names), self.everything, self.descriptors, parked)
+        return MethodReach(set(self.names), self.everything, self.descriptors, parked, set(self.classes))
 
     def admits(self, member: Member) -> bool:
         """Whether ``member``'s name is in reach; if not, it waits for its name."""
         name = member[1]
         if self.everything or is_dunder(name) or name in self.names or (self.descriptors and _sets(member)):
+            return True
+        if member[0] in self.classes:
             return True
         self.parked.setdefault(name, []).append(member)
         return False
@@ -345,6 +416,19 @@ class MethodReach:
             if name not in self.names:
                 self.names.add(name)
                 released += self.parked.pop(name, [])
+        return released
+
+    def bring_class(self, classes: Iterable[type]) -> list[Member]:
+        """Put every attribute of ``classes`` in reach, whatever its name; the members that waited."""
+        new = set(classes) - self.classes
+        if self.everything or not new:
+            return []
+        self.classes |= new
+        released = [member for members in self.parked.values() for member in members if member[0] in new]
+        for name, members in list(self.parked.items()):
+            self.parked[name] = [member for member in members if member[0] not in new]
+            if not self.parked[name]:
+                del self.parked[name]
         return released
 
     def bring_everything(self) -> list[Member]:

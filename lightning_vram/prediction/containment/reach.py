@@ -49,6 +49,7 @@ from lightning_vram.prediction.containment.method_reach import (
     MethodReach,
     computed_names,
     library_names,
+    names_computed_by,
     string_names,
 )
 from lightning_vram.prediction.containment.plain_reads import (
@@ -121,11 +122,13 @@ class Slot:
     key: str | None = None
 
     def get(self) -> Any:
-        """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``)."""
+        """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``); a class's own entry."""
         if isinstance(self.holder, types.CellType):
             return self.holder.cell_contents
         if isinstance(self.holder, dict):
             return self.holder[self.key]
+        if isinstance(self.holder, type):  # not what ``__get__`` makes: a singledispatchmethod makes a new function
+            return vars(self.holder)[self.key or ""]  # each time, which putting back would set in the class's entry
         return getattr(self.holder, self.key or "")
 
     def set(self, value: Any) -> None:
@@ -249,6 +252,7 @@ class _Walk:
         self._seen.add((id(value), data))
         if id(value) in self._ignore:
             return
+        self._bring_computed(value)
         if id(value) in self._inside:
             if not data:  # code reaching the trained model; through its own attributes it is the copy's
                 self.reach.real_modules.append(path)
@@ -286,6 +290,7 @@ class _Walk:
         """An object that holds state: saved, or (an iterator, a generator) a reason the replay must not run."""
         if isinstance(value, Tensor):
             self.reach.tensors.append(value)
+            self._push(type(value), path)  # a subclass's: its ``__torch_function__`` runs on each op
             attributes = instance_dict(value)
             if attributes is not None:  # Python attributes set on the tensor (``GLOBAL_T.counter = n``)
                 self._hold(attributes, f"{path}.__dict__")
@@ -328,9 +333,13 @@ class _Walk:
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is not None:
             self._push(wrapped, path)
+        attributes = instance_dict(function)
+        registry = attributes.get("registry") if attributes is not None else None
+        if isinstance(registry, types.MappingProxyType):  # functools.singledispatch's: each implementation registered
+            for index, implementation in enumerate(types.MappingProxyType.values(registry)):
+                self._push(implementation, f"{path}.registry[{index}]")
         if not is_user_function(function):
             return
-        attributes = instance_dict(function)
         if attributes is not None:  # the function's own attributes (``helper.calls += 1``)
             self._hold(attributes, f"{function.__qualname__}.__dict__")
             for name, item in dict_items(attributes):
@@ -414,11 +423,21 @@ class _Walk:
         for member in released:
             self._member(member)
 
+    def _bring_computed(self, value: Any) -> None:
+        """Put in reach what ``value`` may reach by computed names (``methodcaller(name)``, an alias of ``getattr``)."""
+        methods, computed = self.reach.methods, names_computed_by(value)
+        released = methods.bring_everything() if computed.reads else []
+        if computed.writes:
+            released += methods.bring_descriptors()
+        for member in released:
+            self._member(member)
+
     def _class(self, cls: type, path: str) -> None:
-        """A user class: its bases, and its attributes whose name is in reach (the others wait for their name)."""
+        """A user class: its metaclass, its bases, and its attributes whose name is in reach (the others wait)."""
         if not is_user_class(cls) or issubclass(cls, BaseException):
             return
         methods = self.reach.methods
+        self._push(type(cls), f"{path} (its metaclass)")  # ``Meta.__call__`` runs on each ``cls()``
         for base in cls.__mro__[1:]:
             if is_user_class(base):
                 self._push(base, path)
@@ -426,7 +445,8 @@ class _Walk:
                 for member in methods.bring(library_names(base)):
                     self._member(member)
         for name, attribute in list(vars(cls).items()):
-            if name.startswith("__") and name.endswith("__") and not callable(attribute):
+            dunder_method = callable(attribute) or isinstance(attribute, classmethod)  # ``__init_subclass__``'s too
+            if name.startswith("__") and name.endswith("__") and not dunder_method:
                 continue
             if methods.admits((cls, name, attribute)):
                 self._member((cls, name, attribute))
@@ -438,6 +458,19 @@ class _Walk:
             self._push(attribute, f"{cls.__qualname__}.{name}")
         elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
             self._slot(cls, name, f"{cls.__qualname__}.{name}")
+
+    def _held_by_library(self, attributes: Iterable[tuple[str, Any]]) -> None:
+        """The attributes of a library's object (a Logger's ``filters``), and the items of those that are containers.
+
+        A class of theirs with no library base is wholly in reach: the library calls it by names of its own
+        (a duck-typed logging filter's ``filter``), which no code the walk reads names.
+        """
+        for _, attribute in attributes:
+            for item in (attribute, *_items(attribute)):
+                mro = type(item).__mro__
+                if is_user_class(type(item)) and all(is_user_class(base) for base in mro[1:-1]):
+                    for member in self.reach.methods.bring_class(mro[:-1]):
+                        self._member(member)
 
     def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
         """The attributes of ``module`` the code names, and (a package's submodules) theirs, at any depth."""
@@ -462,6 +495,8 @@ class _Walk:
             self._hold(value, path)
             for name, item in dict_items(attributes):
                 self._push(item, f"{path}.{name}", data=data)
+            if not is_user_class(type(value)):
+                self._held_by_library(dict_items(attributes))
         if slot_names(type(value)):
             self._hold(value, path)
             for name in slot_names(type(value)):
@@ -471,6 +506,11 @@ class _Walk:
                     continue
                 self._push(item, f"{path}.{name}", data=data)
         self._push(type(value), path)
+
+
+def _items(value: Any) -> list[Any]:
+    """The items of a built-in container (a dict's values), read through its built-in type; none for anything else."""
+    return [item for _, item in dict_items(value)] if isinstance(value, dict) else contents(value)
 
 
 def reach_of(

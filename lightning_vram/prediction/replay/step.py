@@ -341,7 +341,8 @@ def refusal_of(reach: Reach) -> str | None:
             f"the step's code reaches {reach.unrestorable[0]}, whose state a replay cannot save and put back (what an"
             " iterator or a generator yielded to the replay would be missing from training)"
         )
-    tensor_bytes = sum(tensor.untyped_storage().nbytes() for tensor in reach.tensors)
+    with torch._C.DisableTorchFunctionSubclass():  # a tensor subclass's __torch_function__ is the user's code
+        tensor_bytes = sum(tensor.untyped_storage().nbytes() for tensor in reach.tensors)
     if tensor_bytes > OUTSIDE_TENSOR_BYTES:
         return (
             f"the step's code reaches {tensor_bytes} bytes of tensors held outside the module; a replay saves at most"
