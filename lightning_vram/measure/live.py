@@ -30,7 +30,12 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
+from torch._C import (
+    DisableTorchFunctionSubclass,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 from lightning_vram.measure.storages import local_tensor, on_device, storage_identity, tensor_storages
@@ -81,10 +86,11 @@ def apart_from_function_modes(hook: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(hook)
     def apart(*args: P.args, **kwargs: P.kwargs) -> R:
-        if not _len_torch_function_stack():  # the usual case, on every step: no context to enter
-            return hook(*args, **kwargs)
-        with outside_function_modes():
-            return hook(*args, **kwargs)
+        with DisableTorchFunctionSubclass():  # a tensor subclass's __torch_function__ is the user's code too
+            if not _len_torch_function_stack():  # the usual case, on every step: no context to enter
+                return hook(*args, **kwargs)
+            with outside_function_modes():
+                return hook(*args, **kwargs)
 
     return apart
 
@@ -293,11 +299,14 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        output = func(*args, **(kwargs or {}))
-        if self._counting:
-            try:
-                written = bool(self._held) and func._schema.is_mutable
-                self.track(op_tensors(output), written)
-            except Exception as error:  # noqa: BLE001 -- inside the user's step: stop counting, never raise
-                self.error, self._counting = error, False
+        # Called from Python here, an op on a tensor subclass's instances would run its __torch_function__ again,
+        # and reading the outputs would too: the user's code, which training without the monitor does not run.
+        with DisableTorchFunctionSubclass():
+            output = func(*args, **(kwargs or {}))
+            if self._counting:
+                try:
+                    written = bool(self._held) and func._schema.is_mutable
+                    self.track(op_tensors(output), written)
+                except Exception as error:  # noqa: BLE001 -- inside the user's step: stop counting, never raise
+                    self.error, self._counting = error, False
         return output
