@@ -12,7 +12,7 @@ import pytest
 import torch
 from advice_models import ResidualBlocks, images
 from advice_summaries import blocks, healthy_setup, healthy_summary
-from models import OPTIMIZERS, Classifier, loader, trainer
+from models import OPTIMIZERS, BasicBlock, Classifier, loader, trainer
 
 from lightning_vram import VramMonitor, predict
 from lightning_vram.advice import checkpointing
@@ -32,12 +32,15 @@ def test_of_plans_replayed_to_the_same_saving_the_one_recomputing_least_is_advis
 ) -> None:
     summary = healthy_summary(modules=blocks(4, 200 * MIB, 10 * MIB))
     plans = checkpoint_candidates(summary.modules)
-    # Modelled, the three-layer plan comes first; the two-layer plan recomputes a module less.
+    # Modelled, the three-layer plan comes first; the two-layer plan recomputes a module less; the first without
+    # its last unit comes last, for its replay to judge.
     assert [(recomputed_modules(plan), plan.saving_bytes) for plan in plans] == [
         (3, 597_688_320),
         (4, 587_202_560),
         (2, 398_458_880),
+        (2, 398_458_880),
     ]
+    assert plans[3].units == plans[0].units[:-1]
 
     def replayed(simulation: object, change: StepChange, model: object, measured: object) -> Saving:
         # Every plan's replay lowers the peak by the same 1 GiB (the recomputed units' bytes are not at the peak).
@@ -127,3 +130,45 @@ def test_of_plans_saving_nearly_the_most_the_cheapest_to_recompute_is_advised(tm
     assert budget is not None and budget.plan is not None and budget.recompute_seconds is not None
     assert budget.plan.units == advised
     assert budget.recompute_seconds == pytest.approx(seconds[advised], rel=0.01)
+
+
+class StemAndBlocks(torch.nn.Module):
+    """A new user's ResNet-style CNN: a stem ``nn.Sequential`` (conv, BatchNorm, inplace ReLU), four residual blocks
+    with BatchNorm and an inplace ReLU after the sum, and a head on the mean over the image."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(True))
+        self.block1, self.block2, self.block3, self.block4 = (BasicBlock(width) for _ in range(4))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block4(self.block3(self.block2(self.block1(self.stem(x)))))
+        return self.head(x.mean((2, 3)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.replay
+def test_the_last_block_the_model_misjudges_is_left_out_by_its_replay(tmp_path: Path) -> None:
+    """The model gave the last block more than the 2% the trim allows; its replay, nothing: the stem and all four
+    blocks were advised where the stem and three blocks peak lower, as ``predict(memory_budget=...)`` found."""
+    data = images(96, size=32)
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    torch.manual_seed(0)
+    trainer(tmp_path, [monitor], max_steps=3).fit(
+        Classifier(StemAndBlocks(), OPTIMIZERS["sgd_momentum"]), loader(data, 32)
+    )
+    report = monitor.report
+    assert report is not None
+    advice = next(advice for advice in report.advice if advice.id == "activation-checkpointing")
+    assert "`network.stem` to `network.block3` (4 units)" in advice.title, advice.title
+    torch.manual_seed(0)
+    budget = predict(
+        Classifier(StemAndBlocks(), OPTIMIZERS["sgd_momentum"]),
+        next(iter(loader(data, 32))),
+        device_type="cpu",
+        fit_table=False,
+        memory_budget=advice.predicted_peak_bytes,
+    ).budget
+    assert budget is not None and budget.plan is not None
+    assert budget.plan.units == tuple((f"network.{name}",) for name in ("stem", "block1", "block2", "block3"))

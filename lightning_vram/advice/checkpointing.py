@@ -449,14 +449,16 @@ def checkpoint_candidates(
         if not any(_overlaps(unit[0], model) for unit in plan.units for model in done)
     ][:limit]
     indexed = ProfileIndex(profiles)
-    for plan in list(plans):
-        trim = trimmed(indexed, plan)
+    shorter = [trimmed(indexed, plan) for plan in plans]
+    if plans:  # the model may misjudge the last unit before backward's peak: the replay settles it, one replay more
+        shorter.append(trimmed(indexed, plans[0], last_only=True))
+    for trim in shorter:
         if trim is not None and all((trim.container, trim.units) != (other.container, other.units) for other in plans):
             plans.append(trim)
     return plans
 
 
-def trimmed(indexed: ProfileIndex, plan: CheckpointPlan) -> CheckpointPlan | None:
+def trimmed(indexed: ProfileIndex, plan: CheckpointPlan, last_only: bool = False) -> CheckpointPlan | None:
     """``plan`` without the units it can lose for nearly nothing: a cheaper plan for nearly its modelled saving.
 
     Every unit dropped is one recomputation fewer. One at a time, the unit whose loss lowers the modelled saving
@@ -464,7 +466,9 @@ def trimmed(indexed: ProfileIndex, plan: CheckpointPlan) -> CheckpointPlan | Non
     :data:`SAVING_TOLERANCE` of the sampled step's saved activations below the plan's. Checkpointing the last unit
     that runs before backward's peak frees nothing there (backward recomputes it first, while everything before it
     is still held): a ResNet's last block, or a stem's normalisation whose output the first block keeps anyway.
-    Only a range plan (:func:`_range_plans`) is trimmed; ``None`` where no unit can go.
+    ``last_only``: the plan without its last unit, whatever the model says it saves (a trial's ResNet: the model
+    gave its last block more than the tolerance, its replay nothing). Only a range plan (:func:`_range_plans`) is
+    trimmed; ``None`` where no unit can go.
     """
     if plan.sequential_segments is not None or plan.switch is not None or plan.container not in indexed.children:
         return None
@@ -475,6 +479,12 @@ def trimmed(indexed: ProfileIndex, plan: CheckpointPlan) -> CheckpointPlan | Non
     units = [indexed.unit(group) for group in groups]
     outside = indexed.outside(groups)
     kept = {names.index(unit) for unit in plan.units}
+    if last_only:
+        if len(kept) < 2:
+            return None
+        kept.remove(max(kept))
+        flags = [index in kept for index in range(len(units))]
+        return _plan(plan.container, units, flags, outside, None, plan.forward_of or "")
     tolerance = int(SAVING_TOLERANCE * sum(indexed.own.values()))
     floor = modelled_saving(units, [index in kept for index in range(len(units))], outside) - tolerance
     while len(kept) > 1:

@@ -2,7 +2,8 @@
 
 The best :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans by modelled saving are candidates,
 with each one's trim (the plan without the units it can lose for nearly nothing,
-:func:`~lightning_vram.advice.checkpointing.trimmed`), each declared for replay. The modelled saving ranks plans by
+:func:`~lightning_vram.advice.checkpointing.trimmed`) and the best one without its last unit (which the model can
+misjudge), each declared for replay. The modelled saving ranks plans by
 bytes alone: the best ones can recompute units that free nothing at the peak (a ResNet's stem and last block), which
 their trim leaves out. Where the simulation replayed any of them, only a replayed plan can be advised: the cheapest
 of those that realise nearly the best saving (:func:`advised_choice`). A plan whose replay raised would break

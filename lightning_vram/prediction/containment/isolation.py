@@ -90,6 +90,18 @@ ONCE_PER_PROCESS = ("warning_once", "info_once")
 logged once would never be shown to the user's own step."""
 
 
+def quieted_handlers() -> dict[int, logging.Handler]:
+    """The handlers that drop a replay's log records (:func:`_quiet_logs`), by id: every logger's, and the last resort.
+
+    What a replay logs through them is never written: the walk of the user's code need not save their streams.
+    """
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = {id(handler): handler for logger in loggers for handler in getattr(logger, "handlers", ())}
+    if logging.lastResort is not None:
+        handlers[id(logging.lastResort)] = logging.lastResort
+    return handlers
+
+
 @contextlib.contextmanager
 def _quiet_logs() -> Iterator[None]:
     """The replaying thread's log records are dropped by every handler; other threads' pass.
@@ -100,10 +112,7 @@ def _quiet_logs() -> Iterator[None]:
     message the first time.
     """
     quiet = _NotFromThread(threading.get_ident())
-    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-    handlers = {id(handler): handler for logger in loggers for handler in getattr(logger, "handlers", ())}
-    if logging.lastResort is not None:
-        handlers[id(logging.lastResort)] = logging.lastResort
+    handlers = quieted_handlers()
     replaced = {}
     for name in ONCE_PER_PROCESS:
         method = getattr(logging.Logger, name, None)

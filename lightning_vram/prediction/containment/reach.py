@@ -29,6 +29,7 @@ import array
 import collections
 import contextvars
 import functools
+import logging
 import random
 import types
 import weakref
@@ -42,6 +43,7 @@ from torch import Tensor
 
 from lightning_vram.measure.compiled import compiled_callable_name
 from lightning_vram.prediction.containment.code_roots import Remapped
+from lightning_vram.prediction.containment.isolation import quieted_handlers
 from lightning_vram.prediction.containment.method_reach import (
     OUTSIDE_BATCH_HOOKS,
     TRAINER_NAMES,
@@ -200,6 +202,7 @@ class _Walk:
 
     def __init__(self, inside: set[int], limit: int, ignore: set[int], methods: MethodReach) -> None:
         self.reach = Reach(methods=methods)
+        self._quieted = quieted_handlers()
         self._inside = inside
         self._ignore = ignore
         self._seen: set[tuple[int, bool]] = set()
@@ -296,6 +299,10 @@ class _Walk:
                 self._hold(attributes, f"{path}.__dict__")
                 for name, item in dict_items(attributes):
                     self._push(item, f"{path}.{name}", data=data)
+        elif isinstance(value, logging.Handler) and id(value) in self._quieted:
+            # A replay's records never reach its formatter or its stream (a file, sys.stderr): the replay's filter,
+            # last on it, drops them. Its filters before that one run, and may be the user's.
+            self._push(value.filters, f"{path}.filters", data=data)
         elif isinstance(value, contextvars.ContextVar):  # the replay sets it in a copy of the context (predictor.py),
             self._push(value.get(None), f"{path}.get()", data=data)  # which shares the objects the variable holds
         elif is_numpy_array(value):
