@@ -432,9 +432,10 @@ def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -
 def checkpoint_candidates(
     profiles: tuple[ModuleProfile, ...], switches: tuple[CheckpointSwitch, ...] = (), limit: int = CANDIDATE_PLANS
 ) -> list[CheckpointPlan]:
-    """Up to ``limit`` applicable plans, the largest modelled saving first, then their trims: what to replay.
+    """Up to ``limit`` applicable plans, the largest modelled saving first, then the best one's trims: what to replay.
 
-    Each plan's trim (:func:`trimmed`) follows them where it has one that is not among them. Where the model has
+    The best plan's trim (:func:`trimmed`) and the best plan without its last unit follow them where they are not
+    among them. Where the model has
     ``switches`` (transformers' own call) that are off, only those are offered: the user's idiom. A library model
     that checkpoints its layers already is left alone: no plan checkpoints it, a module in it, or a module holding
     it, again.
@@ -449,9 +450,9 @@ def checkpoint_candidates(
         if not any(_overlaps(unit[0], model) for unit in plan.units for model in done)
     ][:limit]
     indexed = ProfileIndex(profiles)
-    shorter = [trimmed(indexed, plan) for plan in plans]
-    if plans:  # the model may misjudge the last unit before backward's peak: the replay settles it, one replay more
-        shorter.append(trimmed(indexed, plans[0], last_only=True))
+    # The best plan's trim, and (the model may misjudge the last unit before backward's peak) the best plan without
+    # its last unit, for the replay to settle: two replays more at most.
+    shorter = [trimmed(indexed, plans[0]), trimmed(indexed, plans[0], last_only=True)] if plans else []
     for trim in shorter:
         if trim is not None and all((trim.container, trim.units) != (other.container, other.units) for other in plans):
             plans.append(trim)

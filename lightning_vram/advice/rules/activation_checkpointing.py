@@ -1,7 +1,7 @@
 """Activation checkpointing: activations hold the largest part of the peak, and checkpointing frees a tenth of it.
 
 The best :data:`~lightning_vram.advice.checkpointing.CANDIDATE_PLANS` plans by modelled saving are candidates,
-with each one's trim (the plan without the units it can lose for nearly nothing,
+with the best one's trim (the plan without the units it can lose for nearly nothing,
 :func:`~lightning_vram.advice.checkpointing.trimmed`) and the best one without its last unit (which the model can
 misjudge), each declared for replay. The modelled saving ranks plans by
 bytes alone: the best ones can recompute units that free nothing at the peak (a ResNet's stem and last block), which
@@ -23,9 +23,9 @@ Which replayed plan, exactly:
   recomputed ops on the run's device, with the CPU's checkpointing overhead an op; the recomputed FLOPs where the
   device's peaks are not known);
 - ties (the same cost, or none priced) go to the larger saving, then to the plan that recomputes the fewest modules,
-  then to the first in the simulation's order (the candidates by modelled saving, then their trims). The step time
-  quoted is the advised plan's (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of replayed
-  peaks the same way).
+  then to the first in the simulation's order (the candidates by modelled saving, then the best one's trims). The
+  step time quoted is the advised plan's (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of
+  replayed peaks the same way).
 """
 
 from __future__ import annotations
