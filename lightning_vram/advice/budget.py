@@ -8,8 +8,9 @@ The candidates are the units the checkpointing advice plans with (:mod:`~lightni
 each module with two or more children that ran, its children as units (a child starting with an inplace op joins
 the one before it; a unit that saved nothing, or holds a module that outran its caller, is never checkpointed),
 all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several, and the blocks of all
-stages (called containers of numbered blocks, a ResNet's ``layer1`` to ``layer4``) together. A plan is any subset
-of one such container's units.
+stages (called containers of numbered blocks, a ResNet's ``layer1`` to ``layer4``) together, with the modules around
+the stages that are modelled to free bytes with them (a ``self.stem`` of one module: :func:`_around_stages`). A plan
+is any subset of one such container's units.
 
 A plan's cost is the time its recomputation is predicted to take: the ops its replay counted as recomputed in
 backward, each priced by the step-time model (:func:`~lightning_vram.prediction.timing.predict_step_time`: the
@@ -243,11 +244,13 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
         sequential = profile is not None and profile.type == "Sequential"
         forward_of: str | None = container if container in indexed.called else indexed.caller(container)
         found.append((container, groups, forward_of, sequential))
-    for together in (_stacks(indexed), _block_sequences(indexed)):
+    for together, stages in ((_stacks(indexed), False), (_block_sequences(indexed), True)):
         if len(together) >= 2:
             layers = sorted(
                 (layer for name in together for layer in indexed.children[name]), key=indexed.order.__getitem__
             )
+            if stages:
+                layers = sorted([*layers, *_around_stages(indexed, together, layers)], key=indexed.order.__getitem__)
             found.append(
                 (_common_ancestor(together), [[name] for name in layers], indexed.caller(layers[0]) or None, True)
             )
@@ -287,6 +290,42 @@ def _block_sequences(indexed: ProfileIndex) -> list[str]:
         and len(names) >= 2
         and all(name.rpartition(".")[2].isdigit() and indexed.children.get(name) for name in names)
     ]
+
+
+def _around_stages(indexed: ProfileIndex, stages: list[str], blocks: list[str]) -> list[str]:
+    """The other children of the module holding ``stages`` (a stem, a head) modelled to free bytes with the blocks.
+
+    A budget that every block of every stage does not meet may be met with a stem (``self.stem``: a convolution,
+    a normalisation, a ReLU at the input's resolution) checkpointed too. Each child counts that is a unit of one
+    module (the wrapper puts it in place whoever calls it; modules called one after the other in a forward are not
+    known to pass one tensor along), saved something, does not start with an inplace op, holds no TorchScript, and
+    that :func:`plan_peak` models to lower the peak with ``blocks`` (the stages' blocks) all checkpointed: a child
+    that would not is left out, so the search replays it neither alone nor with the blocks.
+    """
+    holder = _common_ancestor(stages)
+    siblings = indexed.children.get(holder, [])
+    if any(stage not in siblings for stage in stages):
+        return []
+    around = []
+    for group in unit_groups(indexed, siblings):
+        name = group[0]
+        if (
+            len(group) > 1
+            or name in stages
+            or indexed.inclusive[name] == 0
+            or starts_inplace(indexed, name)
+            or recomputes_scripted(indexed, CheckpointPlan(holder, (tuple(group),), None, 0))
+        ):
+            continue
+        names = sorted([*blocks, name], key=indexed.order.__getitem__)
+        groups = [[member] for member in names]
+        units = [indexed.unit(member) for member in groups]
+        outside = indexed.outside(groups)
+        with_blocks = [member in blocks and unit.saved > 0 for member, unit in zip(names, units, strict=True)]
+        with_it = [flag or member == name for member, flag in zip(names, with_blocks, strict=True)]
+        if plan_peak(units, with_it, *outside) < plan_peak(units, with_blocks, *outside):
+            around.append(name)
+    return around
 
 
 def _common_ancestor(names: list[str]) -> str:
@@ -578,7 +617,7 @@ def _nothing_fits(search: _Search, lowest: _Tried | None, searched: int) -> Budg
             f"the smallest peak the search reached is {peak}, checkpointing {len(units)} unit(s){kept} of"
             f" {_container_text(lowest.plan.container)}, {format_bytes(lowest.peak - search.budget)} over the"
             f" budget (it tries the children of one module at a time, and the layers of several stacks or the blocks"
-            f" of several stages together: other units together may peak lower){state}"
+            f" of several stages, with a stem of one module, together: other units together may peak lower){state}"
         )
     if search.predictor.out_of_time():
         reason += f" (the search stopped when budget_seconds ran out, after {search.replays} replays)"
