@@ -93,6 +93,10 @@ class _Container:
     eligible: list[int]
     outside: Outside
     forward_of: str | None
+    together: bool = False
+    """Units of several modules' children (stacks' layers, stages' blocks and a stem): put in place by the wrapper."""
+    around: bool = False
+    """The stages' blocks with the modules around them (:func:`_around_stages`): searched where nothing else fits."""
 
     def plan(self, chosen: set[int], saving: int = 0, selective: frozenset[int] = frozenset()) -> CheckpointPlan:
         """The plan checkpointing units ``chosen`` (indices) whole and ``selective`` selectively, in run order."""
@@ -102,9 +106,9 @@ class _Container:
         return CheckpointPlan(self.name, units, None, saving, self.forward_of, selective=kept)
 
     @property
-    def one_module(self) -> bool:
-        """Whether every unit that may be checkpointed is one module (the wrapper's form: selective ones too)."""
-        return all(len(self.units[index].names) == 1 for index in self.eligible)
+    def wrapped(self) -> bool:
+        """Whether the wrapper puts its plans in place (selective ones too): units of several parents, or one-module."""
+        return self.together or all(len(self.units[index].names) == 1 for index in self.eligible)
 
     def modelled(self, chosen: set[int]) -> int:
         """The activation bytes :func:`plan_peak` models with ``chosen`` checkpointed."""
@@ -145,6 +149,7 @@ class _Search:
         self.peaks: DevicePeaks | None = None
         self.overhead: CheckpointOverhead | None = None
         self.replays = 1
+        self.replayed: dict[tuple[object, ...], ReplayedStep | None] = {}
         self.basis = RESERVED if baseline.allocations is not None and predictor.allocator is not None else LIVE_PEAK
 
     def measure(self, step: ReplayedStep) -> tuple[bool, int]:
@@ -160,10 +165,16 @@ class _Search:
         return peak <= self.budget, peak
 
     def replay(self, plan: CheckpointPlan) -> ReplayedStep | None:
-        """The step with ``plan`` applied, its FLOPs counted; ``None`` where it could not be replayed."""
-        self.replays += 1
-        step = self.predictor.replay(CheckpointChange(plan), count_flops=True)
-        return step if isinstance(step, ReplayedStep) else None
+        """The step with ``plan`` applied, its FLOPs counted; ``None`` where it could not be replayed.
+
+        Each plan is replayed once, whichever container it came from (its units and their kind of checkpointing).
+        """
+        key = (plan.units, plan.selective)
+        if key not in self.replayed:
+            self.replays += 1
+            step = self.predictor.replay(CheckpointChange(plan), count_flops=True)
+            self.replayed[key] = step if isinstance(step, ReplayedStep) else None
+        return self.replayed[key]
 
     def recomputed(self, step: ReplayedStep) -> int | None:
         """The FLOPs ``step`` adds to the baseline's (never negative); ``None`` where either was not counted."""
@@ -234,8 +245,11 @@ def _device_peaks(predictor: Predictor, baseline: ReplayedStep) -> DevicePeaks |
 
 
 def _containers(indexed: ProfileIndex) -> list[_Container]:
-    """Every container with two or more units, and every layer stack together; the largest modelled saving first."""
-    found: list[tuple[str, list[list[str]], str | None, bool]] = []
+    """Every container with two or more units, every layer stack together, the blocks of every stage together.
+
+    The largest modelled saving first; then the stages' blocks with the modules around them (searched last).
+    """
+    found: list[tuple[str, list[list[str]], str | None, bool, bool, bool]] = []
     for container, names in indexed.children.items():
         groups = unit_groups(indexed, names)
         if len(groups) < 2:
@@ -243,19 +257,21 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
         profile = indexed.called.get(container)
         sequential = profile is not None and profile.type == "Sequential"
         forward_of: str | None = container if container in indexed.called else indexed.caller(container)
-        found.append((container, groups, forward_of, sequential))
+        found.append((container, groups, forward_of, sequential, False, False))
     for together, stages in ((_stacks(indexed), False), (_block_sequences(indexed), True)):
         if len(together) >= 2:
             layers = sorted(
                 (layer for name in together for layer in indexed.children[name]), key=indexed.order.__getitem__
             )
-            if stages:
-                layers = sorted([*layers, *_around_stages(indexed, together, layers)], key=indexed.order.__getitem__)
-            found.append(
-                (_common_ancestor(together), [[name] for name in layers], indexed.caller(layers[0]) or None, True)
-            )
+            groups = [[name] for name in layers]
+            holder = _common_ancestor(together)
+            found.append((holder, groups, indexed.caller(layers[0]) or None, False, True, False))
+            around = _around_stages(indexed, together, layers) if stages else []
+            if around:
+                groups = sorted([*groups, *around], key=lambda group: indexed.order[group[0]])
+                found.append((holder, groups, indexed.caller(groups[0][0]) or None, False, True, True))
     containers = []
-    for name, groups, forward_of, one_module_only in found:
+    for name, groups, forward_of, one_module_only, several, stem in found:
         units = [indexed.unit(group) for group in groups]
         eligible = [
             index
@@ -267,8 +283,9 @@ def _containers(indexed: ProfileIndex) -> list[_Container]:
             and not recomputes_scripted(indexed, CheckpointPlan(name, (tuple(group),), None, 0))
         ]
         if eligible:
-            containers.append(_Container(name, units, eligible, indexed.outside(groups), forward_of))
-    return sorted(containers, key=lambda c: c.modelled(set()) - c.modelled(set(c.eligible)), reverse=True)
+            containers.append(_Container(name, units, eligible, indexed.outside(groups), forward_of, several, stem))
+    ranked = sorted(containers, key=lambda c: c.modelled(set()) - c.modelled(set(c.eligible)), reverse=True)
+    return [container for container in ranked if not container.around] + [c for c in ranked if c.around]
 
 
 def _stacks(indexed: ProfileIndex) -> list[str]:
@@ -292,39 +309,46 @@ def _block_sequences(indexed: ProfileIndex) -> list[str]:
     ]
 
 
-def _around_stages(indexed: ProfileIndex, stages: list[str], blocks: list[str]) -> list[str]:
-    """The other children of the module holding ``stages`` (a stem, a head) modelled to free bytes with the blocks.
+def _around_stages(indexed: ProfileIndex, stages: list[str], blocks: list[str]) -> list[list[str]]:
+    """Units of the other children of the module holding ``stages`` (a stem, a head) modelled to free bytes with them.
 
-    A budget that every block of every stage does not meet may be met with a stem (``self.stem``: a convolution,
-    a normalisation, a ReLU at the input's resolution) checkpointed too. Each child counts that is a unit of one
-    module (the wrapper puts it in place whoever calls it; modules called one after the other in a forward are not
-    known to pass one tensor along), saved something, does not start with an inplace op, holds no TorchScript, and
-    that :func:`plan_peak` models to lower the peak with ``blocks`` (the stages' blocks) all checkpointed: a child
-    that would not is left out, so the search replays it neither alone nor with the blocks.
+    A budget that every block of every stage does not meet may be met with the stem (a convolution, a normalisation,
+    a ReLU at the input's resolution) checkpointed too. Candidates: each child that is a unit of one module
+    (``self.stem``; the wrapper puts it in place whoever calls it), and the run of children called before the first
+    stage (a torchvision ResNet's ``conv1``, ``bn1``, ``relu``, ``maxpool``) as one unit, where the holder is no
+    ``nn.Sequential``: the plan runs them one after the other on one tensor, as the replay checks its caller does
+    (:mod:`~lightning_vram.prediction.replay.changes`). A candidate counts that saved something, does not start with
+    an inplace op, holds no TorchScript and no module that outran its caller, and that :func:`plan_peak` models to
+    lower the peak with ``blocks`` (the stages' blocks) all checkpointed: one that would not is left out, so the
+    search replays it neither alone nor with the blocks. A one-module child inside a run that counts is left out.
     """
     holder = _common_ancestor(stages)
     siblings = indexed.children.get(holder, [])
     if any(stage not in siblings for stage in stages):
         return []
-    around = []
-    for group in unit_groups(indexed, siblings):
-        name = group[0]
+    candidates = [group for group in unit_groups(indexed, siblings) if len(group) == 1 and group[0] not in stages]
+    first = min(indexed.order[stage] for stage in stages)
+    stem = [name for name in siblings if indexed.order[name] < first]
+    holder_profile = indexed.called.get(holder)
+    if len(stem) > 1 and not (holder_profile is not None and holder_profile.type == "Sequential"):
+        candidates.insert(0, stem)
+    around: list[list[str]] = []
+    for group in candidates:
         if (
-            len(group) > 1
-            or name in stages
-            or indexed.inclusive[name] == 0
-            or starts_inplace(indexed, name)
+            any(name in member for member in around for name in group)
+            or sum(indexed.inclusive[name] for name in group) == 0
+            or starts_inplace(indexed, group[0])
+            or indexed.repeated(group)
             or recomputes_scripted(indexed, CheckpointPlan(holder, (tuple(group),), None, 0))
         ):
             continue
-        names = sorted([*blocks, name], key=indexed.order.__getitem__)
-        groups = [[member] for member in names]
+        groups = sorted([[name] for name in blocks] + [group], key=lambda member: indexed.order[member[0]])
         units = [indexed.unit(member) for member in groups]
         outside = indexed.outside(groups)
-        with_blocks = [member in blocks and unit.saved > 0 for member, unit in zip(names, units, strict=True)]
-        with_it = [flag or member == name for member, flag in zip(names, with_blocks, strict=True)]
+        with_blocks = [member is not group and unit.saved > 0 for member, unit in zip(groups, units, strict=True)]
+        with_it = [flag or member is group for member, flag in zip(groups, with_blocks, strict=True)]
         if plan_peak(units, with_it, *outside) < plan_peak(units, with_blocks, *outside):
-            around.append(name)
+            around.append(group)
     return around
 
 
@@ -501,7 +525,8 @@ def plan_for_budget(
     ``baseline``: the step as it is, replayed with its FLOPs counted (replayed here when ``None``). ``context``: what
     the printed code is written for (default: a LightningModule). Returns why not where the step cannot be
     replayed. ``progress``: told of each container searched (for benchmarks). ``selective``: also try selective
-    checkpointing (the outputs of matrix products and attention kept) in containers of one-module units. ``peaks``:
+    checkpointing (the outputs of matrix products and attention kept) in containers whose plans the wrapper puts in
+    place (one-module units, or units of several modules' children together). ``peaks``:
     the device recomputation is priced on (``None``: the predictor's, see :func:`_device_peaks`).
     """
     if baseline is None or baseline.flops is None:
@@ -539,8 +564,10 @@ def plan_for_budget(
     lowest: _Tried | None = None
     searched = 0
     for container in _containers(indexed):
-        if searched == MAX_CONTAINERS or predictor.out_of_time():
-            break
+        if predictor.out_of_time() or (container.around and fitting):
+            break  # a stem is searched with the blocks only where no plan without it fits
+        if searched >= MAX_CONTAINERS and not container.around:
+            continue
         if fitting and container.modelled(set()) - container.modelled(set(container.eligible)) < excess:
             continue  # modelled to save too little, and a plan fits already
         searched += 1
@@ -552,7 +579,7 @@ def plan_for_budget(
         costs = {index: cost for index, (cost, _) in measured.items()}
         order = _greedy_order(container, costs)
         probes = _Probes(search, container, baseline_peak, {index: ops for index, (_, ops) in measured.items()})
-        for chosen in _search_container(probes, order, costs, selective and container.one_module):
+        for chosen in _search_container(probes, order, costs, selective and container.wrapped):
             fitting.append((chosen, container, len(order)))
         smallest = probes.lowest()
         if smallest is not None and (lowest is None or smallest.peak < lowest.peak):

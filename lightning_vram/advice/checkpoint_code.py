@@ -5,7 +5,9 @@ Three idioms, each the one the replay applied to check the plan:
 - a transformers model's own switch (``model.activation_checkpointing_enable(...)``): every layer of every stack;
 - a ``Checkpointed`` wrapper put in place of each unit of one module (the usual case): the unit runs under
   ``checkpoint`` with every argument its caller gives it (positional and keyword: attention masks, position
-  embeddings) and returns what it returns (a tensor, a tuple, a dict), so the caller's code does not change;
+  embeddings) and returns what it returns (a tensor, a tuple, a dict), so the caller's code does not change; also for
+  a plan over several modules' children (a stem with the stages' blocks) or with selective units, a unit of several
+  modules standing at its first (``Checkpointed(first, *then)``), the others ``nn.Identity()``;
 - for a unit of several consecutive modules (an inplace op joins the one before it), ``x = ...`` lines in the forward
   that calls them, and for an ``nn.Sequential`` a loop over its segments as ``checkpoint_sequential`` splits them:
   both pass one tensor along;
@@ -263,19 +265,40 @@ def _wrap_lines(names: list[str], root: str = "self", wrapper: str = "Checkpoint
     return [f"for index in {over}:", f"    {container}[index] = {wrapper}({container}[index])"]
 
 
-def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
-    """The ``Checkpointed`` wrapper put in place of each one-module unit (every stack's), once the model is built."""
-    names = [unit[0] for unit in plan.units]
-    selective = set(plan.selective)
-    lines = [
-        line
-        for (_, kept), group in groupby(names, key=lambda name: (name.rpartition(".")[0], name in selective))
-        for line in _wrap_lines(list(group), context.model, "SelectivelyCheckpointed" if kept else "Checkpointed")
+def _unit_wrap_lines(unit: tuple[str, ...], root: str, wrapper: str) -> list[str]:
+    r"""Lines putting ``wrapper`` in place of a unit of several consecutive modules: at its first, the others idle.
+
+    >>> print("\n".join(_unit_wrap_lines(("net.conv1", "net.bn1"), "self", "Checkpointed")))
+    self.net.conv1 = Checkpointed(self.net.conv1, self.net.bn1)
+    self.net.bn1 = nn.Identity()  # it runs in the unit before it now
+    """
+    paths = [_code_path(name, "", root) for name in unit]
+    return [
+        f"{paths[0]} = {wrapper}({', '.join(paths)})",
+        *(f"{path} = nn.Identity()  # it runs in the unit before it now" for path in paths[1:]),
     ]
+
+
+def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
+    """The ``Checkpointed`` wrapper put in place of each unit (every stack's), once the model is built.
+
+    A unit of several modules stands at its first module, the others replaced by ``nn.Identity()``.
+    """
+    selective = set(plan.selective)
+    lines = []
+    for (_, kept, several), group in groupby(
+        plan.units, key=lambda unit: (unit[0].rpartition(".")[0], unit[0] in selective, len(unit) > 1)
+    ):
+        wrapper = "SelectivelyCheckpointed" if kept else "Checkpointed"
+        if several:
+            lines += [line for unit in group for line in _unit_wrap_lines(unit, context.model, wrapper)]
+        else:
+            lines += _wrap_lines([unit[0] for unit in group], context.model, wrapper)
     classes = f"{CHECKPOINTED_CLASS}\n\n{SELECTIVE}" if selective else CHECKPOINTED_CLASS
+    then = " and `.then`" if any(len(unit) > 1 for unit in plan.units) else ""
     return (
         f"{KEEPING_BUFFERS}\n\n{classes}\n\n"
-        f"# {context.built('the model')} (their state_dict keys gain `.block`):\n" + "\n".join(lines)
+        f"# {context.built('the model')} (their state_dict keys gain `.block`{then}):\n" + "\n".join(lines)
     )
 
 
@@ -342,7 +365,8 @@ def checkpoint_snippet(plan: CheckpointPlan, context: CodeContext | None = None)
         )
         return what, code
     what = plan.span_text("`", ": matrix products and attention kept")
-    if one_module:
+    if one_module or plan.selective or len({unit[0].rpartition(".")[0] for unit in plan.units}) > 1:
+        # The wrapper puts each unit in place whoever calls it: units of several modules' children, selective ones.
         return what, _wrapper_snippet(plan, context)
     lines = [_unit_line(unit, forward_of) for unit in plan.units]
     if len(lines) > CHECKPOINT_LINES:

@@ -44,7 +44,7 @@ class _CheckpointedCall(nn.Module):
     _lightning_vram_stands_for: ClassVar[str] = "first"
 
     def __init__(
-        self, first: nn.Module, rest: list[nn.Module], passing: dict[int, bool], selective: bool = False
+        self, first: nn.Module, rest: list[nn.Module], passing: dict[int, object], selective: bool = False
     ) -> None:
         super().__init__()
         self._checkpoint = checkpoint_saving_matmuls if selective else checkpoint_keeping_buffers
@@ -70,7 +70,7 @@ class _CheckpointedCall(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The unit, under ``checkpoint_keeping_buffers(...)`` (``checkpoint_saving_matmuls`` where selective)."""
         output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
-        self._passing.update(dict.fromkeys(map(id, self._rest), True))
+        self._passing.update(dict.fromkeys(map(id, self._rest), output))
         return output
 
 
@@ -80,7 +80,7 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
     ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops.
     """
     modules = [_submodule(root, name, "the checkpointing plan") for name in names]
-    passing: dict[int, bool] = {}
+    passing: dict[int, object] = {}
     parent_name, _, child = names[0].rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing, selective))
@@ -88,13 +88,27 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
         module.forward = _passing_once(module.forward, module, passing)
 
 
-def _passing_once(forward: Callable[..., Any], module: nn.Module, passing: dict[int, bool]) -> Callable[..., Any]:
-    """``module``'s forward, but returning its input as it is on the call after its unit ran it."""
+_NOT_RUN = object()
+
+
+def _passing_once(forward: Callable[..., Any], module: nn.Module, passing: dict[int, object]) -> Callable[..., Any]:
+    """``module``'s forward, but returning its input as it is on the call after its unit ran it.
+
+    That input must be the unit's output: the unit ran the modules one after the other on one tensor, and a parent
+    that does something else between them (``x = self.bn(self.conv(x) * 2)``) would train another model with the
+    plan; the replay raises (the plan is not replayed).
+    """
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if passing.pop(id(module), False):
-            return args[0]
-        return forward(*args, **kwargs)
+        output = passing.pop(id(module), _NOT_RUN)
+        if output is _NOT_RUN:
+            return forward(*args, **kwargs)
+        if kwargs or len(args) != 1 or args[0] is not output:
+            raise ValueError(
+                f"the checkpointing plan runs {type(module).__name__} on the output of the module before it, which"
+                " its caller does not pass it"
+            )
+        return args[0]
 
     return run
 
