@@ -8,9 +8,9 @@ The candidates are the units the checkpointing advice plans with (:mod:`~lightni
 each module with two or more children that ran, its children as units (a child starting with an inplace op joins
 the one before it; a unit that saved nothing, or holds a module that outran its caller, is never checkpointed),
 all layer stacks (``nn.ModuleList``s of numbered layers) together where there are several, and the blocks of all
-stages (called containers of numbered blocks, a ResNet's ``layer1`` to ``layer4``) together, with the modules around
-the stages that are modelled to free bytes with them (a ``self.stem`` of one module: :func:`_around_stages`). A plan
-is any subset of one such container's units.
+stages (called containers of numbered blocks, a ResNet's ``layer1`` to ``layer4``) together, and those blocks with
+the modules around the stages that are modelled to free bytes with them (a stem: ``self.stem``, or torchvision's
+``conv1``, ``bn1``, ``relu`` as one unit; :func:`_around_stages`). A plan is any subset of one such container's units.
 
 A plan's cost is the time its recomputation is predicted to take: the ops its replay counted as recomputed in
 backward, each priced by the step-time model (:func:`~lightning_vram.prediction.timing.predict_step_time`: the
@@ -45,7 +45,10 @@ one kind, cost the same).
 
 Containers are tried by their modelled saving, the largest first, at most :data:`MAX_CONTAINERS` and while the
 predictor's budget of seconds lasts; once a plan fits, a container modelled to save less than the budget needs is
-passed over. Of the plans that fit, the one whose recomputation is predicted to take least time is chosen.
+passed over. The stages' blocks with a stem come last, searched only where no plan of the others fits: a stem first
+in the greedy order would make every prefix recompute it, where blocks alone fit for less (a trial's ResNet at half
+its peak: the stem and five blocks instead of five blocks). A plan replayed for one container is not replayed again
+for another. Of the plans that fit, the one whose recomputation is predicted to take least time is chosen.
 """
 
 from __future__ import annotations
