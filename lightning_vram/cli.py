@@ -85,7 +85,7 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _parse_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
+    if len(text) > MAX_INTEGER_DIGITS and len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
         raise ValueError(f"an integer of {len(text.lstrip('-'))} digits")
     return int(text)
 

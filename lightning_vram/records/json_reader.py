@@ -125,9 +125,10 @@ class Reader:
     def each(self, key: str, decode: Callable[[Any, str], T]) -> list[T]:
         """A list field, each item decoded by ``decode(item, where)``."""
         value = self.raw(key)
+        path = self._path(key)
         if not isinstance(value, list):
-            raise FormatError(f"{self._path(key)} must be a list, got {kind_of(value)}")
-        return [decode(item, f"{self._path(key)}[{index}]") for index, item in enumerate(value)]
+            raise FormatError(f"{path} must be a list, got {kind_of(value)}")
+        return [decode(item, f"{path}[{index}]") for index, item in enumerate(value)]
 
 
 def kind_of(value: Any) -> str:
