@@ -371,3 +371,36 @@ class HoldsAWriter(Stepping):
 def test_what_the_replay_s_own_copy_of_the_module_constructs_is_walked() -> None:
     assert effects(HoldsAWriter(Logged.__new__(Logged))) == []
     assert writer("Writes.__init__") in effects(HoldsAWriter(HELD_REBUILT))  # its __reduce__ calls Rebuilt
+
+
+class Unhashable(type):
+    """A metaclass whose classes compare by name, and so cannot be hashed."""
+
+    def __eq__(cls, other: object) -> bool:
+        return isinstance(other, type) and cls.__name__ == other.__name__
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Opaque(metaclass=Unhashable):
+    def __init__(self) -> None:
+        with open(LOG, "a") as log:
+            log.write("opaque\n")
+
+
+OPAQUE = Opaque.__new__(Opaque)
+
+
+class HoldsAnOpaque(Stepping):
+    def act(self) -> None:
+        print(OPAQUE)
+
+
+class BuildsAnOpaque(Stepping):
+    def act(self) -> None:
+        Opaque()
+
+
+def test_a_class_its_metaclass_makes_unhashable_is_walked_by_the_same_rule() -> None:
+    assert effects(HoldsAnOpaque()) == []
+    assert writer("Opaque.__init__") in effects(BuildsAnOpaque())

@@ -14,9 +14,11 @@ construction dunders are in reach (:class:`Construction`) where:
 - a classmethod of the class (or of a base) is in reach (``cls(...)``): every subclass;
 - walked code reads ``__init__`` or ``__new__`` through ``super()`` (a method's own class's bases);
 - walked code constructs classes the walk cannot name (:func:`constructions`, :data:`CONSTRUCTING`): ``type(x)(...)``,
-  ``x.__class__(...)``, ``x.__init__(...)``, ``pickle.loads``, ``torch.load``, ``dataclasses.replace`` or ``asdict``:
-  every class's are in reach; where it only copies (``copy.copy``, ``copy.deepcopy``: :data:`COPYING`), every class's
-  ``__new__``, and the whole construction of those a library base rebuilds by calling them.
+  ``x.__class__(...)`` (where the class may be called: ``type(self).__name__``, ``x.__class__ is y.__class__`` or
+  ``isinstance(x, type(self))`` do not count), ``x.__init__(...)``, ``pickle.loads``, ``torch.load``,
+  ``dataclasses.replace`` or ``asdict``: every class's are in reach; where it only copies (``copy.copy``,
+  ``copy.deepcopy``: :data:`COPYING`), every class's ``__new__``, and the whole construction of those a library base
+  rebuilds by calling them.
 
 A class whose instances the replay deep-copies (the module's classes, what the module holds as data) is copied
 through ``__new__`` (``copyreg.__newobj__``), never its ``__init__``, unless a library base of it rebuilds instances
@@ -139,8 +141,8 @@ _ATTRIBUTE_READS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 def _through_super(instructions: list[dis.Instruction], index: int) -> bool:
     """Whether the attribute read at ``index`` is on ``super()`` called with no argument (``super().__init__``)."""
     read = instructions[index]
-    if read.opname == "LOAD_SUPER_ATTR":  # Python 3.12: zero-argument super() loads its cell itself
-        return "__class__" in read.argrepr or bool(read.arg is not None and read.arg & 2)
+    if read.opname == "LOAD_SUPER_ATTR":  # Python 3.12: super()'s class, from its cell or named (then constructed)
+        return True
     before = [instruction for instruction in instructions[max(0, index - 4) : index] if instruction.opname != "CACHE"]
     names = tuple(instruction.opname for instruction in before[-3:])
     if names == _SUPER_CALL:
@@ -234,6 +236,9 @@ def _type_use(instructions: list[dis.Instruction], index: int) -> tuple[bool, bo
                 following = position + 1 + (instruction.opname == "PRECALL")
                 return _called(instructions, following, result), False
             break
+        if instruction.opname == _CALL and depth - (instruction.arg or 0) < top:  # ``isinstance(x, type)``
+            harmless = _harmless_callee(instructions, index + 1, depth - (instruction.arg or 0) - top)
+            return not harmless, not harmless
         effect = _effect(instruction)
         if effect is None:
             break
@@ -250,6 +255,8 @@ def constructions(code: types.CodeType) -> Constructions:
     >>> constructions((lambda self: type(self)()).__code__).anything
     True
     >>> constructions((lambda self, other: self.__class__ is other.__class__ or type(self).__name__).__code__).anything
+    False
+    >>> constructions((lambda x, y: isinstance(x, type) and isinstance(y, type(x))).__code__).anything
     False
     >>> constructions((lambda self: self.weight.sum()).__code__)
     Constructions(anything=False, copies=False, supers=False, own_class=False, creates=False)
@@ -305,56 +312,62 @@ Member = tuple[type, str, Any]
 class Construction:
     """The classes whose construction (or creation) dunders are in reach so far, and those waiting.
 
-    ``constructed``: classes whose construction dunders are in reach (with every class in their MRO). ``copied``:
-    classes the replay copies (``__new__``, ``__init_subclass__``). ``factories``: classes a classmethod in reach may
-    construct (``cls(...)``): each subclass. ``anything``: every class's construction dunders. ``copies``: every
-    class's ``__new__`` (walked code copies objects it does not name). ``creates``: every
-    class's creation dunders, and every metaclass's construction. ``waiting``: members not in reach yet, by class.
+    Classes are kept by id (a metaclass may make its classes unhashable). ``constructed``: classes whose construction
+    dunders are in reach (with every class in their MRO). ``copied``: classes the replay copies (``__new__``,
+    ``__init_subclass__``). ``factories``: classes a classmethod in reach may construct (``cls(...)``): each subclass.
+    ``anything``: every class's construction dunders. ``copies``: every class's ``__new__`` (walked code copies
+    objects it does not name). ``creates``: every class's creation dunders, and every metaclass's construction.
+    ``waiting``: members not in reach yet, by their class's id.
     """
 
-    constructed: set[type] = field(default_factory=set)
-    copied: set[type] = field(default_factory=set)
-    factories: set[type] = field(default_factory=set)
+    constructed: set[int] = field(default_factory=set)
+    copied: set[int] = field(default_factory=set)
+    factories: dict[int, type] = field(default_factory=dict)
     anything: bool = False
     copies: bool = False
     creates: bool = False
-    waiting: dict[type, list[Member]] = field(default_factory=dict)
+    waiting: dict[int, list[Member]] = field(default_factory=dict)
 
     def copy(self) -> Construction:
         """A copy to go on from, which changes nothing in this one."""
-        waiting = {cls: list(members) for cls, members in self.waiting.items()}
-        known = set(self.constructed), set(self.copied), set(self.factories)
+        waiting = {key: list(members) for key, members in self.waiting.items()}
+        known = set(self.constructed), set(self.copied), dict(self.factories)
         return Construction(*known, self.anything, self.copies, self.creates, waiting)
 
     def in_reach(self, cls: type, name: str) -> bool:
         """Whether ``cls``'s construction or creation dunder ``name`` may run."""
         if self.anything:
             return True
-        copied = name in COPIED_DUNDERS and (self.copies or cls in self.copied)
+        copied = name in COPIED_DUNDERS and (self.copies or id(cls) in self.copied)
         if name in CREATION_DUNDERS:
             return self.creates or copied
-        return cls in self.constructed or (self.creates and issubclass(cls, type)) or copied
+        return id(cls) in self.constructed or (self.creates and issubclass(cls, type)) or copied
 
     def admits(self, member: Member) -> bool:
         """Whether ``member`` (a construction or creation dunder) is in reach; if not, it waits for its class."""
         if self.in_reach(member[0], member[1]):
             return True
-        self.waiting.setdefault(member[0], []).append(member)
+        self.waiting.setdefault(id(member[0]), []).append(member)
         return False
 
-    def _release(self, classes: Iterable[type]) -> list[Member]:
+    def _release(self, keys: Iterable[int]) -> list[Member]:
+        """The members waiting under ``keys`` (classes' ids) now in reach; the others wait on."""
         released: list[Member] = []
-        for cls in classes:
-            members = self.waiting.pop(cls, [])
+        for key in keys:
+            members = self.waiting.pop(key, [])
             kept = [member for member in members if not self.in_reach(member[0], member[1])]
             released += [member for member in members if self.in_reach(member[0], member[1])]
             if kept:
-                self.waiting[cls] = kept
+                self.waiting[key] = kept
         return released
+
+    def waiting_classes(self) -> list[type]:
+        """The classes some of whose members wait."""
+        return [members[0][0] for members in self.waiting.values()]
 
     def take(self, classes: Iterable[type]) -> list[Member]:
         """The members of ``classes`` that waited, all of them (the classes are wholly in reach)."""
-        return [member for cls in classes for member in self.waiting.pop(cls, [])]
+        return [member for cls in classes for member in self.waiting.pop(id(cls), [])]
 
     def visit(self, cls: type) -> list[Member]:
         """A class the walk meets: its construction, where something in reach may construct it without naming it.
@@ -362,28 +375,28 @@ class Construction:
         A classmethod in reach of one of its bases (``cls()``), or walked code copying objects where a library base of
         it rebuilds copies by calling it (``OrderedDict.__reduce__``).
         """
-        if self.factories.intersection(cls.__mro__) or (self.copies and rebuilt_by_library(cls)):
-            return self.construct(cls.__mro__)
+        if any(id(base) in self.factories for base in cls.__mro__) or (self.copies and rebuilt_by_library(cls)):
+            return self.construct([cls])
         return []
 
     def construct(self, classes: Iterable[type]) -> list[Member]:
         """Put the construction of ``classes`` (and their bases) in reach; the members that waited."""
-        new = {base for cls in classes for base in cls.__mro__} - self.constructed
+        new = {id(base) for cls in classes for base in cls.__mro__} - self.constructed
         self.constructed |= new
         return self._release(new)
 
     def copy_class(self, cls: type) -> list[Member]:
         """``cls``'s instances are copied (and it may be subclassed by library code): the members that waited."""
-        new = set(cls.__mro__) - self.copied
+        new = {id(base) for base in cls.__mro__} - self.copied
         self.copied |= new
         return self._release(new)
 
     def add_factory(self, cls: type) -> list[Member]:
         """A classmethod of ``cls`` is in reach: ``cls`` and its subclasses the walk met are constructed."""
-        if cls in self.factories:
+        if id(cls) in self.factories:
             return []
-        self.factories.add(cls)
-        return self.construct([known for known in list(self.waiting) if issubclass(known, cls)] + [cls])
+        self.factories[id(cls)] = cls
+        return self.construct([known for known in self.waiting_classes() if issubclass(known, cls)] + [cls])
 
     def construct_everything(self) -> list[Member]:
         """Every class's construction and creation dunders are in reach; every member that waited."""
@@ -400,7 +413,7 @@ class Construction:
         if self.copies:
             return []
         self.copies = True
-        rebuilt = [cls for cls in self.waiting if rebuilt_by_library(cls)]
+        rebuilt = [cls for cls in self.waiting_classes() if rebuilt_by_library(cls)]
         return self.construct(rebuilt) + self._release(list(self.waiting))
 
     def create_classes(self) -> list[Member]:

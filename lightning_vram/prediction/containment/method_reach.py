@@ -408,11 +408,14 @@ class MethodReach:
     def admits(self, member: Member) -> bool:
         """Whether ``member``'s name is in reach; if not, it waits for its name (or its class's construction)."""
         name = member[1]
-        if self.everything or member[0] in self.classes:
+        if self.everything:
             return True
         if name in CONSTRUCTION_DUNDERS or name in CREATION_DUNDERS:
-            return self.construction.admits(member)
+            held = any(cls is member[0] for cls in self.classes)  # by identity: a class may be unhashable
+            return held or self.construction.admits(member)
         if is_dunder(name) or name in self.names or (self.descriptors and _sets(member)):
+            return True
+        if member[0] in self.classes:
             return True
         self.parked.setdefault(name, []).append(member)
         return False
@@ -445,7 +448,7 @@ class MethodReach:
     def bring_everything(self) -> list[Member]:
         """Put every name in reach; every member that waited."""
         self.everything = True
-        released = self.construction.take(list(self.construction.waiting))
+        released = self.construction.take(self.construction.waiting_classes())
         released += [member for members in self.parked.values() for member in members]
         self.parked.clear()
         return released
