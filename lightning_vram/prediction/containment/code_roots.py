@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lightning_vram.measure.compiled import is_compiled_module
 from lightning_vram.prediction.containment._torch_hooks import global_hooks, global_registries, module_hooks_of
+from lightning_vram.prediction.containment.construction import Copied
 
 
 def inside_ids(module: nn.Module) -> set[int]:
@@ -46,7 +47,9 @@ def code_roots(
 
     Each submodule's class, torch's process-wide module and optimizer hooks, the step function, the optimizers'
     classes and the batch's class; of each class, the walk takes the methods the step may call by name
-    (:mod:`~.method_reach`). What the module's instances hold (hooks, callables, data) is walked on the copy:
+    (:mod:`~.method_reach`). A submodule's class is :class:`~.construction.Copied`: the replay deep-copies the
+    module, never constructs it; it constructs the optimizers (``type(optimizer)(...)``), and Lightning's transfer
+    may rebuild the batch. What the module's instances hold (hooks, callables, data) is walked on the copy:
     :func:`instance_roots`.
     """
     roots: list[tuple[str, Any]] = []
@@ -54,7 +57,7 @@ def code_roots(
     for child in module.modules():
         if type(child) not in classes:
             classes.add(type(child))
-            roots.append((type(child).__qualname__, type(child)))
+            roots.append((type(child).__qualname__, Copied(type(child))))
     roots += [(f"torch's {kind}", hook) for kind, hook in global_hooks()]
     if step_function is not None:
         roots.append(("step_function", step_function))

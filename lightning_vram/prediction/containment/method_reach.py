@@ -6,7 +6,9 @@ Lightning's batch-level hooks around the same. A method none of that can call ne
 ``export`` that calls ``torch.save``, or a ``validation_step`` that writes a file, would otherwise rule out every
 replay of the run. A method's name is in reach when:
 
-- it is a dunder (Python calls those by itself: ``__call__``, ``__getattr__``, ``__deepcopy__``);
+- it is a dunder (Python calls those by itself: ``__call__``, ``__getattr__``, ``__deepcopy__``), but for those Python
+  calls only as it constructs or creates a class (``__init__``, ``__new__``, ``__init_subclass__``): those are in reach
+  where the step may construct the class (:mod:`~.construction`);
 - a library class (torch's, Lightning's) in the MRO of a user class the walk visits defines it: library code the step
   runs may call an override by its name (``forward``, ``training_step``, ``on_before_backward``, an optimizer's
   ``step``), except Lightning's hooks that run outside a training batch (:data:`OUTSIDE_BATCH_HOOKS`);
@@ -43,6 +45,13 @@ import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_vram.prediction.containment.construction import (
+    CONSTRUCTION_DUNDERS,
+    CREATION_DUNDERS,
+    Construction,
+    Member,
+)
 
 OUTSIDE_BATCH_HOOKS = frozenset(
     {
@@ -373,16 +382,13 @@ def is_dunder(name: str) -> bool:
     return len(name) > 4 and name.startswith("__") and name.endswith("__")
 
 
-Member = tuple[type, str, Any]
-"""A class's attribute, waiting for its name: the class, the name, the value in the class's ``__dict__``."""
-
-
 @dataclass
 class MethodReach:
     """The names in reach so far, and the classes' attributes waiting for theirs.
 
     ``everything``: the code reads attributes by names it computes, so every name is in reach. ``descriptors``: it
     sets or deletes attributes by names it computes, so every data descriptor (a property's setter) is.
+    ``construction``: the classes whose construction dunders are in reach, and those waiting for it.
     """
 
     names: set[str] = field(default_factory=lambda: set(PROTOCOL_NAMES))
@@ -391,16 +397,23 @@ class MethodReach:
     parked: dict[str, list[Member]] = field(default_factory=dict)
     classes: set[type] = field(default_factory=set)
     """Classes every attribute of which is in reach, whatever its name (:meth:`bring_class`)."""
+    construction: Construction = field(default_factory=Construction)
 
     def copy(self) -> MethodReach:
         """A copy to go on from (another walk continuing this one), which changes nothing in this one."""
         parked = {name: list(members) for name, members in self.parked.items()}
-        return MethodReach(set(self.names), self.everything, self.descriptors, parked, set(self.classes))
+        construction = self.construction.copy()
+        return MethodReach(set(self.names), self.everything, self.descriptors, parked, set(self.classes), construction)
 
     def admits(self, member: Member) -> bool:
-        """Whether ``member``'s name is in reach; if not, it waits for its name."""
+        """Whether ``member``'s name is in reach; if not, it waits for its name (or its class's construction)."""
         name = member[1]
-        if self.everything or is_dunder(name) or name in self.names or (self.descriptors and _sets(member)):
+        if self.everything:
+            return True
+        if name in CONSTRUCTION_DUNDERS or name in CREATION_DUNDERS:
+            held = any(cls is member[0] for cls in self.classes)  # by identity: a class may be unhashable
+            return held or self.construction.admits(member)
+        if is_dunder(name) or name in self.names or (self.descriptors and _sets(member)):
             return True
         if member[0] in self.classes:
             return True
@@ -424,7 +437,8 @@ class MethodReach:
         if self.everything or not new:
             return []
         self.classes |= new
-        released = [member for members in self.parked.values() for member in members if member[0] in new]
+        released = self.construction.take(new)
+        released += [member for members in self.parked.values() for member in members if member[0] in new]
         for name, members in list(self.parked.items()):
             self.parked[name] = [member for member in members if member[0] not in new]
             if not self.parked[name]:
@@ -434,7 +448,8 @@ class MethodReach:
     def bring_everything(self) -> list[Member]:
         """Put every name in reach; every member that waited."""
         self.everything = True
-        released = [member for members in self.parked.values() for member in members]
+        released = self.construction.take(self.construction.waiting_classes())
+        released += [member for members in self.parked.values() for member in members]
         self.parked.clear()
         return released
 

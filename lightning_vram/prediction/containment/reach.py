@@ -43,11 +43,21 @@ from torch import Tensor
 
 from lightning_vram.measure.compiled import compiled_callable_name
 from lightning_vram.prediction.containment.code_roots import Remapped
+from lightning_vram.prediction.containment.construction import (
+    CONSTRUCTING,
+    COPYING,
+    CREATING,
+    Constructions,
+    Copied,
+    Member,
+    Role,
+    constructions,
+    rebuilt_by_library,
+)
 from lightning_vram.prediction.containment.isolation import quieted_handlers
 from lightning_vram.prediction.containment.method_reach import (
     OUTSIDE_BATCH_HOOKS,
     TRAINER_NAMES,
-    Member,
     MethodReach,
     computed_names,
     library_names,
@@ -68,9 +78,18 @@ from lightning_vram.prediction.containment.user_code import code_names, is_user_
 WALK_LIMIT = 20_000
 """The most objects one walk visits; past it the walk stops and says it is incomplete."""
 
-DYNAMIC_NAMES = frozenset({"globals", "vars", "exec", "eval", "sys", "__import__", "importlib", "inspect"})
+DYNAMIC_NAMES = {
+    "globals": "calls globals()",
+    "vars": "calls vars()",
+    "exec": "runs exec",
+    "eval": "runs eval",
+    "sys": "reads sys",
+    "__import__": "imports modules by name (__import__)",
+    "importlib": "imports modules by name (importlib)",
+    "inspect": "reads frames (inspect)",
+}
 """Global names through which code reaches a module's globals by names it computes at run time (``globals()["n"]``,
-``sys.modules``, a frame's ``f_globals``)."""
+``sys.modules``, a frame's ``f_globals``), and what using each does, for the reason a replay is refused."""
 
 BY_NAME = frozenset({"getattr", "setattr", "delattr"})
 """Builtins that reach an object's attribute by a computed name: a module's globals only where the code also names a
@@ -159,7 +178,8 @@ class Reach:
     ``complete``: the walk ended before :data:`WALK_LIMIT`. ``paths``: where the walk first found each of
     ``objects``, by id (``the model.seen``: an attribute of the module; ``Model.history``: a class's), for the notes.
     ``methods``: the names in reach and the classes' attributes the walk left for want of theirs
-    (:mod:`~.method_reach`), for a later walk to go on from.
+    (:mod:`~.method_reach`), for a later walk to go on from. ``sweeps``: where code reaches every global of its module
+    by names it computes (``sys``, ``exec``), as the start of the paths found so, and what that code does.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -175,6 +195,7 @@ class Reach:
     complete: bool = True
     paths: dict[int, str] = field(default_factory=dict)
     methods: MethodReach = field(default_factory=MethodReach)
+    sweeps: dict[str, str] = field(default_factory=dict)
 
     def add(self, other: Reach) -> None:
         """Take in what ``other`` (another walk) found."""
@@ -188,6 +209,8 @@ class Reach:
         self.compiled += other.compiled
         self.unrestorable += other.unrestorable
         self.effects += other.effects
+        for swept, what in other.sweeps.items():
+            self.sweeps.setdefault(swept, what)
         self.complete = self.complete and other.complete
         for key, path in other.paths.items():
             self.paths.setdefault(key, path)
@@ -211,19 +234,19 @@ class _Walk:
         self._namespaces: set[int] = set()
         self._modules: set[tuple[int, frozenset[str]]] = set()  # a module walked for a set of attribute names
         self._compiled: set[int] = set()  # what torch.compile made, listed once however many paths reach it
-        self._queue: collections.deque[tuple[Any, str, frozenset[str], bool]] = collections.deque()
+        self._queue: collections.deque[tuple[Any, str, frozenset[str], bool, Role]] = collections.deque()
 
     def run(self, roots: Iterable[tuple[str, Any]], data: Iterable[tuple[str, Any]] = ()) -> Reach:
         for path, root in roots:
-            self._queue.append((root, path, frozenset(), False))
+            self._queue.append((root, path, frozenset(), False, Role.VALUE))
         for path, value in data:
-            self._queue.append((value, path, frozenset(), True))
+            self._queue.append((value, path, frozenset(), True, Role.VALUE))
         while self._queue:
             if len(self._seen) >= self._limit:
                 self.reach.complete = False
                 break
-            value, path, names, data_path = self._queue.popleft()
-            self._visit(value, path, names, data_path)
+            value, path, names, data_path, role = self._queue.popleft()
+            self._visit(value, path, names, data_path, role)
         return self.reach
 
     def _hold(self, value: Any, path: str) -> None:
@@ -231,11 +254,14 @@ class _Walk:
         self.reach.objects.append(value)
         self.reach.paths.setdefault(id(value), path)
 
-    def _push(self, value: Any, path: str, names: frozenset[str] = frozenset(), data: bool = False) -> None:
+    def _push(
+        self, value: Any, path: str, names: frozenset[str] = frozenset(), data: bool = False, role: Role = Role.VALUE
+    ) -> None:
+        """Walk ``value`` later; ``role``: what reaching it tells of its construction, where it is a class."""
         if not isinstance(value, _ATOMS):
-            self._queue.append((value, path, names, data))
+            self._queue.append((value, path, names, data, role))
 
-    def _slot(self, holder: Any, key: str | None, path: str) -> None:
+    def _slot(self, holder: Any, key: str | None, path: str, role: Role = Role.VALUE) -> None:
         marker = (id(holder), key)
         if marker not in self._slots:
             self._slots.add(marker)
@@ -247,9 +273,16 @@ class _Walk:
                 return
             if isinstance(value, functools._lru_cache_wrapper):
                 self.reach.caches.append((slot, value))
-            self._push(value, path)
+            self._push(value, path, role=role)
 
-    def _visit(self, value: Any, path: str, names: frozenset[str], data: bool) -> None:
+    def _visit(self, value: Any, path: str, names: frozenset[str], data: bool, role: Role) -> None:
+        if isinstance(value, Copied):
+            self._construct(value.cls, Role.COPIED, path)
+            value, role = value.cls, Role.NAMED
+        elif role is not Role.NAMED:  # held as a value (not a metaclass, a base, an object's class): it may be called
+            self._construct_by(value)
+            if isinstance(value, type):
+                self._construct(value, role, path)
         if (id(value), data) in self._seen:
             return
         self._seen.add((id(value), data))
@@ -293,7 +326,8 @@ class _Walk:
         """An object that holds state: saved, or (an iterator, a generator) a reason the replay must not run."""
         if isinstance(value, Tensor):
             self.reach.tensors.append(value)
-            self._push(type(value), path)  # a subclass's: its ``__torch_function__`` runs on each op
+            role = Role.COPIED if data else Role.NAMED  # the replay deep-copies the module's data
+            self._push(type(value), path, role=role)  # a subclass's: its ``__torch_function__`` runs on each op
             attributes = instance_dict(value)
             if attributes is not None:  # Python attributes set on the tensor (``GLOBAL_T.counter = n``)
                 self._hold(attributes, f"{path}.__dict__")
@@ -314,14 +348,17 @@ class _Walk:
             self._hold(value, path)
         elif isinstance(value, (list, set, collections.deque)):
             self._hold(value, path)
+            self._container_class(value, path, data)
             for index, item in enumerate(contents(value)):
                 self._push(item, f"{path}[{index}]", data=data)
         elif isinstance(value, dict):
             self._hold(value, path)
+            self._container_class(value, path, data)
             for key, item in dict_items(value):
                 self._push(key, f"{path} key", data=data)
                 self._push(item, f"{path}[{key_text(key)}]", data=data)
         elif isinstance(value, (tuple, frozenset)):
+            self._container_class(value, path, data)
             for index, item in enumerate(contents(value)):
                 self._push(item, f"{path}[{index}]", data=data)
         elif self._is_compiled(value, path):
@@ -334,6 +371,15 @@ class _Walk:
             return  # a library's object held by the module: the replay's deep copy holds its own copy
         else:
             self._instance(value, path, data)
+
+    def _container_class(self, value: Any, path: str, data: bool) -> None:
+        """A user's subclass of a built-in container (an ``OrderedDict``'s, a named tuple): its class is walked.
+
+        Its dunders run on the container's use (``__setitem__``); a copy of it (the replay's of the module's data, or
+        ``copy.deepcopy`` in the step) may construct it (``OrderedDict.__reduce__`` calls the class).
+        """
+        if is_user_class(type(value)):
+            self._push(type(value), path, role=Role.COPIED if data else Role.NAMED)
 
     def _function(self, function: types.FunctionType, path: str) -> None:
         self._is_compiled(function, path)
@@ -374,13 +420,20 @@ class _Walk:
         if "save" in attribute_names and isinstance(namespace.get("torch"), types.ModuleType):
             self.reach.effects.append(f"{where} may call torch.save (a file it writes would be written again)")
         names_a_module = any(isinstance(namespace.get(name), types.ModuleType) for name in global_names)
-        if global_names & DYNAMIC_NAMES or (global_names & BY_NAME and names_a_module):  # names computed at run time
+        if global_names & DYNAMIC_NAMES.keys() or (global_names & BY_NAME and names_a_module):  # names computed then
             # every global of the module is in reach
+            what = _dynamic_use(global_names, attribute_names)
+            swept = f"{where} ({what}: every global of {function.__module__} in reach)"
+            self.reach.sweeps.setdefault(swept, f"{where} {what}")
             for name, value in dict_items(namespace):
                 if not name.startswith("__") and not isinstance(value, types.ModuleType):
-                    self._slot(namespace, name, f"{where}: global {name}")
+                    self._slot(namespace, name, f"{swept}: global {name}")
+        uses = constructions(code)
         for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
-            self._slot(cell, None, f"{where}: closure {name}")
+            # the cell zero-argument super() reads: its class is constructed only where the code calls it itself
+            called = name != "__class__" or uses.own_class
+            self._slot(cell, None, f"{where}: closure {name}", Role.VALUE if called else Role.NAMED)
+        self._constructions(function, uses)
         self._push(function.__defaults__, f"{where}: defaults")
         self._push(function.__kwdefaults__, f"{where}: defaults")
 
@@ -439,15 +492,72 @@ class _Walk:
         for member in released:
             self._member(member)
 
+    def _construct_by(self, value: Any) -> None:
+        """Put in reach the construction ``value``, held by the code, may run without naming the class.
+
+        ``copy.deepcopy``, ``torch.load``, ``type`` (``t = type``; ``t(x)()``): every class's; a class's own is
+        :meth:`_construct`'s.
+        """
+        construction = self.reach.methods.construction
+        released = construction.construct_everything() if id(value) in CONSTRUCTING else []
+        if id(value) in COPYING:
+            released += construction.copy_everything()
+        if id(value) in CREATING:
+            released += construction.create_classes()
+        for member in released:
+            self._member(member)
+
+    def _constructions(self, function: types.FunctionType, uses: Constructions) -> None:
+        """Put in reach the construction ``function``'s code may run (:func:`~.construction.constructions`).
+
+        ``super().__init__(...)`` reaches the bases of the class whose ``__class__`` cell the function holds.
+        """
+        construction = self.reach.methods.construction
+        released: list[Member] = []
+        if uses.anything:
+            released += construction.construct_everything()
+        if uses.copies:
+            released += construction.copy_everything()
+        if uses.creates:
+            released += construction.create_classes()
+        if uses.supers:
+            cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=False))
+            try:
+                owner = cells["__class__"].cell_contents
+            except (KeyError, ValueError):  # super() without its cell: whatever it names
+                owner = None
+            if isinstance(owner, type):
+                released += construction.construct(owner.__mro__[1:])
+            else:
+                released += construction.construct_everything()
+        for member in released:
+            self._member(member)
+
+    def _construct(self, cls: type, role: Role, path: str) -> None:
+        """``cls`` may be constructed (``VALUE``) or copied (``COPIED``): its dunders that waited for it are walked."""
+        construction = self.reach.methods.construction
+        if role is Role.COPIED and rebuilt_by_library(cls):  # ``OrderedDict.__reduce__``: ``cls()``
+            role = Role.VALUE
+        if role is Role.VALUE:
+            released = construction.construct([cls])
+        else:  # library code may subclass it (parametrize, FSDP2): its metaclass creates the subclass
+            released = construction.copy_class(cls)
+            if is_user_class(type(cls)):
+                self._push(type(cls), f"{path} (its metaclass)")
+        for member in released:
+            self._member(member)
+
     def _class(self, cls: type, path: str) -> None:
         """A user class: its metaclass, its bases, and its attributes whose name is in reach (the others wait)."""
         if not is_user_class(cls) or issubclass(cls, BaseException):
             return
         methods = self.reach.methods
-        self._push(type(cls), f"{path} (its metaclass)")  # ``Meta.__call__`` runs on each ``cls()``
+        for member in methods.construction.visit(cls):
+            self._member(member)
+        self._push(type(cls), f"{path} (its metaclass)", role=Role.NAMED)  # ``Meta.__call__`` runs on each ``cls()``
         for base in cls.__mro__[1:]:
             if is_user_class(base):
-                self._push(base, path)
+                self._push(base, path, role=Role.NAMED)
             else:  # library code may call an override by the name its class defines
                 for member in methods.bring(library_names(base)):
                     self._member(member)
@@ -461,6 +571,9 @@ class _Walk:
     def _member(self, member: Member) -> None:
         """A class's attribute whose name is in reach: a method walked, any other value a slot."""
         cls, name, attribute = member
+        if isinstance(attribute, classmethod):  # ``cls(...)``: it may construct its class, or a subclass
+            for released in self.reach.methods.construction.add_factory(cls):
+                self._member(released)
         if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property)):
             self._push(attribute, f"{cls.__qualname__}.{name}")
         elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
@@ -486,9 +599,11 @@ class _Walk:
             return
         self._modules.add((id(module), names))
         filename = vars(module).get("__file__")
-        if isinstance(filename, str) and not is_user_file(filename):
-            return
         namespace = vars(module)
+        if isinstance(filename, str) and not is_user_file(filename):
+            for name in names & namespace.keys():  # ``torch.load``, ``copy.deepcopy``: constructing what they load
+                self._construct_by(namespace[name])
+            return
         for name in sorted(names & namespace.keys()):
             value = namespace[name]
             if isinstance(value, types.ModuleType):  # ``userpkg.cfg.STATE``: the submodule's names too
@@ -512,7 +627,15 @@ class _Walk:
                 except AttributeError:
                     continue
                 self._push(item, f"{path}.{name}", data=data)
-        self._push(type(value), path)
+        self._push(type(value), path, role=Role.COPIED if data else Role.NAMED)  # the replay deep-copies its data
+
+
+def _dynamic_use(global_names: frozenset[str], attribute_names: frozenset[str]) -> str:
+    """What code reaching its module's globals by computed names does (``reads sys.argv``, ``runs exec``)."""
+    uses = [DYNAMIC_NAMES[name] for name in sorted(global_names & DYNAMIC_NAMES.keys())]
+    if "sys" in global_names and "argv" in attribute_names:
+        uses[uses.index(DYNAMIC_NAMES["sys"])] = "reads sys.argv"
+    return " and ".join(uses) or "reads a module's attributes by computed names (getattr)"
 
 
 def _items(value: Any) -> list[Any]:

@@ -315,6 +315,13 @@ def compiled_refusal(compiled: str) -> str:
 def refusal_of(reach: Reach) -> str | None:
     """Why the code ``reach`` describes must not be replayed, decided before it runs; ``None`` when it may."""
     if reach.real_modules:
+        path = reach.real_modules[0]
+        swept = next((what for start, what in reach.sweeps.items() if path.startswith(start)), None)
+        if swept is not None:  # what the code does, rather than a global it never names
+            return (
+                f"the step's code ({swept}) reaches every global of its module, and through them the trained model"
+                f" itself ({path}), which a replay must not run"
+            )
         return (
             f"the step's code reaches the trained model itself ({reach.real_modules[0]}), which a replay must not"
             " run: a step_function should call the module it is given"
