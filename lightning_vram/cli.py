@@ -391,7 +391,7 @@ def _plan(arguments: argparse.Namespace) -> int:
 
 def _check_plan_syntax(arguments: argparse.Namespace) -> None:
     """What can be refused without torch: the batch's syntax, GPUs given in bytes, the counts, the budget."""
-    from lightning_vram.plan_syntax import PlanInputError, batch_items, check_count, gpu_bytes
+    from lightning_vram.plan_syntax import PlanInputError, batch_items, check_count, check_split, gpu_bytes
     from lightning_vram.records.strategy import MAX_WORLD_SIZE
 
     try:
@@ -403,6 +403,7 @@ def _check_plan_syntax(arguments: argparse.Namespace) -> None:
             check_count(count, "--gpus", MAX_WORLD_SIZE, "hold ints")
         check_count(arguments.nodes, "--nodes", MAX_WORLD_SIZE)
         check_count(arguments.global_batch, "--global-batch", 10**9)
+        check_split(arguments.global_batch, arguments.gpus or (), "--global-batch")
         if not 0 < arguments.budget < 86_400:  # NaN fails too
             raise PlanInputError(f"--budget must be a number of seconds > 0 and under a day, got {arguments.budget!r}")
     except PlanInputError as error:

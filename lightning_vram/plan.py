@@ -33,6 +33,7 @@ from lightning_vram.advice.checkpointing import checkpoint_candidates
 from lightning_vram.measure.setup import checkpointing_switches
 from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.plan_inputs import PlanGpu, PlanInputError, resolve_batch, resolve_gpus
+from lightning_vram.plan_syntax import check_split
 from lightning_vram.predict import REPLAYED_PRECISIONS, _replay_device
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.containment.escapes import round_of_replays
@@ -68,8 +69,9 @@ META_AUTOCAST = (
 """Why a plan for a module on the meta device leaves the mixed precisions out."""
 SINGLE = "single"
 """The strategy of one GPU: no process group."""
-MULTI_GPU_STRATEGIES = ("ddp", "fsdp2", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
-"""The strategies a plan tries on more than one GPU by default (``fsdp``: FSDP1 with FULL_SHARD)."""
+MULTI_GPU_STRATEGIES = ("ddp", "fsdp2", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+"""The strategies a plan tries on more than one GPU by default (``fsdp``: FSDP1 with FULL_SHARD). ZeRO-1 is not
+ZeRO-2 with more memory: under accumulation it reduces once a window where ZeRO-2 reduces every micro-batch."""
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
 """How many GPUs a plan tries by default."""
 MAX_WORLD_SIZE = 1024
@@ -160,7 +162,9 @@ def plan(
         checkpointing: activation checkpointing off, on (the plan the advice would print: the module's own switch
             for a transformers model), or both.
         global_batch: samples per optimizer step over every rank; each rank takes its share, as large micro-batches
-            as fit with the accumulation that keeps it. ``None``: each rank the batch's own size.
+            as fit with the accumulation that keeps it (a world size it does not split over is left out; a multiple
+            of one of them, and a batch with a batch dimension, are required). ``None``: each rank the batch's own
+            size.
         cuda_context_bytes: what each card keeps outside the caching allocator (the CUDA context, libraries), bytes.
         budget_seconds: host seconds for the whole plan: configurations not reached are listed in ``left_out``.
         device_type: ``"cuda"`` (replayed on fake CUDA tensors where torch is a CUDA build, else on the CPU, noted).
@@ -177,9 +181,14 @@ def plan(
     chosen_precisions = _check_precisions(precisions)
     modes = _check_checkpointing(checkpointing)
     _check_numbers(global_batch, cuda_context_bytes, budget_seconds)
+    check_split(global_batch, sizes)
     if not isinstance(module, nn.Module):
         raise PlanInputError(f"module must be a LightningModule, got {type(module).__name__}")
     batch, source = resolve_batch(module, batch, datamodule)
+    if global_batch is not None and batch_size_of(batch) is None:
+        raise PlanInputError(
+            f"global_batch must be None (unset) for a batch with no batch dimension to split, got {global_batch}"
+        )
     device, notes = _replay_device(device_type)
     if module_device(module).type == "meta":
         device, notes = torch.device("meta"), (META_NOTE,)
@@ -450,8 +459,6 @@ class _Planner:
         """Samples each rank takes per optimizer step (``None``: no batch dimension), or why the size cannot split."""
         if global_batch is None:
             return self.batch_size
-        if self.batch_size is None:
-            return "the batch has no batch dimension to split a global batch over"
         if global_batch % size:
             return f"a global batch of {global_batch} does not split over {size} GPUs"
         return global_batch // size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 MAX_BATCH_ELEMENTS = 2**28
 """The most elements one described tensor may have (1 GiB of float32): the zeros are real, on the CPU."""
@@ -29,7 +30,7 @@ DTYPE_NAMES: dict[str, str] = {
     "bool": "bool",
 }
 """The dtypes a batch description names, torch's names and their short forms, each with torch's attribute name."""
-_ITEM = re.compile(r"^(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)=)?(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9, ]*)\]$")
+_ITEM = re.compile(r"^(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)=)?(?P<dtype>[a-z0-9]+)\[(?P<dims>[^\[\]]*)\]$")
 BATCH_SYNTAX = "dtype[sizes] items separated by spaces, each optionally name=, e.g. 'float32[8,3,32,32] int64[8]'"
 """The batch description's syntax, as an error message names it."""
 MAX_GPU_BYTES = 2**50
@@ -49,6 +50,10 @@ def batch_items(text: str, argument: str = "batch") -> list[tuple[str | None, st
     Traceback (most recent call last):
     ...
     lightning_vram.plan_syntax.PlanInputError: --batch must be dtype[sizes] items ...; got ... no closing ']')
+    >>> batch_items("float32[-1,3]", "--batch")
+    Traceback (most recent call last):
+    ...
+    lightning_vram.plan_syntax.PlanInputError: --batch must give sizes as integers >= 1; got '-1' in 'float32[-1,3]'
     """
     shown = text if len(text) <= 200 else text[:199] + "…"
     tokens = re.findall(r"[^\s\[]+\[[^\]]*\]|\S+", text)
@@ -66,8 +71,9 @@ def batch_items(text: str, argument: str = "batch") -> list[tuple[str | None, st
                 f"{argument} must name a dtype of {', '.join(DTYPE_NAMES)}; got {match['dtype']!r} in {shown!r}"
             )
         sizes = [part.strip() for part in match["dims"].split(",")] if match["dims"].strip() else []
-        if any(not size.isdigit() or int(size) < 1 for size in sizes):
-            raise PlanInputError(f"{argument} must give sizes as integers >= 1; got {token!r} in {shown!r}")
+        bad = next((size for size in sizes if not (size.isascii() and size.isdigit()) or int(size) < 1), None)
+        if bad is not None:
+            raise PlanInputError(f"{argument} must give sizes as integers >= 1; got {bad!r} in {token!r}")
         shape = tuple(int(size) for size in sizes)
         if math.prod(shape) > MAX_BATCH_ELEMENTS:
             raise PlanInputError(
@@ -107,3 +113,18 @@ def check_count(value: int | None, argument: str, most: int, must: str = "be an 
     """
     if value is not None and not 1 <= value <= most:
         raise PlanInputError(f"{argument} must {must} from 1 to {most}, got {value!r}")
+
+
+def check_split(global_batch: int | None, world_sizes: Sequence[int], argument: str = "global_batch") -> None:
+    """A global batch that some GPU count planned for splits evenly: each rank takes an equal share, in samples.
+
+    A count it does not split over is left out of the plan (and says so); none at all is a bad argument.
+
+    >>> check_split(10, [4])
+    Traceback (most recent call last):
+    ...
+    lightning_vram.plan_syntax.PlanInputError: global_batch must be a multiple of a GPU count planned for (4), got 10
+    """
+    if global_batch is not None and world_sizes and all(global_batch % size for size in world_sizes):
+        counts = ", ".join(str(size) for size in world_sizes)
+        raise PlanInputError(f"{argument} must be a multiple of a GPU count planned for ({counts}), got {global_batch}")

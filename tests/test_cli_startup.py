@@ -126,10 +126,18 @@ QUICKSTART = f"{Path(__file__).resolve().parents[1] / 'examples' / 'quickstart.p
         (["--batch", "complex[4]"], "--batch must name a dtype of float32,"),
         (["--batch", "x=float32[4] int64[4]"], "--batch must name every tensor"),
         (["--batch", "int64[8,0]"], "--batch must give sizes as integers >= 1"),
+        (
+            ["--batch", "float32[-1,3,64,64]"],
+            "--batch must give sizes as integers >= 1; got '-1' in 'float32[-1,3,64,64]'\n",
+        ),
         (["--gpu", "1024"], "--gpu must give a GPU's memory as bytes from 1 MiB to 1 PiB, got 1024"),
         (["--gpus", "0"], "--gpus must hold ints from 1 to 1024, got 0"),
         (["--nodes", "0"], "--nodes must be an int from 1 to 1024, got 0"),
         (["--global-batch", "0"], "--global-batch must be an int from 1 to 1000000000, got 0"),
+        (
+            ["--global-batch", "10", "--gpus", "4"],
+            "--global-batch must be a multiple of a GPU count planned for (4), got 10\n",
+        ),
         (["--budget", "0"], "--budget must be a number of seconds > 0 and under a day, got 0.0"),
     ],
 )

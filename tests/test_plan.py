@@ -17,8 +17,9 @@ from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduc
 from lightning_vram.plan import ARITHMETIC_FIT, plan
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.reserved import run_settings
+from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.strategies.fsdp2 import META_SKIP
-from lightning_vram.records import ReplayedStep, in_phase_order
+from lightning_vram.records import RankStep, ReplayedStep, StrategySpec, in_phase_order
 from lightning_vram.records.plan import TABLE_ROWS, Plan
 from lightning_vram.units import MIB, format_bytes
 
@@ -35,15 +36,17 @@ def images(size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(size, 3, 32, 32), torch.zeros(size, dtype=torch.int64)
 
 
+QUICKSTART_SETTINGS: dict[str, object] = {
+    "gpus": ["T4", "H100 SXM"],
+    "world_sizes": (1, 2),
+    "strategies": ("ddp",),
+    "precisions": ("32-true",),
+    "checkpointing": (False,),
+}
+
+
 def quickstart_plan(**options: object) -> Plan:
-    settings: dict[str, object] = {
-        "gpus": ["T4", "H100 SXM"],
-        "world_sizes": (1, 2),
-        "strategies": ("ddp",),
-        "precisions": ("32-true",),
-        "checkpointing": (False,),
-    }
-    return plan(SmallCNN(), images(), **{**settings, **options})  # type: ignore[arg-type]
+    return plan(SmallCNN(), images(), **{**QUICKSTART_SETTINGS, **options})  # type: ignore[arg-type]
 
 
 def test_the_quickstart_at_one_and_two_gpus() -> None:
@@ -152,11 +155,21 @@ def test_the_table_reads_in_100_columns_and_the_json_has_every_row() -> None:
         ({"precisions": ("fp8",)}, "precisions must be of 32-true"),
         ({"global_batch": 0}, "global_batch must be None or an int from 1"),
         ({"nodes": 2, "world_sizes": (1, 2)}, r"world_sizes must be multiples of nodes \(2\), got 1"),
+        # No GPU count it splits over: nothing could be planned (a count it does not split over is left out).
+        (
+            {"global_batch": 10, "world_sizes": (4, 8)},
+            r"global_batch must be a multiple of a GPU count planned for \(4, 8\), got 10$",
+        ),
+        (
+            {"global_batch": 8, "batch": torch.zeros(())},
+            r"global_batch must be None \(unset\) for a batch with no batch",
+        ),
     ],
 )
 def test_a_bad_argument_fails_naming_it(options: dict[str, object], message: str) -> None:
+    batch = options.pop("batch", images())
     with pytest.raises(ValueError, match=message):
-        quickstart_plan(**options)
+        plan(SmallCNN(), batch, **{**QUICKSTART_SETTINGS, **options})  # type: ignore[arg-type]
 
 
 def test_a_rank_by_a_strategy_s_arithmetic_fits_by_its_peak_with_the_margin() -> None:
@@ -172,6 +185,20 @@ def test_a_rank_by_a_strategy_s_arithmetic_fits_by_its_peak_with_the_margin() ->
         gpus=[capacity - 4 * MIB], world_sizes=(2,), strategies=("deepspeed_stage_2",), cuda_context_bytes=0
     )
     assert smaller.rows[0].micro_batch != BATCH or not smaller.rows[0].fits
+
+
+def test_zero_1_is_planned_as_its_rank_predictor_gives_it() -> None:
+    # By default and by name (docs/planning.md lists it): a rank of 4 at the global batch of 2 x 64 samples.
+    assert "deepspeed_stage_1" in {row.strategy for row in quickstart_plan(gpus=["H100 SXM"], strategies=None).rows}
+    result = quickstart_plan(gpus=["H100 SXM"], world_sizes=(4,), strategies=("deepspeed_stage_1",))
+    (row,) = result.rows
+    assert (row.gpus, row.strategy, row.micro_batch, row.accumulation) == (4, "deepspeed_stage_1", BATCH, 1)
+    step = Predictor(SmallCNN(), None, images(), placement=torch.device("cpu"), warm_up=True, allocator=run_settings())
+    rank = predict_rank(step, StrategySpec("deepspeed_stage_1", 4))
+    assert isinstance(rank, RankStep) and rank.method == row.method
+    assert row.peak_bytes == rank.peak.peak_bytes
+    assert row.phases == tuple((phase.value, peak.peak_bytes) for phase, peak in in_phase_order(rank.phases))
+    assert row.fits and row.reserved_bytes is None  # ZeRO's arithmetic: fitted by its peak with the margin
 
 
 class WithExample(SmallCNN):
