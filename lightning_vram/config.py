@@ -183,7 +183,9 @@ class MonitorOptions(TypedDict, total=False):
         probe: read the device through this probe instead of the one that fits the device; for tests,
             see :class:`lightning_vram.testing.ScriptedProbe`.
         clock: the host clock step times and data wait are read from, in seconds; for tests, which script it
-            (the default is ``time.perf_counter``).
+            (the default is ``time.perf_counter``). Checked to be callable at construction but not called then (a
+            scripted clock, such as an iterator's ``__next__``, would lose a reading): one that returns no number
+            turns step timing off at the first step, with a warning that says so.
     """
 
     log_every_n_steps: int | None

@@ -77,3 +77,39 @@ def test_the_replay_of_a_sampled_step_is_neither_step_time_nor_data_wait() -> No
     assert summary.timed_steps == 5  # steps 1 to 5
     assert summary.data_wait_fraction == 0.2
     session.finish()
+
+
+def test_a_clock_that_returns_no_number_turns_timing_off_saying_so_and_is_not_called_at_construction() -> None:
+    # A clock is checked to be callable at construction, not called: a scripted clock would lose a reading.
+    calls = []
+
+    def clock() -> str:
+        calls.append(1)
+        return "x"
+
+    model = Classifier(linear_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = VramSession(console_summary=False, replay_budget_seconds=0, preflight=False, clock=clock)  # type: ignore[arg-type]
+    assert calls == []
+    session.start(model, [optimizer])
+
+    def train(steps: int) -> None:
+        for step, batch in enumerate(loader(dataset_for("linear"))):
+            if step == steps:
+                break
+            session.batch_start(batch)
+            loss = model.training_step(batch, step)
+            session.before_backward()
+            loss.backward()
+            session.before_optimizer_step()
+            optimizer.step()
+            optimizer.zero_grad()
+            session.batch_end()
+
+    refused = r"step timing failed with TypeError: clock must return seconds as a number, got 'x' \(str\)\. It is off"
+    with pytest.warns(UserWarning, match=refused):
+        train(3)
+    assert len(calls) == 1  # read once, refused: timing is off for the rest of the run, the steps went on
+    summary = session.summary()
+    assert (summary.timed_steps, summary.step_seconds_median) == (0, None)
+    session.finish()

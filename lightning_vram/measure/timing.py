@@ -47,8 +47,15 @@ class StepTimer:
         """Steps timed over the run (those that directly followed another batch)."""
 
     def batch_started(self) -> None:
-        """A training batch starts now."""
+        """A training batch starts now.
+
+        Raises:
+            TypeError: the clock's first reading of a stretch of batches is not a number of seconds (the guard turns
+                timing off with a warning that says so).
+        """
         now = self._clock()
+        if self._ended_at is None and not isinstance(now, (int, float)):  # once a stretch: the hot path stays cheap
+            raise TypeError(f"clock must return seconds as a number, got {now!r} ({type(now).__name__})")
         self._wait_seconds = now - self._ended_at if self._ended_at is not None else None
         self._started_at = now
 
