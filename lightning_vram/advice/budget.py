@@ -48,7 +48,11 @@ predictor's budget of seconds lasts; once a plan fits, a container modelled to s
 passed over. The stages' blocks with a stem come last, searched only where no plan of the others fits: a stem first
 in the greedy order would make every prefix recompute it, where blocks alone fit for less (a trial's ResNet at half
 its peak: the stem and five blocks instead of five blocks). A plan replayed for one container is not replayed again
-for another. Of the plans that fit, the one whose recomputation is predicted to take least time is chosen.
+for another. Of the plans that fit, those whose recomputation is predicted to take least time are the ones that
+recompute the same work as the cheapest (the same recomputed FLOPs and bytes moved) or are predicted within
+:data:`~lightning_vram.advice.cost_ties.COST_TOLERANCE` of it: the host's peaks, measured in the process, move with
+the machine's load. Of those, the lowest peak, then the fewest units, then the units' names: nothing the timing
+changes.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from lightning_vram.advice.checkpointing import (
     starts_inplace,
     unit_groups,
 )
+from lightning_vram.advice.cost_ties import Work, least_alike
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import serves_step
 from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks, measure_host_peaks, predict_step_time
@@ -124,7 +129,8 @@ class _Tried:
     """One replayed plan: whether it fits, its peak and allocated peak (bytes), its recomputed FLOPs and seconds.
 
     ``peak`` is as the budget counts it (reserved or live), ``allocated`` what the step's tensors hold. ``seconds``:
-    the recomputation's predicted time (``None``: not priced).
+    the recomputation's predicted time (``None``: not priced). ``work``: the recomputed ops' FLOPs and bytes moved
+    (``None``: not counted).
     """
 
     plan: CheckpointPlan
@@ -133,6 +139,7 @@ class _Tried:
     flops: int | None
     allocated: int
     seconds: float | None
+    work: Work | None = None
 
     @property
     def cost(self) -> float:
@@ -441,7 +448,8 @@ class _Probes:
                 plan = self.container.plan(set(whole), self.baseline_peak - peak, selective)
                 recomputed = self.search.recomputed(step)
                 seconds = self.search.seconds(step, sum(self.unit_ops[index] for index in whole))
-                self.tried[key] = _Tried(plan, fits, peak, recomputed, step.peak.peak_bytes, seconds)
+                work = None if step.work is None else (step.work.recomputed().flops, step.work.recomputed().bytes_moved)
+                self.tried[key] = _Tried(plan, fits, peak, recomputed, step.peak.peak_bytes, seconds, work)
         return self.tried[key]
 
     def lowest(self) -> _Tried | None:
@@ -589,7 +597,7 @@ def plan_for_budget(
             lowest = smallest
     if not fitting:
         return _nothing_fits(search, lowest, searched)
-    best, container, candidates = min(fitting, key=lambda item: (item[0].cost, item[0].peak))
+    best, container, candidates = _cheapest(fitting, search.peaks is not None)
     what, code = checkpoint_snippet(best.plan, context)
     kept = f" ({len(best.plan.selective)} selectively)" if best.plan.selective else ""
     least = "the least predicted recomputation time" if search.peaks is not None else "the fewest recomputed FLOPs"
@@ -617,6 +625,18 @@ def plan_for_budget(
         recompute_seconds=best.seconds,
         step_seconds=None if search.peaks is None or baseline.work is None else search.seconds_of(baseline),
         timed_on=None if search.peaks is None else search.peaks.name,
+    )
+
+
+def _cheapest(fitting: list[tuple[_Tried, _Container, int]], seconds: bool) -> tuple[_Tried, _Container, int]:
+    """Of the plans that fit, one of those recomputing least (see the module's doc), by peak, units, then names.
+
+    ``seconds``: the plans are priced in predicted seconds (else in FLOPs).
+    """
+    least = least_alike([tried.cost for tried, _, _ in fitting], [tried.work for tried, _, _ in fitting], seconds)
+    return min(
+        (fitting[index] for index in least),
+        key=lambda item: (item[0].peak, len(item[0].plan.units), item[0].plan.units, item[0].plan.selective),
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from lightning_vram.advice.budget import recomputation_seconds
 from lightning_vram.advice.checkpointing import recomputed_modules
+from lightning_vram.advice.cost_ties import Work, least_alike
 from lightning_vram.prediction.timing import DevicePeaks, calibrated, gpu_peaks, measure_host_peaks, predict_step_time
 from lightning_vram.prediction.timing.checkpoint_ops import measure_checkpoint_overhead
 from lightning_vram.records import (
@@ -101,11 +102,15 @@ def time_cost(
 class RecomputeCosts:
     """Replayed checkpointing plans' recomputation, priced alike.
 
-    ``values``: in predicted seconds a step where ``seconds``, else in recomputed FLOPs a step.
+    ``values``: in predicted seconds a step where ``seconds`` (the recomputed ops alone, on ``priced_on``: not
+    calibrated by the run's step time), else in recomputed FLOPs a step. ``work``: each plan's recomputed FLOPs and
+    bytes moved (``None``: not counted), what :meth:`least` holds alike.
     """
 
     values: tuple[float, ...]
     seconds: bool
+    work: tuple[Work | None, ...] = ()
+    priced_on: str | None = None
 
     def text(self, index: int) -> str:
         """Plan ``index``'s cost, with its unit.
@@ -116,6 +121,15 @@ class RecomputeCosts:
         value = self.values[index]
         return f"{1000 * value:.1f} ms" if self.seconds else f"{value / 1e9:.1f} GFLOPs"
 
+    def least(self) -> frozenset[int]:
+        """The plans that recompute as little as the cheapest (:func:`~lightning_vram.advice.cost_ties.least_alike`).
+
+        >>> sorted(RecomputeCosts((0.0120, 0.0100, 0.0103), True, ((9, 9), (5, 9), (6, 9))).least())
+        [1, 2]
+        """
+        work = self.work or (None,) * len(self.values)
+        return least_alike(self.values, work, self.seconds)
+
 
 def recompute_costs(
     steps: Sequence[ReplayedStep | None], baseline: ReplayedStep | None, device: DeviceInfo
@@ -125,20 +139,37 @@ def recompute_costs(
     Predicted seconds on ``device`` where every step's ops were counted and the device's peaks are known
     (:func:`~lightning_vram.advice.budget.recomputation_seconds`: the recomputed ops by the step-time model, on the
     CPU with checkpointing's own overhead an op, units checkpointed whole); else the FLOPs each step adds to
-    ``baseline``'s where all were counted; ``None`` where neither (a step missing).
+    ``baseline``'s where all were counted; ``None`` where neither (a step missing). With each, the work the step
+    recomputes (:func:`recomputed_work`).
     """
     if not steps or any(step is None for step in steps):
         return None
     replays = [step for step in steps if step is not None]
+    work = tuple(recomputed_work(step) for step in replays)
     if all(step.work is not None for step in replays):
         peaks = device_peaks(device, replays)
         if peaks is not None:
             overhead = measure_checkpoint_overhead(peaks.op_overhead_seconds) if device.type == "cpu" else None
             seconds = [recomputation_seconds(step, peaks, overhead) for step in replays]
-            return RecomputeCosts(tuple(value or 0.0 for value in seconds), True)
+            return RecomputeCosts(tuple(value or 0.0 for value in seconds), True, work, peaks.name)
     if baseline is None or baseline.flops is None or any(step.flops is None for step in replays):
         return None
-    return RecomputeCosts(tuple(float(max((step.flops or 0) - baseline.flops, 0)) for step in replays), False)
+    flops = tuple(float(max((step.flops or 0) - baseline.flops, 0)) for step in replays)
+    return RecomputeCosts(flops, False, work)
+
+
+def recomputed_work(step: ReplayedStep) -> Work | None:
+    """The FLOPs and bytes moved of ``step``'s recomputed ops (``None``: its ops were not counted).
+
+    >>> from lightning_vram.records import OpGroup, Phase, StepWork
+    >>> group = OpGroup(Phase.BACKWARD, "fp32", 100, 64, 2, recomputed=True, op="relu")
+    >>> recomputed_work(ReplayedStep("cpu", "32-true", 8, {}, (), 0, 0.0, work=StepWork((group,))))
+    (200, 128)
+    """
+    if step.work is None:
+        return None
+    recomputed = step.work.recomputed()
+    return (recomputed.flops, recomputed.bytes_moved)
 
 
 def cheapest_alike(
@@ -146,15 +177,18 @@ def cheapest_alike(
 ) -> VariantResult:
     """Of checkpointing ``variants`` (replayed, in the simulation's order) that save alike, the one advised.
 
-    The least recomputation (:func:`recompute_costs`), then the fewest recomputed modules, then the first: the order
-    the checkpointing advice breaks a tie in, so that its step time is its own plan's.
+    Of those that recompute least (:meth:`RecomputeCosts.least`: the same work, or predicted times within the
+    tolerance), the fewest recomputed modules, then the fewest units, then the first: the order the checkpointing
+    advice breaks a tie in, so that its step time is its own plan's.
     """
     costs = recompute_costs([variant.replayed for variant in variants], baseline, device)
+    least = costs.least() if costs is not None else frozenset(range(len(variants)))
 
-    def key(index: int) -> tuple[float, int, int]:
+    def key(index: int) -> tuple[bool, int, int, int]:
         change = variants[index].change
-        modules = recomputed_modules(change.plan) if isinstance(change, CheckpointChange) else 0
-        return (costs.values[index] if costs is not None else 0.0, modules, index)
+        plan = change.plan if isinstance(change, CheckpointChange) else None
+        modules = recomputed_modules(plan) if plan is not None else 0
+        return (index not in least, modules, len(plan.units) if plan is not None else 0, index)
 
     return variants[min(range(len(variants)), key=key)]
 

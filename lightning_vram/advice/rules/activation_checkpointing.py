@@ -18,14 +18,22 @@ Which replayed plan, exactly:
   the best saving. Two percent is twice the replay's own tolerance against a measured step (its baseline must match
   each part within 1%) and a fifth of what the rule asks of a plan: a plan recomputing a third less is worth more
   than the last sliver of the saving;
-- of them, the one whose recomputation is predicted to take least time, priced as the memory-budget search
+- of them, those whose recomputation is predicted to take least time, priced as the memory-budget search
   (``predict(memory_budget=...)``) prices it (:func:`~lightning_vram.advice.time_cost.recompute_costs`: the
   recomputed ops on the run's device, with the CPU's checkpointing overhead an op; the recomputed FLOPs where the
-  device's peaks are not known);
-- ties (the same cost, or none priced) go to the larger saving, then to the plan that recomputes the fewest modules,
-  then to the first in the simulation's order (the candidates by modelled saving, then the best one's trims). The
-  step time quoted is the advised plan's (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of
-  replayed peaks the same way).
+  device's peaks are not known). The host's peaks are measured in the run, so its load moves these times: plans that
+  recompute the same work (the same recomputed FLOPs and bytes moved) or are predicted within
+  :data:`~lightning_vram.advice.cost_ties.COST_TOLERANCE` (5%) of the least all recompute least
+  (:meth:`~lightning_vram.advice.time_cost.RecomputeCosts.least`), and the time does not choose between them;
+- of those, the larger saving, then the plan that recomputes the fewest modules, then the fewest units (segments),
+  then the first in the simulation's order (the candidates by modelled saving, then the best one's trims): nothing
+  the run's timing changes. The step time quoted is the advised plan's
+  (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of replayed peaks the same way).
+
+The evidence's recomputation figure is the ranking's: the recomputed ops alone, priced on the device's peaks, not
+calibrated by the run's step time. The advice's time cost is another figure, the whole step predicted with the
+change and scaled by the run's measured step time, less that step time (:mod:`~lightning_vram.advice.time_cost`);
+the evidence says which is which.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from lightning_vram.advice.checkpointing import (
     checkpoint_candidates,
     recomputed_modules,
 )
+from lightning_vram.advice.cost_ties import COST_TOLERANCE
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
 from lightning_vram.advice.savings import (
     Discarded,
@@ -140,8 +149,9 @@ def activation_checkpointing(
 class Choice:
     """The replayed plan advised, and how it was chosen.
 
-    ``saving``: its saving; of the ``alike`` plans (nearly the best saving) it is the one at ``index``, the cheapest
-    by ``costs`` (``None``: none priced); ``best`` (at ``best_index``): the largest saving.
+    ``saving``: its saving; of the ``alike`` plans (nearly the best saving) it is the one at ``index``, of those
+    that recompute least by ``costs`` (``None``: none priced) the one saving most; ``best`` (at ``best_index``): the
+    largest saving.
     """
 
     plan: CheckpointPlan
@@ -157,13 +167,21 @@ class Choice:
         """How it was chosen, in words (``""`` where no other plan saved alike).
 
         >>> saving = Saving(3, 10, 7, SavingBasis.SIMULATED, "")
-        >>> costs = RecomputeCosts((0.05, 0.08), True)
+        >>> costs = RecomputeCosts((0.05, 0.08), True, ((9, 9), (12, 9)), "this CPU (2 threads)")
         >>> choice = Choice(CheckpointPlan("n", (("n.a",),), None, 3), saving, 2, costs, 0, saving, 1)
-        >>> head, cost = choice.evidence.split(": ")
+        >>> head, cost = choice.evidence.split(": ", 1)
         >>> head
         '; of 2 replayed plans saving within 2.0% of the peak of the most (3 B), it recomputes least'
-        >>> cost
-        'predicted 50.0 ms a step, against 80.0 ms for the one saving most'
+        >>> import textwrap
+        >>> print(textwrap.fill(cost, 110))
+        predicted 50.0 ms a step, against 80.0 ms for the one saving most (recomputation alone, priced on this CPU (2
+        threads), not calibrated: the time cost is the whole step's with the change, calibrated by this run's measured
+        step time, less that time)
+        >>> alike = RecomputeCosts((0.05, 0.05), True, ((9, 9), (9, 9)), "this CPU (2 threads)")
+        >>> from dataclasses import replace
+        >>> tie = replace(choice, costs=alike).evidence
+        >>> "it saves most of the 2 that recompute least (the same recomputed FLOPs and bytes, or predicted" in tie
+        True
         """
         if self.alike < 2:
             return ""
@@ -178,8 +196,20 @@ class Choice:
             if self.index != self.best_index
             else ""
         )
-        predicted = "predicted " if self.costs.seconds else ""
-        return f"{head} recomputes least: {predicted}{self.costs.text(self.index)} a step{against}"
+        least = len(self.costs.least())
+        how = "recomputes least"
+        if least > 1:
+            tolerance = format_percent(COST_TOLERANCE)
+            within = f", or predicted within {tolerance} of the least" if self.costs.seconds else ""
+            how = f"saves most of the {least} that recompute least (the same recomputed FLOPs and bytes{within})"
+        if not self.costs.seconds:
+            return f"{head} {how}: {self.costs.text(self.index)} a step{against}"
+        where = self.costs.priced_on or "the device's peaks"
+        priced = (
+            f"recomputation alone, priced on {where}, not calibrated: the time cost is the whole step's with the"
+            " change, calibrated by this run's measured step time, less that time"
+        )
+        return f"{head} {how}: predicted {self.costs.text(self.index)} a step{against} ({priced})"
 
 
 def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> Choice | None:
@@ -214,10 +244,11 @@ def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simula
     steps = [replayed_step(simulation, CheckpointChange(plan)) for plan, _ in alike]
     costs = recompute_costs(steps, trusted(simulation), summary.device)
 
-    def key(index: int) -> tuple[float, int, int, int]:
+    least = costs.least() if costs is not None else frozenset(range(len(alike)))
+
+    def key(index: int) -> tuple[bool, int, int, int, int]:
         plan, saving = alike[index]
-        cost = costs.values[index] if costs is not None else 0.0
-        return (cost, -saving.saving_bytes, recomputed_modules(plan), index)
+        return (index not in least, -saving.saving_bytes, recomputed_modules(plan), len(plan.units), index)
 
     index = min(range(len(alike)), key=key)
     plan, saving = alike[index]
