@@ -227,6 +227,17 @@ def test_under_accumulation_without_a_replayed_first_micro_batch_there_is_no_ver
         f" micro-batch (a later one, with the optimizer step), B measured {format_bytes(measured)} on its first"
         " micro-batch (sampled step 2): not the same micro-batch, no verdict"
     ]
+    # Run A without accumulation: its prediction is of a whole step, said so.
+    plain = {
+        **older,
+        "simulation": {key: value for key, value in older["simulation"].items() if key != "accumulate_grad_batches"},
+    }
+    lines = [line for line in diff_lines(plain, after, tmp_path, capsys) if line.startswith("A's replay")]
+    assert lines == [
+        f"A's replay predicted {format_bytes(steady)} for {ADVISED_LABEL} on a step without gradient accumulation,"
+        f" B measured {format_bytes(measured)} on its first micro-batch (sampled step 2): not the same micro-batch,"
+        " no verdict"
+    ]
 
 
 def test_a_variants_first_micro_batch_survives_the_report_file(

@@ -503,6 +503,14 @@ def _first_predicted(variant: VariantResult) -> int | None:
     return max(replayed.reported_bytes(phase) for phase in replayed.window_first.values())
 
 
+def _steady(report: Report) -> str:
+    """Which step the report's replayed figures are of: a window's steady micro-batch, or a step not accumulating."""
+    window = report.simulation.accumulate_grad_batches if report.simulation is not None else 1
+    if window > 1:
+        return "on an accumulation window's steady micro-batch (a later one, with the optimizer step)"
+    return "on a step without gradient accumulation"
+
+
 def _difference(measured: int | None, predicted: int) -> str:
     """``(measured - predicted) / predicted`` as a signed percent ("n/a" where either is unknown or 0)."""
     return f"{(measured - predicted) / predicted:+.1%}" if predicted and measured is not None else "n/a"
@@ -537,9 +545,9 @@ def prediction_lines(before: Report, after: Report) -> list[str]:
             )
         else:
             lines.append(
-                f"A's replay predicted {format_bytes(predicted)} for {label} on an accumulation window's steady"
-                f" micro-batch (a later one, with the optimizer step), B measured {format_bytes(measured)} on its first"
-                f" micro-batch (sampled step {first_step}): not the same micro-batch, no verdict"
+                f"A's replay predicted {format_bytes(predicted)} for {label} {_steady(before)}, B measured"
+                f" {format_bytes(measured)} on its first micro-batch (sampled step {first_step}): not the same"
+                " micro-batch, no verdict"
             )
     return lines
 
