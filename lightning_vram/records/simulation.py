@@ -218,8 +218,9 @@ class ReplayedStep:
     window_first: dict[Phase, PhasePeak] | None = field(default=None, compare=False, repr=False)
     """Under gradient accumulation, the phases of the window's first micro-batch (its gradients set to ``None``
     before backward, no optimizer step), beside :attr:`phases`, a later micro-batch and the optimizer step, which hold
-    the most; kept in memory only, for the baseline's match of a sampled first micro-batch (``None``: no
-    accumulation, or read back from JSON)."""
+    the most: for the baseline's match of a sampled first micro-batch, and in JSON a change's (a variant's
+    ``window_first``), which ``lightning-vram diff`` sets against a run measuring a first micro-batch (``None``: no
+    accumulation, or a baseline read back from JSON, or a file written before variants kept it)."""
     window_first_timeline: StepTimeline | None = field(default=None, compare=False, repr=False)
     """Under gradient accumulation, the window's first micro-batch op by op (its gradients appear as backward makes
     them, none held before): what a sharded strategy's per-rank arithmetic reads (ZeRO-1/2's reduce buckets); kept in

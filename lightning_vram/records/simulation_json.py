@@ -65,9 +65,13 @@ def change_parameters(change: StepChange) -> dict[str, Any]:
 
 def replayed_phases_to_dict(step: ReplayedStep) -> dict[str, Any]:
     """A replayed step's phases: each one's predicted allocator peak and counted parts."""
+    return _phases_to_dict(step.phases)
+
+
+def _phases_to_dict(phases: dict[Phase, PhasePeak]) -> dict[str, Any]:
     return {
         phase.value: {"peak_bytes": peak.peak_bytes, "breakdown": breakdown_to_dict(peak.breakdown)}
-        for phase, peak in in_phase_order(step.phases)
+        for phase, peak in in_phase_order(phases)
     }
 
 
@@ -75,10 +79,13 @@ def variant_to_dict(variant: VariantResult, timeline: bool = False) -> dict[str,
     """One change tried by replay: its predicted peak (as the report measures peaks) and parts, or why discarded.
 
     With ``timeline``, also its memory op by op (``null`` where not recorded); without, the field is left out.
+    Under gradient accumulation, also the phases of the window's first micro-batch (``window_first``, beside
+    ``phases``, the steady one's): what a run measuring a first micro-batch is set against.
     """
     replayed = variant.replayed
     peak = replayed.reported_peak if replayed is not None and replayed.phases else None
     timelines = {"timeline": timeline_to_dict(replayed.timeline if replayed else None)} if timeline else {}
+    first = replayed.window_first if replayed is not None else None
     return {
         "change": variant.change.label,
         "kind": str(variant.change.kind),
@@ -88,6 +95,7 @@ def variant_to_dict(variant: VariantResult, timeline: bool = False) -> dict[str,
         "breakdown": breakdown_to_dict(peak.breakdown) if peak is not None else None,
         "phases": replayed_phases_to_dict(replayed) if replayed is not None else None,
         "discarded": variant.discarded,
+        **({"window_first": _phases_to_dict(first)} if first is not None else {}),
         **timelines,
     }
 
@@ -419,6 +427,7 @@ def _variant(data: Any, where: str, baseline: ReplayedStep) -> VariantResult:
         loss_activation_bytes=0,
         seconds=0.0,
         timeline=fields.added("timeline", timeline_from_dict, None),
+        window_first=_replayed_phases(fields, "window_first", step) if fields.has("window_first") else None,
     )
     return VariantResult(change, replayed, discarded)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lightning_vram.advice.rules.chunked_loss import LOSS_CHUNKS
 from lightning_vram.records import (
     CATEGORIES,
     Advice,
@@ -199,12 +200,17 @@ def _share(fraction: float | None) -> str:
 def _recomputed(report: Report) -> str | None:
     """How many units activation checkpointing recomputed in backward on the sampled step (``None``: not recorded).
 
-    With how many of them torch's selective checkpointing re-ran, where any did.
+    Each unit once, however many times it re-ran (a module called twice in forward is recomputed twice, and is one
+    unit); with how many of them torch's selective checkpointing re-ran, where any did, and how many recomputations
+    there were, where more than units.
     """
     units, selective = report.recomputed_units, report.selective_units
     if units is None:
         return None
-    return f"{len(units)} ({len(selective)} selectively)" if selective else str(len(units))
+    distinct = len(set(units))
+    notes = [f"{len(set(selective))} selectively"] if selective else []
+    notes += [f"recomputed {len(units)} times in all"] if len(units) > distinct else []
+    return f"{distinct} ({'; '.join(notes)})" if notes else str(distinct)
 
 
 def _strategy(report: Report) -> str | None:
@@ -298,19 +304,52 @@ def _reruns(recomputed: tuple[str, ...], unit: tuple[str, ...]) -> bool:
     return bool(recomputed) and _within(recomputed[0], unit[:1]) and all(_within(name, unit) for name in recomputed)
 
 
-def _selectively_rerun(plan: CheckpointPlan, before: Report, after: Report) -> frozenset[str] | None:
+def _added(before: Report, after: Report) -> list[tuple[str, ...]]:
+    """The units run ``after`` recomputed in backward and run ``before`` did not, each once, in ``after``'s order.
+
+    A module called more than once in forward (one pooling layer after every stage) is recomputed once per call, and
+    is still one unit.
+    """
+    already = set(before.recomputed_units or ())
+    return [unit for unit in dict.fromkeys(after.recomputed_units or ()) if unit not in already]
+
+
+def _chunked_head(before: Report, after: Report) -> tuple[str, ...] | None:
+    """The output layer run ``after`` recomputed once per chunk of A's chunked-loss advice (``None``: none).
+
+    The advice's printed function recomputes the output layer (its ``head``, called directly, no checkpointing
+    wrapper) once per chunk in backward, :data:`~lightning_vram.advice.rules.chunked_loss.LOSS_CHUNKS` chunks as
+    printed, so run ``after`` records it as one unit recomputed that many times. The advice names no module, so that
+    count is what tells the output layer from a checkpointed module called more than once in forward (a shared
+    dropout or pooling layer, recomputed once per call): a unit recomputed another number of times is not taken for
+    it, nor is any where ``before`` did not advise chunked-loss.
+    """
+    if not any(item.id is AdviceId.CHUNKED_LOSS for item in before.advice):
+        return None
+    recomputed = list(after.recomputed_units or ())
+    chunked = [unit for unit in _added(before, after) if recomputed.count(unit) == LOSS_CHUNKS]
+    return chunked[0] if len(chunked) == 1 else None
+
+
+def _selectively_rerun(
+    plan: CheckpointPlan, before: Report, after: Report, beside_chunks: bool = False
+) -> frozenset[str] | None:
     """The units of ``plan`` (by their first module) run ``after`` re-ran selectively; ``None``: not ``plan``'s units.
 
     Run ``after`` recomputed ``plan``'s units where it recomputed exactly those in backward, besides what ``before``
-    recomputed: one recomputation per unit, each the unit's own (a ``Checkpointed`` wrapper, a segment of
-    ``checkpoint_sequential``, a layer under a library's switch); ``None`` where ``after`` did not record them. A
+    recomputed (:func:`_added`, each unit once however many times it was called): one recomputation per unit, each
+    the unit's own (a ``Checkpointed`` wrapper, a segment of ``checkpoint_sequential``, a layer under a library's
+    switch); ``None`` where ``after`` did not record them. A
     report that does not record which units re-ran selectively (written before it did) is taken to have re-run
-    ``plan``'s.
+    ``plan``'s. Where run ``after`` also computed its loss in chunks (:func:`_chunked_head`), ``plan``'s prediction
+    is not of that step: ``None``, unless asked for ``plan``'s units ``beside_chunks`` (then ``None`` without them).
     """
     if after.recomputed_units is None:
         return None
-    already = before.recomputed_units or ()
-    added = [rerun for rerun in after.recomputed_units if rerun not in already]
+    head = _chunked_head(before, after)
+    if (head is not None) != beside_chunks:
+        return None
+    added = [unit for unit in _added(before, after) if unit != head]
     reruns = [next((rerun for rerun in added if _reruns(rerun, unit)), None) for unit in plan.units]
     if len(added) != len(plan.units) or any(rerun is None for rerun in reruns):
         return None
@@ -440,19 +479,76 @@ def _applied_variants(before: Report, after: Report) -> list[tuple[VariantResult
     ]
 
 
+def _first_micro_batch(report: Report) -> int | None:
+    """The step whose peak the report's is, where that step is an accumulation window's first micro-batch.
+
+    A report's peak is its sampled step's where only sampled steps are measured (the CPU's live peaks); under
+    gradient accumulation that step may be a window's first micro-batch (no gradients held before backward, no
+    optimizer step), which holds less than the steady one the replay's figures are of. ``None`` elsewhere.
+    """
+    match = report.simulation.match if report.simulation is not None else None
+    if match is None or not match.window_first or report.peak is None or report.peak.step != match.step:
+        return None
+    return match.step
+
+
+def _first_predicted(variant: VariantResult) -> int | None:
+    """The peak the variant's replay predicts for an accumulation window's first micro-batch (``None``: not kept).
+
+    As the report measures peaks; kept in reports written since variants record it (a variant's ``window_first``).
+    """
+    replayed = variant.replayed
+    if replayed is None or not replayed.window_first:
+        return None
+    return max(replayed.reported_bytes(phase) for phase in replayed.window_first.values())
+
+
+def _steady(report: Report) -> str:
+    """Which step the report's replayed figures are of: a window's steady micro-batch, or a step not accumulating."""
+    window = report.simulation.accumulate_grad_batches if report.simulation is not None else 1
+    if window > 1:
+        return "on an accumulation window's steady micro-batch (a later one, with the optimizer step)"
+    return "on a step without gradient accumulation"
+
+
+def _difference(measured: int | None, predicted: int) -> str:
+    """``(measured - predicted) / predicted`` as a signed percent ("n/a" where either is unknown or 0)."""
+    return f"{(measured - predicted) / predicted:+.1%}" if predicted and measured is not None else "n/a"
+
+
 def prediction_lines(before: Report, after: Report) -> list[str]:
     """For each change ``before``'s replay simulated that run ``after`` applied: the predicted and measured peaks.
 
-    The difference is ``(measured - predicted) / predicted``.
+    The difference is ``(measured - predicted) / predicted``. Like with like under gradient accumulation: the
+    replay's peak is the steady micro-batch's (a later one of the window, with the optimizer step); where B's peak
+    is of a window's first micro-batch (:func:`_first_micro_batch`), it is set against A's replay of a first
+    micro-batch (:func:`_first_predicted`), and where A's report does not hold one (written before it did), it
+    says that the micro-batches differ, with no verdict.
     """
     measured = _peak_bytes(after)
+    first_step = _first_micro_batch(after)
     lines = []
     for variant, predicted in _applied_variants(before, after):
-        difference = f"{(measured - predicted) / predicted:+.1%}" if predicted and measured is not None else "n/a"
-        lines.append(
-            f"A's replay predicted {format_bytes(predicted)} for {printable(variant.change.label)},"
-            f" B measured {format_bytes(measured)} (diff {difference})"
-        )
+        label = printable(variant.change.label)
+        first = _first_predicted(variant)
+        if first_step is None:
+            lines.append(
+                f"A's replay predicted {format_bytes(predicted)} for {label}, B measured {format_bytes(measured)}"
+                f" (diff {_difference(measured, predicted)})"
+            )
+        elif first is not None:
+            lines.append(
+                f"A's replay predicted {format_bytes(first)} for {label} on an accumulation window's first"
+                f" micro-batch ({format_bytes(predicted)} on the steady one, with the optimizer step), B measured"
+                f" {format_bytes(measured)} on its first micro-batch (sampled step {first_step})"
+                f" (diff {_difference(measured, first)})"
+            )
+        else:
+            lines.append(
+                f"A's replay predicted {format_bytes(predicted)} for {label} {_steady(before)}, B measured"
+                f" {format_bytes(measured)} on its first micro-batch (sampled step {first_step}): not the same"
+                " micro-batch, no verdict"
+            )
     return lines
 
 
@@ -513,8 +609,7 @@ def _unsimulated_lines(before: Report, after: Report, measured: int) -> list[str
     Without it the diff is silent on the change a user made (a plan from ``predict(memory_budget=...)``, units of
     several containers), and the only predicted figure left in sight is an advice's, easily taken for this one's.
     """
-    already = before.recomputed_units or ()
-    added = [unit for unit in after.recomputed_units or () if unit not in already]
+    added = _added(before, after)
     plans = (
         [variant.change.plan for variant in before.simulation.variants if isinstance(variant.change, CheckpointChange)]
         if before.simulation is not None
@@ -522,9 +617,28 @@ def _unsimulated_lines(before: Report, after: Report, measured: int) -> list[str
     )
     if not added or any(_selectively_rerun(plan, before, after) is not None for plan in plans):
         return []
-    lines, chunks = _chunked_loss_lines(before, added, measured)
+    lines, chunks = _chunked_loss_lines(before, after, measured)
     rest = [unit for unit in added if unit not in chunks]
-    if rest:
+    beside = (
+        [
+            (variant.change, predicted)
+            for variant in before.simulation.variants
+            if isinstance(variant.change, CheckpointChange)
+            and (predicted := _predicted_bytes(variant)) is not None
+            and _selectively_rerun(variant.change.plan, before, after, beside_chunks=True)
+            == frozenset(variant.change.plan.selective)
+        ]
+        if before.simulation is not None
+        else []
+    )
+    if rest and beside:
+        change, predicted = beside[0]
+        lines.append(
+            f"B recomputed {len(rest)} unit(s) in backward as A's {printable(change.label)} does, beside the chunked"
+            f" loss: A's replay predicted {format_bytes(predicted)} for that plan alone, none for both together: no"
+            f" verdict (B measured {format_bytes(measured)})"
+        )
+    elif rest:
         lines.append(
             f"B recomputed {len(rest)} unit(s) in backward that no checkpointing plan A's replay simulated: no"
             f" prediction to check (B measured {format_bytes(measured)})"
@@ -532,31 +646,26 @@ def _unsimulated_lines(before: Report, after: Report, measured: int) -> list[str
     return lines
 
 
-def _chunked_loss_lines(
-    before: Report, added: list[tuple[str, ...]], measured: int
-) -> tuple[list[str], list[tuple[str, ...]]]:
-    """Where ``before`` advised chunked-loss and run ``after`` recomputed one unit several times (``added``): say so.
+def _chunked_loss_lines(before: Report, after: Report, measured: int) -> tuple[list[str], list[tuple[str, ...]]]:
+    """Where ``before`` advised chunked-loss and run ``after`` recomputed the output layer once per chunk: say so.
 
-    The advice's printed function recomputes the output layer once per chunk in backward, so run ``after`` records it
-    as a unit recomputed as many times. Its saving was modelled (no replay applies it): set beside how far the peak
-    fell. Returns the lines and the units they account for.
+    That output layer is :func:`_chunked_head`. The advice's saving was modelled (no replay applies it): set beside
+    how far the peak fell. Returns the lines and the units they account for.
     """
     promised = next((item.estimated_saving_bytes for item in before.advice if item.id is AdviceId.CHUNKED_LOSS), None)
-    repeated = [unit for unit in dict.fromkeys(added) if added.count(unit) >= 2]
+    unit = _chunked_head(before, after)
     before_peak = _peak_bytes(before)
-    if promised is None or len(repeated) != 1 or before_peak is None:
+    if promised is None or unit is None or before_peak is None:
         return [], []
-    (unit,) = repeated
     fell = before_peak - measured
     outcome = (
         f"the peak fell {format_bytes(fell)} ({format_percent(fell / promised)} of it)"
         if fell > 0
         else f"the peak did not fall (B's is {format_bytes(-fell)} above A's)"
     )
-    chunks = added.count(unit)
     line = (
-        f"B recomputed {', '.join(unit)} {chunks} times in backward: A's {AdviceId.CHUNKED_LOSS.value} advice applied"
-        f" ({chunks} chunks); it promised about {format_bytes(promised)} (modelled), {outcome}"
+        f"B recomputed {', '.join(unit)} {LOSS_CHUNKS} times in backward: A's {AdviceId.CHUNKED_LOSS.value} advice"
+        f" applied ({LOSS_CHUNKS} chunks); it promised about {format_bytes(promised)} (modelled), {outcome}"
         f" (B measured {format_bytes(measured)})"
     )
     return [line], [unit]
@@ -569,8 +678,7 @@ def _unreplayed_lines(before: Report, after: Report, measured: int) -> list[str]
     modelled advice ("about 62.0 MiB (modelled)"), saved 47.5 MiB, and read "no checkpointing plan A's replay
     simulated", of a run whose step was never replayed.
     """
-    already = before.recomputed_units or ()
-    added = [unit for unit in after.recomputed_units or () if unit not in already]
+    added = _added(before, after)
     if not added:
         return []
     why = before.simulation.skipped if before.simulation is not None else "no replay in its report"
