@@ -6,6 +6,11 @@ must not rule the replay out. Each way a step may construct or create a class (i
 ``__post_init__``, a classmethod's ``cls(...)``, a class statement running ``__init_subclass__``, ``__set_name__`` and
 a metaclass) must still bring the code it runs into the walk: each case below pairs a step that constructs with one
 that does not, and the effect of the constructed class's code (it opens a file) is found in the first only.
+
+Only a module's construction is ever left out: the helpers here are modules. Other classes (a container subclass, a
+dataclass, a class of a user's metaclass) and every class's creation dunders are walked whether or not the step
+constructs them, as library code rebuilds and creates them where the walk cannot see (an attack found ten such ways:
+``dict.fromkeys``, ``apply_to_collection``, a ``defaultdict``'s factory, the enum functional API, ...).
 """
 
 from __future__ import annotations
@@ -57,10 +62,11 @@ class Stepping(nn.Module):
         """Nothing by default."""
 
 
-class Writes:
-    """A helper whose construction writes a file."""
+class Writes(nn.Module):
+    """A helper module whose construction writes a file."""
 
     def __init__(self, value: int = 0) -> None:
+        super().__init__()
         with open(LOG, "a") as log:
             log.write(f"{value}\n")
         self.value = value
@@ -123,8 +129,6 @@ def make_writer() -> Writes:
 
 HELD = Writes.__new__(Writes)
 HELD.value = 0
-HELD_REBUILT = Rebuilt.__new__(Rebuilt)
-HELD_REBUILT.value = 0
 PARTIAL = functools.partial(Writes, 2)
 
 
@@ -203,13 +207,42 @@ class UsesTheOrderedDict(Stepping):
         print(ORDERED.get("a"))
 
 
-CONSTRUCTING = [ByName, ByFactory, ByPartial, ByDeepcopy, ByPickle, HoldsTheClass, ReInitialises]
+class ThroughTypeCall(Stepping):
+    """An attack's: ``type(x).__call__()`` constructs the class of an object the step holds."""
+
+    def act(self) -> None:
+        type(HELD).__call__()
+
+
+class ThroughTheMro(Stepping):
+    def act(self) -> None:
+        type(HELD).mro()[0]()
+
+
+class ThroughANamedClassAttribute(Stepping):
+    """``getattr(x, "__class__")()``: the class read by a name held as a string."""
+
+    def act(self) -> None:
+        getattr(HELD, "__class__")()  # noqa: B009 -- the attack's spelling
+
+
+CONSTRUCTING = [
+    ByName,
+    ByFactory,
+    ByPartial,
+    ByDeepcopy,
+    ByPickle,
+    HoldsTheClass,
+    ReInitialises,
+    ThroughTypeCall,
+    ThroughTheMro,
+    ThroughANamedClassAttribute,
+]
 
 
 @pytest.mark.parametrize("case", CONSTRUCTING, ids=lambda case: case.__name__)
 def test_a_helper_constructed_in_the_step_has_its_init_walked(case: Callable[[], nn.Module]) -> None:
     assert effects(UsesHeld()) == []  # the helper's class is reached (its instance is), never constructed
-    assert effects(UsesTheOrderedDict()) == []
     assert effects(CopiesPlainly()) == []
     assert writer("Writes.__init__") in effects(case())
 
@@ -237,13 +270,16 @@ class ReadsADataclass(Stepping):
         print(POINT.x)
 
 
-def test_a_dataclass_s_post_init_is_walked_where_the_step_constructs_it() -> None:
-    assert effects(ReadsADataclass()) == []
+def test_a_container_subclass_or_a_dataclass_is_walked_whether_the_step_constructs_it_or_not() -> None:
+    """Library code rebuilds these (``dict.fromkeys``, ``apply_to_collection``, ``dataclasses.replace``)."""
+    assert writer("Writes.__init__") in effects(UsesTheOrderedDict())  # Ordered.__init__ constructs a Writes
+    assert writer("Point.__post_init__") in effects(ReadsADataclass())
     assert writer("Point.__post_init__") in effects(ConstructsADataclass())
 
 
-class Base:
+class Base(nn.Module):
     def __init__(self) -> None:
+        super().__init__()
         with open(LOG, "a") as log:
             log.write("base\n")
 
@@ -259,6 +295,7 @@ class Resets(Base):
 
 class DerivedWrites(Base):
     def __init__(self) -> None:
+        super().__init__()
         with open(LOG, "a") as log:
             log.write("derived\n")
 
@@ -344,18 +381,20 @@ class UsesClassesMadeAtImport(Stepping):
         print(Registered.field, Made)
 
 
-def test_a_class_created_in_the_step_has_its_creation_dunders_walked() -> None:
-    assert effects(UsesClassesMadeAtImport()) == []
+def test_creation_dunders_are_walked_whether_the_step_creates_a_class_or_not() -> None:
+    """The enum functional API, ``make_dataclass`` and a metaclass called with three arguments create classes."""
+    assert writer("Registry.__init_subclass__") in effects(UsesClassesMadeAtImport())
     found = effects(DefinesASubclass())
     assert writer("Registry.__init_subclass__") in found
     assert writer("Named.__set_name__") in found
     assert writer("Meta.__init__") in effects(DefinesAClassOfMeta())
 
 
-class Logged:
-    """A plain object whose ``__init__`` writes, copied by ``deepcopy`` through ``__new__`` (never its ``__init__``)."""
+class Logged(nn.Module):
+    """A module whose ``__init__`` writes, copied by ``deepcopy`` through ``__new__`` (never its ``__init__``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         with open(LOG, "a") as log:
             log.write("logged\n")
 
@@ -369,8 +408,8 @@ class HoldsAWriter(Stepping):
 
 
 def test_what_the_replay_s_own_copy_of_the_module_constructs_is_walked() -> None:
-    assert effects(HoldsAWriter(Logged.__new__(Logged))) == []
-    assert writer("Writes.__init__") in effects(HoldsAWriter(HELD_REBUILT))  # its __reduce__ calls Rebuilt
+    assert effects(HoldsAWriter(Logged())) == []
+    assert writer("Writes.__init__") in effects(HoldsAWriter(Rebuilt(0)))  # its __reduce__ calls Rebuilt
 
 
 class Unhashable(type):
@@ -382,8 +421,9 @@ class Unhashable(type):
     __hash__ = None  # type: ignore[assignment]
 
 
-class Opaque(metaclass=Unhashable):
+class Opaque(nn.Module, metaclass=Unhashable):
     def __init__(self) -> None:
+        super().__init__()
         with open(LOG, "a") as log:
             log.write("opaque\n")
 

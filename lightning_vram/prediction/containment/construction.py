@@ -1,10 +1,13 @@
 """Which classes the code a replay runs may construct, and so which of their construction dunders it may run.
 
 Python calls a class's ``__init__``, ``__new__`` (and a dataclass's ``__post_init__``) only when the class is
-constructed, and ``__init_subclass__``, ``__set_name__`` and a metaclass's ``__prepare__`` only when a class is
-created. A LightningModule whose ``__init__`` parses ``sys.argv`` or ``exec``s a configuration is never constructed by
-its training step: walking that ``__init__`` would refuse every replay of the run for code no replay runs. A class's
-construction dunders are in reach (:class:`Construction`) where:
+constructed. A LightningModule whose ``__init__`` parses ``sys.argv`` or ``exec``s a configuration is never constructed
+by its training step: walking that ``__init__`` would refuse every replay of the run for code no replay runs. Only a
+module's construction is left out (:data:`LEFT_OUT_ONLY_FOR`): other classes' instances are rebuilt by library code the
+walk does not read (``dict.fromkeys``, ``apply_to_collection``, a ``defaultdict``'s factory), and classes are created
+by it (the enum and dataclass functional APIs, a metaclass called with three arguments), so their construction and
+every class's creation dunders (``__init_subclass__``, ``__set_name__``, ``__prepare__``) are always walked. A
+module's construction dunders are in reach (:class:`Construction`) where:
 
 - the walk reaches the class as a value (a global or closure the code names, a class attribute, a
   ``functools.partial``'s function, an attribute of the module holding a class): code holding a class may call it;
@@ -15,7 +18,9 @@ construction dunders are in reach (:class:`Construction`) where:
 - walked code reads ``__init__`` or ``__new__`` through ``super()`` (a method's own class's bases);
 - walked code constructs classes the walk cannot name (:func:`constructions`, :data:`CONSTRUCTING`): ``type(x)(...)``,
   ``x.__class__(...)`` (where the class may be called: ``type(self).__name__``, ``x.__class__ is y.__class__`` or
-  ``isinstance(x, type(self))`` do not count), ``x.__init__(...)``, ``pickle.loads``, ``torch.load``,
+  ``isinstance(x, type(self))`` do not count), ``type(x).__call__()``, ``type(x).mro()[0]()``,
+  ``x.__class__.__subclasses__()``, a name of these held as a string (``getattr(x, "__class__")``),
+  ``x.__init__(...)``, ``pickle.loads``, ``torch.load``,
   ``dataclasses.replace`` or ``asdict``: every class's are in reach; where it only copies (``copy.copy``,
   ``copy.deepcopy``: :data:`COPYING`), every class's ``__new__``, and the whole construction of those a library base
   rebuilds by calling them.
@@ -89,6 +94,15 @@ CONSTRUCTING = frozenset(
 )
 """Modules and callables, by identity, that construct classes they are not named (``from copy import deepcopy as
 dc``, ``torch.load`` unpickling the user's classes): whatever name the code binds them to."""
+
+LEFT_OUT_ONLY_FOR = torch.nn.Module
+"""The classes whose construction dunders the walk leaves out where the step does not construct them: modules (a
+LightningModule's ``__init__`` reading ``sys.argv``), which no library rebuilds as it rebuilds containers and
+records."""
+
+CONSTRUCTING_NAMES = frozenset({"__init__", "__new__", "__class__", "__call__", "mro", "__subclasses__"})
+"""Attributes read (or names held as strings, for ``getattr``) through which code reaches a class it does not name
+and may call it: ``type(x).__call__()``, ``type(x).mro()[0]()``, ``x.__class__.__subclasses__()[0]()``."""
 
 CREATING = frozenset(map(id, (type, types.new_class)))
 """Callables, by identity, that create classes."""
@@ -273,6 +287,7 @@ def constructions(code: types.CodeType) -> Constructions:
             creates = creates or name == "new_class"
         elif instruction.opname in _ATTRIBUTE_READS:
             anything = anything or (name == "__class__" and _class_called(instructions, index))
+            anything = anything or name in ("__call__", "mro", "__subclasses__")
             copies = copies or name in COPYING_ATTRIBUTES
             creates = creates or name == "new_class"
             if name in ("__init__", "__new__"):
@@ -283,7 +298,7 @@ def constructions(code: types.CodeType) -> Constructions:
             own_class = own_class or name == "__class__"
         elif instruction.opname == "LOAD_BUILD_CLASS":
             creates = True
-    anything = anything or bool({"__init__", "__new__"} & {c for c in code.co_consts if isinstance(c, str)})
+    anything = anything or bool(CONSTRUCTING_NAMES & {c for c in code.co_consts if isinstance(c, str)})
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             inner = constructions(constant)
@@ -335,8 +350,14 @@ class Construction:
         return Construction(*known, self.anything, self.copies, self.creates, waiting)
 
     def in_reach(self, cls: type, name: str) -> bool:
-        """Whether ``cls``'s construction or creation dunder ``name`` may run."""
-        if self.anything:
+        """Whether ``cls``'s construction or creation dunder ``name`` may run.
+
+        Only a module's construction is ever left out (:data:`LEFT_OUT_ONLY_FOR`): other classes' instances are
+        rebuilt by library code the walk does not read (``dict.fromkeys``, ``apply_to_collection``, a
+        ``defaultdict``'s factory, the enum and dataclass functional APIs), so their construction and every class's
+        creation dunders are always in reach.
+        """
+        if self.anything or name in CREATION_DUNDERS or not issubclass(cls, LEFT_OUT_ONLY_FOR):
             return True
         copied = name in COPIED_DUNDERS and (self.copies or id(cls) in self.copied)
         if name in CREATION_DUNDERS:
