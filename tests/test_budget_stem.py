@@ -109,3 +109,24 @@ def test_a_stem_whose_modules_are_not_a_chain_is_not_replayed_as_one_unit() -> N
     assert "on the output of the module before it, which its caller does not pass it" in skipped.reason
     chain = Predictor(Classifier(StemNet(False)), None, first_batch(images(32), 32), placement=torch.device("cpu"))
     assert isinstance(chain.replay(CheckpointChange(CheckpointPlan("network", (STEMS[False],), None, 0))), ReplayedStep)
+
+
+class Reuses(StemNet):
+    """An attack's: the stem's convolution output used twice, once by its BatchNorm, once added back after its ReLU.
+
+    Each module still takes the output of the one before it; the unit's modules are a chain, but the caller uses an
+    output from inside the unit too: checkpointed as one unit, ``c`` would be the unit's output, another model.
+    """
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        c = self.conv1(inputs)
+        x = self.relu(self.bn1(c)) + c
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))  # type: ignore[no-any-return]
+
+
+def test_a_stem_whose_caller_uses_an_output_from_inside_the_unit_is_not_replayed_as_one_unit() -> None:
+    torch.manual_seed(1)
+    predictor = Predictor(Classifier(Reuses(False)), None, first_batch(images(32), 32), placement=torch.device("cpu"))
+    skipped = predictor.replay(CheckpointChange(CheckpointPlan("network", (STEMS[False],), None, 0, "network")))
+    assert isinstance(skipped, ReplaySkipped), "a plan that would train another model was replayed"

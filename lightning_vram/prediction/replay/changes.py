@@ -16,7 +16,7 @@ changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from torch import nn
 
@@ -44,7 +44,7 @@ class _CheckpointedCall(nn.Module):
     _lightning_vram_stands_for: ClassVar[str] = "first"
 
     def __init__(
-        self, first: nn.Module, rest: list[nn.Module], passing: dict[int, object], selective: bool = False
+        self, first: nn.Module, rest: list[nn.Module], passing: dict[int, tuple[_Link, Any]], selective: bool = False
     ) -> None:
         super().__init__()
         self._checkpoint = checkpoint_saving_matmuls if selective else checkpoint_keeping_buffers
@@ -68,10 +68,41 @@ class _CheckpointedCall(nn.Module):
         return output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The unit, under ``checkpoint_keeping_buffers(...)`` (``checkpoint_saving_matmuls`` where selective)."""
+        """The unit, under ``checkpoint_keeping_buffers(...)`` (``checkpoint_saving_matmuls`` where selective).
+
+        With modules after the first, what the caller gets is a :class:`_Link` to pass to the next module, which passes
+        on the next link, the last the unit's output: a caller using a module's output elsewhere too
+        (``c = self.conv1(x); x = self.relu(self.bn1(c)) + c``) meets a link where a tensor should be, and the replay
+        raises (the plan, which would train another model, is not replayed).
+        """
         output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
-        self._passing.update(dict.fromkeys(map(id, self._rest), output))
-        return output
+        if not self._rest:
+            return output
+        links = [_Link(type(module).__name__) for module in self._rest]
+        for module, link, passed in zip(self._rest, links, [*links[1:], output], strict=True):
+            self._passing[id(module)] = (link, passed)
+        return links[0]
+
+
+class _Link:
+    """What a checkpointed unit of several modules hands its caller for the next module: no tensor (a sentinel)."""
+
+    def __init__(self, next_module: str) -> None:
+        self.next_module = next_module
+
+    def __repr__(self) -> str:
+        return f"<the input of {self.next_module} in a checkpointed unit>"
+
+    def used(self, *_: object, **__: object) -> NoReturn:
+        """Any use but being passed to the next module: the caller does something between the unit's modules."""
+        raise ValueError(
+            f"the checkpointing plan runs {self.next_module} on the output of the module before it, which its caller"
+            " does not pass it (or uses elsewhere too)"
+        )
+
+    # Arithmetic says why; any other use fails as a non-tensor would (a TypeError, an AttributeError).
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __matmul__ = used
+    __rmatmul__ = __pow__ = __neg__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = used
 
 
 def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = False) -> None:
@@ -80,7 +111,7 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
     ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops.
     """
     modules = [_submodule(root, name, "the checkpointing plan") for name in names]
-    passing: dict[int, object] = {}
+    passing: dict[int, tuple[_Link, Any]] = {}
     parent_name, _, child = names[0].rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing, selective))
@@ -88,27 +119,27 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
         module.forward = _passing_once(module.forward, module, passing)
 
 
-_NOT_RUN = object()
+def _passing_once(
+    forward: Callable[..., Any], module: nn.Module, passing: dict[int, tuple[_Link, Any]]
+) -> Callable[..., Any]:
+    """``module``'s forward, but on the call after its unit ran it, taking its :class:`_Link` and passing on the next.
 
-
-def _passing_once(forward: Callable[..., Any], module: nn.Module, passing: dict[int, object]) -> Callable[..., Any]:
-    """``module``'s forward, but returning its input as it is on the call after its unit ran it.
-
-    That input must be the unit's output: the unit ran the modules one after the other on one tensor, and a parent
-    that does something else between them (``x = self.bn(self.conv(x) * 2)``) would train another model with the
-    plan; the replay raises (the plan is not replayed).
+    Its input must be that link: the unit ran the modules one after the other on one tensor, and a parent that does
+    something else between them (``x = self.bn(self.conv(x) * 2)``) would train another model with the plan; the
+    replay raises (the plan is not replayed).
     """
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        output = passing.pop(id(module), _NOT_RUN)
-        if output is _NOT_RUN:
+        waiting = passing.pop(id(module), None)
+        if waiting is None:
             return forward(*args, **kwargs)
-        if kwargs or len(args) != 1 or args[0] is not output:
+        link, passed = waiting
+        if kwargs or len(args) != 1 or args[0] is not link:
             raise ValueError(
                 f"the checkpointing plan runs {type(module).__name__} on the output of the module before it, which"
-                " its caller does not pass it"
+                " its caller does not pass it (or uses elsewhere too)"
             )
-        return args[0]
+        return passed
 
     return run
 
