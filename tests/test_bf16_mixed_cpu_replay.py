@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram import Report, VramMonitor
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
 from lightning_vram.records import LIVE_PEAK_PART
 
 # A replayed step against the sampled one.
@@ -152,3 +154,26 @@ def test_bf16_mixed_on_the_cpu_replays_every_phase_as_measured(tmp_path: Path, b
     assert match.matches and report.simulation.skipped is None
     assert report.simulation.variants  # the advice is simulated, not modelled
     assert all(variant.replayed is not None for variant in report.simulation.variants)
+
+
+def _norm_outputs(x: torch.Tensor, weight: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """Each output's dtype and shape: GroupNorm's forward and backward, LayerNorm's and BatchNorm's forward."""
+    aten = torch.ops.aten
+    group = aten.native_group_norm(x, weight, weight, 4, 8, 16, 2, 1e-5)
+    backward = aten.native_group_norm_backward(x, x, group[1], group[2], weight, 4, 8, 16, 2, [True, True, True])
+    layer = aten.native_layer_norm(x, [4], weight[:4], weight[:4], 1e-5)
+    batch = aten.native_batch_norm(x, weight, weight, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)
+    return [(tensor.dtype, tuple(tensor.shape)) for tensor in (*group, *backward, *layer, *batch)]
+
+
+def test_mixed_type_norms_replay_with_the_real_kernels_dtypes() -> None:
+    real = _norm_outputs(torch.randn(4, 8, 4, 4, dtype=torch.bfloat16), torch.randn(8))
+    # The real kernels: float32 statistics (outputs 1, 2, 7, 8, 10, 11), GroupNorm's input gradient in bfloat16 (3).
+    assert [real[index][0] for index in (1, 2, 7, 8, 10, 11)] == [torch.float32] * 6
+    assert real[3] == (torch.bfloat16, (4, 8, 4, 4))
+    with FakeTensorMode():
+        fake = _norm_outputs(torch.empty(4, 8, 4, 4, dtype=torch.bfloat16), torch.empty(8))
+    with FakeTensorMode(), MixedNormDtypes():
+        replayed = _norm_outputs(torch.empty(4, 8, 4, 4, dtype=torch.bfloat16), torch.empty(8))
+    assert fake[1][0] == fake[7][0] == torch.bfloat16 and fake[3][0] == torch.float32  # torch's fake kernels
+    assert replayed == real
