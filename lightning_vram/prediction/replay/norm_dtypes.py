@@ -6,7 +6,8 @@ dtype and return GroupNorm's input gradient in the input's dtype; the fake kerne
 statistics in the input's dtype, and a ``float32`` input gradient that autograd then casts back: a transient
 ``float32`` copy of every GroupNorm's input in backward (+5.7% of a small U-Net's backward live peak;
 docs/measurement.md). :class:`MixedNormDtypes` sits just above the fake mode and hands on the real kernels' dtypes.
-The CUDA kernels share the mixed-type rule; CUDA autocast runs these ops in ``float32``, where nothing changes.
+On CUDA the same rule is applied (not checked on a GPU): CUDA autocast runs GroupNorm and LayerNorm in ``float32``
+(torch's autocast op lists), so there only a mixed-type BatchNorm's two per-channel statistics change.
 """
 
 from __future__ import annotations
