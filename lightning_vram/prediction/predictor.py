@@ -50,6 +50,7 @@ from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
+from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
 from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
@@ -403,6 +404,7 @@ class Predictor:
                 with (
                     contained(held) as held_containment,
                     mode,
+                    MixedNormDtypes(),
                     without_collectives(),
                     Deadline(deadline),
                     values,

@@ -1,7 +1,10 @@
 """Lightning's precision settings as a replay applies them: autocast around ``training_step``, or a cast model.
 
 As Lightning's plugins do: ``*-mixed`` runs the training step under ``torch.autocast`` on the device type (backward
-and the optimizer outside it); ``*-true`` casts the module's floating parameters and buffers, the batch's floating
+and the optimizer outside it), with autocast's weight cache off as the Trainer's ``MixedPrecision`` plugin has it
+(``cache_enabled=False``: each op casts the weights it uses, and a cast no op saved for backward is freed at once,
+where the cache would hold it until the training step returns, and share it between the calls of a module used
+twice; docs/measurement.md); ``*-true`` casts the module's floating parameters and buffers, the batch's floating
 tensors, and makes the dtype the default while the training step runs. ``16-mixed`` replays without the gradient
 scaler: its few scalar tensors do not change the counted parts.
 """
@@ -17,16 +20,23 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+AUTOCAST_CACHE = False
+"""Whether the replay's autocast caches cast weights: off, as in ``lightning.pytorch``'s ``MixedPrecision`` plugin
+(``torch.autocast(device, dtype=dtype, cache_enabled=False)``), on the CPU and on CUDA alike."""
+
 
 @contextlib.contextmanager
 def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
     """CUDA's autocast for fake CUDA tensors without a CUDA device, which ``torch.autocast("cuda")`` turns off.
 
-    ``torch.autocast`` disables itself there ("CUDA is not available"); this sets what its ``__enter__`` sets.
+    ``torch.autocast`` disables itself there ("CUDA is not available"); this sets what its ``__enter__`` sets,
+    the weight cache off included (:data:`AUTOCAST_CACHE`).
     """
     enabled, previous_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_enabled("cuda", True)
     torch.set_autocast_dtype("cuda", dtype)
+    torch.set_autocast_cache_enabled(AUTOCAST_CACHE)
     torch.autocast_increment_nesting()
     try:
         yield
@@ -35,6 +45,7 @@ def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
             torch.clear_autocast_cache()
         torch.set_autocast_enabled("cuda", enabled)
         torch.set_autocast_dtype("cuda", previous_dtype)
+        torch.set_autocast_cache_enabled(cache)
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ class PrecisionPlan:
                 with _fake_cuda_autocast(self.autocast_dtype):
                     yield
                 return
-            with torch.autocast(device_type, dtype=self.autocast_dtype):
+            with torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=AUTOCAST_CACHE):
                 yield
         elif self.true_dtype is not None:
             previous = torch.get_default_dtype()
