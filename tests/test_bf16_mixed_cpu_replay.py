@@ -177,3 +177,45 @@ def test_mixed_type_norms_replay_with_the_real_kernels_dtypes() -> None:
         replayed = _norm_outputs(torch.empty(4, 8, 4, 4, dtype=torch.bfloat16), torch.empty(8))
     assert fake[1][0] == fake[7][0] == torch.bfloat16 and fake[3][0] == torch.float32  # torch's fake kernels
     assert replayed == real
+
+
+class TwiceLinear(nn.Module):
+    """One Linear called twice: under autocast's weight cache its bf16 weight is cast once and held through the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 4)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.linear(torch.relu(self.linear(inputs)))))  # type: ignore[no-any-return]
+
+
+def test_a_plain_loop_s_own_autocast_caches_its_weights_and_the_replay_does_too(tmp_path: Path) -> None:
+    """A plain loop's ``torch.autocast`` keeps torch's default cache on, unlike the Trainer's plugin: a replay with the
+    cache off cast the Linear's weight twice and freed each cast at once, where the step held one (backward replayed
+    1,075,880 B for 814,764 measured). Here the user's autocast spans the session's calls, and so the replay: the
+    replay ran under it and left its fake casts in autocast's cache ("24 fake tensor(s) of the replay are still held
+    outside it"); it now runs outside the user's autocast, under its own precision plan."""
+    from models import Classifier
+    from sessions import train_steps
+
+    from lightning_vram import VramSession
+
+    torch.manual_seed(0)
+    module = Classifier(TwiceLinear())
+    optimizer = module.configure_optimizers()
+    data = loader(TensorDataset(torch.randn(64, 256), torch.randint(0, 4, (64,))), batch_size=16)
+    session = VramSession(log_dir=tmp_path, attribution_start_step=1, attribution_every_n_steps=None)
+    session.start(module, optimizers=[optimizer], dataloader=data, precision="bf16-mixed")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the user's own: forward and backward both inside, cache on
+        train_steps(session, module, optimizer, data, 3)
+    session.finish()
+    report = session.report
+    assert report is not None and report.simulation is not None and report.simulation.match is not None
+    match = report.simulation.match
+    live = {
+        part.phase: (part.measured_bytes, part.replayed_bytes) for part in match.parts if part.part == LIVE_PEAK_PART
+    }
+    print({phase.value: figures for phase, figures in live.items()})
+    assert match.matches and report.simulation.skipped is None, live

@@ -22,7 +22,7 @@ import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
-from lightning_vram.prediction.replay.precision import PrecisionPlan, precision_plan
+from lightning_vram.prediction.replay.precision import PrecisionPlan, outside_autocast, precision_plan
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
 from lightning_vram.prediction.replay.simulation import simulate
@@ -155,6 +155,10 @@ class Predictor:
             timeline and FLOPs). Every later micro-batch of a window holds what the second holds (the same forward
             pass, the same gradients alive, the same accumulation) and only the window's last adds the optimizer
             step: so the two and the step give the window's highest figure of each phase, at any ``accumulate``.
+        autocast_cache: whether a ``*-mixed`` step's autocast caches its cast weights, as the run's precision plugin
+            has it: off under a Trainer's ``MixedPrecision`` (``cache_enabled=False``), on under Fabric's, FSDP's and
+            a plain loop's ``torch.autocast`` (torch's default). With the cache on, a cast weight is held until the
+            training step returns and shared between the calls of a module used twice.
     """
 
     def __init__(
@@ -181,11 +185,13 @@ class Predictor:
         strategy: StrategyBuffers | None = None,
         shard: Callable[[nn.Module], None] | None = None,
         accumulate: int = 1,
+        autocast_cache: bool = False,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
         self.batch = batch
         self.precision = precision
+        self.autocast_cache = autocast_cache
         self.device = device or placement or module_device(module)
         """The device whose memory is counted."""
         self.placement = placement
@@ -356,6 +362,7 @@ class Predictor:
         started = time.perf_counter()
         try:
             plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else self.precision)
+            plan = replace(plan, autocast_cache=self.autocast_cache)
         except ValueError as error:
             return ReplaySkipped(str(error))
         scope = self._refusal()
@@ -389,7 +396,8 @@ class Predictor:
         frames = CheckpointFrames()
         run.checkpoint_frames = frames.recorded
         try:
-            with isolated(), contained(scope.reach) as containment, frames:  # configure_optimizers is user code too
+            # configure_optimizers is user code too
+            with outside_autocast(), isolated(), contained(scope.reach) as containment, frames:
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 register(mode)
                 twin = make_twin(

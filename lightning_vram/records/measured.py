@@ -327,6 +327,18 @@ class TrainingSetup:
     loop: TrainingLoop = TrainingLoop.LIGHTNING
     """What trains the model (a Trainer, a plain loop, Fabric): the advice's code is written for it."""
 
+    @property
+    def autocast_caches(self) -> bool:
+        """Whether a ``*-mixed`` step's autocast caches its cast weights, as the run's precision plugin has it.
+
+        Off under a Trainer's ``MixedPrecision`` plugin (``cache_enabled=False``); on under a Trainer's FSDP plugin,
+        Fabric's plugins and a plain loop's own ``torch.autocast`` (torch's default).
+
+        >>> TrainingSetup("bf16-mixed", True, 1, (), None, None, 1, 1, "FSDPStrategy", 0, ()).autocast_caches
+        True
+        """
+        return self.loop is not TrainingLoop.LIGHTNING or self.strategy == "FSDPStrategy"
+
 
 @dataclass(frozen=True)
 class RunSummary:

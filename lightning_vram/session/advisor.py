@@ -224,6 +224,7 @@ class Advisor:
             compute_capability=device.compute_capability,
             strategy=strategy,
             accumulate=training.accumulate_grad_batches,
+            autocast_cache=training.autocast_caches,
         )
         if isinstance(sharding, LiveSharding):
             return RankReplays(predictor, sharding.spec, sharding.settings, context.rank, sharding.units)
@@ -333,6 +334,7 @@ class Advisor:
                 measured=measured,
                 strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
                 accumulate=training.accumulate_grad_batches,
+                autocast_cache=training.autocast_caches,
             )
             return try_changes(predictor, run, training, context.rank)
 
@@ -387,6 +389,7 @@ class Advisor:
             released_late=released_late,
             compute_capability=run.device.compute_capability,
             accumulate=training.accumulate_grad_batches,
+            autocast_cache=training.autocast_caches,
         )
         replays = RankReplays(predictor, sharding.spec, sharding.settings, self._context.rank, sharding.units)
         return try_rank_changes(replays, run, training)

@@ -1,11 +1,12 @@
 """Lightning's precision settings as a replay applies them: autocast around ``training_step``, or a cast model.
 
 As Lightning's plugins do: ``*-mixed`` runs the training step under ``torch.autocast`` on the device type (backward
-and the optimizer outside it), with autocast's weight cache off as the Trainer's ``MixedPrecision`` plugin has it
-(``cache_enabled=False``: each op casts the weights it uses, and a cast no op saved for backward is freed at once,
-where the cache would hold it until the training step returns, and share it between the calls of a module used
-twice; docs/measurement.md); ``*-true`` casts the module's floating parameters and buffers, the batch's floating
-tensors, and makes the dtype the default while the training step runs. ``16-mixed`` replays without the gradient
+and the optimizer outside it), with autocast's weight cache as the run's plugin has it (off under the Trainer's
+``MixedPrecision``, ``cache_enabled=False``: each op casts the weights it uses, and a cast no op saved for backward is
+freed at once; on under Fabric's, FSDP's and a plain ``torch.autocast``, where the cache holds a cast weight until the
+training step returns and shares it between the calls of a module used twice; docs/measurement.md); ``*-true``
+casts the module's floating parameters and buffers, the batch's floating tensors, and makes the dtype the default
+while the training step runs. ``16-mixed`` replays without the gradient
 scaler: its few scalar tensors do not change the counted parts.
 """
 
@@ -20,23 +21,19 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-AUTOCAST_CACHE = False
-"""Whether the replay's autocast caches cast weights: off, as in ``lightning.pytorch``'s ``MixedPrecision`` plugin
-(``torch.autocast(device, dtype=dtype, cache_enabled=False)``), on the CPU and on CUDA alike."""
-
 
 @contextlib.contextmanager
-def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+def _fake_cuda_autocast(dtype: torch.dtype, cache: bool) -> Iterator[None]:
     """CUDA's autocast for fake CUDA tensors without a CUDA device, which ``torch.autocast("cuda")`` turns off.
 
     ``torch.autocast`` disables itself there ("CUDA is not available"); this sets what its ``__enter__`` sets,
-    the weight cache off included (:data:`AUTOCAST_CACHE`).
+    the weight cache (``cache``) included.
     """
     enabled, previous_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    cache = torch.is_autocast_cache_enabled()
+    cached = torch.is_autocast_cache_enabled()
     torch.set_autocast_enabled("cuda", True)
     torch.set_autocast_dtype("cuda", dtype)
-    torch.set_autocast_cache_enabled(AUTOCAST_CACHE)
+    torch.set_autocast_cache_enabled(cache)
     torch.autocast_increment_nesting()
     try:
         yield
@@ -45,7 +42,32 @@ def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
             torch.clear_autocast_cache()
         torch.set_autocast_enabled("cuda", enabled)
         torch.set_autocast_dtype("cuda", previous_dtype)
-        torch.set_autocast_cache_enabled(cache)
+        torch.set_autocast_cache_enabled(cached)
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+"""The device types whose autocast a replay turns off around itself."""
+
+
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """The replay outside any autocast of the user's that spans it: its own precision plan says what runs under it.
+
+    A plain loop's ``torch.autocast`` may span the whole step, the session's calls (and so the replay) included.
+
+    Autocast's weight cache is emptied after a replay that ran inside the user's autocast (the replay's fake casts
+    would be kept there; the user's own casts are made again as they are needed, the same values).
+    """
+    enabled = {device: torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES}
+    for device in AUTOCAST_DEVICES:
+        torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        for device, was in enabled.items():
+            torch.set_autocast_enabled(device, was)
+        if any(enabled.values()):
+            torch.clear_autocast_cache()
 
 
 @dataclass(frozen=True)
@@ -55,16 +77,20 @@ class PrecisionPlan:
     name: str
     autocast_dtype: torch.dtype | None = None
     true_dtype: torch.dtype | None = None
+    autocast_cache: bool = False
+    """Whether autocast caches cast weights: off as the Trainer's ``MixedPrecision`` plugin runs it, on as Fabric's,
+    FSDP's and a plain ``torch.autocast`` do (:class:`~lightning_vram.prediction.predictor.Predictor`'s
+    ``autocast_cache``)."""
 
     @contextlib.contextmanager
     def forward_context(self, device_type: str) -> Iterator[None]:
         """Around ``training_step``: autocast, or the true dtype as the default dtype."""
         if self.autocast_dtype is not None:
             if device_type == "cuda" and not torch.cuda.is_available():
-                with _fake_cuda_autocast(self.autocast_dtype):
+                with _fake_cuda_autocast(self.autocast_dtype, self.autocast_cache):
                     yield
                 return
-            with torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=AUTOCAST_CACHE):
+            with torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=self.autocast_cache):
                 yield
         elif self.true_dtype is not None:
             previous = torch.get_default_dtype()
