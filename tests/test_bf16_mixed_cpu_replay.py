@@ -16,11 +16,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import loader, trainer
+from models import Classifier, loader, trainer
+from sessions import train_steps
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_vram import Report, VramMonitor
+from lightning_vram import Report, VramMonitor, VramSession
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
 from lightning_vram.records import LIVE_PEAK_PART
@@ -131,6 +132,20 @@ def _same_state(first: dict[str, Any], second: dict[str, Any]) -> bool:
     return True
 
 
+def assert_every_phase_replayed_as_measured(report: Report) -> None:
+    """Each phase's replayed live peak within the match's tolerance of the sampled step's (printed), the match held."""
+    assert report.simulation is not None and report.simulation.match is not None
+    match = report.simulation.match
+    live = {
+        part.phase: (part.measured_bytes, part.replayed_bytes) for part in match.parts if part.part == LIVE_PEAK_PART
+    }
+    print({phase.value: figures for phase, figures in live.items()})
+    assert len(live) == 3
+    for measured, replayed in live.values():
+        assert abs(replayed - measured) <= match.tolerance * measured, live
+    assert match.matches and report.simulation.skipped is None
+
+
 @pytest.mark.parametrize("build", [_unet, _gan], ids=["unet", "gan"])
 def test_bf16_mixed_on_the_cpu_replays_every_phase_as_measured(tmp_path: Path, build: Any) -> None:
     plain = _fit(tmp_path / "plain", build, monitored=False)
@@ -142,16 +157,8 @@ def test_bf16_mixed_on_the_cpu_replays_every_phase_as_measured(tmp_path: Path, b
     assert all(_same_state(a, b) for a, b in zip(plain.optimizers, monitored.optimizers, strict=True))
 
     report = monitored.report
-    assert report is not None and report.simulation is not None and report.simulation.match is not None
-    match = report.simulation.match
-    live = {
-        part.phase: (part.measured_bytes, part.replayed_bytes) for part in match.parts if part.part == LIVE_PEAK_PART
-    }
-    print({phase.value: figures for phase, figures in live.items()})
-    assert len(live) == 3
-    for measured, replayed in live.values():
-        assert abs(replayed - measured) <= match.tolerance * measured
-    assert match.matches and report.simulation.skipped is None
+    assert report is not None
+    assert_every_phase_replayed_as_measured(report)
     assert report.simulation.variants  # the advice is simulated, not modelled
     assert all(variant.replayed is not None for variant in report.simulation.variants)
 
@@ -197,11 +204,6 @@ def test_a_plain_loop_s_own_autocast_caches_its_weights_and_the_replay_does_too(
     1,075,880 B for 814,764 measured). Here the user's autocast spans the session's calls, and so the replay: the
     replay ran under it and left its fake casts in autocast's cache ("24 fake tensor(s) of the replay are still held
     outside it"); it now runs outside the user's autocast, under its own precision plan."""
-    from models import Classifier
-    from sessions import train_steps
-
-    from lightning_vram import VramSession
-
     torch.manual_seed(0)
     module = Classifier(TwiceLinear())
     optimizer = module.configure_optimizers()
@@ -211,11 +213,5 @@ def test_a_plain_loop_s_own_autocast_caches_its_weights_and_the_replay_does_too(
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the user's own: forward and backward both inside, cache on
         train_steps(session, module, optimizer, data, 3)
     session.finish()
-    report = session.report
-    assert report is not None and report.simulation is not None and report.simulation.match is not None
-    match = report.simulation.match
-    live = {
-        part.phase: (part.measured_bytes, part.replayed_bytes) for part in match.parts if part.part == LIVE_PEAK_PART
-    }
-    print({phase.value: figures for phase, figures in live.items()})
-    assert match.matches and report.simulation.skipped is None, live
+    assert session.report is not None
+    assert_every_phase_replayed_as_measured(session.report)

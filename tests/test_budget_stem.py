@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from advice_models import apply_plan, images
-from models import Classifier
+from models import BasicBlock, Classifier
 from test_memory_budget import check_plan_within, first_batch, measured_peak
 from torch import nn
 
@@ -24,22 +24,6 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.records import CheckpointChange, CheckpointPlan, ReplayedStep, ReplaySkipped
 
 pytestmark = pytest.mark.replay  # predict() replays
-
-
-class Block(nn.Module):
-    """Two 3x3 convolutions with BatchNorm, an inplace ReLU after the first and after the input is added back."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(inputs)))
-        return self.relu(self.bn2(self.conv2(out)) + inputs)  # type: ignore[no-any-return]
 
 
 class StemNet(nn.Module):
@@ -54,9 +38,9 @@ class StemNet(nn.Module):
         self.stem = nn.Sequential(*stem) if sequential else None
         if not sequential:
             self.conv1, self.bn1, self.relu = stem
-        self.layer1 = nn.Sequential(Block(width), Block(width))
-        self.layer2 = nn.Sequential(Block(width), Block(width))
-        self.layer3 = nn.Sequential(Block(width), Block(width))
+        self.layer1 = nn.Sequential(BasicBlock(width), BasicBlock(width))
+        self.layer2 = nn.Sequential(BasicBlock(width), BasicBlock(width))
+        self.layer3 = nn.Sequential(BasicBlock(width), BasicBlock(width))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(width, 10)
 
