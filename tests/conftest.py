@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
 from collected import COLLECTED, Collection  # noqa: E402 -- collected.py sits beside this file, on the path above
-from models import REPLAY_OPTIONS, REPLAYS_OFF  # noqa: E402 -- models.py sits beside this file, on the path above
+from models import REPLAY_OPTIONS, REPLAYS_OFF, TEST_REPLAY_BUDGET_SECONDS  # noqa: E402 -- models.py sits beside this file, on the path above
 
 
 def pytest_ignore_collect(collection_path: Path) -> bool | None:
@@ -33,6 +33,23 @@ def pytest_ignore_collect(collection_path: Path) -> bool | None:
     return None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def replay_budget_independent_of_load() -> Iterator[None]:
+    """A monitor or session built in this process without naming ``replay_budget_seconds`` replays within
+    ``TEST_REPLAY_BUDGET_SECONDS`` (models.py says why), fixtures of any scope included; processes the tests start keep
+    the library's 30 s."""
+    library_init = MonitorConfig.__init__
+
+    def with_the_tests_budget(self: MonitorConfig, *args: Any, **options: Any) -> None:
+        if not args and "replay_budget_seconds" not in options:
+            options = {**options, "replay_budget_seconds": TEST_REPLAY_BUDGET_SECONDS}
+        library_init(self, *args, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MonitorConfig, "__init__", with_the_tests_budget)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def replays_off_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Monitors and sessions a test builds replay nothing unless the test asks for replays.
@@ -40,11 +57,11 @@ def replays_off_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest
     A replay of the sampled step and of every change it could advise costs seconds of host time per run, and most
     training tests read only what was measured: with replays off their reports carry no simulation and their advice is
     modelled. A test that reads replay output (simulated advice, the fit table, preflight, lengths replayed,
-    timelines) asks with ``@pytest.mark.replay`` (the library's own defaults, ``replay_budget_seconds=30`` and
-    ``preflight=True``), or names either option where it builds the monitor (``**REPLAYS_ON`` from models.py): what a
-    test names stands. Fixtures of a wider scope than the test are built before this one is, with the library's
-    defaults: a shared run that needs no replay says ``**REPLAYS_OFF``. ``LIGHTNING_VRAM_TEST_REPLAYS=all`` runs every
-    test with the library's defaults (the whole suite as users run it, slowly).
+    timelines) asks with ``@pytest.mark.replay`` (the library's own defaults, ``preflight=True``, with the tests'
+    replay budget: :func:`replay_budget_independent_of_load`), or names either option where it builds the monitor
+    (``**REPLAYS_ON`` from models.py): what a test names stands. Fixtures of a wider scope than the test are built
+    before this one is, with those defaults: a shared run that needs no replay says ``**REPLAYS_OFF``.
+    ``LIGHTNING_VRAM_TEST_REPLAYS=all`` runs every test with those defaults (the whole suite as users run it, slowly).
     """
     if request.node.get_closest_marker("replay") or os.environ.get("LIGHTNING_VRAM_TEST_REPLAYS") == "all":
         yield

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, linear_net, loader, trainer
+from models import OPTIMIZERS, TEST_REPLAY_BUDGET_SECONDS, Classifier, cnn_net, dataset_for, linear_net, loader, trainer
 from torch import nn
 
 from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
@@ -52,7 +52,7 @@ def test_the_first_sampled_step_is_replayed_and_matches_its_counts(tmp_path: Pat
 
 def test_replays_leave_the_training_exactly_as_without_them(tmp_path: Path) -> None:
     finals = []
-    for budget in (0.0, 30.0):
+    for budget in (0.0, TEST_REPLAY_BUDGET_SECONDS):
         torch.manual_seed(0)
         module = Classifier(deep_cnn(), OPTIMIZERS["adam"])
         monitor = fit(tmp_path / str(budget), module, replay_budget_seconds=budget)

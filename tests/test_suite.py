@@ -6,6 +6,7 @@ the tests' monitors replay only where a test asks (tests/conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from collected import COLLECTED, Collection
-from models import REPLAYS_ON
+from models import REPLAYS_ON, TEST_REPLAY_BUDGET_SECONDS
 from preloaded_python import run_script
 
 from lightning_vram import VramMonitor, VramSession
@@ -88,11 +89,14 @@ def shared_monitor() -> VramMonitor:
 def test_a_test_s_monitors_replay_nothing_unless_it_names_a_replay_option(shared_monitor: VramMonitor) -> None:
     assert (VramMonitor().config.replay_budget_seconds, VramSession().config.preflight) == (0.0, False)
     assert VramMonitor(preflight=True).config == MonitorConfig(**REPLAYS_ON)  # a test that names one gets its way
-    assert VramMonitor(**REPLAYS_ON).config.replay_budget_seconds == 30.0
-    assert shared_monitor.config == MonitorConfig(**REPLAYS_ON)  # fixtures wider than a test: the library's defaults
+    assert VramMonitor(**REPLAYS_ON).config.replay_budget_seconds == TEST_REPLAY_BUDGET_SECONDS
+    assert shared_monitor.config == MonitorConfig(**REPLAYS_ON)  # fixtures wider than a test: the tests' defaults
 
 
 @pytest.mark.replay
 def test_a_test_marked_replay_gets_the_library_s_defaults() -> None:
     assert VramMonitor().config == VramSession().config == MonitorConfig(**REPLAYS_ON)
-    assert (MonitorConfig().replay_budget_seconds, MonitorConfig().preflight) == (30.0, True)
+    assert (MonitorConfig().replay_budget_seconds, MonitorConfig().preflight) == (TEST_REPLAY_BUDGET_SECONDS, True)
+    # The library's own default, which users' runs and the processes the tests start keep.
+    (default,) = [field.default for field in dataclasses.fields(MonitorConfig) if field.name == "replay_budget_seconds"]
+    assert default == 30.0

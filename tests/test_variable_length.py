@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from hostile.harness import Case, assert_untouched
-from models import trainer
+from models import TEST_REPLAY_BUDGET_SECONDS, trainer
 from replay_models import CausalLM
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.data import DataLoader
@@ -146,7 +146,7 @@ def test_the_longest_batch_is_counted_where_the_replay_does_not_run(tmp_path: Pa
         attribution_start_step=2,
         attribution_every_n_steps=None,
         console_summary=False,
-        replay_budget_seconds=30.0 if budget is None else budget,
+        replay_budget_seconds=TEST_REPLAY_BUDGET_SECONDS if budget is None else budget,
     )
     torch.manual_seed(0)
     module = CausalLM(layers=1, vocab=VOCAB) if budget is not None else ReachesTheModel(layers=1, vocab=VOCAB)

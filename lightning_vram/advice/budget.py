@@ -51,8 +51,8 @@ its peak: the stem and five blocks instead of five blocks). A plan replayed for 
 for another. Of the plans that fit, those whose recomputation is predicted to take least time are the ones that
 recompute the same work as the cheapest (the same recomputed FLOPs and bytes moved) or are predicted within
 :data:`~lightning_vram.advice.cost_ties.COST_TOLERANCE` of it: the host's peaks, measured in the process, move with
-the machine's load. Of those, the lowest peak, then the fewest units, then the units' names: nothing the timing
-changes.
+the machine's load. Of those, the least recomputed work as counted (FLOPs, then bytes moved), then the lowest peak,
+then the fewest units, then the units' names: nothing the timing changes.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from lightning_vram.advice.checkpointing import (
     starts_inplace,
     unit_groups,
 )
-from lightning_vram.advice.cost_ties import Work, least_alike
+from lightning_vram.advice.cost_ties import Work, counted_work, least_alike
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.serves import serves_step
 from lightning_vram.prediction.timing import GPU_PEAKS, DevicePeaks, gpu_peaks, measure_host_peaks, predict_step_time
@@ -629,14 +629,20 @@ def plan_for_budget(
 
 
 def _cheapest(fitting: list[tuple[_Tried, _Container, int]], seconds: bool) -> tuple[_Tried, _Container, int]:
-    """Of the plans that fit, one of those recomputing least (see the module's doc), by peak, units, then names.
+    """Of the plans that fit, one of those recomputing least (the module's doc), by work counted, peak, units, names.
 
     ``seconds``: the plans are priced in predicted seconds (else in FLOPs).
     """
     least = least_alike([tried.cost for tried, _, _ in fitting], [tried.work for tried, _, _ in fitting], seconds)
     return min(
         (fitting[index] for index in least),
-        key=lambda item: (item[0].peak, len(item[0].plan.units), item[0].plan.units, item[0].plan.selective),
+        key=lambda item: (
+            counted_work(item[0].work),
+            item[0].peak,
+            len(item[0].plan.units),
+            item[0].plan.units,
+            item[0].plan.selective,
+        ),
     )
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from lightning_vram.advice.budget import recomputation_seconds
 from lightning_vram.advice.checkpointing import recomputed_modules
-from lightning_vram.advice.cost_ties import Work, least_alike
+from lightning_vram.advice.cost_ties import Work, counted_work, least_alike
 from lightning_vram.prediction.timing import DevicePeaks, calibrated, gpu_peaks, measure_host_peaks, predict_step_time
 from lightning_vram.prediction.timing.checkpoint_ops import measure_checkpoint_overhead
 from lightning_vram.records import (
@@ -178,17 +178,18 @@ def cheapest_alike(
     """Of checkpointing ``variants`` (replayed, in the simulation's order) that save alike, the one advised.
 
     Of those that recompute least (:meth:`RecomputeCosts.least`: the same work, or predicted times within the
-    tolerance), the fewest recomputed modules, then the fewest units, then the first: the order the checkpointing
-    advice breaks a tie in, so that its step time is its own plan's.
+    tolerance), the least recomputed work as counted, then the fewest recomputed modules, then the fewest units, then
+    the first: the order the checkpointing advice breaks a tie in, so that its step time is its own plan's.
     """
     costs = recompute_costs([variant.replayed for variant in variants], baseline, device)
     least = costs.least() if costs is not None else frozenset(range(len(variants)))
+    work = costs.work if costs is not None and costs.work else (None,) * len(variants)
 
-    def key(index: int) -> tuple[bool, int, int, int]:
+    def key(index: int) -> tuple[bool, Work, int, int, int]:
         change = variants[index].change
         plan = change.plan if isinstance(change, CheckpointChange) else None
-        modules = recomputed_modules(plan) if plan is not None else 0
-        return (index not in least, modules, len(plan.units) if plan is not None else 0, index)
+        modules, units = (recomputed_modules(plan), len(plan.units)) if plan is not None else (0, 0)
+        return (index not in least, counted_work(work[index]), modules, units, index)
 
     return variants[min(range(len(variants)), key=key)]
 

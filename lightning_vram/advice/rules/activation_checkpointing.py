@@ -25,10 +25,11 @@ Which replayed plan, exactly:
   recompute the same work (the same recomputed FLOPs and bytes moved) or are predicted within
   :data:`~lightning_vram.advice.cost_ties.COST_TOLERANCE` (5%) of the least all recompute least
   (:meth:`~lightning_vram.advice.time_cost.RecomputeCosts.least`), and the time does not choose between them;
-- of those, the larger saving, then the plan that recomputes the fewest modules, then the fewest units (segments),
-  then the first in the simulation's order (the candidates by modelled saving, then the best one's trims): nothing
-  the run's timing changes. The step time quoted is the advised plan's
-  (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of replayed peaks the same way).
+- of those, the least recomputed work as counted (FLOPs, then bytes moved:
+  :func:`~lightning_vram.advice.cost_ties.counted_work`), then the larger saving, then the plan that recomputes the
+  fewest modules, then the fewest units (segments), then the first in the simulation's order (the candidates by
+  modelled saving, then the best one's trims): nothing the run's timing changes. The step time quoted is the advised
+  plan's (:func:`~lightning_vram.advice.time_cost.cheapest_alike` breaks a tie of replayed peaks the same way).
 
 The evidence's recomputation figure is the ranking's: the recomputed ops alone, priced on the device's peaks, not
 calibrated by the run's step time. The advice's time cost is another figure, the whole step predicted with the
@@ -48,7 +49,7 @@ from lightning_vram.advice.checkpointing import (
     checkpoint_candidates,
     recomputed_modules,
 )
-from lightning_vram.advice.cost_ties import COST_TOLERANCE
+from lightning_vram.advice.cost_ties import COST_TOLERANCE, Work, counted_work
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
 from lightning_vram.advice.savings import (
     Discarded,
@@ -150,8 +151,8 @@ class Choice:
     """The replayed plan advised, and how it was chosen.
 
     ``saving``: its saving; of the ``alike`` plans (nearly the best saving) it is the one at ``index``, of those
-    that recompute least by ``costs`` (``None``: none priced) the one saving most; ``best`` (at ``best_index``): the
-    largest saving.
+    that recompute least by ``costs`` (``None``: none priced) the one counting the least recomputed work, then saving
+    most; ``best`` (at ``best_index``): the largest saving.
     """
 
     plan: CheckpointPlan
@@ -182,6 +183,10 @@ class Choice:
         >>> tie = replace(choice, costs=alike).evidence
         >>> "it saves most of the 2 that recompute least (the same recomputed FLOPs and bytes, or predicted" in tie
         True
+        >>> near = RecomputeCosts((0.05, 0.051), True, ((9, 9), (9, 12)), "this CPU (2 threads)")
+        >>> near_evidence = replace(choice, costs=near).evidence
+        >>> "it counts the fewest recomputed FLOPs, then bytes moved, of the 2 that" in near_evidence
+        True
         """
         if self.alike < 2:
             return ""
@@ -196,12 +201,18 @@ class Choice:
             if self.index != self.best_index
             else ""
         )
-        least = len(self.costs.least())
+        least = self.costs.least()
         how = "recomputes least"
-        if least > 1:
+        if len(least) > 1:
             tolerance = format_percent(COST_TOLERANCE)
             within = f", or predicted within {tolerance} of the least" if self.costs.seconds else ""
-            how = f"saves most of the {least} that recompute least (the same recomputed FLOPs and bytes{within})"
+            alike = f"the {len(least)} that recompute least (the same recomputed FLOPs and bytes{within})"
+            works = {self.costs.work[index] for index in least} if self.costs.work else set()
+            how = (
+                f"saves most of {alike}"
+                if len(works) < 2
+                else f"counts the fewest recomputed FLOPs, then bytes moved, of {alike}"
+            )
         if not self.costs.seconds:
             return f"{head} {how}: {self.costs.text(self.index)} a step{against}"
         where = self.costs.priced_on or "the device's peaks"
@@ -246,9 +257,18 @@ def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simula
 
     least = costs.least() if costs is not None else frozenset(range(len(alike)))
 
-    def key(index: int) -> tuple[bool, int, int, int, int]:
+    work = costs.work if costs is not None and costs.work else (None,) * len(alike)
+
+    def key(index: int) -> tuple[bool, Work, int, int, int, int]:
         plan, saving = alike[index]
-        return (index not in least, -saving.saving_bytes, recomputed_modules(plan), len(plan.units), index)
+        return (
+            index not in least,
+            counted_work(work[index]),
+            -saving.saving_bytes,
+            recomputed_modules(plan),
+            len(plan.units),
+            index,
+        )
 
     index = min(range(len(alike)), key=key)
     plan, saving = alike[index]
