@@ -86,11 +86,20 @@ MODELLED_CHECKPOINT = (
 """How the checkpointing advice's evidence says its saving is known, when no candidate plan was replayed."""
 
 
+def candidates_of(summary: RunSummary, setup: TrainingSetup) -> list[CheckpointPlan]:
+    """The candidate plans of the sampled step's modules.
+
+    None checkpoints again what the step recomputed already (its
+    :attr:`~lightning_vram.records.RunSummary.recomputed_units`: an applied plan's wrappers, the user's own).
+    """
+    recomputed = summary.recomputed_units or ()
+    checkpointed = [name for unit in recomputed for name in unit]
+    return checkpoint_candidates(summary.modules, setup.checkpointing_switches, checkpointed=checkpointed)
+
+
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
     """Each candidate checkpointing plan of the sampled step's modules."""
-    return tuple(
-        CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules, setup.checkpointing_switches)
-    )
+    return tuple(CheckpointChange(plan) for plan in candidates_of(summary, setup))
 
 
 def activation_checkpointing(
@@ -101,7 +110,7 @@ def activation_checkpointing(
     if attributed is None or attributed[1].largest_part != "activations":
         return None
     peak, breakdown = attributed
-    candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
+    candidates = candidates_of(summary, setup)
     modelled = [Modelled(plan.saving_bytes, peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates]
     found = [
         (plan, resolve_saving(simulation, CheckpointChange(plan), model, measured=peak))
@@ -221,7 +230,7 @@ def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simula
     if attributed is None:
         return None
     peak = attributed[0]
-    candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
+    candidates = candidates_of(summary, setup)
     variants = simulation.variants if simulation is not None else ()
     order = {change_key(variant.change): index for index, variant in enumerate(variants)}
     replayed = []
