@@ -143,3 +143,21 @@ def test_checkpointing_advice_never_wraps_a_checkpointed_module_again(tmp_path: 
     torch.manual_seed(1)
     plain = Classifier(make())
     assert_same(trained(plain, case), trained(model(case, (plan, match[1])), case))
+
+
+def test_a_step_checkpointed_throughout_is_told_why_no_plan_is_advised(tmp_path: Path) -> None:
+    """Every layer in ``SelectivelyCheckpointed``: no candidate is left, and the reason names the step's checkpointing
+    (main's named the largest saver, a checkpointed layer, as if nothing checkpointed it)."""
+    every = tuple(f"{LAYERS}.{index}" for index in range(4))
+    plan = CheckpointPlan(LAYERS, tuple((name,) for name in every), None, 0, "network.encoder", selective=every)
+    torch.manual_seed(1)
+    module = Classifier(Encoder())
+    printed(plan)(module)
+    report = report_of(tmp_path, module, token_classes(6 * 16, 64), 16)
+    assert report.recomputed_units is not None and len(report.recomputed_units) == 4
+    assert [nests(plan, report.recomputed_units) for plan in replayed_plans(report)] == []
+    assert "activation-checkpointing" not in {advice.id for advice in report.advice}
+    (reason,) = [item.reason for item in report.not_advised if item.id == "activation-checkpointing"]
+    print(reason)
+    assert f"but the step checkpoints 4 unit(s) already, 4 of them selectively, {LAYERS}." in reason
+    assert "a checkpoint around or inside one would recompute it twice" in reason

@@ -92,9 +92,12 @@ def candidates_of(summary: RunSummary, setup: TrainingSetup) -> list[CheckpointP
     None checkpoints again what the step recomputed already (its
     :attr:`~lightning_vram.records.RunSummary.recomputed_units`: an applied plan's wrappers, the user's own).
     """
-    recomputed = summary.recomputed_units or ()
-    checkpointed = [name for unit in recomputed for name in unit]
-    return checkpoint_candidates(summary.modules, setup.checkpointing_switches, checkpointed=checkpointed)
+    return checkpoint_candidates(summary.modules, setup.checkpointing_switches, checkpointed=_checkpointed(summary))
+
+
+def _checkpointed(summary: RunSummary) -> list[str]:
+    """The modules the sampled step recomputed in backward (none where not recorded)."""
+    return [name for unit in summary.recomputed_units or () for name in unit]
 
 
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
@@ -303,9 +306,12 @@ def no_plan_reason(summary: RunSummary, peak: PhasePeak, breakdown: Breakdown) -
     A plan checkpoints consecutive child modules of one module, one by one; where no module ran two or more, or
     checkpointing them would free nothing (an ``nn.LSTM`` saves nearly all in its own ops, and a checkpoint of it
     recomputes them all at once in backward), no plan is a candidate. The module that saved the most activations
-    in its own ops is named, with what the user could change. ``None`` when no module's profile was recorded.
+    in its own ops is named, with what the user could change; where it is checkpointed already (an applied plan's
+    wrapper), the step's checkpointing is named instead: another checkpoint would recompute it twice, and
+    ``predict(memory_budget=...)`` weighs its whole and selective checkpointing by replay. ``None`` when no module's
+    profile was recorded.
     """
-    indexed = ProfileIndex(summary.modules)
+    indexed = ProfileIndex(summary.modules, _checkpointed(summary))
     if not indexed.called:
         return None
     measured = (
@@ -319,6 +325,16 @@ def no_plan_reason(summary: RunSummary, peak: PhasePeak, breakdown: Breakdown) -
     holder = max(indexed.called.values(), key=lambda profile: profile.activation_bytes, default=None)
     if holder is None or holder.activation_bytes <= 0:
         return f"{measured}, but {why}"
+    if indexed.rechecks([holder.name]):
+        units = summary.recomputed_units or ()
+        selective = len(summary.selective_units or ())
+        how = f", {selective} of them selectively" if selective else ""
+        return (
+            f"{measured}, but the step checkpoints {len(units)} unit(s) already{how}, {holder.name} ({holder.type})"
+            f" saving the most ({format_bytes(holder.activation_bytes)} in its own ops): a checkpoint around or inside"
+            " one would recompute it twice, and checkpointing the other modules' children one by one would not lower"
+            " the peak; predict(..., memory_budget=...) weighs checkpointing units whole against selectively by replay"
+        )
     alone = "" if holder.name in indexed.children else ", with no child modules,"
     layers = f" (for a multi-layer nn.{holder.type}, one nn.{holder.type} per layer)" if holder.type in RNNS else ""
     return (
