@@ -188,7 +188,7 @@ def find_report(directory: Path, notices: list[str] | None = None) -> Path:
     from lightning_vram.render.files import JSON_FILENAME
 
     own = directory / JSON_FILENAME
-    if own.exists() and not own.is_dir():  # a dangling link is none; a FIFO is, refused when read
+    if os.path.exists(own) and not os.path.isdir(own):  # a dangling link is none; a FIFO is, refused when read
         return own
     found, depth = _nearest_reports(directory)
     if not found:
