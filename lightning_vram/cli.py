@@ -1,7 +1,7 @@
 """``lightning-vram``: show, render or compare the reports a VramMonitor wrote.
 
-    lightning-vram show PATH [--json]   the summary of a report (PATH: vram_report.json or the log dir holding it),
-                                        or its JSON in today's schema
+    lightning-vram show PATH [--json]   the summary of a report (PATH: vram_report.json or the log dir holding it;
+                                        see :func:`find_report`), or its JSON in today's schema
     lightning-vram html PATH -o FILE    the report as a standalone HTML page (``-o -``: on standard output)
     lightning-vram diff A B             what changed from run A to run B: peak and its parts, settings, timing,
                                         advice, and A's predictions for the changes B applied
@@ -40,6 +40,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -68,7 +69,8 @@ MAX_REPORT_BYTES = 128 * 1024**2
 """Above the largest report the monitor writes (its ``recent_steps`` <= 10**6 recent peaks take at most 80 MiB, the
 rest a few MiB); a larger file is not one, and is not read into memory."""
 SEARCH_DEPTH = 4
-"""How many directory levels below a given directory are searched for a report (Lightning writes it two down)."""
+"""How many directory levels below a given directory are searched for a report (Lightning writes it two down:
+``lightning_logs/version_N``)."""
 SEARCH_DIRECTORIES = 10_000
 """How many directories are searched at most, so that ``show ~`` answers in a moment."""
 MAX_MESSAGE_CHARACTERS = 1000
@@ -116,35 +118,94 @@ def _read_text(path: Path) -> str:
         raise CommandError(f"{path}: not UTF-8 text (byte {error.start})") from error
 
 
-def find_report(directory: Path, notices: list[str] | None = None) -> Path:
-    """The newest ``vram_report.json`` in ``directory`` or up to :data:`SEARCH_DEPTH` levels below it.
+VERSION_PREFIX = "version_"
+"""Lightning's loggers write run ``N`` of a logger to ``<save_dir>/<name>/version_N``, the monitor's report with it."""
 
-    Symbolic links to directories are not followed (no loops); unreadable directories are skipped. Where there are
-    several, which one was taken is printed on stderr, or added to ``notices`` for the caller to print once every
-    argument has been read (bad input then prints its one line, and nothing else).
+
+@dataclass(frozen=True)
+class _Found:
+    """A report found below the directory given: its path, the ``N`` of its ``version_N`` folder (-1: none), mtime."""
+
+    path: Path
+    version: int
+    mtime: float
+
+    @property
+    def key(self) -> tuple[int, float, str]:
+        """The order the reports are chosen in: the highest version, then the newest, then the path."""
+        return (self.version, self.mtime, str(self.path))
+
+
+def _version(folder: str) -> int:
+    """The ``N`` of a folder named ``version_N`` (Lightning's numbering of a logger's runs); -1 for any other name.
+
+    >>> _version("version_12"), _version("version_x"), _version("run-a")
+    (12, -1, -1)
+    """
+    number = folder.removeprefix(VERSION_PREFIX)
+    return int(number) if folder.startswith(VERSION_PREFIX) and number.isdigit() else -1
+
+
+def _nearest_reports(directory: Path) -> tuple[list[_Found], int]:
+    """The reports in the directories nearest below ``directory`` that hold any, and how many levels down they are.
+
+    Level by level, up to :data:`SEARCH_DEPTH` levels and :data:`SEARCH_DIRECTORIES` directories; links to
+    directories are not followed (no loops), unreadable directories are skipped, a dangling link is no report (a
+    FIFO is one, refused when read).
     """
     from lightning_vram.render.files import JSON_FILENAME
 
-    found: list[tuple[float, str]] = []
-    for searched, (root, directories, files) in enumerate(os.walk(directory), start=1):
-        if JSON_FILENAME in files:
-            candidate = os.path.join(root, JSON_FILENAME)
-            with contextlib.suppress(OSError):  # a dangling link or a file gone since: not a report
-                found.append((os.stat(candidate).st_mtime, candidate))
-        if searched >= SEARCH_DIRECTORIES:
-            break
-        if len(Path(root).relative_to(directory).parts) >= SEARCH_DEPTH:
-            directories.clear()
+    level, searched = [directory], 0
+    for depth in range(SEARCH_DEPTH + 1):
+        found: list[_Found] = []
+        below: list[Path] = []
+        for folder in level:
+            searched += 1
+            with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):  # a file gone since, or not readable: not a report
+                        if entry.name == JSON_FILENAME and not entry.is_dir():
+                            found.append(_Found(Path(entry.path), _version(folder.name), entry.stat().st_mtime))
+                        elif entry.is_dir(follow_symlinks=False):
+                            below.append(Path(entry.path))
+            if searched >= SEARCH_DIRECTORIES:
+                return found, depth
+        if found:
+            return found, depth
+        level = sorted(below)
+    return [], SEARCH_DEPTH
+
+
+def find_report(directory: Path, notices: list[str] | None = None) -> Path:
+    """The report a directory stands for: its own ``vram_report.json``, else the one run below it.
+
+    Without one of its own, the reports nearest below it (fewest levels down: a run's report beats a run nested
+    inside it) are taken, up to :data:`SEARCH_DEPTH` levels; of several, the one in the highest ``version_N`` folder
+    (Lightning's latest run of a logger), then the newest by modification time. The file taken is printed on
+    stderr, or added to ``notices`` for the caller to print once every argument has been read (bad input then prints
+    its one line, and nothing else).
+    """
+    from lightning_vram.render.files import JSON_FILENAME
+
+    own = directory / JSON_FILENAME
+    if os.path.exists(own) and not os.path.isdir(own):  # a dangling link is none; a FIFO is, refused when read
+        return own
+    found, depth = _nearest_reports(directory)
     if not found:
         raise CommandError(f"{directory}: no {JSON_FILENAME} in this directory or {SEARCH_DEPTH} levels below it")
-    newest = Path(max(found)[1])
-    if len(found) > 1:  # say which one was taken, on stderr so that the output stays the report's
-        notice = one_line(f"lightning-vram: reading {newest}, the newest of {len(found)} reports")
-        if notices is None:
-            _print(notice, sys.stderr)
-        else:
-            notices.append(notice)
-    return newest
+    ranked = sorted(found, key=lambda report: report.key, reverse=True)
+    chosen = ranked[0].path
+    why = ""
+    if len(ranked) > 1:
+        rule = "highest version_N" if ranked[0].version > ranked[1].version else "newest"
+        levels = f"{depth} level{'s' if depth > 1 else ''}"
+        why = f" (the {rule} of {len(ranked)} reports {levels} below {directory})"
+    notice = one_line(f"lightning-vram: reading {chosen}{why}")
+    if notices is None:
+        _print(notice, sys.stderr)  # on stderr, so that the output stays the report's
+    else:
+        notices.append(notice)
+    return chosen
 
 
 def _not_json(text: str, error: json.JSONDecodeError) -> str:
@@ -161,7 +222,7 @@ def _not_json(text: str, error: json.JSONDecodeError) -> str:
 
 
 def load_report(path: Path, notices: list[str] | None = None) -> Report:
-    """The report at ``path``: a ``vram_report.json`` or a directory holding one (searched below it).
+    """The report at ``path``: a ``vram_report.json`` or a directory standing for one (:func:`find_report`).
 
     ``notices``: as :func:`find_report` takes them.
     """

@@ -400,18 +400,27 @@ def test_a_log_dir_with_several_reports_says_which_one_it_read(
     import os
     import shutil
 
-    (_, first), (after, second) = two_runs
+    (before, first), (after, second) = two_runs
+    assert before.peak is not None and after.peak is not None and before.peak.peak_bytes != after.peak.peak_bytes
     shutil.copy(first / "vram_report.json", tmp_path / "vram_report.json")
     (tmp_path / "later").mkdir()
     shutil.copy(second / "vram_report.json", tmp_path / "later" / "vram_report.json")
     os.utime(tmp_path / "vram_report.json", (1, 1))  # the older one
+    # The directory's own report, though older: it is the one the directory stands for; nothing to say.
     assert main(["show", str(tmp_path)]) == 0
     captured = capsys.readouterr()
-    assert (
-        captured.err.strip()
-        == f"lightning-vram: reading {tmp_path / 'later' / 'vram_report.json'}, the newest of 2 reports"
+    assert captured.err == "" and f"Live peak {format_bytes(before.peak.peak_bytes)}" in captured.out
+    os.remove(tmp_path / "vram_report.json")
+    (tmp_path / "other").mkdir()
+    shutil.copy(first / "vram_report.json", tmp_path / "other" / "vram_report.json")
+    os.utime(tmp_path / "other" / "vram_report.json", (1, 1))
+    assert main(["show", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        f"lightning-vram: reading {tmp_path / 'later' / 'vram_report.json'} (the newest of 2 reports 1 level below"
+        f" {tmp_path})"
     )
-    assert f"{after.steps} steps" in captured.out
+    assert f"Live peak {format_bytes(after.peak.peak_bytes)}" in captured.out
 
 
 def test_diff_with_a_bad_argument_prints_one_line_not_the_other_s_notice(

@@ -29,7 +29,7 @@ input), so it stays as the last unit's does, and the next unit's input counts as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -151,9 +151,15 @@ def _starts_inplace(name: str, called: dict[str, ModuleProfile], children: dict[
 
 
 class ProfileIndex:
-    """The sampled step's module profiles, indexed for planning: what each module saved with its submodules."""
+    """The sampled step's module profiles, indexed for planning: what each module saved with its submodules.
 
-    def __init__(self, profiles: tuple[ModuleProfile, ...]) -> None:
+    ``checkpointed``: modules the step recomputed in backward already (the user's own checkpointing: an applied
+    plan's ``Checkpointed`` or ``SelectivelyCheckpointed`` wrapper, torch's ``checkpoint_wrapper``, a ``checkpoint``
+    call in a forward), as :attr:`~lightning_vram.records.RunSummary.recomputed_units` names them.
+    """
+
+    def __init__(self, profiles: tuple[ModuleProfile, ...], checkpointed: Collection[str] = ()) -> None:
+        self.checkpointed = frozenset(checkpointed)
         self.order = {profile.name: index for index, profile in enumerate(profiles)}
         self.called = {profile.name: profile for profile in profiles if profile.name not in (ROOT, OUTSIDE)}
         self.own = {profile.name: profile.activation_bytes for profile in profiles}
@@ -167,6 +173,17 @@ class ProfileIndex:
         self.children: dict[str, list[str]] = {}
         for name in self.called:
             self.children.setdefault(_parent(name), []).append(name)
+
+    def rechecks(self, names: Sequence[str]) -> bool:
+        """Whether a checkpoint of modules ``names`` would nest checkpointing (backward recomputing twice).
+
+        One of them is a module the step recomputed already, is inside one or holds one (an applied plan's wrapper
+        holds the module it re-runs). Backward would recompute such a module once for each checkpoint around it.
+
+        >>> ProfileIndex((), ["layers.1.block"]).rechecks(["layers.1"]), ProfileIndex((), ["a"]).rechecks(["b"])
+        (True, False)
+        """
+        return any(_overlaps(name, done) for name in names for done in self.checkpointed)
 
     def caller(self, name: str) -> str:
         """The nearest called ancestor of ``name`` (``""``: the LightningModule)."""
@@ -247,8 +264,8 @@ def _plan(
 def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
     """``checkpoint_sequential`` with every segment count whose checkpointed segments start without an inplace op."""
     plans: list[CheckpointPlan] = []
-    if profiles.repeated(names):
-        return plans  # torch's segments cannot leave a child out (see ProfileIndex.repeated)
+    if profiles.repeated(names) or profiles.rechecks(names):
+        return plans  # torch's segments cannot leave a child out (see ProfileIndex.repeated, .rechecks)
     for segments in range(2, len(names) + 1):
         size = len(names) // segments
         groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
@@ -291,7 +308,8 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     A child that starts with an inplace op joins the unit before it; the first child cannot start a range then.
     A unit that saved nothing in the sampled step (``Flatten``, a global pooling, a ``Dropout`` in eval mode), or
     that holds a module that outran its caller, is never checkpointed: it neither starts nor ends a range, and
-    inside one it runs as before.
+    inside one it runs as before. Nor is a unit checkpointed already, inside or around (:meth:`ProfileIndex.rechecks`:
+    an applied plan's ``SelectivelyCheckpointed`` layer keeps its selective checkpointing, not wrapped again).
     """
     groups = unit_groups(profiles, names)
     if len(groups) < 2:
@@ -300,12 +318,12 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     forward_of = container if container in profiles.called else profiles.caller(container)
     outside = profiles.outside(groups)
     plans = []
-    saving = [index for index, unit in enumerate(units) if unit.saved > 0]
+    saving = [index for index, unit in enumerate(units) if unit.saved > 0 and not profiles.rechecks(groups[index])]
     for end in saving[-2:]:
         for start in saving:
             if start > end or _starts_inplace(groups[start][0], profiles.called, profiles.children):
                 continue  # the first child runs inplace and has no unit before it to join
-            flags = [start <= index <= end and units[index].saved > 0 for index in range(len(units))]
+            flags = [start <= index <= end and index in saving for index in range(len(units))]
             plans.append(_plan(container, units, flags, outside, None, forward_of))
     return plans
 
@@ -329,12 +347,13 @@ def recomputed_modules(plan: CheckpointPlan) -> int:
     return sum(len(unit) for unit in plan.units)
 
 
-def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
+def _ranked_plans(profiles: tuple[ModuleProfile, ...], checkpointed: Collection[str] = ()) -> list[CheckpointPlan]:
     """Every applicable plan that frees something, the largest modelled saving first.
 
-    Ties go to the plan that checkpoints fewer modules (less recomputation), then to the order plans were found.
+    None checkpoints a module the step recomputed already (``checkpointed``, :meth:`ProfileIndex.rechecks`). Ties go
+    to the plan that checkpoints fewer modules (less recomputation), then to the order plans were found.
     """
-    indexed = ProfileIndex(profiles)
+    indexed = ProfileIndex(profiles, checkpointed)
     plans: list[CheckpointPlan] = []
     for container, names in indexed.children.items():
         if len(names) < 2:
@@ -344,7 +363,13 @@ def _ranked_plans(profiles: tuple[ModuleProfile, ...]) -> list[CheckpointPlan]:
             plans += _sequential_plans(indexed, container, names)
         else:
             plans += _range_plans(indexed, container, names)
-    useful = [plan for plan in plans if plan.saving_bytes > 0 and not recomputes_scripted(indexed, plan)]
+    useful = [
+        plan
+        for plan in plans
+        if plan.saving_bytes > 0
+        and not recomputes_scripted(indexed, plan)
+        and not any(indexed.rechecks(unit) for unit in plan.units)
+    ]
     ranked = sorted(useful, key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))
     stacks = _stacks_plan(indexed, ranked)
     if stacks is None or recomputes_scripted(indexed, stacks):
@@ -430,7 +455,10 @@ def switch_plan(profiles: tuple[ModuleProfile, ...], switch: CheckpointSwitch) -
 
 
 def checkpoint_candidates(
-    profiles: tuple[ModuleProfile, ...], switches: tuple[CheckpointSwitch, ...] = (), limit: int = CANDIDATE_PLANS
+    profiles: tuple[ModuleProfile, ...],
+    switches: tuple[CheckpointSwitch, ...] = (),
+    limit: int = CANDIDATE_PLANS,
+    checkpointed: Collection[str] = (),
 ) -> list[CheckpointPlan]:
     """Up to ``limit`` applicable plans, the largest modelled saving first, then the best one's trims: what to replay.
 
@@ -438,7 +466,8 @@ def checkpoint_candidates(
     among them. Where the model has
     ``switches`` (transformers' own call) that are off, only those are offered: the user's idiom. A library model
     that checkpoints its layers already is left alone: no plan checkpoints it, a module in it, or a module holding
-    it, again.
+    it, again; so is a module the step recomputed already (``checkpointed``: the user's own checkpointing, an applied
+    plan's wrappers): checkpointing it again would recompute it twice in backward (:meth:`ProfileIndex.rechecks`).
     """
     own = [plan for switch in switches if not switch.on and (plan := switch_plan(profiles, switch)) is not None]
     if own:
@@ -446,10 +475,10 @@ def checkpoint_candidates(
     done = [switch.model for switch in switches if switch.on]
     plans = [
         plan
-        for plan in _ranked_plans(profiles)
+        for plan in _ranked_plans(profiles, checkpointed)
         if not any(_overlaps(unit[0], model) for unit in plan.units for model in done)
     ][:limit]
-    indexed = ProfileIndex(profiles)
+    indexed = ProfileIndex(profiles, checkpointed)
     # The best plan's trim, and (the model may misjudge the last unit before backward's peak) the best plan without
     # its last unit, for the replay to settle: two replays more at most.
     shorter = [trimmed(indexed, plans[0]), trimmed(indexed, plans[0], last_only=True)] if plans else []

@@ -87,11 +87,23 @@ MODELLED_CHECKPOINT = (
 """How the checkpointing advice's evidence says its saving is known, when no candidate plan was replayed."""
 
 
+def candidates_of(summary: RunSummary, setup: TrainingSetup) -> list[CheckpointPlan]:
+    """The candidate plans of the sampled step's modules.
+
+    None checkpoints again what the step recomputed already (its
+    :attr:`~lightning_vram.records.RunSummary.recomputed_units`: an applied plan's wrappers, the user's own).
+    """
+    return checkpoint_candidates(summary.modules, setup.checkpointing_switches, checkpointed=_checkpointed(summary))
+
+
+def _checkpointed(summary: RunSummary) -> list[str]:
+    """The modules the sampled step recomputed in backward (none where not recorded)."""
+    return [name for unit in summary.recomputed_units or () for name in unit]
+
+
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
     """Each candidate checkpointing plan of the sampled step's modules."""
-    return tuple(
-        CheckpointChange(plan) for plan in checkpoint_candidates(summary.modules, setup.checkpointing_switches)
-    )
+    return tuple(CheckpointChange(plan) for plan in candidates_of(summary, setup))
 
 
 def activation_checkpointing(
@@ -102,7 +114,7 @@ def activation_checkpointing(
     if attributed is None or attributed[1].largest_part != "activations":
         return None
     peak, breakdown = attributed
-    candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
+    candidates = candidates_of(summary, setup)
     modelled = [Modelled(plan.saving_bytes, peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates]
     found = [
         (plan, resolve_saving(simulation, CheckpointChange(plan), model, measured=peak))
@@ -232,7 +244,7 @@ def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simula
     if attributed is None:
         return None
     peak = attributed[0]
-    candidates = checkpoint_candidates(summary.modules, setup.checkpointing_switches)
+    candidates = candidates_of(summary, setup)
     variants = simulation.variants if simulation is not None else ()
     order = {change_key(variant.change): index for index, variant in enumerate(variants)}
     replayed = []
@@ -314,9 +326,12 @@ def no_plan_reason(summary: RunSummary, peak: PhasePeak, breakdown: Breakdown) -
     A plan checkpoints consecutive child modules of one module, one by one; where no module ran two or more, or
     checkpointing them would free nothing (an ``nn.LSTM`` saves nearly all in its own ops, and a checkpoint of it
     recomputes them all at once in backward), no plan is a candidate. The module that saved the most activations
-    in its own ops is named, with what the user could change. ``None`` when no module's profile was recorded.
+    in its own ops is named, with what the user could change; where it is checkpointed already (an applied plan's
+    wrapper), the step's checkpointing is named instead: another checkpoint would recompute it twice, and
+    ``predict(memory_budget=...)`` weighs its whole and selective checkpointing by replay. ``None`` when no module's
+    profile was recorded.
     """
-    indexed = ProfileIndex(summary.modules)
+    indexed = ProfileIndex(summary.modules, _checkpointed(summary))
     if not indexed.called:
         return None
     measured = (
@@ -330,6 +345,16 @@ def no_plan_reason(summary: RunSummary, peak: PhasePeak, breakdown: Breakdown) -
     holder = max(indexed.called.values(), key=lambda profile: profile.activation_bytes, default=None)
     if holder is None or holder.activation_bytes <= 0:
         return f"{measured}, but {why}"
+    if indexed.rechecks([holder.name]):
+        units = summary.recomputed_units or ()
+        selective = len(summary.selective_units or ())
+        how = f", {selective} of them selectively" if selective else ""
+        return (
+            f"{measured}, but the step checkpoints {len(units)} unit(s) already{how}, {holder.name} ({holder.type})"
+            f" saving the most ({format_bytes(holder.activation_bytes)} in its own ops): a checkpoint around or inside"
+            " one would recompute it twice, and checkpointing the other modules' children one by one would not lower"
+            " the peak; predict(..., memory_budget=...) weighs checkpointing units whole against selectively by replay"
+        )
     alone = "" if holder.name in indexed.children else ", with no child modules,"
     layers = f" (for a multi-layer nn.{holder.type}, one nn.{holder.type} per layer)" if holder.type in RNNS else ""
     return (
