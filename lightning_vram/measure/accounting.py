@@ -60,10 +60,12 @@ class StepAttributor:
     """Counts one training step (sampled, or replayed: see ``counting``), phase by phase, tensor by tensor.
 
     Call ``begin_forward`` at batch start, ``before_backward`` and ``before_optimizer_step`` at those hooks
-    (as often as they come: manual optimization may run several of each) and ``finish`` at batch end;
-    ``close`` removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a
-    backward is a forward pass, one that ends at an optimizer step is the backward before it, the last one
-    is whatever phase ran. The counted peak of each phase is:
+    (as often as they come: manual optimization may run several of each), optionally ``after_backward`` and
+    ``after_optimizer_step`` where a backward pass or an update returns, and ``finish`` at batch end; ``close``
+    removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a backward (or
+    begins at it and ends where it returned) is a forward pass (a backward), one that begins at an optimizer step
+    and ends where it returned, or at the step's end, is the optimizer phase, and any other is the phase that ran
+    before it. A phase met twice in a step keeps its highest count. The counted peak of each phase is:
 
     - forward: parameters + gradients alive when the forward pass began (at its first module call, which
       is after the LightningModule's own ``on_train_batch_start``: the previous step's gradients, unless
@@ -443,6 +445,16 @@ class StepAttributor:
         self._close_segment(self._phase)
         self._phase = Phase.OPTIMIZER
         self._awaiting_forward = True  # manual optimization may run another forward pass next
+
+    def after_backward(self) -> None:
+        """A backward pass returned: close its segment; what runs next may be another forward pass."""
+        self._close_segment(Phase.BACKWARD)
+        self._awaiting_forward = True
+
+    def after_optimizer_step(self) -> None:
+        """An optimizer's update returned: close its segment; what runs next may be another forward pass."""
+        self._close_segment(Phase.OPTIMIZER)
+        self._awaiting_forward = True
 
     def finish(self) -> Attribution:
         """Close the step's last segment, remove every hook, and return the counts."""
