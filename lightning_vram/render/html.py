@@ -27,6 +27,7 @@ from lightning_vram.render.text import (
     peak_label,
     predicted_step_text,
     ranks_line,
+    report_steps_text,
     saving_text,
     spread_note,
     timing_line,
@@ -173,7 +174,7 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
         "<p class='meta'>"
         + html.escape(
             f"{device.name} ({device.type}), capacity {capacity_text(device)}; precision {report.precision or 'n/a'};"
-            f" batch size {report.batch_size or 'n/a'}; {report.steps} steps; {timing_line(report)}"
+            f" batch size {report.batch_size or 'n/a'}; {report_steps_text(report)}; {timing_line(report)}"
         )
         + "</p>",
     ]

@@ -347,6 +347,7 @@ class VramSession:
         if phase is None:
             return
         recorder.boundary(phase, Phase.OPTIMIZER)
+        recorder.tracker.count_optimizer_step()
         self._context.windows.optimizer_step()
         if self._sampler.attributor is not None:
             self._sampler.before_optimizer_step()
