@@ -9,6 +9,7 @@ public); ``optimizer_steps`` and ``accumulate_grad_batches`` are added beside it
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ def test_a_run_stepping_once_a_batch_keeps_its_short_header(tmp_path: Path, caps
     console, markdown, page, data = header_everywhere(tmp_path, capsys.readouterr().out)
     assert console.endswith("(cpu), 3 steps")
     assert "; 3 steps; " in markdown and "; 3 steps; " in page
+    assert "each the highest of its kind" not in markdown and "(manual optimization)" not in page
     assert (data["steps"], data["optimizer_steps"]) == (3, 3)
 
 
@@ -106,9 +108,14 @@ def test_a_gan_under_manual_optimization_counts_each_optimizer_s_step_as_lightni
     assert fit.global_step == 8
     report = monitor.report
     assert report is not None and (report.steps, report.optimizer_steps) == (4, 8)
-    console, markdown, page, _ = header_everywhere(tmp_path, capsys.readouterr().out)
+    capsys_out = capsys.readouterr().out
+    console, markdown, page, _ = header_everywhere(tmp_path, capsys_out)
     assert console.endswith("(cpu), 8 optimizer steps (4 batches)")
     assert "; 8 optimizer steps (4 batches); " in markdown and "; 8 optimizer steps (4 batches); " in page
+    # What a phase's peak is, where a batch ran two backward passes and two updates.
+    assert "phase peaks (each the highest of its kind in a batch): forward " in capsys_out
+    note = "The batches took 8 optimizer steps in 4 (manual optimization): each phase's peak is the highest"
+    assert note in markdown and html.escape(note) in page
 
 
 def test_a_run_resumed_from_a_state_without_the_count_says_steps_as_before() -> None:

@@ -62,10 +62,12 @@ class StepAttributor:
     Call ``begin_forward`` at batch start, ``before_backward`` and ``before_optimizer_step`` at those hooks
     (as often as they come: manual optimization may run several of each), optionally ``after_backward`` and
     ``after_optimizer_step`` where a backward pass or an update returns, and ``finish`` at batch end; ``close``
-    removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a backward (or
-    begins at it and ends where it returned) is a forward pass (a backward), one that begins at an optimizer step
-    and ends where it returned, or at the step's end, is the optimizer phase, and any other is the phase that ran
-    before it. A phase met twice in a step keeps its highest count. The counted peak of each phase is:
+    removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a backward is a
+    forward pass; one that begins at a backward is the backward pass (until ``after_backward``, or the next
+    boundary without it); one that begins at an optimizer step is the optimizer phase (until
+    ``after_optimizer_step``, or the next boundary or the step's end without it); any other, the code after a
+    backward or an update that no backward follows, counts with the phase before it. A phase met twice in a step
+    keeps its highest count. The counted peak of each phase is:
 
     - forward: parameters + gradients alive when the forward pass began (at its first module call, which
       is after the LightningModule's own ``on_train_batch_start``: the previous step's gradients, unless

@@ -29,6 +29,7 @@ from lightning_vram.render.text import (
     ranks_line,
     report_steps_text,
     saving_text,
+    several_updates_note,
     spread_note,
     timing_line,
 )
@@ -200,6 +201,8 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
                 f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
             )
         )
+        if (several := several_updates_note(report)) is not None:
+            sections.append(f"<p>{html.escape(several)}</p>")
         if BREAKDOWN_TAG in pngs:
             sections.append(_image(pngs[BREAKDOWN_TAG], "breakdown per phase"))
     if report.evaluation:

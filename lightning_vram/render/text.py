@@ -355,8 +355,24 @@ def peak_lines(report: Report) -> list[str]:
                 f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
             )
         phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
-        lines.append(f"phase peaks: {phases}{_no_optimizer_reason(report)}")
+        several = " (each the highest of its kind in a batch)" if several_updates_note(report) is not None else ""
+        lines.append(f"phase peaks{several}: {phases}{_no_optimizer_reason(report)}")
     return lines
+
+
+def several_updates_note(report: Report) -> str | None:
+    """What a phase's peak is where batches took several optimizer steps each (manual optimization); else ``None``.
+
+    Each backward pass and each update is a segment of its own; a phase's peak is the highest of its segments.
+    """
+    stepped = report.optimizer_steps
+    if stepped is None or stepped <= report.steps:
+        return None
+    return (
+        f"The batches took {stepped} optimizer steps in {report.steps} (manual optimization): each phase's peak is"
+        " the highest of its kind in a batch: forward of the code before each backward pass, backward of each"
+        " backward pass, optimizer of each update (and the code after the last one)."
+    )
 
 
 def _no_optimizer_reason(report: Report) -> str:
@@ -508,6 +524,8 @@ def markdown(report: Report) -> str:
         values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
         cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
         lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
+    if (several := several_updates_note(report)) is not None:
+        lines += ["", escape_markdown(several)]
     if report.evaluation:
         lines += ["", f"Evaluation peaks: {escape_markdown(evaluation_text(report.evaluation))}."]
     if report.modules:
