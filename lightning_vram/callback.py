@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import Unpack, override
 
 from lightning_vram._handback import Handback, HandedBack
@@ -76,6 +77,8 @@ class VramMonitor(Callback):
         self._handback = Handback(self)
         self._handed_back: HandedBack | None = None
         """Rank zero's report, after a fit that ran in processes Lightning spawned (``ddp_spawn``)."""
+        self._manual = False  # whether the module trains under manual optimization (read as training starts)
+        self._update_hooks: list[RemovableHandle] = []  # torch's step post-hooks on the optimizers (manual only)
 
     def _received(self) -> HandedBack | None:
         self._handed_back = self._handback.receive() or self._handed_back
@@ -141,6 +144,7 @@ class VramMonitor(Callback):
     @override
     @_apart
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._watch_updates(trainer, pl_module)
         if trainer.ckpt_path is not None and not self._state_loaded:
             warnings.warn(
                 f"VramMonitor: the checkpoint {trainer.ckpt_path} carries no state of this monitor (written without"
@@ -148,6 +152,38 @@ class VramMonitor(Callback):
                 VramMonitorWarning,
                 stacklevel=2,
             )
+
+    def _watch_updates(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under manual optimization, hear where each backward pass and each optimizer's update returns.
+
+        Lightning calls ``on_after_backward`` from ``manual_backward``; no Lightning hook follows an update, so each
+        optimizer gets torch's public step post-hook (held by the optimizer outside its state: its ``state_dict``
+        and pickles do not carry it), removed when training ends. Under automatic optimization the update runs until
+        the batch ends, and neither is needed.
+        """
+        self._unwatch_updates()
+        self._manual = not pl_module.automatic_optimization
+        if self._manual:
+            self._update_hooks = [
+                optimizer.register_step_post_hook(self._updated)
+                for optimizer in trainer.optimizers
+                if isinstance(optimizer, torch.optim.Optimizer)
+            ]
+
+    def _unwatch_updates(self) -> None:
+        hooks, self._update_hooks = self._update_hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    @_apart
+    def _updated(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.session.after_optimizer_step()
+
+    @override
+    @_apart
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._manual:
+            self.session.after_backward()
 
     @override
     @_apart
@@ -203,6 +239,7 @@ class VramMonitor(Callback):
     @_apart
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # With several ranks, the others wait at the barrier while rank zero writes the files.
+        self._unwatch_updates()
         self.session.finish(step=logging_step(trainer))
 
     @override
@@ -215,11 +252,13 @@ class VramMonitor(Callback):
     @_apart
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Write the report of the run so far, and on CUDA out-of-memory this rank's diagnosis. Never raises."""
+        self._unwatch_updates()
         self.session.fail(exception)
 
     @override
     @_apart
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwatch_updates()
         self.session.close()
         if self._handback.in_a_copy() and trainer.is_global_zero and self.session.report is not None:
             self._handback.send(self.session.report, self.session.report_path)  # ddp_spawn: to the user's monitor

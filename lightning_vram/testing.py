@@ -49,7 +49,8 @@ class ScriptedProbe:
     Args:
         boundaries: the allocator at each successive read. A step read phase by phase (the run's first
             ``recorder.PHASE_READ_STEPS``, the sampled ones, the last of each log interval, the one after a new run
-            peak) reads four times: batch start, before backward, before the optimizer step, batch end; any other
+            peak) reads four times: batch start, before backward, before the optimizer step, batch end (under manual
+            optimization under the callback: before and after each backward, before and after each update); any other
             step reads once, at its end, its peak reset at its start (:meth:`reset_peak`), so its boundary's
             ``highest_bytes`` is the step's peak.
         device: what ``open`` reports.

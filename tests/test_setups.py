@@ -139,19 +139,21 @@ def test_manual_optimization_with_two_optimizers_counts_both_networks(tmp_path: 
 
 
 def test_manual_optimization_phases_follow_backward_and_optimizer_calls(tmp_path: Path) -> None:
-    # Six boundaries a step: start, before backward (D), before step (D), before backward (G), before step (G), end.
-    highs = [100, 300, 500, 350, 450, 200]
+    # Ten boundaries a step: start, then for the discriminator and the generator each: before backward, after it
+    # (on_after_backward), before the step, after the update (torch's step post-hook); then the step's end.
+    highs = [100, 300, 500, 120, 700, 350, 400, 110, 600, 200]
     boundaries = [ScriptedBoundary(100 * MIB, 600 * MIB, high * MIB) for high in highs] * 4
     probe = ScriptedProbe(boundaries)
     monitor = VramMonitor(probe=probe, attribution_start_step=100, console_summary=False)
     trainer(tmp_path, [monitor], max_steps=8).fit(Gan(), gan_data())
     report = monitor.report
-    assert report is not None and probe.reads == 6 * 4
-    # The segment between the discriminator's step and the generator's backward ends in a loss: it counts as
-    # forward (350 MiB beats the first forward's 300); the two backward segments keep the higher (500).
+    assert report is not None and probe.reads == 10 * 4
+    # The discriminator's update (700 MiB) is the optimizer phase's, not the generator's forward pass after it (350
+    # MiB, which beats the first forward's 300); the code after a backward (120, 110) counts with it (500 kept).
     assert report.phases[Phase.FORWARD].peak_bytes == 350 * MIB
     assert report.phases[Phase.BACKWARD].peak_bytes == 500 * MIB
-    assert report.phases[Phase.OPTIMIZER].peak_bytes == 200 * MIB
+    assert report.phases[Phase.OPTIMIZER].peak_bytes == 700 * MIB
+    assert report.peak is not None and report.peak.phase is Phase.OPTIMIZER
 
 
 class WithEvaluation(Classifier):

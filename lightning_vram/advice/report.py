@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lightning_vram.advice.capacity import fit_table
 from lightning_vram.advice.rules.registry import advise, not_advised
 from lightning_vram.records import (
@@ -42,6 +44,8 @@ def build_report(
     table use its savings where it has them, and the report carries it.
     """
     advice = advise(summary, setup, simulation) if setup is not None else ()
+    if setup is not None:  # the report's header says what a step is under accumulation
+        summary = replace(summary, accumulate_grad_batches=setup.accumulate_grad_batches)
     return Report(
         summary=summary,
         precision=setup.precision if setup is not None else None,

@@ -60,10 +60,14 @@ class StepAttributor:
     """Counts one training step (sampled, or replayed: see ``counting``), phase by phase, tensor by tensor.
 
     Call ``begin_forward`` at batch start, ``before_backward`` and ``before_optimizer_step`` at those hooks
-    (as often as they come: manual optimization may run several of each) and ``finish`` at batch end;
-    ``close`` removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a
-    backward is a forward pass, one that ends at an optimizer step is the backward before it, the last one
-    is whatever phase ran. The counted peak of each phase is:
+    (as often as they come: manual optimization may run several of each), optionally ``after_backward`` and
+    ``after_optimizer_step`` where a backward pass or an update returns, and ``finish`` at batch end; ``close``
+    removes every hook and is safe at any time. Each boundary ends a segment: one that ends at a backward is a
+    forward pass; one that begins at a backward is the backward pass (until ``after_backward``, or the next
+    boundary without it); one that begins at an optimizer step is the optimizer phase (until
+    ``after_optimizer_step``, or the next boundary or the step's end without it); any other, the code after a
+    backward or an update that no backward follows, counts with the phase before it. A phase met twice in a step
+    keeps its highest count. The counted peak of each phase is:
 
     - forward: parameters + gradients alive when the forward pass began (at its first module call, which
       is after the LightningModule's own ``on_train_batch_start``: the previous step's gradients, unless
@@ -443,6 +447,16 @@ class StepAttributor:
         self._close_segment(self._phase)
         self._phase = Phase.OPTIMIZER
         self._awaiting_forward = True  # manual optimization may run another forward pass next
+
+    def after_backward(self) -> None:
+        """A backward pass returned: close its segment; what runs next may be another forward pass."""
+        self._close_segment(Phase.BACKWARD)
+        self._awaiting_forward = True
+
+    def after_optimizer_step(self) -> None:
+        """An optimizer's update returned: close its segment; what runs next may be another forward pass."""
+        self._close_segment(Phase.OPTIMIZER)
+        self._awaiting_forward = True
 
     def finish(self) -> Attribution:
         """Close the step's last segment, remove every hook, and return the counts."""

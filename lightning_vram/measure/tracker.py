@@ -79,7 +79,11 @@ class MemoryTracker:
     def __init__(self, recent_steps: int, peak_was_reset: bool) -> None:
         self._reset = peak_was_reset
         self.steps = 0
-        """Training steps ended so far (over the whole run, a resume included)."""
+        """Training steps (batches) ended so far (over the whole run, a resume included)."""
+        self.optimizer_steps: int | None = 0
+        """Optimizer steps begun so far (``before_optimizer_step`` calls, a resume included): one per accumulation
+        window, one per ``opt.step()`` under manual optimization; ``None``: not counted (resumed from a state that
+        did not count them)."""
         self._recent: deque[tuple[int, int]] = deque(maxlen=recent_steps)
         self.latest_attribution: Attribution | None = None
         self.largest_activation_attribution: Attribution | None = None
@@ -161,6 +165,12 @@ class MemoryTracker:
     def count_step(self) -> None:
         """A step ended that is not folded (the tracker failed): it still counts."""
         self.steps += 1
+
+    def count_optimizer_step(self) -> None:
+        """An optimizer is about to step (each call counts, as Lightning's ``global_step`` does)."""
+        counted = self.optimizer_steps
+        if counted is not None:
+            self.optimizer_steps = counted + 1
 
     def end_step_read_once(self, reading: AllocatorReading, last: Phase) -> bool:
         """Fold a step read once, at its end, its peak reset at its start: ``reading``'s peak is the step's peak.
@@ -324,6 +334,7 @@ class MemoryTracker:
         """The run aggregates as plain data (the current interval and the OOM counter's baseline are not kept)."""
         return {
             "steps": self.steps,
+            "optimizer_steps": self.optimizer_steps,
             "peak": phase_peak_to_dict(self._peak),
             "phase_peaks": [phase_peak_to_dict(peak) for peak in self._phase_peaks.values()],
             "recent": [[step, peak_bytes] for step, peak_bytes in self._recent],
@@ -343,6 +354,7 @@ class MemoryTracker:
         """
         fields = Reader(state, "tracker")
         steps = fields.integer("steps")
+        optimizer_steps = fields.added("optimizer_steps", Reader.optional_integer, None)
         peak = optional_phase_peak_from_dict(fields.raw("peak"), "tracker.peak")
         phase_peaks = fields.each("phase_peaks", phase_peak_from_dict)
         recent = fields.each("recent", step_pair_from_list)
@@ -355,6 +367,7 @@ class MemoryTracker:
         recovered_ooms = fields.optional_integer("recovered_ooms")
         evaluation = evaluation_from_dict(fields, "evaluation")
         self.steps = steps
+        self.optimizer_steps = optimizer_steps
         self._peak = peak
         self._peak_bytes = peak.peak_bytes if peak is not None else UNSET
         self._phase_peaks = {item.phase: item for item in phase_peaks}

@@ -378,6 +378,13 @@ class RunSummary:
     step_time_iqr_fraction: float | None = None
     """How much the recent steps' times vary: their interquartile range over their median, a fraction (``None``: not
     measured, fewer than four steps timed, or an older report)."""
+    optimizer_steps: int | None = None
+    """Optimizer steps the run took (``before_optimizer_step`` calls, as Lightning's ``global_step`` counts them: one
+    per accumulation window, one per ``opt.step()`` under manual optimization); ``steps`` counts batches. ``None``:
+    not counted (an older report, or a run resumed from a state that did not count them)."""
+    accumulate_grad_batches: int | None = None
+    """The batches whose gradients added up before each optimizer step, as the run's set-up says (``None``: not
+    known, or an older report)."""
 
     @property
     def on_cuda(self) -> bool:

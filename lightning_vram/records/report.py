@@ -110,6 +110,16 @@ class Report:
         return self.summary.steps
 
     @property
+    def optimizer_steps(self) -> int | None:
+        """Optimizer steps taken, as Lightning's ``global_step`` counts them (``None``: not counted)."""
+        return self.summary.optimizer_steps
+
+    @property
+    def accumulate_grad_batches(self) -> int | None:
+        """Batches per optimizer step as the run was set up (``None``: not known)."""
+        return self.summary.accumulate_grad_batches
+
+    @property
     def peak(self) -> PhasePeak | None:
         """The highest phase peak of the run."""
         return self.summary.peak
@@ -203,6 +213,8 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         },
         "precision": report.precision,
         "steps": report.steps,
+        "optimizer_steps": report.optimizer_steps,
+        "accumulate_grad_batches": report.accumulate_grad_batches,
         "batch_size": report.batch_size,
         "recovered_ooms": report.recovered_ooms,
         "ended_with": report.ended_with,
@@ -293,6 +305,7 @@ def report_from_dict(data: Any) -> Report:
     - the step time: ``advice[].predicted_step_seconds``: ``None``;
     - the step times' spread: ``timing.step_time_iqr_fraction``: ``None`` (not measured);
     - the error a run ended with: ``ended_with``: ``None`` (finished, or not recorded).
+    - the optimizer steps: ``optimizer_steps``, ``accumulate_grad_batches``: ``None`` (not counted).
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.
@@ -330,6 +343,8 @@ def report_from_dict(data: Any) -> Report:
         cuda_context_bytes=None,
         recovered_ooms=fields.added("recovered_ooms", Reader.optional_integer, None),
         steps=fields.integer("steps"),
+        optimizer_steps=fields.added("optimizer_steps", Reader.optional_integer, None),
+        accumulate_grad_batches=fields.added("accumulate_grad_batches", Reader.optional_integer, None),
         recent_peaks=tuple(fields.each("recent_peaks", step_point_from_dict)) if fields.has("recent_peaks") else (),
         evaluation=evaluation_from_dict(fields, "evaluation") if fields.has("evaluation") else (),
         recomputed_units=recomputed_units_from_dict(fields.raw("recomputed_units"), "report.recomputed_units")

@@ -27,7 +27,9 @@ from lightning_vram.render.text import (
     peak_label,
     predicted_step_text,
     ranks_line,
+    report_steps_text,
     saving_text,
+    several_updates_note,
     spread_note,
     timing_line,
 )
@@ -173,7 +175,7 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
         "<p class='meta'>"
         + html.escape(
             f"{device.name} ({device.type}), capacity {capacity_text(device)}; precision {report.precision or 'n/a'};"
-            f" batch size {report.batch_size or 'n/a'}; {report.steps} steps; {timing_line(report)}"
+            f" batch size {report.batch_size or 'n/a'}; {report_steps_text(report)}; {timing_line(report)}"
         )
         + "</p>",
     ]
@@ -199,6 +201,8 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
                 f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
             )
         )
+        if (several := several_updates_note(report)) is not None:
+            sections.append(f"<p>{html.escape(several)}</p>")
         if BREAKDOWN_TAG in pngs:
             sections.append(_image(pngs[BREAKDOWN_TAG], "breakdown per phase"))
     if report.evaluation:

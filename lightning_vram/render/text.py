@@ -269,9 +269,44 @@ def timing_line(report: Report) -> str:
     return f"step {step} median, data wait {format_percent(timing.data_wait_fraction)}, GPU utilization {utilization}"
 
 
+def steps_text(batches: int, optimizer_steps: int | None, accumulate_grad_batches: int | None) -> str:
+    """The steps monitored, in words, counted as Lightning's ``max_steps`` and ``global_step`` count them.
+
+    Where each batch stepped the optimizer once, the batches alone; else the optimizer steps, then the batches they
+    took (gradient accumulation: one step a window; manual optimization: each ``opt.step()``). Without a count of
+    optimizer steps (``None``: an older report; ``0`` without accumulation: a loop that never said so), the
+    batches, as "steps".
+
+    >>> steps_text(40, 40, 1), steps_text(40, 20, 2), steps_text(4, 8, 1)
+    ('40 steps', '20 optimizer steps (40 batches, accumulation 2)', '8 optimizer steps (4 batches)')
+    >>> steps_text(1, 0, 4), steps_text(3, 0, 1), steps_text(1, None, None)
+    ('0 optimizer steps (1 batch, accumulation 4)', '3 steps', '1 step')
+    """
+    accumulation = f", accumulation {accumulate_grad_batches}" if (accumulate_grad_batches or 1) > 1 else ""
+    if optimizer_steps is None or (optimizer_steps in (0, batches) and not accumulation):
+        return _count(batches, "step")
+    return f"{_count(optimizer_steps, 'optimizer step')} ({_count(batches, 'batch')}{accumulation})"
+
+
+def _count(number: int, noun: str) -> str:
+    """``number`` of ``noun``, in words.
+
+    >>> _count(1, "batch"), _count(2, "batch"), _count(0, "step")
+    ('1 batch', '2 batches', '0 steps')
+    """
+    if number == 1:
+        return f"{number} {noun}"
+    return f"{number} {noun}es" if noun.endswith("ch") else f"{number} {noun}s"
+
+
+def report_steps_text(report: Report) -> str:
+    """:func:`steps_text` of ``report``."""
+    return steps_text(report.steps, report.optimizer_steps, report.accumulate_grad_batches)
+
+
 def device_line(report: Report) -> str:
     """The device and the steps monitored, in one line."""
-    return f"{report.device.name} ({report.device.type}), {report.steps} steps"
+    return f"{report.device.name} ({report.device.type}), {report_steps_text(report)}"
 
 
 def summary_text(
@@ -320,8 +355,24 @@ def peak_lines(report: Report) -> list[str]:
                 f" | activations {format_bytes(parts.activations)} | other {format_bytes(parts.other)}"
             )
         phases = ", ".join(f"{phase.value} {format_bytes(p.peak_bytes)}" for phase, p in in_phase_order(report.phases))
-        lines.append(f"phase peaks: {phases}{_no_optimizer_reason(report)}")
+        several = " (each the highest of its kind in a batch)" if several_updates_note(report) is not None else ""
+        lines.append(f"phase peaks{several}: {phases}{_no_optimizer_reason(report)}")
     return lines
+
+
+def several_updates_note(report: Report) -> str | None:
+    """What a phase's peak is where batches took several optimizer steps each (manual optimization); else ``None``.
+
+    Each backward pass and each update is a segment of its own; a phase's peak is the highest of its segments.
+    """
+    stepped = report.optimizer_steps
+    if stepped is None or stepped <= report.steps:
+        return None
+    return (
+        f"The batches took {stepped} optimizer steps in {report.steps} (manual optimization): each phase's peak is"
+        " the highest of its kind in a batch: forward of the code before each backward pass, backward of each"
+        " backward pass, optimizer of each update (and the code after the last one)."
+    )
 
 
 def _no_optimizer_reason(report: Report) -> str:
@@ -456,8 +507,8 @@ def markdown(report: Report) -> str:
         "",
         *([ranks, ""] if (ranks := ranks_line(report)) is not None else []),
         f"Device: {escape_markdown(f'{device.name} ({device.type})')}, capacity {capacity_text(device)}; precision"
-        f" {escape_markdown(report.precision or 'n/a')}; batch size {report.batch_size or 'n/a'}; {report.steps}"
-        f" steps; {timing_line(report)}.",
+        f" {escape_markdown(report.precision or 'n/a')}; batch size {report.batch_size or 'n/a'};"
+        f" {report_steps_text(report)}; {timing_line(report)}.",
         "",
         "## Advice",
         "",
@@ -473,6 +524,8 @@ def markdown(report: Report) -> str:
         values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
         cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
         lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
+    if (several := several_updates_note(report)) is not None:
+        lines += ["", escape_markdown(several)]
     if report.evaluation:
         lines += ["", f"Evaluation peaks: {escape_markdown(evaluation_text(report.evaluation))}."]
     if report.modules:

@@ -115,6 +115,7 @@ class Assembly:
             recovered_ooms=tracker.recovered_ooms,
             last_step=tracker.last_step,
             steps=tracker.steps,
+            optimizer_steps=tracker.optimizer_steps,
             recent_peaks=tracker.recent,
             evaluation=tuple(tracker.evaluation.values()),
             length_counts=tuple(sorted(recorder.shapes.length_counts.items())),

@@ -313,6 +313,33 @@ class VramSession:
         if self._sampler.attributor is not None:
             self._sampler.before_backward()
 
+    def after_backward(self) -> None:
+        """A backward pass has returned (optional: a loop that runs several backward passes a step calls it).
+
+        The segment since :meth:`before_backward` ends as backward. What runs next counts as a forward pass where it
+        ends at the next :meth:`before_backward`, else as backward (the code before the optimizer step, as a loop
+        that never calls this has it). Nothing happens outside a backward pass.
+        """
+        if self._recorder.phase is not Phase.BACKWARD:
+            return
+        self._recorder.boundary(Phase.BACKWARD, Phase.BACKWARD)
+        if self._sampler.attributor is not None:
+            self._sampler.after_backward()
+
+    def after_optimizer_step(self) -> None:
+        """An optimizer's update has returned (optional: a loop that steps several optimizers a step calls it).
+
+        The segment since :meth:`before_optimizer_step` ends as the optimizer phase. What runs next counts as a
+        forward pass where it ends at the next :meth:`before_backward` (a GAN's second network), else with the
+        optimizer phase (another optimizer's step, the step's end). Without it, the first optimizer's update and the
+        forward pass after it are one segment, counted as forward. Nothing happens outside an optimizer step.
+        """
+        if self._recorder.phase is not Phase.OPTIMIZER:
+            return
+        self._recorder.boundary(Phase.OPTIMIZER, Phase.OPTIMIZER)
+        if self._sampler.attributor is not None:
+            self._sampler.after_optimizer_step()
+
     def before_optimizer_step(self) -> None:
         """An optimizer is about to step: the segment since the last boundary (usually backward) ends."""
         recorder = self._recorder
@@ -320,6 +347,7 @@ class VramSession:
         if phase is None:
             return
         recorder.boundary(phase, Phase.OPTIMIZER)
+        recorder.tracker.count_optimizer_step()
         self._context.windows.optimizer_step()
         if self._sampler.attributor is not None:
             self._sampler.before_optimizer_step()

@@ -271,6 +271,18 @@ class Sampler:
             self._close_live_segment(self._live_phase, Phase.OPTIMIZER)
             self._call(StepAttributor.before_optimizer_step)
 
+    def after_backward(self) -> None:
+        """The counted step's backward pass returned."""
+        if self.attributor is not None:
+            self._close_live_segment(Phase.BACKWARD, Phase.BACKWARD)
+            self._call(StepAttributor.after_backward)
+
+    def after_optimizer_step(self) -> None:
+        """The counted step's optimizer update returned."""
+        if self.attributor is not None:
+            self._close_live_segment(Phase.OPTIMIZER, Phase.OPTIMIZER)
+            self._call(StepAttributor.after_optimizer_step)
+
     def finish(self) -> Attribution | None:
         """The counted step ended: its counts (``None`` when no step was counted, or counting failed)."""
         if self.attributor is None:

@@ -81,6 +81,14 @@ class ReplayCounter:
         """The optimizer steps next: the segment since backward began was the backward pass."""
         self._attributor.before_optimizer_step()
 
+    def after_backward(self) -> None:
+        """A backward pass returned (manual optimization): its segment ends."""
+        self._attributor.after_backward()
+
+    def after_optimizer_step(self) -> None:
+        """An optimizer's update returned (manual optimization): its segment ends."""
+        self._attributor.after_optimizer_step()
+
     def finish(self) -> tuple[dict[Phase, Breakdown], tuple[ModuleProfile, ...]]:
         """Close the optimizer phase, remove every hook, and return the counted phases and module profiles."""
         attribution = self._attributor.finish()

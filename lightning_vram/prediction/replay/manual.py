@@ -5,8 +5,9 @@ Under ``automatic_optimization = False`` the user's ``training_step`` calls ``se
 On a LightningModule these reach the Trainer (its strategy's optimizers and backward); the replay's copy has no
 Trainer, so :func:`bind_manual` gives the copy (its root module, as instance attributes of the copy only) stand-ins
 that act on the replay's fake optimizers and run backward as the replay does, telling the counters of each boundary
-where the monitor hears of it: ``on_before_backward`` in ``manual_backward``, ``on_before_optimizer_step`` in each
-optimizer's ``step`` (after a closure it is given, as Lightning's precision plugin runs it).
+where the monitor hears of it: ``on_before_backward`` and ``on_after_backward`` in ``manual_backward``,
+``on_before_optimizer_step`` in each optimizer's ``step`` (after a closure it is given, as Lightning's precision plugin
+runs it) and torch's step post-hook where the update returns.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ class ReplayOptimizer:
     Any other attribute is the fake optimizer's (``param_groups``, ``state``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, before_step: Boundary) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, before_step: Boundary, after_step: Boundary) -> None:
         self.optimizer = optimizer
         self._before_step = before_step
+        self._after_step = after_step
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Run ``closure`` (if any), tell the boundary, then step the fake optimizer; the closure's result."""
+        """Run ``closure`` (if any), tell the boundary, step the fake optimizer, tell its end; the closure's result."""
         result = closure() if closure is not None else None
         self._before_step()
         self.optimizer.step(**kwargs)
+        self._after_step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -56,15 +59,18 @@ def bind_manual(
     backward: Callable[..., None],
     before_backward: Boundary,
     before_step: Boundary,
+    after_backward: Boundary,
+    after_step: Boundary,
 ) -> None:
     """Give the replay's copy ``module`` the manual-optimization methods, acting on its fake ``optimizers``.
 
-    ``backward(loss, *args, **kwargs)`` runs the replay's backward; ``before_backward`` and ``before_step`` tell its
-    counters. ``self.optimizers()`` returns one stand-in, or a list of them, as Lightning does
-    (``use_pl_optimizer=False``: the fake optimizers themselves); ``toggle_optimizer`` and ``untoggle_optimizer``
-    (and so ``toggled_optimizer``) set ``requires_grad`` as Lightning's do, over the fake optimizers.
+    ``backward(loss, *args, **kwargs)`` runs the replay's backward; ``before_backward``, ``after_backward``,
+    ``before_step`` and ``after_step`` tell its counters. ``self.optimizers()`` returns one stand-in, or a list of
+    them, as Lightning does (``use_pl_optimizer=False``: the fake optimizers themselves); ``toggle_optimizer`` and
+    ``untoggle_optimizer`` (and so ``toggled_optimizer``) set ``requires_grad`` as Lightning's do, over the fake
+    optimizers.
     """
-    wrapped = [ReplayOptimizer(optimizer, before_step) for optimizer in optimizers]
+    wrapped = [ReplayOptimizer(optimizer, before_step, after_step) for optimizer in optimizers]
     toggled: dict[Tensor, bool] = {}
 
     def replay_optimizers(use_pl_optimizer: bool = True) -> Any:
@@ -74,6 +80,7 @@ def bind_manual(
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
         before_backward()
         backward(loss, *args, **kwargs)
+        after_backward()
 
     def toggle_optimizer(optimizer: Any) -> None:
         toggled.clear()

@@ -222,10 +222,10 @@ class StepRun:
     def run_manual(self, twin: Twin, batch: Any, counter: ReplayCounter | None, live: LiveMemory | None) -> None:
         """``training_step`` under manual optimization, on the copy's own optimizers and backward.
 
-        Each ``manual_backward`` ends a forward segment and each optimizer step a backward one (or an optimizer one,
-        after another step), as the monitor's hooks count a manual step
-        (:class:`~lightning_vram.measure.accounting.StepAttributor`): the segment from an optimizer step to the next
-        backward is a forward pass, the one after the last step the optimizer phase.
+        Each ``manual_backward`` is a backward segment and each optimizer's update an optimizer one, as the monitor's
+        hooks count a manual step (:class:`~lightning_vram.measure.accounting.StepAttributor`): the code before a
+        backward is a forward pass, the code after a backward or an update that no backward follows counts with
+        that phase.
         """
 
         def before_backward() -> None:
@@ -233,12 +233,24 @@ class StepRun:
                 counter.before_backward()
                 live.start_phase(Phase.BACKWARD, ended=Phase.FORWARD)
 
+        def after_backward() -> None:
+            if counter is not None and live is not None:
+                counter.after_backward()
+                live.start_phase(Phase.BACKWARD)
+
         def before_step() -> None:
             if counter is not None and live is not None:
                 counter.before_optimizer_step()
                 live.start_phase(Phase.OPTIMIZER)
 
-        bind_manual(twin.module, twin.optimizers, self.backward, before_backward, before_step)
+        def after_step() -> None:
+            if counter is not None and live is not None:
+                counter.after_optimizer_step()
+                live.start_phase(Phase.OPTIMIZER)
+
+        bind_manual(
+            twin.module, twin.optimizers, self.backward, before_backward, before_step, after_backward, after_step
+        )
         if counter is not None and live is not None:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
