@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lightning_vram.advice.rules.chunked_loss import LOSS_CHUNKS
 from lightning_vram.records import (
     CATEGORIES,
     Advice,
@@ -313,29 +314,20 @@ def _added(before: Report, after: Report) -> list[tuple[str, ...]]:
     return [unit for unit in dict.fromkeys(after.recomputed_units or ()) if unit not in already]
 
 
-def _chunked_head(before: Report, after: Report) -> tuple[tuple[str, ...], int] | None:
-    """The output layer run ``after`` recomputed once per chunk of A's chunked-loss advice, and its chunks.
+def _chunked_head(before: Report, after: Report) -> tuple[str, ...] | None:
+    """The output layer run ``after`` recomputed once per chunk of A's chunked-loss advice (``None``: none).
 
-    The advice's printed function calls the output layer (its ``head``, no checkpointing wrapper) once per chunk in
-    forward and recomputes it once per chunk in backward: run ``after`` records it as one unit recomputed as many
-    times as its forward called it, where run ``before``'s forward called it once. The advice names no module and
-    the user may choose another number of chunks (or ``Tensor.chunk`` give fewer): the calls tell the output layer
-    from a checkpointed module called more than once in forward in both runs (a shared dropout or pooling layer,
-    recomputed once per call). ``None`` where no unit is so, where several are, or where ``before`` did not advise
-    chunked-loss.
+    The advice's printed function recomputes the output layer (its ``head``, called directly, no checkpointing
+    wrapper) once per chunk in backward, :data:`~lightning_vram.advice.rules.chunked_loss.LOSS_CHUNKS` chunks as
+    printed, so run ``after`` records it as one unit recomputed that many times. The advice names no module, so that
+    count is what tells the output layer from a checkpointed module called more than once in forward (a shared
+    dropout or pooling layer, recomputed once per call): a unit recomputed another number of times is not taken for
+    it, nor is any where ``before`` did not advise chunked-loss.
     """
     if not any(item.id is AdviceId.CHUNKED_LOSS for item in before.advice):
         return None
-    calls_before = {profile.name: profile.calls for profile in before.summary.modules}
-    calls_after = {profile.name: profile.calls for profile in after.summary.modules}
     recomputed = list(after.recomputed_units or ())
-    chunked = [
-        (unit, recomputed.count(unit))
-        for unit in _added(before, after)
-        if recomputed.count(unit) > 1
-        and calls_after.get(unit[0]) == recomputed.count(unit)
-        and calls_before.get(unit[0]) == 1
-    ]
+    chunked = [unit for unit in _added(before, after) if recomputed.count(unit) == LOSS_CHUNKS]
     return chunked[0] if len(chunked) == 1 else None
 
 
@@ -354,10 +346,9 @@ def _selectively_rerun(
     """
     if after.recomputed_units is None:
         return None
-    chunked = _chunked_head(before, after)
-    if (chunked is not None) != beside_chunks:
+    head = _chunked_head(before, after)
+    if (head is not None) != beside_chunks:
         return None
-    head = chunked[0] if chunked is not None else None
     added = [unit for unit in _added(before, after) if unit != head]
     reruns = [next((rerun for rerun in added if _reruns(rerun, unit)), None) for unit in plan.units]
     if len(added) != len(plan.units) or any(rerun is None for rerun in reruns):
@@ -662,11 +653,10 @@ def _chunked_loss_lines(before: Report, after: Report, measured: int) -> tuple[l
     how far the peak fell. Returns the lines and the units they account for.
     """
     promised = next((item.estimated_saving_bytes for item in before.advice if item.id is AdviceId.CHUNKED_LOSS), None)
-    chunked = _chunked_head(before, after)
+    unit = _chunked_head(before, after)
     before_peak = _peak_bytes(before)
-    if promised is None or chunked is None or before_peak is None:
+    if promised is None or unit is None or before_peak is None:
         return [], []
-    unit, chunks = chunked
     fell = before_peak - measured
     outcome = (
         f"the peak fell {format_bytes(fell)} ({format_percent(fell / promised)} of it)"
@@ -674,8 +664,8 @@ def _chunked_loss_lines(before: Report, after: Report, measured: int) -> tuple[l
         else f"the peak did not fall (B's is {format_bytes(-fell)} above A's)"
     )
     line = (
-        f"B recomputed {', '.join(unit)} {chunks} times in backward: A's {AdviceId.CHUNKED_LOSS.value} advice"
-        f" applied ({chunks} chunks); it promised about {format_bytes(promised)} (modelled), {outcome}"
+        f"B recomputed {', '.join(unit)} {LOSS_CHUNKS} times in backward: A's {AdviceId.CHUNKED_LOSS.value} advice"
+        f" applied ({LOSS_CHUNKS} chunks); it promised about {format_bytes(promised)} (modelled), {outcome}"
         f" (B measured {format_bytes(measured)})"
     )
     return [line], [unit]
