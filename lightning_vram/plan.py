@@ -618,7 +618,7 @@ def _check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:
         raise PlanInputError(f"strategies must be a non-empty list of strategy names, got {strategies!r}")
     for strategy in strategies:
         if strategy not in MULTI_GPU_STRATEGIES:
-            raise PlanInputError(f"strategies must be of {', '.join(MULTI_GPU_STRATEGIES)}, got {strategy!r}")
+            raise PlanInputError(f"strategies must be one of {', '.join(MULTI_GPU_STRATEGIES)}, got {strategy!r}")
     return tuple(dict.fromkeys(strategies))
 
 
@@ -628,7 +628,7 @@ def _check_precisions(precisions: Sequence[str]) -> tuple[str, ...]:
         raise PlanInputError(f"precisions must be a non-empty list of precisions, got {precisions!r}")
     for precision in precisions:
         if precision not in REPLAYED_PRECISIONS:
-            raise PlanInputError(f"precisions must be of {', '.join(REPLAYED_PRECISIONS)}, got {precision!r}")
+            raise PlanInputError(f"precisions must be one of {', '.join(REPLAYED_PRECISIONS)}, got {precision!r}")
     return tuple(dict.fromkeys(precisions))
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.plan_syntax import DTYPE_NAMES, batch_items, gpu_bytes
+from lightning_vram.plan_syntax import DTYPE_NAMES, batch_items, gpu_bytes, one_tuple
 from lightning_vram.plan_syntax import PlanInputError as PlanInputError  # where plan() and the command read it
 from lightning_vram.prediction.containment.isolation import generators_kept
 from lightning_vram.prediction.devices import COMMON_GPUS
@@ -42,11 +42,15 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in D
 def parse_batch(text: str, argument: str = "batch") -> Any:
     """The batch a description names, as zeros on the CPU: a tensor, a tuple of them, or a dict of them by name.
 
+    A trailing comma makes a tuple of one tensor, as in Python.
+
     >>> batch = parse_batch("float32[8,3,32,32] int64[8]")
     >>> [(tuple(t.shape), t.dtype) for t in batch]
     [((8, 3, 32, 32), torch.float32), ((8,), torch.int64)]
     >>> sorted(parse_batch("x=bfloat16[2,4] y=int64[2]"))
     ['x', 'y']
+    >>> type(parse_batch("int64[2,8]")).__name__, [tuple(t.shape) for t in parse_batch("int64[2,8],")]
+    ('Tensor', [(2, 8)])
     >>> parse_batch("float32[8,3")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -56,7 +60,7 @@ def parse_batch(text: str, argument: str = "batch") -> Any:
     if items[0][0] is not None:
         return {name: tensor for name, tensor in items}
     tensors = tuple(tensor for _, tensor in items)
-    return tensors[0] if len(tensors) == 1 else tensors
+    return tensors[0] if len(tensors) == 1 and not one_tuple(text)[1] else tensors
 
 
 def load_class(path: str, argument: str = "module") -> type:
@@ -107,9 +111,9 @@ def build_module(cls: type, init_kwargs: str | None, argument: str = "module") -
         try:
             kwargs = json.loads(init_kwargs)
         except json.JSONDecodeError as error:
-            raise PlanInputError(f"init-kwargs must be a JSON object, got {init_kwargs!r} ({error.msg})") from None
+            raise PlanInputError(f"--init-kwargs must be a JSON object, got {init_kwargs!r} ({error.msg})") from None
         if not isinstance(kwargs, dict):
-            raise PlanInputError(f"init-kwargs must be a JSON object, got {init_kwargs!r}")
+            raise PlanInputError(f"--init-kwargs must be a JSON object, got {init_kwargs!r}")
     try:
         built = cls(**kwargs)
     except (TypeError, ValueError) as error:  # arguments it needs, or refuses; its other errors are its own

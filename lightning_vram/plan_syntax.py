@@ -31,7 +31,10 @@ DTYPE_NAMES: dict[str, str] = {
 }
 """The dtypes a batch description names, torch's names and their short forms, each with torch's attribute name."""
 _ITEM = re.compile(r"^(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)=)?(?P<dtype>[a-z0-9]+)\[(?P<dims>[^\[\]]*)\]$")
-BATCH_SYNTAX = "dtype[sizes] items separated by spaces, each optionally name=, e.g. 'float32[8,3,32,32] int64[8]'"
+BATCH_SYNTAX = (
+    "dtype[sizes] items separated by spaces, each optionally name=, e.g. 'float32[8,3,32,32] int64[8]'"
+    " (one item and a comma: a tuple of one)"
+)
 """The batch description's syntax, as an error message names it."""
 MAX_GPU_BYTES = 2**50
 """The most memory a GPU given in bytes may have (1 PiB)."""
@@ -39,6 +42,16 @@ MAX_GPU_BYTES = 2**50
 
 class PlanInputError(ValueError):
     """An argument of a plan that is not one: its message names the argument, what it must be and what it got."""
+
+
+def one_tuple(text: str) -> tuple[str, bool]:
+    """A batch description without its trailing comma, and whether it had one (a tuple of one tensor, as in Python).
+
+    >>> one_tuple("int64[8,128],"), one_tuple("int64[8,128]")
+    (('int64[8,128]', True), ('int64[8,128]', False))
+    """
+    stripped = text.rstrip()
+    return (stripped[:-1], True) if stripped.endswith(",") else (text, False)
 
 
 def batch_items(text: str, argument: str = "batch") -> list[tuple[str | None, str, tuple[int, ...]]]:
@@ -56,7 +69,7 @@ def batch_items(text: str, argument: str = "batch") -> list[tuple[str | None, st
     lightning_vram.plan_syntax.PlanInputError: --batch must give sizes as integers >= 1; got '-1' in 'float32[-1,3]'
     """
     shown = text if len(text) <= 200 else text[:199] + "…"
-    tokens = re.findall(r"[^\s\[]+\[[^\]]*\]|\S+", text)
+    tokens = re.findall(r"[^\s\[]+\[[^\]]*\]|\S+", one_tuple(text)[0])
     if not tokens:
         raise PlanInputError(f"{argument} must be {BATCH_SYNTAX}; got an empty description")
     items = []

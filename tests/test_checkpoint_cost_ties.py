@@ -121,10 +121,10 @@ def test_the_evidence_and_the_time_cost_say_which_figure_is_which(
     evidence = next(line for line in lines if line.startswith("**Evidence:**"))
     assert evidence.endswith(
         "; of 3 replayed plans saving within 2.0% of the peak of the most (5.9 MiB), it saves most of the 2 that"
-        " recompute least (the same recomputed FLOPs and bytes, or predicted within 5.0% of the least): predicted"
-        " 10.8 ms a step, against 15.7 ms for the one saving most (recomputation alone, priced on this CPU"
-        f" ({torch.get_num_threads()} threads), not calibrated: the time cost is the whole step's with the change,"
-        " calibrated by this run's measured step time, less that time)"
+        " recompute least (the same recomputed FLOPs and bytes, or predicted within 5.0% of the least): its"
+        " recomputed ops priced at 10.8 ms, against 15.7 ms for the one saving most (a figure to rank plans by, on"
+        f" this CPU ({torch.get_num_threads()} threads), not calibrated: the time cost is the whole step's with the"
+        " change, calibrated by this run's measured step time, less that time)"
     ), evidence
     assert "**Time cost:** costs about +12.5 ms a step (+5.5% FLOPs, recomputed forward)" in lines
     assert "**Step time:** predicted step 53.6 ms with the change (roofline, calibrated by this run)" in lines

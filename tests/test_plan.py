@@ -151,8 +151,8 @@ def test_the_table_reads_in_100_columns_and_the_json_has_every_row() -> None:
     [
         ({"gpus": ["Z80"]}, "gpus must name one of: RTX 3060"),
         ({"world_sizes": (0,)}, "world_sizes must hold ints from 1 to 1024, got 0"),
-        ({"strategies": ("horovod",)}, "strategies must be of ddp, fsdp2, fsdp"),
-        ({"precisions": ("fp8",)}, "precisions must be of 32-true"),
+        ({"strategies": ("horovod",)}, "strategies must be one of ddp, fsdp2, fsdp"),
+        ({"precisions": ("fp8",)}, "precisions must be one of 32-true"),
         ({"global_batch": 0}, "global_batch must be None or an int from 1"),
         ({"nodes": 2, "world_sizes": (1, 2)}, r"world_sizes must be multiples of nodes \(2\), got 1"),
         # No GPU count it splits over: nothing could be planned (a count it does not split over is left out).

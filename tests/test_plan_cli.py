@@ -113,11 +113,11 @@ def test_the_exit_status_reaches_the_shell() -> None:
         (["no_such_package.models:Net"], "lightning-vram: error: MODULE 'no_such_package.models:Net' cannot be"),
         (["examples.quickstart"], "lightning-vram: error: MODULE must be package.module:ClassName"),
         ([f"{ROOT / 'examples' / 'quickstart.py'}:Missing"], "lightning-vram: error: MODULE '"),
-        ([QUICKSTART, "--init-kwargs", "[1]"], "lightning-vram: error: init-kwargs must be a JSON object"),
+        ([QUICKSTART, "--init-kwargs", "[1]"], "lightning-vram: error: --init-kwargs must be a JSON object"),
         ([QUICKSTART, "--init-kwargs", '{"depth": 3}'], "lightning-vram: error: MODULE SmallCNN(**{'depth': 3})"),
         ([QUICKSTART, "--batch", BATCH, "--gpus", "0"], "lightning-vram: error: --gpus must hold ints from 1"),
-        ([QUICKSTART, "--batch", BATCH, "--strategy", "x"], "lightning-vram: error: --strategy must be of ddp,"),
-        ([QUICKSTART, "--batch", BATCH, "--precision", "8"], "lightning-vram: error: --precision must be of 32-true"),
+        ([QUICKSTART, "--batch", BATCH, "--strategy", "x"], "lightning-vram: error: --strategy must be one of ddp,"),
+        ([QUICKSTART, "--batch", BATCH, "--precision", "8"], "lightning-vram: error: --precision must be one of 32"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_naming_the_argument(
@@ -127,3 +127,35 @@ def test_bad_input_exits_2_with_one_line_naming_the_argument(
     captured = capsys.readouterr()
     assert status == 2 and captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith(starts), captured.err
+
+
+UNPACKS_ONE = """
+import torch
+import lightning.pytorch as pl
+from torch import nn
+
+
+class UnpacksOne(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch  # a batch of one tensor in a tuple: a DataLoader over TensorDataset(ids)
+        return nn.functional.cross_entropy(self.head(self.embed(ids[:, :-1])).flatten(0, 1), ids[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+def test_a_trailing_comma_describes_a_tuple_of_one_tensor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trial's step unpacked ``(ids,) = batch``: no description gave it a tuple of one, and its plan exited 3."""
+    module = tmp_path / "unpacks_one.py"
+    module.write_text(UNPACKS_ONE)
+    bare = main(["plan", f"{module}:UnpacksOne", "--batch", "int64[4,16]", "--gpu", "H100", *ONE_CONFIGURATION])
+    assert bare == 3 and "ValueError" in capsys.readouterr().out
+    status = main(["plan", f"{module}:UnpacksOne", "--batch", "int64[4,16],", "--gpu", "H100", *ONE_CONFIGURATION])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "H100" in out

@@ -216,6 +216,19 @@ def _variant_of(advice: Advice, simulation: Simulation, device: DeviceInfo) -> V
     return matching[0] if matching else None
 
 
+def with_replayed_change(advice: Advice, summary: RunSummary, simulation: Simulation | None) -> Advice:
+    """``advice`` naming the replayed change behind its simulated saving (``replayed_change``), else as it is.
+
+    The figure of the step's memory draws that change's replay, and two changes can replay to the same peak (3 and 4
+    segments of one stack): the one the advice prints (:func:`_variant_of`), not the first.
+    """
+    baseline = simulation.baseline if simulation is not None and simulation.skipped is None else None
+    if simulation is None or baseline is None or advice.saving_basis is not SavingBasis.SIMULATED:
+        return advice
+    variant = _variant_of(advice, simulation, summary.device) if advice.predicted_peak_bytes is not None else None
+    return replace(advice, replayed_change=variant.change.label) if variant is not None else advice
+
+
 def with_time_cost(advice: Advice, summary: RunSummary, simulation: Simulation | None) -> Advice:
     """``advice`` with its step-time cost, where its change was replayed with FLOPs counted (else as it is).
 

@@ -94,7 +94,9 @@ class Advice:
     ``predicted_step_seconds`` is the step time predicted with the change: its replay's ops priced on the run's
     device (a roofline per op, :mod:`lightning_vram.prediction.timing`), times the run's measured median step time
     over the same prediction for its own step (``None``: not predicted: no step time measured, no ops counted, or a
-    device without known peaks).
+    device without known peaks). ``replayed_change`` is the label of the replayed change behind a simulated saving
+    (one of the report's ``simulation.variants``; two changes can replay to the same peak), ``None`` where the saving
+    was not simulated or the report was written before it was recorded.
     """
 
     id: AdviceId
@@ -110,6 +112,7 @@ class Advice:
     flop_ratio: float | None = None
     cost_basis: CostBasis | None = None
     predicted_step_seconds: float | None = None
+    replayed_change: str | None = None
 
     @property
     def cost_text(self) -> str | None:

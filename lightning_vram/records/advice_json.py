@@ -24,6 +24,7 @@ def advice_to_dict(advice: Advice) -> dict[str, Any]:
         "flop_ratio": advice.flop_ratio,
         "cost_basis": None if advice.cost_basis is None else str(advice.cost_basis),
         "predicted_step_seconds": advice.predicted_step_seconds,
+        "replayed_change": advice.replayed_change,
     }
 
 
@@ -79,6 +80,8 @@ def advice_from_dict(data: Any, where: str) -> Advice:
         predicted_step_seconds=fields.added(
             "predicted_step_seconds", lambda reader, key: reader.optional_number(key), None
         ),
+        # Absent from reports written before it was recorded.
+        replayed_change=fields.added("replayed_change", lambda reader, key: reader.optional_text(key), None),
     )
 
 

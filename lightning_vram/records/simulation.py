@@ -618,14 +618,19 @@ class RankPreflight:
 def advised_variant(simulation: Simulation | None, advice: tuple[Advice, ...]) -> VariantResult | None:
     """The replayed change behind the first piece of ``advice`` whose saving was simulated, if any.
 
-    A simulated saving quotes its change's replayed peak (``predicted_peak_bytes``): the variant is the first
-    replayed change with that peak as the report measures peaks (the first is the one a rule picks on a tie).
+    The advice names its change (``replayed_change``, the variant's label). A report written before it did: a
+    simulated saving quotes its change's replayed peak (``predicted_peak_bytes``), and the variant is the first
+    replayed change with that peak as the report measures peaks.
     """
     if simulation is None or simulation.skipped is not None:
         return None
     for item in advice:
         if item.saving_basis is not SavingBasis.SIMULATED or item.predicted_peak_bytes is None:
             continue
+        if item.replayed_change is not None:
+            named = [variant for variant in simulation.variants if variant.change.label == item.replayed_change]
+            if named and named[0].replayed is not None:
+                return named[0]
         for variant in simulation.variants:
             replayed = variant.replayed
             if (

@@ -187,9 +187,9 @@ class Choice:
         '; of 2 replayed plans saving within 2.0% of the peak of the most (3 B), it recomputes least'
         >>> import textwrap
         >>> print(textwrap.fill(cost, 110))
-        predicted 50.0 ms a step, against 80.0 ms for the one saving most (recomputation alone, priced on this CPU (2
-        threads), not calibrated: the time cost is the whole step's with the change, calibrated by this run's measured
-        step time, less that time)
+        its recomputed ops priced at 50.0 ms, against 80.0 ms for the one saving most (a figure to rank plans by, on
+        this CPU (2 threads), not calibrated: the time cost is the whole step's with the change, calibrated by this
+        run's measured step time, less that time)
         >>> alike = RecomputeCosts((0.05, 0.05), True, ((9, 9), (9, 9)), "this CPU (2 threads)")
         >>> from dataclasses import replace
         >>> tie = replace(choice, costs=alike).evidence
@@ -229,10 +229,10 @@ class Choice:
             return f"{head} {how}: {self.costs.text(self.index)} a step{against}"
         where = self.costs.priced_on or "the device's peaks"
         priced = (
-            f"recomputation alone, priced on {where}, not calibrated: the time cost is the whole step's with the"
+            f"a figure to rank plans by, on {where}, not calibrated: the time cost is the whole step's with the"
             " change, calibrated by this run's measured step time, less that time"
         )
-        return f"{head} {how}: predicted {self.costs.text(self.index)} a step{against} ({priced})"
+        return f"{head} {how}: its recomputed ops priced at {self.costs.text(self.index)}{against} ({priced})"
 
 
 def advised_choice(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> Choice | None:

@@ -26,7 +26,7 @@ from lightning_vram.advice.rules import (
 )
 from lightning_vram.advice.rules.base import Rule
 from lightning_vram.advice.savings import change_key
-from lightning_vram.advice.time_cost import with_time_cost
+from lightning_vram.advice.time_cost import with_replayed_change, with_time_cost
 from lightning_vram.records import Advice, NotAdvised, RunSummary, Severity, Simulation, StepChange, TrainingSetup
 
 RULES: tuple[Rule, ...] = (
@@ -73,7 +73,7 @@ def advise(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | N
     (:func:`~lightning_vram.advice.time_cost.with_time_cost`).
     """
     found = [
-        with_time_cost(advice, summary, simulation)
+        with_replayed_change(with_time_cost(advice, summary, simulation), summary, simulation)
         for rule in RULES
         if (advice := rule.advise(summary, setup, simulation)) is not None
     ]
