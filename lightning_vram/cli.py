@@ -320,8 +320,8 @@ def _plan_parser(commands: Any) -> None:
         "--batch",
         metavar="DESCRIPTION",
         help="the batch as dtype[sizes] items: 'float32[64,3,32,32] int64[64]' (a tuple), 'x=float32[8,16] y=int64[8]'"
-        " (a dict), one item (a tensor), one item and a comma (a tuple of one); default: the module's example_input_array, else --datamodule's (or the"
-        " module's own) first training batch",
+        " (a dict), one item (a tensor), one item and a comma (a tuple of one); default: the module's"
+        " example_input_array, else --datamodule's (or the module's own) first training batch",
     )
     plan.add_argument("--datamodule", metavar="CLASS", help="a LightningDataModule (package.module:ClassName)")
     plan.add_argument(

@@ -24,6 +24,7 @@ from torch.utils.data import TensorDataset
 from lightning_vram import Report, VramMonitor, VramSession
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
+from lightning_vram.prediction.replay.precision import SPANNING_AUTOCAST_NOTE
 from lightning_vram.records import LIVE_PEAK_PART
 
 # A replayed step against the sampled one.
@@ -201,17 +202,44 @@ class TwiceLinear(nn.Module):
 def test_a_plain_loop_s_own_autocast_caches_its_weights_and_the_replay_does_too(tmp_path: Path) -> None:
     """A plain loop's ``torch.autocast`` keeps torch's default cache on, unlike the Trainer's plugin: a replay with the
     cache off cast the Linear's weight twice and freed each cast at once, where the step held one (backward replayed
-    1,075,880 B for 814,764 measured). Here the user's autocast spans the session's calls, and so the replay: the
-    replay ran under it and left its fake casts in autocast's cache ("24 fake tensor(s) of the replay are still held
-    outside it"); it now runs outside the user's autocast, under its own precision plan."""
+    1,075,880 B for 814,764 measured). The loop's autocast is around the forward pass, as torch advises."""
     torch.manual_seed(0)
     module = Classifier(TwiceLinear())
     optimizer = module.configure_optimizers()
     data = loader(TensorDataset(torch.randn(64, 256), torch.randint(0, 4, (64,))), batch_size=16)
     session = VramSession(log_dir=tmp_path, attribution_start_step=1, attribution_every_n_steps=None)
     session.start(module, optimizers=[optimizer], dataloader=data, precision="bf16-mixed")
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the user's own: forward and backward both inside, cache on
-        train_steps(session, module, optimizer, data, 3)
+    for step, batch in zip(range(3), data, strict=False):
+        session.batch_start(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the user's own, cache on
+            loss = module.training_step(batch, step)
+        kept = loss.detach().clone()  # noqa: F841 -- alive through the step, as Lightning's ClosureResult.loss
+        optimizer.zero_grad()
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        optimizer.step()
+        session.batch_end()
     session.finish()
     assert session.report is not None
     assert_every_phase_replayed_as_measured(session.report)
+
+
+def test_an_autocast_spanning_the_session_s_calls_keeps_its_cache_from_the_replay(tmp_path: Path) -> None:
+    """The user's autocast spans the whole loop, and so the replay: the replay runs outside it with the cache off, and
+    says so. It had run inside it and left its fake casts in autocast's cache ("24 fake tensor(s) of the replay are
+    still held outside it"), then emptied that cache, which the loop's stale casts live in (another model trained:
+    tests/hostile/test_autocast_spanning_the_loop.py)."""
+    torch.manual_seed(0)
+    module = Classifier(TwiceLinear())
+    optimizer = module.configure_optimizers()
+    data = loader(TensorDataset(torch.randn(64, 256), torch.randint(0, 4, (64,))), batch_size=16)
+    session = VramSession(log_dir=tmp_path, attribution_start_step=1, attribution_every_n_steps=None)
+    session.start(module, optimizers=[optimizer], dataloader=data, precision="bf16-mixed")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # forward and backward both inside, cache on
+        train_steps(session, module, optimizer, data, 3)
+    session.finish()
+    report = session.report
+    assert report is not None and report.simulation is not None and report.simulation.baseline is not None
+    assert SPANNING_AUTOCAST_NOTE in report.simulation.baseline.notes
+    assert "held outside" not in (report.simulation.skipped or "")

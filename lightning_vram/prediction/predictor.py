@@ -51,7 +51,13 @@ from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
-from lightning_vram.prediction.replay.precision import PrecisionPlan, outside_autocast, precision_plan
+from lightning_vram.prediction.replay.precision import (
+    SPANNING_AUTOCAST_NOTE,
+    PrecisionPlan,
+    autocast_spans_the_replay,
+    outside_autocast,
+    precision_plan,
+)
 from lightning_vram.prediction.replay.real_branches import real_branches
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, run_settings
 from lightning_vram.prediction.replay.simulation import simulate
@@ -362,7 +368,8 @@ class Predictor:
         started = time.perf_counter()
         try:
             plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else self.precision)
-            plan = replace(plan, autocast_cache=self.autocast_cache)
+            # Under the user's own autocast the cache is theirs: the replay's casts stay out of it.
+            plan = replace(plan, autocast_cache=self.autocast_cache and not autocast_spans_the_replay())
         except ValueError as error:
             return ReplaySkipped(str(error))
         scope = self._refusal()
@@ -507,6 +514,7 @@ class Predictor:
                 ),
                 *workspaces.notes,
                 *self._allocator_notes,
+                *((SPANNING_AUTOCAST_NOTE,) if self.autocast_cache and not plan.autocast_cache else ()),
                 *((ANOMALY_NOTE,) if anomaly_detection else ()),
                 *(
                     f"the replayed code changed {place}; put back as it was"

@@ -49,14 +49,28 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 """The device types whose autocast a replay turns off around itself."""
 
 
+SPANNING_AUTOCAST_NOTE = (
+    "replayed with autocast's weight cache off: the run's own autocast spans the replay, and its cache is the run's"
+    " (the casts it keeps, across the optimizer's updates too, are not predicted)"
+)
+"""A replayed step's note where the run's autocast caches weights and spans the replay (:func:`outside_autocast`)."""
+
+
+def autocast_spans_the_replay() -> bool:
+    """Whether an autocast of the user's is on where the replay starts (one spanning the session's calls)."""
+    return any(torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES)
+
+
 @contextlib.contextmanager
 def outside_autocast() -> Iterator[None]:
     """The replay outside any autocast of the user's that spans it: its own precision plan says what runs under it.
 
     A plain loop's ``torch.autocast`` may span the whole step, the session's calls (and so the replay) included.
-
-    Autocast's weight cache is emptied after a replay that ran inside the user's autocast (the replay's fake casts
-    would be kept there; the user's own casts are made again as they are needed, the same values).
+    Autocast's weight cache is the thread's own, shared by nested autocasts and emptied only when the outermost one
+    exits: a replay under the user's autocast must neither add its fake casts to it nor empty it (the user's cached
+    casts are kept across the optimizer's updates while their autocast spans them, stale, and training with them
+    differs from training with fresh casts). Its plan runs with the cache off there
+    (:func:`autocast_spans_the_replay`), and the cache is left as it was.
     """
     enabled = {device: torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES}
     for device in AUTOCAST_DEVICES:
@@ -66,8 +80,6 @@ def outside_autocast() -> Iterator[None]:
     finally:
         for device, was in enabled.items():
             torch.set_autocast_enabled(device, was)
-        if any(enabled.values()):
-            torch.clear_autocast_cache()
 
 
 @dataclass(frozen=True)
