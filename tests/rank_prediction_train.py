@@ -5,8 +5,9 @@ STRATEGY is ``ddp`` or ``fsdp2`` (Lightning's ``ModelParallelStrategy``, the mod
 ``fully_shard``); MODEL is ``gpt`` (a 2-block GPT-2-class language model from a transformers config) or ``cnn`` (the
 quickstart's CNN). Two optimizer steps of ACCUMULATE micro-batches each (``accumulate_grad_batches``, 1 unless
 given); one micro-batch sampled (the monitor counts a micro-batch as a step): SAMPLED, by default the last (the
-second window's, with the optimizer step); replays off, the ranks only measure. Rank ``r`` writes ``rank<r>.json``:
-each phase's live peak and counted parts as its report has them.
+second window's, with the optimizer step); replays off, the ranks only measure. A sampled micro-batch that does not
+step ends the run (the monitor would sample its window's stepping one too, and the report's phases would be that
+one's). Rank ``r`` writes ``rank<r>.json``: each phase's live peak and counted parts as its report has them.
 """
 
 from __future__ import annotations
@@ -143,6 +144,19 @@ class Record(Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class StopAfter(Callback):
+    """After the monitor's own batch-end hook: stop the run once batch ``step`` (0-based, one epoch) has ended."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.step:
+            trainer.should_stop = True
+
+
 def strategy_named(name: str, world_size: int) -> Strategy | str:
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
@@ -165,7 +179,7 @@ def main() -> None:
         accumulate_grad_batches=accumulate,
         logger=False,
         default_root_dir=out,
-        callbacks=[monitor, Record(out)],
+        callbacks=[monitor, Record(out), *([StopAfter(sampled)] if (sampled + 1) % accumulate else [])],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

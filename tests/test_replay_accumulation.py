@@ -107,12 +107,12 @@ def test_the_report_shows_the_first_micro_batch_it_matched_and_says_the_advice_i
     assert "the advice's figures are the steady micro-batch's" in view.summary
     html = render_html(report)
     assert "backward (first micro-batch)" in html and "accumulate_grad_batches=4" in html
+    # The window's stepping micro-batch, step 7, is sampled too: the report's peaks are measured holding the window's
+    # gradients, and its optimizer phase is there.
     summary = summary_text(report, width=400)
-    assert Phase.OPTIMIZER not in report.phases
-    assert (
-        "(no optimizer entry: sampled step 4 is the first micro-batch of an accumulation window of 4, which takes no"
-        " optimizer step)" in summary
-    )
+    assert report.peak is not None and (report.peak.step, report.peak.micro_batch) == (7, 4)
+    assert report.phases[Phase.OPTIMIZER].step == 7 and "no optimizer entry" not in summary
+    assert "of step 7 (micro-batch 4 of 4, which steps the optimizer)" in summary
     read_back = report_from_dict(report.to_dict())
     assert read_back.simulation is not None and read_back.simulation.accumulate_grad_batches == 4
     again = simulation_view(read_back)

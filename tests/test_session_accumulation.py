@@ -158,11 +158,13 @@ def test_a_sampled_first_micro_batch_is_said_so_and_matched_against_the_replayed
     assert_replayed_as_a_window(report)
     simulation = report.simulation
     assert simulation is not None and simulation.match is not None and simulation.match.window_first
-    assert report.peak is not None and report.peak.step == 2 and Phase.OPTIMIZER not in report.phases
-    assert (
-        "(no optimizer entry: sampled step 2 is the first micro-batch of an accumulation window of 2, which takes no"
-        " optimizer step)" in summary_text(report, width=400)
-    )
+    # The window's stepping micro-batch is sampled too: the report's peak is measured on it, holding the window's
+    # gradients, and says so (the first micro-batch's peak held none).
+    peak = report.peak
+    assert peak is not None and (peak.step, peak.micro_batch) == (3, 2) and Phase.OPTIMIZER in report.phases
+    assert peak.breakdown is not None and peak.breakdown.gradients > 0
+    text = summary_text(report, width=400)
+    assert "of step 3 (micro-batch 2 of 2, which steps the optimizer)" in text and "no optimizer entry" not in text
     # The advice's figures are the steady micro-batch's, which holds the gradients the first one left.
     baseline = simulation.baseline
     assert baseline is not None and baseline.window_first is not None

@@ -200,6 +200,7 @@ class MemoryTracker:
             self._remember(attribution)
         latest = self.latest_attribution
         counted = (latest.phases if latest is not None else None) or NO_COUNTS
+        place = attribution.micro_batch if attribution is not None else None  # a sampled step's, in its window
         current = self._current
         phase_best, interval_phase_best, phase_credited = (
             self._phase_best,
@@ -220,7 +221,7 @@ class MemoryTracker:
                 phase_best[index] = peak
                 phase_credited[index] = credited
                 phase = PHASES[index]
-                self._phase_peaks[phase] = self._record(step, index, slot, counted.get(phase))
+                self._phase_peaks[phase] = self._record(step, index, slot, counted.get(phase), place)
             if peak > interval_phase_best[index]:
                 interval_phase_best[index] = peak
         if step_bytes == UNSET:
@@ -236,7 +237,7 @@ class MemoryTracker:
         if step_bytes > run_best or (step_bytes == run_best and self._peak_credited and not credited):
             self._peak_bytes = step_bytes
             self._peak_credited = credited
-            self._peak = self._record(step, step_phase, slot, counted.get(PHASES[step_phase]))
+            self._peak = self._record(step, step_phase, slot, counted.get(PHASES[step_phase]), place)
         best = self._interval_best
         if best is None or step_bytes > best[2]:
             reserved = None if slot[1] == UNSET else slot[1]
@@ -244,17 +245,27 @@ class MemoryTracker:
 
     @staticmethod
     def _peak_record(
-        step: int, phase_index: int, peak_bytes: int, reserved: int | None, counted: Breakdown | None
+        step: int,
+        phase_index: int,
+        peak_bytes: int,
+        reserved: int | None,
+        counted: Breakdown | None,
+        micro_batch: int | None = None,
     ) -> PhasePeak:
-        """A phase peak with ``other`` set where an allocator measured it (``reserved`` known)."""
+        """A phase peak with ``other`` set where an allocator measured it (``reserved`` known).
+
+        ``micro_batch``: the step's place in its accumulation window, where the step was sampled.
+        """
         breakdown = counted
         if counted is not None and reserved is not None:
             breakdown = counted.with_measured_peak(peak_bytes)
-        return PhasePeak(step, PHASES[phase_index], peak_bytes, reserved, breakdown)
+        return PhasePeak(step, PHASES[phase_index], peak_bytes, reserved, breakdown, micro_batch)
 
-    def _record(self, step: int, phase_index: int, slot: list[int], counted: Breakdown | None) -> PhasePeak:
+    def _record(
+        self, step: int, phase_index: int, slot: list[int], counted: Breakdown | None, micro_batch: int | None = None
+    ) -> PhasePeak:
         reserved = None if slot[1] == UNSET else slot[1]
-        return self._peak_record(step, phase_index, slot[0], reserved, counted)
+        return self._peak_record(step, phase_index, slot[0], reserved, counted, micro_batch)
 
     def _remember(self, attribution: Attribution) -> None:
         first = self.latest_attribution is None

@@ -188,6 +188,10 @@ class Attribution:
     """The first module of each of :attr:`recomputed_units` that torch's selective checkpointing re-ran
     (``create_selective_checkpoint_contexts``: the outputs its policy kept from forward read back, the other ops
     recomputed); the others re-ran whole. ``None``: not recorded (an older state)."""
+    micro_batch: int | None = None
+    """Under gradient accumulation, the step's place in its window: 1 for the window's first micro-batch (no
+    gradients held before it), the window's length for the one whose optimizer steps. ``None``: not accumulating, or
+    its place not known (a run resumed before its first optimizer step)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,9 @@ class PhasePeak:
     peak_bytes: int
     reserved_bytes: int | None
     breakdown: Breakdown | None
+    micro_batch: int | None = None
+    """Under gradient accumulation, the step's place in its window, where the step was sampled
+    (:attr:`Attribution.micro_batch`); ``None``: not accumulating, or not known."""
 
 
 def in_phase_order(phases: dict[Phase, PhasePeak]) -> list[tuple[Phase, PhasePeak]]:

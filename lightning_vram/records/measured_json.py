@@ -34,13 +34,16 @@ def phase_peak_to_dict(peak: PhasePeak | None, peak_key: str = "peak_bytes") -> 
     """A phase peak; the report's top-level ``peak`` names its bytes ``allocated_bytes`` (``peak_key``)."""
     if peak is None:
         return None
-    return {
+    data = {
         "step": peak.step,
         "phase": peak.phase.value,
         peak_key: peak.peak_bytes,
         "reserved_bytes": peak.reserved_bytes,
         "breakdown": breakdown_to_dict(peak.breakdown),
     }
+    if peak.micro_batch is not None:  # under gradient accumulation only
+        data["micro_batch"] = peak.micro_batch
+    return data
 
 
 def module_to_dict(profile: ModuleProfile) -> dict[str, Any]:
@@ -72,6 +75,7 @@ def attribution_to_dict(attribution: Attribution | None) -> dict[str, Any] | Non
         "batch_size": attribution.batch_size,
         "recomputed_units": recomputed_units_to_dict(attribution.recomputed_units),
         "selective_units": selective_units_to_dict(attribution.selective_units),
+        "micro_batch": attribution.micro_batch,
     }
 
 
@@ -158,6 +162,7 @@ def phase_peak_from_dict(data: Any, where: str, peak_key: str = "peak_bytes") ->
         peak_bytes=fields.integer(peak_key),
         reserved_bytes=fields.optional_integer("reserved_bytes"),
         breakdown=breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown"),
+        micro_batch=fields.added("micro_batch", Reader.optional_integer, None),
     )
 
 
@@ -222,6 +227,7 @@ def attribution_from_dict(data: Any, where: str) -> Attribution | None:
         if fields.has("recomputed_units")
         else None,
         selective_units=selective_units_from_dict(fields, where),
+        micro_batch=fields.added("micro_batch", Reader.optional_integer, None),
     )
 
 

@@ -279,6 +279,7 @@ def _report_phase(data: Any, where: str, phase: Phase, peak: PhasePeak | None) -
         peak_bytes=fields.integer("peak_bytes"),
         reserved_bytes=fields.added("reserved_bytes", Reader.optional_integer, None),
         breakdown=breakdown_from_dict(fields.raw("breakdown"), f"{where}.breakdown"),
+        micro_batch=fields.added("micro_batch", Reader.optional_integer, None),
     )
 
 
@@ -306,6 +307,8 @@ def report_from_dict(data: Any) -> Report:
     - the step times' spread: ``timing.step_time_iqr_fraction``: ``None`` (not measured);
     - the error a run ended with: ``ended_with``: ``None`` (finished, or not recorded).
     - the optimizer steps: ``optimizer_steps``, ``accumulate_grad_batches``: ``None`` (not counted).
+    - the micro-batch a peak was measured on: ``peak.micro_batch``, ``phases.<phase>.micro_batch``: ``None`` (not
+      recorded; written only under gradient accumulation).
 
     Raises:
         FormatError: not an object of schema ``lightning_vram.report/1``, or a field is missing or mistyped.

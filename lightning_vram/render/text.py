@@ -229,10 +229,25 @@ def headline(report: Report) -> str:
     share = f" ({format_percent(peak.peak_bytes / capacity)} of {capacity_text(report.device)})" if capacity else ""
     label = peak_label(report).capitalize()
     text = f"{label} {format_bytes(peak.peak_bytes)}{share} in {peak.phase.value} of step {peak.step}"
+    text += micro_batch_text(peak.micro_batch, report.accumulate_grad_batches)
     if peak.breakdown is None:
         return text + "." + ended
     largest = peak.breakdown.largest_part
     return f"{text}; {largest.replace('_', ' ')} held {format_bytes(peak.breakdown.to_dict()[largest])}.{ended}"
+
+
+def micro_batch_text(micro_batch: int | None, window: int | None) -> str:
+    """Under gradient accumulation, which micro-batch of its window a sampled step was (empty where not known).
+
+    >>> micro_batch_text(2, 2), micro_batch_text(1, 4), micro_batch_text(None, 2), micro_batch_text(3, None)
+    (' (micro-batch 2 of 2, which steps the optimizer)', ' (micro-batch 1 of 4)', '', ' (micro-batch 3)')
+    """
+    if micro_batch is None:
+        return ""
+    if window is None:
+        return f" (micro-batch {micro_batch})"
+    steps = ", which steps the optimizer" if micro_batch == window else ""
+    return f" (micro-batch {micro_batch} of {window}{steps})"
 
 
 def evaluation_text(peaks: tuple[EvaluationPeak, ...]) -> str:

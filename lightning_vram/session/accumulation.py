@@ -12,6 +12,11 @@ holds gradients from an earlier batch may be a micro-batch of a first window lon
 optimizer state does not exist yet): its replay waits, once a run, and the window's next stepping micro-batch is
 sampled once the window is observed (:meth:`AccumulationWindows.defers`, :meth:`AccumulationWindows.resample_at`).
 A loop that never calls ``before_optimizer_step`` has the next batch sampled and replayed instead, as before.
+
+A sampled micro-batch that does not step may hold less than the window's later ones (the first holds no gradients
+before its backward): the window's stepping micro-batch is sampled too (:meth:`AccumulationWindows.stepping_step`),
+so that the report's peak is measured on a micro-batch holding the window's gradients, and says which one it was
+(:meth:`AccumulationWindows.place`).
 """
 
 from __future__ import annotations
@@ -83,6 +88,30 @@ class AccumulationWindows:
                 stacklevel=2,
             )
         return observed
+
+    def place(self) -> int | None:
+        """The running batch's place in its window, 1-based (``None``: not known, a run resumed before its first step).
+
+        Read before :meth:`batch_end`.
+        """
+        return None if self._since is None else self._since + 1
+
+    def stepping_step(self, step: int, window: int) -> int | None:
+        """Where the running batch ``step`` does not step its optimizer, the step expected to end its window.
+
+        ``window``: the run's window (:meth:`window`). The window's last place, else (the batch's place unknown, or
+        at or past the window's length: a window longer than the one known) the next batch. ``None``: the batch
+        steps, or the run does not accumulate. Read before :meth:`batch_end`.
+
+        >>> windows = AccumulationWindows(declared=4)
+        >>> windows.batch_end()
+        >>> windows.stepping_step(1, 4), windows.stepping_step(1, 1)
+        (3, None)
+        """
+        if self.stepped or window <= 1:
+            return None
+        place = self.place()
+        return step + 1 if place is None or place >= window else step + window - place
 
     def defers(self, step: int, carried_gradient_bytes: int) -> bool:
         """Whether the replay of sampled step ``step`` (just ended) waits until the window is observed.

@@ -59,6 +59,8 @@ EPOCH_ADVICE = Output("advice at each epoch's end")
 """The advice so far, built at each epoch's end for the publishers (its failure leaves the report's alone)."""
 DEFAULT_LOG_EVERY_N_STEPS = 50
 """Steps between interval scalars when neither the session nor a Trainer sets it (Lightning's default)."""
+WINDOW = Output("the accumulation window read at a sampled step")
+"""The training set-up read at a sampled step for its window (its failure leaves the sampled step alone)."""
 
 
 class VramSession:
@@ -116,6 +118,7 @@ class VramSession:
         self._finished = False
         self._sampled_batch: Any = None
         self._worst_batch = False  # whether the sampled batch is replayed as a new largest one
+        self._held_for: int | None = None  # the stepping micro-batch last sampled to hold a sampled window's gradients
         self._preflight_pending = True
 
     def _notes(self) -> list[NotMeasured]:
@@ -366,14 +369,18 @@ class VramSession:
         phase = recorder.phase
         if phase is None:
             return NO_SCALARS
-        self._context.windows.batch_end()
-        sampler = self._sampler
+        windows, sampler = self._context.windows, self._sampler
         if sampler.attributor is None:  # every step but the sampled ones: one call
+            windows.batch_end()
             steps = recorder.end_step(phase)
             self._sampled_batch = None
         else:
+            place = self._hold_the_window(recorder.tracker.steps)
+            windows.batch_end()
             recorder.boundary(phase, None)
             attribution = sampler.finish()
+            if attribution is not None and place is not None:
+                attribution = replace(attribution, micro_batch=place)
             steps = recorder.fold_step(attribution)
             recorder.end_timing()
             batch = self._sampled_batch
@@ -395,6 +402,26 @@ class VramSession:
         if scalars and self._sinks.publishers:
             self._sinks.scalars(scalars, self._step)
         return scalars
+
+    def _hold_the_window(self, step: int) -> int | None:
+        """Under gradient accumulation, the sampled ``step``'s place in its window (``None``: none, or not known).
+
+        Read before the window ends the batch.
+
+        A sampled micro-batch that does not step may hold less than the window's later ones (the first holds no
+        gradients before its backward): the window's stepping micro-batch is sampled too, so that the run's peak is
+        measured on one holding the window's gradients. Once per sampled step, not again from the one sampled so.
+        """
+        windows = self._context.windows
+        training = self._guard.call(WINDOW, self._context.setup)
+        window = training.accumulate_grad_batches if training is not None else windows.window(1)
+        if window <= 1:
+            return None
+        stepping = windows.stepping_step(step, window)
+        if stepping is not None and step != self._held_for:
+            self._held_for = stepping
+            self._sampler.sample_at(stepping)
+        return windows.place()
 
     def _waits_for_window(self, attribution: Attribution) -> bool:
         """Whether the replay of the sampled step waits for the loop's accumulation window (see ``accumulation``).
