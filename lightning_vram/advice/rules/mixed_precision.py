@@ -158,7 +158,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         return f'the run trains in precision="{setup.precision}" already'
     declared = changes(summary, setup)
     if not summary.on_cuda:
-        figure = next((found for change in declared if (found := replayed_figure(simulation, change))), None)
+        figure = next((text for change in declared if (text := replayed_figure(simulation, change))), None)
         return f"{figure}: {NOT_ADVISED_OFF_CUDA}" if figure is not None else NOT_ADVISED_OFF_CUDA
     capability = summary.device.compute_capability
     tensor_cores = capability is not None and capability >= TENSOR_CORE_CAPABILITY
