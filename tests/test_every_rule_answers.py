@@ -13,8 +13,9 @@ from replay_models import images, resnet
 from simulations import MIB, simulated, step
 
 from lightning_vram import VramMonitor
+from lightning_vram.advice.rules.base import no_reason
 from lightning_vram.advice.rules.mixed_precision import NOT_ADVISED_OFF_CUDA
-from lightning_vram.advice.rules.registry import advise, not_advised
+from lightning_vram.advice.rules.registry import RULES, advise, not_advised
 from lightning_vram.records import Breakdown, Phase, Report, Simulation
 
 DESIGN_IDS = frozenset(
@@ -140,3 +141,7 @@ def test_stale_gradients_unreplayed_say_their_modelled_saving() -> None:
         " 1.5 MiB of gradients alive at the forward peak saves 1.0 MiB (2.5%): under the 5.0% of the peak the rule"
         " needs"
     )
+
+
+def test_every_rule_of_the_registry_has_its_own_reason() -> None:
+    assert [rule.id.value for rule in RULES if rule.why_not is no_reason] == []

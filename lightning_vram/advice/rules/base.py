@@ -6,8 +6,9 @@ the replay of the run's step (a :class:`~lightning_vram.records.Simulation`, or 
 rule whose evidence was not measured here (no GPU, no NVML, no sampled step) stays silent; so does one whose saving
 would be too small to matter. Thresholds are named constants (the README gives the reason for each).
 
-A rule that stays silent on a remedy it weighed says why in one line (its ``why_not``): a change it had replayed,
-with the replay's figure (:func:`replayed_figure`), or a measured share against its threshold.
+A rule that stays silent says why in one line (its ``why_not``): a change it had replayed, with the replay's figure
+(:func:`replayed_figure`); one it could not, with why (:func:`not_replayed`) and its modelled figure where it has one;
+or a measured share against its threshold.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class Rule:
     ``advise`` reads the saving of each change it declared through
     :func:`~lightning_vram.advice.savings.resolve_saving`; the session replays the union of every rule's
     ``changes`` (:func:`~lightning_vram.advice.rules.registry.changes_to_replay`), so a declared change is
-    replayed whenever the time budget allows. ``why_not`` says, when ``advise`` gives nothing, why (every rule that
-    declares changes has one: a replayed change is either advised or answered).
+    replayed whenever the time budget allows. ``why_not`` says, when ``advise`` gives nothing, why (every rule of the
+    registry has one: a rule that applies to the run is either advised or answered, replayed or not).
     """
 
     id: AdviceId
