@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,19 @@ def test_prediction_that_cannot_replay_says_why() -> None:
     prediction = predict(ReadsLoss(nn.Linear(8, 10)), (torch.randn(4, 8), torch.randint(0, 10, (4,))))
     assert prediction.step is None and prediction.fit == ()
     assert prediction.skipped is not None and ".item()" in prediction.skipped
+    line = ReadsLoss.training_step.__code__.co_firstlineno + 2  # the self.log(..., loss.item()) line
+    assert f"in forward at {__file__}:{line} (training_step)" in prediction.skipped
+    assert "A value read for logging can stay a tensor" in prediction.skipped
+
+
+def test_a_value_read_inside_the_optimizer_names_its_place_and_not_logging() -> None:
+    # Adafactor reads its step count and norms with .item() inside torch.optim: no logging change replays it.
+    module = Classifier(nn.Linear(8, 10), optimizer=partial(torch.optim.Adafactor, lr=1e-2))
+    prediction = predict(module, (torch.randn(4, 8), torch.randint(0, 10, (4,))), device_type="cpu", fit_table=False)
+    assert prediction.step is None and prediction.skipped is not None
+    assert "in the optimizer step at torch/optim/_adafactor.py:" in prediction.skipped
+    assert "in library code the step calls" in prediction.skipped
+    assert "logging" not in prediction.skipped
 
 
 @pytest.mark.parametrize(

@@ -479,10 +479,11 @@ class Predictor:
         except RefusedError as refused:
             return ReplaySkipped(str(refused), time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
+            reason = skip_reason(error, run.phase)  # before the frames it reads the read's place from are cleared
             release_frames(error)
             frames.release()
             drain_autograd()
-            return ReplaySkipped(skip_reason(error), time.perf_counter() - started)
+            return ReplaySkipped(reason, time.perf_counter() - started)
         finally:
             for opened in (counter, first):
                 if opened is not None:

@@ -50,7 +50,7 @@ from lightning_vram.advice.checkpointing import (
     recomputed_modules,
 )
 from lightning_vram.advice.cost_ties import COST_TOLERANCE, Work, counted_work
-from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_figure, share_text
+from lightning_vram.advice.rules.base import Rule, attributed_peak, not_replayed, replayed_figure, share_text
 from lightning_vram.advice.savings import (
     Discarded,
     Modelled,
@@ -308,7 +308,9 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         return no_plan_reason(summary, peak, breakdown)
     if not replayed:
         raised = next((saving for _, saving in found if isinstance(saving, Discarded)), None)
-        return f"every candidate plan's replay raised, e.g. {raised.evidence[2:]}" if raised else None
+        if raised is not None:
+            return f"every candidate plan's replay raised, e.g. {raised.evidence[2:]}"
+        return _unreplayed_reason(summary, setup, simulation, peak, breakdown)
     change, best = max(replayed, key=lambda pair: (pair[1].saving_bytes, -_recomputed(pair[0])))
     if breakdown.largest_part != "activations":
         why = f"activations are not the largest part of the peak ({breakdown.largest_part.replace('_', ' ')} is)"
@@ -318,6 +320,27 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
             f" measured peak), under the {format_percent(CHECKPOINT_MIN_SAVING_SHARE)} the rule needs"
         )
     return f"{replayed_figure(simulation, change)}: {why}"
+
+
+def _unreplayed_reason(
+    summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None, peak: PhasePeak, breakdown: Breakdown
+) -> str:
+    """Why checkpointing is not advised where no plan was replayed: the peak's largest part, else the modelled plan.
+
+    The rule's modelled saving is that of the first candidate plan, as :func:`activation_checkpointing` reads it.
+    """
+    if breakdown.largest_part != "activations":
+        return f"activations are not the largest part of the peak ({breakdown.largest_part.replace('_', ' ')} is)"
+    candidates = candidates_of(summary, setup)
+    if not candidates:
+        switches = [f"{switch.model or 'the module'}.{switch.method}()" for switch in setup.checkpointing_switches]
+        return f"the model checkpoints its layers already ({', '.join(switches)}): no other plan is a candidate"
+    saving = candidates[0].saving_bytes
+    return (
+        f"{not_replayed(simulation, CheckpointChange(candidates[0]))}; modelled, the first candidate plan saves"
+        f" {format_bytes(saving)} ({share_text(saving, peak.peak_bytes)} of the peak), under the"
+        f" {format_percent(CHECKPOINT_MIN_SAVING_SHARE)} the rule needs"
+    )
 
 
 def no_plan_reason(summary: RunSummary, peak: PhasePeak, breakdown: Breakdown) -> str | None:

@@ -120,4 +120,30 @@ def allocator_fragmentation(
     )
 
 
-RULE = Rule(ID, allocator_fragmentation, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why expandable segments are not advised: the run has them, the simulated saving is small, or nothing is cached.
+
+    ``None`` off CUDA or where the reserved memory was not measured.
+    """
+    peak = summary.peak
+    if not summary.on_cuda or peak is None or peak.reserved_bytes is None:
+        return None
+    conf = simulation.allocator_conf if simulation is not None else None
+    if conf is not None and EXPANDABLE in conf:
+        return f"the run sets {EXPANDABLE} already"
+    measured = _measured(peak, peak.reserved_bytes, summary.alloc_retries or 0)
+    simulated = simulated_reserve(simulation)
+    if simulated is not None:
+        reserve, expandable = simulated
+        return (
+            f"simulated on this run's own step, {EXPANDABLE} reserves {format_bytes(expandable)} instead of"
+            f" {format_bytes(reserve)}: under the {MATERIAL_SHARE:.0%} and {format_bytes(MATERIAL_BYTES)} the rule"
+            f" needs (measured: {measured})"
+        )
+    return (
+        f"{measured}: under the {FRAGMENTATION_SHARE:.0%} and {format_bytes(FRAGMENTATION_MIN_BYTES)} cached, and no"
+        " retries, the rule needs"
+    )
+
+
+RULE = Rule(ID, allocator_fragmentation, no_changes, why_not)

@@ -6,8 +6,9 @@ the replay of the run's step (a :class:`~lightning_vram.records.Simulation`, or 
 rule whose evidence was not measured here (no GPU, no NVML, no sampled step) stays silent; so does one whose saving
 would be too small to matter. Thresholds are named constants (the README gives the reason for each).
 
-A rule that stays silent on a remedy it weighed says why in one line (its ``why_not``): a change it had replayed,
-with the replay's figure (:func:`replayed_figure`), or a measured share against its threshold.
+A rule that stays silent says why in one line (its ``why_not``): a change it had replayed, with the replay's figure
+(:func:`replayed_figure`); one it could not, with why (:func:`not_replayed`) and its modelled figure where it has one;
+or a measured share against its threshold.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from lightning_vram.advice.savings import Discarded, resolve_saving
+from lightning_vram.advice.savings import SHOWN_REASON_CHARACTERS, Discarded, change_key, resolve_saving
 from lightning_vram.records import (
     Advice,
     AdviceId,
@@ -26,6 +27,7 @@ from lightning_vram.records import (
     StepChange,
     TrainingSetup,
 )
+from lightning_vram.records.simulation import NOT_REPLAYED
 from lightning_vram.units import format_bytes, format_percent
 
 MIN_SAVING_SHARE = 0.05
@@ -61,8 +63,8 @@ class Rule:
     ``advise`` reads the saving of each change it declared through
     :func:`~lightning_vram.advice.savings.resolve_saving`; the session replays the union of every rule's
     ``changes`` (:func:`~lightning_vram.advice.rules.registry.changes_to_replay`), so a declared change is
-    replayed whenever the time budget allows. ``why_not`` says, when ``advise`` gives nothing, why (every rule that
-    declares changes has one: a replayed change is either advised or answered).
+    replayed whenever the time budget allows. ``why_not`` says, when ``advise`` gives nothing, why (every rule of the
+    registry has one: a rule that applies to the run is either advised or answered, replayed or not).
     """
 
     id: AdviceId
@@ -127,13 +129,47 @@ def replayed_figure(simulation: Simulation | None, change: StepChange) -> str | 
     )
 
 
-def replayed_reason(simulation: Simulation | None, declared: Iterable[StepChange], why: str) -> str | None:
-    """``why`` a rule stayed silent, after the figure of each of the ``declared`` changes the simulation replayed.
+def not_replayed(simulation: Simulation | None, change: StepChange | None = None) -> str:
+    """Why ``change`` (``None``: the step itself) has no replayed figure, in words (a long reason shortened).
 
-    ``None`` when none of them was replayed (nothing to answer).
+    >>> not_replayed(None)
+    'not weighed by replay: no step was replayed (the replay is off, or no sampled step reached it)'
     """
-    figures = [figure for change in declared if (figure := replayed_figure(simulation, change)) is not None]
-    return f"{'; '.join(figures)}: {why}" if figures else None
+    if simulation is None:
+        cause = "no step was replayed (the replay is off, or no sampled step reached it)"
+    elif simulation.skipped is not None or simulation.baseline is None:
+        cause = f"the step was not replayed ({shortened(simulation.skipped or 'its replay gave no result')})"
+    else:
+        variant = next(
+            (
+                item
+                for item in simulation.variants
+                if change is not None and change_key(item.change) == change_key(change)
+            ),
+            None,
+        )
+        untried = variant.discarded if variant is not None and variant.discarded else None
+        cause = f"{change.label if change is not None else 'the change'}: {untried or NOT_REPLAYED}"
+    return f"not weighed by replay: {cause}"
+
+
+def shortened(text: str) -> str:
+    """``text`` cut to :data:`~lightning_vram.advice.savings.SHOWN_REASON_CHARACTERS`, ending in an ellipsis.
+
+    >>> shortened("short")
+    'short'
+    """
+    return text if len(text) <= SHOWN_REASON_CHARACTERS else text[: SHOWN_REASON_CHARACTERS - 1] + "…"
+
+
+def replayed_reason(simulation: Simulation | None, declared: Iterable[StepChange], why: str) -> str | None:
+    """``why`` a rule stayed silent, after the figure of each of the ``declared`` changes.
+
+    A change the simulation replayed gives the replay's figure (:func:`replayed_figure`), one it did not says why
+    (:func:`not_replayed`). ``None`` when none was declared (nothing weighed, nothing to answer).
+    """
+    figures = [replayed_figure(simulation, change) or not_replayed(simulation, change) for change in declared]
+    return f"{'; '.join(dict.fromkeys(figures))}: {why}" if figures else None
 
 
 def data_wait_reason(summary: RunSummary, threshold: float) -> str | None:

@@ -85,4 +85,37 @@ def _served_by(simulation: Simulation | None) -> str | None:
     return next((row.allocator for row in rows if row.allocator is not None), None)
 
 
-RULE = Rule(ID, batch_size_headroom, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why a larger batch is not advised: the peak's share of the device, the GPU's load, the data wait, or the fit.
+
+    ``None`` off CUDA or where the peak, the device's memory or the batch size was not measured.
+    """
+    attributed = attributed_peak(summary)
+    capacity = summary.device.total_bytes
+    if not summary.on_cuda or attributed is None or capacity is None or summary.batch_size is None:
+        return None
+    peak = attributed[0].peak_bytes
+    utilization, wait = summary.gpu_utilization_mean, summary.data_wait_fraction
+    if peak >= HEADROOM_MAX_PEAK_SHARE * capacity:
+        return (
+            f"the peak ({format_bytes(peak)}) is {share_text(peak, capacity)} of the device's {format_bytes(capacity)},"
+            f" over the {format_percent(HEADROOM_MAX_PEAK_SHARE)} the rule allows"
+        )
+    if utilization is None:
+        limit = f"{HEADROOM_MAX_UTILIZATION_PERCENT:.0f}%"
+        return f"GPU utilization was not measured (no NVML): the rule needs it under {limit}"
+    if utilization >= HEADROOM_MAX_UTILIZATION_PERCENT:
+        return (
+            f"the GPU is busy {utilization:.0f}% of the time, over the {HEADROOM_MAX_UTILIZATION_PERCENT:.0f}% the"
+            " rule allows: a larger batch mostly makes each step longer"
+        )
+    if wait is None or wait >= DATA_WAIT_WORKERS_SHARE:
+        measured = "not measured" if wait is None else f"{format_percent(wait)} of step time"
+        return f"data wait is {measured}: the rule needs it under {format_percent(DATA_WAIT_WORKERS_SHARE)}"
+    replayed = simulation.device_max_batch_size if simulation is not None and trusted(simulation) else None
+    largest = replayed if replayed is not None else predict_max_batch_size(summary, capacity)
+    how = "replayed" if replayed is not None else "modelled"
+    return f"the largest batch that fits ({how}) is {largest}, under twice the run's {summary.batch_size}"
+
+
+RULE = Rule(ID, batch_size_headroom, no_changes, why_not)

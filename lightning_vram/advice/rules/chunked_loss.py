@@ -11,7 +11,9 @@ logits in backward), all held one chunk at a time instead.
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, share_text
+from dataclasses import dataclass
+
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, not_replayed, share_text
 from lightning_vram.advice.savings import trusted
 from lightning_vram.records import (
     Advice,
@@ -77,20 +79,59 @@ def _after_the_loss(baseline: ReplayedStep, loss_bytes: int) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _Weighed:
+    """The replayed baseline's loss weighed for chunking.
+
+    ``loss_bytes``: what the loss's own ops saved; ``share``: their share of the forward pass's activations;
+    ``peak``: the replayed peak (``peak_bytes`` as the report measures it); ``chunked``: each phase's modelled peak in
+    bytes with the loss computed in chunks.
+    """
+
+    loss_bytes: int
+    share: float
+    peak: PhasePeak
+    peak_bytes: int
+    chunked: dict[Phase, int]
+
+    @property
+    def saving(self) -> int:
+        """The modelled saving in bytes: the replayed peak less the highest chunked phase."""
+        return self.peak_bytes - max(self.chunked.values(), default=self.peak_bytes)
+
+    @property
+    def evidence(self) -> str:
+        """The loss's saved bytes, as shares of the forward pass's activations and of the peak, in words."""
+        return (
+            f"the loss's own ops saved {format_bytes(self.loss_bytes)}, {format_percent(self.share)} of the forward"
+            f" pass's activations and {share_text(self.loss_bytes, self.peak_bytes)} of the replayed"
+            f" {self.peak.phase.value} peak ({format_bytes(self.peak_bytes)})"
+        )
+
+
+def _weighed(baseline: ReplayedStep) -> _Weighed:
+    """The replayed baseline's loss weighed for chunking (:func:`_chunked_loss_peak`, phase by phase)."""
+    loss_bytes = baseline.loss_activation_bytes
+    peak = baseline.reported_peak
+    chunked = {phase: _chunked_loss_peak(baseline, peaked, loss_bytes) for phase, peaked in baseline.phases.items()}
+    return _Weighed(loss_bytes, baseline.loss_activation_share, peak, baseline.reported_bytes(peak), chunked)
+
+
+def _enough(weighed: _Weighed) -> bool:
+    """Whether the loss is large enough to chunk and chunking it saves enough of the peak."""
+    threshold = MIN_SAVING_SHARE * weighed.peak_bytes
+    return weighed.share >= CHUNKED_LOSS_MIN_SHARE and weighed.loss_bytes >= threshold and weighed.saving >= threshold
+
+
 def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """The loss's own saved tensors are a large share of the replayed step's activations and of its peak."""
     baseline = trusted(simulation)
     if baseline is None:
         return None
-    loss_bytes = baseline.loss_activation_bytes
-    share = baseline.loss_activation_share
-    peak = baseline.reported_peak
-    peak_bytes = baseline.reported_bytes(peak)
-    if share < CHUNKED_LOSS_MIN_SHARE or loss_bytes < MIN_SAVING_SHARE * peak_bytes:
+    weighed = _weighed(baseline)
+    if not _enough(weighed):
         return None
-    saving = peak_bytes - max(_chunked_loss_peak(baseline, phase, loss_bytes) for phase in baseline.phases.values())
-    if saving < MIN_SAVING_SHARE * peak_bytes:
-        return None
+    saving = weighed.saving
     return Advice(
         id=ID,
         severity=Severity.INFO,
@@ -117,9 +158,7 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             "```"
         ),
         evidence=(
-            f"replayed on this run's step: the loss's own ops saved {format_bytes(loss_bytes)},"
-            f" {format_percent(share)} of the forward pass's activations and {share_text(loss_bytes, peak_bytes)} of"
-            f" the replayed {peak.phase.value} peak ({format_bytes(peak_bytes)}); saving modelled (not replayed):"
+            f"replayed on this run's step: {weighed.evidence}; saving modelled (not replayed):"
             f" none of them kept in forward, one chunk of {LOSS_CHUNKS} recomputed at a time in backward"
         ),
         estimated_saving_bytes=saving,
@@ -127,4 +166,28 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
     )
 
 
-RULE = Rule(ID, chunked_loss, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why chunking the loss is not advised: its share, or the modelled saving, under the rule's threshold.
+
+    Without a trusted replay the loss's saved tensors are not known: not weighed, and why.
+    """
+    baseline = trusted(simulation)
+    if baseline is None:
+        return not_replayed(simulation)
+    weighed = _weighed(baseline)
+    if weighed.share < CHUNKED_LOSS_MIN_SHARE:
+        return (
+            f"{weighed.evidence}: under the {format_percent(CHUNKED_LOSS_MIN_SHARE)} of the activations the rule needs"
+        )
+    if weighed.loss_bytes < MIN_SAVING_SHARE * weighed.peak_bytes:
+        return f"{weighed.evidence}: under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
+    highest = max(weighed.chunked, key=lambda phase: weighed.chunked[phase])
+    return (
+        f"{weighed.evidence}; modelled in {LOSS_CHUNKS} chunks, the step would peak at"
+        f" {format_bytes(weighed.chunked[highest])} in {highest.value}, {format_bytes(max(weighed.saving, 0))}"
+        f" ({share_text(max(weighed.saving, 0), weighed.peak_bytes)}) below the replayed peak: under the"
+        f" {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
+    )
+
+
+RULE = Rule(ID, chunked_loss, no_changes, why_not)

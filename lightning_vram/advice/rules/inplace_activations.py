@@ -141,7 +141,10 @@ def inplace_activations(
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
-    """Why the replayed inplace activations are not advised: they save their output already, or free too little."""
+    """Why inplace activations are not advised: they save their output already, free too little, or none qualifies.
+
+    ``None`` where no module was profiled (no sampled step).
+    """
     savers, candidates = output_savers(summary, setup), inplace_candidates(summary, setup)
     types = sorted({profile.type for profile in summary.modules if profile.name in savers})
     reasons = [
@@ -160,7 +163,17 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         ),
     ]
     found = [reason for reason in reasons if reason is not None]
-    return "; ".join(found) if found else None
+    if found:
+        return "; ".join(found)
+    if not summary.modules:
+        return None
+    unsafe = [profile.name for profile in _inplace_profiles(summary, setup) if profile.input_saved_for_backward]
+    if unsafe:
+        return (
+            f"{', '.join(unsafe[:5])} run out of place, but autograd saved their input for an earlier op: inplace"
+            " would break backward"
+        )
+    return "no activation module runs out of place saving a tensor that inplace would merge or free"
 
 
 RULE = Rule(ID, inplace_activations, changes, why_not)

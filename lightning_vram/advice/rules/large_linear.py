@@ -8,11 +8,39 @@ its own and is never advised here. The saving is modelled: no replay changes the
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak, no_changes
-from lightning_vram.records import Advice, AdviceId, RunSummary, SavingBasis, Severity, Simulation, TrainingSetup
-from lightning_vram.units import format_bytes
+from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak, no_changes, share_text
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    Breakdown,
+    LinearLayer,
+    RunSummary,
+    SavingBasis,
+    Severity,
+    Simulation,
+    TrainingSetup,
+)
+from lightning_vram.units import format_bytes, format_percent
 
 ID = AdviceId.LARGE_LINEAR
+
+
+def _with_model_state(removed: int, breakdown: Breakdown) -> int:
+    """``removed`` weight bytes with their gradients and optimizer state, at the measured bytes per parameter byte."""
+    model_state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
+    return removed * model_state // breakdown.parameters
+
+
+def _candidates(summary: RunSummary, setup: TrainingSetup) -> list[tuple[int, LinearLayer, tuple[int, int]]]:
+    """Each Linear reading a flattened feature map: weight bytes pooling removes, the layer, (channels, positions)."""
+    maps = {profile.name: profile.input_feature_map for profile in summary.modules}
+    candidates = []
+    for layer in setup.linear_layers:
+        feature_map = maps.get(layer.name)
+        if feature_map is None or feature_map[1] <= 1 or layer.weight_bytes <= 0:
+            continue
+        candidates.append((layer.weight_bytes - layer.weight_bytes // feature_map[1], layer, feature_map))
+    return candidates
 
 
 def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
@@ -21,21 +49,14 @@ def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
     if attributed is None or attributed[1].parameters <= 0:
         return None
     peak, breakdown = attributed
-    maps = {profile.name: profile.input_feature_map for profile in summary.modules}
-    candidates = []
-    for layer in setup.linear_layers:
-        feature_map = maps.get(layer.name)
-        if feature_map is None or feature_map[1] <= 1 or layer.weight_bytes <= 0:
-            continue
-        removed = layer.weight_bytes - layer.weight_bytes // feature_map[1]
-        candidates.append((removed, layer, feature_map))
+    candidates = _candidates(summary, setup)
     if not candidates:
         return None
     removed, layer, (channels, positions) = max(candidates, key=lambda candidate: candidate[0])
-    model_state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
-    saving = removed * model_state // breakdown.parameters
+    saving = _with_model_state(removed, breakdown)
     if saving < MIN_SAVING_SHARE * peak.peak_bytes:
         return None
+    model_state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
     return Advice(
         id=ID,
         severity=Severity.INFO,
@@ -64,4 +85,25 @@ def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
     )
 
 
-RULE = Rule(ID, large_linear, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why no Linear is advised pooled: none reads a flattened feature map, or pooling saves too little.
+
+    ``None`` where the peak was not attributed or holds no parameters.
+    """
+    attributed = attributed_peak(summary)
+    if attributed is None or attributed[1].parameters <= 0:
+        return None
+    peak, breakdown = attributed
+    candidates = _candidates(summary, setup)
+    if not candidates:
+        return "no Linear reads a flattened convolutional feature map"
+    removed, layer, (_, positions) = max(candidates, key=lambda candidate: candidate[0])
+    saving = _with_model_state(removed, breakdown)
+    return (
+        f"pooling the {positions} positions before {layer.name} saves {format_bytes(saving)}"
+        f" ({share_text(saving, peak.peak_bytes)} of the {peak.phase.value} peak): under the"
+        f" {format_percent(MIN_SAVING_SHARE)} the rule needs"
+    )
+
+
+RULE = Rule(ID, large_linear, no_changes, why_not)

@@ -19,6 +19,8 @@ from lightning_vram.advice.rules.base import (
     NEAR_CAPACITY_SHARE,
     Rule,
     attributed_peak,
+    not_replayed,
+    replayed_figure,
     replayed_reason,
 )
 from lightning_vram.advice.savings import Saving, resolve_saving
@@ -152,11 +154,21 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
     """Why the replayed 16-bit step is not advised: off CUDA, the device; on CUDA, no saving and no tensor cores."""
+    if setup.precision not in FULL_PRECISIONS:
+        return f'the run trains in precision="{setup.precision}" already'
     declared = changes(summary, setup)
     if not summary.on_cuda:
-        return replayed_reason(simulation, declared, NOT_ADVISED_OFF_CUDA)
+        figure = next((text for change in declared if (text := replayed_figure(simulation, change))), None)
+        return f"{figure}: {NOT_ADVISED_OFF_CUDA}" if figure is not None else NOT_ADVISED_OFF_CUDA
     capability = summary.device.compute_capability
-    if capability is not None and capability >= TENSOR_CORE_CAPABILITY:
+    tensor_cores = capability is not None and capability >= TENSOR_CORE_CAPABILITY
+    found = resolve_saving(simulation, PrecisionChange(mixed_precision_for("cuda", capability)), modelled=None)
+    if found is None and not tensor_cores:
+        return (
+            f"{not_replayed(simulation)}: no memory saving is shown, and no tensor cores (compute capability"
+            f" {TENSOR_CORE_CAPABILITY[0]}.{TENSOR_CORE_CAPABILITY[1]} or higher) to speed it up"
+        )
+    if tensor_cores:
         why = "the replayed peak would rise to near the device's capacity"
     else:
         why = (

@@ -192,8 +192,17 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
-    """Why the halved batch, replayed, is not advised (the rule lists it whenever the run is near capacity)."""
-    return replayed_reason(simulation, changes(summary, setup), "the run is not near capacity")
+    """Why the rule is silent: the halved batch's replayed figure, else the peak's share of the device (CUDA only)."""
+    answered = replayed_reason(simulation, changes(summary, setup), "the run is not near capacity")
+    attributed, capacity = attributed_peak(summary), summary.device.total_bytes
+    near = _near_capacity_peak(summary) is not None
+    if answered is not None or near or not summary.on_cuda or attributed is None or capacity is None:
+        return answered
+    peak = attributed[0].peak_bytes
+    return (
+        f"the peak ({format_bytes(peak)}) is {share_text(peak, capacity)} of the device's {format_bytes(capacity)},"
+        f" under the {NEAR_CAPACITY_SHARE:.0%} the rule needs, with no allocation retries or recovered out-of-memory"
+    )
 
 
 RULE = Rule(ID, near_capacity, changes, why_not)

@@ -84,4 +84,31 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     )
 
 
-RULE = Rule(ID, optimizer_state, no_changes)
+def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
+    """Why the optimizer state gets no advice: not the peak's largest part, or nothing smaller or sharded to offer.
+
+    ``None`` where the peak was not attributed.
+    """
+    attributed = attributed_peak(summary)
+    if attributed is None:
+        return None
+    peak, breakdown = attributed
+    state = f"optimizer state ({format_bytes(breakdown.optimizer_state)})"
+    largest = breakdown.largest_part
+    if largest != "optimizer_state":
+        return (
+            f"{state} is not the largest part of the {peak.phase.value} peak ({largest.replace('_', ' ')} is,"
+            f" {format_bytes(getattr(breakdown, largest))})"
+        )
+    shard = (
+        "the state counted is this rank's shard already"
+        if setup.strategy in SHARDING_STRATEGIES
+        else "one process on one device has nothing to shard across"
+    )
+    return (
+        f"{state} is the largest part of the {peak.phase.value} peak, but {', '.join(setup.optimizers) or 'the'}"
+        f" optimizer keeps no Adam-family state to shrink and {shard}"
+    )
+
+
+RULE = Rule(ID, optimizer_state, no_changes, why_not)

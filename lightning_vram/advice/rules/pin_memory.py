@@ -34,9 +34,14 @@ def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
-    """Why pinned memory is not advised: off CUDA, or the measured data-wait share is under the threshold."""
-    if setup.pin_memory is not False:
+    """Why pinned memory is not advised: on already, off CUDA, or the measured data-wait share under the threshold.
+
+    ``None`` where the run's DataLoader is not known (no ``pin_memory`` read).
+    """
+    if setup.pin_memory is None:
         return None
+    if setup.pin_memory:
+        return "the DataLoader pins host memory already (pin_memory=True)"
     if not summary.on_cuda:
         return "pin_memory=True: pinned host memory speeds copies to a CUDA GPU only"
     reason = data_wait_reason(summary, DATA_WAIT_PIN_SHARE)

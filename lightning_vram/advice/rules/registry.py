@@ -87,8 +87,9 @@ def not_advised(
 ) -> tuple[NotAdvised, ...]:
     """Why each rule that gave none of ``advice`` did not advise what it weighed, in the rules' order.
 
-    A rule answers a change it had replayed with the replay's figure, a measured share with its threshold; a rule
-    that weighed nothing worth a word is left out.
+    A rule answers a change it had replayed with the replay's figure, one it could not replay with why (not weighed
+    by replay, or its modelled figure), a measured share with its threshold; only a rule whose readings were not
+    measured at all (no attributed peak, no profiled module, not this device's) is left out.
     """
     advised = {item.id for item in advice}
     return tuple(

@@ -8,13 +8,22 @@ down to the next highest phase's peak.
 
 from __future__ import annotations
 
-from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, attributed_peak, replayed_reason
+from lightning_vram.advice.rules.base import (
+    MIN_SAVING_SHARE,
+    Rule,
+    attributed_peak,
+    not_replayed,
+    replayed_figure,
+    replayed_reason,
+    share_text,
+)
 from lightning_vram.advice.savings import Modelled, Saving, peak_label, resolve_saving
 from lightning_vram.records import (
     Advice,
     AdviceId,
     FreeGradientsChange,
     Phase,
+    PhasePeak,
     RunSummary,
     Severity,
     Simulation,
@@ -34,6 +43,20 @@ def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]
     return ()
 
 
+def _next_highest(summary: RunSummary) -> int:
+    """The highest measured peak in bytes of a phase other than forward (0: none measured)."""
+    return max((p.peak_bytes for phase, p in summary.phases.items() if phase is not Phase.FORWARD), default=0)
+
+
+def _modelled(peak: PhasePeak, gradients: int, next_highest: int) -> Modelled:
+    """Freeing ``gradients`` (bytes) before forward, modelled: down to the ``next_highest`` phase's peak (bytes)."""
+    return Modelled(
+        min(gradients, peak.peak_bytes - next_highest),
+        peak.peak_bytes,
+        "saving modelled: the gradients, down to the next highest phase (not replayed)",
+    )
+
+
 def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Last step's gradients are alive at a forward-phase peak under automatic optimization."""
     attributed = attributed_peak(summary)
@@ -42,12 +65,8 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     peak, breakdown = attributed
     if peak.phase is not Phase.FORWARD or breakdown.gradients <= 0:
         return None
-    next_highest = max((p.peak_bytes for phase, p in summary.phases.items() if phase is not Phase.FORWARD), default=0)
-    modelled = Modelled(
-        min(breakdown.gradients, peak.peak_bytes - next_highest),
-        peak.peak_bytes,
-        "saving modelled: the gradients, down to the next highest phase (not replayed)",
-    )
+    next_highest = _next_highest(summary)
+    modelled = _modelled(peak, breakdown.gradients, next_highest)
     saving = resolve_saving(simulation, FreeGradientsChange(), modelled, measured=peak)
     if not isinstance(saving, Saving) or not saving.at_least(MIN_SAVING_SHARE):
         return None
@@ -79,11 +98,35 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
-    """Why freeing the gradients before forward, replayed, is not advised: the peak, or the saving, is elsewhere."""
-    peak = summary.peak
-    where = "the peak is not in forward" if peak is None or peak.phase is not Phase.FORWARD else None
-    why = where or f"under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
-    return replayed_reason(simulation, changes(summary, setup), why)
+    """Why freeing the gradients before forward is not advised: the peak, or the saving, is elsewhere.
+
+    With the replay's figure where the change was replayed, else the modelled saving; under manual optimization the
+    user's step owns its gradients. ``None`` where the peak was not attributed.
+    """
+    if not setup.automatic_optimization:
+        return "under manual optimization the step zeroes its own gradients, where it chooses"
+    attributed = attributed_peak(summary)
+    if attributed is None:
+        return None
+    peak, breakdown = attributed
+    under = f"under the {format_percent(MIN_SAVING_SHARE)} of the peak the rule needs"
+    if peak.phase is not Phase.FORWARD or breakdown.gradients <= 0:
+        where = (
+            f"the peak is in {peak.phase.value}, not forward"
+            if peak.phase is not Phase.FORWARD
+            else "no gradients are alive at the forward peak"
+        )
+        figure = replayed_figure(simulation, FreeGradientsChange()) if changes(summary, setup) else None
+        return f"{figure}: {where}" if figure is not None else where
+    saving = resolve_saving(simulation, FreeGradientsChange(), None, measured=peak)
+    if saving is not None:
+        return replayed_reason(simulation, changes(summary, setup), under)
+    modelled = _modelled(peak, breakdown.gradients, _next_highest(summary))
+    return (
+        f"{not_replayed(simulation, FreeGradientsChange())}; modelled, freeing the {format_bytes(breakdown.gradients)}"
+        f" of gradients alive at the forward peak saves {format_bytes(max(modelled.saving_bytes, 0))}"
+        f" ({share_text(max(modelled.saving_bytes, 0), peak.peak_bytes)}): {under}"
+    )
 
 
 RULE = Rule(ID, stale_gradients, changes, why_not)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import sysconfig
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,19 +18,84 @@ from lightning_vram.prediction.replay._fake import (
     DynamicOutputShapeException,
     UnsupportedFakeTensorException,
 )
+from lightning_vram.records import Phase
+
+DISPATCH_FILES = (
+    "torch/_ops.py",
+    "torch/_compile.py",
+    "torch/_subclasses/",
+    "torch/_dynamo/",
+    "torch/utils/_stats.py",
+    "torch/utils/_python_dispatch.py",
+)
+"""torch's op dispatch: a read's traceback runs from the code that read the value into these (and into the
+``__torch_dispatch__`` of the replay's modes), where the fake tensor raises."""
+TENSOR_METHODS = "torch/_tensor.py"
+"""The Python methods of ``Tensor`` (``__format__``, ``backward``): the code that called them is where a read is."""
+PACKAGE = Path(__file__).resolve().parents[2]
+"""This package's directory: its frames run the replay, they are never where the user's step read a value."""
+LIBRARIES = tuple(
+    Path(path).resolve() for path in {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")}
+)
+"""Where installed libraries and Python's own modules live: a frame anywhere else is the user's code."""
+PHASE_WORDS = {Phase.FORWARD: "in forward", Phase.BACKWARD: "in backward", Phase.OPTIMIZER: "in the optimizer step"}
 
 
-def skip_reason(error: BaseException) -> str:
-    """The reason a replay stopped at ``error``, naming what fake tensors cannot do where that was the cause."""
+def _within(path: Path, directory: Path) -> bool:
+    """Whether ``path`` lies under ``directory``."""
+    return path.is_relative_to(directory)
+
+
+def read_site(error: BaseException) -> tuple[str, bool] | None:
+    """Where the code that ``error``'s op was called from is, ``file:line (function)``, and whether it is the user's.
+
+    The innermost frame of ``error``'s traceback before torch's dispatch (:data:`DISPATCH_FILES`, a
+    ``__torch_dispatch__``) that is neither this package's nor a ``Tensor`` method's; a library's file is named from
+    its install directory (``torch/optim/_adafactor.py``), the user's as Python gave it. ``None`` when no frame is.
+    """
+    site: tuple[str, bool] | None = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        name = frame.filename.replace("\\", "/")
+        if frame.name == "__torch_dispatch__" or any(part in name for part in DISPATCH_FILES):
+            break
+        path = Path(frame.filename).resolve()
+        if _within(path, PACKAGE) or name.endswith(TENSOR_METHODS):
+            continue
+        library = next((directory for directory in LIBRARIES if _within(path, directory)), None)
+        shown = path.relative_to(library).as_posix() if library is not None else frame.filename
+        site = (f"{shown}:{frame.lineno} ({frame.name})", library is None)
+    return site
+
+
+def _value_read(error: BaseException, text: str, phase: Phase | None) -> str:
+    """Why a step that read a tensor's value is not replayed: where it read it, and the fix where it is the user's."""
+    site = read_site(error)
+    where = "".join(
+        f" {part}" for part in (PHASE_WORDS[phase] if phase is not None else "", site and f"at {site[0]}") if part
+    )
+    read = f"the step reads a tensor's value (.item(), bool(), a Python condition on a tensor){where}"
+    if site is not None and not site[1]:
+        return (
+            f"{read}, in library code the step calls; fake tensors have shapes but no values ({text}): the replay"
+            " cannot follow it, so the step is not replayed"
+        )
+    return (
+        f"{read}; fake tensors have shapes but no values ({text}). A value read for logging can stay a tensor in the"
+        " step (self.log takes tensors; keep loss.detach() and read it after the step) and the step is replayed"
+    )
+
+
+def skip_reason(error: BaseException, phase: Phase | None = None) -> str:
+    """The reason a replay stopped at ``error``, naming what fake tensors cannot do where that was the cause.
+
+    ``phase``: the step's phase when it raised (``None``: before its forward). A value read says where it was made
+    (:func:`read_site`) and offers the logging fix only where the user's own code read it.
+    """
     text = f"{type(error).__name__}: {error}".strip()
     if isinstance(error, (ReplayDeadlineError, CollectiveError)):
         return str(error)
     if isinstance(error, DataDependentOutputException):
-        return (
-            "the step reads a tensor's value (.item(), bool(), a Python condition on a tensor); fake tensors have"
-            f" shapes but no values ({text}). A value read for logging can stay a tensor in the step"
-            " (self.log takes tensors; keep loss.detach() and read it after the step) and the step is replayed"
-        )
+        return _value_read(error, text, phase)
     if isinstance(error, DynamicOutputShapeException):
         return f"an op's output shape depends on the data (nonzero, masked_select, unique...): {text}"
     if isinstance(error, UnsupportedFakeTensorException):

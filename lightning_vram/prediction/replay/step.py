@@ -130,6 +130,8 @@ class StepRun:
         self.placement = placement
         self.checkpoint_frames: Callable[[], Iterable[Any]] = tuple
         """The replay's checkpoint frames alive now, handed to a backward walked without the engine."""
+        self.phase: Phase | None = None
+        """The phase the step runs now (``None`` before its first forward): where a replay that raised stopped."""
 
     def prepare_module(self, module: nn.Module) -> None:
         """Move the fake ``module`` to the placement, cast it for the precision, apply the change."""
@@ -171,6 +173,7 @@ class StepRun:
         ``accumulate - 1`` (the window's last, as Lightning numbers it from 0 in a window-aligned epoch); otherwise 0,
         the window's first.
         """
+        self.phase = Phase.FORWARD
         if counter is not None and live is not None:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
@@ -185,6 +188,7 @@ class StepRun:
             loss = loss / self.accumulate  # not in place, as Lightning divides it
         if zero_grad:
             _zero_grad(twin.module, twin.optimizers)
+        self.phase = Phase.BACKWARD
         if counter is not None and live is not None:
             counter.before_backward()
             live.start_phase(Phase.BACKWARD)
@@ -213,6 +217,7 @@ class StepRun:
             self.run_manual(twin, batch, counter, live)
             return
         self.run_micro_batch(twin, batch, counter, live, zero_grad, stepping=True)
+        self.phase = Phase.OPTIMIZER
         if counter is not None and live is not None:
             counter.before_optimizer_step()
             live.start_phase(Phase.OPTIMIZER)
@@ -229,6 +234,7 @@ class StepRun:
         """
 
         def before_backward() -> None:
+            self.phase = Phase.BACKWARD
             if counter is not None and live is not None:
                 counter.before_backward()
                 live.start_phase(Phase.BACKWARD, ended=Phase.FORWARD)
@@ -239,6 +245,7 @@ class StepRun:
                 live.start_phase(Phase.BACKWARD)
 
         def before_step() -> None:
+            self.phase = Phase.OPTIMIZER
             if counter is not None and live is not None:
                 counter.before_optimizer_step()
                 live.start_phase(Phase.OPTIMIZER)
@@ -251,6 +258,7 @@ class StepRun:
         bind_manual(
             twin.module, twin.optimizers, self.backward, before_backward, before_step, after_backward, after_step
         )
+        self.phase = Phase.FORWARD
         if counter is not None and live is not None:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
