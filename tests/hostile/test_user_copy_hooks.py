@@ -3,10 +3,10 @@
 The replay deep-copies the module, and ``deepcopy`` ran those hooks on the real objects, unguarded and never undone:
 a ``__getstate__`` that popped a cache from ``self.__dict__`` took it from the real object (the losses differed from
 step 2 on), a ``__setstate__`` that registered each copy grew the user's registry (1 object, then 5), a
-``__deepcopy__`` that counted its copies counted 4. Now the copy is made as if those classes had no hooks: the replay
-runs, and training is bit-identical with and without the monitor, in a Lightning run as in a plain loop's
-``VramSession``. An object that does not copy without its hook (the lock its ``__getstate__`` leaves out) refuses the
-replay, naming the class and the hook.
+``__deepcopy__`` that counted its copies counted 4; a LightningModule's own ``__setstate__`` ran too. Now the copy is
+made as if those classes had no hooks: the replay runs, and training is bit-identical with and without the monitor,
+in a Lightning run as in a plain loop's ``VramSession``. An object that does not copy without its hook (the lock its
+``__getstate__`` leaves out) refuses the replay, naming the class and the hook.
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ class Holding(Classifier):
         return nn.functional.cross_entropy(self(inputs), targets) * scale
 
 
+class Registered(Holding):
+    """A LightningModule whose own ``__setstate__`` (Lightning's, then a registration) the copy would run."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        REGISTRY.append(self)
+
+
 def _observed(module: Holding) -> dict[str, Any]:
     held = module.held
     return {
@@ -105,12 +113,12 @@ def _observed(module: Holding) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", [Tokenizer, Vocabulary, Handle], ids=lambda kind: kind.__name__)
+@pytest.mark.parametrize("kind", [Tokenizer, Vocabulary, Handle, Registered], ids=lambda kind: kind.__name__)
 def test_the_users_copy_hooks_do_not_run_and_training_is_bit_identical(tmp_path: Path, path: str, kind: type) -> None:
     def build() -> Case:
         REGISTRY.clear()
         Handle.copies = 0
-        module = Holding(kind())
+        module = Registered(Vocabulary()) if kind is Registered else Holding(kind())
         return Case(module, loader(dataset_for("linear"), batch_size=8), observe=lambda: _observed(module))
 
     monitor = assert_untouched(build, tmp_path, path, steps=6, attribution_start_step=1, attribution_every_n_steps=1)

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from lightning_vram.prediction.containment.plain_reads import dict_items, instance_dict, slot_names
+from lightning_vram.prediction.containment.plain_reads import dict_items, instance_dict
 from lightning_vram.prediction.containment.user_code import is_user_function
 
 COPY_HOOKS = (
@@ -99,14 +99,26 @@ def _callable(attribute: Any) -> Any:
     return attribute.__func__ if isinstance(attribute, staticmethod) else attribute
 
 
+def _slots(cls: type) -> dict[str, Any]:
+    """The member descriptors of the slots of ``cls`` and its bases, by mangled name (``__x`` of ``A``: ``_A__x``)."""
+    descriptors: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        declared = vars(klass).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            private = name.startswith("__") and not name.endswith("__")
+            mangled = f"_{klass.__name__.lstrip('_')}{name}" if private else name
+            if mangled not in ("__dict__", "__weakref__") and mangled in vars(klass):
+                descriptors.setdefault(mangled, vars(klass)[mangled])
+    return descriptors
+
+
 def _default_state(value: Any) -> Any:
     """``object.__getstate__``'s answer, read without running the object's code: its dict, or (dict, slots)."""
     attributes = instance_dict(value)
     state = attributes if attributes else None
     slots: dict[str, Any] = {}
-    for name in slot_names(type(value)):
-        descriptor = _resolved(type(value), name)
-        with contextlib.suppress(AttributeError):
+    for name, descriptor in _slots(type(value)).items():
+        with contextlib.suppress(AttributeError):  # a slot never set
             slots[name] = descriptor.__get__(value, type(value))
     return (state, slots) if slots else state
 
@@ -126,7 +138,9 @@ def _set_state(copied: Any, state: Any) -> None:
 def _copy_without_hooks(value: Any, memo: dict[int, Any], hook: str) -> Any:
     """A deep copy of ``value`` (into ``memo``) made as ``deepcopy`` would if the user's classes had no copy hooks."""
     cls = type(value)
-    where = f"copying the module for the replay would run the user's {cls.__qualname__}.{hook} (on the real object)"
+    where = (
+        f"the replay's copy of the module or batch would run the user's {cls.__qualname__}.{hook} (on the real object)"
+    )
     base = _builtin_base(cls)
     reducers = (_resolved(cls, "__reduce_ex__", user=False), _resolved(cls, "__reduce__", user=False))
     if base not in (object, dict, list):
@@ -162,8 +176,8 @@ class _Dispatch(dict):  # type: ignore[type-arg]  # copy's own table: classes to
     def get(self, cls: Any, default: Any = None) -> Any:
         found = dict.get(self, cls, default)
         met = _ACTIVE.get()
-        if found is not None or met is None or not isinstance(cls, type):
-            return found
+        if found is not None or met is None or not isinstance(cls, type) or issubclass(cls, type):
+            return found  # a class (of a metaclass with hooks) is copied as itself, as deepcopy does
         if cls not in met:
             met[cls] = user_hook(cls)
         hook = met[cls]
