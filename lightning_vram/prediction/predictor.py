@@ -47,6 +47,7 @@ from lightning_vram.prediction.replay.calibration import carry
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.flops import StepFlops
+from lightning_vram.prediction.replay.hook_free import HookedCopyError
 from lightning_vram.prediction.replay.known_values import KnownValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
@@ -476,7 +477,7 @@ class Predictor:
                     sequence = reserved.sequence() if reserved is not None else None
         except ContainmentError:
             raise
-        except RefusedError as refused:
+        except (RefusedError, HookedCopyError) as refused:
             return ReplaySkipped(str(refused), time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
             reason = skip_reason(error, run.phase)  # before the frames it reads the read's place from are cleared

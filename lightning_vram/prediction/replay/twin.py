@@ -4,12 +4,12 @@ The module is deep-copied under :class:`~torch._subclasses.fake_tensor.FakeCopyM
 a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does,
 but for its rank under several processes: :class:`RanksOnly`; its ``log`` and ``log_dict`` do nothing). NumPy
 arrays the module or the batch hold are shared, not copied (a 400 MB table would be copied on every replay): the
-replay makes them read-only while it runs. The batch is deep-copied
-the same way, plain objects and dataclasses included, so that a ``training_step`` that sets ``batch.x`` sets it on
-the copy. Gradients are faked from the real ones (not a DTensor's shard: an FSDP2 rank's replay warms up its own);
-optimizers come from
-:mod:`~lightning_vram.prediction.replay.optimizers`, on the path the real run takes
-(:mod:`~lightning_vram.prediction.replay.optimizer_path`).
+replay makes them read-only while it runs. The batch is deep-copied the same way, plain objects and dataclasses
+included, so that a ``training_step`` that sets ``batch.x`` sets it on the copy. Neither copy runs a copy hook of the
+user's (a ``__getstate__``, ``__setstate__`` or ``__deepcopy__``, which may change the real object or the process):
+:mod:`~lightning_vram.prediction.replay.hook_free`. Gradients are faked from the real ones (not a DTensor's shard: an
+FSDP2 rank's replay warms up its own); optimizers come from :mod:`~lightning_vram.prediction.replay.optimizers`, on
+the path the real run takes (:mod:`~lightning_vram.prediction.replay.optimizer_path`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lightning_vram.measure.scripted import scripted_module_names, scripted_tens
 from lightning_vram.measure.storages import DTENSOR
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
+from lightning_vram.prediction.replay.hook_free import without_user_hooks
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 from lightning_vram.prediction.replay.unsharded import Unsharding, is_flat_parameter, sharded_live
@@ -133,7 +134,7 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
-    with FakeCopyMode(mode):
+    with FakeCopyMode(mode), without_user_hooks():
         unsharding = Unsharding(module, mode) if sharded_live(module) else None
         if unsharding is not None:
             unsharding.fill(memo)
@@ -195,7 +196,7 @@ def fake_batch(
     copy holds their substitutes.
     """
     memo: dict[int, Any] = dict(substitutes)
-    with FakeCopyMode(mode):
+    with FakeCopyMode(mode), without_user_hooks():
         copied = copy.deepcopy(batch, memo)
     originals = memo.get(id(memo), [])  # deepcopy keeps every copied original alive in the memo, under its own id
     pairs = [(memo[id(real)], real) for real in originals if isinstance(real, Tensor) and id(real) in memo]
