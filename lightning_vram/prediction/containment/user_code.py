@@ -64,8 +64,13 @@ _HEAP_TYPE = 1 << 9
 def _own_functions(cls: type) -> Iterator[types.FunctionType]:
     """The functions ``cls`` defines itself (methods, static and class methods, properties' accessors), unwrapped.
 
-    A method a decorator wrapped (``@torch.no_grad()``) is followed through ``__wrapped__`` to the user's function.
+    A method a decorator wrapped (``@torch.no_grad()``) is followed through ``__wrapped__`` to the function it wraps:
+    that one is the class's, not the decorator's wrapper (a user dataclass's ``__repr__`` is wrapped by
+    ``dataclasses``' own code). A function defined for another class (``Enum.__new__``, which ``enum`` copies into
+    each enum's ``__dict__``) is not the class's own: one defined in its body, or made for it (a dataclass's
+    ``__init__``), has its ``__qualname__`` under the class's.
     """
+    prefix = f"{cls.__qualname__}."
     for attribute in list(vars(cls).values()):
         if isinstance(attribute, (staticmethod, classmethod)):
             candidates: tuple[Any, ...] = (attribute.__func__,)
@@ -74,11 +79,14 @@ def _own_functions(cls: type) -> Iterator[types.FunctionType]:
         else:
             candidates = (attribute,)
         for candidate in candidates:
+            innermost = None
             for _ in range(8):  # a chain of decorators, never a cycle
                 if not isinstance(candidate, types.FunctionType):
                     break
-                yield candidate
+                innermost = candidate
                 candidate = vars(candidate).get("__wrapped__")
+            if innermost is not None and innermost.__qualname__.startswith(prefix):
+                yield innermost
 
 
 def is_user_class(cls: type) -> bool:
