@@ -3,12 +3,13 @@
 Each case's step reaches code that appends to a list of the user's: a class's ``__del__`` or a ``weakref.finalize``
 callback, run as the replay's objects are collected (after the replay has put back what it changed); a user exception
 class's ``__init__`` (exception classes were never walked); a class of another user module reached through
-``importlib.import_module``, ``vars(module)[name]`` or ``getattr(module, name)``; a class held in a
-``types.MappingProxyType``; a user base's ``__init_subclass__`` run by ``dataclass(slots=True)``, a user ``EnumMeta``'s
-``__new__`` run by the enum functional API (a dataclass or an enum with no method of its own was taken for library
-code: the functions ``dataclasses`` and ``enum`` put in its ``__dict__`` are theirs); a dict subclass's ``__init__``
-run by ``dataclasses.asdict`` imported by name. Each trains with and without the monitor: identical. Where the effect
-cannot be put back the replay is refused, and the reason names what was reached; elsewhere the replay runs.
+``importlib.import_module``, ``vars(module)[name]``, ``getattr(module, name)`` or an ``import`` statement in the step
+(a local name the walk never followed); a class held in a ``types.MappingProxyType``; a user base's
+``__init_subclass__`` run by ``dataclass(slots=True)``, a user ``EnumMeta``'s ``__new__`` run by the enum functional
+API (a dataclass or an enum with no method of its own was taken for library code: the functions ``dataclasses`` and
+``enum`` put in its ``__dict__`` are theirs); a dict subclass's ``__init__`` run by ``dataclasses.asdict`` imported by
+name. Each trains with and without the monitor: identical. Where the effect cannot be put back the replay is refused,
+and the reason names what was reached; elsewhere the replay runs.
 """
 
 from __future__ import annotations
@@ -231,27 +232,31 @@ from models import Classifier
 
 class Step(Classifier):
     def training_step(self, batch, batch_idx):
+        {imports}
         inputs, targets = batch
         return nn.functional.cross_entropy(self(inputs) * {maker}().weight, targets)
 """
 """The step, in a module of its own (``vars`` puts every global of the step's module in reach)."""
 
 MAKERS = {
-    "importlib": 'importlib.import_module("walk_helper").Maker',
-    "vars": 'vars(walk_helper)["Maker"]',
-    "getattr": 'getattr(walk_helper, "Maker")',
+    "importlib": ("pass", 'importlib.import_module("walk_helper").Maker'),
+    "vars": ("pass", 'vars(walk_helper)["Maker"]'),
+    "getattr": ("pass", 'getattr(walk_helper, "Maker")'),
+    "import in the step": ("import walk_helper as helpers", "helpers.Maker"),
+    "from-import in the step": ("from walk_helper import Maker", "Maker"),
 }
+"""How each step reaches ``Maker``: what it imports itself, and the expression."""
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
-    ("form", "refused"), [("importlib", "importlib.import_module"), ("vars", None), ("getattr", None)]
+    ("form", "refused"), [(form, "importlib.import_module" if form == "importlib" else None) for form in MAKERS]
 )
 def test_a_class_of_another_user_module_reached_by_name(
     tmp_path: Path, path: str, form: str, refused: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "walk_helper.py").write_text(HELPER_SOURCE)
-    (tmp_path / "walk_steps.py").write_text(STEP_SOURCE.format(maker=MAKERS[form]))
+    (tmp_path / "walk_steps.py").write_text(STEP_SOURCE.format(imports=MAKERS[form][0], maker=MAKERS[form][1]))
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("walk_helper", "walk_steps"):
         monkeypatch.delitem(sys.modules, name, raising=False)

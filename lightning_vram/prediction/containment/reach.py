@@ -4,9 +4,12 @@ A replay runs the user's Python a second time (``training_step``, every ``forwar
 fake copy of the module. The copy holds the module's own state, but the code also reaches what the copy does not:
 its closures, the globals its functions name, class attributes, random generators held outside, ``lru_cache``
 functions. :func:`reach_of` walks the code objects from a set of roots (:mod:`~.code_roots`),
-reading names, closure cells and attributes (never calling a property, a ``__getattr__`` or any user function), and
-lists those places so that the replay can save and restore them, give the code fresh caches, or decide not to run
-at all.
+reading names, closure cells, attributes and the modules a function's own ``import`` statements name (never calling a
+property, a ``__getattr__`` or any user function), and lists those places so that the replay can save and restore
+them, give the code fresh caches, or decide not to run at all. Some code acts where nothing can be put back: it opens
+files, starts threads, runs as the replay's objects are collected (a ``__del__``, a ``weakref.finalize`` callback: after
+the replay has put back what it changed), or imports modules it names only as strings (``importlib.import_module``,
+or one not imported yet): the walk lists what it does, and the replay is refused.
 
 Of a user class, the walk takes only the attributes the code may reach by name (:mod:`~.method_reach`): dunders,
 overrides of what torch's and Lightning's code calls during a training batch, and the names the walked code reads
@@ -32,6 +35,7 @@ import contextvars
 import functools
 import gc
 import importlib
+import importlib.util
 import logging
 import random
 import sys
@@ -77,7 +81,13 @@ from lightning_vram.prediction.containment.plain_reads import (
     key_text,
     slot_names,
 )
-from lightning_vram.prediction.containment.user_code import code_names, is_user_class, is_user_file, is_user_function
+from lightning_vram.prediction.containment.user_code import (
+    code_names,
+    imports,
+    is_user_class,
+    is_user_file,
+    is_user_function,
+)
 
 WALK_LIMIT = 20_000
 """The most objects one walk visits; past it the walk stops and says it is incomplete."""
@@ -450,9 +460,26 @@ class _Walk:
                     self._push(value, f"{where}: {name}", user_names if _of_user_file(value) else attribute_names)
                 elif not name.startswith("__"):
                     self._slot(namespace, name, f"{where}: global {name}")
+        local: dict[str, Any] = {}  # what the function's own ``import`` statements bind
+        for imported, level, from_names in sorted(imports(code)):
+            module_name = _resolved(imported, level, namespace)
+            module = sys.modules.get(module_name) if module_name is not None else None
+            if module_name is None or module is None:
+                self.reach.effects.append(
+                    f"{where} imports {module_name or imported}, not imported yet: a replay would run its module's code"
+                )
+                continue
+            top_name = module_name.partition(".")[0]
+            top = None if from_names else sys.modules.get(top_name)  # ``import a.b`` binds ``a``
+            local.update({name: vars(module).get(name) for name in from_names} | ({top_name: top} if top else {}))
+            for held in {id(found): found for found in (module, top) if found is not None}.values():
+                names = user_names if _of_user_file(held) else attribute_names
+                self._push(held, f"{where}: import {module_name}", names | from_names)
+        self._note_hook_apis(frozenset(local), attribute_names, local)
         for name in sorted(global_names & OUTSIDE_EFFECTS.keys()):
             self.reach.effects.append(f"{where} {OUTSIDE_EFFECTS[name]}")
         named = _named_values(global_names, attribute_names, namespace)
+        named += _named_values(frozenset(local), attribute_names, local)
         outside = {OUTSIDE_CALLABLES[id(value)] for value in named if id(value) in OUTSIDE_CALLABLES}
         self.reach.effects += [f"{where} {what}" for what in sorted(outside)]
         if "__import__" in global_names and "__import__" not in namespace:  # the builtin, not in the module's globals
@@ -679,6 +706,17 @@ class _Walk:
                     continue
                 self._push(item, f"{path}.{name}", data=data)
         self._push(type(value), path, role=Role.COPIED if data else Role.NAMED)  # the replay deep-copies its data
+
+
+def _resolved(name: str, level: int, namespace: dict[str, Any]) -> str | None:
+    """The full name of the module an ``import`` of ``name`` at ``level`` in the module of ``namespace`` names."""
+    if not level:
+        return name
+    package = namespace.get("__package__") or namespace.get("__name__", "").rpartition(".")[0]
+    try:
+        return importlib.util.resolve_name("." * level + name, package)
+    except (ImportError, ValueError):  # beyond the top package, or no package at all
+        return None
 
 
 def _of_user_file(module: types.ModuleType) -> bool:

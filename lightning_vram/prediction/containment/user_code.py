@@ -140,3 +140,30 @@ def code_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
             global_names |= inner_globals
             attribute_names |= inner_attributes
     return frozenset(global_names), frozenset(attribute_names)
+
+
+@functools.lru_cache(maxsize=4096)
+def imports(code: types.CodeType) -> frozenset[tuple[str, int, frozenset[str]]]:
+    """The ``import`` statements of ``code`` and the functions defined inside it.
+
+    Each module's name as written, its level (the dots of a relative import) and the names imported from it
+    (``from m import a, b``).
+
+    >>> def step():
+    ...     import os.path
+    ...     from .helpers import make
+    >>> sorted(imports(step.__code__))
+    [('helpers', 1, frozenset({'make'})), ('os.path', 0, frozenset())]
+    """
+    found: set[tuple[str, int, frozenset[str]]] = set()
+    instructions = list(dis.get_instructions(code))
+    for index, instruction in enumerate(instructions):
+        if instruction.opname == "IMPORT_NAME":
+            level_load, names_load = instructions[index - 2], instructions[index - 1]
+            level = level_load.argval if isinstance(level_load.argval, int) else 0
+            names = names_load.argval if isinstance(names_load.argval, tuple) else ()
+            found.add((str(instruction.argval), level, frozenset(map(str, names))))
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            found |= imports(constant)
+    return frozenset(found)
