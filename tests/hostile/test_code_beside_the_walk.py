@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram import VramMonitor
+from lightning_vram.prediction.containment.reach import reach_of
 
 EVENTS: list[Any] = []
 """What the user's code reached by the steps below appends to (a replay's appends must not stay)."""
@@ -278,3 +279,29 @@ def test_a_class_of_another_user_module_reached_by_name(
         assert reason is None
     else:
         assert reason is not None and refused in reason, reason
+
+
+def test_an_import_in_the_step_of_a_module_not_imported_yet_refuses_only_the_user_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "walk_not_yet.py").write_text("EVENTS = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "walk_not_yet", raising=False)
+    monkeypatch.delitem(sys.modules, "tabnanny", raising=False)
+
+    def users(module: nn.Module) -> None:
+        import walk_not_yet  # type: ignore[import-not-found]
+
+        walk_not_yet.EVENTS.append(module)
+
+    def library_and_own_modules(module: nn.Module) -> None:
+        import tabnanny  # a library's, not imported yet: its state is its own
+
+        print(tabnanny.verbose, len(list(module.modules())), file=sys.stderr)  # not sys.modules
+
+    assert reach_of([("step", users)], set()).effects == [
+        f"{users.__qualname__} imports walk_not_yet, not imported yet: a replay would run its code"
+    ]
+    effects = reach_of([("step", library_and_own_modules)], set()).effects  # reading sys sweeps this module's globals
+    assert not [effect for effect in effects if effect.startswith(library_and_own_modules.__qualname__)], effects
+    assert "walk_not_yet" not in sys.modules and "tabnanny" not in sys.modules  # the walk imported neither

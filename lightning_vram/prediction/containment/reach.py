@@ -32,10 +32,13 @@ import array
 import builtins
 import collections
 import contextvars
+import dis
 import functools
 import gc
 import importlib
+import importlib.machinery
 import importlib.util
+import itertools
 import logging
 import random
 import sys
@@ -465,9 +468,10 @@ class _Walk:
             module_name = _resolved(imported, level, namespace)
             module = sys.modules.get(module_name) if module_name is not None else None
             if module_name is None or module is None:
-                self.reach.effects.append(
-                    f"{where} imports {module_name or imported}, not imported yet: a replay would run its module's code"
-                )
+                if module_name is None or _may_be_users(module_name):
+                    self.reach.effects.append(
+                        f"{where} imports {module_name or imported}, not imported yet: a replay would run its code"
+                    )
                 continue
             top_name = module_name.partition(".")[0]
             top = None if from_names else sys.modules.get(top_name)  # ``import a.b`` binds ``a``
@@ -484,7 +488,7 @@ class _Walk:
         self.reach.effects += [f"{where} {what}" for what in sorted(outside)]
         if "__import__" in global_names and "__import__" not in namespace:  # the builtin, not in the module's globals
             self.reach.effects.append(f"{where} {OUTSIDE_CALLABLES[id(builtins.__import__)]}")
-        if "modules" in attribute_names and namespace.get("sys") is sys:
+        if _reads_sys_modules(code) or any(namespace.get(name) is sys.modules for name in global_names):
             self.reach.effects.append(
                 f"{where} reaches modules by name (sys.modules): the code of a module it names only as a string is"
                 " beyond the walk"
@@ -717,6 +721,34 @@ def _resolved(name: str, level: int, namespace: dict[str, Any]) -> str | None:
         return importlib.util.resolve_name("." * level + name, package)
     except (ImportError, ValueError):  # beyond the top package, or no package at all
         return None
+
+
+def _may_be_users(name: str) -> bool:
+    """Whether the module ``name``, not imported yet, may be the user's.
+
+    Found (without running anything) in a user's file, under a package of the user's, or not found where a library's
+    would be (an editable install's finder).
+    """
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        package = sys.modules.get(".".join(parts[:end]))
+        if package is not None:  # its submodule is where it is
+            filename = vars(package).get("__file__")
+            return not isinstance(filename, str) or is_user_file(filename)
+    if parts[0] in sys.builtin_module_names:
+        return False
+    spec = importlib.machinery.PathFinder.find_spec(parts[0])
+    return spec is None or not isinstance(spec.origin, str) or is_user_file(spec.origin)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_sys_modules(code: types.CodeType) -> bool:
+    """Whether ``code`` (or a function defined in it) reads ``sys.modules`` (not a module's ``self.modules()``)."""
+    instructions = list(dis.get_instructions(code))
+    for load, read in itertools.pairwise(instructions):
+        if load.opname in ("LOAD_GLOBAL", "LOAD_NAME") and load.argval == "sys" and read.argval == "modules":
+            return True
+    return any(_reads_sys_modules(constant) for constant in code.co_consts if isinstance(constant, types.CodeType))
 
 
 def _of_user_file(module: types.ModuleType) -> bool:
