@@ -21,9 +21,10 @@ module's construction dunders are in reach (:class:`Construction`) where:
   ``isinstance(x, type(self))`` do not count), ``type(x).__call__()``, ``type(x).mro()[0]()``,
   ``x.__class__.__subclasses__()``, a name of these held as a string (``getattr(x, "__class__")``),
   ``x.__init__(...)``, ``pickle.loads``, ``torch.load``,
-  ``dataclasses.replace`` or ``asdict``: every class's are in reach; where it only copies (``copy.copy``,
-  ``copy.deepcopy``: :data:`COPYING`), every class's ``__new__``, and the whole construction of those a library base
-  rebuilds by calling them.
+  ``dataclasses.replace``, ``asdict`` or ``astuple`` (which rebuild each container they copy by calling its class:
+  a dict subclass's ``__init__``), under whatever name the code binds them: every class's are in reach; where it only
+  copies (``copy.copy``, ``copy.deepcopy``: :data:`COPYING`), every class's ``__new__``, and the whole construction of
+  those a library base rebuilds by calling them.
 
 A class whose instances the replay deep-copies (the module's classes, what the module holds as data) is copied
 through ``__new__`` (``copyreg.__newobj__``), never its ``__init__``, unless a library base of it rebuilds instances
@@ -87,6 +88,8 @@ CONSTRUCTING = frozenset(
             pickle.loads,
             pickle.Unpickler,
             dataclasses.replace,
+            dataclasses.asdict,
+            dataclasses.astuple,
             torch.load,
             types.new_class,
         ),

@@ -4,9 +4,12 @@ A replay runs the user's Python a second time (``training_step``, every ``forwar
 fake copy of the module. The copy holds the module's own state, but the code also reaches what the copy does not:
 its closures, the globals its functions name, class attributes, random generators held outside, ``lru_cache``
 functions. :func:`reach_of` walks the code objects from a set of roots (:mod:`~.code_roots`),
-reading names, closure cells and attributes (never calling a property, a ``__getattr__`` or any user function), and
-lists those places so that the replay can save and restore them, give the code fresh caches, or decide not to run
-at all.
+reading names, closure cells, attributes and the modules a function's own ``import`` statements name (never calling a
+property, a ``__getattr__`` or any user function), and lists those places so that the replay can save and restore
+them, give the code fresh caches, or decide not to run at all. Some code acts where nothing can be put back: it opens
+files, starts threads, runs as the replay's objects are collected (a ``__del__``, a ``weakref.finalize`` callback: after
+the replay has put back what it changed), or imports modules it names only as strings (``importlib.import_module``,
+or one not imported yet): the walk lists what it does, and the replay is refused.
 
 Of a user class, the walk takes only the attributes the code may reach by name (:mod:`~.method_reach`): dunders,
 overrides of what torch's and Lightning's code calls during a training batch, and the names the walked code reads
@@ -26,11 +29,19 @@ eagerly, so that count stands aside.
 from __future__ import annotations
 
 import array
+import builtins
 import collections
 import contextvars
+import dis
 import functools
+import gc
+import importlib
+import importlib.machinery
+import importlib.util
+import itertools
 import logging
 import random
+import sys
 import types
 import weakref
 from collections.abc import Iterable
@@ -73,7 +84,13 @@ from lightning_vram.prediction.containment.plain_reads import (
     key_text,
     slot_names,
 )
-from lightning_vram.prediction.containment.user_code import code_names, is_user_class, is_user_file, is_user_function
+from lightning_vram.prediction.containment.user_code import (
+    code_names,
+    imports,
+    is_user_class,
+    is_user_file,
+    is_user_function,
+)
 
 WALK_LIMIT = 20_000
 """The most objects one walk visits; past it the walk stops and says it is incomplete."""
@@ -93,7 +110,8 @@ DYNAMIC_NAMES = {
 
 BY_NAME = frozenset({"getattr", "setattr", "delattr"})
 """Builtins that reach an object's attribute by a computed name: a module's globals only where the code also names a
-module (``getattr(config, name)``), not on the code's own objects (``getattr(self.block, name)``)."""
+module and the name is not a constant (``getattr(config, name)``), not on the code's own objects (``getattr(self.block,
+name)``); a constant one (``getattr(config, "Maker")``) reaches that name of a user's module alone."""
 
 OUTSIDE_EFFECTS = {
     "open": "opens files (what it writes would be written again)",
@@ -124,6 +142,22 @@ REFUSING_TRANSFORMS = {id(vars(torch.func)[name]): f"torch.func.{name}" for name
 """torch.func's transforms that raise under saved-tensor hooks, by identity: whatever name the code binds them to
 (``from torch.func import grad as G``, ``import torch.func as tf; tf.grad``); their ``__module__`` says only
 ``torch.func``."""
+
+OUTSIDE_CALLABLES = {
+    id(weakref.finalize): "registers a finalizer (weakref.finalize), which runs as its object is collected: for the"
+    " replay's objects, after the replay has put back what it changed",
+    id(importlib.import_module): "imports modules by name (importlib.import_module): the code of a module it names only"
+    " as a string is beyond the walk",
+    id(importlib.reload): "reloads a module (importlib.reload), running its code again",
+    id(builtins.__import__): "imports modules by name (__import__): the code of a module it names only as a string is"
+    " beyond the walk",
+}
+"""Callables, by identity (whatever name the code binds them to), whose use reaches beyond the objects a replay saves
+and puts back, and what using each does."""
+
+EVERY_NAME = "*"
+"""Among the attribute names a module is walked for: every global of it is in reach (code reading the module's
+attributes by names it computes, ``vars(config)[name]``, ``getattr(config, name)``); never a real attribute's name."""
 
 ATTRIBUTE_DEPTH = 2
 """Modules followed down attribute names from a global one (``torch.func.grad``: two)."""
@@ -357,6 +391,14 @@ class _Walk:
             for key, item in dict_items(value):
                 self._push(key, f"{path} key", data=data)
                 self._push(item, f"{path}[{key_text(key)}]", data=data)
+        elif isinstance(value, types.MappingProxyType):  # read-only: what it shows is walked, not held
+            for shown in gc.get_referents(value):  # the mapping, read without calling its methods
+                if type(shown) is dict:
+                    for key, item in dict_items(shown):
+                        self._push(key, f"{path} key", data=data)
+                        self._push(item, f"{path}[{key_text(key)}]", data=data)
+                else:  # a mapping of another kind: its own code runs on each read
+                    self._push(shown, f"{path} (its mapping)", data=data)
         elif isinstance(value, (tuple, frozenset)):
             self._container_class(value, path, data)
             for index, item in enumerate(contents(value)):
@@ -408,19 +450,52 @@ class _Walk:
             self._namespaces.add(id(namespace))
             # a global rebound by any name (globals()[...], sys.modules)
             self._hold(namespace, f"the globals of {function.__module__}")
+        names_a_module = any(isinstance(namespace.get(name), types.ModuleType) for name in global_names)
+        computed = computed_names(code)
+        by_name = global_names & BY_NAME and names_a_module and (computed.reads or computed.writes)
+        computing = bool(global_names & DYNAMIC_NAMES.keys() or by_name)
+        # a user's module: the names the code holds as strings too (``getattr(config, "Maker")``), or every name
+        user_names = attribute_names | string_names(code) | ({EVERY_NAME} if computing else set())
         for name in sorted(global_names):
             if name in namespace:
                 value = namespace[name]
                 if isinstance(value, types.ModuleType):
-                    self._push(value, f"{where}: {name}", attribute_names)
+                    self._push(value, f"{where}: {name}", user_names if _of_user_file(value) else attribute_names)
                 elif not name.startswith("__"):
                     self._slot(namespace, name, f"{where}: global {name}")
+        local: dict[str, Any] = {}  # what the function's own ``import`` statements bind
+        for imported, level, from_names in sorted(imports(code)):
+            module_name = _resolved(imported, level, namespace)
+            module = sys.modules.get(module_name) if module_name is not None else None
+            if module_name is None or module is None:
+                if module_name is None or _may_be_users(module_name):
+                    self.reach.effects.append(
+                        f"{where} imports {module_name or imported}, not imported yet: a replay would run its code"
+                    )
+                continue
+            top_name = module_name.partition(".")[0]
+            top = None if from_names else sys.modules.get(top_name)  # ``import a.b`` binds ``a``
+            local.update({name: vars(module).get(name) for name in from_names} | ({top_name: top} if top else {}))
+            for held in {id(found): found for found in (module, top) if found is not None}.values():
+                names = user_names if _of_user_file(held) else attribute_names
+                self._push(held, f"{where}: import {module_name}", names | from_names)
+        self._note_hook_apis(frozenset(local), attribute_names, local)
         for name in sorted(global_names & OUTSIDE_EFFECTS.keys()):
             self.reach.effects.append(f"{where} {OUTSIDE_EFFECTS[name]}")
+        named = _named_values(global_names, attribute_names, namespace)
+        named += _named_values(frozenset(local), attribute_names, local)
+        outside = {OUTSIDE_CALLABLES[id(value)] for value in named if id(value) in OUTSIDE_CALLABLES}
+        self.reach.effects += [f"{where} {what}" for what in sorted(outside)]
+        if "__import__" in global_names and "__import__" not in namespace:  # the builtin, not in the module's globals
+            self.reach.effects.append(f"{where} {OUTSIDE_CALLABLES[id(builtins.__import__)]}")
+        if _reads_sys_modules(code) or any(namespace.get(name) is sys.modules for name in global_names):
+            self.reach.effects.append(
+                f"{where} reaches modules by name (sys.modules): the code of a module it names only as a string is"
+                " beyond the walk"
+            )
         if "save" in attribute_names and isinstance(namespace.get("torch"), types.ModuleType):
             self.reach.effects.append(f"{where} may call torch.save (a file it writes would be written again)")
-        names_a_module = any(isinstance(namespace.get(name), types.ModuleType) for name in global_names)
-        if global_names & DYNAMIC_NAMES.keys() or (global_names & BY_NAME and names_a_module):  # names computed then
+        if computing:  # names computed then
             # every global of the module is in reach
             what = _dynamic_use(global_names, attribute_names)
             swept = f"{where} ({what}: every global of {function.__module__} in reach)"
@@ -454,21 +529,17 @@ class _Walk:
         reads (``tf.grad``, ``torch.func.grad``), read from the modules' own dicts (no ``__getattr__`` runs).
         """
         found = set((global_names | attribute_names) & SAVED_TENSOR_HOOK_NAMES)
-        values = [namespace.get(name) for name in global_names]
-        for _ in range(ATTRIBUTE_DEPTH + 1):
-            modules = [value for value in values if isinstance(value, types.ModuleType)]
-            for value in values:
-                name = REFUSING_TRANSFORMS.get(id(value))
-                module = getattr(value, "__module__", None) if not isinstance(value, types.ModuleType) else None
-                if name is not None:
-                    found.add(name)
-                elif (  # the old functorch package: its own objects
-                    isinstance(module, str)
-                    and module.startswith("functorch")
-                    and (function_name := getattr(value, "__name__", None)) in REFUSING_NAMES
-                ):
-                    found.add(f"functorch.{function_name}")
-            values = [vars(module).get(attribute) for module in modules for attribute in attribute_names]
+        for value in _named_values(global_names, attribute_names, namespace):
+            name = REFUSING_TRANSFORMS.get(id(value))
+            module = getattr(value, "__module__", None) if not isinstance(value, types.ModuleType) else None
+            if name is not None:
+                found.add(name)
+            elif (  # the old functorch package: its own objects
+                isinstance(module, str)
+                and module.startswith("functorch")
+                and (function_name := getattr(value, "__name__", None)) in REFUSING_NAMES
+            ):
+                found.add(f"functorch.{function_name}")
         self.reach.hook_apis |= found
 
     def _bring_names(self, code: types.CodeType, global_names: frozenset[str], attribute_names: frozenset[str]) -> None:
@@ -549,7 +620,7 @@ class _Walk:
 
     def _class(self, cls: type, path: str) -> None:
         """A user class: its metaclass, its bases, and its attributes whose name is in reach (the others wait)."""
-        if not is_user_class(cls) or issubclass(cls, BaseException):
+        if not is_user_class(cls):
             return
         methods = self.reach.methods
         for member in methods.construction.visit(cls):
@@ -571,6 +642,11 @@ class _Walk:
     def _member(self, member: Member) -> None:
         """A class's attribute whose name is in reach: a method walked, any other value a slot."""
         cls, name, attribute = member
+        if name == "__del__" and callable(attribute):
+            self.reach.effects.append(
+                f"{cls.__qualname__}.__del__ runs as an instance is collected, which for the replay's own objects (its"
+                " copy of the module's, what its step makes) is after the replay has put back what it changed"
+            )
         if isinstance(attribute, classmethod):  # ``cls(...)``: it may construct its class, or a subclass
             for released in self.reach.methods.construction.add_factory(cls):
                 self._member(released)
@@ -593,7 +669,10 @@ class _Walk:
                         self._member(member)
 
     def _module(self, module: types.ModuleType, path: str, names: frozenset[str]) -> None:
-        """The attributes of ``module`` the code names, and (a package's submodules) theirs, at any depth."""
+        """The attributes of ``module`` the code names, and (a package's submodules) theirs, at any depth.
+
+        Where ``names`` holds :data:`EVERY_NAME` and the module is a file's, every global of it is in reach.
+        """
         self._seen.discard((id(module), False))  # another function may read other names of the same module
         if (id(module), names) in self._modules:
             return
@@ -604,10 +683,13 @@ class _Walk:
             for name in names & namespace.keys():  # ``torch.load``, ``copy.deepcopy``: constructing what they load
                 self._construct_by(namespace[name])
             return
-        for name in sorted(names & namespace.keys()):
+        every = EVERY_NAME in names and isinstance(filename, str)  # a user's file, not a module C made (``sys``)
+        chosen = {name for name in namespace if not name.startswith("__")} if every else names & namespace.keys()
+        for name in sorted(chosen):
             value = namespace[name]
             if isinstance(value, types.ModuleType):  # ``userpkg.cfg.STATE``: the submodule's names too
-                self._push(value, f"{path}.{name}", names)
+                named = name in names  # one the code reaches by a computed name: its attributes by the names it reads
+                self._push(value, f"{path}.{name}", names if named else names - {EVERY_NAME})
             else:
                 self._slot(namespace, name, f"{path}.{name}")
 
@@ -628,6 +710,68 @@ class _Walk:
                     continue
                 self._push(item, f"{path}.{name}", data=data)
         self._push(type(value), path, role=Role.COPIED if data else Role.NAMED)  # the replay deep-copies its data
+
+
+def _resolved(name: str, level: int, namespace: dict[str, Any]) -> str | None:
+    """The full name of the module an ``import`` of ``name`` at ``level`` in the module of ``namespace`` names."""
+    if not level:
+        return name
+    package = namespace.get("__package__") or namespace.get("__name__", "").rpartition(".")[0]
+    try:
+        return importlib.util.resolve_name("." * level + name, package)
+    except (ImportError, ValueError):  # beyond the top package, or no package at all
+        return None
+
+
+def _may_be_users(name: str) -> bool:
+    """Whether the module ``name``, not imported yet, may be the user's.
+
+    Found (without running anything) in a user's file, under a package of the user's, or not found where a library's
+    would be (an editable install's finder).
+    """
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        package = sys.modules.get(".".join(parts[:end]))
+        if package is not None:  # its submodule is where it is
+            filename = vars(package).get("__file__")
+            return not isinstance(filename, str) or is_user_file(filename)
+    if parts[0] in sys.builtin_module_names:
+        return False
+    spec = importlib.machinery.PathFinder.find_spec(parts[0])
+    return spec is None or not isinstance(spec.origin, str) or is_user_file(spec.origin)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_sys_modules(code: types.CodeType) -> bool:
+    """Whether ``code`` (or a function defined in it) reads ``sys.modules`` (not a module's ``self.modules()``)."""
+    instructions = list(dis.get_instructions(code))
+    for load, read in itertools.pairwise(instructions):
+        if load.opname in ("LOAD_GLOBAL", "LOAD_NAME") and load.argval == "sys" and read.argval == "modules":
+            return True
+    return any(_reads_sys_modules(constant) for constant in code.co_consts if isinstance(constant, types.CodeType))
+
+
+def _of_user_file(module: types.ModuleType) -> bool:
+    """Whether ``module`` was loaded from a file of the user's (not a library's, nor one C made: ``sys``)."""
+    filename = vars(module).get("__file__")
+    return isinstance(filename, str) and is_user_file(filename)
+
+
+def _named_values(
+    global_names: frozenset[str], attribute_names: frozenset[str], namespace: dict[str, Any]
+) -> list[Any]:
+    """The values a function's code may name: its globals, and what global modules hold by its attribute names.
+
+    Followed :data:`ATTRIBUTE_DEPTH` modules down (``torch.func.grad``), read from the modules' own dicts (no
+    ``__getattr__`` runs).
+    """
+    named: list[Any] = []
+    values = [namespace.get(name) for name in global_names]
+    for _ in range(ATTRIBUTE_DEPTH + 1):
+        named += values
+        modules = [value for value in values if isinstance(value, types.ModuleType)]
+        values = [vars(module).get(attribute) for module in modules for attribute in attribute_names]
+    return named
 
 
 def _dynamic_use(global_names: frozenset[str], attribute_names: frozenset[str]) -> str:

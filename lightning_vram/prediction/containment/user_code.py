@@ -64,8 +64,13 @@ _HEAP_TYPE = 1 << 9
 def _own_functions(cls: type) -> Iterator[types.FunctionType]:
     """The functions ``cls`` defines itself (methods, static and class methods, properties' accessors), unwrapped.
 
-    A method a decorator wrapped (``@torch.no_grad()``) is followed through ``__wrapped__`` to the user's function.
+    A method a decorator wrapped (``@torch.no_grad()``) is followed through ``__wrapped__`` to the function it wraps:
+    that one is the class's, not the decorator's wrapper (a user dataclass's ``__repr__`` is wrapped by
+    ``dataclasses``' own code). A function defined for another class (``Enum.__new__``, which ``enum`` copies into
+    each enum's ``__dict__``) is not the class's own: one defined in its body, or made for it (a dataclass's
+    ``__init__``), has its ``__qualname__`` under the class's.
     """
+    prefix = f"{cls.__qualname__}."
     for attribute in list(vars(cls).values()):
         if isinstance(attribute, (staticmethod, classmethod)):
             candidates: tuple[Any, ...] = (attribute.__func__,)
@@ -74,11 +79,14 @@ def _own_functions(cls: type) -> Iterator[types.FunctionType]:
         else:
             candidates = (attribute,)
         for candidate in candidates:
+            innermost = None
             for _ in range(8):  # a chain of decorators, never a cycle
                 if not isinstance(candidate, types.FunctionType):
                     break
-                yield candidate
+                innermost = candidate
                 candidate = vars(candidate).get("__wrapped__")
+            if innermost is not None and innermost.__qualname__.startswith(prefix):
+                yield innermost
 
 
 def is_user_class(cls: type) -> bool:
@@ -132,3 +140,30 @@ def code_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
             global_names |= inner_globals
             attribute_names |= inner_attributes
     return frozenset(global_names), frozenset(attribute_names)
+
+
+@functools.lru_cache(maxsize=4096)
+def imports(code: types.CodeType) -> frozenset[tuple[str, int, frozenset[str]]]:
+    """The ``import`` statements of ``code`` and the functions defined inside it.
+
+    Each module's name as written, its level (the dots of a relative import) and the names imported from it
+    (``from m import a, b``).
+
+    >>> def step():
+    ...     import os.path
+    ...     from .helpers import make
+    >>> sorted(imports(step.__code__))
+    [('helpers', 1, frozenset({'make'})), ('os.path', 0, frozenset())]
+    """
+    found: set[tuple[str, int, frozenset[str]]] = set()
+    instructions = list(dis.get_instructions(code))
+    for index, instruction in enumerate(instructions):
+        if instruction.opname == "IMPORT_NAME":
+            level_load, names_load = instructions[index - 2], instructions[index - 1]
+            level = level_load.argval if isinstance(level_load.argval, int) else 0
+            names = names_load.argval if isinstance(names_load.argval, tuple) else ()
+            found.add((str(instruction.argval), level, frozenset(map(str, names))))
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            found |= imports(constant)
+    return frozenset(found)
