@@ -21,7 +21,14 @@ from typing import Any, ClassVar, NoReturn
 from torch import nn
 
 from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers, checkpoint_saving_matmuls
-from lightning_vram.prediction.replay.unit_calls import Call, call_of
+from lightning_vram.prediction.replay.unit_calls import (
+    Call,
+    PlanChangesModelError,
+    call_of,
+    changed_state,
+    own_generator,
+    python_state,
+)
 from lightning_vram.records import CheckpointChange, CheckpointPlan, InplaceChange, StepChange
 
 
@@ -57,6 +64,7 @@ class _CheckpointedCall(nn.Module):
         """The unit's modules, by their paths in the model."""
         self.calls: list[Call] = []
         """What the unit received and returned at each forward call (set against the step without the plan)."""
+        self._forwarding = False
         self._checkpoint = checkpoint_saving_matmuls if selective else checkpoint_keeping_buffers
         self.first = first
         self._rest = list(rest)  # a plain list: their parent keeps them registered
@@ -72,9 +80,17 @@ class _CheckpointedCall(nn.Module):
             return getattr(self.first, name)
 
     def _unit(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.first(*args, **kwargs)
-        for module in self._rest:
-            output = module(output)
+        """The unit's modules in order; in backward's recomputation, raising where it changes their Python state."""
+        modules = list(zip(self.unit, [self.first, *self._rest], strict=False))
+        before = None if self._forwarding else python_state(modules)
+        try:
+            output = self.first(*args, **kwargs)
+            for module in self._rest:
+                output = module(output)
+        finally:  # also where the recomputation stops early, once it has what backward needs
+            changed = None if before is None else changed_state(before, python_state(modules))
+            if changed is not None:
+                raise PlanChangesModelError(f"the checkpointing plan changes what the model computes: {changed}")
         return output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -85,7 +101,18 @@ class _CheckpointedCall(nn.Module):
         (``c = self.conv1(x); x = self.relu(self.bn1(c)) + c``) meets a link where a tensor should be, and the replay
         raises (the plan, which would train another model, is not replayed).
         """
-        output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
+        generator = own_generator(zip(self.unit, [self.first, *self._rest], strict=False))
+        if generator is not None:
+            raise PlanChangesModelError(
+                f"the checkpointing plan changes what the model computes: `{generator}` is a torch.Generator of the"
+                " unit's own, which backward's recomputation would draw from again (checkpointing restores only the"
+                " global random number generators), and the printed code would train another model"
+            )
+        self._forwarding = True
+        try:
+            output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
+        finally:
+            self._forwarding = False
         self.calls.append(call_of(args, kwargs, output))
         if not self._rest:
             return output

@@ -15,12 +15,13 @@ from lightning_vram.prediction.replay._fake import (
     DynamicOutputShapeException,
     UnsupportedFakeTensorException,
 )
+from lightning_vram.prediction.replay.unit_calls import PlanChangesModelError
 
 
 def skip_reason(error: BaseException) -> str:
     """The reason a replay stopped at ``error``, naming what fake tensors cannot do where that was the cause."""
     text = f"{type(error).__name__}: {error}".strip()
-    if isinstance(error, (ReplayDeadlineError, CollectiveError)):
+    if isinstance(error, (ReplayDeadlineError, CollectiveError, PlanChangesModelError)):
         return str(error)
     if isinstance(error, DataDependentOutputException):
         return (

@@ -6,7 +6,10 @@ embedding only to children that are ``isinstance(layer, TimestepBlock)``) calls 
 the module, and the printed code would train another model. The replay without a change records what every module
 receives and returns per forward call (the structure of its arguments and results, each tensor's shape and dtype,
 each other value's type); a plan's replay records the same at each unit's wrapper, and any difference rules the plan
-out (:func:`changed_unit`).
+out (:func:`changed_unit`). A unit whose forward changes Python state on its modules (a call counter) or draws from a
+``torch.Generator`` of its own would do it again when backward recomputes it (torch's checkpoint restores only the
+global RNG states): :func:`own_generator` and :func:`python_state` tell, and the plan is ruled out with
+:class:`PlanChangesModelError`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
@@ -110,6 +114,46 @@ def changed_unit(
                     f"{unit} returns otherwise with the plan (call {index + 1}: {_spoken(returned)}): the printed code"
                     " would train another model"
                 )
+    return None
+
+
+class PlanChangesModelError(ValueError):
+    """A checkpointing plan's replay found that the printed code would train another model (the message says why)."""
+
+
+PythonState = dict[tuple[str, str], object]
+"""The plain values (numbers, strings, ``None``) of the modules' attributes, by module path and attribute name."""
+
+
+def python_state(modules: Iterable[tuple[str, nn.Module]]) -> PythonState:
+    """The plain values of the attributes of ``modules`` (path, module) and their submodules."""
+    state: PythonState = {}
+    for path, owner in modules:
+        for name, module in owner.named_modules(prefix=path):
+            for attribute, value in vars(module).items():
+                if value is None or isinstance(value, int | float | str):
+                    state[name, attribute] = value
+    return state
+
+
+def changed_state(before: PythonState, after: PythonState) -> str | None:
+    """Which attribute a recomputation changed, in words; ``None`` where none."""
+    for key in sorted(before.keys() | after.keys()):
+        if before.get(key) != after.get(key):
+            return (
+                f"`{key[0]}.{key[1]}` changes each time its forward runs ({before.get(key)!r} to {after.get(key)!r}):"
+                " backward's recomputation would change it again, and the printed code would train another model"
+            )
+    return None
+
+
+def own_generator(modules: Iterable[tuple[str, nn.Module]]) -> str | None:
+    """The path of a ``torch.Generator`` the modules hold (their own random numbers), else ``None``."""
+    for path, owner in modules:
+        for name, module in owner.named_modules(prefix=path):
+            for attribute, value in vars(module).items():
+                if isinstance(value, torch.Generator):
+                    return f"{name}.{attribute}"
     return None
 
 
