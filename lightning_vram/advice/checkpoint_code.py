@@ -18,8 +18,10 @@ The code is written for what trains the model (:class:`CodeContext`): a Lightnin
 paths, or after building the model of a plain loop or a Fabric loop (before ``fabric.setup``) with ``model.`` paths.
 
 Every one of them checkpoints through ``checkpoint_keeping_buffers`` (printed with it): backward's recomputation
-runs on copies of the units' buffers, so that a train-mode BatchNorm updates its running statistics once a step, as
-without checkpointing, and the checkpointed model learns exactly what the plain one does.
+runs on copies of the units' buffers as the forward pass found them (kept from forward), so that it computes what
+forward did where forward updates a buffer and then uses it (spectral normalisation's power iteration), a train-mode
+BatchNorm updates its running statistics once a step, as without checkpointing, and the checkpointed model learns
+exactly what the plain one does.
 """
 
 from __future__ import annotations
@@ -39,34 +41,48 @@ KEEPING_BUFFERS = '''import contextlib
 from torch.utils.checkpoint import checkpoint
 
 
-@contextlib.contextmanager
-def _buffers_copied(modules):
-    """Runs the body with every buffer of `modules` replaced by a copy, then puts the originals back."""
-    originals = {}
+def _buffers_of(modules):
+    """Every buffer of `modules` and their submodules: (module, name, buffer) by (id(module), name)."""
+    found = {}
     for owner in modules:
         for module in owner.modules():
             for name, buffer in module.named_buffers(recurse=False):
-                originals[id(module), name] = (module, name, buffer)
-    for module, name, buffer in originals.values():
+                found[id(module), name] = (module, name, buffer)
+    return found
+
+
+@contextlib.contextmanager
+def _buffers_kept(modules, kept):
+    """Keeps in `kept` a copy of every buffer of `modules` as the body (the unit's forward) finds them."""
+    kept.update({key: (module, name, buffer.clone()) for key, (module, name, buffer) in _buffers_of(modules).items()})
+    yield
+
+
+@contextlib.contextmanager
+def _buffers_as_kept(kept):
+    """Runs the body (backward's recomputation) on copies of the `kept` buffers, then puts back the buffers."""
+    current = {key: (module, name, getattr(module, name)) for key, (module, name, _) in kept.items()}
+    for module, name, buffer in kept.values():
         setattr(module, name, buffer.clone())
     try:
         yield
     finally:
-        for module, name, buffer in originals.values():
+        for module, name, buffer in current.values():
             setattr(module, name, buffer)
 
 
 def checkpoint_keeping_buffers(modules, function, *args, **kwargs):
     """`checkpoint(function, *args, **kwargs)` whose recomputation in backward runs on copies of the buffers of
-    `modules`: BatchNorm's running statistics change once a step, as without checkpointing (pytorch#96136)."""
+    `modules` as the forward pass found them: it computes what forward did (spectral norm's power iteration, running
+    statistics a layer normalises with), and BatchNorm's running statistics change once a step, as without
+    checkpointing (pytorch#96136)."""
     modules = list(modules)
-    return checkpoint(
-        function,
-        *args,
-        use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _buffers_copied(modules)),
-        **kwargs,
-    )
+
+    def contexts():
+        kept = {}
+        return _buffers_kept(modules, kept), _buffers_as_kept(kept)
+
+    return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 '''
 """The checkpoint call every printed plan uses (the replay runs the same,
 :func:`~lightning_vram.prediction.replay.buffer_copies.checkpoint_keeping_buffers`)."""
@@ -121,13 +137,14 @@ def checkpoint_saving_matmuls(modules, function, *args, **kwargs):
     modules = list(modules)
 
     @contextlib.contextmanager
-    def recomputing(recompute):
-        with recompute, _buffers_copied(modules):
+    def both(first, second):
+        with first, second:
             yield
 
     def contexts():
         forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
-        return forward, recomputing(recompute)
+        kept = {}
+        return both(forward, _buffers_kept(modules, kept)), both(recompute, _buffers_as_kept(kept))
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 

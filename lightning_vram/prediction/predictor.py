@@ -22,6 +22,7 @@ import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,6 +45,7 @@ from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
 from lightning_vram.prediction.replay.calibration import carry
+from lightning_vram.prediction.replay.changes import checkpointed_calls
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.flops import StepFlops
@@ -84,12 +86,14 @@ from lightning_vram.prediction.replay.step import (
 )
 from lightning_vram.prediction.replay.timeline import TimelineRecorder
 from lightning_vram.prediction.replay.twin import make_twin, module_device, shared_arrays, state_tensors
+from lightning_vram.prediction.replay.unit_calls import Call, CallRecorder, changed_unit
 from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
     Attribution,
     BatchSizeChange,
     Breakdown,
     Calibration,
+    CheckpointChange,
     FreeGradientsChange,
     Phase,
     PhasePeak,
@@ -230,6 +234,9 @@ class Predictor:
         """The sampled step measured beside the baseline (set by :meth:`simulate`): every later replay adds its
         unseen bytes per phase (see :attr:`unseen_bytes`)."""
         self._sequence: ReservedPeaks | None = None  # the baseline's allocation sequence, kept for what-ifs
+        self._calls: dict[str, tuple[Call, ...]] | None = None
+        """What each module received and returned per call in the replay without a change (by path): a
+        checkpointing plan's units must be called alike (:func:`~.unit_calls.changed_unit`)."""
 
     @property
     def unseen_bytes(self) -> dict[Phase, int]:
@@ -378,6 +385,8 @@ class Predictor:
             return ReplaySkipped(scope)
         if profiler_recording():
             return ReplaySkipped(PROFILER_SKIP)
+        if isinstance(change, CheckpointChange) and self._calls is None:
+            Predictor.replay(self, None)  # what the plan's units must receive and return, call by call
         # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
         # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
         return contextvars.copy_context().run(
@@ -403,6 +412,7 @@ class Predictor:
         first_peaks: dict[Phase, int] = {}
         frames = CheckpointFrames()
         run.checkpoint_frames = frames.recorded
+        recorder: CallRecorder | None = None
         try:
             # configure_optimizers is user code too
             with outside_autocast(), isolated(), contained(scope.reach) as containment, frames:
@@ -417,6 +427,7 @@ class Predictor:
                     raise RefusedError(refusal)
                 values = KnownValues()
                 values.know(twin.batch_values)
+                recorder = CallRecorder(twin.module) if change is None else None
                 with (
                     contained(held) as held_containment,
                     mode,
@@ -425,6 +436,7 @@ class Predictor:
                     Deadline(deadline),
                     values,
                     real_branches(values),
+                    recorder or nullcontext(),
                 ):
                     fake_batch = run.prepare_batch(twin.batch)
                     if self.warm_up:
@@ -472,6 +484,9 @@ class Predictor:
                             live.add_op_listener(flops.count)
                             live.add_sampler(flops)
                         run.run_step(twin, fake_batch, counter, live, zero_grad=self.accumulate == 1)
+                    changed = changed_unit(self._calls or {}, checkpointed_calls(twin.module))
+                    if changed is not None and self._calls is not None:
+                        raise RefusedError(f"the checkpointing plan changes what the model computes: {changed}")
                     phases, modules = counter.finish()
                     reserved_peaks = reserved.finish() if reserved is not None else {}
                     sequence = reserved.sequence() if reserved is not None else None
@@ -491,6 +506,8 @@ class Predictor:
                     opened.close()
         if change is None and reserved is not None:
             self._sequence = reserved
+        if recorder is not None:
+            self._calls = recorder.by_name()
         step = self.calibration.step if self.calibration is not None else 0
         replayed = ReplayedStep(
             device_type=self.device.type,

@@ -21,6 +21,14 @@ from typing import Any, ClassVar, NoReturn
 from torch import nn
 
 from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers, checkpoint_saving_matmuls
+from lightning_vram.prediction.replay.unit_calls import (
+    Call,
+    PlanChangesModelError,
+    call_of,
+    changed_state,
+    own_generator,
+    python_state,
+)
 from lightning_vram.records import CheckpointChange, CheckpointPlan, InplaceChange, StepChange
 
 
@@ -44,9 +52,19 @@ class _CheckpointedCall(nn.Module):
     _lightning_vram_stands_for: ClassVar[str] = "first"
 
     def __init__(
-        self, first: nn.Module, rest: list[nn.Module], passing: dict[int, tuple[_Link, Any]], selective: bool = False
+        self,
+        first: nn.Module,
+        rest: list[nn.Module],
+        passing: dict[int, tuple[_Link, Any]],
+        selective: bool = False,
+        unit: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
+        self.unit = unit
+        """The unit's modules, by their paths in the model."""
+        self.calls: list[Call] = []
+        """What the unit received and returned at each forward call (set against the step without the plan)."""
+        self._forwarding = False
         self._checkpoint = checkpoint_saving_matmuls if selective else checkpoint_keeping_buffers
         self.first = first
         self._rest = list(rest)  # a plain list: their parent keeps them registered
@@ -62,9 +80,17 @@ class _CheckpointedCall(nn.Module):
             return getattr(self.first, name)
 
     def _unit(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.first(*args, **kwargs)
-        for module in self._rest:
-            output = module(output)
+        """The unit's modules in order; in backward's recomputation, raising where it changes their Python state."""
+        modules = list(zip(self.unit, [self.first, *self._rest], strict=False))
+        before = None if self._forwarding else python_state(modules)
+        try:
+            output = self.first(*args, **kwargs)
+            for module in self._rest:
+                output = module(output)
+        finally:  # also where the recomputation stops early, once it has what backward needs
+            changed = None if before is None else changed_state(before, python_state(modules))
+            if changed is not None:
+                raise PlanChangesModelError(f"the checkpointing plan changes what the model computes: {changed}")
         return output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +101,19 @@ class _CheckpointedCall(nn.Module):
         (``c = self.conv1(x); x = self.relu(self.bn1(c)) + c``) meets a link where a tensor should be, and the replay
         raises (the plan, which would train another model, is not replayed).
         """
-        output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
+        generator = own_generator(zip(self.unit, [self.first, *self._rest], strict=False))
+        if generator is not None:
+            raise PlanChangesModelError(
+                f"the checkpointing plan changes what the model computes: `{generator}` is a torch.Generator of the"
+                " unit's own, which backward's recomputation would draw from again (checkpointing restores only the"
+                " global random number generators), and the printed code would train another model"
+            )
+        self._forwarding = True
+        try:
+            output = self._checkpoint([self.first, *self._rest], self._unit, *args, **kwargs)
+        finally:
+            self._forwarding = False
+        self.calls.append(call_of(args, kwargs, output))
         if not self._rest:
             return output
         links = [_Link(type(module).__name__) for module in self._rest]
@@ -114,7 +152,7 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
     passing: dict[int, tuple[_Link, Any]] = {}
     parent_name, _, child = names[0].rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing, selective))
+    setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing, selective, names))
     for module in modules[1:]:
         module.forward = _passing_once(module.forward, module, passing)
 
@@ -194,6 +232,11 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
         return
     for unit in plan.units:
         _checkpoint_unit(module, unit, unit[0] in plan.selective)
+
+
+def checkpointed_calls(module: nn.Module) -> list[tuple[tuple[str, ...], list[Call]]]:
+    """Each checkpointed unit in ``module`` (a replay's copy, its plan applied) and its calls so far."""
+    return [(child.unit, child.calls) for child in module.modules() if isinstance(child, _CheckpointedCall)]
 
 
 def apply_inplace(module: nn.Module, names: tuple[str, ...]) -> None:

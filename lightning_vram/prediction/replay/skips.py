@@ -18,6 +18,7 @@ from lightning_vram.prediction.replay._fake import (
     DynamicOutputShapeException,
     UnsupportedFakeTensorException,
 )
+from lightning_vram.prediction.replay.unit_calls import PlanChangesModelError
 from lightning_vram.records import Phase
 
 DISPATCH_FILES = (
@@ -92,7 +93,7 @@ def skip_reason(error: BaseException, phase: Phase | None = None) -> str:
     (:func:`read_site`) and offers the logging fix only where the user's own code read it.
     """
     text = f"{type(error).__name__}: {error}".strip()
-    if isinstance(error, (ReplayDeadlineError, CollectiveError)):
+    if isinstance(error, (ReplayDeadlineError, CollectiveError, PlanChangesModelError)):
         return str(error)
     if isinstance(error, DataDependentOutputException):
         return _value_read(error, text, phase)

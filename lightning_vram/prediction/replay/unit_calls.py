@@ -1,0 +1,166 @@
+"""What each checkpointed unit receives and returns, call by call, set against the step without checkpointing.
+
+A plan checkpoints a unit by putting a wrapper where its first module was, as the advice's ``Checkpointed`` does.
+A caller that tells its children apart by class (guided-diffusion's ``TimestepEmbedSequential`` passes the timestep
+embedding only to children that are ``isinstance(layer, TimestepBlock)``) calls the wrapper with other arguments than
+the module, and the printed code would train another model. The replay without a change records what every module
+receives and returns per forward call (the structure of its arguments and results, each tensor's shape and dtype,
+each other value's type); a plan's replay records the same at each unit's wrapper, and any difference rules the plan
+out (:func:`changed_unit`). A unit whose forward changes Python state on its modules (a call counter) or draws from a
+``torch.Generator`` of its own would do it again when backward recomputes it (torch's checkpoint restores only the
+global RNG states): :func:`own_generator` and :func:`python_state` tell, and the plan is ruled out with
+:class:`PlanChangesModelError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+Signature = tuple[str, tuple[object, ...]]
+"""A value's pytree structure and its leaves: ``(shape, dtype)`` for a tensor, the type's name for anything else."""
+
+Call = tuple[Signature, Signature]
+"""One forward call: what the module received (positional and keyword arguments) and what it returned."""
+
+
+def signature(value: Any) -> Signature:
+    """``value``'s structure, each tensor's shape and dtype and each other leaf's type (no values: tensors are fake).
+
+    >>> import torch
+    >>> signature(((torch.zeros(2, 3),), {"emb": None}))[1]
+    (((2, 3), torch.float32), 'NoneType')
+    """
+    leaves, spec = tree_flatten(value)
+    return str(spec), tuple(
+        (tuple(leaf.shape), leaf.dtype) if isinstance(leaf, Tensor) else type(leaf).__name__ for leaf in leaves
+    )
+
+
+def call_of(args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> Call:
+    """The :data:`Call` of a forward given ``args`` and ``kwargs`` that returned ``output``."""
+    return signature((args, dict(kwargs))), signature(output)
+
+
+class CallRecorder:
+    """Records every forward call of each module of ``root`` (a replay's fake copy), by each name it has there."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = root
+        self._calls: dict[int, list[Call]] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> CallRecorder:
+        for module in self._root.modules():
+            calls = self._calls.setdefault(id(module), [])
+
+            def record(
+                _module: nn.Module,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                output: Any,
+                calls: list[Call] = calls,
+            ) -> None:
+                calls.append(call_of(args, kwargs, output))
+
+            self._handles.append(module.register_forward_hook(record, with_kwargs=True))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def by_name(self) -> dict[str, tuple[Call, ...]]:
+        """The calls recorded, by every path of each module (a shared module's calls under each of its names)."""
+        return {
+            name: tuple(self._calls.get(id(module), ()))
+            for name, module in self._root.named_modules(remove_duplicate=False)
+        }
+
+
+def changed_unit(
+    baseline: Mapping[str, Sequence[Call]], units: Iterable[tuple[tuple[str, ...], Sequence[Call]]]
+) -> str | None:
+    """Why a plan's units are not called as the step without checkpointing calls their modules; ``None`` where they are.
+
+    ``baseline``: the calls of each module without the plan (:meth:`CallRecorder.by_name`); ``units``: each unit's
+    modules and its wrapper's calls. A unit must be called as often as its first module was, with what that module
+    received each time, and return what its last module returned.
+    """
+    for names, calls in units:
+        first = baseline.get(names[0], ())
+        last = baseline.get(names[-1], ())
+        unit = f"`{names[0]}`" if len(names) == 1 else f"the unit `{names[0]}` to `{names[-1]}`"
+        if len(calls) != len(first):
+            return (
+                f"its caller calls {unit} {len(calls)} time(s) with the plan, {len(first)} time(s) without: the printed"
+                " code would train another model"
+            )
+        for index, ((received, returned), (expected, _)) in enumerate(zip(calls, first, strict=True)):
+            if received != expected:
+                return (
+                    f"its caller gives {unit} other arguments with the plan (call {index + 1}: {_spoken(received)};"
+                    f" without it: {_spoken(expected)}); a caller that tells modules apart by class (isinstance) calls"
+                    " the wrapper otherwise than the module, and the printed code would train another model"
+                )
+            if returned not in {output for _, output in last}:
+                return (
+                    f"{unit} returns otherwise with the plan (call {index + 1}: {_spoken(returned)}): the printed code"
+                    " would train another model"
+                )
+    return None
+
+
+class PlanChangesModelError(ValueError):
+    """A checkpointing plan's replay found that the printed code would train another model (the message says why)."""
+
+
+PythonState = dict[tuple[str, str], object]
+"""The plain values (numbers, strings, ``None``) of the modules' attributes, by module path and attribute name."""
+
+
+def python_state(modules: Iterable[tuple[str, nn.Module]]) -> PythonState:
+    """The plain values of the attributes of ``modules`` (path, module) and their submodules."""
+    state: PythonState = {}
+    for path, owner in modules:
+        for name, module in owner.named_modules(prefix=path):
+            for attribute, value in vars(module).items():
+                if value is None or isinstance(value, int | float | str):
+                    state[name, attribute] = value
+    return state
+
+
+def changed_state(before: PythonState, after: PythonState) -> str | None:
+    """Which attribute a recomputation changed, in words; ``None`` where none."""
+    for key in sorted(before.keys() | after.keys()):
+        if before.get(key) != after.get(key):
+            return (
+                f"`{key[0]}.{key[1]}` changes each time its forward runs ({before.get(key)!r} to {after.get(key)!r}):"
+                " backward's recomputation would change it again, and the printed code would train another model"
+            )
+    return None
+
+
+def own_generator(modules: Iterable[tuple[str, nn.Module]]) -> str | None:
+    """The path of a ``torch.Generator`` the modules hold (their own random numbers), else ``None``."""
+    for path, owner in modules:
+        for name, module in owner.named_modules(prefix=path):
+            for attribute, value in vars(module).items():
+                if isinstance(value, torch.Generator):
+                    return f"{name}.{attribute}"
+    return None
+
+
+def _spoken(value: Signature) -> str:
+    """A signature in words: its leaves, each tensor as ``shape dtype``."""
+    leaves = [
+        f"{list(leaf[0])} {str(leaf[1]).removeprefix('torch.')}" if isinstance(leaf, tuple) else str(leaf)
+        for leaf in value[1]
+    ]
+    return ", ".join(leaves) or "nothing"
