@@ -59,9 +59,9 @@ def _buffers_kept(modules, kept):
 
 
 @contextlib.contextmanager
-def _buffers_as_kept(kept):
-    """Runs the body (backward's recomputation) on copies of the `kept` buffers, then puts back the buffers."""
-    current = {key: (module, name, getattr(module, name)) for key, (module, name, _) in kept.items()}
+def _buffers_as_kept(modules, kept):
+    """Runs the body (backward's recomputation) on copies of the `kept` buffers, then puts back those of `modules`."""
+    current = _buffers_of(modules)
     for module, name, buffer in kept.values():
         setattr(module, name, buffer.clone())
     try:
@@ -80,7 +80,7 @@ def checkpoint_keeping_buffers(modules, function, *args, **kwargs):
 
     def contexts():
         kept = {}
-        return _buffers_kept(modules, kept), _buffers_as_kept(kept)
+        return _buffers_kept(modules, kept), _buffers_as_kept(modules, kept)
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 '''
@@ -144,7 +144,7 @@ def checkpoint_saving_matmuls(modules, function, *args, **kwargs):
     def contexts():
         forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
         kept = {}
-        return both(forward, _buffers_kept(modules, kept)), both(recompute, _buffers_as_kept(kept))
+        return both(forward, _buffers_kept(modules, kept)), both(recompute, _buffers_as_kept(modules, kept))
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 

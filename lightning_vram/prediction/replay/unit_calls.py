@@ -57,6 +57,8 @@ class CallRecorder:
 
     def __enter__(self) -> CallRecorder:
         for module in self._root.modules():
+            if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: its calls are not recorded
+                continue
             calls = self._calls.setdefault(id(module), [])
 
             def record(
@@ -77,10 +79,14 @@ class CallRecorder:
         self._handles.clear()
 
     def by_name(self) -> dict[str, tuple[Call, ...]]:
-        """The calls recorded, by every path of each module (a shared module's calls under each of its names)."""
+        """The calls recorded, by every path of each module (a shared module's calls under each of its names).
+
+        A module whose calls were not recorded (a ``ScriptModule``) is left out.
+        """
         return {
-            name: tuple(self._calls.get(id(module), ()))
+            name: tuple(self._calls[id(module)])
             for name, module in self._root.named_modules(remove_duplicate=False)
+            if id(module) in self._calls
         }
 
 
@@ -91,9 +97,12 @@ def changed_unit(
 
     ``baseline``: the calls of each module without the plan (:meth:`CallRecorder.by_name`); ``units``: each unit's
     modules and its wrapper's calls. A unit must be called as often as its first module was, with what that module
-    received each time, and return what its last module returned.
+    received each time, and return what its last module returned; a unit whose first or last module's calls were not
+    recorded (a ``ScriptModule``) is not checked.
     """
     for names, calls in units:
+        if names[0] not in baseline or names[-1] not in baseline:
+            continue
         first = baseline.get(names[0], ())
         last = baseline.get(names[-1], ())
         unit = f"`{names[0]}`" if len(names) == 1 else f"the unit `{names[0]}` to `{names[-1]}`"
