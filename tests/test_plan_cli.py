@@ -155,7 +155,11 @@ def test_a_trailing_comma_describes_a_tuple_of_one_tensor(tmp_path: Path, capsys
     module.write_text(UNPACKS_ONE)
     bare = main(["plan", f"{module}:UnpacksOne", "--batch", "int64[4,16]", "--gpu", "H100", *ONE_CONFIGURATION])
     assert bare == 3 and "ValueError" in capsys.readouterr().out
-    status = main(["plan", f"{module}:UnpacksOne", "--batch", "int64[4,16],", "--gpu", "H100", *ONE_CONFIGURATION])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    assert "H100" in out
+    command = ["plan", f"{module}:UnpacksOne", "--batch", "int64[4,16],", "--gpu", "H100", *ONE_CONFIGURATION, "--json"]
+    status = main(command)
+    data = json.loads(capsys.readouterr().out)
+    assert status == 0 and data["fits"] is True and len(data["rows"]) == 1
+    row = data["rows"][0]
+    assert (row["micro_batch"], row["method"]) == (4, "replayed: the single-process step, as it is")
+    parameters = 4 * (64 * 16 + 16 * 64 + 64)  # the embedding's and the head's float32 parameters, in bytes
+    assert row["peak_bytes"] > 2 * parameters  # the step replayed: parameters and their gradients held at least
