@@ -19,9 +19,13 @@ error in the table):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
+import json
 import math
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -32,7 +36,7 @@ import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -103,14 +107,20 @@ def gpu_test_rows(budget: Budget) -> list[Row]:
     """Run the gpu-marked tests in a subprocess; one row a test (its outcome, and a failure's first line)."""
     with tempfile.TemporaryDirectory() as root:
         junit = Path(root) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-q", "-p", "no:cacheprovider"]
+        command = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-v", "-p", "no:cacheprovider"]
         command += [f"--junitxml={junit}", "-s"]
         try:
             run = subprocess.run(
                 command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=budget.left()
             )
-        except subprocess.TimeoutExpired:
-            return [Row("GPU tests", "pytest -m gpu", outcome="timed out: budget spent")]
+        except subprocess.TimeoutExpired as stopped:
+            # No junit file from a killed run: the tests that ended, from its verbose lines.
+            partial = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+            ended = [
+                Row("GPU tests", match["name"], outcome=match["outcome"].lower())
+                for match in VERBOSE_LINE.finditer(partial)
+            ]
+            return [*ended, Row("GPU tests", "pytest -m gpu", outcome="timed out: budget spent")]
         if not junit.exists():
             return [Row("GPU tests", "pytest -m gpu", outcome=f"no results (exit {run.returncode}): {tail(run)}")]
         rows = []
@@ -124,8 +134,16 @@ def gpu_test_rows(budget: Budget) -> list[Row]:
                     outcome = f"{kind}: {message[0][:160] if message else ''}"
             rows.append(Row("GPU tests", name, outcome=outcome))
         # The per-phase figures the replay test prints, for docs/gpu-validation.md.
-        rows += [Row("GPU tests", "printed", outcome=line) for line in run.stdout.splitlines() if "replayed" in line]
+        rows += [
+            Row("GPU tests", "printed", outcome=line)
+            for line in run.stdout.splitlines()
+            if "replayed" in line and not VERBOSE_LINE.match(line)
+        ]
         return rows or [Row("GPU tests", "pytest -m gpu", outcome=f"no tests ran: {tail(run)}")]
+
+
+VERBOSE_LINE = re.compile(r"^tests/\S*?(?P<name>\w+\.py::\w+)\S* (?P<outcome>PASSED|FAILED|SKIPPED|ERROR)", re.M)
+"""A test's outcome as ``pytest -v`` prints it."""
 
 
 def tail(run: subprocess.CompletedProcess[str]) -> str:
@@ -301,6 +319,7 @@ class Training:
 
     def __init__(self, case: Case, dry_run: bool) -> None:
         self.case = case
+        self.dry_run = dry_run
         self.accelerator = "cpu" if dry_run else "gpu"
 
     def fit(self, batch_size: int, steps: int, callbacks: list[Any], precision: str | None = None) -> Any:
@@ -323,16 +342,24 @@ class Training:
             torch.cuda.synchronize()
         return module
 
-    def fits(self, batch_size: int, steps: int = 2, **options: Any) -> bool:
-        """Whether ``steps`` steps at ``batch_size`` ran without a CUDA out-of-memory error."""
+    def fits(self, batch_size: int, steps: int = 2, trace: Path | None = None, **options: Any) -> bool:
+        """Whether ``steps`` steps at ``batch_size`` ran without a CUDA out-of-memory error.
 
-        try:
-            self.fit(batch_size, steps, **{"callbacks": [], **options})
-            return True
-        except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
-            free_device()
+        ``trace``: record the allocator's events from an empty device into ``trace`` (a ``.pickle`` snapshot and its
+        ``.json`` measurements beside it, the format of tests/data/gpu-traces), on a GPU only.
+        """
+        options = {"callbacks": [], **options}
+        recorder = TraceRecorder(self.case, batch_size, trace) if trace is not None and not self.dry_run else None
+        if recorder is not None:
+            options["callbacks"] = [*options["callbacks"], recorder.marks]
+        with recorder if recorder is not None else contextlib.nullcontext():
+            try:
+                self.fit(batch_size, steps, **options)
+                return True
+            except torch.cuda.OutOfMemoryError:
+                return False
+            finally:
+                free_device()
 
 
 def free_device() -> None:
@@ -341,6 +368,131 @@ def free_device() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class PhaseMarks(pl.Callback):
+    """At each phase boundary: the allocator's peaks read and reset, then one marker allocation of a unique size.
+
+    The markers cut a recorded trace into steps and phases as tests/allocator_traces.py reads them (``forward``
+    from the batch's start to ``on_before_backward``, ``backward`` to ``on_before_optimizer_step``, ``optimizer`` to
+    the batch's end); ``truth`` holds each phase's ``allocated_peak``, ``reserved_peak``, current values, segment
+    count and ``num_alloc_retries`` as ``torch.cuda.memory_stats()`` gave them.
+    """
+
+    FIRST_MARKER_BYTES = 512_512
+    CLOSES: ClassVar[dict[str, str]] = {
+        "before_backward": "forward",
+        "before_optimizer_step": "backward",
+        "batch_end": "optimizer",
+    }
+
+    def __init__(self) -> None:
+        self.markers: list[dict[str, Any]] = []
+        self.truth: list[dict[str, Any]] = []
+        self.step = 0
+
+    def _mark(self, at: str) -> None:
+        stats = torch.cuda.memory_stats()
+        closed = self.CLOSES.get(at)
+        if closed is not None:
+            if closed == "forward":
+                self.truth.append({"step": self.step})
+            self.truth[-1][closed] = {
+                "allocated_peak": stats["allocated_bytes.all.peak"],
+                "reserved_peak": stats["reserved_bytes.all.peak"],
+                "allocated": stats["allocated_bytes.all.current"],
+                "reserved": stats["reserved_bytes.all.current"],
+                "segments": stats["segment.all.current"],
+                "num_alloc_retries": stats["num_alloc_retries"],
+            }
+        torch.cuda.reset_peak_memory_stats()
+        size = self.FIRST_MARKER_BYTES + 512 * len(self.markers)
+        self.markers.append({"bytes": size, "step": self.step, "at": at})
+        marker = torch.empty(size, dtype=torch.uint8, device="cuda")
+        del marker
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self._mark("batch_start")
+
+    def on_before_backward(self, *_: Any) -> None:
+        self._mark("before_backward")
+
+    def on_before_optimizer_step(self, *_: Any) -> None:
+        self._mark("before_optimizer_step")
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self._mark("batch_end")
+        self.step += 1
+
+
+class TraceRecorder:
+    """Records a fit's allocator events from an empty device (``with recorder:``), as the shared H200 traces were.
+
+    On exit, writes ``path`` (``torch.cuda.memory._snapshot()``: the events, no stack frames) and ``path`` with
+    ``.json`` (the markers, each phase's measured peaks, the device, the allocator settings, the OOM if one came).
+    """
+
+    def __init__(self, case: Case, batch_size: int, path: Path) -> None:
+        self.case = case
+        self.batch_size = batch_size
+        self.path = path
+        self.marks = PhaseMarks()
+        self.from_empty = False
+        self.free_at_start = 0
+
+    def __enter__(self) -> None:
+        free_device()
+        torch._C._cuda_clearCublasWorkspaces()  # live blocks of earlier fits: the trace starts from an empty device
+        torch.cuda.empty_cache()
+        self.from_empty = torch.cuda.memory_reserved() == 0
+        self.free_at_start = torch.cuda.mem_get_info()[0]
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        stats = torch.cuda.memory_stats()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("wb") as file:
+            pickle.dump(snapshot, file)
+        measured = {
+            "case": self.path.stem,
+            "model": self.case.name,
+            "batch": self.batch_size,
+            "precision": self.case.precision,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "total_bytes": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+            "from_empty": self.from_empty,
+            "free_at_start_bytes": self.free_at_start,
+            "markers": self.marks.markers,
+            "truth": [step for step in self.marks.truth if "optimizer" in step],
+            "oom": str(error).splitlines()[0] if isinstance(error, torch.cuda.OutOfMemoryError) else None,
+            "reserved_peak": stats["reserved_bytes.all.peak"],
+            "events": len(snapshot["device_traces"][torch.cuda.current_device()]),
+        }
+        self.path.with_suffix(".json").write_text(json.dumps(measured, indent=1))
+
+
+def trace_row(section: str, label: str, path: Path) -> Row:
+    """A recorded trace replayed through the allocator model: its reserved peak against the allocator's own."""
+    from lightning_vram.prediction.allocator.snapshot import read_snapshot, replay, trace_from_snapshot
+
+    measured = json.loads(path.with_suffix(".json").read_text())
+    trace = trace_from_snapshot(read_snapshot(path))
+    simulated = replay(trace).peak_reserved_bytes
+    recorded = trace.recorded_reserved_peak_bytes
+    # Whether the model serves the run in what the device had free at its start (the failed request too).
+    capacity = measured["free_at_start_bytes"]
+    fits = replay(trace, capacity_bytes=capacity, serve_failed_request=True).out_of_memory is None
+    ran = "OOM" if measured["oom"] else "fit"
+    agrees = "agrees" if fits == (ran == "fit") else "DISAGREES"
+    outcome = f"{within(simulated, recorded, 0.001)} (target 0.1%); model at capacity: {'fit' if fits else 'OOM'}"
+    outcome += f", ran: {ran} ({agrees}); {trace.events} events, from empty: {trace.from_empty}"
+    figures = (mib(simulated), mib(recorded), percent(simulated, recorded))
+    return Row(section, f"trace {label}: reserved peak", *figures, outcome)
 
 
 def monitored(case: Case, training: Training, budget: Budget) -> tuple[Any, list[Row]]:
@@ -413,9 +565,25 @@ def largest_batch(simulation: Any, dry_run: bool, case: Case) -> tuple[int | Non
     return None, None, simulation.fit_note or "no fit row near this device's capacity"
 
 
-def batch_rows(case: Case, training: Training, simulation: Any, budget: Budget, dry_run: bool) -> list[Row]:
-    """The predicted largest batch trained for 2 steps (must fit) and 5% above it (should not)."""
+def batch_rows(
+    case: Case, training: Training, simulation: Any, budget: Budget, dry_run: bool, traces: Path | None
+) -> list[Row]:
+    """The predicted largest batch trained for 2 steps (must fit) and 5% above it (should not).
+
+    ``traces``: each of these fits is recorded there (:class:`TraceRecorder`), and its trace replayed through the
+    allocator model in a row of its own.
+    """
     section = case.name
+    slug = re.sub(r"[^a-z0-9]+", "-", case.name.lower()).strip("-")
+    recorded: list[tuple[str, Path]] = []
+
+    def trace(size: int, settings: bool | None) -> Path | None:
+        if traces is None or dry_run:
+            return None
+        path = traces / f"{slug}-b{size}{'-expandable' if settings else ''}.pickle"
+        recorded.append((f"b{size}{', expandable' if settings else ''}", path))
+        return path
+
     best, expandable, source = largest_batch(simulation, dry_run, case)
     if best is None:
         return [Row(section, "largest batch", outcome=f"not predicted: {source}")]
@@ -427,9 +595,9 @@ def batch_rows(case: Case, training: Training, simulation: Any, budget: Budget, 
             rows.append(Row(section, label, str(size), outcome="skipped: budget spent"))
             continue
         with allocator_settings(settings, dry_run):
-            fits = training.fits(size)
+            fits = training.fits(size, trace=trace(size, settings))
             above = max(math.ceil(size * 1.05), size + 1)
-            above_fits = training.fits(above) if not budget.spent() else None
+            above_fits = training.fits(above, trace=trace(above, settings)) if not budget.spent() else None
         rows.append(Row(section, f"{label} ({source})", str(size), "fit" if fits else "OOM", outcome=must_fit(fits)))
         if above_fits is None:
             rows.append(Row(section, f"{label} +5%", str(above), outcome="skipped: budget spent"))
@@ -438,7 +606,15 @@ def batch_rows(case: Case, training: Training, simulation: Any, budget: Budget, 
             if above_fits and not dry_run:
                 verdict = f"fit: the prediction was at least {100 * (above - size) / size:.0f}% conservative"
             rows.append(Row(section, f"{label} +5%", str(above), "fit" if above_fits else "OOM", outcome=verdict))
+    for label, path in recorded:
+        if path.is_file():
+            rows += guarded(section, f"trace {label}", functools.partial(trace_rows, section, label, path))
     return rows
+
+
+def trace_rows(section: str, label: str, path: Path) -> list[Row]:
+    """:func:`trace_row` as a list, for :func:`guarded`."""
+    return [trace_row(section, label, path)]
 
 
 def must_fit(fits: bool) -> str:
@@ -549,7 +725,7 @@ def preflight_rows(case: Case, training: Training, best: int | None, budget: Bud
     return rows
 
 
-def model_rows(case: Case, seconds: float, dry_run: bool) -> list[Row]:
+def model_rows(case: Case, seconds: float, dry_run: bool, traces: Path | None = None) -> list[Row]:
     """Every row of one model, within ``seconds``; a row that raises is printed as its error and the rest goes on."""
     budget = Budget(seconds)
     training = Training(case, dry_run)
@@ -563,7 +739,7 @@ def model_rows(case: Case, seconds: float, dry_run: bool) -> list[Row]:
         return found
 
     steps.append(("per-phase peaks", calibration))
-    steps.append(("largest batch", lambda: batch_rows(case, training, simulation, budget, dry_run)))
+    steps.append(("largest batch", lambda: batch_rows(case, training, simulation, budget, dry_run, traces)))
     steps.append(
         (
             "preflight",
@@ -616,6 +792,9 @@ def parse_table(text: str) -> Iterator[dict[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument(
+        "--traces", type=Path, help="record each largest-batch fit's allocator trace here (tests/data/gpu-traces)"
+    )
     parser.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU with tiny models (no GPU)")
     parser.add_argument("--total-seconds", type=float, default=420.0, help="wall budget for everything")
     parser.add_argument(
@@ -638,7 +817,7 @@ def main() -> None:
         models = cases(dry_run)
         for index, case in enumerate(models):
             left = total - (time.monotonic() - started)
-            rows += model_rows(case, max(left / (len(models) - index), 1.0), dry_run)
+            rows += model_rows(case, max(left / (len(models) - index), 1.0), dry_run, arguments.traces)
     device = "CPU dry run (no GPU figure asserted)" if dry_run else torch.cuda.get_device_name()
     header = (
         f"### gpu_check: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())};"

@@ -161,6 +161,8 @@ def test_lightning_fsdp_counts_this_ranks_shards(tmp_path: Path) -> None:
 
 
 def test_lightning_deepspeed_stage_3_counts_this_ranks_partitions(tmp_path: Path) -> None:
+    # A GPU machine's image may lack deepspeed (`make test` installs it; the device machines here have none).
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed in this environment")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     config = {
@@ -228,3 +230,34 @@ def test_preflight_on_a_real_device_stays_silent_when_the_step_fits(tmp_path: Pa
     assert verdict is not None and verdict.fits
     free, _ = torch.cuda.mem_get_info()
     assert verdict.needed_bytes < free
+
+
+@pytest.mark.replay
+def test_predict_agrees_for_a_model_on_the_cpu_and_on_the_gpu() -> None:
+    """``predict()`` on a GPU machine with the model still on the CPU (a notebook) and with it moved to the GPU.
+
+    Issue 24, item 5: the CPU model's replay failed ("Unhandled FakeTensor Device Propagation for
+    aten.embedding.default, found two different devices cpu, cuda:0"). Both now replay on fake CUDA and agree, phase
+    by phase, allocated and reserved (the same step, the same simulated allocator).
+    """
+    from replay_models import CausalLM
+
+    from lightning_vram import predict
+
+    torch.manual_seed(0)
+    module = CausalLM()
+    batch = (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0)),)
+    on_cpu = predict(module, batch, fit_table=False, budget_seconds=120.0)
+    module.cuda()
+    on_gpu = predict(module, tuple(tensor.cuda() for tensor in batch), fit_table=False, budget_seconds=120.0)
+    for prediction in (on_cpu, on_gpu):
+        assert prediction.skipped is None and prediction.step is not None, prediction.skipped
+        assert prediction.step.device_type == "cuda"
+    assert on_cpu.step is not None and on_gpu.step is not None
+    figures = {
+        name: {phase: (peak.peak_bytes, peak.reserved_bytes) for phase, peak in step.phases.items()}
+        for name, step in (("cpu", on_cpu.step), ("gpu", on_gpu.step))
+    }
+    print(f"predict() replayed, model on the CPU: {figures['cpu']}; on the GPU: {figures['gpu']}")
+    assert figures["cpu"] == figures["gpu"]
+    assert all(peak > 0 for peak, _ in figures["cpu"].values())
