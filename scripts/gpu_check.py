@@ -808,25 +808,34 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     started = time.monotonic()
     total = arguments.total_seconds
+    device = "CPU dry run (no GPU figure asserted)" if dry_run else torch.cuda.get_device_name()
     rows: list[Row] = []
+
+    def table() -> str:
+        header = (
+            f"### gpu_check: {device}; torch {torch.__version__};"
+            f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {time.monotonic() - started:.0f} s"
+        )
+        return markdown(rows, header)
+
+    def publish() -> None:  # after each section, so that a run stopped from outside keeps what it found
+        if arguments.out is not None:
+            arguments.out.write_text(table())
+
     if "tests" not in arguments.skip:
         rows += guarded("GPU tests", "pytest", lambda: gpu_test_rows(Budget(0.30 * total)))
+        publish()
     if "overhead" not in arguments.skip:
         rows += guarded("overhead", "benchmark", lambda: overhead_rows(Budget(0.12 * total), dry_run))
+        publish()
     if "models" not in arguments.skip:
         models = cases(dry_run)
         for index, case in enumerate(models):
             left = total - (time.monotonic() - started)
             rows += model_rows(case, max(left / (len(models) - index), 1.0), dry_run, arguments.traces)
-    device = "CPU dry run (no GPU figure asserted)" if dry_run else torch.cuda.get_device_name()
-    header = (
-        f"### gpu_check: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())};"
-        f" {time.monotonic() - started:.0f} s"
-    )
-    table = markdown(rows, header)
-    print(table)
-    if arguments.out is not None:
-        arguments.out.write_text(table)
+            publish()
+    print(table())
+    publish()
 
 
 if __name__ == "__main__":
