@@ -196,7 +196,8 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
             reserved += change
             peak = max(peak, reserved)
         elif action == "oom" and failed is None:
-            failed = (int(event["size"]), int(event["addr"]), reserved)
+            # torch names the device's free bytes ``device_free`` (2.11); earlier versions kept them in ``addr``.
+            failed = (int(event["size"]), int(event.get("device_free", event.get("addr", 0))), reserved)
             operations.append((FAILED, block + 1, int(event["size"]), int(event["stream"])))
             block += 1
     reserved_at_end = 0
