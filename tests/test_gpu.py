@@ -60,7 +60,9 @@ def test_nvml_sees_this_process_and_its_work() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     probe.open(device)
     try:
-        assert probe.unavailable() == ()
+        # Before NVML's first sample the run is shorter than the interval: "n/a", never a 0% reading (issue 24, 9).
+        (early,) = probe.unavailable()
+        assert "shorter than the sampling interval" in early.reason
         matrix = torch.randn(4096, 4096, device=device)
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
@@ -69,6 +71,7 @@ def test_nvml_sees_this_process_and_its_work() -> None:
         reading = probe.take_utilization()
         assert reading is not None and reading.gpu_utilization_percent is not None
         assert reading.gpu_utilization_percent > 10
+        assert probe.unavailable() == ()
         if reading.process_memory_bytes is not None:  # None where NVML runs in another PID namespace
             assert reading.process_memory_bytes >= torch.cuda.memory_reserved(device)
     finally:
@@ -146,6 +149,8 @@ def test_real_oom_leaves_a_diagnosis_and_a_snapshot(tmp_path: Path) -> None:
         assert "segments" in pickle.load(file)
 
 
+# torch's FSDP on one device shards nothing and says so; what the test checks is that rank's count all the same.
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
 def test_lightning_fsdp_counts_this_ranks_shards(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
     fit = trainer(tmp_path, [monitor], max_steps=3, accelerator="gpu", devices=1, strategy="fsdp")

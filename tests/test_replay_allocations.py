@@ -178,13 +178,17 @@ def test_a_cuda_replay_emits_one_cublas_workspace_per_thread_and_names_the_convo
         live.start_phase(Phase.BACKWARD)
         torch.bmm(fake(2, 4, 8), fake(2, 8, 4))  # autograd's thread: its own workspace
         live.start_phase(Phase.OPTIMIZER)
-        torch.addmm(fake(4), fake(4, 4), fake(4, 4))  # the training thread again: already has one
+        # The training thread again: it has its cuBLAS workspace; a bias epilogue takes cuBLASLt's, once.
+        torch.addmm(fake(4), fake(4, 4), fake(4, 4))
+        torch.addmm(fake(4), fake(4, 4), fake(4, 4))
     workspace_events = [event for event in recorder.events if event[1] < 0]
-    assert workspace_events == [("malloc", -1, 8_519_680), ("malloc", -2, 8_519_680)]
-    assert recorder.live[-1] == recorder.live[-2] == 8_519_680  # never freed
+    assert workspace_events == [("malloc", -1, 8_519_680), ("malloc", -2, 8_519_680), ("malloc", -3, 1_048_576)]
+    assert recorder.live[-1] == recorder.live[-2] == 8_519_680 and recorder.live[-3] == 1_048_576  # never freed
+    assert workspaces.held_bytes == 2 * 8_519_680 + 1_048_576
     assert workspaces.convolutions == {"convolution"}
-    (cublas, cudnn) = workspaces.notes
+    (cublas, cublaslt, cudnn) = workspaces.notes
     assert cublas.startswith("cuBLAS workspaces: 2 x 8519680 bytes")
+    assert cublaslt.startswith("cuBLASLt workspaces: 1 x 1048576 bytes")
     assert cudnn.startswith("cuDNN workspaces (convolution): measured, not replayed")
     unknown = LibraryWorkspaces(None, None, None)
     unknown.sample("mm")

@@ -456,7 +456,10 @@ class Predictor:
                         lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module
                     )
                     workspaces = LibraryWorkspaces(
-                        allocations, self.compute_capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+                        allocations,
+                        self.compute_capability,
+                        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                        os.environ.get("CUBLASLT_WORKSPACE_SIZE"),
                     )
                     if self.device.type == "cuda":
                         live.add_sampler(workspaces)
@@ -509,6 +512,9 @@ class Predictor:
         if recorder is not None:
             self._calls = recorder.by_name()
         step = self.calibration.step if self.calibration is not None else 0
+        # The allocator counts the library workspaces among its allocated bytes: a steady step holds every one from
+        # its start (earlier steps took them), in each phase.
+        workspace_bytes = workspaces.held_bytes if self.device.type == "cuda" else 0
         replayed = ReplayedStep(
             device_type=self.device.type,
             precision=plan.name,
@@ -517,9 +523,9 @@ class Predictor:
                 phase: PhasePeak(
                     step=step,
                     phase=phase,
-                    peak_bytes=live.phase_peaks[phase],
+                    peak_bytes=live.phase_peaks[phase] + workspace_bytes,
                     reserved_bytes=reserved_peaks.get(phase),
-                    breakdown=breakdown.with_measured_peak(live.phase_peaks[phase]),
+                    breakdown=breakdown.with_measured_peak(live.phase_peaks[phase] + workspace_bytes),
                 )
                 for phase, breakdown in phases.items()
             },
