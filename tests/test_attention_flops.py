@@ -109,7 +109,7 @@ def test_grouped_query_attention_is_replayed_with_its_query_heads_flops(precisio
     torch.manual_seed(0)
     module = GroupedQueryAttention()
     batch = (torch.randn(BATCH, LENGTH, WIDTH),)
-    prediction = predict(module, batch, precision=precision, fit_table=False)
+    prediction = predict(module, batch, precision=precision, device_type="cpu", fit_table=False)
     assert prediction.skipped is None, prediction.skipped
     step = prediction.step
     assert isinstance(step, ReplayedStep)
@@ -134,6 +134,37 @@ def test_a_run_with_grouped_query_attention_is_replayed_by_its_monitor(tmp_path:
     assert simulation.baseline is not None
     assert _attention_flops(simulation.baseline, Phase.FORWARD) == [FORWARD_FLOPS]
     assert _attention_flops(simulation.baseline, Phase.BACKWARD) == [BACKWARD_FLOPS]
+
+
+class FlashGroupedQueryAttention(GroupedQueryAttention):
+    """The same attention by CUDA's flash kernel in bf16, the kernel SDPA picks for it on an H100 (called directly:
+    without a device, fake CUDA's SDPA has no kernel to pick)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (inputs,) = batch
+        batch_size, length, _ = inputs.shape
+        query = self.query(inputs).view(batch_size, length, HEADS, HEAD_DIM).transpose(1, 2)
+        key, value = self.key_value(inputs).view(batch_size, length, 2, KV_HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        halves = (query.bfloat16(), key.bfloat16(), value.bfloat16())
+        attended = aten._scaled_dot_product_flash_attention(*halves, 0.0, True)[0].float()
+        return self.out(attended.transpose(1, 2).reshape(batch_size, length, WIDTH)).square().mean()
+
+
+@pytest.mark.fake_cuda
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built() or torch.cuda.is_available(),
+    reason="needs fake CUDA tensors: a CUDA build of torch without a CUDA device (`make test-fake-cuda`)",
+)
+@pytest.mark.usefixtures("torch_2_11_attention_formulas")
+def test_cuda_flash_attention_with_grouped_query_heads_is_replayed() -> None:
+    torch.manual_seed(0)
+    prediction = predict(FlashGroupedQueryAttention(), (torch.randn(BATCH, LENGTH, WIDTH),), fit_table=False)
+    assert prediction.skipped is None, prediction.skipped
+    step = prediction.step
+    assert isinstance(step, ReplayedStep) and step.device_type == "cuda"
+    assert all(peak.peak_bytes > 0 for peak in step.phases.values())
+    assert _attention_flops(step, Phase.FORWARD) == [FORWARD_FLOPS]
+    assert _attention_flops(step, Phase.BACKWARD) == [BACKWARD_FLOPS]
 
 
 class GroupedQueryLlama(pl.LightningModule):
@@ -171,7 +202,7 @@ def test_a_grouped_query_llama_is_predicted(precision: str) -> None:
     module = GroupedQueryLlama()
     assert module.model.config._attn_implementation == "sdpa"
     tokens = torch.randint(0, 1000, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
-    prediction = predict(module, (tokens,), precision=precision, fit_table=False)
+    prediction = predict(module, (tokens,), precision=precision, device_type="cpu", fit_table=False)
     assert prediction.skipped is None, prediction.skipped
     step = prediction.step
     assert isinstance(step, ReplayedStep)
