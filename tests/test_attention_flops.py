@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram import VramMonitor, predict
+from lightning_vram.prediction.containment.deadline import ReplayDeadlineError
 from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.flops import StepFlops
@@ -277,3 +278,12 @@ def test_an_op_whose_formula_fails_is_noted_and_the_replay_goes_on(monkeypatch: 
     note = "mm: its FLOP formula failed (RuntimeError: no formula today); its FLOPs are left out of the step's FLOPs"
     assert [line for line in failed.notes if "FLOP formula" in line] == [f"{note} and step time"]
     assert not any("FLOP formula" in line for line in counted.notes)
+
+
+def test_the_replays_deadline_met_in_a_formula_still_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    def out_of_time(*args: Any, **kwargs: Any) -> int:
+        raise ReplayDeadlineError("the time budget ran out during the replay")
+
+    monkeypatch.setitem(flop_counter.flop_registry, aten.mm, out_of_time)
+    with pytest.raises(ReplayDeadlineError):
+        StepFlops().count(aten.mm.default, (torch.ones(2, 3), torch.ones(3, 4)), {}, torch.ones(2, 4))

@@ -32,6 +32,8 @@ from torch import Tensor
 from torch.utils.flop_counter import flop_registry
 
 from lightning_vram.measure.tensors import op_tensors
+from lightning_vram.prediction.containment.containment import ContainmentError
+from lightning_vram.prediction.containment.deadline import ReplayDeadlineError
 from lightning_vram.prediction.replay.ops import op_name
 from lightning_vram.records import Phase, StepWork
 from lightning_vram.records.work import OpKey, grouped
@@ -95,12 +97,18 @@ class StepFlops:
 
         FLOPs only where torch has a formula for it: an op without one (elementwise, copies) adds none, as in
         ``FlopCounterMode``; it still moves bytes. An op whose formula fails adds none either, and :attr:`notes`
-        names it. A query of a tensor's metadata is not counted.
+        names it (the replay's deadline or containment, raised by an op the formula ran, stops the replay as anywhere
+        else). A query of a tensor's metadata is not counted.
         """
         if _metadata(func):
             return
         try:
             flops = _flops(func, args, kwargs, output)
+        except (
+            ReplayDeadlineError,
+            ContainmentError,
+        ):  # the replay's own stops, from an op a formula ran: not its failure
+            raise
         except Exception as error:  # noqa: BLE001 -- a FLOP formula (torch's or a registered one), not the user's code: noted
             self._failed.setdefault(op_name(func), f"{type(error).__name__}: {error}")
             flops = 0
