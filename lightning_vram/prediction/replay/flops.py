@@ -104,10 +104,7 @@ class StepFlops:
             return
         try:
             flops = _flops(func, args, kwargs, output)
-        except (
-            ReplayDeadlineError,
-            ContainmentError,
-        ):  # the replay's own stops, from an op a formula ran: not its failure
+        except (ReplayDeadlineError, ContainmentError):  # the replay's own stops, from an op a formula ran
             raise
         except Exception as error:  # noqa: BLE001 -- a FLOP formula (torch's or a registered one), not the user's code: noted
             self._failed.setdefault(op_name(func), f"{type(error).__name__}: {error}")
