@@ -183,8 +183,9 @@ class GroupedQueryLlama(pl.LightningModule):
             num_key_value_heads=KV_HEADS,
             vocab_size=1000,
             max_position_embeddings=256,
+            attn_implementation="sdpa",
         )
-        self.model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        self.model = LlamaForCausalLM(config)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         (tokens,) = batch
