@@ -77,7 +77,7 @@ $(FAKE_CUDA_STAMP): pyproject.toml
 	touch $(FAKE_CUDA_STAMP)
 
 test-fake-cuda: $(FAKE_CUDA_STAMP)
-	$(FAKE_CUDA_VENV)/bin/python -m pytest tests/test_fake_cuda.py tests/test_replay_predict.py
+	$(FAKE_CUDA_VENV)/bin/python -m pytest tests/test_fake_cuda.py tests/test_replay_predict.py tests/test_attention_flops.py
 
 benchmark: $(TEST_STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -538,6 +538,7 @@ class Predictor:
                     for op in sorted(probe.unmeasured)
                 ),
                 *workspaces.notes,
+                *(flops.notes if flops is not None else ()),
                 *self._allocator_notes,
                 *((SPANNING_AUTOCAST_NOTE,) if self.autocast_cache and not plan.autocast_cache else ()),
                 *((ANOMALY_NOTE,) if anomaly_detection else ()),
