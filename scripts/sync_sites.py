@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -154,6 +155,9 @@ def main() -> None:
     arguments = parser.parse_args()
     if not arguments.cpu_dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here: run it with --cpu-dry-run")
+    device = "cpu (dry run)" if arguments.cpu_dry_run else torch.cuda.get_device_name()
+    optimizer = "AdamW" if arguments.adamw else "SGD"
+    print(f"torch {torch.__version__}, lightning {lightning.__version__}, {device}, {optimizer}")
     sites = train(arguments.cpu_dry_run, arguments.adamw, arguments.steps)
     for number, (stack, count) in enumerate(sites.items(), start=1):
         print(f"\n--- site {number}: {count} time(s)")
