@@ -9,6 +9,7 @@ the distinct stacks are printed, then one line: ``N synchronising sites in VramM
 
     python scripts/sync_sites.py                 # on a CUDA machine
     python scripts/sync_sites.py --adamw         # AdamW instead of SGD: its state copied into the replay
+    python scripts/sync_sites.py --error         # "error" as the test: the traceback of what escapes fit
     python scripts/sync_sites.py --cpu-dry-run   # on the CPU, no sync mode (there is none): trains, prints 0
 
 The stacks are de-duplicated whole, from the monitor's hook (``callback.py``) down to the call that synchronised.
@@ -17,6 +18,7 @@ The stacks are de-duplicated whole, from the monitor's hook (``callback.py``) do
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import traceback
 import warnings
@@ -116,8 +118,12 @@ def sync_warnings() -> Iterator[dict[tuple[str, ...], int]]:
             warnings._showwarnmsg = shown  # type: ignore[attr-defined]
 
 
-def train(cpu: bool, adamw: bool, steps: int) -> dict[tuple[str, ...], int]:
-    """Fit the test's configuration; the synchronisation sites seen inside the monitor's hooks."""
+def train(cpu: bool, adamw: bool, steps: int, mode: str) -> dict[tuple[str, ...], int]:
+    """Fit the test's configuration under sync debug ``mode``; the synchronisation sites seen in the monitor's hooks.
+
+    Under ``"error"`` (as the test) the first synchronisation raises where the monitor does not catch it: its
+    traceback is printed, and the sites are those the monitor caught and went on from.
+    """
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(64, 3, 8, 8, generator=generator)
     data = TensorDataset(inputs, torch.randint(0, 10, (64,), generator=generator))
@@ -134,11 +140,16 @@ def train(cpu: bool, adamw: bool, steps: int) -> dict[tuple[str, ...], int]:
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=CSVLogger(root),
-        callbacks=[SyncMode("warn", on=not cpu), monitor, SyncMode("default", on=not cpu)],
+        callbacks=[SyncMode(mode, on=not cpu), monitor, SyncMode("default", on=not cpu)],
     )
     with sync_warnings() as sites:
         try:
             trainer.fit(Classifier(adamw), DataLoader(data, batch_size=64, drop_last=True))
+        except RuntimeError:
+            if SYNC_MESSAGE not in traceback.format_exc():
+                raise
+            print("fit raised, as the test does:")
+            traceback.print_exc(file=sys.stdout)
         finally:
             if not cpu:
                 torch.cuda.set_sync_debug_mode("default")
@@ -152,13 +163,14 @@ def main() -> None:
     parser.add_argument("--cpu-dry-run", action="store_true", help="train on the CPU without a sync mode (prints 0)")
     parser.add_argument("--adamw", action="store_true", help="AdamW instead of SGD")
     parser.add_argument("--steps", type=int, default=6, help="training steps (default 6, as the test)")
+    parser.add_argument("--error", action="store_true", help='sync mode "error" (as the test) instead of "warn"')
     arguments = parser.parse_args()
     if not arguments.cpu_dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here: run it with --cpu-dry-run")
     device = "cpu (dry run)" if arguments.cpu_dry_run else torch.cuda.get_device_name()
     optimizer = "AdamW" if arguments.adamw else "SGD"
     print(f"torch {torch.__version__}, lightning {lightning.__version__}, {device}, {optimizer}")
-    sites = train(arguments.cpu_dry_run, arguments.adamw, arguments.steps)
+    sites = train(arguments.cpu_dry_run, arguments.adamw, arguments.steps, "error" if arguments.error else "warn")
     for number, (stack, count) in enumerate(sites.items(), start=1):
         print(f"\n--- site {number}: {count} time(s)")
         print("\n".join(f"    {frame}" for frame in stack))
