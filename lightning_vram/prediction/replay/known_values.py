@@ -9,8 +9,11 @@ inputs all have known values (masks, position ids, lengths), as long as it stays
 result. A tensor computed from the model's weights never has a value: the replay does not compute anything real with
 the model.
 
-Cost: one Python call per op of the replay, and real CPU work only for the few ops on known values (a batch on the
-GPU is copied to the CPU the first time one of its values is needed, as the real step's own read of it does).
+Cost: one Python call per op of the replay, and real CPU work only for the few ops on known values. The replay runs
+inside the training step's hooks, which never wait for the device: a batch on a CUDA device is copied to pinned host
+memory without blocking as the replay starts (queued behind the step's own work), and its value is known only if that
+copy has arrived when the replay first needs it (``Event.query``, which does not wait); otherwise it is not known, as
+a tensor computed from the weights is not. A real tensor on a device reached by the replay is never read.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ VALUE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose
 aten = torch.ops.aten
 
 
+class NotOnTheHost(RuntimeError):
+    """An op on known values also takes a real tensor on a device, whose value the replay does not read."""
+
+
 # torch ships TorchDispatchMode without annotations.
 class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Real CPU values beside fake tensors: given for the batch, worked out for every op on known values only.
@@ -59,6 +66,7 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self._values = WeakTensorKeyDictionary()  # by identity: a tensor's == is an op
         self._uncopied = WeakTensorKeyDictionary()  # the batch's values still the user's tensors, copied when read
+        self._arriving = WeakTensorKeyDictionary()  # the batch's values on their way from a CUDA device: their events
         self._bytes = 0
 
     def know(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
@@ -68,13 +76,18 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self._keep(fake, real)
 
     def value_of(self, tensor: Tensor) -> Tensor | None:
-        """The real value of a fake tensor, or ``None`` when it is not known."""
+        """The real value of a fake tensor, or ``None`` when it is not known.
+
+        A value whose copy from the device has not arrived when first asked for is not known from then on.
+        """
+        if tensor not in self:
+            return None
         value = self._values.get(tensor)  # type: ignore[no-untyped-call]  # torch ships it unannotated
         if not isinstance(value, Tensor):
             return None
         if self._uncopied.pop(tensor, None) is not None:  # type: ignore[no-untyped-call]  # torch ships it unannotated
             with _no_modes(), torch.no_grad():
-                value = value.to("cpu", copy=True)  # the replay's own copy: ops on it never touch the user's tensor
+                value = value.clone()  # the replay's own copy (on the CPU): ops on it never touch the user's tensor
             self._values[tensor] = value
         return value
 
@@ -87,17 +100,33 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._uncopied.pop(known, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
 
     def __contains__(self, tensor: object) -> bool:
-        return isinstance(tensor, Tensor) and tensor in self._values
+        """Whether ``tensor``'s value is known; one still on its way from the device is forgotten (never awaited)."""
+        if not isinstance(tensor, Tensor) or tensor not in self._values:
+            return False
+        arriving = self._arriving.get(tensor)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+        if arriving is None:
+            return True
+        del self._arriving[tensor]
+        if arriving.query():  # cudaEventQuery: does not wait
+            return True
+        self._values.pop(tensor, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
+        return False
 
     def _keep(self, fake: Tensor, real: Tensor) -> None:
-        if real.is_sparse or real.numel() > VALUE_ELEMENTS or real.device.type == "meta":
+        if real.is_sparse or real.numel() > VALUE_ELEMENTS or real.device.type not in ("cpu", "cuda"):
             return
         nbytes = real.numel() * real.element_size()
         if self._bytes + nbytes > VALUE_BYTES:
             return
-        with _no_modes():
-            self._values[fake] = real.detach()
-        self._uncopied[fake] = True
+        with _no_modes(), torch.no_grad():
+            if real.device.type == "cpu":
+                self._values[fake] = real.detach()
+                self._uncopied[fake] = True
+            else:  # queued now without blocking (into pinned memory), read only once arrived
+                self._values[fake] = real.detach().to("cpu", copy=True, non_blocking=True)
+                arriving = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch ships it unannotated
+                arriving.record(torch.cuda.current_stream(real.device))
+                self._arriving[fake] = arriving
         self._bytes += nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -108,17 +137,22 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         name = op_name(func)
         inputs = op_tensors((args, kwargs))
         fakes = [leaf for leaf in inputs if isinstance(leaf, FakeTensor)]
-        known = all(fake in self._values for fake in fakes) and (
-            bool(fakes) or (not inputs and name in DETERMINISTIC_FACTORIES)
-        )
+        made = not inputs and name in DETERMINISTIC_FACTORIES
+        known = all(fake in self for fake in fakes) and (bool(fakes) or made)
         if known and name in VALUE_READS:
-            return self._real(func, args, kwargs)
+            try:
+                return self._real(func, args, kwargs)
+            except NotOnTheHost:  # a real device tensor among the inputs: the fake op raises as for any unknown value
+                known = False
         try:
             output = func(*args, **kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException):
+        except (DataDependentOutputException, DynamicOutputShapeException) as unknown:
             if not known or not fakes:
                 raise
-            return self._with_real_shapes(func, args, kwargs, fakes[0].device)
+            try:
+                return self._with_real_shapes(func, args, kwargs, fakes[0].device)
+            except NotOnTheHost:
+                raise unknown from None
         if known:
             self._value_outputs(func, args, kwargs, output)
         else:
@@ -134,9 +168,15 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*real_args, **real_kwargs)
 
     def _real_of(self, tensor: Tensor) -> Tensor:
-        """The value to compute with: the known value of a fake tensor; a copy of a real one (never written)."""
+        """The value to compute with: the known value of a fake tensor; a copy of a real CPU one (never written).
+
+        Raises:
+            NotOnTheHost: ``tensor`` is a real tensor on a device (reading it would wait for the device).
+        """
         if not isinstance(tensor, FakeTensor):
-            return tensor.detach().to("cpu", copy=True)  # _real runs with every mode off
+            if tensor.device.type != "cpu":
+                raise NotOnTheHost(f"a real tensor on {tensor.device}")
+            return tensor.detach().clone()  # _real runs with every mode off
         value = self.value_of(tensor)
         if value is None:
             raise KeyError("no known value")
