@@ -63,3 +63,25 @@ def test_the_proxy_sees_a_blocking_read_in_a_hook(tmp_path: Path) -> None:
     calls = [(read.call, read.hook, read.users) for read in reads.reads]
     assert calls == [("Tensor.item", "on_train_batch_start", True), ("Tensor.to(cpu)", "on_train_batch_start", True)]
     assert reads.reads[0].stack[-1].startswith("lightning_vram/callback.py:")
+
+
+class CopyEvent:
+    """A recorded copy's event whose ``query`` says done from its ``ready_after + 1``-th poll on."""
+
+    def __init__(self, ready_after: int) -> None:
+        self.ready_after = ready_after
+        self.polls = 0
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.polls > self.ready_after
+
+
+def test_a_batch_copy_on_its_way_is_polled_for_a_bounded_time_never_waited_on() -> None:
+    """The replay polls a CUDA batch's copy (``Event.query``, no device wait) until it arrives or the time is up."""
+    from lightning_vram.prediction.replay.known_values import arrived
+
+    late = CopyEvent(ready_after=3)
+    assert arrived(late, 5.0) and late.polls == 4
+    never = CopyEvent(ready_after=10**9)
+    assert not arrived(never, 0.01) and never.polls > 1

@@ -12,12 +12,14 @@ the model.
 Cost: one Python call per op of the replay, and real CPU work only for the few ops on known values. The replay runs
 inside the training step's hooks, which never wait for the device: a batch on a CUDA device is copied to pinned host
 memory without blocking as the replay starts (queued behind the step's own work), and its value is known only if that
-copy has arrived when the replay first needs it (``Event.query``, which does not wait); otherwise it is not known, as
-a tensor computed from the weights is not. A real tensor on a device reached by the replay is never read.
+copy has arrived when the replay first needs it (its event polled for up to :data:`ARRIVAL_SECONDS`, never waited on);
+otherwise it is not known, as a tensor computed from the weights is not. A real tensor on a device reached by the
+replay is never read.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,7 +50,25 @@ DETERMINISTIC_FACTORIES = frozenset(
 VALUE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose"})
 """Ops that turn a tensor's value into a Python value."""
 
+ARRIVAL_SECONDS = 2.0
+"""How long a replay looks for a CUDA batch's copy to arrive, polling its event (``Event.query``, which never waits on
+the device), before taking the value as unknown. The copy is queued behind the step's own kernels, which the replay
+(seconds of host work on a sampled step, once a run) outlasts anyway; polling keeps the prediction the same from run
+to run where a step's queued work takes under this long."""
+ARRIVAL_POLL_SECONDS = 0.0005
+"""The pause between two polls of a copy's event."""
+
 aten = torch.ops.aten
+
+
+def arrived(event: Any, seconds: float) -> bool:
+    """Whether ``event`` (a recorded ``torch.cuda.Event``) completes within ``seconds``, polled without blocking."""
+    deadline = time.monotonic() + seconds
+    while not event.query():  # cudaEventQuery: does not wait
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(ARRIVAL_POLL_SECONDS)
+    return True
 
 
 class NotOnTheHost(RuntimeError):
@@ -107,7 +127,7 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if arriving is None:
             return True
         del self._arriving[tensor]
-        if arriving.query():  # cudaEventQuery: does not wait
+        if arrived(arriving, ARRIVAL_SECONDS):
             return True
         self._values.pop(tensor, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
         return False
