@@ -1,0 +1,147 @@
+"""The first step before a replayed steady step: by hand, and on the recorded GPU traces.
+
+The traces' step 1 is cut by block identity (each ``alloc`` a new block, a ``free_completed`` freeing the live block
+at its address), its first step synthesised from it and run before it; ``pytest -s`` prints the table.
+"""
+
+from __future__ import annotations
+
+import pytest
+from allocator_traces import SHIPPED, load, run_settings, steady_step
+
+from lightning_vram.prediction.allocator.model import CachingAllocatorModel
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.prediction.replay.history import with_first_step
+from lightning_vram.prediction.replay.reserved import ReservedPeaks, phase_peaks
+from lightning_vram.records import AllocationSequence, Phase
+
+MIB = 1024 * 1024
+PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
+def _record(reserved: ReservedPeaks, step: AllocationSequence) -> None:
+    for event in step:
+        if isinstance(event, Phase):
+            reserved.start_phase(event)
+        elif event[0] == "malloc":
+            reserved.malloc(event[1], event[2], event[3])
+        else:
+            reserved.free(event[1])
+
+
+# Sizes of 10 MiB and more get a segment of their size (a multiple of 2 MiB: exactly); a cached block is split where
+# more than 1 MiB would remain.
+STEP = (
+    ("malloc", 1, 20 * MIB, 0),  # a parameter
+    ("malloc", 2, 20 * MIB, 0),  # its gradient, from the last step
+    ("malloc", 3, 40 * MIB, 0),  # optimizer state
+    Phase.FORWARD,
+    ("malloc", 4, 60 * MIB, 0),  # an activation
+    ("free", 2, 0, 0),  # zero_grad
+    Phase.BACKWARD,
+    ("malloc", 5, 20 * MIB, 0),  # the new gradient
+    ("free", 4, 0, 0),
+    Phase.OPTIMIZER,
+    ("malloc", 6, 20 * MIB, 0),  # the update's temporary
+    ("free", 6, 0, 0),
+)
+
+
+def test_the_first_step_leaves_the_state_in_the_activations_segment() -> None:
+    reserved = ReservedPeaks(AllocatorSettings())
+    _record(reserved, STEP)
+    reserved.starts_with({2: 5}, [3])
+    # First step: the parameter (a 20 MiB segment), the activation (60), the gradient (a new 20: nothing is cached),
+    # the activation freed; the state takes 40 of its 60 MiB segment (20 remain, cached), the temporary those 20.
+    # Held: 100 MiB. The step: the activation finds no 60 MiB block (a new segment: 160), the gradient and the
+    # temporary take cached 20 MiB blocks. Packed (parameter, gradient and state first: 80 MiB) the step would hold
+    # 140 MiB: its activation's new segment, the gradient in the old one's place, the temporary split from the
+    # activation's segment once freed.
+    assert reserved.finish() == {phase: 160 * MIB for phase in PHASES}
+    packed = phase_peaks(STEP, AllocatorSettings())
+    assert packed == {phase: 140 * MIB for phase in PHASES}
+
+
+def test_the_history_keeps_block_identity_and_hands_the_step_its_starting_blocks() -> None:
+    sequence = with_first_step(STEP, {2: 5}, [3])
+    history, steady = sequence[: -len(STEP) + 3], sequence[-len(STEP) + 3 :]
+    assert steady == STEP[3:]
+    model = CachingAllocatorModel()
+    for event in history:  # every malloc a block not live, every free one that is
+        if not isinstance(event, Phase):
+            if event[0] == "malloc":
+                model.malloc(event[1], event[2], event[3])
+            else:
+                model.free(event[1])
+    # What the step starts with, and nothing else: the parameter, the gradient the first step made, the state.
+    assert model.allocated_bytes == 80 * MIB
+    state = history.index(("malloc", 3, 40 * MIB, 0))
+    assert history[state - 1] is Phase.OPTIMIZER  # allocated where the optimizer phase starts
+
+
+def test_a_step_without_an_optimizer_phase_keeps_its_state_before_it() -> None:
+    step = (("malloc", 1, 20 * MIB, 0), ("malloc", 3, 40 * MIB, 0), Phase.FORWARD, ("malloc", 4, 60 * MIB, 0))
+    sequence = with_first_step(step, {}, [3])
+    assert sequence[:2] == step[:2]  # the state, as the step has it, before the first step
+    assert sequence[-2:] == (Phase.FORWARD, ("malloc", 4, 60 * MIB, 0))
+    assert ("free", 5, 0, 0) in sequence  # the first step's activation, not alive at the step's start
+
+
+def test_a_workspace_is_allocated_where_the_first_step_used_it_and_kept() -> None:
+    step = (("malloc", 1, 20 * MIB, 0), Phase.FORWARD, ("malloc", 4, 60 * MIB, 0), ("malloc", -1, 32 * MIB, 0))
+    sequence = with_first_step(step, {}, [])
+    assert sequence.count(("malloc", -1, 32 * MIB, 0)) == 1
+    assert sequence[-2:] == (Phase.FORWARD, ("malloc", 4, 60 * MIB, 0))
+
+
+STEP_1 = (*SHIPPED, "h100-resnet50-b952", "h100-resnet50-b947-expandable", "h100-gpt2-b91-expandable")
+"""The traces with a complete step 1 (the H100's at the capacity the run had: ``free_at_start_bytes``)."""
+
+
+def _phase_peaks_at(sequence: AllocationSequence, settings: AllocatorSettings, capacity: int | None) -> dict[str, int]:
+    model = CachingAllocatorModel(settings, capacity_bytes=capacity)
+    peaks: dict[str, int] = {}
+    phase: Phase | None = None
+    for event in sequence:
+        if isinstance(event, Phase):
+            if phase is not None:
+                peaks[phase.value] = max(peaks.get(phase.value, 0), model.peak_reserved_bytes)
+            phase = event
+            model.reset_peaks()
+        elif event[0] == "malloc":
+            model.malloc(event[1], event[2], event[3])
+        else:
+            model.free(event[1])
+    assert phase is not None
+    peaks[phase.value] = max(peaks.get(phase.value, 0), model.peak_reserved_bytes)
+    return peaks
+
+
+@pytest.mark.parametrize("name", STEP_1)
+def test_step_one_s_reserved_peaks_come_after_the_synthesised_first_step(name: str) -> None:
+    measured = load(name)[1]
+    recorded = {phase.value: measured["truth"][1][phase.value]["reserved_peak"] for phase in PHASES}
+    step = steady_step(name, 1)
+    capacity = measured.get("free_at_start_bytes")
+    peaks = _phase_peaks_at(
+        with_first_step(step.sequence, step.gradients, step.optimizer_state), run_settings(name), capacity
+    )
+    print(f"\n{name} step 1 reserved MiB (recorded, after the first step)")
+    for phase, bytes_ in recorded.items():
+        print(f"  {phase:<10} {bytes_ / MIB:>10,.0f} {peaks[phase] / MIB:>10,.0f} {peaks[phase] / bytes_ - 1:+.2%}")
+    # Uncapped, each phase within 0.1% (the recorded H200 traces: 2 MiB or less); at the capacity, where the run
+    # released its cache and retried, 1% (ResNet-50 at batch 952: backward 0.95% over).
+    tolerance = 1e-2 if capacity is not None else 1e-3
+    assert peaks == {phase: pytest.approx(bytes_, rel=tolerance) for phase, bytes_ in recorded.items()}
+
+
+@pytest.mark.parametrize("name", ["gpt2-b150", "resnet50-b64"])
+def test_the_packed_step_alone_misses_step_one(name: str) -> None:
+    # Today's figures without the first step: 10.7% and 14.8% under on forward (the check the test above answers).
+    measured = load(name)[1]
+    step = steady_step(name, 1)
+    first = step.sequence.index(Phase.FORWARD)
+    workspaces = tuple(event for event in step.sequence[first:] if not isinstance(event, Phase) and event[1] < 0)
+    packed = (*step.sequence[:first], *workspaces, *(e for e in step.sequence[first:] if e not in workspaces))
+    forward = _phase_peaks_at(packed, run_settings(name), None)["forward"]
+    assert forward < 0.9 * measured["truth"][1]["forward"]["reserved_peak"]
