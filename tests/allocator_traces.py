@@ -20,8 +20,6 @@ from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.allocator.snapshot import settings_from_snapshot
 
 TRACES = Path(__file__).parent / "data" / "gpu-traces"
-SHIPPED = ("gpt2-b8", "gpt2-b150", "gpt2-b150-expandable", "llama-b4", "resnet50-b64")
-"""The traces this project keeps: the model replays each to its recorded reserved peak, to the byte."""
 AT_CAPACITY = (
     "h100-gpt2-b91",
     "h100-gpt2-b91-expandable",
@@ -32,9 +30,11 @@ AT_CAPACITY = (
     "h100-resnet50-b995-expandable",
     "h100-resnet50-b1000",
 )
-"""Traces recorded on an H100 at its capacity (``free_at_start_bytes``): some ran out of memory. The model does not
-yet replay every one of them at that capacity as the run went (the capacity outside the allocator is not modelled),
-so they are read by name only, not in :data:`NAMES`."""
+"""Traces recorded on an H100 at its capacity (their measurements' ``free_at_start_bytes``), half of them out of memory:
+replayed at that capacity."""
+SHIPPED = ("gpt2-b8", "gpt2-b150", "gpt2-b150-expandable", "llama-b4", "resnet50-b64", *AT_CAPACITY)
+"""The traces this project keeps: the model replays each to its recorded reserved peaks, to the byte (those recorded
+at capacity, at that capacity)."""
 MORE_TRACES_VARIABLE = "LIGHTNING_VRAM_GPU_TRACES"
 
 
@@ -68,10 +68,15 @@ class PhasePeaks:
 
 def load(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A trace's snapshot and the figures its run measured beside it."""
-    path = SNAPSHOTS.get(name, TRACES / f"{name}.pickle")
-    with path.open("rb") as file:
+    with SNAPSHOTS[name].open("rb") as file:
         snapshot = pickle.load(file)
-    return snapshot, json.loads(path.with_suffix(".json").read_text())
+    return snapshot, json.loads(SNAPSHOTS[name].with_suffix(".json").read_text())
+
+
+def capacity(name: str) -> int | None:
+    """The device memory the trace's run had free when it began (bytes), where its measurements give it."""
+    found = load(name)[1].get("free_at_start_bytes")
+    return int(found) if found is not None else None
 
 
 def run_settings(name: str) -> AllocatorSettings:
@@ -86,11 +91,12 @@ def run_settings(name: str) -> AllocatorSettings:
 
 def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[PhasePeaks]:
     """Replay one trace through the model, the peaks reset where each phase's marker is allocated (just before it:
-    that is where the run read and reset the allocator's peaks)."""
+    that is where the run read and reset the allocator's peaks), at the capacity the run had where its measurements
+    give one (``free_at_start_bytes``), to the run's end or its first ``oom`` event."""
     snapshot, measured = load(name)
     if settings is None:
         settings = run_settings(name)
-    model = CachingAllocatorModel(settings)
+    model = CachingAllocatorModel(settings, capacity_bytes=measured.get("free_at_start_bytes"))
     markers = {marker["bytes"]: (marker["step"], marker["at"]) for marker in measured["markers"]}
     live: dict[int, int] = {}
     reached: dict[tuple[int, str], tuple[int, int]] = {}
@@ -107,6 +113,8 @@ def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[
             model.malloc(block, event["size"], event["stream"])
         elif action == "free_completed":
             model.free(live.pop(event["addr"]))
+        elif action == "oom":  # the run stopped here: its truth holds the steps before
+            break
     peaks = []
     for truth in measured["truth"]:
         for marker, name_of_phase in PHASES:

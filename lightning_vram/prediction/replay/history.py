@@ -16,8 +16,11 @@ GPT-2 124M fp32, batch 150    122,820 / 137,544   109,654 / 124,378   122,822 / 
 ResNet-50 SGD, batch 64       6,704 / 6,704       5,712 / 6,864       6,672 / 6,674
 ============================  ==================  ==================  ==================
 
-(H200.) GPT-2 at batch 91 on an 80 GB H100 was predicted to fit from the packed step and ran out of memory at its
-second step.
+(H200; the H100's, at the device's capacity, within 1%.) GPT-2 at batch 91 on an 80 GB H100 was predicted to fit
+from the packed step and ran out of memory at its second step. The forward pass of a later step starts with the
+whole reserve of the step before (the cache is never given back): with one more step before it, step 2 is reproduced
+where it was recorded (forward / backward, MiB: GPT-2 at batch 8 8,658 / 8,658, packed 7,864 / 8,650; Llama 6,310 /
+6,310, packed 5,866 / 6,366; ResNet-50 6,704 / 6,706 measured, 6,706 / 6,706 simulated, packed 5,714 / 6,866).
 
 :func:`with_first_step` puts that first step before the steady one: the tensors that exist before the step except the
 gradients and the optimizer state, then the steady step's own allocations and frees on blocks of their own, without
@@ -35,9 +38,12 @@ from lightning_vram.records import AllocationEvent, AllocationSequence, Phase
 
 
 def with_first_step(
-    step: AllocationSequence, gradients: Mapping[int, int], optimizer_state: Sequence[int]
+    step: AllocationSequence, gradients: Mapping[int, int], optimizer_state: Sequence[int], steps: int = 1
 ) -> AllocationSequence:
     """The run's first step, synthesised from ``step``, then ``step``: the sequence a steady step's cache comes from.
+
+    ``steps``: the steps before ``step``: the first, then ``steps - 1`` as ``step`` runs (on blocks of their own),
+    so that ``step`` is the run's step ``steps`` (counted from 0).
 
     ``step``: a steady step's sequence, the blocks that exist before it allocated before its first phase, a library's
     workspace (a negative block id) where the step first used it: the history allocates it there and keeps it, the
@@ -86,48 +92,77 @@ def with_first_step(
                 starting.pop(event[1], None)
     absent = {block for block in gradients if block in starting}
     state = [starting[block] for block in optimizer_state if block in starting]
-    if Phase.OPTIMIZER in body:
-        absent.update(event[1] for event in state if not isinstance(event, Phase))
-    survivors = _survivors(body)
-    carried = {after: block for block, after in gradients.items() if block in absent}
-    fresh = 1 + max((abs(event[1]) for event in step if not isinstance(event, Phase)), default=0)
-    history: list[AllocationEvent] = [event for event in before if isinstance(event, Phase) or event[1] not in absent]
-    held = {block for block in starting if block not in absent}  # blocks the history holds, by their history id
-    current: dict[int, int] = {}  # a block of the step allocated in the history: its history id
-    optimizer_started = False
-    for position, event in enumerate(body):
-        if isinstance(event, Phase):
-            history.append(event)
-            if event is Phase.OPTIMIZER and not optimizer_started:
-                optimizer_started = True
-                history.extend(state)
-                held.update(event[1] for event in state if not isinstance(event, Phase))
-            continue
-        kind, block, size, stream = event
-        if kind == "malloc" and block < 0:  # a library's workspace, allocated at its first use and kept
-            history.append(event)
-            held.add(block)
-        elif kind == "malloc":
-            if position in survivors and block in carried:
-                named = carried.pop(block)
-            else:
-                named, fresh = fresh, fresh + 1
-            current[block] = named
-            held.add(named)
-            history.append(("malloc", named, size, stream))
-        elif block in current:
-            named = current.pop(block)
-            held.discard(named)
-            history.append(("free", named, 0, 0))
-        elif block in held:  # a block the step starts with, freed by the step
-            held.discard(block)
-            history.append(("free", block, 0, 0))
-    # Between the two steps: what the history keeps beyond the step's start is freed, what the step starts with and
-    # the history lacks is allocated.
-    history.extend(("free", block, 0, 0) for block in current.values() if block not in starting)
-    history.extend(event for block, event in starting.items() if block not in held)
+    if Phase.OPTIMIZER not in body:
+        state = []
+    absent.update(event[1] for event in state if not isinstance(event, Phase))
+    history = _Steps(body, {after: block for block, after in gradients.items() if block in starting}, step)
+    history.events.extend(event for event in before if isinstance(event, Phase) or event[1] not in absent)
+    history.held.update(block for block in starting if block not in absent)
+    history.run(state)
+    history.hand_over(starting)
+    for _ in range(steps - 1):
+        history.run([])
+        history.hand_over(starting)
     steady = (event for event in body if isinstance(event, Phase) or event[0] == "free" or event[1] >= 0)
-    return (*history, *steady)
+    return (*history.events, *steady)
+
+
+class _Steps:
+    """The history's events, as :func:`with_first_step` runs the steady step's body on blocks of their own."""
+
+    def __init__(self, body: AllocationSequence, carried: Mapping[int, int], step: AllocationSequence) -> None:
+        self.body = body
+        self.carried = carried  # a gradient the step ends with: the block the next step knows it as
+        self.survivors = _survivors(body)
+        self.fresh = 1 + max((abs(event[1]) for event in step if not isinstance(event, Phase)), default=0)
+        self.events: list[AllocationEvent] = []
+        self.held: set[int] = set()  # the blocks the history holds, by their history ids
+        self.current: dict[int, int] = {}  # a block of the body allocated in the history: its history id
+
+    def run(self, state: Sequence[AllocationEvent]) -> None:
+        """One step: the body on blocks of its own, ``state`` allocated where its first optimizer phase starts.
+
+        A free of a block the history does not hold (a gradient the first step does not start with) is left out.
+        """
+        for position, event in enumerate(self.body):
+            if isinstance(event, Phase):
+                self.events.append(event)
+                if event is Phase.OPTIMIZER and state:
+                    self.events.extend(state)
+                    self.held.update(event[1] for event in state if not isinstance(event, Phase))
+                    state = []
+                continue
+            kind, block, size, stream = event
+            if kind == "malloc" and block < 0:  # a library's workspace, allocated at its first use and kept
+                if block not in self.held:
+                    self.events.append(event)
+                    self.held.add(block)
+            elif kind == "malloc":
+                named = self.carried.get(block) if position in self.survivors else None
+                if named is None or named in self.held:
+                    named, self.fresh = self.fresh, self.fresh + 1
+                self.current[block] = named
+                self.held.add(named)
+                self.events.append(("malloc", named, size, stream))
+            elif block in self.current:
+                named = self.current.pop(block)
+                self.held.discard(named)
+                self.events.append(("free", named, 0, 0))
+            elif block in self.held:  # a block the step starts with, freed by the step
+                self.held.discard(block)
+                self.events.append(("free", block, 0, 0))
+
+    def hand_over(self, starting: Mapping[int, AllocationEvent]) -> None:
+        """Between two steps: what the history holds beyond the step's start is freed, what it lacks allocated."""
+        for named in self.current.values():
+            if named not in starting:
+                self.events.append(("free", named, 0, 0))
+                self.held.discard(named)
+        self.current = {}
+        for block, event in starting.items():
+            if block not in self.held:
+                self.events.append(event)
+                self.held.add(block)
 
 
 def _survivors(body: AllocationSequence) -> set[int]:

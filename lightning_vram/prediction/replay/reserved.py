@@ -42,12 +42,18 @@ def run_settings(environ: Mapping[str, str] | None = None) -> AllocatorSettings 
     return settings
 
 
+HISTORY_STEPS = 2
+"""The steps run before the replayed one: the first, synthesised, then one as the replayed step runs, so that the
+replayed step is the run's step 2, the monitor's first sampled step (``attribution_start_step``): its forward pass
+starts with the whole reserve of the step before, as from then on."""
+
+
 class ReservedPeaks:
     """A replay's allocation sequence, run through a caching allocator's model: each phase's reserved peak, bytes.
 
     An allocation listener (``malloc``, ``free``, ``reset_peaks``) and a sampler of the replay (``start_phase`` marks
     where each phase starts: its peaks restart there). The sequence is kept until :meth:`finish`, which runs it as a
-    steady step holds it: after the run's first step, synthesised from it (see
+    steady step holds it: after the run's first step, synthesised from it, and a second (:data:`HISTORY_STEPS`; see
     :func:`~lightning_vram.prediction.replay.history.with_first_step`), with the blocks :meth:`starts_with` names
     as the step's gradients and optimizer state; the library workspaces (negative blocks, allocated at a thread's
     first matmul and kept for the process) are allocated where the first step first used them.
@@ -88,8 +94,8 @@ class ReservedPeaks:
         self._optimizer_state = tuple(optimizer_state)
 
     def sequence(self) -> AllocationSequence:
-        """The sequence so far as a steady step makes it: the run's first step, synthesised, then the step."""
-        return with_first_step(tuple(self._events), self._gradients, self._optimizer_state)
+        """The sequence so far as a steady step makes it: the run's first steps (:data:`HISTORY_STEPS`), then it."""
+        return with_first_step(tuple(self._events), self._gradients, self._optimizer_state, HISTORY_STEPS)
 
     def finish(self, settings: AllocatorSettings | None = None) -> dict[Phase, int]:
         """The sequence so far through a fresh model: every phase's reserved peak, bytes.
