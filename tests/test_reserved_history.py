@@ -13,6 +13,7 @@ from lightning_vram.prediction.allocator.model import CachingAllocatorModel
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.history import with_first_step
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, phase_peaks
+from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.records import AllocationSequence, Phase
 
 MIB = 1024 * 1024
@@ -145,3 +146,26 @@ def test_the_packed_step_alone_misses_step_one(name: str) -> None:
     packed = (*step.sequence[:first], *workspaces, *(e for e in step.sequence[first:] if e not in workspaces))
     forward = _phase_peaks_at(packed, run_settings(name), None)["forward"]
     assert forward < 0.9 * measured["truth"][1]["forward"]["reserved_peak"]
+
+
+def test_gpt2_at_batch_91_runs_out_of_memory_in_step_one_where_the_h100_did() -> None:
+    # The H100's two runs at batch 91 asked for the same tensors; the default allocator's ran out of memory in step
+    # 1's backward (9,366,296,576 B asked for), the expandable one's fit. Step 1 of the expandable run, served at the
+    # device's capacity: packed, both fit; after the synthesised first step (and after two steps, as the replay
+    # runs it), the default allocator fails at that request with 81,505,812,480 B reserved, as the recorded trace's
+    # own replay does, and expandable segments fit.
+    step = steady_step("h100-gpt2-b91-expandable", 1)
+    available = load("h100-gpt2-b91")[1]["free_at_start_bytes"]
+    first = step.sequence.index(Phase.FORWARD)
+    workspaces = tuple(event for event in step.sequence[first:] if not isinstance(event, Phase) and event[1] < 0)
+    packed = (*step.sequence[:first], *workspaces, *(e for e in step.sequence[first:] if e not in workspaces))
+    default, expandable = AllocatorSettings(), AllocatorSettings(expandable_segments=True)
+    assert serve(packed, default, available).served and serve(packed, expandable, available).served
+    reserved = ReservedPeaks(default)  # as the replay hands it the step
+    _record(reserved, step.sequence)
+    reserved.starts_with(step.gradients, step.optimizer_state)
+    for history in (with_first_step(step.sequence, step.gradients, step.optimizer_state), reserved.sequence()):
+        shortfall = serve(history, default, available).shortfall
+        assert shortfall is not None and shortfall.phase is Phase.BACKWARD
+        assert (shortfall.requested_bytes, shortfall.reserved_bytes) == (9_366_296_576, 81_505_812_480)
+        assert serve(history, expandable, available).served
