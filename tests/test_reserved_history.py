@@ -7,14 +7,19 @@ at its address), its first step synthesised from it and run before it; ``pytest 
 from __future__ import annotations
 
 import pytest
+import torch
 from allocator_traces import SHIPPED, load, run_settings, steady_step
+from models import OPTIMIZERS, Classifier
+from torch import nn
 
 from lightning_vram.prediction.allocator.model import CachingAllocatorModel
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.prediction.containment.escapes import round_of_replays
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.history import with_first_step
 from lightning_vram.prediction.replay.reserved import ReservedPeaks, phase_peaks
 from lightning_vram.prediction.replay.serves import serve
-from lightning_vram.records import AllocationSequence, Phase
+from lightning_vram.records import AllocationSequence, Phase, ReplayedStep
 
 MIB = 1024 * 1024
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -169,3 +174,24 @@ def test_gpt2_at_batch_91_runs_out_of_memory_in_step_one_where_the_h100_did() ->
         assert shortfall is not None and shortfall.phase is Phase.BACKWARD
         assert (shortfall.requested_bytes, shortfall.reserved_bytes) == (9_366_296_576, 81_505_812_480)
         assert serve(history, expandable, available).served
+
+
+def test_the_replay_hands_its_step_s_gradients_and_optimizer_state_to_the_history() -> None:
+    torch.manual_seed(0)
+    module = Classifier(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), OPTIMIZERS["adam"])
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    with round_of_replays():  # warmed up: the step starts with gradients and Adam's state
+        step = Predictor(module, None, batch, warm_up=True, allocator=AllocatorSettings()).baseline()
+    assert isinstance(step, ReplayedStep) and step.allocations is not None
+    sequence = step.allocations
+    marks = [index for index, event in enumerate(sequence) if isinstance(event, Phase)]
+    assert [sequence[index] for index in marks] == [*PHASES] * 3  # the first step, step 1, the replayed step
+    parameters = [64 * 256 * 4, 256 * 4, 256 * 10 * 4, 10 * 4]
+    # Before the first step: the parameters and the batch, no gradient, no state.
+    assert [event[2] for event in sequence[: marks[0]]] == [*parameters, 32 * 64 * 4, 32 * 8]
+    # Adam's state where the first optimizer phase starts, per parameter as torch's _init_group makes it: its step
+    # (on the counted device here: the CPU), exp_avg, exp_avg_sq.
+    state = sequence[marks[2] + 1 : marks[2] + 1 + 3 * len(parameters)]
+    assert [(event[0], event[2]) for event in state] == [
+        ("malloc", size) for parameter in parameters for size in (4, parameter, parameter)
+    ]
