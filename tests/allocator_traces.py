@@ -30,7 +30,7 @@ AT_CAPACITY = (
     "h100-resnet50-b995-expandable",
     "h100-resnet50-b1000",
 )
-"""Traces recorded on an H100 at its capacity (their measurements' ``free_at_start_bytes``), half of them out of memory:
+"""Traces recorded on an H100 at its capacity (their measurements' ``free_at_start_bytes``), five of them out of memory:
 replayed at that capacity."""
 SHIPPED = ("gpt2-b8", "gpt2-b150", "gpt2-b150-expandable", "llama-b4", "resnet50-b64", *AT_CAPACITY)
 """The traces this project keeps: the model replays each to its recorded reserved peaks, to the byte (those recorded

@@ -195,3 +195,13 @@ def test_the_replay_hands_its_step_s_gradients_and_optimizer_state_to_the_histor
     assert [(event[0], event[2]) for event in state] == [
         ("malloc", size) for parameter in parameters for size in (4, parameter, parameter)
     ]
+
+
+def test_a_replayed_step_that_makes_the_optimizer_state_is_the_run_s_first_and_runs_alone() -> None:
+    torch.manual_seed(0)
+    module = Classifier(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), OPTIMIZERS["adam"])
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    with round_of_replays():  # not warmed up: the replayed step makes the gradients and Adam's state itself
+        step = Predictor(module, None, batch, allocator=AllocatorSettings()).baseline()
+    assert isinstance(step, ReplayedStep) and step.allocations is not None
+    assert [event for event in step.allocations if isinstance(event, Phase)] == [*PHASES]

@@ -492,11 +492,11 @@ class Predictor:
                             live.add_op_listener(flops.count)
                             live.add_sampler(flops)
                         run.run_step(twin, fake_batch, counter, live, zero_grad=self.accumulate == 1)
-                    if reserved is not None:  # the first step before it: without these, then making them
+                    if reserved is not None:  # for the steps before it, which start without these and make them
                         ended = zip(gradients, gradient_blocks(twin), strict=False)
-                        reserved.starts_with(
-                            {b: a for b, a in ended if b is not None and a is not None}, optimizer_state
-                        )
+                        carried = {block: after for block, after in ended if block is not None and after is not None}
+                        made_state = not optimizer_state and bool(optimizer_state_blocks(twin))
+                        reserved.starts_with(carried, optimizer_state, first=made_state)
                     changed = changed_unit(self._calls or {}, checkpointed_calls(twin.module))
                     if changed is not None and self._calls is not None:
                         raise RefusedError(f"the checkpointing plan changes what the model computes: {changed}")

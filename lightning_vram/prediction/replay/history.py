@@ -6,28 +6,32 @@ step (torch's ``_init_group``: per parameter ``exp_avg``, ``exp_avg_sq``, in par
 temporaries; SGD's momentum buffers at its first update). Those blocks were cut from segments that the forward pass's
 activations had used, so a steady step finds its cache fragmented that way. A steady step run from a freshly packed
 allocator (every tensor that exists before it allocated first, packed) does not: it under-predicts the reserved peak
-near capacity. On the recorded traces (tests/data/gpu-traces), step 1's reserved peaks, forward / backward, MiB:
+near capacity. On the recorded traces (tests/data/gpu-traces, cut by block identity), step 1's reserved peaks,
+forward / backward, MiB:
 
-============================  ==================  ==================  ==================
+============================  ==================  ==================  ===================
 trace                         measured            packed steady step  first step + steady
-============================  ==================  ==================  ==================
+============================  ==================  ==================  ===================
 GPT-2 124M fp32, batch 8      7,872 / 8,658       7,864 / 8,650       7,872 / 8,658
-GPT-2 124M fp32, batch 150    122,820 / 137,544   109,654 / 124,378   122,822 / 137,546
-ResNet-50 SGD, batch 64       6,704 / 6,704       5,712 / 6,864       6,672 / 6,674
-============================  ==================  ==================  ==================
+GPT-2 124M fp32, batch 150    122,820 / 137,544   109,652 / 124,376   122,820 / 137,544
+Llama (8 layers), batch 4     5,808 / 6,308       5,866 / 6,366       5,808 / 6,308
+ResNet-50 SGD, batch 64       6,704 / 6,704       5,714 / 6,866       6,706 / 6,706
+============================  ==================  ==================  ===================
 
-(H200; the H100's, at the device's capacity, within 1%.) GPT-2 at batch 91 on an 80 GB H100 was predicted to fit
-from the packed step and ran out of memory at its second step. The forward pass of a later step starts with the
-whole reserve of the step before (the cache is never given back): with one more step before it, step 2 is reproduced
-where it was recorded (forward / backward, MiB: GPT-2 at batch 8 8,658 / 8,658, packed 7,864 / 8,650; Llama 6,310 /
-6,310, packed 5,866 / 6,366; ResNet-50 6,704 / 6,706 measured, 6,706 / 6,706 simulated, packed 5,714 / 6,866).
+(H200; the H100's, at the device's capacity, within 1%.) GPT-2 at batch 91 on an 80 GB H100 was predicted to fit from
+the packed step and ran out of memory in its second step's backward; after the first step the model runs out there too,
+at the same request, and fits with expandable segments, as the run with them did. The forward pass of a later step
+starts with the whole reserve of the step before (the cache is never given back): with one more step before it, step 2
+is reproduced where it was recorded (forward / backward, MiB: GPT-2 at batch 8 8,658 / 8,658, packed 7,864 / 8,650;
+Llama 6,310 / 6,310, packed 5,866 / 6,366; ResNet-50 6,704 / 6,706 measured, 6,706 / 6,706 simulated, packed 5,714 /
+6,866).
 
 :func:`with_first_step` puts that first step before the steady one: the tensors that exist before the step except the
 gradients and the optimizer state, then the steady step's own allocations and frees on blocks of their own, without
 the frees of the gradients it starts with (they do not exist yet), with the optimizer state allocated where the first
 optimizer phase starts, the libraries' workspaces where they were first used; the gradients it leaves are the steady
-step's starting gradients. Block identity is kept:
-every malloc of the steady step is a new block in the history, whatever id it reuses.
+step's starting gradients. Block identity is kept: every malloc of the steady step is a new block in the history,
+whatever id it reuses.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def with_first_step(
     """The run's first step, synthesised from ``step``, then ``step``: the sequence a steady step's cache comes from.
 
     ``steps``: the steps before ``step``: the first, then ``steps - 1`` as ``step`` runs (on blocks of their own),
-    so that ``step`` is the run's step ``steps`` (counted from 0).
+    so that ``step`` is the run's step ``steps`` (counted from 0); 0: ``step`` is the run's first, as it is.
 
     ``step``: a steady step's sequence, the blocks that exist before it allocated before its first phase, a library's
     workspace (a negative block id) where the step first used it: the history allocates it there and keeps it, the
@@ -80,7 +84,7 @@ def with_first_step(
     Phase.FORWARD
     """
     first = next((index for index, event in enumerate(step) if isinstance(event, Phase)), None)
-    if first is None:
+    if first is None or steps == 0:
         return step
     before, body = step[:first], step[first:]
     starting: dict[int, AllocationEvent] = {}

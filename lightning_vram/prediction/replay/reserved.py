@@ -64,6 +64,7 @@ class ReservedPeaks:
         self._events: list[AllocationEvent] = []
         self._gradients: dict[int, int] = {}
         self._optimizer_state: tuple[int, ...] = ()
+        self._steps_before = HISTORY_STEPS
 
     def malloc(self, block: int, size: int, stream: int = 0) -> None:
         """``block`` (``size`` bytes as requested) is allocated on ``stream``."""
@@ -83,19 +84,22 @@ class ReservedPeaks:
     def sample(self, op: str) -> None:
         """An op ran: nothing to note (its allocations came as ``malloc`` and ``free``)."""
 
-    def starts_with(self, gradients: Mapping[int, int], optimizer_state: Sequence[int]) -> None:
+    def starts_with(self, gradients: Mapping[int, int], optimizer_state: Sequence[int], first: bool = False) -> None:
         """What the step's starting blocks are, for the first step before it.
 
         ``gradients``: each gradient block the step starts with, mapped to the block that holds the same parameter's
         gradient at its end. ``optimizer_state``: the optimizer state's blocks, in the order the optimizer made them.
+        ``first``: the step is the run's first itself (it made the optimizer state: a module that has not trained,
+        replayed without a warm-up): nothing runs before it, the workspaces are allocated where it first used them.
         Not called: the first step starts with every block the steady step starts with.
         """
         self._gradients = dict(gradients)
         self._optimizer_state = tuple(optimizer_state)
+        self._steps_before = 0 if first else HISTORY_STEPS
 
     def sequence(self) -> AllocationSequence:
         """The sequence so far as a steady step makes it: the run's first steps (:data:`HISTORY_STEPS`), then it."""
-        return with_first_step(tuple(self._events), self._gradients, self._optimizer_state, HISTORY_STEPS)
+        return with_first_step(tuple(self._events), self._gradients, self._optimizer_state, self._steps_before)
 
     def finish(self, settings: AllocatorSettings | None = None) -> dict[Phase, int]:
         """The sequence so far through a fresh model: every phase's reserved peak, bytes.

@@ -257,7 +257,8 @@ def state_tensors(twin: Twin) -> list[Tensor]:
 
 def gradient_blocks(twin: Twin) -> list[int | None]:
     """Per parameter of the twin, its gradient's storage (the allocation listener's block id), or None: no gradient."""
-    return [None if p.grad is None else storage_key(local_tensor(p.grad)) for p in twin.module.parameters()]
+    parameters = twin.module.parameters()
+    return [None if each.grad is None else storage_key(local_tensor(each.grad)) for each in parameters]
 
 
 def optimizer_state_blocks(twin: Twin) -> list[int]:
