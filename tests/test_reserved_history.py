@@ -1,7 +1,8 @@
 """The first step before a replayed steady step: by hand, and on the recorded GPU traces.
 
-The traces' step 1 is cut by block identity (each ``alloc`` a new block, a ``free_completed`` freeing the live block
-at its address), its first step synthesised from it and run before it; ``pytest -s`` prints the table.
+Each trace's steps 1 and 2 are cut by block identity (each ``alloc`` a new block, a ``free_completed`` freeing the
+live block at its address); the steps before each are synthesised from it (the first) and run before it, and the
+phases' reserved peaks set against the recorded ones; ``pytest -s`` prints the table.
 """
 
 from __future__ import annotations
