@@ -17,10 +17,24 @@ from typing import Any
 
 from lightning_vram.prediction.allocator.model import CachingAllocatorModel
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.prediction.allocator.snapshot import settings_from_snapshot
 
 TRACES = Path(__file__).parent / "data" / "gpu-traces"
-SHIPPED = ("gpt2-b8", "gpt2-b150", "gpt2-b150-expandable", "llama-b4", "resnet50-b64")
-"""The traces this project keeps: the model replays each to its recorded reserved peak, to the byte."""
+AT_CAPACITY = (
+    "h100-gpt2-b91",
+    "h100-gpt2-b91-expandable",
+    "h100-gpt2-b96",
+    "h100-gpt2-b96-expandable",
+    "h100-resnet50-b947-expandable",
+    "h100-resnet50-b952",
+    "h100-resnet50-b995-expandable",
+    "h100-resnet50-b1000",
+)
+"""Traces recorded on an H100 at its capacity (their measurements' ``free_at_start_bytes``), five of them out of memory:
+replayed at that capacity."""
+SHIPPED = ("gpt2-b8", "gpt2-b150", "gpt2-b150-expandable", "llama-b4", "resnet50-b64", *AT_CAPACITY)
+"""The traces this project keeps: the model replays each to its recorded reserved peaks, to the byte (those recorded
+at capacity, at that capacity)."""
 MORE_TRACES_VARIABLE = "LIGHTNING_VRAM_GPU_TRACES"
 
 
@@ -59,18 +73,30 @@ def load(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return snapshot, json.loads(SNAPSHOTS[name].with_suffix(".json").read_text())
 
 
+def capacity(name: str) -> int | None:
+    """The device memory the trace's run had free when it began (bytes), where its measurements give it."""
+    found = load(name)[1].get("free_at_start_bytes")
+    return int(found) if found is not None else None
+
+
 def run_settings(name: str) -> AllocatorSettings:
-    """The allocator settings the trace's run had, from its measurements (``alloc_conf``)."""
-    return AllocatorSettings.from_conf(load(name)[1].get("alloc_conf") or "")
+    """The allocator settings the trace's run had, from its measurements (``alloc_conf``), else from the snapshot's
+    ``allocator_settings`` (the H100 traces' measurements name none)."""
+    snapshot, measured = load(name)
+    recorded = settings_from_snapshot(snapshot.get("allocator_settings"))
+    if measured.get("alloc_conf") is None and recorded is not None:
+        return recorded
+    return AllocatorSettings.from_conf(measured.get("alloc_conf") or "")
 
 
 def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[PhasePeaks]:
     """Replay one trace through the model, the peaks reset where each phase's marker is allocated (just before it:
-    that is where the run read and reset the allocator's peaks)."""
+    that is where the run read and reset the allocator's peaks), at the capacity the run had where its measurements
+    give one (``free_at_start_bytes``), to the run's end or its first ``oom`` event."""
     snapshot, measured = load(name)
     if settings is None:
         settings = run_settings(name)
-    model = CachingAllocatorModel(settings)
+    model = CachingAllocatorModel(settings, capacity_bytes=measured.get("free_at_start_bytes"))
     markers = {marker["bytes"]: (marker["step"], marker["at"]) for marker in measured["markers"]}
     live: dict[int, int] = {}
     reached: dict[tuple[int, str], tuple[int, int]] = {}
@@ -87,6 +113,8 @@ def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[
             model.malloc(block, event["size"], event["stream"])
         elif action == "free_completed":
             model.free(live.pop(event["addr"]))
+        elif action == "oom":  # the run stopped here: its truth holds the steps before
+            break
     peaks = []
     for truth in measured["truth"]:
         for marker, name_of_phase in PHASES:
@@ -103,3 +131,86 @@ def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[
                 )
             )
     return peaks
+
+
+@dataclass(frozen=True)
+class SteadyStep:
+    """One recorded step as the replay hands it to the allocator model, by block identity (block: the event index).
+
+    ``sequence``: the blocks alive at the step's start (allocated in the order the run allocated them: the
+    gradients, the optimizer state and the blocks kept from earlier steps' phases, the library workspaces, after the
+    rest), then the step's own allocations and frees to its end, a phase mark where each phase's marker is allocated.
+    ``gradients``: each gradient the step starts with (allocated in an earlier backward, freed in this step) mapped to
+    the block holding the same parameter's gradient at the step's end (the k-th of each, in allocation order).
+    ``optimizer_state``: the blocks an earlier optimizer phase allocated that are alive at the step's start.
+    """
+
+    sequence: tuple[Any, ...]
+    gradients: dict[int, int]
+    optimizer_state: tuple[int, ...]
+
+
+_PHASE_OF_MARKER = {"batch_start": "forward", "before_backward": "backward", "before_optimizer_step": "optimizer"}
+
+
+def steady_step(name: str, step: int) -> SteadyStep:
+    """Recorded step ``step`` of trace ``name`` as a steady step (see :class:`SteadyStep`)."""
+    from lightning_vram.records import Phase
+
+    snapshot, measured = load(name)
+    markers = {marker["bytes"]: (marker["step"], marker["at"]) for marker in measured["markers"]}
+    live: dict[int, int] = {}
+    born: dict[int, tuple[int, str]] = {}  # block: (step, marker of the phase it was allocated in)
+    nth: dict[int, int] = {}  # block: how many mallocs its phase had made before it
+    sizes: dict[int, tuple[int, int]] = {}
+    before: dict[int, tuple[int, int]] = {}
+    body: list[Any] = []
+    at: tuple[int, str] = (-1, "")
+    made = 0
+    for block, event in enumerate(snapshot["device_traces"][0]):
+        action = event["action"]
+        if action == "alloc":
+            if event["size"] in markers:
+                at = markers[event["size"]]
+                made = 0
+                if at == (step, "batch_start"):
+                    before = {alive: sizes[alive] for alive in live.values()}
+                if at[0] == step and at[1] in _PHASE_OF_MARKER:
+                    body.append(Phase(_PHASE_OF_MARKER[at[1]]))
+                if at[0] > step or at == (step, "batch_end"):
+                    break
+            live[event["addr"]] = block
+            sizes[block] = (event["size"], event["stream"])
+            born[block] = at
+            nth[block] = made
+            made += 1
+            if at[0] == step:
+                body.append(("malloc", block, event["size"], event["stream"]))
+        elif action == "free_completed":
+            freed = live.pop(event["addr"])
+            if at[0] == step:
+                body.append(("free", freed, 0, 0))
+        elif action == "oom":
+            break
+    freed_in_step = {event[1] for event in body if not isinstance(event, Phase) and event[0] == "free"}
+    kept = set(live.values())
+    gradients = [b for b in before if born[b][1] == "before_backward" and b in freed_in_step]
+    state = [b for b in before if born[b][1] == "before_optimizer_step"]
+    kept_from_steps = [b for b in before if born[b][0] >= 0 and b not in gradients and b not in state]
+    rest = [b for b in before if born[b][0] < 0 or born[b][1] == "batch_end"]
+    new_gradients = [b for b in kept if born[b] == (step, "before_backward")]
+    new_gradients = sorted(new_gradients)[-len(gradients) :] if gradients else []
+    # Kept from an earlier step's forward or backward (the libraries' workspaces): allocated where this step's same
+    # phase makes as many mallocs, under a negative id, as the replay's listener gets them.
+    workspaces = [b for b in kept_from_steps if b not in rest]
+    for block in sorted(workspaces, key=lambda b: -nth[b]):
+        marker, count = born[block][1], nth[block]
+        phase = Phase(_PHASE_OF_MARKER[marker])
+        position = body.index(phase) + 1
+        while count > 0 and position < len(body) and not isinstance(body[position], Phase):
+            count -= body[position][0] == "malloc"
+            position += 1
+        body.insert(position, ("malloc", -block, *before[block]))
+    order = [*rest, *gradients, *state]
+    sequence = (*(("malloc", b, *before[b]) for b in order), *body)
+    return SteadyStep(sequence, dict(zip(gradients, new_gradients, strict=False)), tuple(state))

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from allocator_traces import NAMES, SNAPSHOTS, load, run_settings
+from allocator_traces import NAMES, SNAPSHOTS, capacity, load, run_settings
 
 from lightning_vram.cli import main
 from lightning_vram.units import format_bytes
@@ -26,7 +26,12 @@ def recorded_peak(name: str) -> int:
     )
 
 
-@pytest.mark.parametrize("name", NAMES)
+UNCAPPED = tuple(name for name in NAMES if capacity(name) is None)
+"""The traces whose runs stayed clear of their device's capacity: the command, which knows no capacity, replays them
+as they ran."""
+
+
+@pytest.mark.parametrize("name", UNCAPPED)
 def test_json_gives_the_recorded_and_simulated_peaks(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -45,6 +50,22 @@ def test_json_gives_the_recorded_and_simulated_peaks(name: str, capsys: pytest.C
     ]
     assert all(entry["reserved_peak_bytes"] >= entry["allocated_peak_bytes"] > 0 for entry in data["what_if"])
     assert data["trace"]["from_empty"] and "out_of_memory" not in data
+
+
+def _ran_out(name: str) -> bool:
+    return any(event["action"] == "oom" for event in load(name)[0]["device_traces"][0])
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if _ran_out(name)])
+def test_a_recorded_run_that_ran_out_of_memory_does_in_the_command_too(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # The capacity the oom event's own figures give is what the device had free when the run began.
+    failed = next(event for event in load(name)[0]["device_traces"][0] if event["action"] == "oom")
+    assert data["out_of_memory"] == {"request_bytes": failed["size"], "capacity_bytes": capacity(name)}
+    assert data["simulated"]["fits"] is False
 
 
 def test_the_default_run_learns_what_expandable_segments_hold(capsys: pytest.CaptureFixture[str]) -> None:

@@ -136,11 +136,12 @@ def test_the_synthesized_sequence_is_the_replayed_one_and_the_table_equals_the_r
         with capsys.disabled():
             print(f"\n{name} {mode}: {search.replays} replays, {seconds:.1f} s, rows {rows[mode]}, {search.notes}")
     # Where they differ, the step's serving is not monotone in the batch: both are a batch served with the next one
-    # not (the search confirms the boundary it finds; a bisection finds one of them).
+    # not (the search confirms the boundary it finds; a bisection finds one of them). The MLP's with expandable
+    # segments at 9x is so since the step runs after the run's first step (17,221 and 18,152 both such a batch).
     for (_, capacity), mine, theirs in zip(gpus, rows["synthesized"], rows["replayed"], strict=True):
         for ours, today, settings in zip(mine, theirs, SETTINGS.values(), strict=True):
             if ours != today:
-                assert name == "conv-batchnorm", (ours, today)
+                assert name in ("conv-batchnorm", "mlp"), (ours, today)
                 for answer in (ours, today):
                     assert _served(law, answer, settings, capacity - 64 * MIB)
                     assert not _served(law, answer + 1, settings, capacity - 64 * MIB)

@@ -85,7 +85,14 @@ from lightning_vram.prediction.replay.step import (
     release_frames,
 )
 from lightning_vram.prediction.replay.timeline import TimelineRecorder
-from lightning_vram.prediction.replay.twin import make_twin, module_device, shared_arrays, state_tensors
+from lightning_vram.prediction.replay.twin import (
+    gradient_blocks,
+    make_twin,
+    module_device,
+    optimizer_state_blocks,
+    shared_arrays,
+    state_tensors,
+)
 from lightning_vram.prediction.replay.unit_calls import Call, CallRecorder, changed_unit
 from lightning_vram.prediction.replay.workspaces import WorkspaceProbe
 from lightning_vram.records import (
@@ -446,6 +453,7 @@ class Predictor:
                             parameter.grad = None
                     allocations, reserved = self._listener()
                     live = LiveMemory(self.device, allocations)
+                    gradients, optimizer_state = gradient_blocks(twin), optimizer_state_blocks(twin)
                     live.track(state_tensors(twin))
                     held_by_strategy = self._strategy_buffers()
                     live.track(held_by_strategy)
@@ -487,6 +495,11 @@ class Predictor:
                             live.add_op_listener(flops.count)
                             live.add_sampler(flops)
                         run.run_step(twin, fake_batch, counter, live, zero_grad=self.accumulate == 1)
+                    if reserved is not None:  # for the steps before it, which start without these and make them
+                        ended = zip(gradients, gradient_blocks(twin), strict=False)
+                        carried = {block: after for block, after in ended if block is not None and after is not None}
+                        made_state = not optimizer_state and bool(optimizer_state_blocks(twin))
+                        reserved.starts_with(carried, optimizer_state, first=made_state)
                     changed = changed_unit(self._calls or {}, checkpointed_calls(twin.module))
                     if changed is not None and self._calls is not None:
                         raise RefusedError(f"the checkpointing plan changes what the model computes: {changed}")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.measure.scripted import scripted_module_names, scripted_tensors
-from lightning_vram.measure.storages import DTENSOR
+from lightning_vram.measure.storages import DTENSOR, local_tensor, storage_key
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.hook_free import without_user_hooks
@@ -253,3 +253,15 @@ def state_tensors(twin: Twin) -> list[Tensor]:
     for optimizer in twin.optimizers:
         tensors += iter_tensors(list(optimizer.state.values()))
     return tensors
+
+
+def gradient_blocks(twin: Twin) -> list[int | None]:
+    """Per parameter of the twin, its gradient's storage (the allocation listener's block id), or None: no gradient."""
+    parameters = twin.module.parameters()
+    return [None if each.grad is None else storage_key(local_tensor(each.grad)) for each in parameters]
+
+
+def optimizer_state_blocks(twin: Twin) -> list[int]:
+    """The storages of the twin's optimizer state (the allocation listener's block ids), in the state's order."""
+    tensors = [tensor for optimizer in twin.optimizers for tensor in iter_tensors(list(optimizer.state.values()))]
+    return [storage_key(local_tensor(tensor)) for tensor in tensors]

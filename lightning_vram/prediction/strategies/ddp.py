@@ -20,7 +20,7 @@ from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduc
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.precision import precision_plan
-from lightning_vram.prediction.replay.reserved import ReservedPeaks
+from lightning_vram.prediction.replay.reserved import phase_peaks
 from lightning_vram.prediction.replay.storages import allocator_bytes
 from lightning_vram.records import (
     AllocationSequence,
@@ -92,7 +92,7 @@ def holding(replayed: ReplayedStep, buffers: StrategyBuffers, allocator: Allocat
     if allocations is not None:
         allocations = with_buffers(allocations, buffers.buffers)
         if allocator is not None:
-            reserved = reserved_peaks(allocations, allocator)
+            reserved = phase_peaks(allocations, allocator)
     timeline = replayed.timeline
     if timeline is not None:
         points = tuple(dataclasses.replace(point, other=point.other + held) for point in timeline.points)
@@ -124,19 +124,6 @@ def with_buffers(allocations: AllocationSequence, buffers: tuple[int, ...]) -> A
     """``allocations`` with each of ``buffers`` (bytes) allocated at its start and never freed."""
     held = tuple(("malloc", BUCKET_BLOCKS - index, size, 0) for index, size in enumerate(buffers) if size > 0)
     return (*held, *allocations)
-
-
-def reserved_peaks(allocations: AllocationSequence, allocator: AllocatorSettings) -> dict[Phase, int]:
-    """Each phase's reserved peak of ``allocations`` through the allocator model with ``allocator``, bytes."""
-    model = ReservedPeaks(allocator)
-    for event in allocations:
-        if isinstance(event, Phase):
-            model.start_phase(event)
-        elif event[0] == "malloc":
-            model.malloc(event[1], event[2], event[3])
-        else:
-            model.free(event[1])
-    return model.finish()
 
 
 LAZY_SKIP = (
