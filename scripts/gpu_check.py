@@ -105,8 +105,11 @@ def environment() -> dict[str, str]:
     return env
 
 
-def gpu_test_rows(budget: Budget) -> list[Row]:
-    """Run the gpu-marked tests in a subprocess; one row a test (its outcome, and a failure's first line)."""
+def gpu_test_rows(budget: Budget, log: Path | None = None) -> list[Row]:
+    """Run the gpu-marked tests in a subprocess; one row a test (its outcome, and a failure's first line).
+
+    ``log``: pytest's whole output is written there too (a failure's traceback, for the next session to read).
+    """
     with tempfile.TemporaryDirectory() as root:
         junit = Path(root) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-v", "-p", "no:cacheprovider"]
@@ -118,11 +121,15 @@ def gpu_test_rows(budget: Budget) -> list[Row]:
         except subprocess.TimeoutExpired as stopped:
             # No junit file from a killed run: the tests that ended, from its verbose lines.
             partial = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+            if log is not None:
+                log.write_text(partial)
             ended = [
                 Row("GPU tests", match["name"], outcome=match["outcome"].lower())
                 for match in VERBOSE_LINE.finditer(partial)
             ]
             return [*ended, Row("GPU tests", "pytest -m gpu", outcome="timed out: budget spent")]
+        if log is not None:
+            log.write_text(run.stdout + run.stderr)
         if not junit.exists():
             return [Row("GPU tests", "pytest -m gpu", outcome=f"no results (exit {run.returncode}): {tail(run)}")]
         rows = []
@@ -451,7 +458,7 @@ class TraceRecorder:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
+    def __exit__(self, *_: object) -> None:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         stats = torch.cuda.memory_stats()
@@ -471,7 +478,14 @@ class TraceRecorder:
             "free_at_start_bytes": self.free_at_start,
             "markers": self.marks.markers,
             "truth": [step for step in self.marks.truth if "optimizer" in step],
-            "oom": str(error).splitlines()[0] if isinstance(error, torch.cuda.OutOfMemoryError) else None,
+            "oom": next(  # torch's own record of the request that failed (the error itself is caught by fits())
+                (
+                    {"size": event["size"], "device_free": event.get("device_free")}
+                    for event in snapshot["device_traces"][torch.cuda.current_device()]
+                    if event["action"] == "oom"
+                ),
+                None,
+            ),
             "reserved_peak": stats["reserved_bytes.all.peak"],
             "events": len(snapshot["device_traces"][torch.cuda.current_device()]),
         }
@@ -491,7 +505,7 @@ def trace_row(section: str, label: str, path: Path) -> Row:
     recorded = trace.recorded_reserved_peak_bytes
     # Whether the model serves the run in that capacity (the failed request too).
     fits = replay(trace, capacity_bytes=capacity, serve_failed_request=True).out_of_memory is None
-    ran = "OOM" if measured["oom"] else "fit"
+    ran = "OOM" if trace.failed is not None else "fit"  # torch's own oom event in the trace
     agrees = "agrees" if fits == (ran == "fit") else "DISAGREES"
     outcome = f"{within(simulated, recorded, 0.001)} (target 0.1%); model at capacity: {'fit' if fits else 'OOM'}"
     outcome += f", ran: {ran} ({agrees}); {trace.events} events, from empty: {trace.from_empty}"
@@ -514,7 +528,8 @@ def monitored(case: Case, training: Training, budget: Budget, trace: Path | None
         replay_budget_seconds=replay_seconds, preflight=False,
     )  # fmt: skip
     recorder = TraceRecorder(case, case.batch_size, trace) if trace is not None and not training.dry_run else None
-    callbacks: list[Any] = [monitor] if recorder is None else [monitor, recorder.marks]
+    # The marks read the allocator's peaks before the monitor resets them at the same boundary (they come first).
+    callbacks: list[Any] = [monitor] if recorder is None else [recorder.marks, monitor]
     try:
         with recorder if recorder is not None else contextlib.nullcontext():
             training.fit(case.batch_size, 3, callbacks)
@@ -836,7 +851,8 @@ def main() -> None:
             arguments.out.write_text(table())
 
     if "tests" not in arguments.skip:
-        rows += guarded("GPU tests", "pytest", lambda: gpu_test_rows(Budget(0.25 * total)))
+        log = arguments.out.with_name("gpu_tests.log") if arguments.out is not None else None
+        rows += guarded("GPU tests", "pytest", lambda: gpu_test_rows(Budget(0.25 * total), log))
         publish()
     if "overhead" not in arguments.skip:
         rows += guarded("overhead", "benchmark", lambda: overhead_rows(Budget(0.17 * total), dry_run))

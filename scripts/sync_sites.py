@@ -10,6 +10,7 @@ the distinct stacks are printed, then one line: ``N synchronising sites in VramM
     python scripts/sync_sites.py                 # on a CUDA machine
     python scripts/sync_sites.py --adamw         # AdamW instead of SGD: its state copied into the replay
     python scripts/sync_sites.py --error         # "error" as the test: the traceback of what escapes fit
+    python scripts/sync_sites.py --replays-off   # no preflight, no replay: the test's settings under the suite
     python scripts/sync_sites.py --cpu-dry-run   # on the CPU, no sync mode (there is none): trains, prints 0
 
 The stacks are de-duplicated whole, from the monitor's hook (``callback.py``) down to the call that synchronised.
@@ -118,7 +119,7 @@ def sync_warnings() -> Iterator[dict[tuple[str, ...], int]]:
             warnings._showwarnmsg = shown  # type: ignore[attr-defined]
 
 
-def train(cpu: bool, adamw: bool, steps: int, mode: str) -> dict[tuple[str, ...], int]:
+def train(cpu: bool, adamw: bool, steps: int, mode: str, replays: bool = True) -> dict[tuple[str, ...], int]:
     """Fit the test's configuration under sync debug ``mode``; the synchronisation sites seen in the monitor's hooks.
 
     Under ``"error"`` (as the test) the first synchronisation raises where the monitor does not catch it: its
@@ -127,8 +128,10 @@ def train(cpu: bool, adamw: bool, steps: int, mode: str) -> dict[tuple[str, ...]
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(64, 3, 8, 8, generator=generator)
     data = TensorDataset(inputs, torch.randint(0, 10, (64,), generator=generator))
+    # Without replays, as the test runs under tests/conftest.py (its tier turns them off): no preflight, no replay.
+    off: dict[str, Any] = {} if replays else {"replay_budget_seconds": 0.0, "preflight": False}
     monitor = VramMonitor(
-        attribution_start_step=1, attribution_every_n_steps=2, log_every_n_steps=1, console_summary=False
+        attribution_start_step=1, attribution_every_n_steps=2, log_every_n_steps=1, console_summary=False, **off
     )
     root = Path(tempfile.mkdtemp(prefix="sync_sites_"))
     trainer = pl.Trainer(
@@ -164,13 +167,17 @@ def main() -> None:
     parser.add_argument("--adamw", action="store_true", help="AdamW instead of SGD")
     parser.add_argument("--steps", type=int, default=6, help="training steps (default 6, as the test)")
     parser.add_argument("--error", action="store_true", help='sync mode "error" (as the test) instead of "warn"')
+    parser.add_argument(
+        "--replays-off", action="store_true", help="no preflight and no replay, as the test runs under the suite"
+    )
     arguments = parser.parse_args()
     if not arguments.cpu_dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here: run it with --cpu-dry-run")
     device = "cpu (dry run)" if arguments.cpu_dry_run else torch.cuda.get_device_name()
     optimizer = "AdamW" if arguments.adamw else "SGD"
     print(f"torch {torch.__version__}, lightning {lightning.__version__}, {device}, {optimizer}")
-    sites = train(arguments.cpu_dry_run, arguments.adamw, arguments.steps, "error" if arguments.error else "warn")
+    mode = "error" if arguments.error else "warn"
+    sites = train(arguments.cpu_dry_run, arguments.adamw, arguments.steps, mode, not arguments.replays_off)
     for number, (stack, count) in enumerate(sites.items(), start=1):
         print(f"\n--- site {number}: {count} time(s)")
         print("\n".join(f"    {frame}" for frame in stack))

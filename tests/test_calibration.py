@@ -15,6 +15,7 @@ from scripted import MIB
 
 from lightning_vram import VramMonitor
 from lightning_vram.codec import report_from_dict, report_to_dict
+from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.calibration import calibrate, carry
 from lightning_vram.records import (
     Breakdown,
@@ -169,3 +170,34 @@ def test_what_the_replay_over_counts_is_never_carried_back() -> None:
     assert forward.breakdown is not None and forward.breakdown.other == 1480  # the carried bytes are in "other"
     nothing = calibrate(replayed, {Phase.FORWARD: PhasePeak(1, Phase.FORWARD, 10, None, None)}, 1)
     assert nothing is not None and carry(replayed, nothing) is replayed
+
+
+class StepReserves:
+    """The part of a simulation's replays :func:`at_step` reads: the allocator, and a step's reserve by its index."""
+
+    allocator = AllocatorSettings()
+
+    def __init__(self, by_steps_before: dict[int, dict[Phase, int]]) -> None:
+        self.by_steps_before = by_steps_before
+
+    def reserved_with(self, settings: AllocatorSettings, steps_before: int | None = None) -> dict[Phase, int] | None:
+        return self.by_steps_before[2 if steps_before is None else min(steps_before, 2)]
+
+
+def test_a_sampled_step_is_set_against_the_reserve_its_own_index_holds() -> None:
+    """The replay's reserved peaks are a steady step's (step 2 on); a step sampled at 1 is set against step 1's."""
+    from lightning_vram.prediction.replay.simulation import at_step
+
+    replayed = _step({Phase.FORWARD: (1000, 8192), Phase.BACKWARD: (2000, 8192)})
+    reserves = StepReserves(
+        {1: {Phase.FORWARD: 6144, Phase.BACKWARD: 8192}, 2: {Phase.FORWARD: 8192, Phase.BACKWARD: 8192}}
+    )
+    first_sampled = at_step(replayed, reserves, 1)  # type: ignore[arg-type]  # the two members at_step reads
+    assert {phase: peak.reserved_bytes for phase, peak in first_sampled.phases.items()} == {
+        Phase.FORWARD: 6144,
+        Phase.BACKWARD: 8192,
+    }
+    assert at_step(replayed, reserves, 3) == replayed  # type: ignore[arg-type]
+    measured = {Phase.FORWARD: PhasePeak(1, Phase.FORWARD, 1000, 6144, None)}
+    calibration = calibrate(first_sampled, measured, 1)
+    assert calibration is not None and calibration.phases[0].reserved_error == 0.0

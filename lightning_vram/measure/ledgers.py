@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_vram.measure.deepspeed_zero import partition_gradients
-from lightning_vram.measure.storages import StorageBytes, StorageKey, add_storage, storage_identity
+from lightning_vram.measure.storages import StorageBytes, StorageKey, add_storage, gradient_of, storage_identity
 from lightning_vram.measure.tensors import without_history
 
 
@@ -219,8 +219,9 @@ class GradientLedger:
         self._activations = activations
         self._by_tensor: dict[int, StorageBytes] = {}
         for parameter in (*module.parameters(), *sharded):  # FSDP2's sharded ones hold the gradients
-            if parameter.grad is not None:
-                self._by_tensor[id(parameter)] = self._storages(parameter.grad)
+            gradient = gradient_of(parameter)
+            if gradient is not None:
+                self._by_tensor[id(parameter)] = self._storages(gradient)
         partitions = StorageBytes()  # ZeRO's gradient partitions, read once at the start of backward
         for optimizer in optimizers:
             for gradient in partition_gradients(optimizer):

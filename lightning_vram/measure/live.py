@@ -38,7 +38,7 @@ from torch._C import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
-from lightning_vram.measure.storages import local_tensor, on_device, storage_identity, tensor_storages
+from lightning_vram.measure.storages import gradient_of, local_tensor, on_device, storage_identity, tensor_storages
 from lightning_vram.measure.tensors import iter_tensors, op_tensors
 from lightning_vram.records import Phase
 
@@ -116,7 +116,7 @@ def state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
     Parameters, buffers, gradients, optimizer state, and the batch.
     """
     tensors = [*module.parameters(), *module.buffers()]
-    tensors += [parameter.grad for parameter in module.parameters() if parameter.grad is not None]
+    tensors += [gradient for gradient in map(gradient_of, module.parameters()) if gradient is not None]
     for optimizer in optimizers:
         tensors += iter_tensors(list(optimizer.state.values()))
     return [*tensors, *iter_tensors(batch)]

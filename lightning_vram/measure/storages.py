@@ -93,6 +93,16 @@ FSDP_MODULE = _fsdp_module_type()
 """``torch.distributed.fsdp.FSDPModule`` (what ``fully_shard`` makes a module), or ``None`` without distributed."""
 
 
+def gradient_of(tensor: Tensor) -> Tensor | None:
+    """``tensor.grad`` for a leaf tensor (a parameter), ``None`` for any other.
+
+    A module's "parameters" are not always leaves: FSDP (``use_orig_params=True``) stands views of its flat parameter
+    in for them while the module runs, and torch warns on reading a non-leaf tensor's ``.grad`` (seen on an H100 as
+    a warning out of the monitor's sampled step). A non-leaf tensor holds no parameter's gradient.
+    """
+    return tensor.grad if tensor.is_leaf else None
+
+
 def unsharded_parameters(module: nn.Module) -> list[Tensor]:
     """The parameters FSDP2 has all-gathered for ``module`` now: none unless it is a ``fully_shard`` module.
 
@@ -234,8 +244,9 @@ def gradient_storages(
     """
     storages = StorageBytes()
     for parameter in (*module.parameters(), *sharded):
-        if parameter.grad is not None:
-            add_storage(storages, parameter.grad, device, key_of=key_of)
+        gradient = gradient_of(parameter)
+        if gradient is not None:
+            add_storage(storages, gradient, device, key_of=key_of)
     for optimizer in optimizers:
         for gradient in partition_gradients(optimizer):
             add_storage(storages, gradient, device, key_of=key_of)

@@ -254,12 +254,13 @@ class Predictor:
         """
         return self.carried.unseen_bytes if self.carried is not None else {}
 
-    def reserved_with(self, settings: AllocatorSettings) -> dict[Phase, int] | None:
+    def reserved_with(self, settings: AllocatorSettings, steps_before: int | None = None) -> dict[Phase, int] | None:
         """The baseline's allocation sequence through the allocator model with ``settings``: reserved peaks, bytes.
 
         Per phase, the replay's own (nothing carried); ``None`` before a baseline replayed with a model.
+        ``steps_before``: as the run's step of that index holds them (:meth:`ReservedPeaks.finish`).
         """
-        return self._sequence.finish(settings) if self._sequence is not None else None
+        return self._sequence.finish(settings, steps_before) if self._sequence is not None else None
 
     @property
     def device_type(self) -> str:

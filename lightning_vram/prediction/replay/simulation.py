@@ -81,9 +81,29 @@ class Replays(Protocol):
         """One replay of the step with ``change`` (``None``: as it is), its FLOPs counted with ``count_flops``."""
         ...
 
-    def reserved_with(self, settings: AllocatorSettings) -> dict[Phase, int] | None:
-        """The baseline's allocation sequence through the allocator model with ``settings``, per phase."""
+    def reserved_with(self, settings: AllocatorSettings, steps_before: int | None = None) -> dict[Phase, int] | None:
+        """The baseline's allocation sequence through the allocator model with ``settings``, per phase.
+
+        ``steps_before``: as the run's step of that index holds it (a steady step's otherwise).
+        """
         ...
+
+
+def at_step(step: ReplayedStep, replays: Replays, index: int) -> ReplayedStep:
+    """``step`` with each phase's reserved peak as the run's step ``index`` holds it, to set against that step.
+
+    A replay's reserved peaks are a steady step's (:data:`~lightning_vram.prediction.replay.reserved.HISTORY_STEPS`
+    steps before it); a step sampled earlier finds less reserved. Unchanged without a simulated allocator.
+    """
+    allocator = replays.allocator
+    reserved = replays.reserved_with(allocator, index) if allocator is not None else None
+    if not reserved:
+        return step
+    phases = {
+        phase: replace(peak, reserved_bytes=reserved.get(phase, peak.reserved_bytes))
+        for phase, peak in step.phases.items()
+    }
+    return replace(step, phases=phases)
 
 
 def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: float = BASELINE_TOLERANCE) -> Simulation:
@@ -143,7 +163,8 @@ def simulate(replays: Replays, changes: Sequence[StepChange] = (), tolerance: fl
         expandable = replays.reserved_with(replace(allocator, expandable_segments=True))
     match = match_baseline(raw, attribution, tolerance, replays.released_late()) if attribution is not None else None
     if replays.measured:
-        calibration = calibrate(raw, replays.measured, attribution.step if attribution is not None else 0)
+        sampled = attribution.step if attribution is not None else 0
+        calibration = calibrate(at_step(raw, replays, sampled), replays.measured, sampled)
         replays.carried = calibration
         baseline = carry(raw, calibration) if calibration is not None else raw
     if match is not None and not match.matches:

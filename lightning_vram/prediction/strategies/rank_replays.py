@@ -110,7 +110,7 @@ class RankReplays:
             return predicted
         return as_replayed(predicted)
 
-    def reserved_with(self, settings: AllocatorSettings) -> dict[Phase, int] | None:
+    def reserved_with(self, settings: AllocatorSettings, steps_before: int | None = None) -> dict[Phase, int] | None:
         """No allocation sequence is kept for a rank's prediction."""
         return None
 
