@@ -821,12 +821,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     parser.add_argument(
-        "--traces", type=Path, help="record each largest-batch fit's allocator trace here (tests/data/gpu-traces)"
+        "--traces",
+        type=Path,
+        help="record an allocator trace of each monitored fit, largest-batch fit and fit 5%% above it in this folder"
+        " (tests/data/gpu-traces' format); each but the monitored fits' is replayed through the allocator model in"
+        " a row of its own; GPU only",
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU with tiny models (no GPU)")
-    parser.add_argument("--total-seconds", type=float, default=420.0, help="wall budget for everything")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["tests", "overhead", "models"], help="rows to leave out"
+        "--total-seconds", type=float, default=420.0, help="wall budget for everything, seconds (default 420)"
+    )
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["tests", "overhead", "models"], help="sections to leave out"
     )
     arguments = parser.parse_args()
 
