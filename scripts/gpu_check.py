@@ -628,9 +628,13 @@ def batch_rows(
         if above_fits is None:
             rows.append(Row(section, f"{label} +5%", str(above), outcome="skipped: budget spent"))
         else:
-            verdict = "fit: the prediction was conservative" if above_fits else "OOM as predicted"
-            if above_fits and not dry_run:
-                verdict = f"fit: the prediction was at least {100 * (above - size) / size:.0f}% conservative"
+            verdict = "OOM as predicted"
+            if above_fits:  # a dry run's batch is the case's own, no prediction: nothing to call conservative
+                verdict = (
+                    "fit (dry run: no prediction to judge)"
+                    if dry_run
+                    else f"fit: the prediction was at least {100 * (above - size) / size:.0f}% conservative"
+                )
             rows.append(Row(section, f"{label} +5%", str(above), "fit" if above_fits else "OOM", outcome=verdict))
     for label, path in recorded:
         if path.is_file():
