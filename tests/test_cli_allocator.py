@@ -204,3 +204,24 @@ def test_an_out_of_memory_trace_ends_with_whether_a_setting_would_have_saved_it(
         "what the allocator would have held with (serving the failed request too; the peaks with no limit, fits or"
         " out of memory within the 78.45 GiB the run had, its cache released and retried as torch does):"
     )
+
+
+@pytest.mark.parametrize(("name", "released"), [("h100-resnet50-b952", 65), ("gpt2-b150", 0)])
+def test_a_run_that_met_its_devices_memory_is_said_to_have(
+    name: str, released: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ResNet-50 at batch 952 trained on the H100 at its capacity: torch gave back cached segments to retry, and the
+    # command's replay, with no limit, is 21% above its recorded peak. The H200's batch 150 ran clear of its memory.
+    assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["segments_released_mid_run"] == released
+    assert main(["allocator", str(SNAPSHOTS[name])]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("the run met its device's memory")]
+    assert said == (
+        [
+            "the run met its device's memory: the allocator gave back 65 cached segment(s) before its last allocation"
+            " (torch does when a cudaMalloc fails, then retries; or the code called torch.cuda.empty_cache()); these"
+            " replays have no limit, so their reserved peaks can be above what that device let it hold"
+        ]
+        if released
+        else []
+    )

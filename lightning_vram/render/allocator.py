@@ -42,6 +42,7 @@ def allocator_dict(result: WhatIf) -> dict[str, Any]:
             "live_at_start": trace.live_at_start,
             "reserved_at_start_bytes": trace.reserved_at_start_bytes,
             "settings_recorded": trace.settings is not None,
+            "segments_released_mid_run": trace.released_mid_run,
         },
     }
     if trace.failed is not None:
@@ -82,6 +83,13 @@ def allocator_text(result: WhatIf) -> str:
         f"allocated peak (simulated): {format_bytes(simulated.peak_allocated_bytes)}"
         f" ({simulated.peak_allocated_bytes:,} B)",
     ]
+    if trace.failed is None and trace.released_mid_run:
+        lines.append(
+            f"the run met its device's memory: the allocator gave back {trace.released_mid_run} cached segment(s)"
+            " before its last allocation (torch does when a cudaMalloc fails, then retries; or the code called"
+            " torch.cuda.empty_cache()); these replays have no limit, so their reserved peaks can be above what that"
+            " device let it hold"
+        )
     against = simulated.peak_reserved_bytes
     if trace.failed is not None and result.serving_failed is not None:
         against = result.serving_failed.peak_reserved_bytes
