@@ -87,6 +87,8 @@ def test_cuda_prediction_without_a_cuda_device_replays_on_the_cpu_and_says_so() 
     else:
         assert prediction.step.device_type == "cpu"
         assert any("replayed on the CPU" in note for note in prediction.notes)
+        # The CPU's replay takes no library workspaces, which a CUDA step holds: the note says they are left out.
+        assert not cublas and any("cuBLASLt's workspaces are not counted" in note for note in prediction.notes)
 
 
 class ReadsLoss(Classifier):
