@@ -294,7 +294,9 @@ def _parser() -> argparse.ArgumentParser:
         help="replay a memory snapshot through the caching allocator model",
         description="Replay a memory snapshot torch wrote (torch.cuda.memory._dump_snapshot(), or the monitor's"
         " vram_oom_snapshot.pickle) through a model of PyTorch's CUDA caching allocator: the reserved peak it"
-        " recorded and the one simulated, and what expandable_segments:True and max_split_size_mb would have held.",
+        " recorded and the one simulated, and what expandable_segments:True and max_split_size_mb would have held"
+        " (with no memory limit: the snapshot holds none); for a run that ran out of memory, whether each would have"
+        " served the failed request in the memory the run had.",
     )
     allocator.add_argument("snapshot", type=_path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
     allocator.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -270,7 +270,8 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
     if device.type == "cuda" and not torch.cuda.is_available():
         note = (
             "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"
-            " CPU kernels' (CUDA kernels such as attention's may save other tensors)"
+            " CPU kernels' (CUDA kernels such as attention's may save other tensors), and cuBLAS's and cuBLASLt's"
+            " workspaces are not counted (on an H100, two of 32 MiB and one of 1 MiB)"
         )
         return torch.device("cpu"), (note,)
     return device, ()

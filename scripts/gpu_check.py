@@ -628,9 +628,13 @@ def batch_rows(
         if above_fits is None:
             rows.append(Row(section, f"{label} +5%", str(above), outcome="skipped: budget spent"))
         else:
-            verdict = "fit: the prediction was conservative" if above_fits else "OOM as predicted"
-            if above_fits and not dry_run:
-                verdict = f"fit: the prediction was at least {100 * (above - size) / size:.0f}% conservative"
+            verdict = "OOM as predicted"
+            if above_fits:  # a dry run's batch is the case's own, no prediction: nothing to call conservative
+                verdict = (
+                    "fit (dry run: no prediction to judge)"
+                    if dry_run
+                    else f"fit: the prediction was at least {100 * (above - size) / size:.0f}% conservative"
+                )
             rows.append(Row(section, f"{label} +5%", str(above), "fit" if above_fits else "OOM", outcome=verdict))
     for label, path in recorded:
         if path.is_file():
@@ -821,12 +825,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     parser.add_argument(
-        "--traces", type=Path, help="record each largest-batch fit's allocator trace here (tests/data/gpu-traces)"
+        "--traces",
+        type=Path,
+        help="record an allocator trace of each monitored fit, largest-batch fit and fit 5%% above it in this folder"
+        " (tests/data/gpu-traces' format); each but the monitored fits' is replayed through the allocator model in"
+        " a row of its own; GPU only",
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU with tiny models (no GPU)")
-    parser.add_argument("--total-seconds", type=float, default=420.0, help="wall budget for everything")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["tests", "overhead", "models"], help="rows to leave out"
+        "--total-seconds", type=float, default=420.0, help="wall budget for everything, seconds (default 420)"
+    )
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["tests", "overhead", "models"], help="sections to leave out"
     )
     arguments = parser.parse_args()
 

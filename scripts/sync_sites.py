@@ -163,7 +163,9 @@ def train(cpu: bool, adamw: bool, steps: int, mode: str, replays: bool = True) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-dry-run", action="store_true", help="train on the CPU without a sync mode (prints 0)")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="train on the CPU without a sync mode (nothing is checked; prints 0)"
+    )
     parser.add_argument("--adamw", action="store_true", help="AdamW instead of SGD")
     parser.add_argument("--steps", type=int, default=6, help="training steps (default 6, as the test)")
     parser.add_argument("--error", action="store_true", help='sync mode "error" (as the test) instead of "warn"')
@@ -175,13 +177,19 @@ def main() -> None:
         parser.error("no CUDA device here: run it with --cpu-dry-run")
     device = "cpu (dry run)" if arguments.cpu_dry_run else torch.cuda.get_device_name()
     optimizer = "AdamW" if arguments.adamw else "SGD"
-    print(f"torch {torch.__version__}, lightning {lightning.__version__}, {device}, {optimizer}")
     mode = "error" if arguments.error else "warn"
+    shown = "none (no CUDA)" if arguments.cpu_dry_run else mode
+    replays = "off" if arguments.replays_off else "on"
+    print(
+        f"torch {torch.__version__}, lightning {lightning.__version__}, {device}, {optimizer},"
+        f" sync mode {shown}, replays {replays}, {arguments.steps} steps"
+    )
     sites = train(arguments.cpu_dry_run, arguments.adamw, arguments.steps, mode, not arguments.replays_off)
     for number, (stack, count) in enumerate(sites.items(), start=1):
         print(f"\n--- site {number}: {count} time(s)")
         print("\n".join(f"    {frame}" for frame in stack))
-    print(f"\n{len(sites)} synchronising sites in VramMonitor's hooks")
+    checked = " (a CPU dry run: nothing was checked)" if arguments.cpu_dry_run else ""
+    print(f"\n{len(sites)} synchronising sites in VramMonitor's hooks{checked}")
 
 
 if __name__ == "__main__":

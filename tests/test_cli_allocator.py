@@ -174,3 +174,54 @@ def test_the_installed_command_prints_no_traceback(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "last_line"),
+    [
+        (  # the same batch with expandable_segments:True trained both its steps on that H100 (h100-gpt2-b91-expandable)
+            "h100-gpt2-b91",
+            "would have served the failed request in the same 78.45 GiB (simulated; the trace ends there):"
+            " expandable_segments:True, max_split_size_mb:64, max_split_size_mb:128, max_split_size_mb:256,"
+            " max_split_size_mb:512; for example PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py",
+        ),
+        (  # and batch 96 ran out of memory with expandable segments too (h100-gpt2-b96-expandable)
+            "h100-gpt2-b96",
+            "no setting tried serves the failed request in the same 78.45 GiB: the step itself must hold less"
+            " (a smaller batch, 16-bit precision, activation checkpointing)",
+        ),
+    ],
+)
+def test_an_out_of_memory_trace_ends_with_whether_a_setting_would_have_saved_it(
+    name: str, last_line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["allocator", str(SNAPSHOTS[name])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == last_line
+    # The peaks listed are the model's with no limit (one above 78.45 GiB still fits: the cache released), and the
+    # heading says so.
+    assert lines[5] == (
+        "what the allocator would have held with (serving the failed request too; the peaks with no limit, fits or"
+        " out of memory within the 78.45 GiB the run had, its cache released and retried as torch does):"
+    )
+
+
+@pytest.mark.parametrize(("name", "released"), [("h100-resnet50-b952", 65), ("gpt2-b150", 0)])
+def test_a_run_that_met_its_devices_memory_is_said_to_have(
+    name: str, released: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ResNet-50 at batch 952 trained on the H100 at its capacity: torch gave back cached segments to retry, and the
+    # command's replay, with no limit, is 21% above its recorded peak. The H200's batch 150 ran clear of its memory.
+    assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["segments_released_mid_run"] == released
+    assert main(["allocator", str(SNAPSHOTS[name])]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("the run met its device's memory")]
+    assert said == (
+        [
+            "the run met its device's memory: the allocator gave back 65 cached segment(s) before its last allocation"
+            " (torch does when a cudaMalloc fails, then retries; or the code called torch.cuda.empty_cache()); these"
+            " replays have no limit, so their reserved peaks can be above what that device let it hold"
+        ]
+        if released
+        else []
+    )

@@ -77,6 +77,8 @@ def test_the_cpu_dry_run_prints_every_row_with_figures_that_parse(tmp_path: Path
         above = next(row for row in own if row["row"] == "largest batch +5%")
         assert (batch["measured"], batch["outcome"]) == ("fit", "ok: fits")
         assert int(above["predicted"]) == int(batch["predicted"]) + 1  # ceil(1.05 x 2) = 3
+        # The dry run's batch is no prediction: that 3 fits too says nothing of one.
+        assert (above["measured"], above["outcome"]) == ("fit", "fit (dry run: no prediction to judge)")
         preflight = next(row for row in own if row["row"].startswith("preflight at batch "))
         assert preflight["row"] == "preflight at batch 3"  # ceil(1.2 x 2)
         remedies = {row["row"]: row["outcome"] for row in own if row["row"].startswith("remedy: ")}

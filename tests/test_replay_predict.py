@@ -87,6 +87,8 @@ def test_cuda_prediction_without_a_cuda_device_replays_on_the_cpu_and_says_so() 
     else:
         assert prediction.step.device_type == "cpu"
         assert any("replayed on the CPU" in note for note in prediction.notes)
+        # The CPU's replay takes no library workspaces, which a CUDA step holds: the note says they are left out.
+        assert not cublas and any("cuBLASLt's workspaces are not counted" in note for note in prediction.notes)
 
 
 class ReadsLoss(Classifier):
@@ -193,7 +195,12 @@ def test_a_prediction_prints_as_a_short_table_and_has_a_json_form() -> None:
         *format_bytes(forward.peak_bytes).split(),
         format_bytes(forward.breakdown.parameters).split()[0],
     ]
-    assert lines[len(step.phases) + 2] == "Largest batch per GPU:"
+    # The context each row keeps free beside the step is named: a reader can set it against their own card's.
+    context = format_bytes(prediction.cuda_context_bytes)
+    assert prediction.cuda_context_bytes > 0
+    assert (
+        lines[len(step.phases) + 2] == f"Largest batch per GPU (each card's capacity less {context} of CUDA context):"
+    )
     rows = lines[len(step.phases) + 4 : len(step.phases) + 4 + len(prediction.fit)]
     for row, fit in zip(rows, prediction.fit, strict=True):
         assert row.startswith(f"  {fit.device}") and row.endswith(fit.allocator_text)

@@ -24,7 +24,8 @@ class Prediction:
     """What a training step would hold, predicted without training: :func:`lightning_vram.predict`'s result.
 
     ``step`` is the replayed steady-state step (``None`` with ``skipped`` saying why), ``fit`` the largest batch
-    predicted to fit each common GPU (with ``cuda_context_bytes`` and a safety margin kept free), ``notes`` what
+    predicted to fit each common GPU (with ``cuda_context_bytes`` kept free, and a safety margin where no allocator
+    is simulated), ``notes`` what
     the prediction could not reproduce, ``budget`` what to checkpoint to fit a memory budget.
     """
 
@@ -149,7 +150,9 @@ def prediction_text(prediction: Prediction) -> str:
         )
     lines += _columns(rows)
     if prediction.fit:
-        lines.append("Largest batch per GPU:")
+        context = prediction.cuda_context_bytes
+        kept = f" (each card's capacity less {format_bytes(context)} of CUDA context)" if context else ""
+        lines.append(f"Largest batch per GPU{kept}:")
         fit = [["GPU", "capacity", "batch", "expandable segments", "basis", "assumed"]]
         fit += [
             [

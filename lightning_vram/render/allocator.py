@@ -42,6 +42,7 @@ def allocator_dict(result: WhatIf) -> dict[str, Any]:
             "live_at_start": trace.live_at_start,
             "reserved_at_start_bytes": trace.reserved_at_start_bytes,
             "settings_recorded": trace.settings is not None,
+            "segments_released_mid_run": trace.released_mid_run,
         },
     }
     if trace.failed is not None:
@@ -82,6 +83,13 @@ def allocator_text(result: WhatIf) -> str:
         f"allocated peak (simulated): {format_bytes(simulated.peak_allocated_bytes)}"
         f" ({simulated.peak_allocated_bytes:,} B)",
     ]
+    if trace.failed is None and trace.released_mid_run:
+        lines.append(
+            f"the run met its device's memory: the allocator gave back {trace.released_mid_run} cached segment(s)"
+            " before its last allocation (torch does when a cudaMalloc fails, then retries; or the code called"
+            " torch.cuda.empty_cache()); these replays have no limit, so their reserved peaks can be above what that"
+            " device let it hold"
+        )
     against = simulated.peak_reserved_bytes
     if trace.failed is not None and result.serving_failed is not None:
         against = result.serving_failed.peak_reserved_bytes
@@ -91,11 +99,14 @@ def allocator_text(result: WhatIf) -> str:
             f" serving it would need {format_bytes(against)} reserved ({against:,} B),"
             f" simulated at that capacity: {'fits' if result.simulated_fits else 'out of memory'}"
         )
-    lines.append(
-        "what the allocator would have held with:"
-        if trace.failed is None
-        else "what the allocator would have held with (serving the failed request too):"
-    )
+    if trace.failed is None:
+        lines.append("what the allocator would have held with:")
+    else:
+        lines.append(
+            "what the allocator would have held with (serving the failed request too; the peaks with no limit,"
+            f" fits or out of memory within the {format_bytes(trace.failed.capacity_bytes)} the run had, its cache"
+            " released and retried as torch does):"
+        )
     width = max(len(alternative.setting) for alternative in result.alternatives)
     for alternative in result.alternatives:
         peak = alternative.replay.peak_reserved_bytes
@@ -104,4 +115,26 @@ def allocator_text(result: WhatIf) -> str:
             f"  {alternative.setting:<{width}}  reserved peak {format_bytes(peak)} ({peak:,} B,"
             f" {_change(peak, against)} against these settings){verdict}"
         )
+    if trace.failed is not None:
+        lines.append(_verdict(result))
     return "\n".join(lines)
+
+
+def _verdict(result: WhatIf) -> str:
+    """The answer to "would another allocator setting have saved this run?", for a trace that ran out of memory.
+
+    Only the trace is known: the run up to its failed request, that request included; later steps are not in it.
+    """
+    assert result.trace.failed is not None
+    capacity = format_bytes(result.trace.failed.capacity_bytes)
+    saving = [alternative for alternative in result.alternatives if alternative.fits]
+    if not saving:
+        return (
+            f"no setting tried serves the failed request in the same {capacity}: the step itself must hold less"
+            " (a smaller batch, 16-bit precision, activation checkpointing)"
+        )
+    names = ", ".join(alternative.setting for alternative in saving)
+    return (
+        f"would have served the failed request in the same {capacity} (simulated; the trace ends there): {names};"
+        f" for example PYTORCH_CUDA_ALLOC_CONF={saving[0].replay.settings.conf()} python train.py"
+    )

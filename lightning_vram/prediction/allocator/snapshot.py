@@ -125,6 +125,9 @@ class SnapshotTrace:
         recorded_reserved_peak_bytes: the largest reserved figure the segment events reach.
         settings: the allocator settings the snapshot says it ran under; None where it does not say (before 2.3).
         failed: the request that ran out of memory, where the trace holds one.
+        released_mid_run: segments freed or unmapped before the trace's last allocation. torch gives a segment back
+            only when a cudaMalloc fails (it frees its cache and retries) or on ``torch.cuda.empty_cache()``: a run
+            that did so met its device's memory, which a replay with no limit does not (its reserved peak is above).
     """
 
     operations: tuple[tuple[int, int, int, int], ...]
@@ -136,6 +139,7 @@ class SnapshotTrace:
     recorded_reserved_peak_bytes: int
     settings: AllocatorSettings | None
     failed: FailedRequest | None
+    released_mid_run: int = 0
 
 
 def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> SnapshotTrace:
@@ -172,9 +176,13 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
     peak = 0
     failed: tuple[int, int, int] | None = None
     touched: set[int] = set()
+    released = released_mid_run = 0
     for event in events:
         action = event["action"]
+        if action in ("segment_free", "segment_unmap"):
+            released += 1
         if action == "alloc":
+            released_mid_run = released
             block += 1
             live[event["addr"]] = block
             touched.add(event["addr"])
@@ -231,6 +239,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
         else FailedRequest(
             rounded_bytes=failed[0], device_free_bytes=failed[1], reserved_bytes=reserved_at_start + failed[2]
         ),
+        released_mid_run=released_mid_run,
     )
 
 
