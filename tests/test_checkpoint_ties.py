@@ -112,7 +112,10 @@ def test_of_plans_saving_nearly_the_most_the_cheapest_to_recompute_is_advised(tm
     assert max(saving.values()) - saving[advised] <= tolerance
     alike = [units for units in replayed if saving[units] >= max(saving.values()) - tolerance]
     assert len(alike) >= 2 and seconds[advised] == min(seconds[units] for units in alike)
-    assert "it recomputes least: its recomputed ops priced at " in advice.evidence
+    # The evidence says it is the cheapest: alone ("it recomputes least"), or, where the CPU's measured pricing puts
+    # another plan within the cost tolerance (a loaded machine does), as the least counted work of those that do.
+    assert "its recomputed ops priced at " in advice.evidence
+    assert "it recomputes least: " in advice.evidence or "that recompute least" in advice.evidence, advice.evidence
     # The step time printed is the advised plan's own.
     variant = replayed[advised]
     assert variant.replayed is not None
