@@ -218,17 +218,20 @@ def isolated() -> Iterator[None]:
     Silenced: its prints, the warnings it shows and its log records (all from the replaying thread only).
 
     Saved and restored: the generators (:func:`generators_kept`), the default dtype, grad mode, torch's intra-op
-    thread count and the process environment (``os.environ``), autograd's anomaly detection. Meanwhile compiled code
-    runs eagerly (:func:`_eager_compiled_code`) and anomaly detection is off: it checks every backward result for
-    NaN, and fake tensors have no values.
+    thread count and the process environment (``os.environ``), autograd's anomaly detection, torch's warn-always
+    flag. Meanwhile compiled code runs eagerly (:func:`_eager_compiled_code`), anomaly detection is off (it checks
+    every backward result for NaN, and fake tensors have no values) and warn-always on: a ``TORCH_WARN_ONCE`` the
+    replay reaches first (a preflight runs before step 0) would otherwise use up the one warning the run shows.
     """
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
     threads = torch.get_num_threads()
     environment = dict(os.environ)
     anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+    warn_always = torch.is_warn_always_enabled()
     try:
         torch.set_anomaly_enabled(False)  # it reads every backward result's values, which fake tensors lack
+        torch.set_warn_always(True)  # torch's warn-once warnings: warned (silenced), their once left to the run
         with generators_kept(), _quiet_thread(), _quiet_logs(), _eager_compiled_code():
             yield
     finally:
@@ -238,4 +241,5 @@ def isolated() -> Iterator[None]:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(grad_enabled)
         torch.set_anomaly_enabled(*anomaly)
+        torch.set_warn_always(warn_always)
         torch.set_default_dtype(default_dtype)
