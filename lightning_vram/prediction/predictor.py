@@ -50,7 +50,7 @@ from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.hook_free import HookedCopyError
-from lightning_vram.prediction.replay.known_values import KnownValues
+from lightning_vram.prediction.replay.known_values import KnownValues, TakenValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
@@ -207,7 +207,7 @@ class Predictor:
         shard: Callable[[nn.Module], None] | None = None,
         accumulate: int = 1,
         autocast_cache: bool = False,
-        batch_values: Mapping[int, torch.Tensor] | None = None,
+        batch_values: TakenValues | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)

@@ -36,6 +36,7 @@ from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
+from lightning_vram.prediction.replay.known_values import TakenValues
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.prediction.strategies.live import LiveSharding, live_sharding, unsharded_optimizer
@@ -277,7 +278,7 @@ class Advisor:
         size: tuple[int, int | None],
         worst: bool,
         released_late: Callable[[], Mapping[Phase, int]],
-        values: Mapping[int, torch.Tensor] | None = None,
+        values: TakenValues | None = None,
     ) -> None:
         """Replay a counted step and every change the rules could advise.
 

@@ -24,7 +24,7 @@ from lightning_vram.config import (
     precision_name,
     start_device,
 )
-from lightning_vram.prediction.replay.known_values import taken_values
+from lightning_vram.prediction.replay.known_values import TakenValues, taken_values
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Advice,
@@ -118,7 +118,7 @@ class VramSession:
         self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False
         self._sampled_batch: Any = None
-        self._sampled_values: dict[int, torch.Tensor] | None = None  # its small CPU tensors' values as it started
+        self._sampled_values: TakenValues | None = None  # its small CPU tensors' values as it started
         self._worst_batch = False  # whether the sampled batch is replayed as a new largest one
         self._held_for: int | None = None  # the stepping micro-batch last sampled to hold a sampled window's gradients
         self._preflight_pending = True

@@ -97,3 +97,21 @@ def test_a_step_reading_and_changing_its_batch_trains_as_without_the_monitor(tmp
     monitor = assert_untouched(build, tmp_path, path, attribution_start_step=0, attribution_every_n_steps=1)
     assert monitor.report is not None
     assert monitor.report.simulation is not None and monitor.report.simulation.skipped is None
+
+
+def test_a_taken_value_is_used_only_for_the_tensor_it_was_taken_from() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_vram.prediction.replay.known_values import KnownValues, taken_values
+
+    started, replaced = torch.tensor([1, 2, 3]), torch.tensor([7, 8])
+    taken = taken_values({"started": started})
+    started.mul_(10)  # the step changes it in place: the replay knows it as it started
+    reused = {id(replaced): taken[id(started)]}  # a new tensor that took a dropped one's id: not taken for it
+    mode = FakeTensorMode()
+    fake_started, fake_replaced = mode.from_tensor(started), mode.from_tensor(replaced)
+    values = KnownValues()
+    values.know([(fake_started, started)], taken)
+    values.know([(fake_replaced, replaced)], reused)
+    assert torch.equal(values.value_of(fake_started), torch.tensor([1, 2, 3]))  # type: ignore[arg-type]
+    assert torch.equal(values.value_of(fake_replaced), torch.tensor([7, 8]))  # type: ignore[arg-type]

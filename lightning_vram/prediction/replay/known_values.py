@@ -20,7 +20,8 @@ replay is never read.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -71,15 +72,20 @@ def arrived(event: Any, seconds: float) -> bool:
     return True
 
 
-def taken_values(batch: Any) -> dict[int, Tensor]:
+TakenValues = dict[int, tuple["weakref.ref[Tensor]", Tensor]]
+"""A batch's tensors' values as a step started: by the tensor's ``id``, a weak reference to it and its copy."""
+
+
+def taken_values(batch: Any) -> TakenValues:
     """Copies of the batch's small CPU tensors as they are now, by the tensor's ``id``: taken as a sampled step starts.
 
     The replay runs at the step's end, when the step may have changed its batch in place (a mask inverted, labels
     shifted): the values it carries are the ones the step started from. Plain tensors in dicts, lists and tuples only
     (a subclass's ``clone`` is the user's code); within :data:`VALUE_ELEMENTS` each and :data:`VALUE_BYTES` together.
-    Host work only: a CUDA batch is copied when the replay starts, as before.
+    Host work only: a CUDA batch is copied when the replay starts, as before. Weak references: a tensor the step
+    replaced in its batch is not kept alive, and a new one that took its ``id`` is not taken for it.
     """
-    copies: dict[int, Tensor] = {}
+    copies: TakenValues = {}
     total = 0
     with _no_modes(), torch.no_grad():
         for tensor in iter_tensors(batch):
@@ -87,7 +93,7 @@ def taken_values(batch: Any) -> dict[int, Tensor]:
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             if tensor.numel() <= VALUE_ELEMENTS and total + nbytes <= VALUE_BYTES:
-                copies[id(tensor)] = tensor.detach().clone()
+                copies[id(tensor)] = (weakref.ref(tensor), tensor.detach().clone())
                 total += nbytes
     return copies
 
@@ -110,14 +116,15 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._arriving = WeakTensorKeyDictionary()  # the batch's values on their way from a CUDA device: their events
         self._bytes = 0
 
-    def know(self, pairs: Iterable[tuple[Tensor, Tensor]], taken: Mapping[int, Tensor] | None = None) -> None:
+    def know(self, pairs: Iterable[tuple[Tensor, Tensor]], taken: TakenValues | None = None) -> None:
         """Keep the real value of each ``(fake, real)`` pair where it is small enough (copied to the CPU when read).
 
         ``taken``: :func:`taken_values` of the batch, the values the step started from, kept instead of ``real``'s.
         """
         for fake, real in pairs:
             if isinstance(fake, FakeTensor) and isinstance(real, Tensor) and not isinstance(real, FakeTensor):
-                self._keep(fake, (taken or {}).get(id(real), real))
+                original, value = (taken or {}).get(id(real), (None, real))
+                self._keep(fake, value if original is None or original() is real else real)
 
     def value_of(self, tensor: Tensor) -> Tensor | None:
         """The real value of a fake tensor, or ``None`` when it is not known.
