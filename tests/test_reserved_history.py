@@ -7,6 +7,8 @@ phases' reserved peaks set against the recorded ones; ``pytest -s`` prints the t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from allocator_traces import SHIPPED, load, run_settings, steady_step
@@ -224,3 +226,66 @@ def test_a_step_sampled_before_the_steady_state_is_set_against_its_own_reserve()
         assert peaks == {phase: pytest.approx(bytes_, rel=1e-3) for phase, bytes_ in recorded.items()}
     assert first_sampled[Phase.FORWARD] < steady[Phase.FORWARD]  # 7,872 MiB against 8,658 MiB recorded
     assert reserved.finish(steps_before=5) == steady  # never more history than a steady step's
+
+
+class _FlatMomentum(torch.optim.Optimizer):
+    """SGD momentum whose buffers are views of one flat buffer, made on the first step (one block, many entries)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.01})
+
+    @torch.no_grad()  # type: ignore[untyped-decorator]
+    def step(self, closure: Any = None) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if params and not self.state[params[0]]:
+            flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+            offset = 0
+            for p in params:
+                self.state[p]["momentum"] = flat[offset : offset + p.numel()].view_as(p)
+                self.state[p]["steps"] = 0  # a Python number beside the tensors
+                offset += p.numel()
+        for p in params:
+            self.state[p]["momentum"].mul_(0.9).add_(p.grad)
+            self.state[p]["steps"] += 1
+            p.add_(self.state[p]["momentum"], alpha=-0.01)
+
+
+class _KeepsItsGradient(torch.optim.Optimizer):
+    """Holds each parameter's gradient itself in its state, and the parameter too (blocks the step does not make)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.01})
+
+    @torch.no_grad()  # type: ignore[untyped-decorator]
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].update(last_gradient=p.grad, parameter=p, again=p.grad)
+                    p.add_(p.grad, alpha=-0.01)
+
+
+@pytest.mark.parametrize("optimizer", [_FlatMomentum, _KeepsItsGradient])
+def test_optimizer_state_sharing_blocks_is_replayed_with_its_history(optimizer: type[torch.optim.Optimizer]) -> None:
+    # Before, the history made a shared block once per entry naming it, and the replay was skipped: "the step failed
+    # under fake tensors: ValueError: block ... is already allocated" (it replayed before the history came).
+    torch.manual_seed(0)
+    module = Classifier(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), optimizer)
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    with round_of_replays():
+        step = Predictor(module, None, batch, warm_up=True, allocator=AllocatorSettings()).baseline()
+    assert isinstance(step, ReplayedStep) and step.allocations is not None
+    assert all(peak.reserved_bytes for peak in step.phases.values())
+    model = CachingAllocatorModel()  # every malloc of the history a block not live, every free one that is
+    for event in step.allocations:
+        if not isinstance(event, Phase):
+            if event[0] == "malloc":
+                model.malloc(event[1], event[2], event[3])
+            else:
+                model.free(event[1])
+
+
+def test_a_block_named_twice_or_also_a_gradient_is_made_once() -> None:
+    sequence = with_first_step(STEP, {2: 5}, [3, 3, 2])
+    mallocs = [event[1] for event in sequence if not isinstance(event, Phase) and event[0] == "malloc"]
+    assert mallocs.count(3) == 1 and mallocs.count(2) == 1

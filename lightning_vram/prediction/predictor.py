@@ -50,7 +50,7 @@ from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.hook_free import HookedCopyError
-from lightning_vram.prediction.replay.known_values import KnownValues
+from lightning_vram.prediction.replay.known_values import KnownValues, TakenValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
@@ -177,6 +177,9 @@ class Predictor:
             has it: off under a Trainer's ``MixedPrecision`` (``cache_enabled=False``), on under Fabric's, FSDP's and
             a plain loop's ``torch.autocast`` (torch's default). With the cache on, a cast weight is held until the
             training step returns and shared between the calls of a module used twice.
+        batch_values: the values of ``batch``'s small CPU tensors as its step started, by the tensor's ``id``
+            (:func:`~lightning_vram.prediction.replay.known_values.taken_values`): the replay's known values, where
+            the step has since changed its batch in place. ``None``: the batch's values now.
     """
 
     def __init__(
@@ -204,10 +207,12 @@ class Predictor:
         shard: Callable[[nn.Module], None] | None = None,
         accumulate: int = 1,
         autocast_cache: bool = False,
+        batch_values: TakenValues | None = None,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
         self.batch = batch
+        self.batch_values = batch_values
         self.precision = precision
         self.autocast_cache = autocast_cache
         self.device = device or placement or module_device(module)
@@ -434,7 +439,7 @@ class Predictor:
                 if refusal is not None:
                     raise RefusedError(refusal)
                 values = KnownValues()
-                values.know(twin.batch_values)
+                values.know(twin.batch_values, self.batch_values)
                 recorder = CallRecorder(twin.module) if change is None else None
                 with (
                     contained(held) as held_containment,

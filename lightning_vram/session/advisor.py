@@ -36,6 +36,7 @@ from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
+from lightning_vram.prediction.replay.known_values import TakenValues
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.prediction.strategies.live import LiveSharding, live_sharding, unsharded_optimizer
@@ -277,6 +278,7 @@ class Advisor:
         size: tuple[int, int | None],
         worst: bool,
         released_late: Callable[[], Mapping[Phase, int]],
+        values: TakenValues | None = None,
     ) -> None:
         """Replay a counted step and every change the rules could advise.
 
@@ -286,6 +288,7 @@ class Advisor:
         ``size`` is the batch's elements and its length (``None``: no varying dimension), for the per-length table.
         ``released_late``: of each of the step's live peaks, the bytes another thread freed late (read when the
         replay is set against the step: :attr:`~lightning_vram.prediction.predictor.Predictor.released_late`).
+        ``values``: the batch's values as the step started (``Predictor(batch_values=...)``).
         """
         context, budget = self._context, self._config.replay_budget_seconds
         model = context.model
@@ -335,6 +338,7 @@ class Advisor:
                 strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
                 accumulate=training.accumulate_grad_batches,
                 autocast_cache=training.autocast_caches,
+                batch_values=values,
             )
             return try_changes(predictor, run, training, context.rank)
 

@@ -24,6 +24,7 @@ from lightning_vram.config import (
     precision_name,
     start_device,
 )
+from lightning_vram.prediction.replay.known_values import TakenValues, taken_values
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
     Advice,
@@ -117,6 +118,7 @@ class VramSession:
         self._evaluation = EvaluationLoops(config, context, recorder)
         self._finished = False
         self._sampled_batch: Any = None
+        self._sampled_values: TakenValues | None = None  # its small CPU tensors' values as it started
         self._worst_batch = False  # whether the sampled batch is replayed as a new largest one
         self._held_for: int | None = None  # the stepping micro-batch last sampled to hold a sampled window's gradients
         self._preflight_pending = True
@@ -272,6 +274,7 @@ class VramSession:
         if sampler.attributor is not None:  # the last sampled step never ended (its batch stopped at its start hook)
             sampler.close()
             self._sampled_batch = None
+            self._sampled_values = None
         every, step = self._log_every, recorder.tracker.steps
         reading = recorder.start_step(every is not None and (step + 1) % every == 0)
         if self._preflight_pending:  # the run's first step: read phase by phase, `reading` is there
@@ -286,13 +289,18 @@ class VramSession:
         # few times a run at most); every other step but a few stops at `due`, without a call.
         worst = recorder.observe_batch(step, batch) and self._advisor.worth_counting(recorder.shapes.largest_elements)
         candidate = worst or (due is not None and step >= due)
+        kept = worst or self._advisor.simulation is None  # a sampled step to replay at its end
+        values = None
         if candidate:  # a step that may be sampled is read phase by phase, from before the sampler starts
             recorder.read_by_phase()
+        if candidate and kept:  # before the step changes its batch, and before the sampler counts anything
+            values = self._guard.call(Part.REPLAY, taken_values, batch)
         sampled = candidate and sampler.begin(step, batch, live, force=worst)
         if sampled and sampler.replay_refusal is not None:
             self._advisor.refuse(sampler.replay_refusal)
-        elif sampled and (worst or self._advisor.simulation is None):
+        elif sampled and kept:
             self._sampled_batch = batch  # replayed at the step's end (its shapes and dtypes only)
+            self._sampled_values = values
             self._worst_batch = worst
 
     def _agree_preflight(self, own: RankPreflight) -> None:
@@ -374,6 +382,7 @@ class VramSession:
             windows.batch_end()
             steps = recorder.end_step(phase)
             self._sampled_batch = None
+            self._sampled_values = None
         else:
             place = self._hold_the_window(recorder.tracker.steps)
             windows.batch_end()
@@ -387,10 +396,12 @@ class VramSession:
             if attribution is not None and batch is not None and not self._waits_for_window(attribution):
                 shapes = recorder.shapes
                 size = (shapes.elements, self._guard.call(Part.SHAPES, shapes.length_of, batch))
-                self._advisor.replay(attribution, batch, self.summary, size, self._worst_batch, sampler.released_late)
+                values, worst = self._sampled_values, self._worst_batch
+                self._advisor.replay(attribution, batch, self.summary, size, worst, sampler.released_late, values)
                 recorder.timer.restart_wait()  # the replay's time is neither this step's nor the next one's data wait
             sampler.forget_late_releases()
             self._sampled_batch = None
+            self._sampled_values = None
         resample = self._context.windows.resample_at(steps)
         if resample is not None:
             sampler.sample_at(resample)
@@ -566,6 +577,7 @@ class VramSession:
         self._ranks.release()
         self._sinks.attach(())
         self._sampled_batch = None
+        self._sampled_values = None
 
     # ------------------------------------------------------------------------------------------------ state
 

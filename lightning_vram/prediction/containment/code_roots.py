@@ -10,17 +10,23 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_vram.measure.compiled import is_compiled_module
+from lightning_vram.measure.storages import gradient_of
 from lightning_vram.prediction.containment._torch_hooks import global_hooks, global_registries, module_hooks_of
 from lightning_vram.prediction.containment.construction import Copied
 
 
 def inside_ids(module: nn.Module) -> set[int]:
-    """The ids of ``module``'s own objects: itself, its submodules, parameters, buffers and their ``.grad``."""
+    """The ids of ``module``'s own objects: itself, its submodules, parameters, buffers and their ``.grad``.
+
+    A buffer the step filled with a tensor computed from the weights is not a leaf: its ``.grad`` is not read (torch
+    warns on it, out of the user's run), and it has none.
+    """
     ids = {id(child) for child in module.modules()}
     for tensor in (*module.parameters(), *module.buffers()):
         ids.add(id(tensor))
-        if tensor.grad is not None:
-            ids.add(id(tensor.grad))
+        gradient = gradient_of(tensor)
+        if gradient is not None:
+            ids.add(id(gradient))
     return ids
 
 

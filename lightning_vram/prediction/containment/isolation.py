@@ -19,6 +19,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any, TextIO
 
 import torch
@@ -40,15 +41,58 @@ class _OtherThreadsOnly:
         return getattr(self._stream, name)
 
 
+def _unmark(message: Any, category: type[Warning], filename: str, lineno: int) -> None:
+    """Forget that a silenced warning was shown: the run's own first one of it is shown, as without the replay.
+
+    Python marks a warning shown in the warning's module registry (``__warningregistry__``) before it asks
+    ``showwarning`` to show it; marks it finds already there mean the warning is not shown again (the default
+    filter shows each once per place): a preflight replay, before the run's first step, took that step's first
+    warning away from the user. Only marks this warning just made are there to forget: a warning already marked is
+    never handed to ``showwarning``. The registry is the one of the frame that
+    warned (found on the stack by file and line; none found: nothing to forget).
+    """
+    text = str(message)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename != filename or frame.f_lineno != lineno):
+        frame = frame.f_back
+    if frame is None:
+        return
+    registry = frame.f_globals.get("__warningregistry__")
+    action = _action(text, category, str(frame.f_globals.get("__name__", "<string>")), lineno)
+    # CPython's warnings (_warnings.c): the place's key, and under "module" and "once" the warning's own key, in
+    # the module's registry (the once registry under "once" where the module has none).
+    if isinstance(registry, dict):
+        registry.pop((text, category, lineno), None)
+        if action in ("module", "once"):
+            registry.pop((text, category), None)
+    elif action == "once":
+        getattr(warnings, "onceregistry", {}).pop((text, category), None)  # typeshed leaves it out
+
+
+def _action(text: str, category: type[Warning], module: str, lineno: int) -> str:
+    """The action the warnings filters take for a warning, as :func:`warnings.warn_explicit` finds it."""
+    for action, message, kind, place, line in warnings.filters:
+        if (
+            (message is None or message.match(text))
+            and issubclass(category, kind)
+            and (place is None or place.match(module))
+            and (line == 0 or line == lineno)
+        ):
+            return str(action)
+    return str(getattr(warnings, "defaultaction", "default"))  # typeshed leaves it out
+
+
 @contextlib.contextmanager
 def _quiet_thread() -> Iterator[None]:
     """Silence this thread's prints and warnings; other threads' still reach their streams and handlers."""
     me = threading.get_ident()
     stdout, stderr, showwarning = sys.stdout, sys.stderr, warnings.showwarning
 
-    def show(*args: Any, **kwargs: Any) -> None:
+    def show(message: Any, category: Any, filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
         if threading.get_ident() != me:
-            showwarning(*args, **kwargs)
+            showwarning(message, category, filename, lineno, *args, **kwargs)
+        else:
+            _unmark(message, category, filename, lineno)
 
     sys.stdout = _OtherThreadsOnly(stdout, me)
     sys.stderr = _OtherThreadsOnly(stderr, me)
@@ -174,17 +218,20 @@ def isolated() -> Iterator[None]:
     Silenced: its prints, the warnings it shows and its log records (all from the replaying thread only).
 
     Saved and restored: the generators (:func:`generators_kept`), the default dtype, grad mode, torch's intra-op
-    thread count and the process environment (``os.environ``), autograd's anomaly detection. Meanwhile compiled code
-    runs eagerly (:func:`_eager_compiled_code`) and anomaly detection is off: it checks every backward result for
-    NaN, and fake tensors have no values.
+    thread count and the process environment (``os.environ``), autograd's anomaly detection, torch's warn-always
+    flag. Meanwhile compiled code runs eagerly (:func:`_eager_compiled_code`), anomaly detection is off (it checks
+    every backward result for NaN, and fake tensors have no values) and warn-always on: a ``TORCH_WARN_ONCE`` the
+    replay reaches first (a preflight runs before step 0) would otherwise use up the one warning the run shows.
     """
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
     threads = torch.get_num_threads()
     environment = dict(os.environ)
     anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+    warn_always = torch.is_warn_always_enabled()
     try:
         torch.set_anomaly_enabled(False)  # it reads every backward result's values, which fake tensors lack
+        torch.set_warn_always(True)  # torch's warn-once warnings: warned (silenced), their once left to the run
         with generators_kept(), _quiet_thread(), _quiet_logs(), _eager_compiled_code():
             yield
     finally:
@@ -194,4 +241,5 @@ def isolated() -> Iterator[None]:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(grad_enabled)
         torch.set_anomaly_enabled(*anomaly)
+        torch.set_warn_always(warn_always)
         torch.set_default_dtype(default_dtype)

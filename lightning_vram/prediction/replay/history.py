@@ -54,7 +54,8 @@ def with_first_step(
     steady step finds it allocated.
     ``gradients``: each gradient block the step starts with (its id), mapped to the block that holds that parameter's
     gradient when the step ends (the gradient the next step starts with). ``optimizer_state``: the optimizer state's
-    blocks, in the order the optimizer creates them. Ids that are not blocks the step starts with are ignored. A step
+    blocks, in the order the optimizer creates them (a block named twice made once; a gradient block the state holds
+    made in backward, as a gradient). Ids that are not blocks the step starts with are ignored. A step
     with no phase comes back as it is. A step with no optimizer phase keeps the state allocated before it.
 
     Phases are marked in the history too, so a phase's reserved peak read over the whole sequence (the highest of the
@@ -95,7 +96,10 @@ def with_first_step(
             else:
                 starting.pop(event[1], None)
     absent = {block for block in gradients if block in starting}
-    state = [starting[block] for block in optimizer_state if block in starting]
+    # Once each (views of one flat buffer share a block), and not a gradient the state holds (made in backward).
+    state = [
+        starting[block] for block in dict.fromkeys(optimizer_state) if block in starting and block not in gradients
+    ]
     if Phase.OPTIMIZER not in body:
         state = []
     absent.update(event[1] for event in state if not isinstance(event, Phase))

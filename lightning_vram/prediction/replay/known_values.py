@@ -20,6 +20,7 @@ replay is never read.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +30,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_vram.measure.storages import storage_key
-from lightning_vram.measure.tensors import op_tensors
+from lightning_vram.measure.tensors import iter_tensors, op_tensors
 from lightning_vram.prediction.replay._fake import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -71,6 +72,32 @@ def arrived(event: Any, seconds: float) -> bool:
     return True
 
 
+TakenValues = dict[int, tuple["weakref.ref[Tensor]", Tensor]]
+"""A batch's tensors' values as a step started: by the tensor's ``id``, a weak reference to it and its copy."""
+
+
+def taken_values(batch: Any) -> TakenValues:
+    """Copies of the batch's small CPU tensors as they are now, by the tensor's ``id``: taken as a sampled step starts.
+
+    The replay runs at the step's end, when the step may have changed its batch in place (a mask inverted, labels
+    shifted): the values it carries are the ones the step started from. Plain tensors in dicts, lists and tuples only
+    (a subclass's ``clone`` is the user's code); within :data:`VALUE_ELEMENTS` each and :data:`VALUE_BYTES` together.
+    Host work only: a CUDA batch is copied when the replay starts, as before. Weak references: a tensor the step
+    replaced in its batch is not kept alive, and a new one that took its ``id`` is not taken for it.
+    """
+    copies: TakenValues = {}
+    total = 0
+    with _no_modes(), torch.no_grad():
+        for tensor in iter_tensors(batch):
+            if type(tensor) is not Tensor or tensor.device.type != "cpu" or tensor.is_sparse or id(tensor) in copies:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.numel() <= VALUE_ELEMENTS and total + nbytes <= VALUE_BYTES:
+                copies[id(tensor)] = (weakref.ref(tensor), tensor.detach().clone())
+                total += nbytes
+    return copies
+
+
 class NotOnTheHost(RuntimeError):
     """An op on known values also takes a real tensor on a device, whose value the replay does not read."""
 
@@ -89,11 +116,15 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._arriving = WeakTensorKeyDictionary()  # the batch's values on their way from a CUDA device: their events
         self._bytes = 0
 
-    def know(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
-        """Keep the real value of each ``(fake, real)`` pair where it is small enough (copied to the CPU when read)."""
+    def know(self, pairs: Iterable[tuple[Tensor, Tensor]], taken: TakenValues | None = None) -> None:
+        """Keep the real value of each ``(fake, real)`` pair where it is small enough (copied to the CPU when read).
+
+        ``taken``: :func:`taken_values` of the batch, the values the step started from, kept instead of ``real``'s.
+        """
         for fake, real in pairs:
             if isinstance(fake, FakeTensor) and isinstance(real, Tensor) and not isinstance(real, FakeTensor):
-                self._keep(fake, real)
+                original, value = (taken or {}).get(id(real), (None, real))
+                self._keep(fake, value if original is None or original() is real else real)
 
     def value_of(self, tensor: Tensor) -> Tensor | None:
         """The real value of a fake tensor, or ``None`` when it is not known.

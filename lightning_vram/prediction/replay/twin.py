@@ -262,6 +262,11 @@ def gradient_blocks(twin: Twin) -> list[int | None]:
 
 
 def optimizer_state_blocks(twin: Twin) -> list[int]:
-    """The storages of the twin's optimizer state (the allocation listener's block ids), in the state's order."""
+    """The storages of the twin's optimizer state (the allocation listener's block ids), in the state's order.
+
+    Each once; not a parameter's storage (an optimizer that holds the parameter itself in its state).
+    """
+    parameters = {storage_key(local_tensor(parameter)) for parameter in twin.module.parameters()}
     tensors = [tensor for optimizer in twin.optimizers for tensor in iter_tensors(list(optimizer.state.values()))]
-    return [storage_key(local_tensor(tensor)) for tensor in tensors]
+    blocks = dict.fromkeys(storage_key(local_tensor(tensor)) for tensor in tensors)
+    return [block for block in blocks if block not in parameters]
