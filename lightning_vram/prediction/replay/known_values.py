@@ -129,7 +129,8 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def value_of(self, tensor: Tensor) -> Tensor | None:
         """The real value of a fake tensor, or ``None`` when it is not known.
 
-        A value whose copy from the device has not arrived when first asked for is not known from then on.
+        A value whose copy from the device has not arrived when first asked for (polled for up to
+        :data:`ARRIVAL_SECONDS`) is not known from then on.
         """
         if tensor not in self:
             return None
@@ -151,7 +152,10 @@ class KnownValues(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._uncopied.pop(known, None)  # type: ignore[no-untyped-call]  # torch ships it unannotated
 
     def __contains__(self, tensor: object) -> bool:
-        """Whether ``tensor``'s value is known; one still on its way from the device is forgotten (never awaited)."""
+        """Whether ``tensor``'s value is known.
+
+        One still on its way from the device after :func:`arrived`'s polling (never a device wait) is forgotten.
+        """
         if not isinstance(tensor, Tensor) or tensor not in self._values:
             return False
         arriving = self._arriving.get(tensor)  # type: ignore[no-untyped-call]  # torch ships it unannotated
