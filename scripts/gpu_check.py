@@ -9,7 +9,12 @@ error in the table):
   momentum, 64 x 3x224x224): the replayed vs the measured allocated and reserved peak per phase (the report's
   ``simulation.calibration``), with the error;
 - the predicted largest batch for this GPU trained for real (must fit) and 5% above it (should not);
+- with ``--traces DIR``, each of those fits recorded as an allocator trace (tests/data/gpu-traces' format) and
+  replayed through the allocator model at the device's capacity: its reserved peak, and whether the model agrees
+  that the run fit or ran out of memory (the monitored fits are recorded too, without a row);
 - each preflight remedy at a batch that does not fit, trained for real.
+
+pytest's whole output is written beside ``--out`` as ``gpu_tests.log`` (a failure's traceback).
 
 ``--cpu-dry-run`` runs every row on the CPU with tiny models and asserts no GPU figure: CI's guard against rot
 (``tests/test_gpu_check.py``). Run it as ``.venv/bin/python scripts/gpu_check.py --out docs/gpu-validation-run.md``
