@@ -32,10 +32,12 @@ import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import VramMonitor
+
+# The test's own model, data and optimizers (tests/models.py), so that what this trains is what the test trains.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, loader  # type: ignore[import-not-found]  # tests/ is not type-checked
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 """What torch's warning says (c10/cuda's ``warn_or_error_on_sync``)."""
@@ -64,31 +66,6 @@ class SyncMode(pl.Callback):
 
     def on_train_batch_end(self, *_: Any) -> None:
         self._set()
-
-
-class Classifier(pl.LightningModule):
-    """tests/models.py's ``Classifier(cnn_net())``: Conv2d(3, 8) + BatchNorm2d + ReLU + pool + Linear(8, 10)."""
-
-    def __init__(self, adamw: bool) -> None:
-        super().__init__()
-        self.adamw = adamw
-        self.network = nn.Sequential(
-            nn.Conv2d(3, 8, kernel_size=3, padding=1),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(8, 10),
-        )
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch
-        return nn.functional.cross_entropy(self.network(inputs), targets)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.adamw:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 @contextmanager
@@ -125,9 +102,6 @@ def train(cpu: bool, adamw: bool, steps: int, mode: str, replays: bool = True) -
     Under ``"error"`` (as the test) the first synchronisation raises where the monitor does not catch it: its
     traceback is printed, and the sites are those the monitor caught and went on from.
     """
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(64, 3, 8, 8, generator=generator)
-    data = TensorDataset(inputs, torch.randint(0, 10, (64,), generator=generator))
     # Without replays, as the test runs under tests/conftest.py (its tier turns them off): no preflight, no replay.
     off: dict[str, Any] = {} if replays else {"replay_budget_seconds": 0.0, "preflight": False}
     monitor = VramMonitor(
@@ -147,7 +121,8 @@ def train(cpu: bool, adamw: bool, steps: int, mode: str, replays: bool = True) -
     )
     with sync_warnings() as sites:
         try:
-            trainer.fit(Classifier(adamw), DataLoader(data, batch_size=64, drop_last=True))
+            module = Classifier(cnn_net(), OPTIMIZERS["adamw" if adamw else "sgd"])
+            trainer.fit(module, loader(dataset_for("cnn"), batch_size=64))
         except RuntimeError:
             if SYNC_MESSAGE not in traceback.format_exc():
                 raise
