@@ -10,13 +10,18 @@ machine falls on each alike:
   read phase by phase are the run's first ``PHASE_READ_STEPS``, the sampled one and each log interval's last);
 - ``cpu``: VramMonitor on the CPU path (the CPU probe: no allocator, tensors counted on sampled steps only).
 
+With ``--accelerator gpu`` the runs train on the CUDA device instead, and the monitor's kind is ``gpu``: VramMonitor
+with its own probe, so each hook's time includes the real allocator calls (``reset_peak_memory_stats`` as a step
+starts, one ``torch._C._cuda_memoryStats`` as it ends on ordinary steps). Kernels run asynchronously, so the time inside
+the hooks is the host time the monitor takes from each step: issue 24's target is about 50 us.
+
 For each, the wall time per step over the ordinary steps (from step ``SKIP`` on: step 0's preflight and the one
 sampled step, counted and replayed once per run, are left out; ``benchmarks/replay_cost.py`` prices those). The
 monitor's cost is its run's step time less the empty callback's; beside it, the time spent inside the monitor's own
 hooks, timed one by one (no dispatch). Logging runs at Lightning's default interval of 50 steps, so its work is
 amortised as in a real run. Median over rounds, with the range: microseconds per step.
 
-    python benchmarks/hot_path.py [--steps 2000] [--rounds 5]
+    python benchmarks/hot_path.py [--steps 2000] [--rounds 5] [--accelerator gpu]
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ SAMPLED_STEP = 2
 """The one step counted tensor by tensor (and replayed)."""
 SKIP = 10
 """Steps left out at the start of each run: warm-up, the preflight and the sampled step."""
-KINDS = ("bare", "empty", "cuda", "cpu")
+CPU_KINDS = ("bare", "empty", "cuda", "cpu")
+GPU_KINDS = ("bare", "empty", "gpu")
+MONITOR_PATHS = {"cuda": "CUDA path, scripted probe", "cpu": "CPU path", "gpu": "CUDA path, this GPU"}
+"""The monitored kinds of run and what each measures."""
 
 
 class Tiny(pl.LightningModule):
@@ -114,7 +122,7 @@ def monitor(kind: str, per_step: list[float] | None) -> pl.Callback:
         attribution_start_step=SAMPLED_STEP,
         attribution_every_n_steps=None,
         console_summary=False,
-        probe=ScriptedProbe(boundaries) if kind == "cuda" else None,
+        probe=ScriptedProbe(boundaries) if kind == "cuda" else None,  # "gpu" and "cpu": the device's own probe
     )
     if per_step is not None:
         for name in HOOKS:
@@ -122,7 +130,7 @@ def monitor(kind: str, per_step: list[float] | None) -> pl.Callback:
     return built
 
 
-def one_round(kind: str, steps: int, time_hooks: bool) -> tuple[float, float | None]:
+def one_round(kind: str, steps: int, time_hooks: bool, accelerator: str = "cpu") -> tuple[float, float | None]:
     """Seconds per ordinary step of one fit of ``steps`` steps, and the seconds inside the monitor's hooks.
 
     The hooks are timed only where ``time_hooks`` (the wrappers cost time of their own).
@@ -133,7 +141,8 @@ def one_round(kind: str, steps: int, time_hooks: bool) -> tuple[float, float | N
     data = TensorDataset(torch.randn(steps, 4), torch.randint(0, 2, (steps,)))
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
-            accelerator="cpu",
+            accelerator=accelerator,
+            devices=1,
             max_steps=steps,
             logger=CSVLogger(root),
             callbacks=[*callbacks, stopwatch],
@@ -158,25 +167,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="where the runs train")
+    parser.add_argument("--warmup-steps", type=int, default=200, help="steps of each kind's unrecorded first run")
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")
-    for kind in KINDS:  # warm-up: imports, first-call costs
-        one_round(kind, 200, time_hooks=kind in ("cuda", "cpu"))
-    step: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    inside: dict[str, list[float]] = {"cuda": [], "cpu": []}
-    over: dict[str, list[float]] = {"cuda": [], "cpu": []}
+    accelerator = arguments.accelerator
+    kinds = GPU_KINDS if accelerator == "gpu" else CPU_KINDS
+    monitored = [kind for kind in kinds if kind in MONITOR_PATHS]
+    for kind in kinds:  # warm-up: imports, first-call costs
+        one_round(kind, arguments.warmup_steps, time_hooks=kind in monitored, accelerator=accelerator)
+    step: dict[str, list[float]] = {kind: [] for kind in kinds}
+    inside: dict[str, list[float]] = {kind: [] for kind in monitored}
+    over: dict[str, list[float]] = {kind: [] for kind in monitored}
     for _ in range(arguments.rounds):
-        for kind in KINDS:
-            step[kind].append(one_round(kind, arguments.steps, time_hooks=False)[0])
-        for kind in ("cuda", "cpu"):
+        for kind in kinds:
+            step[kind].append(one_round(kind, arguments.steps, time_hooks=False, accelerator=accelerator)[0])
+        for kind in monitored:
             over[kind].append(step[kind][-1] - step["empty"][-1])
-            hooks = one_round(kind, arguments.steps, time_hooks=True)[1]
+            hooks = one_round(kind, arguments.steps, time_hooks=True, accelerator=accelerator)[1]
             inside[kind].append(hooks if hooks is not None else float("nan"))
+    device = torch.cuda.get_device_name() if accelerator == "gpu" else "cpu"
+    print(f"device: {device}; torch {torch.__version__}")
     print(f"per training step, {arguments.steps} steps x {arguments.rounds} rounds: median [range]")
     print(f"  bare run (no callback)          {shown(step['bare'])}")
     print(f"  empty callback                  {shown(step['empty'])}")
-    for kind, path in (("cuda", "CUDA path, scripted probe"), ("cpu", "CPU path")):
-        print(f"  monitor, {path:<23}{shown(step[kind])}")
+    for kind in monitored:
+        print(f"  monitor, {MONITOR_PATHS[kind]:<23}{shown(step[kind])}")
         print(f"    over the empty callback       {shown(over[kind])}")
         print(f"    inside its hooks              {shown(inside[kind])}")
 

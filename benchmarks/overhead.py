@@ -1,6 +1,9 @@
 """Step-time overhead of VramMonitor against a bare run and Lightning's DeviceStatsMonitor.
 
-The three configurations run interleaved in one process: every round runs each once, in a rotating
+Beside them a run with an empty callback (one that overrides nothing): what Lightning's dispatch of the hooks costs any
+callback, and how far apart two runs that differ by nothing measurable land on this machine.
+
+The four configurations run interleaved in one process: every round runs each once, in a rotating
 order, after one unrecorded warm-up round. Every step is timed from one ``on_train_batch_start`` to the
 next by the same tiny callback in all of them. Prints each configuration's median step time and its
 ratio to the bare run of the same round (median over rounds, with the range), so slow drifts of the
@@ -64,6 +67,7 @@ class Mlp(pl.LightningModule):
 
 CONFIGURATIONS: dict[str, Callable[[], list[pl.Callback]]] = {
     "bare": lambda: [],
+    "EmptyCallback": lambda: [pl.Callback()],
     "DeviceStatsMonitor": lambda: [DeviceStatsMonitor()],
     "VramMonitor": lambda: [VramMonitor(console_summary=False)],
 }

@@ -18,6 +18,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 MIB_CELL = re.compile(r"^\d+\.\d MiB$")
 PERCENT_CELL = re.compile(r"^[+-]\d+\.\d\d%$")
 RATIO_CELL = re.compile(r"^\d+\.\d{3}x \[\d+\.\d{3}-\d+\.\d{3}\]")
+MICROSECONDS_CELL = re.compile(r"^-?\d+\.\d us/step$")
 MODELS = ("tiny GPT-2", "tiny Llama", "tiny ResNet")
 
 
@@ -60,9 +61,13 @@ def test_the_cpu_dry_run_prints_every_row_with_figures_that_parse(tmp_path: Path
     assert all(outcome == "skipped: needs a CUDA device" for outcome in tests.values())
 
     overhead = {row["row"]: row for row in rows if row["section"] == "overhead"}
-    assert set(overhead) == {"bare", "DeviceStatsMonitor", "VramMonitor"}
-    assert all(RATIO_CELL.match(row["outcome"]) for row in overhead.values()), overhead
+    ratios = {"bare", "EmptyCallback", "DeviceStatsMonitor", "VramMonitor"}
+    hot_path = {"VramMonitor inside its hooks", "VramMonitor over the empty callback"}
+    assert set(overhead) == ratios | hot_path
+    assert all(RATIO_CELL.match(overhead[name]["outcome"]) for name in ratios), overhead
     assert overhead["bare"]["outcome"].startswith("1.000x")
+    assert all(MICROSECONDS_CELL.match(overhead[name]["measured"]) for name in hot_path), overhead
+    assert overhead["VramMonitor inside its hooks"]["outcome"].endswith("(target <= 50 us)")
 
     for model in MODELS:
         own = [row for row in rows if row["section"] == model]
