@@ -110,19 +110,22 @@ def environment() -> dict[str, str]:
     return env
 
 
-def gpu_test_rows(budget: Budget, log: Path | None = None) -> list[Row]:
+def gpu_test_rows(budget: Budget, log: Path | None = None, traces: Path | None = None) -> list[Row]:
     """Run the gpu-marked tests in a subprocess; one row a test (its outcome, and a failure's first line).
 
     ``log``: pytest's whole output is written there too (a failure's traceback, for the next session to read).
+    ``traces``: the tests that compare the replay with the allocator record their fits' traces there
+    (``LIGHTNING_VRAM_GPU_TEST_TRACES``, with Python stacks).
     """
+    env = environment()
+    if traces is not None:
+        env["LIGHTNING_VRAM_GPU_TEST_TRACES"] = str(traces / "gpu-tests")
     with tempfile.TemporaryDirectory() as root:
         junit = Path(root) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-v", "-p", "no:cacheprovider"]
         command += [f"--junitxml={junit}", "-s"]
         try:
-            run = subprocess.run(
-                command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=budget.left()
-            )
+            run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget.left())
         except subprocess.TimeoutExpired as stopped:
             # No junit file from a killed run: the tests that ended, from its verbose lines.
             partial = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
@@ -882,7 +885,8 @@ def main() -> None:
         type=Path,
         help="record an allocator trace of each monitored fit, largest-batch fit and fit 5%% above it in this folder"
         " (tests/data/gpu-traces' format); each but the monitored fits' is replayed through the allocator model in"
-        " a row of its own; GPU only",
+        " a row of its own; the GPU tests that compare the replay with the allocator write theirs (with Python"
+        " stacks) under gpu-tests/; GPU only",
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU with tiny models (no GPU)")
     parser.add_argument(
@@ -915,7 +919,7 @@ def main() -> None:
 
     if "tests" not in arguments.skip:
         log = arguments.out.with_name("gpu_tests.log") if arguments.out is not None else None
-        rows += guarded("GPU tests", "pytest", lambda: gpu_test_rows(Budget(0.25 * total), log))
+        rows += guarded("GPU tests", "pytest", lambda: gpu_test_rows(Budget(0.25 * total), log, arguments.traces))
         publish()
     if "overhead" not in arguments.skip:
         rows += guarded("overhead", "benchmark", lambda: overhead_rows(Budget(0.2 * total), dry_run))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,31 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 MIB = 1024**2
+TEST_TRACES = "LIGHTNING_VRAM_GPU_TEST_TRACES"
+"""A directory where the GPU tests that compare the replay with the allocator write the allocator's trace of their fit
+(``torch.cuda.memory._snapshot()`` with Python stacks: which call made each block); ``scripts/gpu_check.py --traces``
+sets it."""
+
+
+@contextlib.contextmanager
+def traced(name: str) -> Iterator[None]:
+    """Records the allocator's events inside the block into ``$LIGHTNING_VRAM_GPU_TEST_TRACES/name.pickle`` (if set).
+
+    Recording adds no allocation: the blocks, and so the peaks the test compares, are the same with it and without.
+    """
+    directory = os.environ.get(TEST_TRACES)
+    if not directory:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
+    try:
+        yield
+    finally:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with (Path(directory) / f"{name}.pickle").open("wb") as file:
+            pickle.dump(snapshot, file)
 
 
 def test_allocator_counters_and_peak_reset() -> None:
@@ -205,9 +233,10 @@ def test_replayed_allocator_peaks_match_the_real_ones_per_phase(tmp_path: Path) 
     """
     network = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
-    trainer(tmp_path, [monitor], max_steps=4, accelerator="gpu").fit(
-        Classifier(network, OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=256), batch_size=64)
-    )
+    with traced("test-replayed-allocator-peaks"):  # the blocks the replay misses, with the calls that made them
+        trainer(tmp_path, [monitor], max_steps=4, accelerator="gpu").fit(
+            Classifier(network, OPTIMIZERS["adam"]), loader(dataset_for("linear", samples=256), batch_size=64)
+        )
     report = monitor.report
     assert report is not None and report.simulation is not None, "no replay"
     simulation = report.simulation
