@@ -62,9 +62,17 @@ def test_a_recorded_run_that_ran_out_of_memory_does_in_the_command_too(
 ) -> None:
     assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
     data = json.loads(capsys.readouterr().out)
-    # The capacity the oom event's own figures give is what the device had free when the run began.
-    failed = next(event for event in load(name)[0]["device_traces"][0] if event["action"] == "oom")
-    assert data["out_of_memory"] == {"request_bytes": failed["size"], "capacity_bytes": capacity(name)}
+    # The capacity the oom event's own figures give is what the device had free when the run began. The run ended on
+    # the last oom event; torch caught the earlier ones (ResNet-50's cuDNN workspaces) and the run went on.
+    events = load(name)[0]["device_traces"][0]
+    *survived, failed = [index for index, event in enumerate(events) if event["action"] == "oom"]
+    assert data["out_of_memory"] == {
+        "request_bytes": events[failed]["size"],
+        "capacity_bytes": capacity(name),
+        "event": failed,
+    }
+    assert [entry["event"] for entry in data["survived_out_of_memory"]] == survived
+    assert [entry["request_bytes"] for entry in data["survived_out_of_memory"]] == [events[i]["size"] for i in survived]
     assert data["simulated"]["fits"] is False
 
 
@@ -102,7 +110,8 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     path.write_bytes(pickle.dumps({"segments": [segment], "device_traces": [events]}))
     assert main(["allocator", "--json", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["out_of_memory"] == {"request_bytes": 30 * MIB, "capacity_bytes": 45 * MIB}
+    assert data["out_of_memory"] == {"request_bytes": 30 * MIB, "capacity_bytes": 45 * MIB, "event": 2}
+    assert data["survived_out_of_memory"] == []
     assert data["simulated"]["fits"] is False
     # Serving the failed request: 20 MiB held (3 MiB in use) + a new 30 MiB segment with the defaults; expandable
     # segments map one more 20 MiB page after the free 17 MiB, 40 MiB in all, within the 45 MiB the run had.
@@ -119,6 +128,50 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     assert "(the snapshot does not say: torch's defaults assumed)" in out
     assert "serving it would need 50.0 MiB reserved (52,428,800 B), simulated at that capacity: out of memory" in out
     assert "  expandable_segments:True  reserved peak 40.0 MiB (41,943,040 B, -10.0 MiB (-20.00%)" in out
+
+
+def with_survived_ooms(name: str, directory: Path) -> tuple[Path, list[int]]:
+    """The trace ``name`` with two ``oom`` events added before its own, as torch records one it caught (cuDNN trying
+    a convolution algorithm whose workspace does not fit, then one needing less): 40 GiB asked for, the device's free
+    bytes of the run's own oom event; and the indices of the added events."""
+    snapshot, _ = load(name)
+    events = snapshot["device_traces"][0]
+    fatal = next(event for event in events if event["action"] == "oom")
+    added = [500, 901]  # their indices once inserted, both before the run's own oom event
+    for index in added:
+        events.insert(index, {**fatal, "size": 40 * 1024**3})
+    path = directory / f"{name}-survived.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    return path, added
+
+
+def test_the_oom_the_run_ended_on_is_judged_and_the_earlier_ones_are_survived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, added = with_survived_ooms("h100-gpt2-b96", tmp_path)
+    assert main(["allocator", "--json", str(SNAPSHOTS["h100-gpt2-b96"])]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main(["allocator", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # Judged as the same run without the caught errors: the same failed request, capacity, replays and verdicts.
+    survived = data.pop("survived_out_of_memory")
+    assert [(entry["event"], entry["request_bytes"]) for entry in survived] == [
+        (index, 40 * 1024**3) for index in added
+    ]
+    assert data["out_of_memory"].pop("event") == alone["out_of_memory"].pop("event") + 2
+    assert data["trace"].pop("events") == alone["trace"].pop("events") + 2
+    assert alone.pop("survived_out_of_memory") == []
+    assert data == alone
+    assert main(["allocator", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4].startswith(
+        "out of memory at event 965 (the last of 3, the one the run ended on: a request of 9.20 GiB)"
+    )
+    assert lines[5] == (
+        "survived before it: 2 out-of-memory error(s) torch caught and the run went on from (at events 500, 901;"
+        " requests of 40.00 GiB; cuDNN does, falling back to a convolution algorithm with less workspace): the run"
+        " did not need that memory, and they are not replayed"
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt2-b8", "gpt2-b150-expandable"])

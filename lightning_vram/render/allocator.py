@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.prediction.allocator.snapshot import Replay
+from lightning_vram.prediction.allocator.snapshot import FailedRequest, Replay
 from lightning_vram.prediction.allocator.what_if import WhatIf
 from lightning_vram.units import format_bytes
 
@@ -24,8 +24,20 @@ def _figures(replay: Replay) -> dict[str, Any]:
     }
 
 
+def _out_of_memory(request: FailedRequest) -> dict[str, int]:
+    return {
+        "request_bytes": request.rounded_bytes,
+        "capacity_bytes": request.capacity_bytes,
+        "event": request.event,
+    }
+
+
 def allocator_dict(result: WhatIf) -> dict[str, Any]:
-    """The JSON ``lightning-vram allocator --json`` prints: recorded, simulated and each alternative's figures."""
+    """The JSON ``lightning-vram allocator --json`` prints: recorded, simulated and each alternative's figures.
+
+    ``out_of_memory`` is the request the run ended on (the trace's last ``oom`` event; ``event``: its index in the
+    trace), ``survived_out_of_memory`` the ones before it, which torch caught and the run went on from.
+    """
     trace = result.trace
     data: dict[str, Any] = {
         "recorded": {"reserved_peak_bytes": trace.recorded_reserved_peak_bytes},
@@ -46,10 +58,8 @@ def allocator_dict(result: WhatIf) -> dict[str, Any]:
         },
     }
     if trace.failed is not None:
-        data["out_of_memory"] = {
-            "request_bytes": trace.failed.rounded_bytes,
-            "capacity_bytes": trace.failed.capacity_bytes,
-        }
+        data["out_of_memory"] = _out_of_memory(trace.failed)
+        data["survived_out_of_memory"] = [_out_of_memory(survived) for survived in trace.survived]
         data["simulated"]["fits"] = result.simulated_fits
         if result.serving_failed is not None:
             data["simulated"]["reserved_peak_serving_failed_request_bytes"] = result.serving_failed.peak_reserved_bytes
@@ -93,12 +103,16 @@ def allocator_text(result: WhatIf) -> str:
     against = simulated.peak_reserved_bytes
     if trace.failed is not None and result.serving_failed is not None:
         against = result.serving_failed.peak_reserved_bytes
+        ended = f"the last of {len(trace.survived) + 1}, the one the run ended on: " if trace.survived else ""
         lines.append(
-            f"out of memory: a request of {format_bytes(trace.failed.rounded_bytes)} with"
+            f"out of memory at event {trace.failed.event} ({ended}a request of"
+            f" {format_bytes(trace.failed.rounded_bytes)}) with"
             f" {format_bytes(trace.failed.capacity_bytes)} for the allocator (reserved + free);"
             f" serving it would need {format_bytes(against)} reserved ({against:,} B),"
             f" simulated at that capacity: {'fits' if result.simulated_fits else 'out of memory'}"
         )
+        if trace.survived:
+            lines.append(_survived(trace.survived))
     if trace.failed is None:
         lines.append("what the allocator would have held with:")
     else:
@@ -118,6 +132,18 @@ def allocator_text(result: WhatIf) -> str:
     if trace.failed is not None:
         lines.append(_verdict(result))
     return "\n".join(lines)
+
+
+def _survived(requests: tuple[FailedRequest, ...]) -> str:
+    """The out-of-memory errors the run went on from, in one line: how many, at which events, of what sizes."""
+    sizes = sorted(request.rounded_bytes for request in requests)
+    span = format_bytes(sizes[0]) if sizes[0] == sizes[-1] else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
+    events = ", ".join(str(request.event) for request in requests[:5]) + (", ..." if len(requests) > 5 else "")
+    return (
+        f"survived before it: {len(requests)} out-of-memory error(s) torch caught and the run went on from (at events"
+        f" {events}; requests of {span}; cuDNN does, falling back to a convolution algorithm with less workspace):"
+        " the run did not need that memory, and they are not replayed"
+    )
 
 
 def _verdict(result: WhatIf) -> str:

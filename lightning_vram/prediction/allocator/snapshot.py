@@ -14,7 +14,10 @@ How the events become the model's calls:
   the model's allocated figure is the block's lifetime to ``free_completed`` (an upper bound);
 - ``segment_alloc`` / ``segment_free`` (cudaMalloc / cudaFree) and ``segment_map`` / ``segment_unmap`` (expandable
   segments) are what the allocator did: they are the recorded reserved bytes the model is compared with, never input;
-- ``oom``: a request that ran out of memory (its size rounded, and the device's free bytes then).
+- ``oom``: a request that ran out of memory (its size rounded, and the device's free bytes then). The last is the
+  failure the run ended on; torch caught the earlier ones and went on (cuDNN does, trying a convolution algorithm
+  whose workspace does not fit and falling back to one needing less): the run survived them and did not need their
+  memory, so they are kept as :attr:`SnapshotTrace.survived`, not replayed.
 
 A trace that does not start from an empty device (the history keeps only its last ``max_entries`` events, as the
 monitor's ``vram_oom_snapshot.pickle`` does) starts with blocks allocated before its first event: those freed within
@@ -30,7 +33,7 @@ import io
 import os
 import pickle
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +98,13 @@ def read_snapshot(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class FailedRequest:
-    """The request that ran out of memory in the recorded run (torch's ``oom`` event), in bytes.
+    """A request that ran out of memory in the recorded run (torch's ``oom`` event), in bytes.
 
     ``capacity_bytes`` is what the allocator could have held then: what it held plus what the device had free.
+    ``event`` is the ``oom`` event's index in the device's trace.
     """
 
+    event: int
     rounded_bytes: int
     device_free_bytes: int
     reserved_bytes: int
@@ -124,7 +129,9 @@ class SnapshotTrace:
         reserved_at_start_bytes: what the allocator held before the first event (0 from an empty device).
         recorded_reserved_peak_bytes: the largest reserved figure the segment events reach.
         settings: the allocator settings the snapshot says it ran under; None where it does not say (before 2.3).
-        failed: the request that ran out of memory, where the trace holds one.
+        failed: the request that ran out of memory and ended the run (the trace's last ``oom`` event), where the
+            trace holds one.
+        survived: the ``oom`` events before that one, in order: requests torch caught and the run went on from.
         released_mid_run: segments freed or unmapped before the trace's last allocation. torch gives a segment back
             only when a cudaMalloc fails (it frees its cache and retries) or on ``torch.cuda.empty_cache()``: a run
             that did so met its device's memory, which a replay with no limit does not (its reserved peak is above).
@@ -140,6 +147,7 @@ class SnapshotTrace:
     settings: AllocatorSettings | None
     failed: FailedRequest | None
     released_mid_run: int = 0
+    survived: tuple[FailedRequest, ...] = ()
 
 
 def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> SnapshotTrace:
@@ -174,10 +182,11 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
     segment_change = 0
     reserved = 0
     peak = 0
-    failed: tuple[int, int, int] | None = None
+    ooms: list[FailedRequest] = []  # reserved_bytes counted from the trace's start; the start is added below
+    last_oom = max((index for index, event in enumerate(events) if event["action"] == "oom"), default=-1)
     touched: set[int] = set()
     released = released_mid_run = 0
-    for event in events:
+    for index, event in enumerate(events):
         action = event["action"]
         if action in ("segment_free", "segment_unmap"):
             released += 1
@@ -203,11 +212,13 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
             segment_change += change
             reserved += change
             peak = max(peak, reserved)
-        elif action == "oom" and failed is None:
+        elif action == "oom":
             # torch names the device's free bytes ``device_free`` (2.11); earlier versions kept them in ``addr``.
-            failed = (int(event["size"]), int(event.get("device_free", event.get("addr", 0))), reserved)
-            operations.append((FAILED, block + 1, int(event["size"]), int(event["stream"])))
-            block += 1
+            free_bytes = int(event.get("device_free", event.get("addr", 0)))
+            ooms.append(FailedRequest(index, int(event["size"]), free_bytes, reserved))
+            if index == last_oom:  # the one the run ended on; torch caught the earlier ones and went on
+                operations.append((FAILED, block + 1, int(event["size"]), int(event["stream"])))
+                block += 1
     reserved_at_end = 0
     for segment in snapshot["segments"]:
         if segment.get("device", device) != device:
@@ -225,6 +236,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
         raise SnapshotError("not a memory snapshot (its segments and its trace disagree on what was reserved)")
     seeded.sort()
     start = [(MALLOC, seed, size, stream) for _, seed, size, stream in seeded]
+    ooms = [replace(oom, reserved_bytes=reserved_at_start + oom.reserved_bytes) for oom in ooms]
     return SnapshotTrace(
         operations=tuple(start + operations),
         device=device,
@@ -234,12 +246,9 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
         reserved_at_start_bytes=reserved_at_start,
         recorded_reserved_peak_bytes=reserved_at_start + peak,
         settings=settings_from_snapshot(snapshot.get("allocator_settings")),
-        failed=None
-        if failed is None
-        else FailedRequest(
-            rounded_bytes=failed[0], device_free_bytes=failed[1], reserved_bytes=reserved_at_start + failed[2]
-        ),
+        failed=ooms[-1] if ooms else None,
         released_mid_run=released_mid_run,
+        survived=tuple(ooms[:-1]),
     )
 
 
