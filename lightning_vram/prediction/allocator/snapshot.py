@@ -132,6 +132,8 @@ class SnapshotTrace:
         failed: the request that ran out of memory and ended the run (the trace's last ``oom`` event), where the
             trace holds one.
         survived: the ``oom`` events before that one, in order: requests torch caught and the run went on from.
+        operation_events: the index in the device's trace of the event each operation comes from (-1 for a block
+            live at the start).
         released_mid_run: segments freed or unmapped before the trace's last allocation. torch gives a segment back
             only when a cudaMalloc fails (it frees its cache and retries) or on ``torch.cuda.empty_cache()``: a run
             that did so met its device's memory, which a replay with no limit does not (its reserved peak is above).
@@ -148,6 +150,7 @@ class SnapshotTrace:
     failed: FailedRequest | None
     released_mid_run: int = 0
     survived: tuple[FailedRequest, ...] = ()
+    operation_events: tuple[int, ...] = ()
 
 
 def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> SnapshotTrace:
@@ -176,6 +179,7 @@ def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> 
 
 def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) -> SnapshotTrace:
     operations: list[tuple[int, int, int, int]] = []
+    operation_events: list[int] = []
     live: dict[int, int] = {}
     seeded: list[tuple[int, int, int, int]] = []  # (address, block, size, stream) allocated before the trace
     block = 0
@@ -196,6 +200,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
             live[event["addr"]] = block
             touched.add(event["addr"])
             operations.append((MALLOC, block, int(event["size"]), int(event["stream"])))
+            operation_events.append(index)
         elif action == "free_completed":
             address = event["addr"]
             freed = live.pop(address, None)
@@ -205,6 +210,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
                 seeded.append((address, block, int(event["size"]), int(event["stream"])))
             touched.add(address)
             operations.append((FREE, freed, 0, 0))
+            operation_events.append(index)
         elif action == "free_requested":
             touched.add(event["addr"])
         elif action in _SEGMENT_UP:
@@ -218,6 +224,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
             ooms.append(FailedRequest(index, int(event["size"]), free_bytes, reserved))
             if index == last_oom:  # the one the run ended on; torch caught the earlier ones and went on
                 operations.append((FAILED, block + 1, int(event["size"]), int(event["stream"])))
+                operation_events.append(index)
                 block += 1
     reserved_at_end = 0
     for segment in snapshot["segments"]:
@@ -249,6 +256,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
         failed=ooms[-1] if ooms else None,
         released_mid_run=released_mid_run,
         survived=tuple(ooms[:-1]),
+        operation_events=(-1,) * len(start) + tuple(operation_events),
     )
 
 
@@ -298,13 +306,18 @@ def _non_split_rounding(conf: object) -> int:
 
 @dataclass(frozen=True)
 class Replay:
-    """What the model held over a replayed trace, in bytes; ``out_of_memory`` where it ran out (the replay stops)."""
+    """What the model held over a replayed trace, in bytes; ``out_of_memory`` where it ran out (the replay stops).
+
+    ``out_of_memory_event``: the index in the device's trace of the request it ran out at (-1: a block live before
+    the trace's first event); None where it did not run out.
+    """
 
     settings: AllocatorSettings
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     alloc_retries: int
     out_of_memory: SimulatedOutOfMemory | None
+    out_of_memory_event: int | None = None
 
 
 def replay(
@@ -322,8 +335,9 @@ def replay(
     model = CachingAllocatorModel(chosen, capacity_bytes)
     malloc, free = model.malloc, model.free
     failure: SimulatedOutOfMemory | None = None
+    position = 0
     try:
-        for kind, block, size, stream in trace.operations:
+        for position, (kind, block, size, stream) in enumerate(trace.operations):  # noqa: B007 -- read on failure
             if kind == MALLOC:
                 malloc(block, size, stream)
             elif kind == FREE:
@@ -333,4 +347,5 @@ def replay(
                 free(block)
     except SimulatedOutOfMemory as error:
         failure = error
-    return Replay(chosen, model.peak_allocated_bytes, model.peak_reserved_bytes, model.alloc_retries, failure)
+    event = None if failure is None else trace.operation_events[position]
+    return Replay(chosen, model.peak_allocated_bytes, model.peak_reserved_bytes, model.alloc_retries, failure, event)
