@@ -24,6 +24,7 @@ from lightning_vram.config import (
     precision_name,
     start_device,
 )
+from lightning_vram.exceptions import SESSION
 from lightning_vram.prediction.replay.known_values import TakenValues, taken_values
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
@@ -99,7 +100,8 @@ class VramSession:
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when the run ended with a CUDA out-of-memory error."""
         self._pending_state: Any = None
-        self._new_run(RunContext(), Ranks(Guard()))
+        self._owner = SESSION  # the object the user made, which warnings begin with: VramMonitor sets its own name
+        self._new_run(RunContext(), Ranks(Guard(self._owner)))
 
     def _new_run(self, context: RunContext, ranks: Ranks, publishers: Sequence[Publisher] = ()) -> None:
         """Fresh parts for the run of ``context``, sharing one guard; ``publishers`` get its results."""
@@ -251,7 +253,7 @@ class VramSession:
         context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
-        self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), outputs)
+        self._new_run(context, Ranks(Guard(self._owner), rank, world_size, gather, barrier), outputs)
         self.report = self.oom_diagnosis = None
         config = self.config
         self._log_every = config.log_every_n_steps or default_log_every_n_steps
@@ -595,7 +597,7 @@ class VramSession:
         if self._recorder.probe is None:
             self._pending_state = state
             return
-        restored = restored_state(state, self.config)
+        restored = restored_state(state, self.config, self._guard.owner)
         self._context.windows.resumed()
         if restored is not None:
             self._recorder.restore(restored.tracker, restored.timer)
