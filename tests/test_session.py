@@ -22,7 +22,7 @@ from models import (
     trainer,
 )
 from preloaded_python import run_script
-from sessions import plain_run, train_steps
+from sessions import new_session, plain_run, train_steps
 from test_guard import FailingProbe
 from torch import nn
 
@@ -144,15 +144,44 @@ def test_examples_write_reports_with_exact_model_state(tmp_path: Path, script: s
     assert (tmp_path / "vram_report.md").exists() and (tmp_path / "vram_report.html").exists()
 
 
-def test_a_session_used_out_of_order_does_nothing_and_raises_nothing() -> None:
+STEP_METHODS = (
+    "batch_start",
+    "before_backward",
+    "after_backward",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "batch_end",
+)
+
+
+@pytest.mark.parametrize("method", STEP_METHODS)
+def test_a_step_method_before_start_says_start_comes_first(method: str) -> None:
+    # A loop that forgot start() would otherwise get an empty report and no hint.
+    message = rf"^VramSession\.{method}\(\) needs start\(\) first: call session\.start\(model, optimizers\) once"
     session = VramSession()
-    session.before_backward()
-    session.before_optimizer_step()
-    assert session.batch_end() == {}
+    with pytest.raises(RuntimeError, match=message):
+        getattr(session, method)()
+    with pytest.raises(TypeError):  # a start() that refuses its arguments starts nothing
+        session.start("not a module")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=message):
+        getattr(session, method)()
+    # Ending a session never started stays quiet (a Trainer's on_exception can come before on_fit_start).
     assert session.finish() is None
     session.close()
     session.fail(RuntimeError("not started"))
     assert session.report is None
+
+
+def test_step_methods_out_of_order_after_start_do_nothing() -> None:
+    session = new_session()
+    model = nn.Linear(4, 2)
+    session.start(model)
+    session.before_backward()  # no step running: ignored, as before start() they raise
+    session.after_backward()
+    session.before_optimizer_step()
+    session.after_optimizer_step()
+    assert session.batch_end() == {}
+    assert session.finish() is not None
 
 
 def test_a_model_without_parameters_reports_zero_model_state(tmp_path: Path) -> None:
