@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import SESSION, VramMonitorWarning
 from lightning_vram.records import NotMeasured
 
 T = TypeVar("T")
@@ -54,9 +54,13 @@ Key = Part | Output
 
 
 class Guard:
-    """Which parts failed, and why. ``enabled(part)`` is a set lookup, cheap enough for every step."""
+    """Which parts failed, and why. ``enabled(part)`` is a set lookup, cheap enough for every step.
 
-    def __init__(self) -> None:
+    ``owner``: the object the user made, which the run's warnings begin with (``"VramSession"``, ``"VramMonitor"``).
+    """
+
+    def __init__(self, owner: str = SESSION) -> None:
+        self.owner = owner
         self._failed: dict[Key, NotMeasured] = {}
         self.off: Mapping[Key, NotMeasured] = self._failed
         """The failed parts, live (read only): the hot path tests ``part not in guard.off`` inline, runs the part in
@@ -86,7 +90,7 @@ class Guard:
         reason = f"failed with {type(error).__name__}: {error}"
         self._failed[part] = NotMeasured(part.value, f"{reason}; off for the rest of the run")
         warnings.warn(
-            f"VramMonitor: {part.value} {reason}. It is off for the rest of the run; training goes on and the"
+            f"{self.owner}: {part.value} {reason}. It is off for the rest of the run; training goes on and the"
             " report lists it under not_measured.",
             VramMonitorWarning,
             stacklevel=4,

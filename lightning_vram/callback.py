@@ -25,7 +25,7 @@ from lightning_vram._lightning import (
     trainer_setup,
 )
 from lightning_vram.config import MonitorOptions, check_option_names
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import MONITOR, VramMonitorWarning
 from lightning_vram.measure.live import apart_from_function_modes as _apart
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.render.scalars import chart_scalars
@@ -63,6 +63,7 @@ class VramMonitor(Callback):
         check_option_names("VramMonitor", options)
         self.session = VramSession(**options)
         """The measuring session every hook forwards to."""
+        self.session._owner = MONITOR  # its warnings name the object the user made
         self.config = self.session.config
         config = self.config
         self._state_key = self._generate_state_key(

@@ -5,10 +5,11 @@
     lightning-vram html PATH -o FILE    the report as a standalone HTML page (``-o -``: on standard output)
     lightning-vram diff A B             what changed from run A to run B: peak and its parts, settings, timing,
                                         advice, and A's predictions for the changes B applied
-    lightning-vram allocator SNAPSHOT [--json]
+    lightning-vram allocator SNAPSHOT [--capacity SIZE] [--json]
                                         a memory snapshot torch wrote, replayed through the caching allocator
                                         model: the recorded and the simulated reserved peak, and what other
-                                        allocator settings would have held
+                                        allocator settings would have held; with --capacity (bytes, or 40GiB,
+                                        80GB), whether the run and each setting would have fit in that much
     lightning-vram plan MODULE [--batch DESCRIPTION] [--gpu NAME|BYTES ...] [--gpus N ...] [--nodes N]
                        [--strategy NAME ...] [--precision NAME ...] [--global-batch N] [--json]
                                         which GPUs, how many, which strategy and settings fit a LightningModule's
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_vram._version import __version__
 from lightning_vram.render.markup import printable
-from lightning_vram.units import format_bytes
+from lightning_vram.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from lightning_vram.records import Report
@@ -76,6 +77,9 @@ SEARCH_DIRECTORIES = 10_000
 MAX_MESSAGE_CHARACTERS = 1000
 MAX_INTEGER_DIGITS = 19
 """No field holds more (integers are int64); longer ones are refused before Python converts them."""
+MIN_CAPACITY_BYTES = 2**20
+MAX_CAPACITY_BYTES = 2**50
+"""``allocator --capacity``'s range, bytes: 1 MiB to 1 PiB, as ``plan --gpu`` takes a GPU's memory in bytes."""
 
 
 class CommandError(Exception):
@@ -295,10 +299,20 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a memory snapshot torch wrote (torch.cuda.memory._dump_snapshot(), or the monitor's"
         " vram_oom_snapshot.pickle) through a model of PyTorch's CUDA caching allocator: the reserved peak it"
         " recorded and the one simulated, and what expandable_segments:True and max_split_size_mb would have held"
-        " (with no memory limit: the snapshot holds none); for a run that ran out of memory, whether each would have"
-        " served the failed request in the memory the run had.",
+        " (with no memory limit: the snapshot holds none); for a run that ran out of memory (judged at its last oom"
+        " event: torch caught the earlier ones, as cuDNN's workspace trials, and the run went on), whether each would"
+        " have served the failed request in the memory the run had, or in --capacity's.",
     )
     allocator.add_argument("snapshot", type=_path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
+    allocator.add_argument(
+        "--capacity",
+        metavar="SIZE",
+        help="judge at this much device memory: would the run, and each setting, have fit on a smaller or larger"
+        " card (fits, or out of memory at which request)? Bytes, or a number with a unit: 40GiB, 80GB, 1.5TiB"
+        " (GB = 10^9 B, GiB = 2^30 B); from 1 MiB to 1 PiB. The allocator's share, as torch.cuda.mem_get_info()'s"
+        " free memory at the start: a card's total less what the CUDA context and other processes hold. Default:"
+        " the memory the run had, where it ran out",
+    )
     allocator.add_argument("--json", action="store_true", help="print the figures as JSON")
     _plan_parser(commands)
     return parser
@@ -402,17 +416,35 @@ def _allocator(arguments: argparse.Namespace) -> None:
     from lightning_vram.prediction.allocator.what_if import what_if
     from lightning_vram.render.allocator import allocator_dict, allocator_text
 
+    capacity = _capacity(arguments.capacity)
     try:
         trace = trace_from_snapshot(read_snapshot(arguments.snapshot))
     except SnapshotError as error:
         message = str(error)
         prefix = "" if message.startswith(str(arguments.snapshot)) else f"{arguments.snapshot}: "
         raise CommandError(prefix + message) from error
-    result = what_if(trace)
+    result = what_if(trace, capacity)
     if arguments.json:
         _print(json.dumps(allocator_dict(result), indent=2), sys.stdout)
         return
     _print(allocator_text(result), sys.stdout)
+
+
+def _capacity(text: str | None) -> int | None:
+    """``--capacity``: bytes, or a number with a unit (``40GiB``, ``80GB``); None where not given.
+
+    >>> _capacity("40GiB"), _capacity("80GB"), _capacity(None)
+    (42949672960, 80000000000, None)
+    """
+    if text is None:
+        return None
+    found = parse_size(text)
+    if found is None or not MIN_CAPACITY_BYTES <= found <= MAX_CAPACITY_BYTES:
+        raise CommandError(
+            "--capacity must be the device memory to judge at: bytes from 1 MiB to 1 PiB, as an integer or a number"
+            f" with a unit (40GiB, 80GB), got {text!r}"
+        )
+    return found
 
 
 def _plan(arguments: argparse.Namespace) -> int:

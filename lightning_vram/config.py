@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import re
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from torch import nn
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.timing import Clock
 from lightning_vram.render.publishing import Publisher
+from lightning_vram.units import parse_size
 
 MAX_STEPS = 10**12
 """Upper bound of every option counted in training steps (a trillion steps: far beyond any run)."""
@@ -53,9 +53,6 @@ def require_int(name: str, value: object, minimum: int, maximum: int, allow_none
 
 MAX_MEMORY_BUDGET = 2**50
 """Upper bound of ``memory_budget``: a pebibyte, far beyond any device."""
-_BUDGET_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_BUDGET_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-_BUDGET = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
 def memory_budget_bytes(name: str, value: object) -> int | None:
@@ -70,11 +67,10 @@ def memory_budget_bytes(name: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        match = _BUDGET.fullmatch(value)
-        unit = _BUDGET_UNITS.get(match[2].lower()) if match is not None else None
-        if match is None or unit is None:
+        parsed = parse_size(value)
+        if parsed is None:
             raise ValueError(f"{name} must be {what}, got {value!r}")
-        value = int(float(match[1]) * unit)
+        value = parsed
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
     if not 0 < value <= MAX_MEMORY_BUDGET:

@@ -43,10 +43,10 @@ def trained_apart(first: Path, second: Path) -> list[int]:
     ]
 
 
-def check_preflight_agreed(out: Path, note: str, free_bytes: int) -> None:
+def check_preflight_agreed(out: Path, note: str, free_bytes: int, owner: str) -> None:
     """The ranks' preflight records in ``out`` (each rank's device ``free_bytes`` free, too few): both ranks agreed on
     the same rows, each row its rank's own verdict (replayed, its last note ``note``), each predicted not to fit,
-    and each warned that both ranks run out of memory."""
+    and each warned, naming ``owner`` (the object the script made), that both ranks run out of memory."""
     records = [read(out / f"preflight{rank}.json") for rank in range(WORLD_SIZE)]
     rows = records[0]["agreed"]
     assert records[1]["agreed"] == rows
@@ -59,7 +59,7 @@ def check_preflight_agreed(out: Path, note: str, free_bytes: int) -> None:
         assert not fits and needed > available == free_bytes
         print(f"rank {rank}: needs {needed:,} B of {available:,} B free")
         assert record["warnings"][0].startswith(
-            "VramMonitor: preflight on 2 ranks before step 0: 2 of 2 ranks predicted to run out of memory"
+            f"{owner}: preflight on 2 ranks before step 0: 2 of 2 ranks predicted to run out of memory"
         )
 
 

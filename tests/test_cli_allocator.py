@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 from allocator_traces import NAMES, SNAPSHOTS, capacity, load, run_settings
@@ -62,9 +63,17 @@ def test_a_recorded_run_that_ran_out_of_memory_does_in_the_command_too(
 ) -> None:
     assert main(["allocator", "--json", str(SNAPSHOTS[name])]) == 0
     data = json.loads(capsys.readouterr().out)
-    # The capacity the oom event's own figures give is what the device had free when the run began.
-    failed = next(event for event in load(name)[0]["device_traces"][0] if event["action"] == "oom")
-    assert data["out_of_memory"] == {"request_bytes": failed["size"], "capacity_bytes": capacity(name)}
+    # The capacity the oom event's own figures give is what the device had free when the run began. The run ended on
+    # the last oom event; torch caught the earlier ones (ResNet-50's cuDNN workspaces) and the run went on.
+    events = load(name)[0]["device_traces"][0]
+    *survived, failed = [index for index, event in enumerate(events) if event["action"] == "oom"]
+    assert data["out_of_memory"] == {
+        "request_bytes": events[failed]["size"],
+        "capacity_bytes": capacity(name),
+        "event": failed,
+    }
+    assert [entry["event"] for entry in data["survived_out_of_memory"]] == survived
+    assert [entry["request_bytes"] for entry in data["survived_out_of_memory"]] == [events[i]["size"] for i in survived]
     assert data["simulated"]["fits"] is False
 
 
@@ -102,7 +111,8 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     path.write_bytes(pickle.dumps({"segments": [segment], "device_traces": [events]}))
     assert main(["allocator", "--json", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["out_of_memory"] == {"request_bytes": 30 * MIB, "capacity_bytes": 45 * MIB}
+    assert data["out_of_memory"] == {"request_bytes": 30 * MIB, "capacity_bytes": 45 * MIB, "event": 2}
+    assert data["survived_out_of_memory"] == []
     assert data["simulated"]["fits"] is False
     # Serving the failed request: 20 MiB held (3 MiB in use) + a new 30 MiB segment with the defaults; expandable
     # segments map one more 20 MiB page after the free 17 MiB, 40 MiB in all, within the 45 MiB the run had.
@@ -119,6 +129,54 @@ def test_an_out_of_memory_snapshot_says_which_settings_would_have_fit(
     assert "(the snapshot does not say: torch's defaults assumed)" in out
     assert "serving it would need 50.0 MiB reserved (52,428,800 B), simulated at that capacity: out of memory" in out
     assert "  expandable_segments:True  reserved peak 40.0 MiB (41,943,040 B, -10.0 MiB (-20.00%)" in out
+
+
+def with_survived_ooms(name: str, directory: Path) -> tuple[Path, list[int]]:
+    """The trace ``name`` with two ``oom`` events added before its own, as torch records one it caught (cuDNN trying
+    a convolution algorithm whose workspace does not fit, then one needing less): 40 GiB asked for, the device's free
+    bytes of the run's own oom event; and the indices of the added events."""
+    snapshot, _ = load(name)
+    events = snapshot["device_traces"][0]
+    fatal = next(event for event in events if event["action"] == "oom")
+    added = [500, 901]  # their indices once inserted, both before the run's own oom event
+    for index in added:
+        events.insert(index, {**fatal, "size": 40 * 1024**3})
+    path = directory / f"{name}-survived.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    return path, added
+
+
+def test_the_oom_the_run_ended_on_is_judged_and_the_earlier_ones_are_survived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, added = with_survived_ooms("h100-gpt2-b96", tmp_path)
+    assert main(["allocator", "--json", str(SNAPSHOTS["h100-gpt2-b96"])]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main(["allocator", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # Judged as the same run without the caught errors: the same failed request, capacity, replays and verdicts.
+    survived = data.pop("survived_out_of_memory")
+    assert [(entry["event"], entry["request_bytes"]) for entry in survived] == [
+        (index, 40 * 1024**3) for index in added
+    ]
+    assert data["out_of_memory"].pop("event") == alone["out_of_memory"].pop("event") + 2
+    assert data["trace"].pop("events") == alone["trace"].pop("events") + 2
+    assert alone.pop("survived_out_of_memory") == []
+    for judged in (data["simulated"], *data["what_if"]):  # each runs out where the run did: 2 events further on
+        if "runs_out_at" in judged:
+            assert judged["runs_out_at"]["event"] == 965
+            judged["runs_out_at"]["event"] -= 2
+    assert data == alone
+    assert main(["allocator", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4].startswith(
+        "out of memory at event 965 (the last of 3, the one the run ended on: a request of 9.20 GiB)"
+    )
+    assert lines[5] == (
+        "survived before it: 2 out-of-memory error(s) torch caught and the run went on from (at events 500, 901;"
+        " requests of 40.00 GiB; cuDNN does, falling back to a convolution algorithm with less workspace): the run"
+        " did not need that memory, and they are not replayed"
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt2-b8", "gpt2-b150-expandable"])
@@ -225,3 +283,72 @@ def test_a_run_that_met_its_devices_memory_is_said_to_have(
         if released
         else []
     )
+
+
+def _judged(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main(["allocator", "--json", *arguments]) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def test_capacity_judges_the_run_and_each_setting_on_another_card(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(SNAPSHOTS["gpt2-b150"])
+    expandable_peak = recorded_peak("gpt2-b150-expandable")
+    data = _judged([path, "--capacity", str(expandable_peak)], capsys)
+    assert data["capacity"] == {"bytes": expandable_peak, "given": True}
+    # On a card holding what the expandable run reserved, the default allocator runs out of memory at a request of
+    # 15,438,950,400 B (even after releasing its cache), and expandable segments serve the whole trace.
+    runs_out = data["simulated"]["runs_out_at"]
+    assert data["simulated"]["fits"] is False and runs_out["request_bytes"] == 15_438_950_400
+    event = load("gpt2-b150")[0]["device_traces"][0][runs_out["event"]]
+    assert (event["action"], event["size"]) == ("alloc", runs_out["request_bytes"])  # the request it ran out at
+    assert data["what_if"][0]["setting"] == "expandable_segments:True" and data["what_if"][0]["fits"] is True
+    assert "runs_out_at" not in data["what_if"][0]
+    assert main(["allocator", path, "--capacity", str(expandable_peak)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4] == (
+        f"at the {format_bytes(expandable_peak)} given (--capacity), with these settings (simulated): out of memory"
+        f" at event {runs_out['event']} (a request of {format_bytes(15_438_950_400)},"
+        f" {format_bytes(runs_out['allocated_bytes'])} allocated)"
+    )
+    assert lines[-1].startswith(
+        f"would have served the whole trace in the {format_bytes(expandable_peak)} given (--capacity) (simulated over"
+        " the trace): expandable_segments:True"
+    )
+
+
+def test_capacity_takes_units_and_judges_a_run_that_ran_out_on_a_larger_card(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = str(SNAPSHOTS["h100-gpt2-b96"])
+    # 10**11 B as bytes and as 100GB; 93.13 GiB serve the 9.20 GiB request the H100's 78.45 GiB could not.
+    data = _judged([path, "--capacity", "100GB"], capsys)
+    assert data == _judged([path, "--capacity", str(10**11)], capsys)
+    assert data["capacity"] == {"bytes": 10**11, "given": True}
+    assert data["simulated"]["fits"] is True and all(entry["fits"] for entry in data["what_if"])
+    assert data["out_of_memory"]["capacity_bytes"] == capacity("h100-gpt2-b96")  # the run's own, still said
+    # Without --capacity, the judgement is at the run's own capacity.
+    assert _judged([path], capsys)["capacity"] == {"bytes": capacity("h100-gpt2-b96"), "given": False}
+    assert _judged([path, "--capacity", "1.5 GiB"], capsys)["capacity"]["bytes"] == 1536 * MIB
+    assert main(["allocator", path, "--capacity", "100GB"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "with these settings, would have served the failed request in the 93.13 GiB given (--capacity)"
+        " (simulated; the trace ends there)"
+    )
+
+
+@pytest.mark.parametrize("value", ["40G", "abc", "0", "-5", "1000", "2PiB", ""])
+def test_a_bad_capacity_is_one_line_and_status_2(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["allocator", str(SNAPSHOTS["gpt2-b8"]), f"--capacity={value}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "lightning-vram: error: --capacity must be the device memory to judge at: bytes from 1 MiB to 1 PiB, as an"
+        f" integer or a number with a unit (40GiB, 80GB), got {value!r}\n"
+    )
+
+
+def test_capacity_is_in_the_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["allocator", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--capacity SIZE judge at this much device memory" in out and "40GiB, 80GB" in out

@@ -134,7 +134,7 @@ def test_fsdp1_ranks_train_the_same_with_and_without_the_monitor(
 
 def test_fsdp1_ranks_agree_on_their_own_preflight_predictions(tmp_path: Path) -> None:
     run(SCRIPT, tmp_path, f"preflight={TIGHT}")
-    check_preflight_agreed(tmp_path, NOTE, TIGHT)
+    check_preflight_agreed(tmp_path, NOTE, TIGHT, "VramSession")
 
 
 def test_fsdp1_ranks_with_their_original_parameters_replay_and_train_the_same(tmp_path: Path) -> None:

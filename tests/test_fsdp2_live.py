@@ -106,7 +106,7 @@ def test_fsdp2_ranks_train_the_same_with_and_without_the_monitor(
 
 def test_fsdp2_ranks_agree_on_their_own_preflight_predictions(tmp_path: Path) -> None:
     run(SCRIPT, tmp_path, f"preflight={TIGHT}")
-    check_preflight_agreed(tmp_path, NOTE, TIGHT)
+    check_preflight_agreed(tmp_path, NOTE, TIGHT, "VramMonitor")
 
 
 def test_a_fabric_fsdp2_loop_s_ranks_replay_their_steps_and_train_the_same(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def test_each_rank_sends_its_verdict_once_before_step_0_and_warns_for_the_rank_t
         RankPreflight(1, False, 9_000_000, 1_000_000, 9_000_000),
     )
     assert messages == [
-        "VramMonitor: preflight on 2 ranks before step 0: 1 of 2 ranks predicted to run out of memory: rank 1 needs"
+        "VramSession: preflight on 2 ranks before step 0: 1 of 2 ranks predicted to run out of memory: rank 1 needs"
         f" {format_bytes(9_000_000)} more, {format_bytes(1_000_000)} available ({format_bytes(8_000_000)} short)."
         " Predicted to fit: rank 0."
     ]
@@ -87,7 +87,7 @@ def test_a_failed_gather_warns_once_and_this_rank_keeps_its_own_verdict() -> Non
     assert session.preflight_ranks == (RankPreflight(0, False, verdict.needed_bytes, 1024, verdict.needed_bytes),)
     assert len(messages) == 2
     assert "the exchange between ranks failed with RuntimeError: Connection closed" in messages[0]
-    assert messages[1].startswith("VramMonitor: the first training step is predicted to run out of memory")
+    assert messages[1].startswith("VramSession: the first training step is predicted to run out of memory")
 
 
 def test_with_preflight_off_no_rank_gathers_before_step_0() -> None:

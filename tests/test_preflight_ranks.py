@@ -43,11 +43,12 @@ def read(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def agreed_line(rows: list[list[Any]]) -> str:
-    """The sentence every rank warns, from the agreed rows (rank 1 short, rank 0 fitting)."""
+def agreed_line(rows: list[list[Any]], owner: str) -> str:
+    """The sentence every rank warns, from the agreed rows (rank 1 short, rank 0 fitting), naming ``owner`` (the object
+    the script made: ``VramMonitor`` under a Trainer, ``VramSession`` in a plain loop)."""
     (_, _, needed, available, _) = rows[1]
     return (
-        "VramMonitor: preflight on 2 ranks before step 0: 1 of 2 ranks predicted to run out of memory: rank 1 needs"
+        f"{owner}: preflight on 2 ranks before step 0: 1 of 2 ranks predicted to run out of memory: rank 1 needs"
         f" {format_bytes(needed)} more, {format_bytes(available)} available ({format_bytes(needed - available)}"
         " short). Predicted to fit: rank 0."
     )
@@ -74,7 +75,7 @@ def test_ddp_ranks_agree_on_one_preflight_verdict_and_train_unchanged(tmp_path: 
     run_script("preflight_ranks_train.py", str(bare), str(DDP_FREE), "no-monitor")
     records = [read(monitored / f"preflight{rank}.json") for rank in range(WORLD)]
     rows = check_agreement(records, DDP_FREE)
-    line = agreed_line(rows)
+    line = agreed_line(rows, "VramMonitor")
     assert records[0]["warnings"] == [line]  # rank 0 fits, and names rank 1
     (own,) = records[1]["warnings"]
     assert own.startswith(f"{line} Rank 1's own check: the first training step is predicted to run out of memory")
@@ -112,7 +113,7 @@ def test_zero_ranks_agree_on_their_own_predictions_and_train_unchanged(tmp_path:
     run_script("preflight_zero_train.py", str(free_port()), str(tmp_path), str(ZERO_FREE))
     records = [read(tmp_path / f"zero2-preflight{rank}.json") for rank in range(WORLD)]
     rows = check_agreement(records, ZERO_FREE)
-    line = agreed_line(rows)
+    line = agreed_line(rows, "VramSession")
     assert records[0]["warnings"] == [line]
     (own,) = records[1]["warnings"]
     assert own.startswith(f"{line} Rank 1's own check: the first training step is predicted to run out of memory")
@@ -124,7 +125,7 @@ def test_zero_ranks_agree_on_their_own_predictions_and_train_unchanged(tmp_path:
     # without DeepSpeed's hooks, and ZeRO-3's arithmetic gives the rank's figures; the ranks agree the same way.
     zero3 = [read(tmp_path / f"zero3-preflight{rank}.json") for rank in range(WORLD)]
     rows = check_agreement(zero3, ZERO_FREE)
-    line = agreed_line(rows)
+    line = agreed_line(rows, "VramSession")
     assert zero3[0]["warnings"] == [line]
     assert zero3[1]["warnings"][0].startswith(f"{line} Rank 1's own check: ")
     for record in zero3:

@@ -195,11 +195,13 @@ def test_a_prediction_prints_as_a_short_table_and_has_a_json_form() -> None:
         *format_bytes(forward.peak_bytes).split(),
         format_bytes(forward.breakdown.parameters).split()[0],
     ]
-    # The context each row keeps free beside the step is named: a reader can set it against their own card's.
+    # The context each row keeps free beside the step is named: a reader can set it against their own card's. Asked
+    # for the CPU, the answer leads (the first line); the GPU rows are titled as the move they are about.
     context = format_bytes(prediction.cuda_context_bytes)
     assert prediction.cuda_context_bytes > 0
-    assert (
-        lines[len(step.phases) + 2] == f"Largest batch per GPU (each card's capacity less {context} of CUDA context):"
+    assert lines[len(step.phases) + 2] == (
+        f"On GPUs (if you move this model there): largest batch per GPU (each card's capacity less {context} of CUDA"
+        " context):"
     )
     rows = lines[len(step.phases) + 4 : len(step.phases) + 4 + len(prediction.fit)]
     for row, fit in zip(rows, prediction.fit, strict=True):
@@ -234,6 +236,10 @@ def test_a_prediction_for_gpus_gives_the_step_time_on_each_card_of_its_fit_table
     device = "cuda" if step.device_type == "cuda" else "cuda (replayed on cpu)"
     assert lines[0].startswith(f"Prediction: {device}, 32-true, batch 16: ")
     assert prediction.to_dict()["device_type"] == "cuda"
+    context = format_bytes(prediction.cuda_context_bytes)  # asked for GPUs: the rows are the answer, titled plainly
+    assert (
+        lines[len(step.phases) + 2] == f"Largest batch per GPU (each card's capacity less {context} of CUDA context):"
+    )
     start = lines.index(
         "Step time at batch 16 (roofline per op at 50% of each card's published peaks, ops one after another, not"
         " calibrated by a run):"

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from models import FLOAT32, OPTIMIZERS, PARAMETER_COUNTS, Classifier, cnn_net, dataset_for, loader, trainer
+from models import (
+    FLOAT32,
+    OPTIMIZERS,
+    PARAMETER_COUNTS,
+    Classifier,
+    cnn_net,
+    dataset_for,
+    linear_net,
+    loader,
+    trainer,
+)
 from preloaded_python import run_script
-from sessions import train_steps
+from sessions import new_session, plain_run, train_steps
+from test_guard import FailingProbe
 from torch import nn
 
-from lightning_vram import VramMonitor, VramSession
+from lightning_vram import VramMonitor, VramMonitorWarning, VramSession
 from lightning_vram.records import Phase
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -131,15 +144,44 @@ def test_examples_write_reports_with_exact_model_state(tmp_path: Path, script: s
     assert (tmp_path / "vram_report.md").exists() and (tmp_path / "vram_report.html").exists()
 
 
-def test_a_session_used_out_of_order_does_nothing_and_raises_nothing() -> None:
+STEP_METHODS = (
+    "batch_start",
+    "before_backward",
+    "after_backward",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "batch_end",
+)
+
+
+@pytest.mark.parametrize("method", STEP_METHODS)
+def test_a_step_method_before_start_says_start_comes_first(method: str) -> None:
+    # A loop that forgot start() would otherwise get an empty report and no hint.
+    message = rf"^VramSession\.{method}\(\) needs start\(\) first: call session\.start\(model, optimizers\) once"
     session = VramSession()
-    session.before_backward()
-    session.before_optimizer_step()
-    assert session.batch_end() == {}
+    with pytest.raises(RuntimeError, match=message):
+        getattr(session, method)()
+    with pytest.raises(TypeError):  # a start() that refuses its arguments starts nothing
+        session.start("not a module")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=message):
+        getattr(session, method)()
+    # Ending a session never started stays quiet (a Trainer's on_exception can come before on_fit_start).
     assert session.finish() is None
     session.close()
     session.fail(RuntimeError("not started"))
     assert session.report is None
+
+
+def test_step_methods_out_of_order_after_start_do_nothing() -> None:
+    session = new_session()
+    model = nn.Linear(4, 2)
+    session.start(model)
+    session.before_backward()  # no step running: ignored, as before start() they raise
+    session.after_backward()
+    session.before_optimizer_step()
+    session.after_optimizer_step()
+    assert session.batch_end() == {}
+    assert session.finish() is not None
 
 
 def test_a_model_without_parameters_reports_zero_model_state(tmp_path: Path) -> None:
@@ -164,3 +206,33 @@ def test_a_fabric_wrapped_optimizer_is_named_as_the_users() -> None:
     _, optimizer = Fabric(accelerator="cpu", devices=1).setup(network, torch.optim.AdamW(network.parameters()))
     assert type(optimizer).__name__ == "FabricAdamW"  # Fabric's wrapper class
     assert training_setup(network, [optimizer]).optimizers == ("AdamW",)
+
+
+def _warned(run: Callable[[], object]) -> list[str]:
+    """The monitor's warnings while ``run`` runs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(item.message) for item in caught if issubclass(item.category, VramMonitorWarning)]
+
+
+def test_warnings_name_the_object_the_user_made(tmp_path: Path) -> None:
+    cpu = "the model trains on cpu, not a CUDA GPU"
+    # A plain loop's session on the CPU, and one whose probe fails: the user made a VramSession, never a VramMonitor.
+    ours = _warned(lambda: plain_run(None))
+    said = [message for message in ours if cpu in message]
+    assert len(said) == 1 and said[0].startswith(f"VramSession: {cpu}")
+    session = VramSession(probe=FailingProbe("read_allocator"), console_summary=False)
+    module = Classifier(linear_net())
+    optimizer = module.configure_optimizers()
+    data = loader(dataset_for("linear"))
+    session.start(module, optimizers=[optimizer], dataloader=data)
+    failing = _warned(lambda: train_steps(session, module, optimizer, data, steps=2))
+    assert len(failing) == 1 and failing[0].startswith("VramSession: allocator readings failed with Boom")
+    assert ours and not any(message.startswith("VramMonitor") for message in ours + failing)
+    # The same warning under a Trainer names the callback.
+    monitor = VramMonitor(console_summary=False)
+    fit = trainer(tmp_path, [monitor], max_steps=2)
+    by_trainer = _warned(lambda: fit.fit(Classifier(linear_net()), loader(dataset_for("linear"))))
+    assert any(message.startswith(f"VramMonitor: {cpu}") for message in by_trainer)
+    assert not any(message.startswith("VramSession") for message in by_trainer)

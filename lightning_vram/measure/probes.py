@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import psutil
 import torch
 
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import SESSION, VramMonitorWarning
 from lightning_vram.measure._nvml import NvmlSampler, NvmlUnavailableError
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
 
@@ -162,11 +162,12 @@ class NvmlUtilization:
     """GPU utilization and this process's device memory, sampled by NVML on a background thread.
 
     Whatever NVML's bindings raise, at start or later on the sampling thread, becomes one warning and one
-    ``not_measured`` entry; the memory readings of the allocator go on.
+    ``not_measured`` entry; the memory readings of the allocator go on. ``owner`` begins the warning.
     """
 
-    def __init__(self, interval_seconds: float) -> None:
+    def __init__(self, interval_seconds: float, owner: str = SESSION) -> None:
         self._interval_seconds = interval_seconds
+        self._owner = owner
         self._sampler: NvmlSampler | None = None
         self._unavailable: list[NotMeasured] = []
         self._sampler_error_reported = False
@@ -179,7 +180,7 @@ class NvmlUtilization:
         except NvmlUnavailableError as error:
             self._unavailable.append(NotMeasured("GPU utilization and process memory (NVML)", str(error)))
             warnings.warn(
-                f"VramMonitor: {error}. GPU utilization is not measured; memory is.", VramMonitorWarning, stacklevel=3
+                f"{self._owner}: {error}. GPU utilization is not measured; memory is.", VramMonitorWarning, stacklevel=3
             )
         else:
             self._sampler = sampler
@@ -190,7 +191,8 @@ class NvmlUtilization:
             return
         self._sampler_error_reported = True
         self._unavailable.append(NotMeasured("GPU utilization after the error", sampler.error))
-        warnings.warn(f"VramMonitor: {sampler.error}; utilization sampling stopped.", VramMonitorWarning, stacklevel=3)
+        message = f"{self._owner}: {sampler.error}; utilization sampling stopped."
+        warnings.warn(message, VramMonitorWarning, stacklevel=3)
 
     def take(self) -> UtilizationReading | None:
         """Utilization averaged since the last call (``None`` without NVML)."""
@@ -219,9 +221,9 @@ class NvmlUtilization:
 class CudaProbe:
     """A CUDA device: the caching allocator's counters, and NVML on a background timer."""
 
-    def __init__(self, utilization_interval_seconds: float) -> None:
+    def __init__(self, utilization_interval_seconds: float, owner: str = SESSION) -> None:
         self._index = 0
-        self._nvml = NvmlUtilization(utilization_interval_seconds)
+        self._nvml = NvmlUtilization(utilization_interval_seconds, owner)
 
     def open(self, device: torch.device) -> DeviceInfo:
         """Describe the device and start NVML; a failing NVML warns once and is reported as not measured."""
@@ -289,8 +291,8 @@ class CudaProbe:
         self._nvml.stop()
 
 
-def probe_for(device: torch.device, utilization_interval_seconds: float) -> Probe:
-    """The probe that fits the device the LightningModule lives on."""
+def probe_for(device: torch.device, utilization_interval_seconds: float, owner: str = SESSION) -> Probe:
+    """The probe that fits the device the LightningModule lives on; ``owner`` begins its warnings."""
     if device.type == "cuda":
-        return CudaProbe(utilization_interval_seconds)
+        return CudaProbe(utilization_interval_seconds, owner)
     return CpuProbe()

@@ -128,7 +128,11 @@ def _columns(rows: list[list[str]]) -> list[str]:
 
 
 def prediction_text(prediction: Prediction) -> str:
-    """The prediction in a few lines: each phase's predicted peak and parts, the fit rows, the notes."""
+    """The prediction in a few lines: each phase's predicted peak and parts, the fit rows, the notes.
+
+    The first line answers for the device asked for. Asked for the CPU, the fit rows answer another question, which
+    GPU to move the model to (from the CPU's tensor peak), and their title says so.
+    """
     step = prediction.step
     if step is None:
         return f"Prediction: skipped ({prediction.skipped})"
@@ -152,7 +156,10 @@ def prediction_text(prediction: Prediction) -> str:
     if prediction.fit:
         context = prediction.cuda_context_bytes
         kept = f" (each card's capacity less {format_bytes(context)} of CUDA context)" if context else ""
-        lines.append(f"Largest batch per GPU{kept}:")
+        title = "Largest batch per GPU"
+        if asked == "cpu":  # the CPU's answer is the first line: these rows are about moving the model
+            title = "On GPUs (if you move this model there): largest batch per GPU"
+        lines.append(f"{title}{kept}:")
         fit = [["GPU", "capacity", "batch", "expandable segments", "basis", "assumed"]]
         fit += [
             [

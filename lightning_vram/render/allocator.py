@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_vram.prediction.allocator.snapshot import Replay
+from lightning_vram.prediction.allocator.snapshot import FailedRequest, Replay
 from lightning_vram.prediction.allocator.what_if import WhatIf
 from lightning_vram.units import format_bytes
 
@@ -24,15 +24,48 @@ def _figures(replay: Replay) -> dict[str, Any]:
     }
 
 
+def _judged(judged: Replay | None) -> dict[str, Any]:
+    """``fits`` at the capacity judged at and, where it does not, the request it ran out at; nothing with none."""
+    if judged is None:
+        return {}
+    failure = judged.out_of_memory
+    if failure is None:
+        return {"fits": True}
+    return {
+        "fits": False,
+        "runs_out_at": {
+            "event": judged.out_of_memory_event,
+            "request_bytes": failure.requested_bytes,
+            "allocated_bytes": failure.allocated_bytes,
+            "reserved_bytes": failure.reserved_bytes,
+        },
+    }
+
+
+def _out_of_memory(request: FailedRequest) -> dict[str, int]:
+    return {
+        "request_bytes": request.rounded_bytes,
+        "capacity_bytes": request.capacity_bytes,
+        "event": request.event,
+    }
+
+
 def allocator_dict(result: WhatIf) -> dict[str, Any]:
-    """The JSON ``lightning-vram allocator --json`` prints: recorded, simulated and each alternative's figures."""
+    """The JSON ``lightning-vram allocator --json`` prints: recorded, simulated and each alternative's figures.
+
+    ``out_of_memory`` is the request the run ended on (the trace's last ``oom`` event; ``event``: its index in the
+    trace), ``survived_out_of_memory`` the ones before it, which torch caught and the run went on from.
+    ``capacity``: the capacity judged at (``bytes``; ``given``: asked for with ``--capacity``, else the run's);
+    there, ``fits`` for the simulated run and each setting and, where one does not, ``runs_out_at``: the request it
+    ran out at (``event``: its index in the trace, -1 for a block live before it; its size before rounding; the
+    allocated and reserved bytes then).
+    """
     trace = result.trace
     data: dict[str, Any] = {
         "recorded": {"reserved_peak_bytes": trace.recorded_reserved_peak_bytes},
         "simulated": {**_figures(result.simulated), "settings": result.simulated.settings.conf()},
         "what_if": [
-            {"setting": alternative.setting, **_figures(alternative.replay)}
-            | ({} if alternative.fits is None else {"fits": alternative.fits})
+            {"setting": alternative.setting, **_figures(alternative.replay), **_judged(alternative.judged)}
             for alternative in result.alternatives
         ],
         "trace": {
@@ -45,12 +78,12 @@ def allocator_dict(result: WhatIf) -> dict[str, Any]:
             "segments_released_mid_run": trace.released_mid_run,
         },
     }
+    data["simulated"].update(_judged(result.simulated_judged))
+    if result.capacity_bytes is not None:
+        data["capacity"] = {"bytes": result.capacity_bytes, "given": result.capacity_given}
     if trace.failed is not None:
-        data["out_of_memory"] = {
-            "request_bytes": trace.failed.rounded_bytes,
-            "capacity_bytes": trace.failed.capacity_bytes,
-        }
-        data["simulated"]["fits"] = result.simulated_fits
+        data["out_of_memory"] = _out_of_memory(trace.failed)
+        data["survived_out_of_memory"] = [_out_of_memory(survived) for survived in trace.survived]
         if result.serving_failed is not None:
             data["simulated"]["reserved_peak_serving_failed_request_bytes"] = result.serving_failed.peak_reserved_bytes
     return data
@@ -93,48 +126,97 @@ def allocator_text(result: WhatIf) -> str:
     against = simulated.peak_reserved_bytes
     if trace.failed is not None and result.serving_failed is not None:
         against = result.serving_failed.peak_reserved_bytes
+        ended = f"the last of {len(trace.survived) + 1}, the one the run ended on: " if trace.survived else ""
         lines.append(
-            f"out of memory: a request of {format_bytes(trace.failed.rounded_bytes)} with"
+            f"out of memory at event {trace.failed.event} ({ended}a request of"
+            f" {format_bytes(trace.failed.rounded_bytes)}) with"
             f" {format_bytes(trace.failed.capacity_bytes)} for the allocator (reserved + free);"
-            f" serving it would need {format_bytes(against)} reserved ({against:,} B),"
-            f" simulated at that capacity: {'fits' if result.simulated_fits else 'out of memory'}"
+            f" serving it would need {format_bytes(against)} reserved ({against:,} B)"
+            + ("" if result.capacity_given else f", simulated at that capacity: {_at(result.simulated_judged)}")
         )
-    if trace.failed is None:
+        if trace.survived:
+            lines.append(_survived(trace.survived))
+    room = _room(result)
+    serving = "serving the failed request too; " if trace.failed is not None else ""
+    if result.capacity_given:
+        lines.append(f"at {room}, with these settings ({serving}simulated): {_at(result.simulated_judged)}")
+    if room is None:
         lines.append("what the allocator would have held with:")
     else:
         lines.append(
-            "what the allocator would have held with (serving the failed request too; the peaks with no limit,"
-            f" fits or out of memory within the {format_bytes(trace.failed.capacity_bytes)} the run had, its cache"
-            " released and retried as torch does):"
+            f"what the allocator would have held with ({serving}the peaks with no limit, fits or out of memory"
+            f" within {room}, its cache released and retried as torch does):"
         )
     width = max(len(alternative.setting) for alternative in result.alternatives)
     for alternative in result.alternatives:
         peak = alternative.replay.peak_reserved_bytes
-        verdict = "" if alternative.fits is None else ("; fits" if alternative.fits else "; out of memory")
+        verdict = "" if alternative.judged is None else f"; {_at(alternative.judged)}"
         lines.append(
             f"  {alternative.setting:<{width}}  reserved peak {format_bytes(peak)} ({peak:,} B,"
             f" {_change(peak, against)} against these settings){verdict}"
         )
-    if trace.failed is not None:
-        lines.append(_verdict(result))
+    last = _verdict(result)
+    if last is not None:
+        lines.append(last)
     return "\n".join(lines)
 
 
-def _verdict(result: WhatIf) -> str:
-    """The answer to "would another allocator setting have saved this run?", for a trace that ran out of memory.
+def _room(result: WhatIf) -> str | None:
+    """The capacity judged at, in words: the one given or the run's; None where there is none."""
+    if result.capacity_bytes is None:
+        return None
+    size = format_bytes(result.capacity_bytes)
+    return f"the {size} given (--capacity)" if result.capacity_given else f"the {size} the run had"
+
+
+def _at(judged: Replay | None) -> str:
+    """A replay at the capacity judged at, in words: fits, or out of memory at which request."""
+    failure = None if judged is None else judged.out_of_memory
+    if judged is None or failure is None:
+        return "fits"
+    event = judged.out_of_memory_event
+    where = "a block live before the trace" if event == -1 else f"event {event}"
+    return (
+        f"out of memory at {where} (a request of {format_bytes(failure.requested_bytes)},"
+        f" {format_bytes(failure.allocated_bytes)} allocated)"
+    )
+
+
+def _survived(requests: tuple[FailedRequest, ...]) -> str:
+    """The out-of-memory errors the run went on from, in one line: how many, at which events, of what sizes."""
+    sizes = sorted(request.rounded_bytes for request in requests)
+    span = format_bytes(sizes[0]) if sizes[0] == sizes[-1] else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
+    events = ", ".join(str(request.event) for request in requests[:5]) + (", ..." if len(requests) > 5 else "")
+    return (
+        f"survived before it: {len(requests)} out-of-memory error(s) torch caught and the run went on from (at events"
+        f" {events}; requests of {span}; cuDNN does, falling back to a convolution algorithm with less workspace):"
+        " the run did not need that memory, and they are not replayed"
+    )
+
+
+def _verdict(result: WhatIf) -> str | None:
+    """The answer to "would this run have fit, or with which allocator setting?", at the capacity judged at.
 
     Only the trace is known: the run up to its failed request, that request included; later steps are not in it.
+    None where there is no capacity to judge at.
     """
-    assert result.trace.failed is not None
-    capacity = format_bytes(result.trace.failed.capacity_bytes)
+    if result.capacity_bytes is None:
+        return None
+    size = format_bytes(result.capacity_bytes)
+    room = f"the {size} given (--capacity)" if result.capacity_given else f"the same {size}"
+    failed = result.trace.failed is not None
+    what = "the failed request" if failed else "the whole trace"
+    known = "simulated; the trace ends there" if failed else "simulated over the trace"
+    if result.capacity_given and result.simulated_fits:
+        return f"with these settings, would have served {what} in {room} ({known})"
     saving = [alternative for alternative in result.alternatives if alternative.fits]
     if not saving:
         return (
-            f"no setting tried serves the failed request in the same {capacity}: the step itself must hold less"
+            f"no setting tried serves {what} in {room}: the step itself must hold less"
             " (a smaller batch, 16-bit precision, activation checkpointing)"
         )
     names = ", ".join(alternative.setting for alternative in saving)
     return (
-        f"would have served the failed request in the same {capacity} (simulated; the trace ends there): {names};"
+        f"would have served {what} in {room} ({known}): {names};"
         f" for example PYTORCH_CUDA_ALLOC_CONF={saving[0].replay.settings.conf()} python train.py"
     )

@@ -35,7 +35,6 @@ from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sen
 from lightning_vram.render.simulation import Table, calibration_line, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
-MONITOR_PREFIX = "VramMonitor: "
 """How the monitor's warnings start."""
 SUMMARY_TOP_MODULES = 3
 """How many of the top modules the console summary names."""
@@ -613,7 +612,7 @@ def oom_markdown(diagnosis: OomDiagnosis) -> str:
 def preflight_warning(
     verdict: PreflightVerdict, device: str, length: int | None = None, shape: tuple[int, ...] | None = None
 ) -> str:
-    """The warning given before a first step that is predicted not to fit on ``device``.
+    """The warning given before a first step that is predicted not to fit on ``device`` (its warner's name before it).
 
     ``length``: the step replayed was the first one with its batch resized to this length (the longest expected:
     ``max_length``, or the DataLoader's own). ``shape``: resized to this shape past the batch dimension
@@ -628,7 +627,7 @@ def preflight_warning(
     if shape is not None:
         what = f"a training step on batches of {shape_text(shape)} per sample, the largest expected,"
     text = (
-        f"{MONITOR_PREFIX}{what} is predicted to run out of memory in {peak.phase.value} on"
+        f"{what} is predicted to run out of memory in {peak.phase.value} on"
         f" {device}: replayed peak {format_bytes(peak.peak_bytes)}, of which {format_bytes(allocated)} is"
         f" allocated already; {format_bytes(verdict.available_bytes)} more is available, {format_bytes(shortfall)}"
         " short."
@@ -654,14 +653,14 @@ def ranks_preflight_warning(agreed: Sequence[RankPreflight], rank: int, own: str
     ``agreed``: every rank's verdict, rank by rank, as the ranks gathered them. Each rank predicted to run out of
     memory is named with what its step still needs and what its device has; the others fit or were skipped. Every
     rank's warning starts with the same sentence; ``own``, this rank's :func:`preflight_warning` where its own step
-    does not fit (its remedies), follows.
+    does not fit (its remedies), follows. The warner's name goes before it.
     """
     short = [row for row in agreed if row.fits is False]
     named = "; ".join(map(_rank_shortfall, short))
     fitting = [str(row.rank) for row in agreed if row.fits]
     skipped = [str(row.rank) for row in agreed if row.fits is None]
     text = (
-        f"{MONITOR_PREFIX}preflight on {len(agreed)} ranks before step 0: {len(short)} of {len(agreed)} ranks predicted"
+        f"preflight on {len(agreed)} ranks before step 0: {len(short)} of {len(agreed)} ranks predicted"
         f" to run out of memory: {named}."
     )
     if fitting:
@@ -669,7 +668,7 @@ def ranks_preflight_warning(agreed: Sequence[RankPreflight], rank: int, own: str
     if skipped:
         text += f" Not checked (preflight skipped there): rank {', '.join(skipped)}."
     if own is not None:
-        text += f" Rank {rank}'s own check: {own.removeprefix(MONITOR_PREFIX)}"
+        text += f" Rank {rank}'s own check: {own}"
     return text
 
 
@@ -704,22 +703,28 @@ def shape_text(shape: tuple[int, ...]) -> str:
 
 
 def shape_mismatch_warning(shape: tuple[int, ...], batch_shape: tuple[int, ...] | None) -> str:
-    """The warning given when ``max_shape`` does not have a size for each dimension of the batch past its first."""
+    """The warning given when ``max_shape`` does not have a size for each dimension of the batch past its first.
+
+    The warner's name goes before it.
+    """
     seen = "it has no tensor with two or more dimensions"
     if batch_shape is not None:
         sizes = f"{len(batch_shape)} past the batch's ({shape_text(batch_shape)})"
         seen = f"its first tensor with two or more dimensions has {sizes}"
     return (
-        f"VramMonitor: max_shape={shape} has {len(shape)} sizes but the first batch does not match: {seen}. The first"
+        f"max_shape={shape} has {len(shape)} sizes but the first batch does not match: {seen}. The first"
         " step is checked as it is; give a size for each dimension past the batch's."
     )
 
 
 def worst_batch_warning(step: int, length: int | None, peak_bytes: int, total_bytes: int) -> str:
-    """The warning given at the step whose batch, the largest so far, is replayed beyond the device's memory."""
+    """The warning given at the step whose batch, the largest so far, is replayed beyond the device's memory.
+
+    The warner's name goes before it.
+    """
     size = f" ({length:,} long)" if length is not None else ""
     return (
-        f"VramMonitor: step {step}'s batch{size} is the largest so far and its step replayed needs"
+        f"step {step}'s batch{size} is the largest so far and its step replayed needs"
         f" {format_bytes(peak_bytes)}, more than the device's {format_bytes(total_bytes)}: a batch like it is"
         " predicted to run out of memory. Cap the length, bucket batches by length or lower the batch size."
     )

@@ -14,6 +14,8 @@ A session's calls mirror the phase boundaries of a training step::
         scalars = session.batch_end()          # the vram/... scalars at the end of each log interval, else {}
     report = session.finish()                  # writes vram_report.json/.md/.html into log_dir
 
+A step method called before :meth:`~VramSession.start` raises a RuntimeError saying so (it would measure nothing).
+
 The parts, each guarded through the run's one :class:`~lightning_vram._guard.Guard`:
 
 - :mod:`~lightning_vram.session.recorder`: the hot path (allocator readings at the phase boundaries, the step timer)

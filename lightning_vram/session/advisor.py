@@ -138,9 +138,9 @@ class Advisor:
         own = self._preflight_warning
         if len(agreed) > 1 and any(row.fits is False for row in agreed):
             text = ranks_preflight_warning(agreed, self._context.rank, own)
-            warnings.warn(text, VramMonitorWarning, stacklevel=5)
+            warnings.warn(f"{self._guard.owner}: {text}", VramMonitorWarning, stacklevel=5)
         elif own is not None:
-            warnings.warn(own, VramMonitorWarning, stacklevel=5)
+            warnings.warn(f"{self._guard.owner}: {own}", VramMonitorWarning, stacklevel=5)
 
     def _preflight(
         self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo
@@ -245,7 +245,8 @@ class Advisor:
             return (length_shape(batch, length) if length is not None else None), length
         old = reference_shape(batch)
         if old is None or len(old) != len(config.max_shape):
-            warnings.warn(shape_mismatch_warning(config.max_shape, old), VramMonitorWarning, stacklevel=5)
+            warning = shape_mismatch_warning(config.max_shape, old)
+            warnings.warn(f"{self._guard.owner}: {warning}", VramMonitorWarning, stacklevel=5)
             return None, None
         return config.max_shape, shape_length(old, config.max_shape)
 
@@ -357,8 +358,9 @@ class Advisor:
         run = summary()
         total = run.device.total_bytes
         if worst and run.on_cuda and total and baseline.peak.peak_bytes > total:
+            warning = worst_batch_warning(attribution.step, length, baseline.peak.peak_bytes, total)
             warnings.warn(
-                worst_batch_warning(attribution.step, length, baseline.peak.peak_bytes, total),
+                f"{self._guard.owner}: {warning}",
                 VramMonitorWarning,
                 stacklevel=4,
             )

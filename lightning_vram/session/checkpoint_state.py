@@ -35,14 +35,15 @@ def saved_state(state: RunState) -> dict[str, Any]:
     }
 
 
-def restored_state(saved: Any, config: MonitorConfig) -> RunState | None:
+def restored_state(saved: Any, config: MonitorConfig, owner: str) -> RunState | None:
     """The run :func:`saved_state` wrote, or ``None`` with one warning for anything else.
 
-    Anything else: another version, a field missing or mistyped; the aggregates then start fresh.
+    Anything else: another version, a field missing or mistyped; the aggregates then start fresh. ``owner``, the
+    object the user made, begins the warning.
     """
     version = saved.get("version") if isinstance(saved, dict) else None
     if version != STATE_VERSION:
-        _warn_fresh(f"its version is {version!r}, not {STATE_VERSION}")
+        _warn_fresh(owner, f"its version is {version!r}, not {STATE_VERSION}")
         return None
     tracker = MemoryTracker(config.recent_steps, config.reset_peak_stats)
     timer = StepTimer(config.recent_steps, config.clock)
@@ -51,14 +52,14 @@ def restored_state(saved: Any, config: MonitorConfig) -> RunState | None:
         timer.load_state_dict(saved.get("timer"))
         simulation = simulation_from_dict(saved.get("simulation"))
     except FormatError as error:
-        _warn_fresh(str(error))
+        _warn_fresh(owner, str(error))
         return None
     return RunState(tracker, timer, simulation)
 
 
-def _warn_fresh(reason: str) -> None:
+def _warn_fresh(owner: str, reason: str) -> None:
     warnings.warn(
-        f"VramMonitor: the checkpoint's monitor state cannot be used ({reason}); the report covers only the run"
+        f"{owner}: the checkpoint's monitor state cannot be used ({reason}); the report covers only the run"
         " since the resume.",
         VramMonitorWarning,
         stacklevel=5,

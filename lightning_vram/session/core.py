@@ -24,6 +24,7 @@ from lightning_vram.config import (
     precision_name,
     start_device,
 )
+from lightning_vram.exceptions import SESSION
 from lightning_vram.prediction.replay.known_values import TakenValues, taken_values
 from lightning_vram.prediction.replay.step import StepFunction
 from lightning_vram.records import (
@@ -99,7 +100,9 @@ class VramSession:
         self.oom_diagnosis: OomDiagnosis | None = None
         """This rank's diagnosis when the run ended with a CUDA out-of-memory error."""
         self._pending_state: Any = None
-        self._new_run(RunContext(), Ranks(Guard()))
+        self._owner = SESSION  # the object the user made, which warnings begin with: VramMonitor sets its own name
+        self._started = False  # start() has returned: the step methods before it raise
+        self._new_run(RunContext(), Ranks(Guard(self._owner)))
 
     def _new_run(self, context: RunContext, ranks: Ranks, publishers: Sequence[Publisher] = ()) -> None:
         """Fresh parts for the run of ``context``, sharing one guard; ``publishers`` get its results."""
@@ -251,7 +254,7 @@ class VramSession:
         context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
-        self._new_run(context, Ranks(Guard(), rank, world_size, gather, barrier), outputs)
+        self._new_run(context, Ranks(Guard(self._owner), rank, world_size, gather, barrier), outputs)
         self.report = self.oom_diagnosis = None
         config = self.config
         self._log_every = config.log_every_n_steps or default_log_every_n_steps
@@ -261,13 +264,27 @@ class VramSession:
             self.load_state_dict(state)
         if config.record_history:
             self._history.start(context.device, config.history_max_entries)
+        self._started = True
+
+    def _require_start(self, method: str) -> None:
+        """Raise where :meth:`start` has never returned: a step method called before it would measure nothing."""
+        if not self._started:
+            raise RuntimeError(
+                f"VramSession.{method}() needs start() first: call session.start(model, optimizers) once before the"
+                " training loop's first step; nothing is measured before it"
+            )
 
     # ------------------------------------------------------------------------------------------------ hot path
 
     def batch_start(self, batch: Any = None) -> None:
-        """A training step starts (before its forward pass). ``batch`` gives the batch size on sampled steps."""
+        """A training step starts (before its forward pass). ``batch`` gives the batch size on sampled steps.
+
+        Raises:
+            RuntimeError: :meth:`start` was never called (as do the other step methods).
+        """
         recorder, sampler = self._recorder, self._sampler
         if recorder.probe is None or self._finished:
+            self._require_start("batch_start")
             if self._preflight_pending and not self._finished:  # the other ranks' preflight gather waits for this one
                 self._agree_preflight(RankPreflight(self._context.rank, None, skipped="no probe on this rank"))
             return
@@ -319,6 +336,7 @@ class VramSession:
     def before_backward(self) -> None:
         """A backward pass is about to run: what ran since the last boundary was a forward pass."""
         if self._recorder.phase is None:
+            self._require_start("before_backward")
             return
         self._recorder.boundary(Phase.FORWARD, Phase.BACKWARD)
         if self._sampler.attributor is not None:
@@ -332,6 +350,7 @@ class VramSession:
         that never calls this has it). Nothing happens outside a backward pass.
         """
         if self._recorder.phase is not Phase.BACKWARD:
+            self._require_start("after_backward")
             return
         self._recorder.boundary(Phase.BACKWARD, Phase.BACKWARD)
         if self._sampler.attributor is not None:
@@ -346,6 +365,7 @@ class VramSession:
         forward pass after it are one segment, counted as forward. Nothing happens outside an optimizer step.
         """
         if self._recorder.phase is not Phase.OPTIMIZER:
+            self._require_start("after_optimizer_step")
             return
         self._recorder.boundary(Phase.OPTIMIZER, Phase.OPTIMIZER)
         if self._sampler.attributor is not None:
@@ -356,6 +376,7 @@ class VramSession:
         recorder = self._recorder
         phase = recorder.phase
         if phase is None:
+            self._require_start("before_optimizer_step")
             return
         recorder.boundary(phase, Phase.OPTIMIZER)
         recorder.tracker.count_optimizer_step()
@@ -376,6 +397,7 @@ class VramSession:
         recorder = self._recorder
         phase = recorder.phase
         if phase is None:
+            self._require_start("batch_end")
             return NO_SCALARS
         windows, sampler = self._context.windows, self._sampler
         if sampler.attributor is None:  # every step but the sampled ones: one call
@@ -595,7 +617,7 @@ class VramSession:
         if self._recorder.probe is None:
             self._pending_state = state
             return
-        restored = restored_state(state, self.config)
+        restored = restored_state(state, self.config, self._guard.owner)
         self._context.windows.resumed()
         if restored is not None:
             self._recorder.restore(restored.tracker, restored.timer)

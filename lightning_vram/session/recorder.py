@@ -86,7 +86,7 @@ class StepRecorder:
 
     def open(self, probe: Probe | None, device: torch.device, utilization_interval_seconds: float) -> None:
         """Open ``probe`` (default: the one that fits ``device``); one that fails warns and a blind one reads."""
-        probe = probe or probe_for(device, utilization_interval_seconds)
+        probe = probe or probe_for(device, utilization_interval_seconds, self._guard.owner)
         info = self._guard.call(Part.PROBE, probe.open, device)
         if info is None:  # the run goes on, read by a probe that reads nothing
             probe = BlindProbe()
@@ -96,7 +96,7 @@ class StepRecorder:
         self._phase_steps_left, self._next_by_phase = PHASE_READ_STEPS, False
         if info.type != "cuda":
             warnings.warn(
-                f"VramMonitor: the model trains on {device}, not a CUDA GPU: allocator peaks, reserved memory"
+                f"{self._guard.owner}: the model trains on {device}, not a CUDA GPU: allocator peaks, reserved memory"
                 " and GPU utilization are not measured; peaks are live tensors, counted on sampled steps.",
                 VramMonitorWarning,
                 stacklevel=4,
@@ -320,7 +320,7 @@ class AllocatorHistory:
         reason = history.unavailable_reason() if device.type == "cuda" else "training does not run on CUDA"
         if reason is not None:
             self.note = NotMeasured("allocator history (record_history=True)", reason)
-            warnings.warn(f"VramMonitor: record_history is off: {reason}.", VramMonitorWarning, stacklevel=4)
+            warnings.warn(f"{self._guard.owner}: record_history is off: {reason}.", VramMonitorWarning, stacklevel=4)
             return
         self._guard.call(Part.HISTORY, history.start_recording, max_entries)
         self.recording = self._guard.enabled(Part.HISTORY)

@@ -14,7 +14,10 @@ How the events become the model's calls:
   the model's allocated figure is the block's lifetime to ``free_completed`` (an upper bound);
 - ``segment_alloc`` / ``segment_free`` (cudaMalloc / cudaFree) and ``segment_map`` / ``segment_unmap`` (expandable
   segments) are what the allocator did: they are the recorded reserved bytes the model is compared with, never input;
-- ``oom``: a request that ran out of memory (its size rounded, and the device's free bytes then).
+- ``oom``: a request that ran out of memory (its size rounded, and the device's free bytes then). The last is the
+  failure the run ended on; torch caught the earlier ones and went on (cuDNN does, trying a convolution algorithm
+  whose workspace does not fit and falling back to one needing less): the run survived them and did not need their
+  memory, so they are kept as :attr:`SnapshotTrace.survived`, not replayed.
 
 A trace that does not start from an empty device (the history keeps only its last ``max_entries`` events, as the
 monitor's ``vram_oom_snapshot.pickle`` does) starts with blocks allocated before its first event: those freed within
@@ -30,7 +33,7 @@ import io
 import os
 import pickle
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +98,13 @@ def read_snapshot(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class FailedRequest:
-    """The request that ran out of memory in the recorded run (torch's ``oom`` event), in bytes.
+    """A request that ran out of memory in the recorded run (torch's ``oom`` event), in bytes.
 
     ``capacity_bytes`` is what the allocator could have held then: what it held plus what the device had free.
+    ``event`` is the ``oom`` event's index in the device's trace.
     """
 
+    event: int
     rounded_bytes: int
     device_free_bytes: int
     reserved_bytes: int
@@ -124,7 +129,11 @@ class SnapshotTrace:
         reserved_at_start_bytes: what the allocator held before the first event (0 from an empty device).
         recorded_reserved_peak_bytes: the largest reserved figure the segment events reach.
         settings: the allocator settings the snapshot says it ran under; None where it does not say (before 2.3).
-        failed: the request that ran out of memory, where the trace holds one.
+        failed: the request that ran out of memory and ended the run (the trace's last ``oom`` event), where the
+            trace holds one.
+        survived: the ``oom`` events before that one, in order: requests torch caught and the run went on from.
+        operation_events: the index in the device's trace of the event each operation comes from (-1 for a block
+            live at the start).
         released_mid_run: segments freed or unmapped before the trace's last allocation. torch gives a segment back
             only when a cudaMalloc fails (it frees its cache and retries) or on ``torch.cuda.empty_cache()``: a run
             that did so met its device's memory, which a replay with no limit does not (its reserved peak is above).
@@ -140,6 +149,8 @@ class SnapshotTrace:
     settings: AllocatorSettings | None
     failed: FailedRequest | None
     released_mid_run: int = 0
+    survived: tuple[FailedRequest, ...] = ()
+    operation_events: tuple[int, ...] = ()
 
 
 def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> SnapshotTrace:
@@ -168,16 +179,18 @@ def trace_from_snapshot(snapshot: dict[str, Any], device: int | None = None) -> 
 
 def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) -> SnapshotTrace:
     operations: list[tuple[int, int, int, int]] = []
+    operation_events: list[int] = []
     live: dict[int, int] = {}
     seeded: list[tuple[int, int, int, int]] = []  # (address, block, size, stream) allocated before the trace
     block = 0
     segment_change = 0
     reserved = 0
     peak = 0
-    failed: tuple[int, int, int] | None = None
+    ooms: list[FailedRequest] = []  # reserved_bytes counted from the trace's start; the start is added below
+    last_oom = max((index for index, event in enumerate(events) if event["action"] == "oom"), default=-1)
     touched: set[int] = set()
     released = released_mid_run = 0
-    for event in events:
+    for index, event in enumerate(events):
         action = event["action"]
         if action in ("segment_free", "segment_unmap"):
             released += 1
@@ -187,6 +200,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
             live[event["addr"]] = block
             touched.add(event["addr"])
             operations.append((MALLOC, block, int(event["size"]), int(event["stream"])))
+            operation_events.append(index)
         elif action == "free_completed":
             address = event["addr"]
             freed = live.pop(address, None)
@@ -196,6 +210,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
                 seeded.append((address, block, int(event["size"]), int(event["stream"])))
             touched.add(address)
             operations.append((FREE, freed, 0, 0))
+            operation_events.append(index)
         elif action == "free_requested":
             touched.add(event["addr"])
         elif action in _SEGMENT_UP:
@@ -203,11 +218,14 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
             segment_change += change
             reserved += change
             peak = max(peak, reserved)
-        elif action == "oom" and failed is None:
+        elif action == "oom":
             # torch names the device's free bytes ``device_free`` (2.11); earlier versions kept them in ``addr``.
-            failed = (int(event["size"]), int(event.get("device_free", event.get("addr", 0))), reserved)
-            operations.append((FAILED, block + 1, int(event["size"]), int(event["stream"])))
-            block += 1
+            free_bytes = int(event.get("device_free", event.get("addr", 0)))
+            ooms.append(FailedRequest(index, int(event["size"]), free_bytes, reserved))
+            if index == last_oom:  # the one the run ended on; torch caught the earlier ones and went on
+                operations.append((FAILED, block + 1, int(event["size"]), int(event["stream"])))
+                operation_events.append(index)
+                block += 1
     reserved_at_end = 0
     for segment in snapshot["segments"]:
         if segment.get("device", device) != device:
@@ -225,6 +243,7 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
         raise SnapshotError("not a memory snapshot (its segments and its trace disagree on what was reserved)")
     seeded.sort()
     start = [(MALLOC, seed, size, stream) for _, seed, size, stream in seeded]
+    ooms = [replace(oom, reserved_bytes=reserved_at_start + oom.reserved_bytes) for oom in ooms]
     return SnapshotTrace(
         operations=tuple(start + operations),
         device=device,
@@ -234,12 +253,10 @@ def _trace(events: list[dict[str, Any]], snapshot: dict[str, Any], device: int) 
         reserved_at_start_bytes=reserved_at_start,
         recorded_reserved_peak_bytes=reserved_at_start + peak,
         settings=settings_from_snapshot(snapshot.get("allocator_settings")),
-        failed=None
-        if failed is None
-        else FailedRequest(
-            rounded_bytes=failed[0], device_free_bytes=failed[1], reserved_bytes=reserved_at_start + failed[2]
-        ),
+        failed=ooms[-1] if ooms else None,
         released_mid_run=released_mid_run,
+        survived=tuple(ooms[:-1]),
+        operation_events=(-1,) * len(start) + tuple(operation_events),
     )
 
 
@@ -289,13 +306,18 @@ def _non_split_rounding(conf: object) -> int:
 
 @dataclass(frozen=True)
 class Replay:
-    """What the model held over a replayed trace, in bytes; ``out_of_memory`` where it ran out (the replay stops)."""
+    """What the model held over a replayed trace, in bytes; ``out_of_memory`` where it ran out (the replay stops).
+
+    ``out_of_memory_event``: the index in the device's trace of the request it ran out at (-1: a block live before
+    the trace's first event); None where it did not run out.
+    """
 
     settings: AllocatorSettings
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     alloc_retries: int
     out_of_memory: SimulatedOutOfMemory | None
+    out_of_memory_event: int | None = None
 
 
 def replay(
@@ -313,8 +335,9 @@ def replay(
     model = CachingAllocatorModel(chosen, capacity_bytes)
     malloc, free = model.malloc, model.free
     failure: SimulatedOutOfMemory | None = None
+    position = 0
     try:
-        for kind, block, size, stream in trace.operations:
+        for position, (kind, block, size, stream) in enumerate(trace.operations):  # noqa: B007 -- read on failure
             if kind == MALLOC:
                 malloc(block, size, stream)
             elif kind == FREE:
@@ -324,4 +347,5 @@ def replay(
                 free(block)
     except SimulatedOutOfMemory as error:
         failure = error
-    return Replay(chosen, model.peak_allocated_bytes, model.peak_reserved_bytes, model.alloc_retries, failure)
+    event = None if failure is None else trace.operation_events[position]
+    return Replay(chosen, model.peak_allocated_bytes, model.peak_reserved_bytes, model.alloc_retries, failure, event)

@@ -1,4 +1,8 @@
-"""What other allocator settings would have held over a recorded trace, and whether its failed request would fit."""
+"""What other allocator settings would have held over a recorded trace, and whether it would fit at a capacity.
+
+The capacity is the one given (``lightning-vram allocator --capacity``: another card), else, where the trace ran out
+of memory, the one its run had; a trace that did not run out of memory, with no capacity given, is judged at none.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +20,17 @@ class Alternative:
     """One setting changed from the recorded run's, and what the model held with it.
 
     ``replay`` has no capacity and, where the trace ran out of memory, serves the request that failed too.
-    ``fits``: where the trace ran out of memory, whether the model serves the whole trace, the failed request
-    included, at the capacity the recorded run had; None where the trace did not run out of memory.
+    ``judged``: the same at the capacity judged at (:attr:`WhatIf.capacity_bytes`); None where there is none.
     """
 
     setting: str
     replay: Replay
-    fits: bool | None
+    judged: Replay | None
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the model serves the whole trace (the failed request included) at the capacity judged at."""
+        return None if self.judged is None else self.judged.out_of_memory is None
 
 
 @dataclass(frozen=True)
@@ -31,13 +39,22 @@ class WhatIf:
 
     ``simulated`` does what the recorded run did (its figures compare with the recorded ones); where the trace ran
     out of memory, ``serving_failed`` is the same replay serving the failed request too, as the alternatives do.
+    ``capacity_bytes``: the capacity judged at (``capacity_given``: the one asked for, not the run's); None where
+    there is none. ``simulated_judged``: the run's settings at that capacity, serving the failed request too.
     """
 
     trace: SnapshotTrace
     simulated: Replay
-    simulated_fits: bool | None
+    simulated_judged: Replay | None
     serving_failed: Replay | None
     alternatives: tuple[Alternative, ...]
+    capacity_bytes: int | None
+    capacity_given: bool
+
+    @property
+    def simulated_fits(self) -> bool | None:
+        """Whether the run's own settings serve the whole trace at the capacity judged at; None where there is none."""
+        return None if self.simulated_judged is None else self.simulated_judged.out_of_memory is None
 
 
 def alternatives(settings: AllocatorSettings) -> tuple[tuple[str, AllocatorSettings], ...]:
@@ -54,19 +71,23 @@ def alternatives(settings: AllocatorSettings) -> tuple[tuple[str, AllocatorSetti
     return tuple(tried)
 
 
-def _fits(trace: SnapshotTrace, settings: AllocatorSettings) -> bool | None:
-    if trace.failed is None:
-        return None
-    return replay(trace, settings, trace.failed.capacity_bytes, serve_failed_request=True).out_of_memory is None
+def what_if(trace: SnapshotTrace, capacity_bytes: int | None = None) -> WhatIf:
+    """The trace replayed with its own settings (torch's defaults where the snapshot names none) and the others.
 
-
-def what_if(trace: SnapshotTrace) -> WhatIf:
-    """The trace replayed with its own settings (torch's defaults where the snapshot names none) and the others."""
+    ``capacity_bytes``: the device memory to judge each at (bytes); None: the recorded run's, where it ran out.
+    """
+    judged_at = capacity_bytes
+    if judged_at is None and trace.failed is not None:
+        judged_at = trace.failed.capacity_bytes
     simulated = replay(trace)
     serve = trace.failed is not None
+
+    def judged(settings: AllocatorSettings) -> Replay | None:
+        return None if judged_at is None else replay(trace, settings, judged_at, serve_failed_request=serve)
+
     tried = tuple(
-        Alternative(label, replay(trace, settings, serve_failed_request=serve), _fits(trace, settings))
+        Alternative(label, replay(trace, settings, serve_failed_request=serve), judged(settings))
         for label, settings in alternatives(simulated.settings)
     )
     serving = replay(trace, serve_failed_request=True) if serve else None
-    return WhatIf(trace, simulated, _fits(trace, simulated.settings), serving, tried)
+    return WhatIf(trace, simulated, judged(simulated.settings), serving, tried, judged_at, capacity_bytes is not None)
