@@ -35,6 +35,56 @@ class ResNetStyle(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
 
 
+class DownsamplingBlock(nn.Module):
+    """torchvision's basic block: conv-BN-ReLU(inplace)-conv-BN, the input added back through a strided 1x1 conv and
+    BatchNorm where the block halves the resolution and widens the channels, ReLU(inplace)."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, outputs, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(outputs)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(outputs, outputs, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(outputs)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or inputs != outputs:
+            shortcut = nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False)
+            self.downsample = nn.Sequential(shortcut, nn.BatchNorm2d(outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)  # type: ignore[no-any-return]
+
+
+class DownsamplingResNet(nn.Module):
+    """A torchvision-style ResNet on small images: a stem (conv, BatchNorm, inplace ReLU), stages of basic blocks,
+    each after the first halving the resolution and doubling the channels, global pooling and a linear head."""
+
+    def __init__(self, width: int = 16, blocks: tuple[int, ...] = (2, 2, 2)) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        inputs = width
+        for stage, count in enumerate(blocks):
+            outputs = width * 2**stage
+            first = DownsamplingBlock(inputs, outputs, 1 if stage == 0 else 2)
+            rest = [DownsamplingBlock(outputs, outputs, 1) for _ in range(count - 1)]
+            self.add_module(f"layer{stage + 1}", nn.Sequential(first, *rest))
+            inputs = outputs
+        self.stages = len(blocks)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inputs, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(inputs)))
+        for stage in range(1, self.stages + 1):
+            x = getattr(self, f"layer{stage}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
+
+
 class ResidualBlocks(nn.Module):
     """A user's ResNet-style model in plain torch: a stem (conv, BatchNorm, inplace ReLU), four residual blocks with
     BatchNorm and inplace ReLUs, each an attribute of its own, global pooling and a linear head."""

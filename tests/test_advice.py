@@ -147,7 +147,10 @@ def test_checkpoint_units_never_start_with_an_inplace_op() -> None:
     )
     summary = healthy_summary(modules=resnet_profiles(), peak=peak(Phase.FORWARD, 600 * MIB, activations))
     advice = activation_checkpointing(summary, healthy_setup())
-    assert advice is not None and advice.estimated_saving_bytes == 172 * MIB
+    # The run's peak falls less: recomputing layer2 holds its 330 MiB with the 90 of parameters, gradients and
+    # optimizer state, and the gradients flowing out of and into it (its output's and its input's, 40 + 40): 500 of
+    # the 600 MiB peak, 100 MiB saved.
+    assert advice is not None and advice.estimated_saving_bytes == 100 * MIB
     assert "# in the forward of `network`" in advice.detail
     assert "x = checkpoint_keeping_buffers([self.bn1, self.relu], lambda t: self.relu(self.bn1(t)), x)" in advice.detail
     assert "x = checkpoint_keeping_buffers([self.layer1], self.layer1, x)" in advice.detail

@@ -25,6 +25,10 @@ each checkpointed unit is recomputed in turn while the earlier units keep what t
 where no other module ran between them: where one did (a stem, then blocks called through slices of their
 ``nn.Sequential``, then the pooling), a unit's output goes to that module, which may keep it (a checkpoint keeps its
 input), so it stays as the last unit's does, and the next unit's input counts as the first unit's.
+
+Those are activations alone, which rank the plans. What the run's peak falls by, the advice's saving where no plan
+was replayed, is bounded from below (:func:`peak_saving`): after the change the peak moves into backward, to the
+recomputation of the first, widest units, where every gradient and the gradients flowing through the unit are held.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Unit:
     ``saved``: what the unit's modules saved themselves (each storage charged to the first module that saved it).
     ``input_bytes``: its input; ``input_held``: an earlier op held that input already when it ran.
     ``input_saved`` / ``output_saved``: its input / output storages the unit itself saved.
+    ``output_bytes``: its output (``0``: not known).
     """
 
     names: tuple[str, ...]
@@ -54,6 +59,7 @@ class Unit:
     input_held: bool
     input_saved: int
     output_saved: int
+    output_bytes: int = 0
 
     @property
     def charged_input(self) -> int:
@@ -105,6 +111,17 @@ def plan_peak(
     >>> plan_peak([stem, head], [True, False], 0, 0, between=(None, 20))  # 20 between, the stem's input and output
     25
     """
+    forward, backward = _moments(units, checkpointed, before, after, between)
+    return max([forward, *(held for held, flag in zip(backward, checkpointed, strict=True) if flag)])
+
+
+def _moments(
+    units: Sequence[Unit], checkpointed: Sequence[bool], before: int, after: int, between: Sequence[int | None]
+) -> tuple[int, list[int]]:
+    """The activation bytes held at the end of forward, and when backward reaches each unit, as :func:`plan_peak`.
+
+    A checkpointed unit's moment is its recomputation's; another's holds what the units before it keep and its own.
+    """
     gaps = list(between) or [None] * len(units)
     boundaries = []
     for index, unit in enumerate(units):
@@ -126,17 +143,59 @@ def plan_peak(
     ]
     forward = before + after + sum(boundaries) + sum(outputs) + sum(gap or 0 for gap in gaps)
     forward += sum(unit.internal for unit, flag in zip(units, checkpointed, strict=True) if not flag)
-    peak = forward
+    moments = []
     held_before = before
     for index, unit in enumerate(units):
         held_before += boundaries[index] + (gaps[index] or 0)
-        if checkpointed[index]:
-            peak = max(peak, held_before + unit.internal + unit.output_saved)
-        else:
+        moments.append(held_before + unit.internal + unit.output_saved)
+        if not checkpointed[index]:
             held_before += unit.internal
         if outputs[index] and index < len(units) - 1:
             held_before += outputs[index]
-    return peak
+    return forward, moments
+
+
+class Held(NamedTuple):
+    """What the sampled step held besides its saved activations, in bytes, as measured.
+
+    ``forward``: the counted parts of the forward phase's peak but its activations (parameters, gradients held from
+    the step before, optimizer state); ``forward_other``: the rest of that peak (temporaries, the batch).
+    ``backward``: parameters, optimizer state and every gradient (backward ends holding them all);
+    ``backward_other``: what the backward phase's peak held beyond its counted parts. ``peak``: the run's peak.
+    """
+
+    forward: int
+    forward_other: int
+    backward: int
+    backward_other: int
+    peak: int
+
+
+def peak_saving(units: Sequence[Unit], checkpointed: Sequence[bool], outside: Outside, held: Held) -> int:
+    """What the ``checkpointed`` units lower the whole peak by, at most :func:`modelled_saving`: a bound from below.
+
+    The peak moves: after the change it can fall in backward, while a checkpointed unit is recomputed and the
+    gradient flows through it, holding gradients and temporaries the step's measured peak (at the end of forward,
+    or the start of backward) did not. Each moment counts what ``held`` measured besides activations, and the
+    temporaries of the unit it runs, its input's and output's bytes (the gradient flowing in, the gradient
+    it makes), or the measured phase's, the larger; in backward every gradient, made or not (conservative).
+
+    >>> block = Unit(("b",), saved=20, input_bytes=2, input_held=False, input_saved=0, output_saved=0, output_bytes=2)
+    >>> held = Held(forward=5, forward_other=0, backward=5, backward_other=1, peak=5 + 60 + 1)
+    >>> modelled_saving([block] * 3, [True, True, False], Outside(0, 0))  # 60 saved, 24 at the recomputation
+    36
+    >>> peak_saving([block] * 3, [True, True, False], Outside(0, 0), held)  # 66 - (5 + 24 + 2 + 2)
+    33
+    """
+    forward, backward = _moments(units, checkpointed, *outside)
+    flowing = [unit.input_bytes + unit.output_bytes for unit in units]
+    run = max((extra for extra, flag in zip(flowing, checkpointed, strict=True) if flag), default=0)
+    peaks = [held.forward + forward + max(held.forward_other, run)]
+    peaks += [
+        held.backward + held_there + max(held.backward_other, extra)
+        for held_there, extra in zip(backward, flowing, strict=True)
+    ]
+    return min(modelled_saving(units, checkpointed, outside), held.peak - max(peaks))
 
 
 def _starts_inplace(name: str, called: dict[str, ModuleProfile], children: dict[str, list[str]]) -> bool:
@@ -202,6 +261,7 @@ class ProfileIndex:
             input_held=first.input_saved_for_backward,
             input_saved=first.input_saved_bytes,
             output_saved=last.output_saved_bytes,
+            output_bytes=last.output_bytes,
         )
 
     def repeated(self, names: Sequence[str]) -> bool:
@@ -267,9 +327,7 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
     if profiles.repeated(names) or profiles.rechecks(names):
         return plans  # torch's segments cannot leave a child out (see ProfileIndex.repeated, .rechecks)
     for segments in range(2, len(names) + 1):
-        size = len(names) // segments
-        groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
-        groups.append(names[size * (segments - 1) :])
+        groups = _segments(names, segments)
         if any(_starts_inplace(group[0], profiles.called, profiles.children) for group in groups[:-1]):
             continue
         units = [profiles.unit(group) for group in groups]
@@ -279,6 +337,13 @@ def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) 
         outside = profiles.outside(groups)
         plans.append(_plan(container, units, flags, outside, segments, profiles.caller(container)))
     return plans
+
+
+def _segments(names: list[str], segments: int) -> list[list[str]]:
+    """Children ``names`` in ``checkpoint_sequential``'s ``segments``: ``len // segments`` each, the last the rest."""
+    size = len(names) // segments
+    groups = [names[start : start + size] for start in range(0, size * (segments - 1), size)]
+    return [*groups, names[size * (segments - 1) :]]
 
 
 def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
@@ -530,6 +595,38 @@ def trimmed(indexed: ProfileIndex, plan: CheckpointPlan, last_only: bool = False
         return None
     flags = [index in kept for index in range(len(units))]
     return _plan(plan.container, units, flags, outside, None, plan.forward_of or "")
+
+
+def plan_layout(indexed: ProfileIndex, plan: CheckpointPlan) -> tuple[list[Unit], list[bool], Outside]:
+    """The units of ``plan``, which of them it checkpoints, and what is saved outside them: as it was modelled.
+
+    A ``checkpoint_sequential`` plan's segments, a range of one module's units, or (several stacks together, a
+    library's own call) its checkpointed units alone.
+    """
+    names = indexed.children.get(plan.container, [])
+    grouped = unit_groups(indexed, names)
+    if plan.sequential_segments is not None:
+        groups = _segments(names, plan.sequential_segments)
+        flags = [True] * (len(groups) - 1) + [False]
+    elif plan.switch is None and all(list(unit) in grouped for unit in plan.units):
+        groups = grouped
+        flags = [tuple(group) in plan.units for group in groups]
+    else:
+        called = [unit for unit in plan.units if unit[0] in indexed.called]
+        groups = sorted((list(unit) for unit in called), key=lambda group: indexed.order[group[0]])
+        flags = [True] * len(groups)
+    outside = indexed.outside(groups)
+    if plan.switch is not None and plan.container:
+        head = indexed.own.get(plan.container, 0)  # as switch_plan: the task model's own saves come after
+        outside = outside._replace(before=outside.before - head, after=outside.after + head)
+    return [indexed.unit(group) for group in groups], flags, outside
+
+
+def checkpointed_peak_saving(
+    profiles: tuple[ModuleProfile, ...], plan: CheckpointPlan, held: Held, checkpointed: Collection[str] = ()
+) -> int:
+    """What ``plan`` lowers the run's peak by, modelled from the sampled step (:func:`peak_saving`), in bytes."""
+    return peak_saving(*plan_layout(ProfileIndex(profiles, checkpointed), plan), held)
 
 
 def _overlaps(name: str, model: str) -> bool:

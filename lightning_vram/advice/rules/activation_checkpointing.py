@@ -45,8 +45,10 @@ from lightning_vram.advice.checkpoint_code import CodeContext, checkpoint_snippe
 from lightning_vram.advice.checkpointing import (
     ROOT,
     SAVING_TOLERANCE,
+    Held,
     ProfileIndex,
     checkpoint_candidates,
+    checkpointed_peak_saving,
     recomputed_modules,
 )
 from lightning_vram.advice.cost_ties import COST_TOLERANCE, Work, counted_work
@@ -67,6 +69,7 @@ from lightning_vram.records import (
     Breakdown,
     CheckpointChange,
     CheckpointPlan,
+    Phase,
     PhasePeak,
     RunSummary,
     SavingBasis,
@@ -82,7 +85,8 @@ CHECKPOINT_MIN_SAVING_SHARE = 0.10
 """Checkpointing costs about one extra forward pass per step: advise it only for a tenth of the peak or more."""
 MODELLED_CHECKPOINT = (
     "saving modelled storage by storage from the sampled step's saved tensors (not replayed): each checkpointed"
-    " unit keeps its input, and backward recomputes one unit at a time"
+    " unit keeps its input, and backward recomputes one unit at a time, holding every gradient and the gradients"
+    " flowing through the unit (conservative: a bound from below)"
 )
 """How the checkpointing advice's evidence says its saving is known, when no candidate plan was replayed."""
 
@@ -101,6 +105,44 @@ def _checkpointed(summary: RunSummary) -> list[str]:
     return [name for unit in summary.recomputed_units or () for name in unit]
 
 
+def modelled_saving_of(summary: RunSummary, plan: CheckpointPlan) -> int:
+    """``plan``'s modelled saving of the run's peak: its activations' where the step's phases were not all counted.
+
+    Else what the run's peak falls by, the peak moved where the change moves it
+    (:func:`~lightning_vram.advice.checkpointing.peak_saving`): a bound from below, at most the activations' saving.
+    """
+    held = _held(summary)
+    if held is None:
+        return plan.saving_bytes
+    return checkpointed_peak_saving(summary.modules, plan, held, _checkpointed(summary))
+
+
+def _held(summary: RunSummary) -> Held | None:
+    """What the sampled step held besides its saved activations (``None`` where the peak was not counted).
+
+    Forward's and backward's records (the run's peak for its own phase); a phase not counted, or recorded above the
+    run's peak (not this run's), counts as the peak.
+    """
+    peak = summary.peak
+    if peak is None or peak.breakdown is None:
+        return None
+    counted = {
+        phase: (record.peak_bytes, record.breakdown)
+        for phase, record in summary.phases.items()
+        if record.breakdown is not None and record.peak_bytes <= peak.peak_bytes
+    }
+    counted[peak.phase] = (peak.peak_bytes, peak.breakdown)
+    forward_bytes, ahead = counted.get(Phase.FORWARD, counted[peak.phase])
+    backward_bytes, behind = counted.get(Phase.BACKWARD, counted[peak.phase])
+    return Held(
+        forward=ahead.counted_bytes - ahead.activations,
+        forward_other=max(forward_bytes - ahead.counted_bytes, 0),
+        backward=behind.parameters + behind.optimizer_state + max(parts.gradients for _, parts in counted.values()),
+        backward_other=max(backward_bytes - behind.counted_bytes, 0),
+        peak=peak.peak_bytes,
+    )
+
+
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
     """Each candidate checkpointing plan of the sampled step's modules."""
     return tuple(CheckpointChange(plan) for plan in candidates_of(summary, setup))
@@ -115,7 +157,9 @@ def activation_checkpointing(
         return None
     peak, breakdown = attributed
     candidates = candidates_of(summary, setup)
-    modelled = [Modelled(plan.saving_bytes, peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates]
+    modelled = [
+        Modelled(modelled_saving_of(summary, plan), peak.peak_bytes, MODELLED_CHECKPOINT) for plan in candidates
+    ]
     found = [
         (plan, resolve_saving(simulation, CheckpointChange(plan), model, measured=peak))
         for plan, model in zip(candidates, modelled, strict=True)
@@ -335,7 +379,7 @@ def _unreplayed_reason(
     if not candidates:
         switches = [f"{switch.model or 'the module'}.{switch.method}()" for switch in setup.checkpointing_switches]
         return f"the model checkpoints its layers already ({', '.join(switches)}): no other plan is a candidate"
-    saving = candidates[0].saving_bytes
+    saving = modelled_saving_of(summary, candidates[0])
     return (
         f"{not_replayed(simulation, CheckpointChange(candidates[0]))}; modelled, the first candidate plan saves"
         f" {format_bytes(saving)} ({share_text(saving, peak.peak_bytes)} of the peak), under the"
