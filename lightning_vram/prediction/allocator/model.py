@@ -20,8 +20,11 @@ in everything modelled here (docs/allocator-model.md lists them and the differen
   (2 MiB small, 20 MiB large) at the lowest address where the request fits, and releasing unmaps the free pages.
 
 Addresses are the model's own; they decide only which of two equally sized cached blocks is taken (the lower one).
-cudaMalloc hands out new segments downwards in the recorded traces (the newest segment lowest), and so does the model:
-with increasing addresses the replays of those traces drift by a segment or two. Sizes are bytes throughout.
+Where cudaMalloc puts a new segment depends on what the process mapped and freed before, not only on the allocator's
+calls: the same first 368 calls gave descending addresses in one recorded run and ascending ones in another
+(docs/allocator-model.md). The model takes the order that replays the recorded traces best, a fit and not the
+driver's rule: segments up to ``DESCENDING_SEGMENT_BYTES`` each below the last, from the top of its address space;
+larger ones each above the last, from the bottom. Sizes are bytes throughout.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ MIN_LARGE_ALLOC_BYTES = 10 * 1024 * 1024
 """``kMinLargeAlloc``: large requests below this get a 20 MiB segment."""
 ROUND_LARGE_BYTES = 2 * 1024 * 1024
 """``kRoundLarge``: larger requests get a segment of their size rounded up to this."""
+DESCENDING_SEGMENT_BYTES = 128 * 1024 * 1024
+"""cudaMalloc segments up to this size are numbered downwards from ``_TOP_ADDRESS``, larger ones upwards from
+``_BOTTOM_ADDRESS``; every threshold from 86 to 196 MiB replays the recorded traces alike (docs/allocator-model.md)."""
+_TOP_ADDRESS = 1 << 60
+"""Where segments up to ``DESCENDING_SEGMENT_BYTES`` are numbered down from."""
+_BOTTOM_ADDRESS = 1 << 55
+"""Where larger segments are numbered up from: far above the expandable segments' address spaces (from 2**40; they
+never share a model with cudaMalloc's segments) and far below ``_TOP_ADDRESS``."""
 UNLIMITED_ADDRESS_SPACE = 1 << 50
 """An expandable segment's address space when no capacity is given (torch reserves 1 1/8 of the device's memory)."""
 
@@ -192,8 +203,10 @@ class CachingAllocatorModel:
         self._empty: set[int] = set()
         self._next_address = 1 << 40
         """Where the next expandable segment's address space starts (they grow upwards)."""
-        self._top_address = 1 << 60
-        """Where the last cudaMalloc segment starts (they go downwards, as the recorded traces show)."""
+        self._top_address = _TOP_ADDRESS
+        """Where the last cudaMalloc segment up to ``DESCENDING_SEGMENT_BYTES`` starts (they go downwards)."""
+        self._bottom_address = _BOTTOM_ADDRESS
+        """Where the next larger cudaMalloc segment starts (they go upwards)."""
         self._allocated = 0
         self._reserved = 0
         self._peak_allocated = 0
@@ -373,8 +386,12 @@ class CachingAllocatorModel:
             return self._allocate_expandable(pool, rounded, stream)
         if self.capacity_bytes is not None and self._reserved + allocation > self.capacity_bytes:
             return None
-        self._top_address -= allocation
-        address = self._top_address
+        if allocation <= DESCENDING_SEGMENT_BYTES:
+            self._top_address -= allocation
+            address = self._top_address
+        else:
+            address = self._bottom_address
+            self._bottom_address += allocation
         self._reserved += allocation
         self._peak_reserved = max(self._peak_reserved, self._reserved)
         self._segments += 1
