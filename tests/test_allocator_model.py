@@ -294,9 +294,11 @@ def test_the_command_figures_match_the_recorded_peak(name: str) -> None:
     )
     assert recorded.recorded_reserved_peak_bytes == largest
     # At the capacity the run had, where it gives one (the allocator released its cache and retried there); the
-    # trace whose addresses came in the other order, within 1% (MONITORED).
+    # trace whose addresses came in the other order (MONITORED) and traces from outside the project (issue 24: the
+    # hidden traces hold too) within 1%.
     simulated = replay(recorded, capacity_bytes=capacity(name)).peak_reserved_bytes
-    assert simulated == (pytest.approx(largest, rel=1e-2) if name in MONITORED else largest)
+    exact = name in SHIPPED and name not in MONITORED
+    assert simulated == (largest if exact else pytest.approx(largest, rel=1e-2))
 
 
 def test_expandable_segments_hold_less_for_the_same_trace() -> None:
@@ -328,9 +330,13 @@ def test_a_trace_at_capacity_runs_out_of_memory_in_the_model_where_the_run_did(n
         return
     # The request that failed, where the run ran out: the allocator held what its capacity (the device's free
     # memory at the start, as the oom event's own figures say) allowed, released its cache, and could not serve it.
-    assert recorded.failed.capacity_bytes == available
-    failing = replay(recorded, capacity_bytes=available, serve_failed_request=True).out_of_memory
-    assert failing is not None and failing.capacity_bytes == available
+    # In two runs of the H100's second gpu_check (not shipped) the oom event's figures give 2 MiB less than was free
+    # at the start: memory taken outside the allocator during the run (a library's own, or lazily loaded kernels).
+    at_failure = recorded.failed.capacity_bytes
+    outside = available - at_failure
+    assert outside == 0 if name in SHIPPED else 0 <= outside <= 0.001 * available
+    failing = replay(recorded, capacity_bytes=at_failure, serve_failed_request=True).out_of_memory
+    assert failing is not None and failing.capacity_bytes == at_failure
     assert failing.requested_bytes == recorded.failed.rounded_bytes
 
 
