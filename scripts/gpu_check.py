@@ -428,10 +428,13 @@ class Training:
 
 
 def free_device() -> None:
-    """Drop what the last run left: collect its garbage and return the cached blocks to the driver."""
+    """Drop what the last run left: collect its garbage and return the cached blocks to the driver.
 
-    gc.collect()
+    Nothing on the CPU (the dry run), where no cache holds blocks: its 20 full collections, in a process with torch,
+    Lightning and transformers imported, took a quarter of the models' CPU time (18 s of it, 13 s without them).
+    """
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Any
 
@@ -74,3 +75,35 @@ def test_a_fake_tensor_held_by_an_old_object_that_became_garbage_is_not_an_escap
         old["tensor"] = _fake(mode)
         del old
     assert gc.get_freeze_count() == 0
+
+
+_MODES: list[FakeTensorMode] = []
+"""The mode :func:`_cached` makes its tensor in, while a test's replay runs (a real tensor elsewhere)."""
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(size: int) -> torch.Tensor:
+    """A cache of the user's (this file is the user's code) that a replay fills with a fake tensor."""
+    return _fake(_MODES[0]) if _MODES else torch.zeros(size)
+
+
+@functools.lru_cache(maxsize=4)
+def _untouched(size: int) -> torch.Tensor:
+    """A cache of the user's that the replay does not fill."""
+    return torch.zeros(size)
+
+
+def test_a_user_cache_that_grew_with_a_fake_tensor_is_cleared_and_one_that_did_not_is_kept() -> None:
+    _cached.cache_clear()
+    _untouched.cache_clear()
+    kept = _untouched(4)
+    with round_of_replays():
+        mode = FakeTensorMode()
+        register(mode)
+        _MODES.append(mode)
+        try:
+            _cached(4)
+        finally:
+            _MODES.clear()
+    assert _cached.cache_info().currsize == 0  # cleared by the check: no error raised
+    assert _untouched.cache_info().currsize == 1 and _untouched(4) is kept
