@@ -273,8 +273,8 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
         note = (
             "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"
             " CPU kernels' but dropout's and attention's, replayed as CUDA runs them (other CUDA kernels may save"
-            " other tensors), and cuBLAS's and cuBLASLt's workspaces are not counted (on an H100, two of 32 MiB and"
-            " one of 1 MiB)"
+            " other tensors), the optimizer's path as on CUDA; cuBLAS's and cuBLASLt's workspaces are not counted (on"
+            " an H100, two of 32 MiB and one of 1 MiB)"
         )
         return torch.device("cpu"), (note,)
     return device, ()

@@ -20,12 +20,14 @@ from replay_models import counted_step
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import TensorDataset
 
 from lightning_vram import predict
+from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 from lightning_vram.prediction.replay.cuda_kernels import CudaKernels, cuda_attention
-from lightning_vram.records import Phase
+from lightning_vram.records import Phase, ReplayedStep
 
 pytestmark = pytest.mark.replay
 
@@ -147,3 +149,42 @@ def test_attention_takes_the_kernel_torch_picks_on_a_gpu(
     query = torch.empty(2, 4, 16, head_dim, dtype=dtype)
     attn_mask = torch.ones(16, 16, dtype=torch.bool) if mask else None
     assert cuda_attention(query, query, query, attn_mask) == expected
+
+
+class OpNames(TorchDispatchMode):  # type: ignore[misc]  # torch ships TorchDispatchMode unannotated
+    """The name of every op a replay runs (outside the replay's own modes: it sees them all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replay_for_cuda_on_the_cpu_takes_the_optimizer_path_cuda_takes() -> None:
+    """On CUDA, AdamW takes the foreach path by default (every parameter's temporaries at once), on the CPU a loop."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    steps: dict[bool, ReplayedStep] = {}
+    ops: dict[bool, list[str]] = {}
+    for for_cuda in (False, True):
+        recorder = OpNames()
+        with recorder:
+            step = Predictor(
+                model,
+                [optimizer],
+                torch.randn(5, 8),
+                step_function=lambda module, batch: module(batch).sum(),
+                placement=torch.device("cpu"),
+                warm_up=True,
+                for_cuda=for_cuda,
+            ).replay()
+        assert isinstance(step, ReplayedStep), step
+        steps[for_cuda], ops[for_cuda] = step, recorder.names
+    assert ops[True].count("_foreach_lerp_") == 2 and "lerp_" not in ops[True]  # warm-up and counted step
+    assert ops[False].count("lerp_") == 2 * 4 and "_foreach_lerp_" not in ops[False]  # four parameters, one by one
+    for phase in (Phase.FORWARD, Phase.BACKWARD):  # no dropout, no attention: only the optimizer's step differs
+        assert steps[True].phases[phase] == steps[False].phases[phase]
+    assert optimizer.defaults["foreach"] is None  # the user's optimizer is left as it was

@@ -182,8 +182,9 @@ class Predictor:
             (:func:`~lightning_vram.prediction.replay.known_values.taken_values`): the replay's known values, where
             the step has since changed its batch in place. ``None``: the batch's values now.
         for_cuda: the step is predicted for a CUDA device, though replayed on another (the CPU, where torch is a
-            CPU-only build). Where torch has no CUDA device, a replay for CUDA (this, or one on fake CUDA tensors)
-            runs CUDA's dropout and attention kernels (:mod:`~lightning_vram.prediction.replay.cuda_kernels`).
+            CPU-only build): its optimizers take the path they take on CUDA (foreach where torch picks it). Where
+            torch has no CUDA device, a replay for CUDA (this, or one on fake CUDA tensors) runs CUDA's dropout and
+            attention kernels (:mod:`~lightning_vram.prediction.replay.cuda_kernels`).
     """
 
     def __init__(
@@ -443,7 +444,13 @@ class Predictor:
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 register(mode)
                 twin = make_twin(
-                    self.module, self.optimizers, self.batch, mode, self._prepare(run), {id(a): a for a in scope.shared}
+                    self.module,
+                    self.optimizers,
+                    self.batch,
+                    mode,
+                    self._prepare(run),
+                    {id(a): a for a in scope.shared},
+                    "cuda" if self.for_cuda else None,
                 )
                 held = held_by(twin.module, scope.inside, own=(mode,), after=scope.reach)
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
