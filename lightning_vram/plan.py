@@ -59,7 +59,8 @@ from lightning_vram.records.plan import Plan, PlanRow
 
 META_NOTE = (
     "replayed on the meta device, where the module's parameters are (no memory of the model's size was allocated):"
-    " parts and peaks are the meta kernels' (CUDA kernels such as attention's may save other tensors)"
+    " parts and peaks are the meta kernels' (for CUDA, dropout's and attention's are CUDA's; other CUDA kernels may"
+    " save other tensors)"
 )
 """The note of a plan for a module on the meta device (built under ``torch.device("meta")``)."""
 META_AUTOCAST = (
@@ -196,7 +197,16 @@ def plan(
     if isinstance(settings, str):
         notes += (settings,)
     allocator = settings if isinstance(settings, AllocatorSettings) else None
-    planner = _Planner(module, batch, device, allocator, chosen_gpus, cuda_context_bytes, started + budget_seconds)
+    planner = _Planner(
+        module,
+        batch,
+        device,
+        allocator,
+        chosen_gpus,
+        cuda_context_bytes,
+        started + budget_seconds,
+        for_cuda=device_type.startswith("cuda"),
+    )
     with round_of_replays():
         rows = planner.rows(sizes, nodes, chosen_strategies, chosen_precisions, modes, global_batch)
     return Plan(
@@ -318,11 +328,14 @@ class _Planner:
         gpus: tuple[PlanGpu, ...],
         context_bytes: int,
         deadline: float,
+        for_cuda: bool = False,
     ) -> None:
         self.module = module
         self.batch = batch
         self.batch_size = batch_size_of(batch)
         self.device = device
+        self.for_cuda = for_cuda
+        """Whether the plan is for CUDA devices: its replays run CUDA's dropout and attention kernels."""
         self.allocator = allocator
         self.gpus = gpus
         self.context_bytes = context_bytes
@@ -517,6 +530,7 @@ class _Planner:
             warm_up=True,
             budget_seconds=left,
             allocator=self.allocator,
+            for_cuda=self.for_cuda,
         )
         predictor.ran = self.ran
         if shared:

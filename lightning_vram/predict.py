@@ -62,8 +62,9 @@ def predict(
             (:data:`REPLAYED_PRECISIONS`: ``"32-true"``, ``"bf16-mixed"``...).
         device_type: the device to predict for. Without a CUDA device, a CUDA build of torch replays the step on
             fake CUDA tensors (backward walked in Python, :mod:`~lightning_vram.prediction.replay.backward`); a
-            CPU-only build cannot fake CUDA tensors: the step is replayed on the CPU then. Either way the
-            prediction says so in its notes.
+            CPU-only build cannot fake CUDA tensors: the step is replayed on the CPU then. Either way dropout and
+            attention run as on a GPU (:mod:`~lightning_vram.prediction.replay.cuda_kernels`), and the prediction
+            says so in its notes.
         cuda_context_bytes: memory the CUDA context and libraries take beside the tensors, kept free in the fit
             table.
         fit_table: also find the largest batch for each GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`
@@ -114,6 +115,7 @@ def predict(
         budget_seconds=budget_seconds,
         compute_capability=capability,
         allocator=settings if isinstance(settings, AllocatorSettings) else None,
+        for_cuda=asked == "cuda",
     )
     with round_of_replays():
         step = predictor.replay(None, count_flops=True)
@@ -270,8 +272,9 @@ def _replay_device(device_type: str) -> tuple[torch.device, tuple[str, ...]]:
     if device.type == "cuda" and not torch.cuda.is_available():
         note = (
             "replayed on the CPU: without a CUDA device torch cannot fake CUDA tensors; parts and peaks are the"
-            " CPU kernels' (CUDA kernels such as attention's may save other tensors), and cuBLAS's and cuBLASLt's"
-            " workspaces are not counted (on an H100, two of 32 MiB and one of 1 MiB)"
+            " CPU kernels' but dropout's and attention's, replayed as CUDA runs them (other CUDA kernels may save"
+            " other tensors), the optimizer's path as on CUDA; cuBLAS's and cuBLASLt's workspaces are not counted (on"
+            " an H100, two of 32 MiB and one of 1 MiB)"
         )
         return torch.device("cpu"), (note,)
     return device, ()

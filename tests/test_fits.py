@@ -199,7 +199,7 @@ def test_predict_for_cuda_gives_each_row_served_with_the_runs_settings_and_with_
     assert all(row.allocator == "" and row.expandable_max_batch_size is not None for row in prediction.fit)
     first = prediction.fit[0]  # 12 GiB
     assert first.expandable_max_batch_size is not None and not first.at_least
-    predictor = Predictor(module, None, batch, warm_up=True, allocator=SETTINGS["defaults"])
+    predictor = Predictor(module, None, batch, warm_up=True, allocator=SETTINGS["defaults"], for_cuda=True)
     with round_of_replays():
         for largest, settings in ((first.max_batch_size, "defaults"), (first.expandable_max_batch_size, "expandable")):
             served, above = (predictor.replay(BatchSizeChange(size)) for size in (largest, largest + 1))

@@ -58,8 +58,10 @@ def test_the_quickstart_at_one_and_two_gpus() -> None:
         (gpu, 2, "ddp") for gpu in ("T4", "H100 SXM")
     }
     assert len(result.rows) == 4
-    # The single GPU's rows are the step as predict() replays it, allocated per phase.
-    step = Predictor(module, None, images(), placement=torch.device("cpu"), warm_up=True, allocator=run_settings())
+    # The single GPU's rows are the step as predict() replays it for CUDA, allocated per phase.
+    step = Predictor(
+        module, None, images(), placement=torch.device("cpu"), warm_up=True, allocator=run_settings(), for_cuda=True
+    )
     baseline = step.baseline()
     assert isinstance(baseline, ReplayedStep)
     expected = tuple((phase.value, peak.peak_bytes) for phase, peak in in_phase_order(baseline.phases))

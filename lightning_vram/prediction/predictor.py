@@ -47,6 +47,7 @@ from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
 from lightning_vram.prediction.replay.calibration import carry
 from lightning_vram.prediction.replay.changes import checkpointed_calls
 from lightning_vram.prediction.replay.counting import ReplayCounter
+from lightning_vram.prediction.replay.cuda_kernels import CudaKernels
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.hook_free import HookedCopyError
@@ -180,6 +181,10 @@ class Predictor:
         batch_values: the values of ``batch``'s small CPU tensors as its step started, by the tensor's ``id``
             (:func:`~lightning_vram.prediction.replay.known_values.taken_values`): the replay's known values, where
             the step has since changed its batch in place. ``None``: the batch's values now.
+        for_cuda: the step is predicted for a CUDA device, though replayed on another (the CPU, where torch is a
+            CPU-only build): its optimizers take the path they take on CUDA (foreach where torch picks it). Where
+            torch has no CUDA device, a replay for CUDA (this, or one on fake CUDA tensors) runs CUDA's dropout and
+            attention kernels (:mod:`~lightning_vram.prediction.replay.cuda_kernels`).
     """
 
     def __init__(
@@ -208,6 +213,7 @@ class Predictor:
         accumulate: int = 1,
         autocast_cache: bool = False,
         batch_values: TakenValues | None = None,
+        for_cuda: bool = False,
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
@@ -217,6 +223,7 @@ class Predictor:
         self.autocast_cache = autocast_cache
         self.device = device or placement or module_device(module)
         """The device whose memory is counted."""
+        self.for_cuda = for_cuda
         self.placement = placement
         self.step_function = step_function
         self.warm_up = warm_up
@@ -266,6 +273,11 @@ class Predictor:
         ``steps_before``: as the run's step of that index holds them (:meth:`ReservedPeaks.finish`).
         """
         return self._sequence.finish(settings, steps_before) if self._sequence is not None else None
+
+    @property
+    def cuda_kernels(self) -> bool:
+        """Whether replays run CUDA's dropout and attention kernels: for CUDA, where torch has no CUDA device."""
+        return (self.for_cuda or self.device.type == "cuda") and not torch.cuda.is_available()
 
     @property
     def device_type(self) -> str:
@@ -432,7 +444,13 @@ class Predictor:
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 register(mode)
                 twin = make_twin(
-                    self.module, self.optimizers, self.batch, mode, self._prepare(run), {id(a): a for a in scope.shared}
+                    self.module,
+                    self.optimizers,
+                    self.batch,
+                    mode,
+                    self._prepare(run),
+                    {id(a): a for a in scope.shared},
+                    "cuda" if self.for_cuda else None,
                 )
                 held = held_by(twin.module, scope.inside, own=(mode,), after=scope.reach)
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
@@ -441,10 +459,12 @@ class Predictor:
                 values = KnownValues()
                 values.know(twin.batch_values, self.batch_values)
                 recorder = CallRecorder(twin.module) if change is None else None
+                kernels = CudaKernels() if self.cuda_kernels else None
                 with (
                     contained(held) as held_containment,
                     mode,
                     MixedNormDtypes(),
+                    kernels if kernels is not None else nullcontext(),
                     without_collectives(),
                     Deadline(deadline),
                     values,
@@ -557,6 +577,7 @@ class Predictor:
                     for op in sorted(probe.unmeasured)
                 ),
                 *workspaces.notes,
+                *(kernels.notes if kernels is not None else ()),
                 *(flops.notes if flops is not None else ()),
                 *self._allocator_notes,
                 *((SPANNING_AUTOCAST_NOTE,) if self.autocast_cache and not plan.autocast_cache else ()),

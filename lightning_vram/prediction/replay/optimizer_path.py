@@ -74,12 +74,15 @@ def resolve_path(
     return OptimizerPath.FOREACH
 
 
-def follow_real_path(optimizer: torch.optim.Optimizer, real_types: Mapping[int, type]) -> None:
+def follow_real_path(
+    optimizer: torch.optim.Optimizer, real_types: Mapping[int, type], device_type: str | None = None
+) -> None:
     """Set ``foreach`` on each of the (replay's) ``optimizer``'s param groups to the path the real run takes.
 
     ``real_types``: the type of the real parameter behind each fake one, by the fake one's ``id`` (a parameter not
-    in it counts as its own type). The device is the fake parameter's (where the replay places it). Only groups
-    whose optimizer takes a ``foreach`` setting are touched; one the user set stays as set.
+    in it counts as its own type). ``device_type``: where the real run places the parameters (``"cuda"`` for a step
+    predicted for CUDA but replayed on the CPU); ``None``: the fake parameter's device (where the replay places it).
+    Only groups whose optimizer takes a ``foreach`` setting are touched; one the user set stays as set.
     """
     for group in optimizer.param_groups:
         if "foreach" not in group:
@@ -87,7 +90,7 @@ def follow_real_path(optimizer: torch.optim.Optimizer, real_types: Mapping[int, 
         parameters = [parameter for parameter in group["params"] if isinstance(parameter, Tensor)]
         path = resolve_path(
             [real_types.get(id(parameter), type(parameter)) for parameter in parameters],
-            [parameter.device.type for parameter in parameters],
+            [device_type or parameter.device.type for parameter in parameters],
             group,
             type(optimizer),
         )

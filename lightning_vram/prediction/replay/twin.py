@@ -210,13 +210,15 @@ def make_twin(
     mode: FakeTensorMode,
     prepare_module: Callable[[nn.Module], None] = lambda _module: None,
     substitutes: Substitutes | None = None,
+    device_type: str | None = None,
 ) -> Twin:
     """The fake copy of ``module``, its gradients, ``optimizers`` and ``batch``.
 
     ``prepare_module`` changes the fake module before gradients and optimizers are attached (a replay's variant:
     a cast, inplace flags, checkpointed units). ``optimizers=None`` builds them with the copy's own
     ``configure_optimizers``, on its fake parameters. ``substitutes``: objects the copies hold instead of copying
-    them (the arrays of :func:`shared_arrays`, themselves; the user's caches, fresh ones).
+    them (the arrays of :func:`shared_arrays`, themselves; the user's caches, fresh ones). ``device_type``: the
+    device the real run trains on, where it is not the replay's (the optimizers take its path: foreach on CUDA).
     """
     substitutes = substitutes or {}
     copied, memo = fake_module(module, mode, substitutes)
@@ -241,7 +243,7 @@ def make_twin(
     if configured is None:
         configured = [rebuild_optimizer(optimizer, parameters, mode) for optimizer in optimizers or ()]
     for optimizer in configured:
-        follow_real_path(optimizer, real_types)
+        follow_real_path(optimizer, real_types, device_type)
     batch_copy, batch_tensors, batch_values = fake_batch(batch, mode, substitutes)
     return Twin(copied, configured, batch_copy, batch_tensors, batch_values)
 

@@ -1,0 +1,190 @@
+"""A replay for CUDA where torch has no CUDA device runs CUDA's dropout and attention kernels (replay/cuda_kernels.py).
+
+The reference is a model that calls CUDA's ops itself (``native_dropout``, memory-efficient attention's op) through a
+function mode of its own: a replay of the plain model for CUDA must hold what the reference's replay holds, phase by
+phase, to the byte. A CPU-only torch replays both on the CPU (before the change the plain one ran the CPU's dropout,
+which saves a float noise tensor, and the math attention path, which saves the attention weights); a CUDA build
+without a device replays both on fake CUDA; with a GPU, torch picks the same kernels itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from replay_models import counted_step
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import TensorDataset
+
+from lightning_vram import predict
+from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+from lightning_vram.prediction.replay.cuda_kernels import CudaKernels, cuda_attention
+from lightning_vram.records import Phase, ReplayedStep
+
+pytestmark = pytest.mark.replay
+
+BATCH, LENGTH, VOCAB = 4, 128, 1000
+
+
+class CudaOps(TorchFunctionMode):
+    """Tiny GPT-2's dropout and attention calls, made to the ops CUDA runs for them (float32, causal, no mask)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.dropout and kwargs["training"] and kwargs["p"] > 0:
+            return torch.native_dropout(args[0], kwargs["p"], True)[0]
+        if func is F.scaled_dot_product_attention:
+            query, key, value = args
+            assert kwargs["attn_mask"] is None and query.dtype == torch.float32
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, None, True, kwargs["dropout_p"], kwargs["is_causal"], scale=kwargs["scale"]
+            )[0]
+        return func(*args, **kwargs)
+
+
+class TinyGPT2(pl.LightningModule):
+    """GPT-2 from its config (2 layers, 64 wide, dropout 0.1 everywhere), its attention torch's SDPA; with
+    ``reference``, its training step calls CUDA's ops itself (:class:`CudaOps`)."""
+
+    def __init__(self, reference: bool = False) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0
+        )
+        config._attn_implementation = "sdpa"
+        self.model = GPT2LMHeadModel(config)
+        self.reference = reference
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (tokens,) = batch
+        if self.reference:
+            with CudaOps():
+                loss: Tensor = self.model(input_ids=tokens, labels=tokens).loss
+            return loss
+        return self.model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def tokens(samples: int = BATCH) -> TensorDataset:
+    return TensorDataset(torch.randint(0, VOCAB, (samples, LENGTH), generator=torch.Generator().manual_seed(0)))
+
+
+def test_a_replay_for_cuda_holds_what_cudas_dropout_and_attention_kernels_hold() -> None:
+    batch = (tokens().tensors[0],)
+    plain = predict(TinyGPT2(), batch, device_type="cuda", fit_table=False)
+    reference = predict(TinyGPT2(reference=True), batch, device_type="cuda", fit_table=False)
+    assert plain.step is not None and reference.step is not None
+    for phase, peak in reference.step.phases.items():
+        assert plain.step.phases[phase].peak_bytes == peak.peak_bytes, phase
+        assert plain.step.phases[phase].breakdown == peak.breakdown, phase
+    if not torch.cuda.is_available():  # torch picks CUDA's kernels itself on a GPU
+        kernels = [note for note in plain.notes if note.startswith("replayed with CUDA's kernels")]
+        assert len(kernels) == 1 and "memory-efficient attention, native_dropout" in kernels[0]
+    # The CPU's kernels save more: per layer, the attention weights and the weights after dropout (4 x 4 x 128 x 128
+    # float32: 1 MiB each) and dropout's float noise (1 MiB, where CUDA's bool mask is 256 KiB).
+    cpu = predict(TinyGPT2(), batch, device_type="cpu", fit_table=False)
+    assert cpu.step is not None and not any("CUDA's kernels" in note for note in cpu.notes)
+    cpu_forward, cuda_forward = cpu.step.phases[Phase.FORWARD].breakdown, plain.step.phases[Phase.FORWARD].breakdown
+    assert cpu_forward is not None and cuda_forward is not None
+    assert cpu_forward.activations - cuda_forward.activations > 2 * 2 * 1024**2
+
+
+def test_a_prediction_for_the_cpu_still_counts_the_cpus_kernels(tmp_path: Path) -> None:
+    module = TinyGPT2()
+    prediction = predict(module, (tokens().tensors[0],), device_type="cpu", fit_table=False)
+    measured, _ = counted_step(tmp_path, module, tokens(4 * BATCH), BATCH)
+    assert prediction.step is not None
+    for phase, counted in measured.phases.items():
+        predicted = prediction.step.phases[phase].breakdown
+        assert predicted is not None and predicted.activations == counted.activations, phase
+
+
+def test_real_tensors_pass_through_the_mode_untouched() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 8, generator=generator)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        expected = (F.dropout(x, 0.5, True), F.scaled_dot_product_attention(x, x, x, dropout_p=0.5, is_causal=True))
+    with torch.random.fork_rng(), CudaKernels() as kernels:
+        torch.manual_seed(1)
+        got = (F.dropout(x, 0.5, True), F.scaled_dot_product_attention(x, x, x, dropout_p=0.5, is_causal=True))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)) and kernels.kernels == set()
+
+
+def test_multi_head_attention_inside_an_encoder_layer_runs_cudas_attention() -> None:
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.empty(2, 32, 64))
+        with CudaKernels() as kernels:
+            output = layer(fake)
+    assert output.grad_fn is not None and kernels.kernels == {"memory-efficient attention", "native_dropout"}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mask", "head_dim", "expected"),
+    [
+        (torch.float32, False, 64, SDPBackend.EFFICIENT_ATTENTION),
+        (torch.bfloat16, False, 64, SDPBackend.FLASH_ATTENTION),
+        (torch.float16, True, 64, SDPBackend.EFFICIENT_ATTENTION),  # flash takes no mask
+        (torch.bfloat16, False, 320, SDPBackend.EFFICIENT_ATTENTION),  # flash stops at 256
+        (torch.float32, False, 30, SDPBackend.MATH),  # float32 head dimensions are multiples of 4
+        (torch.float64, False, 64, SDPBackend.MATH),
+    ],
+)
+def test_attention_takes_the_kernel_torch_picks_on_a_gpu(
+    dtype: torch.dtype, mask: bool, head_dim: int, expected: SDPBackend
+) -> None:
+    query = torch.empty(2, 4, 16, head_dim, dtype=dtype)
+    attn_mask = torch.ones(16, 16, dtype=torch.bool) if mask else None
+    assert cuda_attention(query, query, query, attn_mask) == expected
+
+
+class OpNames(TorchDispatchMode):  # type: ignore[misc]  # torch ships TorchDispatchMode unannotated
+    """The name of every op a replay runs (outside the replay's own modes: it sees them all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replay_for_cuda_on_the_cpu_takes_the_optimizer_path_cuda_takes() -> None:
+    """On CUDA, AdamW takes the foreach path by default (every parameter's temporaries at once), on the CPU a loop."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    steps: dict[bool, ReplayedStep] = {}
+    ops: dict[bool, list[str]] = {}
+    for for_cuda in (False, True):
+        recorder = OpNames()
+        with recorder:
+            step = Predictor(
+                model,
+                [optimizer],
+                torch.randn(5, 8),
+                step_function=lambda module, batch: module(batch).sum(),
+                placement=torch.device("cpu"),
+                warm_up=True,
+                for_cuda=for_cuda,
+            ).replay()
+        assert isinstance(step, ReplayedStep), step
+        steps[for_cuda], ops[for_cuda] = step, recorder.names
+    assert ops[True].count("_foreach_lerp_") == 2 and "lerp_" not in ops[True]  # warm-up and counted step
+    assert ops[False].count("lerp_") == 2 * 4 and "_foreach_lerp_" not in ops[False]  # four parameters, one by one
+    for phase in (Phase.FORWARD, Phase.BACKWARD):  # no dropout, no attention: only the optimizer's step differs
+        assert steps[True].phases[phase] == steps[False].phases[phase]
+    assert optimizer.defaults["foreach"] is None  # the user's optimizer is left as it was
