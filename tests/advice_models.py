@@ -1,7 +1,9 @@
-"""Models the advice tests apply advice to (a ResNet-style CNN, a tiny GPT, MLPs), their data, a plan applier."""
+"""Models the advice tests apply advice to (a ResNet-style CNN, a tiny GPT, MLPs), their data, a plan applier, the
+stale-gradients advice's printed callbacks."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_vram.prediction.replay.buffer_copies import checkpoint_keeping_buffers
-from lightning_vram.records import CheckpointPlan
+from lightning_vram.records import Advice, CheckpointPlan
 
 
 class ResNetStyle(nn.Module):
@@ -258,3 +260,19 @@ def activation_mlp(
     for _ in range(depth):
         layers += [nn.Linear(width, width), activation(inplace=inplace)]
     return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def printed_callbacks(advice: Advice, monitor: pl.Callback | None) -> list[pl.Callback]:
+    """The Trainer's callbacks as the stale-gradients advice's printed code lists them, run as printed.
+
+    ``monitor`` takes VramMonitor's place in the list (the test's own settings); ``None`` leaves it out (a run
+    without the monitor). The code's ``Trainer(callbacks=...)`` line hands back its list, in the printed order.
+    """
+    (code,) = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)
+    namespace: dict[str, Any] = {
+        "Callback": pl.Callback,
+        "Trainer": lambda callbacks: callbacks,
+        "VramMonitor": lambda: monitor,
+    }
+    exec(code, namespace)  # the advice's own code, as the user pastes it
+    return [callback for callback in namespace["trainer"] if callback is not None]

@@ -338,7 +338,8 @@ def test_stale_gradients_saves_down_to_the_next_phase() -> None:
     assert advice is not None
     assert advice.estimated_saving_bytes == 512 * MIB  # gradients are 1 GiB, but backward then peaks 0.5 GiB lower
     assert "in forward of step 5, with 1.00 GiB of gradients alive" in advice.evidence
-    assert "batch_idx % self.trainer.accumulate_grad_batches == 0" in advice.detail
+    assert "batch_idx % trainer.accumulate_grad_batches == 0" in advice.detail
+    assert "callbacks=[FreeGradientsBeforeForward(), VramMonitor()]" in advice.detail
 
 
 def test_stale_gradients_near_misses() -> None:

@@ -8,6 +8,7 @@ what a checkpointed unit's recomputation holds, so a plan whose recomputation ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from advice_models import (
     apply_plan,
     features,
     images,
+    printed_callbacks,
     sequential_cnn,
     tokens,
 )
@@ -211,15 +213,6 @@ def test_inplace_is_not_advised_where_it_keeps_a_copy(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ stale-gradients
 
 
-class FreesGradientsAtBatchStart(Classifier):
-    """The stale-gradients advice applied as its detail says."""
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx % self.trainer.accumulate_grad_batches == 0:
-            for optimizer in self.trainer.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-
-
 def mlp(width: int, depth: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -227,17 +220,36 @@ def mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def mlp_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: int, batch_size: int) -> Report:
+class FreeGradientsBeforeForward(pl.Callback):
+    """The stale-gradients advice's printed callback, applied where it is not advised (listed before the monitor)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, index: int) -> None:
+        if index % trainer.accumulate_grad_batches == 0:
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+
+def mlp_run(
+    tmp_path: Path,
+    width: int,
+    depth: int,
+    batch_size: int,
+    callbacks: Callable[[VramMonitor], list[pl.Callback]] = lambda monitor: [monitor],
+) -> Report:
     """An MLP trained with plain SGD: its optimizer step holds no state or temporaries, so the live peak is in
-    forward when the last step's gradients are alive there (Adam's step holds its temporaries, peaking higher)."""
+    forward when the last step's gradients are alive there (Adam's step holds its temporaries, peaking higher).
+
+    ``callbacks``: the Trainer's callbacks around the monitor (default: the monitor alone).
+    """
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(4 * batch_size, width, generator=generator), torch.randint(0, 10, (4 * batch_size,))
     )
     monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=5, console_summary=False)
-    module = module_class(mlp(width, depth), OPTIMIZERS["sgd"])
-    trainer(tmp_path, [monitor], max_steps=4).fit(module, loader(data, batch_size))
+    trainer(tmp_path, callbacks(monitor), max_steps=4).fit(
+        Classifier(mlp(width, depth), OPTIMIZERS["sgd"]), loader(data, batch_size)
+    )
     assert monitor.report is not None
     return monitor.report
 
@@ -250,21 +262,25 @@ def mlp_run(tmp_path: Path, module_class: type[Classifier], width: int, depth: i
 def test_applying_the_stale_gradients_advice_removes_it_and_saves_what_it_said(
     tmp_path: Path, width: int, depth: int, batch_size: int
 ) -> None:
-    before = mlp_run(tmp_path / "before", Classifier, width, depth, batch_size)
+    before = mlp_run(tmp_path / "before", width, depth, batch_size)
     [advice] = [item for item in before.advice if item.id == "stale-gradients"]
-    assert "def on_train_batch_start(self, batch, batch_idx):" in advice.detail
+    assert "def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):" in advice.detail
     assert "optimizer.zero_grad(set_to_none=True)" in advice.detail
+    assert "callbacks=[FreeGradientsBeforeForward(), VramMonitor()]" in advice.detail
     assert advice.estimated_saving_bytes is not None and advice.estimated_saving_bytes > 0
     stale = before.phases[Phase.FORWARD].breakdown
     assert stale is not None and stale.gradients > 0
 
-    after = mlp_run(tmp_path / "after", FreesGradientsAtBatchStart, width, depth, batch_size)
+    after = mlp_run(tmp_path / "after", width, depth, batch_size, lambda monitor: printed_callbacks(advice, monitor))
     assert "stale-gradients" not in {item.id for item in after.advice}
     forward = after.phases[Phase.FORWARD].breakdown
     assert forward is not None and forward.gradients == 0
-    # The forward pass no longer holds the last step's gradients (its counted parts lose exactly them; its live peak
-    # less, as the gradients are alive for an instant at batch start, before the module's own hook frees them) ...
+    # The forward pass no longer holds the last step's gradients: its counted parts lose exactly them, and they are
+    # freed before the monitor starts the step, so its live peak holds nothing more ("other") than before ...
     assert forward.counted_bytes == stale.counted_bytes - stale.gradients
+    assert forward.other is not None and stale.other is not None and forward.other <= stale.other
+    # ... the report's own replay of the step reproduces it and is trusted ...
+    assert after.simulation is not None and after.simulation.skipped is None
     # ... and the run's live peak falls by what the advice promised (the forward peak's excess over the next phase).
     assert before.peak is not None and after.peak is not None
     assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
@@ -273,11 +289,11 @@ def test_applying_the_stale_gradients_advice_removes_it_and_saves_what_it_said(
 def test_stale_gradients_is_silent_where_backward_peaks_as_high(tmp_path: Path) -> None:
     # Activations dominate: the live peak of backward (activations and the first gradients) is as high as the
     # forward peak with the last step's gradients; freeing them lowers forward only, not the run's peak.
-    before = mlp_run(tmp_path / "before", Classifier, 256, 2, 512)
+    before = mlp_run(tmp_path / "before", 256, 2, 512)
     forward, backward = before.phases[Phase.FORWARD], before.phases[Phase.BACKWARD]
     assert forward.breakdown is not None and forward.breakdown.gradients > 0
     assert forward.peak_bytes - backward.peak_bytes < 0.01 * forward.peak_bytes
     assert "stale-gradients" not in {item.id for item in before.advice}
-    after = mlp_run(tmp_path / "after", FreesGradientsAtBatchStart, 256, 2, 512)
+    after = mlp_run(tmp_path / "after", 256, 2, 512, lambda monitor: [FreeGradientsBeforeForward(), monitor])
     assert before.peak is not None and after.peak is not None
     assert before.peak.peak_bytes - after.peak.peak_bytes < 0.01 * before.peak.peak_bytes

@@ -24,7 +24,16 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from advice_models import ChunkedLanguageModel, LanguageModel, TinyGPT, activation_mlp, features, images, tokens
+from advice_models import (
+    ChunkedLanguageModel,
+    LanguageModel,
+    TinyGPT,
+    activation_mlp,
+    features,
+    images,
+    printed_callbacks,
+    tokens,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
 from preloaded_python import run_script
@@ -88,9 +97,14 @@ def fit(
     batches: Callable[[], DataLoader[Any]],
     steps: int,
     monitored: bool = False,
+    applied: Advice | None = None,
     **options: Any,
 ) -> Trained:
-    """``steps`` optimizer steps from seed 0 (torch, numpy, Python), with the monitor or without; what they leave."""
+    """``steps`` optimizer steps from seed 0 (torch, numpy, Python), with the monitor or without; what they leave.
+
+    ``applied``: a stale-gradients advice whose printed callbacks the Trainer lists first, the monitor (where the run
+    is monitored) in its printed place.
+    """
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -98,7 +112,9 @@ def fit(
     losses = Losses()
     callbacks: list[pl.Callback] = [losses]
     monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
-    if monitored:
+    if applied is not None:
+        callbacks[:0] = printed_callbacks(applied, monitor if monitored else None)
+    elif monitored:
         callbacks.insert(0, monitor)
     run = trainer(root, callbacks, max_steps=steps, **options)
     run.fit(module, batches())
@@ -248,39 +264,30 @@ def test_inplace_activations_as_printed_train_the_same_model(tmp_path: Path, cas
 # ------------------------------------------------------------------------------------------------ stale-gradients
 
 
-def freeing_gradients(code: str) -> type[Classifier]:
-    """A Classifier whose LightningModule has the stale-gradients advice's printed hook pasted in."""
-    namespace: dict[str, Any] = {}
-    exec(code, namespace)  # the advice's own code, as the user pastes it into the LightningModule
-
-    class FreesGradients(Classifier):
-        on_train_batch_start = namespace["on_train_batch_start"]
-
-    return FreesGradients
-
-
 @pytest.mark.replay
 def test_freeing_gradients_as_printed_trains_the_same_model_with_and_without_accumulation(tmp_path: Path) -> None:
     # An MLP whose forward pass peaks with the last step's gradients alive (Adam), as the rule targets.
     data = features(1024, 256)
 
-    def build(module_class: type[Classifier] = Classifier) -> Callable[[], pl.LightningModule]:
-        return lambda: module_class(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
+    def build() -> pl.LightningModule:
+        return Classifier(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
 
-    monitored = fit(tmp_path, build(), lambda: shuffled(data, 512), steps=4, monitored=True)
+    monitored = fit(tmp_path, build, lambda: shuffled(data, 512), steps=4, monitored=True)
     advice = advice_of(monitored.report, "stale-gradients")
     assert "training is unchanged, bit for bit" in advice.detail
-    code = printed_code(advice)
-    applied_class = freeing_gradients(code)
-    plain = fit(tmp_path, build(), lambda: shuffled(data, 512), steps=4)
+    plain = fit(tmp_path, build, lambda: shuffled(data, 512), steps=4)
     assert_identical(monitored, plain)
-    assert_identical(fit(tmp_path, build(applied_class), lambda: shuffled(data, 512), steps=4), plain)
-    # Accumulating 3 batches over epochs of 5: windows of 3 and 2 batches, across the epoch boundary. The hook frees
+    # The printed callbacks, with the monitor where they list it and without it.
+    applied = fit(tmp_path, build, lambda: shuffled(data, 512), steps=4, monitored=True, applied=advice)
+    assert applied.report is not None and "stale-gradients" not in [item.id for item in applied.report.advice]
+    assert_identical(applied, plain)
+    assert_identical(fit(tmp_path, build, lambda: shuffled(data, 512), steps=4, applied=advice), plain)
+    # Accumulating 3 batches over epochs of 5: windows of 3 and 2 batches, across the epoch boundary. The callback frees
     # gradients only where Lightning would zero them (the first batch of a window), never inside one.
     small = features(640, 256)
     accumulating = {"accumulate_grad_batches": 3}
-    applied = fit(tmp_path, build(applied_class), lambda: shuffled(small, 128), steps=5, **accumulating)
-    plain = fit(tmp_path, build(), lambda: shuffled(small, 128), steps=5, **accumulating)
+    applied = fit(tmp_path, build, lambda: shuffled(small, 128), steps=5, applied=advice, **accumulating)
+    plain = fit(tmp_path, build, lambda: shuffled(small, 128), steps=5, **accumulating)
     assert len(plain.losses) == 13  # two epochs of 5 batches (windows of 3 and 2: 4 steps), then 3 more (1 step)
     assert_identical(applied, plain)
 

@@ -13,7 +13,16 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from advice_models import ChunkedLanguageModel, LanguageModel, TinyGPT, activation_mlp, apply_plan, features, tokens
+from advice_models import (
+    ChunkedLanguageModel,
+    LanguageModel,
+    TinyGPT,
+    activation_mlp,
+    apply_plan,
+    features,
+    printed_callbacks,
+    tokens,
+)
 from models import OPTIMIZERS, REPLAYS_OFF, Classifier, loader, trainer
 from replay_models import images, resnet
 from simulations import GIB
@@ -84,9 +93,12 @@ def monitored(
     data: Dataset[Any],
     batch_size: int,
     on: DeviceInfo | None = None,
+    applied: Advice | None = None,
     **options: Any,
 ) -> Run:
     """Three steps with step 1 counted; its replay; the advice as if on device ``on`` (default: the CPU run's).
+
+    ``applied``: a stale-gradients advice whose printed callbacks the Trainer lists, the monitor in its printed place.
 
     The replay is this function's own Predictor's, from the run's attribution: the monitor's own replays (in training
     and preflight) are off, as nothing here reads them.
@@ -96,7 +108,7 @@ def monitored(
         attribution_start_step=1, attribution_every_n_steps=None, console_summary=False, **REPLAYS_OFF
     )
     batches = loader(data, batch_size)
-    fit = trainer(root, [monitor], max_steps=3, **options)
+    fit = trainer(root, printed_callbacks(applied, monitor) if applied else [monitor], max_steps=3, **options)
     fit.fit(module, batches)
     report = monitor.report
     assert report is not None
@@ -172,21 +184,36 @@ def test_inplace_activations_applied_saves_what_the_replay_said(tmp_path: Path) 
     assert_realised(before, monitored(tmp_path / "after", inplace, features(1024, 256), 512), advice)
 
 
-def test_stale_gradients_applied_saves_what_the_replay_said(tmp_path: Path) -> None:
-    before = monitored(
-        tmp_path / "before", Classifier(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"]), features(1024, 256), 512
-    )
+@pytest.mark.parametrize(
+    ("width", "depth", "optimizer", "samples", "batch_size"),
+    [(256, 4, "adam", 1024, 512), (1024, 3, "sgd", 512, 128)],
+    ids=["activations-heavy", "parameters-heavy"],
+)
+def test_stale_gradients_applied_saves_what_the_replay_said(
+    tmp_path: Path, width: int, depth: int, optimizer: str, samples: int, batch_size: int
+) -> None:
+    # Parameters-heavy (a new user's trial's shape): the last step's gradients, alive at the step's start, outweigh
+    # the activations the forward pass adds once they are freed.
+    def build() -> Classifier:
+        return Classifier(activation_mlp(nn.LeakyReLU, depth=depth, width=width), OPTIMIZERS[optimizer])
+
+    data = features(samples, width)
+    before = monitored(tmp_path / "before", build(), data, batch_size)
     advice = before.find("stale-gradients")
     assert advice is not None and advice.saving_basis == "simulated"
-    namespace: dict[str, Any] = {}
-    exec(snippet(advice), namespace)  # the advice's own code, as the user pastes it into the LightningModule
-
-    class FreesGradients(Classifier):
-        on_train_batch_start = namespace["on_train_batch_start"]
-
-    module = FreesGradients(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
-    after = monitored(tmp_path / "after", module, features(1024, 256), 512)
-    assert after.simulation.skipped is None  # the replay starts from the freed gradients the run's forward saw
+    after = monitored(tmp_path / "after", build(), data, batch_size, applied=advice)  # the printed callbacks
+    # The gradients are freed before the monitor starts the step: its forward row holds neither them nor, as
+    # "other", what they were (the monitor started the step first when the LightningModule's hook freed them) ...
+    stale = before.report.phases[Phase.FORWARD].breakdown
+    forward = after.report.phases[Phase.FORWARD].breakdown
+    assert stale is not None and stale.gradients > 0 and forward is not None and forward.gradients == 0
+    assert forward.other is not None and stale.other is not None and forward.other <= stale.other
+    # ... so the replay, starting from the freed gradients the run's forward saw, reproduces it and is trusted: advice
+    # both runs give keeps its simulated saving.
+    assert after.simulation.skipped is None and after.simulation.match is not None and after.simulation.match.matches
+    for item in after.advice:
+        earlier = before.find(item.id)
+        assert earlier is None or earlier.saving_basis == item.saving_basis, item.id
     assert_realised(before, after, advice)
 
 

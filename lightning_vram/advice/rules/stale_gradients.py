@@ -77,12 +77,18 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         detail=(
             "Lightning zeroes gradients after training_step, so the last step's gradients stay allocated through"
             " the forward pass, where this run peaks. Free them at batch start, outside an accumulation window (the"
-            " batches where Lightning zeroes them anyway: training is unchanged, bit for bit):\n"
+            " batches where Lightning zeroes them anyway: training is unchanged, bit for bit), in a Callback listed"
+            " before VramMonitor: Lightning runs the callbacks' on_train_batch_start in list order, then the"
+            " LightningModule's, and the monitor starts measuring the step in its own, so gradients freed after it"
+            " would still count in forward:\n"
             "```python\n"
-            "def on_train_batch_start(self, batch, batch_idx):\n"
-            "    if batch_idx % self.trainer.accumulate_grad_batches == 0:\n"
-            "        for optimizer in self.trainer.optimizers:\n"
-            "            optimizer.zero_grad(set_to_none=True)\n"
+            "class FreeGradientsBeforeForward(Callback):\n"
+            "    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):\n"
+            "        if batch_idx % trainer.accumulate_grad_batches == 0:\n"
+            "            for optimizer in trainer.optimizers:\n"
+            "                optimizer.zero_grad(set_to_none=True)\n"
+            "\n"
+            "trainer = Trainer(callbacks=[FreeGradientsBeforeForward(), VramMonitor()])  # before VramMonitor\n"
             "```"
         ),
         evidence=(
