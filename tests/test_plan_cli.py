@@ -91,6 +91,22 @@ def test_the_first_line_gives_the_reason_that_left_out_the_most_configurations(
     assert "  - left out: T4 has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed):" in lines
 
 
+def test_the_first_line_gives_the_step_that_cannot_be_replayed_before_a_card_without_bf16(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A new user's plan on one T4: one configuration left out for the T4's bf16, one for the value read; the tie kept
+    # the bf16 first and the headline blamed the card. Nothing could be replayed: the value read is why.
+    module = tmp_path / "reads_its_loss.py"
+    module.write_text(READS_ITS_LOSS.format(examples=str(ROOT / "examples")))
+    cards = ["--gpu", "T4", "--gpus", "1", "--checkpointing", "off"]
+    status = main(["plan", f"{module}:ReadsItsLoss", "--batch", BATCH, *cards])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 3
+    assert lines[0].startswith("Plan: no configuration predicted: the step reads a tensor's value (.item()"), lines[0]
+    assert lines[0].endswith(": single, 32-true, micro-batch 16"), lines[0]
+    assert "  - left out: T4 has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed):" in lines
+
+
 def test_the_exit_status_reaches_the_shell() -> None:
     """``lightning-vram plan ... && sbatch train.sh``: the process exits 1 where nothing fits.
 
