@@ -453,10 +453,19 @@ def _plan(arguments: argparse.Namespace) -> int:
     The arguments' syntax is checked first, before torch and the module are imported (many seconds).
     """
     _check_plan_syntax(arguments)
+    from lightning_vram.plan_inputs import file_directories
+
+    checkpointing = {"both": (False, True), "on": (True,), "off": (False,)}[arguments.checkpointing]
+    # A file's directory stays on sys.path while the plan replays its steps: they may import a neighbour too.
+    with file_directories(arguments.module, arguments.datamodule):
+        return _planned(arguments, checkpointing)
+
+
+def _planned(arguments: argparse.Namespace, checkpointing: tuple[bool, ...]) -> int:
+    """``plan`` once the arguments' syntax is checked: build the module and batch, plan, print; the exit status."""
     from lightning_vram.plan import DEFAULT_WORLD_SIZES, plan
     from lightning_vram.plan_inputs import PlanInputError, build_module, load_class, parse_batch
 
-    checkpointing = {"both": (False, True), "on": (True,), "off": (False,)}[arguments.checkpointing]
     try:
         module = build_module(load_class(arguments.module, "MODULE"), arguments.init_kwargs, "MODULE")
         batch = None if arguments.batch is None else parse_batch(arguments.batch, "--batch")

@@ -342,6 +342,8 @@ class _Planner:
         self.deadline = deadline
         self.left_out: dict[str, list[str]] = {}
         """Why configurations were left out, each reason with the configurations it left out."""
+        self.unreplayed: set[str] = set()
+        """The reasons of :attr:`left_out` a rank's prediction gave (its replay skipped or failed), not the plan's."""
         self.notes: list[str] = []
         self.ran = [0]
         """The replays run, one count shared by the plan's predictors."""
@@ -457,12 +459,13 @@ class _Planner:
         self.left_out.setdefault(reason, []).append(what)
 
     def left_out_lines(self) -> tuple[str, ...]:
-        """Each reason configurations were left out for, with how many and the first of them, most first.
+        """Each reason configurations were left out for, with how many and the first of them; the replay's first.
 
-        Where none was predicted, the plan's first line gives the first: a step that cannot be replayed leaves out
-        every configuration, a card without bf16 only its bf16 ones. Ties keep the order they came in.
+        Where none was predicted, the plan's first line gives the first: a step that cannot be replayed is why
+        nothing was, whatever the plan itself left out before trying (a card without bf16, a global batch that does
+        not split). Then most configurations first; ties keep the order they came in.
         """
-        reasons = sorted(self.left_out.items(), key=lambda item: -len(item[1]))
+        reasons = sorted(self.left_out.items(), key=lambda item: (item[0] not in self.unreplayed, -len(item[1])))
         return tuple(
             f"{reason}: {whats[0]}" if len(whats) == 1 else f"{reason}: {len(whats)} configurations ({whats[0]}, ...)"
             for reason, whats in reasons
@@ -504,6 +507,7 @@ class _Planner:
         predictor = self._predictor(configuration.precision, configuration.micro_batch, left, spec.name)
         rank = predict_rank(predictor, spec, change)
         if isinstance(rank, ReplaySkipped):
+            self.unreplayed.add(rank.reason)
             self._leave_out(rank.reason, what + micro)
             return None
         self.notes += rank.notes

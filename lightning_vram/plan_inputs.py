@@ -20,7 +20,8 @@ import importlib.util
 import json
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,8 @@ def parse_batch(text: str, argument: str = "batch") -> Any:
 def load_class(path: str, argument: str = "module") -> type:
     """The class ``path`` names: ``package.module:ClassName``, or ``path/to/file.py:ClassName``.
 
-    The current directory is searched first for a dotted module, as ``python -m`` does.
+    The current directory is searched first for a dotted module, as ``python -m`` does; a file's neighbours import
+    inside :func:`file_directories`.
     """
     module_path, _, name = path.rpartition(":")
     if not module_path or not name.isidentifier():
@@ -79,6 +81,30 @@ def load_class(path: str, argument: str = "module") -> type:
     if not isinstance(found, type):
         raise PlanInputError(f"{argument} {path!r} names no class: {module_path} has no class {name!r}")
     return found
+
+
+@contextmanager
+def file_directories(*paths: str | None) -> Iterator[None]:
+    """Inside, each ``path/to/file.py:ClassName``'s directory first on ``sys.path``, as ``python file.py`` puts its own.
+
+    So such a file imports its neighbours (``from common import train``) when imported, when built, and in the steps
+    a plan replays; the first path's directory comes first. Each directory put there is taken out on leaving. A
+    dotted ``package.module:ClassName`` (or ``None``) adds nothing here: :func:`load_class` searches the current
+    directory for it.
+    """
+    added = [
+        str(Path(path.rpartition(":")[0]).resolve().parent)
+        for path in reversed(paths)
+        if path is not None and path.rpartition(":")[0].endswith(".py")
+    ]
+    for directory in added:
+        sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        for directory in added:
+            if directory in sys.path:  # the user's code may have taken it out
+                sys.path.remove(directory)
 
 
 def _import(module_path: str) -> Any:

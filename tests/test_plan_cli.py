@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,22 @@ def test_the_first_line_gives_the_reason_that_left_out_the_most_configurations(
     assert "  - left out: T4 has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed):" in lines
 
 
+def test_the_first_line_gives_the_step_that_cannot_be_replayed_before_a_card_without_bf16(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A new user's plan on one T4: one configuration left out for the T4's bf16, one for the value read; the tie kept
+    # the bf16 first and the headline blamed the card. Nothing could be replayed: the value read is why.
+    module = tmp_path / "reads_its_loss.py"
+    module.write_text(READS_ITS_LOSS.format(examples=str(ROOT / "examples")))
+    cards = ["--gpu", "T4", "--gpus", "1", "--checkpointing", "off"]
+    status = main(["plan", f"{module}:ReadsItsLoss", "--batch", BATCH, *cards])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 3
+    assert lines[0].startswith("Plan: no configuration predicted: the step reads a tensor's value (.item()"), lines[0]
+    assert lines[0].endswith(": single, 32-true, micro-batch 16"), lines[0]
+    assert "  - left out: T4 has no bf16 tensor cores (bf16 runs at its fp32 rate; plan it in 16-mixed):" in lines
+
+
 def test_the_exit_status_reaches_the_shell() -> None:
     """``lightning-vram plan ... && sbatch train.sh``: the process exits 1 where nothing fits.
 
@@ -166,3 +183,51 @@ def test_a_trailing_comma_describes_a_tuple_of_one_tensor(tmp_path: Path, capsys
     assert (row["micro_batch"], row["method"]) == (4, "replayed: the single-process step, as it is")
     parameters = 4 * (64 * 16 + 16 * 64 + 64)  # the embedding's and the head's float32 parameters, in bytes
     assert row["peak_bytes"] > 2 * parameters  # the step replayed: parameters and their gradients held at least
+
+
+IMPORTS_ITS_NEIGHBOURS = """
+import torch
+import lightning.pytorch as pl
+from torch import nn
+from plan_cli_neighbour_layers import layers  # a neighbour file, as python imports it for python path/to/file.py
+
+
+class ImportsItsNeighbours(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        from plan_cli_neighbour_loss import loss  # imported when built, after the file was
+
+        self.net, self.loss = layers(), loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+def test_a_file_imports_its_neighbours_while_the_command_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trial's gpt2.py imported its neighbour common.py: ``No module named 'common'``, exit 2, unless PYTHONPATH."""
+    folder = tmp_path / "trial"
+    folder.mkdir()
+    layers = "nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))"
+    (folder / "plan_cli_neighbour_layers.py").write_text(
+        f"from torch import nn\n\n\ndef layers():\n    return {layers}\n"
+    )
+    (folder / "plan_cli_neighbour_loss.py").write_text("from torch import nn\n\nloss = nn.functional.mse_loss\n")
+    (folder / "imports_its_neighbours.py").write_text(IMPORTS_ITS_NEIGHBOURS)
+    path_before = list(sys.path)
+    target = f"{folder / 'imports_its_neighbours.py'}:ImportsItsNeighbours"
+    try:
+        status = main(["plan", target, "--batch", "float32[8,16] float32[8,1]", "--gpu", "H100", *ONE_CONFIGURATION])
+        captured = capsys.readouterr()
+        assert status == 0, captured.out + captured.err
+        assert captured.out.startswith("Plan: 1 of 1 configurations fit; best: 1 x H100 SXM, single, 32-true")
+        assert sys.path == path_before  # the directory is taken out when the command returns
+    finally:
+        for name in ("plan_cli_neighbour_layers", "plan_cli_neighbour_loss"):
+            sys.modules.pop(name, None)

@@ -30,8 +30,10 @@ from lightning_vram.predict import predict
 from lightning_vram.records import BatchShapes, LengthPeak, TensorShapes
 from lightning_vram.records.json_reader import FormatError
 from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
-from lightning_vram.render.text import markdown
+from lightning_vram.render.html import render_html
+from lightning_vram.render.text import markdown, summary_text
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
+from lightning_vram.units import format_bytes
 
 # Lengths replayed as they arrive, and the largest expected.
 pytestmark = pytest.mark.replay
@@ -313,6 +315,37 @@ def test_max_length_on_the_cpu_predicts_the_longest_length_and_says_nothing_of_f
     assert rows[-1].length == 512 and rows[-1].predicted
     assert rows[-1].peak_bytes > max(row.peak_bytes for row in rows[:-1])
     assert "| 512 | " in markdown(report) and "predicted (the longest expected)" in markdown(report)
+
+
+def pad_to_32(samples: list[torch.Tensor]) -> tuple[torch.Tensor]:
+    """Pad (or cut) every sequence to 32 tokens: batches all of one shape, as a tokenizer padding to a fixed length."""
+    return (torch.stack([torch.nn.functional.pad(sample[:32], (0, 32 - len(sample[:32]))) for sample in samples]),)
+
+
+def test_max_length_on_the_cpu_with_batches_of_one_shape_reports_the_predicted_peak(tmp_path: Path) -> None:
+    # A trial's BERT, padded to 128 with max_length=512 on the CPU: the JSON had the peak predicted at 512, but the
+    # console, the Markdown and the HTML showed the batch shapes only where they varied, so never said it.
+    monitor = VramMonitor(
+        attribution_start_step=2, attribution_every_n_steps=None, console_summary=False, max_length=512
+    )
+    loader = DataLoader(Sequences(), batch_size=BATCH, shuffle=False, collate_fn=pad_to_32)
+    trainer(tmp_path, [monitor], max_steps=4).fit(model(), loader)
+    report = monitor.report
+    assert report is not None and report.shapes is not None and not report.shapes.varies
+    seen, longest = report.shapes.lengths
+    assert (seen.length, seen.step, longest.length, longest.predicted) == (32, 2, 512, True)
+    text = markdown(report)
+    assert "## Batch shapes" in text
+    assert f"| 512 | {format_bytes(longest.peak_bytes)} | predicted (the longest expected) |" in text
+    assert f"| 32 | {format_bytes(seen.peak_bytes)} | step 2 |" in text
+    page = render_html(report)
+    assert "<h2>Batch shapes</h2>" in page
+    assert f'<td class="n">512</td><td class="n">{format_bytes(longest.peak_bytes)}</td>' in page
+    summary = " ".join(summary_text(report, width=1000).split())
+    assert (
+        f"peak at the longest length expected (512): {format_bytes(longest.peak_bytes)} predicted;"
+        f" at 32 (step 2's batch, replayed): {format_bytes(seen.peak_bytes)}"
+    ) in summary
 
 
 def test_predict_takes_the_longest_length() -> None:

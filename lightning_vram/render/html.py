@@ -16,7 +16,7 @@ from lightning_vram.render.figure_set import (
     report_pngs,
 )
 from lightning_vram.render.markup import Token, advice_tokens
-from lightning_vram.render.shapes import lengths_table, shapes_sentence
+from lightning_vram.render.shapes import lengths_table, shapes_sentence, shows_lengths
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.render.text import (
     capacity_text,
@@ -239,7 +239,7 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
             )
             + f"<p>{html.escape(fit_assumption(report.fit))}</p>"
         )
-    if report.shapes is not None and report.shapes.varies:
+    if report.shapes is not None and shows_lengths(report.shapes):
         sections += ["<h2>Batch shapes</h2>", f"<p>{html.escape(shapes_sentence(report.shapes))}</p>"]
         if (lengths := lengths_table(report.shapes)) is not None:
             sections.append(table_html(lengths, "batch-lengths"))

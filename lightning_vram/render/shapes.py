@@ -54,6 +54,34 @@ def shapes_sentence(shapes: BatchShapes) -> str:
     return text
 
 
+def shows_lengths(shapes: BatchShapes) -> bool:
+    """Whether the report has a "Batch shapes" section: the shapes varied, or a length was predicted before it was seen.
+
+    A length is predicted for ``max_length``, ``max_shape`` or the DataLoader's own longest; on the CPU (no preflight
+    verdict) its peak is all those options give, however alike the batches were.
+    """
+    return shapes.varies or any(row.predicted for row in shapes.lengths)
+
+
+def longest_line(shapes: BatchShapes) -> str | None:
+    """The peak predicted at the longest length expected, beside the longest replayed; ``None`` where none was.
+
+    >>> longest_line(BatchShapes((), 0, 2048, 2, (LengthPeak(128, 100 * 2**20, 2), LengthPeak(512, 400 * 2**20, None))))
+    "peak at the longest length expected (512): 400.0 MiB predicted; at 128 (step 2's batch, replayed): 100.0 MiB"
+    """
+    predicted = [row for row in shapes.lengths if row.predicted]
+    if not predicted:
+        return None
+    longest = max(predicted, key=lambda row: row.length)
+    text = f"peak at the longest {varying_name(shapes)} expected ({longest.length:,}):"
+    text += f" {format_bytes(longest.peak_bytes)} predicted"
+    seen = [row for row in shapes.lengths if not row.predicted]
+    if seen:
+        row = max(seen, key=lambda row: (row.length, row.peak_bytes))
+        text += f"; at {row.length:,} (step {row.step}'s batch, replayed): {format_bytes(row.peak_bytes)}"
+    return text
+
+
 def length_cell(row: LengthPeak) -> str:
     """``"512: 1.2 GiB"``, with ``predicted`` where no batch of that length was seen."""
     return f"{row.length:,}: {format_bytes(row.peak_bytes)}" + (" predicted" if row.predicted else "")

@@ -31,7 +31,7 @@ from lightning_vram.records import (
 from lightning_vram.records.oom import oom_headline
 from lightning_vram.render.diff import STEP_TIME_SPREAD_BOUND
 from lightning_vram.render.markup import code_span, escape_markdown, printable, safe_markdown
-from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
+from lightning_vram.render.shapes import lengths_line, lengths_table, longest_line, shapes_sentence, shows_lengths
 from lightning_vram.render.simulation import Table, calibration_line, simulation_view
 from lightning_vram.units import format_bytes, format_percent
 
@@ -420,8 +420,10 @@ def fact_lines(report: Report, top_modules: int, written_to: str | None, width: 
         lines.append(f"advice modelled, the step not replayed ({details} says more): {report.simulation.skipped}")
     if report.simulation is not None and report.simulation.calibration is not None:
         lines.append(calibration_line(report.simulation.calibration))
-    if report.shapes is not None and report.shapes.varies and (lengths := lengths_line(report.shapes)):
-        lines.append(lengths)
+    if report.shapes is not None:  # the peak per length where the shapes varied; else the one predicted, if any
+        lengths = lengths_line(report.shapes) if report.shapes.varies else longest_line(report.shapes)
+        if lengths is not None:
+            lines.append(lengths)
     if report.recovered_ooms:
         lines.append(
             f"recovered from {report.recovered_ooms} CUDA out-of-memory error(s) (caught by the training code)"
@@ -563,7 +565,7 @@ def markdown(report: Report) -> str:
             for row in report.fit
         ]
         lines += ["", escape_markdown(fit_assumption(report.fit))]
-    if report.shapes is not None and report.shapes.varies:
+    if report.shapes is not None and shows_lengths(report.shapes):
         lines += ["", "## Batch shapes", "", escape_markdown(shapes_sentence(report.shapes))]
         if (table := lengths_table(report.shapes)) is not None:
             lines += ["", *markdown_table(table)]
