@@ -629,6 +629,52 @@ def monitored(case: Case, training: Training, budget: Budget, trace: Path | None
     return simulation, rows
 
 
+DEVICELESS_PREDICT = """
+import json, sys
+sys.path.insert(0, "scripts")
+import gpu_check
+from lightning_vram import predict
+case = next(case for case in gpu_check.cases({dry_run}) if case.name == {name!r})
+data = case.inputs(case.batch_size)
+batch = list(data) if isinstance(data, tuple) else [data]  # as the DataLoader of Training.fit collates it
+prediction = predict(case.build(), batch, precision=case.precision, device_type="cuda", fit_table=False)
+print("DEVICELESS " + json.dumps(prediction.to_dict()))
+"""
+"""``predict()`` for CUDA in a process that sees no CUDA device: the case's step replayed as a laptop would."""
+
+
+def deviceless_rows(case: Case, simulation: Any, budget: Budget, dry_run: bool) -> list[Row]:
+    """``predict()`` for CUDA where no device is visible (``CUDA_VISIBLE_DEVICES=""``), against the allocator.
+
+    Without a device the replay emulates CUDA's dropout and attention kernels (lightning_vram/prediction/replay/
+    cuda_kernels.py); each phase's predicted allocated peak is set against the monitored fit's measured one.
+    """
+    section = case.name
+    env = dict(environment(), CUDA_VISIBLE_DEVICES="")
+    code = DEVICELESS_PREDICT.format(dry_run=dry_run, name=case.name)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget.left()
+        )
+    except subprocess.TimeoutExpired:
+        return [Row(section, "predict without the device", outcome="timed out: budget spent")]
+    line = next((line for line in run.stdout.splitlines() if line.startswith("DEVICELESS ")), None)
+    step = json.loads(line.removeprefix("DEVICELESS "))["step"] if line is not None else None
+    if step is None:
+        return [
+            Row(section, "predict without the device", outcome=f"no prediction (exit {run.returncode}): {tail(run)}")
+        ]
+    calibration = getattr(simulation, "calibration", None)
+    measured = {pair.phase.value: pair.measured_allocated_bytes for pair in calibration.phases} if calibration else {}
+    rows = []
+    for phase, peak in step["phases"].items():
+        predicted, actual = peak["peak_bytes"], measured.get(phase)
+        outcome = "dry run: not checked" if dry_run else within(predicted, actual, 0.03) + " (target 3%)"
+        label = f"{phase} allocated peak, predicted without the device"
+        rows.append(Row(section, label, mib(predicted), mib(actual), percent(predicted, actual), outcome))
+    return rows
+
+
 def largest_batch(simulation: Any, dry_run: bool, case: Case) -> tuple[int | None, int | None, str]:
     """The predicted largest batch on this device, and with expandable segments; where each came from.
 
@@ -830,6 +876,7 @@ def model_rows(case: Case, seconds: float, dry_run: bool, traces: Path | None = 
         return found
 
     steps.append(("per-phase peaks", calibration))
+    steps.append(("predict without the device", lambda: deviceless_rows(case, simulation, budget, dry_run)))
     steps.append(("largest batch", lambda: batch_rows(case, training, simulation, budget, dry_run, traces)))
     steps.append(
         (

@@ -76,6 +76,9 @@ def test_the_cpu_dry_run_prints_every_row_with_figures_that_parse(tmp_path: Path
         for row in phases:
             assert MIB_CELL.match(row["predicted"]) and MIB_CELL.match(row["measured"]), row
             assert PERCENT_CELL.match(row["error"]), row
+        deviceless = [row for row in own if row["row"].endswith("predicted without the device")]
+        assert [row["row"].split()[0] for row in deviceless] == ["forward", "backward", "optimizer"], own
+        assert all(MIB_CELL.match(row["predicted"]) for row in deviceless), deviceless
         names = [row["row"] for row in own]
         assert "largest batch (dry run: the case's own batch)" in names and "largest batch +5%" in names
         batch = next(row for row in own if row["row"].startswith("largest batch ("))
