@@ -184,10 +184,32 @@ def resolve_batch(module: nn.Module, batch: Any, datamodule: Any = None) -> tupl
 
 
 def _first(loader: Iterable[Any], argument: str) -> Any:
-    """The loader's first batch."""
-    for batch in loader:
-        return batch
+    """The loader's first batch; the loader's own generators (its shuffling's) put back as they were.
+
+    A DataLoader given ``generator=`` draws its base seed and its sampler's order from it, not from the global
+    generators; the user's module may hold that generator and build its next loader on it (the fit after the plan).
+    """
+    kept = [(generator, generator.get_state()) for generator in _loader_generators(loader)]
+    try:
+        for batch in loader:
+            return batch
+    finally:
+        for generator, state in kept:
+            generator.set_state(state)
     raise PlanInputError(f"{argument}'s train_dataloader must yield a batch, got an empty loader")
+
+
+def _loader_generators(loader: object) -> list[torch.Generator]:
+    """The distinct ``torch.Generator`` objects a DataLoader draws from: its own, its sampler's, its batch sampler's."""
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    found: list[torch.Generator] = []
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not seen for seen in found):
+            found.append(generator)
+    return found
 
 
 @dataclass(frozen=True)

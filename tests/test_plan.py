@@ -232,6 +232,27 @@ def test_without_a_batch_the_plan_says_where_its_batch_came_from(module: SmallCN
     assert f"batch: {source};" in str(result)
 
 
+class ShuffledByItsOwnGenerator(SmallCNN):
+    """The quickstart's model whose loader shuffles with a generator the module holds (the next fit's too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shuffling = torch.Generator().manual_seed(123)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
+        data = torch.utils.data.TensorDataset(*images(32))
+        return torch.utils.data.DataLoader(data, batch_size=16, shuffle=True, generator=self.shuffling)
+
+
+def test_reading_the_loader_s_first_batch_leaves_its_own_generator_as_it_was() -> None:
+    """A fit after the plan shuffles as it would have without it (the attack of 2026-11-27: plan() advanced the
+    module's generator, and the training after it saw another order: its first loss 0.064 apart)."""
+    module = ShuffledByItsOwnGenerator()
+    before = module.shuffling.get_state()
+    plan(module, gpus=["T4"], world_sizes=(1,), precisions=("32-true",), checkpointing=(False,))
+    assert torch.equal(module.shuffling.get_state(), before)
+
+
 def test_the_peak_column_says_which_rows_are_allocated_peaks() -> None:
     mixed = quickstart_plan(gpus=["T4"], world_sizes=(1, 2), strategies=("ddp", "deepspeed_stage_2"))
     kinds = {row.strategy: (row.shown_kind, row.shown_bytes) for row in mixed.rows}
