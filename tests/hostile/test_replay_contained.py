@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 
 from lightning_vram import VramMonitorWarning
+from lightning_vram.prediction.containment import reach
 from lightning_vram.prediction.replay._fake import FakeTensor
 
 
@@ -79,6 +80,82 @@ def test_generators_held_outside_the_module_do_not_advance(tmp_path: Path, path:
         return Case(module, cnn_loader(), observe=observe)
 
     assert_untouched(build, tmp_path, path)
+
+
+NUMPY_RANDOM: dict[str, Any] = {}
+
+
+def child_generator(kind: str) -> np.random.Generator:
+    """A step's own stream, spawned from (or drawing on) the global NumPy object of ``kind``.
+
+    ``spawn`` advances a count kept in the parent's ``SeedSequence`` (``n_children_spawned``, read-only in Python).
+    """
+    parent = NUMPY_RANDOM[kind]
+    if kind == "Generator":
+        return parent.spawn(1)[0]
+    if kind == "SeedSequence":
+        return np.random.default_rng(parent.spawn(1)[0])
+    if kind == "PCG64DXSM":
+        return np.random.Generator(parent.spawn(1)[0])
+    return np.random.Generator(parent)  # a bare bit generator, wrapped anew each step
+
+
+class SpawnsNumpyStreams(Classifier):
+    def __init__(self, kind: str) -> None:
+        super().__init__(cnn_net())
+        self.kind = kind
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        noise = child_generator(self.kind).standard_normal(inputs.shape).astype("float32")
+        return nn.functional.cross_entropy(self(inputs + 0.1 * torch.from_numpy(noise)), targets)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", ["Generator", "SeedSequence", "MT19937", "PCG64DXSM"])
+def test_numpy_streams_spawned_in_the_step_leave_their_parent_untouched(tmp_path: Path, kind: str, path: str) -> None:
+    def build() -> Case:
+        seeds = np.random.SeedSequence(5)
+        if kind == "SeedSequence":
+            NUMPY_RANDOM[kind] = seeds
+        elif kind == "Generator":
+            NUMPY_RANDOM[kind] = np.random.Generator(np.random.PCG64(seeds))
+        else:
+            NUMPY_RANDOM[kind] = getattr(np.random, kind)(seeds)
+
+        def observe() -> Any:
+            bits = NUMPY_RANDOM[kind].bit_generator if kind == "Generator" else NUMPY_RANDOM[kind]
+            state = None if kind == "SeedSequence" else bits.state
+            return state, seeds.n_children_spawned
+
+        return Case(SpawnsNumpyStreams(kind), cnn_loader(), observe=observe)
+
+    monitor = assert_untouched(build, tmp_path, path)
+    assert simulated(monitor)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_seed_sequence_whose_count_cannot_be_read_is_refused(
+    tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NumPy whose ``SeedSequence`` pickles in another form: its spawn count could not be put back, so no replay."""
+    monkeypatch.setattr(reach, "seed_sequence_state", lambda _value: None)
+
+    def build() -> Case:
+        NUMPY_RANDOM["SeedSequence"] = np.random.SeedSequence(5)
+        return Case(
+            SpawnsNumpyStreams("SeedSequence"),
+            cnn_loader(),
+            observe=lambda: NUMPY_RANDOM["SeedSequence"].n_children_spawned,
+        )
+
+    monitor = assert_untouched(build, tmp_path, path)
+    simulation = monitor.session.simulation
+    assert simulation is not None and simulation.skipped is not None
+    assert (
+        "NUMPY_RANDOM" in simulation.skipped
+        and "a SeedSequence: this NumPy gives no way to set its count" in simulation.skipped
+    )
 
 
 CALLS: dict[str, int] = {"training_step": 0}

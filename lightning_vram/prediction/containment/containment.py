@@ -28,7 +28,10 @@ from lightning_vram.prediction.containment.plain_reads import (
     contents,
     dict_items,
     instance_dict,
-    is_numpy_generator,
+    is_numpy_seed_sequence,
+    is_numpy_state,
+    seed_sequence_state,
+    set_seed_sequence_state,
     slot_names,
 )
 from lightning_vram.prediction.containment.reach import Reach, Slot
@@ -140,11 +143,14 @@ def _saver(target: Any) -> _Saved | None:
         return _Saved(target, target.getstate, target.setstate, True)
     if isinstance(target, torch.Generator):
         return _Saved(target, target.get_state, target.set_state, True)
-    if is_numpy_generator(target):
-        if hasattr(target, "bit_generator"):  # numpy.random.Generator
-            generator = target.bit_generator
-            return _Saved(target, lambda: generator.state, lambda state: setattr(generator, "state", state), True)
-        return _Saved(target, target.get_state, target.set_state, True)
+    if is_numpy_state(target):
+        if hasattr(target, "get_state"):  # numpy.random.RandomState
+            return _Saved(target, target.get_state, target.set_state, True)
+        return _Saved(target, lambda: target.state, lambda state: setattr(target, "state", state), True)
+    if is_numpy_seed_sequence(target):  # held by the walk only where its state reads (seed_sequence_state)
+        return _Saved(
+            target, lambda: seed_sequence_state(target), lambda state: set_seed_sequence_state(target, state), True
+        )
     names = slot_names(type(target))
     if instance_dict(target) is not None or names:
         read = lambda: _object_state(target, names)  # noqa: E731 -- a closure over the names, read twice

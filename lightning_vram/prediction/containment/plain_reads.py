@@ -58,6 +58,56 @@ def is_numpy_array(value: Any) -> bool:
 
 
 def is_numpy_generator(value: Any) -> bool:
-    """Whether ``value`` is one of NumPy's random generators (``Generator``, the legacy ``RandomState``)."""
+    """Whether ``value`` is a NumPy ``Generator``: its state is its bit generator's (:func:`numpy_bit_generator`)."""
     numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, (numpy.random.Generator, numpy.random.RandomState))
+    return numpy is not None and isinstance(value, numpy.random.Generator)
+
+
+def is_numpy_state(value: Any) -> bool:
+    """Whether ``value`` is a NumPy random object whose whole state its ``state`` (or ``get_state``) holds.
+
+    A bit generator (``PCG64``, ``MT19937``, ...; its seed sequence aside) or the legacy ``RandomState``.
+    """
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, (numpy.random.BitGenerator, numpy.random.RandomState))
+
+
+def numpy_bit_generator(value: Any) -> Any:
+    """The bit generator a NumPy ``Generator`` draws from, read through NumPy's type (a subclass's is not run)."""
+    numpy = sys.modules["numpy"]
+    return numpy.random.Generator.bit_generator.__get__(value)
+
+
+def numpy_seed_sequence(value: Any) -> Any:
+    """The seed sequence a NumPy bit generator's ``spawn`` advances, read through NumPy's type; else ``None``."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, numpy.random.BitGenerator):
+        return None
+    return numpy.random.BitGenerator.seed_seq.__get__(value)
+
+
+def is_numpy_seed_sequence(value: Any) -> bool:
+    """Whether ``value`` is a NumPy ``SeedSequence`` (its ``spawn`` counts the children it made)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.random.SeedSequence)
+
+
+def seed_sequence_state(value: Any) -> tuple[Any, ...] | None:
+    """A NumPy ``SeedSequence``'s fields (``n_children_spawned`` among them), as its pickling reads them.
+
+    ``n_children_spawned`` is read-only in Python; the class's Cython pickling reads and writes every field
+    (:func:`set_seed_sequence_state`). ``None`` where that pickling has another form: the state cannot be put back.
+    """
+    seed_sequence = sys.modules["numpy"].random.SeedSequence
+    try:
+        reduced = seed_sequence.__reduce__(value)
+    except (TypeError, ValueError):  # a NumPy whose SeedSequence does not pickle
+        return None
+    if "__setstate__" in vars(seed_sequence) and isinstance(reduced, tuple) and len(reduced) == 3:
+        return reduced[2] if isinstance(reduced[2], tuple) else None
+    return None
+
+
+def set_seed_sequence_state(value: Any, state: tuple[Any, ...]) -> None:
+    """Put back what :func:`seed_sequence_state` read."""
+    sys.modules["numpy"].random.SeedSequence.__setstate__(value, state)

@@ -81,7 +81,12 @@ from lightning_vram.prediction.containment.plain_reads import (
     instance_dict,
     is_numpy_array,
     is_numpy_generator,
+    is_numpy_seed_sequence,
+    is_numpy_state,
     key_text,
+    numpy_bit_generator,
+    numpy_seed_sequence,
+    seed_sequence_state,
     slot_names,
 )
 from lightning_vram.prediction.containment.user_code import (
@@ -378,8 +383,20 @@ class _Walk:
             if value.dtype == object:
                 for index, item in enumerate(value.flat):
                     self._push(item, f"{path}[{index}]", data=data)
-        elif isinstance(value, (random.Random, torch.Generator, bytearray, array.array)) or is_numpy_generator(value):
+        elif isinstance(value, (random.Random, torch.Generator, bytearray, array.array)) or is_numpy_state(value):
             self._hold(value, path)
+            seed_sequence = numpy_seed_sequence(value)  # a bit generator's: its ``spawn`` advances it
+            if seed_sequence is not None:
+                self._push(seed_sequence, f"{path}.seed_seq", data=data)
+        elif is_numpy_generator(value):  # its state is its bit generator's
+            self._push(numpy_bit_generator(value), f"{path}.bit_generator", data=data)
+        elif is_numpy_seed_sequence(value):  # ``spawn`` counts its children: a count Python cannot set
+            if seed_sequence_state(value) is None:
+                self.reach.unrestorable.append(
+                    f"{path} (a SeedSequence: this NumPy gives no way to set its count of spawned children back)"
+                )
+            else:
+                self._hold(value, path)
         elif isinstance(value, (list, set, collections.deque)):
             self._hold(value, path)
             self._container_class(value, path, data)
