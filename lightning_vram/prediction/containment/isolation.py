@@ -11,6 +11,7 @@ shown, but only the replaying thread's: other threads keep writing to the same s
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import logging
 import os
@@ -18,11 +19,13 @@ import random
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
 import torch
+import torch.utils._device
+from torch.overrides import _get_current_function_mode_stack
 
 
 class _OtherThreadsOnly:
@@ -186,6 +189,151 @@ def _eager_compiled_code() -> contextlib.AbstractContextManager[Any]:
     return set_stance("force_eager")  # type: ignore[no-any-return]
 
 
+Setting = tuple[Callable[[], object], Callable[[Any], object]]
+"""A process-wide setting as its reader and its writer."""
+
+
+@contextlib.contextmanager
+def _settings_kept(settings: Sequence[Setting]) -> Iterator[None]:
+    """Write back on exit, in order, each setting whose value changed; an unchanged one is not written.
+
+    A setting whose reader raises on entry is left alone (torch's legacy TF32 readers raise once the new
+    ``fp32_precision`` API was mixed in).
+    """
+    saved: list[tuple[Setting, object]] = []
+    for setting in settings:
+        with contextlib.suppress(RuntimeError):
+            saved.append((setting, setting[0]()))
+    try:
+        yield
+    finally:
+        for (read, write), value in saved:
+            try:
+                changed = read() != value
+            except RuntimeError:
+                changed = True
+            if changed:
+                write(value)
+
+
+def _deterministic_settings() -> list[Setting]:
+    """``torch.use_deterministic_algorithms``'s flag and its ``warn_only``, as one setting."""
+
+    def read() -> tuple[bool, bool]:
+        return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+    def write(value: tuple[bool, bool]) -> None:
+        torch.use_deterministic_algorithms(value[0], warn_only=value[1])
+
+    return [(read, write)]
+
+
+FP32_PRECISIONS = (
+    ("generic", "all"),
+    *((backend, op) for backend in ("cuda", "mkldnn") for op in ("all", "matmul", "conv", "rnn")),
+)
+"""The (backend, operator) pairs of torch's ``fp32_precision`` settings (torch 2.9 on), parents first."""
+
+
+def _backend_settings() -> list[Setting]:
+    """The cuDNN and cuBLAS flags and torch's float32 precisions, those this torch has, in the order written back.
+
+    cuDNN's enabled, benchmark and deterministic flags, the float32 matmul precision, cuBLAS's reduced-precision
+    reductions (allowed, split-K), each ``fp32_precision`` (torch 2.9 on), then the legacy TF32 flags (``allow_tf32``:
+    writing one sets its ``fp32_precision`` pairs and clears torch's record of the two APIs mixed). Read and written
+    through ``torch._C``: ``torch.backends.cudnn``'s own setters refuse inside ``cudnn.flags()``. Not kept: that
+    record itself where the user had already mixed the two APIs before the replay (the legacy readers raise then).
+    """
+    c: Any = torch._C
+    names = [
+        ("_get_cudnn_enabled", "_set_cudnn_enabled"),
+        ("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+        ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+        ("_get_float32_matmul_precision", "_set_float32_matmul_precision"),
+    ]
+    settings: list[Setting] = [(getattr(c, get), getattr(c, put)) for get, put in names if hasattr(c, get)]
+    for reduction in ("fp16", "bf16"):  # (allowed, split-K)
+        get = getattr(c, f"_get_cublas_allow_{reduction}_reduced_precision_reduction", None)
+        put = getattr(c, f"_set_cublas_allow_{reduction}_reduced_precision_reduction", None)
+        if get is not None and put is not None:
+            settings.append((get, functools.partial(_put_pair, put)))
+    if hasattr(c, "_get_fp32_precision_getter"):
+        for backend, op in FP32_PRECISIONS:
+            getter = functools.partial(c._get_fp32_precision_getter, backend, op)
+            settings.append((getter, functools.partial(c._set_fp32_precision_setter, backend, op)))
+    names = [
+        ("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+        ("_get_cublas_allow_tf32", "_set_cublas_allow_tf32"),
+    ]
+    settings += [(getattr(c, get), getattr(c, put)) for get, put in names if hasattr(c, get)]
+    return settings
+
+
+def _put_pair(put: Callable[..., object], value: tuple[bool, bool]) -> None:
+    """Write a setting that torch reads as a pair and writes as two arguments."""
+    put(*value)
+
+
+def _recursion_settings() -> list[Setting]:
+    """Python's recursion limit (frames)."""
+    return [(sys.getrecursionlimit, sys.setrecursionlimit)]
+
+
+@contextlib.contextmanager
+def _decimal_context_kept() -> Iterator[None]:
+    """Keep this thread's ``decimal`` context as it was, the same object with the same settings and flags.
+
+    Code that sets a new context (``decimal.setcontext``) sets it in the replay's copy of the context variables; code
+    that changes the current one in place (``getcontext().prec += 1``) changes the user's object: it is put back in
+    place.
+    """
+    context = decimal.getcontext()
+    saved = context.copy()
+    try:
+        yield
+    finally:
+        if decimal.getcontext() is not context:
+            decimal.setcontext(context)
+        for name in ("prec", "rounding", "Emin", "Emax", "capitals", "clamp"):
+            if getattr(context, name) != getattr(saved, name):
+                setattr(context, name, getattr(saved, name))
+        for signals, was in ((context.flags, saved.flags), (context.traps, saved.traps)):
+            for signal, value in was.items():
+                if signals[signal] != value:
+                    signals[signal] = value
+
+
+@contextlib.contextmanager
+def _default_device_kept() -> Iterator[None]:
+    """Keep torch's default device as it was: the torch-function mode stack, the global ``DeviceContext``, its device.
+
+    ``torch.set_default_device`` exits the thread's global ``DeviceContext`` (``torch._GLOBAL_DEVICE_CONTEXT``) and
+    enters a new one at the bottom of the mode stack (``torch/utils/_device.py``); left there after a replay (which runs
+    with the user's modes off the stack) the user's next call finds two and raises. The same modes, the same global
+    context and ``torch.utils._device.CURRENT_DEVICE`` are put back where any of them changed.
+    """
+    local = torch._GLOBAL_DEVICE_CONTEXT
+    absent = object()
+    context = getattr(local, "device_context", absent)
+    current = torch.utils._device.CURRENT_DEVICE
+    modes = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        now = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        if len(now) != len(modes) or any(a is not b for a, b in zip(now, modes, strict=True)):
+            for _ in now:
+                torch._C._pop_torch_function_stack()
+            for mode in modes:
+                torch._C._push_on_torch_function_stack(mode)
+        if getattr(local, "device_context", absent) is not context:
+            if context is absent:
+                del local.device_context
+            else:
+                local.device_context = context
+        torch.utils._device.CURRENT_DEVICE = current
+
+
 @contextlib.contextmanager
 def generators_kept() -> Iterator[None]:
     """Put back on exit every generator the code run inside may draw from, as it was.
@@ -219,9 +367,12 @@ def isolated() -> Iterator[None]:
 
     Saved and restored: the generators (:func:`generators_kept`), the default dtype, grad mode, torch's intra-op
     thread count and the process environment (``os.environ``), autograd's anomaly detection, torch's warn-always
-    flag. Meanwhile compiled code runs eagerly (:func:`_eager_compiled_code`), anomaly detection is off (it checks
-    every backward result for NaN, and fake tensors have no values) and warn-always on: a ``TORCH_WARN_ONCE`` the
-    replay reaches first (a preflight runs before step 0) would otherwise use up the one warning the run shows.
+    flag; torch's deterministic-algorithms flag, cuDNN/cuBLAS flags and float32 precisions (:func:`_backend_settings`),
+    Python's recursion limit, the ``decimal`` context (:func:`_decimal_context_kept`) and the default device
+    (:func:`_default_device_kept`). Meanwhile compiled code runs eagerly (:func:`_eager_compiled_code`), anomaly
+    detection is off (it checks every backward result for NaN, and fake tensors have no values) and warn-always on: a
+    ``TORCH_WARN_ONCE`` the replay reaches first (a preflight runs before step 0) would otherwise use up the one
+    warning the run shows.
     """
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
@@ -232,7 +383,15 @@ def isolated() -> Iterator[None]:
     try:
         torch.set_anomaly_enabled(False)  # it reads every backward result's values, which fake tensors lack
         torch.set_warn_always(True)  # torch's warn-once warnings: warned (silenced), their once left to the run
-        with generators_kept(), _quiet_thread(), _quiet_logs(), _eager_compiled_code():
+        with (
+            generators_kept(),
+            _settings_kept(_deterministic_settings() + _backend_settings() + _recursion_settings()),
+            _decimal_context_kept(),
+            _default_device_kept(),
+            _quiet_thread(),
+            _quiet_logs(),
+            _eager_compiled_code(),
+        ):
             yield
     finally:
         if dict(os.environ) != environment:
