@@ -174,15 +174,22 @@ BENCHMARK_LINE = re.compile(
 )
 
 
+def benchmark(script: str, arguments: list[str], budget: Budget, dry_run: bool) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script>`` on this device (the CPU under ``dry_run``), within the budget.
+
+    Raises:
+        subprocess.TimeoutExpired: the budget ran out first.
+    """
+    accelerator = "cpu" if dry_run else "gpu"
+    command = [sys.executable, f"benchmarks/{script}", "--accelerator", accelerator, *arguments]
+    return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=budget.left())
+
+
 def overhead_rows(budget: Budget, dry_run: bool) -> list[Row]:
     """``benchmarks/overhead.py`` with few rounds: each configuration's step time and ratio to bare."""
-    accelerator = "cpu" if dry_run else "gpu"
     sizes = ["--rounds", "1", "--steps", "12", "--warmup", "2"] if dry_run else ["--rounds", "3", "--steps", "120"]
-    command = [sys.executable, "benchmarks/overhead.py", "--accelerator", accelerator, *sizes]
     try:
-        run = subprocess.run(
-            command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=budget.left()
-        )
+        run = benchmark("overhead.py", sizes, budget, dry_run)
     except subprocess.TimeoutExpired:
         return [Row("overhead", "benchmarks/overhead.py", outcome="timed out: budget spent")]
     rows = []
@@ -212,15 +219,11 @@ def hot_path_rows(budget: Budget, dry_run: bool) -> list[Row]:
     where the step-time ratio above moves by more between runs than the monitor costs. Beside it, the monitored
     run's step time less the empty callback's.
     """
-    accelerator = "cpu" if dry_run else "gpu"
     sizes = (
         ["--rounds", "1", "--steps", "30", "--warmup-steps", "12"] if dry_run else ["--rounds", "3", "--steps", "400"]
     )
-    command = [sys.executable, "benchmarks/hot_path.py", "--accelerator", accelerator, *sizes]
     try:
-        run = subprocess.run(
-            command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=budget.left()
-        )
+        run = benchmark("hot_path.py", sizes, budget, dry_run)
     except subprocess.TimeoutExpired:
         return [Row("overhead", "benchmarks/hot_path.py", outcome="timed out: budget spent")]
     path = "CUDA path, scripted probe" if dry_run else "CUDA path, this GPU"
