@@ -21,12 +21,18 @@ monitor's cost is its run's step time less the empty callback's; beside it, the 
 hooks, timed one by one (no dispatch). Logging runs at Lightning's default interval of 50 steps, so its work is
 amortised as in a real run. Median over rounds, with the range: microseconds per step.
 
-    python benchmarks/hot_path.py [--steps 2000] [--rounds 5] [--accelerator gpu]
+    python benchmarks/hot_path.py [--steps 2000] [--rounds 5] [--accelerator gpu] [--by-hook TOP]
+
+``--by-hook TOP`` adds each hook's own time (mean, largest, share of a step) and, for ``TOP`` > 0, the ``TOP``
+functions of a cProfile of the hooks on ordinary steps: where the time inside them goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import tempfile
 import time
@@ -94,24 +100,59 @@ class Stopwatch(pl.Callback):
         self.ended = time.perf_counter()
 
 
-def timed(method: Callable[..., Any], per_step: list[float], starts_step: bool) -> Callable[..., Any]:
-    """``method``, adding the seconds it takes to the last entry of ``per_step`` (a new entry if ``starts_step``)."""
+class HookTimes:
+    """Where the time inside the monitor's hooks goes, over the ordinary steps (from step ``SKIP`` on).
+
+    ``seconds``: each hook's calls, in seconds; ``profile``: a ``cProfile`` of those calls where one is asked for.
+    """
+
+    def __init__(self, profile: bool) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self.profile = cProfile.Profile() if profile else None
+
+    def print(self, steps: int) -> None:
+        """Each hook's mean, largest and share of a step over ``steps`` steps, in microseconds."""
+        for name, calls in self.seconds.items():
+            if not calls:  # on_train_epoch_start: before the first step
+                continue
+            print(
+                f"    {name:<27}{len(calls):6d} calls, mean {1e6 * statistics.fmean(calls):8.1f} us,"
+                f" largest {1e6 * max(calls):9.1f} us, {1e6 * sum(calls) / steps:7.1f} us a step"
+            )
+
+
+def timed(
+    method: Callable[..., Any], per_step: list[float], starts_step: bool, times: HookTimes | None = None
+) -> Callable[..., Any]:
+    """``method``, adding the seconds it takes to the last entry of ``per_step`` (a new entry if ``starts_step``);
+    with ``times``, each call from step ``SKIP`` on is also kept there by hook (and profiled, where it profiles)."""
+    calls = times.seconds.setdefault(method.__name__, []) if times is not None else None
+    profile = times.profile if times is not None else None
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if starts_step:
             per_step.append(0.0)
+        ordinary = calls is not None and len(per_step) > SKIP
+        if ordinary and profile is not None:
+            profile.enable()
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
+            seconds = time.perf_counter() - start
+            if ordinary and profile is not None:
+                profile.disable()
             if per_step:
-                per_step[-1] += time.perf_counter() - start
+                per_step[-1] += seconds
+            if ordinary and calls is not None:
+                calls.append(seconds)
 
     return wrapper
 
 
-def monitor(kind: str, per_step: list[float] | None) -> pl.Callback:
-    """The callback of a ``kind`` of run; a monitor's hooks add their own time to ``per_step`` when one is given."""
+def monitor(kind: str, per_step: list[float] | None, times: HookTimes | None = None) -> pl.Callback:
+    """The callback of a ``kind`` of run; a monitor's hooks add their own time to ``per_step`` when one is given
+    (and to ``times``, by hook)."""
     if kind == "empty":
         return pl.Callback()
     boundaries = [
@@ -126,17 +167,21 @@ def monitor(kind: str, per_step: list[float] | None) -> pl.Callback:
     )
     if per_step is not None:
         for name in HOOKS:
-            setattr(built, name, timed(getattr(built, name), per_step, starts_step=name == "on_train_batch_start"))
+            method = getattr(built, name)
+            setattr(built, name, timed(method, per_step, starts_step=name == "on_train_batch_start", times=times))
     return built
 
 
-def one_round(kind: str, steps: int, time_hooks: bool, accelerator: str = "cpu") -> tuple[float, float | None]:
+def one_round(
+    kind: str, steps: int, time_hooks: bool, accelerator: str = "cpu", times: HookTimes | None = None
+) -> tuple[float, float | None]:
     """Seconds per ordinary step of one fit of ``steps`` steps, and the seconds inside the monitor's hooks.
 
-    The hooks are timed only where ``time_hooks`` (the wrappers cost time of their own).
+    The hooks are timed only where ``time_hooks`` (the wrappers cost time of their own), and kept by hook in
+    ``times`` where one is given.
     """
     per_step: list[float] = []
-    callbacks = [] if kind == "bare" else [monitor(kind, per_step if time_hooks else None)]
+    callbacks = [] if kind == "bare" else [monitor(kind, per_step if time_hooks else None, times)]
     stopwatch = Stopwatch()
     data = TensorDataset(torch.randn(steps, 4), torch.randint(0, 2, (steps,)))
     with tempfile.TemporaryDirectory() as root:
@@ -169,6 +214,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="where the runs train")
     parser.add_argument("--warmup-steps", type=int, default=200, help="steps of each kind's unrecorded first run")
+    parser.add_argument(
+        "--by-hook",
+        type=int,
+        metavar="TOP",
+        default=None,
+        help="after the table, one more fit of each monitored kind: each hook's time, and the TOP functions of a"
+        " cProfile of the hooks on ordinary steps (0: no profile)",
+    )
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")
     accelerator = arguments.accelerator
@@ -195,6 +248,20 @@ def main() -> None:
         print(f"  monitor, {MONITOR_PATHS[kind]:<23}{shown(step[kind])}")
         print(f"    over the empty callback       {shown(over[kind])}")
         print(f"    inside its hooks              {shown(inside[kind])}")
+    if arguments.by_hook is not None:
+        ordinary = arguments.steps - SKIP
+        for kind in monitored:
+            times = HookTimes(profile=False)
+            one_round(kind, arguments.steps, time_hooks=True, accelerator=accelerator, times=times)
+            print(f"  monitor, {MONITOR_PATHS[kind]}, by hook over {ordinary} ordinary steps:")
+            times.print(ordinary)
+            if arguments.by_hook > 0:  # a fit of its own: the profiler's cost stays out of the times above
+                profiled = HookTimes(profile=True)
+                one_round(kind, arguments.steps, time_hooks=True, accelerator=accelerator, times=profiled)
+                assert profiled.profile is not None
+                text = io.StringIO()
+                pstats.Stats(profiled.profile, stream=text).sort_stats("tottime").print_stats(arguments.by_hook)
+                print(text.getvalue())
 
 
 if __name__ == "__main__":

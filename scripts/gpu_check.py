@@ -46,10 +46,15 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 
+from lightning_vram.session.recorder import PHASE_READ_STEPS
+
 ROOT = Path(__file__).resolve().parent.parent
 GPU_TESTS = ("tests/test_gpu.py", "tests/hostile/test_on_a_gpu.py")
 COLUMNS = ("section", "row", "predicted", "measured", "error", "outcome")
 MIB = 1024**2
+MONITORED_STEPS = 3
+"""A monitored fit's steps: step 1 sampled and replayed; each read phase by phase, as :class:`PhaseMarks` needs."""
+assert MONITORED_STEPS <= PHASE_READ_STEPS
 MODEL_WEIGHTS = (0.4, 0.35, 0.25)
 """Each model's share of the time the models have (GPT-2's rows, the largest batch's above all, take the longest)."""
 
@@ -444,6 +449,12 @@ def free_device() -> None:
 class PhaseMarks(pl.Callback):
     """At each phase boundary: the allocator's peaks read and reset, then one marker allocation of a unique size.
 
+    Beside a VramMonitor (``reset=False``, listed before it) the marks read the peaks and leave the reset to the
+    monitor, which resets them at every boundary of a step it reads phase by phase (each of a fit's first
+    ``PHASE_READ_STEPS``). Where the marks reset them too, the monitor, reading after them, found the boundary's
+    current bytes for the phase's peak (the second H100 session of 2026-11-27, run 1: GPT-2's backward "peak"
+    1,987.6 MiB, its gradients and optimizer state).
+
     The markers cut a recorded trace into steps and phases as tests/allocator_traces.py reads them (``forward``
     from the batch's start to ``on_before_backward``, ``backward`` to ``on_before_optimizer_step``, ``optimizer`` to
     the batch's end); ``truth`` holds each phase's ``allocated_peak``, ``reserved_peak``, current values, segment
@@ -457,7 +468,8 @@ class PhaseMarks(pl.Callback):
         "batch_end": "optimizer",
     }
 
-    def __init__(self) -> None:
+    def __init__(self, reset: bool = True) -> None:
+        self.reset = reset
         self.markers: list[dict[str, Any]] = []
         self.truth: list[dict[str, Any]] = []
         self.step = 0
@@ -476,7 +488,8 @@ class PhaseMarks(pl.Callback):
                 "segments": stats["segment.all.current"],
                 "num_alloc_retries": stats["num_alloc_retries"],
             }
-        torch.cuda.reset_peak_memory_stats()
+        if self.reset:
+            torch.cuda.reset_peak_memory_stats()
         size = self.FIRST_MARKER_BYTES + 512 * len(self.markers)
         self.markers.append({"bytes": size, "step": self.step, "at": at})
         marker = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -503,11 +516,11 @@ class TraceRecorder:
     ``.json`` (the markers, each phase's measured peaks, the device, the allocator settings, the OOM if one came).
     """
 
-    def __init__(self, case: Case, batch_size: int, path: Path) -> None:
+    def __init__(self, case: Case, batch_size: int, path: Path, beside_monitor: bool = False) -> None:
         self.case = case
         self.batch_size = batch_size
         self.path = path
-        self.marks = PhaseMarks()
+        self.marks = PhaseMarks(reset=not beside_monitor)
         self.from_empty = False
         self.free_at_start = 0
 
@@ -589,12 +602,17 @@ def monitored(case: Case, training: Training, budget: Budget, trace: Path | None
         attribution_start_step=1, attribution_every_n_steps=None, console_summary=True,
         replay_budget_seconds=replay_seconds, preflight=False,
     )  # fmt: skip
-    recorder = TraceRecorder(case, case.batch_size, trace) if trace is not None and not training.dry_run else None
-    # The marks read the allocator's peaks before the monitor resets them at the same boundary (they come first).
+    recorder = (
+        TraceRecorder(case, case.batch_size, trace, beside_monitor=True)
+        if trace is not None and not training.dry_run
+        else None
+    )
+    # The marks read the allocator's peaks before the monitor reads and resets them at the same boundary (they come
+    # first, and leave the resets to the monitor).
     callbacks: list[Any] = [monitor] if recorder is None else [recorder.marks, monitor]
     try:
         with recorder if recorder is not None else contextlib.nullcontext():
-            training.fit(case.batch_size, 3, callbacks)
+            training.fit(case.batch_size, MONITORED_STEPS, callbacks)
     finally:
         free_device()
     report = monitor.report
