@@ -29,6 +29,7 @@ AT_CAPACITY = (
     "h100-resnet50-b952",
     "h100-resnet50-b995-expandable",
     "h100-resnet50-b1000",
+    "h100-llama-b86",
 )
 """Traces recorded on an H100 at its capacity (their measurements' ``free_at_start_bytes``), five of them out of memory:
 replayed at that capacity."""
@@ -75,7 +76,9 @@ def monitored(name: str) -> bool:
     """Whether the trace's run had the monitor on (scripts/gpu_check.py names such traces ``*-monitored``): the
     monitor resets the allocator's peaks when it reads them at each phase boundary, just before the recording reads
     them, so the run's ``truth`` holds each phase's closing figures, not its peaks. Its reserved figures are the peaks
-    all the same where the reserve only grows within a phase (as in ``MONITORED``); its allocated ones are not."""
+    all the same where the reserve only grows within a phase (as in ``MONITORED``); its allocated ones are not. (Since
+    the ninth session of 2026-11-27 the recording reads before the monitor and leaves the resets to it: the traces it
+    records so hold each phase's peaks.)"""
     return name.endswith("-monitored")
 
 
@@ -105,7 +108,9 @@ def run_settings(name: str) -> AllocatorSettings:
 def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[PhasePeaks]:
     """Replay one trace through the model, the peaks reset where each phase's marker is allocated (just before it:
     that is where the run read and reset the allocator's peaks), at the capacity the run had where its measurements
-    give one (``free_at_start_bytes``), to the run's end or its first ``oom`` event."""
+    give one (``free_at_start_bytes``), to the run's end or its last ``oom`` event (an earlier one the run survived:
+    cuDNN asked for a workspace that did not fit and took another algorithm, as ResNet-50 at the H100's capacity
+    did)."""
     snapshot, measured = load(name)
     if settings is None:
         settings = run_settings(name)
@@ -114,7 +119,9 @@ def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[
     live: dict[int, int] = {}
     reached: dict[tuple[int, str], tuple[int, int]] = {}
     phase: tuple[int, str] | None = None
-    for block, event in enumerate(snapshot["device_traces"][0]):
+    events = snapshot["device_traces"][0]
+    last_oom = max((index for index, event in enumerate(events) if event["action"] == "oom"), default=-1)
+    for block, event in enumerate(events):
         action = event["action"]
         if action == "alloc":
             if event["size"] in markers:
@@ -126,7 +133,7 @@ def replay_phases(name: str, settings: AllocatorSettings | None = None) -> list[
             model.malloc(block, event["size"], event["stream"])
         elif action == "free_completed":
             model.free(live.pop(event["addr"]))
-        elif action == "oom":  # the run stopped here: its truth holds the steps before
+        elif action == "oom" and block == last_oom:  # the run stopped here: its truth holds the steps before
             break
     peaks = []
     for truth in measured["truth"]:
@@ -180,7 +187,9 @@ def steady_step(name: str, step: int) -> SteadyStep:
     body: list[Any] = []
     at: tuple[int, str] = (-1, "")
     made = 0
-    for block, event in enumerate(snapshot["device_traces"][0]):
+    events = snapshot["device_traces"][0]
+    last_oom = max((index for index, event in enumerate(events) if event["action"] == "oom"), default=-1)
+    for block, event in enumerate(events):
         action = event["action"]
         if action == "alloc":
             if event["size"] in markers:
@@ -203,7 +212,7 @@ def steady_step(name: str, step: int) -> SteadyStep:
             freed = live.pop(event["addr"])
             if at[0] == step:
                 body.append(("free", freed, 0, 0))
-        elif action == "oom":
+        elif action == "oom" and block == last_oom:  # as in replay_phases: earlier ones the run survived
             break
     freed_in_step = {event[1] for event in body if not isinstance(event, Phase) and event[0] == "free"}
     kept = set(live.values())
