@@ -9,7 +9,8 @@
                                         a memory snapshot torch wrote, replayed through the caching allocator
                                         model: the recorded and the simulated reserved peak, and what other
                                         allocator settings would have held; with --capacity (bytes, or 40GiB,
-                                        80GB), whether the run and each setting would have fit in that much
+                                        80GB), whether the run and each setting would have fit in that much;
+                                        exits 1 when, at the memory judged, no setting serves the run
     lightning-vram plan MODULE [--batch DESCRIPTION] [--gpu NAME|BYTES ...] [--gpus N ...] [--nodes N]
                        [--strategy NAME ...] [--precision NAME ...] [--global-batch N] [--json]
                                         which GPUs, how many, which strategy and settings fit a LightningModule's
@@ -301,7 +302,8 @@ def _parser() -> argparse.ArgumentParser:
         " recorded and the one simulated, and what expandable_segments:True and max_split_size_mb would have held"
         " (with no memory limit: the snapshot holds none); for a run that ran out of memory (judged at its last oom"
         " event: torch caught the earlier ones, as cuDNN's workspace trials, and the run went on), whether each would"
-        " have served the failed request in the memory the run had, or in --capacity's.",
+        " have served the failed request in the memory the run had, or in --capacity's. Exits 1 when, at that"
+        " memory, neither the run's settings nor any other would have served it.",
     )
     allocator.add_argument("snapshot", type=_path, metavar="SNAPSHOT", help="a pickled memory snapshot with a trace")
     allocator.add_argument(
@@ -410,8 +412,12 @@ def _diff(arguments: argparse.Namespace) -> None:
     _print(diff_text(before, after), sys.stdout)
 
 
-def _allocator(arguments: argparse.Namespace) -> None:
-    """``allocator``: a snapshot's trace replayed through the allocator model, with other settings beside it."""
+def _allocator(arguments: argparse.Namespace) -> int:
+    """``allocator``: a snapshot's trace replayed through the allocator model, with other settings beside it.
+
+    Returns 0, or :data:`NOTHING_FITS` where a capacity is judged at (``--capacity``, or the memory of a run that ran
+    out) and neither the run's settings nor any other serves the whole trace there.
+    """
     from lightning_vram.prediction.allocator.snapshot import SnapshotError, read_snapshot, trace_from_snapshot
     from lightning_vram.prediction.allocator.what_if import what_if
     from lightning_vram.render.allocator import allocator_dict, allocator_text
@@ -426,8 +432,10 @@ def _allocator(arguments: argparse.Namespace) -> None:
     result = what_if(trace, capacity)
     if arguments.json:
         _print(json.dumps(allocator_dict(result), indent=2), sys.stdout)
-        return
-    _print(allocator_text(result), sys.stdout)
+    else:
+        _print(allocator_text(result), sys.stdout)
+    verdicts = [result.simulated_fits, *(alternative.fits for alternative in result.alternatives)]
+    return NOTHING_FITS if result.capacity_bytes is not None and not any(verdicts) else 0
 
 
 def _capacity(text: str | None) -> int | None:
@@ -555,7 +563,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the exit status (0; 1, 3 from ``plan``: none fits, none predicted; 2: bad input)."""
+    """Run the command; returns the exit status.
+
+    0; 1 from ``plan`` and ``allocator``: none fits; 3 from ``plan``: none predicted; 2: bad input.
+    """
     arguments = _parser().parse_args(argv)
     status = 0
     try:
