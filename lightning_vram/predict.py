@@ -91,8 +91,17 @@ def predict(
 
     Returns:
         The prediction, or one whose ``skipped`` says why the step could not be replayed.
+
+    Raises:
+        TypeError: ``module`` is not a LightningModule, or ``batch`` is None.
+        ValueError: another argument is out of its range; the message names it, what it must be and what it got.
     """
     _check_arguments(module, precision, cuda_context_bytes, fit_table, budget_seconds)
+    if batch is None:
+        raise TypeError(
+            "batch must be one batch as training_step receives it (a tensor, or a tuple, list or dict holding the"
+            " batch's tensors: their shapes and dtypes are what is predicted), got None"
+        )
     budget_bytes = memory_budget_bytes("memory_budget", memory_budget)
     shape = _expected_shape(batch, max_length, max_shape)
     if shape is not None:

@@ -140,6 +140,7 @@ def test_a_value_read_inside_the_optimizer_names_its_place_and_not_logging() -> 
         ),
         ({"device_type": "tpu"}, ValueError, "device_type must be 'cuda' or 'cpu', got 'tpu'"),
         ({"device_type": "cpu:abc"}, ValueError, "device_type must be 'cuda' or 'cpu' (with an index: 'cuda:1'), got"),
+        ({"batch": None}, TypeError, "batch must be one batch as training_step receives it (a tensor, or a tuple,"),
     ],
 )
 def test_bad_arguments_name_what_they_must_be(arguments: dict[str, Any], error: type[Exception], message: str) -> None:
