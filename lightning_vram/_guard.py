@@ -9,13 +9,12 @@ call.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from lightning_vram.exceptions import SESSION, VramMonitorWarning
+from lightning_vram.exceptions import SESSION, warn
 from lightning_vram.records import NotMeasured
 
 T = TypeVar("T")
@@ -89,11 +88,9 @@ class Guard:
             return
         reason = f"failed with {type(error).__name__}: {error}"
         self._failed[part] = NotMeasured(part.value, f"{reason}; off for the rest of the run")
-        warnings.warn(
+        warn(
             f"{self.owner}: {part.value} {reason}. It is off for the rest of the run; training goes on and the"
-            " report lists it under not_measured.",
-            VramMonitorWarning,
-            stacklevel=4,
+            " report lists it under not_measured."
         )
 
     @property

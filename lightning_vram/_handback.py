@@ -15,13 +15,12 @@ import json
 import os
 import tempfile
 import uuid
-import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_vram.codec import report_from_dict, report_to_dict
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import warn
 from lightning_vram.records import Report
 
 
@@ -61,11 +60,9 @@ class Handback:
             partial.write_text(json.dumps(data), encoding="utf-8")
             partial.replace(self.path)
         except OSError as error:
-            warnings.warn(
+            warn(
                 f"VramMonitor: the report could not be handed back to the process that started fit ({error});"
-                " monitor.report stays None there, the report files are written.",
-                VramMonitorWarning,
-                stacklevel=2,
+                " monitor.report stays None there, the report files are written."
             )
 
     def receive(self) -> HandedBack | None:
@@ -92,11 +89,9 @@ class Handback:
 
 
 def _unreadable(path: Path, why: str) -> None:
-    warnings.warn(
+    warn(
         f"VramMonitor: the report rank zero handed back ({path}) could not be read ({why}); monitor.report stays"
-        " None here, the report files are written.",
-        VramMonitorWarning,
-        stacklevel=3,
+        " None here, the report files are written."
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from lightning_vram._lightning import (
     trainer_setup,
 )
 from lightning_vram.config import MonitorOptions, check_option_names
-from lightning_vram.exceptions import MONITOR, VramMonitorWarning
+from lightning_vram.exceptions import MONITOR, warn
 from lightning_vram.measure.live import apart_from_function_modes as _apart
 from lightning_vram.records import EvaluationPeak, OomDiagnosis, Report
 from lightning_vram.render.scalars import chart_scalars
@@ -147,11 +146,9 @@ class VramMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._watch_updates(trainer, pl_module)
         if trainer.ckpt_path is not None and not self._state_loaded:
-            warnings.warn(
+            warn(
                 f"VramMonitor: the checkpoint {trainer.ckpt_path} carries no state of this monitor (written without"
-                " it, or with other settings); the report covers only the run since the resume.",
-                VramMonitorWarning,
-                stacklevel=2,
+                " it, or with other settings); the report covers only the run since the resume."
             )
 
     def _watch_updates(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import platform
-import warnings
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import psutil
 import torch
 
-from lightning_vram.exceptions import SESSION, VramMonitorWarning
+from lightning_vram.exceptions import SESSION, warn
 from lightning_vram.measure._nvml import NvmlSampler, NvmlUnavailableError
 from lightning_vram.records import AllocatorReading, DeviceInfo, NotMeasured, UtilizationReading
 
@@ -179,9 +178,7 @@ class NvmlUtilization:
             sampler.start()
         except NvmlUnavailableError as error:
             self._unavailable.append(NotMeasured("GPU utilization and process memory (NVML)", str(error)))
-            warnings.warn(
-                f"{self._owner}: {error}. GPU utilization is not measured; memory is.", VramMonitorWarning, stacklevel=3
-            )
+            warn(f"{self._owner}: {error}. GPU utilization is not measured; memory is.")
         else:
             self._sampler = sampler
 
@@ -192,7 +189,7 @@ class NvmlUtilization:
         self._sampler_error_reported = True
         self._unavailable.append(NotMeasured("GPU utilization after the error", sampler.error))
         message = f"{self._owner}: {sampler.error}; utilization sampling stopped."
-        warnings.warn(message, VramMonitorWarning, stacklevel=3)
+        warn(message)
 
     def take(self) -> UtilizationReading | None:
         """Utilization averaged since the last call (``None`` without NVML)."""

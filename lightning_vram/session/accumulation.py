@@ -21,9 +21,7 @@ so that the report's peak is measured on a micro-batch holding the window's grad
 
 from __future__ import annotations
 
-import warnings
-
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import warn
 
 
 class AccumulationWindows:
@@ -81,11 +79,9 @@ class AccumulationWindows:
             return self.declared if self.declared is not None else default
         if self.declared is not None and observed != self.declared and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"VramSession: accumulate_grad_batches={self.declared} was declared, but the optimizer stepped once"
-                f" every {observed} batch(es) (before_optimizer_step): the replay and the advice use {observed}",
-                VramMonitorWarning,
-                stacklevel=2,
+                f" every {observed} batch(es) (before_optimizer_step): the replay and the advice use {observed}"
             )
         return observed
 

@@ -8,7 +8,6 @@ refers to it, and on CUDA a replayed peak beyond the device's memory warns at th
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from lightning_vram.advice.preflight import candidate_changes, preflight, replay
 from lightning_vram.advice.rules.registry import advise
 from lightning_vram.advice.trials import try_changes, try_rank_changes, unsupported
 from lightning_vram.config import MonitorConfig
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import warn
 from lightning_vram.measure.compiled import compiled_module_names
 from lightning_vram.measure.ddp import find_ddp, predicted_buckets, replay_refusal
 from lightning_vram.measure.live import outside_dispatch_modes
@@ -138,9 +137,9 @@ class Advisor:
         own = self._preflight_warning
         if len(agreed) > 1 and any(row.fits is False for row in agreed):
             text = ranks_preflight_warning(agreed, self._context.rank, own)
-            warnings.warn(f"{self._guard.owner}: {text}", VramMonitorWarning, stacklevel=5)
+            warn(f"{self._guard.owner}: {text}")
         elif own is not None:
-            warnings.warn(f"{self._guard.owner}: {own}", VramMonitorWarning, stacklevel=5)
+            warn(f"{self._guard.owner}: {own}")
 
     def _preflight(
         self, batch: Any, reading: AllocatorReading | None, probe: Probe | None, device: DeviceInfo
@@ -246,7 +245,7 @@ class Advisor:
         old = reference_shape(batch)
         if old is None or len(old) != len(config.max_shape):
             warning = shape_mismatch_warning(config.max_shape, old)
-            warnings.warn(f"{self._guard.owner}: {warning}", VramMonitorWarning, stacklevel=5)
+            warn(f"{self._guard.owner}: {warning}")
             return None, None
         return config.max_shape, shape_length(old, config.max_shape)
 
@@ -359,11 +358,7 @@ class Advisor:
         total = run.device.total_bytes
         if worst and run.on_cuda and total and baseline.peak.peak_bytes > total:
             warning = worst_batch_warning(attribution.step, length, baseline.peak.peak_bytes, total)
-            warnings.warn(
-                f"{self._guard.owner}: {warning}",
-                VramMonitorWarning,
-                stacklevel=4,
-            )
+            warn(f"{self._guard.owner}: {warning}")
 
     def _rank_simulation(
         self,

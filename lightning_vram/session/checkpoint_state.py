@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 from lightning_vram.config import MonitorConfig
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import warn
 from lightning_vram.measure.timing import StepTimer
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.records import Simulation
@@ -58,9 +57,7 @@ def restored_state(saved: Any, config: MonitorConfig, owner: str) -> RunState | 
 
 
 def _warn_fresh(owner: str, reason: str) -> None:
-    warnings.warn(
+    warn(
         f"{owner}: the checkpoint's monitor state cannot be used ({reason}); the report covers only the run"
-        " since the resume.",
-        VramMonitorWarning,
-        stacklevel=5,
+        " since the resume."
     )

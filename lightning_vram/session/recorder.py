@@ -14,14 +14,13 @@ by phase (:meth:`~lightning_vram.measure.tracker.MemoryTracker.end_step_read_onc
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from lightning_vram._guard import Guard, Part
 from lightning_vram.config import MonitorConfig
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import warn
 from lightning_vram.measure import history
 from lightning_vram.measure.batch_shapes import ShapeRecorder
 from lightning_vram.measure.probes import BlindProbe, CpuProbe, Probe, probe_for
@@ -95,11 +94,9 @@ class StepRecorder:
         self._reads = not _never_reads(probe)
         self._phase_steps_left, self._next_by_phase = PHASE_READ_STEPS, False
         if info.type != "cuda":
-            warnings.warn(
+            warn(
                 f"{self._guard.owner}: the model trains on {device}, not a CUDA GPU: allocator peaks, reserved memory"
-                " and GPU utilization are not measured; peaks are live tensors, counted on sampled steps.",
-                VramMonitorWarning,
-                stacklevel=4,
+                " and GPU utilization are not measured; peaks are live tensors, counted on sampled steps."
             )
 
     def restore(self, tracker: MemoryTracker, timer: StepTimer) -> None:
@@ -320,7 +317,7 @@ class AllocatorHistory:
         reason = history.unavailable_reason() if device.type == "cuda" else "training does not run on CUDA"
         if reason is not None:
             self.note = NotMeasured("allocator history (record_history=True)", reason)
-            warnings.warn(f"{self._guard.owner}: record_history is off: {reason}.", VramMonitorWarning, stacklevel=4)
+            warn(f"{self._guard.owner}: record_history is off: {reason}.")
             return
         self._guard.call(Part.HISTORY, history.start_recording, max_entries)
         self.recording = self._guard.enabled(Part.HISTORY)

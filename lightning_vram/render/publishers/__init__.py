@@ -8,10 +8,9 @@ through its ``log_metrics`` and one :class:`~lightning_vram.VramMonitorWarning`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
-from lightning_vram.exceptions import VramMonitorWarning
+from lightning_vram.exceptions import warn
 from lightning_vram.render.files import Location
 from lightning_vram.render.publishers.comet import CometPublisher
 from lightning_vram.render.publishers.csv import CsvPublisher
@@ -37,11 +36,9 @@ def publisher_for(logger: Logger) -> Publisher:
         kind = _BY_CLASS.get(cls.__name__)
         if kind is not None:
             return kind(logger)
-    warnings.warn(
+    warn(
         f"VramMonitor: {type(logger).__name__} gets the vram/... scalars only (its figures, advice and report files"
-        " go to the other loggers and the log folder); a lightning_vram.Publisher can serve it.",
-        VramMonitorWarning,
-        stacklevel=2,
+        " go to the other loggers and the log folder); a lightning_vram.Publisher can serve it."
     )
     return LoggerPublisher(logger)
 
