@@ -2,7 +2,8 @@
 
 Checkpointing (the model's own switch) is applied on each architecture in tests/test_checkpoint_idiom.py; here each
 architecture's whole advice list is pinned to what is applied somewhere, and chunked-loss is applied on the causal
-language models (its printed ``chunked_cross_entropy``, fed the model's last hidden states and its ``lm_head``).
+language models (its printed ``chunked_cross_entropy``, called as its commented lines for a transformers model say:
+the model's last hidden states and its ``lm_head``).
 """
 
 from __future__ import annotations
@@ -47,19 +48,36 @@ def _printed_function(advice: Advice, name: str) -> Any:
     return namespace[name]
 
 
-class ChunkedLoss(FineTuned):
-    """The causal language model with its loss computed by the advice's ``chunked_cross_entropy``."""
+def _printed_usage(advice: Advice) -> str:
+    """The advice's commented lines for a transformers model (``# hidden = ...``, ``# loss = ...``), uncommented."""
+    block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
+    assert block is not None, advice.detail
+    lines = [
+        line.removeprefix("# ") for line in block.group(1).splitlines() if line.startswith(("# hidden =", "# loss ="))
+    ]
+    assert len(lines) == 2, block.group(1)
+    return "\n".join(lines)
 
-    def __init__(self, kind: str, chunked_cross_entropy: Any) -> None:
+
+class ChunkedLoss(FineTuned):
+    """The causal language model with its loss computed by the advice's ``chunked_cross_entropy``, called as the
+    advice's commented lines for a transformers model say (``ids`` and ``mask``: the batch's tokens and mask)."""
+
+    def __init__(self, kind: str, chunked_cross_entropy: Any, usage: str) -> None:
         super().__init__(kind, LENGTH)
         self.chunked_cross_entropy = chunked_cross_entropy
+        self.usage = usage
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens, mask = batch
-        hidden = self.model.model(input_ids=tokens, attention_mask=mask).last_hidden_state
-        loss: torch.Tensor = self.chunked_cross_entropy(
-            hidden[:, :-1].flatten(0, 1), self.model.lm_head, tokens[:, 1:].flatten()
-        )
+        namespace = {
+            "model": self.model,
+            "ids": tokens,
+            "mask": mask,
+            "chunked_cross_entropy": self.chunked_cross_entropy,
+        }
+        exec(self.usage, namespace)  # the advice's own lines, as a user would paste them
+        loss: torch.Tensor = namespace["loss"]
         return loss
 
 
@@ -75,7 +93,8 @@ def test_every_piece_of_advice_is_one_that_is_applied(tmp_path: Path, kind: str)
     if chunked is None:
         return
     torch.manual_seed(0)
-    applied = _report(tmp_path / "after", ChunkedLoss(kind, _printed_function(chunked, "chunked_cross_entropy")))
+    printed = _printed_function(chunked, "chunked_cross_entropy")
+    applied = _report(tmp_path / "after", ChunkedLoss(kind, printed, _printed_usage(chunked)))
     assert report.peak is not None and applied.peak is not None
     realised = report.peak.peak_bytes - applied.peak.peak_bytes
     assert chunked.estimated_saving_bytes is not None

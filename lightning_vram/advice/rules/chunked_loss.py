@@ -154,7 +154,11 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             '        return F.cross_entropy(head(h).float(), t, reduction="sum")\n'
             "    total = sum(checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
             "                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))\n"
-            "    return total / targets.numel()  # with ignore_index, divide by the targets counted instead\n"
+            "    return total / targets.numel()  # with ignore_index, divide by the targets counted instead\n\n"
+            "# A transformers causal LM computes its loss inside model(..., labels=...): call its body and its\n"
+            "# head instead, the targets shifted by one as labels= shifts them (GPT-2's body: model.transformer)\n"
+            "# hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state\n"
+            "# loss = chunked_cross_entropy(hidden[:, :-1].flatten(0, 1), model.lm_head, ids[:, 1:].flatten())\n"
             "```"
         ),
         evidence=(
