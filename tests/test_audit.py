@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,22 @@ def test_a_module_imported_for_the_first_time_writes_its_bytecode_cache(
     assert module.VALUE == 3
     assert effects.reason is None
     assert [path.suffix for path in (tmp_path / "__pycache__").iterdir()] == [".pyc"]
+
+
+class Owner:
+    """An object of an earlier run whose finalizer removes its own file (as a monitor's hand-back file is)."""
+
+
+def test_finalizers_the_garbage_collector_calls_during_a_replay_are_not_the_replay_s(tmp_path: Path) -> None:
+    leftover = tmp_path / "leftover.json"
+    leftover.write_text("{}")
+    owner = Owner()
+    owner.cycle = owner  # type: ignore[attr-defined]  # only the collector frees it
+    weakref.finalize(owner, leftover.unlink)
+    del owner
+    with refusing_outside_effects() as effects:
+        gc.collect()
+        assert not leftover.exists()
+        with pytest.raises(OutsideEffectError):
+            (tmp_path / "after.txt").write_text("")
+    assert effects.reason is not None and "after.txt" in effects.reason

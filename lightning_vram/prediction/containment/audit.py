@@ -14,12 +14,14 @@ replay imports for the first time writes its ``.pyc``, as training would have).
 Every other audit event of the process (imports, ``compile``, ``id()``) and every event of another thread costs the
 hook one thread-local read. What no audit event announces is not caught: a write to a file or a descriptor opened
 before the step (``os.write``, a logger's stream, a ``csv.writer`` held in a global), a thread started by a library,
-a queue an external tracker's thread sends from.
+a queue an external tracker's thread sends from. The finalizers the garbage collector calls while a replay runs
+(of objects that became garbage before it) are not the step's: they pass (:func:`_collecting`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -141,6 +143,8 @@ class _Watch(threading.local):
     """The refused calls of the replay running on this thread so far; ``None`` while none runs on it."""
 
     refused: list[tuple[str, str]] | None = None
+    paused: list[tuple[str, str]] | None = None
+    """:attr:`refused` while the garbage collector runs on this thread (:func:`_collecting`)."""
 
 
 _WATCH = _Watch()
@@ -157,6 +161,19 @@ def _hook(event: str, args: tuple[Any, ...], watch: _Watch = _WATCH) -> None:
         raise OutsideEffectError(f"a replay of the training step may not run {call}")
 
 
+def _collecting(phase: str, info: dict[str, int], watch: _Watch = _WATCH) -> None:
+    """Pause the replay's refusals while the garbage collector runs on its thread (a ``gc.callbacks`` entry).
+
+    The finalizers a collection calls are not the step's: objects that became garbage anywhere before, whose
+    ``weakref.finalize`` or ``__del__`` removes its own file (an earlier monitor's hand-back file, a closed
+    ``TemporaryDirectory``). Refused, they would fail unseen (an unraisable exception) and refuse the replay.
+    """
+    if phase == "start" and watch.refused is not None:
+        watch.paused, watch.refused = watch.refused, None
+    elif phase == "stop" and watch.paused is not None:
+        watch.refused, watch.paused = watch.paused, None
+
+
 _LOCK = threading.Lock()
 _added: list[bool] = []  # whether the hook was added, and runs: decided once per process
 
@@ -170,6 +187,7 @@ def audit_refusal() -> str | None:
     with _LOCK:
         if not _added:
             sys.addaudithook(_hook)
+            gc.callbacks.append(_collecting)
             with refusing_outside_effects() as probe, contextlib.suppress(OutsideEffectError):
                 sys.audit(PROBE)
             _added.append(bool(probe.calls))
