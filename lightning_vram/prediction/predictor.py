@@ -33,6 +33,7 @@ from lightning_vram.measure.compiled import compiled_callable_name, compiled_mod
 from lightning_vram.measure.scripted import scripted_refusal
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
+from lightning_vram.prediction.containment.audit import OutsideEffects, audit_refusal, refusing_outside_effects
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
 from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
 from lightning_vram.prediction.containment.collectives import without_collectives
@@ -361,6 +362,16 @@ class Predictor:
         reach.arrays += shared
         return _Scope(reach, inside, shared)
 
+    def _outside(self, effects: OutsideEffects | None) -> str | None:
+        """Why the replay is refused where the user's code reached outside the process; ``None`` where it did not.
+
+        The step does it in every replay (a file written): the predictor runs none again (:attr:`_scope`).
+        """
+        reason = effects.reason if effects is not None else None
+        if reason is not None:
+            self._scope = reason
+        return reason
+
     def _strategy_buffers(self) -> list[torch.Tensor]:
         """The strategy's buffers as (fake) bytes on the counted device; call under the replay's fake mode."""
         buffers = self.strategy.buffers if self.strategy is not None else ()
@@ -408,6 +419,9 @@ class Predictor:
         scope = self._refusal()
         if isinstance(scope, str):
             return ReplaySkipped(scope)
+        unchecked = audit_refusal()  # the hook that stops the step's file writes, added at the process's first replay
+        if unchecked is not None:
+            return ReplaySkipped(unchecked)
         if profiler_recording():
             return ReplaySkipped(PROFILER_SKIP)
         if isinstance(change, CheckpointChange) and self._calls is None:
@@ -438,9 +452,17 @@ class Predictor:
         frames = CheckpointFrames()
         run.checkpoint_frames = frames.recorded
         recorder: CallRecorder | None = None
+        effects: OutsideEffects | None = None
         try:
-            # configure_optimizers is user code too
-            with outside_autocast(), isolated(), contained(scope.reach) as containment, frames:
+            # configure_optimizers is user code too; from the module's copy on, what the user's code writes to files,
+            # the processes it starts and the connections it opens are refused as they happen
+            with (
+                outside_autocast(),
+                isolated(),
+                contained(scope.reach) as containment,
+                frames,
+                refusing_outside_effects() as effects,
+            ):
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 register(mode)
                 twin = make_twin(
@@ -535,9 +557,10 @@ class Predictor:
         except ContainmentError:
             raise
         except (RefusedError, HookedCopyError) as refused:
-            return ReplaySkipped(str(refused), time.perf_counter() - started)
+            return ReplaySkipped(self._outside(effects) or str(refused), time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
-            reason = skip_reason(error, run.phase)  # before the frames it reads the read's place from are cleared
+            # a refused file write first: the step may have caught the refusal and failed further on
+            reason = self._outside(effects) or skip_reason(error, run.phase)  # before the frames are cleared
             release_frames(error)
             frames.release()
             drain_autograd()
@@ -546,6 +569,9 @@ class Predictor:
             for opened in (counter, first):
                 if opened is not None:
                     opened.close()
+        refused_effect = self._outside(effects)
+        if refused_effect is not None:  # the step caught the refusal and went on
+            return ReplaySkipped(refused_effect, time.perf_counter() - started)
         if change is None and reserved is not None:
             self._sequence = reserved
         if recorder is not None:
