@@ -66,6 +66,9 @@ _PLAIN: dict[int, type] = {}
 """Library classes, by id: an object of one (a ``torch.dtype``, a ``str``) is not the user's code (a method of the
 user's installed in the class is found in the class's dict, where it is searched) and is not judged again."""
 
+_LIBRARY_CLASSES: dict[int, type] = {}
+"""Classes found not the user's (:func:`~.user_code.is_user_class`), by id: their dicts are searched."""
+
 _KEPT_KINDS = (types.FunctionType, types.ModuleType, type)
 """Kinds of value remembered by identity once judged the library's: functions, modules and classes, never data (a
 dict of the user's in ``builtins`` is judged again each time rather than held). A built-in function or a descriptor is
@@ -128,9 +131,13 @@ def _user_functions(cls: type) -> list[types.FunctionType]:
     return [function for _, function in sorted(found, key=lambda item: item[0])]
 
 
-def _of_function(function: types.FunctionType, depth: int) -> str | None:
-    """What of the user's ``function`` is or wraps: itself, a ``__wrapped__`` chain's function, a closure's value."""
-    if is_user_file(function.__code__.co_filename):
+def _of_function(function: types.FunctionType, depth: int, real_files: bool) -> str | None:
+    """What of the user's ``function`` is or wraps: itself, a ``__wrapped__`` chain's function, a closure's value.
+
+    ``real_files``: code from source of no file (``"<string>"``) is not the user's.
+    """
+    filename = function.__code__.co_filename
+    if is_user_file(filename) and not (real_files and filename.startswith("<")):
         return f"your function {_shown_name(function)} ({_site(function)})"
     if depth <= 0:
         return None
@@ -142,16 +149,17 @@ def _of_function(function: types.FunctionType, depth: int) -> str | None:
             continue
     for value in inner:
         if value is not None and not issubclass(type(value), types.ModuleType):
-            found = _of(value, depth - 1)
+            found = _of(value, depth - 1, real_files)
             if found is not None:
                 return found
     return None
 
 
-def _of(value: Any, depth: int = 2) -> str | None:
+def _of(value: Any, depth: int = 2, real_files: bool = False) -> str | None:
     """What of the user's code ``value`` is (``None``: nothing), read without calling any of it.
 
-    Types are tested on ``type(value)``: an ``isinstance`` would read a user object's ``__class__``.
+    Types are tested on ``type(value)``: an ``isinstance`` would read a user object's ``__class__``. ``real_files``: a
+    function from source of no file is not the user's (in a library class's dict, :func:`installed_user_code`).
     """
     kind = type(value)
     for _ in range(8):  # a chain of wrappers, never a cycle
@@ -167,10 +175,10 @@ def _of(value: Any, depth: int = 2) -> str | None:
             break
         kind = type(value)
     if issubclass(kind, types.FunctionType):
-        return _of_function(value, depth)
+        return _of_function(value, depth, real_files)
     if issubclass(kind, property):
         accessors = (value.fget, value.fset, value.fdel)
-        return next((found for accessor in accessors if (found := _of(accessor, depth)) is not None), None)
+        return next((found for accessor in accessors if (found := _of(accessor, depth, real_files)) is not None), None)
     if issubclass(kind, type):
         functions = _user_functions(value) if is_user_class(value) else []
         return f"your class {value.__qualname__} ({_site(functions[0])})" if functions else None
@@ -190,43 +198,56 @@ def _remember(memory: dict[int, Any], value: Any) -> None:
     memory[id(value)] = value
 
 
-def _judged(value: Any) -> str | None:
+def _judged(value: Any, real_files: bool = False) -> str | None:
     """:func:`_of`, remembered: library values by id (:data:`_LIBRARY`), objects by their class (:data:`_PLAIN`)."""
     kind = type(value)
     if _LIBRARY.get(id(value)) is value or _PLAIN.get(id(kind)) is kind:
         return None
-    found = _of(value)
+    found = _of(value, real_files=real_files)
     if found is None and issubclass(kind, _KEPT_KINDS) and not (issubclass(kind, type) and is_user_class(value)):
         _remember(_LIBRARY, value)
     return found
 
 
-def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Each namespace searched, with the name it is shown by."""
+def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any], type | None]]:
+    """Each namespace searched, with the name it is shown by and the class it is the dict of (``None``: a module's).
+
+    Of ``classes``' bases, the user's own are left out: the walk walks them, and a library may make a class over one
+    (FSDP2's ``FSDPBlock``, a parametrized module's class).
+    """
     for name in NAMESPACES:
         module = sys.modules.get(name)
         if module is not None:
-            yield name, vars(module)
+            yield name, vars(module), None
     shown = {id(cls): (name, cls) for name, cls in CLASSES.items()}
     for cls in classes:
         for klass in cls.__mro__[:-1]:  # ``object`` is C's and takes no attribute
-            shown.setdefault(id(klass), (f"{klass.__module__}.{klass.__qualname__}", klass))
+            if id(klass) in shown:
+                continue
+            if _LIBRARY_CLASSES.get(id(klass)) is not klass:
+                if is_user_class(klass):
+                    continue
+                _remember(_LIBRARY_CLASSES, klass)
+            shown[id(klass)] = (f"{klass.__module__}.{klass.__qualname__}", klass)
     for name, cls in shown.values():
-        yield name, vars(cls)  # type: ignore[misc]  # a mappingproxy reads as a dict here
+        yield name, vars(cls), cls  # type: ignore[misc]  # a mappingproxy reads as a dict here
 
 
 def installed_user_code(classes: Iterable[type] = ()) -> list[Installed]:
     """The user's code installed in :data:`NAMESPACES`, :data:`CLASSES` and ``classes``, in the order found.
 
     ``classes``: library classes (with their bases) the step's code passes. Empty when nothing of the user's is there.
+    In a class's dict only code from the user's files counts: libraries make methods by ``exec`` (a dataclass's
+    ``__init__`` and ``__hash__``, a named tuple's ``__new__``, mpmath's operators), whose file is ``"<string>"`` as for
+    the user's code run by ``exec``.
     """
     found = []
     library, plain = _LIBRARY.get, _PLAIN.get  # :func:`_judged`'s first test, inline: most values pass it
-    for shown, namespace in _namespaces(classes):
+    for shown, namespace, owner in _namespaces(classes):
         for name, value in tuple(namespace.items()):
             if library(id(value)) is value or plain(id(kind := type(value))) is kind:
                 continue
-            what = _judged(value)
+            what = _judged(value, real_files=owner is not None)
             if what is not None and (shown, name) not in NOT_CALLED:
                 found.append(Installed(f"{shown}.{name}", what))
     return found
