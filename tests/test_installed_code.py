@@ -99,6 +99,8 @@ def test_methods_of_torchs_classes_and_of_the_classes_a_walk_passes() -> None:
         return None
 
     wrapped = functools.wraps(nn.Module.__call__)(call)  # named Module._wrapped_call_impl: its code says "call"
+    with installed(torch.Tensor, "relu", functools.partialmethod(call)):
+        assert [entry.place for entry in installed_user_code()] == ["torch.Tensor.relu"]
     with installed(nn.Module, "__call__", wrapped), installed(nn.Linear, "forward", linear):
         assert [str(entry) for entry in installed_user_code()] == [
             f"torch.nn.Module.__call__ is your function call ({HERE}:{line(call)})"

@@ -169,7 +169,7 @@ def _of(value: Any, depth: int = 2, real_files: bool = False) -> str | None:
             value = types.MethodType.__func__.__get__(value)
         elif issubclass(kind, functools.partial) and not _user_functions(kind):
             value = functools.partial.func.__get__(value)
-        elif issubclass(kind, functools.cached_property):
+        elif issubclass(kind, (functools.cached_property, functools.partialmethod)):
             value = value.func
         else:
             break
