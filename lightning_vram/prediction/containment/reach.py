@@ -65,6 +65,7 @@ from lightning_vram.prediction.containment.construction import (
     constructions,
     rebuilt_by_library,
 )
+from lightning_vram.prediction.containment.installed import Installed, installed_user_code
 from lightning_vram.prediction.containment.isolation import quieted_handlers
 from lightning_vram.prediction.containment.method_reach import (
     OUTSIDE_BATCH_HOOKS,
@@ -219,6 +220,8 @@ class Reach:
     ``methods``: the names in reach and the classes' attributes the walk left for want of theirs
     (:mod:`~.method_reach`), for a later walk to go on from. ``sweeps``: where code reaches every global of its module
     by names it computes (``sys``, ``exec``), as the start of the paths found so, and what that code does.
+    ``installed``: the user's code installed in torch's and Python's namespaces and in the library classes the walk
+    passed (``F.linear = counting_linear``, :mod:`~.installed`), which library code calls where the walk does not go.
     """
 
     slots: list[Slot] = field(default_factory=list)
@@ -235,6 +238,7 @@ class Reach:
     paths: dict[int, str] = field(default_factory=dict)
     methods: MethodReach = field(default_factory=MethodReach)
     sweeps: dict[str, str] = field(default_factory=dict)
+    installed: list[Installed] = field(default_factory=list)
 
     def add(self, other: Reach) -> None:
         """Take in what ``other`` (another walk) found."""
@@ -248,6 +252,7 @@ class Reach:
         self.compiled += other.compiled
         self.unrestorable += other.unrestorable
         self.effects += other.effects
+        self.installed += [found for found in other.installed if found not in self.installed]
         for swept, what in other.sweeps.items():
             self.sweeps.setdefault(swept, what)
         self.complete = self.complete and other.complete
@@ -273,6 +278,7 @@ class _Walk:
         self._namespaces: set[int] = set()
         self._modules: set[tuple[int, frozenset[str]]] = set()  # a module walked for a set of attribute names
         self._compiled: set[int] = set()  # what torch.compile made, listed once however many paths reach it
+        self._library_classes: dict[int, type] = {}  # the library classes passed, whose methods library code calls
         self._queue: collections.deque[tuple[Any, str, frozenset[str], bool, Role]] = collections.deque()
 
     def run(self, roots: Iterable[tuple[str, Any]], data: Iterable[tuple[str, Any]] = ()) -> Reach:
@@ -286,6 +292,7 @@ class _Walk:
                 break
             value, path, names, data_path, role = self._queue.popleft()
             self._visit(value, path, names, data_path, role)
+        self.reach.installed = installed_user_code(self._library_classes.values())
         return self.reach
 
     def _hold(self, value: Any, path: str) -> None:
@@ -636,8 +643,12 @@ class _Walk:
             self._member(member)
 
     def _class(self, cls: type, path: str) -> None:
-        """A user class: its metaclass, its bases, and its attributes whose name is in reach (the others wait)."""
+        """A user class: its metaclass, its bases, and its attributes whose name is in reach (the others wait).
+
+        A library class is not walked: its dict (and its bases') is searched for the user's code installed there.
+        """
         if not is_user_class(cls):
+            self._library_classes.setdefault(id(cls), cls)
             return
         methods = self.reach.methods
         for member in methods.construction.visit(cls):
@@ -647,6 +658,7 @@ class _Walk:
             if is_user_class(base):
                 self._push(base, path, role=Role.NAMED)
             else:  # library code may call an override by the name its class defines
+                self._library_classes.setdefault(id(base), base)
                 for member in methods.bring(library_names(base)):
                     self._member(member)
         for name, attribute in list(vars(cls).items()):

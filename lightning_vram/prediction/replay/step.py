@@ -34,6 +34,7 @@ from lightning_vram.prediction.containment.containment import (
     OUTSIDE_TENSOR_BYTES,
     fresh_cache,
 )
+from lightning_vram.prediction.containment.installed import installed_refusal
 from lightning_vram.prediction.containment.reach import WALK_LIMIT, Reach, reach_of
 from lightning_vram.prediction.replay._fake import FakeTensor
 from lightning_vram.prediction.replay.backward import engine_can_run, graph_backward
@@ -334,6 +335,9 @@ def compiled_refusal(compiled: str) -> str:
 
 def refusal_of(reach: Reach) -> str | None:
     """Why the code ``reach`` describes must not be replayed, decided before it runs; ``None`` when it may."""
+    installed = installed_refusal(reach.installed)
+    if installed is not None:
+        return installed
     if reach.real_modules:
         path = reach.real_modules[0]
         swept = next((what for start, what in reach.sweeps.items() if path.startswith(start)), None)

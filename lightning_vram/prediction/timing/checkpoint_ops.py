@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_vram.prediction.containment.installed import installed_user_code
 from lightning_vram.prediction.timing.host import isolated_measurement
 
 CHAIN_OPS = 100
@@ -44,12 +45,15 @@ _MEASURED: list[CheckpointOverhead] = []
 """This process's measurement (:func:`measure_checkpoint_overhead`)."""
 
 
-def measure_checkpoint_overhead(op_seconds: float) -> CheckpointOverhead:
+def measure_checkpoint_overhead(op_seconds: float) -> CheckpointOverhead | None:
     """The CPU's checkpointing overhead an op, measured once a process; ``op_seconds``: the cost of an op it counts.
 
-    Each figure is at least 0.
+    Each figure is at least 0. ``None``, nothing measured, while a function of the user's is installed in torch's or
+    Python's namespaces, as for :func:`~lightning_vram.prediction.timing.host.measure_host_peaks`.
     """
     if not _MEASURED:
+        if installed_user_code():
+            return None
         with isolated_measurement():
             plain, whole, selective = (_seconds_an_op(run) for run in (_plain, _whole, _selective))
         _MEASURED.append(

@@ -25,6 +25,7 @@ import torch
 
 from lightning_vram.measure.live import outside_dispatch_modes, outside_function_modes
 from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
+from lightning_vram.prediction.containment.installed import installed_user_code
 from lightning_vram.prediction.replay._fake import TorchDispatchMode
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.timing.peaks import OP_FAMILIES, DevicePeaks
@@ -253,7 +254,7 @@ _MEASURED: list[DevicePeaks] = []
 """This process's measurement (:func:`measure_host_peaks`), its kinds of op as far as a call asked for them."""
 
 
-def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks:
+def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks | None:
     """The CPU of the machine as torch runs on it, measured once per process; later calls reuse it.
 
     ``kinds``: the kinds of op whose share of the roofline a step needs (op names, as
@@ -261,12 +262,23 @@ def measure_host_peaks(kinds: Iterable[str] | None = None) -> DevicePeaks:
     call measures the matrix products, the copy and the cost of an op (about a second), and each kind is measured
     the first time a call names it (0.1 to 0.5 s each), so a run prices its step without measuring kinds it does not
     run. See :func:`measure_host`.
+
+    ``None``, nothing measured, while a function of the user's is installed in torch's or Python's namespaces
+    (``F.linear = counting_linear``: :mod:`~lightning_vram.prediction.containment.installed`): the measurement calls
+    torch's functions and tensor methods by name, and would call the user's. Its callers price replayed steps, which
+    the same finding refuses, so it is skipped only where a function was installed after a round's replays ran; a
+    step is then not priced on the CPU.
     """
     names = set(PROBED_KINDS) if kinds is None else {OP_FAMILIES.get(kind, kind) for kind in kinds}
+    wanted = names & set(PROBED_KINDS)
+    if _MEASURED and wanted <= set(_MEASURED[0].op_achieved):
+        return _MEASURED[0]
+    if installed_user_code():
+        return None
     if not _MEASURED:
         _MEASURED.append(measure_host(kinds=names))
     peaks = _MEASURED[0]
-    missing = names & set(PROBED_KINDS) - set(peaks.op_achieved)
+    missing = wanted - set(peaks.op_achieved)
     if missing:
         with isolated_measurement():
             shares = _op_achieved(peaks.fp32_flops, peaks.bandwidth, REPEATS, time.perf_counter, missing)
