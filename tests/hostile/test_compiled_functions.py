@@ -28,6 +28,7 @@ from torch._dynamo.utils import counters
 
 from lightning_vram import Report, VramSession
 from lightning_vram.predict import predict
+from lightning_vram.prediction.containment.audit import audit_refusal
 from lightning_vram.records import Simulation
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
@@ -46,6 +47,14 @@ def smooth(inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 fused = torch.compile(smooth, backend=BACKEND)
+
+
+@pytest.fixture(autouse=True)
+def _audit_hook_added() -> None:
+    """Every case runs with the replay's audit hook in the process, as after any earlier replay of the process: once
+    added, CPython calls it (and the collector's callback beside it) inside the compiled function too, where dynamo
+    took their frames for the user's (one more frame converted with the monitor than without)."""
+    assert audit_refusal() is None
 
 
 def dynamo_state(function: Callable[..., Any]) -> tuple[int, dict[str, int], dict[str, int]]:

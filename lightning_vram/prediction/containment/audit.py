@@ -25,7 +25,7 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PROBE = "lightning_vram.replay.probe"
@@ -178,6 +178,23 @@ _LOCK = threading.Lock()
 _added: list[bool] = []  # whether the hook was added, and runs: decided once per process
 
 
+def _outside_dynamo(*functions: Callable[..., None]) -> None:
+    """Keep torch.compile from tracing ``functions``, the hook and the collector's callback.
+
+    CPython calls them from inside whatever runs, a compiled function too, whose frame evaluator would then take them
+    for frames of the user's (dynamo counted one more frame converted in a monitored run than in one without it).
+    """
+    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip_code is None:  # dynamo not imported yet: load it (a replay's force_eager stance does it anyway)
+        with contextlib.suppress(ImportError):
+            import torch._dynamo.eval_frame
+
+            skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip_code is not None:
+        for function in functions:
+            skip_code(function.__code__)
+
+
 def audit_refusal() -> str | None:
     """Add the hook to the process (once, at the first replay); why no replay may run where it does not run.
 
@@ -186,6 +203,7 @@ def audit_refusal() -> str | None:
     """
     with _LOCK:
         if not _added:
+            _outside_dynamo(_hook, _collecting)
             sys.addaudithook(_hook)
             gc.callbacks.append(_collecting)
             with refusing_outside_effects() as probe, contextlib.suppress(OutsideEffectError):
