@@ -193,3 +193,34 @@ def test_predict_refuses_a_step_writing_files_and_writes_nothing(tmp_path: Path)
     assert prediction.skipped is not None and "writes files (open(" in prediction.skipped, prediction.skipped
     assert str(tmp_path / "steps.txt") in prediction.skipped
     assert not (tmp_path / "steps.txt").exists(), "the refused replay created the file"
+
+
+class WritesToADescriptor(Classifier):
+    """Writes each step's line to a descriptor opened before training (no audit event announces ``os.write``)."""
+
+    def __init__(self, descriptor: int) -> None:
+        super().__init__(linear_net())
+        self.descriptor = descriptor
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        os.write(self.descriptor, f"{batch_idx}\n".encode())
+        return loss(self, batch)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_writing_to_a_descriptor_opened_before_writes_once(tmp_path: Path, path: str) -> None:
+    def build() -> Case:
+        folder = tmp_path / f"files-{len(list(tmp_path.glob('files-*')))}"
+        folder.mkdir()
+        descriptor = os.open(folder / "steps.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+        def observe() -> dict[str, str]:
+            os.close(descriptor)
+            return files(folder)
+
+        return Case(WritesToADescriptor(descriptor), small_loader(), observe=observe)
+
+    monitor = assert_untouched(build, tmp_path, path, attribution_start_step=0, attribution_every_n_steps=1)
+    simulation = monitor.session.simulation
+    assert simulation is not None and simulation.skipped is not None, simulation
+    assert "writes to a file descriptor (os.write" in simulation.skipped, simulation.skipped
