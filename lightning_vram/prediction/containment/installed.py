@@ -8,7 +8,8 @@ a call counter read 7 after 6 training steps. :func:`installed_user_code` finds 
 namespaces :data:`NAMESPACES` and :data:`CLASSES` name (and of the library classes a walk passes, their bases
 included: a module's ``nn.Linear``, an optimizer's ``SGD``) that is the user's code by the file its code objects
 name (:mod:`~.user_code`): a function, a method's function, a ``functools.partial`` of one, a wrapper whose
-``__wrapped__`` chain (or whose closure) holds one, a class or an object of a class with functions of the user's.
+``__wrapped__`` chain (or whose closure) holds one (a ``functools.lru_cache`` wrapper, C's, by its ``__wrapped__``),
+a class or an object of a class with functions of the user's.
 Any one rules every replay out, whether the step names it or not (:func:`installed_refusal`).
 
 It runs before each round of replays (the walk, :mod:`~.reach`) and before the CPU's host measurement
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.prediction.containment.plain_reads import instance_dict
 from lightning_vram.prediction.containment.user_code import is_user_class, is_user_file
 
 NAMESPACES = (
@@ -185,6 +187,9 @@ def _of(value: Any, depth: int = 2, real_files: bool = False) -> str | None:
     if issubclass(kind, types.ModuleType):
         return None
     if not is_user_class(kind):  # a library's class whose method is the user's is found where the method is
+        wrapped = (instance_dict(value) or {}).get("__wrapped__")
+        if wrapped is not None:  # a wrapper of C's that ``functools.update_wrapper`` named (``lru_cache``'s)
+            return _of(wrapped, depth - 1, real_files) if depth > 0 else None
         _remember(_PLAIN, kind)
         return None
     functions = _user_functions(kind)
