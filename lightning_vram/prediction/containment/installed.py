@@ -6,8 +6,9 @@ my_print``. The replay runs the step's Python again, and library code the step c
 reaches these names where the walk does not follow it, so the user's function would run once more in each replay:
 a call counter read 7 after 6 training steps. :func:`installed_user_code` finds them, as a class: every value of the
 namespaces :data:`NAMESPACES` and :data:`CLASSES` name (and of the library classes a walk passes, their bases
-included: a module's ``nn.Linear``, an optimizer's ``SGD``) that is the user's code by the file its code objects
-name (:mod:`~.user_code`): a function, a method's function, a ``functools.partial`` of one, a wrapper whose
+included: a module's ``nn.Linear``, an optimizer's ``SGD``; and of the modules that define them, whose functions
+their methods call by name: ``SGD.step`` calls ``torch.optim.sgd.sgd``) that is the user's code by the file its code
+objects name (:mod:`~.user_code`): a function, a method's function, a ``functools.partial`` of one, a wrapper whose
 ``__wrapped__`` chain (or whose closure) holds one (a ``functools.lru_cache`` wrapper, C's, by its ``__wrapped__``),
 a class or an object of a class with functions of the user's.
 Any one rules every replay out, whether the step names it or not (:func:`installed_refusal`).
@@ -225,6 +226,7 @@ def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any], 
         if module is not None:
             yield name, vars(module), None
     shown = {id(cls): (name, cls) for name, cls in CLASSES.items()}
+    modules = dict.fromkeys(NAMESPACES)
     for cls in classes:
         for klass in cls.__mro__[:-1]:  # ``object`` is C's and takes no attribute
             if id(klass) in shown:
@@ -234,6 +236,11 @@ def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any], 
                     continue
                 _remember(_LIBRARY_CLASSES, klass)
             shown[id(klass)] = (f"{klass.__module__}.{klass.__qualname__}", klass)
+            if klass.__module__ not in modules:
+                modules[klass.__module__] = None
+                module = sys.modules.get(klass.__module__)
+                if module is not None:  # its methods call the module's functions by name (``SGD.step``: ``sgd``)
+                    yield klass.__module__, vars(module), None
     for name, cls in shown.values():
         yield name, vars(cls), cls  # type: ignore[misc]  # a mappingproxy reads as a dict here
 
