@@ -239,8 +239,9 @@ def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any], 
             if klass.__module__ not in modules:
                 modules[klass.__module__] = None
                 module = sys.modules.get(klass.__module__)
-                if module is not None:  # its methods call the module's functions by name (``SGD.step``: ``sgd``)
-                    yield klass.__module__, vars(module), None
+                file = vars(module).get("__file__") if module is not None else None
+                if isinstance(file, str) and not is_user_file(file):  # a library's (one the user's is the walk's)
+                    yield klass.__module__, vars(module), None  # its methods call its functions (``SGD.step``: ``sgd``)
     for name, cls in shown.values():
         yield name, vars(cls), cls  # type: ignore[misc]  # a mappingproxy reads as a dict here
 
