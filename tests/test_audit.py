@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_vram.prediction.containment.audit import OutsideEffectError, audit_refusal, refusing_outside_effects
+from lightning_vram.prediction.containment.audit import (
+    OutsideEffectError,
+    OutsideEffectsRepeated,
+    audit_refusal,
+    refusing_outside_effects,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +75,27 @@ def test_each_kind_of_change_is_refused_before_it_happens(tmp_path: Path, call: 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["kept"]
     assert (tmp_path / "kept").read_text() == "kept"
     assert effects.reason is not None
+
+
+def append_retrying(path: Path, tries: list[int]) -> None:
+    """The user's retry loop, which catches every ``Exception`` (a file locked for a while)."""
+    for attempt in range(1000):
+        tries.append(attempt)
+        try:
+            path.open("a")
+            return
+        except Exception:  # noqa: BLE001 -- the user's own
+            continue
+
+
+def test_a_refused_call_tried_again_stops_the_replay_past_the_user_s_except(tmp_path: Path) -> None:
+    target = tmp_path / "steps.txt"
+    tries: list[int] = []
+    with refusing_outside_effects() as effects, pytest.raises(OutsideEffectsRepeated):
+        append_retrying(target, tries)
+    assert tries == [0, 1]
+    assert not target.exists()
+    assert effects.reason is not None and "steps.txt', 'a')" in effects.reason
 
 
 def test_another_thread_writes_while_this_one_replays(tmp_path: Path) -> None:

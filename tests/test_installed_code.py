@@ -76,6 +76,7 @@ def test_a_function_and_what_wraps_it_are_found_in_each_form() -> None:
         "relu": helper,
         "tanh": functools.partial(helper),
         "sigmoid": torch.no_grad()(helper),  # torch's wrapper: functools.wraps sets __wrapped__
+        "abs": functools.lru_cache(helper),  # C's wrapper, with __wrapped__ in its own dict
         "exp": Counter(),
         "log": Counter().__call__,
     }
@@ -88,6 +89,7 @@ def test_a_function_and_what_wraps_it_are_found_in_each_form() -> None:
         "torch.relu": f"your function helper {at}",
         "torch.tanh": f"your function helper {at}",
         "torch.sigmoid": f"your function helper {at}",
+        "torch.abs": f"your function helper {at}",
         "torch.exp": f"an object of your class Counter ({HERE}:{line(Counter.__call__)})",
         "torch.log": f"your function Counter.__call__ ({HERE}:{line(Counter.__call__)})",
     }

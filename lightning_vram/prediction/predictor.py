@@ -33,7 +33,12 @@ from lightning_vram.measure.compiled import compiled_callable_name, compiled_mod
 from lightning_vram.measure.scripted import scripted_refusal
 from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
-from lightning_vram.prediction.containment.audit import OutsideEffects, audit_refusal, refusing_outside_effects
+from lightning_vram.prediction.containment.audit import (
+    OutsideEffects,
+    OutsideEffectsRepeated,
+    audit_refusal,
+    refusing_outside_effects,
+)
 from lightning_vram.prediction.containment.checkpoint_frames import CheckpointFrames
 from lightning_vram.prediction.containment.code_roots import code_roots, hook_registries, inside_ids
 from lightning_vram.prediction.containment.collectives import without_collectives
@@ -558,8 +563,9 @@ class Predictor:
             raise
         except (RefusedError, HookedCopyError) as refused:
             return ReplaySkipped(self._outside(effects) or str(refused), time.perf_counter() - started)
-        except Exception as error:  # noqa: BLE001 -- the user's step on fake tensors: any failure is a reason to skip
-            # a refused file write first: the step may have caught the refusal and failed further on
+        except (Exception, OutsideEffectsRepeated) as error:  # noqa: BLE001 -- the user's step on fake tensors
+            # any failure is a reason to skip; a refused file write first: the step may have caught the refusal and
+            # failed further on, or tried it again (OutsideEffectsRepeated)
             reason = self._outside(effects) or skip_reason(error, run.phase)  # before the frames are cleared
             release_frames(error)
             frames.release()

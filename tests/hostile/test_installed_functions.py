@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,29 @@ def test_a_counting_f_linear_the_step_never_names_is_not_called_again(tmp_path: 
         monitor = assert_untouched(case(Classifier), tmp_path, path)
     assert CALLS["count"] == 4  # nn.Linear's forward called it, once a step
     assert skipped(monitor) == f"torch.nn.functional.linear is your function counting ({site(counting)}){REASON_END}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_counting_f_linear_behind_lru_cache_is_not_called_again(tmp_path: Path, path: str) -> None:
+    """``functools.lru_cache``'s wrapper is C's: the user's function is found by its ``__wrapped__`` (attack, ninth
+    session: 7 calls for 4 on the CPU path)."""
+    counting = counted(F.linear)
+    with installed(F, "linear", functools.lru_cache(maxsize=None)(counting)):
+        monitor = assert_untouched(case(Classifier), tmp_path, path)
+    assert CALLS["count"] == 4
+    assert skipped(monitor) == f"torch.nn.functional.linear is your function counting ({site(counting)}){REASON_END}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_counting_function_of_an_optimizer_s_module_is_not_called_again(tmp_path: Path, path: str) -> None:
+    """``SGD.step`` calls its module's ``sgd`` by name: the modules of the library classes the walk passes are searched
+    (attack, ninth session: 7 calls for 4 on the CPU path, 12 on the CUDA path)."""
+    module = sys.modules[torch.optim.SGD.__module__]
+    counting = counted(module.sgd)
+    with installed(module, "sgd", counting):
+        monitor = assert_untouched(case(Classifier), tmp_path, path)
+    assert CALLS["count"] == 4
+    assert skipped(monitor) == f"torch.optim.sgd.sgd is your function counting ({site(counting)}){REASON_END}"
 
 
 @pytest.mark.parametrize("path", PATHS)

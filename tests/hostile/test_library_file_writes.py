@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,28 @@ class CatchesTheRefusal(Classifier):
         return loss(self, batch)
 
 
+RETRY_SECONDS = 30.0
+"""How long the user's retry loop below tries before it gives up (on the unfixed code, each replay waited that long)."""
+
+
+def append_retrying(path: Path, line: str) -> None:
+    """A helper the step calls: it appends, retrying while the file is locked (a ``PermissionError``)."""
+    give_up = time.monotonic() + RETRY_SECONDS
+    while time.monotonic() < give_up:
+        try:
+            with path.open("a") as log:
+                log.write(line)
+            return
+        except PermissionError:
+            time.sleep(0.01)
+
+
+class RetriesTheRefusal(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        append_retrying(FOLDER[0] / "steps.txt", f"{batch_idx}\n")
+        return loss(self, batch)
+
+
 def start_files(folder: Path, log: str) -> None:
     """The user's files before training: the log (``log`` in it) and ten scratch files."""
     (folder / "steps.txt").write_text(log)
@@ -120,6 +143,7 @@ CASES = {  # the step, what the log holds before training, what the reason names
     "json.dump into a helper's io.open": (DumpsJsonThroughAHelper, "[]", "writes files (open(", "steps.txt', 'w'))"),
     "os.remove": (RemovesAScratchFile, "", "removes files (os.remove(", "scratch-"),
     "a caught refusal": (CatchesTheRefusal, "", "writes files (open(", "steps.txt', 'a'))"),
+    "a refusal retried": (RetriesTheRefusal, "", "writes files (open(", "steps.txt', 'a'))"),
 }
 
 
@@ -128,7 +152,11 @@ CASES = {  # the step, what the log holds before training, what the reason names
 def test_a_step_writing_files_through_a_library_writes_them_once(tmp_path: Path, path: str, case: str) -> None:
     kind, log, does, call = CASES[case]
     build = build_for(kind, tmp_path, log)
+    started = time.monotonic()
     monitor = assert_untouched(build, tmp_path, path, attribution_start_step=0, attribution_every_n_steps=1)
+    # a step retrying a refused write (a lock file) stops at its second try, past its ``except PermissionError``:
+    # it retried for RETRY_SECONDS in each replay before (an unbounded loop never ended, training with it)
+    assert time.monotonic() - started < RETRY_SECONDS, "a replay waited for the user's retry loop"
     simulation = monitor.session.simulation
     assert simulation is not None and simulation.skipped is not None, simulation
     assert does in simulation.skipped and call in simulation.skipped, simulation.skipped
@@ -165,3 +193,34 @@ def test_predict_refuses_a_step_writing_files_and_writes_nothing(tmp_path: Path)
     assert prediction.skipped is not None and "writes files (open(" in prediction.skipped, prediction.skipped
     assert str(tmp_path / "steps.txt") in prediction.skipped
     assert not (tmp_path / "steps.txt").exists(), "the refused replay created the file"
+
+
+class WritesToADescriptor(Classifier):
+    """Writes each step's line to a descriptor opened before training (no audit event announces ``os.write``)."""
+
+    def __init__(self, descriptor: int) -> None:
+        super().__init__(linear_net())
+        self.descriptor = descriptor
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        os.write(self.descriptor, f"{batch_idx}\n".encode())
+        return loss(self, batch)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_writing_to_a_descriptor_opened_before_writes_once(tmp_path: Path, path: str) -> None:
+    def build() -> Case:
+        folder = tmp_path / f"files-{len(list(tmp_path.glob('files-*')))}"
+        folder.mkdir()
+        descriptor = os.open(folder / "steps.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+        def observe() -> dict[str, str]:
+            os.close(descriptor)
+            return files(folder)
+
+        return Case(WritesToADescriptor(descriptor), small_loader(), observe=observe)
+
+    monitor = assert_untouched(build, tmp_path, path, attribution_start_step=0, attribution_every_n_steps=1)
+    simulation = monitor.session.simulation
+    assert simulation is not None and simulation.skipped is not None, simulation
+    assert "writes to a file descriptor (os.write" in simulation.skipped, simulation.skipped

@@ -7,9 +7,10 @@ the step calls writes where the walk never looks (``Path.open("a")``, ``Path.wri
 One hook, added to the process at the first replay (:func:`audit_refusal`; a hook cannot be removed), refuses those
 events while a replay runs the user's code on this thread (:func:`refusing_outside_effects`): it raises
 :class:`OutsideEffectError` before the file is opened, so nothing is written, and records the call, so that a step
-which catches the error is refused all the same (:attr:`OutsideEffects.reason`). Reading stays allowed (libraries
-read sources and configurations during a replay), and so does the import system's bytecode cache (a library a
-replay imports for the first time writes its ``.pyc``, as training would have).
+which catches the error is refused all the same (:attr:`OutsideEffects.reason`); a second refused call stops the
+replay past the step's ``except Exception`` (:class:`OutsideEffectsRepeated`: a retry loop would never end). Reading
+stays allowed (libraries read sources and configurations during a replay), and so does the import system's bytecode
+cache (a library a replay imports for the first time writes its ``.pyc``, as training would have).
 
 Every other audit event of the process (imports, ``compile``, ``id()``) and every event of another thread costs the
 hook one thread-local read. What no audit event announces is not caught: a write to a file or a descriptor opened
@@ -34,6 +35,15 @@ PROBE = "lightning_vram.replay.probe"
 
 class OutsideEffectError(PermissionError):
     """A replay's code reached for something outside the process (a file written, a process started), refused."""
+
+
+class OutsideEffectsRepeated(BaseException):
+    """A replay's code tried a refused call again: the replay stops there (it is refused since the first).
+
+    Not an :class:`Exception`, so that the user's ``except Exception`` or ``except PermissionError`` around a retry
+    loop (a lock file written until it opens) does not keep the replay retrying for ever: no torch op runs in such a
+    loop, so the replay's deadline never sees it.
+    """
 
 
 _WRITE_FLAGS = {
@@ -158,7 +168,10 @@ def _hook(event: str, args: tuple[Any, ...], watch: _Watch = _WATCH) -> None:
     call = _refused(event, args)
     if call is not None:
         calls.append((event, call))
-        raise OutsideEffectError(f"a replay of the training step may not run {call}")
+        message = f"a replay of the training step may not run {call}"
+        if len(calls) > 1:  # the step caught the first refusal and went on to another, or to the same again
+            raise OutsideEffectsRepeated(message)
+        raise OutsideEffectError(message)
 
 
 def _collecting(phase: str, info: dict[str, int], watch: _Watch = _WATCH) -> None:

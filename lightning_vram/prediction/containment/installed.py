@@ -6,9 +6,11 @@ my_print``. The replay runs the step's Python again, and library code the step c
 reaches these names where the walk does not follow it, so the user's function would run once more in each replay:
 a call counter read 7 after 6 training steps. :func:`installed_user_code` finds them, as a class: every value of the
 namespaces :data:`NAMESPACES` and :data:`CLASSES` name (and of the library classes a walk passes, their bases
-included: a module's ``nn.Linear``, an optimizer's ``SGD``) that is the user's code by the file its code objects
-name (:mod:`~.user_code`): a function, a method's function, a ``functools.partial`` of one, a wrapper whose
-``__wrapped__`` chain (or whose closure) holds one, a class or an object of a class with functions of the user's.
+included: a module's ``nn.Linear``, an optimizer's ``SGD``; and of the modules that define them, whose functions
+their methods call by name: ``SGD.step`` calls ``torch.optim.sgd.sgd``) that is the user's code by the file its code
+objects name (:mod:`~.user_code`): a function, a method's function, a ``functools.partial`` of one, a wrapper whose
+``__wrapped__`` chain (or whose closure) holds one (a ``functools.lru_cache`` wrapper, C's, by its ``__wrapped__``),
+a class or an object of a class with functions of the user's.
 Any one rules every replay out, whether the step names it or not (:func:`installed_refusal`).
 
 It runs before each round of replays (the walk, :mod:`~.reach`) and before the CPU's host measurement
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.prediction.containment.plain_reads import instance_dict
 from lightning_vram.prediction.containment.user_code import is_user_class, is_user_file
 
 NAMESPACES = (
@@ -185,6 +188,9 @@ def _of(value: Any, depth: int = 2, real_files: bool = False) -> str | None:
     if issubclass(kind, types.ModuleType):
         return None
     if not is_user_class(kind):  # a library's class whose method is the user's is found where the method is
+        wrapped = (instance_dict(value) or {}).get("__wrapped__")
+        if wrapped is not None:  # a wrapper of C's that ``functools.update_wrapper`` named (``lru_cache``'s)
+            return _of(wrapped, depth - 1, real_files) if depth > 0 else None
         _remember(_PLAIN, kind)
         return None
     functions = _user_functions(kind)
@@ -220,6 +226,7 @@ def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any], 
         if module is not None:
             yield name, vars(module), None
     shown = {id(cls): (name, cls) for name, cls in CLASSES.items()}
+    modules = dict.fromkeys(NAMESPACES)
     for cls in classes:
         for klass in cls.__mro__[:-1]:  # ``object`` is C's and takes no attribute
             if id(klass) in shown:
@@ -229,6 +236,12 @@ def _namespaces(classes: Iterable[type]) -> Iterator[tuple[str, dict[str, Any], 
                     continue
                 _remember(_LIBRARY_CLASSES, klass)
             shown[id(klass)] = (f"{klass.__module__}.{klass.__qualname__}", klass)
+            if klass.__module__ not in modules:
+                modules[klass.__module__] = None
+                module = sys.modules.get(klass.__module__)
+                file = vars(module).get("__file__") if module is not None else None
+                if isinstance(file, str) and not is_user_file(file):  # a library's (one the user's is the walk's)
+                    yield klass.__module__, vars(module), None  # its methods call its functions (``SGD.step``: ``sgd``)
     for name, cls in shown.values():
         yield name, vars(cls), cls  # type: ignore[misc]  # a mappingproxy reads as a dict here
 

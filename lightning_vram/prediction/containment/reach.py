@@ -40,6 +40,7 @@ import importlib.machinery
 import importlib.util
 import itertools
 import logging
+import os
 import random
 import sys
 import types
@@ -149,6 +150,9 @@ REFUSING_TRANSFORMS = {id(vars(torch.func)[name]): f"torch.func.{name}" for name
 (``from torch.func import grad as G``, ``import torch.func as tf; tf.grad``); their ``__module__`` says only
 ``torch.func``."""
 
+DESCRIPTOR_WRITES = ("write", "pwrite", "writev", "pwritev", "sendfile")
+"""``os``'s functions that write to a descriptor, opened before the step (the audit hook sees only its opening)."""
+
 OUTSIDE_CALLABLES = {
     id(weakref.finalize): "registers a finalizer (weakref.finalize), which runs as its object is collected: for the"
     " replay's objects, after the replay has put back what it changed",
@@ -157,6 +161,12 @@ OUTSIDE_CALLABLES = {
     id(importlib.reload): "reloads a module (importlib.reload), running its code again",
     id(builtins.__import__): "imports modules by name (__import__): the code of a module it names only as a string is"
     " beyond the walk",
+    **{
+        id(vars(os)[name]): f"writes to a file descriptor (os.{name}; no audit event announces it): what it writes"
+        " would be written again"
+        for name in DESCRIPTOR_WRITES
+        if name in vars(os)
+    },
 }
 """Callables, by identity (whatever name the code binds them to), whose use reaches beyond the objects a replay saves
 and puts back, and what using each does."""
