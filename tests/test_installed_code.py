@@ -10,34 +10,20 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from installed_values import installed
 from torch import nn
 
 from lightning_vram.prediction.containment.installed import Installed, installed_refusal, installed_user_code
 from lightning_vram.prediction.containment.user_code import is_user_file
 
 HERE = Path(__file__).name
-MISSING = object()
-
-
-@contextlib.contextmanager
-def installed(holder: Any, name: str, value: Any) -> Iterator[None]:
-    """``value`` set as ``holder.name``, its own entry put back after (or removed)."""
-    own = vars(holder).get(name, MISSING)
-    setattr(holder, name, value)
-    try:
-        yield
-    finally:
-        if own is MISSING:
-            delattr(holder, name)
-        else:
-            setattr(holder, name, own)
 
 
 def linear(*args: Any, **kwargs: Any) -> Any:

@@ -12,10 +12,9 @@ compares exactly, the user's counter included.
 from __future__ import annotations
 
 import builtins
-import contextlib
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import PATHS, Case, assert_untouched
+from installed_values import installed
 from models import Classifier, dataset_for, linear_net, loader
 from torch import nn
 
@@ -31,8 +31,6 @@ from lightning_vram.prediction.timing import checkpoint_ops, host
 
 CALLS = {"count": 0}
 """How often the user's installed functions ran: reset by each run's ``build``, read back by its ``observe``."""
-
-MISSING = object()
 
 
 def counted(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,20 +46,6 @@ def counted(original: Callable[..., Any]) -> Callable[..., Any]:
 def counting_print(*args: Any, **kwargs: Any) -> None:
     """The user's ``print``: counts, prints nothing."""
     CALLS["count"] += 1
-
-
-@contextlib.contextmanager
-def installed(holder: Any, name: str, function: Callable[..., Any]) -> Iterator[None]:
-    """``function`` set as ``holder.name`` (a module's or a class's), its own entry put back after (or removed)."""
-    own = vars(holder).get(name, MISSING)
-    setattr(holder, name, function)
-    try:
-        yield
-    finally:
-        if own is MISSING:
-            delattr(holder, name)
-        else:
-            setattr(holder, name, own)
 
 
 class AddsOne(Classifier):
