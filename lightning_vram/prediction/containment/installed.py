@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_vram.prediction.containment.plain_reads import instance_dict
-from lightning_vram.prediction.containment.user_code import is_user_class, is_user_file
+from lightning_vram.prediction.containment.user_code import accessor_functions, is_user_class, is_user_file
 
 NAMESPACES = (
     "torch",
@@ -116,14 +116,7 @@ def _user_functions(cls: type) -> list[types.FunctionType]:
     found = []
     for klass in cls.__mro__[:-1]:  # ``object``'s are C's
         for name, attribute in list(vars(klass).items()):
-            kind = type(attribute)
-            if issubclass(kind, (staticmethod, classmethod)):
-                candidates: tuple[Any, ...] = (attribute.__func__,)
-            elif issubclass(kind, property):
-                candidates = (attribute.fget, attribute.fset, attribute.fdel)
-            else:
-                candidates = (attribute,)
-            for candidate in candidates:
+            for candidate in accessor_functions(attribute):
                 for _ in range(8):  # a chain of decorators, never a cycle
                     if not issubclass(type(candidate), types.FunctionType):
                         break

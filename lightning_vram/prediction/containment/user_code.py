@@ -61,6 +61,19 @@ _HEAP_TYPE = 1 << 9
 """``Py_TPFLAGS_HEAPTYPE``: a class made by a ``class`` statement or ``type(...)``, not one of C's static types."""
 
 
+def accessor_functions(attribute: Any) -> tuple[Any, ...]:
+    """What a class attribute runs: a static or class method's function, a property's accessors, else itself.
+
+    Tested on ``type(attribute)``: an ``isinstance`` would read a user object's ``__class__``.
+    """
+    kind = type(attribute)
+    if issubclass(kind, (staticmethod, classmethod)):
+        return (attribute.__func__,)
+    if issubclass(kind, property):
+        return (attribute.fget, attribute.fset, attribute.fdel)
+    return (attribute,)
+
+
 def _own_functions(cls: type) -> Iterator[types.FunctionType]:
     """The functions ``cls`` defines itself (methods, static and class methods, properties' accessors), unwrapped.
 
@@ -72,13 +85,7 @@ def _own_functions(cls: type) -> Iterator[types.FunctionType]:
     """
     prefix = f"{cls.__qualname__}."
     for attribute in list(vars(cls).values()):
-        if isinstance(attribute, (staticmethod, classmethod)):
-            candidates: tuple[Any, ...] = (attribute.__func__,)
-        elif isinstance(attribute, property):
-            candidates = (attribute.fget, attribute.fset, attribute.fdel)
-        else:
-            candidates = (attribute,)
-        for candidate in candidates:
+        for candidate in accessor_functions(attribute):
             innermost = None
             for _ in range(8):  # a chain of decorators, never a cycle
                 if not isinstance(candidate, types.FunctionType):
