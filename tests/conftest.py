@@ -77,6 +77,27 @@ def replays_off_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest
     yield
 
 
+@pytest.fixture(autouse=True)
+def figures_off_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Runs a test trains publish their reports without figures unless the test asks for them.
+
+    Drawing a report's figures is the costliest part of a run's end (matplotlib lays out every text of each one):
+    170 s of the suite's 1,459 s of test time (2,531 figures; 2026-11-28), in tests that read none of them. A test
+    that reads a run's figures (TensorBoard images, the HTML page's, a logger's) asks with ``@pytest.mark.figures``;
+    the tests of the figures themselves call the drawing functions directly. A run without figures publishes as one
+    with nothing to draw: every scalar, text and file, the page without its images.
+    Fixtures of a wider scope than the test are built before this one is: their runs draw figures.
+    ``LIGHTNING_VRAM_TEST_FIGURES=all`` draws them in every test (the whole suite as users run it, slowly).
+    """
+    if request.node.get_closest_marker("figures") or os.environ.get("LIGHTNING_VRAM_TEST_FIGURES") == "all":
+        yield
+        return
+    from lightning_vram.session import sinks  # on first use, as the tests of the package's imports need
+
+    monkeypatch.setattr(sinks, "report_pngs", lambda report: {})
+    yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first: those that start processes, then those that replay, then the rest (each file's tests
     stay together and in order); what the collection saw kept in ``config.stash`` (:mod:`collected`).

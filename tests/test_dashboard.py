@@ -76,6 +76,7 @@ def test_a_layout_of_the_user_is_merged_with_the_monitor_s(tmp_path: Path, user_
     assert custom_scalars_tab(Path(logger.log_dir)) == {**USER_TAB, **monitor_tab(events_of(Path(logger.log_dir)))}
 
 
+@pytest.mark.figures
 def test_figures_are_images_in_tensorboard(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     _, log_dir = tensorboard_run
     events = events_of(log_dir / MONITOR_RUN)  # the monitor's own run: a write of its own never stops the logger's
@@ -174,6 +175,7 @@ class PageParser(HTMLParser):
             self.module_cells.append(data)
 
 
+@pytest.mark.figures
 def test_html_page_is_self_contained_and_complete(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     monitor, log_dir = tensorboard_run
     report = monitor.report
@@ -261,6 +263,7 @@ def test_report_round_trips_through_json(tensorboard_run: tuple[VramMonitor, Pat
     assert read.ended_with == "KeyError: 'labels'" and read.to_dict() == failed.to_dict()
 
 
+@pytest.mark.figures
 def test_html_page_puts_the_headline_and_advice_first(tensorboard_run: tuple[VramMonitor, Path]) -> None:
     monitor, log_dir = tensorboard_run
     report = monitor.report

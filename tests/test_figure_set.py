@@ -64,6 +64,7 @@ def published(directory: Path | None, publishers: list[Publisher]) -> None:
     )
 
 
+@pytest.mark.figures
 def test_each_figure_is_drawn_once_for_the_page_and_every_publisher(tmp_path: Path, drawn: list[Figure]) -> None:
     first, second = Images(), Images()
     published(tmp_path, [first, Scalars(), second])

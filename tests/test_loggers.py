@@ -116,6 +116,7 @@ def wandb_run(root: Path) -> tuple[VramMonitor, Path]:
     return monitor, run_dir
 
 
+@pytest.mark.figures
 @pytest.mark.replay  # the figures published include memory during one step, drawn from the replay; the advice too
 @pytest.mark.usefixtures("wandb_offline")
 def test_wandb_offline_run_holds_scalars_figures_advice_files_tags_and_peak(tmp_path: Path) -> None:
@@ -169,6 +170,7 @@ def mlflow_run(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[VramMonitor
     return fit(root, logger), logger
 
 
+@pytest.mark.figures
 @pytest.mark.replay  # the figures published include memory during one step, drawn from the replay; the advice too
 def test_mlflow_run_holds_scalars_figures_advice_files_and_tags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -209,6 +211,7 @@ def test_two_mlflow_runs_in_one_store_keep_two_reports(tmp_path: Path, monkeypat
 # ----------------------------------------------------------------------------------------------- Comet
 
 
+@pytest.mark.figures
 @pytest.mark.replay  # the figures published include memory during one step, drawn from the replay; the advice too
 def test_comet_offline_archive_holds_scalars_figures_advice_assets_and_tags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -323,6 +326,7 @@ class Failing(Recording):
         raise OSError("disk full")
 
 
+@pytest.mark.figures
 @pytest.mark.replay  # the figures published include memory during one step, drawn from the replay; the advice too
 def test_a_session_publishes_to_its_publishers_and_one_that_fails_is_switched_off(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 4))
@@ -362,6 +366,7 @@ def test_a_session_publishes_to_its_publishers_and_one_that_fails_is_switched_of
     assert any(item.what == "publishing to failing" for item in report.not_measured)
 
 
+@pytest.mark.figures
 @pytest.mark.usefixtures("wandb_offline")
 def test_with_wandb_and_tensorboard_each_gets_everything_and_the_files_are_written_once(tmp_path: Path) -> None:
     import wandb

@@ -135,6 +135,7 @@ class Elements(HTMLParser):
             self._cell.append(data)
 
 
+@pytest.mark.figures
 def test_hostile_names_in_html_figures_and_console_stay_text(hostile_run: tuple[VramMonitor, Path]) -> None:
     monitor, log_dir = hostile_run
     report = monitor.report
@@ -172,6 +173,7 @@ def test_the_modules_figure_stays_bounded_with_many_long_names() -> None:
     assert png_bytes(figure).startswith(b"\x89PNG")
 
 
+@pytest.mark.figures
 def test_a_name_with_a_lone_surrogate_is_written_and_read_back(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from models import FLOAT32, PARAMETER_COUNTS, cnn_net, dataset_for, loader
@@ -29,6 +30,7 @@ class ClassicModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
+@pytest.mark.figures
 def test_pytorch_lightning_trainer(tmp_path: Path) -> None:
     monitor = VramMonitor(attribution_start_step=1, console_summary=False)
     logger = TensorBoardLogger(tmp_path, name="classic")

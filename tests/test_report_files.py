@@ -216,6 +216,7 @@ def memory_url() -> Iterator[str]:
         filesystem.rm(f"/{name}", recursive=True)
 
 
+@pytest.mark.figures
 def test_a_remote_logger_gets_the_report_through_its_filesystem(
     tmp_path: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

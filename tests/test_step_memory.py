@@ -196,6 +196,7 @@ def test_without_a_simulated_advice_the_figure_has_one_panel(advised_run: tuple[
     assert step_memory_figure(replace(report, simulation=None)) is None
 
 
+@pytest.mark.figures
 def test_the_html_report_and_tensorboard_carry_the_figure(advised_run: tuple[Report, Path]) -> None:
     report, log_dir = advised_run
     page = render_html(report)
