@@ -100,7 +100,19 @@ class _Expandable:
 class _Block:
     """A run of device memory: handed out, cached (free, mapped) or, in an expandable segment, unmapped."""
 
-    __slots__ = ("address", "allocated", "expandable", "gc_base", "mapped", "next", "prev", "size", "small", "stream")
+    __slots__ = (
+        "address",
+        "allocated",
+        "expandable",
+        "gc_base",
+        "key",
+        "mapped",
+        "next",
+        "prev",
+        "size",
+        "small",
+        "stream",
+    )
 
     def __init__(
         self, address: int, size: int, stream: int, small: bool, expandable: _Expandable | None = None
@@ -113,15 +125,15 @@ class _Block:
         self.allocated = False
         self.mapped = True
         self.gc_base = 0
+        self.key = (0, 0, 0)
+        """Its place among cached blocks while cached: torch's ``BlockComparatorSize`` (stream, size, address).
+
+        Set by :meth:`_Pool.insert`: a cached block's stream, size and address do not change until it is removed."""
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
-
-    def key(self) -> tuple[int, int, int]:
-        """Its place among cached blocks: torch's ``BlockComparatorSize`` (stream, size, address)."""
-        return (self.stream, self.size, self.address)
 
 
 class _Pool:
@@ -139,12 +151,12 @@ class _Pool:
 
     def insert(self, block: _Block) -> None:
         block.gc_base = self.searches
-        key = block.key()
+        key = block.key = (block.stream, block.size, block.address)
         insort(self.keys, key)
         self.blocks[key] = block
 
     def remove(self, block: _Block) -> None:
-        key = block.key()
+        key = block.key
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
 
@@ -197,6 +209,8 @@ class CachingAllocatorModel:
             None if threshold is None or memory_fraction_bytes is None else int(threshold * memory_fraction_bytes)
         )
         self._max_split = self.settings.max_split_size_bytes
+        self._plain_rounding = all(divisions <= 1 for divisions in self.settings.roundup_power2_divisions)
+        """Whether every request is rounded to 512 bytes only (no power-of-two divisions, torch's default)."""
         self._small = _Pool(small=True)
         self._large = _Pool(small=False)
         self._live: dict[int, _Block] = {}
@@ -283,12 +297,13 @@ class CachingAllocatorModel:
         """
         if block in self._live or block in self._empty:
             raise ValueError(f"block {block!r} is already allocated")
-        if size < 0:
-            raise ValueError(f"size must be a number of bytes >= 0, got {size!r}")
-        if size == 0:
+        if size <= 0:
+            if size < 0:
+                raise ValueError(f"size must be a number of bytes >= 0, got {size!r}")
             self._empty.add(block)
             return
-        rounded = self.round_size(size)
+        # round_size, inline where it is 512-byte rounding alone (the simulator's hot path)
+        rounded = -(-size // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES if self._plain_rounding else self.round_size(size)
         pool = self._small if rounded <= SMALL_REQUEST_BYTES else self._large
         found = self._get_free_block(pool, rounded, stream)
         if found is None:
@@ -309,21 +324,24 @@ class CachingAllocatorModel:
         found.allocated = True
         self._live[block] = found
         self._allocated += found.size
-        self._peak_allocated = max(self._peak_allocated, self._allocated)
+        if self._allocated > self._peak_allocated:
+            self._peak_allocated = self._allocated
 
     def free(self, block: int) -> None:
         """Return ``block`` to the cache, merged with its free neighbours. ValueError for a block not live."""
-        if block in self._empty:
+        freed = self._live.pop(block, None)
+        if freed is None:  # a block is live or empty (0 bytes), never both
+            if block not in self._empty:
+                raise ValueError(f"block {block!r} is not allocated")
             self._empty.discard(block)
             return
-        freed = self._live.pop(block, None)
-        if freed is None:
-            raise ValueError(f"block {block!r} is not allocated")
         freed.allocated = False
         self._allocated -= freed.size
         pool = self._small if freed.small else self._large
-        self._merge(freed, freed.prev, pool)
-        self._merge(freed, freed.next, pool)
+        if freed.prev is not None:
+            self._merge(freed, freed.prev, pool)
+        if freed.next is not None:
+            self._merge(freed, freed.next, pool)
         pool.insert(freed)
 
     def empty_cache(self) -> None:
@@ -352,9 +370,12 @@ class CachingAllocatorModel:
             pool.searches += 1
         keys = pool.keys
         index = bisect_left(keys, (stream, rounded, -1))
-        if index == len(keys) or keys[index][0] != stream:
+        if index == len(keys):
             return None
-        candidate = pool.blocks[keys[index]]
+        key = keys[index]
+        if key[0] != stream:
+            return None
+        candidate = pool.blocks[key]
         # A block at the mapped end of an expandable segment counts as large as it could grow: prefer one that is not.
         while candidate.expandable is not None and index + 1 < len(keys) and keys[index + 1][0] == stream:
             following = pool.blocks[keys[index + 1]]
@@ -393,7 +414,8 @@ class CachingAllocatorModel:
             address = self._bottom_address
             self._bottom_address += allocation
         self._reserved += allocation
-        self._peak_reserved = max(self._peak_reserved, self._reserved)
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
         self._segments += 1
         self._device_allocs += 1
         return _Block(address, allocation, stream, pool.small)

@@ -89,18 +89,21 @@ def serve(
     model = CachingAllocatorModel(settings, max(capacity_bytes, 1))
     unseen = unseen_bytes or {}
     phase: Phase | None = None
+    malloc, free = model.malloc, model.free  # bound once: this loop is the fit table search's hot path
     try:
         for event in allocations:
             if isinstance(event, Phase):
                 if phase is not None and unseen.get(phase, 0) > 0:
-                    model.free(UNSEEN_BLOCK)
+                    free(UNSEEN_BLOCK)
                 phase = event
                 if unseen.get(phase, 0) > 0:
-                    model.malloc(UNSEEN_BLOCK, unseen[phase])
-            elif event[0] == "malloc":
-                model.malloc(event[1], event[2], event[3])
+                    malloc(UNSEEN_BLOCK, unseen[phase])
             else:
-                model.free(event[1])
+                kind, block, size, stream = event
+                if kind == "malloc":
+                    malloc(block, size, stream)
+                else:
+                    free(block)
     except SimulatedOutOfMemory as error:
         shortfall = Shortfall(
             phase, error.requested_bytes, error.allocation_bytes, error.allocated_bytes, error.reserved_bytes
