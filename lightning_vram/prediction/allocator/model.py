@@ -103,9 +103,9 @@ class _Block:
     __slots__ = (
         "address",
         "allocated",
+        "entry",
         "expandable",
         "gc_base",
-        "key",
         "mapped",
         "next",
         "prev",
@@ -125,40 +125,43 @@ class _Block:
         self.allocated = False
         self.mapped = True
         self.gc_base = 0
-        self.key = (0, 0, 0)
-        """Its place among cached blocks while cached: torch's ``BlockComparatorSize`` (stream, size, address).
-
-        Set by :meth:`_Pool.insert`: a cached block's stream, size and address do not change until it is removed."""
         self.prev: _Block | None = None
         self.next: _Block | None = None
+
+    entry: _Entry
+    """Its place among cached blocks, set by :meth:`_Pool.insert` (a cached block's stream, size and address do not
+    change until it is taken out of the pool)."""
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
 
+_Entry = tuple[int, int, int, _Block]
+"""A cached block's place in its pool, (stream, size, address, block): torch's ``BlockComparatorSize`` (stream, size,
+address) and the block (never compared: no two cached blocks share an address)."""
+
+
 class _Pool:
     """Cached blocks of one pool, ordered as torch orders them, and its unmapped expandable ranges."""
 
-    __slots__ = ("blocks", "keys", "searches", "small", "unmapped")
+    __slots__ = ("entries", "searches", "small", "unmapped")
 
     def __init__(self, small: bool) -> None:
         self.small = small
-        self.keys: list[tuple[int, int, int]] = []
-        self.blocks: dict[tuple[int, int, int], _Block] = {}
+        self.entries: list[_Entry] = []
+        """The cached blocks, in torch's order."""
         self.unmapped: list[_Block] = []
         self.searches = 0
         """``get_free_blocks_call_count``: searches of this pool while garbage collection is on (a block's age)."""
 
     def insert(self, block: _Block) -> None:
         block.gc_base = self.searches
-        key = block.key = (block.stream, block.size, block.address)
-        insort(self.keys, key)
-        self.blocks[key] = block
+        entry = block.entry = (block.stream, block.size, block.address, block)
+        insort(self.entries, entry)
 
     def remove(self, block: _Block) -> None:
-        key = block.key
-        del self.keys[bisect_left(self.keys, key)]
-        del self.blocks[key]
+        entries = self.entries
+        del entries[bisect_left(entries, block.entry)]
 
     def add_unmapped(self, block: _Block) -> None:
         self.unmapped.append(block)
@@ -310,7 +313,7 @@ class CachingAllocatorModel:
             if self._gc_bytes is not None:
                 self._garbage_collect(self._gc_bytes)
             found = self._alloc_with_retries(pool, size, rounded, stream)
-        if self._should_split(found, rounded):
+        if found.size - rounded >= MIN_BLOCK_BYTES and self._should_split(found, rounded):  # no call for a whole fit
             remaining = found
             found = _Block(remaining.address, rounded, stream, pool.small, remaining.expandable)
             found.prev = remaining.prev
@@ -338,10 +341,11 @@ class CachingAllocatorModel:
         freed.allocated = False
         self._allocated -= freed.size
         pool = self._small if freed.small else self._large
-        if freed.prev is not None:
-            self._merge(freed, freed.prev, pool)
-        if freed.next is not None:
-            self._merge(freed, freed.next, pool)
+        before, after = freed.prev, freed.next
+        if before is not None and not before.allocated:
+            self._merge(freed, before, pool)
+        if after is not None and not after.allocated:
+            self._merge(freed, after, pool)
         pool.insert(freed)
 
     def empty_cache(self) -> None:
@@ -368,17 +372,17 @@ class CachingAllocatorModel:
         """The cached block torch's ``get_free_block`` takes, removed from the pool; None when none fits."""
         if self._gc_bytes is not None:
             pool.searches += 1
-        keys = pool.keys
-        index = bisect_left(keys, (stream, rounded, -1))
-        if index == len(keys):
+        entries = pool.entries
+        index = bisect_left(entries, (stream, rounded, -1))
+        if index == len(entries):
             return None
-        key = keys[index]
-        if key[0] != stream:
+        entry = entries[index]
+        if entry[0] != stream:
             return None
-        candidate = pool.blocks[key]
+        candidate = entry[3]
         # A block at the mapped end of an expandable segment counts as large as it could grow: prefer one that is not.
-        while candidate.expandable is not None and index + 1 < len(keys) and keys[index + 1][0] == stream:
-            following = pool.blocks[keys[index + 1]]
+        while candidate.expandable is not None and index + 1 < len(entries) and entries[index + 1][0] == stream:
+            following = entries[index + 1][3]
             if _expandable_size(following) >= _expandable_size(candidate):
                 break
             index += 1
@@ -389,7 +393,7 @@ class CachingAllocatorModel:
                 return None
             if rounded >= max_split and candidate.size >= rounded + self.settings.max_non_split_rounding_bytes:
                 return None
-        pool.remove(candidate)
+        del entries[index]  # pool.remove(candidate), at the index the search found it
         return candidate
 
     def _should_split(self, block: _Block, rounded: int) -> bool:
@@ -430,7 +434,7 @@ class CachingAllocatorModel:
             return
         target = self._reserved - threshold_bytes
         pool = self._large
-        freeable = [block for block in pool.blocks.values() if not block.is_split() and block.expandable is None]
+        freeable = [entry[3] for entry in pool.entries if not entry[3].is_split() and entry[3].expandable is None]
         total_age = sum(pool.searches - block.gc_base for block in freeable)
         count = len(freeable)
         reclaimed = 0
@@ -438,8 +442,7 @@ class CachingAllocatorModel:
         while reclaimed < target and freed and count > 0:
             threshold_age = total_age / count
             freed = False
-            for key in list(pool.keys):
-                block = pool.blocks[key]
+            for *_, block in list(pool.entries):
                 age = pool.searches - block.gc_base
                 if not block.is_split() and block.expandable is None and age >= threshold_age:
                     freed = True
@@ -454,16 +457,16 @@ class CachingAllocatorModel:
         if max_split is None:
             return False
         wanted = max(rounded, max_split)
-        keys = pool.keys
-        index = bisect_left(keys, (stream, wanted, -1))
-        if index < len(keys) and keys[index][0] == stream:
-            return self._release_block(pool, pool.blocks[keys[index]])
+        entries = pool.entries
+        index = bisect_left(entries, (stream, wanted, -1))
+        if index < len(entries) and entries[index][0] == stream:
+            return self._release_block(pool, entries[index][3])
         if index == 0:
             return False
         released = 0
         index -= 1
         while released < wanted and index >= 0:
-            block = pool.blocks[keys[index]]
+            block = entries[index][3]
             if block.size < max_split or block.stream != stream or not self._release_block(pool, block):
                 break
             released += block.size
@@ -484,8 +487,7 @@ class CachingAllocatorModel:
         """Torch's ``release_cached_blocks``: every whole cached segment freed, every free expandable page unmapped."""
         for pool in (self._large, self._small):
             to_unmap: list[_Block] = []
-            for key in list(pool.keys):
-                block = pool.blocks[key]
+            for *_, block in list(pool.entries):
                 if block.expandable is not None:
                     to_unmap.append(block)
                 elif not block.is_split():
