@@ -71,6 +71,12 @@ class AffineSteps:
         self._base = base
         self._slope = slope
         self._shape = _shape(template)[0]
+        self._mallocs = tuple(
+            (position, event[1], event[3])
+            for position, event in enumerate(template)
+            if not isinstance(event, Phase) and event[0] == "malloc"
+        )
+        """Each malloc's position in the template, block and stream, in order (as ``base`` and ``slope``)."""
 
     @classmethod
     def fit(
@@ -104,14 +110,14 @@ class AffineSteps:
 
     def at(self, batch_size: int) -> AllocationSequence | None:
         """The step's allocation sequence at ``batch_size``; ``None`` where a size would be negative."""
-        sizes = self.sizes(batch_size)
-        if sizes is None:
-            return None
-        mallocs = iter(sizes)
-        return tuple(
-            event if isinstance(event, Phase) or event[0] != "malloc" else (event[0], event[1], next(mallocs), event[3])
-            for event in self._template
-        )
+        offset = batch_size - self._batch_size
+        events = list(self._template)
+        for (position, block, stream), base, slope in zip(self._mallocs, self._base, self._slope, strict=True):
+            size = base + slope * offset
+            if size < 0:
+                return None
+            events[position] = ("malloc", block, size, stream)
+        return tuple(events)
 
     def agrees(self, sequence: AllocationSequence, batch_size: int) -> bool:
         """Whether a replay of ``batch_size`` has this structure and exactly the sizes the law gives there."""
