@@ -31,7 +31,7 @@ from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.calibration import unseen_at
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, PhasePeaks, largest_batches_that_fit
 from lightning_vram.prediction.replay.served_range import ServedRange, served_range
-from lightning_vram.prediction.replay.serves import serve
+from lightning_vram.prediction.replay.serves import ServingMemo, serve
 from lightning_vram.prediction.replay.simulation import BUDGET_RAN_OUT, Replays
 from lightning_vram.prediction.replay.synthesis import AffineSteps
 from lightning_vram.records import AllocationSequence, BatchSizeChange, FitRow, Phase, ReplayedStep, SavingBasis
@@ -119,8 +119,9 @@ def _allocator_rows(
     """
     capacities = [capacity - context_bytes for _, capacity in gpus]
     law = _law(steps, start)
+    memo = ServingMemo()  # the law's steps at every row's capacity: a batch served below one is served above it
     answers = [
-        None if law is None else _synthesized_answers(law, served, start, settings, unseen_bytes)
+        None if law is None else _synthesized_answers(law, served, start, settings, unseen_bytes, memo)
         for served in capacities
     ]
     checked = law is not None and _largest_confirmed(steps, law, answers, capacities, start, settings, unseen_bytes)
@@ -168,26 +169,33 @@ expandable segments (the same where the run has them), and the row's note on gap
 
 
 def _synthesized_answers(
-    law: AffineSteps, served_bytes: int, start: int, run: AllocatorSettings, unseen_bytes: Mapping[Phase, int] | None
+    law: AffineSteps,
+    served_bytes: int,
+    start: int,
+    run: AllocatorSettings,
+    unseen_bytes: Mapping[Phase, int] | None,
+    memo: ServingMemo | None = None,
 ) -> Answer | None:
     """One GPU's answers searched on synthesized sequences from ``start`` (no replay); ``None`` where none is found.
 
-    ``served_bytes``: the bytes the allocator may hold there.
+    ``served_bytes``: the bytes the allocator may hold there; ``memo``: the law's servings (shared by the rows).
     """
     expandable = replace(run, expandable_segments=True)
     # The search's bound is checked first: a card the step never outgrows costs one serve, any other a bisection;
     # then every batch below the answer down to the run's is checked (serving is not monotone in the batch).
-    found = largest_served(law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE, run_batch=start)
+    found = largest_served(
+        law.at, run, served_bytes, start, unseen_bytes, ceiling=MAX_BATCH_SIZE, run_batch=start, memo=memo
+    )
     if found is None:
         return None
-    ranges = [served_range(law.at, run, served_bytes, start, found, unseen_bytes)]
+    ranges = [served_range(law.at, run, served_bytes, start, found, unseen_bytes, memo)]
     if run != expandable:
         found = largest_served(
-            law.at, expandable, served_bytes, found, unseen_bytes, ceiling=MAX_BATCH_SIZE, run_batch=start
+            law.at, expandable, served_bytes, found, unseen_bytes, ceiling=MAX_BATCH_SIZE, run_batch=start, memo=memo
         )
         if found is None:
             return None
-        ranges.append(served_range(law.at, expandable, served_bytes, start, found, unseen_bytes))
+        ranges.append(served_range(law.at, expandable, served_bytes, start, found, unseen_bytes, memo))
     return ranges[0].largest, ranges[-1].largest, _gaps_note(ranges)
 
 
@@ -441,6 +449,7 @@ def largest_served(
     limit: int = MAX_BATCH_SIZE,
     ceiling: int | None = None,
     run_batch: int | None = None,
+    memo: ServingMemo | None = None,
 ) -> int | None:
     """The largest batch from 1 to ``limit`` whose step the simulated allocator serves at ``capacity_bytes``.
 
@@ -448,14 +457,18 @@ def largest_served(
     (doubling) until the answer is bracketed, then bisects: a right guess costs its own check and the next batch's.
     ``ceiling``: a batch above ``guess`` likely not served; checked first where ``guess`` is served, it brackets
     the answer at once (striding resumes above it where it is served). ``run_batch``: the batch ``unseen_bytes``
-    were measured at (they grow in proportion above it, :func:`unseen_at`).
+    were measured at (they grow in proportion above it, :func:`unseen_at`). ``memo``: the search's servings (a
+    batch served or not there already is not simulated again).
     """
 
     def served(size: int) -> bool | None:
         sequence = allocations(size)
         if sequence is None:
             return None
-        return serve(sequence, settings, capacity_bytes, unseen_at(unseen_bytes or {}, run_batch, size)).served
+        unseen = unseen_at(unseen_bytes or {}, run_batch, size)
+        if memo is None:
+            return serve(sequence, settings, capacity_bytes, unseen).served
+        return memo.serve(size, sequence, settings, capacity_bytes, unseen).served
 
     guess = min(max(guess, 1), limit)
     fits = served(guess)

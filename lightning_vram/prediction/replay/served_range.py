@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.calibration import unseen_at
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE
-from lightning_vram.prediction.replay.serves import serve
+from lightning_vram.prediction.replay.serves import ServingMemo, serve
 from lightning_vram.records import AllocationSequence, Phase
 
 SCAN_EVENTS = 50_000
@@ -71,6 +71,7 @@ def served_range(
     start: int,
     found: int,
     unseen_bytes: Mapping[Phase, int] | None = None,
+    memo: ServingMemo | None = None,
 ) -> ServedRange:
     """The largest batch with every batch from ``start`` (the run's) to it served at ``capacity_bytes``.
 
@@ -78,6 +79,7 @@ def served_range(
     a batch the bisection found served; ``unseen_bytes``: measured at ``start``, carried in proportion above it
     (:func:`unseen_at`). Scans down from ``found`` to ``start`` (1 where ``found`` is below it) while
     :data:`SCAN_EVENTS` allows; not at all where ``found`` is the search's bound (the module's docstring).
+    ``memo``: the search's servings (a batch served or not there already is not simulated again).
     """
     if found >= MAX_BATCH_SIZE:
         return ServedRange(found, found, (), found)
@@ -90,10 +92,16 @@ def served_range(
         if sequence is not None and events + len(sequence) > SCAN_EVENTS:
             break
         checked_from = size
-        if (
-            sequence is None
-            or not serve(sequence, settings, capacity_bytes, unseen_at(unseen_bytes or {}, start, size)).served
-        ):
+        if sequence is None:
+            unserved.append(size)
+            continue
+        unseen = unseen_at(unseen_bytes or {}, start, size)
+        serving = (
+            serve(sequence, settings, capacity_bytes, unseen)
+            if memo is None
+            else memo.serve(size, sequence, settings, capacity_bytes, unseen)
+        )
+        if not serving.served:
             unserved.append(size)
             continue
         events += len(sequence)

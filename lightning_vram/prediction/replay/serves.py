@@ -85,6 +85,16 @@ def serve(
     >>> serve(step, AllocatorSettings(), -2**20).served  # a device smaller than what is kept outside the allocator
     False
     """
+    return _simulated(allocations, settings, capacity_bytes, unseen_bytes)[0]
+
+
+def _simulated(
+    allocations: AllocationSequence,
+    settings: AllocatorSettings,
+    capacity_bytes: int,
+    unseen_bytes: Mapping[Phase, int] | None,
+) -> tuple[Serving, bool]:
+    """:func:`serve`, and whether the capacity never refused a request (:attr:`CachingAllocatorModel.refusals`)."""
     # A capacity of 0 or less (a device smaller than the CUDA context): the first request fails.
     model = CachingAllocatorModel(settings, max(capacity_bytes, 1))
     unseen = unseen_bytes or {}
@@ -108,8 +118,62 @@ def serve(
         shortfall = Shortfall(
             phase, error.requested_bytes, error.allocation_bytes, error.allocated_bytes, error.reserved_bytes
         )
-        return Serving(capacity_bytes, model.peak_reserved_bytes, shortfall)
-    return Serving(capacity_bytes, model.peak_reserved_bytes, None)
+        return Serving(capacity_bytes, model.peak_reserved_bytes, shortfall), False
+    return Serving(capacity_bytes, model.peak_reserved_bytes, None), model.refusals == 0
+
+
+_Unseen = tuple[tuple[Phase, int], ...]
+"""A phase's unseen bytes as a memo's key: (phase, bytes) pairs, in order."""
+
+
+class ServingMemo:
+    """One search's servings of a step by batch size, each simulated once (bytes as :func:`serve`'s).
+
+    The memo keys on the batch, not on its sequence: a batch's sequence must be the same at every call (the fit
+    table's synthesized steps are). Without expandable segments, a step served with no request refused
+    (:attr:`CachingAllocatorModel.refusals`) is served alike, with the same reserved peak, at any capacity at least
+    that peak: there it is not simulated again.
+
+    >>> memo, step = ServingMemo(), (("malloc", 1, 3 * 2**20, 0),)
+    >>> memo.serve(8, step, AllocatorSettings(), 40 * 2**20, {}).reserved_peak_bytes, memo.simulations
+    (20971520, 1)
+    >>> memo.serve(8, step, AllocatorSettings(), 30 * 2**20, {}).capacity_bytes, memo.simulations  # at least 20 MiB
+    (31457280, 1)
+    >>> memo.serve(8, step, AllocatorSettings(), 10 * 2**20, {}).served, memo.simulations
+    (False, 2)
+    """
+
+    def __init__(self) -> None:
+        self._servings: dict[tuple[AllocatorSettings, int, _Unseen, int], Serving] = {}
+        self._unrefused: dict[tuple[AllocatorSettings, int, _Unseen], int] = {}
+        """The reserved peak of a batch's step served with no request refused (no expandable segments), by settings,
+        batch and unseen bytes."""
+        self.simulations = 0
+        """Steps run through the allocator's model."""
+
+    def serve(
+        self,
+        batch_size: int,
+        allocations: AllocationSequence,
+        settings: AllocatorSettings,
+        capacity_bytes: int,
+        unseen_bytes: Mapping[Phase, int],
+    ) -> Serving:
+        """:func:`serve` on ``allocations``, the step of ``batch_size``: simulated where no earlier serving answers."""
+        unseen = tuple(sorted(unseen_bytes.items()))
+        step, at_capacity = (settings, batch_size, unseen), (settings, batch_size, unseen, capacity_bytes)
+        known = self._servings.get(at_capacity)
+        if known is not None:
+            return known
+        peak = self._unrefused.get(step)
+        if peak is not None and capacity_bytes >= peak:
+            return Serving(capacity_bytes, peak, None)
+        self.simulations += 1
+        serving, unrefused = _simulated(allocations, settings, capacity_bytes, unseen_bytes)
+        self._servings[at_capacity] = serving
+        if unrefused and not settings.expandable_segments:
+            self._unrefused[step] = serving.reserved_peak_bytes
+        return serving
 
 
 def serves_step(
