@@ -119,7 +119,7 @@ def _allocator_rows(
     """
     capacities = [capacity - context_bytes for _, capacity in gpus]
     law = _law(steps, start)
-    memo = ServingMemo()  # the law's steps at every row's capacity: a batch served below one is served above it
+    memo = ServingMemo()  # the law's servings at every row's capacity: each simulated once, some reused above
     answers = [
         None if law is None else _synthesized_answers(law, served, start, settings, unseen_bytes, memo)
         for served in capacities
@@ -458,17 +458,16 @@ def largest_served(
     ``ceiling``: a batch above ``guess`` likely not served; checked first where ``guess`` is served, it brackets
     the answer at once (striding resumes above it where it is served). ``run_batch``: the batch ``unseen_bytes``
     were measured at (they grow in proportion above it, :func:`unseen_at`). ``memo``: the search's servings (a
-    batch served or not there already is not simulated again).
+    batch served or not there already is not simulated again; default: this search's own).
     """
+    servings = ServingMemo() if memo is None else memo
 
     def served(size: int) -> bool | None:
         sequence = allocations(size)
         if sequence is None:
             return None
         unseen = unseen_at(unseen_bytes or {}, run_batch, size)
-        if memo is None:
-            return serve(sequence, settings, capacity_bytes, unseen).served
-        return memo.serve(size, sequence, settings, capacity_bytes, unseen).served
+        return servings.serve(size, sequence, settings, capacity_bytes, unseen).served
 
     guess = min(max(guess, 1), limit)
     fits = served(guess)

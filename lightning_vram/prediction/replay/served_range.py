@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.replay.calibration import unseen_at
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE
-from lightning_vram.prediction.replay.serves import ServingMemo, serve
+from lightning_vram.prediction.replay.serves import ServingMemo
 from lightning_vram.records import AllocationSequence, Phase
 
 SCAN_EVENTS = 50_000
@@ -79,8 +79,10 @@ def served_range(
     a batch the bisection found served; ``unseen_bytes``: measured at ``start``, carried in proportion above it
     (:func:`unseen_at`). Scans down from ``found`` to ``start`` (1 where ``found`` is below it) while
     :data:`SCAN_EVENTS` allows; not at all where ``found`` is the search's bound (the module's docstring).
-    ``memo``: the search's servings (a batch served or not there already is not simulated again).
+    ``memo``: the search's servings (a batch served or not there already is not simulated again; default: the scan's
+    own).
     """
+    servings = ServingMemo() if memo is None else memo
     if found >= MAX_BATCH_SIZE:
         return ServedRange(found, found, (), found)
     low = start if start <= found else 1
@@ -96,12 +98,7 @@ def served_range(
             unserved.append(size)
             continue
         unseen = unseen_at(unseen_bytes or {}, start, size)
-        serving = (
-            serve(sequence, settings, capacity_bytes, unseen)
-            if memo is None
-            else memo.serve(size, sequence, settings, capacity_bytes, unseen)
-        )
-        if not serving.served:
+        if not servings.serve(size, sequence, settings, capacity_bytes, unseen).served:
             unserved.append(size)
             continue
         events += len(sequence)
