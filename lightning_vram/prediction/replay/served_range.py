@@ -26,8 +26,9 @@ from lightning_vram.records import AllocationSequence, Phase
 
 SCAN_EVENTS = 50_000
 """Most allocator events (mallocs, frees and phase marks, over all batches) one row's scan runs through the model:
-about 0.2 s at the model's 3-4 µs an event, unloaded, 3 s for a fit table's 14 rows and settings. Every batch of a
-range whose sequences fit it is checked (docs/allocator-model.md weighs the budget)."""
+about 0.2 s at the model's 3-4 µs an event as first measured (about 1.3 times less since), unloaded, 3 s for a fit
+table's 14 rows and settings. Every batch of a range whose sequences fit it is checked (docs/allocator-model.md
+weighs the budget)."""
 
 
 @dataclass(frozen=True)
