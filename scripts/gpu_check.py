@@ -35,6 +35,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import xml.etree.ElementTree as ElementTree
@@ -655,36 +656,81 @@ import json, sys
 sys.path.insert(0, "scripts")
 import gpu_check
 from lightning_vram import predict
-case = next(case for case in gpu_check.cases({dry_run}) if case.name == {name!r})
-data = case.inputs(case.batch_size)
-batch = list(data) if isinstance(data, tuple) else [data]  # as the DataLoader of Training.fit collates it
-prediction = predict(case.build(), batch, precision=case.precision, device_type="cuda", fit_table=False)
-print("DEVICELESS " + json.dumps(prediction.to_dict()))
+for case in gpu_check.cases({dry_run}):
+    try:
+        data = case.inputs(case.batch_size)
+        batch = list(data) if isinstance(data, tuple) else [data]  # as the DataLoader of Training.fit collates it
+        prediction = predict(case.build(), batch, precision=case.precision, device_type="cuda", fit_table=False)
+        found = {{"step": prediction.to_dict()["step"]}}
+    except Exception as error:  # one model's failure is its row's; the others are still predicted
+        found = {{"error": f"{{type(error).__name__}}: {{error}}"[:200]}}
+    print("DEVICELESS " + json.dumps({{"case": case.name, **found}}), flush=True)
 """
-"""``predict()`` for CUDA in a process that sees no CUDA device: the case's step replayed as a laptop would."""
+"""``predict()`` for CUDA in a process that sees no CUDA device: each case's step replayed as a laptop would, one
+line a case as it is predicted."""
 
 
-def deviceless_rows(case: Case, simulation: Any, budget: Budget, dry_run: bool) -> list[Row]:
-    """``predict()`` for CUDA where no device is visible (``CUDA_VISIBLE_DEVICES=""``), against the allocator.
+class Deviceless:
+    """Every case predicted for CUDA in one process that sees no device (``CUDA_VISIBLE_DEVICES=""``).
+
+    Started as the models' section begins, beside the GPU's work (its replays take only host time): one interpreter's
+    imports for the three models where each model started its own, and each model reads its line when its rows need
+    it, waiting at most its own budget.
+    """
+
+    def __init__(self, dry_run: bool) -> None:
+        env = dict(environment(), CUDA_VISIBLE_DEVICES="")
+        code = DEVICELESS_PREDICT.format(dry_run=dry_run)
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._found: dict[str, dict[str, Any]] = {}
+        self._ended = threading.Event()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_errors, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.startswith("DEVICELESS "):
+                found = json.loads(line.removeprefix("DEVICELESS "))
+                self._found[found.pop("case")] = found
+        self._process.wait()
+        self._ended.set()
+
+    def _read_errors(self) -> None:
+        assert self._process.stderr is not None
+        self._stderr.extend(self._process.stderr)
+
+    def step(self, name: str, budget: Budget) -> dict[str, Any] | str:
+        """The case's predicted step (``Prediction.to_dict()["step"]``), or why there is none."""
+        while name not in self._found and not self._ended.is_set() and not budget.spent():
+            self._ended.wait(min(budget.left(), 0.2))
+        found = self._found.get(name)
+        if found is None:
+            if not self._ended.is_set():
+                return "timed out: budget spent"
+            return f"no prediction (exit {self._process.returncode}): {''.join(self._stderr)[-300:]}"
+        return found["step"] if "step" in found else f"no prediction: {found['error']}"
+
+    def stop(self) -> None:
+        """End the process if it still runs (the budget ran out before every case was predicted)."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
+def deviceless_rows(case: Case, simulation: Any, deviceless: Deviceless, budget: Budget, dry_run: bool) -> list[Row]:
+    """``predict()`` for CUDA where no device is visible (:class:`Deviceless`), against the allocator.
 
     Without a device the replay emulates CUDA's dropout and attention kernels (lightning_vram/prediction/replay/
     cuda_kernels.py); each phase's predicted allocated peak is set against the monitored fit's measured one.
     """
     section = case.name
-    env = dict(environment(), CUDA_VISIBLE_DEVICES="")
-    code = DEVICELESS_PREDICT.format(dry_run=dry_run, name=case.name)
-    try:
-        run = subprocess.run(
-            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget.left()
-        )
-    except subprocess.TimeoutExpired:
-        return [Row(section, "predict without the device", outcome="timed out: budget spent")]
-    line = next((line for line in run.stdout.splitlines() if line.startswith("DEVICELESS ")), None)
-    step = json.loads(line.removeprefix("DEVICELESS "))["step"] if line is not None else None
-    if step is None:
-        return [
-            Row(section, "predict without the device", outcome=f"no prediction (exit {run.returncode}): {tail(run)}")
-        ]
+    step = deviceless.step(case.name, budget)
+    if isinstance(step, str):
+        return [Row(section, "predict without the device", outcome=step)]
     calibration = getattr(simulation, "calibration", None)
     measured = {pair.phase.value: pair.measured_allocated_bytes for pair in calibration.phases} if calibration else {}
     rows = []
@@ -881,8 +927,13 @@ def preflight_rows(case: Case, training: Training, best: int | None, budget: Bud
     return rows
 
 
-def model_rows(case: Case, seconds: float, dry_run: bool, traces: Path | None = None) -> list[Row]:
-    """Every row of one model, within ``seconds``; a row that raises is printed as its error and the rest goes on."""
+def model_rows(
+    case: Case, seconds: float, dry_run: bool, deviceless: Deviceless, traces: Path | None = None
+) -> list[Row]:
+    """Every row of one model, within ``seconds``; a row that raises is printed as its error and the rest goes on.
+
+    ``deviceless``: the models' predictions without the device, read for this one's rows.
+    """
     budget = Budget(seconds)
     training = Training(case, dry_run)
     rows: list[Row] = []
@@ -897,7 +948,7 @@ def model_rows(case: Case, seconds: float, dry_run: bool, traces: Path | None = 
         return found
 
     steps.append(("per-phase peaks", calibration))
-    steps.append(("predict without the device", lambda: deviceless_rows(case, simulation, budget, dry_run)))
+    steps.append(("predict without the device", lambda: deviceless_rows(case, simulation, deviceless, budget, dry_run)))
     steps.append(("largest batch", lambda: batch_rows(case, training, simulation, budget, dry_run, traces)))
     steps.append(
         (
@@ -997,11 +1048,15 @@ def main() -> None:
         publish()
     if "models" not in arguments.skip:
         models = cases(dry_run)
-        for index, case in enumerate(models):
-            left = total - (time.monotonic() - started)
-            share = MODEL_WEIGHTS[index] / sum(MODEL_WEIGHTS[index:])
-            rows += model_rows(case, max(left * share, 1.0), dry_run, arguments.traces)
-            publish()
+        deviceless = Deviceless(dry_run)
+        try:
+            for index, case in enumerate(models):
+                left = total - (time.monotonic() - started)
+                share = MODEL_WEIGHTS[index] / sum(MODEL_WEIGHTS[index:])
+                rows += model_rows(case, max(left * share, 1.0), dry_run, deviceless, arguments.traces)
+                publish()
+        finally:
+            deviceless.stop()
     print(table())
     publish()
 
