@@ -107,3 +107,52 @@ def test_a_user_cache_that_grew_with_a_fake_tensor_is_cleared_and_one_that_did_n
             _MODES.clear()
     assert _cached.cache_info().currsize == 0  # cleared by the check: no error raised
     assert _untouched.cache_info().currsize == 1 and _untouched(4) is kept
+
+
+@functools.lru_cache(maxsize=1)
+def _full(size: int) -> torch.Tensor:
+    """A cache of the user's that is full before the round: the replay's entry takes the place of the old one."""
+    return _fake(_MODES[0]) if _MODES else torch.zeros(size)
+
+
+@functools.cache
+def _keyed(tensor: torch.Tensor) -> int:
+    """A cache of the user's whose key is the tensor it is called with (a fake one in the replay)."""
+    return tensor.dim()
+
+
+def test_a_full_cache_whose_entry_the_replay_replaced_and_a_cache_keyed_by_a_fake_tensor_are_cleared() -> None:
+    # The first holds as many entries after the round as before it (no growth to see); the second holds its fake
+    # tensor as an argument, not in a result.
+    _full.cache_clear()
+    _keyed.cache_clear()
+    _full(4)
+    kept = _untouched(8)
+    with round_of_replays():
+        mode = FakeTensorMode()
+        register(mode)
+        _MODES.append(mode)
+        try:
+            _full(8)
+            _keyed(_fake(mode))
+        finally:
+            _MODES.clear()
+    assert _full.cache_info().currsize == 0 and _keyed.cache_info().currsize == 0
+    assert _untouched(8) is kept
+
+
+def test_a_fake_tensor_held_by_a_cache_and_by_a_list_of_the_user_s_is_still_an_escape() -> None:
+    # Clearing the cache lets go of the cache's reference only: the list still holds the tensor.
+    _keyed.cache_clear()
+    held: list[torch.Tensor] = []
+
+    def replay_that_keeps_its_tensor_twice() -> None:
+        with round_of_replays():
+            mode = FakeTensorMode()
+            register(mode)
+            held.append(_fake(mode))
+            _keyed(held[0])
+
+    with pytest.raises(ReplayEscapeError, match="1 fake tensor"):
+        replay_that_keeps_its_tensor_twice()
+    assert _keyed.cache_info().currsize == 0 and isinstance(held[0], FakeTensor)

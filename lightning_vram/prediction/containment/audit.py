@@ -26,7 +26,7 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 PROBE = "lightning_vram.replay.probe"
@@ -160,8 +160,13 @@ class _Watch(threading.local):
 _WATCH = _Watch()
 
 
-def _hook(event: str, args: tuple[Any, ...], watch: _Watch = _WATCH) -> None:
-    """The process's audit hook: outside a replay on this thread, one thread-local read."""
+def _hook(event: str, args: tuple[Any, ...], watch: _Watch = _WATCH, refused: Mapping[str, Any] = REFUSED) -> None:
+    """The process's audit hook: for an event never refused (``builtins.id``, thousands a replay), one dict lookup.
+
+    Else, outside a replay on this thread, one thread-local read more.
+    """
+    if event not in refused:
+        return
     calls = watch.refused
     if calls is None:
         return

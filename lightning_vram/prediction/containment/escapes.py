@@ -2,10 +2,11 @@
 
 Everything a replay creates (its copy of the module, its batch, its tensors) is garbage once it returns. A fake
 tensor still alive after a full garbage collection is held by something outside: a cache, a list, an attribute the
-user's code wrote to. The user's ``functools.lru_cache`` functions that grew during the round are cleared then (a
-cache recomputes what it lost; the replay gives the caches it finds fresh ones, so this is for those it could not
-find); anything else cannot be undone from here, and :func:`check_no_escape` raises so that the caller turns
-replays off.
+user's code wrote to. The user's ``functools.lru_cache`` functions that hold one of them (as a result, in one, or as
+an argument) are cleared then (a cache recomputes what it lost; the replay gives the caches it finds fresh ones, so
+this is for those it could not find); anything else cannot be undone from here, and :func:`check_no_escape` raises
+so that the caller turns replays off. Nothing is noted as a round begins: the caches are looked for only when a fake
+tensor is found.
 
 The objects alive when a round begins cannot be its fake tensors: :func:`round_of_replays` freezes them
 (``gc.freeze``, where nothing of the process is frozen already), so that the check's collection and scan see only
@@ -21,19 +22,22 @@ import functools
 import gc
 import types
 import weakref
+from collections import deque
 from collections.abc import Iterator
-from typing import Any
+
+import torch
 
 from lightning_vram.prediction.containment.user_code import is_user_file
 from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
 
 _MODES: weakref.WeakSet[FakeTensorMode] = weakref.WeakSet()
-_CACHE_SIZES: dict[int, tuple[weakref.ref[Any], int]] = {}
-"""The user's ``lru_cache`` functions and their sizes when the round of replays began."""
 _FROZEN: list[bool] = []
 """Holds ``True`` while the objects alive when the round began are frozen by it (``gc.freeze``)."""
-_ROUND: list[bool] = []
-"""Holds ``True`` while the body of :func:`round_of_replays` runs (its caches were noted as it began)."""
+_CACHE_WALK_LIMIT = 100_000
+"""The most objects :func:`_holds` visits from one cache; a cache holding more is taken to hold a fake tensor."""
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType)
+"""What :func:`_holds` does not walk into: the cached function, its module and classes (their globals are not the
+cache's)."""
 
 
 class ReplayEscapeError(RuntimeError):
@@ -71,20 +75,8 @@ def _user_caches() -> list[functools._lru_cache_wrapper[object]]:
 
 
 def register(mode: FakeTensorMode) -> None:
-    """Watch ``mode``'s fake tensors in the next :func:`check_no_escape`.
-
-    The first call outside :func:`round_of_replays` (which did it as it began) notes the sizes of the user's caches.
-    """
-    if not _MODES and not _ROUND:
-        _note_caches()
+    """Watch ``mode``'s fake tensors in the next :func:`check_no_escape`."""
     _MODES.add(mode)
-
-
-def _note_caches() -> None:
-    """Note the user's caches and their sizes now."""
-    _CACHE_SIZES.clear()
-    for cache in _user_caches():
-        _CACHE_SIZES[id(cache)] = (weakref.ref(cache), cache.cache_info().currsize)
 
 
 def _unfreeze() -> None:
@@ -97,9 +89,7 @@ def _unfreeze() -> None:
 def forget() -> None:
     """End a round of replays without checking (it raised: replays are turned off anyway)."""
     _unfreeze()
-    _ROUND.clear()
     _MODES.clear()
-    _CACHE_SIZES.clear()
 
 
 def _escaped() -> list[FakeTensor]:
@@ -110,18 +100,27 @@ def _escaped() -> list[FakeTensor]:
     return [item for item in found if item.fake_mode in _MODES]
 
 
-def _grown_caches() -> list[Any]:
-    """The user's caches that hold more entries than when the round began (a fake tensor may be among them).
+def _holds(cache: functools._lru_cache_wrapper[object], tensors: set[int]) -> bool:
+    """Whether ``cache`` holds one of ``tensors`` (their ``id``), as an argument or in a result, however deep.
 
-    An entry's result is held by a link object the garbage collector does not track, so which cache holds a given
-    tensor cannot be asked; a cache that grew during the round is cleared instead.
+    An entry is held by a link object the garbage collector does not track, so ``gc.get_referrers`` of a tensor
+    never names its cache; the cache's own traversal (``gc.get_referents``) visits every entry's key and result. The
+    walk stops at tensors, classes, modules and functions; past :data:`_CACHE_WALK_LIMIT` objects the cache is taken
+    to hold one (clearing a cache loses nothing its function cannot compute again).
     """
-    grown = []
-    for cache in _user_caches():
-        reference, size = _CACHE_SIZES.get(id(cache), (None, 0))
-        if (reference is None or reference() is cache) and cache.cache_info().currsize > size:
-            grown.append(cache)
-    return grown
+    seen: set[int] = set()
+    pending = deque(gc.get_referents(cache))
+    while pending:
+        item = pending.popleft()
+        if id(item) in tensors:
+            return True
+        if id(item) in seen or isinstance(item, (torch.Tensor, *_NOT_WALKED)):
+            continue
+        if len(seen) >= _CACHE_WALK_LIMIT:
+            return True
+        seen.add(id(item))
+        pending.extend(gc.get_referents(item))
+    return False
 
 
 def _holders(tensor: FakeTensor) -> str:
@@ -131,10 +130,10 @@ def _holders(tensor: FakeTensor) -> str:
 def check_no_escape() -> None:
     """Raise :class:`ReplayEscapeError` if a fake tensor of a replay since the last check is still held somewhere.
 
-    Fake tensors in a ``functools.lru_cache`` of the user's that grew during the round are removed by clearing that
-    cache first. Costs a collection and a scan of what the round made, where the round froze what came before it
-    (:func:`round_of_replays`); else, and where a fake tensor is found, one full garbage collection and two scans of the
-    collector's objects (about 0.3 s in a process that imported transformers).
+    Fake tensors in a ``functools.lru_cache`` of the user's are removed by clearing that cache first. Costs a
+    collection and a scan of what the round made, where the round froze what came before it
+    (:func:`round_of_replays`); else, and where a fake tensor is found, one full garbage collection, two scans of the
+    collector's objects (about 0.3 s in a process that imported transformers) and a walk of each of the user's caches.
     """
     try:
         escaped = _escaped()
@@ -143,9 +142,11 @@ def check_no_escape() -> None:
             _unfreeze()
             escaped = _escaped()
         if escaped:
-            for cache in _grown_caches():
-                cache.cache_clear()
-            del escaped
+            held = {id(tensor) for tensor in escaped}
+            for cache in _user_caches():
+                if _holds(cache, held):
+                    cache.cache_clear()
+            del escaped, held
             escaped = _escaped()
         if escaped:
             raise ReplayEscapeError(
@@ -160,11 +161,9 @@ def check_no_escape() -> None:
 def round_of_replays() -> Iterator[None]:
     """Replays run in the body; when it ends normally, :func:`check_no_escape` (an error passes through unchecked).
 
-    As it begins, the user's caches are noted and every object alive is frozen (unless the process has frozen some
-    itself: their freezing is left as it is); unfrozen as it ends, whatever happens.
+    As it begins, every object alive is frozen (unless the process has frozen some itself: their freezing is left as
+    it is); unfrozen as it ends, whatever happens.
     """
-    _note_caches()
-    _ROUND.append(True)
     if gc.get_freeze_count() == 0:
         gc.freeze()
         _FROZEN.append(True)

@@ -134,8 +134,11 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
+    sharded = sharded_live(module)
+    if not sharded:
+        _fake_parameters(module, mode, memo)
     with FakeCopyMode(mode), without_user_hooks():
-        unsharding = Unsharding(module, mode) if sharded_live(module) else None
+        unsharding = Unsharding(module, mode) if sharded else None
         if unsharding is not None:
             unsharding.fill(memo)
         copied = copy.deepcopy(module, memo)
@@ -152,6 +155,40 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
         if callable(getattr(child, "log_dict", None)):
             child.log_dict = _no_logging  # type: ignore[assignment]  # an instance attribute of the copy only
     return copied, memo
+
+
+def _fake_parameters(module: nn.Module, mode: FakeTensorMode, memo: dict[int, Any]) -> None:
+    """Put in ``memo`` the fake copy of each of the module's plain parameters that owns its storage, without a fake op.
+
+    ``Parameter.__deepcopy__`` under the fake copy mode makes the fake of a view of the parameter, clones it and
+    detaches the clone (two ops through the fake mode: about 0.4 ms of a parameter's 0.5 ms). For an
+    ``nn.Parameter`` (not a subclass) on the CPU or a GPU, dense, contiguous and filling a storage no other parameter
+    or buffer of the module shares, the fake of its view is that clone already: the same shape, strides, dtype and
+    device, a storage of its own. It is made a leaf parameter with the real one's ``requires_grad``, as the clone is.
+    Any other parameter (or one ``memo`` holds already) is copied by ``deepcopy``.
+    """
+    tensors = [*module.parameters(), *module.buffers()]
+    owners: dict[int, int] = {}
+    for tensor in tensors:
+        key = storage_key(tensor)
+        owners[key] = owners.get(key, 0) + 1
+    for parameter in module.parameters():
+        if (
+            type(parameter) is not nn.Parameter
+            or id(parameter) in memo
+            or parameter.device.type not in ("cpu", "cuda")
+            or parameter.layout != torch.strided
+            or parameter.is_quantized
+            or not parameter.is_contiguous()
+            or parameter.storage_offset() != 0
+            or parameter.untyped_storage().nbytes() != parameter.numel() * parameter.element_size()
+            or owners[storage_key(parameter)] != 1
+        ):
+            continue
+        fake = mode.from_tensor(parameter.data, static_shapes=True)
+        fake.requires_grad_(parameter.requires_grad)
+        fake._is_param = True  # what nn.Parameter makes of a tensor subclass: isinstance(fake, nn.Parameter)
+        memo[id(parameter)] = fake
 
 
 def _fake_scripted(real: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> None:
