@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_vram._version import __version__
+from lightning_vram.render.json_text import indented_json
 from lightning_vram.render.markup import printable
 from lightning_vram.units import format_bytes, parse_size
 
@@ -377,7 +378,7 @@ def _show(arguments: argparse.Namespace) -> None:
     if arguments.json:
         from lightning_vram.codec import report_to_dict
 
-        _print(json.dumps(report_to_dict(report), indent=2), sys.stdout)
+        _print(indented_json(report_to_dict(report)), sys.stdout)
         return
     from lightning_vram.render.files import MARKDOWN_FILENAME
     from lightning_vram.render.text import DETAILS, summary_text

@@ -26,6 +26,7 @@ from lightning_vram import Report, VramMonitor
 from lightning_vram.exceptions import VramMonitorWarning
 from lightning_vram.render import files as files_module
 from lightning_vram.render.html import render_html
+from lightning_vram.render.json_text import indented_json
 from lightning_vram.render.text import markdown
 
 
@@ -133,7 +134,7 @@ def test_a_disk_that_fills_up_part_way_leaves_no_truncated_file(
     before = {name: (tmp_path / name).read_bytes() for name in FILES}
     session = plain_run(None, steps=3)
     assert session.report is not None
-    new_json = (json.dumps(session.report.to_dict(), indent=2) + "\n").encode()
+    new_json = (indented_json(session.report.to_dict()) + "\n").encode()
     monkeypatch.setattr(files_module, "os", FileSystemProxy(write_budget=len(new_json) + 1000))
     with pytest.raises(files_module.FilesNotWritten) as failure:
         files_module.write_report_files(session.report, tmp_path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import secrets
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from lightning_vram.records import OomDiagnosis, Report
+from lightning_vram.render.json_text import indented_json
 from lightning_vram.render.text import markdown, oom_markdown
 
 JSON_FILENAME = "vram_report.json"
@@ -191,7 +191,7 @@ def write_report_files(report: Report, directory: Location, pngs: Mapping[str, b
     write_files(
         directory,
         [
-            (JSON_FILENAME, _text(lambda: json.dumps(report.to_dict(), indent=2) + "\n")),
+            (JSON_FILENAME, _text(lambda: indented_json(report.to_dict()) + "\n")),
             (MARKDOWN_FILENAME, _text(lambda: markdown(report))),
             (HTML_FILENAME, _text(lambda: _html(report, pngs))),
         ],
@@ -219,7 +219,7 @@ def write_diagnosis(diagnosis: OomDiagnosis, directory: Location, world_size: in
     write_files(
         directory,
         [
-            (f"{stem}.json", _text(lambda: json.dumps(data, indent=2) + "\n")),
+            (f"{stem}.json", _text(lambda: indented_json(data) + "\n")),
             (f"{stem}.md", _text(lambda: oom_markdown(diagnosis))),
         ],
     )
