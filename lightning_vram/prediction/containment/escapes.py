@@ -34,7 +34,8 @@ _MODES: weakref.WeakSet[FakeTensorMode] = weakref.WeakSet()
 _FROZEN: list[bool] = []
 """Holds ``True`` while the objects alive when the round began are frozen by it (``gc.freeze``)."""
 _CACHE_WALK_LIMIT = 100_000
-"""The most objects :func:`_holds` visits from one cache; a cache holding more is taken to hold a fake tensor."""
+"""The most objects :func:`_holds` visits from one cache; a cache holding more is kept (the check raises where the
+fake tensor is still held)."""
 _NOT_WALKED = (type, types.ModuleType, types.FunctionType)
 """What :func:`_holds` does not walk into: the cached function, its module and classes (their globals are not the
 cache's)."""
@@ -105,8 +106,10 @@ def _holds(cache: functools._lru_cache_wrapper[object], tensors: set[int]) -> bo
 
     An entry is held by a link object the garbage collector does not track, so ``gc.get_referrers`` of a tensor
     never names its cache; the cache's own traversal (``gc.get_referents``) visits every entry's key and result. The
-    walk stops at tensors, classes, modules and functions; past :data:`_CACHE_WALK_LIMIT` objects the cache is taken
-    to hold one (clearing a cache loses nothing its function cannot compute again).
+    walk stops at tensors, classes, modules and functions, and skips what the collector does not track (strings,
+    numbers, containers of them only: none can hold a tensor). Past :data:`_CACHE_WALK_LIMIT` objects the cache is
+    taken to hold none: clearing a cache is seen (its function runs again, maybe drawing random numbers, and gives
+    new objects), so only one found to hold a fake tensor is cleared.
     """
     seen: set[int] = set()
     pending = deque(gc.get_referents(cache))
@@ -114,10 +117,10 @@ def _holds(cache: functools._lru_cache_wrapper[object], tensors: set[int]) -> bo
         item = pending.popleft()
         if id(item) in tensors:
             return True
-        if id(item) in seen or isinstance(item, (torch.Tensor, *_NOT_WALKED)):
+        if id(item) in seen or not gc.is_tracked(item) or isinstance(item, (torch.Tensor, *_NOT_WALKED)):
             continue
         if len(seen) >= _CACHE_WALK_LIMIT:
-            return True
+            return False
         seen.add(id(item))
         pending.extend(gc.get_referents(item))
     return False

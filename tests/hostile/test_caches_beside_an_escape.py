@@ -1,0 +1,75 @@
+"""The user's ``lru_cache`` functions when a replay's fake tensor escaped into one of them: only the caches that hold
+one are cleared.
+
+Clearing a cache is not invisible: its function runs again (drawing from the global generator, here), its results
+are new objects, its ``cache_info`` changes. The check walks each cache's entries to find the escaped tensors; a
+cache whose walk met more than its limit of objects (100,000) was taken to hold one and cleared, so a cache of 120,000
+strings or records, filled before the round and untouched by it, was cleared beside the one that held the tensor.
+The walk counts only what the collector tracks (a string cannot hold a tensor): a cache holding the escaped tensor
+beside 120,000 strings is still found, and cleared.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_vram.prediction.containment.escapes import register, round_of_replays
+from lightning_vram.prediction.replay._fake import FakeTensorMode
+
+_MODES: list[FakeTensorMode] = []
+"""The mode of the replay running now (none outside one)."""
+ENTRIES = 120_000
+
+
+@dataclass
+class Nested:
+    """A result of the user's that holds its tensor deep down, in a cycle."""
+
+    parts: dict[str, list[Any]] = field(default_factory=dict)
+    me: Any = None
+
+
+@functools.lru_cache(maxsize=8)
+def _filled(size: int) -> Nested:
+    """A cache the replay fills: a fake tensor, nested beside a table of strings, while a replay runs."""
+    with _MODES[0] if _MODES else torch.device("cpu"):
+        tensor = torch.empty(size)
+    nested = Nested({"table": [f"token{index}" for index in range(ENTRIES)], "deep": [[(tensor,)]]})
+    nested.me = nested
+    return nested
+
+
+@functools.cache
+def _vocabulary() -> tuple[dict[str, int], torch.Tensor]:
+    """Filled before the round: a table of strings, and a random embedding drawn from the global generator."""
+    return {f"token{index}": index for index in range(ENTRIES)}, torch.randn(4)
+
+
+@functools.cache
+def _records() -> tuple[list[list[int]], torch.Tensor]:
+    """Filled before the round: many small records, and a random tensor drawn from the global generator."""
+    return [[index] for index in range(ENTRIES)], torch.randn(4)
+
+
+def test_only_the_cache_holding_the_escaped_tensor_is_cleared() -> None:
+    for cache in (_filled, _vocabulary, _records):
+        cache.cache_clear()
+    torch.manual_seed(0)
+    vocabulary, records = _vocabulary(), _records()
+    generator = torch.get_rng_state()
+    with round_of_replays():
+        mode = FakeTensorMode()
+        register(mode)
+        _MODES.append(mode)
+        try:
+            _filled(4)
+        finally:
+            _MODES.clear()
+    assert _filled.cache_info().currsize == 0  # the escape, cleared: no error raised
+    assert _vocabulary.cache_info().currsize == 1 and _vocabulary() is vocabulary
+    assert _records.cache_info().currsize == 1 and _records() is records
+    assert torch.equal(torch.get_rng_state(), generator)  # neither function ran again
