@@ -6,7 +6,8 @@ are new objects, its ``cache_info`` changes. The check walks each cache's entrie
 cache whose walk met more than its limit of objects (100,000) was taken to hold one and cleared, so a cache of 120,000
 strings or records, filled before the round and untouched by it, was cleared beside the one that held the tensor.
 The walk counts only what the collector tracks (a string cannot hold a tensor): a cache holding the escaped tensor
-beside 120,000 strings is still found, and cleared.
+beside 120,000 strings is still found, and cleared. Nor does the walk run the user's code: it asked each object its
+``__class__`` (``isinstance``), which a lazy proxy answers by resolving itself (here it raises, and the check with it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from lightning_vram.prediction.replay._fake import FakeTensorMode
 _MODES: list[FakeTensorMode] = []
 """The mode of the replay running now (none outside one)."""
 ENTRIES = 120_000
+ASKED: list[str] = []
+"""What the user's lazy proxy was asked."""
 
 
 @dataclass
@@ -49,6 +52,22 @@ def _vocabulary() -> tuple[dict[str, int], torch.Tensor]:
     return {f"token{index}": index for index in range(ENTRIES)}, torch.randn(4)
 
 
+class LazyProxy:
+    """Stands for an object made on first use (as ``lazy_object_proxy`` or werkzeug's ``LocalProxy`` do): asking its
+    ``__class__`` resolves it, here outside the context it needs."""
+
+    @property  # type: ignore[misc]  # a proxy's __class__ is its target's
+    def __class__(self) -> type:
+        ASKED.append("__class__")
+        raise RuntimeError("working outside of the request context")
+
+
+@functools.cache
+def _proxies() -> list[LazyProxy]:
+    """Filled before the round: an object of the user's that must not be asked its class."""
+    return [LazyProxy()]
+
+
 @functools.cache
 def _records() -> tuple[list[list[int]], torch.Tensor]:
     """Filled before the round: many small records, and a random tensor drawn from the global generator."""
@@ -56,10 +75,10 @@ def _records() -> tuple[list[list[int]], torch.Tensor]:
 
 
 def test_only_the_cache_holding_the_escaped_tensor_is_cleared() -> None:
-    for cache in (_filled, _vocabulary, _records):
+    for cache in (_filled, _vocabulary, _records, _proxies):
         cache.cache_clear()
     torch.manual_seed(0)
-    vocabulary, records = _vocabulary(), _records()
+    vocabulary, records, proxies = _vocabulary(), _records(), _proxies()
     generator = torch.get_rng_state()
     with round_of_replays():
         mode = FakeTensorMode()
@@ -73,3 +92,4 @@ def test_only_the_cache_holding_the_escaped_tensor_is_cleared() -> None:
     assert _vocabulary.cache_info().currsize == 1 and _vocabulary() is vocabulary
     assert _records.cache_info().currsize == 1 and _records() is records
     assert torch.equal(torch.get_rng_state(), generator)  # neither function ran again
+    assert _proxies() is proxies and ASKED == []

@@ -117,8 +117,8 @@ def _holds(cache: functools._lru_cache_wrapper[object], tensors: set[int]) -> bo
         item = pending.popleft()
         if id(item) in tensors:
             return True
-        if id(item) in seen or not gc.is_tracked(item) or isinstance(item, (torch.Tensor, *_NOT_WALKED)):
-            continue
+        if id(item) in seen or not gc.is_tracked(item) or issubclass(type(item), (torch.Tensor, *_NOT_WALKED)):
+            continue  # type(): never a __class__ of the user's (a lazy proxy's resolves its target)
         if len(seen) >= _CACHE_WALK_LIMIT:
             return False
         seen.add(id(item))
