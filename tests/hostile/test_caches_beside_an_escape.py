@@ -8,6 +8,8 @@ strings or records, filled before the round and untouched by it, was cleared bes
 The walk counts only what the collector tracks (a string cannot hold a tensor): a cache holding the escaped tensor
 beside 120,000 strings is still found, and cleared. Nor does the walk run the user's code: it asked each object its
 ``__class__`` (``isinstance``), which a lazy proxy answers by resolving itself (here it raises, and the check with it).
+A cache whose entry holds the other cache (a tokenizer keeping a cached helper) was cleared too where the walk reached
+it first: clearing it lets go of nothing the other cache holds.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_vram.prediction.containment.escapes import register, round_of_replays
+from lightning_vram.prediction.containment.escapes import _holds, register, round_of_replays
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 
 _MODES: list[FakeTensorMode] = []
@@ -34,6 +36,19 @@ class Nested:
 
     parts: dict[str, list[Any]] = field(default_factory=dict)
     me: Any = None
+
+
+class Tokenizer:
+    """An object of the user's that keeps a cached helper (the cache that holds the escaped tensor)."""
+
+    def __init__(self) -> None:
+        self.helper = _filled
+
+
+@functools.cache
+def _tokenizer(name: str) -> Tokenizer:
+    """Filled before the round, listed before ``_filled``: its entry reaches the other cache, not its entries."""
+    return Tokenizer()
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,10 +90,10 @@ def _records() -> tuple[list[list[int]], torch.Tensor]:
 
 
 def test_only_the_cache_holding_the_escaped_tensor_is_cleared() -> None:
-    for cache in (_filled, _vocabulary, _records, _proxies):
+    for cache in (_filled, _vocabulary, _records, _proxies, _tokenizer):
         cache.cache_clear()
     torch.manual_seed(0)
-    vocabulary, records, proxies = _vocabulary(), _records(), _proxies()
+    vocabulary, records, proxies, tokenizer = _vocabulary(), _records(), _proxies(), _tokenizer("gpt2")
     generator = torch.get_rng_state()
     with round_of_replays():
         mode = FakeTensorMode()
@@ -93,3 +108,19 @@ def test_only_the_cache_holding_the_escaped_tensor_is_cleared() -> None:
     assert _records.cache_info().currsize == 1 and _records() is records
     assert torch.equal(torch.get_rng_state(), generator)  # neither function ran again
     assert _proxies() is proxies and ASKED == []
+    assert _tokenizer("gpt2") is tokenizer
+
+
+def test_a_cache_reaching_another_cache_does_not_hold_that_one_s_entries() -> None:
+    _filled.cache_clear()
+    _tokenizer.cache_clear()
+    _tokenizer("gpt2")
+    mode = FakeTensorMode()
+    _MODES.append(mode)
+    try:
+        nested = _filled(4)
+    finally:
+        _MODES.clear()
+    tensor = nested.parts["deep"][0][0][0]
+    assert _holds(_filled, {id(tensor)}) and not _holds(_tokenizer, {id(tensor)})  # in whichever order they are met
+    _filled.cache_clear()

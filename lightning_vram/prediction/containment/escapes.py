@@ -36,9 +36,10 @@ _FROZEN: list[bool] = []
 _CACHE_WALK_LIMIT = 100_000
 """The most objects :func:`_holds` visits from one cache; a cache holding more is kept (the check raises where the
 fake tensor is still held)."""
-_NOT_WALKED = (type, types.ModuleType, types.FunctionType)
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, functools._lru_cache_wrapper)
 """What :func:`_holds` does not walk into: the cached function, its module and classes (their globals are not the
-cache's)."""
+cache's), and another cache an entry holds (clearing this one would not let go of that one's entries; it is walked on
+its own)."""
 
 
 class ReplayEscapeError(RuntimeError):
