@@ -4,12 +4,14 @@ one are cleared.
 Clearing a cache is not invisible: its function runs again (drawing from the global generator, here), its results
 are new objects, its ``cache_info`` changes. The check walks each cache's entries to find the escaped tensors; a
 cache whose walk met more than its limit of objects (100,000) was taken to hold one and cleared, so a cache of 120,000
-strings or records, filled before the round and untouched by it, was cleared beside the one that held the tensor.
-The walk counts only what the collector tracks (a string cannot hold a tensor): a cache holding the escaped tensor
-beside 120,000 strings is still found, and cleared. Nor does the walk run the user's code: it asked each object its
+strings or records, filled before the round and untouched by it, was cleared beside the one that held the tensor. The
+walk counts only what the collector tracks (a string cannot hold a tensor): a cache holding the escaped tensor beside
+120,000 strings is still found, and cleared. Nor does the walk run the user's code: it asked each object its
 ``__class__`` (``isinstance``), which a lazy proxy answers by resolving itself (here it raises, and the check with it).
 A cache whose entry holds the other cache (a tokenizer keeping a cached helper) was cleared too where the walk reached
-it first: clearing it lets go of nothing the other cache holds.
+it first: clearing it lets go of nothing the other cache holds. A fake tensor held by a real one (in its attributes,
+as a tensor subclass holds its inner tensors) was not found, the walk stopping at tensors: the check raised where the
+code before it cleared the cache.
 """
 
 from __future__ import annotations
@@ -124,3 +126,26 @@ def test_a_cache_reaching_another_cache_does_not_hold_that_one_s_entries() -> No
     tensor = nested.parts["deep"][0][0][0]
     assert _holds(_filled, {id(tensor)}) and not _holds(_tokenizer, {id(tensor)})  # in whichever order they are met
     _filled.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def _padding_mask(size: int) -> torch.Tensor:
+    """A cache the replay fills with a tensor holding a fake tensor in its attributes, as a tensor subclass holds its
+    inner tensors (``torch.masked.MaskedTensor``): the outer tensor is not a fake one."""
+    mask = torch.ones(size, dtype=torch.bool)
+    with _MODES[0]:
+        mask.lengths = torch.empty(size)  # type: ignore[attr-defined]
+    return mask
+
+
+def test_a_cache_holding_a_fake_tensor_inside_a_real_one_is_cleared() -> None:
+    _padding_mask.cache_clear()
+    with round_of_replays():
+        mode = FakeTensorMode()
+        register(mode)
+        _MODES.append(mode)
+        try:
+            _padding_mask(4)
+        finally:
+            _MODES.clear()
+    assert _padding_mask.cache_info().currsize == 0  # cleared: no error raised

@@ -25,8 +25,6 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 
-import torch
-
 from lightning_vram.prediction.containment.user_code import is_user_file
 from lightning_vram.prediction.replay._fake import FakeTensor, FakeTensorMode
 
@@ -36,10 +34,11 @@ _FROZEN: list[bool] = []
 _CACHE_WALK_LIMIT = 100_000
 """The most objects :func:`_holds` visits from one cache; a cache holding more is kept (the check raises where the
 fake tensor is still held)."""
-_NOT_WALKED = (type, types.ModuleType, types.FunctionType, functools._lru_cache_wrapper)
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, functools._lru_cache_wrapper, FakeTensor)
 """What :func:`_holds` does not walk into: the cached function, its module and classes (their globals are not the
-cache's), and another cache an entry holds (clearing this one would not let go of that one's entries; it is walked on
-its own)."""
+cache's), another cache an entry holds (clearing this one would not let go of that one's entries; it is walked on
+its own), and a fake tensor not of the round (its mode reaches every tensor of that mode). Other tensors are walked:
+their Python attributes, as a tensor subclass's inner tensors (``MaskedTensor``'s), may be the round's fake ones."""
 
 
 class ReplayEscapeError(RuntimeError):
@@ -107,7 +106,7 @@ def _holds(cache: functools._lru_cache_wrapper[object], tensors: set[int]) -> bo
 
     An entry is held by a link object the garbage collector does not track, so ``gc.get_referrers`` of a tensor
     never names its cache; the cache's own traversal (``gc.get_referents``) visits every entry's key and result. The
-    walk stops at tensors, classes, modules and functions, and skips what the collector does not track (strings,
+    walk stops at :data:`_NOT_WALKED`, and skips what the collector does not track (strings,
     numbers, containers of them only: none can hold a tensor). Past :data:`_CACHE_WALK_LIMIT` objects the cache is
     taken to hold none: clearing a cache is seen (its function runs again, maybe drawing random numbers, and gives
     new objects), so only one found to hold a fake tensor is cleared.
@@ -118,7 +117,7 @@ def _holds(cache: functools._lru_cache_wrapper[object], tensors: set[int]) -> bo
         item = pending.popleft()
         if id(item) in tensors:
             return True
-        if id(item) in seen or not gc.is_tracked(item) or issubclass(type(item), (torch.Tensor, *_NOT_WALKED)):
+        if id(item) in seen or not gc.is_tracked(item) or issubclass(type(item), _NOT_WALKED):
             continue  # type(): never a __class__ of the user's (a lazy proxy's resolves its target)
         if len(seen) >= _CACHE_WALK_LIMIT:
             return False
