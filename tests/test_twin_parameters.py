@@ -57,15 +57,18 @@ def test_each_parameter_is_the_one_deepcopy_makes_with_a_storage_of_its_own(
     assert not real & set(storages)
 
 
-def test_parameters_sharing_a_storage_and_a_subclass_are_left_to_deepcopy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parameters_sharing_a_storage_get_one_each_and_a_subclass_or_a_strided_one_is_left_to_deepcopy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class Scaled(nn.Parameter):
         """A parameter subclass (as quantization libraries make): its own ``__deepcopy__`` may matter."""
 
     module = nn.Module()
     base = torch.arange(8.0)
     module.whole = nn.Parameter(base)
-    module.viewed = nn.Parameter(base.view(2, 4))  # the same storage, whole: faked directly it would be shared
+    module.viewed = nn.Parameter(base.view(2, 4))  # the same storage, as deepcopy's clones do not share it
     module.scaled = Scaled(torch.ones(3))
+    module.transposed = nn.Parameter(torch.ones(3, 5).t())  # not contiguous: clone keeps its strides
     module.plain = nn.Parameter(torch.ones(5))
     faked: list[str] = []
     original = twin._fake_parameters
@@ -77,6 +80,7 @@ def test_parameters_sharing_a_storage_and_a_subclass_are_left_to_deepcopy(monkey
 
     monkeypatch.setattr(twin, "_fake_parameters", recording)
     copied, _ = twin.fake_module(module, FakeTensorMode(allow_non_fake_inputs=True), {})
-    assert faked == ["plain"]
+    assert faked == ["whole", "viewed", "plain"]
     assert type(copied.scaled).__name__ == "FakeTensor" and isinstance(copied.scaled, nn.Parameter)
+    assert copied.transposed.stride() == (1, 5)
     assert copied.whole.untyped_storage()._cdata != copied.viewed.untyped_storage()._cdata  # as deepcopy clones them
