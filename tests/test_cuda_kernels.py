@@ -188,3 +188,39 @@ def test_a_replay_for_cuda_on_the_cpu_takes_the_optimizer_path_cuda_takes() -> N
     for phase in (Phase.FORWARD, Phase.BACKWARD):  # no dropout, no attention: only the optimizer's step differs
         assert steps[True].phases[phase] == steps[False].phases[phase]
     assert optimizer.defaults["foreach"] is None  # the user's optimizer is left as it was
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_block_checkpointed_in_a_replay_for_cuda_is_recomputed_with_cudas_kernels(reentrant: bool) -> None:
+    """Backward runs with the mode on the stack: the recomputation runs the kernels the block's forward ran.
+
+    Before, torch had taken the mode off its stack to hand it ``Tensor.backward``, and the engine ran without it:
+    non-reentrant checkpointing raised ``CheckpointError`` (the CPU's dropout and attention save other tensors than
+    CUDA's), reentrant checkpointing recomputed with the CPU's kernels.
+    """
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+    recorder = OpNames()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.empty(2, 32, 64)).requires_grad_()
+        with CudaKernels() as kernels, recorder:
+            output = torch.utils.checkpoint.checkpoint(layer, fake, use_reentrant=reentrant)
+            output.sum().backward()
+    assert kernels.kernels == {"memory-efficient attention", "native_dropout"}
+    # Forward, then the recomputation; then the kernel's own backward.
+    assert recorder.names.count("_scaled_dot_product_efficient_attention") == 2
+    assert recorder.names.count("_scaled_dot_product_efficient_attention_backward") == 1
+    assert recorder.names.count("native_dropout") == 2 * 3  # three dropouts in an encoder layer's forward
+    assert fake.grad is not None and fake.grad.shape == fake.shape
+
+
+def test_a_checkpointed_gpt2_with_sdpa_is_replayed_for_cuda_on_the_cpu() -> None:
+    """A new user's case: transformers' own checkpointing on a GPT-2 with SDPA, predicted for a GPU on a laptop."""
+    module = TinyGPT2()
+    module.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    batch = (tokens().tensors[0],)
+    checkpointed = predict(module, batch, device_type="cuda", fit_table=False)
+    assert checkpointed.step is not None, checkpointed.notes
+    whole = predict(TinyGPT2(), batch, device_type="cuda", fit_table=False)
+    assert whole.step is not None
+    # Each layer's activations are recomputed in backward instead of held from forward.
+    assert checkpointed.step.phases[Phase.FORWARD].peak_bytes < whole.step.phases[Phase.FORWARD].peak_bytes - 1024**2

@@ -78,6 +78,8 @@ def _attention(
 _FUNCTIONAL_DROPOUT = inspect.signature(_functional_dropout)
 _TORCH_DROPOUT = inspect.signature(_torch_dropout)
 _ATTENTION_SIGNATURE = inspect.signature(_attention)
+_TENSOR_BACKWARD = inspect.signature(Tensor.backward)
+_AUTOGRAD_BACKWARD = inspect.signature(torch.autograd.backward)
 
 
 def cuda_attention(
@@ -161,6 +163,8 @@ class CudaKernels(TorchFunctionMode):
         routed: tuple[Tensor, str] | None = None
         if func is F.multi_head_attention_forward:
             return self._multi_head_attention()(*args, **kwargs)
+        if func is Tensor.backward or func is torch.autograd.backward:
+            return self._backward(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             call = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
             call.apply_defaults()
@@ -193,6 +197,49 @@ class CudaKernels(TorchFunctionMode):
             copy.__kwdefaults__ = function.__kwdefaults__
             self._multi_head = copy
         return self._multi_head
+
+    def _backward(self, func: Any, args: Any, kwargs: Any) -> None:
+        """``Tensor.backward`` or ``torch.autograd.backward`` run by autograd's engine with this mode on the stack.
+
+        torch takes a mode off its stack while the mode handles a call, and backward is such a call: the engine ran
+        without this mode, so a block checkpointed in the replay recomputed with the CPU's attention and dropout where
+        its forward had run CUDA's (non-reentrant checkpointing raised ``CheckpointError``, "Number of tensors saved
+        during forward: 31 ... during recomputation: 30", for a GPT-2 with SDPA; reentrant checkpointing counted the
+        CPU's kernels in backward). The engine is entered here as ``torch.autograd.backward`` enters it, with this mode
+        pushed again. A call this does not take apart (gradient edges, ``inputs`` by name, ``grad_variables``), or a
+        torch without the engine's entry, runs as the function runs it.
+        """
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        make_grads = getattr(torch.autograd, "_make_grads", None)
+        as_tuple = getattr(torch.autograd, "_tensor_or_tensors_to_tuple", None)
+        if func is Tensor.backward:
+            call = _TENSOR_BACKWARD.bind(*args, **kwargs)
+            call.apply_defaults()
+            tensors, gradients, retain, create, inputs = call.arguments.values()
+        else:
+            call = _AUTOGRAD_BACKWARD.bind(*args, **kwargs)
+            call.apply_defaults()
+            tensors, gradients, retain, create, old_gradients, inputs = call.arguments.values()
+            if old_gradients is not None:
+                engine = None
+        tensors = (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
+        named = inputs is not None and not isinstance(inputs, tuple | list | Tensor)  # by name, or a gradient edge
+        inputs = () if inputs is None or named else (inputs,) if isinstance(inputs, Tensor) else tuple(inputs) or None
+        plain = not named and inputs is not None and all(isinstance(each, Tensor) for each in (*tensors, *inputs))
+        if engine is None or make_grads is None or as_tuple is None or not plain:
+            func(*args, **kwargs)
+            return
+        gradients = make_grads(tensors, as_tuple(gradients, len(tensors)), is_grads_batched=False)
+        with self:
+            engine.run_backward(
+                tensors,
+                gradients,
+                create if retain is None else retain,
+                create,
+                inputs,
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
 
     def _routing(self, func: Callable[..., Any]) -> Callable[..., Any]:
         """``func`` as this mode runs it."""
