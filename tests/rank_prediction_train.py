@@ -7,7 +7,8 @@ quickstart's CNN). Two optimizer steps of ACCUMULATE micro-batches each (``accum
 given); one micro-batch sampled (the monitor counts a micro-batch as a step): SAMPLED, by default the last (the
 second window's, with the optimizer step); replays off, the ranks only measure. A sampled micro-batch that does not
 step ends the run (the monitor would sample its window's stepping one too, and the report's phases would be that
-one's). Rank ``r`` writes ``rank<r>.json``: each phase's live peak and counted parts as its report has them.
+one's). Rank ``r`` writes ``rank<r>.json``: each phase's live peak and counted parts as its report has them, and of each
+live peak the bytes gloo's worker thread released late (``Record``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from forked_ranks import lightning_ranks
+from late_releases import released_late_of
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
@@ -121,18 +123,21 @@ def one_batch(name: str) -> list[torch.Tensor]:
 
 
 class Record(Callback):
-    """After the monitor's own train-end hook, in each rank's process: its report's phases."""
+    """After the monitor's own train-end hook, in each rank's process: its report's phases, and of each phase's live
+    peak the bytes gloo's worker thread released late (tests/late_releases.py)."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, monitor: VramMonitor) -> None:
         self.out = out
+        self.monitor = monitor
+        self.late = released_late_of(monitor.session)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        (monitor,) = (callback for callback in trainer.callbacks if isinstance(callback, VramMonitor))  # type: ignore[attr-defined]
-        report = monitor.report
+        report = self.monitor.report
         assert report is not None
         record = {
             phase.value: {
                 "live peak": peak.peak_bytes,
+                "released late": self.late.get(phase.value, 0),
                 "parameters": b.parameters,
                 "gradients": b.gradients,
                 "optimizer_state": b.optimizer_state,
@@ -179,7 +184,7 @@ def main() -> None:
         accumulate_grad_batches=accumulate,
         logger=False,
         default_root_dir=out,
-        callbacks=[monitor, Record(out), *([StopAfter(sampled)] if (sampled + 1) % accumulate else [])],
+        callbacks=[monitor, Record(out, monitor), *([StopAfter(sampled)] if (sampled + 1) % accumulate else [])],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

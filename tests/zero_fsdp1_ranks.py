@@ -33,6 +33,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.distributed as dist
 from forked_ranks import start_ranks
+from late_releases import released_late_of
 from torch import nn
 
 from lightning_vram import VramSession
@@ -77,13 +78,15 @@ def zero_config(stage: int, accumulate: int = 1) -> dict[str, Any]:
     }
 
 
-def record(report: Report) -> dict[str, Any]:
-    """A report's phases: each phase's peak and its breakdown's parts, in bytes."""
+def record(report: Report, late: dict[str, int]) -> dict[str, Any]:
+    """A report's phases: each phase's peak, its breakdown's parts, and of the peak the bytes gloo's worker thread
+    released late (``late``, tests/late_releases.py), in bytes."""
     phases: dict[str, Any] = {}
     for phase, peak in report.phases.items():
         breakdown = peak.breakdown
         assert breakdown is not None
-        phases[phase.value] = {"peak": peak.peak_bytes, **breakdown.to_dict()}
+        released = late.get(phase.value, 0)
+        phases[phase.value] = {"peak": peak.peak_bytes, **breakdown.to_dict(), "released late": released}
     return phases
 
 
@@ -120,6 +123,7 @@ def train(name: str, rank: int, accumulate: int) -> dict[str, Any]:
             model=model, optimizer=optimizer, config=zero_config(stage, accumulate), dist_init_required=False
         )
         measured, run, backward, step = model, engine, engine.backward, engine.step
+    late = released_late_of(session)
     session.start(measured, [optimizer], device=torch.device("cpu"), wrapper=lambda: run)
     generator = torch.Generator().manual_seed(rank)
     for index in range(STEPS * accumulate):
@@ -139,7 +143,7 @@ def train(name: str, rank: int, accumulate: int) -> dict[str, Any]:
         session.batch_end(index)
     report = session.finish(gather_ranks=False)
     assert report is not None
-    return record(report)
+    return record(report, late)
 
 
 def run_rank(rank: int, world: int, port: int, out: Path, accumulate: int) -> None:
