@@ -45,18 +45,37 @@ def _chunked_loss_peak(baseline: ReplayedStep, peak: PhasePeak, loss_bytes: int)
     gradient yet), the log-probabilities and the gradients of them and of the logits (up to ``other``) are held one
     chunk at a time; and the rest of backward, once the loss's tensors are freed, runs as it does now
     (:func:`_after_the_loss`): the phase peaks at the higher of the two. A later backward peak is left as it is. The
-    optimizer step holds none of them.
+    optimizer step holds none of them. The parts are read at the peak itself (:func:`_parts_at_peak`).
     """
     peak_bytes = baseline.reported_bytes(peak)
-    other = (peak.breakdown.other or 0) if peak.breakdown is not None else 0
+    gradients, other = _parts_at_peak(baseline, peak)
     if peak.phase is Phase.FORWARD:
         held = loss_bytes + min(loss_bytes, other)
-    elif peak.phase is Phase.BACKWARD and peak.breakdown is not None and peak.breakdown.gradients == 0:
+    elif peak.phase is Phase.BACKWARD and gradients == 0:
         held = loss_bytes + min(2 * loss_bytes, other)
         return max(peak_bytes - held + held // LOSS_CHUNKS, _after_the_loss(baseline, loss_bytes))
     else:
         return peak_bytes
     return peak_bytes - held + held // LOSS_CHUNKS
+
+
+def _parts_at_peak(baseline: ReplayedStep, peak: PhasePeak) -> tuple[int | None, int]:
+    """The gradients and ``other`` bytes live at a replayed phase's peak (``None`` and 0 where nothing tells).
+
+    From the baseline's timeline where it has the phase: its highest point, every part read at that instant. The
+    phase's breakdown holds the counted parts where their sum peaked, which need not be the live peak's instant: an
+    LSTM language model checkpointed peaked at the loss's backward with no gradient yet (the timeline: 0 bytes of
+    gradients, 62.5 MiB of ``other``) while its breakdown held 7.8 MiB of gradients, counted later in backward, which
+    read as a peak after the loss and left the chunked loss's 46.9 MiB unadvised.
+    """
+    timeline = baseline.timeline
+    points = [point for point in timeline.points if point.phase is peak.phase] if timeline is not None else []
+    if points:
+        highest = max(points, key=lambda point: point.total)
+        return highest.gradients, highest.other
+    if peak.breakdown is None:
+        return None, 0
+    return peak.breakdown.gradients, peak.breakdown.other or 0
 
 
 def _after_the_loss(baseline: ReplayedStep, loss_bytes: int) -> int:
