@@ -246,3 +246,14 @@ def test_a_session_writes_to_a_url_and_a_local_dir_stays_a_path(tmp_path: Path, 
     local = plain_run(str(tmp_path))
     assert isinstance(local.report_path, Path) and local.report_path == tmp_path / "vram_report.json"
     assert plain_run(f"file://{tmp_path}/url").report_path == tmp_path / "url" / "vram_report.json"
+
+
+def test_the_breakdown_tables_say_when_their_parts_were_counted(tmp_path: Path) -> None:
+    report = plain_run(None).report
+    assert report is not None and all(peak.breakdown is not None for peak in report.phases.values())
+    note = "counted tensor by tensor where their sum peaked in the phase, not always at the peak's own moment"
+    assert note in markdown(report)
+    assert note.replace("'", "&#x27;") in render_html(report)
+    phases = {phase: replace(peak, breakdown=None) for phase, peak in report.phases.items()}
+    uncounted = replace(report, summary=replace(report.summary, phases=phases))
+    assert note not in markdown(uncounted)

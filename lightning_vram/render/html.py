@@ -19,6 +19,7 @@ from lightning_vram.render.markup import Token, advice_tokens
 from lightning_vram.render.shapes import lengths_table, shapes_sentence, shows_lengths
 from lightning_vram.render.simulation import Table, simulation_view
 from lightning_vram.render.text import (
+    breakdown_instant_note,
     capacity_text,
     evaluation_text,
     fit_assumption,
@@ -201,6 +202,8 @@ def render_html(report: Report, pngs: FigurePngs | None = None) -> str:
                 f'<table><tr><th>phase</th><th class="n">{peak_label(report)}</th>{header}</tr>{"".join(rows)}</table>'
             )
         )
+        if (instant := breakdown_instant_note(report)) is not None:
+            sections.append(f"<p>{html.escape(instant)}</p>")
         if (several := several_updates_note(report)) is not None:
             sections.append(f"<p>{html.escape(several)}</p>")
         if BREAKDOWN_TAG in pngs:

@@ -374,6 +374,21 @@ def peak_lines(report: Report) -> list[str]:
     return lines
 
 
+def breakdown_instant_note(report: Report) -> str | None:
+    """When the counted parts beside each phase's peak were read (``None`` where no phase has a breakdown).
+
+    Each counted part is read where the counted parts' sum peaked in the phase, which need not be the peak's own
+    instant (a checkpointed model's backward can peak at the loss's start, before any gradient, while its counted
+    parts peak later, with gradients).
+    """
+    if not any(peak.breakdown is not None for peak in report.phases.values()):
+        return None
+    return (
+        "Parameters, gradients, optimizer state and activations are counted tensor by tensor where their sum peaked"
+        " in the phase, not always at the peak's own moment; other is the peak less them."
+    )
+
+
 def several_updates_note(report: Report) -> str | None:
     """What a phase's peak is where batches took several optimizer steps each (manual optimization); else ``None``.
 
@@ -540,6 +555,8 @@ def markdown(report: Report) -> str:
         values = peak.breakdown.to_dict() if peak.breakdown is not None else {}
         cells = " | ".join(format_bytes(values.get(name)) for name in CATEGORIES)
         lines.append(f"| {phase.value} | {format_bytes(peak.peak_bytes)} | {cells} |")
+    if (instant := breakdown_instant_note(report)) is not None:
+        lines += ["", escape_markdown(instant)]
     if (several := several_updates_note(report)) is not None:
         lines += ["", escape_markdown(several)]
     if report.evaluation:
