@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 from models import OPTIMIZERS, Classifier, loader, trainer
@@ -194,6 +195,26 @@ def test_without_a_simulated_advice_the_figure_has_one_panel(advised_run: tuple[
     assert figure is not None
     assert len([axes for axes in figure.axes if axes.get_title()]) == 1
     assert step_memory_figure(replace(report, simulation=None)) is None
+
+
+@pytest.mark.parametrize("advice", ["advised", "none"])
+def test_the_figure_s_labels_stay_apart_and_inside_it(advised_run: tuple[Report, Path], advice: str) -> None:
+    """A new user's trial: the peak's label ran into a phase's name ("peak 176.5 MiBackward"), and under one panel the
+    legend ran past both edges ("eters" ... "temporari")."""
+    report, _ = advised_run
+    figure = step_memory_figure(report if advice == "advised" else replace(report, advice=()))
+    assert figure is not None
+    canvas = FigureCanvasAgg(figure)  # as png_bytes draws it
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    texts = figure.findobj(Text)
+    phases = [text.get_window_extent(renderer) for text in texts if text.get_text() in {"forward", "backward"}]
+    peaks = [text.get_window_extent(renderer) for text in texts if text.get_text().startswith("peak ")]
+    assert phases and peaks
+    assert not [(peak, phase) for peak in peaks for phase in phases if peak.overlaps(phase)]
+    (legend,) = figure.legends
+    inside, box = legend.get_window_extent(renderer), figure.bbox
+    assert box.x0 <= inside.x0 and inside.x1 <= box.x1 and box.y0 <= inside.y0, (inside, box)
 
 
 @pytest.mark.figures

@@ -28,8 +28,11 @@ PHASE_SHADES = {Phase.FORWARD: "#EAF1FB", Phase.BACKWARD: "#FBEFE6", Phase.OPTIM
 """The background of each phase's span of ops."""
 TITLE_CHARACTERS = 70
 """A panel's title names the change in at most this many characters."""
-HEADROOM = 1.25
-"""The memory axis reaches this many times the higher peak, leaving room for the peak's label."""
+HEADROOM = 1.45
+"""The memory axis reaches this many times the higher peak, leaving room for the peak's label of two lines below the
+phases' names (at 1.25 the label ran into them: "peak 176.5 MiBackward")."""
+LEGEND_ROWS = {1: 2, 2: 1}
+"""Rows the legend's five parts take under one panel or two (one row is wider than one panel)."""
 
 
 def step_memory_figure(report: Report) -> Figure | None:
@@ -42,8 +45,11 @@ def step_memory_figure(report: Report) -> Figure | None:
     variant = advised_variant(simulation, report.advice)
     if variant is not None and variant.replayed is not None and variant.replayed.timeline is not None:
         panels.append((_title(f"advised: {variant.change.label}", variant.replayed), variant.replayed.timeline))
-    figure = Figure(figsize=(6.4 * len(panels), 4.2))
-    margins(figure, left=0.7, right=0.15, top=0.95, bottom=0.95, wspace=0.05)  # titles of two lines; legend below
+    rows = LEGEND_ROWS[len(panels)]
+    legend_inches = 0.2 * rows
+    figure = Figure(figsize=(6.4 * len(panels), 4.0 + legend_inches))
+    # titles of two lines above; the axis label and the legend below
+    margins(figure, left=0.7, right=0.15, top=0.95, bottom=0.75 + legend_inches, wspace=0.05)
     axes_row = figure.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     top = max(timeline.peak.total for _, timeline in panels) * HEADROOM / MIB
     for axes, (title, timeline) in zip(axes_row, panels, strict=True):
@@ -59,7 +65,8 @@ def step_memory_figure(report: Report) -> Figure | None:
         )
     axes_row[0].set_ylabel("live memory (MiB)")
     handles, labels = axes_row[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncols=len(labels), fontsize="small", frameon=False)
+    columns = -(-len(labels) // rows)
+    figure.legend(handles, labels, loc="lower center", ncols=columns, fontsize="small", frameon=False)
     figure.suptitle("Memory during one training step (replayed under fake tensors)")
     return figure
 
@@ -97,6 +104,8 @@ def _draw_panel(axes: Axes, timeline: StepTimeline, title: str, top: float) -> N
         va="bottom",
         fontsize="small",
         parse_math=False,
+        bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},  # over a line
+        zorder=4,
     )
     axes.set_xlim(0, max(timeline.ops, 1))
     axes.set_ylim(0, top)
