@@ -45,6 +45,15 @@ def test_fewer_than_three_steps_are_said_not_plotted() -> None:
     assert list(three.axes[0].lines[0].get_xdata()) == [1, 2, 3]
 
 
+def test_on_the_cpu_too_few_steps_say_how_to_sample_more() -> None:
+    """A new user's trial: a 30-step CPU run's figure said only "Only 1 step measured ... a line needs 3 or more"."""
+    sampled = memory_over_steps_figure([StepPoint(2, 3 * 1024**2)], None, sampled_only=True)
+    assert sampled.texts[1].get_text() == (
+        "Only 1 step measured (step 2: 3.0 MiB): a line needs 3 or more. On the CPU only sampled steps are measured:"
+        " VramMonitor(attribution_every_n_steps=N) samples every Nth."
+    )
+
+
 def test_a_module_without_a_type_is_named_without_empty_parentheses() -> None:
     rows = (ModuleProfile("head", "Linear", 2048), ModuleProfile("(training_step)", "-", 1024))
     assert [module_text(row) for row in rows] == ["head (Linear)", "(training_step)"]

@@ -36,7 +36,8 @@ def report_pngs(report: Report) -> dict[str, bytes]:
         pngs[BREAKDOWN_TAG] = png_bytes(breakdown_figure(report.phases))
     if report.recent_peaks:
         capacity = capacity_text(report.device) if report.device.total_bytes else None
-        pngs[MEMORY_OVER_STEPS_TAG] = png_bytes(memory_over_steps_figure(report.recent_peaks, capacity))
+        sampled_only = report.device.type == "cpu"  # no allocator: only sampled steps have a peak
+        pngs[MEMORY_OVER_STEPS_TAG] = png_bytes(memory_over_steps_figure(report.recent_peaks, capacity, sampled_only))
     if report.modules:
         pngs[TOP_MODULES_TAG] = png_bytes(modules_figure(report.modules))
     if (step_figure := step_memory_figure(report)) is not None:

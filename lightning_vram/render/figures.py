@@ -99,27 +99,35 @@ def short_label(text: str, limit: int = MAX_LABEL_CHARACTERS) -> str:
     return f"{text[:head]}…{text[len(text) - (limit - 1 - head) :]}"
 
 
-def too_few_steps_text(points: Sequence[StepPoint]) -> str:
+def too_few_steps_text(points: Sequence[StepPoint], sampled_only: bool = False) -> str:
     """What the memory-over-steps figure says instead of a line when it has fewer than :data:`MIN_LINE_POINTS`.
+
+    ``sampled_only``: only sampled steps were measured (on the CPU, which has no allocator to read at every step):
+    the sentence says how to sample more.
 
     >>> too_few_steps_text([StepPoint(2, 3 * 1024**2)])
     'Only 1 step measured (step 2: 3.0 MiB): a line needs 3 or more.'
     """
     steps = ", ".join(f"step {point.step}: {format_bytes(point.peak_bytes)}" for point in points)
     plural = "s" if len(points) != 1 else ""
-    return f"Only {len(points)} step{plural} measured ({steps}): a line needs {MIN_LINE_POINTS} or more."
+    text = f"Only {len(points)} step{plural} measured ({steps}): a line needs {MIN_LINE_POINTS} or more."
+    if sampled_only:
+        text += (
+            " On the CPU only sampled steps are measured: VramMonitor(attribution_every_n_steps=N) samples every Nth."
+        )
+    return text
 
 
-def memory_over_steps_figure(points: Sequence[StepPoint], capacity: str | None) -> Figure:
+def memory_over_steps_figure(points: Sequence[StepPoint], capacity: str | None, sampled_only: bool = False) -> Figure:
     """The peak of each recent step; ``capacity`` (in words, see ``render.text.capacity_text``) goes in the title.
 
-    With fewer than :data:`MIN_LINE_POINTS` steps the figure says so in a sentence (:func:`too_few_steps_text`),
-    without axes.
+    With fewer than :data:`MIN_LINE_POINTS` steps the figure says so in a sentence (:func:`too_few_steps_text`, told
+    whether only sampled steps were measured), without axes.
     """
     figure = Figure(figsize=(6.4, 3.2))
     if len(points) < MIN_LINE_POINTS:
         figure.text(0.5, 0.6, "Peak memory of each step", ha="center", va="center", size="large")
-        figure.text(0.5, 0.4, too_few_steps_text(points), ha="center", va="center", wrap=True)
+        figure.text(0.5, 0.4, too_few_steps_text(points, sampled_only), ha="center", va="center", wrap=True)
         return figure
     margins(figure, left=0.75, right=0.2, top=0.35, bottom=0.55)
     axes = figure.subplots()
