@@ -11,7 +11,7 @@ from typing import Any
 
 from sessions import plain_run
 
-from lightning_vram.records import BatchShapes, LengthPeak, ModuleProfile, StepPoint
+from lightning_vram.records import Advice, AdviceId, BatchShapes, LengthPeak, ModuleProfile, Severity, StepPoint
 from lightning_vram.records.shapes import TensorShapes
 from lightning_vram.render.figures import memory_over_steps_figure, modules_figure
 from lightning_vram.render.html import STYLE, render_html, table_html
@@ -75,6 +75,17 @@ def test_every_table_of_a_report_scrolls_in_its_own_box() -> None:
     assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page
     assert page.count("<table") == page.count('<div class="scroll"><table')
     assert "(training_step) (-)" not in summary_text(session.report)
+
+
+def test_the_console_says_where_to_read_how_to_apply_the_advice() -> None:
+    """A new user's trial: the console led with each advice's title, and nothing said where its code was."""
+    session = plain_run(None)
+    report = session.report
+    assert report is not None
+    advice = Advice(AdviceId.LARGE_LINEAR, Severity.INFO, "Split the head", "the code", "evidence", 2048)
+    where = "how to apply the advice (the code to change, the evidence): vram_report.md"
+    assert where in summary_text(replace(report, advice=(advice,)), details="vram_report.md", width=200)
+    assert where not in summary_text(replace(report, advice=()), details="vram_report.md", width=200)
 
 
 def test_the_license_is_the_apache_text_and_the_metadata_names_it() -> None:

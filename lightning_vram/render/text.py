@@ -419,10 +419,12 @@ def _no_optimizer_reason(report: Report) -> str:
 def fact_lines(report: Report, top_modules: int, written_to: str | None, width: int, details: str) -> list[str]:
     """The summary's lines past the peaks, cut to ``width``.
 
-    Evaluation, top modules, timing, what was not advised and not measured (one entry each, pointing at ``details``
-    for why), where the files are.
+    Where to read how to apply the advice (``details``), evaluation, top modules, timing, what was not advised and
+    not measured (one entry each, pointing at ``details`` for why), where the files are.
     """
     lines = []
+    if report.advice:  # the console leads with each advice's title: its change and evidence are in the file
+        lines.append(f"how to apply the advice (the code to change, the evidence): {details}")
     if report.evaluation:
         lines.append(f"evaluation peaks: {evaluation_text(report.evaluation)}")
     if report.modules:
