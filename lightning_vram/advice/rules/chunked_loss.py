@@ -154,7 +154,10 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
     return Advice(
         id=ID,
         severity=Severity.INFO,
-        title=f"Compute the loss in chunks to lower the peak by about {format_bytes(saving)}",
+        title=(
+            f"Compute the loss in chunks to lower the peak by about {format_bytes(saving)} (the loss then agrees to"
+            " float32 rounding, not bit for bit)"
+        ),
         detail=(
             "Cross-entropy keeps the log-probabilities of every position over every class (the vocabulary of a"
             " language model) for backward, in float32. Computed chunk by chunk over the positions, each chunk"
@@ -181,8 +184,10 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             "```"
         ),
         evidence=(
-            f"replayed on this run's step: {weighed.evidence}; saving modelled (not replayed):"
-            f" none of them kept in forward, one chunk of {LOSS_CHUNKS} recomputed at a time in backward"
+            f"replayed on this run's step: {weighed.evidence}; saving modelled (not replayed): none of them kept in"
+            f" forward, one chunk of {LOSS_CHUNKS} recomputed at a time in backward, and so for the tensors of their"
+            " size beside them at the peak (the logits, the gradients of both), which is why the saving can exceed"
+            " what the loss saved"
         ),
         estimated_saving_bytes=saving,
         saving_basis=SavingBasis.MODELLED,
