@@ -85,7 +85,8 @@ def test_a_ratio_from_a_noisy_run_is_said_to_be_unreliable(tmp_path: Path, capsy
 def test_a_ratio_from_quiet_runs_comes_with_their_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = step_time_line(report(0.2, 0.05), report(0.1, 0.25), tmp_path, capsys)
     assert line == (
-        f"  step time (median): 200.0 ms -> 100.0 ms (0.50x); {MEASURE} 5.0% in A, 25.0% in B: within 25.0%, reliable"
+        f"  step time (median): 200.0 ms -> 100.0 ms (0.50x); {MEASURE} 5.0% in A, 25.0% in B: within 25.0%, steady"
+        " within each run (a load that changed between the runs is not seen here)"
     )
     # An older report records no spread: the ratio is still never bare.
     line = step_time_line(report(0.2, None), report(0.1, 0.05), tmp_path, capsys)
