@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_vram.measure.compiled import is_compiled_module
+from lightning_vram.measure.module_names import user_named_modules
 from lightning_vram.measure.storages import gradient_of
 from lightning_vram.prediction.containment._torch_hooks import global_hooks, global_registries, module_hooks_of
 from lightning_vram.prediction.containment.construction import Copied
@@ -86,11 +87,13 @@ def instance_roots(module: nn.Module) -> list[tuple[str, Any]]:
 
     A method bound to one of the copy's own objects is its code only; anything else the copy shares with the
     user's module (a function closing over the real one) is reached through it. A compiled module's own attributes
-    (its compiled ``forward``) are torch's wrapper's: the module it runs is walked as its ``_orig_mod``.
+    (its compiled ``forward``) are torch's wrapper's: the module it runs is walked as its ``_orig_mod``. A replay's
+    stand-in (a checkpointing plan's wrapper, :data:`~lightning_vram.measure.module_names.STANDS_FOR`) is the
+    library's: its attributes are left out, and the user's module it holds is named by the user's path.
     """
     inside = {id(child) for child in module.modules()}
     roots: list[tuple[str, Any]] = []
-    for name, child in module.named_modules():
+    for name, child in user_named_modules(module).items():
         if is_compiled_module(child):
             continue
         label = name or "the model"
@@ -105,20 +108,32 @@ def instance_roots(module: nn.Module) -> list[tuple[str, Any]]:
 
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
 
+_PARAMETER_MIRRORS = frozenset({"_flat_weights", "_flat_weight_refs"})
+"""An ``nn.RNNBase``'s lists of its own parameters (and weak references to them), which torch refreshes itself: on
+``_apply``, and on each parameter set through its ``__setattr__`` (FSDP2's sharding and unsharding of the replay's
+copy). They follow the module's ``_parameters``, which are the copy's own too."""
+
+
+def _internal(child: nn.Module, attribute: str) -> bool:
+    """Whether ``attribute`` of ``child`` is torch's or Lightning's bookkeeping of the module, not the user's data."""
+    if attribute in _MODULE_INTERNALS or attribute.endswith("_hooks"):
+        return True
+    return isinstance(child, nn.RNNBase) and attribute in _PARAMETER_MIRRORS
+
 
 def data_roots(module: nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` (the replay's copy) that are neither tensors nor submodules.
 
     ``deepcopy`` copied most of them; what it shares (classes, weak references' targets, an object whose
-    ``__deepcopy__`` returns itself) is the user's. A compiled module's own are torch's wrapper's, as in
-    :func:`instance_roots`.
+    ``__deepcopy__`` returns itself) is the user's. A compiled module's own are torch's wrapper's, and a replay's
+    stand-in's the library's, as in :func:`instance_roots`; torch's bookkeeping of the module's own tensors is no
+    data of the user's (:func:`_internal`).
     """
     return [
         (f"{name or 'the model'}.{attribute}", value)
-        for name, child in module.named_modules()
+        for name, child in user_named_modules(module).items()
         for attribute, value in vars(child).items()
         if not is_compiled_module(child)
-        and attribute not in _MODULE_INTERNALS
-        and not attribute.endswith("_hooks")
+        and not _internal(child, attribute)
         and not isinstance(value, (Tensor, nn.Module))
     ]
