@@ -13,7 +13,10 @@ Attention (scaled dot product, every kernel: CPU flash, CUDA flash, memory-effic
 heads broadcast to the query's: torch before 2.13 asserted that key and value have as many heads as the query, and
 failed the replay of every grouped-query model (Llama, Mistral, Qwen2 with ``enable_gqa``). A formula that fails on an
 op (torch's, or one registered with ``register_flop_formula``) leaves that op's FLOPs uncounted, and
-:attr:`StepFlops.notes` says so: one op's FLOPs never fail the step's memory replay.
+:attr:`StepFlops.notes` says so: one op's FLOPs never fail the step's memory replay. The fused recurrent kernels
+(``nn.LSTM`` on the CPU, ``nn.LSTM``/``nn.GRU``/``nn.RNN`` on cuDNN), which torch has no formula for (its
+``FlopCounterMode`` counts an LSTM as 0 FLOPs), are counted by :mod:`~lightning_vram.prediction.replay.rnn_flops`
+as torch counts the same recurrence written as matrix products.
 
 Beside the FLOPs it counts each op's bytes moved (its tensor inputs read and outputs written: a roofline's memory
 traffic; a broadcast input is read once, its storage's bytes where they are fewer than its elements'), the ops
@@ -35,6 +38,7 @@ from lightning_vram.measure.tensors import op_tensors
 from lightning_vram.prediction.containment.containment import ContainmentError
 from lightning_vram.prediction.containment.deadline import ReplayDeadlineError
 from lightning_vram.prediction.replay.ops import op_name
+from lightning_vram.prediction.replay.rnn_flops import RECURRENT_FORMULAS
 from lightning_vram.records import Phase, StepWork
 from lightning_vram.records.work import OpKey, grouped
 
@@ -140,7 +144,9 @@ class StepFlops:
 def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> int:
     """FLOPs of ``func`` run on ``args`` and ``kwargs``, giving ``output``; 0 for an op without a formula.
 
-    Attention's by :func:`attention_flops` and :func:`attention_backward_flops`, any other op's by torch's formula.
+    Attention's by :func:`attention_flops` and :func:`attention_backward_flops`, the fused recurrent kernels' (LSTM,
+    GRU, RNN) by :data:`~lightning_vram.prediction.replay.rnn_flops.RECURRENT_FORMULAS`, any other op's by torch's
+    formula.
     """
     packet = getattr(func, "_overloadpacket", None)
     if packet in _ATTENTION:
@@ -149,6 +155,8 @@ def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     if packet in _ATTENTION_BACKWARD:
         gradient, query, key, value = args[:4]
         return attention_backward_flops(gradient.shape, query.shape, key.shape, value.shape)
+    if packet in RECURRENT_FORMULAS:
+        return RECURRENT_FORMULAS[packet](*args, **kwargs)
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=output))
     return 0
