@@ -1,4 +1,4 @@
-"""Predicted against measured step time on this CPU: the README's quickstart CNN and a small GPT-2.
+"""Predicted against measured step time on this CPU: the README's quickstart CNN, a small GPT-2 and an LSTM LM.
 
 Each model's step is replayed once under fake tensors with its ops counted, then measured for real (a plain loop:
 ``training_step``, ``zero_grad``, ``backward``, the optimizer's step; after warm-up steps) in rounds, each round
@@ -36,6 +36,10 @@ from lightning_vram.records import ReplayedStep, StepTime
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
 GPT2_LENGTH = 128
 """Tokens in each sample of the GPT-2 batch."""
+LSTM_LENGTH = 64
+"""Tokens in each sample of the LSTM LM's batch."""
+LSTM_VOCABULARY = 8000
+"""The LSTM LM's vocabulary."""
 
 
 def quickstart_module() -> type[pl.LightningModule]:
@@ -86,9 +90,36 @@ def gpt2() -> tuple[pl.LightningModule, Any, int | None]:
     return SmallGpt2(), batch, GPT2_LENGTH
 
 
+class LstmLm(pl.LightningModule):
+    """A word-level LSTM LM: Embedding(8000, 128), 2-layer LSTM(128, 256) with dropout 0.1, Linear(256, 8000); Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(LSTM_VOCABULARY, 128)
+        self.lstm = torch.nn.LSTM(128, 256, num_layers=2, dropout=0.1, batch_first=True)
+        self.head = torch.nn.Linear(256, LSTM_VOCABULARY)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        hidden, _ = self.lstm(self.embedding(tokens))
+        return torch.nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def lstm_lm() -> tuple[pl.LightningModule, Any, int | None]:
+    """The LSTM LM and a batch of 16 sequences of :data:`LSTM_LENGTH` tokens, with their next tokens as targets."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, LSTM_VOCABULARY, (16, LSTM_LENGTH + 1), generator=generator)
+    return LstmLm(), (tokens[:, :-1], tokens[:, 1:]), LSTM_LENGTH
+
+
 MODELS: dict[str, Callable[[], tuple[pl.LightningModule, Any, int | None]]] = {
     "quickstart CNN": quickstart,
     "GPT-2 (2 layers, 128 wide)": gpt2,
+    "LSTM LM (2 layers, 256 wide)": lstm_lm,
 }
 
 
