@@ -262,6 +262,9 @@ def contained(reach: Reach) -> Iterator[Containment]:
         for array, flag in writeable:
             with contextlib.suppress(ValueError):  # a view of a read-only base stays read-only
                 array.flags.writeable = flag
+        for slot, cache in reach.caches:  # first: a dict, list or object holding a cache did not change otherwise
+            with contextlib.suppress(IndexError):  # a list the replay shortened: its saver puts it back whole
+                slot.set(cache)
         lost: list[str] = []
         for saver in reversed(savers):
             try:

@@ -187,10 +187,11 @@ STORE: type | None = getattr(torch.distributed, "Store", None)
 
 @dataclass(frozen=True)
 class Slot:
-    """A place holding a reference: a namespace's entry, a closure cell, or an object's attribute."""
+    """A place holding a reference: a namespace's entry, a closure cell, an object's attribute, a list's item."""
 
     holder: Any
-    key: str | None = None
+    key: Any = None
+    """The entry's key, the attribute's name, the item's index; ``None`` for a closure cell."""
 
     def get(self) -> Any:
         """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``); a class's own entry."""
@@ -198,6 +199,8 @@ class Slot:
             return self.holder.cell_contents
         if isinstance(self.holder, dict):
             return self.holder[self.key]
+        if isinstance(self.holder, list):
+            return list.__getitem__(self.holder, self.key)
         if isinstance(self.holder, type):  # not what ``__get__`` makes: a singledispatchmethod makes a new function
             return vars(self.holder)[self.key or ""]  # each time, which putting back would set in the class's entry
         return getattr(self.holder, self.key or "")
@@ -208,6 +211,8 @@ class Slot:
             self.holder.cell_contents = value
         elif isinstance(self.holder, dict):
             self.holder[self.key] = value
+        elif isinstance(self.holder, list):
+            list.__setitem__(self.holder, self.key, value)
         else:
             setattr(self.holder, self.key or "", value)
 
@@ -331,6 +336,24 @@ class _Walk:
                 self.reach.caches.append((slot, value))
             self._push(value, path, role=role)
 
+    def _item(self, holder: Any, key: Any, item: Any, path: str, data: bool) -> None:
+        """An item of a container the walk holds: a dict's value, a list's item, an object's ``__dict__`` entry.
+
+        An ``lru_cache`` held so gets a fresh cache for the replay there, as one a global or an attribute holds; one
+        held where no fresh cache can be put (a tuple, a set, a ``functools.partial``'s function, ``__slots__``) is a
+        reason not to replay: the replay would call the user's own cache, fill it with fake tensors (which the escape
+        check clears, with the user's real entries) and count its hits.
+        """
+        if isinstance(item, functools._lru_cache_wrapper):
+            if isinstance(holder, (dict, list)):
+                self.reach.caches.append((Slot(holder, key), item))
+            else:
+                self.reach.unrestorable.append(
+                    f"{path} (a functools.lru_cache held where the replay cannot put a fresh one: it would fill the"
+                    " user's cache with fake tensors and count its hits)"
+                )
+        self._push(item, path, data=data)
+
     def _visit(self, value: Any, path: str, names: frozenset[str], data: bool, role: Role) -> None:
         if isinstance(value, Copied):
             self._construct(value.cls, Role.COPIED, path)
@@ -364,7 +387,7 @@ class _Walk:
                 if accessor is not None:
                     self._push(accessor, path)
         elif isinstance(value, functools.partial):
-            self._push(value.func, path)
+            self._item(value, None, value.func, path, data=False)
             self._push(value.args, path, data=data)
             self._push(value.keywords, path, data=data)
         elif isinstance(value, functools._lru_cache_wrapper):
@@ -418,13 +441,13 @@ class _Walk:
             self._hold(value, path)
             self._container_class(value, path, data)
             for index, item in enumerate(contents(value)):
-                self._push(item, f"{path}[{index}]", data=data)
+                self._item(value, index, item, f"{path}[{index}]", data)
         elif isinstance(value, dict):
             self._hold(value, path)
             self._container_class(value, path, data)
             for key, item in dict_items(value):
-                self._push(key, f"{path} key", data=data)
-                self._push(item, f"{path}[{key_text(key)}]", data=data)
+                self._item(None, None, key, f"{path} key", data)
+                self._item(value, key, item, f"{path}[{key_text(key)}]", data)
         elif isinstance(value, types.MappingProxyType):  # read-only: what it shows is walked, not held
             for shown in gc.get_referents(value):  # the mapping, read without calling its methods
                 if type(shown) is dict:
@@ -436,11 +459,13 @@ class _Walk:
         elif isinstance(value, (tuple, frozenset)):
             self._container_class(value, path, data)
             for index, item in enumerate(contents(value)):
-                self._push(item, f"{path}[{index}]", data=data)
+                self._item(value, None, item, f"{path}[{index}]", data)
         elif self._is_compiled(value, path):
             return  # a compiled module held outside the trained one: a reason not to run, not state to save
         elif hasattr(type(value), "__next__"):  # an iterator or a generator: what it has yielded cannot be put back
-            self.reach.unrestorable.append(f"{path} (a {type(value).__name__})")
+            self.reach.unrestorable.append(
+                f"{path} (a {type(value).__name__}: what it yielded to the replay would be missing from training)"
+            )
         elif STORE is not None and isinstance(value, STORE):  # its methods are calls into C++ no dispatch mode sees
             self.reach.unrestorable.append(f"{path} (a torch.distributed store: every rank shares what it holds)")
         elif data and not is_user_class(type(value)):
@@ -737,7 +762,7 @@ class _Walk:
         if attributes is not None:
             self._hold(value, path)
             for name, item in dict_items(attributes):
-                self._push(item, f"{path}.{name}", data=data)
+                self._item(attributes, name, item, f"{path}.{name}", data)
             if not is_user_class(type(value)):
                 self._held_by_library(dict_items(attributes))
         if slot_names(type(value)):
@@ -747,7 +772,7 @@ class _Walk:
                     item = object.__getattribute__(value, name)
                 except AttributeError:
                     continue
-                self._push(item, f"{path}.{name}", data=data)
+                self._item(value, None, item, f"{path}.{name}", data)
         self._push(type(value), path, role=Role.COPIED if data else Role.NAMED)  # the replay deep-copies its data
 
 

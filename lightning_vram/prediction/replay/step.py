@@ -368,10 +368,7 @@ def refusal_of(reach: Reach) -> str | None:
             " would do it again"
         )
     if reach.unrestorable:
-        return (
-            f"the step's code reaches {reach.unrestorable[0]}, whose state a replay cannot save and put back (what an"
-            " iterator or a generator yielded to the replay would be missing from training)"
-        )
+        return f"the step's code reaches {reach.unrestorable[0]}, whose state a replay cannot save and put back"
     with torch._C.DisableTorchFunctionSubclass():  # a tensor subclass's __torch_function__ is the user's code
         tensor_bytes = sum(tensor.untyped_storage().nbytes() for tensor in reach.tensors)
     if tensor_bytes > OUTSIDE_TENSOR_BYTES:
