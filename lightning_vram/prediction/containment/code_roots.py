@@ -52,11 +52,13 @@ def code_roots(
 ) -> list[tuple[str, Any]]:
     """Where the code a replay runs starts, before any copy exists.
 
-    Each submodule's class, torch's process-wide module and optimizer hooks, the step function, the optimizers'
-    classes and the batch's class; of each class, the walk takes the methods the step may call by name
-    (:mod:`~.method_reach`). A submodule's class is :class:`~.construction.Copied`: the replay deep-copies the
-    module, never constructs it; it constructs the optimizers (``type(optimizer)(...)``), and Lightning's transfer
-    may rebuild the batch. What the module's instances hold (hooks, callables, data) is walked on the copy:
+    Each submodule's class, its parameters' and buffers' classes, torch's process-wide module and optimizer hooks,
+    the step function, the optimizers' classes and the batch's class; of each class, the walk takes the methods the
+    step may call by name (:mod:`~.method_reach`). A submodule's class is :class:`~.construction.Copied`: the replay
+    deep-copies the module, never constructs it; its copy constructs each parameter of a ``Parameter`` subclass
+    (``Parameter.__deepcopy__`` calls ``type(self)(data, requires_grad)``: a ``__new__`` counting its instances counts
+    the copy's), it constructs the optimizers (``type(optimizer)(...)``), and Lightning's transfer may rebuild the
+    batch. What the module's instances hold (hooks, callables, data) is walked on the copy:
     :func:`instance_roots`.
     """
     roots: list[tuple[str, Any]] = []
@@ -65,6 +67,12 @@ def code_roots(
         if type(child) not in classes:
             classes.add(type(child))
             roots.append((type(child).__qualname__, Copied(type(child))))
+    tensor_classes = dict.fromkeys(type(tensor) for tensor in (*module.parameters(), *module.buffers()))
+    roots += [
+        (f"{cls.__qualname__} (a parameter's or buffer's class)", cls)
+        for cls in tensor_classes
+        if cls not in (Tensor, nn.Parameter)
+    ]
     roots += [(f"torch's {kind}", hook) for kind, hook in global_hooks()]
     if step_function is not None:
         roots.append(("step_function", step_function))
