@@ -13,6 +13,7 @@ them: the function ran again in training and drew new random offsets (CUDA path:
 from __future__ import annotations
 
 import functools
+import types
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from harness import PATHS, Case, assert_untouched
 from models import OPTIMIZERS, Classifier, dataset_for, loader
 from torch import nn
 
-CALLS = {"offsets": 0}
+CALLS = {"offsets": 0, "draw": 0}
 
 
 @functools.cache
@@ -52,6 +53,7 @@ class Shifted(Classifier):
     def __init__(self) -> None:
         super().__init__(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10)), OPTIMIZERS["adam"])
         self.table = {"offsets": offsets}
+        self.space = types.SimpleNamespace(offsets=offsets)
 
     def shifted_loss(self, batch: Any, shift: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch
@@ -78,6 +80,25 @@ class InTheModulesDict(Shifted):
         return self.shifted_loss(batch, self.table["offsets"](len(batch[0])))
 
 
+class InANamespace(Shifted):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.shifted_loss(batch, self.space.offsets(len(batch[0])))
+
+
+class OfABoundMethod(Shifted):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn = functools.lru_cache(maxsize=None)(self.draw)
+
+    def draw(self, rows: int) -> torch.Tensor:
+        """The module's own offsets, drawn once per batch size through ``self.drawn`` (a cache of its bound method)."""
+        CALLS["draw"] += 1
+        return torch.randn(rows, 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.shifted_loss(batch, self.drawn(len(batch[0])))
+
+
 class InATuple(Shifted):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.shifted_loss(batch, CHAIN[0](len(batch[0])))
@@ -88,16 +109,21 @@ class InAPartial(Shifted):
         return self.shifted_loss(batch, BOUND(len(batch[0])))
 
 
+def drawn(module: Shifted) -> tuple[int, ...] | None:
+    """What the module's own cache counted (only :class:`OfABoundMethod` holds one)."""
+    return tuple(module.drawn.cache_info()) if isinstance(module, OfABoundMethod) else None
+
+
 def train_both(tmp_path: Path, path: str, kind: type[Shifted]) -> Any:
     def build() -> Case:
         offsets.cache_clear()
-        CALLS["offsets"] = 0
+        CALLS.update(offsets=0, draw=0)
         module = kind()
         # what the user reads: the cache's counts, the function's calls, the offsets training used
         return Case(
             module,
             loader(dataset_for("linear"), batch_size=8),
-            observe=lambda: (tuple(offsets.cache_info()), dict(CALLS), offsets(8)),
+            observe=lambda: (tuple(offsets.cache_info()), drawn(module), dict(CALLS), offsets(8)),
         )
 
     monitor = assert_untouched(build, tmp_path, path, steps=4)
@@ -106,14 +132,14 @@ def train_both(tmp_path: Path, path: str, kind: type[Shifted]) -> Any:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", [InADict, InAList, InAnObject, InTheModulesDict])
+@pytest.mark.parametrize("kind", [InADict, InAList, InAnObject, InTheModulesDict, InANamespace, OfABoundMethod])
 def test_a_cache_in_a_container_gets_a_fresh_one(tmp_path: Path, path: str, kind: type[Shifted]) -> None:
     simulation = train_both(tmp_path, path, kind)
     if path == "cuda":  # the CPU path's baseline counts the fresh cache's tensor, which the real step found cached
         assert simulation.skipped is None, simulation.skipped
         assert simulation.baseline is not None
         changed = [note for note in simulation.baseline.notes if note.startswith("the replayed code changed")]
-        holders = ("TABLE", "LISTED", "SETTINGS", "model.table")  # got their cache back: the replay changed none
+        holders = ("TABLE", "LISTED", "SETTINGS", "model.")  # got their cache back: the replay changed none
         assert not [note for note in changed if any(holder in note for holder in holders)], changed
 
 

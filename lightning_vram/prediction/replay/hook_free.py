@@ -18,6 +18,9 @@ classes that define none. Where that copy cannot be made (a ``tuple`` or tensor 
 base with its own ``__reduce__``, state its ``__getstate__`` left out because it does not copy: a lock, an open
 file), the replay is refused, naming the class and its hook (:class:`HookedCopyError`).
 
+Each ``functools.lru_cache`` the copies reach, at any depth (an attribute, a dict's value, a namespace's), is copied
+as a fresh, empty one (:func:`_fresh_cache`), never shared with the user's.
+
 ``copy.deepcopy`` looks an object's class up in ``copy._deepcopy_dispatch`` before anything else: that dict is
 replaced, while any replay copies, by one that answers for those classes (:class:`_Dispatch`), and put back after.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import types
 from collections.abc import Iterator
@@ -170,12 +174,27 @@ def _copy_without_hooks(value: Any, memo: dict[int, Any], hook: str) -> Any:
     return copied
 
 
+def _fresh_cache(cache: Any, memo: dict[int, Any]) -> Any:
+    """A ``functools.lru_cache`` copied as a new, empty one of the same settings, over its function deep-copied.
+
+    ``deepcopy`` shares a cache (its ``__deepcopy__`` returns it): the replay's copy would call the user's own one,
+    count its hits and fill it with fake tensors. A plain function copies as itself; a method bound to the module (or
+    to an object the copy holds) is bound to its copy.
+    """
+    return functools.lru_cache(**cache.cache_parameters())(copy.deepcopy(cache.__wrapped__, memo))
+
+
 class _Dispatch(dict):  # type: ignore[type-arg]  # copy's own table: classes to copier functions
-    """``copy._deepcopy_dispatch`` while a replay copies: the same entries, and a copier for hooked user classes."""
+    """``copy._deepcopy_dispatch`` while a replay copies: the same entries, and copiers of its own.
+
+    One for hooked user classes, one for ``functools.lru_cache`` functions (:func:`_fresh_cache`).
+    """
 
     def get(self, cls: Any, default: Any = None) -> Any:
         found = dict.get(self, cls, default)
         met = _ACTIVE.get()
+        if found is None and met is not None and cls is functools._lru_cache_wrapper:
+            return _fresh_cache
         if found is not None or met is None or not isinstance(cls, type) or issubclass(cls, type):
             return found  # a class (of a metaclass with hooks) is copied as itself, as deepcopy does
         if cls not in met:

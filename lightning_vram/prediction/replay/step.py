@@ -14,7 +14,6 @@ pieces together, contained.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +31,6 @@ from lightning_vram.prediction.containment.code_roots import (
 )
 from lightning_vram.prediction.containment.containment import (
     OUTSIDE_TENSOR_BYTES,
-    fresh_cache,
 )
 from lightning_vram.prediction.containment.installed import installed_refusal
 from lightning_vram.prediction.containment.reach import WALK_LIMIT, Reach, reach_of
@@ -303,16 +301,11 @@ def held_by(copy: nn.Module, inside: set[int], own: Iterable[object] = (), after
     """What the replay's ``copy`` of the module shares with the user's objects, found on the copy itself.
 
     Its hooks and callables (a function closing over the real module reaches it), and what ``deepcopy`` shared
-    instead of copying. Each ``functools.lru_cache`` the copy holds as an attribute becomes a fresh one. ``own``:
+    instead of copying (an ``lru_cache`` it copied as a fresh one: :mod:`~.hook_free`). ``own``:
     the replay's own objects, not walked (its fake mode, which a fake tensor the copy's hooks hold names: its
     converter's memo is keyed by the real tensors the copy was made from). ``after``: the walk of the step's code
     (from its classes), whose names in reach this walk goes on from (see :func:`~.reach.reach_of`).
     """
-    for child in copy.modules():
-        attributes = vars(child)
-        for name, value in list(attributes.items()):
-            if isinstance(value, functools._lru_cache_wrapper):
-                attributes[name] = fresh_cache(value)
     ignore = inside_ids(copy) | {id(o) for o in own}
     held = reach_of(instance_roots(copy), inside, data_roots(copy), ignore=ignore, after=after)
     held.tensors = [tensor for tensor in held.tensors if not isinstance(tensor, FakeTensor)]
