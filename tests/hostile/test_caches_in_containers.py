@@ -1,6 +1,7 @@
 """The user's ``lru_cache`` reached through a container (a dict, a list, an object's attribute, the module's own
-dict): the replay gives it a fresh cache there, as it does one a global holds; one it cannot replace (in a tuple, a
-``functools.partial``) rules the replay out, saying so.
+dict, a ``SimpleNamespace`` the module holds): the replay gives it a fresh cache there, as it does one a global holds;
+one it cannot replace (in a tuple, a ``functools.partial``) rules the replay out, saying so. A cache of the module's
+own bound method is copied over the copy's method, and replayed (it refused every replay, as reaching the model).
 
 Found attacking the escape check (twelfth session): only a cache read from a global, a closure or the module copy's
 own attribute got a fresh one. Reached through a container, the replay called the user's own cache: its hits counted
