@@ -90,9 +90,11 @@ from lightning_vram.prediction.replay.step import (
     lightning_training_step,
     refusal_of,
     release_frames,
+    release_gradients,
 )
 from lightning_vram.prediction.replay.timeline import TimelineRecorder
 from lightning_vram.prediction.replay.twin import (
+    Twin,
     gradient_blocks,
     make_twin,
     module_device,
@@ -458,6 +460,7 @@ class Predictor:
         run.checkpoint_frames = frames.recorded
         recorder: CallRecorder | None = None
         effects: OutsideEffects | None = None
+        twin: Twin | None = None
         try:
             # configure_optimizers is user code too; from the module's copy on, what the user's code writes to files,
             # the processes it starts and the connections it opens are refused as they happen
@@ -575,6 +578,8 @@ class Predictor:
             for opened in (counter, first):
                 if opened is not None:
                     opened.close()
+            if twin is not None:
+                release_gradients(twin)
         refused_effect = self._outside(effects)
         if refused_effect is not None:  # the step caught the refusal and went on
             return ReplaySkipped(refused_effect, time.perf_counter() - started)

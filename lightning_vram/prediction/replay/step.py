@@ -293,6 +293,19 @@ def drain_autograd() -> None:
         (leaf * 1.0).backward()  # type: ignore[no-untyped-call]  # torch ships Tensor.backward unannotated here
 
 
+def release_gradients(twin: Twin) -> None:
+    """Take the gradients off the replay's copy of the module (each parameter's ``.grad`` set to ``None``).
+
+    A step's ``backward(create_graph=True)`` (a double backward) gives each parameter a gradient whose graph holds
+    the parameter: a cycle through autograd's C++ that the garbage collector cannot see. The replay's own
+    ``zero_grad`` breaks it where the step ran to its end; where it stopped half-way (it raised: a warning the
+    filters made an error), the copy's fake tensors outlived the replay and the escape check raised out of
+    ``predict()``.
+    """
+    for parameter in twin.module.parameters():
+        parameter.grad = None
+
+
 class RefusedError(Exception):
     """What the copy of the module holds rules the replay out (its message says why)."""
 
