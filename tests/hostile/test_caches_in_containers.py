@@ -1,7 +1,8 @@
 """The user's ``lru_cache`` reached through a container (a dict, a list, an object's attribute, the module's own
 dict, a ``SimpleNamespace`` the module holds): the replay gives it a fresh cache there, as it does one a global holds;
 one it cannot replace (in a tuple, a ``functools.partial``) rules the replay out, saying so. A cache of the module's
-own bound method is copied over the copy's method, and replayed (it refused every replay, as reaching the model).
+own bound method is copied over the copy's method, and replayed (it refused every replay, as reaching the model). A
+class's static or class method of a cache gets a fresh one of the same kind (it was the user's).
 
 Found attacking the escape check (twelfth session): only a cache read from a global, a closure or the module copy's
 own attribute got a fresh one. Reached through a container, the replay called the user's own cache: its hits counted
@@ -100,6 +101,24 @@ class OfABoundMethod(Shifted):
         return self.shifted_loss(batch, self.drawn(len(batch[0])))
 
 
+class AsAStaticMethod(Shifted):
+    cached = staticmethod(offsets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.shifted_loss(batch, self.cached(len(batch[0])))
+
+
+class AsAClassMethod(Shifted):
+    @classmethod
+    @functools.cache
+    def drawn_for(cls, rows: int) -> torch.Tensor:
+        CALLS["draw"] += 1
+        return torch.randn(rows, 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.shifted_loss(batch, self.drawn_for(len(batch[0])))
+
+
 class InATuple(Shifted):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.shifted_loss(batch, CHAIN[0](len(batch[0])))
@@ -111,13 +130,18 @@ class InAPartial(Shifted):
 
 
 def drawn(module: Shifted) -> tuple[int, ...] | None:
-    """What the module's own cache counted (only :class:`OfABoundMethod` holds one)."""
-    return tuple(module.drawn.cache_info()) if isinstance(module, OfABoundMethod) else None
+    """What the module's own cache counted (:class:`OfABoundMethod`'s, :class:`AsAClassMethod`'s)."""
+    if isinstance(module, OfABoundMethod):
+        return tuple(module.drawn.cache_info())
+    if isinstance(module, AsAClassMethod):
+        return tuple(vars(AsAClassMethod)["drawn_for"].__func__.cache_info())
+    return None
 
 
 def train_both(tmp_path: Path, path: str, kind: type[Shifted]) -> Any:
     def build() -> Case:
         offsets.cache_clear()
+        vars(AsAClassMethod)["drawn_for"].__func__.cache_clear()
         CALLS.update(offsets=0, draw=0)
         module = kind()
         # what the user reads: the cache's counts, the function's calls, the offsets training used
@@ -133,7 +157,10 @@ def train_both(tmp_path: Path, path: str, kind: type[Shifted]) -> Any:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", [InADict, InAList, InAnObject, InTheModulesDict, InANamespace, OfABoundMethod])
+@pytest.mark.parametrize(
+    "kind",
+    [InADict, InAList, InAnObject, InTheModulesDict, InANamespace, OfABoundMethod, AsAStaticMethod, AsAClassMethod],
+)
 def test_a_cache_in_a_container_gets_a_fresh_one(tmp_path: Path, path: str, kind: type[Shifted]) -> None:
     simulation = train_both(tmp_path, path, kind)
     if path == "cuda":  # the CPU path's baseline counts the fresh cache's tensor, which the real step found cached

@@ -210,7 +210,12 @@ def _version(tensor: Tensor) -> int | None:
 
 
 def fresh_cache(cache: Any) -> Any:
-    """A new, empty ``functools.lru_cache`` of the same function and settings."""
+    """A new, empty ``functools.lru_cache`` of the same function and settings.
+
+    Where ``cache`` is a class's static or class method of one, the same kind of method of the new one.
+    """
+    if isinstance(cache, (staticmethod, classmethod)):
+        return type(cache)(fresh_cache(cache.__func__))
     return functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__)
 
 

@@ -217,6 +217,13 @@ class Slot:
             setattr(self.holder, self.key or "", value)
 
 
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a ``functools.lru_cache`` function, or a static or class method of one (a class's entry)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    return isinstance(value, functools._lru_cache_wrapper)
+
+
 @dataclass
 class Reach:
     """What the walked code can reach outside the module it runs on.
@@ -224,7 +231,8 @@ class Reach:
     ``slots``: global names, closure cells and class attributes it reads (rebinding one, ``global n; n += 1``,
     changes the user's state). ``objects``: mutable objects it can change in place (lists, dicts, sets, objects'
     attributes, random generators). ``tensors``: tensors held outside the module. ``arrays``: NumPy arrays.
-    ``caches``: ``functools.lru_cache`` functions and the place each is read from. ``real_modules``: where the code
+    ``caches``: ``functools.lru_cache`` functions (or a class's static or class methods of one) and the place each is
+    read from. ``real_modules``: where the code
     reaches the trained module itself (a ``step_function`` closing over it), by path. ``hook_apis``: the
     saved-tensor-hook APIs the code names. ``compiled``: what it runs through ``torch.compile`` (a compiled function
     or a compiled module outside the trained one), each with where the walk found it. ``unrestorable``: what the
@@ -332,7 +340,7 @@ class _Walk:
                 value = slot.get()
             except (KeyError, AttributeError, ValueError):  # an empty cell, a name bound later
                 return
-            if isinstance(value, functools._lru_cache_wrapper):
+            if is_cache(value):
                 self.reach.caches.append((slot, value))
             self._push(value, path, role=role)
 
@@ -344,7 +352,7 @@ class _Walk:
         reason not to replay: the replay would call the user's own cache, fill it with fake tensors (which the escape
         check clears, with the user's real entries) and count its hits.
         """
-        if isinstance(item, functools._lru_cache_wrapper):
+        if is_cache(item):
             if isinstance(holder, (dict, list)):
                 self.reach.caches.append((Slot(holder, key), item))
             else:
@@ -714,7 +722,7 @@ class _Walk:
         if isinstance(attribute, classmethod):  # ``cls(...)``: it may construct its class, or a subclass
             for released in self.reach.methods.construction.add_factory(cls):
                 self._member(released)
-        if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property)):
+        if isinstance(attribute, (types.FunctionType, staticmethod, classmethod, property)) and not is_cache(attribute):
             self._push(attribute, f"{cls.__qualname__}.{name}")
         elif not isinstance(attribute, types.MemberDescriptorType | types.GetSetDescriptorType):
             self._slot(cls, name, f"{cls.__qualname__}.{name}")
