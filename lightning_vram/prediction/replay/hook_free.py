@@ -175,13 +175,17 @@ def _copy_without_hooks(value: Any, memo: dict[int, Any], hook: str) -> Any:
 
 
 def _fresh_cache(cache: Any, memo: dict[int, Any]) -> Any:
-    """A ``functools.lru_cache`` copied as a new, empty one of the same settings, over its function deep-copied.
+    """A ``functools.lru_cache`` copied as a new, empty one of the same function and settings.
 
     ``deepcopy`` shares a cache (its ``__deepcopy__`` returns it): the replay's copy would call the user's own one,
-    count its hits and fill it with fake tensors. A plain function copies as itself; a method bound to the module (or
-    to an object the copy holds) is bound to its copy.
+    count its hits and fill it with fake tensors. A method bound to an object the copy has copied already (the
+    module, a submodule: ``memo``) is bound to that object's copy; any other function is the same one (the walk of
+    the copy reaches what it holds, as before).
     """
-    return functools.lru_cache(**cache.cache_parameters())(copy.deepcopy(cache.__wrapped__, memo))
+    function = cache.__wrapped__
+    if isinstance(function, types.MethodType) and id(function.__self__) in memo:
+        function = types.MethodType(function.__func__, memo[id(function.__self__)])
+    return functools.lru_cache(**cache.cache_parameters())(function)
 
 
 class _Dispatch(dict):  # type: ignore[type-arg]  # copy's own table: classes to copier functions
