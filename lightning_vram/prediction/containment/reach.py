@@ -197,8 +197,8 @@ class Slot:
         """The object held now (a missing entry raises ``KeyError`` or ``AttributeError``); a class's own entry."""
         if isinstance(self.holder, types.CellType):
             return self.holder.cell_contents
-        if isinstance(self.holder, dict):
-            return self.holder[self.key]
+        if isinstance(self.holder, dict):  # through dict's own methods: never a subclass's of the user's
+            return dict.__getitem__(self.holder, self.key)
         if isinstance(self.holder, list):
             return list.__getitem__(self.holder, self.key)
         if isinstance(self.holder, type):  # not what ``__get__`` makes: a singledispatchmethod makes a new function
@@ -210,7 +210,7 @@ class Slot:
         if isinstance(self.holder, types.CellType):
             self.holder.cell_contents = value
         elif isinstance(self.holder, dict):
-            self.holder[self.key] = value
+            dict.__setitem__(self.holder, self.key, value)
         elif isinstance(self.holder, list):
             list.__setitem__(self.holder, self.key, value)
         else:
