@@ -119,6 +119,17 @@ class AsAClassMethod(Shifted):
         return self.shifted_loss(batch, self.drawn_for(len(batch[0])))
 
 
+class InTheModulesTuple(Shifted):
+    """The module's own tuple: its copy holds a fresh cache there (a tuple of the user's rules the replay out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = (offsets,)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.shifted_loss(batch, self.pipeline[0](len(batch[0])))
+
+
 class InATuple(Shifted):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.shifted_loss(batch, CHAIN[0](len(batch[0])))
@@ -159,7 +170,17 @@ def train_both(tmp_path: Path, path: str, kind: type[Shifted]) -> Any:
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     "kind",
-    [InADict, InAList, InAnObject, InTheModulesDict, InANamespace, OfABoundMethod, AsAStaticMethod, AsAClassMethod],
+    [
+        InADict,
+        InAList,
+        InAnObject,
+        InTheModulesDict,
+        InTheModulesTuple,
+        InANamespace,
+        OfABoundMethod,
+        AsAStaticMethod,
+        AsAClassMethod,
+    ],
 )
 def test_a_cache_in_a_container_gets_a_fresh_one(tmp_path: Path, path: str, kind: type[Shifted]) -> None:
     simulation = train_both(tmp_path, path, kind)

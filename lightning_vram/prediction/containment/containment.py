@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import functools
 import random
 import types
 from collections import OrderedDict, deque
@@ -34,7 +33,7 @@ from lightning_vram.prediction.containment.plain_reads import (
     set_seed_sequence_state,
     slot_names,
 )
-from lightning_vram.prediction.containment.reach import Reach, Slot
+from lightning_vram.prediction.containment.reach import Reach, Slot, fresh_cache
 
 _MISSING = object()
 OUTSIDE_TENSOR_BYTES = 64 * 1024**2
@@ -207,16 +206,6 @@ def _version(tensor: Tensor) -> int | None:
         return int(tensor._version)
     except RuntimeError:  # an inference tensor keeps no version counter (and cannot be changed in place)
         return None
-
-
-def fresh_cache(cache: Any) -> Any:
-    """A new, empty ``functools.lru_cache`` of the same function and settings.
-
-    Where ``cache`` is a class's static or class method of one, the same kind of method of the new one.
-    """
-    if isinstance(cache, (staticmethod, classmethod)):
-        return type(cache)(fresh_cache(cache.__func__))
-    return functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__)
 
 
 class ContainmentError(RuntimeError):

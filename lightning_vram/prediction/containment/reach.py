@@ -217,11 +217,30 @@ class Slot:
             setattr(self.holder, self.key or "", value)
 
 
+_FRESH: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The caches the replays made (:func:`fresh_cache`): the replay's own, never the user's."""
+
+
+def fresh_cache(cache: Any, function: Any = None) -> Any:
+    """A new, empty ``functools.lru_cache`` of the same settings, over ``function`` (by default the same one).
+
+    Where ``cache`` is a class's static or class method of one, the same kind of method of the new one.
+    """
+    if isinstance(cache, (staticmethod, classmethod)):
+        return type(cache)(fresh_cache(cache.__func__))
+    made = functools.lru_cache(**cache.cache_parameters())(cache.__wrapped__ if function is None else function)
+    _FRESH.add(made)
+    return made
+
+
 def is_cache(value: Any) -> bool:
-    """Whether ``value`` is a ``functools.lru_cache`` function, or a static or class method of one (a class's entry)."""
+    """Whether ``value`` is a user's ``functools.lru_cache`` function, or a class's static or class method of one.
+
+    Not one a replay made (:func:`fresh_cache`), which the replay's copies hold.
+    """
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
-    return isinstance(value, functools._lru_cache_wrapper)
+    return isinstance(value, functools._lru_cache_wrapper) and value not in _FRESH
 
 
 @dataclass

@@ -37,6 +37,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from lightning_vram.prediction.containment.plain_reads import dict_items, instance_dict
+from lightning_vram.prediction.containment.reach import fresh_cache
 from lightning_vram.prediction.containment.user_code import is_user_function
 
 COPY_HOOKS = (
@@ -185,7 +186,7 @@ def _fresh_cache(cache: Any, memo: dict[int, Any]) -> Any:
     function = cache.__wrapped__
     if isinstance(function, types.MethodType) and id(function.__self__) in memo:
         function = types.MethodType(function.__func__, memo[id(function.__self__)])
-    return functools.lru_cache(**cache.cache_parameters())(function)
+    return fresh_cache(cache, function)
 
 
 class _Dispatch(dict):  # type: ignore[type-arg]  # copy's own table: classes to copier functions
