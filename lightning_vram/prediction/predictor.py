@@ -51,7 +51,7 @@ from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.prediction.replay._fake import FakeTensorMode
 from lightning_vram.prediction.replay.baseline import BASELINE_TOLERANCE
 from lightning_vram.prediction.replay.calibration import carry
-from lightning_vram.prediction.replay.changes import checkpointed_calls
+from lightning_vram.prediction.replay.changes import checkpointed_calls, release_plan
 from lightning_vram.prediction.replay.counting import ReplayCounter
 from lightning_vram.prediction.replay.cuda_kernels import CudaKernels
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
@@ -580,6 +580,7 @@ class Predictor:
                     opened.close()
             if twin is not None:
                 release_gradients(twin)
+                release_plan(twin.module)
         refused_effect = self._outside(effects)
         if refused_effect is not None:  # the step caught the refusal and went on
             return ReplaySkipped(refused_effect, time.perf_counter() - started)

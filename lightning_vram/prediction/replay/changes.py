@@ -239,6 +239,20 @@ def checkpointed_calls(module: nn.Module) -> list[tuple[tuple[str, ...], list[Ca
     return [(child.unit, child.calls) for child in module.modules() if isinstance(child, _CheckpointedCall)]
 
 
+def release_plan(module: nn.Module) -> None:
+    """Empty what each checkpointed unit in ``module`` (a replay's copy) kept of the replay: its calls, its links.
+
+    Each call's output is a fake tensor whose graph reaches the copy through autograd's C++, a cycle the garbage
+    collector cannot see. The replay's containment used to empty them as it put back what the copy's modules held;
+    since the plan's stand-ins are the library's, out of that walk, the replay empties them itself (a ResNet's
+    checkpointing plans left 218 fake tensors held, and the escape check turned replays off for the run).
+    """
+    for child in module.modules():
+        if isinstance(child, _CheckpointedCall):
+            child.calls.clear()
+            child._passing.clear()
+
+
 def apply_inplace(module: nn.Module, names: tuple[str, ...]) -> None:
     """Set ``inplace=True`` on each named module (a replay's copy); each must have the flag."""
     for name in names:
