@@ -164,7 +164,10 @@ def offload_optimizer(summary: RunSummary, setup: TrainingSetup, simulation: Sim
 def _measured(trial: OffloadTrial) -> str:
     """The rank's peak now in words: measured, with the model's figure beside it."""
     if trial.measured_peak_bytes is None:
-        return f"peaks at {format_bytes(trial.current_peak_bytes)} by the per-rank model (not measured)"
+        return (
+            f"peaks at {format_bytes(trial.current_peak_bytes)} by the per-rank model (no measured peak of that"
+            " micro-batch)"
+        )
     return (
         f"measured a peak of {format_bytes(trial.measured_peak_bytes)} on the sampled step (the model:"
         f" {format_bytes(trial.current_peak_bytes)})"

@@ -201,7 +201,10 @@ def _now(trial: ShardingTrial) -> str:
     """The rank's peak under the run's strategy in words: measured, with the model's figure beside it."""
     predicted = f"{format_bytes(trial.current_peak_bytes)} in {trial.current_phase.value}"
     if trial.measured_peak_bytes is None:
-        return f"peaks at {predicted} by the per-rank model (the sampled step's peak was not measured)"
+        return (
+            f"peaks at {predicted} by the per-rank model (no measured peak of that micro-batch: the sampled step's"
+            " was not measured, or was another micro-batch of an accumulation window)"
+        )
     return f"measured a peak of {format_bytes(trial.measured_peak_bytes)} on the sampled step (the model: {predicted})"
 
 

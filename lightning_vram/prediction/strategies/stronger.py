@@ -53,10 +53,15 @@ def small_parameter_bytes(module: nn.Module, element: int) -> int:
 def measured_peak(predictor: Predictor) -> int | None:
     """The rank's measured peak on the sampled step the predictor is calibrated by, in bytes.
 
-    The highest phase's; ``None`` where the calibration did not measure every phase's peak (or there is none).
+    The highest phase's; ``None`` where the calibration did not measure every phase's peak (or there is none), and
+    under gradient accumulation where the sampled step is not the micro-batch the prediction is of (the window's
+    stepping one): a trial's DDP run sampled a window's first micro-batch, 25.5 MiB with no gradients held yet, and
+    its advice started from it where the run's peak, the window's second, was 27.0 MiB.
     """
     sampled = predictor.calibration
     if sampled is None or not sampled.phases or any(part.other is None for part in sampled.phases.values()):
+        return None
+    if predictor.accumulate > 1 and sampled.micro_batch != predictor.accumulate:
         return None
     return max(part.peak_bytes for part in sampled.phases.values())
 
