@@ -19,6 +19,7 @@ from advice_models import TransformerBlock
 from torch import nn
 
 from lightning_vram.advice.budget import plan_for_budget, recomputation_seconds
+from lightning_vram.advice.cost_ties import COST_TOLERANCE
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.timing import measure_host_peaks
 from lightning_vram.prediction.timing.checkpoint_ops import measure_checkpoint_overhead
@@ -100,7 +101,10 @@ def test_the_budget_plan_is_the_one_whose_recomputation_is_predicted_fastest() -
             fitting[name] = seconds
     assert {"every block selectively", "2 whole"} <= set(fitting)  # both fit: the search must weigh both
     assert found.recompute_seconds is not None and found.step_seconds is not None
-    assert found.recompute_seconds == pytest.approx(min(fitting.values()), rel=1e-9)
+    # The least predicted time, or one within the tolerance in which plans are alike and ordered by their counted
+    # work (advice/cost_ties.py): on a loaded CI machine "every block selectively" (15.84 ms, no FLOPs recomputed)
+    # was chosen over "1 whole, 1 selectively" (15.48 ms, 2.3% less, one block's FLOPs recomputed).
+    assert found.recompute_seconds <= min(fitting.values()) * (1 + COST_TOLERANCE)
     assert found.timed_on == peaks.name
     assert found.peak_bytes is not None and found.peak_bytes <= budget
 
