@@ -20,6 +20,8 @@ from harness import PATHS, equal
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, StochasticWeightAveraging
 from loop_runs import Factory, run
 from models import OPTIMIZERS, Classifier, cnn_net, dataset_for, loader
+from test_replay_manual import ToggledGan
+from test_setups import gan_data
 
 
 class Scheduled(Classifier):
@@ -233,3 +235,68 @@ def test_swa_and_the_users_ema_over_epochs_with_max_time(tmp_path: Path, path: s
 
     monitors = assert_same(script, tmp_path, path, attribution_start_step=1, attribution_every_n_steps=4)
     replayed(monitors[0], matched=False)
+
+
+class ScheduledGan(ToggledGan):
+    """The toggled GAN with a scheduler per optimizer stepped by hand, ``self.log`` with ``sync_dist``, manual
+    clipping, and the user's ``on_before_optimizer_step`` reading each optimizer's gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        super().training_step(batch, batch_idx)
+        generator_schedule, discriminator_schedule = self.lr_schedulers()  # type: ignore[misc]
+        generator_schedule.step()
+        if (batch_idx + 1) % 2 == 0:
+            discriminator_schedule.step()
+        self.log("batch_mean", batch[0].mean(), sync_dist=True, on_step=True, on_epoch=True)
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        super().manual_backward(loss, *args, **kwargs)
+        for optimizer in self.optimizers():  # type: ignore[union-attr]
+            self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.seen.append(
+            [p.grad.norm() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        )
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append([group["lr"] for optimizer in self.trainer.optimizers for group in optimizer.param_groups])
+
+    def configure_optimizers(self) -> Any:
+        generator, discriminator = super().configure_optimizers()
+        return [generator, discriminator], [
+            torch.optim.lr_scheduler.ExponentialLR(generator, gamma=0.9),
+            torch.optim.lr_scheduler.StepLR(discriminator, step_size=1, gamma=0.5),
+        ]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_manual_gan_with_schedulers_by_hand_clipping_and_a_resume(tmp_path: Path, path: str) -> None:
+    def write(make: Factory) -> Any:
+        module = ScheduledGan()
+        every = ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)
+        run_trainer = make([every], max_steps=12, enable_checkpointing=True)
+        run_trainer.fit(module, gan_data())
+        return state(module, run_trainer), module.seen
+
+    def resume(checkpoint: Path) -> Any:
+        def script(make: Factory) -> Any:
+            module = ScheduledGan()
+            run_trainer = make(
+                [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)], max_steps=20, enable_checkpointing=True
+            )
+            run_trainer.fit(module, gan_data(), ckpt_path=checkpoint)
+            return state(module, run_trainer), module.seen
+
+        return script
+
+    sampled = {"attribution_start_step": 2, "attribution_every_n_steps": 3}
+    monitors = assert_same(write, tmp_path / "written", path, **sampled)
+    replayed(monitors[0], matched=True)
+    checkpoint = tmp_path / "written" / "bare" / "checkpoints" / "epoch=0-step=8.ckpt"  # mid-epoch
+    monitors = assert_same(resume(checkpoint), tmp_path / "resumed", path, **sampled)
+    replayed(monitors[0], matched=True)

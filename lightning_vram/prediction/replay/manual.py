@@ -49,6 +49,34 @@ class ReplayOptimizer:
         return getattr(self.optimizer, name)
 
 
+class ReplayScheduler:
+    """Stands in for a learning-rate scheduler in a replay's copy (``self.lr_schedulers()``): ``step`` does nothing.
+
+    A learning rate is a Python number: stepping one changes no memory, and the real scheduler and its optimizer are
+    the user's, never the replay's. Any other attribute is not there (the replay is skipped, naming it).
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing (a ``ReduceLROnPlateau``'s metric, an epoch, are taken and ignored)."""
+
+
+def replay_schedulers(trainer: Any) -> Callable[[], Any] | None:
+    """``lr_schedulers()`` for a replay's copy of a module ``trainer`` trains, answering as Lightning's does.
+
+    One :class:`ReplayScheduler` per scheduler of the Trainer's ``lr_scheduler_configs`` (``None`` where there is none,
+    one alone where there is one, else a list); ``None`` where ``trainer`` is no Trainer (a plain module, Fabric).
+    """
+    configs = getattr(trainer, "lr_scheduler_configs", None)
+    if not isinstance(configs, list):
+        return None
+    stand_ins = [ReplayScheduler() for _ in configs]
+
+    def lr_schedulers() -> Any:
+        return None if not stand_ins else stand_ins[0] if len(stand_ins) == 1 else list(stand_ins)
+
+    return lr_schedulers
+
+
 def _unwrapped(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, ReplayOptimizer) else optimizer
 

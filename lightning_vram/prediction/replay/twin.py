@@ -2,7 +2,8 @@
 
 The module is deep-copied under :class:`~torch._subclasses.fake_tensor.FakeCopyMode`: every tensor it holds becomes
 a fake one of the same shape, dtype and device (a LightningModule's copy drops its Trainer, as its pickling does,
-but for its rank under several processes: :class:`RanksOnly`; its ``log`` and ``log_dict`` do nothing). NumPy
+but for its rank under several processes: :class:`RanksOnly`; its ``log`` and ``log_dict`` do nothing, and its
+``lr_schedulers()`` gives stand-ins whose ``step`` does nothing: :func:`~.manual.replay_schedulers`). NumPy
 arrays the module or the batch hold are shared, not copied (a 400 MB table would be copied on every replay): the
 replay makes them read-only while it runs. The batch is deep-copied the same way, plain objects and dataclasses
 included, so that a ``training_step`` that sets ``batch.x`` sets it on the copy. Neither copy runs a copy hook of the
@@ -28,6 +29,7 @@ from lightning_vram.measure.storages import DTENSOR, local_tensor, storage_key
 from lightning_vram.measure.tensors import iter_tensors
 from lightning_vram.prediction.replay._fake import FakeCopyMode, FakeTensor, FakeTensorMode
 from lightning_vram.prediction.replay.hook_free import without_user_hooks
+from lightning_vram.prediction.replay.manual import replay_schedulers
 from lightning_vram.prediction.replay.optimizer_path import follow_real_path
 from lightning_vram.prediction.replay.optimizers import configured_optimizers, rebuild_optimizer
 from lightning_vram.prediction.replay.unsharded import Unsharding, is_flat_parameter, sharded_live
@@ -146,7 +148,11 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
             unsharding.finish(memo)
         for name in scripted_module_names(dict(module.named_modules())):
             _fake_scripted(module.get_submodule(name), copied.get_submodule(name), memo)
-    ranks = RanksOnly.of(getattr(module, "_trainer", None))
+    trainer = getattr(module, "_trainer", None)
+    ranks = RanksOnly.of(trainer)
+    schedulers = replay_schedulers(trainer)
+    if schedulers is not None and callable(getattr(copied, "lr_schedulers", None)):
+        vars(copied)["lr_schedulers"] = schedulers  # an instance attribute of the copy only
     for child in copied.modules():
         if ranks is not None and "_trainer" in vars(child):
             vars(child)["_trainer"] = ranks  # an instance attribute of the copy only
