@@ -59,7 +59,10 @@ class RunContext:
         return self.wrapper() if self.wrapper is not None else None
 
     def setup(self) -> TrainingSetup | None:
-        """The training set-up, read once per run (the first time training has started); ``None`` after close.
+        """The training set-up, read once per epoch, the first time it is needed; ``None`` after close.
+
+        Training has started then, and the epoch's window is set (a ``GradientAccumulationScheduler`` sets the
+        Trainer's as the epoch starts; see :meth:`epoch_ended`).
 
         Its ``accumulate_grad_batches`` is the window observed so far, else the declared one, else the set-up's own
         (:meth:`AccumulationWindows.window`).
@@ -74,6 +77,10 @@ class RunContext:
             return None
         window = self.windows.window(setup.accumulate_grad_batches)
         return setup if window == setup.accumulate_grad_batches else replace(setup, accumulate_grad_batches=window)
+
+    def epoch_ended(self) -> None:
+        """An epoch ended: the next :meth:`setup` reads the set-up again (the next epoch's window may differ)."""
+        self._setup = None
 
     def release(self) -> None:
         """Let go of the model, its optimizers and the callables that may hold a Trainer (and its process group)."""

@@ -194,8 +194,8 @@ class VramSession:
             device: the device to measure, when the model's first parameter is not on it (a ``torch.device`` or a
                 device string such as ``"cuda:1"``).
             setup: a callable returning the training set-up for advice (the callback reads its Trainer); default:
-                one read from ``model``, ``optimizers``, ``dataloader`` and ``precision``. Read once per run, the
-                first time advice needs it (training has started then).
+                one read from ``model``, ``optimizers``, ``dataloader`` and ``precision``. Read once per epoch, the
+                first time advice needs it (training has started then; a Trainer's window may change between epochs).
             rank: this process's global rank.
             world_size: the number of processes training together.
             gather: every rank's numbers (one collective), with ``world_size > 1``: the report's per-rank headlines,
@@ -477,7 +477,15 @@ class VramSession:
     # ------------------------------------------------------------------------------------------------ intervals
 
     def epoch_end(self, step: int) -> None:
-        """Publish the advice so far as text at ``step`` (with publishers or writers given to :meth:`start`)."""
+        """Publish the advice so far as text at ``step`` (with publishers or writers given to :meth:`start`).
+
+        The next epoch's set-up is read again when needed: its accumulation window may differ (a Trainer's
+        ``GradientAccumulationScheduler``), and a replay under the old one would not reproduce its steps.
+        """
+        self._publish_epoch_advice(step)
+        self._context.epoch_ended()
+
+    def _publish_epoch_advice(self, step: int) -> None:
         recorder = self._recorder
         if not self._sinks.publishers or recorder.probe is None or recorder.device is None:
             return

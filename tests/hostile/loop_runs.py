@@ -52,15 +52,19 @@ def checkpoints(root: Path, monitored: set[str]) -> dict[str, Any]:
     return found
 
 
-def run(script: Callable[[Factory], Any], root: Path, path: str | None, **options: Any) -> tuple[dict[str, Any], Any]:
+def run(
+    script: Callable[[Factory], Any], root: Path, path: str | None, into: list[Any] | None = None, **options: Any
+) -> tuple[dict[str, Any], Any]:
     """Seed everything and run ``script``; with the monitor on ``path`` (``None``: without). What the user reads.
+
+    The monitors the run makes are appended to ``into`` as they are made (the script can find its own there).
 
     Warnings are compared without the objects' addresses their texts may hold (a scheduler's repr), which no two runs
     share, and without the monitor's own.
     """
     pl.seed_everything(0, verbose=False)
     np.random.seed(0)
-    monitors: list[Any] = []
+    monitors: list[Any] = [] if into is None else into
 
     def factory(callbacks: list[pl.Callback] = [], monitor: bool = True, **trainer_options: Any) -> pl.Trainer:  # noqa: B006
         joined = list(callbacks)
