@@ -12,12 +12,13 @@ from typing import Any
 from sessions import plain_run
 
 from lightning_vram.records import Advice, AdviceId, BatchShapes, LengthPeak, ModuleProfile, Severity, StepPoint
+from lightning_vram.records.report import RankSummary
 from lightning_vram.records.shapes import TensorShapes
 from lightning_vram.render.figures import memory_over_steps_figure, modules_figure
 from lightning_vram.render.html import STYLE, render_html, table_html
 from lightning_vram.render.shapes import lengths_line, lengths_table, shapes_sentence
 from lightning_vram.render.simulation import Table
-from lightning_vram.render.text import module_text, summary_text
+from lightning_vram.render.text import module_text, ranks_line, summary_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,3 +127,13 @@ def test_shapes_name_an_image_s_channels_and_a_sequence_s_length() -> None:
     assert table is not None and table.header[0] == "channels"
     tokens = TensorShapes("batch['input_ids']", (8, 128), (8, 512))
     assert lengths_line(replace(shapes, tensors=(tokens,))) == "peak per length: 4: 2.0 KiB"
+
+
+def test_ranks_that_peaked_alike_are_said_to_in_one_figure() -> None:
+    """A new user's trial: two DDP ranks at the same peak read "rank 0 peaked highest (49.3 MiB), 0 B above rank 0"."""
+    report = plain_run(None).report
+    assert report is not None
+    alike = (RankSummary(0, None, 3 * 1024**2, 4), RankSummary(1, None, 3 * 1024**2, 4))
+    assert ranks_line(replace(report, ranks=alike)) == "2 ranks: every rank peaked at 3.0 MiB"
+    apart = (RankSummary(0, None, 3 * 1024**2, 4), RankSummary(1, None, 4 * 1024**2, 4))
+    assert ranks_line(replace(report, ranks=apart)) == "2 ranks: rank 1 peaked highest (4.0 MiB), 1.0 MiB above rank 0"

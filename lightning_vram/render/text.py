@@ -259,13 +259,15 @@ def evaluation_text(peaks: tuple[EvaluationPeak, ...]) -> str:
 
 
 def ranks_line(report: Report) -> str | None:
-    """Under distributed training: the rank with the highest peak and the spread between ranks."""
+    """Under distributed training: the highest rank's peak and the spread (one figure where every rank is alike)."""
     measured = [rank for rank in report.ranks if rank.peak_bytes is not None]
     if len(report.ranks) < 2 or not measured:
         return None
     highest = max(measured, key=lambda rank: rank.peak_bytes or 0)
     lowest = min(measured, key=lambda rank: rank.peak_bytes or 0)
     spread = (highest.peak_bytes or 0) - (lowest.peak_bytes or 0)
+    if spread == 0 and len(measured) == len(report.ranks):  # not "rank 0 peaked highest, 0 B above rank 0"
+        return f"{len(report.ranks)} ranks: every rank peaked at {format_bytes(highest.peak_bytes)}"
     return (
         f"{len(report.ranks)} ranks: rank {highest.rank} peaked highest ({format_bytes(highest.peak_bytes)}),"
         f" {format_bytes(spread)} above rank {lowest.rank}"
