@@ -33,7 +33,7 @@ from lightning_vram.advice.rules.mixed_precision import mixed_precision
 from lightning_vram.advice.rules.near_capacity import near_capacity
 from lightning_vram.advice.rules.optimizer_state import optimizer_state
 from lightning_vram.advice.rules.pin_memory import pin_memory
-from lightning_vram.advice.rules.registry import advise
+from lightning_vram.advice.rules.registry import advise, not_advised
 from lightning_vram.advice.rules.stale_gradients import stale_gradients
 from lightning_vram.prediction.devices import COMMON_GPUS
 from lightning_vram.records import (
@@ -461,3 +461,19 @@ def test_near_capacity_ranks_remedies() -> None:
     assert (advice.estimated_saving_bytes, advice.saving_basis) == (11 * GIB // 2, "modelled")
     assert near_capacity(healthy_summary(peak=peak(Phase.BACKWARD, 14 * GIB, full)), healthy_setup()) is None
     assert advise(summary, healthy_setup(precision="32-true"))[0].id == "near-capacity"
+
+
+def test_dataloader_workers_needs_a_spare_core_per_device_and_says_why() -> None:
+    # A new user's DDP run (2 ranks on 2 cores) waited 32.1% of its steps for an in-memory dataset and was told to
+    # add a worker, which would share its rank's only core; other runs of the same set-up waited 1.3% to 2.8%.
+    starved = healthy_summary(data_wait_fraction=0.321, recent_data_wait_fraction=0.3, timed_steps=50)
+    one_core = healthy_setup(num_workers=0, cpu_cores_per_device=1, world_size=2)
+    assert dataloader_workers(starved, one_core) is None
+    reasons = {item.id: item.reason for item in not_advised(starved, one_core, None, ())}
+    assert reasons["dataloader-workers"] == (
+        "more DataLoader workers: data wait is 32.1% of step time, but the machine has 1 CPU core per device: no"
+        " spare core for a worker, which would share the training process's core (the wait may be processes"
+        " contending for cores, not loading)"
+    )
+    two_cores = dataloader_workers(starved, replace(one_core, cpu_cores_per_device=2))  # one spare: one worker
+    assert two_cores is not None and "DataLoader(num_workers=1, persistent_workers=True)" in two_cores.title
