@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
-from advice_summaries import MIB, healthy_setup, healthy_summary
+from advice_summaries import CPU, MIB, healthy_setup, healthy_summary
+from lightning import Trainer
 from simulations import step
 from test_rank_prediction_zero import SETTINGS, loss_of, predictor_of
 
@@ -286,3 +288,23 @@ def test_the_ddp_trial_is_predict_ranks_figures_on_the_step_without_ddps_buckets
     assert trial.measured_peak_bytes is None and trial.reduce_bucket_size is None
     assert ddp_trial(bucketed, baseline, 1, 0) is None  # one rank: nothing to shard over
     assert ddp_trial(plain, baseline, 2, 0) is None  # not a DDP rank's predictor
+
+
+def test_a_ddp_run_on_the_cpu_is_not_told_a_strategy_lightning_refuses_there_and_says_why() -> None:
+    # A new user's DDP run on 2 gloo ranks was told 'Trainer(strategy="fsdp")', which Lightning refuses on the CPU.
+    for name in ("fsdp", "deepspeed_stage_2"):
+        with pytest.raises((ValueError, RuntimeError), match="GPU"):
+            Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy.setup_environment()
+    summary, setup = healthy_summary(device=CPU), healthy_setup()
+    zero2 = replace(FROM_DDP, target="deepspeed_stage_2", target_sharding=None)
+    for trial in (FROM_DDP, zero2):
+        assert sharding_stage(summary, setup, simulation_with(trial)) is None
+        assert "sharding-stage" not in {item.id for item in advise(summary, setup, simulation_with(trial))}
+    reasons = {item.id: item.reason for item in not_advised(summary, setup, simulation_with(FROM_DDP), ())}
+    assert reasons["sharding-stage"] == (
+        "predicted, fsdp x8 FULL_SHARD peaks at 600.0 MiB on this rank against 960.0 MiB under ddp, but this run trains"
+        " on cpu: Lightning's and Fabric's fsdp strategy requires a CUDA accelerator and refuses this one (the plain"
+        " loop's change is written for CUDA)"
+    )
+    # A ZeRO run off CUDA (a plain loop's DeepSpeed on the CPU) still gets its stronger stage: its config change.
+    assert sharding_stage(summary, setup, simulation_with(TRIAL)) is not None

@@ -10,6 +10,11 @@ needs, and the exact change for the loop that trains the model, keeping the run'
 prediction used). Sharding more changes where each element lives and what is communicated, not the update: the same
 Adam step over the same averaged gradients (ZeRO-2 to ZeRO-3 bit-identical on 2 CPU ranks in fp32,
 tests/test_sharded_advice.py).
+
+A DDP run off CUDA (gloo ranks on the CPU) gets no such change: Lightning's and Fabric's FSDP and DeepSpeed strategies
+refuse any accelerator but CUDA (``Trainer(strategy="fsdp")`` raises "The strategy `fsdp` requires a GPU accelerator"
+in Lightning 2.6, ``"deepspeed_stage_2"`` "The DeepSpeed strategy is only supported on CUDA GPUs"), and the plain loop's
+change is written for a CUDA device; ``not_advised`` says so, with the predicted figures.
 """
 
 from __future__ import annotations
@@ -131,13 +136,25 @@ def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
     return f"{owner}(strategy=DeepSpeedStrategy({', '.join(arguments)}))"
 
 
+def needs_cuda(trial: ShardingTrial, summary: RunSummary) -> bool:
+    """Whether the trial's change cannot be applied on the run's accelerator: from DDP to FSDP or ZeRO, off CUDA.
+
+    Lightning's and Fabric's ``fsdp`` and ``deepspeed*`` strategies refuse any accelerator but CUDA; the plain loop's
+    change wraps the model for the current CUDA device.
+    """
+    return trial.current == "ddp" and not summary.on_cuda
+
+
 def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
-    """A stronger ZeRO stage lowers this rank's predicted peak by the threshold or more: the change and its cost."""
+    """A stronger ZeRO stage lowers this rank's predicted peak by the threshold or more: the change and its cost.
+
+    Silent where the change cannot be applied on the run's accelerator (:func:`needs_cuda`).
+    """
     trial = trial_of(simulation)
     if trial is None:
         return None
     saving = trial.saving_bytes
-    if saving < MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
+    if saving < MIN_SHARDING_SAVING_SHARE * trial.start_bytes or needs_cuda(trial, summary):
         return None
     current, target = strategy_words(trial.current), strategy_words(trial.target)
     extra = trial.extra_communication_bytes
@@ -209,16 +226,26 @@ def _now(trial: ShardingTrial) -> str:
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None) -> str | None:
-    """Why a stronger sharding that was predicted is not advised: its saving is under the threshold."""
+    """Why a stronger sharding that was predicted is not advised: its saving is under the threshold, or it is refused.
+
+    Refused: the change cannot be applied on the run's accelerator (:func:`needs_cuda`).
+    """
     trial = trial_of(simulation)
-    if trial is None or trial.saving_bytes >= MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
+    if trial is None:
         return None
     sharding = "" if trial.target_sharding is None else f" {trial.target_sharding}"
-    return (
+    predicted = (
         f"predicted, {trial.target} x{trial.world_size}{sharding} peaks at {format_bytes(trial.target_peak_bytes)}"
-        f" on this rank against {format_bytes(trial.start_bytes)} under {trial.current}: under the"
-        f" {share_text(int(MIN_SHARDING_SAVING_SHARE * 1000), 1000)} saving the rule needs"
+        f" on this rank against {format_bytes(trial.start_bytes)} under {trial.current}"
     )
+    if trial.saving_bytes < MIN_SHARDING_SAVING_SHARE * trial.start_bytes:
+        return f"{predicted}: under the {share_text(int(MIN_SHARDING_SAVING_SHARE * 1000), 1000)} saving the rule needs"
+    if needs_cuda(trial, summary):
+        return (
+            f"{predicted}, but this run trains on {summary.device.type}: Lightning's and Fabric's {trial.target}"
+            " strategy requires a CUDA accelerator and refuses this one (the plain loop's change is written for CUDA)"
+        )
+    return None
 
 
 RULE = Rule(ID, sharding_stage, no_changes, why_not)
