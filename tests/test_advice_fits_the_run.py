@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from advice_summaries import GIB, HEALTHY_BREAKDOWN, MIB, healthy_setup, healthy_summary, peak
+from advice_summaries import CPU, GIB, HEALTHY_BREAKDOWN, MIB, healthy_setup, healthy_summary, peak
 from torch import nn
 
 from lightning_vram.advice.rules.near_capacity import near_capacity
@@ -47,6 +47,19 @@ def test_several_visible_devices_are_offered_sharding() -> None:
     assert "shard it across 4 devices" in advice.detail and "devices=4)" in advice.detail
     near = near_capacity(near_capacity_summary(), healthy_setup(precision="32-true", visible_devices=4))
     assert near is not None and "optimizer-state: about 4.50 GiB (modelled)" in near.detail
+
+
+def test_ddp_ranks_on_the_cpu_are_offered_the_sharding_lightning_takes_there() -> None:
+    # Two DDP ranks on the CPU: Trainer(strategy="fsdp") raises "requires a GPU accelerator" there; FSDP2 under
+    # ModelParallelStrategy trains on gloo ranks (tests/sharded_train.py). The advice names that, and prints no code
+    # Lightning refuses.
+    summary = healthy_summary(device=CPU, peak=peak(Phase.BACKWARD, 8 * GIB, STATE_HEAVY))
+    advice = optimizer_state(summary, healthy_setup(optimizers=("AdamW",), world_size=2, strategy="DDPStrategy"))
+    assert advice is not None and 'strategy="fsdp"' not in advice.detail and "```" not in advice.detail
+    assert (
+        "shard it across 2 devices (FSDP2: fully_shard in configure_model under Lightning's ModelParallelStrategy;"
+        " its fsdp and deepspeed strategies refuse the cpu): saves 2.00 GiB" in advice.detail
+    )
 
 
 def test_visible_devices_read_from_torch() -> None:

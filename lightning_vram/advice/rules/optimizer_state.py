@@ -29,6 +29,20 @@ def _keeps_adam(setup: TrainingSetup, shardable: bool) -> str:
     return " or ".join(keeps)
 
 
+def _sharding_words(summary: RunSummary) -> str:
+    """The sharded strategies that take the run's accelerator, in words.
+
+    Off CUDA, Lightning's and Fabric's ``fsdp`` and ``deepspeed`` strategies refuse the accelerator; FSDP2
+    (``fully_shard`` under ``ModelParallelStrategy``) runs there (tests/sharded_train.py trains it on gloo ranks).
+    """
+    if summary.on_cuda:
+        return "FSDP or DeepSpeed ZeRO"
+    return (
+        "FSDP2: fully_shard in configure_model under Lightning's ModelParallelStrategy; its fsdp and deepspeed"
+        f" strategies refuse the {summary.device.type}"
+    )
+
+
 def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Optimizer state is the largest part of the peak: name smaller or sharded alternatives with their savings."""
     attributed = attributed_peak(summary)
@@ -45,7 +59,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     devices = max(setup.world_size, setup.visible_devices)  # one process on one device has nothing to shard across
     shardable = not sharded and devices > 1
     if shardable:
-        options.append((state - state // devices, f"shard it across {devices} devices (FSDP or DeepSpeed ZeRO)"))
+        options.append((state - state // devices, f"shard it across {devices} devices ({_sharding_words(summary)})"))
     if not options:
         return None
     options.sort(reverse=True)
@@ -59,7 +73,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     example = (
         f'\n```python\nTrainer(strategy="fsdp", devices={devices})  # each device holds 1/{devices} of the'
         " optimizer state\n```"
-        if shardable
+        if shardable and summary.on_cuda
         else ""
     )
     changes_training = " Sharding keeps the update exact: the same model." if shardable else ""
