@@ -31,6 +31,8 @@ from lightning_vram import VramMonitor
 from lightning_vram.records.simulation_json import sharding_to_dict
 
 BATCH = 512
+SMALL_BATCH = 8
+"""The batch with ``small-batch``: parameters, gradients and Adam's state outweigh the activations."""
 WIDTH = 256
 
 
@@ -131,7 +133,8 @@ def main() -> None:
     )
     module = RankOneDiffers(activation_mlp(nn.LeakyReLU, width=WIDTH))
     module.skips_on = 1 if sys.argv[4:] == ["rank1-skips"] else None
-    trainer.fit(module, loader(features(4 * BATCH * world_size, WIDTH), BATCH))
+    batch = SMALL_BATCH if sys.argv[4:] == ["small-batch"] else BATCH
+    trainer.fit(module, loader(features(4 * batch * world_size, WIDTH), batch))
 
 
 if __name__ == "__main__":

@@ -178,3 +178,23 @@ def test_each_rank_weighs_zero2_and_fsdp_on_its_own_step_and_is_told_as_its_figu
     # This activation-heavy MLP on the CPU: root-only FSDP's unsharded flat parameter and its optimizer temporaries
     # outweigh what it shards (0.2% less on rank 0, more on rank 1, whose batch is doubled): silent on both.
     assert all("sharding-stage" not in rank["titles"] for rank in ranks)
+
+
+def test_a_cpu_ddp_run_is_told_no_sharded_strategy_lightning_refuses_there(tmp_path: Path) -> None:
+    # A new user's DDP run on 2 CPU ranks was told 'Trainer(strategy="fsdp")', which Lightning refuses there ("The
+    # strategy `fsdp` requires a GPU accelerator"). With a batch of 8 the state outweighs the activations: at 4 gloo
+    # ranks FSDP full shard is predicted past the rule's 5% on each (3.26 MB to 2.40 MB on rank 0 when written), and
+    # the rule holds back, saying why; no advice prints a strategy Lightning refuses on the CPU.
+    ranks = run(tmp_path, 4, "ddp", "small-batch")
+    for rank in ranks:
+        trial = rank["sharding"]
+        print(f"rank {rank['rank']}: {trial}")
+        assert (trial["current"], trial["target"]) == ("ddp", "fsdp")
+        assert trial["saving_bytes"] >= 0.05 * trial["measured_peak_bytes"]  # what the rule advised before
+        assert "sharding-stage" not in rank["titles"]
+        assert rank["not_advised"]["sharding-stage"].endswith(
+            "but this run trains on cpu: Lightning's and Fabric's fsdp strategy requires a CUDA accelerator and refuses"
+            " this one (the plain loop's change is written for CUDA)"
+        )
+    report = next(tmp_path.rglob("vram_report.md")).read_text()
+    assert 'strategy="fsdp"' not in report and 'strategy="deepspeed' not in report
