@@ -55,18 +55,19 @@ def test_data_starved_run_gets_dataloader_workers(tmp_path: Path) -> None:
     assert "pin-memory" not in ids(starved)  # CPU training: nothing to pin for
 
 
-def timed_report(waits_and_work: list[tuple[float, float]]) -> Report:
-    """A session over real training steps of a tiny model whose data wait and work take the given seconds."""
+def timed_report(waits_and_work: list[tuple[float, float]], cores: int = 8) -> Report:
+    """A session over real training steps of a tiny model whose data wait and work take the given seconds, on
+    ``cores`` CPU cores per device."""
     clock = ScriptedClock()
     model = nn.Linear(8, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = loader(dataset(8, 128), batch_size=4)  # 32 batches, num_workers=0
     session = VramSession(console_summary=False, recent_steps=8, clock=clock)
-    # Eight cores per device, whatever this machine has: the advice suggests 7 workers.
+    # Eight cores per device unless told, whatever this machine has: the advice suggests 7 workers.
     session.start(
         model,
         [optimizer],
-        setup=lambda: replace(training_setup(model, [optimizer], dataloaders=data), cpu_cores_per_device=8),
+        setup=lambda: replace(training_setup(model, [optimizer], dataloaders=data), cpu_cores_per_device=cores),
     )
     batches = iter(data)
     for wait, work in waits_and_work:
@@ -97,6 +98,21 @@ def test_dataloader_workers_fires_on_a_sustained_wait() -> None:
     assert "data wait is 75.0% of step time over the run and 75.0% recently (11 timed steps), about 30.0 ms" in (
         advice.evidence
     )
+
+
+def test_dataloader_workers_needs_a_spare_core_beside_the_training_process() -> None:
+    # The same 75% wait with one core per device (two DDP ranks on two cores): a worker would take the training
+    # process's core. Silent, and the report says why.
+    report = timed_report([(0.030, 0.010)] * 12, cores=1)
+    assert report.timing.data_wait_fraction == pytest.approx(0.75)
+    assert "dataloader-workers" not in ids(report)
+    reasons = {item.id: item.reason for item in report.not_advised}
+    assert reasons["dataloader-workers"] == (
+        "more DataLoader workers: data wait is 75.0% of step time, but the machine has 1 CPU core per device: no"
+        " spare core for a worker, which would share the training process's core (the wait may be processes"
+        " contending for cores, not loading)"
+    )
+    assert "dataloader-workers" in ids(timed_report([(0.030, 0.010)] * 12, cores=2))  # one spare core: one worker
 
 
 @pytest.mark.parametrize(
