@@ -68,8 +68,7 @@ def dataloader_workers(
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
-    """Why more DataLoader workers are not advised: the measured data-wait share, no spare core, or the workers
-    already there."""
+    """Why more DataLoader workers are not advised: the data-wait share, no spare core, or the workers there already."""
     if setup.num_workers is None:
         return None
     if sustained_data_wait(summary, DATA_WAIT_WORKERS_SHARE) and suggested_num_workers(setup.cpu_cores_per_device) < 1:
