@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lightning_vram import Report, VramMonitor, VramSession
+from lightning_vram.measure import setup as machine_setup
 from lightning_vram.measure.setup import training_setup
 from lightning_vram.render.tensorboard import MONITOR_RUN
 
@@ -39,8 +40,10 @@ def ids(report: Report) -> set[str]:
     return {advice.id for advice in report.advice}
 
 
-def test_data_starved_run_gets_dataloader_workers(tmp_path: Path) -> None:
-    # 16 samples of 5 ms each: 80 ms of loading per batch against a millisecond of work, on a scripted clock.
+def test_data_starved_run_gets_dataloader_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16 samples of 5 ms each: 80 ms of loading per batch against a millisecond of work, on a scripted clock; eight
+    # cores, whatever this machine has (with one per device the rule holds back: no spare core for a worker).
+    monkeypatch.setattr(machine_setup, "cpu_cores", lambda: 8)
     clock = ScriptedClock()
     monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=5, console_summary=False, clock=clock)
     module = TimedClassifier(mlp(512, 4), clock, seconds=0.001)

@@ -17,6 +17,7 @@ import torch
 from models import Classifier, ScriptedClock, SlowToLoad, dataset, loader, mlp, trainer
 
 from lightning_vram import VramMonitor
+from lightning_vram.measure import setup as machine_setup
 from lightning_vram.records import Report
 from lightning_vram.render.diff import STEP_TIME_SPREAD_BOUND
 from lightning_vram.render.html import render_html
@@ -37,6 +38,13 @@ class UnevenClassifier(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.clock.now += self.seconds[batch_idx % len(self.seconds)]
         return super().training_step(batch, batch_idx)
+
+
+@pytest.fixture(autouse=True)
+def eight_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight CPU cores, whatever this machine has: with one per device the data-wait advice holds back (no spare core
+    for a worker)."""
+    monkeypatch.setattr(machine_setup, "cpu_cores", lambda: 8)
 
 
 def data_starved_run(root: Path, work: list[float]) -> Report:
