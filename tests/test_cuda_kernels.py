@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 from lightning_vram import predict
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay._fake import FakeTensorMode
-from lightning_vram.prediction.replay.cuda_kernels import CudaKernels, cuda_attention
+from lightning_vram.prediction.replay.cuda_kernels import EFFICIENT_GQA, CudaKernels, cuda_attention
 from lightning_vram.records import Phase, ReplayedStep
 
 pytestmark = pytest.mark.replay
@@ -224,3 +224,115 @@ def test_a_checkpointed_gpt2_with_sdpa_is_replayed_for_cuda_on_the_cpu() -> None
     assert whole.step is not None
     # Each layer's activations are recomputed in backward instead of held from forward.
     assert checkpointed.step.phases[Phase.FORWARD].peak_bytes < whole.step.phases[Phase.FORWARD].peak_bytes - 1024**2
+
+
+class TinyLlama(pl.LightningModule):
+    """Llama from its config (2 layers, 64 wide, 4 query heads over ``key_value_heads``, no dropout), its attention
+    torch's SDPA: with fewer key/value heads and no padding mask transformers passes ``enable_gqa=True``."""
+
+    def __init__(self, key_value_heads: int) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=key_value_heads,
+            vocab_size=VOCAB,
+            max_position_embeddings=LLAMA_LENGTH,
+        )
+        config._attn_implementation = "sdpa"
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+LLAMA_LENGTH = 64
+
+
+def llama_prediction(key_value_heads: int, precision: str, device_type: str = "cuda") -> tuple[Any, list[str]]:
+    """``predict()`` of :class:`TinyLlama` on 4 x 64 tokens, and the ops its replay ran."""
+    batch = (tokens().tensors[0][:, :LLAMA_LENGTH],)
+    recorder = OpNames()
+    with recorder:
+        prediction = predict(
+            TinyLlama(key_value_heads), batch, device_type=device_type, precision=precision, fit_table=False
+        )
+    return prediction, recorder.names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch picks CUDA's kernels itself on a GPU")
+def test_a_grouped_query_llama_in_float32_is_replayed_for_cuda_with_the_kernel_a_gpu_runs() -> None:
+    """A new user's case: before, the replay ran memory-efficient attention on grouped-query inputs, which torch before
+    2.14 rules out (and whose backward's fake kernel gives the key the query's heads): the step failed."""
+    grouped, names = llama_prediction(2, "32-true")
+    assert grouped.step is not None, grouped.notes
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in names  # the CPU's own kernel for these inputs
+    kernel = "memory-efficient attention" if EFFICIENT_GQA else "the math path"
+    assert any(note.startswith("replayed with CUDA's kernels") and kernel in note for note in grouped.notes)
+    if EFFICIENT_GQA:
+        assert names.count("_scaled_dot_product_efficient_attention_backward") == 2 * 2
+        return
+    # Two layers, in the warm-up step and the counted step.
+    assert "_scaled_dot_product_efficient_attention" not in names and names.count("_safe_softmax") == 2 * 2
+    # The math path holds, per layer, the scaled query, the scaled key and the value repeated to the query's 4 heads
+    # (4 x 4 x 64 x 16 float32: 64 KiB each) and the attention weights (4 x 4 x 64 x 64 float32: 256 KiB); the CPU's
+    # flash kernel the query, the key and the value of 2 heads, and a float32 log-sum-exp per query row (its output,
+    # the output projection's input, is held either way).
+    cpu, _ = llama_prediction(2, "32-true", device_type="cpu")
+    assert cpu.step is not None
+    heads_by_rows = BATCH * 4 * LLAMA_LENGTH
+    math_path = 3 * heads_by_rows * 16 * 4 + heads_by_rows * LLAMA_LENGTH * 4
+    cpu_flash = heads_by_rows * 16 * 4 + 2 * (heads_by_rows // 2) * 16 * 4 + heads_by_rows * 4
+    cuda_forward, cpu_forward = grouped.step.phases[Phase.FORWARD].breakdown, cpu.step.phases[Phase.FORWARD].breakdown
+    assert cuda_forward.activations - cpu_forward.activations == 2 * (math_path - cpu_flash)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch picks CUDA's kernels itself on a GPU")
+def test_a_grouped_query_llama_in_bf16_mixed_is_replayed_for_cuda_with_flash_attention() -> None:
+    grouped, names = llama_prediction(2, "bf16-mixed")
+    assert grouped.step is not None, grouped.notes
+    assert names.count("_scaled_dot_product_flash_attention") == 2 * 2  # two layers, in two steps (warm-up, counted)
+    assert names.count("_scaled_dot_product_flash_attention_backward") == 2 * 2
+    assert "_scaled_dot_product_efficient_attention" not in names and "_safe_softmax" not in names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch picks CUDA's kernels itself on a GPU")
+def test_a_llama_with_as_many_key_value_heads_as_query_heads_keeps_memory_efficient_attention() -> None:
+    plain, names = llama_prediction(4, "32-true")
+    assert plain.step is not None, plain.notes
+    assert names.count("_scaled_dot_product_efficient_attention") == 2 * 2 and "_safe_softmax" not in names
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mask", "expected"),
+    [
+        (torch.bfloat16, False, SDPBackend.FLASH_ATTENTION),  # flash takes grouped-query inputs
+        (torch.float16, True, SDPBackend.EFFICIENT_ATTENTION if EFFICIENT_GQA else SDPBackend.MATH),
+        (torch.float32, False, SDPBackend.EFFICIENT_ATTENTION if EFFICIENT_GQA else SDPBackend.MATH),
+    ],
+)
+def test_grouped_query_attention_takes_the_kernel_torch_picks_on_a_gpu(
+    dtype: torch.dtype, mask: bool, expected: SDPBackend
+) -> None:
+    query, key_value = torch.empty(2, 4, 16, 64, dtype=dtype), torch.empty(2, 2, 16, 64, dtype=dtype)
+    attn_mask = torch.ones(16, 16, dtype=torch.bool) if mask else None
+    assert cuda_attention(query, key_value, key_value, attn_mask, enable_gqa=True) == expected
+
+
+def test_attention_on_cudas_math_path_runs_the_math_path_where_the_cpu_runs_its_flash_kernel() -> None:
+    """A head dimension of 30 in float32 takes no fused kernel on CUDA; the CPU's flash kernel takes it."""
+    recorder = OpNames()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        query = mode.from_tensor(torch.empty(2, 4, 16, 30)).requires_grad_()
+        with CudaKernels() as kernels, recorder:
+            output = F.scaled_dot_product_attention(query, query, query, is_causal=True)
+    assert kernels.kernels == {"the math path"} and output.shape == query.shape
+    assert "_safe_softmax" in recorder.names and "_scaled_dot_product_flash_attention_for_cpu" not in recorder.names

@@ -10,20 +10,23 @@ way two ops a transformer trains with save more for backward than on a GPU:
   where ``is_fused_kernel_acceptable``: a CUDA input, ``0 < p < 1``, elements). In-place dropout, and ``p`` of 0
   or 1, take the noise path on CUDA too.
 - **attention**: ``F.scaled_dot_product_attention`` asks the device which kernel to run
-  (``aten/src/ATen/native/transformers/attention.cpp``: ``_fused_sdp_choice``). The CPU's choice for fake tensors,
-  and CUDA's without a device (``cuda/sdp_utils.cpp``: every fused kernel's ``check_*_hardware_support`` needs a
-  device), is the math path, which saves the (batch, heads, queries, keys) attention weights, the weights after
-  dropout and dropout's mask, per call. A GPU runs flash or memory-efficient attention, which save the output and
-  one ``float32`` log-sum-exp per query row (by heads), the dropout drawn again in backward from a saved seed.
+  (``aten/src/ATen/native/transformers/attention.cpp``: ``_fused_sdp_choice``). CUDA's choice without a device
+  (``cuda/sdp_utils.cpp``: every fused kernel's ``check_*_hardware_support`` needs a device) is the math path, which
+  saves the (batch, heads, queries, keys) attention weights, the weights after dropout and dropout's mask, per call;
+  the CPU's is its own flash kernel where that takes the inputs (no dropout), else the math path. A GPU runs flash or
+  memory-efficient attention, which save the output and one ``float32`` log-sum-exp per query row (by heads), the
+  dropout drawn again in backward from a saved seed, and the math path where neither takes the inputs.
 
 :class:`CudaKernels` sends these calls on fake tensors to the kernels CUDA runs: ``native_dropout``, and
-``_scaled_dot_product_flash_attention`` or ``_scaled_dot_product_efficient_attention`` as :func:`cuda_attention`
-chooses them (their fake kernels and backward formulas exist in every build of torch). A replay for CUDA enters it
+``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_efficient_attention`` or
+``_scaled_dot_product_attention_math`` as :func:`cuda_attention` chooses them (their fake kernels and backward
+formulas exist in every build of torch). A replay for CUDA enters it
 only where torch cannot choose CUDA's kernels itself (no CUDA device); a replay on a GPU, and one for the CPU, never.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
+from torch.torch_version import TorchVersion
 
 from lightning_vram.prediction.replay._fake import FakeTensor
 
@@ -42,6 +46,11 @@ FLASH_DTYPES = frozenset({torch.float16, torch.bfloat16})
 """Flash attention's dtypes on compute capability 8.0 and later (``check_dtypes_low_precision``)."""
 EFFICIENT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 """Memory-efficient attention's dtypes on compute capability 8.0 and later (``can_use_mem_efficient_attention``)."""
+EFFICIENT_GQA = TorchVersion(torch.__version__) >= "2.14"
+"""Whether this torch's memory-efficient attention takes grouped-query inputs (``enable_gqa``, fewer key/value heads
+than query heads). Before 2.14 ``can_use_mem_efficient_attention`` checks
+``check_batch_size_and_num_heads_dense<false /*supports_grouped_query_attention=*/>`` and its backward's fake kernel
+gives the key's and value's gradients the query's heads; pytorch/pytorch#191085 (torch 2.14) made it take them."""
 FLASH_MAX_HEAD_DIM = 256
 """Flash attention's largest head dimension (``check_head_dim_size_flash``), elements."""
 FLASH_HEAD_DIM_ALIGNMENT = 8
@@ -95,8 +104,10 @@ def cuda_attention(
     As ``select_sdp_backend`` (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``) picks it for dense inputs,
     in its default order, with the kernels ``torch.backends.cuda`` (or ``torch.nn.attention.sdpa_kernel``) leaves
     enabled: flash attention for ``float16``/``bfloat16`` inputs without a mask (equal head dimensions up to 256;
-    with ``is_causal``, as many queries as keys); else memory-efficient attention (``float32`` too, any mask; head
-    dimensions a multiple of 4 in ``float32``, 8 otherwise, and storage offsets likewise); else the math path.
+    with ``is_causal``, as many queries as keys; grouped-query inputs too); else memory-efficient attention
+    (``float32`` too, any mask; head dimensions a multiple of 4 in ``float32``, 8 otherwise, and storage offsets
+    likewise; grouped-query inputs only from torch 2.14, :data:`EFFICIENT_GQA`); else the math path, which for
+    grouped-query inputs repeats the key's and value's heads to the query's first.
     cuDNN attention, which torch prefers on compute capability 9.0 and 10.x with cuDNN above 9.15, is not chosen
     here: it saves what flash attention saves for inputs without a mask (the output and a log-sum-exp per query row).
 
@@ -105,6 +116,13 @@ def cuda_attention(
     (<SDPBackend.EFFICIENT_ATTENTION: 2>, <SDPBackend.FLASH_ATTENTION: 1>)
     >>> cuda_attention(q[..., :30], q[..., :30], q[..., :30])  # a head dimension of 30 in float32
     <SDPBackend.MATH: 0>
+    >>> kv = torch.empty(2, 2, 16, 64)  # grouped-query attention: 4 query heads, 2 key/value heads
+    >>> cuda_attention(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), enable_gqa=True)
+    <SDPBackend.FLASH_ATTENTION: 1>
+    >>> cuda_attention(q, kv, kv, enable_gqa=True) == (  # float32: no flash attention
+    ...     SDPBackend.EFFICIENT_ATTENTION if EFFICIENT_GQA else SDPBackend.MATH
+    ... )
+    True
     """
     tensors = (query, key, value)
     if any(tensor.dim() != 4 or tensor.is_nested for tensor in tensors) or not _batch_and_heads(
@@ -131,6 +149,7 @@ def cuda_attention(
     alignment = 4 if dtype == torch.float32 else 8  # minimum_gemm_alignment: 128 bits on tensor cores
     efficient = (
         torch.backends.cuda.mem_efficient_sdp_enabled()  # type: ignore[no-untyped-call]
+        and (EFFICIENT_GQA or query.size(1) == key.size(1))
         and dtype in EFFICIENT_DTYPES
         and query.size(-1) == key.size(-1)
         and all(tensor.size(-1) % alignment == 0 for tensor in (query, value))
@@ -284,13 +303,16 @@ def _attention_as_on_cuda(
     scale: float | None,
     enable_gqa: bool,
 ) -> tuple[Tensor, str] | None:
-    """What CUDA's ``scaled_dot_product_attention`` returns, and its kernel; ``None`` on the math path.
+    """What CUDA's ``scaled_dot_product_attention`` returns, and its kernel; ``None`` for tensors not the replay's.
 
     As ``attention.cpp`` calls the kernels: under autocast (a lower-precision op on CUDA) the floating inputs are
     cast first; flash attention gets inputs padded to a head dimension that is a multiple of 8 and its output cut
     back; memory-efficient attention gets a ``bool`` mask as an additive one (``0`` and ``-inf`` in the inputs'
     dtype), padded where its strides are not aligned, expanded to (batch, heads, queries, keys), and computes the
-    log-sum-exp only where a gradient will be asked for.
+    log-sum-exp only where a gradient will be asked for; the math path (``_scaled_dot_product_attention_math``) gets
+    a ``bool`` mask as an additive one and runs without autocast (its ``float16``/``bfloat16`` inputs computed in
+    ``float32``; grouped-query key and value heads repeated to the query's), where the CPU would run its own flash
+    kernel on inputs it takes (no dropout), which saves no attention weights.
     """
     if not _fake(query, key, value, attn_mask):
         return None
@@ -315,7 +337,19 @@ def _attention_as_on_cuda(
             query, key, value, bias, log_sumexp, dropout_p, is_causal, scale=scale
         )
         return efficient[0], "memory-efficient attention"
-    return None
+    bias = None if attn_mask is None or attn_mask.dtype != torch.bool else _additive(attn_mask, query.dtype)
+    with torch.autocast(device, enabled=False) if device in AUTOCAST_DEVICES else contextlib.nullcontext():
+        math_path = torch.ops.aten._scaled_dot_product_attention_math(
+            query,
+            key,
+            value,
+            attn_mask if bias is None else bias,
+            dropout_p,
+            is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    return math_path[0], "the math path"
 
 
 def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
@@ -325,10 +359,15 @@ def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor
 
 
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A ``bool`` mask as an additive one of ``dtype`` (``convert_boolean_attn_mask``): 0 where true, else -inf."""
+    return torch.full_like(mask, -math.inf, dtype=dtype).masked_fill_(mask, 0.0)
+
+
 def _efficient_bias(mask: Tensor, query: Tensor, key: Tensor) -> Tensor:
     """The additive mask memory-efficient attention receives (``convert_boolean_attn_mask``, ``preprocess_mask``)."""
     if mask.dtype == torch.bool:
-        mask = torch.full_like(mask, -math.inf, dtype=query.dtype).masked_fill_(mask, 0.0)
+        mask = _additive(mask, query.dtype)
     aligned = mask.stride(-1) == 1 and all(stride % MASK_ALIGNMENT == 0 for stride in mask.stride()[:-1])
     if not aligned:
         last = mask.size(-1)
