@@ -49,7 +49,7 @@ def _rich_summary(report: Report, stream: TextIO, written_to: str | None, detail
         values = [peak.breakdown.to_dict()[name] if peak.breakdown is not None else None for _, peak in phases]
         table.add_row(name.replace("_", " "), *(format_bytes(value) for value in values))
     width = console.width
-    for line in lead_lines(report, width):
+    for line in lead_lines(report, width, details):
         console.print(text_module.Text(line), soft_wrap=True)  # cut to the width already, escaped
     console.print(table)
     for line in fact_lines(report, SUMMARY_TOP_MODULES, written_to, width, details):

@@ -338,7 +338,7 @@ def summary_text(
     ``details`` (the Markdown report's file) for the reasons. ``written_to``: where the report's files were written,
     said last (``None``: not said). ``width``: no line is longer, in characters, but for a word longer than it.
     """
-    lines = [*lead_lines(report, width), *_fitted([f"  {line}" for line in peak_lines(report)], width)]
+    lines = [*lead_lines(report, width, details), *_fitted([f"  {line}" for line in peak_lines(report)], width)]
     return "\n".join(lines + fact_lines(report, top_modules, written_to, width, details))
 
 
@@ -347,12 +347,17 @@ def _fitted(lines: list[str], width: int) -> list[str]:
     return [part for line in lines for part in wrapped(printable(line), width)]  # a name's line break stays escaped
 
 
-def lead_lines(report: Report, width: int) -> list[str]:
-    """The summary's first lines, cut to ``width``: the device, the headline, the ranks, then each advice."""
+def lead_lines(report: Report, width: int, details: str = DETAILS) -> list[str]:
+    """The summary's first lines, cut to ``width``: the device, the headline, the ranks, each advice, where to read it.
+
+    The console leads with each advice's title; ``details`` (the Markdown report's file) holds its code and evidence.
+    """
     lines = [f"VRAM report: {device_line(report)}", f"  {headline(report)}"]
     if (ranks := ranks_line(report)) is not None:
         lines.append(f"  {ranks}")
     lines += [f"  {advice_summary(advice, report.timing.step_time_iqr_fraction)}" for advice in report.advice]
+    if report.advice:
+        lines.append(f"  how to apply the advice (the code to change, the evidence): {details}")
     if not report.advice and report.peak is not None:
         lines.append("  no advice: no rule found a change worth making")
     return _fitted(lines, width)
@@ -421,12 +426,10 @@ def _no_optimizer_reason(report: Report) -> str:
 def fact_lines(report: Report, top_modules: int, written_to: str | None, width: int, details: str) -> list[str]:
     """The summary's lines past the peaks, cut to ``width``.
 
-    Where to read how to apply the advice (``details``), evaluation, top modules, timing, what was not advised and
-    not measured (one entry each, pointing at ``details`` for why), where the files are.
+    Evaluation, top modules, timing, what was not advised and not measured (one entry each, pointing at ``details``
+    for why), where the files are.
     """
     lines = []
-    if report.advice:  # the console leads with each advice's title: its change and evidence are in the file
-        lines.append(f"how to apply the advice (the code to change, the evidence): {details}")
     if report.evaluation:
         lines.append(f"evaluation peaks: {evaluation_text(report.evaluation)}")
     if report.modules:
