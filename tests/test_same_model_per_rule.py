@@ -261,6 +261,47 @@ def test_inplace_activations_as_printed_train_the_same_model(tmp_path: Path, cas
     assert_same_rng(applied, plain)
 
 
+class ResidualActivation(nn.Module):
+    """``fc2(act(h)) + h``: the activation's input is read again after it (a residual connection). Inplace, the act
+    would overwrite ``h`` with its result and the block would add ``act(h)`` instead; autograd raises nothing (the
+    addition saves no tensor)."""
+
+    def __init__(self, width: int, inplace: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.LeakyReLU(inplace=inplace)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.fc(inputs)
+        return self.fc2(self.act(hidden)) + hidden  # type: ignore[no-any-return]
+
+
+def residual_mlp(inplace: bool = False) -> nn.Sequential:
+    return nn.Sequential(*(ResidualActivation(256, inplace) for _ in range(4)), nn.Linear(256, 10))
+
+
+@pytest.mark.replay
+def test_inplace_activations_are_not_advised_where_a_residual_reads_their_input(tmp_path: Path) -> None:
+    # Each LeakyReLU saves its input while fc2 saves its output, and no earlier op saved the input: everything the
+    # rule counts says inplace merges two saved tensors (5.1% of the peak). But the block adds the input back after
+    # the activation: inplace, it adds the activation's result, and the model learns something else. Before the replay
+    # watched later reads, the rule advised `nn.LeakyReLU(inplace=True)` here ("Training is unchanged: the same
+    # gradients, bit for bit").
+    data = features(256, 256)
+    monitored = fit(tmp_path, lambda: Classifier(residual_mlp()), lambda: shuffled(data, 64), steps=4, monitored=True)
+    assert monitored.report is not None
+    assert "inplace-activations" not in [advice.id for advice in monitored.report.advice]
+    (reason,) = [item.reason for item in monitored.report.not_advised if item.id == "inplace-activations"]
+    assert "`network.0.act`" in reason and "read again after the activation" in reason
+    assert reason.endswith("inplace would change what the model computes")
+    # Why: the change, applied, trains another model.
+    plain = fit(tmp_path, lambda: Classifier(residual_mlp()), lambda: shuffled(data, 64), steps=4)
+    applied = fit(tmp_path, lambda: Classifier(residual_mlp(inplace=True)), lambda: shuffled(data, 64), steps=4)
+    assert_identical(monitored, plain)
+    assert applied.losses[0] != plain.losses[0]
+
+
 # ------------------------------------------------------------------------------------------------ stale-gradients
 
 

@@ -57,6 +57,7 @@ from lightning_vram.prediction.replay.cuda_kernels import CudaKernels
 from lightning_vram.prediction.replay.fit_table import FitSearch, replayed_fit_table
 from lightning_vram.prediction.replay.flops import StepFlops
 from lightning_vram.prediction.replay.hook_free import HookedCopyError
+from lightning_vram.prediction.replay.inplace_reads import LaterReads, read_later_reason
 from lightning_vram.prediction.replay.known_values import KnownValues, TakenValues
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
@@ -111,6 +112,7 @@ from lightning_vram.records import (
     Calibration,
     CheckpointChange,
     FreeGradientsChange,
+    InplaceChange,
     Phase,
     PhasePeak,
     PrecisionChange,
@@ -264,6 +266,9 @@ class Predictor:
         self._calls: dict[str, tuple[Call, ...]] | None = None
         """What each module received and returned per call in the replay without a change (by path): a
         checkpointing plan's units must be called alike (:func:`~.unit_calls.changed_unit`)."""
+        self._read_later: frozenset[str] | None = None
+        """The out-of-place activations whose input the replay without a change read again after they returned
+        (:class:`~.inplace_reads.LaterReads`): made inplace, they would change what the model computes."""
 
     @property
     def unseen_bytes(self) -> dict[Phase, int]:
@@ -431,8 +436,13 @@ class Predictor:
             return ReplaySkipped(unchecked)
         if profiler_recording():
             return ReplaySkipped(PROFILER_SKIP)
-        if isinstance(change, CheckpointChange) and self._calls is None:
-            Predictor.replay(self, None)  # what the plan's units must receive and return, call by call
+        if isinstance(change, CheckpointChange | InplaceChange) and self._calls is None:
+            # what the plan's units must receive and return, call by call; which inputs are read again later
+            Predictor.replay(self, None)
+        if isinstance(change, InplaceChange) and self._read_later is not None:
+            read_later = read_later_reason(change.modules, self._read_later)
+            if read_later is not None:
+                return ReplaySkipped(f"the change would train another model: {read_later}")
         # The user's code runs in a copy of the context: a ContextVar it sets (one with no value before included,
         # which no ContextVar method can unset) is the replay's own, and the training context never sees it.
         return contextvars.copy_context().run(
@@ -459,6 +469,7 @@ class Predictor:
         frames = CheckpointFrames()
         run.checkpoint_frames = frames.recorded
         recorder: CallRecorder | None = None
+        reads: LaterReads | None = None
         effects: OutsideEffects | None = None
         twin: Twin | None = None
         try:
@@ -489,6 +500,7 @@ class Predictor:
                 values = KnownValues()
                 values.know(twin.batch_values, self.batch_values)
                 recorder = CallRecorder(twin.module) if change is None else None
+                reads = LaterReads(twin.module) if change is None else None
                 kernels = CudaKernels() if self.cuda_kernels else None
                 with (
                     contained(held) as held_containment,
@@ -500,6 +512,7 @@ class Predictor:
                     values,
                     real_branches(values),
                     recorder or nullcontext(),
+                    reads or nullcontext(),
                 ):
                     fake_batch = run.prepare_batch(twin.batch)
                     if self.warm_up:
@@ -535,6 +548,8 @@ class Predictor:
                         if count_flops
                         else None
                     )
+                    if reads is not None:
+                        live.add_op_listener(reads.on_op)
                     with probe, live:
                         if self.accumulate > 1:  # the window's first micro-batch, counted on its own
                             first = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
@@ -588,6 +603,8 @@ class Predictor:
             self._sequence = reserved
         if recorder is not None:
             self._calls = recorder.by_name()
+        if reads is not None:
+            self._read_later = reads.names()
         step = self.calibration.step if self.calibration is not None else 0
         # The allocator counts the library workspaces among its allocated bytes: a steady step holds every one from
         # its start (earlier steps took them), in each phase.

@@ -10,13 +10,14 @@ raised means no advice), else the saved inputs merged.
 from __future__ import annotations
 
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_reason, share_text
-from lightning_vram.advice.savings import Modelled, Saving, resolve_saving
+from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
 from lightning_vram.records import (
     Advice,
     AdviceId,
     InplaceChange,
     ModuleProfile,
     RunSummary,
+    SavingBasis,
     Severity,
     Simulation,
     StepChange,
@@ -47,6 +48,23 @@ def _numerics(types: list[str]) -> str:
         f"{', '.join(rounded)} inplace {'computes its' if len(rounded) == 1 else 'compute their'} gradient from"
         " the result (the exponential recovered as result + alpha): the same gradient up to float32 rounding"
         " (about 1e-6 relative), not bit for bit; the forward pass is unchanged."
+    )
+
+
+def _read_again(saving: Saving) -> str:
+    """Whether an input is read again after its activation (a residual connection reads it), as the advice knows it.
+
+    The replay watches every op after each activation (a change whose input is read again is refused, so never
+    advised); without a replay it cannot be told from measurements.
+    """
+    if saving.basis is SavingBasis.SIMULATED:
+        return (
+            "and the replay of this step saw no op read these inputs again after the activation (as a residual"
+            " connection would): inplace computes what out of place does."
+        )
+    return (
+        "but whether an input is used again later, as in a residual connection, cannot be told from measurements"
+        " (the replay did not run): check that first."
     )
 
 
@@ -128,8 +146,7 @@ def inplace_activations(
         detail=(
             "Out of place, these activations save their input for backward and the next op saves their output:"
             " two tensors. Inplace, they compute the gradient from their result, so one tensor serves both. This is"
-            " safe for autograd here (no earlier op saved these inputs), but whether an input is used again later,"
-            " as in a residual connection, cannot be told from measurements: check that first."
+            f" safe for autograd here (no earlier op saved these inputs), {_read_again(saving)}"
             f" {_numerics(types)}\n"
             f"```python\nnn.{largest.type}(inplace=True)  # its other arguments as they were\n```"
         ),
@@ -138,6 +155,17 @@ def inplace_activations(
         saving_basis=saving.basis,
         predicted_peak_bytes=saving.predicted_peak_bytes,
     )
+
+
+READ_LATER = "would train another model"
+"""In the reason the replay gives for refusing an inplace change whose module's input is read again after it returns
+(:func:`~lightning_vram.prediction.replay.inplace_reads.read_later_reason`)."""
+
+
+def _read_later(simulation: Simulation | None, change: InplaceChange) -> bool:
+    """Whether the replay refused ``change`` because an activation's input is read again after it (a residual)."""
+    found = resolve_saving(simulation, change, modelled=None)
+    return isinstance(found, Discarded) and READ_LATER in found.reason
 
 
 def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> str | None:
@@ -159,7 +187,9 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
         replayed_reason(
             simulation,
             (InplaceChange(candidates),) if candidates else (),
-            f"under the {format_percent(INPLACE_MIN_SHARE)} of the peak the rule needs",
+            "inplace would change what the model computes"
+            if candidates and _read_later(simulation, InplaceChange(candidates))
+            else f"under the {format_percent(INPLACE_MIN_SHARE)} of the peak the rule needs",
         ),
     ]
     found = [reason for reason in reasons if reason is not None]
