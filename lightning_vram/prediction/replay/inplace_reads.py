@@ -29,7 +29,7 @@ Extent = tuple[int, tuple[int, ...], tuple[int, ...]]
 
 
 def _extent(tensor: Tensor) -> Extent:
-    return tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+    return int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride())
 
 
 def may_overlap(first: Extent, second: Extent) -> bool:
