@@ -49,7 +49,41 @@ class Noisy(nn.Module):
         return x + 0.1 * torch.randn(x.shape, generator=self.generator)
 
 
-KINDS = {"counter": Counting, "generator": Noisy}
+class Averaging(nn.Module):
+    """Keeps a moving average of its input in a frozen parameter, updated in place, and centres by it (as an EMA
+    codebook or a running normaliser kept as a parameter does): recomputed, it would update the average twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.average = nn.Parameter(torch.zeros(WIDTH), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.average
+
+
+class Recording(nn.Module):
+    """Records each call's mean in a list (statistics kept for logging): recomputed, it would record twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.means: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.means.append(x.detach().mean())
+        return x
+
+
+KINDS = {"counter": Counting, "generator": Noisy, "average": Averaging, "recording": Recording}
+WHY = {
+    "counter": "`blocks.2.2.calls` changes each time",
+    "generator": "`blocks.1.2.generator` is a torch.Generator",
+    # Before, the replay looked at plain values only: the plans were replayed and advised, and applied as printed the
+    # average moved twice a step (another model) and the list grew by two a step.
+    "average": "`blocks.2.2.average` changes each time its forward runs (a parameter changed in place)",
+    "recording": "`blocks.2.2.means` changes each time its forward runs (a list of",
+}
 
 
 class Net(pl.LightningModule):
@@ -101,8 +135,7 @@ def test_a_plan_over_units_with_python_state_or_their_own_generator_is_discarded
     plan = CheckpointPlan("blocks", (("blocks.1",), ("blocks.2",)), None, 0, forward_of="")
     skipped = Predictor(module, [module.configure_optimizers()], batch).replay(CheckpointChange(plan))
     assert isinstance(skipped, ReplaySkipped)
-    why = "`blocks.2.2.calls` changes each time" if kind == "counter" else "`blocks.1.2.generator` is a torch.Generator"
-    assert why in skipped.reason and "another model" in skipped.reason
+    assert WHY[kind] in skipped.reason and "another model" in skipped.reason
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -14,6 +14,7 @@ global RNG states): :func:`own_generator` and :func:`python_state` tell, and the
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -131,17 +132,50 @@ class PlanChangesModelError(ValueError):
 
 
 PythonState = dict[tuple[str, str], object]
-"""The plain values (numbers, strings, ``None``) of the modules' attributes, by module path and attribute name."""
+"""What a forward can change on the modules, by module path and attribute name: the plain values (numbers, strings,
+``None``) of their attributes, the size of their containers (a list a forward appends to, a dict's plain entries),
+and which tensor each parameter is and how often it was changed in place (its version)."""
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""The attributes every module has (its parameters, buffers, children and hooks): torch's, not the user's state."""
+
+
+def _plain(value: object) -> bool:
+    return value is None or isinstance(value, int | float | str)
+
+
+def _container(value: object) -> object | None:
+    """What a forward that adds to or changes the plain entries of ``value`` changes; ``None``: not a container.
+
+    >>> _container([1, 2]), _container({"calls": 3, "map": []}), _container("text") is None
+    (('list', 2), ('dict', 2, (('calls', 3),)), True)
+    """
+    if isinstance(value, list | tuple | set | frozenset | deque):
+        return type(value).__name__, len(value)
+    if isinstance(value, dict):
+        entries = tuple((key, item) for key, item in value.items() if _plain(key) and _plain(item))
+        return type(value).__name__, len(value), entries
+    return None
 
 
 def python_state(modules: Iterable[tuple[str, nn.Module]]) -> PythonState:
-    """The plain values of the attributes of ``modules`` (path, module) and their submodules."""
+    """What a forward can change on ``modules`` (path, module) and their submodules (:data:`PythonState`).
+
+    A frozen parameter a forward updates in place (an exponential moving average kept as a parameter) is changed
+    again by backward's recomputation; checkpointing keeps copies of buffers only.
+    """
     state: PythonState = {}
     for path, owner in modules:
         for name, module in owner.named_modules(prefix=path):
             for attribute, value in vars(module).items():
-                if value is None or isinstance(value, int | float | str):
+                if _plain(value):
                     state[name, attribute] = value
+                elif attribute not in _MODULE_INTERNALS:
+                    container = _container(value)
+                    if container is not None:
+                        state[name, attribute] = container
+            for attribute, parameter in module.named_parameters(recurse=False):
+                state[name, attribute] = ("parameter", id(parameter), parameter._version)
     return state
 
 
@@ -149,11 +183,29 @@ def changed_state(before: PythonState, after: PythonState) -> str | None:
     """Which attribute a recomputation changed, in words; ``None`` where none."""
     for key in sorted(before.keys() | after.keys()):
         if before.get(key) != after.get(key):
+            how = _change_text(before.get(key), after.get(key))
             return (
-                f"`{key[0]}.{key[1]}` changes each time its forward runs ({before.get(key)!r} to {after.get(key)!r}):"
+                f"`{key[0]}.{key[1]}` changes each time its forward runs ({how}):"
                 " backward's recomputation would change it again, and the printed code would train another model"
             )
     return None
+
+
+def _change_text(before: object, after: object) -> str:
+    """How an entry of :data:`PythonState` changed, in words.
+
+    >>> _change_text(("parameter", 1, 0), ("parameter", 1, 2)), _change_text(("list", 1), ("list", 2))
+    ('a parameter changed in place', 'a list of 1 to 2 items')
+    >>> _change_text(3, 4)
+    '3 to 4'
+    """
+    if isinstance(before, tuple) and isinstance(after, tuple) and before[:1] == after[:1]:
+        if before[0] == "parameter":
+            return "a parameter changed in place" if before[1] == after[1] else "a parameter replaced"
+        if before[1:2] != after[1:2]:
+            return f"a {before[0]} of {before[1]} to {after[1]} items"
+        return f"an entry of a {before[0]} changed"
+    return f"{before!r} to {after!r}"
 
 
 def own_generator(modules: Iterable[tuple[str, nn.Module]]) -> str | None:
