@@ -30,6 +30,7 @@ def trainer_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Trainin
         devices_per_node=trainer.num_devices,
         world_size=trainer.world_size,
         strategy=type(trainer.strategy).__name__,
+        own_zero_grad=type(pl_module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad,
     )
 
 

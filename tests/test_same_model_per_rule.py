@@ -337,6 +337,50 @@ def test_inplace_activations_are_advised_where_only_another_part_of_their_input_
 # ------------------------------------------------------------------------------------------------ stale-gradients
 
 
+class OwnAccumulation(Classifier):
+    """Accumulates two batches by Lightning's documented hooks: zeroes gradients on even batches, steps on odd ones."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if batch_idx % 2 == 1:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+@pytest.mark.replay
+def test_freeing_gradients_is_not_advised_where_the_module_zeroes_them_itself(tmp_path: Path) -> None:
+    # Sampled at batch 2, the forward pass peaks with the gradients of the window that stepped at batch 1 alive: as
+    # stale as the rule looks for. But the module zeroes gradients itself, every other batch: the printed callback
+    # (freeing them at every batch start, as accumulate_grad_batches is 1) would discard the gradients it accumulates
+    # over batches 2 and 3. Before, the rule advised it ("training is unchanged, bit for bit"), and applied as printed
+    # the third loss and every weight differed.
+    data = features(4096, 256)
+
+    def run(monitor: VramMonitor | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        module = OwnAccumulation(activation_mlp(nn.LeakyReLU), OPTIMIZERS["adam"])
+        losses = Losses()
+        trainer(tmp_path, [losses] if monitor is None else [monitor, losses], max_steps=6).fit(
+            module, DataLoader(data, batch_size=512)
+        )
+        return losses.values, {key: value.clone() for key, value in module.state_dict().items()}
+
+    monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+    monitored = run(monitor)
+    report = monitor.report
+    assert report is not None and report.peak is not None and report.peak.phase.value == "forward"
+    assert "stale-gradients" not in [advice.id for advice in report.advice]
+    (reason,) = [item.reason for item in report.not_advised if item.id == "stale-gradients"]
+    assert "overrides optimizer_zero_grad" in reason
+    plain = run(None)
+    assert monitored[0] == plain[0]
+    assert [key for key in plain[1] if not torch.equal(plain[1][key], monitored[1][key])] == []
+
+
 @pytest.mark.replay
 def test_freeing_gradients_as_printed_trains_the_same_model_with_and_without_accumulation(tmp_path: Path) -> None:
     # An MLP whose forward pass peaks with the last step's gradients alive (Adam), as the rule targets.

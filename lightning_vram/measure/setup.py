@@ -336,8 +336,12 @@ def training_setup(
     world_size: int = 1,
     strategy: str = "SingleDeviceStrategy",
     loop: TrainingLoop = TrainingLoop.LIGHTNING,
+    own_zero_grad: bool = False,
 ) -> TrainingSetup:
-    """What the rules need to know about how training is set up (``loop``: what trains the model)."""
+    """What the rules need to know about how training is set up.
+
+    ``loop``: what trains the model; ``own_zero_grad``: the LightningModule overrides ``optimizer_zero_grad``.
+    """
     loader = first_dataloader(dataloaders)
     return TrainingSetup(
         precision=precision,
@@ -357,4 +361,5 @@ def training_setup(
         language_model=language_model(module),
         longest_sample=longest_sample(loader),
         loop=loop,
+        own_zero_grad=own_zero_grad,
     )

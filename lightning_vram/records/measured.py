@@ -333,6 +333,9 @@ class TrainingSetup:
     its ``max_length``; ``None`` where it does not say."""
     loop: TrainingLoop = TrainingLoop.LIGHTNING
     """What trains the model (a Trainer, a plain loop, Fabric): the advice's code is written for it."""
+    own_zero_grad: bool = False
+    """Whether the LightningModule overrides ``optimizer_zero_grad``: when gradients are zeroed is then its own (it
+    may keep them across batches, accumulating by its own hooks), not Lightning's accumulation window."""
 
     @property
     def autocast_caches(self) -> bool:

@@ -38,7 +38,8 @@ ID = AdviceId.STALE_GRADIENTS
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
     """Gradients freed before forward, when the sampled forward pass ran with gradients alive."""
     forward = summary.phases.get(Phase.FORWARD)
-    if setup.automatic_optimization and forward is not None and forward.breakdown and forward.breakdown.gradients:
+    lightning_zeroes = setup.automatic_optimization and not setup.own_zero_grad
+    if lightning_zeroes and forward is not None and forward.breakdown and forward.breakdown.gradients:
         return (FreeGradientsChange(),)
     return ()
 
@@ -60,7 +61,7 @@ def _modelled(peak: PhasePeak, gradients: int, next_highest: int) -> Modelled:
 def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Last step's gradients are alive at a forward-phase peak under automatic optimization."""
     attributed = attributed_peak(summary)
-    if not setup.automatic_optimization or attributed is None:
+    if not setup.automatic_optimization or setup.own_zero_grad or attributed is None:
         return None
     peak, breakdown = attributed
     if peak.phase is not Phase.FORWARD or breakdown.gradients <= 0:
@@ -107,10 +108,17 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
     """Why freeing the gradients before forward is not advised: the peak, or the saving, is elsewhere.
 
     With the replay's figure where the change was replayed, else the modelled saving; under manual optimization the
-    user's step owns its gradients. ``None`` where the peak was not attributed.
+    user's step owns its gradients, and so does a LightningModule that overrides ``optimizer_zero_grad``. ``None``
+    where the peak was not attributed.
     """
     if not setup.automatic_optimization:
         return "under manual optimization the step zeroes its own gradients, where it chooses"
+    if setup.own_zero_grad:
+        return (
+            "the LightningModule overrides optimizer_zero_grad: it zeroes the gradients where it chooses (it may keep"
+            " them across batches to accumulate), so freeing them at batch start could discard gradients it still"
+            " needs"
+        )
     attributed = attributed_peak(summary)
     if attributed is None:
         return None
