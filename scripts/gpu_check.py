@@ -903,7 +903,7 @@ def preflight_rows(case: Case, training: Training, best: int | None, budget: Bud
         labels = [(remedy.label, remedy.served is not False) for remedy in verdict.remedies]
         summary = f"needed {mib(verdict.needed_bytes)} of {mib(verdict.available_bytes)}; warned: {warned}"
     elif dry_run:  # no preflight off CUDA: the changes it would try, to exercise the path that applies them
-        labels = [(change.label, True) for change in candidate_changes(case.precision, size, None)]
+        labels = [(change.label, True) for change in candidate_changes(case.precision, size, None, True)]
         summary = "dry run: no preflight off CUDA; its candidate changes applied"
     else:
         return [Row(section, f"preflight at batch {size}", measured=outcome, outcome="no verdict (replay skipped?)")]

@@ -33,25 +33,23 @@ from lightning_vram.records import (
     PreflightVerdict,
     ReplayedStep,
     StepChange,
-    TrainingSetup,
     accumulation_text,
     keeping_global_batch,
 )
 
 
 def candidate_changes(
-    training: TrainingSetup, batch_size: int | None, compute_capability: tuple[int, int] | None
+    precision: str, batch_size: int | None, compute_capability: tuple[int, int] | None, free_gradients: bool
 ) -> list[StepChange]:
     """The changes preflight tries on a CUDA device: 16-bit mixed precision, freed gradients, half the batch.
 
-    Gradients are freed only where Lightning zeroes them (automatic optimization, no ``optimizer_zero_grad`` of the
-    module's own): a step that zeroes its own may keep them across batches, and freeing them would discard them, as
-    the ``stale-gradients`` rule holds.
+    ``free_gradients``: whether Lightning zeroes the gradients (:attr:`TrainingSetup.lightning_zeroes_gradients`); a
+    step that zeroes its own may keep them across batches, and freeing them would discard them.
     """
     changes: list[StepChange] = []
-    if training.precision in FULL_PRECISIONS:
+    if precision in FULL_PRECISIONS:
         changes.append(PrecisionChange(mixed_precision_for("cuda", compute_capability)))
-    if training.automatic_optimization and not training.own_zero_grad:
+    if free_gradients:
         changes.append(FreeGradientsChange())
     if batch_size is not None and batch_size >= 2:
         changes.append(BatchSizeChange(batch_size // 2))

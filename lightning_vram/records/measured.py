@@ -338,6 +338,15 @@ class TrainingSetup:
     may keep them across batches, accumulating by its own hooks), not Lightning's accumulation window."""
 
     @property
+    def lightning_zeroes_gradients(self) -> bool:
+        """Whether Lightning zeroes the gradients, at each accumulation window's start.
+
+        It does under automatic optimization with no ``optimizer_zero_grad`` of the module's own. Otherwise the step
+        may keep them across batches, and freeing them at a batch's start would discard them.
+        """
+        return self.automatic_optimization and not self.own_zero_grad
+
+    @property
     def autocast_caches(self) -> bool:
         """Whether a ``*-mixed`` step's autocast caches its cast weights, as the run's precision plugin has it.
 

@@ -172,7 +172,12 @@ class Advisor:
                 if length is None:
                     return "the device's free memory is not known"
                 return replay_resized(predictor)
-            changes = candidate_changes(training, batch_size_of(batch), device.compute_capability)
+            changes = candidate_changes(
+                training.precision,
+                batch_size_of(batch),
+                device.compute_capability,
+                training.lightning_zeroes_gradients,
+            )
             return preflight(predictor, reading=reading, free_bytes=free, changes=changes)
 
         result = self._guard.call(Part.REPLAY, replay)

@@ -38,8 +38,7 @@ ID = AdviceId.STALE_GRADIENTS
 def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]:
     """Gradients freed before forward, when the sampled forward pass ran with gradients alive."""
     forward = summary.phases.get(Phase.FORWARD)
-    lightning_zeroes = setup.automatic_optimization and not setup.own_zero_grad
-    if lightning_zeroes and forward is not None and forward.breakdown and forward.breakdown.gradients:
+    if setup.lightning_zeroes_gradients and forward is not None and forward.breakdown and forward.breakdown.gradients:
         return (FreeGradientsChange(),)
     return ()
 
@@ -61,7 +60,7 @@ def _modelled(peak: PhasePeak, gradients: int, next_highest: int) -> Modelled:
 def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Last step's gradients are alive at a forward-phase peak under automatic optimization."""
     attributed = attributed_peak(summary)
-    if not setup.automatic_optimization or setup.own_zero_grad or attributed is None:
+    if not setup.lightning_zeroes_gradients or attributed is None:
         return None
     peak, breakdown = attributed
     if peak.phase is not Phase.FORWARD or breakdown.gradients <= 0:
