@@ -533,8 +533,15 @@ def checkpoint_candidates(
     that checkpoints its layers already is left alone: no plan checkpoints it, a module in it, or a module holding
     it, again; so is a module the step recomputed already (``checkpointed``: the user's own checkpointing, an applied
     plan's wrappers): checkpointing it again would recompute it twice in backward (:meth:`ProfileIndex.rechecks`).
+    A switch covering such a module is not offered either (it would checkpoint every layer, the recomputed ones
+    inside their wrappers again, and a selective plan's layers whole): the plans around them are.
     """
-    own = [plan for switch in switches if not switch.on and (plan := switch_plan(profiles, switch)) is not None]
+    rechecked = ProfileIndex(profiles, checkpointed).rechecks
+    own = [
+        plan
+        for switch in switches
+        if not switch.on and not rechecked(switch.layers) and (plan := switch_plan(profiles, switch)) is not None
+    ]
     if own:
         return sorted(own, key=lambda plan: (-plan.saving_bytes, recomputed_modules(plan)))[:limit]
     done = [switch.model for switch in switches if switch.on]
