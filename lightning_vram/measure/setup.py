@@ -30,17 +30,40 @@ from lightning_vram.measure.observations import stored_attribute
 from lightning_vram.measure.storages import local_tensor
 from lightning_vram.records import CheckpointSwitch, LinearLayer, TrainingLoop, TrainingSetup
 
+FABRIC_MODULES = ("lightning.fabric.", "lightning_fabric.")
+"""Where Fabric's wrappers (``fabric.setup``'s module and optimizers, ``setup_dataloaders``' loaders) are defined."""
+
 
 def first_dataloader(loaders: Any) -> DataLoader[Any] | None:
-    """The first DataLoader inside ``loaders`` (a DataLoader, or dicts, lists and tuples of them), or ``None``."""
+    """The first DataLoader inside ``loaders`` (a DataLoader, or dicts, lists and tuples of them), or ``None``.
+
+    Fabric's ``setup_dataloaders`` returns a wrapper that is no DataLoader: the one it wraps is read from it
+    (:func:`_fabric_wrapped`), so that ``num_workers`` and ``pin_memory`` are known in a Fabric loop too.
+    """
     if isinstance(loaders, DataLoader):
         return loaders
+    wrapped = _fabric_wrapped(loaders)
+    if wrapped is not None:
+        return wrapped
     values = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else ()
     for value in values:
         found = first_dataloader(value)
         if found is not None:
             return found
     return None
+
+
+def _fabric_wrapped(loader: Any) -> DataLoader[Any] | None:
+    """The DataLoader inside Fabric's ``_FabricDataLoader`` (``fabric.setup_dataloaders``' result), else ``None``.
+
+    Read from the wrapper's ``__dict__`` (its ``_dataloader``, as Lightning 2.6 keeps it), without running
+    its code; a Fabric that keeps it elsewhere leaves the loader unread, as before.
+    """
+    if not type(loader).__module__.startswith(FABRIC_MODULES):
+        return None
+    attributes = getattr(loader, "__dict__", None)
+    wrapped = attributes.get("_dataloader") if type(attributes) is dict else None
+    return wrapped if isinstance(wrapped, DataLoader) else None
 
 
 def longest_sample(loader: DataLoader[Any] | None) -> int | None:
@@ -304,10 +327,6 @@ def checkpointing_switches(module: nn.Module) -> tuple[CheckpointSwitch, ...]:
             on = not all(_checkpointing_off(layer) for _, layer in layers)
             switches.append(CheckpointSwitch(name, method, tuple(layer_name for layer_name, _ in layers), on))
     return tuple(switches)
-
-
-FABRIC_MODULES = ("lightning.fabric.", "lightning_fabric.")
-"""Where Fabric's wrappers (``fabric.setup``'s module and optimizers, ``setup_dataloaders``' loaders) are defined."""
 
 
 def session_loop(module: nn.Module, optimizers: Iterable[Any], dataloader: Any) -> TrainingLoop:
