@@ -48,20 +48,22 @@ def _printed_function(advice: Advice, name: str) -> Any:
     return namespace[name]
 
 
-def _printed_usage(advice: Advice) -> str:
-    """The advice's commented lines for a transformers model (``# hidden = ...``, ``# loss = ...``), uncommented."""
+def _printed_usage(advice: Advice, kind: str = "causal") -> str:
+    """The advice's commented lines for a transformers model of ``kind`` (``causal``: the first ``# hidden = ...``,
+    ``# loss = ...`` pair; ``masked``: the second), uncommented."""
     block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
     assert block is not None, advice.detail
     lines = [
         line.removeprefix("# ") for line in block.group(1).splitlines() if line.startswith(("# hidden =", "# loss ="))
     ]
-    assert len(lines) == 2, block.group(1)
-    return "\n".join(lines)
+    assert len(lines) == 4, block.group(1)
+    return "\n".join(lines[:2] if kind == "causal" else lines[2:])
 
 
 class ChunkedLoss(FineTuned):
     """The causal language model with its loss computed by the advice's ``chunked_cross_entropy``, called as the
-    advice's commented lines for a transformers model say (``ids`` and ``mask``: the batch's tokens and mask)."""
+    advice's commented lines for a transformers model say (``ids`` and ``mask``: the batch's tokens and mask;
+    ``labels``: the tokens, as ``FineTuned`` passes them)."""
 
     def __init__(self, kind: str, chunked_cross_entropy: Any, usage: str) -> None:
         super().__init__(kind, LENGTH)
@@ -74,6 +76,7 @@ class ChunkedLoss(FineTuned):
             "model": self.model,
             "ids": tokens,
             "mask": mask,
+            "labels": tokens,  # as FineTuned passes labels=tokens
             "chunked_cross_entropy": self.chunked_cross_entropy,
         }
         exec(self.usage, namespace)  # the advice's own lines, as a user would paste them

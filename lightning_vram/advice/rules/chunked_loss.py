@@ -176,11 +176,15 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             '        return F.cross_entropy(head(h).float(), t, reduction="sum")\n'
             "    total = sum(checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
             "                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))\n"
-            "    return total / targets.numel()  # with ignore_index, divide by the targets counted instead\n\n"
-            "# A transformers causal LM computes its loss inside model(..., labels=...): call its body and its\n"
-            "# head instead, the targets shifted by one as labels= shifts them (GPT-2's body: model.transformer)\n"
+            "    return total / (targets != -100).sum()  # the targets counted: cross_entropy's mean, -100 ignored\n\n"
+            "# A transformers model computes its loss inside model(..., labels=...): call its body and its head\n"
+            "# instead. A causal LM (body: Llama's model.model, GPT-2's model.transformer; head: model.lm_head)\n"
+            "# shifts the targets by one, as labels= shifts them:\n"
             "# hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state\n"
-            "# loss = chunked_cross_entropy(hidden[:, :-1].flatten(0, 1), model.lm_head, ids[:, 1:].flatten())\n"
+            "# loss = chunked_cross_entropy(hidden[:, :-1].flatten(0, 1), model.lm_head, labels[:, 1:].flatten())\n"
+            "# A masked LM (body: BERT's model.bert; head: model.cls, its transform and decoder) shifts nothing:\n"
+            "# hidden = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state\n"
+            "# loss = chunked_cross_entropy(hidden.flatten(0, 1), model.cls, labels.flatten())\n"
             "```"
         ),
         evidence=(
