@@ -188,6 +188,8 @@ class Predictor:
             has it: off under a Trainer's ``MixedPrecision`` (``cache_enabled=False``), on under Fabric's, FSDP's and
             a plain loop's ``torch.autocast`` (torch's default). With the cache on, a cast weight is held until the
             training step returns and shared between the calls of a module used twice.
+        fabric_forward: the step's precision applies to the module's forward only, its floating inputs and outputs
+            converted, as Fabric's ``_FabricModule`` runs it (the step is Fabric's); else to the whole step.
         batch_values: the values of ``batch``'s small CPU tensors as its step started, by the tensor's ``id``
             (:func:`~lightning_vram.prediction.replay.known_values.taken_values`): the replay's known values, where
             the step has since changed its batch in place. ``None``: the batch's values now.
@@ -222,6 +224,7 @@ class Predictor:
         shard: Callable[[nn.Module], None] | None = None,
         accumulate: int = 1,
         autocast_cache: bool = False,
+        fabric_forward: bool = False,
         batch_values: TakenValues | None = None,
         for_cuda: bool = False,
     ) -> None:
@@ -231,6 +234,7 @@ class Predictor:
         self.batch_values = batch_values
         self.precision = precision
         self.autocast_cache = autocast_cache
+        self.fabric_forward = fabric_forward
         self.device = device or placement or module_device(module)
         """The device whose memory is counted."""
         self.for_cuda = for_cuda
@@ -425,7 +429,11 @@ class Predictor:
         try:
             plan = precision_plan(change.precision if isinstance(change, PrecisionChange) else self.precision)
             # Under the user's own autocast the cache is theirs: the replay's casts stay out of it.
-            plan = replace(plan, autocast_cache=self.autocast_cache and not autocast_spans_the_replay())
+            plan = replace(
+                plan,
+                autocast_cache=self.autocast_cache and not autocast_spans_the_replay(),
+                module_scope=self.fabric_forward,
+            )
         except ValueError as error:
             return ReplaySkipped(str(error))
         scope = self._refusal()

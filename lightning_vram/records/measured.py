@@ -358,6 +358,15 @@ class TrainingSetup:
         """
         return self.loop is not TrainingLoop.LIGHTNING or self.strategy == "FSDPStrategy"
 
+    @property
+    def fabric_forward(self) -> bool:
+        """Whether the precision applies to the module's forward only, as Fabric's ``_FabricModule`` applies it.
+
+        Fabric converts the forward's floating inputs to the precision's dtype, runs it under the precision and
+        converts its floating outputs to ``float32``; a Trainer's plugin runs the whole ``training_step`` under it.
+        """
+        return self.loop is TrainingLoop.FABRIC
+
 
 @dataclass(frozen=True)
 class RunSummary:

@@ -230,6 +230,7 @@ class Advisor:
             strategy=strategy,
             accumulate=training.accumulate_grad_batches,
             autocast_cache=training.autocast_caches,
+            fabric_forward=training.fabric_forward,
         )
         if isinstance(sharding, LiveSharding):
             return RankReplays(predictor, sharding.spec, sharding.settings, context.rank, sharding.units)
@@ -343,6 +344,7 @@ class Advisor:
                 strategy=strategy if isinstance(strategy, StrategyBuffers) else None,
                 accumulate=training.accumulate_grad_batches,
                 autocast_cache=training.autocast_caches,
+                fabric_forward=training.fabric_forward,
                 batch_values=values,
             )
             return try_changes(predictor, run, training, context.rank)
@@ -396,6 +398,7 @@ class Advisor:
             compute_capability=run.device.compute_capability,
             accumulate=training.accumulate_grad_batches,
             autocast_cache=training.autocast_caches,
+            fabric_forward=training.fabric_forward,
         )
         replays = RankReplays(predictor, sharding.spec, sharding.settings, self._context.rank, sharding.units)
         return try_rank_changes(replays, run, training)

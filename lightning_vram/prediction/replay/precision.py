@@ -7,7 +7,8 @@ freed at once; on under Fabric's, FSDP's and a plain ``torch.autocast``, where t
 training step returns and shares it between the calls of a module used twice; docs/measurement.md); ``*-true``
 casts the module's floating parameters and buffers, the batch's floating tensors, and makes the dtype the default
 while the training step runs. ``16-mixed`` replays without the gradient
-scaler: its few scalar tensors do not change the counted parts.
+scaler: its few scalar tensors do not change the counted parts. Under Fabric the precision applies to the module's
+forward only, as ``_FabricModule`` runs it (:class:`FabricForward`): the rest of the step (the loss) runs as written.
 """
 
 from __future__ import annotations
@@ -93,10 +94,25 @@ class PrecisionPlan:
     """Whether autocast caches cast weights: off as the Trainer's ``MixedPrecision`` plugin runs it, on as Fabric's,
     FSDP's and a plain ``torch.autocast`` do (:class:`~lightning_vram.prediction.predictor.Predictor`'s
     ``autocast_cache``)."""
+    module_scope: bool = False
+    """Whether the precision applies to the module's forward only, as Fabric's ``_FabricModule`` applies it
+    (:meth:`scoped`), rather than to the whole training step, as a Trainer's plugin does."""
+
+    @property
+    def converts(self) -> torch.dtype | None:
+        """The dtype the precision runs the forward pass in (``None``: ``32-true``, nothing converted)."""
+        return self.autocast_dtype or self.true_dtype
+
+    def forward_context(self, device_type: str) -> contextlib.AbstractContextManager[None]:
+        """Around ``training_step``: autocast, or the true dtype as the default dtype.
+
+        Nothing where the plan is :attr:`module_scope`: the module's forward has it (:meth:`scoped`).
+        """
+        return contextlib.nullcontext() if self.module_scope else self.context(device_type)
 
     @contextlib.contextmanager
-    def forward_context(self, device_type: str) -> Iterator[None]:
-        """Around ``training_step``: autocast, or the true dtype as the default dtype."""
+    def context(self, device_type: str) -> Iterator[None]:
+        """Autocast, or the true dtype as the default dtype."""
         if self.autocast_dtype is not None:
             if device_type == "cuda" and not torch.cuda.is_available():
                 with _fake_cuda_autocast(self.autocast_dtype, self.autocast_cache):
@@ -128,13 +144,56 @@ class PrecisionPlan:
                 tensor.data = tensor.data.to(dtype)
 
     def cast_batch(self, batch: Any) -> Any:
-        """The batch with its floating tensors in the true dtype, if there is one (Lightning's ``convert_input``)."""
+        """The batch with its floating tensors in the true dtype, if there is one (Lightning's ``convert_input``).
+
+        Under :attr:`module_scope` the batch is left as it is: Fabric converts the module's inputs instead.
+        """
         dtype = self.true_dtype
-        if dtype is None:
+        if dtype is None or self.module_scope:
             return batch
-        return apply_to_collection(
-            batch, Tensor, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor
-        )
+        return _floating_to(batch, dtype)
+
+    def scoped(self, module: nn.Module, device_type: str) -> Any:
+        """What the training step is handed as the model: ``module``, or ``module`` as Fabric runs it.
+
+        :class:`FabricForward` where the plan is :attr:`module_scope` and its precision converts (not ``32-true``).
+        """
+        if not self.module_scope or self.converts is None:
+            return module
+        return FabricForward(module, self, device_type)
+
+
+def _floating_to(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with its floating tensors in ``dtype`` (Fabric's ``_convert_fp_tensor`` over a collection)."""
+    return apply_to_collection(data, Tensor, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
+
+
+class FabricForward:
+    """A module as Fabric's ``_FabricModule`` runs it under a precision that converts (``*-mixed``, ``*-true``).
+
+    Calling it converts the floating inputs to the precision's dtype, runs the module's forward under the
+    precision's context (autocast, or the true dtype as the default dtype) and converts the floating outputs to the
+    default dtype (``float32``): a language model's logits leave its forward in ``float32``, and the loss computed
+    from them runs outside autocast. Any other attribute is the module's (a submodule called directly runs outside
+    the precision, as Fabric runs it).
+    """
+
+    def __init__(self, module: nn.Module, plan: PrecisionPlan, device_type: str) -> None:
+        self.module = module
+        self.plan = plan
+        self.device_type = device_type
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward as ``_FabricModule.forward`` runs it: inputs converted, forward, outputs converted."""
+        dtype = self.plan.converts
+        if dtype is not None:
+            args, kwargs = _floating_to((args, kwargs), dtype)
+        with self.plan.context(self.device_type):
+            output = self.module(*args, **kwargs)
+        return _floating_to(output, torch.get_default_dtype())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
 
 
 PLANS = {

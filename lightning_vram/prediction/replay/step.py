@@ -179,7 +179,7 @@ class StepRun:
         index = BATCH_INDEX.set(self.accumulate - 1 if stepping else 0)
         try:
             with self.precision.forward_context(self.device.type):
-                output = self.step_function(twin.module, batch)
+                output = self.step_function(self.precision.scoped(twin.module, self.device.type), batch)
         finally:
             BATCH_INDEX.reset(index)
         loss = loss_of(output)
@@ -262,7 +262,7 @@ class StepRun:
             counter.begin_forward()
             live.start_phase(Phase.FORWARD)
         with self.precision.forward_context(self.device.type):
-            self.step_function(twin.module, batch)
+            self.step_function(self.precision.scoped(twin.module, self.device.type), batch)
 
 
 def release_frames(error: BaseException) -> None:
