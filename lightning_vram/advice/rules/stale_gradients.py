@@ -28,6 +28,7 @@ from lightning_vram.records import (
     Severity,
     Simulation,
     StepChange,
+    TrainingLoop,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes, format_percent
@@ -57,6 +58,48 @@ def _modelled(peak: PhasePeak, gradients: int, next_highest: int) -> Modelled:
     )
 
 
+LIGHTNING_DETAIL = (
+    "Lightning zeroes gradients after training_step, so the last step's gradients stay allocated through"
+    " the forward pass, where this run peaks. Free them at batch start, outside an accumulation window (the"
+    " batches where Lightning zeroes them anyway: training is unchanged, bit for bit), in a Callback listed"
+    " before VramMonitor: Lightning runs the callbacks' on_train_batch_start in list order, then the"
+    " LightningModule's, and the monitor starts measuring the step in its own, so gradients freed after it"
+    " would still count in forward:\n"
+    "```python\n"
+    "class FreeGradientsBeforeForward(Callback):\n"
+    "    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):\n"
+    "        if batch_idx % trainer.accumulate_grad_batches == 0:\n"
+    "            for optimizer in trainer.optimizers:\n"
+    "                optimizer.zero_grad(set_to_none=True)\n"
+    "\n"
+    "trainer = Trainer(callbacks=[FreeGradientsBeforeForward(), VramMonitor()])  # before VramMonitor\n"
+    "```"
+)
+"""What to change under a Trainer: a Callback that frees the gradients before the monitor measures the step."""
+
+LOOP_DETAIL = (
+    "The loop frees or zeroes the gradients after the forward pass (or zeroes them in place, set_to_none=False),"
+    " so the last step's gradients stay allocated through the forward pass, where this run peaks. Set them to"
+    " None at batch start instead, before the forward pass, in the batches where the loop zeroes them anyway (the"
+    " first of each accumulation window): where the loop set them to None already (zero_grad()'s default),"
+    " training is unchanged, bit for bit; where it zeroed them in place, an optimizer then skips a parameter that"
+    " got no gradient in a step (weight decay and momentum included), as zero_grad()'s default has it:\n"
+    "```python\n"
+    "for step, batch in enumerate(loader):\n"
+    "    session.batch_start(batch)\n"
+    "    if step % accumulate_grad_batches == 0:  # every step without accumulation\n"
+    "        optimizer.zero_grad(set_to_none=True)  # here, before the forward pass, and not after it\n"
+    "    loss = ...  # the forward pass, backward and optimizer.step() as before\n"
+    "```"
+)
+"""What to change in a plain or Fabric loop: set the gradients to ``None`` before the forward pass."""
+
+
+def _detail(loop: TrainingLoop) -> str:
+    """The advice's explanation and code for what trains the model: a Trainer's Callback, or a line in the loop."""
+    return LIGHTNING_DETAIL if loop is TrainingLoop.LIGHTNING else LOOP_DETAIL
+
+
 def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Last step's gradients are alive at a forward-phase peak under automatic optimization."""
     attributed = attributed_peak(summary)
@@ -74,23 +117,7 @@ def stale_gradients(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         id=ID,
         severity=Severity.WARNING,
         title="Free the previous step's gradients before the forward pass",
-        detail=(
-            "Lightning zeroes gradients after training_step, so the last step's gradients stay allocated through"
-            " the forward pass, where this run peaks. Free them at batch start, outside an accumulation window (the"
-            " batches where Lightning zeroes them anyway: training is unchanged, bit for bit), in a Callback listed"
-            " before VramMonitor: Lightning runs the callbacks' on_train_batch_start in list order, then the"
-            " LightningModule's, and the monitor starts measuring the step in its own, so gradients freed after it"
-            " would still count in forward:\n"
-            "```python\n"
-            "class FreeGradientsBeforeForward(Callback):\n"
-            "    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):\n"
-            "        if batch_idx % trainer.accumulate_grad_batches == 0:\n"
-            "            for optimizer in trainer.optimizers:\n"
-            "                optimizer.zero_grad(set_to_none=True)\n"
-            "\n"
-            "trainer = Trainer(callbacks=[FreeGradientsBeforeForward(), VramMonitor()])  # before VramMonitor\n"
-            "```"
-        ),
+        detail=_detail(setup.loop),
         evidence=(
             f"the {peak_label('cuda' if summary.on_cuda else 'cpu')} ({format_bytes(peak.peak_bytes)}) is in forward"
             f" of step {peak.step}, with"
