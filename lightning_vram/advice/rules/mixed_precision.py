@@ -33,6 +33,7 @@ from lightning_vram.records import (
     Severity,
     Simulation,
     StepChange,
+    TrainingLoop,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes, format_percent
@@ -56,6 +57,42 @@ NOT_ADVISED_OFF_CUDA = (
     " bfloat16 matmuls fast only with AVX-512 BF16 or AMX instructions"
 )
 """Why a CPU run gets no mixed-precision advice, said beside the replayed figure (the simulation's table)."""
+
+
+def precision_code(precision: str, loop: TrainingLoop) -> str:
+    """The code that trains in ``precision`` (``bf16-mixed`` or ``16-mixed``) where ``loop`` trains the model.
+
+    A Trainer's or Fabric's own argument; a plain loop's ``torch.autocast`` around the forward pass and the loss (with
+    a ``GradScaler`` for ``16-mixed``, as Lightning's plugin scales the loss), and the session told the precision.
+
+    >>> precision_code("bf16-mixed", TrainingLoop.LIGHTNING)
+    'Trainer(precision="bf16-mixed")'
+    >>> print(precision_code("bf16-mixed", TrainingLoop.FABRIC))
+    Fabric(precision="bf16-mixed")  # and session.start(..., precision="bf16-mixed")
+    """
+    told = f'session.start(..., precision="{precision}")'
+    if loop is TrainingLoop.LIGHTNING:
+        return f'Trainer(precision="{precision}")'
+    if loop is TrainingLoop.FABRIC:
+        return f'Fabric(precision="{precision}")  # and {told}'
+    dtype = "bfloat16" if precision == "bf16-mixed" else "float16"
+    lines = [
+        f"{told}  # the session replays the step as the loop runs it",
+        "# in the loop: the forward pass and the loss under autocast, backward and the optimizer step outside it",
+        f'with torch.autocast("cuda", dtype=torch.{dtype}):',
+        "    loss = ...  # as before",
+    ]
+    if precision == "bf16-mixed":
+        return "\n".join([*lines, "loss.backward()"])
+    return "\n".join(
+        [
+            'scaler = torch.amp.GradScaler("cuda")  # once, before the loop: float16 gradients need loss scaling',
+            *lines,
+            "scaler.scale(loss).backward()",
+            "scaler.step(optimizer)  # instead of optimizer.step()",
+            "scaler.update()",
+        ]
+    )
 
 
 def not_advised(device_type: str, change: StepChange) -> str | None:
@@ -139,7 +176,7 @@ def mixed_precision(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         detail=(
             f"{summary.device.name} ({capability_text}) {reason}. Weights and optimizer state stay in float32;"
             f" matmuls and convolutions run in 16 bits{faster}. {NUMERICS} {memory}\n"
-            f'```python\nTrainer(precision="{precision}")\n```'
+            f"```python\n{precision_code(precision, setup.loop)}\n```"
         ),
         evidence=(
             f"training in {setup.precision} on {summary.device.name} ({capability_text}"

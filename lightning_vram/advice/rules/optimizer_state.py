@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from lightning_vram.advice.catalogue import SHARDING_STRATEGIES
 from lightning_vram.advice.rules.base import Rule, attributed_peak, no_changes, share_text
-from lightning_vram.records import Advice, AdviceId, RunSummary, SavingBasis, Severity, Simulation, TrainingSetup
+from lightning_vram.records import (
+    Advice,
+    AdviceId,
+    RunSummary,
+    SavingBasis,
+    Severity,
+    Simulation,
+    TrainingLoop,
+    TrainingSetup,
+)
 from lightning_vram.units import format_bytes
 
 ID = AdviceId.OPTIMIZER_STATE
@@ -43,6 +52,23 @@ def _sharding_words(summary: RunSummary) -> str:
     )
 
 
+def _sharding_code(devices: int, loop: TrainingLoop) -> str:
+    """The code that shards the optimizer state over ``devices`` GPUs where ``loop`` trains the model.
+
+    >>> _sharding_code(4, TrainingLoop.FABRIC)
+    'Fabric(strategy="fsdp", devices=4)  # each device holds 1/4 of the optimizer state'
+    """
+    held = f"each device holds 1/{devices} of the optimizer state"
+    if loop is TrainingLoop.PLAIN:
+        return (
+            "from torch.distributed.fsdp import fully_shard\n\n"
+            f"fully_shard(model)  # before creating the optimizer, on each of {devices} ranks"
+            f" (torchrun --nproc-per-node={devices}): {held}"
+        )
+    owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
+    return f'{owner}(strategy="fsdp", devices={devices})  # {held}'
+
+
 def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """Optimizer state is the largest part of the peak: name smaller or sharded alternatives with their savings."""
     attributed = attributed_peak(summary)
@@ -70,12 +96,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
         else ""
     )
     remedy = "shrink or shard it" if shardable else "shrink it"
-    example = (
-        f'\n```python\nTrainer(strategy="fsdp", devices={devices})  # each device holds 1/{devices} of the'
-        " optimizer state\n```"
-        if shardable and summary.on_cuda
-        else ""
-    )
+    example = f"\n```python\n{_sharding_code(devices, setup.loop)}\n```" if shardable and summary.on_cuda else ""
     changes_training = " Sharding keeps the update exact: the same model." if shardable else ""
     if adam:
         changes_training += (
