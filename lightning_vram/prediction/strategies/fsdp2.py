@@ -442,6 +442,8 @@ def predict(
     sharded = predictor.sharing_walk()  # the same round (its walk, budget), its step sharded and redirected
     sharded.shard = shard_and_size
     sharded.step_function = redirected(predictor.step_function)
+    # The redirection calls the root module itself: the precision spans the step there, not Fabric's forward alone.
+    sharded.fabric_forward = False
     sharded.warm_up = True  # the gradients and optimizer state come as shards from a first step
     sharded.optimizers = None  # built by configure_optimizers on the sharded parameters (as Lightning does)
     if live is None:
