@@ -9,6 +9,9 @@ tokens, Fabric, bf16-mixed, CPU) replayed a forward live peak of 77,758,496 byte
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,8 +45,11 @@ def _loss(module: Any, batch: Any) -> Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _fabric_run(precision: str) -> dict[str, Any]:
-    """Four steps of a Fabric loop at ``precision``, step 1 counted and replayed: the report's JSON."""
+def _fabric_run(precision: str, step: Callable[[Fabric], Any] | None = None) -> dict[str, Any]:
+    """Four steps of a Fabric loop at ``precision``, step 1 counted and replayed: the report's JSON.
+
+    ``step``: the step function made for the run's Fabric (default: the model's forward and cross-entropy).
+    """
     fabric = Fabric(accelerator="cpu", devices=1, precision=precision)  # type: ignore[arg-type]
     fabric.seed_everything(0)
     network = TokenModel()
@@ -51,10 +57,11 @@ def _fabric_run(precision: str) -> dict[str, Any]:
     ids = torch.randint(0, VOCAB, (4 * BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(0))
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(ids), batch_size=BATCH))
     session = VramSession(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
-    session.start(network, optimizers=[optimizer], dataloader=loader, precision=precision, step_function=_loss)
+    step_function = _loss if step is None else step(fabric)
+    session.start(network, optimizers=[optimizer], dataloader=loader, precision=precision, step_function=step_function)
     for batch in loader:
         session.batch_start(batch)
-        loss = _loss(model, batch)
+        loss = step_function(model, batch)
         session.before_backward()
         fabric.backward(loss)
         session.before_optimizer_step()
@@ -76,3 +83,33 @@ def test_a_fabric_step_replays_with_the_precision_around_the_forward_only(precis
     # measured ... (more than 1% apart)", and the baseline did not match.
     assert simulation["baseline"]["matches"], simulation["notes"]
     assert not any("does not reproduce" in note for note in simulation["notes"]), simulation["notes"]
+
+
+def _chunked_step(helper: Any, fabric: Fabric | None) -> Any:
+    """The step with the chunked-loss advice's helper on the model's body and head (``fabric``: its autocast)."""
+
+    def step(module: Any, batch: Any) -> Tensor:
+        ids = batch[0]
+        context = fabric.autocast() if fabric is not None else contextlib.nullcontext()
+        with context:
+            hidden = torch.relu(module.body(module.embed(ids[:, :-1])))
+            loss: Tensor = helper(hidden.flatten(0, 1), module.head, ids[:, 1:].flatten())
+        return loss
+
+    return step
+
+
+@pytest.mark.replay  # the chunked loss is advised from the replayed baseline
+def test_a_fabric_loop_is_told_to_run_the_chunked_loss_under_fabrics_autocast() -> None:
+    report = _fabric_run("bf16-mixed")
+    advice = next((item for item in report["advice"] if item["id"] == "chunked-loss"), None)
+    assert advice is not None, [item["id"] for item in report["advice"]]
+    block = re.search(r"```python\n(.*?)```", advice["detail"], re.S)
+    assert block is not None
+    # Before: nothing said that the body and head called directly run outside Fabric's precision (in float32).
+    assert "`with fabric.autocast():`" in block.group(1), block.group(1)
+    namespace: dict[str, Any] = {}
+    exec(block.group(1), namespace)  # the advice's own code, as a user would paste it
+    after = _fabric_run("bf16-mixed", lambda fabric: _chunked_step(namespace["chunked_cross_entropy"], fabric))
+    realised = report["peak"]["allocated_bytes"] - after["peak"]["allocated_bytes"]
+    assert realised == pytest.approx(advice["estimated_saving_bytes"], rel=0.1)
