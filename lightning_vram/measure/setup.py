@@ -66,6 +66,19 @@ def _fabric_wrapped(loader: Any) -> DataLoader[Any] | None:
     return wrapped if isinstance(wrapped, DataLoader) else None
 
 
+def fabric_unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside Fabric's ``_FabricModule`` (``fabric.setup``'s result), else ``model`` itself.
+
+    Read through the wrapper's public ``module`` property (the module as the user built it, not a DDP or compiled
+    wrapper around it): the report then names the user's layers (not ``_forward_module.encoder...``) and the replay
+    runs the user's module (Fabric's own ``forward`` refuses a backward outside ``fabric.backward``).
+    """
+    if not type(model).__module__.startswith(FABRIC_MODULES):
+        return model
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and inner is not model else model
+
+
 def longest_sample(loader: DataLoader[Any] | None) -> int | None:
     """The longest sample ``loader`` yields (elements along the batch's length), where it tells; else ``None``.
 

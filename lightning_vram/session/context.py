@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_vram.measure.setup import session_loop, training_setup
+from lightning_vram.measure.setup import fabric_unwrapped, session_loop, training_setup
 from lightning_vram.prediction.containment.user_code import is_user_file
 from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step
 from lightning_vram.records import TrainingSetup
@@ -103,8 +103,10 @@ def run_context(
     The device defaults to the model's, the set-up to one read from the model, optimizers, ``dataloader`` and
     ``precision`` (a plain loop, or Fabric where Fabric wrapped any of them), the step function to a
     LightningModule's ``training_step``. ``accumulate_grad_batches``: the window declared (``None``: not declared),
-    which the set-up carries until the loop's own is observed.
+    which the set-up carries until the loop's own is observed. A model Fabric wrapped (``fabric.setup``'s result) is
+    measured as the module inside it (:func:`~lightning_vram.measure.setup.fabric_unwrapped`).
     """
+    given, model = model, fabric_unwrapped(model)
     if step_function is None and callable(getattr(model, "training_step", None)):
         step_function = lightning_training_step
     context = RunContext(
@@ -120,7 +122,7 @@ def run_context(
             optimizers := context.current_optimizers(),
             dataloaders=dataloader,
             precision=precision,
-            loop=session_loop(model, optimizers, dataloader),
+            loop=session_loop(given, optimizers, dataloader),
         )
     )
     return context
