@@ -179,21 +179,32 @@ class FabricForward:
     """
 
     def __init__(self, module: nn.Module, plan: PrecisionPlan, device_type: str) -> None:
-        self.module = module
-        self.plan = plan
-        self.device_type = device_type
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_device_type", device_type)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module itself, as ``_FabricModule.module`` gives it."""
+        module: nn.Module = self._module
+        return module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward as ``_FabricModule.forward`` runs it: inputs converted, forward, outputs converted."""
-        dtype = self.plan.converts
+        dtype = self._plan.converts
         if dtype is not None:
             args, kwargs = _floating_to((args, kwargs), dtype)
-        with self.plan.context(self.device_type):
-            output = self.module(*args, **kwargs)
+        with self._plan.context(self._device_type):
+            output = self._module(*args, **kwargs)
         return _floating_to(output, torch.get_default_dtype())
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
+        if name in ("_module", "_plan", "_device_type"):  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._module, name, value)
 
 
 PLANS = {
