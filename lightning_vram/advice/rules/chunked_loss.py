@@ -44,8 +44,9 @@ def _chunked_loss_peak(baseline: ReplayedStep, peak: PhasePeak, loss_bytes: int)
     The loss's vocabulary-sized tensors are as large as the log-probabilities it saves (``loss_bytes``). Forward
     keeps none of the log-probabilities and none of the logits (up to the phase's ``other``, where they are), but one
     chunk of each while it is computed. Backward starts with the loss: where the phase's peak is at its start (no
-    gradient yet), the log-probabilities and the gradients of them and of the logits (up to ``other``) are held one
-    chunk at a time; and the rest of backward, once the loss's tensors are freed, runs as it does now
+    gradient yet beyond those backward started with, :func:`_entering`), the log-probabilities
+    and the gradients of them and of the logits (up to ``other``) are held one chunk at a time; and the rest of
+    backward, once the loss's tensors are freed, runs as it does now
     (:func:`_after_the_loss`): the phase peaks at the higher of the two. A later backward peak is left as it is. The
     optimizer step holds none of them. The parts are read at the peak itself (:func:`_parts_at_peak`).
     """
@@ -53,7 +54,7 @@ def _chunked_loss_peak(baseline: ReplayedStep, peak: PhasePeak, loss_bytes: int)
     gradients, other = _parts_at_peak(baseline, peak)
     if peak.phase is Phase.FORWARD:
         held = loss_bytes + min(loss_bytes, other)
-    elif peak.phase is Phase.BACKWARD and gradients == 0:
+    elif peak.phase is Phase.BACKWARD and gradients is not None and gradients <= _entering(baseline):
         held = loss_bytes + min(2 * loss_bytes, other)
         return max(peak_bytes - held + held // LOSS_CHUNKS, _after_the_loss(baseline, loss_bytes))
     else:
@@ -78,6 +79,19 @@ def _parts_at_peak(baseline: ReplayedStep, peak: PhasePeak) -> tuple[int | None,
     if peak.breakdown is None:
         return None, 0
     return peak.breakdown.gradients, peak.breakdown.other or 0
+
+
+def _entering(baseline: ReplayedStep) -> int:
+    """The gradient bytes alive as the replayed backward starts: 0, or under gradient accumulation the window's.
+
+    From the baseline's timeline (its first backward point); 0 where it has none. A stepping micro-batch starts
+    backward with the gradients its window's earlier micro-batches left, and adds to them in place: a trial's
+    transformer LM at ``accumulate_grad_batches=2`` peaked at the loss's backward with 2.7 MiB of them alive, which
+    read as a peak after the loss and left the chunked loss's 38.4 MiB unadvised ("0 B below the replayed peak").
+    """
+    timeline = baseline.timeline
+    points = [point for point in timeline.points if point.phase is Phase.BACKWARD] if timeline is not None else []
+    return points[0].gradients if points else 0
 
 
 def _after_the_loss(baseline: ReplayedStep, loss_bytes: int) -> int:
