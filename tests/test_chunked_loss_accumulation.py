@@ -47,7 +47,10 @@ def _loss(module: Any, batch: Any) -> Tensor:
 
 
 def _run(step_function: Callable[[Any, Any], Tensor]) -> dict[str, Any]:
-    """Eight batches of a plain loop accumulating two micro-batches per optimizer step; batches 2 and 3 (a window) counted and replayed."""
+    """Eight batches of a plain loop accumulating two micro-batches per optimizer step.
+
+    Batches 2 and 3 (a window) are counted and replayed.
+    """
     torch.manual_seed(0)
     model = TokenModel()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
