@@ -201,19 +201,38 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             " The loss is summed chunk by chunk, in another order than cross-entropy's mean: the loss and its"
             " gradients agree to float32 rounding (about 1e-6 relative), not bit for bit, and an optimizer that"
             " normalises gradients (Adam) can turn that rounding into whole steps where the true gradient is zero"
-            " (attention's key bias).\n"
+            " (attention's key bias). It is the cross-entropy of the head's logits: pass your loss's own options"
+            " (class weights, ignore_index, label smoothing, a sum) and what your step does to the logits first, or"
+            " it computes another loss.\n"
             "```python\n"
+            "import torch\n"
             "import torch.nn.functional as F\n"
             "from torch.utils.checkpoint import checkpoint\n\n"
-            f"def chunked_cross_entropy(hidden, head, targets, chunks={LOSS_CHUNKS}):\n"
+            f"def chunked_cross_entropy(hidden, head, targets, chunks={LOSS_CHUNKS}, logits_fn=None, **options):\n"
             "    # hidden: (positions, width), the input of the output layer `head`; targets: (positions,)\n"
+            "    # logits_fn: what your step does to the logits before the loss (a temperature, soft-capping)\n"
+            "    # options: your F.cross_entropy's own, as you pass them (weight=, ignore_index=, label_smoothing=,\n"
+            '    # reduction="sum"); a term of your own on the logits (a z-loss) goes in chunk_loss, summed\n'
+            '    reduction = options.pop("reduction", "mean")  # "none" keeps every position: nothing to chunk\n'
             "    def chunk_loss(h, t):\n"
-            '        return F.cross_entropy(head(h).float(), t, reduction="sum")\n'
+            "        logits = head(h).float()\n"
+            "        if logits_fn is not None:\n"
+            "            logits = logits_fn(logits)\n"
+            '        return F.cross_entropy(logits, t, reduction="sum", **options)\n'
             "    total = sum(checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
             "                for h, t in zip(hidden.chunk(chunks), targets.chunk(chunks)))\n"
-            "    return total / (targets != -100).sum()  # the targets counted: cross_entropy's mean, -100 ignored\n\n"
+            '    if reduction == "sum":\n'
+            "        return total\n"
+            "    # the mean cross-entropy takes: over the targets counted, each by its class weight\n"
+            '    counted = targets != options.get("ignore_index", -100)\n'
+            '    weight = options.get("weight")\n'
+            "    if weight is None:\n"
+            "        return total / counted.sum()\n"
+            "    return total / (weight[torch.where(counted, targets, 0)] * counted).sum()\n\n"
             "# A transformers model computes its loss inside model(..., labels=...): call its body and its head\n"
-            "# instead. A causal LM (body: Llama's model.model, GPT-2's model.transformer; head: model.lm_head)\n"
+            "# instead (labels: -100 where no loss is taken; labels = ids where you pass the inputs). A model that\n"
+            "# changes its logits before the loss (Gemma 2's final_logit_softcapping) needs it as logits_fn.\n"
+            "# A causal LM (body: Llama's model.model, GPT-2's model.transformer; head: model.lm_head)\n"
             "# shifts the targets by one, as labels= shifts them:\n"
             "# hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state\n"
             "# loss = chunked_cross_entropy(hidden[:, :-1].flatten(0, 1), model.lm_head, labels[:, 1:].flatten())\n"
