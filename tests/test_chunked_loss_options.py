@@ -158,3 +158,32 @@ def test_printed_chunked_loss_with_options_trains_the_same_and_saves_what_it_sai
     # which the rule does not count and chunking frees too (plain cross-entropy: 21.09 MB of 21.65 MB).
     assert realised >= 0.95 * advice.estimated_saving_bytes
     assert AdviceId.CHUNKED_LOSS not in {advice.id for advice in after.advice}
+
+
+class NotCrossEntropy(LanguageModel):
+    """A log-softmax over the vocabulary that no cross-entropy reads: a distillation's KL divergence to a frozen
+    teacher, or an entropy term. The printed chunked cross-entropy would train on another loss."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__("label smoothing")
+        self.loss_kind = case
+        self.teacher = nn.Linear(WIDTH, VOCAB).requires_grad_(False)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.hidden_and_targets(tokens)
+        log_probabilities = F.log_softmax(self.head(hidden), dim=-1)
+        if self.loss_kind == "distillation":
+            teacher = F.softmax(self.teacher(hidden.detach()), dim=-1)
+            return F.kl_div(log_probabilities, teacher, reduction="batchmean")
+        return -(log_probabilities.exp() * log_probabilities).sum(-1).mean()
+
+
+@pytest.mark.replay
+@pytest.mark.parametrize("case", ["distillation", "entropy"])
+def test_a_log_softmax_no_cross_entropy_reads_gets_no_chunked_cross_entropy(tmp_path: Path, case: str) -> None:
+    torch.manual_seed(0)
+    report = fit(tmp_path, NotCrossEntropy(case), monitored=True)
+    assert report is not None and report.simulation is not None
+    baseline = report.simulation.baseline
+    assert baseline is not None and baseline.loss_activation_bytes == 0  # before: 8,257,536 B, its log-softmax
+    assert AdviceId.CHUNKED_LOSS not in {advice.id for advice in report.advice}

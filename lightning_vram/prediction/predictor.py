@@ -82,6 +82,7 @@ from lightning_vram.prediction.replay.skips import (
 )
 from lightning_vram.prediction.replay.step import (
     LOSS_OPS,
+    LOSS_READERS,
     RefusedError,
     StepFunction,
     StepRun,
@@ -535,8 +536,11 @@ class Predictor:
                     held_by_strategy = self._strategy_buffers()
                     live.track(held_by_strategy)
                     live.track([*iter_tensors(fake_batch), *twin.batch_tensors])
-                    counter = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
+                    counter = ReplayCounter(
+                        twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS, LOSS_READERS
+                    )
                     live.add_listener(counter.on_output)
+                    live.add_op_listener(counter.on_op)
                     timeline = TimelineRecorder(
                         lambda: live.live_bytes, counter.live_parts, lambda: counter.current_module
                     )
@@ -560,8 +564,11 @@ class Predictor:
                         live.add_op_listener(reads.on_op)
                     with probe, live:
                         if self.accumulate > 1:  # the window's first micro-batch, counted on its own
-                            first = ReplayCounter(twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS)
+                            first = ReplayCounter(
+                                twin.module, twin.optimizers, self.device, live.producer, LOSS_OPS, LOSS_READERS
+                            )
                             live.add_listener(first.on_output)
+                            live.add_op_listener(first.on_op)
                             first_timeline = TimelineRecorder(
                                 lambda: live.live_bytes, first.live_parts, lambda: first.current_module
                             )

@@ -8,7 +8,9 @@ recomputation creates comes from the replay's :class:`~lightning_vram.prediction
 backward raises here as it would in training; and an error inside the hooks ends the replay. Module profiles carry
 the input and output bytes each module saved, not the :class:`~lightning_vram.measure.observations.ModuleObserver`'s
 facts (feature maps, outputs held at the end of forward): those are the sampled step's. The counter also charges
-each saved tensor to the op that produced it, to tell the loss's own share.
+each saved tensor to the op that produced it, to tell the loss's own share: a log-softmax's saved output that
+cross-entropy (``nll_loss``) reads, not one a KL divergence or an entropy term reads, which no chunked cross-entropy
+computes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from torch import nn
 
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.counting import Counting
+from lightning_vram.measure.storages import storage_key
+from lightning_vram.prediction.replay.ops import op_name
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
 
 REPLAYED = Counting(watch_recomputation=False, raise_errors=True)
@@ -45,16 +49,32 @@ class ReplayCounter:
         device: torch.device,
         producer: Producer,
         loss_ops: frozenset[str],
+        loss_readers: frozenset[str],
     ) -> None:
         self._producer = producer
         self._loss_ops = loss_ops
+        self._loss_readers = loss_readers
         self._attributor = StepAttributor(0, module, optimizers, device, counting=REPLAYED, on_saved=self._on_saved)
-        self.loss_activation_bytes = 0
-        """Saved bytes produced by the loss's own ops (``loss_ops``: log-softmax and the like)."""
+        self._saved_by_loss_ops: dict[int, int] = {}
+        self._read_by_loss: set[int] = set()
+
+    @property
+    def loss_activation_bytes(self) -> int:
+        """Saved bytes produced by the loss's own ops (``loss_ops``: log-softmax) that ``loss_readers`` read.
+
+        The readers are cross-entropy's (``nll_loss``): a log-softmax no cross-entropy reads (a KL divergence's, an
+        entropy term's) is not a loss a chunked cross-entropy computes.
+        """
+        return sum(nbytes for key, nbytes in self._saved_by_loss_ops.items() if key in self._read_by_loss)
 
     def _on_saved(self, key: int, nbytes: int) -> None:
         if self._producer(key) in self._loss_ops:
-            self.loss_activation_bytes += nbytes
+            self._saved_by_loss_ops[key] = self._saved_by_loss_ops.get(key, 0) + nbytes
+
+    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """An op ran: where it is one of ``loss_readers``, its input's storage is the loss's."""
+        if op_name(func) in self._loss_readers and args and isinstance(args[0], torch.Tensor):
+            self._read_by_loss.add(storage_key(args[0]))
 
     def begin_forward(self) -> None:
         """The step starts: count the state alive at the first module call; watch saved tensors and module calls."""

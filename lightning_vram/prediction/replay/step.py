@@ -62,6 +62,8 @@ from lightning_vram.records import (
 
 LOSS_OPS = frozenset({"_log_softmax"})
 """Ops whose saved outputs are the loss's own activations (cross-entropy's log-probabilities)."""
+LOSS_READERS = frozenset({"nll_loss_forward", "nll_loss2d_forward"})
+"""Ops that make a log-softmax's output cross-entropy's (``F.cross_entropy`` and ``F.nll_loss`` run them)."""
 
 StepFunction = Callable[[nn.Module, Any], Any]
 """Runs the training step on the replay's module and batch; returns the loss, or a dict with ``"loss"``."""
