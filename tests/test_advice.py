@@ -356,6 +356,10 @@ def test_optimizer_state_lists_options_largest_first() -> None:
     assert advice.estimated_saving_bytes == 3 * GIB  # 8-bit Adam keeps a quarter
     assert advice.detail.index("8-bit Adam") < advice.detail.index("SGD with momentum")
     assert "optimizer state (AdamW) is 4.00 GiB, 50.0% of the backward peak" in advice.evidence
+    # AdamW's decoupled weight decay is not Adam8bit's L2 penalty: the 8-bit optimizer with the run's own update.
+    assert "bitsandbytes.optim.AdamW8bit" in advice.detail  # before: bitsandbytes.optim.Adam8bit
+    adam = optimizer_state(summary, healthy_setup(optimizers=("Adam",)))
+    assert adam is not None and "bitsandbytes.optim.Adam8bit" in adam.detail
     sharded = optimizer_state(summary, healthy_setup(optimizers=("SGD",), world_size=4))
     assert sharded is not None and sharded.estimated_saving_bytes == 3 * GIB  # 3/4 of it lives on other devices
 

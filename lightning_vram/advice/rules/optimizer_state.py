@@ -30,6 +30,17 @@ CONVERGENCE_NOTE = (
 """The one line for a language model offered SGD: what it costs, and the alternatives that keep Adam's update."""
 
 
+def _eight_bit(optimizers: tuple[str, ...]) -> str:
+    """The 8-bit optimizer with the run's own update: AdamW's decoupled weight decay is not Adam's L2 penalty.
+
+    >>> _eight_bit(("AdamW",)), _eight_bit(("Adam",))
+    ('8-bit AdamW (bitsandbytes.optim.AdamW8bit)', '8-bit Adam (bitsandbytes.optim.Adam8bit)')
+    """
+    if "AdamW" in optimizers and not ADAM_FAMILY.difference({"AdamW"}).intersection(optimizers):
+        return "8-bit AdamW (bitsandbytes.optim.AdamW8bit)"
+    return "8-bit Adam (bitsandbytes.optim.Adam8bit)"
+
+
 def _keeps_adam(setup: TrainingSetup, shardable: bool) -> str:
     """The memory-saving alternatives to SGD that keep Adam's update rule, for this set-up."""
     keeps = ["8-bit Adam (Adam's update, its two moments stored in 8 bits)"]
@@ -79,7 +90,7 @@ def optimizer_state(summary: RunSummary, setup: TrainingSetup, simulation: Simul
     options: list[tuple[int, str]] = []
     adam = any(name in ADAM_FAMILY for name in setup.optimizers)
     if adam:
-        options.append((int(state * (1 - EIGHT_BIT_ADAM_STATE_SHARE)), "8-bit Adam (bitsandbytes.optim.Adam8bit)"))
+        options.append((int(state * (1 - EIGHT_BIT_ADAM_STATE_SHARE)), _eight_bit(setup.optimizers)))
         options.append((state // 2, "SGD with momentum (one buffer per parameter instead of two)"))
     sharded = setup.strategy in SHARDING_STRATEGIES  # then the state counted is already this rank's shard
     devices = max(setup.world_size, setup.visible_devices)  # one process on one device has nothing to shard across
