@@ -460,11 +460,47 @@ def test_near_capacity_ranks_remedies() -> None:
         "Remedies this run's measurements support, largest saving first: halve the batch to 16 (with"
         " accumulate_grad_batches=2): about 5.50 GiB (modelled). Half the batch with accumulate_grad_batches=2"
         " sums the gradients of two halves: the same as the whole batch's up to float32 rounding (about 1e-6"
-        " relative)."
+        " relative) where the loss is a mean over the batch's samples (a mean over the tokens ignore_index keeps,"
+        " whose count differs between the halves, a summed loss, which the accumulation halves, or a loss comparing"
+        " the batch's samples, in-batch negatives, trains another model)."
     )
     assert (advice.estimated_saving_bytes, advice.saving_basis) == (11 * GIB // 2, "modelled")
     assert near_capacity(healthy_summary(peak=peak(Phase.BACKWARD, 14 * GIB, full)), healthy_setup()) is None
     assert advise(summary, healthy_setup(precision="32-true"))[0].id == "near-capacity"
+
+
+@pytest.mark.parametrize("options", [{"ignore_index": 0}, {"reduction": "sum"}])
+def test_halved_batch_says_which_losses_two_halves_do_not_reproduce(options: dict[str, object]) -> None:
+    # Two halves, each loss divided by 2 as Lightning's accumulation does, against the whole batch: a padded batch's
+    # mean over the tokens ignore_index keeps weighs each half's tokens by its own count, a sum is halved.
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50)
+    hidden, targets = torch.randn(8, 16, 8, generator=generator), torch.randint(1, 50, (8, 16), generator=generator)
+    targets[::3, 4:] = 0  # padding, uneven between the halves
+
+    def gradient(halves: bool) -> torch.Tensor:
+        head.zero_grad()
+        parts = [(hidden[:4], targets[:4]), (hidden[4:], targets[4:])] if halves else [(hidden, targets)]
+        loss = sum(F.cross_entropy(head(h).flatten(0, 1), t.flatten(), **options) for h, t in parts)  # type: ignore[arg-type]
+        (loss / len(parts)).backward()
+        assert head.weight.grad is not None
+        return head.weight.grad.clone()
+
+    whole, halved = gradient(False), gradient(True)
+    assert (halved - whole).abs().max().item() > 0.05 * whole.abs().max().item()  # seen: 10.0% and 50%
+    full = Breakdown(parameters=GIB, gradients=GIB, optimizer_state=2 * GIB, activations=8 * GIB, other=3 * GIB)
+    summary = healthy_summary(peak=peak(Phase.BACKWARD, 15 * GIB, full, reserved=15 * GIB + 256 * MIB))
+    advice = near_capacity(summary, healthy_setup(precision="32-true"))
+    assert advice is not None
+    # Before: "the same as the whole batch's up to float32 rounding", whatever the loss.
+    assert (
+        "where the loss is a mean over the batch's samples (a mean over the tokens ignore_index keeps" in advice.detail
+    )
+    assert "a summed loss, which the accumulation halves" in advice.detail
 
 
 def test_dataloader_workers_needs_a_spare_core_per_device_and_says_why() -> None:

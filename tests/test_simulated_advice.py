@@ -421,7 +421,9 @@ def test_near_capacity_lists_replayed_remedies_with_their_basis() -> None:
         "Remedies this run's measurements support, largest saving first: halve the batch to 16 (with"
         " accumulate_grad_batches=2): about 6.00 GiB (simulated); mixed-precision: about 3.00 GiB (simulated)."
         " Half the batch with accumulate_grad_batches=2 sums the gradients of two halves: the same as the whole"
-        " batch's up to float32 rounding (about 1e-6 relative)."
+        " batch's up to float32 rounding (about 1e-6 relative) where the loss is a mean over the batch's samples (a"
+        " mean over the tokens ignore_index keeps, whose count differs between the halves, a summed loss, which the"
+        " accumulation halves, or a loss comparing the batch's samples, in-batch negatives, trains another model)."
     )
     assert (advice.estimated_saving_bytes, advice.saving_basis, advice.predicted_peak_bytes) == (
         6 * GIB,

@@ -132,12 +132,17 @@ def _served_text(summary: RunSummary, change: BatchSizeChange, simulation: Simul
 def _halved_trains(summary: RunSummary, accumulate: int) -> str:
     """What training with half the batch and twice the run's ``accumulate`` changes: a sentence for the detail.
 
-    The gradients of two halves, each loss divided by 2, add up to the whole batch's in another order; BatchNorm
-    normalises over each half and updates its statistics once per half.
+    The gradients of two halves, each loss divided by 2, add up to the whole batch's in another order where the loss
+    is a mean over the samples: not a mean over the tokens a padded batch's ``ignore_index`` keeps (tests' padded
+    batch: gradients 10% apart), nor a sum (halved: 50% apart), nor in-batch negatives. BatchNorm normalises over
+    each half and updates its statistics once per half.
     """
     text = (
         f" Half the batch with accumulate_grad_batches={2 * accumulate} sums the gradients of two halves: the same as"
-        " the whole batch's up to float32 rounding (about 1e-6 relative)"
+        " the whole batch's up to float32 rounding (about 1e-6 relative) where the loss is a mean over the batch's"
+        " samples (a mean over the tokens ignore_index keeps, whose count differs between the halves, a summed loss,"
+        " which the accumulation halves, or a loss comparing the batch's samples, in-batch negatives, trains another"
+        " model)"
     )
     if not any("BatchNorm" in profile.type for profile in summary.modules):
         return f"{text}."
