@@ -50,7 +50,9 @@ class Unit:
     ``saved``: what the unit's modules saved themselves (each storage charged to the first module that saved it).
     ``input_bytes``: its input; ``input_held``: an earlier op held that input already when it ran.
     ``input_saved`` / ``output_saved``: its input / output storages the unit itself saved.
-    ``output_bytes``: its output (``0``: not known).
+    ``output_bytes``: its output (``0``: not known). ``calls``: how many times it runs for one call of its caller
+    (a block shared across the layers, ALBERT's, called in a loop): every figure sums its calls, and a checkpoint of
+    it recomputes one call at a time.
     """
 
     names: tuple[str, ...]
@@ -60,6 +62,7 @@ class Unit:
     input_saved: int
     output_saved: int
     output_bytes: int = 0
+    calls: int = 1
 
     @property
     def charged_input(self) -> int:
@@ -147,7 +150,8 @@ def _moments(
     held_before = before
     for index, unit in enumerate(units):
         held_before += boundaries[index] + (gaps[index] or 0)
-        moments.append(held_before + unit.internal + unit.output_saved)
+        own = unit.internal + unit.output_saved
+        moments.append(held_before + (own // unit.calls if checkpointed[index] else own))
         if not checkpointed[index]:
             held_before += unit.internal
         if outputs[index] and index < len(units) - 1:
@@ -188,7 +192,7 @@ def peak_saving(units: Sequence[Unit], checkpointed: Sequence[bool], outside: Ou
     33
     """
     forward, backward = _moments(units, checkpointed, *outside)
-    flowing = [unit.input_bytes + unit.output_bytes for unit in units]
+    flowing = [(unit.input_bytes + unit.output_bytes) // unit.calls for unit in units]
     run = max((extra for extra, flag in zip(flowing, checkpointed, strict=True) if flag), default=0)
     peaks = [held.forward + forward + max(held.forward_other, run)]
     peaks += [
@@ -254,6 +258,7 @@ class ProfileIndex:
     def unit(self, names: Sequence[str]) -> Unit:
         """The unit of consecutive modules ``names``: its input is the first's, its output the last's."""
         first, last = self.called[names[0]], self.called[names[-1]]
+        caller_calls = self.calls.get(self.caller(names[0]), 1) or 1
         return Unit(
             names=tuple(names),
             saved=sum(self.inclusive[name] for name in names),
@@ -262,7 +267,17 @@ class ProfileIndex:
             input_saved=first.input_saved_bytes,
             output_saved=last.output_saved_bytes,
             output_bytes=last.output_bytes,
+            calls=max(first.calls // caller_calls, 1) if len(names) == 1 else 1,
         )
+
+    def shared_block(self, names: Sequence[str]) -> bool:
+        """Whether ``names`` is one module with submodules that ran more often than its caller: a shared block.
+
+        A block shared across layers (ALBERT's), called in a loop: ``Checkpointed`` in its place checkpoints each of
+        its calls, each a whole call of it (its input kept, one call recomputed at a time). A leaf module run twice
+        among its siblings (a block's one ReLU) is not one (:meth:`repeated`).
+        """
+        return len(names) == 1 and self.repeated(names) and bool(self.children.get(names[0]))
 
     def repeated(self, names: Sequence[str]) -> bool:
         """Whether one of modules ``names`` ran more often than the module calling it.
@@ -359,7 +374,7 @@ def unit_groups(profiles: ProfileIndex, names: list[str]) -> list[list[str]]:
             groups[-1].append(name)
         else:
             groups.append([name])
-    return [group for group in groups if not profiles.repeated(group)]
+    return [group for group in groups if not profiles.repeated(group) or profiles.shared_block(group)]
 
 
 def starts_inplace(profiles: ProfileIndex, name: str) -> bool:
