@@ -60,6 +60,19 @@ def _printed_usage(advice: Advice, kind: str = "causal") -> str:
     return "\n".join(lines[:2] if kind == "causal" else lines[2:])
 
 
+class Recorded(FineTuned):
+    """The model trained on its own loss (``labels=``), each step's loss kept."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind, LENGTH)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach().clone())  # read after the run: .item() in the step stops the replay
+        return loss
+
+
 class ChunkedLoss(FineTuned):
     """The causal language model with its loss computed by the advice's ``chunked_cross_entropy``, called as the
     advice's commented lines for a transformers model say (``ids`` and ``mask``: the batch's tokens and mask;
@@ -69,6 +82,7 @@ class ChunkedLoss(FineTuned):
         super().__init__(kind, LENGTH)
         self.chunked_cross_entropy = chunked_cross_entropy
         self.usage = usage
+        self.losses: list[torch.Tensor] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens, mask = batch
@@ -81,13 +95,15 @@ class ChunkedLoss(FineTuned):
         }
         exec(self.usage, namespace)  # the advice's own lines, as a user would paste them
         loss: torch.Tensor = namespace["loss"]
+        self.losses.append(loss.detach().clone())  # read after the run: .item() in the step stops the replay
         return loss
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_every_piece_of_advice_is_one_that_is_applied(tmp_path: Path, kind: str) -> None:
     torch.manual_seed(0)
-    report = _report(tmp_path / "before", FineTuned(kind, LENGTH))
+    plain = Recorded(kind)
+    report = _report(tmp_path / "before", plain)
     assert report.simulation is not None and report.simulation.skipped is None, report.simulation
     given = {advice.id for advice in report.advice}
     assert given, "a 128-token batch of a transformers model is worth some advice"
@@ -97,7 +113,12 @@ def test_every_piece_of_advice_is_one_that_is_applied(tmp_path: Path, kind: str)
         return
     torch.manual_seed(0)
     printed = _printed_function(chunked, "chunked_cross_entropy")
-    applied = _report(tmp_path / "after", ChunkedLoss(kind, printed, _printed_usage(chunked)))
+    chunked_module = ChunkedLoss(kind, printed, _printed_usage(chunked))
+    applied = _report(tmp_path / "after", chunked_module)
+    # The printed lines compute the loss labels= computes (its shift, its -100), to float32 rounding.
+    assert [loss.item() for loss in chunked_module.losses] == pytest.approx(
+        [loss.item() for loss in plain.losses], rel=1e-5
+    )
     assert report.peak is not None and applied.peak is not None
     realised = report.peak.peak_bytes - applied.peak.peak_bytes
     assert chunked.estimated_saving_bytes is not None
