@@ -137,6 +137,13 @@ def test_printed_chunked_loss_computes_the_steps_own_loss_and_gradients(
 
 
 @pytest.mark.replay
+def test_printed_chunked_loss_refuses_a_loss_per_position(advised: tuple[Advice, Report]) -> None:
+    hidden, targets = torch.randn(16, WIDTH), torch.randint(0, VOCAB, (16,))
+    with pytest.raises(ValueError, match="reduction='none' keeps every position's loss: nothing to chunk"):
+        printed(advised[0])(hidden, nn.Linear(WIDTH, VOCAB), targets, reduction="none")  # 96cf39d: a mean, silently
+
+
+@pytest.mark.replay
 def test_printed_chunked_loss_with_options_trains_the_same_and_saves_what_it_said(
     advised: tuple[Advice, Report], tmp_path: Path
 ) -> None:

@@ -213,7 +213,9 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             "    # logits_fn: what your step does to the logits before the loss (a temperature, soft-capping)\n"
             "    # options: your F.cross_entropy's own, as you pass them (weight=, ignore_index=, label_smoothing=,\n"
             '    # reduction="sum"); a term of your own on the logits (a z-loss) goes in chunk_loss, summed\n'
-            '    reduction = options.pop("reduction", "mean")  # "none" keeps every position: nothing to chunk\n'
+            '    reduction = options.pop("reduction", "mean")\n'
+            '    if reduction not in ("mean", "sum"):\n'
+            '        raise ValueError(f"reduction={reduction!r} keeps every position\'s loss: nothing to chunk")\n'
             "    def chunk_loss(h, t):\n"
             "        logits = head(h).float()\n"
             "        if logits_fn is not None:\n"
