@@ -306,6 +306,13 @@ def test_dataloader_workers_suggests_cores_and_step_time() -> None:
         advice.evidence
     )
     assert "num_workers=0, 8 CPU cores per device" in advice.evidence
+    # The printed line keeps the user's own arguments (before: `DataLoader(dataset, batch_size=..., num_workers=7,
+    # persistent_workers=True)`, which, pasted, dropped shuffle=True, a sampler or a collate_fn: other data, in
+    # another order).
+    assert "DataLoader(dataset, ..., num_workers=7, persistent_workers=True, pin_memory=True)  # `...`: your own" in (
+        advice.detail
+    )
+    assert "keep every other as it is: shuffle, sampler, collate_fn and drop_last" in advice.detail
 
 
 def test_dataloader_workers_near_misses() -> None:

@@ -618,12 +618,15 @@ def dropout_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
 
 
-def printed_loader_arguments(advice: Advice, batch_size: bool = False) -> dict[str, Any]:
-    """The keyword arguments of the advice's printed ``DataLoader(dataset, ...)`` line; the batch size only where
-    ``batch_size`` (elsewhere it is ``...``: the user's own)."""
-    arguments: dict[str, Any] = eval(printed_code(advice), {"DataLoader": lambda dataset, **kw: kw, "dataset": None})
-    if not batch_size:
-        assert arguments.pop("batch_size") is Ellipsis
+def printed_loader_arguments(advice: Advice) -> dict[str, Any]:
+    """The keyword arguments of the advice's printed ``DataLoader(dataset, ..., name=value)`` line: ``...`` stands
+    for the user's own arguments, kept as they are (shuffle, sampler, collate_fn: which samples each step sees)."""
+
+    def loader(dataset: Any, *own: Any, **arguments: Any) -> dict[str, Any]:
+        assert own == (Ellipsis,), own  # before: `batch_size=...` alone, the user's other arguments left out
+        return arguments
+
+    arguments: dict[str, Any] = eval(printed_code(advice), {"DataLoader": loader, "dataset": None})
     return arguments
 
 
@@ -717,7 +720,7 @@ def test_larger_batch_as_printed_says_it_changes_training(tmp_path: Path) -> Non
     )
     advice = batch_size_headroom(idle, training_setup(build(), []))
     assert advice is not None and "it trains another model" in advice.detail
-    arguments = printed_loader_arguments(advice, batch_size=True)
+    arguments = printed_loader_arguments(advice)
     larger = arguments.pop("batch_size")
     assert arguments == {} and 32 <= larger <= 256
     applied = fit(tmp_path, build, lambda: shuffled(data, larger), steps=4)

@@ -68,7 +68,7 @@ def batch_size_headroom(
             " and train a larger model. Once the GPU is busy, a larger batch makes steps longer, not training"
             " faster. Unlike a memory-only change, it trains another model: fewer, larger steps (hence the learning"
             " rate) and BatchNorm statistics over more samples, so validate it.\n"
-            f"```python\nDataLoader(dataset, batch_size={largest})\n```"
+            f"```python\nDataLoader(dataset, ..., batch_size={largest})  # `...`: your other arguments, unchanged\n```"
         ),
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)}"

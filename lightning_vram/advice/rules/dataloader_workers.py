@@ -54,7 +54,10 @@ def dataloader_workers(
             " that seed once, not every epoch, so from the second epoch shuffling and Dropout see another stream."
             " Training is another random draw, not the same model bit for bit (without persistent workers and"
             " random augmentation, it is).\n"
-            f"```python\nDataLoader(dataset, batch_size=..., num_workers={workers}, persistent_workers=True{pin})\n```"
+            "Add the two arguments to your DataLoader and keep every other as it is: shuffle, sampler, collate_fn"
+            " and drop_last decide which samples each step sees.\n"
+            f"```python\nDataLoader(dataset, ..., num_workers={workers}, persistent_workers=True{pin})"
+            "  # `...`: your own arguments, unchanged\n```"
         ),
         evidence=(
             f"data wait is {format_percent(wait)} of step time over the run and"

@@ -23,7 +23,7 @@ def pin_memory(summary: RunSummary, setup: TrainingSetup, simulation: Simulation
             "Pageable host memory is copied once more before the transfer to the GPU; pinned batches are copied"
             " straight away, and Lightning moves them with non_blocking transfers. The batches' values are the"
             " same: training is unchanged, bit for bit.\n"
-            "```python\nDataLoader(dataset, batch_size=..., pin_memory=True)\n```"
+            "```python\nDataLoader(dataset, ..., pin_memory=True)  # `...`: your own arguments, unchanged\n```"
         ),
         evidence=(
             f"data wait is {format_percent(summary.data_wait_fraction)} of step time on {summary.device.name};"
