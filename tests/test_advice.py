@@ -41,6 +41,7 @@ from lightning_vram.records import (
     LinearLayer,
     ModuleProfile,
     Phase,
+    TrainingLoop,
 )
 
 
@@ -508,6 +509,21 @@ def test_halved_batch_says_which_losses_two_halves_do_not_reproduce(options: dic
         "where the loss is a mean over the batch's samples (a mean over the tokens ignore_index keeps" in advice.detail
     )
     assert "a summed loss, which the accumulation halves" in advice.detail
+
+
+def test_halved_batch_accumulates_where_the_loop_can() -> None:
+    # Under manual optimization Lightning refuses Trainer(accumulate_grad_batches=2) at fit (before, printed as the
+    # remedy); a plain loop has no such setting: the accumulation is the user's own.
+    full = Breakdown(parameters=GIB, gradients=GIB, optimizer_state=2 * GIB, activations=8 * GIB, other=3 * GIB)
+    summary = healthy_summary(peak=peak(Phase.BACKWARD, 15 * GIB, full, reserved=15 * GIB + 256 * MIB))
+    manual = near_capacity(summary, healthy_setup(precision="32-true", automatic_optimization=False))
+    assert manual is not None and "accumulate_grad_batches=2" not in manual.detail
+    assert (
+        "halve the batch to 16 (accumulating the gradients of 2 such batches per optimizer step, each loss divided by"
+        " 2, in training_step: Lightning refuses accumulate_grad_batches under manual optimization)"
+    ) in manual.detail
+    plain = near_capacity(summary, healthy_setup(precision="32-true", loop=TrainingLoop.PLAIN))
+    assert plain is not None and "each loss divided by 2, in your loop)" in plain.detail
 
 
 def test_dataloader_workers_needs_a_spare_core_per_device_and_says_why() -> None:

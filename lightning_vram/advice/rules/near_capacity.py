@@ -36,6 +36,7 @@ from lightning_vram.records import (
     Severity,
     Simulation,
     StepChange,
+    TrainingLoop,
     TrainingSetup,
 )
 from lightning_vram.units import format_bytes
@@ -88,12 +89,34 @@ def changes(summary: RunSummary, setup: TrainingSetup) -> tuple[StepChange, ...]
     return (halved,) if halved is not None and _near_capacity_peak(summary) is not None else ()
 
 
+def _accumulating(setup: TrainingSetup) -> str:
+    """How the halved batch keeps the run's global batch: Lightning's setting, or the user's own code.
+
+    Lightning's setting where Lightning accumulates (automatic optimization), else the user's own code.
+
+    Under manual optimization Lightning refuses ``Trainer(accumulate_grad_batches=...)`` (a MisconfigurationException
+    at fit), and a plain or Fabric loop has no such setting: the accumulation is the user's step's.
+    """
+    accumulate = 2 * setup.accumulate_grad_batches
+    if setup.loop is TrainingLoop.LIGHTNING and setup.automatic_optimization:
+        return f"with accumulate_grad_batches={accumulate}"
+    where = (
+        "in training_step: Lightning refuses accumulate_grad_batches under manual optimization"
+        if setup.loop is TrainingLoop.LIGHTNING
+        else "in your loop"
+    )
+    return (
+        f"accumulating the gradients of {accumulate} such batches per optimizer step, each loss divided by"
+        f" {accumulate}, {where}"
+    )
+
+
 def _halved_batch(
-    summary: RunSummary, peak: PhasePeak, breakdown: Breakdown, simulation: Simulation | None, accumulate: int
+    summary: RunSummary, peak: PhasePeak, breakdown: Breakdown, simulation: Simulation | None, setup: TrainingSetup
 ) -> Remedy | None:
     """Halving the batch: replayed where the simulation tried that batch, else half of what grows with the batch.
 
-    ``accumulate``: the run's ``accumulate_grad_batches``, doubled to keep its global batch.
+    The run's accumulation doubles to keep its global batch (:func:`_accumulating`).
     """
     halved = _halved(summary)
     if halved is None:
@@ -106,7 +129,7 @@ def _halved_batch(
     saving = resolve_saving(simulation, halved, modelled, measured=peak)
     if not isinstance(saving, Saving):
         return None
-    name = f"halve the batch to {halved.batch_size} (with accumulate_grad_batches={2 * accumulate})"
+    name = f"halve the batch to {halved.batch_size} ({_accumulating(setup)})"
     name += _served_text(summary, halved, simulation)
     return Remedy(name, saving.saving_bytes, saving.basis, saving.predicted_peak_bytes)
 
@@ -129,7 +152,7 @@ def _served_text(summary: RunSummary, change: BatchSizeChange, simulation: Simul
     return ", still not served by the simulated allocator"
 
 
-def _halved_trains(summary: RunSummary, accumulate: int) -> str:
+def _halved_trains(summary: RunSummary, setup: TrainingSetup) -> str:
     """What training with half the batch and twice the run's ``accumulate`` changes: a sentence for the detail.
 
     The gradients of two halves, each loss divided by 2, add up to the whole batch's in another order where the loss
@@ -138,7 +161,7 @@ def _halved_trains(summary: RunSummary, accumulate: int) -> str:
     each half and updates its statistics once per half.
     """
     text = (
-        f" Half the batch with accumulate_grad_batches={2 * accumulate} sums the gradients of two halves: the same as"
+        f" Half the batch {_accumulating(setup)} sums the gradients of two halves: the same as"
         " the whole batch's up to float32 rounding (about 1e-6 relative) where the loss is a mean over the batch's"
         " samples (a mean over the tokens ignore_index keeps, whose count differs between the halves, a summed loss,"
         " which the accumulation halves, or a loss comparing the batch's samples, in-batch negatives, trains another"
@@ -171,7 +194,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         for rule in NEAR_CAPACITY_REMEDIES
         if (advice := rule.advise(summary, setup, simulation)) is not None and advice.estimated_saving_bytes
     ]
-    halved = _halved_batch(summary, peak, breakdown, simulation, setup.accumulate_grad_batches)
+    halved = _halved_batch(summary, peak, breakdown, simulation, setup)
     if halved is not None and halved.saving_bytes > 0:
         remedies.append(halved)
     remedies.sort(key=lambda remedy: -remedy.saving_bytes)
@@ -185,7 +208,7 @@ def near_capacity(summary: RunSummary, setup: TrainingSetup, simulation: Simulat
         severity=Severity.CRITICAL,
         title=f"Memory is near capacity ({share_text(peak.peak_bytes, capacity)} of the device): one step from OOM",
         detail=f"Remedies this run's measurements support, largest saving first: {listed or NONE_MEASURED}."
-        + (_halved_trains(summary, setup.accumulate_grad_batches) if halved is not None and halved in remedies else ""),
+        + (_halved_trains(summary, setup) if halved is not None and halved in remedies else ""),
         evidence=(
             f"peak {format_bytes(peak.peak_bytes)} of {format_bytes(capacity)} in {peak.phase.value} of step"
             f" {peak.step}; {retries} allocation retries; {ooms} out-of-memory errors recovered from"
