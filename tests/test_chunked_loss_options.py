@@ -140,7 +140,7 @@ def test_printed_chunked_loss_computes_the_steps_own_loss_and_gradients(
 def test_printed_chunked_loss_refuses_a_loss_per_position(advised: tuple[Advice, Report]) -> None:
     hidden, targets = torch.randn(16, WIDTH), torch.randint(0, VOCAB, (16,))
     with pytest.raises(ValueError, match="reduction='none' keeps every position's loss: nothing to chunk"):
-        printed(advised[0])(hidden, nn.Linear(WIDTH, VOCAB), targets, reduction="none")  # 96cf39d: a mean, silently
+        printed(advised[0])(hidden, nn.Linear(WIDTH, VOCAB), targets, reduction="none")  # 8f2bed6: a mean, silently
 
 
 @pytest.mark.replay
