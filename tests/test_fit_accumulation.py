@@ -131,3 +131,21 @@ def test_preflights_smaller_batch_says_the_accumulation_that_keeps_the_global_ba
     assert ", as micro-batch 16 with accumulate_grad_batches=4 (global batch 64, as now)" in preflight_warning(
         verdict, "cuda:0"
     )
+
+
+def test_preflights_smaller_batch_under_the_run_s_own_accumulation_names_no_lightning_setting() -> None:
+    # Manual optimization, a plain or a Fabric loop: Lightning's accumulate_grad_batches does not apply there.
+    torch.manual_seed(0)
+    predictor = Predictor(Classifier(conv(), OPTIMIZERS["adam"]), None, batch_of(BATCH), warm_up=True)
+    verdict = preflight(
+        predictor,
+        reading=AllocatorReading(0, 0, 0, 0),
+        free_bytes=1 * MIB,
+        changes=[BatchSizeChange(BATCH // 2)],
+        own_accumulation=True,
+    )
+    assert isinstance(verdict, PreflightVerdict)
+    (remedy,) = verdict.remedies
+    assert remedy.accumulation == (
+        "micro-batch 16, your code accumulating 2 per optimizer step, each loss divided by 2 (global batch 32, as now)"
+    )

@@ -36,13 +36,16 @@ def predict_max_batch_size(summary: RunSummary, capacity_bytes: int) -> int | No
     return int(usable // per_sample)
 
 
-def fit_table(summary: RunSummary, simulation: Simulation | None = None, accumulate: int = 1) -> tuple[FitRow, ...]:
+def fit_table(
+    summary: RunSummary, simulation: Simulation | None = None, accumulate: int = 1, own_accumulation: bool = False
+) -> tuple[FitRow, ...]:
     """The largest batch of this run per GPU of :data:`~lightning_vram.prediction.devices.COMMON_GPUS`.
 
     Replayed rows (``basis`` ``"simulated"``) come from a trusted simulation's ``fit``; otherwise each row is
     modelled linearly from the measured peak (``basis`` ``"modelled"``, CUDA runs only). Where the run's batch does
     not fit a row's GPU, the row gives the micro-batch and ``accumulate_grad_batches`` that keep the run's global
-    batch (its batch times ``accumulate``, the run's ``accumulate_grad_batches``): :meth:`FitRow.keeping`.
+    batch (its batch times ``accumulate``, the run's ``accumulate_grad_batches``): :meth:`FitRow.keeping`;
+    ``own_accumulation``: the run's own code accumulates (:attr:`FitRow.own_accumulation`).
     """
     if trusted(simulation) is not None and simulation is not None and simulation.fit:
         rows = [replace(row, basis=SavingBasis.SIMULATED) for row in simulation.fit]
@@ -56,4 +59,4 @@ def fit_table(summary: RunSummary, simulation: Simulation | None = None, accumul
                 return ()
             rows.append(FitRow(name, capacity, batch, basis=SavingBasis.MODELLED))
     size = summary.batch_size
-    return tuple(row.keeping(size, accumulate) if size else row for row in rows)
+    return tuple(row.keeping(size, accumulate, own_accumulation) if size else row for row in rows)

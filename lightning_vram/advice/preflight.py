@@ -63,6 +63,7 @@ def preflight(
     free_bytes: int,
     changes: Sequence[StepChange],
     unseen_bytes: Mapping[Phase, int] | None = None,
+    own_accumulation: bool = False,
 ) -> PreflightVerdict | str:
     """Replay the first step; the verdict, or why it could not be replayed.
 
@@ -81,6 +82,8 @@ def preflight(
         free_bytes: the device's free memory now.
         changes: the changes to replay when the step does not fit.
         unseen_bytes: per phase, bytes the replay cannot see (the calibration's), held in the simulated allocator.
+        own_accumulation: the run's own code accumulates the gradients (manual optimization, a plain or Fabric loop):
+            a smaller batch's accumulation is then said as that code's, not ``accumulate_grad_batches``.
     """
     capacity = free_bytes + reading.reserved_bytes
 
@@ -117,22 +120,25 @@ def preflight(
                         result.peak.peak_bytes,
                         reserved_peak_bytes=None if with_it is None else with_it.reserved_peak_bytes,
                         served=None if with_it is None else with_it.served,
-                        accumulation=_keeping(change, batch_size_of(predictor.batch), predictor.accumulate),
+                        accumulation=_keeping(
+                            change, batch_size_of(predictor.batch), predictor.accumulate, own_accumulation
+                        ),
                     )
                 )
         remedies.sort(key=lambda remedy: remedy.peak_bytes)
         return replace(verdict, remedies=tuple(remedies))
 
 
-def _keeping(change: StepChange, batch_size: int | None, accumulate: int) -> str | None:
+def _keeping(change: StepChange, batch_size: int | None, accumulate: int, own_accumulation: bool) -> str | None:
     """For a smaller batch, the micro-batch and accumulation that keep the run's global batch; else ``None``.
 
     The global batch is ``batch_size`` times ``accumulate``; each micro-batch is at most the replayed one.
+    ``own_accumulation``: as :func:`~lightning_vram.records.accumulation_text` takes it.
     """
     if not isinstance(change, BatchSizeChange) or batch_size is None:
         return None
     kept = keeping_global_batch(batch_size * accumulate, change.batch_size)
-    return None if kept is None else accumulation_text(*kept, batch_size * accumulate)
+    return None if kept is None else accumulation_text(*kept, batch_size * accumulate, own_accumulation)
 
 
 def replay_resized(predictor: Replays) -> ReplayedStep | str:

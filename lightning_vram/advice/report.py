@@ -51,7 +51,12 @@ def build_report(
         precision=setup.precision if setup is not None else None,
         modules=largest_savers(summary.modules)[:top_modules],
         advice=advice,
-        fit=fit_table(summary, simulation, setup.accumulate_grad_batches if setup is not None else 1),
+        fit=fit_table(
+            summary,
+            simulation,
+            setup.accumulate_grad_batches if setup is not None else 1,
+            own_accumulation=setup is not None and not setup.lightning_accumulates,
+        ),
         ranks=ranks,
         not_measured=not_measured,
         simulation=simulation,

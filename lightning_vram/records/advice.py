@@ -278,12 +278,17 @@ class FitRow:
     """The ``accumulate_grad_batches`` that goes with :attr:`micro_batch_size` (``None`` with it)."""
     global_batch_size: int | None = None
     """The run's global batch (samples per optimizer step) the micro-batch keeps (``None`` with it)."""
+    own_accumulation: bool = False
+    """Whether the run's own code accumulates the gradients (manual optimization, a plain or Fabric loop), where
+    Lightning's ``accumulate_grad_batches`` does not apply: :attr:`accumulate_grad_batches` then counts the
+    micro-batches that code would accumulate per optimizer step."""
 
-    def keeping(self, batch_size: int, accumulate: int) -> FitRow:
+    def keeping(self, batch_size: int, accumulate: int, own_accumulation: bool = False) -> FitRow:
         """The row with the micro-batch and accumulation that keep a run's global batch, where its batch does not fit.
 
         ``batch_size``: the run's batch (a micro-batch under accumulation); ``accumulate``: its
-        ``accumulate_grad_batches``. Unchanged where the batch fits or nothing fits.
+        ``accumulate_grad_batches``; ``own_accumulation``: as :attr:`own_accumulation`. Unchanged where the batch fits
+        or nothing fits.
 
         >>> print(FitRow("A100", 80, 10).keeping(16, 4).accumulation_text)
         micro-batch 10 with accumulate_grad_batches=7 (global batch 70, the run's 64)
@@ -295,14 +300,22 @@ class FitRow:
             return self
         micro, steps = kept
         global_batch = batch_size * accumulate
-        return replace(self, micro_batch_size=micro, accumulate_grad_batches=steps, global_batch_size=global_batch)
+        return replace(
+            self,
+            micro_batch_size=micro,
+            accumulate_grad_batches=steps,
+            global_batch_size=global_batch,
+            own_accumulation=own_accumulation,
+        )
 
     @property
     def accumulation_text(self) -> str | None:
         """The micro-batch that keeps the run's global batch, as a report says it (``None`` where there is none)."""
         if self.micro_batch_size is None or self.accumulate_grad_batches is None or self.global_batch_size is None:
             return None
-        return accumulation_text(self.micro_batch_size, self.accumulate_grad_batches, self.global_batch_size)
+        return accumulation_text(
+            self.micro_batch_size, self.accumulate_grad_batches, self.global_batch_size, self.own_accumulation
+        )
 
     @property
     def batch_text(self) -> str:
@@ -363,15 +376,25 @@ def keeping_global_batch(global_batch: int, max_micro_batch: int) -> tuple[int, 
     return -(-global_batch // steps), steps
 
 
-def accumulation_text(micro_batch: int, accumulate: int, global_batch: int) -> str:
+def accumulation_text(micro_batch: int, accumulate: int, global_batch: int, own_accumulation: bool = False) -> str:
     """A micro-batch and its accumulation as a report says it, with the global batch they make beside the run's.
+
+    ``own_accumulation``: the run's own code accumulates (manual optimization, where Lightning refuses
+    ``accumulate_grad_batches``, or a plain or Fabric loop, which has no such setting).
 
     >>> accumulation_text(10, 7, 64)
     "micro-batch 10 with accumulate_grad_batches=7 (global batch 70, the run's 64)"
+    >>> print(accumulation_text(10, 7, 64, own_accumulation=True))
+    micro-batch 10, your code accumulating 7 per optimizer step, each loss divided by 7 (global batch 70, the run's 64)
     """
     kept = micro_batch * accumulate
     global_text = "as now" if kept == global_batch else f"the run's {global_batch}"
-    return f"micro-batch {micro_batch} with accumulate_grad_batches={accumulate} (global batch {kept}, {global_text})"
+    how = (
+        f", your code accumulating {accumulate} per optimizer step, each loss divided by {accumulate}"
+        if own_accumulation
+        else f" with accumulate_grad_batches={accumulate}"
+    )
+    return f"micro-batch {micro_batch}{how} (global batch {kept}, {global_text})"
 
 
 EXPANDABLE_FEWER = (

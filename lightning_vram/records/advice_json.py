@@ -34,6 +34,7 @@ def fit_row_to_dict(row: FitRow) -> dict[str, Any]:
         "micro_batch_size": row.micro_batch_size,
         "accumulate_grad_batches": row.accumulate_grad_batches,
         "global_batch_size": row.global_batch_size,
+        "own_accumulation": row.own_accumulation,
     }
     return {
         "device": row.device,
@@ -113,6 +114,8 @@ def fit_row_from_dict(data: Any, where: str) -> FitRow:
         micro_batch_size=_optional_integer(fields, "micro_batch_size"),
         accumulate_grad_batches=_optional_integer(fields, "accumulate_grad_batches"),
         global_batch_size=_optional_integer(fields, "global_batch_size"),
+        # Absent up to this version's first reports: Lightning's accumulate_grad_batches.
+        own_accumulation=fields.flag("own_accumulation") if fields.has("own_accumulation") else False,
     )
 
 

@@ -347,6 +347,15 @@ class TrainingSetup:
         return self.automatic_optimization and not self.own_zero_grad
 
     @property
+    def lightning_accumulates(self) -> bool:
+        """Whether Lightning's ``accumulate_grad_batches`` accumulates this run's gradients.
+
+        Under manual optimization Lightning refuses it (a MisconfigurationException at fit), and a plain or Fabric
+        loop has no such setting: the run's own code accumulates.
+        """
+        return self.loop is TrainingLoop.LIGHTNING and self.automatic_optimization
+
+    @property
     def autocast_caches(self) -> bool:
         """Whether a ``*-mixed`` step's autocast caches its cast weights, as the run's precision plugin has it.
 

@@ -178,7 +178,13 @@ class Advisor:
                 device.compute_capability,
                 training.lightning_zeroes_gradients,
             )
-            return preflight(predictor, reading=reading, free_bytes=free, changes=changes)
+            return preflight(
+                predictor,
+                reading=reading,
+                free_bytes=free,
+                changes=changes,
+                own_accumulation=not training.lightning_accumulates,
+            )
 
         result = self._guard.call(Part.REPLAY, replay)
         if result is None:

@@ -98,7 +98,7 @@ def _accumulating(setup: TrainingSetup) -> str:
     at fit), and a plain or Fabric loop has no such setting: the accumulation is the user's step's.
     """
     accumulate = 2 * setup.accumulate_grad_batches
-    if setup.loop is TrainingLoop.LIGHTNING and setup.automatic_optimization:
+    if setup.lightning_accumulates:
         return f"with accumulate_grad_batches={accumulate}"
     where = (
         "in training_step: Lightning refuses accumulate_grad_batches under manual optimization"
