@@ -1,11 +1,11 @@
 """``lightning-vram diff`` where a checkpointed module runs more than once a step, and under gradient accumulation.
 
 Run A trains a LightningModule (plain torch: three blocks of two ``nn.Linear``, one ``nn.Dropout`` called after the
-first and the second) on the CPU; its replay simulates checkpointing ``block1`` to ``drop`` (4 units). Run B applies
-that plan as printed: backward recomputes the dropout once per call, and B's report lists ``drop.block`` twice. A new
-user's trial (a U-Net's one ``MaxPool2d``, a GRU's one ``Dropout``) read "no checkpointing plan A's replay simulated"
-and, where A advised chunked-loss, a verdict on a chunked loss nobody applied: a unit called twice is one unit of
-A's plan, and only the output layer recomputed once per chunk of the advice is the chunked loss.
+first and the second) on the CPU; its replay simulates checkpointing ``block1``, ``block2``, ``block3`` and ``drop`` (4
+units). Run B applies that plan as printed: backward recomputes the dropout once per call, and B's report lists
+``drop.block`` twice. A new user's trial (a U-Net's one ``MaxPool2d``, a GRU's one ``Dropout``) read "no checkpointing
+plan A's replay simulated" and, where A advised chunked-loss, a verdict on a chunked loss nobody applied: a unit called
+twice is one unit of A's plan, and only the output layer recomputed once per chunk of the advice is the chunked loss.
 
 Under ``accumulate_grad_batches=2`` the sampled step is a window's first micro-batch, which holds less than the
 steady one the replay's figures are of. B's peak is measured on the window's stepping micro-batch, sampled too, and
@@ -36,9 +36,9 @@ from lightning_vram.units import format_bytes
 
 pytestmark = pytest.mark.replay  # run A's replay simulates the checkpointing plan B is checked against
 
-PLAN_LABEL = "checkpoint block1 to drop (4 units)"
+PLAN_LABEL = "checkpoint block1, block2, block3 and drop (4 units)"
 """A's replayed plan with the dropout called twice among its units."""
-ADVISED_LABEL = "checkpoint block1 to block3 (3 units)"
+ADVISED_LABEL = "checkpoint block1, block2 and block3 (3 units)"
 """A's advised plan under accumulation."""
 
 

@@ -191,7 +191,9 @@ class CheckpointPlan:
         """The units in a few words, each name between ``quote``: the first module to the last, with their count.
 
         With how many of them are checkpointed selectively, followed by ``kept`` (what selective checkpointing keeps).
-        Where the units' indices under one parent skip some, "N of the units from" the first to the last.
+        Where the units' indices under one parent skip some, "N of the units from" the first to the last. Units
+        named otherwise (a U-Net's ``enc1``, ``pool``, ``dec2``; layers of two parents) are listed, runs of indices as
+        ranges: names tell no order, and "``enc1`` to ``dec2``" read as every child between them, ``up2`` too.
 
         >>> plan = CheckpointPlan("h", (("h.0",), ("h.1",), ("h.2",)), None, 0)
         >>> plan.span_text("`"), replace(plan, selective=("h.1", "h.2")).span_text(kept=": matmuls kept")
@@ -200,19 +202,60 @@ class CheckpointPlan:
         '2 of the units from h.1 to h.3'
         >>> CheckpointPlan("h", (("h.3", "h.4"),), None, 0, selective=("h.3",)).span_text("`")
         '`h.3`+`h.4` (selectively)'
+        >>> CheckpointPlan("", (("enc1",), ("enc2",), ("pool",), ("dec2",)), None, 0).span_text("`")
+        '`enc1`, `enc2`, `pool` and `dec2` (4 units)'
+        >>> CheckpointPlan("", (("conv1", "bn1"), ("layer1",), ("layer2",)), None, 0).span_text()
+        'conv1+bn1, layer1 and layer2 (3 units)'
+        >>> CheckpointPlan("m", (("m.enc.0",), ("m.enc.1",), ("m.dec.0",)), None, 0).span_text()
+        'm.enc.0-1 and m.dec.0 (3 units)'
         """
         names = [f"{quote}{name}{quote}" for unit in self.units for name in unit]
         selective = f"selectively{kept}" if self.selective else ""
         if len(self.units) == 1:
             return "+".join(names) + (f" ({selective})" if selective else "")
         count = len(self.units)
-        if _skips([name for unit in self.units for name in unit]):
+        flat = [name for unit in self.units for name in unit]
+        if not _indices_of_one_parent(flat):
+            span, notes = _listed(self.units, quote), [f"{count} units"]
+        elif _skips(flat):
             span, notes = f"{count} of the units from {names[0]} to {names[-1]}", []
         else:
             span, notes = f"{names[0]} to {names[-1]}", [f"{count} units"]
         if selective:
             notes.append(f"{len(self.selective)} {selective}")
         return f"{span} ({', '.join(notes)})" if notes else span
+
+
+def _indices_of_one_parent(names: Sequence[str]) -> bool:
+    """Whether modules ``names`` are all indices of one parent (``h.0``, ``h.2``), whose order their names tell.
+
+    >>> _indices_of_one_parent(["h.0", "h.2"]), _indices_of_one_parent(["enc1", "dec2"])
+    (True, False)
+    >>> _indices_of_one_parent(["m.enc.0", "m.dec.0"])
+    False
+    """
+    return len({name.rpartition(".")[0] for name in names}) == 1 and all(
+        name.rpartition(".")[2].isdigit() for name in names
+    )
+
+
+def _listed(units: Sequence[tuple[str, ...]], quote: str) -> str:
+    """``units`` listed, each name between ``quote``.
+
+    A unit of several modules is joined by ``+``; consecutive units of one module that are indices of one parent are
+    one range (``m.enc.0-1``).
+    """
+    parts: list[str] = []
+    run: list[str] = []
+    for unit in [*units, ()]:
+        if len(unit) == 1:
+            run.append(unit[0])
+            continue
+        parts += [f"{quote}{part}{quote}" for part in _range_parts(tuple(run))]
+        run = []
+        if unit:
+            parts.append("+".join(f"{quote}{name}{quote}" for name in unit))
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _skips(names: Sequence[str]) -> bool:
@@ -235,6 +278,12 @@ def layer_ranges(names: tuple[str, ...]) -> str:
     >>> layer_ranges(("m.encoder.block.0", "m.encoder.block.1", "m.decoder.block.0", "m.decoder.block.1", "m.head"))
     'm.encoder.block.0-1, m.decoder.block.0-1 and m.head'
     """
+    parts = _range_parts(names)
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
+def _range_parts(names: tuple[str, ...]) -> list[str]:
+    """``names``, consecutive indices of one parent each run as one range (:func:`layer_ranges`, unjoined)."""
     parts: list[str] = []
     for parent, group in groupby(names, key=lambda name: name.rpartition(".")[0]):
         indices = [name.rpartition(".")[2] for name in group]
@@ -245,7 +294,7 @@ def layer_ranges(names: tuple[str, ...]) -> str:
             parts.append(f"{parent}.{span}" if parent else span)
         else:
             parts += [f"{parent}.{index}" if parent else index for index in indices]
-    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    return parts
 
 
 @dataclass(frozen=True)
