@@ -24,6 +24,7 @@ from lightning_vram import VramMonitor, VramMonitorWarning
 from lightning_vram.predict import predict
 from lightning_vram.prediction.replay.batches import length_shape, resize_length, resize_shape
 from lightning_vram.records import ReplayedStep
+from lightning_vram.render.shapes import longest_line
 from lightning_vram.testing import SCRIPTED_DEVICE, ScriptedBoundary, ScriptedProbe
 
 # max_shape is a preflight replay of the largest shape expected.
@@ -248,6 +249,26 @@ def test_max_shape_on_the_cpu_predicts_the_largest_shape_and_says_nothing_of_fit
     alive = first_pixels.numel() * first_pixels.element_size()
     assert predicted[0].peak_bytes == expected.step.reported_bytes(expected.step.reported_peak) + alive
     assert predicted[0].peak_bytes > max(row.peak_bytes for row in report.shapes.lengths if not row.predicted)
+
+
+def test_max_shape_reads_a_replayed_batch_of_one_size_along_its_own_dimension(tmp_path: Path) -> None:
+    """Images of one size (none varies): the replayed batch's row is its height, as the predicted row is.
+
+    A trial's U-Net (images ``(8, 3, 64, 64)``, ``max_shape=(3, 128, 128)``) printed "peak at the longest length
+    expected (128): 157.5 MiB predicted; at 3 (step 2's batch, replayed): 40.2 MiB": 3 was its channels, the batch's
+    dimension 1, read where no dimension varied, beside the height max_shape changes.
+    """
+    monitor = VramMonitor(
+        attribution_start_step=2, attribution_every_n_steps=None, console_summary=False, max_shape=(3, 32, 32)
+    )
+    data = DataLoader([masked(16, 16)] * STEPS, batch_size=None, shuffle=False)
+    trainer(tmp_path, [monitor], max_steps=STEPS).fit(segmenter(), data)
+    report = monitor.report
+    assert report is not None and report.shapes is not None and not report.shapes.varies
+    rows = [(row.length, row.step) for row in report.shapes.lengths]
+    assert rows == [(16, 2), (32, None)], rows  # before: [(3, 2), (32, None)]
+    line = longest_line(report.shapes)
+    assert line is not None and "; at 16 (step 2's batch, replayed): " in line, line
 
 
 def test_training_is_bit_identical_with_max_shape(tmp_path: Path) -> None:

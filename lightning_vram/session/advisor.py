@@ -34,7 +34,7 @@ from lightning_vram.measure.tensors import batch_size_of
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_length
+from lightning_vram.prediction.replay.batches import length_shape, reference_shape, shape_dimension, shape_length
 from lightning_vram.prediction.replay.known_values import TakenValues
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.step import StepFunction
@@ -93,6 +93,7 @@ class Advisor:
         gather); empty before preflight."""
         self._preflight_warning: str | None = None  # this rank's own warning, given once the ranks have agreed
         self._preflight_shape: tuple[tuple[int, ...] | None, int | None] = (None, None)
+        self._shape_dimension: int | None = None  # the dimension max_shape's predicted row is read along
         self.replayed_step: int | None = None
         """The step whose batch :attr:`simulation` replayed."""
         self.lengths: list[LengthPeak] = []
@@ -259,7 +260,24 @@ class Advisor:
             warning = shape_mismatch_warning(config.max_shape, old)
             warn(f"{self._guard.owner}: {warning}")
             return None, None
+        self._shape_dimension = shape_dimension(old, config.max_shape)
         return config.max_shape, shape_length(old, config.max_shape)
+
+    def _along_max_shape(self, batch: Any, length: int | None) -> int | None:
+        """A replayed batch's ``length`` in the report's peak per length, read as ``max_shape``'s row is read.
+
+        Under ``max_shape`` the predicted row holds the size along the first dimension it changes
+        (:func:`~lightning_vram.prediction.replay.batches.shape_length`): a U-Net's images ``(8, 3, 64, 64)`` under
+        ``max_shape=(3, 128, 128)`` were listed as "128" (height) beside "3" (their channels, the batch's dimension
+        1). The replayed batch's row is its size along that same dimension (64), the one the first batch's preflight
+        read; ``length`` without ``max_shape``.
+        """
+        expected = self._config.max_shape
+        shape = reference_shape(batch)
+        if expected is None or shape is None or len(shape) != len(expected):
+            return length
+        dimension = self._shape_dimension
+        return shape[shape_dimension(shape, expected) if dimension is None else dimension]
 
     def worth_counting(self, elements: int) -> bool:
         """Whether a new largest batch of ``elements`` is worth counting (and replaying, where replays run).
@@ -365,6 +383,7 @@ class Advisor:
         if baseline is None:
             return
         peak_bytes = baseline.reported_bytes(baseline.reported_peak)
+        length = self._along_max_shape(batch, length)
         if length is not None:
             self.lengths.append(LengthPeak(length, peak_bytes, attribution.step))
         run = summary()

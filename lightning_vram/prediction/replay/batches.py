@@ -61,13 +61,25 @@ def length_shape(batch: Any, length: int) -> tuple[int, ...] | None:
 def shape_length(old: tuple[int, ...], new: tuple[int, ...]) -> int:
     """The length a batch resized from ``old`` to ``new`` has in the report's peak per length (elements).
 
-    The size along the first dimension that changes, as the run's lengths are read along the first dimension that
-    varies; ``new[0]`` where none changes.
+    The size along the first dimension that changes (:func:`shape_dimension`), as the run's lengths are read along
+    the first dimension that varies; ``new[0]`` where none changes.
 
     >>> shape_length((3, 64, 64), (3, 96, 80)), shape_length((16,), (16,))
     (96, 16)
     """
-    return next((size for size, before in zip(new, old, strict=True) if size != before), new[0])
+    return new[shape_dimension(old, new)]
+
+
+def shape_dimension(old: tuple[int, ...], new: tuple[int, ...]) -> int:
+    """The first dimension (past the batch's) that resizing ``old`` to ``new`` changes; ``0`` where none does.
+
+    The dimension a ``max_shape`` row of the report's peak per length is read along: a replayed batch's row is read
+    along it too (an image batch ``(B, 3, 64, 64)`` under ``max_shape=(3, 128, 128)``: 64, its height, not 3).
+
+    >>> shape_dimension((3, 64, 64), (3, 96, 80)), shape_dimension((16,), (16,))
+    (1, 0)
+    """
+    return next((dim for dim, (size, before) in enumerate(zip(new, old, strict=True)) if size != before), 0)
 
 
 def sequences_within(batch: Any, tokens: int) -> int:
