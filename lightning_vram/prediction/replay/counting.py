@@ -10,7 +10,8 @@ the input and output bytes each module saved, not the :class:`~lightning_vram.me
 facts (feature maps, outputs held at the end of forward): those are the sampled step's. The counter also charges
 each saved tensor to the op that produced it, to tell the loss's own share: a log-softmax's saved output that
 cross-entropy (``nll_loss``) reads, not one a KL divergence or an entropy term reads, which no chunked cross-entropy
-computes.
+computes; nor one cross-entropy and such a term both read (a distillation's ``nll_loss(logp, y) + kl_div(logp, t)``):
+a chunked cross-entropy leaves the term computing and saving it whole.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_vram.measure._recompute import running_backward
 from lightning_vram.measure.accounting import StepAttributor
 from lightning_vram.measure.counting import Counting
 from lightning_vram.measure.storages import storage_key
+from lightning_vram.measure.tensors import op_tensors
 from lightning_vram.prediction.replay.ops import op_name
 from lightning_vram.records import Breakdown, ModuleProfile, Phase
 
@@ -33,6 +36,24 @@ REPLAYED = Counting(watch_recomputation=False, raise_errors=True)
 
 Producer = Callable[[int], str | None]
 """Storage key -> the name of the op that produced it, when known."""
+
+
+def _cross_entropy_own(name: str, read: torch.Tensor, tensors: list[torch.Tensor], output: Any) -> bool:
+    """Whether an op ``name`` reads the log-probabilities ``read`` as cross-entropy does, or keeps nothing of them.
+
+    ``tensors``: the op's tensor arguments; ``output``: what it returned. Label smoothing sums them over the classes
+    (``sum``), times the class weights where there are some (``mul`` by a tensor of fewer elements); a read under
+    ``no_grad`` or whose outputs are not floating (``argmax``, a comparison, for an accuracy) saves nothing of them.
+    Any other read (a KL divergence's ``sub``, an entropy term's ``exp``)
+    needs them whole however the cross-entropy is computed.
+    """
+    if not torch.is_grad_enabled() or not any(tensor.is_floating_point() for tensor in op_tensors(output)):
+        return True
+    if name == "sum":
+        return len(tensors) == 1
+    if name == "mul":
+        return len(tensors) == 2 and all(tensor is read or tensor.numel() < read.numel() for tensor in tensors)
+    return False
 
 
 class ReplayCounter:
@@ -57,24 +78,47 @@ class ReplayCounter:
         self._attributor = StepAttributor(0, module, optimizers, device, counting=REPLAYED, on_saved=self._on_saved)
         self._saved_by_loss_ops: dict[int, int] = {}
         self._read_by_loss: set[int] = set()
+        self._read_elsewhere: set[int] = set()
 
     @property
     def loss_activation_bytes(self) -> int:
         """Saved bytes produced by the loss's own ops (``loss_ops``: log-softmax) that ``loss_readers`` read.
 
         The readers are cross-entropy's (``nll_loss``): a log-softmax no cross-entropy reads (a KL divergence's, an
-        entropy term's) is not a loss a chunked cross-entropy computes.
+        entropy term's) is not a loss a chunked cross-entropy computes; nor is one such a term reads too, beside the
+        cross-entropy (:func:`_cross_entropy_own`): a chunked cross-entropy leaves it computed and saved whole.
         """
-        return sum(nbytes for key, nbytes in self._saved_by_loss_ops.items() if key in self._read_by_loss)
+        return sum(
+            nbytes
+            for key, nbytes in self._saved_by_loss_ops.items()
+            if key in self._read_by_loss and key not in self._read_elsewhere
+        )
 
     def _on_saved(self, key: int, nbytes: int) -> None:
         if self._producer(key) in self._loss_ops:
             self._saved_by_loss_ops[key] = self._saved_by_loss_ops.get(key, 0) + nbytes
 
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """An op ran: where it is one of ``loss_readers``, its input's storage is the loss's."""
-        if op_name(func) in self._loss_readers and args and isinstance(args[0], torch.Tensor):
-            self._read_by_loss.add(storage_key(args[0]))
+        """An op ran: where it is one of ``loss_readers``, its input's storage is the loss's.
+
+        Where another op reads (in forward) what a loss op saved, otherwise than cross-entropy does, that storage is
+        read elsewhere too (:func:`_cross_entropy_own`).
+        """
+        name = op_name(func)
+        if name in self._loss_readers:
+            if args and isinstance(args[0], torch.Tensor):
+                self._read_by_loss.add(storage_key(args[0]))
+            return
+        if not self._saved_by_loss_ops or getattr(func, "is_view", False) or running_backward(default=False):
+            return
+        tensors = op_tensors((args, kwargs))
+        for tensor in tensors:
+            try:
+                key = storage_key(tensor)
+            except (NotImplementedError, RuntimeError):  # no storage (sparse)
+                continue
+            if key in self._saved_by_loss_ops and not _cross_entropy_own(name, tensor, tensors, output):
+                self._read_elsewhere.add(key)
 
     def begin_forward(self) -> None:
         """The step starts: count the state alive at the first module call; watch saved tensors and module calls."""
