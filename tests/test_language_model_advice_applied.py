@@ -50,14 +50,15 @@ def _printed_function(advice: Advice, name: str) -> Any:
 
 def _printed_usage(advice: Advice, kind: str = "causal") -> str:
     """The advice's commented lines for a transformers model of ``kind`` (``causal``: the first ``# hidden = ...``,
-    ``# loss = ...`` pair; ``masked``: the second), uncommented."""
+    ``# loss = ...`` pair; ``masked``: the second), uncommented. The encoder-decoder's lines come after them, its
+    ``# loss = ...`` the fifth (tests/test_chunked_loss_seq2seq.py runs them)."""
     block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
     assert block is not None, advice.detail
     lines = [
         line.removeprefix("# ") for line in block.group(1).splitlines() if line.startswith(("# hidden =", "# loss ="))
     ]
-    assert len(lines) == 4, block.group(1)
-    return "\n".join(lines[:2] if kind == "causal" else lines[2:])
+    assert len(lines) == 5, block.group(1)
+    return "\n".join(lines[:2] if kind == "causal" else lines[2:4])
 
 
 class Recorded(FineTuned):
