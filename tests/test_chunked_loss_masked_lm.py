@@ -9,19 +9,12 @@ targets counted, as cross-entropy's mean does, and the code shows a masked LM's 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from models import loader, trainer
-from torch import Tensor
+from chunked_loss_printed import check_printed_loss
 from torch.utils.data import TensorDataset
-
-from lightning_vram import Report, VramMonitor
-from lightning_vram.records import Advice, AdviceId
 
 pytest.importorskip("transformers")
 
@@ -47,70 +40,7 @@ def _data(samples: int) -> TensorDataset:
     return TensorDataset(ids.masked_fill(masked, 4), torch.ones_like(ids), labels)
 
 
-class MaskedLM(pl.LightningModule):
-    """BERT trained on its own loss, or (``usage``: the advice's lines) on the advice's chunked loss."""
-
-    def __init__(self, helper: Any = None, usage: str | None = None) -> None:
-        super().__init__()
-        self.model = _bert()
-        self.helper, self.usage = helper, usage
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        ids, mask, labels = batch
-        if self.usage is None:
-            own: Tensor = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            return own
-        namespace = {"model": self.model, "ids": ids, "mask": mask, "labels": labels}
-        namespace["chunked_cross_entropy"] = self.helper
-        exec(self.usage, namespace)  # the advice's own lines, as a user would paste them
-        chunked: Tensor = namespace["loss"]
-        return chunked
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def _report(root: Path, module: MaskedLM) -> Report:
-    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
-    trainer(root, [monitor], max_steps=3).fit(module, loader(_data(4 * BATCH), BATCH))
-    assert monitor.report is not None and monitor.report.peak is not None
-    return monitor.report
-
-
-def _printed(advice: Advice) -> tuple[Any, str]:
-    """The advice's ``chunked_cross_entropy``, run as printed, and its masked LM's commented lines, uncommented."""
-    block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
-    assert block is not None, advice.detail
-    namespace: dict[str, Any] = {}
-    exec(block.group(1), namespace)  # the advice's own code, as a user would paste it
-    lines = block.group(1).splitlines()
-    header = next((index for index, line in enumerate(lines) if line.startswith("# A masked LM")), None)
-    # Before: no masked LM's lines (only a causal LM's, which shift the targets by one).
-    assert header is not None, block.group(1)
-    usage = [line.removeprefix("# ") for line in lines[header + 1 : header + 3]]
-    assert usage[0].startswith("hidden =") and usage[1].startswith("loss ="), usage
-    return namespace["chunked_cross_entropy"], "\n".join(usage)
-
-
 @pytest.mark.replay  # the advice is read from a replayed step
 def test_the_printed_chunked_loss_is_a_masked_lms_own_loss(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    before = _report(tmp_path / "before", MaskedLM())
-    advice = next((item for item in before.advice if item.id is AdviceId.CHUNKED_LOSS), None)
-    assert advice is not None, [item.id for item in before.advice]
-    helper, usage = _printed(advice)
-    # The same loss, to float32 rounding, on one batch (dropout off).
-    batch = next(iter(loader(_data(BATCH), BATCH)))
-    torch.manual_seed(0)
-    own = MaskedLM().eval().training_step(batch, 0)
-    torch.manual_seed(0)
-    chunked = MaskedLM(helper, usage).eval().training_step(batch, 0)
     # Before: the helper divided by every target, -100 included: about 0.15 of the model's loss.
-    assert chunked.item() == pytest.approx(own.item(), rel=1e-5)
-    # Trained as printed, the peak falls by the saving the advice gave (within 10%), and the advice is gone.
-    torch.manual_seed(0)
-    after = _report(tmp_path / "after", MaskedLM(helper, usage))
-    assert before.peak is not None and after.peak is not None and advice.estimated_saving_bytes is not None
-    realised = before.peak.peak_bytes - after.peak.peak_bytes
-    assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
-    assert AdviceId.CHUNKED_LOSS not in {item.id for item in after.advice}
+    check_printed_loss(tmp_path, _bert, _data(4 * BATCH), BATCH, "# A masked LM", "hidden =")

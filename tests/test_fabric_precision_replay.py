@@ -17,26 +17,11 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric import Fabric
+from test_chunked_loss_accumulation import BATCH, LENGTH, VOCAB, TokenModel
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_vram import VramSession
-
-VOCAB, LENGTH, BATCH, WIDTH = 4000, 32, 8, 32
-
-
-class TokenModel(nn.Module):
-    """An embedding, a linear layer and a head over the vocabulary: the logits dominate the step's memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.body = nn.Linear(WIDTH, WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        logits: Tensor = self.head(torch.relu(self.body(self.embed(ids))))
-        return logits
 
 
 def _loss(module: Any, batch: Any) -> Tensor:

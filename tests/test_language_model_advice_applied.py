@@ -8,17 +8,17 @@ the model's last hidden states and its ``lm_head``).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from chunked_loss_printed import printed
 from models import loader, trainer
 from transformers_models import ARCHITECTURES, FineTuned, data
 
 from lightning_vram import Report, VramMonitor
-from lightning_vram.records import Advice, AdviceId
+from lightning_vram.records import AdviceId
 
 # Every piece of a run's advice is applied and checked against its replayed prediction.
 pytestmark = pytest.mark.replay
@@ -37,28 +37,6 @@ def _report(root: Path, module: FineTuned) -> Report:
     trainer(root, [monitor], max_steps=3).fit(module, loader(data(module.kind, LENGTH, samples=32), 4))
     assert monitor.report is not None and monitor.report.peak is not None
     return monitor.report
-
-
-def _printed_function(advice: Advice, name: str) -> Any:
-    """The function the advice's code block defines, run as printed."""
-    block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
-    assert block is not None, advice.detail
-    namespace: dict[str, Any] = {}
-    exec(block.group(1), namespace)  # the advice's own code, as a user would paste it
-    return namespace[name]
-
-
-def _printed_usage(advice: Advice, kind: str = "causal") -> str:
-    """The advice's commented lines for a transformers model of ``kind`` (``causal``: the first ``# hidden = ...``,
-    ``# loss = ...`` pair; ``masked``: the second), uncommented. The encoder-decoder's lines come after them, its
-    ``# loss = ...`` the fifth (tests/test_chunked_loss_seq2seq.py runs them)."""
-    block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
-    assert block is not None, advice.detail
-    lines = [
-        line.removeprefix("# ") for line in block.group(1).splitlines() if line.startswith(("# hidden =", "# loss ="))
-    ]
-    assert len(lines) == 5, block.group(1)
-    return "\n".join(lines[:2] if kind == "causal" else lines[2:4])
 
 
 class Recorded(FineTuned):
@@ -113,8 +91,8 @@ def test_every_piece_of_advice_is_one_that_is_applied(tmp_path: Path, kind: str)
     if chunked is None:
         return
     torch.manual_seed(0)
-    printed = _printed_function(chunked, "chunked_cross_entropy")
-    chunked_module = ChunkedLoss(kind, printed, _printed_usage(chunked))
+    helper, usage = printed(chunked, "# A causal LM", "hidden =")
+    chunked_module = ChunkedLoss(kind, helper, usage)
     applied = _report(tmp_path / "after", chunked_module)
     # The printed lines compute the loss labels= computes (its shift, its -100), to float32 rounding.
     assert [loss.item() for loss in chunked_module.losses] == pytest.approx(
