@@ -85,8 +85,8 @@ def fit(root: Path, module: Classifier, monitored: bool) -> Report | None:
     return monitor.report if monitored else None
 
 
-def applied(advice: Advice) -> Classifier:
-    """A fresh module with the advice's code applied as printed (the definitions, then its ``__init__`` lines)."""
+def applied(advice: Advice, kind: type[Classifier] = Classifier) -> Classifier:
+    """A fresh ``kind`` with the advice's code applied as printed (the definitions, then its ``__init__`` lines)."""
     block = re.search(r"```python\n(.*?)```", advice.detail, re.S)
     assert block is not None, advice.detail
     definitions, _, lines = block.group(1).partition("\n# in ")
@@ -94,7 +94,7 @@ def applied(advice: Advice) -> Classifier:
     namespace: dict[str, Any] = {}
     exec(definitions, namespace)  # the advice's own code, as a user would paste it
     torch.manual_seed(0)
-    module = Classifier()
+    module = kind()
     exec("\n".join(lines.split("\n")[1:]), {**namespace, "self": module})
     return module
 

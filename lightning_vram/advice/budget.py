@@ -70,6 +70,7 @@ from lightning_vram.advice.checkpointing import (
     is_stack,
     plan_peak,
     recomputes_scripted,
+    shared_units,
     starts_inplace,
     unit_groups,
 )
@@ -111,7 +112,8 @@ class _Container:
         every = sorted(chosen | selective)
         units = tuple(self.units[index].names for index in every)
         kept = tuple(self.units[index].names[0] for index in every if index in selective)
-        return CheckpointPlan(self.name, units, None, saving, self.forward_of, selective=kept)
+        shared = shared_units(self.units[index] for index in every)
+        return CheckpointPlan(self.name, units, None, saving, self.forward_of, selective=kept, shared=shared)
 
     @property
     def wrapped(self) -> bool:

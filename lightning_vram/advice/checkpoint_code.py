@@ -282,6 +282,26 @@ def _wrap_lines(names: list[str], root: str = "self", wrapper: str = "Checkpoint
     return [f"for index in {over}:", f"    {container}[index] = {wrapper}({container}[index])"]
 
 
+def _shared_lines(name: str, root: str, wrapper: str) -> list[str]:
+    r"""Lines putting one ``wrapper`` at every place of its list holding block ``name``, run as several layers.
+
+    >>> print("\n".join(_shared_lines("net.layers.0", "self", "Checkpointed")))
+    block = self.net.layers[0]
+    checkpointed = Checkpointed(block)  # one wrapper, at every place of self.net.layers holding the block
+    for index, layer in enumerate(self.net.layers):
+        if layer is block:
+            self.net.layers[index] = checkpointed
+    """
+    container = _code_path(name.rpartition(".")[0], "", root)
+    return [
+        f"block = {_code_path(name, '', root)}",
+        f"checkpointed = {wrapper}(block)  # one wrapper, at every place of {container} holding the block",
+        f"for index, layer in enumerate({container}):",
+        "    if layer is block:",
+        f"        {container}[index] = checkpointed",
+    ]
+
+
 def _unit_wrap_lines(unit: tuple[str, ...], root: str, wrapper: str) -> list[str]:
     r"""Lines putting ``wrapper`` in place of a unit of several consecutive modules: at its first, the others idle.
 
@@ -309,8 +329,11 @@ def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
         wrapper = "SelectivelyCheckpointed" if kept else "Checkpointed"
         if several:
             lines += [line for unit in group for line in _unit_wrap_lines(unit, context.model, wrapper)]
-        else:
-            lines += _wrap_lines([unit[0] for unit in group], context.model, wrapper)
+            continue
+        names = [unit[0] for unit in group]
+        lines += [line for name in names if name in plan.shared for line in _shared_lines(name, context.model, wrapper)]
+        if own := [name for name in names if name not in plan.shared]:
+            lines += _wrap_lines(own, context.model, wrapper)
     classes = f"{CHECKPOINTED_CLASS}\n\n{SELECTIVE}" if selective else CHECKPOINTED_CLASS
     then = " and `.then`" if any(len(unit) > 1 for unit in plan.units) else ""
     return (

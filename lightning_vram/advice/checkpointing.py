@@ -33,7 +33,7 @@ recomputation of the first, widest units, where every gradient and the gradients
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -332,8 +332,22 @@ def _plan(
     forward_of: str,
 ) -> CheckpointPlan:
     saving = modelled_saving(units, flags, outside)
-    chosen = tuple(unit.names for unit, flag in zip(units, flags, strict=True) if flag)
-    return CheckpointPlan(container, chosen, segments, saving, forward_of)
+    chosen = [unit for unit, flag in zip(units, flags, strict=True) if flag]
+    names = tuple(unit.names for unit in chosen)
+    return CheckpointPlan(container, names, segments, saving, forward_of, shared=shared_units(chosen))
+
+
+def shared_units(units: Iterable[Unit]) -> tuple[str, ...]:
+    """The one-module units of a layer list run as several layers (:attr:`CheckpointPlan.shared`), by name.
+
+    >>> shared_units([Unit(("layers.0",), 0, 0, False, 0, 0, calls=6), Unit(("shared",), 0, 0, False, 0, 0, calls=6)])
+    ('layers.0',)
+    """
+    return tuple(
+        unit.names[0]
+        for unit in units
+        if len(unit.names) == 1 and unit.calls > 1 and unit.names[0].rpartition(".")[2].isdigit()
+    )
 
 
 def _sequential_plans(profiles: ProfileIndex, container: str, names: list[str]) -> list[CheckpointPlan]:
@@ -392,8 +406,8 @@ def _range_plans(profiles: ProfileIndex, container: str, names: list[str]) -> li
     an applied plan's ``SelectivelyCheckpointed`` layer keeps its selective checkpointing, not wrapped again).
     """
     groups = unit_groups(profiles, names)
-    if len(groups) < 2:
-        return []
+    if len(groups) < 2 and not (groups and profiles.shared_block(groups[0])):
+        return []  # one unit is a plan of its own only as a shared block (a list holding one block at every place)
     units = [profiles.unit(group) for group in groups]
     forward_of = container if container in profiles.called else profiles.caller(container)
     outside = profiles.outside(groups)
@@ -436,10 +450,10 @@ def _ranked_plans(profiles: tuple[ModuleProfile, ...], checkpointed: Collection[
     indexed = ProfileIndex(profiles, checkpointed)
     plans: list[CheckpointPlan] = []
     for container, names in indexed.children.items():
-        if len(names) < 2:
+        if len(names) < 2 and not indexed.shared_block(names):
             continue
         profile = indexed.called.get(container)
-        if profile is not None and profile.type == "Sequential":
+        if profile is not None and profile.type == "Sequential" and len(names) > 1:
             plans += _sequential_plans(indexed, container, names)
         else:
             plans += _range_plans(indexed, container, names)
@@ -508,8 +522,14 @@ def _stacks_plan(indexed: ProfileIndex, ranked: list[CheckpointPlan]) -> Checkpo
     names = sorted((unit[0] for plan in best.values() for unit in plan.units), key=indexed.order.__getitem__)
     units = [indexed.unit([name]) for name in names]
     saving = modelled_saving(units, [True] * len(units), indexed.outside([[name] for name in names]))
+    shared = tuple(name for plan in best.values() for name in plan.shared)
     return CheckpointPlan(
-        _common_ancestor(list(best)), tuple((name,) for name in names), None, saving, indexed.caller(names[0]) or None
+        _common_ancestor(list(best)),
+        tuple((name,) for name in names),
+        None,
+        saving,
+        indexed.caller(names[0]) or None,
+        shared=shared,
     )
 
 

@@ -186,6 +186,10 @@ class CheckpointPlan:
     selective: tuple[str, ...] = ()
     """Units (by their first module) checkpointed selectively: the outputs of matrix products, convolutions and
     attention are kept, only the other ops recomputed (``SAVED_OPS`` in the printed code); the others whole."""
+    shared: tuple[str, ...] = ()
+    """One-module units of a layer list (``layers.0``) whose forward ran more often than its caller's: one block
+    called as several layers, perhaps held at several places of the list (``nn.ModuleList([block] * 6)``). One
+    wrapper stands at every place the list holds the block, so that each of its calls is checkpointed."""
 
     def span_text(self, quote: str = "", kept: str = "") -> str:
         """The units in a few words, each name between ``quote``: the first module to the last, with their count.
@@ -206,12 +210,16 @@ class CheckpointPlan:
         '`enc1`, `enc2`, `pool` and `dec2` (4 units)'
         >>> CheckpointPlan("", (("conv1", "bn1"), ("layer1",), ("layer2",)), None, 0).span_text()
         'conv1+bn1, layer1 and layer2 (3 units)'
+        >>> CheckpointPlan("net.layers", (("net.layers.0",),), None, 0, shared=("net.layers.0",)).span_text("`")
+        '`net.layers.0` at every place of `net.layers` holding it'
         >>> CheckpointPlan("m", (("m.enc.0",), ("m.enc.1",), ("m.dec.0",)), None, 0).span_text()
         'm.enc.0-1 and m.dec.0 (3 units)'
         """
         names = [f"{quote}{name}{quote}" for unit in self.units for name in unit]
         selective = f"selectively{kept}" if self.selective else ""
         if len(self.units) == 1:
+            if self.units[0][0] in self.shared:  # one block run as several layers: where the list holds it
+                names[0] += f" at every place of {quote}{self.units[0][0].rpartition('.')[0]}{quote} holding it"
             return "+".join(names) + (f" ({selective})" if selective else "")
         count = len(self.units)
         flat = [name for unit in self.units for name in unit]

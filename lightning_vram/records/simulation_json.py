@@ -51,6 +51,7 @@ def change_parameters(change: StepChange) -> dict[str, Any]:
             "modelled_saving_bytes": plan.saving_bytes,
             "switch": plan.switch,
             "selective": list(plan.selective),
+            "shared": list(plan.shared),
         }
     if isinstance(change, InplaceChange):
         return {"modules": list(change.modules)}
@@ -354,6 +355,7 @@ def _change(kind: ChangeKind, parameters: Reader) -> StepChange:
             forward_of=parameters.optional_text("forward_of"),
             switch=parameters.added("switch", Reader.optional_text, None),
             selective=tuple(parameters.added("selective", Reader.texts, [])),
+            shared=tuple(parameters.added("shared", Reader.texts, [])),
         )
         return CheckpointChange(plan)
     if kind == ChangeKind.INPLACE:

@@ -143,16 +143,21 @@ class _Link:
     __rmatmul__ = __pow__ = __neg__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = used
 
 
-def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = False) -> None:
+def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = False, shared: bool = False) -> None:
     """Run the modules ``names`` (consecutive children of one parent) as one checkpointed unit.
 
-    ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops.
+    ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops. ``shared``: a
+    block of a layer list run as several layers (:attr:`~lightning_vram.records.CheckpointPlan.shared`): one
+    wrapper at every place of the list holding it, as the printed code puts it.
     """
     modules = [_submodule(root, name, "the checkpointing plan") for name in names]
     passing: dict[int, tuple[_Link, Any]] = {}
     parent_name, _, child = names[0].rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, _CheckpointedCall(modules[0], modules[1:], passing, selective, names))
+    wrapper = _CheckpointedCall(modules[0], modules[1:], passing, selective, names)
+    places = [place for place, held in parent._modules.items() if held is modules[0]] if shared else []  # every alias
+    for place in places or [child]:
+        setattr(parent, place, wrapper)
     for module in modules[1:]:
         module.forward = _passing_once(module.forward, module, passing)
 
@@ -231,7 +236,7 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
         container.forward = run_segments  # type: ignore[method-assign]
         return
     for unit in plan.units:
-        _checkpoint_unit(module, unit, unit[0] in plan.selective)
+        _checkpoint_unit(module, unit, unit[0] in plan.selective, unit[0] in plan.shared)
 
 
 def checkpointed_calls(module: nn.Module) -> list[tuple[tuple[str, ...], list[Call]]]:

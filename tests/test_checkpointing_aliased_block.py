@@ -1,0 +1,98 @@
+"""One block held at every place of a layer list (``nn.ModuleList([block] * 6)``, or an ``nn.Sequential`` of it) is
+checkpointed at each place.
+
+``named_modules()`` names such a block once (``layers.0``), called six times for one call of its caller, and its
+list holds nothing else. Before, a container of one child was never planned, so the run's advice was none
+("checkpoint network.layers.0.norm ... saves 80.0 KiB (0.2% of the measured peak)"), while one wrapper at every place
+of the list realises what the same block shared by attribute does (22.6 MiB of a 32.7 MiB peak) and trains the same.
+The printed code puts one wrapper wherever the list holds the block: ``layers[0] = Checkpointed(layers[0])`` alone
+would checkpoint one call of six.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import loader, trainer
+from test_checkpointing_shared_block import Block, Classifier, applied, data
+from torch import nn
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.records import AdviceId
+
+pytestmark = pytest.mark.replay  # the advice and its saving come from the replay
+
+
+class AliasedLayers(nn.Module):
+    """One block at every place of a layer list (run by a loop, or an ``nn.Sequential``): six layers, one block."""
+
+    def __init__(self, sequential: bool, width: int = 64, layers: int = 6) -> None:
+        super().__init__()
+        self.inputs = nn.Linear(32, width)
+        block = Block(width)
+        self.layers = nn.Sequential(*[block] * layers) if sequential else nn.ModuleList([block] * layers)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inputs(x)
+        if isinstance(self.layers, nn.Sequential):
+            h = self.layers(h)
+        else:
+            for layer in self.layers:
+                h = layer(h)
+        return self.head(h.mean(1))
+
+
+class AliasedList(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = AliasedLayers(sequential=False)
+
+
+class AliasedSequential(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = AliasedLayers(sequential=True)
+
+
+def fit(root: Path, module: Classifier, monitored: bool) -> Report | None:
+    torch.manual_seed(0)
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(root, [monitor] if monitored else [], max_steps=3).fit(module, loader(data(), 16))
+    return monitor.report if monitored else None
+
+
+@pytest.mark.parametrize("kind", [AliasedList, AliasedSequential], ids=["ModuleList", "Sequential"])
+def test_a_block_at_every_place_of_a_list_is_checkpointed_at_each_and_trains_the_same(
+    tmp_path: Path, kind: type[Classifier]
+) -> None:
+    torch.manual_seed(0)
+    report = fit(tmp_path / "before", kind(), monitored=True)
+    assert report is not None and report.peak is not None
+    advice = next((advice for advice in report.advice if advice.id is AdviceId.ACTIVATION_CHECKPOINTING), None)
+    assert advice is not None, report.to_dict().get("not_advised")  # before: none, `layers.0.norm` saved 0.2%
+    assert "`network.layers.0` at every place of `network.layers`" in advice.title
+    assert "if layer is block:" in advice.detail
+    module = applied(advice, kind)
+    wrappers = {id(layer) for layer in module.network.layers}
+    assert len(wrappers) == 1 and type(module.network.layers[0]).__name__ == "Checkpointed"  # one wrapper, six places
+    after = fit(tmp_path / "after", module, monitored=True)
+    assert after is not None and after.peak is not None and advice.estimated_saving_bytes is not None
+    realised = report.peak.peak_bytes - after.peak.peak_bytes
+    assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.01)  # seen: 23,674,880 B, as simulated
+    assert AdviceId.ACTIVATION_CHECKPOINTING not in {advice.id for advice in after.advice}
+    torch.manual_seed(0)
+    plain = kind()
+    fit(tmp_path / "plain", plain, monitored=False)
+    plain_rng = torch.get_rng_state()
+    torch.manual_seed(0)
+    unmonitored = applied(advice, kind)
+    fit(tmp_path / "unmonitored", unmonitored, monitored=False)
+    assert torch.equal(torch.get_rng_state(), plain_rng)
+    for trained in (module, unmonitored):
+        assert [loss.item() for loss in trained.losses] == [loss.item() for loss in plain.losses]
+        weights: list[Any] = list(trained.state_dict().values())  # `.block` renames the keys, not the order
+        assert all(torch.equal(a, b) for a, b in zip(weights, plain.state_dict().values(), strict=True))
