@@ -11,7 +11,8 @@ gathered, as parameters; the all-gather and reduce-scatter buffers in ``other``)
 The sharding is the module's own where it has one: a LightningModule overriding ``configure_model`` is given the
 fake group's mesh as ``device_mesh`` (dimensions ``data_parallel`` of ``world_size`` and ``tensor_parallel`` of 1,
 as Lightning's ``ModelParallelStrategy`` builds it) and shards itself; any other module is sharded by the usual
-policy: each entry of every ``nn.ModuleList`` (a transformer's blocks), then the root.
+policy: each entry of every outermost ``nn.ModuleList`` (a transformer's blocks; a list inside a block is the
+block's), then the root.
 
 FSDP2 frees and regrows a gathered parameter by resizing its storage (``untyped_storage().resize_``), which no
 dispatch mode sees: the live count of a replay, like the monitor's live count of a CPU step, counts a storage from
@@ -278,8 +279,43 @@ def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> C
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
-    """The modules the usual policy shards, innermost first: each entry of every ``nn.ModuleList``, then the root."""
-    units = [entry for child in module.modules() if isinstance(child, nn.ModuleList) for entry in child]
+    """The modules the usual policy shards: each entry of every outermost ``nn.ModuleList``, then the root.
+
+    A ``ModuleList`` inside an entry belongs to that entry's unit (T5's blocks each hold their layers in one, as
+    a user's ``for block in model.encoder.block: fully_shard(block)`` leaves them); a ``ModuleList`` of
+    ``ModuleList`` s is looked into, its entries' entries the units (a list has no ``forward`` for FSDP2's hooks).
+    Sharding an outer entry before an entry inside it gave ``fully_shard`` parameters already sharded, which it
+    refused ("Invariant encountered: value was None").
+
+    >>> class Block(nn.Module):
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.layer = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    >>> model = nn.Sequential(nn.ModuleList([Block(), Block()]), nn.Linear(2, 2))
+    >>> [name for unit in shard_units(model) for name, child in model.named_modules() if child is unit]
+    ['0.0', '0.1', '']
+    """
+    units: list[nn.Module] = []
+    seen: set[int] = set()
+    visited: set[int] = set()
+
+    def entries(modules: nn.ModuleList) -> None:
+        for entry in modules:
+            if isinstance(entry, nn.ModuleList):
+                entries(entry)
+            elif id(entry) not in seen:
+                seen.add(id(entry))
+                units.append(entry)
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList):
+                entries(child)
+            elif id(child) not in visited:
+                visited.add(id(child))
+                visit(child)
+
+    visit(module)
     return [*units, module]
 
 
