@@ -9,6 +9,7 @@ then met parameters already sharded (DTensors) in the inner layers. The units ar
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,9 +19,14 @@ from transformers_models import VOCAB, FineTuned
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.strategies.fsdp2 import shard_units
-from lightning_vram.records import Phase, RankStep, StrategySpec
+from lightning_vram.records import Phase, RankStep, ReplaySkipped, StrategySpec
 
 LENGTH = 16
+
+# torch warns that a unit returns a view (a T5 block; a Linear on a batch of sequences): an in-place op on it would
+# skip FSDP2's pre-backward hook, and these steps make none. A real run warns too; the strict filters here would
+# make the warning the replay's failure.
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")
 
 
 def t5() -> FineTuned:
@@ -43,9 +49,6 @@ def test_a_list_of_lists_is_looked_into() -> None:
 
 
 @pytest.mark.replay
-# torch warns that a T5 block returns a view (an in-place op on it would skip FSDP2's pre-backward hook; T5 makes
-# none): a warning a real run gives too, which the strict filters here would make the replay's failure.
-@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")
 def test_a_t5_rank_is_predicted_under_fsdp2() -> None:
     module = t5()
     tokens = torch.randint(0, VOCAB, (4, LENGTH))
@@ -60,3 +63,40 @@ def test_a_t5_rank_is_predicted_under_fsdp2() -> None:
     gather = rank.lines[0]
     assert gather.label.startswith("FSDP2 all-gather buffer (largest unit: ")
     assert not dist.is_initialized()
+
+
+class Wrapped(pl.LightningModule):
+    """A model in ``self.model``, trained by calling it from ``training_step`` (as transformers models are)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = root
+        self.model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.model[1], mesh=mesh)
+        fully_shard(self if self.root == "self" else self.model, mesh=mesh)
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.model(tokens)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+@pytest.mark.replay
+def test_a_step_that_skips_its_sharded_root_s_forward_fails_as_under_lightning() -> None:
+    # Under ModelParallelStrategy Lightning calls training_step directly: after fully_shard(self), a step calling
+    # self.model(...) never runs the root's pre-forward hook, and the embedding meets its sharded weight. On 2 gloo
+    # ranks: "RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor". The plan said it fit.
+    batch = (torch.randint(0, 64, (4, 8)),)
+    broken = predict_rank(Predictor(Wrapped("self"), None, batch), StrategySpec("fsdp2", 2))
+    assert isinstance(broken, ReplaySkipped), broken  # was a RankStep: the replay ran the step through forward
+    assert "mixed torch.Tensor and DTensor" in broken.reason
+    right = predict_rank(Predictor(Wrapped("model"), None, batch), StrategySpec("fsdp2", 2))
+    assert isinstance(right, RankStep), right

@@ -3,9 +3,10 @@
 The replay's fake copy of the module is sharded by ``fully_shard`` over a one-dimensional mesh of a fake process
 group of ``world_size`` ranks (``init_process_group("fake", ...)``: every collective returns at once, sends nothing
 and waits for no rank), as torchtitan's estimator does; the step then runs through the root module's ``forward``
-(Lightning's forward redirection under ``ModelParallelStrategy``), so FSDP2's hooks all-gather and free each unit's
-parameters, reduce-scatter its gradients, and the optimizer steps on this rank's shards, all on fake tensors,
-counted as any replay (sharded parameters, gradients and state at this rank's shard; gathered parameters while
+(under the usual policy, whose root unit is the module; a LightningModule sharding itself in ``configure_model`` has
+its ``training_step`` called directly, as ``ModelParallelStrategy`` calls it), so FSDP2's hooks all-gather and free
+each unit's parameters, reduce-scatter its gradients, and the optimizer steps on this rank's shards, all on fake
+tensors, counted as any replay (sharded parameters, gradients and state at this rank's shard; gathered parameters while
 gathered, as parameters; the all-gather and reduce-scatter buffers in ``other``).
 
 The sharding is the module's own where it has one: a LightningModule overriding ``configure_model`` is given the
@@ -403,7 +404,10 @@ def _configures_itself(module: nn.Module) -> bool:
 def redirected(step_function: StepFunction) -> StepFunction:
     """``step_function`` run through the root module's ``forward``, so that its FSDP2 hooks run.
 
-    As Lightning's forward redirection does under ``ModelParallelStrategy``.
+    For the usual policy, whose root unit is the module itself (a user's ``configure_model`` shards the model its
+    ``training_step`` calls: ``fully_shard(self.model)``, the same parameters), and a live run's twin (Fabric's
+    ``_FabricModule`` calls the module's ``forward``). Lightning's ``ModelParallelStrategy`` redirects nothing: its
+    model is the LightningModule, whose ``training_step`` it calls directly.
     """
 
     def step(module: nn.Module, batch: Any) -> Any:
@@ -477,7 +481,14 @@ def predict(
         return ReplaySkipped("fsdp2: the module has no configure_optimizers to build its optimizer on its shards")
     sharded = predictor.sharing_walk()  # the same round (its walk, budget), its step sharded and redirected
     sharded.shard = shard_and_size
-    sharded.step_function = redirected(predictor.step_function)
+    # A LightningModule sharding itself runs its step as Lightning runs it under ModelParallelStrategy: its
+    # training_step called directly (the strategy's model is the LightningModule, so Lightning redirects nothing),
+    # and FSDP2's hooks run only on the units the step calls. A step that calls ``self.model(...)`` after
+    # ``fully_shard(self)`` fails there as in the run ("got mixed torch.Tensor and DTensor"), not "fits".
+    if live is None and _configures_itself(predictor.module):
+        sharded.step_function = predictor.step_function
+    else:
+        sharded.step_function = redirected(predictor.step_function)
     # The redirection calls the root module itself: the precision spans the step there, not Fabric's forward alone.
     sharded.fabric_forward = False
     sharded.warm_up = True  # the gradients and optimizer state come as shards from a first step
