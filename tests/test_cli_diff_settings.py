@@ -49,3 +49,17 @@ def test_a_sharded_run_s_strategy_is_named() -> None:
     assert "  strategy: not recorded -> deepspeed_stage_2" in settings(report(None), zero2)
     offloading = report(replace(simulation_with(None), offload=replace(OFFLOAD, strategy="fsdp2")))
     assert "  strategy: deepspeed_stage_2 -> fsdp2" in settings(zero2, offloading)
+
+
+def test_a_ddp_and_an_fsdp2_run_are_named_from_the_replay_s_strategy() -> None:
+    # A new user's diff of a DDP run against its FSDP2 run said nothing of the strategy: neither had a sharding
+    # trial (FSDP2 has no stronger sharding) nor an offload one (CUDA near capacity only), and the report kept no
+    # other trace of it. The simulation now names the strategy its rank was replayed under, through the JSON.
+    ddp = report(replace(simulation_with(None), strategy_name="ddp"))
+    fsdp2 = report(replace(simulation_with(None), strategy_name="fsdp2"))
+    assert (ddp.simulation and ddp.simulation.strategy_name, fsdp2.simulation and fsdp2.simulation.strategy_name) == (
+        "ddp",
+        "fsdp2",
+    )
+    assert "  strategy: ddp -> fsdp2" in settings(ddp, fsdp2)
+    assert "  strategy: not recorded -> fsdp2" in settings(report(None), fsdp2)

@@ -540,6 +540,10 @@ class Simulation:
     offload: OffloadTrial | None = None
     """On CUDA, a rank of a sharded run that does not offload, near the device's capacity: the rank predicted with CPU
     offload (``None``: not such a run, or not predicted)."""
+    strategy_name: str | None = None
+    """The multi-process strategy the run's rank was replayed under, as :class:`~lightning_vram.records.strategy.
+    StrategySpec` names it (``"ddp"``, ``"fsdp2"``, ``"fsdp"``, ``"deepspeed_stage_3"``); ``None``: one process, or
+    not recorded (a file written before it was)."""
 
 
 @dataclass(frozen=True)

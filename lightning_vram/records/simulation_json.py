@@ -337,6 +337,7 @@ def simulation_to_dict(
         "variants": [variant_to_dict(variant, variant is advised) for variant in simulation.variants],
         **({"sharding": sharding_to_dict(simulation.sharding)} if simulation.sharding is not None else {}),
         **({"offload": offload_to_dict(simulation.offload)} if simulation.offload is not None else {}),
+        **({"strategy_name": simulation.strategy_name} if simulation.strategy_name is not None else {}),
         **timelines,
     }
 
@@ -478,6 +479,7 @@ def _simulation(fields: Reader | None) -> Simulation | None:
         accumulate_grad_batches=fields.added("accumulate_grad_batches", _accumulation, 1),
         sharding=fields.added("sharding", _sharding, None),
         offload=fields.added("offload", _offload, None),
+        strategy_name=fields.added("strategy_name", Reader.optional_text, None),
     )
 
 

@@ -221,12 +221,15 @@ def _recomputed(report: Report) -> str | None:
 def _strategy(report: Report) -> str | None:
     """The run's strategy where its report names it (``"deepspeed_stage_2"``, ``"fsdp2"``; ``None`` elsewhere).
 
-    The report has no field of its own for the strategy (schema ``lightning_vram.report/1``): a sharded run's replay
-    names it in its trial of the next stronger sharding or of CPU offload.
+    The report has no field of its own for the strategy (schema ``lightning_vram.report/1``): a multi-process run's
+    replay names the strategy it replayed the rank under (``simulation.strategy_name``: DDP, FSDP2, FSDP1, ZeRO);
+    a file written before it did names a sharded run's in its trial of the next stronger sharding or of CPU offload.
     """
     simulation = report.simulation
     if simulation is None:
         return None
+    if simulation.strategy_name is not None:
+        return simulation.strategy_name
     if simulation.sharding is not None:
         return simulation.sharding.current
     return simulation.offload.strategy if simulation.offload is not None else None

@@ -71,6 +71,8 @@ GROWTH = 1.1
 """How much larger (in elements) than every batch replayed so far a batch must be to be replayed too."""
 MAX_WORST_REPLAYS = 3
 """How many times a run replays a new largest batch after its first replay."""
+DDP_NAME = "ddp"
+"""A DDP rank's strategy as the simulation names it (``Simulation.strategy_name``, as ``StrategySpec`` names it)."""
 
 
 class Advisor:
@@ -335,12 +337,14 @@ class Advisor:
             step_function = context.step_function
             sharding = live_sharding(context.current_optimizers(), model, context.rank)
             if isinstance(sharding, LiveSharding):
+                name = sharding.spec.name  # the report names the strategy for lightning-vram diff
                 reason = unsupported(model, training, step_function, per_rank=True)
                 if reason is not None or step_function is None:
-                    return Simulation(context.device.type, None, None, reason, (), 0.0)
-                return self._rank_simulation(
+                    return Simulation(context.device.type, None, None, reason, (), 0.0, strategy_name=name)
+                simulated = self._rank_simulation(
                     sharding, attribution, batch, summary(), training, step_function, released_late
                 )
+                return replace(simulated, strategy_name=name)
             strategy = self._strategy(training)
             reason = (
                 (sharding if isinstance(sharding, str) else None)
@@ -371,7 +375,8 @@ class Advisor:
                 fabric_forward=training.fabric_forward,
                 batch_values=values,
             )
-            return try_changes(predictor, run, training, context.rank)
+            simulated = try_changes(predictor, run, training, context.rank)
+            return replace(simulated, strategy_name=DDP_NAME) if isinstance(strategy, StrategyBuffers) else simulated
 
         with outside_dispatch_modes():  # a dispatch mode of the user's spanning the step sees none of the replay's ops
             simulation = self._guard.call(Part.REPLAY, replay)
