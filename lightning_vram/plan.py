@@ -40,6 +40,7 @@ from lightning_vram.prediction.containment.escapes import round_of_replays
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, DEFAULT_CUDA_CONTEXT_BYTES
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.batches import resize_batch
+from lightning_vram.prediction.replay.cuda_kernels import merged_kernel_notes
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.twin import module_device
@@ -217,7 +218,7 @@ def plan(
         cuda_context_bytes,
         assumptions=_assumptions(nodes),
         left_out=planner.left_out_lines(),
-        notes=tuple(dict.fromkeys((*notes, *planner.notes))),
+        notes=merged_kernel_notes((*notes, *planner.notes)),
         seconds=time.perf_counter() - started,
         replays=planner.ran[0],
     )

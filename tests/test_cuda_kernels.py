@@ -336,3 +336,25 @@ def test_attention_on_cudas_math_path_runs_the_math_path_where_the_cpu_runs_its_
             output = F.scaled_dot_product_attention(query, query, query, is_causal=True)
     assert kernels.kernels == {"the math path"} and output.shape == query.shape
     assert "_safe_softmax" in recorder.names and "_scaled_dot_product_flash_attention_for_cpu" not in recorder.names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch picks CUDA's kernels itself on a GPU")
+def test_a_plan_says_once_which_of_cudas_kernels_its_replays_ran() -> None:
+    """fp32 replays run memory-efficient attention, bf16-mixed ones flash attention: one note names both.
+
+    Before, a plan printed two notes alike but for the kernel listed (a new user's ViT plan).
+    """
+    from lightning_vram.plan import plan
+
+    torch.manual_seed(0)
+    planned = plan(
+        TinyGPT2(),
+        (torch.zeros(BATCH, LENGTH, dtype=torch.long),),
+        gpus=["H100"],
+        world_sizes=(1,),
+        precisions=("32-true", "bf16-mixed"),
+        checkpointing=(False,),
+    )
+    kernels = [note for note in planned.notes if note.startswith("replayed with CUDA's kernels")]
+    assert len(kernels) == 1, kernels
+    assert "flash attention" in kernels[0] and "memory-efficient attention" in kernels[0], kernels

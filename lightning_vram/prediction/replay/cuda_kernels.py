@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FunctionType
 from typing import Any
 
@@ -271,13 +271,38 @@ class CudaKernels(TorchFunctionMode):
     @property
     def notes(self) -> tuple[str, ...]:
         """What the replay says of the kernels it ran as CUDA does (nothing where it ran none)."""
-        if not self.kernels:
-            return ()
-        kernels = ", ".join(sorted(self.kernels))
-        return (
-            f"replayed with CUDA's kernels where this torch, without a CUDA device, runs others: {kernels} (attention"
-            " as torch picks its kernel on a GPU of compute capability 8.0 or later; dropout saving a bool mask)",
-        )
+        return (kernels_note(self.kernels),) if self.kernels else ()
+
+
+_KERNELS_NOTE = "replayed with CUDA's kernels where this torch, without a CUDA device, runs others: "
+_KERNELS_WHY = (
+    " (attention as torch picks its kernel on a GPU of compute capability 8.0 or later; dropout saving a bool mask)"
+)
+
+
+def kernels_note(kernels: Iterable[str]) -> str:
+    """The note saying which of CUDA's kernels a replay ran (:attr:`CudaKernels.notes`)."""
+    return f"{_KERNELS_NOTE}{', '.join(sorted(set(kernels)))}{_KERNELS_WHY}"
+
+
+def merged_kernel_notes(notes: Iterable[str]) -> tuple[str, ...]:
+    """``notes`` with every replay's kernels note made one (each kernel once), where the first of them stood.
+
+    Replays of one plan run other kernels (flash attention at bf16, memory-efficient at fp32): one note says all.
+
+    >>> merged_kernel_notes(["a", kernels_note(["flash"]), kernels_note(["efficient", "flash"])])[1] == kernels_note(
+    ...     ["efficient", "flash"]
+    ... )
+    True
+    """
+    notes = list(dict.fromkeys(notes))
+    ran = [note for note in notes if note.startswith(_KERNELS_NOTE) and note.endswith(_KERNELS_WHY)]
+    if len(ran) < 2:
+        return tuple(notes)
+    kernels = {kernel for note in ran for kernel in note[len(_KERNELS_NOTE) : -len(_KERNELS_WHY)].split(", ")}
+    first = notes.index(ran[0])
+    kept = [note for note in notes if note not in ran]
+    return (*kept[:first], kernels_note(kernels), *kept[first:])
 
 
 def _fake(*values: Any) -> bool:
