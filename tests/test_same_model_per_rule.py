@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from models import OPTIMIZERS, Classifier, cnn_net, dataset, dataset_for, mlp, trainer
 from preloaded_python import run_script
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_vram import Report, VramMonitor
 from lightning_vram.advice.rules.allocator_fragmentation import allocator_fragmentation
@@ -663,6 +663,67 @@ def test_dataloader_workers_as_printed_say_what_they_change_in_the_random_stream
     # Workers that are not persistent draw as the main process does: the same model, bit for bit.
     arguments["persistent_workers"] = False
     assert_identical(fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12), plain)
+
+
+class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """64 labelled 3 x 8 x 8 images read one after another, as a stream of files or records is."""
+
+    def __init__(self) -> None:
+        self.data = dataset_for("cnn", 64)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in range(len(self.data)):
+            yield self.data[index]
+
+
+def sample_ids(loader: DataLoader[Any]) -> list[list[int]]:
+    """One epoch of ``loader``'s batches, each as the indices of its samples in :class:`Stream`'s data."""
+    first = Stream().data.tensors[0].flatten(1)[:, 0].tolist()
+    return [[first.index(value) for value in images.flatten(1)[:, 0].tolist()] for images, _ in loader]
+
+
+def test_dataloader_workers_on_an_iterable_dataset_print_the_split_that_keeps_each_sample_once(tmp_path: Path) -> None:
+    # Each worker runs its own copy of an IterableDataset's __iter__: the printed arguments alone would have each of
+    # the 2 workers yield the whole stream, 8 batches an epoch of 4 (before: "The same computation", no split).
+    def build() -> pl.LightningModule:
+        return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
+
+    def streamed(**options: Any) -> DataLoader[Any]:
+        return DataLoader(Stream(), batch_size=16, **options)
+
+    monitored = fit(tmp_path, build, streamed, steps=4, monitored=True)
+    assert monitored.report is not None
+    waiting = replace(
+        monitored.report.summary,
+        data_wait_fraction=0.5,
+        recent_data_wait_fraction=0.5,
+        step_seconds_median=1.0,
+        timed_steps=100,
+    )
+    setup = replace(training_setup(build(), [], dataloaders=streamed()), cpu_cores_per_device=3)
+    assert setup.iterable_dataset
+    advice = dataloader_workers(waiting, setup)
+    assert advice is not None
+    assert "The same computation" not in advice.detail
+    assert "every worker yields every sample and an epoch holds each batch 2 times" in advice.detail
+    assert "this trains another model" in advice.detail
+    split, line = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)
+    arguments = printed_loader_arguments(replace(advice, detail=f"```python\n{line}\n```"))
+    assert arguments == {"num_workers": 2, "persistent_workers": True}
+    plain = sample_ids(streamed())
+    assert len(sample_ids(streamed(**arguments))) == 2 * len(plain) == 8  # what the arguments alone do
+
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(split, namespace)  # the printed __iter__, as printed
+
+    class Split(Stream):
+        samples = Stream.__iter__
+        __iter__ = namespace["__iter__"]
+
+    applied = sample_ids(DataLoader(Split(), batch_size=16, **arguments))
+    assert sorted(index for batch in applied for index in batch) == list(range(64))  # each sample once an epoch
+    assert applied != plain  # batched by worker, in turns: the other model the advice says it is
+    assert sample_ids(DataLoader(Split(), batch_size=16)) == plain  # one process: the stream as it was
 
 
 # ------------------------------------------------------------------------------------------------ pin-memory

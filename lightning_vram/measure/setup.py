@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_vram.measure.deepspeed_zero import full_numel, parameter_bytes, wrapped_optimizer
 from lightning_vram.measure.observations import stored_attribute
@@ -392,6 +392,7 @@ def training_setup(
         visible_devices=torch.cuda.device_count(),
         language_model=language_model(module),
         longest_sample=longest_sample(loader),
+        iterable_dataset=loader is not None and isinstance(loader.dataset, IterableDataset),
         loop=loop,
         own_zero_grad=own_zero_grad,
     )

@@ -331,6 +331,9 @@ class TrainingSetup:
     """The longest sample the training DataLoader will yield (elements along the batch's length), where it tells: its
     sampler knows every sample's length (a length-grouped sampler's ``lengths``), or its collator pads every batch to
     its ``max_length``; ``None`` where it does not say."""
+    iterable_dataset: bool = False
+    """Whether the training DataLoader reads an ``IterableDataset``: each worker process then runs its own copy of
+    ``__iter__``, so a stream not split by ``torch.utils.data.get_worker_info()`` is yielded once per worker."""
     loop: TrainingLoop = TrainingLoop.LIGHTNING
     """What trains the model (a Trainer, a plain loop, Fabric): the advice's code is written for it."""
     own_zero_grad: bool = False

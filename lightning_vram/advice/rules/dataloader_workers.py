@@ -42,22 +42,30 @@ def dataloader_workers(
     wait = summary.data_wait_fraction or 0.0
     step = summary.step_seconds_median or 0.0
     pin = ", pin_memory=True" if summary.on_cuda else ""
+    loader_code = (
+        f"```python\nDataLoader(dataset, ..., num_workers={workers}, persistent_workers=True{pin})"
+        "  # `...`: your own arguments, unchanged\n```"
+    )
     return Advice(
         id=ID,
         severity=Severity.WARNING,
         title=f"Load data in parallel: DataLoader(num_workers={workers}, persistent_workers=True)",
         detail=(
             "Each step waits while the main process loads the next batch. Worker processes load batches ahead"
-            " of time; persistent workers are not restarted every epoch. The same computation, but not the same"
-            " random numbers: random augmentations in the dataset draw from each worker's own generator (seeded"
-            " from the torch RNG when the workers start) instead of the main process's, and persistent workers draw"
-            " that seed once, not every epoch, so from the second epoch shuffling and Dropout see another stream."
-            " Training is another random draw, not the same model bit for bit (without persistent workers and"
-            " random augmentation, it is).\n"
-            "Add the two arguments to your DataLoader and keep every other as it is: shuffle, sampler, collate_fn"
-            " and drop_last decide which samples each step sees.\n"
-            f"```python\nDataLoader(dataset, ..., num_workers={workers}, persistent_workers=True{pin})"
-            "  # `...`: your own arguments, unchanged\n```"
+            " of time; persistent workers are not restarted every epoch. "
+            + (
+                _iterable_text(workers, loader_code)
+                if setup.iterable_dataset and workers > 1
+                else (
+                    "The same computation, but not the same random numbers: random augmentations in the dataset draw"
+                    " from each worker's own generator (seeded from the torch RNG when the workers start) instead of"
+                    " the main process's, and persistent workers draw that seed once, not every epoch, so from the"
+                    " second epoch shuffling and Dropout see another stream. Training is another random draw, not the"
+                    " same model bit for bit (without persistent workers and random augmentation, it is).\n"
+                    "Add the two arguments to your DataLoader and keep every other as it is: shuffle, sampler,"
+                    " collate_fn and drop_last decide which samples each step sees.\n" + loader_code
+                )
+            )
         ),
         evidence=(
             f"data wait is {format_percent(wait)} of step time over the run and"
@@ -67,6 +75,30 @@ def dataloader_workers(
         ),
         estimated_saving_bytes=None,
         estimated_saving_seconds=step * wait,
+    )
+
+
+def _iterable_text(workers: int, loader_code: str) -> str:
+    """What workers do to an ``IterableDataset`` and the split that keeps each sample once an epoch, with the code.
+
+    Each worker runs its own copy of the dataset's ``__iter__``: a stream not split by worker is yielded whole by
+    each of them, so an epoch holds every batch ``workers`` times (torch's ``IterableDataset`` documentation).
+    """
+    return (
+        f"Your dataset is an IterableDataset: each of the {workers} workers runs its own copy of its `__iter__`, so"
+        " unless `__iter__` splits the stream by `torch.utils.data.get_worker_info()`, every worker yields every"
+        f" sample and an epoch holds each batch {workers} times. Split it as below, then add the two arguments to"
+        " your DataLoader. Each sample is still seen once an epoch, but each worker batches its own share (every"
+        f" {workers}th sample) and the workers' batches take turns: which samples share a batch and their order"
+        " change, so this trains another model, validate it.\n"
+        "```python\n"
+        "def __iter__(self):  # your IterableDataset's, split by worker\n"
+        "    info = torch.utils.data.get_worker_info()\n"
+        "    shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)\n"
+        "    for index, sample in enumerate(self.samples()):  # `self.samples()`: your own iteration, unchanged\n"
+        "        if index % shards == shard:\n"
+        "            yield sample\n"
+        "```\n" + loader_code
     )
 
 
