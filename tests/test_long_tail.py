@@ -11,7 +11,9 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from advice_summaries import healthy_setup, healthy_summary
@@ -110,7 +112,8 @@ def test_the_long_tail_is_capped_in_the_replay_and_the_cap_applied_holds_the_pre
     predicted = variant.replayed.reported_bytes(variant.replayed.reported_peak)
     assert advice.saving_basis == "simulated" and advice.estimated_saving_bytes == baseline - predicted > 0
     assert advice.predicted_peak_bytes == predicted
-    assert f"max_length={CAP}, truncation=True" in advice.detail and f"value[:, :{CAP}]" in advice.detail
+    assert f"max_length={CAP}, truncation=True" in advice.detail
+    assert f"batch = cap_length(batch, {CAP})" in advice.detail
     assert f"the longest {LONG}" in advice.evidence and "sequences capped at 32 tokens" in advice.evidence
     assert "Bucketing by length alone" in advice.detail  # answered, not offered: the longest bucket keeps the shape
     assert "the tokens past the cap are no longer trained on: another model" in advice.detail  # not memory only
@@ -205,3 +208,64 @@ def test_batching_by_tokens_is_replayed_and_the_printed_sampler_applied_holds_th
     assert capped.peak is not None
     realised = applied.peak.peak_bytes - capped.peak.peak_bytes
     assert abs(cap.estimated_saving_bytes - realised) <= 0.10 * realised, (cap.estimated_saving_bytes, realised)
+
+
+class SequenceClassifier(pl.LightningModule):
+    """A transformer encoder layer over token embeddings, mean-pooled under the mask: a label per sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 64)
+        self.encoder = torch.nn.TransformerEncoderLayer(64, 2, 128, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(64, 3)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        mask = batch["attention_mask"]
+        hidden = self.encoder(self.embedding(batch["input_ids"]), src_key_padding_mask=mask == 0)
+        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return torch.nn.functional.cross_entropy(self.head(pooled), batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def labelled(cut: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Callable[..., Any]:
+    """Pad each batch to its own longest sequence, as a dict with its mask and a label (B,) per sequence; ``cut``
+    applied to it where given."""
+
+    def collate(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+        batch = {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": ids[:, 0] % 3}
+        return cut(batch) if cut is not None else batch
+
+    return collate
+
+
+def test_the_printed_cap_cuts_a_labelled_dict_batch_and_realises_the_saving(tmp_path: Path) -> None:
+    # A sequence classifier's batch holds a label per sequence, shape (B,): the printed cut must leave it whole.
+    # Before: `{key: value[:, :32] for key, value in batch.items()}` raised IndexError on the labels.
+    def fitted(root: Path, collate: Callable[..., Any]) -> Report:
+        monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+        data = DataLoader(Sequences(), batch_size=BATCH, shuffle=False, collate_fn=collate)
+        torch.manual_seed(0)
+        trainer(root, [monitor], max_steps=len(data)).fit(SequenceClassifier(), data)
+        assert monitor.report is not None
+        return monitor.report
+
+    report = fitted(tmp_path / "tail", labelled())
+    advice = next(advice for advice in report.advice if advice.id is AdviceId.LONG_TAIL)
+    assert advice.predicted_peak_bytes is not None and report.peak is not None
+    padded_batch = labelled()([torch.arange(1, LONG + 1), torch.arange(1, 25)])
+    namespace: dict[str, Any] = {"torch": torch, "tokenizer": lambda *_, **__: None, "texts": [], "batch": padded_batch}
+    exec(printed_code(advice.detail, "cap_length"), namespace)  # the advice's code, run as printed
+    cut = namespace["batch"]
+    assert {key: tuple(value.shape) for key, value in cut.items()} == {
+        "input_ids": (BATCH, CAP),
+        "attention_mask": (BATCH, CAP),
+        "labels": (BATCH,),
+    }
+    applied = fitted(tmp_path / "capped", labelled(lambda batch: namespace["cap_length"](batch, CAP)))
+    assert applied.peak is not None and applied.shapes is not None and max(dict(applied.shapes.length_counts)) == CAP
+    predicted = advice.predicted_peak_bytes
+    assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
+    assert AdviceId.LONG_TAIL not in {advice.id for advice in applied.advice}

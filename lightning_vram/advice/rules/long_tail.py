@@ -90,6 +90,27 @@ def _remedy(summary: RunSummary, simulation: Simulation | None, change: StepChan
     return saving if saving.at_least(MIN_SAVING_SHARE) else None
 
 
+CAP_LENGTH_CODE = '''def cap_length(batch, cap):
+    """A tensor, dict or tuple batch cut to `cap` along each dimension past the first as long as its sequences
+    (token ids, masks, token labels; a (B, L, L) mask along both); a label per sequence (B,) is kept whole."""
+    values = list(batch.values()) if hasattr(batch, "items") else [batch] if torch.is_tensor(batch) else list(batch)
+    length = next(value.shape[1] for value in values if torch.is_tensor(value) and value.dim() >= 2)
+
+    def cut(value):
+        if torch.is_tensor(value):
+            for dim in range(1, value.dim()):
+                if value.shape[dim] == length:
+                    value = value.narrow(dim, 0, min(cap, length))
+        return value
+
+    if hasattr(batch, "items"):
+        return {key: cut(value) for key, value in batch.items()}
+    return cut(batch) if torch.is_tensor(batch) else type(batch)(cut(value) for value in batch)
+'''
+"""The printed cut of a padded batch to the cap: the dimensions the replay cuts
+(:func:`~lightning_vram.prediction.replay.batches.resize_length`: each past the first whose size is the batch's length,
+dimension 1 of its first tensor with two or more), so a sequence's label, shape ``(B,)``, is left whole."""
+
 _Remedy = tuple[str, Saving, str]
 """One remedy offered: its title (without the saving), its replayed saving, and its text with the code."""
 
@@ -146,9 +167,10 @@ def _capped(summary: RunSummary, simulation: Simulation | None, change: LengthCh
         f"Cap sequences at {cap} tokens (saves about {format_bytes(saving.saving_bytes)}; the tokens past the cap"
         " are no longer trained on: another model, validate it):\n"
         "```python\n"
-        f"tokenizer(texts, max_length={cap}, truncation=True)  # or, in a collate function, a dict batch:\n"
-        f"batch = {{key: value[:, :{cap}] for key, value in batch.items()}}\n"
-        f"# a tensor batch: batch = batch[:, :{cap}]; a tuple: tuple(value[:, :{cap}] for value in batch)\n"
+        f"tokenizer(texts, max_length={cap}, truncation=True)  # or cut the padded batch in your collate function:\n"
+        "\n"
+        f"{CAP_LENGTH_CODE}\n"
+        f"batch = cap_length(batch, {cap})\n"
         "```",
     )
 
