@@ -269,3 +269,55 @@ def test_the_printed_cap_cuts_a_labelled_dict_batch_and_realises_the_saving(tmp_
     predicted = advice.predicted_peak_bytes
     assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
     assert AdviceId.LONG_TAIL not in {advice.id for advice in applied.advice}
+
+
+class LastStateClassifier(pl.LightningModule):
+    """An LSTM over padded sequences, classifying from each sequence's last real step: read at ``lengths - 1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 64)
+        self.lstm = torch.nn.LSTM(64, 128, batch_first=True)
+        self.head = torch.nn.Linear(128, 3)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, lengths, labels = batch
+        output, _ = self.lstm(self.embedding(ids))
+        last = output[torch.arange(ids.shape[0]), lengths - 1]
+        return torch.nn.functional.cross_entropy(self.head(last), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_the_printed_cap_clamps_a_tensor_of_lengths_it_is_told_of(tmp_path: Path) -> None:
+    # The replay of the cut batch indexes the LSTM's output at lengths - 1 = 127 of 32 (fake tensors check no index)
+    # and advises the cap; applied, a length past the cap must be clamped or training raises IndexError.
+    def fitted(root: Path, cut: Callable[[Any], Any] | None = None) -> Report:
+        def collate(samples: list[torch.Tensor]) -> Any:
+            ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+            batch = (ids, torch.tensor([len(sample) for sample in samples]), ids[:, 0] % 3)
+            return cut(batch) if cut is not None else batch
+
+        monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
+        data = DataLoader(Sequences(), batch_size=BATCH, shuffle=False, collate_fn=collate)
+        torch.manual_seed(0)
+        trainer(root, [monitor], max_steps=len(data)).fit(LastStateClassifier(), data)
+        assert monitor.report is not None
+        return monitor.report
+
+    report = fitted(tmp_path / "tail")
+    advice = next(advice for advice in report.advice if advice.id is AdviceId.LONG_TAIL)
+    assert advice.predicted_peak_bytes is not None
+    assert "a tensor of each sequence's length in the batch must be clamped to the cap too" in advice.detail
+    assert f"cap_length(batch, {CAP}, lengths=1), its index or key" in advice.detail
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(printed_code(advice.detail, "cap_length").split("\nbatch = cap_length(")[0].split("\n", 1)[1], namespace)
+    cap_length = namespace["cap_length"]
+    with pytest.raises(IndexError):  # the lengths left as they are: what the step reads is past the cut
+        fitted(tmp_path / "unclamped", lambda batch: cap_length(batch, CAP))
+    applied = fitted(tmp_path / "capped", lambda batch: cap_length(batch, CAP, lengths=1))
+    assert applied.peak is not None and applied.shapes is not None and max(dict(applied.shapes.length_counts)) == CAP
+    predicted = advice.predicted_peak_bytes
+    assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
+    assert AdviceId.LONG_TAIL not in {advice.id for advice in applied.advice}

@@ -90,13 +90,16 @@ def _remedy(summary: RunSummary, simulation: Simulation | None, change: StepChan
     return saving if saving.at_least(MIN_SAVING_SHARE) else None
 
 
-CAP_LENGTH_CODE = '''def cap_length(batch, cap):
+CAP_LENGTH_CODE = '''def cap_length(batch, cap, lengths=None):
     """A tensor, dict or tuple batch cut to `cap` along each dimension past the first as long as its sequences
-    (token ids, masks, token labels; a (B, L, L) mask along both); a label per sequence (B,) is kept whole."""
+    (token ids, masks, token labels; a (B, L, L) mask along both); a label per sequence (B,) is kept whole, and
+    `lengths`, the key or index of a tensor of each sequence's length, is clamped to `cap`."""
     values = list(batch.values()) if hasattr(batch, "items") else [batch] if torch.is_tensor(batch) else list(batch)
     length = next(value.shape[1] for value in values if torch.is_tensor(value) and value.dim() >= 2)
 
-    def cut(value):
+    def cut(key, value):
+        if lengths is not None and key == lengths:
+            return value.clamp(max=cap)
         if torch.is_tensor(value):
             for dim in range(1, value.dim()):
                 if value.shape[dim] == length:
@@ -104,12 +107,15 @@ CAP_LENGTH_CODE = '''def cap_length(batch, cap):
         return value
 
     if hasattr(batch, "items"):
-        return {key: cut(value) for key, value in batch.items()}
-    return cut(batch) if torch.is_tensor(batch) else type(batch)(cut(value) for value in batch)
+        return {key: cut(key, value) for key, value in batch.items()}
+    return cut(None, batch) if torch.is_tensor(batch) else type(batch)(map(cut, range(len(batch)), batch))
 '''
 """The printed cut of a padded batch to the cap: the dimensions the replay cuts
 (:func:`~lightning_vram.prediction.replay.batches.resize_length`: each past the first whose size is the batch's length,
-dimension 1 of its first tensor with two or more), so a sequence's label, shape ``(B,)``, is left whole."""
+dimension 1 of its first tensor with two or more), so a sequence's label, shape ``(B,)``, is left whole; a tensor of
+each sequence's length is clamped to the cap where the user names it (``lengths=``): a step that indexes by it
+(``output[arange(B), lengths - 1]``) replays on the cut batch, where fake tensors check no index, but would raise
+in training."""
 
 _Remedy = tuple[str, Saving, str]
 """One remedy offered: its title (without the saving), its replayed saving, and its text with the code."""
@@ -165,12 +171,14 @@ def _capped(summary: RunSummary, simulation: Simulation | None, change: LengthCh
         f"Cap sequences at {cap} tokens",
         saving,
         f"Cap sequences at {cap} tokens (saves about {format_bytes(saving.saving_bytes)}; the tokens past the cap"
-        " are no longer trained on: another model, validate it):\n"
+        " are no longer trained on: another model, validate it; a tensor of each sequence's length in the batch must"
+        " be clamped to the cap too, as `lengths=` does):\n"
         "```python\n"
         f"tokenizer(texts, max_length={cap}, truncation=True)  # or cut the padded batch in your collate function:\n"
         "\n"
         f"{CAP_LENGTH_CODE}\n"
-        f"batch = cap_length(batch, {cap})\n"
+        f"batch = cap_length(batch, {cap})  # a tensor of each sequence's length in the batch, clamped:"
+        f" cap_length(batch, {cap}, lengths=1), its index or key\n"
         "```",
     )
 
