@@ -158,7 +158,8 @@ def predict(
             )
             rows = search.found
             if search.missing is not None:
-                notes += (f"fit table incomplete: {search.missing} (time budget {budget_seconds} s)",)
+                budget_note = f" (time budget {budget_seconds} s)" if search.replays else ""
+                notes += (f"fit table incomplete: {search.missing}{budget_note}",)
             notes += tuple(f"fit table: {note}" for note in search.notes)
         times = _step_times(step, rows) if device_type.startswith("cuda") else ()
         return Prediction(

@@ -253,3 +253,40 @@ def test_a_prediction_for_gpus_gives_the_step_time_on_each_card_of_its_fit_table
         (time.device, time.seconds) for time in prediction.step_times
     ]
     assert data["step_times"][0]["basis"].startswith("roofline per op on ")
+
+
+class TimeMajorLSTM(Classifier):
+    """An LSTM classifier over time-major token ids, ``(L, B)`` as ``pad_sequence`` and ``nn.LSTM`` have them by
+    default, with a label per sequence ``(B,)``."""
+
+    def __init__(self, batch_first: bool = False) -> None:
+        super().__init__(nn.Linear(128, 10), OPTIMIZERS["adam"])
+        self.embedding = nn.Embedding(100, 32)
+        self.lstm = nn.LSTM(32, 128)
+        self.batch_first = batch_first
+        """The batch's token ids are ``(B, L)``, turned time-major here."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, labels = batch
+        output, _ = self.lstm(self.embedding(tokens.T if self.batch_first else tokens))
+        return nn.functional.cross_entropy(self.network(output[-1]), labels)
+
+
+def test_a_time_major_batch_gets_no_fit_table_in_batches_that_are_its_length() -> None:
+    # Before: the search varied dimension 0, the sequences' length, and called it the batch: 33,951 "samples" on
+    # an RTX 3060 for an LSTM at batch 32 of 64 tokens, where 33,951 sequences of 64 tokens need about twice the
+    # memory of 32 sequences of 33,951 tokens.
+    length, batch_size = 64, 32
+    batch = (torch.randint(0, 100, (length, batch_size)), torch.randint(0, 10, (batch_size,)))
+    prediction = predict(TimeMajorLSTM(), batch, device_type="cpu")
+    assert prediction.skipped is None and prediction.fit == ()
+    (note,) = [note for note in prediction.notes if note.startswith("fit table")]
+    assert "(64, 32), starts with 64 where another, (32,), starts with 32, its second dimension" in note
+    assert "(a time-major batch, whose first dimension is its length)" in note
+    assert "time budget" not in note  # nothing was replayed for it
+    # Replayed longer and wider, the step grows with either: what the table would have mixed up.
+    longer = predict(TimeMajorLSTM(), (batch[0].repeat(2, 1), batch[1]), device_type="cpu", fit_table=False)
+    assert longer.step is not None and prediction.step is not None
+    assert longer.step.peak.peak_bytes > 1.8 * prediction.step.peak.peak_bytes
+    # The same model fed batch-first keeps its table.
+    assert predict(TimeMajorLSTM(batch_first=True), (batch[0].T.contiguous(), batch[1]), device_type="cpu").fit != ()

@@ -59,6 +59,43 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def time_major(batch: Any) -> str | None:
+    """Why the first dimension of ``batch`` is not its batch dimension, where its tensors show it; else ``None``.
+
+    A time-major batch (``(L, B)`` token ids, as ``pad_sequence`` returns them by default and ``nn.LSTM`` and
+    ``nn.Transformer`` take them by default, beside ``(B,)`` labels) starts with its length: another tensor's first
+    dimension is one of the first tensor's later ones, not its first. Varying the first dimension there varies the
+    length, not the batch. A batch whose every tensor is time-major (a language model's ``(L, B)`` inputs and
+    targets) shows nothing of it; a batch-first one carrying an unbatched tensor of its length (``(L,)`` position
+    ids, an ``(L, L)`` mask) reads the same, and is not varied either.
+
+    >>> import torch
+    >>> time_major((torch.zeros(64, 32), torch.zeros(32))).split(":")[0]
+    'its first tensor, (64, 32), starts with 64 where another, (32,), starts with 32, its second dimension'
+    >>> time_major((torch.zeros(8, 3), torch.zeros(8))) is None, time_major(torch.zeros(3, 3)) is None
+    (True, True)
+    """
+    tensors = [tensor for tensor in iter_tensors(batch) if tensor.dim() > 0]
+    if not tensors:
+        return None
+    first = tensors[0]
+    size = int(first.shape[0])
+    later = [int(length) for length in first.shape[1:]]
+    for other in tensors[1:]:
+        start = int(other.shape[0])
+        if start != size and start in later:
+            return (
+                f"its first tensor, {tuple(first.shape)}, starts with {size} where another, {tuple(other.shape)},"
+                f" starts with {start}, its {_ORDINALS.get(later.index(start) + 2, 'later')} dimension: the batch"
+                " dimension may be there (a time-major batch, whose first dimension is its length), so varying the"
+                " first would vary the length, not the batch"
+            )
+    return None
+
+
+_ORDINALS = {2: "second", 3: "third", 4: "fourth", 5: "fifth"}
+
+
 def op_tensors(value: Any) -> list[Tensor]:
     """The tensors in an op's ``(args, kwargs)`` or in its output, depth first, in order (as pytree's leaves).
 

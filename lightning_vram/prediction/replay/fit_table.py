@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_vram.measure.tensors import batch_size_of
+from lightning_vram.measure.tensors import batch_size_of, time_major
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.replay.calibration import unseen_at
@@ -67,14 +67,18 @@ def replayed_fit_table(
 ) -> FitSearch:
     """The largest batch per GPU whose replayed step fits beside ``context_bytes`` (see the module's docstring).
 
-    A row is missing where the batch has no batch dimension, a replay it needed failed, or the replays' budget ran
-    out first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps already replayed with these settings,
+    A row is missing where the batch has no batch dimension (or one past the first: a time-major batch,
+    :func:`~lightning_vram.measure.tensors.time_major`), a replay it needed failed, or the replays' budget ran out
+    first; :attr:`FitSearch.missing` says which. ``known_steps`` are steps already replayed with these settings,
     by batch size (the baseline, a batch-size change): not replayed again. ``unseen_bytes``: per phase, bytes the
     replay cannot see (measured by the calibration), held through the phase in the simulated allocator.
     """
     start = batch_size_of(replays.batch)
     if start is None:
         return FitSearch((None,) * len(gpus), 0, "the batch has no batch dimension to vary")
+    reversed_batch = time_major(replays.batch)
+    if reversed_batch is not None:
+        return FitSearch((None,) * len(gpus), 0, f"the batch's first dimension is not its batch: {reversed_batch}")
     steps = _Steps(replays, known_steps)
     settings = replays.allocator
     notes: tuple[str, ...] = ()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_vram.measure.tensors import batch_size_of
+from lightning_vram.measure.tensors import batch_size_of, time_major
 from lightning_vram.prediction.containment.code_roots import (
     data_roots,
     inside_ids,
@@ -152,6 +152,9 @@ class StepRun:
             size = batch_size_of(batch)
             if size is None:
                 raise ValueError("the batch has no tensor with a batch dimension to resize")
+            reversed_batch = time_major(batch)
+            if reversed_batch is not None:
+                raise ValueError(f"the batch's first dimension is not its batch: {reversed_batch}")
             kept = change.batch_size if isinstance(change, BatchSizeChange) else sequences_within(batch, change.tokens)
             batch = resize_batch(batch, size, kept)
         if self.placement is not None:
