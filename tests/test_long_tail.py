@@ -17,15 +17,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from advice_summaries import healthy_setup, healthy_summary
+from lightning.pytorch.utilities.data import _update_dataloader
 from models import trainer
 from replay_models import CausalLM
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_vram import VramMonitor
-from lightning_vram.advice.rules.long_tail import long_tail_changes
+from lightning_vram.advice.rules.long_tail import long_tail, long_tail_changes
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import MAX_LENGTHS, ShapeRecorder
-from lightning_vram.records import AdviceId, LengthChange, Report, TokensPerBatchChange
+from lightning_vram.records import AdviceId, LengthChange, Report, TokensPerBatchChange, TrainingLoop
 from lightning_vram.records.shapes import length_percentile
 from lightning_vram.records.shapes_json import batch_shapes_from_dict, batch_shapes_to_dict
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
@@ -321,3 +322,33 @@ def test_the_printed_cap_clamps_a_tensor_of_lengths_it_is_told_of(tmp_path: Path
     predicted = advice.predicted_peak_bytes
     assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
     assert AdviceId.LONG_TAIL not in {advice.id for advice in applied.advice}
+
+
+def test_batching_by_tokens_on_several_ranks_prints_each_rank_an_equal_share(tmp_path: Path) -> None:
+    # A list of batches is no BatchSampler: on 2 ranks Lightning's Trainer puts its DistributedSampler into the
+    # training loader (`_update_dataloader`, as fit does) and raised TypeError on the single-process loader printed.
+    report = run(tmp_path)
+    one = long_tail(report.summary, healthy_setup(), report.simulation)
+    assert one is not None
+    namespace: dict[str, Any] = {"DataLoader": DataLoader, "dataset": Sequences(), "lengths": lengths()}
+    single = printed_code(one.detail, "batches_by_tokens")
+    exec(single, namespace | {"collate": padded()}, scope := {})
+    with pytest.raises(TypeError, match="can't inject a \\(distributed\\) sampler"):
+        _update_dataloader(scope["loader"], DistributedSampler(Sequences(), num_replicas=2, rank=0))
+
+    for loop, told in (
+        (TrainingLoop.LIGHTNING, "Trainer(..., use_distributed_sampler=False)"),
+        (TrainingLoop.FABRIC, "fabric.setup_dataloaders(loader, use_distributed_sampler=False)"),
+        (TrainingLoop.PLAIN, "torch.distributed.get_rank()"),
+    ):
+        advice = long_tail(report.summary, healthy_setup(world_size=2, loop=loop), report.simulation)
+        assert advice is not None
+        code = printed_code(advice.detail, "batches_by_tokens")
+        assert told in code
+        shares = []
+        for rank in (0, 1):
+            exec(code, {**namespace, "collate": padded(), "rank": rank, "world_size": 2}, scope := {})
+            shares.append([list(batch) for batch in scope["loader"].batch_sampler])
+        every = [index for share in shares for batch in share for index in batch]
+        assert len(shares[0]) == len(shares[1]) > 0  # the ranks step together
+        assert len(every) == len(set(every))  # no sample on both ranks

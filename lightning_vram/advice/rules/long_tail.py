@@ -26,6 +26,7 @@ from lightning_vram.records import (
     Simulation,
     StepChange,
     TokensPerBatchChange,
+    TrainingLoop,
     TrainingSetup,
 )
 from lightning_vram.records.shapes import length_percentile
@@ -135,7 +136,10 @@ def long_tail(summary: RunSummary, setup: TrainingSetup, simulation: Simulation 
     if within < TAIL_SHARE * total:  # the lengths seen since the replay moved the percentile past its cap
         return None
     cap = cap_change.length
-    offered = (_capped(summary, simulation, cap_change), _by_tokens(summary, simulation, tokens_change, cap, longest))
+    offered = (
+        _capped(summary, simulation, cap_change),
+        _by_tokens(summary, setup, simulation, tokens_change, cap, longest),
+    )
     remedies = [remedy for remedy in offered if remedy is not None]
     if not remedies:
         return None
@@ -184,7 +188,12 @@ def _capped(summary: RunSummary, simulation: Simulation | None, change: LengthCh
 
 
 def _by_tokens(
-    summary: RunSummary, simulation: Simulation | None, change: StepChange | None, cap: int, longest: int
+    summary: RunSummary,
+    setup: TrainingSetup,
+    simulation: Simulation | None,
+    change: StepChange | None,
+    cap: int,
+    longest: int,
 ) -> _Remedy | None:
     """Batching by tokens, where its replay saves enough: its title, saving and text (a batch sampler)."""
     if not isinstance(change, TokensPerBatchChange):
@@ -211,9 +220,41 @@ def _by_tokens(
         "        batch.append(index)\n"
         "    return batches + [batch] if batch else batches\n"
         "\n"
-        f"loader = DataLoader(dataset, batch_sampler=batches_by_tokens(lengths, max_tokens={tokens}),"
-        " collate_fn=collate)\n"
-        "```",
+        + (
+            _rank_share(tokens, setup)
+            if setup.world_size > 1
+            else f"loader = DataLoader(dataset, batch_sampler=batches_by_tokens(lengths, max_tokens={tokens}),"
+            " collate_fn=collate)\n"
+        )
+        + "```",
+    )
+
+
+def _rank_share(tokens: int, setup: TrainingSetup) -> str:
+    """The loader of one rank's share of the batches, as many on every rank, where ``setup`` trains on several.
+
+    A list of batches is no ``BatchSampler``: Lightning cannot put its ``DistributedSampler`` into it and raises
+    ("Lightning can't inject a (distributed) sampler into your batch sampler") unless told not to try
+    (``use_distributed_sampler=False``, Fabric's ``setup_dataloaders`` too), and a plain loop's loader would give every
+    rank every batch. Ranks step together, so each takes the same number of batches.
+    """
+    if setup.loop is TrainingLoop.LIGHTNING:
+        where = (
+            "# in train_dataloader: rank, world_size = self.global_rank, self.trainer.world_size;"
+            " and Trainer(..., use_distributed_sampler=False)"
+        )
+    elif setup.loop is TrainingLoop.FABRIC:
+        where = (
+            "# rank, world_size = fabric.global_rank, fabric.world_size;"
+            " and fabric.setup_dataloaders(loader, use_distributed_sampler=False)"
+        )
+    else:
+        where = "# rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()"
+    return (
+        f"{where}\n"
+        f"batches = batches_by_tokens(lengths, max_tokens={tokens})  # shuffled with one seed on every rank\n"
+        "batches = batches[: len(batches) // world_size * world_size]  # as many on every rank: they step together\n"
+        "loader = DataLoader(dataset, batch_sampler=batches[rank::world_size], collate_fn=collate)  # its share\n"
     )
 
 
