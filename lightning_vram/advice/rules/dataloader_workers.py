@@ -61,7 +61,10 @@ def dataloader_workers(
                     " from each worker's own generator (seeded from the torch RNG when the workers start) instead of"
                     " the main process's, and persistent workers draw that seed once, not every epoch, so from the"
                     " second epoch shuffling and Dropout see another stream. Training is another random draw, not the"
-                    " same model bit for bit (without persistent workers and random augmentation, it is).\n"
+                    " same model bit for bit (without persistent workers and random augmentation, it is)."
+                    " Persistent workers also keep the copy of the dataset they started with: where your code changes"
+                    " the dataset between epochs (a curriculum's level, a `set_epoch`), they go on loading the first"
+                    " epoch's samples, another computation: leave persistent_workers out there.\n"
                     "Add the two arguments to your DataLoader and keep every other as it is: shuffle, sampler,"
                     " collate_fn and drop_last decide which samples each step sees.\n" + loader_code
                 )
@@ -90,7 +93,8 @@ def _iterable_text(workers: int, loader_code: str) -> str:
         f" sample and an epoch holds each batch {workers} times. Split it as below, then add the two arguments to"
         " your DataLoader. Each sample is still seen once an epoch, but each worker batches its own share (every"
         f" {workers}th sample) and the workers' batches take turns: which samples share a batch and their order"
-        " change, so this trains another model, validate it.\n"
+        " change, so this trains another model, validate it. Persistent workers keep the copy of the dataset they"
+        " started with: where your code changes it between epochs, leave persistent_workers out.\n"
         "```python\n"
         "def __iter__(self):  # your IterableDataset's, split by worker\n"
         "    info = torch.utils.data.get_worker_info()\n"
