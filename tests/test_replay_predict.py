@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from models import OPTIMIZERS, Classifier
+from models import OPTIMIZERS, Classifier, trainer
 from replay_models import ARCHITECTURES, counted_step
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vram import predict
+from lightning_vram import VramMonitor, predict
+from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
+from lightning_vram.measure.setup import training_setup
 from lightning_vram.predict import FAKE_CUDA_NOTE
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.search import MAX_BATCH_SIZE, largest_batch_that_fits
-from lightning_vram.records import BatchSizeChange, Phase, ReplayedStep
+from lightning_vram.records import BatchSizeChange, DeviceInfo, Phase, ReplayedStep
 from lightning_vram.units import format_bytes
 
 # predict(): the step replayed before training.
@@ -290,3 +294,27 @@ def test_a_time_major_batch_gets_no_fit_table_in_batches_that_are_its_length() -
     assert longer.step.peak.peak_bytes > 1.8 * prediction.step.peak.peak_bytes
     # The same model fed batch-first keeps its table.
     assert predict(TimeMajorLSTM(batch_first=True), (batch[0].T.contiguous(), batch[1]), device_type="cpu").fit != ()
+
+
+def test_a_time_major_run_has_no_batch_size_to_raise_or_halve(tmp_path: Path) -> None:
+    # The monitor's summary took the first dimension, the length 64, for the batch of 32: on a GPU with room,
+    # batch-size-headroom printed `DataLoader(dataset, ..., batch_size=N)` modelled from "now 64".
+    data = TensorDataset(torch.randint(0, 100, (128, 64)), torch.randint(0, 10, (128,)))
+
+    def time_major(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([tokens for tokens, _ in samples], 1), torch.stack([label for _, label in samples])
+
+    loader = DataLoader(data, batch_size=32, collate_fn=time_major)
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=3).fit(TimeMajorLSTM(), loader)
+    assert monitor.report is not None
+    summary = monitor.report.summary
+    assert summary.batch_size is None
+    on_a_gpu = replace(
+        summary,
+        device=DeviceInfo("cuda", "GPU", 0, 80 * 2**30, (8, 0)),
+        gpu_utilization_mean=20.0,
+        data_wait_fraction=0.0,
+        cuda_context_bytes=0,
+    )
+    assert batch_size_headroom(on_a_gpu, training_setup(TimeMajorLSTM(), [])) is None

@@ -52,7 +52,7 @@ from lightning_vram.measure.storages import (
     weak_identity,
 )
 from lightning_vram.measure.tallies import OUTSIDE_MODULES, ROOT_MODULE, ModuleTally, module_profiles, phase_breakdown
-from lightning_vram.measure.tensors import batch_size_of, iter_tensors
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors, time_major
 from lightning_vram.records import Attribution, Breakdown, NotMeasured, Phase
 
 
@@ -210,7 +210,7 @@ class StepAttributor:
         """
         self._segment_state = self._model_state()  # kept if no module is called before the next boundary
         self._awaiting_forward = True
-        self._batch_size = batch_size_of(batch)
+        self._batch_size = None if time_major(batch) is not None else batch_size_of(batch)  # (L, B): no batch known
         for label, child in self._modules.items():
             if compiled_in_place(child) or any(label.startswith(f"{outer}.") for outer in self.compiled):
                 continue  # inside a compiled graph the hooks would not fire, and adding them forces recompiles
