@@ -8,7 +8,7 @@ short ones that it is past the 95th percentile when it arrives.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -74,12 +74,20 @@ def padded(cap: int | None = None) -> Callable[[list[torch.Tensor]], tuple[torch
 
 
 def run(
-    tmp_path: Path, cap: int | None = None, fixed: bool = False, loader: DataLoader[tuple[torch.Tensor]] | None = None
+    tmp_path: Path,
+    cap: int | None = None,
+    fixed: bool = False,
+    loader: DataLoader[tuple[torch.Tensor]] | None = None,
+    steps: int | None = None,
 ) -> Report:
     monitor = VramMonitor(attribution_start_step=2, attribution_every_n_steps=None, console_summary=False)
-    data = loader or DataLoader(Sequences(fixed), batch_size=BATCH, shuffle=False, collate_fn=padded(cap))
+    data = (
+        DataLoader(Sequences(fixed), batch_size=BATCH, shuffle=False, collate_fn=padded(cap))
+        if loader is None
+        else loader
+    )
     torch.manual_seed(0)
-    trainer(tmp_path, [monitor], max_steps=len(data)).fit(CausalLM(layers=1, vocab=VOCAB), data)
+    trainer(tmp_path, [monitor], max_steps=steps or len(data)).fit(CausalLM(layers=1, vocab=VOCAB), data)
     assert monitor.report is not None
     return monitor.report
 
@@ -352,3 +360,39 @@ def test_batching_by_tokens_on_several_ranks_prints_each_rank_an_equal_share(tmp
         every = [index for share in shares for batch in share for index in batch]
         assert len(shares[0]) == len(shares[1]) > 0  # the ranks step together
         assert len(every) == len(set(every))  # no sample on both ranks
+
+
+class SequenceStream(torch.utils.data.IterableDataset[torch.Tensor]):
+    """:class:`Sequences`' samples read one after another, as a stream of records is."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from Sequences().items
+
+
+def test_batching_by_tokens_over_a_stream_is_printed_for_a_stream(tmp_path: Path) -> None:
+    # A DataLoader takes no batch sampler over an IterableDataset: the printed `batch_sampler=` raised ValueError.
+    stream = DataLoader(SequenceStream(), batch_size=BATCH, collate_fn=padded())
+    report = run(tmp_path / "tail", loader=stream, steps=STEPS)
+    advice = next(advice for advice in report.advice if advice.id is AdviceId.LONG_TAIL)
+    assert advice.predicted_peak_bytes is not None and report.peak is not None
+    with pytest.raises(ValueError, match="expected unspecified batch_sampler option"):
+        DataLoader(SequenceStream(), batch_sampler=[[0, 1]])  # what the map-style code printed asks for
+    assert "batch_sampler" not in advice.detail
+    assert "a DataLoader takes no batch sampler over an IterableDataset" in advice.detail
+    tokens = next(variant for variant in report.simulation.variants if isinstance(variant.change, TokensPerBatchChange))  # type: ignore[union-attr]
+    assert tokens.replayed is not None
+    predicted = tokens.replayed.reported_bytes(tokens.replayed.reported_peak)
+    namespace: dict[str, Any] = {
+        "torch": torch,
+        "DataLoader": DataLoader,
+        "dataset": SequenceStream(),
+        "collate": padded(),
+    }
+    exec(printed_code(advice.detail, "__init__"), namespace)  # the advice's code, run as printed
+    loader = namespace["loader"]
+    batches = [batch for (batch,) in loader]
+    assert sum(len(batch) for batch in batches) == BATCH * STEPS  # every sequence, once, none cut
+    assert all(batch.numel() <= BATCH * CAP or len(batch) == 1 for batch in batches)
+    applied = run(tmp_path / "by-tokens", loader=loader, steps=len(batches))
+    assert applied.peak is not None
+    assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)

@@ -118,6 +118,29 @@ each sequence's length is clamped to the cap where the user names it (``lengths=
 (``output[arange(B), lengths - 1]``) replays on the cut batch, where fake tensors check no index, but would raise
 in training."""
 
+STREAM_BY_TOKENS_CODE = '''class BatchesByTokens(torch.utils.data.IterableDataset):
+    """The stream's samples in lists, each padded batch within max_tokens (a longer sample alone), none cut.
+    length: a sample's tokens (len for a tensor; lambda sample: len(sample["input_ids"]) for a dict)."""
+
+    def __init__(self, samples, max_tokens, length=len):
+        self.samples, self.max_tokens, self.length = samples, max_tokens, length
+
+    def __iter__(self):
+        batch, longest = [], 0
+        for sample in self.samples:
+            size = self.length(sample)
+            if batch and max(longest, size) * (len(batch) + 1) > self.max_tokens:
+                yield batch
+                batch, longest = [], 0
+            batch.append(sample)
+            longest = max(longest, size)
+        if batch:
+            yield batch
+'''
+"""The printed batching by tokens of a stream (an ``IterableDataset``, which a DataLoader takes no batch sampler
+over: it raises "expected unspecified batch_sampler option"): the stream yields each batch, and the DataLoader, with
+``batch_size=None``, collates each."""
+
 _Remedy = tuple[str, Saving, str]
 """One remedy offered: its title (without the saving), its replayed saving, and its text with the code."""
 
@@ -208,7 +231,20 @@ def _by_tokens(
         f"Or keep every token and batch by tokens, at most {tokens:,} a batch (a batch at the cap's), so a"
         f" {longest}-token batch holds {max(1, tokens // longest)} sequence(s) (saves about"
         f" {format_bytes(saving.saving_bytes)}; which sequences share a batch, their order and the steps an epoch"
-        " has change: another model, validate it, and shuffle the list of batches each epoch):\n"
+        " has change: another model, validate it"
+        + (
+            "; a DataLoader takes no batch sampler over an IterableDataset, so the stream yields the batches):\n"
+            f"```python\n{STREAM_BY_TOKENS_CODE}\nloader = DataLoader(BatchesByTokens(dataset, max_tokens={tokens}),"
+            " batch_size=None, collate_fn=collate)\n```"
+            if setup.iterable_dataset
+            else ", and shuffle the list of batches each epoch):\n" + _sampler_code(tokens, setup)
+        ),
+    )
+
+
+def _sampler_code(tokens: int, setup: TrainingSetup) -> str:
+    """The printed batch sampler by tokens over a map-style dataset, split across ranks where there are several."""
+    return (
         "```python\n"
         "def batches_by_tokens(lengths, max_tokens):\n"
         '    """Lists of sample indices, shortest first, each padded batch within max_tokens."""\n'
@@ -226,7 +262,7 @@ def _by_tokens(
             else f"loader = DataLoader(dataset, batch_sampler=batches_by_tokens(lengths, max_tokens={tokens}),"
             " collate_fn=collate)\n"
         )
-        + "```",
+        + "```"
     )
 
 
