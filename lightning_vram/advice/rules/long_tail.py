@@ -272,7 +272,9 @@ def _rank_share(tokens: int, setup: TrainingSetup) -> str:
     A list of batches is no ``BatchSampler``: Lightning cannot put its ``DistributedSampler`` into it and raises
     ("Lightning can't inject a (distributed) sampler into your batch sampler") unless told not to try
     (``use_distributed_sampler=False``, Fabric's ``setup_dataloaders`` too), and a plain loop's loader would give every
-    rank every batch. Ranks step together, so each takes the same number of batches.
+    rank every batch. Ranks step together, so each takes the same number of batches: the first few are repeated to
+    make up the count, as ``DistributedSampler`` repeats samples (dropping the rest would drop the longest batch, last
+    in the list: the very sequences batching by tokens keeps).
     """
     if setup.loop is TrainingLoop.LIGHTNING:
         where = (
@@ -289,7 +291,7 @@ def _rank_share(tokens: int, setup: TrainingSetup) -> str:
     return (
         f"{where}\n"
         f"batches = batches_by_tokens(lengths, max_tokens={tokens})  # shuffled with one seed on every rank\n"
-        "batches = batches[: len(batches) // world_size * world_size]  # as many on every rank: they step together\n"
+        "batches += batches[: -len(batches) % world_size]  # as many on every rank: a few twice\n"
         "loader = DataLoader(dataset, batch_sampler=batches[rank::world_size], collate_fn=collate)  # its share\n"
     )
 
