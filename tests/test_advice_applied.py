@@ -154,6 +154,30 @@ def test_large_linear_applied_saves_what_it_estimated(tmp_path: Path) -> None:
     assert advice_of(after, "large-linear") is None
 
 
+def sequence_cnn_body() -> list[nn.Module]:
+    """Two 1-D convolutions over 8 channels x 256 steps (a signal, a sequence's embeddings): a (B, 64, 256) map."""
+    return [nn.Conv1d(8, 64, 5, padding=2), nn.BatchNorm1d(64), nn.ReLU(inplace=True), nn.Conv1d(64, 64, 5, padding=2)]
+
+
+def test_large_linear_prints_the_pooling_of_the_maps_dimensions_and_applied_realises_it(tmp_path: Path) -> None:
+    # A Conv1d map flattened into Linear(64 * 256, 128). Before, the printed line pooled with AdaptiveAvgPool2d,
+    # which reads a (B, 64, 256) map as one unbatched (C, H, W) image: (B, 1, 1), then Linear(64, 128) raised.
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(96, 8, 256, generator=generator), torch.randint(0, 10, (96,), generator=generator))
+    head = [nn.Flatten(), nn.Linear(64 * 256, 128), nn.ReLU(), nn.Linear(128, 10)]
+    before = run(tmp_path, Classifier(nn.Sequential(*sequence_cnn_body(), *head), OPTIMIZERS["adam"]), data, 16)
+    advice = advice_of(before, "large-linear")
+    assert advice is not None and advice.estimated_saving_bytes is not None and before.peak is not None
+    (code,) = [block.split("```")[0].strip() for block in advice.detail.split("```python\n")[1:]]
+    assert code == "nn.Sequential(..., nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(64, 128))"
+    pooled = eval(code.replace("...", "*body"), {"nn": nn, "body": sequence_cnn_body()})  # as printed
+    network = nn.Sequential(*pooled, nn.ReLU(), nn.Linear(128, 10))  # the layers after the Linear, kept
+    after = run(tmp_path, Classifier(network, OPTIMIZERS["adam"]), data, 16)
+    assert after.peak is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes >= advice.estimated_saving_bytes  # realised, at least
+    assert advice_of(after, "large-linear") is None
+
+
 def mlp_head() -> nn.Sequential:
     """Most parameters in the first Linear, which reads raw features: no map to pool."""
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))

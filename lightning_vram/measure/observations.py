@@ -63,13 +63,15 @@ class ModuleFacts:
     ``input_saved_bytes`` / ``output_saved_bytes``: its input / output storages that it or its submodules saved
     for backward during the call. ``output_saved_for_backward``: autograd held its output when the forward pass
     ended (watched for activation modules only). ``input_feature_map``: ``(channels, positions)`` of the
-    convolutional feature map a ``Linear`` read flattened, else ``None``.
+    convolutional feature map a ``Linear`` read flattened, else ``None``; ``input_feature_map_dims``: that map's
+    dimensions past its channels (1 for ``Conv1d``'s ``(B, C, L)``, 2 for an image's, 3 for a volume's).
     """
 
     input_saved_bytes: int = 0
     output_saved_bytes: int = 0
     output_saved_for_backward: bool = False
     input_feature_map: tuple[int, int] | None = None
+    input_feature_map_dims: int | None = None
 
 
 @dataclass
@@ -142,7 +144,7 @@ class ModuleObserver:
         self._key_of = key_of
         self._calls: list[_Call] = []
         self._facts: dict[str, ModuleFacts] = {}
-        self._feature_maps: dict[int, tuple[_Alive, int, int]] = {}
+        self._feature_maps: dict[int, tuple[_Alive, int, int, int]] = {}
         self._watched_outputs: list[tuple[str, int, _Alive]] = []
 
     def facts(self, label: str) -> ModuleFacts:
@@ -165,9 +167,11 @@ class ModuleObserver:
         known = self._feature_maps.get(key)
         if known is None or not known[0]:
             return
-        _, channels, positions = known
+        _, channels, positions, dims = known
         if channels * positions == stored_attribute(linear, "in_features"):
-            self._facts.setdefault(label, ModuleFacts()).input_feature_map = (channels, positions)
+            facts = self._facts.setdefault(label, ModuleFacts())
+            facts.input_feature_map = (channels, positions)
+            facts.input_feature_map_dims = dims
 
     def saved(self, key: int) -> None:
         """Autograd saved storage ``key`` for backward inside the innermost module call."""
@@ -199,14 +203,14 @@ class ModuleObserver:
     ) -> None:
         key, reference = found
         if isinstance(module, FEATURE_MAP_LAYERS) and output.dim() >= 3:
-            self._feature_maps[key] = (reference, output.shape[1], math.prod(output.shape[2:]))
+            self._feature_maps[key] = (reference, output.shape[1], math.prod(output.shape[2:]), output.dim() - 2)
             return
         if first_input is None:
             return
         input_key, input_numel = first_input
         known = self._feature_maps.get(input_key)
         if known is not None and known[0] and output.numel() == input_numel:
-            self._feature_maps[key] = (reference, known[1], known[2])  # same map: activation, dropout, flatten
+            self._feature_maps[key] = (reference, *known[1:])  # same map: activation, dropout, flatten
 
     def forward_ended(self, holds: Callable[[int], bool]) -> None:
         """The forward pass ended: note which watched outputs autograd holds now (``holds(address)``)."""

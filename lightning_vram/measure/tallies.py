@@ -73,6 +73,7 @@ def module_profile(
         output_saved_bytes=facts.output_saved_bytes,
         output_saved_for_backward=facts.output_saved_for_backward,
         input_feature_map=facts.input_feature_map,
+        input_feature_map_dims=facts.input_feature_map_dims,
         calls=tally.calls,
     )
 

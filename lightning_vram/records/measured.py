@@ -150,7 +150,8 @@ class ModuleProfile:
     ``output_saved_for_backward``: autograd held its output when the forward pass ended, saved by it or by a
     later op (observed for modules with an ``inplace`` flag only).
     ``input_feature_map``: ``(channels, positions)`` of the convolutional feature map (the output of a Conv,
-    Pool or BatchNorm layer) a ``Linear`` read flattened, else ``None``.
+    Pool or BatchNorm layer) a ``Linear`` read flattened, else ``None``; ``input_feature_map_dims``: that map's
+    dimensions past its channels (1, 2 or 3: the pooling layer that fits it), ``None`` where not read.
     ``calls``: how many times the forward pass called it (a block's one ReLU, called twice, sums both calls).
     """
 
@@ -166,6 +167,7 @@ class ModuleProfile:
     output_saved_for_backward: bool = False
     input_feature_map: tuple[int, int] | None = None
     calls: int = 1
+    input_feature_map_dims: int | None = None
 
 
 @dataclass(frozen=True)

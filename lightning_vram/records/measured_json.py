@@ -61,6 +61,7 @@ def module_to_dict(profile: ModuleProfile) -> dict[str, Any]:
         "output_saved_for_backward": profile.output_saved_for_backward,
         "input_feature_map": list(profile.input_feature_map) if profile.input_feature_map is not None else None,
         "calls": profile.calls,
+        "input_feature_map_dims": profile.input_feature_map_dims,
     }
 
 
@@ -197,6 +198,7 @@ def module_from_dict(data: Any, where: str) -> ModuleProfile:
         output_saved_for_backward=fields.flag("output_saved_for_backward"),
         input_feature_map=_feature_map(fields.raw("input_feature_map"), f"{where}.input_feature_map"),
         calls=fields.added("calls", Reader.integer, 1),
+        input_feature_map_dims=fields.added("input_feature_map_dims", Reader.optional_integer, None),
     )
 
 

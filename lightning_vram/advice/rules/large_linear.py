@@ -31,16 +31,36 @@ def _with_model_state(removed: int, breakdown: Breakdown) -> int:
     return removed * model_state // breakdown.parameters
 
 
-def _candidates(summary: RunSummary, setup: TrainingSetup) -> list[tuple[int, LinearLayer, tuple[int, int]]]:
-    """Each Linear reading a flattened feature map: weight bytes pooling removes, the layer, (channels, positions)."""
-    maps = {profile.name: profile.input_feature_map for profile in summary.modules}
+POOLING = {1: "AdaptiveAvgPool1d", 2: "AdaptiveAvgPool2d", 3: "AdaptiveAvgPool3d"}
+"""The global average pooling layer for a map of 1, 2 or 3 dimensions past its channels."""
+
+
+def _candidates(
+    summary: RunSummary, setup: TrainingSetup
+) -> list[tuple[int, LinearLayer, tuple[int, int], int | None]]:
+    """Each Linear reading a flattened feature map: weight bytes pooling removes, the layer, (channels, positions).
+
+    The last item is the map's dimensions past its channels (``None`` where not read).
+    """
+    maps = {profile.name: (profile.input_feature_map, profile.input_feature_map_dims) for profile in summary.modules}
     candidates = []
     for layer in setup.linear_layers:
-        feature_map = maps.get(layer.name)
+        feature_map, dims = maps.get(layer.name, (None, None))
         if feature_map is None or feature_map[1] <= 1 or layer.weight_bytes <= 0:
             continue
-        candidates.append((layer.weight_bytes - layer.weight_bytes // feature_map[1], layer, feature_map))
+        candidates.append((layer.weight_bytes - layer.weight_bytes // feature_map[1], layer, feature_map, dims))
     return candidates
+
+
+def _pooled_code(channels: int, out_features: int, dims: int | None) -> str:
+    """The printed head with global average pooling first, for a map of ``dims`` dimensions past its channels.
+
+    >>> _pooled_code(64, 10, 1)
+    'nn.Sequential(..., nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(64, 10))'
+    """
+    pool = POOLING.get(dims) if dims is not None else None
+    code = f"nn.Sequential(..., nn.{pool or POOLING[2]}(1), nn.Flatten(), nn.Linear({channels}, {out_features}))"
+    return code if pool is not None else f"{code}  # AdaptiveAvgPool1d/3d for 1-D/3-D maps"
 
 
 def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
@@ -52,7 +72,7 @@ def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
     candidates = _candidates(summary, setup)
     if not candidates:
         return None
-    removed, layer, (channels, positions) = max(candidates, key=lambda candidate: candidate[0])
+    removed, layer, (channels, positions), dims = max(candidates, key=lambda candidate: candidate[0])
     saving = _with_model_state(removed, breakdown)
     if saving < MIN_SAVING_SHARE * peak.peak_bytes:
         return None
@@ -69,9 +89,7 @@ def large_linear(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             f" positions, so Linear({layer.in_features}, {layer.out_features}) becomes"
             f" Linear({channels}, {layer.out_features}) and its weight, gradients and optimizer state shrink"
             f" {positions}-fold. Pooling drops where things are in the map: accuracy may change, so validate.\n"
-            "```python\n"
-            f"nn.Sequential(..., nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear({channels}, {layer.out_features}))"
-            "  # AdaptiveAvgPool1d/3d for 1-D/3-D maps\n```"
+            f"```python\n{_pooled_code(channels, layer.out_features, dims)}\n```"
         ),
         evidence=(
             f"{layer.name}: Linear({layer.in_features} -> {layer.out_features}) reads the flattened output of a"
@@ -97,7 +115,7 @@ def why_not(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | 
     candidates = _candidates(summary, setup)
     if not candidates:
         return "no Linear reads a flattened convolutional feature map"
-    removed, layer, (_, positions) = max(candidates, key=lambda candidate: candidate[0])
+    removed, layer, (_, positions), _ = max(candidates, key=lambda candidate: candidate[0])
     saving = _with_model_state(removed, breakdown)
     return (
         f"pooling the {positions} positions before {layer.name} saves {format_bytes(saving)}"

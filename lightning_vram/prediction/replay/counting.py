@@ -159,7 +159,8 @@ class ReplayCounter:
         # Whether an output stayed saved and which feature map a Linear read are the sampled step's facts: a replay
         # leaves them unknown (their defaults).
         modules = tuple(
-            replace(profile, output_saved_for_backward=False, input_feature_map=None) for profile in attribution.modules
+            replace(profile, output_saved_for_backward=False, input_feature_map=None, input_feature_map_dims=None)
+            for profile in attribution.modules
         )
         return attribution.phases, modules
 
