@@ -17,6 +17,7 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -663,6 +664,56 @@ def test_dataloader_workers_as_printed_say_what_they_change_in_the_random_stream
     # Workers that are not persistent draw as the main process does: the same model, bit for bit.
     arguments["persistent_workers"] = False
     assert_identical(fit(tmp_path, build, lambda: shuffled(data, 16, **arguments), steps=12), plain)
+
+
+class Drawing(torch.utils.data.Sampler[int]):
+    """Draws each index as it is asked for (sampling with replacement): from the torch RNG, or ``generator``."""
+
+    def __init__(self, size: int, generator: torch.Generator | None = None) -> None:
+        self.size, self.generator = size, generator
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(self.size):
+            yield int(torch.randint(self.size, (), generator=self.generator))
+
+
+def test_dataloader_workers_say_a_sampler_drawing_as_it_yields_is_read_ahead(tmp_path: Path) -> None:
+    # The workers prefetch (2 batches each): the sampler's draws from the torch RNG come before Dropout's, from the
+    # first step, even without persistent workers, where the advice said training was the same bit for bit.
+    data = dataset_for("cnn", 64)
+
+    def build() -> pl.LightningModule:
+        return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
+
+    def drawn(generator: Callable[[], torch.Generator | None] = lambda: None, **options: Any) -> DataLoader[Any]:
+        return DataLoader(data, batch_size=16, sampler=Drawing(64, generator()), **options)
+
+    monitored = fit(tmp_path, build, drawn, steps=8, monitored=True)
+    assert monitored.report is not None
+    waiting = replace(
+        monitored.report.summary,
+        data_wait_fraction=0.5,
+        recent_data_wait_fraction=0.5,
+        step_seconds_median=1.0,
+        timed_steps=100,
+    )
+    setup = replace(training_setup(build(), [], dataloaders=drawn()), cpu_cores_per_device=3)
+    advice = dataloader_workers(waiting, setup)
+    assert advice is not None
+    assert "unless a sampler of yours draws from the torch RNG as it yields indices" in advice.detail
+    assert "a torch.Generator of its own keeps it apart" in advice.detail
+    arguments = {**printed_loader_arguments(advice), "persistent_workers": False}
+    plain = fit(tmp_path, build, drawn, steps=8)
+    assert fit(tmp_path, build, lambda: drawn(**arguments), steps=8).losses[0] != plain.losses[0]
+    # With a generator of its own, as the advice says, the workers train the same model, bit for bit.
+    own = partial(torch.Generator().manual_seed, 7)
+    assert_identical(
+        fit(tmp_path, build, lambda: drawn(own, **arguments), steps=8),
+        fit(tmp_path, build, lambda: drawn(own), steps=8),
+    )
 
 
 class Curriculum(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
