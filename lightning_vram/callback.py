@@ -311,7 +311,7 @@ class VramMonitor(Callback):
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self.session.evaluation_batch_start()
+        self.session.evaluation_batch_start(batch)
 
     @override
     @_apart

@@ -11,7 +11,7 @@ import torch
 from models import FLOAT32, PARAMETER_COUNTS, Classifier, dataset_for, linear_net, loader, trainer
 
 from lightning_vram import VramMonitor, VramMonitorWarning
-from lightning_vram.advice.oom import parse_oom_message
+from lightning_vram.advice.oom import evaluation_batch_size, parse_oom_message
 from lightning_vram.records import Phase
 from lightning_vram.testing import ScriptedBoundary, ScriptedProbe
 
@@ -212,3 +212,23 @@ def test_a_failing_diagnosis_never_replaces_the_users_error(tmp_path: Path) -> N
     assert any(message.startswith("VramMonitor: report files failed with") for message in messages)
     assert monitor.report is not None
     assert {"out-of-memory diagnosis", "report files"} <= {item.what for item in monitor.report.not_measured}
+
+
+def test_validation_oom_halves_the_validation_batch_that_ran_out(tmp_path: Path) -> None:
+    # Training batches of 8, validation batches of 4 that run out. The printed `batch_size=train_batch_size // 2`
+    # (4) left validation's batch as it was; where validation's is the smaller, it would have grown it.
+    module = FailsInValidation("validation")
+    monitor = VramMonitor(probe=ScriptedProbe(gpu_boundaries()), attribution_start_step=2, console_summary=False)
+    data = dataset_for("linear")
+    run = trainer(tmp_path, [monitor], max_steps=8, val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        run.fit(module, loader(data), loader(data, batch_size=4))
+    assert monitor.oom_diagnosis is not None
+    advice = monitor.oom_diagnosis.advice[0]
+    assert advice.id == "evaluation-batch-size" and "train_batch_size" not in advice.detail
+    printed = "return DataLoader(val_set, ..., batch_size=2)  # half the validation batch of 4 that ran out"
+    assert printed in advice.detail
+    assert "the validation batch held 4 sample(s)" in advice.evidence
+    # A validation batch of one has no half: what one sample holds is what to cut.
+    alone = evaluation_batch_size(4, None, 1)
+    assert "no smaller batch is left" in alone.detail and "```" not in alone.detail

@@ -62,8 +62,12 @@ def parse_oom_message(text: str) -> OomMessage:
     return OomMessage(**values)
 
 
-def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
-    """Advice for an out-of-memory error in validation: evaluate with a smaller batch (id ``evaluation-batch-size``)."""
+def evaluation_batch_size(step: int, training_peak: PhasePeak | None, batch_size: int | None = None) -> Advice:
+    """Advice for an out-of-memory error in validation: evaluate with a smaller batch (id ``evaluation-batch-size``).
+
+    ``batch_size``: the validation batch that ran out, where known: halved, as validation's own (a validation batch
+    already smaller than training's would grow at half the training batch); a batch of one cannot be.
+    """
     peak_text = (
         f"training peaked at {format_bytes(training_peak.peak_bytes)} ({training_peak.phase.value} of step"
         f" {training_peak.step})"
@@ -77,12 +81,32 @@ def evaluation_batch_size(step: int, training_peak: PhasePeak | None) -> Advice:
         detail=(
             "Lightning already runs validation without autograd, so no activations are kept for backward; what"
             " filled the device is the validation batch and its forward pass on top of the model state (and the"
-            " cache training left). Give validation its own, smaller batch size:\n"
-            "```python\ndef val_dataloader(self):\n"
-            "    return DataLoader(val_set, batch_size=train_batch_size // 2)\n```"
+            " cache training left). " + _smaller_validation_batch(batch_size)
         ),
-        evidence=f"out of memory in validation after step {step}; {peak_text}",
+        evidence=f"out of memory in validation after step {step}; {peak_text}"
+        + (f"; the validation batch held {batch_size} sample(s)" if batch_size is not None else ""),
         estimated_saving_bytes=None,
+    )
+
+
+def _smaller_validation_batch(batch_size: int | None) -> str:
+    """The change to validation's batch: half the batch that ran out, in words and code.
+
+    >>> print(_smaller_validation_batch(8).splitlines()[-2])
+        return DataLoader(val_set, ..., batch_size=4)  # half the validation batch of 8 that ran out
+    """
+    if batch_size == 1:
+        return (
+            "The validation batch that ran out holds one sample: no smaller batch is left. Make what one sample"
+            " holds smaller for validation (a shorter max_length, a smaller image), or validate less of it"
+            " (`Trainer(limit_val_batches=...)`)."
+        )
+    halved = f"{batch_size // 2}" if batch_size is not None else "validation_batch_size // 2"
+    told = f"  # half the validation batch of {batch_size} that ran out" if batch_size is not None else ""
+    return (
+        "Give validation its own batch, half the one that ran out (not half of training's, which may be larger):\n"
+        "```python\ndef val_dataloader(self):\n"
+        f"    return DataLoader(val_set, ..., batch_size={halved}){told}\n```"
     )
 
 
@@ -148,6 +172,7 @@ def diagnose(
     snapshot: Path | None,
     simulation: Simulation | None = None,
     preflight: PreflightVerdict | None = None,
+    evaluation_batch: int | None = None,
 ) -> OomDiagnosis:
     """Put together what was known when the error came.
 
@@ -179,7 +204,7 @@ def diagnose(
     if note is not None:
         notes = (*notes, note)
     if where == "validation":
-        advice.insert(0, evaluation_batch_size(step, summary.peak))
+        advice.insert(0, evaluation_batch_size(step, summary.peak, evaluation_batch))
     return OomDiagnosis(
         where=where,
         step=step,

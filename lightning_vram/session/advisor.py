@@ -471,10 +471,12 @@ class Advisor:
         tracker: MemoryTracker,
         summary: RunSummary,
         snapshot: tuple[Path | None, tuple[str, ...]] | None,
+        evaluation_batch: int | None = None,
     ) -> OomDiagnosis | None:
         """The rank's diagnosis of a CUDA out-of-memory ``error`` raised in ``where`` (``None`` after close).
 
-        ``snapshot`` is the allocator history saved beside it and the notes on saving it (``None``: not recorded).
+        ``snapshot`` is the allocator history saved beside it and the notes on saving it (``None``: not recorded);
+        ``evaluation_batch``: the size of the evaluation batch that ran out, where one did and it is known.
         """
         context = self._context
         model, setup = context.model, context.setup()
@@ -504,6 +506,7 @@ class Advisor:
             snapshot=snapshot[0] if snapshot is not None else None,
             simulation=self.simulation,
             preflight=self.preflight_verdict,
+            evaluation_batch=evaluation_batch,
         )
 
 

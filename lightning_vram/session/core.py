@@ -505,9 +505,9 @@ class VramSession:
         """An evaluation loop (``validation``, ``test`` or ``predict``) starts; outside a run it is measured alone."""
         self._evaluation.start(stage, model)
 
-    def evaluation_batch_start(self) -> None:
-        """An evaluation batch starts."""
-        self._evaluation.batch_start()
+    def evaluation_batch_start(self, batch: Any = None) -> None:
+        """An evaluation batch starts (``batch``: read for its size only, where an out-of-memory error names it)."""
+        self._evaluation.batch_start(batch)
 
     def evaluation_batch_end(self) -> None:
         """The evaluation batch ends: its allocator peak is kept if it is its stage's highest."""
@@ -591,7 +591,10 @@ class VramSession:
         phase = recorder.phase
         where = self._evaluation.stage or (phase.value if phase is not None else "training")
         snapshot = sinks.snapshot(directory, context.rank, context.world_size) if self._history.recording else None
-        diagnosis = self._advisor.diagnose_oom(error, where, phase, recorder.tracker, self.summary(), snapshot)
+        evaluation_batch = self._evaluation.batch_size if self._evaluation.stage is not None else None
+        diagnosis = self._advisor.diagnose_oom(
+            error, where, phase, recorder.tracker, self.summary(), snapshot, evaluation_batch
+        )
         if diagnosis is not None:
             self.oom_diagnosis = diagnosis
             sinks.diagnosis(diagnosis, directory, context.rank, context.world_size)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from lightning_vram.config import MonitorConfig
+from lightning_vram.measure.tensors import batch_size_of, time_major
 from lightning_vram.session.context import RunContext, model_device
 from lightning_vram.session.recorder import StepRecorder
 
@@ -24,6 +27,9 @@ class EvaluationLoops:
         """The loop running now (``"validation"``, ``"test"``, ``"predict"``); ``None`` outside one."""
         self.standalone = False
         """Whether the loop running now is measured alone: its probe was opened for it and closes with it."""
+        self.batch_size: int | None = None
+        """The size of the evaluation batch running now (its first tensor's first dimension); ``None`` where not
+        told or without one: the batch to halve where it runs out of memory."""
 
     def start(self, stage: str, model: nn.Module | None) -> None:
         """The loop of ``stage`` starts; outside a run (no probe open) and with a ``model`` it is measured alone."""
@@ -34,9 +40,10 @@ class EvaluationLoops:
             recorder.open(self._config.probe, context.device, self._config.utilization_interval_seconds)
             self.standalone = True
 
-    def batch_start(self) -> None:
-        """An evaluation batch starts."""
+    def batch_start(self, batch: Any = None) -> None:
+        """An evaluation batch starts (``batch``, where given, is read for its size: shapes only)."""
         if self.stage is not None:
+            self.batch_size = batch_size_of(batch) if batch is not None and time_major(batch) is None else None
             self._recorder.evaluation_batch_start()
 
     def batch_end(self) -> None:
