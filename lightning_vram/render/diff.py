@@ -2,9 +2,10 @@
 
 The peak and each of its parts (or, where the peak moved to another phase, each phase compared with itself), the
 run's settings as the reports record them (a setting a report does not record is said to be "not recorded"), the
-advice added, removed and changed, and where run B applied one of the changes run A's replay simulated (a precision,
-a batch size, a length cap, or a checkpointing plan, which B's recomputed units show, each re-run whole or under
-torch's selective checkpointing as the plan says), the peak A's replay predicted for it beside the peak B measured,
+advice added, removed and changed (not compared where a run measured no step: it stopped first), and where run B
+applied one of the changes run A's replay simulated (a precision, a batch size, a length cap, or a checkpointing
+plan, which B's recomputed units show, each re-run whole or under torch's selective checkpointing as the plan says),
+the peak A's replay predicted for it beside the peak B measured,
 and the step-time cost A's advice predicted for it beside the change of B's median step time. Where B checkpointed a
 simulated plan's units otherwise (selectively where the plan keeps them whole), it says that A's prediction is of
 another plan, with no verdict. A step-time ratio or verdict always comes with how much each run's step times varied
@@ -254,7 +255,23 @@ def settings_lines(before: Report, after: Report) -> list[str]:
         f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
         " of step time",
         _setting("units recomputed in backward (activation checkpointing)", _recomputed(before), _recomputed(after)),
+        *_ending_lines(before, after),
     ]
+
+
+def _ending(report: Report) -> str:
+    """How the run ended, as its report says: "finished", or the error it stopped with."""
+    return "finished" if report.ended_with is None else f"stopped with {printable(report.ended_with)}"
+
+
+def _ending_lines(before: Report, after: Report) -> list[str]:
+    """How each run ended, where either stopped with an error (none where both finished)."""
+    if before.ended_with is None and after.ended_with is None:
+        return []
+    endings = _ending(before), _ending(after)
+    if endings[0] == endings[1]:
+        return [f"  run ended: {endings[0]} in both runs"]
+    return [f"  run ended: {endings[0]} -> {endings[1]}"]
 
 
 def _advice_change(before: Advice, after: Advice) -> str | None:
@@ -275,12 +292,45 @@ def _advice_change(before: Advice, after: Advice) -> str | None:
     return "; ".join(changes) or None
 
 
+def _unmeasured_advice_line(before: Report, after: Report) -> str | None:
+    """Why the advice is not compared, where a run measured no training step (it stopped first).
+
+    Its rules had no evidence there, and advice gone is not advice the change fixed. ``None`` where both runs
+    measured a step.
+    """
+    for run, report, other in (("A", before, after), ("B", after, before)):
+        if report.peak is not None:
+            continue
+        stopped = f" (it stopped with {printable(report.ended_with)})" if report.ended_with is not None else ""
+        other_run = "B" if run == "A" else "A"
+        advised = ", ".join(sorted(item.id.value for item in other.advice)) or "nothing"
+        return f"advice: not compared: {run} measured no training step{stopped}; {other_run} advised {advised}"
+    return None
+
+
 def advice_lines(before: Report, after: Report) -> list[str]:
-    """Advice removed, added and changed (same id, another title, severity, saving or predicted peak)."""
+    """Advice removed, added and changed (same id, another title, severity, saving or predicted peak).
+
+    Not compared where either run measured no step (:func:`_unmeasured_advice_line`); where a run stopped with an
+    error after some steps, the advice it lacks is said to cover only its steps until then.
+    """
+    unmeasured = _unmeasured_advice_line(before, after)
+    if unmeasured is not None:
+        return [unmeasured]
     by_id_before = {item.id.value: item for item in before.advice}
     by_id_after = {item.id.value: item for item in after.advice}
-    lines = [f"advice removed: {advice_id}" for advice_id in sorted(by_id_before.keys() - by_id_after.keys())]
-    lines += [f"advice added: {advice_id}" for advice_id in sorted(by_id_after.keys() - by_id_before.keys())]
+    stopped = {
+        run: f" ({run} stopped with an error: its advice covers its steps until then)"
+        if report.ended_with is not None
+        else ""
+        for run, report in (("A", before), ("B", after))
+    }
+    lines = [
+        f"advice removed: {advice_id}{stopped['B']}" for advice_id in sorted(by_id_before.keys() - by_id_after.keys())
+    ]
+    lines += [
+        f"advice added: {advice_id}{stopped['A']}" for advice_id in sorted(by_id_after.keys() - by_id_before.keys())
+    ]
     for advice_id in sorted(by_id_before.keys() & by_id_after.keys()):
         change = _advice_change(by_id_before[advice_id], by_id_after[advice_id])
         if change is not None:
