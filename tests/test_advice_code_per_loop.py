@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 from advice_summaries import GIB, GPU, HEALTHY_BREAKDOWN, healthy_setup, healthy_summary, peak
 
+from lightning_vram.advice.checkpoint_code import CodeContext
 from lightning_vram.advice.rules.mixed_precision import mixed_precision
 from lightning_vram.advice.rules.optimizer_state import optimizer_state
 from lightning_vram.records import Advice, Phase, TrainingLoop
@@ -66,3 +67,19 @@ def test_optimizer_state_sharding_code_is_the_loops(loop: TrainingLoop, expected
     assert expected in code, code
     if loop is not TrainingLoop.LIGHTNING:
         assert "Trainer(" not in code, code  # before: Trainer(strategy="fsdp", devices=4)
+
+
+def test_fabric_checkpoint_lines_name_the_module_as_built_not_what_session_start_took() -> None:
+    """A new user's Fabric loop passed `fabric.setup`'s wrapper to `session.start`, as the README allows; the printed
+    checkpointing lines said `model` was "the module given to `session.start`" and that they go "before
+    `fabric.setup(model, optimizer)`", before that wrapper exists. They now name the module as built."""
+    fabric = CodeContext(TrainingLoop.FABRIC).built("the model")
+    assert "session.start" not in fabric
+    assert fabric == (
+        "after building the model (`model`: your module as built, the one you pass to `fabric.setup`),"
+        " before `fabric.setup(model, optimizer)`"
+    )
+    assert CodeContext(TrainingLoop.PLAIN).built("the model") == (
+        "after building the model (`model`: the module given to `session.start`), before creating its optimizer and"
+        " starting the loop"
+    )

@@ -177,15 +177,24 @@ class CodeContext:
 
         >>> CodeContext(TrainingLoop.FABRIC).built("the model").partition("), ")[2]
         'before `fabric.setup(model, optimizer)`'
+
+        Under Fabric, ``model`` is the module as built, not the wrapper ``fabric.setup`` returns (which
+        ``session.start`` also takes, and which does not exist yet where the lines go).
+
+        >>> CodeContext(TrainingLoop.FABRIC).built("the model").partition("), ")[0]
+        'after building the model (`model`: your module as built, the one you pass to `fabric.setup`'
         """
         if self.loop is TrainingLoop.LIGHTNING:
             return f"in the LightningModule's __init__, once {what} is built"
-        before = (
-            "before `fabric.setup(model, optimizer)`"
-            if self.loop is TrainingLoop.FABRIC
-            else "before creating its optimizer and starting the loop"
+        if self.loop is TrainingLoop.FABRIC:
+            return (
+                "after building the model (`model`: your module as built, the one you pass to `fabric.setup`),"
+                " before `fabric.setup(model, optimizer)`"
+            )
+        return (
+            "after building the model (`model`: the module given to `session.start`), before creating its optimizer"
+            " and starting the loop"
         )
-        return f"after building the model (`model`: the module given to `session.start`), {before}"
 
     @property
     def root_forward(self) -> str:
