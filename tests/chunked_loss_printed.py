@@ -26,17 +26,25 @@ class OwnOrPrinted(pl.LightningModule):
     ``build``: makes the ``transformers`` model; a batch is its ids, attention mask and labels.
     """
 
-    def __init__(self, build: Callable[[], torch.nn.Module], helper: Any = None, usage: str | None = None) -> None:
+    def __init__(
+        self,
+        build: Callable[[], torch.nn.Module],
+        helper: Any = None,
+        usage: str | None = None,
+        features: bool = False,
+    ) -> None:
         super().__init__()
         self.model = build()
-        self.helper, self.usage = helper, usage
+        self.helper, self.usage, self.features = helper, usage, features
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         ids, mask, labels = batch
         if self.usage is None:
-            own: Tensor = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            inputs = {"input_features": ids} if self.features else {"input_ids": ids, "attention_mask": mask}
+            own: Tensor = self.model(**inputs, labels=labels).loss
             return own
-        namespace = {"model": self.model, "ids": ids, "mask": mask, "labels": labels}
+        # a speech model's batch starts with its features (``features`` in the printed lines), a text model's ids
+        namespace = {"model": self.model, "features" if self.features else "ids": ids, "mask": mask, "labels": labels}
         namespace["chunked_cross_entropy"] = self.helper
         exec(self.usage, namespace)  # the advice's own lines, as a user would paste them
         chunked: Tensor = namespace["loss"]
@@ -73,24 +81,31 @@ def printed(advice: Advice, header: str, first: str) -> tuple[Any, str]:
 
 
 def check_printed_loss(
-    root: Path, build: Callable[[], torch.nn.Module], data: TensorDataset, batch: int, header: str, first: str
+    root: Path,
+    build: Callable[[], torch.nn.Module],
+    data: TensorDataset,
+    batch: int,
+    header: str,
+    first: str,
+    features: bool = False,
 ) -> None:
     """Trained on its own loss the model is advised the chunked loss; its printed lines compute that loss (to float32
     rounding, on one batch in eval mode: no dropout) and, trained as printed, realise the saving the advice gave
-    (within 10%), after which the advice is gone."""
+    (within 10%), after which the advice is gone. ``features``: the model reads ``input_features`` (speech), the
+    batch's first tensor, not ``input_ids``."""
     torch.manual_seed(0)
-    before = _report(root / "before", OwnOrPrinted(build), data, batch)
+    before = _report(root / "before", OwnOrPrinted(build, features=features), data, batch)
     advice = next((item for item in before.advice if item.id is AdviceId.CHUNKED_LOSS), None)
     assert advice is not None, [item.id for item in before.advice]
     helper, usage = printed(advice, header, first)
     one = next(iter(loader(data, batch)))
     torch.manual_seed(0)
-    own = OwnOrPrinted(build).eval().training_step(one, 0)
+    own = OwnOrPrinted(build, features=features).eval().training_step(one, 0)
     torch.manual_seed(0)
-    chunked = OwnOrPrinted(build, helper, usage).eval().training_step(one, 0)
+    chunked = OwnOrPrinted(build, helper, usage, features).eval().training_step(one, 0)
     assert chunked.item() == pytest.approx(own.item(), rel=1e-5)
     torch.manual_seed(0)
-    after = _report(root / "after", OwnOrPrinted(build, helper, usage), data, batch)
+    after = _report(root / "after", OwnOrPrinted(build, helper, usage, features), data, batch)
     assert before.peak is not None and after.peak is not None and advice.estimated_saving_bytes is not None
     realised = before.peak.peak_bytes - after.peak.peak_bytes
     assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.1)

@@ -252,6 +252,13 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             "#     encoder_hidden_states=encoded, encoder_attention_mask=mask).last_hidden_state\n"
             "# decoded = decoded * model.model_dim**-0.5  # T5's scaling, as above\n"
             "# loss = chunked_cross_entropy(decoded.flatten(0, 1), model.lm_head, labels.flatten())\n"
+            "# A speech encoder-decoder (Whisper; head: model.proj_out) reads its input_features (features), and\n"
+            "# its module's own function shifts the labels right (no prepare_decoder_input_ids_from_labels):\n"
+            "# from transformers.models.whisper.modeling_whisper import shift_tokens_right\n"
+            "# encoded = model.get_encoder()(input_features=features).last_hidden_state\n"
+            "# decoded = model.get_decoder()(input_ids=shift_tokens_right(labels, model.config.pad_token_id,\n"
+            "#     model.config.decoder_start_token_id), encoder_hidden_states=encoded).last_hidden_state\n"
+            "# loss = chunked_cross_entropy(decoded.flatten(0, 1), model.proj_out, labels.flatten())\n"
             f"{_fabric_lines(setup)}"
             "```"
         ),
