@@ -222,6 +222,15 @@ def _code_path(name: str, forward_of: str, root: str = "self") -> str:
     return root + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
 
 
+def code_path(name: str, forward_of: str, root: str = "self") -> str:
+    """Module ``name`` as code (:func:`_code_path`), for the rules that print lines changing a module by name.
+
+    >>> code_path("features.1", "", "model")
+    'model.features[1]'
+    """
+    return _code_path(name, forward_of, root)
+
+
 def _unit_line(unit: tuple[str, ...], forward_of: str) -> str:
     """The line checkpointing one unit: its modules, and the module or a lambda running them in order."""
     paths = [_code_path(name, forward_of) for name in unit]

@@ -9,6 +9,7 @@ raised means no advice), else the saved inputs merged.
 
 from __future__ import annotations
 
+from lightning_vram.advice.checkpoint_code import CodeContext, code_path
 from lightning_vram.advice.rules.base import Rule, attributed_peak, replayed_reason, share_text
 from lightning_vram.advice.savings import Discarded, Modelled, Saving, resolve_saving
 from lightning_vram.records import (
@@ -148,13 +149,29 @@ def inplace_activations(
             " two tensors. Inplace, they compute the gradient from their result, so one tensor serves both. This is"
             f" safe for autograd here (no earlier op saved these inputs), {_read_again(saving)}"
             f" {_numerics(types)}\n"
-            f"```python\nnn.{largest.type}(inplace=True)  # its other arguments as they were\n```"
+            f"```python\n{_code(safe, setup, largest.type)}\n```"
         ),
         evidence=evidence,
         estimated_saving_bytes=saving.saving_bytes,
         saving_basis=saving.basis,
         predicted_peak_bytes=saving.predicted_peak_bytes,
     )
+
+
+def _code(safe: list[ModuleProfile], setup: TrainingSetup, example: str) -> str:
+    """The lines making each of ``safe`` compute inplace, by name, and no other module.
+
+    By class (``nn.ELU(inplace=True)``) the code named no module: a trial's CNN was advised 2 of its 3 ELUs, and an
+    activation left out because an earlier op saved its input breaks backward made inplace. Setting ``inplace`` on
+    the built module keeps its other arguments; a module the forward calls in several places changes in each.
+    """
+    context = CodeContext(setup.loop)
+    lines = [
+        f"# {context.built('the model')}: these modules compute inplace (as `nn.{example}(inplace=True)`),",
+        "# every other module as it is",
+        *(f"{code_path(profile.name, '', context.model)}.inplace = True" for profile in safe),
+    ]
+    return "\n".join(lines)
 
 
 READ_LATER = "would train another model"

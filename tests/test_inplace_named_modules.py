@@ -1,0 +1,77 @@
+"""The inplace-activations advice names the modules it makes inplace, in code that changes only those.
+
+A new user's trial (the fourteenth session) was advised "Use inplace activations (e.g. `ELU(inplace=True)`) in 2
+module(s)" for a CNN with three ELUs, with the code ``nn.ELU(inplace=True)  # its other arguments as they were``:
+which two, the code did not say. Where an activation is left out because an earlier op saved its input (the evidence
+says so, in words), making every activation of that class inplace, as the code reads, breaks backward. The code now
+sets ``inplace = True`` on each module the advice names, and only on those.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from advice_models import features
+from models import OPTIMIZERS, Classifier, loader, trainer
+from torch import nn
+
+from lightning_vram import Report, VramMonitor
+from lightning_vram.records import Advice, AdviceId
+
+WIDTH = 256
+
+
+class GatedMLP(nn.Module):
+    """Two LeakyReLUs: ``act1`` after a Linear (safe inplace), ``act2`` after a sigmoid, which saved its output for
+    backward (inplace would overwrite it: left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH)
+        self.act1 = nn.LeakyReLU()
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+        self.act2 = nn.LeakyReLU()
+        self.fc3 = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gated = torch.sigmoid(self.fc2(self.act1(self.fc1(x))))
+        out: torch.Tensor = self.fc3(self.act2(gated))
+        return out
+
+
+def _run(root: Path, module: Classifier) -> Report:
+    torch.manual_seed(0)
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(root, [monitor], max_steps=3).fit(module, loader(features(1024, WIDTH), 512))
+    assert monitor.report is not None and monitor.report.peak is not None
+    return monitor.report
+
+
+def _code(advice: Advice) -> str:
+    (code,) = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)
+    return code
+
+
+@pytest.mark.replay  # the advice's saving is replayed
+def test_the_printed_code_makes_only_the_named_modules_inplace(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = Classifier(GatedMLP(), OPTIMIZERS["adam"])
+    before = _run(tmp_path / "before", plain)
+    advice = next((item for item in before.advice if item.id is AdviceId.INPLACE_ACTIVATIONS), None)
+    assert advice is not None, [item.id for item in before.advice]
+    assert "left out because autograd saved their input for an earlier op: network.act2" in advice.evidence
+    code = _code(advice)
+    # Before: 'nn.LeakyReLU(inplace=True)  # its other arguments as they were', both LeakyReLUs by their class.
+    assert [line for line in code.splitlines() if not line.startswith("#")] == ["self.network.act1.inplace = True"]
+    torch.manual_seed(0)
+    applied = Classifier(GatedMLP(), OPTIMIZERS["adam"])
+    exec(code, {"self": applied})  # in the LightningModule's __init__, as the code's comment says
+    after = _run(tmp_path / "after", applied)
+    assert before.peak is not None and after.peak is not None and advice.estimated_saving_bytes is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    # LeakyReLU's inplace gradient is the same arithmetic: the same model, bit for bit.
+    for (name, trained), (_, again) in zip(plain.state_dict().items(), applied.state_dict().items(), strict=True):
+        assert torch.equal(trained, again), name
