@@ -158,6 +158,20 @@ def inplace_activations(
     )
 
 
+WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+"""The names a wrapper gives the module it holds (FSDP1's, torch's checkpoint wrapper's, ``torch.compile``'s):
+not in the model as built, where the printed lines go."""
+
+
+def _as_built(name: str) -> str:
+    """Module ``name`` as the model has it once built, before a strategy or ``torch.compile`` wrapped it.
+
+    >>> _as_built("_fsdp_wrapped_module.network.1"), _as_built("network.1")
+    ('network.1', 'network.1')
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
 def _code(safe: list[ModuleProfile], setup: TrainingSetup, example: str) -> str:
     """The lines making each of ``safe`` compute inplace, by name, and no other module.
 
@@ -169,7 +183,7 @@ def _code(safe: list[ModuleProfile], setup: TrainingSetup, example: str) -> str:
     lines = [
         f"# {context.built('the model')}: these modules compute inplace (as `nn.{example}(inplace=True)`),",
         "# every other module as it is",
-        *(f"{code_path(profile.name, '', context.model)}.inplace = True" for profile in safe),
+        *(f"{code_path(_as_built(profile.name), '', context.model)}.inplace = True" for profile in safe),
     ]
     return "\n".join(lines)
 
