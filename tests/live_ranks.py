@@ -72,4 +72,6 @@ def check_inplace_advice(ranks: list[dict[str, Any]], batch: int, width: int) ->
         assert basis == "simulated", rank
         assert saving >= 3 * batch * width * 4, (rank, saving)
         assert "nn.LeakyReLU(inplace=True)" in detail
+        # each module by its name in the model as built: no wrapper's (FSDP1's `_fsdp_wrapped_module`)
+        assert "[1].inplace = True" in detail and "_fsdp_wrapped_module" not in detail, detail
     assert len(ranks) == WORLD_SIZE
