@@ -293,15 +293,15 @@ def _advice_change(before: Advice, after: Advice) -> str | None:
 
 
 def _unmeasured_advice_line(before: Report, after: Report) -> str | None:
-    """Why the advice is not compared, where a run measured no training step (it stopped first).
+    """Why the advice is not compared, where a run stopped with an error before it measured a training step.
 
     Its rules had no evidence there, and advice gone is not advice the change fixed. ``None`` where both runs
-    measured a step.
+    measured a step, or where one measured none without an error (compared as before).
     """
     for run, report, other in (("A", before, after), ("B", after, before)):
-        if report.peak is not None:
-            continue
-        stopped = f" (it stopped with {printable(report.ended_with)})" if report.ended_with is not None else ""
+        if report.peak is not None or report.ended_with is None:
+            continue  # a step measured, or no error (an empty run's report, or one written before ended_with)
+        stopped = f" (it stopped with {printable(report.ended_with)})"
         other_run = "B" if run == "A" else "A"
         advised = ", ".join(sorted(item.id.value for item in other.advice)) or "nothing"
         return f"advice: not compared: {run} measured no training step{stopped}; {other_run} advised {advised}"
