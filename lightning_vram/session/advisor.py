@@ -30,7 +30,7 @@ from lightning_vram.measure.live import outside_dispatch_modes
 from lightning_vram.measure.probes import Probe
 from lightning_vram.measure.saved_hooks import saved_tensor_hooks_active
 from lightning_vram.measure.storages import model_state_bytes
-from lightning_vram.measure.tensors import batch_size_of
+from lightning_vram.measure.tensors import batch_size_of, iter_tensors
 from lightning_vram.measure.tracker import MemoryTracker
 from lightning_vram.prediction.allocator.settings import AllocatorSettings
 from lightning_vram.prediction.predictor import Predictor
@@ -95,6 +95,7 @@ class Advisor:
         gather); empty before preflight."""
         self._preflight_warning: str | None = None  # this rank's own warning, given once the ranks have agreed
         self._preflight_shape: tuple[tuple[int, ...] | None, int | None] = (None, None)
+        self._preflight_batch_bytes = 0  # the first batch's own bytes, alive beside its resized copy in preflight
         self._shape_dimension: int | None = None  # the dimension max_shape's predicted row is read along
         self.replayed_step: int | None = None
         """The step whose batch :attr:`simulation` replayed."""
@@ -163,6 +164,7 @@ class Advisor:
         if training is None:
             return "the training set-up could not be read"
         shape, length = self._preflight_shape = self._expected(batch, training)
+        self._preflight_batch_bytes = _batch_bytes(batch)
         if not (on_cuda or length is not None):
             return f"no device memory to fit on ({device.type}) and no longest batch to replay"
 
@@ -392,10 +394,46 @@ class Advisor:
         if length is not None:
             self.lengths.append(LengthPeak(length, peak_bytes, attribution.step))
         run = summary()
+        if worst:
+            self._expected_again(batch, run.device)
         total = run.device.total_bytes
         if worst and run.on_cuda and total and baseline.peak.peak_bytes > total:
             warning = worst_batch_warning(attribution.step, length, baseline.peak.peak_bytes, total)
             warn(f"{self._guard.owner}: {warning}")
+
+    def _expected_again(self, batch: Any, device: DeviceInfo) -> None:
+        """The largest shape expected (``max_length``, ``max_shape``) replayed again from a worst batch's values.
+
+        Preflight resized the first batch, tiling its values: a step that reads them takes that batch's branch. A
+        trial's GPT-NeoX, whose first batch had no padding (a mask of ones: transformers builds no attention mask),
+        was predicted at 132.2 MiB for 512 tokens where its padded batches of 512 measured 148.2 MiB. The predicted
+        row keeps the higher of the two replays, each with the first batch alive beside the resized one, as preflight
+        counts it (this replay's own batch, alive instead, is exchanged for it): where the values choose no branch
+        (images), the two agree and the row stays.
+        """
+        shape, expected = self._preflight_shape
+        rows = [index for index, row in enumerate(self.lengths) if row.step is None]
+        context = self._context
+        if shape is None or expected is None or not rows or context.model is None or context.step_function is None:
+            return
+        training = self._guard.call(Part.REPLAY, context.setup)
+        if training is None:
+            return
+
+        def replay() -> int | None:
+            predictor = self._preflight_replays(batch, training, shape, device)
+            if isinstance(predictor, str):
+                return None
+            step = replay_resized(predictor)
+            if not isinstance(step, ReplayedStep):
+                return None
+            return step.reported_bytes(step.reported_peak) - _batch_bytes(batch) + self._preflight_batch_bytes
+
+        with outside_dispatch_modes():
+            peak_bytes = self._guard.call(Part.REPLAY, replay)
+        index = rows[0]
+        if peak_bytes is not None and peak_bytes > self.lengths[index].peak_bytes:
+            self.lengths[index] = replace(self.lengths[index], peak_bytes=peak_bytes)
 
     def _rank_simulation(
         self,
@@ -515,6 +553,11 @@ def _unsharded_optimizers(sharding: LiveSharding, model: nn.Module) -> list[torc
     if sharding.optimizer is None:
         return None
     return [unsharded_optimizer(sharding.optimizer, list(model.parameters()))]
+
+
+def _batch_bytes(batch: Any) -> int:
+    """The bytes of the batch's own tensors."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in iter_tensors(batch))
 
 
 def _sampled_peaks(summary: RunSummary, step: int) -> dict[Phase, PhasePeak] | None:
