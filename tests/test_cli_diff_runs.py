@@ -182,7 +182,7 @@ def test_the_settings_and_timing_of_both_runs(
         f"  step time (median): {seconds_before * 1000:.1f} ms -> {seconds_after * 1000:.1f} ms ({ratio:.2f}x); step"
         " times vary"
         " (interquartile range over the median) not recorded in A, not recorded in B: reliability unknown",
-        f"  data wait: {waits[0]} -> {waits[1]} of step time",
+        f"  data wait (of step time): {waits[0]} -> {waits[1]}",
         "  units recomputed in backward (activation checkpointing): 0 in both runs",
     ]
     assert lines[1] == f"  in {before['peak']['phase']} in both runs"

@@ -252,8 +252,8 @@ def settings_lines(before: Report, after: Report) -> list[str]:
         *strategy,
         _setting("device", _device(before), _device(after)),
         _step_time_line(before, after),
-        f"  data wait: {_share(before.timing.data_wait_fraction)} -> {_share(after.timing.data_wait_fraction)}"
-        " of step time",
+        f"  data wait (of step time): {_share(before.timing.data_wait_fraction)} ->"
+        f" {_share(after.timing.data_wait_fraction)}",
         _setting("units recomputed in backward (activation checkpointing)", _recomputed(before), _recomputed(after)),
         *_ending_lines(before, after),
     ]
