@@ -23,7 +23,7 @@ from replay_models import CausalLM
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_vram import VramMonitor
-from lightning_vram.advice.rules.long_tail import long_tail, long_tail_changes
+from lightning_vram.advice.rules.long_tail import CAP_LENGTH_CODE, long_tail, long_tail_changes
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import MAX_LENGTHS, ShapeRecorder
 from lightning_vram.records import AdviceId, LengthChange, Report, TokensPerBatchChange, TrainingLoop
@@ -397,3 +397,38 @@ def test_batching_by_tokens_over_a_stream_is_printed_for_a_stream(tmp_path: Path
     applied = run(tmp_path / "by-tokens", loader=loader, steps=len(batches))
     assert applied.peak is not None
     assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
+
+
+def _printed_cap_length() -> Callable[..., Any]:
+    """The advice's `cap_length`, run as printed (the detail holds CAP_LENGTH_CODE verbatim)."""
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(CAP_LENGTH_CODE, namespace)
+    return namespace["cap_length"]  # type: ignore[no-any-return]
+
+
+def _padded(lengths: list[int], left: bool) -> dict[str, torch.Tensor]:
+    """A tokenizer's dict batch of ``lengths`` tokens, padded (0) on the left (Llama's tokenizers) or the right."""
+    longest = max(lengths)
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        place = slice(longest - length, longest) if left else slice(0, length)
+        ids[row, place] = torch.arange(1, length + 1)
+        mask[row, place] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left-padded", "right-padded"])
+def test_the_printed_cap_keeps_every_sequence_of_a_padded_batch_either_side(left: bool) -> None:
+    """Cut at the right, a left-padded batch (LlamaTokenizerFast's default) kept only its long sequence's tokens:
+    before, 64, 0, 0 and 0 tokens of sequences of 300, 40, 20 and 12 (the short ones all padding)."""
+    lengths = [300, 40, 20, 12]
+    batch = _padded(lengths, left)
+    cut = _printed_cap_length()(batch, 64)
+    assert cut["input_ids"].shape == (4, 64)  # the shape the replay cut: its saving holds
+    assert cut["attention_mask"].sum(1).tolist() == [64, 40, 20, 12]  # before (left): [64, 0, 0, 0]
+    kept = cut["input_ids"][cut["attention_mask"].bool()].split([64, 40, 20, 12])
+    whole = batch["input_ids"][batch["attention_mask"].bool()].split(lengths)
+    for row, (tokens, sequence) in enumerate(zip(kept, whole, strict=True)):
+        assert torch.equal(tokens, sequence[-64:] if left else sequence[:64]), row  # a left-padded one: its last 64
+    assert torch.equal(cut["labels"], cut["input_ids"].masked_fill(cut["attention_mask"] == 0, -100))

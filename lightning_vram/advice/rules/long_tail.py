@@ -94,9 +94,14 @@ def _remedy(summary: RunSummary, simulation: Simulation | None, change: StepChan
 CAP_LENGTH_CODE = '''def cap_length(batch, cap, lengths=None):
     """A tensor, dict or tuple batch cut to `cap` along each dimension past the first as long as its sequences
     (token ids, masks, token labels; a (B, L, L) mask along both); a label per sequence (B,) is kept whole, and
-    `lengths`, the key or index of a tensor of each sequence's length, is clamped to `cap`."""
+    `lengths`, the key or index of a tensor of each sequence's length, is clamped to `cap`. A batch padded on the
+    left (its "attention_mask" ends every row with a token: Llama's tokenizers pad there) keeps each sequence's
+    last `cap` tokens; cut at the right end, its shorter sequences would be left all padding."""
     values = list(batch.values()) if hasattr(batch, "items") else [batch] if torch.is_tensor(batch) else list(batch)
     length = next(value.shape[1] for value in values if torch.is_tensor(value) and value.dim() >= 2)
+    mask = batch.get("attention_mask") if hasattr(batch, "items") else None
+    left = mask is not None and mask.dim() == 2 and bool(mask[:, -1].all()) and not bool(mask[:, 0].all())
+    start = max(length - cap, 0) if left else 0
 
     def cut(key, value):
         if lengths is not None and key == lengths:
@@ -104,7 +109,7 @@ CAP_LENGTH_CODE = '''def cap_length(batch, cap, lengths=None):
         if torch.is_tensor(value):
             for dim in range(1, value.dim()):
                 if value.shape[dim] == length:
-                    value = value.narrow(dim, 0, min(cap, length))
+                    value = value.narrow(dim, start, min(cap, length))
         return value
 
     if hasattr(batch, "items"):
@@ -116,7 +121,10 @@ CAP_LENGTH_CODE = '''def cap_length(batch, cap, lengths=None):
 dimension 1 of its first tensor with two or more), so a sequence's label, shape ``(B,)``, is left whole; a tensor of
 each sequence's length is clamped to the cap where the user names it (``lengths=``): a step that indexes by it
 (``output[arange(B), lengths - 1]``) replays on the cut batch, where fake tensors check no index, but would raise
-in training."""
+in training. A dict batch padded on the left (``LlamaTokenizerFast`` pads there by default), told by its
+``attention_mask``, is cut at its left end, the same shape: cut at the right, every sequence shorter than its length
+less the cap was left all padding (a 300-token batch capped at 64 kept 64, 0, 0 and 0 tokens of sequences of 300, 40,
+20 and 12)."""
 
 STREAM_BY_TOKENS_CODE = '''class BatchesByTokens(torch.utils.data.IterableDataset):
     """The stream's samples in lists, each padded batch within max_tokens (a longer sample alone), none cut.
