@@ -785,14 +785,22 @@ def sample_ids(loader: DataLoader[Any]) -> list[list[int]]:
     return [[first.index(value) for value in images.flatten(1)[:, 0].tolist()] for images, _ in loader]
 
 
-def test_dataloader_workers_on_an_iterable_dataset_print_the_split_that_keeps_each_sample_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("drop_last", [False, True], ids=["all-batches", "drop_last"])
+def test_dataloader_workers_on_an_iterable_dataset_print_the_split_that_keeps_one_process_batches(
+    tmp_path: Path, drop_last: bool
+) -> None:
     # Each worker runs its own copy of an IterableDataset's __iter__: the printed arguments alone would have each of
-    # the 2 workers yield the whole stream, 8 batches an epoch of 4 (before: "The same computation", no split).
+    # the 2 workers yield the whole stream, 8 batches an epoch of 4. Split sample by sample (the code printed before),
+    # each worker batched its own share: other batches, and under drop_last each worker dropped its own partial
+    # batch (batches of 12: 48 of 64 samples an epoch where one process saw 60), against "each sample is still seen
+    # once an epoch". Split by runs of the batch size, the workers' batches taken in turn are one process's.
+    batch_size = 12 if drop_last else 16
+
     def build() -> pl.LightningModule:
         return Classifier(dropout_mlp(), OPTIMIZERS["adam"])
 
     def streamed(**options: Any) -> DataLoader[Any]:
-        return DataLoader(Stream(), batch_size=16, **options)
+        return DataLoader(Stream(), batch_size=batch_size, drop_last=drop_last, **options)
 
     monitored = fit(tmp_path, build, streamed, steps=4, monitored=True)
     assert monitored.report is not None
@@ -804,17 +812,16 @@ def test_dataloader_workers_on_an_iterable_dataset_print_the_split_that_keeps_ea
         timed_steps=100,
     )
     setup = replace(training_setup(build(), [], dataloaders=streamed()), cpu_cores_per_device=3)
-    assert setup.iterable_dataset
+    assert setup.iterable_dataset and setup.loader_batch_size == batch_size
     advice = dataloader_workers(waiting, setup)
     assert advice is not None
-    assert "The same computation" not in advice.detail
     assert "every worker yields every sample and an epoch holds each batch 2 times" in advice.detail
-    assert "this trains another model" in advice.detail
+    assert "every batch, their order and what drop_last drops stay as in one process" in advice.detail
     split, line = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)
     arguments = printed_loader_arguments(replace(advice, detail=f"```python\n{line}\n```"))
     assert arguments == {"num_workers": 2, "persistent_workers": True}
     plain = sample_ids(streamed())
-    assert len(sample_ids(streamed(**arguments))) == 2 * len(plain) == 8  # what the arguments alone do
+    assert len(sample_ids(streamed(**arguments))) == 2 * len(plain)  # what the arguments alone do
 
     namespace: dict[str, Any] = {"torch": torch}
     exec(split, namespace)  # the printed __iter__, as printed
@@ -823,10 +830,17 @@ def test_dataloader_workers_on_an_iterable_dataset_print_the_split_that_keeps_ea
         samples = Stream.__iter__
         __iter__ = namespace["__iter__"]
 
-    applied = sample_ids(DataLoader(Split(), batch_size=16, **arguments))
-    assert sorted(index for batch in applied for index in batch) == list(range(64))  # each sample once an epoch
-    assert applied != plain  # batched by worker, in turns: the other model the advice says it is
-    assert sample_ids(DataLoader(Split(), batch_size=16)) == plain  # one process: the stream as it was
+    def split_loader(**options: Any) -> DataLoader[Any]:
+        return DataLoader(Split(), batch_size=batch_size, drop_last=drop_last, **options)
+
+    # before: [[0, 2, ..., 22], [1, 3, ..., 23], ...], and under drop_last 48 samples where one process took 60
+    assert sample_ids(split_loader(**arguments)) == plain
+    assert sample_ids(split_loader()) == plain  # one process: the stream as it was
+    steps = len(plain)  # one epoch: persistent workers draw their seed as one process does its first
+    assert_identical(
+        fit(tmp_path, build, lambda: split_loader(**arguments), steps=steps),
+        fit(tmp_path, build, streamed, steps=steps),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ pin-memory

@@ -393,6 +393,7 @@ def training_setup(
         language_model=language_model(module),
         longest_sample=longest_sample(loader),
         iterable_dataset=loader is not None and isinstance(loader.dataset, IterableDataset),
+        loader_batch_size=loader.batch_size if loader is not None else None,
         loop=loop,
         own_zero_grad=own_zero_grad,
     )

@@ -336,6 +336,10 @@ class TrainingSetup:
     iterable_dataset: bool = False
     """Whether the training DataLoader reads an ``IterableDataset``: each worker process then runs its own copy of
     ``__iter__``, so a stream not split by ``torch.utils.data.get_worker_info()`` is yielded once per worker."""
+    loader_batch_size: int | None = None
+    """The training DataLoader's ``batch_size`` (``None``: it has none, its dataset or batch sampler makes the
+    batches; or no DataLoader is known): the run of samples each worker takes in turn, where an ``IterableDataset``'s
+    stream is split by worker so that the workers' batches are one process's."""
     loop: TrainingLoop = TrainingLoop.LIGHTNING
     """What trains the model (a Trainer, a plain loop, Fabric): the advice's code is written for it."""
     own_zero_grad: bool = False

@@ -46,6 +46,7 @@ def dataloader_workers(
         f"```python\nDataLoader(dataset, ..., num_workers={workers}, persistent_workers=True{pin})"
         "  # `...`: your own arguments, unchanged\n```"
     )
+    iterable = setup.iterable_dataset and workers > 1
     return Advice(
         id=ID,
         severity=Severity.WARNING,
@@ -53,25 +54,21 @@ def dataloader_workers(
         detail=(
             "Each step waits while the main process loads the next batch. Worker processes load batches ahead"
             " of time; persistent workers are not restarted every epoch. "
-            + (
-                _iterable_text(workers, loader_code)
-                if setup.iterable_dataset and workers > 1
-                else (
-                    "The same computation, but not the same random numbers: random augmentations in the dataset draw"
-                    " from each worker's own generator (seeded from the torch RNG when the workers start) instead of"
-                    " the main process's, and persistent workers draw that seed once, not every epoch, so from the"
-                    " second epoch shuffling and Dropout see another stream. Training is another random draw, not the"
-                    " same model bit for bit (without persistent workers and random augmentation, it is, unless a"
-                    " sampler of yours draws from the torch RNG as it yields indices: the workers read it ahead, so"
-                    " Dropout draws at other points of the stream from the first step; a torch.Generator of its own"
-                    " keeps it apart)."
-                    " Persistent workers also keep the copy of the dataset they started with: where your code changes"
-                    " the dataset between epochs (a curriculum's level, a `set_epoch`), they go on loading the first"
-                    " epoch's samples, another computation: leave persistent_workers out there.\n"
-                    "Add the two arguments to your DataLoader and keep every other as it is: shuffle, sampler,"
-                    " collate_fn and drop_last decide which samples each step sees.\n" + loader_code
-                )
-            )
+            + (_iterable_text(workers, setup.loader_batch_size) if iterable else "")
+            + "The same computation, but not the same random numbers: random augmentations in the dataset draw"
+            " from each worker's own generator (seeded from the torch RNG when the workers start) instead of"
+            " the main process's, and persistent workers draw that seed once, not every epoch, so from the"
+            " second epoch shuffling and Dropout see another stream. Training is another random draw, not the"
+            " same model bit for bit (without persistent workers and random augmentation, it is, unless a"
+            " sampler of yours draws from the torch RNG as it yields indices: the workers read it ahead, so"
+            " Dropout draws at other points of the stream from the first step; a torch.Generator of its own"
+            " keeps it apart)."
+            " Persistent workers also keep the copy of the dataset they started with: where your code changes"
+            " the dataset between epochs (a curriculum's level, a `set_epoch`), they go on loading the first"
+            " epoch's samples, another computation: leave persistent_workers out there.\n"
+            + ("Then add" if iterable else "Add")
+            + " the two arguments to your DataLoader and keep every other as it is: shuffle, sampler,"
+            " collate_fn and drop_last decide which samples each step sees.\n" + loader_code
         ),
         evidence=(
             f"data wait is {format_percent(wait)} of step time over the run and"
@@ -84,28 +81,35 @@ def dataloader_workers(
     )
 
 
-def _iterable_text(workers: int, loader_code: str) -> str:
-    """What workers do to an ``IterableDataset`` and the split that keeps each sample once an epoch, with the code.
+def _iterable_text(workers: int, batch_size: int | None) -> str:
+    """What workers do to an ``IterableDataset``, and its split by runs of ``batch_size``: one process's batches.
 
     Each worker runs its own copy of the dataset's ``__iter__``: a stream not split by worker is yielded whole by
-    each of them, so an epoch holds every batch ``workers`` times (torch's ``IterableDataset`` documentation).
+    each of them, so an epoch holds every batch ``workers`` times (torch's ``IterableDataset`` documentation). Split
+    sample by sample (every ``workers``-th), each worker batched its own share: other batches, in another order, and
+    under ``drop_last`` each worker dropped its own last partial batch (12 samples, batches of 4, 2 workers: 8 seen
+    an epoch). Split by runs of ``batch_size`` samples, worker ``k`` holds batches ``k``, ``k + workers``...; the
+    DataLoader takes the workers' batches in turn, so the batches, their order and what ``drop_last`` drops are those
+    of one process. ``batch_size``: the DataLoader's (``None``: the stream yields batches, a run of one).
     """
+    run = batch_size or 1
     return (
         f"Your dataset is an IterableDataset: each of the {workers} workers runs its own copy of its `__iter__`, so"
         " unless `__iter__` splits the stream by `torch.utils.data.get_worker_info()`, every worker yields every"
-        f" sample and an epoch holds each batch {workers} times. Split it as below, then add the two arguments to"
-        " your DataLoader. Each sample is still seen once an epoch, but each worker batches its own share (every"
-        f" {workers}th sample) and the workers' batches take turns: which samples share a batch and their order"
-        " change, so this trains another model, validate it. Persistent workers keep the copy of the dataset they"
-        " started with: where your code changes it between epochs, leave persistent_workers out.\n"
+        f" sample and an epoch holds each batch {workers} times. Split it as below, by runs of the DataLoader's"
+        f" batch_size ({run}): each worker takes every {workers}th batch's samples and the DataLoader takes the"
+        " workers' batches in turn, so every batch, their order and what drop_last drops stay as in one process"
+        " (split sample by sample instead, each worker would batch its own share: other batches, and under drop_last"
+        " each worker's last partial batch dropped).\n"
         "```python\n"
         "def __iter__(self):  # your IterableDataset's, split by worker\n"
         "    info = torch.utils.data.get_worker_info()\n"
         "    shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)\n"
+        f"    batch_size = {run}  # your DataLoader's batch_size: if you change it, change this too\n"
         "    for index, sample in enumerate(self.samples()):  # `self.samples()`: your own iteration, unchanged\n"
-        "        if index % shards == shard:\n"
+        "        if index // batch_size % shards == shard:\n"
         "            yield sample\n"
-        "```\n" + loader_code
+        "```\n"
     )
 
 
