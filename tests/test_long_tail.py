@@ -23,7 +23,13 @@ from replay_models import CausalLM
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_vram import VramMonitor
-from lightning_vram.advice.rules.long_tail import CAP_LENGTH_CODE, long_tail, long_tail_changes
+from lightning_vram.advice.rules.long_tail import (
+    CAP_LENGTH_CODE,
+    STREAM_BY_TOKENS_CODE,
+    STREAM_RANKS_NOTE,
+    long_tail,
+    long_tail_changes,
+)
 from lightning_vram.codec import report_from_dict
 from lightning_vram.measure.batch_shapes import MAX_LENGTHS, ShapeRecorder
 from lightning_vram.records import AdviceId, LengthChange, Report, TokensPerBatchChange, TrainingLoop
@@ -397,6 +403,25 @@ def test_batching_by_tokens_over_a_stream_is_printed_for_a_stream(tmp_path: Path
     applied = run(tmp_path / "by-tokens", loader=loader, steps=len(batches))
     assert applied.peak is not None
     assert abs(applied.peak.peak_bytes - predicted) <= 0.10 * predicted, (applied.peak.peak_bytes, predicted)
+
+
+def test_batching_by_tokens_over_a_stream_on_several_ranks_is_not_offered(tmp_path: Path) -> None:
+    # Each rank's stream of batches by tokens holds as many batches as its own sequences' lengths make, and a stream
+    # cannot be counted beforehand to even them: before, the stream code was printed on 2 ranks as on one, and the
+    # ranks' shares of this stream, split by rank, gave the printed BatchesByTokens 13 and 12 batches (DDP: a hang).
+    report = run(tmp_path)
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(STREAM_BY_TOKENS_CODE, namespace)
+    shares = [Sequences().items[rank::2] for rank in (0, 1)]
+    counts = [sum(1 for _ in namespace["BatchesByTokens"](share, max_tokens=BATCH * CAP)) for share in shares]
+    assert counts == [13, 12]  # equal shares (24 sequences each), unequal batches: the ranks would not step together
+    one = long_tail(report.summary, replace(healthy_setup(), iterable_dataset=True), report.simulation)
+    assert one is not None and "class BatchesByTokens" in one.detail  # one rank: the stream's code, as before
+    advice = long_tail(report.summary, replace(healthy_setup(world_size=2), iterable_dataset=True), report.simulation)
+    assert advice is not None  # the cap is still offered
+    assert "class BatchesByTokens" not in advice.detail and "batch_sampler" not in advice.detail  # before: printed
+    assert STREAM_RANKS_NOTE in advice.detail
+    assert f"batch = cap_length(batch, {CAP})" in advice.detail
 
 
 def _printed_cap_length() -> Callable[..., Any]:

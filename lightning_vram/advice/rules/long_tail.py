@@ -149,6 +149,23 @@ STREAM_BY_TOKENS_CODE = '''class BatchesByTokens(torch.utils.data.IterableDatase
 over: it raises "expected unspecified batch_sampler option"): the stream yields each batch, and the DataLoader, with
 ``batch_size=None``, collates each."""
 
+STREAM_RANKS_NOTE = (
+    "Batching by tokens is not offered: over a stream (an IterableDataset) on several ranks, each rank's stream of"
+    " batches by tokens holds another number of batches (its own sequences' lengths decide it, and a stream cannot"
+    " be counted beforehand to even them), and ranks step together: one that runs out first leaves the others"
+    " waiting on its gradients."
+)
+"""Why batching by tokens is withheld over an ``IterableDataset`` on several ranks: the printed ``BatchesByTokens``
+applied to each rank's share of a stream split by rank gave 24 and 25 batches from 256 sequences each (a DDP run
+then hangs on the rank with more), and a stream's batches, unlike a list of batches, cannot be padded to one count
+beforehand as :func:`_rank_share` does."""
+
+
+def _stream_on_ranks(setup: TrainingSetup) -> bool:
+    """Whether ``setup`` reads a stream on several ranks, where batching by tokens is not offered."""
+    return setup.iterable_dataset and setup.world_size > 1
+
+
 _Remedy = tuple[str, Saving, str]
 """One remedy offered: its title (without the saving), its replayed saving, and its text with the code."""
 
@@ -183,6 +200,7 @@ def long_tail(summary: RunSummary, setup: TrainingSetup, simulation: Simulation 
             f"{format_percent(within / total)} of the batches are at most {cap} tokens long, but the longest is"
             f" {longest}: the few long ones set the peak.\n"
             + "\n".join(text for _, _, text in remedies)
+            + (f"\n{STREAM_RANKS_NOTE}" if _stream_on_ranks(setup) and tokens_change is not None else "")
             + "\nBucketing by length alone (a length-grouped sampler at a fixed batch size) does not lower this"
             " peak: the longest bucket's batch has the worst batch's shape."
         ),
@@ -226,8 +244,11 @@ def _by_tokens(
     cap: int,
     longest: int,
 ) -> _Remedy | None:
-    """Batching by tokens, where its replay saves enough: its title, saving and text (a batch sampler)."""
-    if not isinstance(change, TokensPerBatchChange):
+    """Batching by tokens, where its replay saves enough: its title, saving and text (a batch sampler).
+
+    Not over a stream on several ranks (:data:`STREAM_RANKS_NOTE`).
+    """
+    if not isinstance(change, TokensPerBatchChange) or _stream_on_ranks(setup):
         return None
     saving = _remedy(summary, simulation, change, cap)
     if saving is None:
