@@ -188,8 +188,9 @@ class CheckpointPlan:
     attention are kept, only the other ops recomputed (``SAVED_OPS`` in the printed code); the others whole."""
     shared: tuple[str, ...] = ()
     """One-module units of a layer list (``layers.0``) whose forward ran more often than its caller's: one block
-    called as several layers, perhaps held at several places of the list (``nn.ModuleList([block] * 6)``). One
-    wrapper stands at every place the list holds the block, so that each of its calls is checkpointed."""
+    called as several layers, perhaps held at several places of the list (``nn.ModuleList([block] * 6)``), or of
+    other lists (an encoder's and a decoder's). One wrapper stands at every place of the model holding the block, so
+    that each of its calls is checkpointed."""
 
     def span_text(self, quote: str = "", kept: str = "") -> str:
         """The units in a few words, each name between ``quote``: the first module to the last, with their count.
@@ -211,7 +212,7 @@ class CheckpointPlan:
         >>> CheckpointPlan("", (("conv1", "bn1"), ("layer1",), ("layer2",)), None, 0).span_text()
         'conv1+bn1, layer1 and layer2 (3 units)'
         >>> CheckpointPlan("net.layers", (("net.layers.0",),), None, 0, shared=("net.layers.0",)).span_text("`")
-        '`net.layers.0` at every place of `net.layers` holding it'
+        '`net.layers.0` at every place of the model holding it'
         >>> CheckpointPlan("m", (("m.enc.0",), ("m.enc.1",), ("m.dec.0",)), None, 0).span_text()
         'm.enc.0-1 and m.dec.0 (3 units)'
         """
@@ -219,7 +220,7 @@ class CheckpointPlan:
         selective = f"selectively{kept}" if self.selective else ""
         if len(self.units) == 1:
             if self.units[0][0] in self.shared:  # one block run as several layers: where the list holds it
-                names[0] += f" at every place of {quote}{self.units[0][0].rpartition('.')[0]}{quote} holding it"
+                names[0] += " at every place of the model holding it"
             return "+".join(names) + (f" ({selective})" if selective else "")
         count = len(self.units)
         flat = [name for unit in self.units for name in unit]

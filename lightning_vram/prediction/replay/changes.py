@@ -148,16 +148,22 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
 
     ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops. ``shared``: a
     block of a layer list run as several layers (:attr:`~lightning_vram.records.CheckpointPlan.shared`): one
-    wrapper at every place of the list holding it, as the printed code puts it.
+    wrapper at every place of the model holding it (two lists sharing it, a list and an attribute), as the printed
+    code puts it.
     """
     modules = [_submodule(root, name, "the checkpointing plan") for name in names]
     passing: dict[int, tuple[_Link, Any]] = {}
     parent_name, _, child = names[0].rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     wrapper = _CheckpointedCall(modules[0], modules[1:], passing, selective, names)
-    places = [place for place, held in parent._modules.items() if held is modules[0]] if shared else []  # every alias
-    for place in places or [child]:
-        setattr(parent, place, wrapper)
+    places = [
+        (holder, place)
+        for holder in (list(root.modules()) if shared else [])
+        for place, held in list(holder._modules.items())
+        if held is modules[0]
+    ]  # every alias, in the whole model
+    for holder, place in places or [(parent, child)]:
+        setattr(holder, place, wrapper)
     for module in modules[1:]:
         module.forward = _passing_once(module.forward, module, passing)
 
