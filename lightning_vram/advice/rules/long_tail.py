@@ -100,7 +100,8 @@ CAP_LENGTH_CODE = '''def cap_length(batch, cap, lengths=None):
     values = list(batch.values()) if hasattr(batch, "items") else [batch] if torch.is_tensor(batch) else list(batch)
     length = next(value.shape[1] for value in values if torch.is_tensor(value) and value.dim() >= 2)
     mask = batch.get("attention_mask") if hasattr(batch, "items") else None
-    left = mask is not None and mask.dim() == 2 and bool(mask[:, -1].all()) and not bool(mask[:, 0].all())
+    left = torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[1] == length and bool(mask[:, -1].all())
+    left = left and not bool(mask[:, 0].all())
     start = max(length - cap, 0) if left else 0
 
     def cut(key, value):
