@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import pytest
@@ -457,3 +457,24 @@ def test_the_printed_cap_keeps_every_sequence_of_a_padded_batch_either_side(left
     for row, (tokens, sequence) in enumerate(zip(kept, whole, strict=True)):
         assert torch.equal(tokens, sequence[-64:] if left else sequence[:64]), row  # a left-padded one: its last 64
     assert torch.equal(cut["labels"], cut["input_ids"].masked_fill(cut["attention_mask"] == 0, -100))
+
+
+class Sample(NamedTuple):
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    label: torch.Tensor
+
+
+def test_the_printed_cap_cuts_a_namedtuple_batch() -> None:
+    # default_collate keeps a namedtuple sample's type; before: "TypeError: Sample.__new__() missing 2 required
+    # positional arguments: 'lengths' and 'label'" from the printed code.
+    samples = [
+        Sample(torch.arange(1, 101), torch.tensor(100), torch.tensor(1)),
+        Sample(torch.ones(100), torch.tensor(7), torch.tensor(0)),
+    ]
+    batch = torch.utils.data.default_collate(samples)
+    assert isinstance(batch, Sample)
+    cut = _printed_cap_length()(batch, 32, lengths=1)
+    assert isinstance(cut, Sample)
+    assert cut.ids.shape == (2, 32) and torch.equal(cut.ids[0], torch.arange(1, 33))
+    assert cut.lengths.tolist() == [32, 7] and torch.equal(cut.label, batch.label)

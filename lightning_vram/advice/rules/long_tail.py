@@ -115,7 +115,10 @@ CAP_LENGTH_CODE = '''def cap_length(batch, cap, lengths=None):
 
     if hasattr(batch, "items"):
         return {key: cut(key, value) for key, value in batch.items()}
-    return cut(None, batch) if torch.is_tensor(batch) else type(batch)(map(cut, range(len(batch)), batch))
+    if torch.is_tensor(batch):
+        return cut(None, batch)
+    values = [cut(index, value) for index, value in enumerate(batch)]
+    return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a namedtuple: by position
 '''
 """The printed cut of a padded batch to the cap: the dimensions the replay cuts
 (:func:`~lightning_vram.prediction.replay.batches.resize_length`: each past the first whose size is the batch's length,
@@ -125,7 +128,8 @@ each sequence's length is clamped to the cap where the user names it (``lengths=
 in training. A dict batch padded on the left (``LlamaTokenizerFast`` pads there by default), told by its
 ``attention_mask``, is cut at its left end, the same shape: cut at the right, every sequence shorter than its length
 less the cap was left all padding (a 300-token batch capped at 64 kept 64, 0, 0 and 0 tokens of sequences of 300, 40,
-20 and 12)."""
+20 and 12). A namedtuple batch (``default_collate`` keeps a namedtuple sample's type) is rebuilt from its fields by
+position: ``type(batch)(values)`` raised TypeError there."""
 
 STREAM_BY_TOKENS_CODE = '''class BatchesByTokens(torch.utils.data.IterableDataset):
     """The stream's samples in lists, each padded batch within max_tokens (a longer sample alone), none cut.
