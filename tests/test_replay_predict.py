@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from models import OPTIMIZERS, Classifier, trainer
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vram import VramMonitor, predict
 from lightning_vram.advice.rules.batch_size_headroom import batch_size_headroom
 from lightning_vram.measure.setup import training_setup
+from lightning_vram.measure.tensors import time_major
 from lightning_vram.predict import FAKE_CUDA_NOTE
 from lightning_vram.prediction.devices import BATCH_SAFETY_MARGIN, COMMON_GPUS
 from lightning_vram.prediction.predictor import Predictor
@@ -294,6 +296,50 @@ def test_a_time_major_batch_gets_no_fit_table_in_batches_that_are_its_length() -
     assert longer.step.peak.peak_bytes > 1.8 * prediction.step.peak.peak_bytes
     # The same model fed batch-first keeps its table.
     assert predict(TimeMajorLSTM(batch_first=True), (batch[0].T.contiguous(), batch[1]), device_type="cpu").fit != ()
+
+
+class BoxedImages(torch.utils.data.Dataset[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
+    """Images with a detection target each, three boxes and their labels (a list of dicts beside the images)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(index)
+        boxes = torch.rand(3, 4, generator=generator)
+        return torch.randn(3, 16, 16, generator=generator), {"boxes": boxes, "labels": torch.tensor([index % 5] * 3)}
+
+
+def stacked_images(
+    samples: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    return torch.stack([image for image, _ in samples]), [target for _, target in samples]
+
+
+class BoxClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        labels = torch.stack([target["labels"][0] for target in targets])
+        return nn.functional.cross_entropy(self.head(self.network(images)), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_image_batch_beside_three_boxes_keeps_its_batch_size(tmp_path: Path) -> None:
+    # (8, 3, 16, 16) images beside each image's (3, 4) boxes: the boxes' 3 is the images' channels, not a batch
+    # dimension past the first. Before: read as time-major, the report's batch_size was None (8 with 2 boxes).
+    loader = DataLoader(BoxedImages(), batch_size=8, collate_fn=stacked_images)
+    assert time_major(next(iter(loader))) is None
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=3).fit(BoxClassifier(), loader)
+    assert monitor.report is not None
+    assert monitor.report.summary.batch_size == 8  # before: None
 
 
 def test_a_time_major_run_has_no_batch_size_to_raise_or_halve(tmp_path: Path) -> None:

@@ -69,31 +69,32 @@ def time_major(batch: Any) -> str | None:
     targets) shows nothing of it; a batch-first one carrying an unbatched tensor of its length (``(L,)`` position
     ids, an ``(L, L)`` mask) reads the same, and is not varied either.
 
+    Only a first tensor of two or three dimensions, ``(L, B)`` or ``(L, B, F)``, and its second dimension are read:
+    an image batch ``(B, 3, H, W)`` beside a detection target of three boxes, ``(3, 4)``, is batch-first (read at any
+    later dimension, it lost the run's batch size whenever an image held 3 boxes).
+
     >>> import torch
     >>> time_major((torch.zeros(64, 32), torch.zeros(32))).split(":")[0]
     'its first tensor, (64, 32), starts with 64 where another, (32,), starts with 32, its second dimension'
     >>> time_major((torch.zeros(8, 3), torch.zeros(8))) is None, time_major(torch.zeros(3, 3)) is None
     (True, True)
+    >>> time_major((torch.zeros(8, 3, 32, 32), [{"boxes": torch.zeros(3, 4)}])) is None
+    True
     """
     tensors = [tensor for tensor in iter_tensors(batch) if tensor.dim() > 0]
-    if not tensors:
+    if not tensors or tensors[0].dim() not in (2, 3):
         return None
     first = tensors[0]
-    size = int(first.shape[0])
-    later = [int(length) for length in first.shape[1:]]
+    size, second = int(first.shape[0]), int(first.shape[1])
     for other in tensors[1:]:
         start = int(other.shape[0])
-        if start != size and start in later:
+        if start != size and start == second:
             return (
                 f"its first tensor, {tuple(first.shape)}, starts with {size} where another, {tuple(other.shape)},"
-                f" starts with {start}, its {_ORDINALS.get(later.index(start) + 2, 'later')} dimension: the batch"
-                " dimension may be there (a time-major batch, whose first dimension is its length), so varying the"
-                " first would vary the length, not the batch"
+                f" starts with {start}, its second dimension: the batch dimension may be there (a time-major batch,"
+                " whose first dimension is its length), so varying the first would vary the length, not the batch"
             )
     return None
-
-
-_ORDINALS = {2: "second", 3: "third", 4: "fourth", 5: "fifth"}
 
 
 def op_tensors(value: Any) -> list[Tensor]:
