@@ -75,7 +75,7 @@ def test_a_block_at_every_place_of_a_list_is_checkpointed_at_each_and_trains_the
     advice = next((advice for advice in report.advice if advice.id is AdviceId.ACTIVATION_CHECKPOINTING), None)
     assert advice is not None, report.to_dict().get("not_advised")  # before: none, `layers.0.norm` saved 0.2%
     assert "`network.layers.0` at every place of the model holding it" in advice.title
-    assert "if child is block:" in advice.detail
+    assert "if module is block:" in advice.detail
     module = applied(advice, kind)
     wrappers = {id(layer) for layer in module.network.layers}
     assert len(wrappers) == 1 and type(module.network.layers[0]).__name__ == "Checkpointed"  # one wrapper, six places

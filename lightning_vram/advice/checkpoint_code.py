@@ -310,18 +310,18 @@ def _shared_lines(name: str, root: str, wrapper: str) -> list[str]:
     >>> print("\n".join(_shared_lines("net.layers.0", "self", "Checkpointed")))
     block = self.net.layers[0]
     checkpointed = Checkpointed(block)  # one wrapper, at every place of the model holding the block
-    for parent in list(self.modules()):
-        for key, child in list(parent._modules.items()):
-            if child is block:
-                setattr(parent, key, checkpointed)
+    for path, module in list(self.named_modules(remove_duplicate=False)):
+        if module is block:
+            parent, _, key = path.rpartition(".")
+            setattr(self.get_submodule(parent), key, checkpointed)
     """
     return [
         f"block = {_code_path(name, '', root)}",
         f"checkpointed = {wrapper}(block)  # one wrapper, at every place of the model holding the block",
-        f"for parent in list({root}.modules()):",
-        "    for key, child in list(parent._modules.items()):",
-        "        if child is block:",
-        "            setattr(parent, key, checkpointed)",
+        f"for path, module in list({root}.named_modules(remove_duplicate=False)):",
+        "    if module is block:",
+        '        parent, _, key = path.rpartition(".")',
+        f"        setattr({root}.get_submodule(parent), key, checkpointed)",
     ]
 
 
