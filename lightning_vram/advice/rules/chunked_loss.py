@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS
+from lightning_vram.advice.checkpoint_code import CodeContext, code_path
+from lightning_vram.advice.checkpointing import OUTSIDE, ROOT
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, not_replayed, share_text
 from lightning_vram.advice.savings import trusted
 from lightning_vram.records import (
@@ -190,6 +192,40 @@ def _fabric_lines(setup: TrainingSetup) -> str:
     return FABRIC_AUTOCAST.format(precision=f'precision="{setup.precision}"')
 
 
+def own_head(summary: RunSummary, setup: TrainingSetup, loss_bytes: int) -> str | None:
+    """The module whose output the loss read as logits, by name; ``None`` where no single module shows it.
+
+    The one module of the sampled step (not the trained module itself, called once) whose output is as large as the
+    log-probabilities the loss saved (at a 16-bit precision, or half as large: 16-bit logits): the head, whose input
+    the printed ``chunked_cross_entropy`` takes (a trial's LSTM language model, ``self.out``, was shown
+    transformers' lines alone). Several such modules, or none (logits from a function of the weights, a tied
+    embedding's ``h @ emb.weight.T``), name none; nor is a head inside a ``transformers`` model named (its loss is
+    computed inside the model, whose own lines follow).
+    """
+    sizes = {loss_bytes, loss_bytes // 2} if _sixteen_bit(setup) else {loss_bytes}
+    heads = [
+        profile.name
+        for profile in summary.modules
+        if profile.calls == 1 and profile.output_bytes in sizes and profile.name not in (ROOT, OUTSIDE)
+    ]
+    libraries = [switch.model for switch in setup.checkpointing_switches]
+    if len(heads) != 1 or any(not model or heads[0].startswith(f"{model}.") for model in libraries):
+        return None
+    return heads[0]
+
+
+def _head_lines(head: str | None, setup: TrainingSetup) -> str:
+    """The lines naming the run's own head (:func:`own_head`) in the printed code (nothing where none is named)."""
+    if head is None:
+        return ""
+    path = code_path(head, "", CodeContext(setup.loop).model)
+    return (
+        f"# In your step the logits are the output of `{path}` (its output is as large as the loss's\n"
+        f"# log-probabilities): pass the input you give it as hidden and it as head, targets as the loss reads them:\n"
+        f"# loss = chunked_cross_entropy(hidden.flatten(0, 1), {path}, targets.flatten())\n"
+    )
+
+
 def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulation | None = None) -> Advice | None:
     """The loss's own saved tensors are a large share of the replayed step's activations and of its peak."""
     baseline = trusted(simulation)
@@ -244,6 +280,7 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             "    if weight is None:\n"
             "        return total / counted.sum()\n"
             "    return total / (weight[torch.where(counted, targets, 0)] * counted).sum()\n\n"
+            f"{_head_lines(own_head(summary, setup, weighed.loss_bytes), setup)}"
             "# A transformers model computes its loss inside model(..., labels=...): call its body and its head\n"
             "# instead (labels: -100 where no loss is taken; labels = ids where you pass the inputs). A model that\n"
             "# changes its logits before the loss needs it as logits_fn (Gemma 2: cap =\n"
