@@ -92,12 +92,14 @@ def test_offload_kept_names_the_host_ram_and_lightnings_offload_strategy() -> No
 def test_the_change_keeps_the_runs_buckets_and_partitions_small_parameters_as_predicted() -> None:
     trial = replace(TRIAL, reduce_bucket_size=20_000, allgather_bucket_size=50_000, small_parameter_bytes=4096)
     assert strategy_code(trial, TrainingLoop.LIGHTNING) == (
-        "Trainer(strategy=DeepSpeedStrategy(stage=3, reduce_bucket_size=20_000, allgather_bucket_size=50_000,"
-        " param_persistence_threshold=0))"
+        "strategy = DeepSpeedStrategy(stage=3, reduce_bucket_size=20_000, allgather_bucket_size=50_000)\n"
+        'strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every parameter,'
+        " as predicted\nTrainer(strategy=strategy)"
     )
     assert strategy_code(replace(trial, offload=True), TrainingLoop.FABRIC) == (
-        "Fabric(strategy=DeepSpeedStrategy(stage=3, offload_optimizer=True, reduce_bucket_size=20_000,"
-        " allgather_bucket_size=50_000, param_persistence_threshold=0))"
+        "strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, reduce_bucket_size=20_000,"
+        ' allgather_bucket_size=50_000)\nstrategy.config["zero_optimization"]["stage3_param_persistence_threshold"]'
+        " = 0  # partition every parameter, as predicted\nFabric(strategy=strategy)"
     )
     assert strategy_code(trial, TrainingLoop.PLAIN).startswith(
         'config["zero_optimization"].update({"stage": 3, "stage3_param_persistence_threshold": 0})'
@@ -308,3 +310,31 @@ def test_a_ddp_run_on_the_cpu_is_not_told_a_strategy_lightning_refuses_there_and
     )
     # A ZeRO run off CUDA (a plain loop's DeepSpeed on the CPU) still gets its stronger stage: its config change.
     assert sharding_stage(summary, setup, simulation_with(TRIAL)) is not None
+
+
+@pytest.mark.parametrize("loop", [TrainingLoop.LIGHTNING, TrainingLoop.FABRIC])
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_printed_zero3_change_runs_against_lightnings_deepspeed_strategy(loop: TrainingLoop, offload: bool) -> None:
+    """The code the advice prints, run as printed with Lightning's and Fabric's own ``DeepSpeedStrategy`` (the owner a
+    stand-in that keeps the strategy: a Trainer with it refuses the CPU): the strategy it makes partitions every
+    parameter, as predicted, with the run's buckets kept. ``DeepSpeedStrategy(param_persistence_threshold=0)``, printed
+    before, raised ``TypeError: ... unexpected keyword argument 'param_persistence_threshold'``."""
+    if loop is TrainingLoop.FABRIC:
+        from lightning.fabric.strategies import DeepSpeedStrategy
+    else:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+    trial = replace(
+        TRIAL, reduce_bucket_size=20_000, allgather_bucket_size=50_000, small_parameter_bytes=4096, offload=offload
+    )
+    made: list[object] = []
+    owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
+    exec(
+        strategy_code(trial, loop),
+        {"DeepSpeedStrategy": DeepSpeedStrategy, owner: lambda strategy: made.append(strategy)},
+    )
+    (strategy,) = made
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_param_persistence_threshold"] == 0
+    assert (zero["reduce_bucket_size"], zero["allgather_bucket_size"]) == (20_000, 50_000)
+    assert ("offload_optimizer" in zero) is offload

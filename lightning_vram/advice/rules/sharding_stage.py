@@ -103,8 +103,10 @@ def from_ddp_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
 def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
     """The change to make, as code for ``loop``: the target stage with the run's settings the prediction used.
 
-    A ZeRO-3 target partitions every parameter as predicted (``param_persistence_threshold=0``) where the model has
-    parameters DeepSpeed's default would keep whole.
+    A ZeRO-3 target partitions every parameter as predicted (``stage3_param_persistence_threshold`` 0) where the model
+    has parameters DeepSpeed's default would keep whole. Lightning's and Fabric's ``DeepSpeedStrategy`` take no
+    argument for it (``DeepSpeedStrategy(param_persistence_threshold=0)`` raises ``TypeError``): the code sets it in
+    the strategy's ``config`` (the ``zero_optimization`` section it wrote) before the strategy is used.
     """
     if trial.current == "ddp":
         return from_ddp_code(trial, loop)
@@ -131,9 +133,18 @@ def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
             f"reduce_bucket_size={trial.reduce_bucket_size:_}",
             f"allgather_bucket_size={trial.allgather_bucket_size:_}",
         ]
+    strategy = f"DeepSpeedStrategy({', '.join(arguments)})"
     if persist:
-        arguments.append("param_persistence_threshold=0")
-    return f"{owner}(strategy=DeepSpeedStrategy({', '.join(arguments)}))"
+        return (
+            f"strategy = {strategy}\n"
+            f'strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # {PERSIST_COMMENT}\n'
+            f"{owner}(strategy=strategy)"
+        )
+    return f"{owner}(strategy={strategy})"
+
+
+PERSIST_COMMENT = "partition every parameter, as predicted"
+"""The comment beside the line of :func:`strategy_code` that sets ``stage3_param_persistence_threshold``."""
 
 
 def needs_cuda(trial: ShardingTrial, summary: RunSummary) -> bool:
@@ -171,7 +182,7 @@ def sharding_stage(summary: RunSummary, setup: TrainingSetup, simulation: Simula
         else ""
     )
     persist = (
-        f" `param_persistence_threshold=0` partitions every parameter, as predicted: DeepSpeed's default"
+        f" `stage3_param_persistence_threshold` 0 partitions every parameter, as predicted: DeepSpeed's default"
         f" ({PERSISTENCE_THRESHOLD:,} elements) would keep the parameters under it"
         f" ({format_bytes(trial.small_parameter_bytes)} here) whole on every rank, for fewer all-gathers."
         if trial.target == "deepspeed_stage_3" and trial.small_parameter_bytes > 0
