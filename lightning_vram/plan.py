@@ -45,6 +45,7 @@ from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.twin import module_device
 from lightning_vram.prediction.strategies import predict_rank
+from lightning_vram.prediction.strategies.stronger import small_parameter_bytes
 from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
 from lightning_vram.records import (
@@ -57,6 +58,7 @@ from lightning_vram.records import (
     in_phase_order,
 )
 from lightning_vram.records.plan import Plan, PlanRow
+from lightning_vram.records.simulation import PERSISTENCE_THRESHOLD
 
 META_NOTE = (
     "replayed on the meta device, where the module's parameters are (no memory of the model's size was allocated):"
@@ -210,6 +212,10 @@ def plan(
     )
     with round_of_replays():
         rows = planner.rows(sizes, nodes, chosen_strategies, chosen_precisions, modes, global_batch)
+    if any(row.strategy == "deepspeed_stage_3" for row in rows):
+        small = small_parameter_bytes(module, 1)
+        if small:
+            notes += (zero3_persistence_note(small),)
     return Plan(
         tuple(sorted(rows, key=_rank_key)),
         source,
@@ -221,6 +227,22 @@ def plan(
         notes=merged_kernel_notes((*notes, *planner.notes)),
         seconds=time.perf_counter() - started,
         replays=planner.ran[0],
+    )
+
+
+def zero3_persistence_note(small_elements: int) -> str:
+    """The note of a plan with ZeRO-3 rows: the rows partition every parameter, Lightning's default does not.
+
+    ``small_elements``: the elements of the parameters DeepSpeed's default ``stage3_param_persistence_threshold``
+    keeps whole on every rank.
+    Applied as ``Trainer(strategy="deepspeed_stage_3")`` on 2 gloo ranks, a transformer LM whose parameters are
+    nearly all of at most 100,000 elements held 2,107,760 B of parameters per rank where its row said 1,043,920.
+    """
+    return (
+        "zero3 rows partition every parameter (stage3_param_persistence_threshold 0); Lightning's"
+        f" deepspeed_stage_3 keeps parameters of at most {PERSISTENCE_THRESHOLD:,} elements ({small_elements:,}"
+        " elements here) whole on every rank. To train as predicted: strategy = DeepSpeedStrategy(stage=3);"
+        ' strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0; Trainer(strategy=strategy)'
     )
 
 

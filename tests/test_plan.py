@@ -340,3 +340,19 @@ def test_a_card_under_the_context_shows_the_peak_the_step_needs_not_what_was_res
     fitting = quickstart_plan(gpus=["H100 SXM"], world_sizes=(1,))
     assert not fitting.rows[0].served_short and fitting.rows[0].shown_kind == "reserved"
     assert "on a row that does not fit" not in str(fitting) and "was not timed" not in str(fitting)
+
+
+def test_zero3_rows_say_how_to_train_as_they_partition_every_parameter() -> None:
+    """A ZeRO-3 row partitions every parameter; Lightning's ``deepspeed_stage_3`` keeps those of at most 100,000
+    elements whole on every rank (DeepSpeed's default ``stage3_param_persistence_threshold``): the plan says so and
+    how to set it. Applied on 2 gloo ranks, a transformer LM's row said 1,043,920 B of parameters per rank where
+    ``deepspeed_stage_3`` held 2,107,760 (every weight but the embedding's and the head's under the threshold); the
+    plan said nothing of it before."""
+    zero3 = quickstart_plan(strategies=("deepspeed_stage_3",), world_sizes=(2,), device_type="cpu")
+    (note,) = (note for note in zero3.notes if "stage3_param_persistence_threshold" in note)
+    small = sum(p.numel() for p in SmallCNN().parameters() if p.numel() <= 100_000)
+    assert small > 0 and f"({small:,} elements here)" in note
+    assert 'strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0' in note
+    assert "stage3_param_persistence_threshold" in str(zero3)
+    ddp = quickstart_plan(world_sizes=(2,), device_type="cpu")
+    assert not any("persistence" in note for note in ddp.notes)
