@@ -172,8 +172,8 @@ class VramSession:
         precision: str | int = "32-true",
         device: torch.device | None = None,
         setup: Callable[[], TrainingSetup] | None = None,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         gather: Gather | None = None,
         barrier: Callable[[], None] | None = None,
         tensorboard: Sequence[TensorBoardWriter] = (),
@@ -196,8 +196,11 @@ class VramSession:
             setup: a callable returning the training set-up for advice (the callback reads its Trainer); default:
                 one read from ``model``, ``optimizers``, ``dataloader`` and ``precision``. Read once per epoch, the
                 first time advice needs it (training has started then; a Trainer's window may change between epochs).
-            rank: this process's global rank.
-            world_size: the number of processes training together.
+            rank: this process's global rank; default: ``torch.distributed``'s where a process group is initialized
+                (a plain loop's rank 1 of a ZeRO-2 run started without it was replayed as rank 0, its replay refused
+                on the gradients crossing its partition's edges), else 0.
+            world_size: the number of processes training together; default: ``torch.distributed``'s where a process
+                group is initialized, else 1.
             gather: every rank's numbers (one collective), with ``world_size > 1``: the report's per-rank headlines,
                 logged maxima and preflight's verdicts then cover every rank; without it each covers this rank.
             barrier: waits until every rank calls it (one collective): with ``world_size > 1``, :meth:`finish`
@@ -224,13 +227,14 @@ class VramSession:
         Raises:
             TypeError, ValueError: an argument is not what it must be (the message names it); nothing starts.
         """
+        rank_, world_size_ = process_rank(rank, world_size)
         check_start(
             model,
             optimizers,
             precision=precision,
             setup=setup,
-            rank=rank,
-            world_size=world_size,
+            rank=rank_,
+            world_size=world_size_,
             gather=gather,
             barrier=barrier,
             tensorboard=tensorboard,
@@ -251,10 +255,10 @@ class VramSession:
             step_function,
             accumulate_grad_batches,
         )
-        context.rank, context.world_size, context.wrapper = rank, world_size, wrapper
+        context.rank, context.world_size, context.wrapper = rank_, world_size_, wrapper
         self.close()  # a run left unfinished (its loop died without fail()) lets go of its hooks and probe first
         outputs = [*(TensorBoardPublisher(writer=writer) for writer in tensorboard), *publishers]
-        self._new_run(context, Ranks(Guard(self._owner), rank, world_size, gather, barrier), outputs)
+        self._new_run(context, Ranks(Guard(self._owner), rank_, world_size_, gather, barrier), outputs)
         self.report = self.oom_diagnosis = None
         config = self.config
         self._log_every = config.log_every_n_steps or default_log_every_n_steps
@@ -633,3 +637,16 @@ class VramSession:
         if restored is not None:
             self._recorder.restore(restored.tracker, restored.timer)
             self._advisor.simulation = restored.simulation
+
+
+def process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank`` and ``world_size`` as given, each ``None`` from the process group.
+
+    ``torch.distributed``'s initialized process group gives them; without one, 0 and 1.
+    """
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if rank is None:
+        rank = torch.distributed.get_rank() if initialized else 0
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if initialized else 1
+    return rank, world_size
