@@ -47,13 +47,14 @@ from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies._shards import (
     backward_activations,
     batch_bytes,
-    first_optimizer,
+    cpu_step_bytes,
     flat_state_bytes,
     other_bytes,
     padded,
     parameter_numels,
     phase_peak,
     shard_communication,
+    step_optimizer,
 )
 from lightning_vram.prediction.strategies._zero3_peaks import (
     backward_live,
@@ -114,7 +115,7 @@ def element_bytes(precision: str) -> int:
 
 def group_numels(predictor: Predictor) -> list[list[int]]:
     """Each optimizer param group's parameter sizes (elements, in order): what ZeRO flattens, group by group."""
-    optimizer = first_optimizer(predictor.optimizers)
+    optimizer = step_optimizer(predictor)
     if optimizer is None:
         return [parameter_numels(predictor.module)]
     return [[full_numel(p) for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
@@ -165,7 +166,7 @@ def _stage12(
     element: int,
 ) -> tuple[Phases, tuple[RankLine, ...], int]:
     world = spec.world_size
-    optimizer = first_optimizer(predictor.optimizers)
+    optimizer = step_optimizer(predictor)
     parameters = gradients = state = master = 0
     partition = 0
     shares = []
@@ -209,11 +210,25 @@ def _stage12(
         highest = max((buckets_held.peak(timeline, r) for r in ranks), key=lambda peak: peak or 0)
         if highest is not None:
             backward_other = parameters + state - unseen + highest - sum(backward_parts)
+    # the step's peak: the gradient partition, one partition-sized temporary of the optimizer's and the batch (fitted
+    # on gloo with Adam). On the CPU the live count's own, the larger of two moments that miss the master partition
+    # until an op writes it: DeepSpeed flattening the partition's gradients (a partition-sized copy beside them,
+    # those crossing its edges too) and the optimizer's step over the flat partition (its temporaries, the master
+    # from its first write: AdamW's first op, Adam's and SGD's last)
+    optimizer_other = 2 * partition - gradients
+    stepping = cpu_step_bytes(optimizer, max(shares)) if replayed.device_type == "cpu" else None
+    if stepping is not None:
+        optimizer_other = max(partition + stepping - master - gradients, partition - master)
+    # forward: the counted parts, or with the step's temporaries (a convolution's, the loss's) the live count beside
+    # them, which on the CPU misses the master partition
+    forward_other = max(other_bytes(replayed, Phase.FORWARD) - (master if replayed.device_type == "cpu" else 0), 0)
     phases = {
-        Phase.FORWARD: ((parameters, held, state, forward_activations), 0),
+        Phase.FORWARD: ((parameters, held, state, forward_activations), forward_other),
         Phase.BACKWARD: (backward_parts, backward_other),
-        # the step's peak: the partition's gradients and one partition-sized temporary of the optimizer's, the batch
-        Phase.OPTIMIZER: ((parameters, gradients, state, 0), 2 * partition + batch_bytes(predictor.batch) - gradients),
+        Phase.OPTIMIZER: (
+            (parameters, gradients, state, 0),
+            optimizer_other + batch_bytes(predictor.batch),
+        ),
     }
     lines = (
         RankLine("ZeRO fp32 master partition", master, f"1/{world} of the flat fp32 copy (padded to 2N elements)"),
@@ -243,7 +258,7 @@ def _stage3(
     predictor: Predictor, replayed: ReplayedStep, spec: StrategySpec, settings: ZeroSettings, element: int
 ) -> tuple[Phases, tuple[RankLine, ...], int]:
     world = spec.world_size
-    optimizer = first_optimizer(predictor.optimizers)
+    optimizer = step_optimizer(predictor)
     numels = [n for group in group_numels(predictor) for n in group]
     share = sum(math.ceil(n / world) for n in numels)
     parameters = gradients = share * element

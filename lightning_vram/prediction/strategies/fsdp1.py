@@ -44,13 +44,13 @@ from lightning_vram.measure.fsdp1 import flat_parameters, fsdp1_wrappers
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies._shards import (
     batch_bytes,
-    first_optimizer,
     flat_state_bytes,
     optimizer_like,
     other_bytes,
     padded,
     phase_peak,
     shard_communication,
+    step_optimizer,
 )
 from lightning_vram.prediction.strategies.deepspeed import FIRST_MICRO_BATCH, element_bytes
 from lightning_vram.records import (
@@ -172,7 +172,7 @@ def predict_units(
     flats = [padded(numel, divisor) for numel in numels]
     shards = [flat // divisor for flat in flats]
     parameters = sum(shards) * element
-    optimizer = live.optimizer if live is not None else first_optimizer(predictor.optimizers)
+    optimizer = live.optimizer if live is not None else step_optimizer(predictor)
     state = sum(flat_state_bytes(optimizer, shard) for shard in shards)
     forward = replayed.phases[Phase.FORWARD].breakdown
     assert forward is not None

@@ -1,0 +1,87 @@
+"""DeepSpeed ZeRO-2 on 2 gloo CPU ranks training LightningModules that build their own optimizer, each rank measured
+by VramSession: run by tests/test_zero_module_optimizer.py, ``python tests/zero_module_optimizer_train.py PORT
+OUT_DIR``.
+
+Two modules a user trains (:mod:`zero_modules`): a ResNet-style network with BatchNorm under SGD with momentum and a
+transformer LM under AdamW, each ``configure_optimizers``'s optimizer given to ``deepspeed.initialize`` with the
+small buckets of tests/zero_fsdp1_ranks.py, its ``training_step`` run through the engine, 3 optimizer steps, the
+last sampled. Rank ``r`` writes ``rank<r>.json``: per module, each phase's peak, its counted parts and what gloo's
+thread released late of it (tests/late_releases.py), bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+import torch.distributed as dist
+from forked_ranks import start_ranks
+from late_releases import released_late_of
+from zero_fsdp1_ranks import zero_config
+from zero_modules import MODULES, batch_of
+
+from lightning_vram import VramSession
+
+STEPS = 3
+WORLD = 2
+
+
+def train(name: str, rank: int) -> dict[str, Any]:
+    import deepspeed  # type: ignore[import-untyped]
+
+    torch.manual_seed(0)
+    module = MODULES[name]()
+    optimizer = module.configure_optimizers()
+    config = {**zero_config(2), "train_micro_batch_size_per_gpu": batch_of(name)[0].shape[0]}
+    module.forward = module.training_step  # the engine runs the step
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, config=config, dist_init_required=False
+    )
+    session = VramSession(
+        attribution_start_step=STEPS - 1,
+        attribution_every_n_steps=None,
+        console_summary=False,
+        replay_budget_seconds=0.0,
+        preflight=False,
+    )
+    late = released_late_of(session)
+    session.start(module, [optimizer], device=torch.device("cpu"), wrapper=lambda: engine)
+    generator = torch.Generator().manual_seed(rank)
+    for index in range(STEPS):
+        batch = batch_of(name, generator)
+        session.batch_start(batch)
+        loss = engine(batch, index)
+        session.before_backward()
+        engine.backward(loss)
+        session.before_optimizer_step()
+        engine.step()
+        session.batch_end(index)
+    report = session.finish(gather_ranks=False)
+    assert report is not None
+    return {
+        phase.value: {
+            "peak": peak.peak_bytes,
+            **peak.breakdown.to_dict(),  # type: ignore[union-attr]
+            "released late": late.get(phase.value, 0),
+        }
+        for phase, peak in report.phases.items()
+    }
+
+
+def run_rank(rank: int, port: int, out: Path) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # DeepSpeed reads these
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    results = {name: train(name, rank) for name in MODULES}
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    start_ranks(run_rank, (int(sys.argv[1]), Path(sys.argv[2])), WORLD, ("deepspeed",))
