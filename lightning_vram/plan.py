@@ -45,6 +45,7 @@ from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.twin import module_device
 from lightning_vram.prediction.strategies import predict_rank
+from lightning_vram.prediction.strategies.fsdp1 import predict_window as fsdp1_window
 from lightning_vram.prediction.strategies.stronger import small_parameter_bytes
 from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
@@ -84,11 +85,16 @@ MAX_WORLD_SIZE = 1024
 
 @dataclass(frozen=True)
 class _Configuration:
-    """What a rank's step is predicted for: the precision, checkpointing on or off, the micro-batch (samples)."""
+    """What a rank's step is predicted for: precision, checkpointing, micro-batch (samples) and accumulation.
+
+    ``accumulation``: micro-batches per optimizer step, for FSDP1's rows (1 for the others): they hold a window's
+    gradients in backward (Lightning accumulates without ``no_sync``).
+    """
 
     precision: str
     checkpointing: bool
     micro_batch: int | None
+    accumulation: int = 1
 
 
 @dataclass(frozen=True)
@@ -421,11 +427,13 @@ class _Planner:
         """Predict ``search``'s next micro-batch and keep each GPU's row (a fitting one once found)."""
         micro = search.micro_batches[search.tried]
         search.tried += 1
-        rank = self._rank(_Configuration(search.precision, search.checkpointing, micro), search.spec, search.what)
+        accumulation = 1 if micro is None or search.per_rank is None else search.per_rank // micro
+        window = accumulation if search.spec.name == "fsdp" else 1  # the other strategies' figures do not depend on it
+        configuration = _Configuration(search.precision, search.checkpointing, micro, window)
+        rank = self._rank(configuration, search.spec, search.what)
         if rank is None:
             search.failed = True
             return
-        accumulation = 1 if micro is None or search.per_rank is None else search.per_rank // micro
         for gpu in search.gpus:
             if gpu not in search.found:
                 row = self._row(rank, gpu, nodes, search.precision, search.checkpointing, micro, accumulation)
@@ -528,7 +536,10 @@ class _Planner:
                 return None
             change = checkpoint
         predictor = self._predictor(configuration.precision, configuration.micro_batch, left, spec.name)
-        rank = predict_rank(predictor, spec, change)
+        if spec.name == "fsdp" and configuration.accumulation > 1:
+            rank = fsdp1_window(predictor, spec, change)
+        else:
+            rank = predict_rank(predictor, spec, change)
         if isinstance(rank, ReplaySkipped):
             self.unreplayed.add(rank.reason)
             self._leave_out(rank.reason, what + micro)

@@ -23,7 +23,6 @@ from torch import nn
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.records import RankStep, StrategySpec
-from lightning_vram.units import format_bytes
 
 HANG = 900
 """Seconds a run may take: far more than a loaded 2-core machine needs, so only a hang reaches it."""
@@ -162,11 +161,8 @@ def test_each_rank_weighs_zero2_and_fsdp_on_its_own_step_and_is_told_as_its_figu
         assert trial["current_communication_bytes"] == sum(rank["reducer_buckets"])  # 2 (N - 1) / N at N = 2
         assert trial["saving_bytes"] == measured - trial["target_peak_bytes"]
         if trial["saving_bytes"] >= 0.05 * measured:
-            assert rank["titles"]["sharding-stage"] == (
-                f"DDP to FSDP (full shard) takes this rank's peak from {format_bytes(measured)} to"
-                f" {format_bytes(trial['target_peak_bytes'])}"
-            )
-            assert rank["savings"]["sharding-stage"] == trial["saving_bytes"]
+            # on the CPU the rule is silent: Lightning's fsdp refuses it (sharding_stage.needs_cuda)
+            assert "sharding-stage" not in rank["titles"]
         else:
             assert "sharding-stage" not in rank["titles"]
             assert rank["not_advised"]["sharding-stage"].startswith("predicted, fsdp x2 FULL_SHARD peaks at")
@@ -175,8 +171,8 @@ def test_each_rank_weighs_zero2_and_fsdp_on_its_own_step_and_is_told_as_its_figu
         fsdp.peak.peak_bytes,
         fsdp.communication_bytes,
     )
-    # This activation-heavy MLP on the CPU: root-only FSDP's unsharded flat parameter and its optimizer temporaries
-    # outweigh what it shards (0.2% less on rank 0, more on rank 1, whose batch is doubled): silent on both.
+    # On the CPU, silent on both: DDP to FSDP cannot be applied there (rank 0's FSDP peak is 13% under its measured
+    # one, its previous step's gradient shard no longer held at backward's peak, as Lightning frees it).
     assert all("sharding-stage" not in rank["titles"] for rank in ranks)
 
 

@@ -30,6 +30,7 @@ from test_rank_prediction_zero import SETTINGS, TOLERANCE
 from zero_modules import MODULES, batch_of
 
 from lightning_vram.prediction.predictor import Predictor
+from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.strategies.deepspeed import predict_zero
 from lightning_vram.records import Phase, RankStep, StrategySpec
 
@@ -55,7 +56,7 @@ def misses_of(name: str, steps: list[RankStep], ranks: list[dict[str, Any]]) -> 
     A live peak between the measured one with and without what gloo's thread released late is on it
     (``replay_records.peak_error``)."""
     misses = []
-    print(f"\n{name}, deepspeed_stage_2 x{WORLD}: predicted / measured bytes (error)")
+    print(f"\n{name} x{WORLD}: predicted / measured bytes (error)")
     for rank, step in enumerate(steps):
         for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
             peak = step.phases[phase]
@@ -70,7 +71,8 @@ def misses_of(name: str, steps: list[RankStep], ranks: list[dict[str, Any]]) -> 
                     late = {phase.value: measured["released late"]}
                     error = math.copysign(peak_error(phase.value, actual, guess, late), error)
                 cells.append(f"{part} {guess}/{actual} ({error:+.1%})")
-                if abs(error) > TOLERANCE and (phase is not Phase.BACKWARD or part == "peak"):
+                checked = phase is not Phase.BACKWARD or part == "peak" or name.startswith("fsdp")
+                if abs(error) > TOLERANCE and checked:
                     misses.append(f"rank {rank} {phase.value} {part}: {guess} vs {actual} ({error:+.1%})")
             print(f"r{rank} {phase.value:9} " + "  ".join(cells))
     return misses
@@ -85,5 +87,20 @@ def test_each_rank_within_five_percent_with_the_modules_own_optimizer(tmp_path: 
         assert isinstance(step, RankStep), step
         steps.append(step)
     compared = lambda ranks: misses_of(name, steps, ranks)  # noqa: E731
+    misses = measured_again_where_missed(tmp_path, measured_ranks, compared, lambda miss: miss.partition(":")[0])
+    assert not misses, misses
+
+
+def test_lightnings_fsdp_row_within_five_percent(tmp_path: Path) -> None:
+    """The plan's FSDP1 row (Lightning's ``fsdp``: the root wrapped alone, ``use_orig_params=True``, the gradients
+    set to None before backward) applied to the transformer LM under AdamW: forward's and backward's parts and peaks
+    within 5% (the optimizer step's printed: its live peak on the CPU varies from run to run by up to a flat
+    parameter's size). Before, the row held the previous step's gradient shard and the root's reduce-scattered shard
+    at backward's peak: on a larger transformer LM +15% (16,025,852 B for 13,938,064)."""
+    name = "fsdp transformer"
+    predictor = Predictor(MODULES["transformer"](), None, batch_of("transformer"), warm_up=True)
+    step = predict_rank(predictor, StrategySpec("fsdp", WORLD))
+    assert isinstance(step, RankStep), step
+    compared = lambda ranks: [m for m in misses_of(name, [step] * WORLD, ranks) if " optimizer " not in m]  # noqa: E731
     misses = measured_again_where_missed(tmp_path, measured_ranks, compared, lambda miss: miss.partition(":")[0])
     assert not misses, misses

@@ -152,10 +152,12 @@ def predict_units(
     change: StepChange | None,
     units: tuple[type[nn.Module], ...] = (),
     live: LiveFlats | None = None,
+    window: bool = False,
 ) -> RankStep | ReplaySkipped:
     """One rank of ``spec`` (FSDP1) with ``units`` wrapped (``ModuleWrapPolicy(units)``; none: the root alone).
 
     ``live``: a live run's flat parameters and optimizer, in place of the units' and the predictor's.
+    ``window``: a later micro-batch of a window accumulated without ``no_sync`` (:func:`predict_window`).
     """
     sharding = spec.sharding or "FULL_SHARD"
     if sharding not in GATHERS or (spec.offload and sharding not in OFFLOADED):
@@ -184,14 +186,20 @@ def predict_units(
         held = sum(numels) * element
     unsharded = sum(flats) * gathered if divisor > 1 else 0  # NO_SHARD's parameters are the flat ones
     activations = forward.activations  # the gathered flat parameters autograd saves views of are not activations
-    scattered = max(flats) * gathered // world if divisor > 1 else 0  # the largest unit's reduce-scattered shard
+    # the largest unit's reduce-scattered shard; a root wrapped alone reduce-scatters after its backward, its
+    # activations freed (Lightning's fsdp without a wrap policy: on 2 gloo ranks a transformer LM's backward
+    # peaked 13,938,064 B where this shard beside it said 14,981,932; accumulating, it is held)
+    scattered = max(flats) * gathered // world if divisor > 1 and (len(flats) > 1 or window) else 0
+    # the previous step's gradients, held in forward where the loop sets them to None only before backward
+    # (Lightning's order: training_step, zero_grad, backward), are gone in backward; a window's are not
+    backward_held = held if predictor.accumulate > 1 or window else 0
     seen_in_forward = unsharded if predictor.device_type == "cpu" else 0
     temporaries = OPTIMIZER_TEMPORARIES * max(shards) * element
     optimizer_other = batch_bytes(predictor.batch) + seen_in_forward + temporaries
     phases = {  # the live count holds each unsharded storage it met from forward on, at its gathered size
         Phase.FORWARD: ((parameters, held, state, activations), other_bytes(replayed, Phase.FORWARD) + unsharded),
         Phase.BACKWARD: (
-            (parameters, held, state, activations),
+            (parameters, backward_held, state, activations),
             other_bytes(replayed, Phase.BACKWARD) + unsharded + scattered,
         ),
         Phase.OPTIMIZER: ((parameters, parameters, state, 0), optimizer_other),
@@ -278,8 +286,23 @@ class Offloaded:
 
 
 def predict(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
-    """One rank of ``spec`` with the root as the only unit (Lightning's ``FSDPStrategy`` without a wrap policy)."""
+    """One rank of ``spec`` with the root as the only unit (Lightning's ``FSDPStrategy`` without a wrap policy).
+
+    Its rows without accumulation: each step's gradients set to None before its backward (Lightning's order).
+    """
     return predict_units(predictor, spec, change)
+
+
+def predict_window(predictor: Predictor, spec: StrategySpec, change: StepChange | None) -> RankStep | ReplaySkipped:
+    """:func:`predict` for a rank accumulating gradients as Lightning's ``fsdp`` does (no ``no_sync``).
+
+    Each micro-batch reduce-scatters into the shard's gradient, which the window's later micro-batches hold in
+    backward beside the reduce-scattered shard; the optimizer step's temporaries fitted on the flat shards.
+
+    On 2 gloo ranks (a transformer LM wrapped alone, AdamW, 4 micro-batches of 4) backward measured 11,484,240 B:
+    this said 11,666,652 (+1.6%); :func:`predict`'s figure for a step without a window, 9,578,812, is 17% under.
+    """
+    return predict_units(predictor, spec, change, window=True)
 
 
 def predict_live(
