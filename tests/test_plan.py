@@ -356,3 +356,31 @@ def test_zero3_rows_say_how_to_train_as_they_partition_every_parameter() -> None
     assert "stage3_param_persistence_threshold" in str(zero3)
     ddp = quickstart_plan(world_sizes=(2,), device_type="cpu")
     assert not any("persistence" in note for note in ddp.notes)
+
+
+class CountedSGD(SmallCNN):
+    """The quickstart under SGD with momentum, counting the calls of its own ``configure_optimizers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configured = 0
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.configured += 1
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_zero_row_sizes_the_modules_own_optimizer_without_calling_it_on_the_users_module() -> None:
+    """ZeRO's arithmetic sizes the state by the optimizer the replay's copy of the module configured: SGD with
+    momentum keeps one fp32 buffer per element (Adam two). It reads it from the replay, which ran
+    ``configure_optimizers`` on its copy: the user's module is never asked (it is user code, run only contained;
+    a first version of this change called it on the module itself, and the count read 1)."""
+    module = CountedSGD()
+    settings = {**QUICKSTART_SETTINGS, "gpus": ["H100 SXM"], "strategies": ("deepspeed_stage_2",), "world_sizes": (2,)}
+    sgd = plan(module, images(), **settings)  # type: ignore[arg-type]
+    adam = plan(SmallCNN(), images(), **settings)  # type: ignore[arg-type]
+    assert module.configured == 0
+    (sgd_row,), (adam_row,) = (result.rows for result in (sgd, adam))
+    sgd_state, adam_state = (dict(row.parts)["optimizer_state"] for row in (sgd_row, adam_row))
+    numel = sum(p.numel() for p in module.parameters())
+    assert adam_state - sgd_state == pytest.approx(4 * numel / 2, rel=0.01)  # one fp32 moment less per element

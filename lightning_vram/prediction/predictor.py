@@ -62,6 +62,7 @@ from lightning_vram.prediction.replay.known_values import KnownValues, TakenValu
 from lightning_vram.prediction.replay.library_workspaces import LibraryWorkspaces
 from lightning_vram.prediction.replay.live import AllocationListener, LiveMemory
 from lightning_vram.prediction.replay.norm_dtypes import MixedNormDtypes
+from lightning_vram.prediction.replay.optimizers import OptimizerShape
 from lightning_vram.prediction.replay.precision import (
     SPANNING_AUTOCAST_NOTE,
     PrecisionPlan,
@@ -231,6 +232,9 @@ class Predictor:
     ) -> None:
         self.module = module
         self.optimizers = None if optimizers is None else list(optimizers)
+        self.configured_optimizer: OptimizerShape | None = None
+        """Without ``optimizers``: the first optimizer the module's ``configure_optimizers`` built on a replay's copy
+        of it (its class, settings and groups' sizes), once a replay ran."""
         self.batch = batch
         self.batch_values = batch_values
         self.precision = precision
@@ -502,6 +506,8 @@ class Predictor:
                     {id(a): a for a in scope.shared},
                     "cuda" if self.for_cuda else None,
                 )
+                if self.optimizers is None and self.configured_optimizer is None and twin.optimizers:
+                    self.configured_optimizer = OptimizerShape.of(twin.optimizers[0])
                 held = held_by(twin.module, scope.inside, own=(mode,), after=scope.reach)
                 refusal = closure_refusal(twin.optimizers) or refusal_of(held)
                 if refusal is not None:

@@ -7,6 +7,7 @@ One-element CPU tensors (Adam's ``step``) become fake *constants*, whose value t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -121,3 +122,64 @@ def _optimizers_in(value: Any) -> list[torch.optim.Optimizer]:
             return _optimizers_in(value[0])
         return [optimizer for item in value for optimizer in _optimizers_in(item)]
     raise TypeError(f"configure_optimizers returned {type(value).__name__}, which holds no optimizer Lightning knows")
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+@dataclass(frozen=True)
+class OptimizerShape:
+    """A configured optimizer without its tensors: its class, first group's plain settings and groups' sizes.
+
+    Each group's trainable parameters are kept as their element counts, read from the optimizer a replay's copy of
+    the module configured (:meth:`of`), so that arithmetic over the state (a ZeRO partition's moments) sizes it by
+    the user's own optimizer without calling ``configure_optimizers`` on the user's module outside the replay's
+    containment.
+    """
+
+    kind: type[torch.optim.Optimizer]
+    settings: tuple[tuple[str, Any], ...]
+    groups: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerShape:
+        """The shape of ``optimizer`` (a replay's, on fake parameters: only their sizes are read).
+
+        >>> shape = OptimizerShape.of(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1, momentum=0.9))
+        >>> shape.kind.__name__, shape.groups, dict(shape.settings)["momentum"]
+        ('SGD', ((3,),), 0.9)
+        """
+        first = optimizer.param_groups[0]
+        settings = tuple(
+            (key, value)
+            for key, value in first.items()
+            if key != "params"
+            and (isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)))
+        )
+        groups = tuple(
+            tuple(int(getattr(p, "ds_numel", None) or p.numel()) for p in group["params"] if p.requires_grad)
+            for group in optimizer.param_groups
+        )
+        return cls(optimizer.__class__, settings, groups)
+
+    def build(self) -> torch.optim.Optimizer | None:
+        """An optimizer of this class and settings over meta tensors of the groups' sizes; ``None`` if it refuses.
+
+        No memory and no state: meta tensors hold none. A class of the user's may refuse meta tensors or the settings.
+
+        >>> built = OptimizerShape(torch.optim.SGD, (("lr", 0.1), ("momentum", 0.9)), ((3, 4),)).build()
+        >>> [[p.numel() for p in group["params"]] for group in built.param_groups], built.defaults["momentum"]
+        ([[3, 4]], 0.9)
+        """
+        groups = [
+            {"params": [torch.empty(numel, device="meta", requires_grad=True) for numel in group]}
+            for group in self.groups
+            if group
+        ]
+        if not groups:
+            return None
+        accepted = inspect.signature(self.kind).parameters
+        try:
+            return self.kind(groups, **{key: value for key, value in self.settings if key in accepted})
+        except Exception:  # noqa: BLE001 - a class of the user's that refuses meta tensors or these settings
+            return None

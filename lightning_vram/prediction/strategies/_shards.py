@@ -145,22 +145,19 @@ def first_optimizer(optimizers: Sequence[torch.optim.Optimizer] | None) -> torch
 def step_optimizer(predictor: Any) -> torch.optim.Optimizer | None:
     """The optimizer a rank's arithmetic sizes the state by: the run's first, else the module's own.
 
-    A LightningModule (a plan's, ``predict()``'s) builds its own in ``configure_optimizers``: its first optimizer,
-    built on the module's parameters (no state until it steps; nothing else of the module changes), or ``None``
-    where it cannot be built outside a Trainer (then Adam's state is assumed). Before, every such module's state was
-    taken as Adam's: a ResNet's ZeRO-2 row under SGD with momentum said 230,284 B of optimizer state per rank on 2
-    gloo ranks, where the run held 153,520 (the fp32 master partition and the momentum).
+    A LightningModule (a plan's, ``predict()``'s) builds its own in ``configure_optimizers``, which a replay ran on
+    its copy of the module: an optimizer of that class and settings over meta tensors of its groups' sizes
+    (:class:`~lightning_vram.prediction.replay.optimizers.OptimizerShape`), or ``None`` where no replay built one
+    (then Adam's state is assumed). The user's module is never asked: ``configure_optimizers`` is user code, run
+    only inside the replay's containment. Before, every such module's state was taken as Adam's: a ResNet's ZeRO-2
+    row under SGD with momentum said 230,284 B of optimizer state per rank on 2 gloo ranks, where the run held
+    153,520 (the fp32 master partition and the momentum).
     """
     given = first_optimizer(predictor.optimizers)
     if given is not None:
         return given
-    from lightning_vram.prediction.replay.optimizers import configured_optimizers
-
-    try:
-        built = configured_optimizers(predictor.module)
-    except Exception:  # noqa: BLE001 - the user's configure_optimizers, outside a Trainer (self.trainer...)
-        return None
-    return built[0] if built else None
+    shape = getattr(predictor, "configured_optimizer", None)
+    return shape.build() if shape is not None else None
 
 
 def batch_bytes(batch: Any) -> int:
