@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_vram.measure.ddp import DEFAULT_BUCKET_BYTES, bucket_sizes, reduced_parameters
-from lightning_vram.plan import ARITHMETIC_FIT, plan
+from lightning_vram.plan import ARITHMETIC_FIT, MANUAL_DDP_NOTE, plan
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.replay.reserved import run_settings
 from lightning_vram.prediction.strategies import predict_rank
@@ -384,3 +384,13 @@ def test_a_zero_row_sizes_the_modules_own_optimizer_without_calling_it_on_the_us
     sgd_state, adam_state = (dict(row.parts)["optimizer_state"] for row in (sgd_row, adam_row))
     numel = sum(p.numel() for p in module.parameters())
     assert adam_state - sgd_state == pytest.approx(4 * numel / 2, rel=0.01)  # one fp32 moment less per element
+
+
+def test_ddp_rows_under_manual_optimization_say_how_ddp_takes_a_backward_that_leaves_parameters_out() -> None:
+    """A GAN's discriminator step leaves the generator without gradients: ``Trainer(strategy="ddp")``, as its row
+    named it, raised "parameters that were not used in producing the loss" on 2 gloo ranks; the plan said nothing."""
+    from test_setups import Gan
+
+    gan = plan(Gan(), (torch.randn(8, 16),), gpus=["H100 SXM"], world_sizes=(2,), strategies=("ddp",))
+    assert gan.rows and MANUAL_DDP_NOTE in gan.notes and "ddp_find_unused_parameters_true" in str(gan)
+    assert MANUAL_DDP_NOTE not in quickstart_plan(world_sizes=(2,)).notes
