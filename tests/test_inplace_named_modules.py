@@ -18,7 +18,7 @@ from advice_models import features
 from models import OPTIMIZERS, Classifier, loader, trainer
 from torch import nn
 
-from lightning_vram import Report, VramMonitor
+from lightning_vram import Report, VramMonitor, VramSession
 from lightning_vram.records import Advice, AdviceId
 
 WIDTH = 256
@@ -73,5 +73,67 @@ def test_the_printed_code_makes_only_the_named_modules_inplace(tmp_path: Path) -
     assert before.peak is not None and after.peak is not None and advice.estimated_saving_bytes is not None
     assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
     # LeakyReLU's inplace gradient is the same arithmetic: the same model, bit for bit.
+    for (name, trained), (_, again) in zip(plain.state_dict().items(), applied.state_dict().items(), strict=True):
+        assert torch.equal(trained, again), name
+
+
+class KeyedBlocks(nn.Module):
+    """Two blocks held by an ``nn.ModuleDict`` under the keys ``"0"`` and ``"1"``, each a Linear and a LeakyReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({key: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LeakyReLU()) for key in "01"})
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for key in "01":
+            x = self.blocks[key](x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _plain_run(root: Path, model: nn.Module) -> Report:
+    torch.manual_seed(1)
+    batches = [(torch.randn(512, WIDTH), torch.randint(0, 10, (512,))) for _ in range(3)]
+    optimizer = torch.optim.Adam(model.parameters())
+    session = VramSession(log_dir=root, attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    session.start(
+        model,
+        optimizers=[optimizer],
+        dataloader=batches,
+        step_function=lambda module, batch: nn.functional.cross_entropy(module(batch[0]), batch[1]),
+    )
+    for batch in batches:
+        session.batch_start(batch)
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        session.before_backward()
+        loss.backward()
+        session.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        session.batch_end()
+    return session.finish()
+
+
+@pytest.mark.replay  # the advice's saving is replayed
+def test_a_module_dicts_children_are_reached_by_their_key(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = KeyedBlocks()
+    before = _plain_run(tmp_path / "before", plain)
+    advice = next((item for item in before.advice if item.id is AdviceId.INPLACE_ACTIVATIONS), None)
+    assert advice is not None, [item.id for item in before.advice]
+    code = _code(advice)
+    # Before: 'model.blocks[0][1].inplace = True', which raised KeyError: 0 (a ModuleDict's keys are strings).
+    assert [line for line in code.splitlines() if not line.startswith("#")] == [
+        "model.blocks['0'][1].inplace = True",
+        "model.blocks['1'][1].inplace = True",
+    ]
+    torch.manual_seed(0)
+    applied = KeyedBlocks()
+    exec(code, {"model": applied})  # after building the model, as the code's comment says
+    after = _plain_run(tmp_path / "after", applied)
+    assert before.peak is not None and after.peak is not None and advice.estimated_saving_bytes is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    assert not any(item.id is AdviceId.INPLACE_ACTIVATIONS for item in after.advice)
     for (name, trained), (_, again) in zip(plain.state_dict().items(), applied.state_dict().items(), strict=True):
         assert torch.equal(trained, again), name

@@ -26,6 +26,7 @@ exactly what the plain one does.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -222,13 +223,27 @@ def _code_path(name: str, forward_of: str, root: str = "self") -> str:
     return root + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
 
 
-def code_path(name: str, forward_of: str, root: str = "self") -> str:
+def code_path(name: str, forward_of: str, root: str = "self", keyed: Collection[str] = ()) -> str:
     """Module ``name`` as code (:func:`_code_path`), for the rules that print lines changing a module by name.
+
+    A child of a module named in ``keyed`` (an ``nn.ModuleDict``: ``TrainingSetup.keyed_containers``) is reached by
+    its key, as a string: ``[0]`` raised KeyError on a ModuleDict's key ``"0"``.
 
     >>> code_path("features.1", "", "model")
     'model.features[1]'
+    >>> code_path("blocks.0.1", "", "model", keyed={"blocks"}), code_path("heads.a-b", "", "model", keyed={"heads"})
+    ("model.blocks['0'][1]", "model.heads['a-b']")
     """
-    return _code_path(name, forward_of, root)
+    if not keyed or forward_of:
+        return _code_path(name, forward_of, root)
+    parts = name.split(".") if name else []
+    path = root
+    for index, part in enumerate(parts):
+        if ".".join(parts[:index]) in keyed:
+            path += f"[{part!r}]"
+        else:
+            path += f"[{part}]" if part.isdigit() else f".{part}"
+    return path
 
 
 def _unit_line(unit: tuple[str, ...], forward_of: str) -> str:

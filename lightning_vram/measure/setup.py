@@ -396,4 +396,5 @@ def training_setup(
         loader_batch_size=loader.batch_size if loader is not None else None,
         loop=loop,
         own_zero_grad=own_zero_grad,
+        keyed_containers=tuple(name for name, child in module.named_modules() if isinstance(child, nn.ModuleDict)),
     )

@@ -345,6 +345,9 @@ class TrainingSetup:
     own_zero_grad: bool = False
     """Whether the LightningModule overrides ``optimizer_zero_grad``: when gradients are zeroed is then its own (it
     may keep them across batches, accumulating by its own hooks), not Lightning's accumulation window."""
+    keyed_containers: tuple[str, ...] = ()
+    """The modules (by name) that hold their children by key (``nn.ModuleDict``): code reaches a child of one as
+    ``["key"]`` (a key ``"0"`` read as ``[0]`` raised KeyError, ``.key`` fails for a key that is no identifier)."""
 
     @property
     def lightning_zeroes_gradients(self) -> bool:

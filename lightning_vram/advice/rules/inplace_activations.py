@@ -180,10 +180,11 @@ def _code(safe: list[ModuleProfile], setup: TrainingSetup, example: str) -> str:
     the built module keeps its other arguments; a module the forward calls in several places changes in each.
     """
     context = CodeContext(setup.loop)
+    keyed = {_as_built(name) for name in setup.keyed_containers}
     lines = [
         f"# {context.built('the model')}: these modules compute inplace (as `nn.{example}(inplace=True)`),",
         "# every other module as it is",
-        *(f"{code_path(_as_built(profile.name), '', context.model)}.inplace = True" for profile in safe),
+        *(f"{code_path(_as_built(profile.name), '', context.model, keyed)}.inplace = True" for profile in safe),
     ]
     return "\n".join(lines)
 
