@@ -273,3 +273,20 @@ def test_html_to_standard_output(
     assert main(["html", str(path), "-o", str(tmp_path / "page.html")]) == 0
     assert page == (tmp_path / "page.html").read_text()
     assert not (tmp_path / "-").exists()
+
+
+def test_a_prediction_is_not_judged_against_a_run_that_stopped_with_an_error(
+    runs: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run B applied A's precision and ran out of memory after some steps: its peak is of the steps before, not of
+    the step that failed, so the line gives no verdict (it read "diff +0.0%", the prediction met)."""
+    before, after = runs
+    stopped = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    lines = diff_lines(before, {**after, "ended_with": stopped}, tmp_path, capsys)
+    predicted = variant(before, "precision")["predicted_peak_bytes"]
+    measured = after["peak"]["allocated_bytes"]
+    assert prediction_line(predicted, 'precision="bf16-mixed"', measured) not in lines
+    assert (
+        f'A\'s replay predicted {format_bytes(predicted)} for precision="bf16-mixed", B measured'
+        f" {format_bytes(measured)} on its steps before it stopped with {stopped}: not its whole run, no verdict"
+    ) in lines

@@ -581,7 +581,9 @@ def prediction_lines(before: Report, after: Report) -> list[str]:
     replay's peak is the steady micro-batch's (a later one of the window, with the optimizer step); where B's peak
     is of a window's first micro-batch (:func:`_first_micro_batch`), it is set against A's replay of a first
     micro-batch (:func:`_first_predicted`), and where A's report does not hold one (written before it did), it
-    says that the micro-batches differ, with no verdict.
+    says that the micro-batches differ, with no verdict. Where B stopped with an error (an out-of-memory error among
+    them), its peak is of the steps before it stopped, not of the step that failed: no verdict either (a run that
+    ran out of memory read "diff +0.0%" against A's prediction).
     """
     measured = _peak_bytes(after)
     first_step = _first_micro_batch(after)
@@ -589,7 +591,12 @@ def prediction_lines(before: Report, after: Report) -> list[str]:
     for variant, predicted in _applied_variants(before, after):
         label = printable(variant.change.label)
         first = _first_predicted(variant)
-        if first_step is None:
+        if after.ended_with is not None:
+            lines.append(
+                f"A's replay predicted {format_bytes(predicted)} for {label}, B measured {format_bytes(measured)}"
+                f" on its steps before it stopped with {printable(after.ended_with)}: not its whole run, no verdict"
+            )
+        elif first_step is None:
             lines.append(
                 f"A's replay predicted {format_bytes(predicted)} for {label}, B measured {format_bytes(measured)}"
                 f" (diff {_difference(measured, predicted)})"
