@@ -55,3 +55,13 @@ def test_runs_that_both_finished_have_no_ending_line() -> None:
     lines = diff_text(report(advised=BOTH), report(advised=BOTH[1:])).splitlines()
     assert "advice removed: chunked-loss" in lines
     assert not [line for line in lines if "run ended" in line]
+
+
+def test_a_run_the_user_interrupted_is_not_said_to_have_stopped_with_an_error() -> None:
+    """Ctrl-C (Lightning's graceful shutdown records KeyboardInterrupt) is no error of the run's."""
+    lines = diff_text(report(advised=BOTH), report(advised=BOTH[1:], ended_with="KeyboardInterrupt")).splitlines()
+    # Before: 'advice removed: chunked-loss (B stopped with an error: its advice covers its steps until then)'.
+    assert (
+        "advice removed: chunked-loss (B was interrupted (KeyboardInterrupt): its advice covers its steps until then)"
+    ) in lines
+    assert "  run ended: finished -> stopped with KeyboardInterrupt" in lines

@@ -274,6 +274,22 @@ def _ending_lines(before: Report, after: Report) -> list[str]:
     return [f"  run ended: {endings[0]} -> {endings[1]}"]
 
 
+INTERRUPTED = ("KeyboardInterrupt",)
+"""How a report's ``ended_with`` begins where the user stopped the run (Ctrl-C, Lightning's graceful shutdown): no
+error of the run's."""
+
+
+def _stopped_how(ended_with: str) -> str:
+    """How a run that did not finish stopped, in words: interrupted by the user, or with an error.
+
+    >>> _stopped_how("KeyboardInterrupt"), _stopped_how("RuntimeError: CUDA out of memory")
+    ('was interrupted (KeyboardInterrupt)', 'stopped with an error')
+    """
+    if ended_with.partition(":")[0] in INTERRUPTED:
+        return f"was interrupted ({ended_with})"
+    return "stopped with an error"
+
+
 def _advice_change(before: Advice, after: Advice) -> str | None:
     """How one advice differs between the runs (its title, severity, saving, predicted peak), ``None`` if not."""
     changes = []
@@ -320,7 +336,7 @@ def advice_lines(before: Report, after: Report) -> list[str]:
     by_id_before = {item.id.value: item for item in before.advice}
     by_id_after = {item.id.value: item for item in after.advice}
     stopped = {
-        run: f" ({run} stopped with an error: its advice covers its steps until then)"
+        run: f" ({run} {_stopped_how(report.ended_with)}: its advice covers its steps until then)"
         if report.ended_with is not None
         else ""
         for run, report in (("A", before), ("B", after))
