@@ -137,3 +137,24 @@ def test_a_module_dicts_children_are_reached_by_their_key(tmp_path: Path) -> Non
     assert not any(item.id is AdviceId.INPLACE_ACTIVATIONS for item in after.advice)
     for (name, trained), (_, again) in zip(plain.state_dict().items(), applied.state_dict().items(), strict=True):
         assert torch.equal(trained, again), name
+
+
+@pytest.mark.replay  # the advice's saving is replayed
+def test_a_module_dicts_child_is_checkpointed_by_its_key(tmp_path: Path) -> None:
+    """The checkpointing lines reach a ModuleDict's children by key too (they share the inplace lines' paths)."""
+    torch.manual_seed(0)
+    plain = KeyedBlocks()
+    before = _plain_run(tmp_path / "before", plain)
+    advice = next((item for item in before.advice if item.id is AdviceId.ACTIVATION_CHECKPOINTING), None)
+    assert advice is not None, [item.id for item in before.advice]
+    code = re.findall(r"```python\n(.*?)\n```", advice.detail, re.DOTALL)[-1]
+    # Before: 'model.blocks[0] = Checkpointed(model.blocks[0])', which raised KeyError: 0.
+    assert "model.blocks['0'] = Checkpointed(model.blocks['0'])" in code.splitlines()
+    torch.manual_seed(0)
+    applied = KeyedBlocks()
+    exec(code, {"model": applied})  # after building the model, as the code's comment says
+    after = _plain_run(tmp_path / "after", applied)
+    assert before.peak is not None and after.peak is not None and advice.estimated_saving_bytes is not None
+    assert before.peak.peak_bytes - after.peak.peak_bytes == pytest.approx(advice.estimated_saving_bytes, rel=0.1)
+    for (name, trained), again in zip(plain.state_dict().items(), applied.state_dict().values(), strict=True):
+        assert torch.equal(trained, again), name  # the keys gain '.block', as the code's comment says

@@ -26,7 +26,9 @@ exactly what the plain one does.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -167,6 +169,8 @@ class CodeContext:
 
     loop: TrainingLoop = TrainingLoop.LIGHTNING
     root_type: str | None = None
+    keyed: frozenset[str] = frozenset()
+    """The modules (by name) holding their children by key (``TrainingSetup.keyed_containers``: ModuleDicts)."""
 
     @property
     def model(self) -> str:
@@ -209,6 +213,20 @@ class CodeContext:
         return not forward_of and self.loop is not TrainingLoop.LIGHTNING and self.root_type == "Sequential"
 
 
+_KEYED: ContextVar[frozenset[str]] = ContextVar("_KEYED", default=frozenset())
+"""The modules holding their children by key (ModuleDicts) while a snippet is written (:func:`_keyed`)."""
+
+
+@contextmanager
+def _keyed(keyed: Collection[str]) -> Iterator[None]:
+    """Paths written inside reach a child of each module named in ``keyed`` (an ``nn.ModuleDict``) by its key."""
+    token = _KEYED.set(frozenset(keyed))
+    try:
+        yield
+    finally:
+        _KEYED.reset(token)
+
+
 def _code_path(name: str, forward_of: str, root: str = "self") -> str:
     """Module ``name`` as code in the forward of ``forward_of`` (or, from the model, with the model named ``root``).
 
@@ -216,11 +234,25 @@ def _code_path(name: str, forward_of: str, root: str = "self") -> str:
     ('self.h[3]', 'self.network.conv1', 'self')
     >>> _code_path("2", "", "model")
     'model[2]'
+
+    A child of a ModuleDict (:func:`_keyed`) by its key, a string: ``[0]`` raised KeyError on a key ``"0"``.
+
+    >>> with _keyed({"net.blocks"}):
+    ...     _code_path("net.blocks.0.1", ""), _code_path("net.blocks.a-b", "net")
+    ("self.net.blocks['0'][1]", "self.blocks['a-b']")
     """
     relative = name[len(forward_of) + 1 :] if forward_of else name
     if not relative:
         return root
-    return root + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in relative.split("."))
+    keyed, path = _KEYED.get(), root
+    parts = relative.split(".")
+    for index, part in enumerate(parts):
+        parent = ".".join([*([forward_of] if forward_of else []), *parts[:index]])
+        if parent in keyed:
+            path += f"[{part!r}]"
+        else:
+            path += f"[{part}]" if part.isdigit() else f".{part}"
+    return path
 
 
 def code_path(name: str, forward_of: str, root: str = "self", keyed: Collection[str] = ()) -> str:
@@ -234,16 +266,8 @@ def code_path(name: str, forward_of: str, root: str = "self", keyed: Collection[
     >>> code_path("blocks.0.1", "", "model", keyed={"blocks"}), code_path("heads.a-b", "", "model", keyed={"heads"})
     ("model.blocks['0'][1]", "model.heads['a-b']")
     """
-    if not keyed or forward_of:
+    with _keyed(keyed):
         return _code_path(name, forward_of, root)
-    parts = name.split(".") if name else []
-    path = root
-    for index, part in enumerate(parts):
-        if ".".join(parts[:index]) in keyed:
-            path += f"[{part!r}]"
-        else:
-            path += f"[{part}]" if part.isdigit() else f".{part}"
-    return path
 
 
 def _unit_line(unit: tuple[str, ...], forward_of: str) -> str:
@@ -304,7 +328,8 @@ def _wrap_lines(names: list[str], root: str = "self", wrapper: str = "Checkpoint
     """
     container = _code_path(names[0].rpartition(".")[0], "", root)
     indices = [name.rpartition(".")[2] for name in names]
-    if len(names) == 1 or not all(map(str.isdigit, indices)):
+    keyed = names[0].rpartition(".")[0] in _KEYED.get()  # a ModuleDict's keys: no range of ints over them
+    if len(names) == 1 or keyed or not all(map(str.isdigit, indices)):
         return [f"{_code_path(name, '', root)} = {wrapper}({_code_path(name, '', root)})" for name in names]
     first, last = int(indices[0]), int(indices[-1])
     over = (
@@ -423,6 +448,12 @@ def checkpoint_snippet(plan: CheckpointPlan, context: CodeContext | None = None)
     The code is written for ``context`` (default: a LightningModule).
     """
     context = context or CodeContext()
+    with _keyed(context.keyed):
+        return _checkpoint_snippet(plan, context)
+
+
+def _checkpoint_snippet(plan: CheckpointPlan, context: CodeContext) -> tuple[str, str]:
+    """:func:`checkpoint_snippet`, its paths reaching a ModuleDict's children by key."""
     if plan.switch is not None:
         return _switch_snippet(plan, context)
     forward_of = plan.forward_of or ""

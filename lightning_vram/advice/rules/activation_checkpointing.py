@@ -180,7 +180,7 @@ def activation_checkpointing(
     top = sorted(summary.modules, key=lambda profile: -profile.activation_bytes)[:3]
     top_text = ", ".join(f"{profile.name} {format_bytes(profile.activation_bytes)}" for profile in top)
     root = next((profile.type for profile in summary.modules if profile.name == ROOT), None)
-    what, code = checkpoint_snippet(plan, CodeContext(setup.loop, root))
+    what, code = checkpoint_snippet(plan, CodeContext(setup.loop, root, frozenset(setup.keyed_containers)))
     return Advice(
         id=ID,
         severity=Severity.INFO,
