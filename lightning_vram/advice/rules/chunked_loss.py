@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_vram.advice.catalogue import FULL_PRECISIONS
-from lightning_vram.advice.checkpoint_code import CodeContext, code_path
 from lightning_vram.advice.checkpointing import OUTSIDE, ROOT
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, Rule, no_changes, not_replayed, share_text
 from lightning_vram.advice.savings import trusted
@@ -218,6 +217,9 @@ def _head_lines(head: str | None, setup: TrainingSetup) -> str:
     """The lines naming the run's own head (:func:`own_head`) in the printed code (nothing where none is named)."""
     if head is None:
         return ""
+    # imported here: `lightning-vram show` and `diff` read LOSS_CHUNKS from this module without torch
+    from lightning_vram.advice.checkpoint_code import CodeContext, code_path
+
     path = code_path(head, "", CodeContext(setup.loop).model)
     return (
         f"# In your step the logits are the output of `{path}` (its output is as large as the loss's\n"
