@@ -12,16 +12,17 @@ would checkpoint one call of six.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from models import loader, trainer
-from test_checkpointing_shared_block import Block, Classifier, applied, data
+from test_checkpointing_shared_block import (
+    Block,
+    Classifier,
+    advised,
+    applied,
+    assert_applied_saves_and_trains_the_same,
+)
 from torch import nn
-
-from lightning_vram import Report, VramMonitor
-from lightning_vram.records import AdviceId
 
 pytestmark = pytest.mark.replay  # the advice and its saving come from the replay
 
@@ -58,44 +59,18 @@ class AliasedSequential(Classifier):
         self.network = AliasedLayers(sequential=True)
 
 
-def fit(root: Path, module: Classifier, monitored: bool) -> Report | None:
-    torch.manual_seed(0)
-    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
-    trainer(root, [monitor] if monitored else [], max_steps=3).fit(module, loader(data(), 16))
-    return monitor.report if monitored else None
-
-
 @pytest.mark.parametrize("kind", [AliasedList, AliasedSequential], ids=["ModuleList", "Sequential"])
 def test_a_block_at_every_place_of_a_list_is_checkpointed_at_each_and_trains_the_same(
     tmp_path: Path, kind: type[Classifier]
 ) -> None:
-    torch.manual_seed(0)
-    report = fit(tmp_path / "before", kind(), monitored=True)
-    assert report is not None and report.peak is not None
-    advice = next((advice for advice in report.advice if advice.id is AdviceId.ACTIVATION_CHECKPOINTING), None)
-    assert advice is not None, report.to_dict().get("not_advised")  # before: none, `layers.0.norm` saved 0.2%
+    report, advice = advised(tmp_path / "before", kind)  # before: none, `layers.0.norm` saved 0.2%
     assert "`network.layers.0` at every place of the model holding it" in advice.title
     assert "if module is block:" in advice.detail
     module = applied(advice, kind)
     wrappers = {id(layer) for layer in module.network.layers}
     assert len(wrappers) == 1 and type(module.network.layers[0]).__name__ == "Checkpointed"  # one wrapper, six places
-    after = fit(tmp_path / "after", module, monitored=True)
-    assert after is not None and after.peak is not None and advice.estimated_saving_bytes is not None
-    realised = report.peak.peak_bytes - after.peak.peak_bytes
-    assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.01)  # seen: 23,674,880 B, as simulated
-    assert AdviceId.ACTIVATION_CHECKPOINTING not in {advice.id for advice in after.advice}
-    torch.manual_seed(0)
-    plain = kind()
-    fit(tmp_path / "plain", plain, monitored=False)
-    plain_rng = torch.get_rng_state()
-    torch.manual_seed(0)
-    unmonitored = applied(advice, kind)
-    fit(tmp_path / "unmonitored", unmonitored, monitored=False)
-    assert torch.equal(torch.get_rng_state(), plain_rng)
-    for trained in (module, unmonitored):
-        assert [loss.item() for loss in trained.losses] == [loss.item() for loss in plain.losses]
-        weights: list[Any] = list(trained.state_dict().values())  # `.block` renames the keys, not the order
-        assert all(torch.equal(a, b) for a, b in zip(weights, plain.state_dict().values(), strict=True))
+    # seen: 23,674,880 B realised, as simulated
+    assert_applied_saves_and_trains_the_same(tmp_path, report, advice, kind, module)
 
 
 class TwoListsOneBlock(nn.Module):
@@ -126,28 +101,9 @@ def test_a_block_two_lists_share_is_checkpointed_in_both_and_trains_the_same(tmp
     # Wrapped in its first list alone, the block ran 3 of its 6 calls checkpointed: the replay discarded the plan
     # ("its caller calls `network.encoder.0` 3 time(s) with the plan, 6 time(s) without") and nothing was advised
     # ("checkpoint network.encoder.0.norm ... saves 80.0 KiB (0.2% of the measured peak)").
-    torch.manual_seed(0)
-    report = fit(tmp_path / "before", TwoLists(), monitored=True)
-    assert report is not None and report.peak is not None
-    advice = next((advice for advice in report.advice if advice.id is AdviceId.ACTIVATION_CHECKPOINTING), None)
-    assert advice is not None, report.to_dict().get("not_advised")  # before: None
+    report, advice = advised(tmp_path / "before", TwoLists)  # before: none
     assert "`network.encoder.0` at every place of the model holding it" in advice.title
     module = applied(advice, TwoLists)
     assert len({id(layer) for layer in [*module.network.encoder, *module.network.decoder]}) == 1  # one wrapper
-    after = fit(tmp_path / "after", module, monitored=True)
-    assert after is not None and after.peak is not None and advice.estimated_saving_bytes is not None
-    realised = report.peak.peak_bytes - after.peak.peak_bytes
-    assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.01)  # seen: 23,674,880 B, as replayed
-    assert AdviceId.ACTIVATION_CHECKPOINTING not in {advice.id for advice in after.advice}
-    torch.manual_seed(0)
-    plain = TwoLists()
-    fit(tmp_path / "plain", plain, monitored=False)
-    plain_rng = torch.get_rng_state()
-    torch.manual_seed(0)
-    unmonitored = applied(advice, TwoLists)
-    fit(tmp_path / "unmonitored", unmonitored, monitored=False)
-    assert torch.equal(torch.get_rng_state(), plain_rng)
-    for trained in (module, unmonitored):
-        assert [loss.item() for loss in trained.losses] == [loss.item() for loss in plain.losses]
-        weights: list[Any] = list(trained.state_dict().values())
-        assert all(torch.equal(a, b) for a, b in zip(weights, plain.state_dict().values(), strict=True))
+    # seen: 23,674,880 B realised, as replayed
+    assert_applied_saves_and_trains_the_same(tmp_path, report, advice, TwoLists, module)
