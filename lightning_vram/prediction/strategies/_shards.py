@@ -66,10 +66,7 @@ def flat_state_bytes(optimizer: torch.optim.Optimizer | None, numel: int) -> int
         return 8 * numel + 4
     sizes = []
     for elements in (1, 2):
-        flat = torch.zeros(elements, requires_grad=True)
-        flat.grad = torch.ones(elements)
-        stepped = optimizer_like(optimizer, [flat])
-        stepped.step()
+        stepped, _ = _stepped_once(optimizer, elements)
         sizes.append(sum(tensor.untyped_storage().nbytes() for tensor in iter_tensors(list(stepped.state.values()))))
     per_element = sizes[1] - sizes[0]
     return sizes[0] - per_element + per_element * numel
@@ -93,15 +90,21 @@ def cpu_step_bytes(optimizer: torch.optim.Optimizer | None, numel: int) -> int |
     """
     if optimizer is None:
         return None
-    peaks = []
-    for elements in (1000, 2000):
-        flat = torch.zeros(elements, requires_grad=True)
-        flat.grad = torch.ones(elements)
-        stepped = optimizer_like(optimizer, [flat])
-        stepped.step()
-        peaks.append(_step_peak(stepped, flat))
+    peaks = [_step_peak(*_stepped_once(optimizer, elements)) for elements in (1000, 2000)]
     per_element = (peaks[1] - peaks[0]) / 1000
     return max(round(peaks[0] + per_element * (numel - 1000)), 0)
+
+
+def _stepped_once(optimizer: torch.optim.Optimizer, elements: int) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """An optimizer like ``optimizer`` stepped once over a flat fp32 tensor of ``elements``, and that tensor.
+
+    Its gradient is ones; the step makes the state (the moments, the momentum) the callers measure.
+    """
+    flat = torch.zeros(elements, requires_grad=True)
+    flat.grad = torch.ones(elements)
+    stepped = optimizer_like(optimizer, [flat])
+    stepped.step()
+    return stepped, flat
 
 
 def _step_peak(optimizer: torch.optim.Optimizer, flat: torch.Tensor) -> int:
