@@ -46,6 +46,7 @@ from lightning_vram.prediction.replay.serves import serve
 from lightning_vram.prediction.replay.twin import module_device
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.strategies.fsdp1 import predict_window as fsdp1_window
+from lightning_vram.prediction.strategies.fsdp2 import shard_units, usual_policy_code
 from lightning_vram.prediction.strategies.stronger import small_parameter_bytes
 from lightning_vram.prediction.timing import LINKS, Link, predict_step_time
 from lightning_vram.prediction.timing.peaks import GPU_ACHIEVED
@@ -222,6 +223,9 @@ def plan(
         small = small_parameter_bytes(module, 1)
         if small:
             notes += (zero3_persistence_note(small),)
+    code = usual_policy_code(module) if any(row.strategy == "fsdp2" for row in rows) else None
+    if code is not None:
+        notes += (fsdp2_units_note(module, code),)
     if getattr(module, "automatic_optimization", True) is False and any(row.strategy == "ddp" for row in rows):
         notes += (MANUAL_DDP_NOTE,)
     return Plan(
@@ -246,6 +250,20 @@ MANUAL_DDP_NOTE = (
 )
 """The note of a plan with ddp rows for a module under manual optimization: the plain ``"ddp"`` the rows name
 raised on a GAN applied as printed ("parameters that were not used in producing the loss")."""
+
+
+def fsdp2_units_note(module: nn.Module, code: str) -> str:
+    """The note of a plan with fsdp2 rows for a module that does not shard itself: the code that shards it as they do.
+
+    Without it the rows' units were nowhere printed (a model without an ``nn.ModuleList`` of blocks was predicted as
+    one unit, every parameter gathered for the whole step, where a user sharding its blocks holds less).
+    """
+    units = len(shard_units(module)) - 1
+    sharded = f"each of {units} blocks, then the root" if units else "the root alone (no blocks found)"
+    return (
+        f"fsdp2 rows shard {sharded} (torch's fully_shard under Lightning's ModelParallelStrategy). To train as"
+        f" predicted, in your LightningModule: {code}"
+    )
 
 
 def zero3_persistence_note(small_elements: int) -> str:

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vram import VramMonitor
 
 VOCAB, LENGTH = 1000, 32
-BATCH = {"gpt": 4, "cnn": 16}
+BATCH = {"gpt": 4, "cnn": 16, "blocks": 16}
 """Samples per rank and step."""
 
 
@@ -104,9 +104,68 @@ class QuickstartCNN(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+class Block(nn.Module):
+    """A pre-norm residual MLP block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs + self.down(torch.relu(self.up(self.norm(inputs))))
+
+
+class BlocksNet(nn.Module):
+    """Blocks without an ``nn.ModuleList``: two as attributes, two in an ``nn.Sequential`` stage."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.stem = nn.Linear(32, width)
+        self.block1 = Block(width)
+        self.block2 = Block(width)
+        self.stage = nn.Sequential(Block(width), Block(width))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stage(self.block2(self.block1(self.stem(inputs)))))
+
+
+class Blocks(LightningModule):
+    """:class:`BlocksNet`, Adam; no ``configure_model``: planned under FSDP2's usual policy, trained under the code
+    the plan prints for it (:func:`printed_code_applied`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = BlocksNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch
+        return nn.functional.cross_entropy(self.model(inputs), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def printed_code_applied(module: LightningModule) -> LightningModule:
+    """``module`` rebuilt (the same seed) as a class whose ``configure_model`` is the plan's printed FSDP2 code."""
+    from lightning_vram.prediction.strategies.fsdp2 import usual_policy_code
+
+    code = usual_policy_code(module)
+    assert code is not None
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)
+    sharded = type(
+        f"{type(module).__name__}Sharded", (type(module),), {"configure_model": namespace["configure_model"]}
+    )
+    torch.manual_seed(0)
+    return sharded()  # type: ignore[no-any-return]
+
+
 def model_named(name: str) -> LightningModule:
     torch.manual_seed(0)
-    return TinyGPT() if name == "gpt" else QuickstartCNN()
+    return {"gpt": TinyGPT, "cnn": QuickstartCNN, "blocks": Blocks}[name]()
 
 
 def samples(name: str, count: int) -> TensorDataset:
@@ -114,6 +173,8 @@ def samples(name: str, count: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     if name == "gpt":
         return TensorDataset(torch.randint(0, VOCAB, (count, LENGTH), generator=generator))
+    if name == "blocks":
+        return TensorDataset(torch.randn(count, 32, generator=generator), torch.randint(0, 10, (count,)))
     return TensorDataset(torch.randn(count, 3, 32, 32, generator=generator), torch.randint(0, 10, (count,)))
 
 
@@ -190,7 +251,10 @@ def main() -> None:
         enable_checkpointing=False,
     )
     dataset = samples(name, 2 * accumulate * BATCH[name] * world_size)
-    trainer.fit(model_named(name), DataLoader(dataset, batch_size=BATCH[name]))
+    module = model_named(name)
+    if name == "blocks" and strategy == "fsdp2":
+        module = printed_code_applied(module)
+    trainer.fit(module, DataLoader(dataset, batch_size=BATCH[name]))
 
 
 if __name__ == "__main__":

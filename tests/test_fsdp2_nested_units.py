@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers_models import VOCAB, FineTuned
 
+from lightning_vram.plan import plan
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import predict_rank
-from lightning_vram.prediction.strategies.fsdp2 import shard_units
+from lightning_vram.prediction.strategies.fsdp2 import shard_units, usual_policy_code
 from lightning_vram.records import Phase, RankStep, ReplaySkipped, StrategySpec
 
 LENGTH = 16
@@ -100,3 +101,97 @@ def test_a_step_that_skips_its_sharded_root_s_forward_fails_as_under_lightning()
     assert "mixed torch.Tensor and DTensor" in broken.reason
     right = predict_rank(Predictor(Wrapped("model"), None, batch), StrategySpec("fsdp2", 2))
     assert isinstance(right, RankStep), right
+
+
+class Basic(nn.Module):
+    """A ResNet basic block, a downsampling ``nn.Sequential`` of its own where it changes the width."""
+
+    def __init__(self, into: int, out: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(into, out, 3, padding=1), nn.BatchNorm2d(out)
+        self.conv2, self.bn2 = nn.Conv2d(out, out, 3, padding=1), nn.BatchNorm2d(out)
+        self.downsample = nn.Sequential(nn.Conv2d(into, out, 1), nn.BatchNorm2d(out)) if into != out else None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        skip = inputs if self.downsample is None else self.downsample(inputs)
+        return torch.relu(skip + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(inputs))))))
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet's layout: a stem (conv1, bn1), stages of blocks in ``nn.Sequential`` s, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.layer1 = nn.Sequential(Basic(8, 8), Basic(8, 8))
+        self.layer2 = nn.Sequential(Basic(8, 16), Basic(16, 16))
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        features = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(inputs)))))
+        return self.fc(features.mean((2, 3)))
+
+
+def unit_names(module: nn.Module) -> list[str]:
+    names = {id(child): name for name, child in module.named_modules()}
+    return [names[id(unit)] for unit in shard_units(module)]
+
+
+def test_a_model_without_a_list_of_blocks_shards_its_blocks_then_the_root() -> None:
+    # Before, the usual policy found no nn.ModuleList and sharded the root alone: every parameter gathered for the
+    # whole step (forward's parameters 813,756 B per rank on 2 gloo ranks, where the blocks sharded hold 404,116).
+    from rank_prediction_train import Blocks
+
+    assert unit_names(ResNet()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", ""]
+    blocks = ["model.stem", "model.block1", "model.block2", "model.stage.0", "model.stage.1", "model.head"]
+    assert unit_names(Blocks()) == [*blocks, ""]
+    sequential = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert unit_names(sequential) == ["0", "2", "4", ""]
+    assert unit_names(nn.Sequential(nn.Linear(4, 8), nn.ReLU())) == [""]  # no blocks: the root alone
+
+
+def test_the_printed_code_shards_what_the_rows_shard() -> None:
+    from rank_prediction_train import Blocks, QuickstartCNN
+
+    assert usual_policy_code(QuickstartCNN()) is None  # its own configure_model is replayed
+    code = usual_policy_code(Blocks())
+    assert code == (
+        "def configure_model(self): from torch.distributed.fsdp import fully_shard;"
+        ' mesh = self.device_mesh["data_parallel"]; [fully_shard(unit, mesh=mesh) for unit in'
+        ' (self.get_submodule("model.stem"), self.get_submodule("model.block1"), self.get_submodule("model.block2"),'
+        ' self.get_submodule("model.head"), *self.get_submodule("model.stage").children(),)];'
+        " fully_shard(self.model, mesh=mesh)"
+    )
+    sharded: list[str] = []
+    namespace: dict[str, object] = {"__builtins__": __builtins__}
+    exec(code, namespace)
+    module = Blocks()
+    vars(module)["_device_mesh"] = {"data_parallel": "mesh"}
+    names = {id(child): name for name, child in module.named_modules()}
+    with pytest.MonkeyPatch.context() as patch:
+        import torch.distributed.fsdp as fsdp
+
+        patch.setattr(fsdp, "fully_shard", lambda unit, mesh: sharded.append(names[id(unit)]))
+        namespace["configure_model"](module)  # type: ignore[operator]
+    assert sorted(sharded[:-1]) == sorted(name for name in unit_names(module) if name) and sharded[-1] == "model"
+
+
+@pytest.mark.replay
+def test_a_plan_with_fsdp2_rows_prints_the_code_that_shards_as_they_do() -> None:
+    from rank_prediction_train import Blocks, one_batch
+
+    result = plan(
+        Blocks(),
+        one_batch("blocks"),
+        gpus=["T4"],
+        world_sizes=(2,),
+        strategies=("fsdp2",),
+        precisions=("32-true",),
+        checkpointing=(False,),
+    )
+    assert [row.strategy for row in result.rows] == ["fsdp2"]
+    notes = [note for note in result.notes if note.startswith("fsdp2 rows")]
+    assert notes == [
+        "fsdp2 rows shard each of 6 blocks, then the root (torch's fully_shard under Lightning's"
+        f" ModelParallelStrategy). To train as predicted, in your LightningModule: {usual_policy_code(Blocks())}"
+    ]

@@ -88,6 +88,7 @@ def predicted(
         ("fsdp2", 4, "gpt"),
         ("ddp", 2, "cnn"),
         ("fsdp2", 2, "cnn"),
+        ("fsdp2", 2, "blocks"),
     ],
 )
 def test_each_rank_is_within_5_percent_of_the_one_process_prediction(

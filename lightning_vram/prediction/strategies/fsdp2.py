@@ -12,8 +12,9 @@ gathered, as parameters; the all-gather and reduce-scatter buffers in ``other``)
 The sharding is the module's own where it has one: a LightningModule overriding ``configure_model`` is given the
 fake group's mesh as ``device_mesh`` (dimensions ``data_parallel`` of ``world_size`` and ``tensor_parallel`` of 1,
 as Lightning's ``ModelParallelStrategy`` builds it) and shards itself; any other module is sharded by the usual
-policy: each entry of every outermost ``nn.ModuleList`` (a transformer's blocks; a list inside a block is the
-block's), then the root.
+policy (:func:`shard_units`): each entry of every outermost ``nn.ModuleList`` (a transformer's blocks; a list inside
+a block is the block's), or without one the outermost siblings of one class (an ``nn.Sequential``'s blocks), then
+the root; a plan prints the ``configure_model`` that shards so (:func:`usual_policy_code`).
 
 FSDP2 frees and regrows a gathered parameter by resizing its storage (``untyped_storage().resize_``), which no
 dispatch mode sees: the live count of a replay, like the monitor's live count of a CPU step, counts a storage from
@@ -280,13 +281,20 @@ def live_sharder(units: LiveUnits, flat: DeviceMesh, lightning: DeviceMesh) -> C
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
-    """The modules the usual policy shards: each entry of every outermost ``nn.ModuleList``, then the root.
+    """The modules the usual policy shards, then the root: a model's blocks, each its own unit.
 
-    A ``ModuleList`` inside an entry belongs to that entry's unit (T5's blocks each hold their layers in one, as
-    a user's ``for block in model.encoder.block: fully_shard(block)`` leaves them); a ``ModuleList`` of
-    ``ModuleList`` s is looked into, its entries' entries the units (a list has no ``forward`` for FSDP2's hooks).
-    Sharding an outer entry before an entry inside it gave ``fully_shard`` parameters already sharded, which it
-    refused ("Invariant encountered: value was None").
+    The blocks are each entry of every outermost ``nn.ModuleList`` (a transformer's layers). A ``ModuleList`` inside
+    an entry belongs to that entry's unit (T5's blocks each hold their layers in one, as a user's ``for block in
+    model.encoder.block: fully_shard(block)`` leaves them); a ``ModuleList`` of ``ModuleList`` s is looked into, its
+    entries' entries the units (a list has no ``forward`` for FSDP2's hooks). Sharding an outer entry before an entry
+    inside it gave ``fully_shard`` parameters already sharded, which it refused ("Invariant encountered: value was
+    None").
+
+    A model without a ``ModuleList`` has its blocks found as siblings: the outermost children of one parent that
+    share a class and hold parameters, two or more of them (an ``nn.Sequential`` of blocks, a ResNet stage's blocks,
+    ``self.block1`` and ``self.block2``), containers (``nn.Sequential``, ``nn.ModuleDict``) looked into, never a
+    unit. As Lightning's and torchtitan's ``configure_model`` shard each transformer block, then the model: before,
+    such a model was sharded as the root alone, every parameter gathered for the whole step.
 
     >>> class Block(nn.Module):
     ...     def __init__(self) -> None:
@@ -295,7 +303,21 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     >>> model = nn.Sequential(nn.ModuleList([Block(), Block()]), nn.Linear(2, 2))
     >>> [name for unit in shard_units(model) for name, child in model.named_modules() if child is unit]
     ['0.0', '0.1', '']
+    >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    >>> [name for unit in shard_units(model) for name, child in model.named_modules() if child is unit]
+    ['2.0', '2.1', '']
     """
+    if any(isinstance(child, nn.ModuleList) for child in module.modules()):
+        return [*_list_entries(module), module]
+    return [*_sibling_blocks(module), module]
+
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+"""Modules that hold others and are never a block of the usual policy themselves (looked into)."""
+
+
+def _list_entries(module: nn.Module) -> list[nn.Module]:
+    """Each entry of every outermost ``nn.ModuleList`` under ``module`` (lists of lists looked into)."""
     units: list[nn.Module] = []
     seen: set[int] = set()
     visited: set[int] = set()
@@ -317,7 +339,32 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
                 visit(child)
 
     visit(module)
-    return [*units, module]
+    return units
+
+
+def _sibling_blocks(module: nn.Module) -> list[nn.Module]:
+    """The outermost siblings of one class holding parameters, two or more, under ``module`` (containers looked in)."""
+    units: list[nn.Module] = []
+    visited: set[int] = set()
+
+    def visit(parent: nn.Module) -> None:
+        children = []
+        for child in parent.children():
+            if id(child) not in visited:
+                visited.add(id(child))
+                children.append(child)
+        counts: dict[type, int] = {}
+        for child in children:
+            if not isinstance(child, CONTAINERS) and next(child.parameters(), None) is not None:
+                counts[type(child)] = counts.get(type(child), 0) + 1
+        for child in children:
+            if counts.get(type(child), 0) >= 2 and not isinstance(child, CONTAINERS):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return units
 
 
 def meshes(world_size: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -616,3 +663,58 @@ def _sent(units: list[tuple[str, int]], world_size: int, reshard: bool) -> int:
         gathers = 2 if reshard and name else 1
         total += (gathers + 1) * (world_size - 1) * size // world_size
     return total
+
+
+def usual_policy_code(module: nn.Module) -> str | None:
+    """The ``configure_model`` that shards ``module`` as its FSDP2 rows do (:func:`shard_units`), as one line of code.
+
+    For a LightningModule trained under Lightning's ``ModelParallelStrategy``; ``None`` where it shards itself (its
+    own ``configure_model`` is replayed). Each unit is named by its path (a parent all of whose children are units by
+    its children), then the root: the one child holding the module's parameters (the model the ``training_step``
+    calls, ``self.model``: under ``ModelParallelStrategy`` a step calling ``self.model(...)`` after
+    ``fully_shard(self)`` never gathers the root's parameters), else the module itself.
+
+    >>> class Net(nn.Module):
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    >>> print(usual_policy_code(Net()))  # doctest: +NORMALIZE_WHITESPACE
+    def configure_model(self): from torch.distributed.fsdp import fully_shard; mesh = self.device_mesh["data_parallel"];
+    [fully_shard(unit, mesh=mesh) for unit in (*self.get_submodule("model.1").children(),)];
+    fully_shard(self.model, mesh=mesh)
+    """
+    if _configures_itself(module):
+        return None
+    names = {id(child): name for name, child in module.named_modules()}
+    by_parent: dict[str, list[str]] = {}
+    for unit in shard_units(module)[:-1]:
+        name = names[id(unit)]
+        by_parent.setdefault(name.rpartition(".")[0], []).append(name)
+    listed: list[str] = []
+    for parent, members in by_parent.items():
+        children = [
+            f"{parent}.{child}" if parent else child for child, _ in module.get_submodule(parent).named_children()
+        ]
+        if members == children:
+            listed.append(f"*{_path(parent)}.children()")
+        else:
+            listed += [_path(member) for member in members]
+    holders = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
+    own = next(module.parameters(recurse=False), None) is not None
+    root = _path(holders[0]) if len(holders) == 1 and not own else "self"
+    units = f"[fully_shard(unit, mesh=mesh) for unit in ({', '.join(listed)},)]; " if listed else ""
+    return (
+        "def configure_model(self): from torch.distributed.fsdp import fully_shard;"
+        f' mesh = self.device_mesh["data_parallel"]; {units}fully_shard({root}, mesh=mesh)'
+    )
+
+
+def _path(name: str) -> str:
+    """``self``'s submodule ``name`` as code: an attribute where it is one, else ``get_submodule``.
+
+    >>> _path("model"), _path("model.1"), _path("")
+    ('self.model', 'self.get_submodule("model.1")', 'self')
+    """
+    if not name:
+        return "self"
+    return f"self.{name}" if name.isidentifier() else f'self.get_submodule("{name}")'
