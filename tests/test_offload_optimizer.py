@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 from advice_summaries import CPU, GIB, MIB, healthy_setup, healthy_summary, peak
@@ -26,6 +27,7 @@ from lightning_vram.prediction.strategies.deepspeed import predict_zero
 from lightning_vram.prediction.strategies.live import LiveSharding, live_sharding
 from lightning_vram.prediction.strategies.offloading import offload_trial
 from lightning_vram.prediction.strategies.rank_replays import RankReplays
+from lightning_vram.prediction.strategies.stronger import small_parameter_bytes
 from lightning_vram.records import OffloadTrial, Phase, RankStep, SavingBasis, StrategySpec, TrainingLoop
 from lightning_vram.records.simulation_json import simulation_from_dict, simulation_to_dict
 
@@ -142,6 +144,11 @@ def test_the_offload_trial_survives_the_reports_json() -> None:
     assert data is not None and data["offload"]["saving_bytes"] == 5 * GIB
     back = simulation_from_dict(data)
     assert back is not None and back.offload == OFFLOAD
+    zero3 = replace(OFFLOAD, strategy="deepspeed_stage_3", small_parameter_bytes=4096)
+    again = simulation_from_dict(simulation_to_dict(offloading(zero3)))  # type: ignore[arg-type]
+    assert again is not None and again.offload == zero3
+    del data["offload"]["small_parameter_bytes"]  # as a report before it wrote it
+    assert simulation_from_dict(data).offload == OFFLOAD  # type: ignore[union-attr]
     del data["offload"]  # as a report before it wrote it
     older = simulation_from_dict(data)
     assert older is not None and older.offload is None
@@ -162,6 +169,10 @@ def test_the_zero_trial_is_the_per_rank_models_figures_with_and_without_offload(
     assert trial.measured_peak_bytes is None and trial.reduce_bucket_size == SETTINGS.reduce_bucket_size
     assert offload_trial(predictor, replace(spec, offload=True), SETTINGS, 1) is None  # offloading already
     assert offload_trial(predictor, StrategySpec("fsdp", 4), SETTINGS, 1) is None  # a live FSDP1 rank: not offered
+    assert trial.small_parameter_bytes == 0  # ZeRO-2 keeps every parameter whole anyway
+    zero3 = offload_trial(predictor, StrategySpec("deepspeed_stage_3", 4), SETTINGS, rank=1)
+    assert isinstance(zero3, OffloadTrial)
+    assert zero3.small_parameter_bytes == small_parameter_bytes(predictor.module, 4) > 0  # the change keeps 0
 
 
 def test_a_near_capacity_cuda_rank_gets_the_trial_a_cpu_rank_never(gloo_one_rank: None) -> None:
@@ -192,3 +203,45 @@ def test_a_near_capacity_cuda_rank_gets_the_trial_a_cpu_rank_never(gloo_one_rank
     assert cuda.offload.transfer_bytes == 3 * shards
     assert cuda.offload.target_peak_bytes < cuda.offload.current_peak_bytes
     assert dist.get_world_size() == 1
+
+
+@pytest.mark.parametrize("loop", [TrainingLoop.LIGHTNING, TrainingLoop.FABRIC])
+@pytest.mark.parametrize("buckets", [(200_000_000, 200_000_000), (20_000, 50_000)])
+def test_the_printed_zero3_offload_runs_against_lightnings_deepspeed_strategy_as_predicted(
+    loop: TrainingLoop, buckets: tuple[int, int]
+) -> None:
+    """The ZeRO-3 offload change run as printed with Lightning's and Fabric's own ``DeepSpeedStrategy`` (the owner a
+    stand-in keeping the strategy; a strategy name looked up in the owner's registry, as the Trainer does): the
+    optimizer offloaded and nothing else, every parameter partitioned as predicted, the run's buckets kept.
+
+    Before, a run at Lightning's buckets was printed ``"deepspeed_stage_3_offload"``, whose config offloads the
+    parameters too (``offload_param``) and has no ``stage3_param_persistence_threshold`` (DeepSpeed's default 100,000
+    then keeps small parameters whole on every rank: a transformer LM held 2,107,760 B of parameters per rank where
+    its row said 1,043,920); at other buckets the threshold alone was dropped."""
+    if loop is TrainingLoop.FABRIC:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
+        from lightning.fabric.strategies import DeepSpeedStrategy
+    else:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+        from lightning.pytorch.strategies import StrategyRegistry as registry
+    reduce, allgather = buckets
+    trial = replace(
+        OFFLOAD,
+        strategy="deepspeed_stage_3",
+        reduce_bucket_size=reduce,
+        allgather_bucket_size=allgather,
+        small_parameter_bytes=4096,
+    )
+    made: list[object] = []
+    owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
+    keep = lambda strategy: made.append(registry.get(strategy) if isinstance(strategy, str) else strategy)  # noqa: E731
+    exec(strategy_code(trial, loop), {"DeepSpeedStrategy": DeepSpeedStrategy, owner: keep})
+    (strategy,) = made
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == 3 and zero.get("stage3_param_persistence_threshold") == 0
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    assert (zero["reduce_bucket_size"], zero["allgather_bucket_size"]) == buckets
+    # without small parameters nothing is set beyond the offload
+    plain = replace(trial, small_parameter_bytes=0)
+    assert "stage3_param_persistence_threshold" not in strategy_code(plain, loop)

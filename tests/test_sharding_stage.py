@@ -86,7 +86,17 @@ def test_offload_kept_names_the_host_ram_and_lightnings_offload_strategy() -> No
     advice = sharding_stage(healthy_summary(), healthy_setup(), simulation_with(trial))
     assert advice is not None
     assert "need 3.00 GiB of host RAM per rank under ZeRO-3" in advice.detail
-    assert advice.detail.endswith('Trainer(strategy="deepspeed_stage_3_offload")\n```')
+    # not Lightning's "deepspeed_stage_3_offload", printed before: it offloads the parameters too (offload_param)
+    assert advice.detail.endswith("Trainer(strategy=DeepSpeedStrategy(stage=3, offload_optimizer=True))\n```")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    made: list[DeepSpeedStrategy] = []
+    exec(
+        strategy_code(trial, TrainingLoop.LIGHTNING),
+        {"DeepSpeedStrategy": DeepSpeedStrategy, "Trainer": lambda strategy: made.append(strategy)},
+    )
+    zero = made[0].config["zero_optimization"]
+    assert zero["stage"] == 3 and "offload_optimizer" in zero and "offload_param" not in zero
 
 
 def test_the_change_keeps_the_runs_buckets_and_partitions_small_parameters_as_predicted() -> None:

@@ -479,7 +479,9 @@ class OffloadTrial(SavingFromMeasuredPeak):
     starts from where known; ``target_peak_bytes`` the device's peak with offload and ``target_phase`` its phase;
     ``host_bytes`` the host memory the offloaded tensors need on this rank; ``transfer_bytes`` what is copied
     between host and device per optimizer step. ``reduce_bucket_size`` and ``allgather_bucket_size``: ZeRO's
-    settings read from the run, in elements, which the change keeps (``None``: not ZeRO). ``method``: how the
+    settings read from the run, in elements, which the change keeps (``None``: not ZeRO). ``small_parameter_bytes``:
+    under ZeRO-3, the bytes of the parameters DeepSpeed's default ``stage3_param_persistence_threshold`` would keep
+    whole on every rank, which the prediction partitions (the change keeps the run's threshold 0). ``method``: how the
     offloaded rank was predicted.
     """
 
@@ -495,6 +497,7 @@ class OffloadTrial(SavingFromMeasuredPeak):
     reduce_bucket_size: int | None = None
     allgather_bucket_size: int | None = None
     measured_peak_bytes: int | None = None
+    small_parameter_bytes: int = 0
 
 
 PERSISTENCE_THRESHOLD = 100_000

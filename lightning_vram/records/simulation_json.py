@@ -213,6 +213,7 @@ def offload_to_dict(trial: OffloadTrial | None) -> dict[str, Any] | None:
         "transfer_bytes": trial.transfer_bytes,
         "reduce_bucket_size": trial.reduce_bucket_size,
         "allgather_bucket_size": trial.allgather_bucket_size,
+        "small_parameter_bytes": trial.small_parameter_bytes,
         "method": trial.method,
     }
 
@@ -234,6 +235,7 @@ def _offload(fields: Reader, key: str) -> OffloadTrial | None:
         transfer_bytes=child.integer("transfer_bytes"),
         reduce_bucket_size=child.optional_integer("reduce_bucket_size"),
         allgather_bucket_size=child.optional_integer("allgather_bucket_size"),
+        small_parameter_bytes=child.added("small_parameter_bytes", Reader.integer, 0),
         method=child.text("method"),
     )
 

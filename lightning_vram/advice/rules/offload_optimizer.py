@@ -19,7 +19,7 @@ update's arithmetic (the host's CPU may round differently from the GPU: not bit-
 from __future__ import annotations
 
 from lightning_vram.advice.rules.base import MIN_SAVING_SHARE, NEAR_CAPACITY_SHARE, Rule, no_changes, share_text
-from lightning_vram.advice.rules.sharding_stage import sharding_stage, stage_of, strategy_words
+from lightning_vram.advice.rules.sharding_stage import PERSIST_COMMENT, sharding_stage, stage_of, strategy_words
 from lightning_vram.prediction.strategies.deepspeed import LIGHTNING_DEFAULTS
 from lightning_vram.prediction.timing.links import LINKS, communication_seconds
 from lightning_vram.records import (
@@ -38,8 +38,9 @@ from lightning_vram.units import format_bytes
 ID = AdviceId.OFFLOAD_OPTIMIZER
 LINK = LINKS["PCIe 4.0 x16"]
 """The host-device link the copies are priced on: PCIe 4.0 x16 (A100-class hosts; PCIe 5.0 takes half the time)."""
-LIGHTNING_OFFLOAD_NAMES = frozenset({2, 3})
-"""The ZeRO stages Lightning registers an ``_offload`` strategy name for (``"deepspeed_stage_2_offload"``, 3's)."""
+LIGHTNING_OFFLOAD_NAMES = frozenset({2})
+"""The ZeRO stages whose Lightning ``_offload`` strategy name is the change predicted (``"deepspeed_stage_2_offload"``):
+``"deepspeed_stage_3_offload"`` offloads the parameters too (``offload_parameters=True``), not predicted."""
 
 
 def wants_offload_trial(summary: RunSummary) -> bool:
@@ -66,7 +67,14 @@ def trial_of(simulation: Simulation | None) -> OffloadTrial | None:
 
 
 def strategy_code(trial: OffloadTrial, loop: TrainingLoop) -> str:
-    """The change to make, as code for ``loop``: the run's strategy with CPU offload, its other settings kept."""
+    """The change to make, as code for ``loop``: the run's strategy with CPU offload, its other settings kept.
+
+    Lightning's ``"deepspeed_stage_3_offload"`` offloads the parameters too (``offload_parameters=True``), which the
+    prediction does not: a ZeRO-3 run gets ``DeepSpeedStrategy(stage=3, offload_optimizer=True)``. A ZeRO-3 run with
+    parameters DeepSpeed's default ``stage3_param_persistence_threshold`` would keep whole was predicted (and, being
+    predicted live, ran) at threshold 0: the code sets it in the strategy's ``config``, as ``sharding-stage``'s does
+    (``DeepSpeedStrategy`` takes no argument for it).
+    """
     if trial.strategy == "fsdp2":
         where = {
             TrainingLoop.LIGHTNING: "in configure_model",
@@ -87,6 +95,7 @@ def strategy_code(trial: OffloadTrial, loop: TrainingLoop) -> str:
     owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
     buckets = (trial.reduce_bucket_size, trial.allgather_bucket_size)
     defaults = buckets == (LIGHTNING_DEFAULTS.reduce_bucket_size, LIGHTNING_DEFAULTS.allgather_bucket_size)
+    persist = stage == 3 and trial.small_parameter_bytes > 0
     if defaults and stage in LIGHTNING_OFFLOAD_NAMES:
         return f'{owner}(strategy="{trial.strategy}_offload")'
     arguments = [f"stage={stage}", "offload_optimizer=True"]
@@ -95,7 +104,14 @@ def strategy_code(trial: OffloadTrial, loop: TrainingLoop) -> str:
             f"reduce_bucket_size={trial.reduce_bucket_size:_}",
             f"allgather_bucket_size={trial.allgather_bucket_size:_}",
         ]
-    return f"{owner}(strategy=DeepSpeedStrategy({', '.join(arguments)}))"
+    strategy = f"DeepSpeedStrategy({', '.join(arguments)})"
+    if persist:
+        return (
+            f"strategy = {strategy}\n"
+            f'strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # {PERSIST_COMMENT}\n'
+            f"{owner}(strategy=strategy)"
+        )
+    return f"{owner}(strategy={strategy})"
 
 
 def moved_words(trial: OffloadTrial) -> str:

@@ -106,7 +106,9 @@ def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
     A ZeRO-3 target partitions every parameter as predicted (``stage3_param_persistence_threshold`` 0) where the model
     has parameters DeepSpeed's default would keep whole. Lightning's and Fabric's ``DeepSpeedStrategy`` take no
     argument for it (``DeepSpeedStrategy(param_persistence_threshold=0)`` raises ``TypeError``): the code sets it in
-    the strategy's ``config`` (the ``zero_optimization`` section it wrote) before the strategy is used.
+    the strategy's ``config`` (the ``zero_optimization`` section it wrote) before the strategy is used. An offloading
+    run's ZeRO-3 target is ``DeepSpeedStrategy(stage=3, offload_optimizer=True)``: Lightning's
+    ``"deepspeed_stage_3_offload"`` offloads the parameters too, which the prediction does not.
     """
     if trial.current == "ddp":
         return from_ddp_code(trial, loop)
@@ -123,7 +125,8 @@ def strategy_code(trial: ShardingTrial, loop: TrainingLoop) -> str:
             " kept, then deepspeed.initialize(..., config=config)"
         )
     owner = "Fabric" if loop is TrainingLoop.FABRIC else "Trainer"
-    if defaults and not persist:
+    # Lightning's "deepspeed_stage_3_offload" offloads the parameters too (offload_parameters=True): not predicted
+    if defaults and not persist and not (trial.offload and stage == 3):
         return f'{owner}(strategy="{trial.target}{"_offload" if trial.offload else ""}")'
     arguments = [f"stage={stage}"]
     if trial.offload:

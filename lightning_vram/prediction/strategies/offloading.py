@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import fsdp2
-from lightning_vram.prediction.strategies.deepspeed import ZeroSettings, predict_zero
-from lightning_vram.prediction.strategies.stronger import measured_peak
+from lightning_vram.prediction.strategies.deepspeed import ZeroSettings, element_bytes, predict_zero
+from lightning_vram.prediction.strategies.stronger import measured_peak, small_parameter_bytes
 from lightning_vram.records import OffloadTrial, RankStep, ReplaySkipped, StrategySpec
 
 OFFLOADABLE = ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp2")
@@ -64,4 +64,9 @@ def offload_trial(
         reduce_bucket_size=settings.reduce_bucket_size if zero else None,
         allgather_bucket_size=settings.allgather_bucket_size if zero else None,
         measured_peak_bytes=measured_peak(predictor),
+        small_parameter_bytes=(
+            small_parameter_bytes(predictor.module, element_bytes(predictor.precision))
+            if spec.name == "deepspeed_stage_3"
+            else 0
+        ),
     )
