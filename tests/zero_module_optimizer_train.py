@@ -34,12 +34,16 @@ WORLD = 2
 
 
 def train(name: str, rank: int) -> dict[str, Any]:
+    return measured_step(name, rank, {**zero_config(2), "train_micro_batch_size_per_gpu": batch_of(name)[0].shape[0]})
+
+
+def measured_step(name: str, rank: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The module ``name`` trained on this rank by DeepSpeed under ``config``: its last step's phases."""
     import deepspeed  # type: ignore[import-untyped]
 
     torch.manual_seed(0)
     module = MODULES[name]()
     optimizer = module.configure_optimizers()
-    config = {**zero_config(2), "train_micro_batch_size_per_gpu": batch_of(name)[0].shape[0]}
     module.forward = module.training_step  # the engine runs the step
     engine, optimizer, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, config=config, dist_init_required=False

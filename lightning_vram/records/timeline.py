@@ -8,7 +8,7 @@ of consecutive ops, so that the step's peak is always one of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_vram.records.measured import Phase
 
@@ -39,7 +39,10 @@ class StepTimeline:
     step ran; ``phase_starts``: the op number at which each phase began, in step order (exact, whatever the
     windows); ``peak_index``: the index in ``points`` of the highest point (the first on a tie); ``peak_module``: the
     module whose forward ran at the peak (``None`` outside any module, as in most of backward); ``peak_op``: the op
-    that ran last at the peak (``convolution``: no namespace, no overload).
+    that ran last at the peak (``convolution``: no namespace, no overload). ``module_entries``: each module whose
+    forward ran in the forward phase, with the number of the first op run inside it (its own or a submodule's), in
+    that order: the replay's own, for ZeRO-3's arithmetic (what DeepSpeed has gathered by then); not written to JSON
+    and not compared.
     """
 
     points: tuple[TimelinePoint, ...]
@@ -48,6 +51,7 @@ class StepTimeline:
     peak_index: int
     peak_module: str | None
     peak_op: str | None
+    module_entries: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     @property
     def peak(self) -> TimelinePoint:

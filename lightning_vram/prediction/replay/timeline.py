@@ -61,6 +61,8 @@ class TimelineRecorder:
         self._peak_total = -1
         self._peak_module: str | None = None
         self._peak_op: str | None = None
+        self._entries: dict[str, int] = {}
+        self._last_module: str | None = None
 
     def start_phase(self, phase: Phase) -> None:
         """``phase`` starts now (after ``ops`` ops): sample what is alive as it starts."""
@@ -74,6 +76,8 @@ class TimelineRecorder:
         self._record(op)
 
     def _record(self, op: str | None) -> None:
+        if self._phase is Phase.FORWARD:
+            self._enter(self._module())
         total = self._live_bytes()
         parameters, gradients, state, activations = self._parts()
         other = max(total - parameters - gradients - state - activations, 0)
@@ -86,6 +90,15 @@ class TimelineRecorder:
         self._in_window += 1
         if self._in_window == self._window:
             self._close_window()
+
+    def _enter(self, module: str | None) -> None:
+        """``module`` runs now in forward: it and each module holding it entered by this op, if not before."""
+        if module is None or module == self._last_module:
+            return
+        self._last_module = module
+        parts = module.split(".")
+        for length in range(1, len(parts) + 1):
+            self._entries.setdefault(".".join(parts[:length]), self._ops)
 
     def _close_window(self) -> None:
         if self._pending is not None:
@@ -105,4 +118,7 @@ class TimelineRecorder:
             return None
         points = tuple(TimelinePoint(*sample[1:]) for sample in self._points)
         peak_index = next(index for index, point in enumerate(points) if point.total == self._peak_total)
-        return StepTimeline(points, self._ops, tuple(self._phase_starts), peak_index, self._peak_module, self._peak_op)
+        entries = tuple(sorted(self._entries.items(), key=lambda entry: entry[1]))
+        return StepTimeline(
+            points, self._ops, tuple(self._phase_starts), peak_index, self._peak_module, self._peak_op, entries
+        )
