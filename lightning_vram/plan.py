@@ -260,9 +260,15 @@ def fsdp2_units_note(module: nn.Module, code: str) -> str:
     """
     units = len(shard_units(module)) - 1
     sharded = f"each of {units} blocks, then the root" if units else "the root alone (no blocks found)"
+    root = (
+        "; the root is the module itself: its training_step must call self(...), its forward, for FSDP2 to gather"
+        " the parameters outside the blocks (Lightning runs training_step, not forward)"
+        if code.endswith("fully_shard(self, mesh=mesh)")
+        else ""
+    )
     return (
         f"fsdp2 rows shard {sharded} (torch's fully_shard under Lightning's ModelParallelStrategy). To train as"
-        f" predicted, in your LightningModule: {code}"
+        f" predicted, in your LightningModule: {code}{root}"
     )
 
 

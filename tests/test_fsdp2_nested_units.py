@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers_models import VOCAB, FineTuned
 
-from lightning_vram.plan import plan
+from lightning_vram.plan import fsdp2_units_note, plan
 from lightning_vram.prediction.predictor import Predictor
 from lightning_vram.prediction.strategies import predict_rank
 from lightning_vram.prediction.strategies.fsdp2 import shard_units, usual_policy_code
@@ -174,6 +174,27 @@ def test_the_printed_code_shards_what_the_rows_shard() -> None:
         patch.setattr(fsdp, "fully_shard", lambda unit, mesh: sharded.append(names[id(unit)]))
         namespace["configure_model"](module)  # type: ignore[operator]
     assert sorted(sharded[:-1]) == sorted(name for name in unit_names(module) if name) and sharded[-1] == "model"
+
+
+class TwoParts(pl.LightningModule):
+    """Its parameters in two children: the root the printed code shards is the module itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+
+def test_a_module_with_parameters_in_several_children_is_its_own_root() -> None:
+    code = usual_policy_code(TwoParts())
+    assert code is not None
+    assert code.endswith("(*self.body.children(),)]; fully_shard(self, mesh=mesh)")
+    note = fsdp2_units_note(TwoParts(), code)
+    assert note.startswith("fsdp2 rows shard each of 2 blocks, then the root")
+    assert note.endswith(
+        f"{code}; the root is the module itself: its training_step must call self(...), its forward, for FSDP2 to"
+        " gather the parameters outside the blocks (Lightning runs training_step, not forward)"
+    )
 
 
 @pytest.mark.replay
