@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vram import VramMonitor
 
 VOCAB, LENGTH = 1000, 32
-BATCH = {"gpt": 4, "cnn": 16, "blocks": 16}
+BATCH = {"gpt": 4, "cnn": 16, "blocks": 16, "resnet": 16}
 """Samples per rank and step."""
 
 
@@ -148,6 +148,45 @@ class Blocks(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+class Basic(nn.Module):
+    """A ResNet basic block, a downsampling ``nn.Sequential`` of its own where it changes the width."""
+
+    def __init__(self, into: int, out: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(into, out, 3, padding=1, bias=False), nn.BatchNorm2d(out)
+        self.conv2, self.bn2 = nn.Conv2d(out, out, 3, padding=1, bias=False), nn.BatchNorm2d(out)
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(into, out, 1, bias=False), nn.BatchNorm2d(out)) if into != out else None
+        )
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        skip = inputs if self.downsample is None else self.downsample(inputs)
+        return torch.relu(skip + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(inputs))))))
+
+
+class ResNet(LightningModule):
+    """torchvision's ResNet's layout (a stem, stages of blocks in ``nn.Sequential`` s, a head), SGD with momentum; no
+    ``configure_model``: planned under FSDP2's usual policy, trained under the code the plan prints for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.layer1 = nn.Sequential(Basic(16, 16), Basic(16, 16))
+        self.layer2 = nn.Sequential(Basic(16, 32), Basic(32, 32))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(images)))))
+        return self.fc(features.mean((2, 3)))  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return nn.functional.cross_entropy(self(images), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 def printed_code_applied(module: LightningModule) -> LightningModule:
     """``module`` rebuilt (the same seed) as a class whose ``configure_model`` is the plan's printed FSDP2 code."""
     from lightning_vram.prediction.strategies.fsdp2 import usual_policy_code
@@ -165,7 +204,7 @@ def printed_code_applied(module: LightningModule) -> LightningModule:
 
 def model_named(name: str) -> LightningModule:
     torch.manual_seed(0)
-    return {"gpt": TinyGPT, "cnn": QuickstartCNN, "blocks": Blocks}[name]()
+    return {"gpt": TinyGPT, "cnn": QuickstartCNN, "blocks": Blocks, "resnet": ResNet}[name]()
 
 
 def samples(name: str, count: int) -> TensorDataset:
@@ -252,7 +291,7 @@ def main() -> None:
     )
     dataset = samples(name, 2 * accumulate * BATCH[name] * world_size)
     module = model_named(name)
-    if name == "blocks" and strategy == "fsdp2":
+    if name in ("blocks", "resnet") and strategy == "fsdp2":
         module = printed_code_applied(module)
     trainer.fit(module, DataLoader(dataset, batch_size=BATCH[name]))
 

@@ -103,35 +103,6 @@ def test_a_step_that_skips_its_sharded_root_s_forward_fails_as_under_lightning()
     assert isinstance(right, RankStep), right
 
 
-class Basic(nn.Module):
-    """A ResNet basic block, a downsampling ``nn.Sequential`` of its own where it changes the width."""
-
-    def __init__(self, into: int, out: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(into, out, 3, padding=1), nn.BatchNorm2d(out)
-        self.conv2, self.bn2 = nn.Conv2d(out, out, 3, padding=1), nn.BatchNorm2d(out)
-        self.downsample = nn.Sequential(nn.Conv2d(into, out, 1), nn.BatchNorm2d(out)) if into != out else None
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        skip = inputs if self.downsample is None else self.downsample(inputs)
-        return torch.relu(skip + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(inputs))))))
-
-
-class ResNet(nn.Module):
-    """torchvision's ResNet's layout: a stem (conv1, bn1), stages of blocks in ``nn.Sequential`` s, a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.layer1 = nn.Sequential(Basic(8, 8), Basic(8, 8))
-        self.layer2 = nn.Sequential(Basic(8, 16), Basic(16, 16))
-        self.fc = nn.Linear(16, 10)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        features = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(inputs)))))
-        return self.fc(features.mean((2, 3)))
-
-
 def unit_names(module: nn.Module) -> list[str]:
     names = {id(child): name for name, child in module.named_modules()}
     return [names[id(unit)] for unit in shard_units(module)]
@@ -140,7 +111,7 @@ def unit_names(module: nn.Module) -> list[str]:
 def test_a_model_without_a_list_of_blocks_shards_its_blocks_then_the_root() -> None:
     # Before, the usual policy found no nn.ModuleList and sharded the root alone: every parameter gathered for the
     # whole step (forward's parameters 813,756 B per rank on 2 gloo ranks, where the blocks sharded hold 404,116).
-    from rank_prediction_train import Blocks
+    from rank_prediction_train import Blocks, ResNet
 
     assert unit_names(ResNet()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", ""]
     blocks = ["model.stem", "model.block1", "model.block2", "model.stage.0", "model.stage.1", "model.head"]

@@ -89,6 +89,7 @@ def predicted(
         ("ddp", 2, "cnn"),
         ("fsdp2", 2, "cnn"),
         ("fsdp2", 2, "blocks"),
+        ("fsdp2", 2, "resnet"),
     ],
 )
 def test_each_rank_is_within_5_percent_of_the_one_process_prediction(
