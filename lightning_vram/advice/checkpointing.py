@@ -517,12 +517,21 @@ def _stacks_plan(indexed: ProfileIndex, ranked: list[CheckpointPlan]) -> Checkpo
         one_module = plan.sequential_segments is None and all(len(unit) == 1 for unit in plan.units)
         if one_module and is_stack(indexed, plan.container):
             best.setdefault(plan.container, plan)
+    # A stack inside another's unit (a mixture-of-experts block's `experts` list, inside `blocks.0`): checkpointing
+    # both would nest checkpoints (backward recomputing the inner unit twice) and count its activations twice. The
+    # outer unit covers it, so a unit inside another stack's unit is left out, and so is a stack left with none.
+    every = [unit[0] for plan in best.values() for unit in plan.units]
+    kept = {
+        container: [unit for unit in plan.units if not any(_inside(unit[0], other) for other in every)]
+        for container, plan in best.items()
+    }
+    best = {container: plan for container, plan in best.items() if kept[container]}
     if len(best) < 2:
         return None
-    names = sorted((unit[0] for plan in best.values() for unit in plan.units), key=indexed.order.__getitem__)
+    names = sorted((unit[0] for container in best for unit in kept[container]), key=indexed.order.__getitem__)
     units = [indexed.unit([name]) for name in names]
     saving = modelled_saving(units, [True] * len(units), indexed.outside([[name] for name in names]))
-    shared = tuple(name for plan in best.values() for name in plan.shared)
+    shared = tuple(name for plan in best.values() for name in plan.shared if name in names)
     return CheckpointPlan(
         _common_ancestor(list(best)),
         tuple((name,) for name in names),
@@ -678,6 +687,15 @@ def _overlaps(name: str, model: str) -> bool:
     (True, True, False)
     """
     return not model or name == model or name.startswith(f"{model}.") or model.startswith(f"{name}.")
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` is inside module ``outer`` (not ``outer`` itself).
+
+    >>> _inside("blocks.0.moe.experts.1", "blocks.0"), _inside("blocks.0", "blocks.0"), _inside("blocks.10", "blocks.1")
+    (True, False, False)
+    """
+    return name.startswith(f"{outer}.")
 
 
 def best_checkpoint_plan(profiles: tuple[ModuleProfile, ...]) -> CheckpointPlan | None:
