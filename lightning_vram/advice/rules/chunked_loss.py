@@ -191,36 +191,49 @@ def _fabric_lines(setup: TrainingSetup) -> str:
     return FABRIC_AUTOCAST.format(precision=f'precision="{setup.precision}"')
 
 
-def own_head(summary: RunSummary, setup: TrainingSetup, loss_bytes: int) -> str | None:
-    """The module whose output the loss read as logits, by name; ``None`` where no single module shows it.
+def own_head(summary: RunSummary, setup: TrainingSetup, loss_bytes: int) -> tuple[str, int] | None:
+    """The module whose output the loss read as logits, by name, with its calls; ``None`` where no module shows it.
 
     The one module of the sampled step (not the trained module itself, called once) whose output is as large as the
     log-probabilities the loss saved (at a 16-bit precision, or half as large: 16-bit logits): the head, whose input
     the printed ``chunked_cross_entropy`` takes (a trial's LSTM language model, ``self.out``, was shown
-    transformers' lines alone). Several such modules, or none (logits from a function of the weights, a tied
-    embedding's ``h @ emb.weight.T``), name none; nor is a head inside a ``transformers`` model named (its loss is
-    computed inside the model, whose own lines follow).
+    transformers' lines alone). A head called once a position in a loop (a GRU decoder's, with teacher forcing) makes
+    the logits in as many calls, their outputs together as large: its profile sums them, and its calls are returned
+    for the lines that say so (a trial's seq2seq, ``self.out`` called 15 times, was shown transformers' lines alone).
+    Several such modules, or none (logits from a function of the weights, a tied embedding's ``h @ emb.weight.T``),
+    name none; nor is a head inside a ``transformers`` model named (its loss is computed inside the model, whose own
+    lines follow).
     """
     sizes = {loss_bytes, loss_bytes // 2} if _sixteen_bit(setup) else {loss_bytes}
     heads = [
-        profile.name
+        (profile.name, profile.calls)
         for profile in summary.modules
-        if profile.calls == 1 and profile.output_bytes in sizes and profile.name not in (ROOT, OUTSIDE)
+        if profile.calls >= 1 and profile.output_bytes in sizes and profile.name not in (ROOT, OUTSIDE)
     ]
     libraries = [switch.model for switch in setup.checkpointing_switches]
-    if len(heads) != 1 or any(not model or heads[0].startswith(f"{model}.") for model in libraries):
+    if len(heads) != 1 or any(not model or heads[0][0].startswith(f"{model}.") for model in libraries):
         return None
     return heads[0]
 
 
-def _head_lines(head: str | None, setup: TrainingSetup) -> str:
+def _head_lines(head: tuple[str, int] | None, setup: TrainingSetup) -> str:
     """The lines naming the run's own head (:func:`own_head`) in the printed code (nothing where none is named)."""
     if head is None:
         return ""
     # imported here: `lightning-vram show` and `diff` read LOSS_CHUNKS from this module without torch
     from lightning_vram.advice.checkpoint_code import CodeContext, code_path
 
-    path = code_path(head, "", CodeContext(setup.loop).model)
+    name, calls = head
+    path = code_path(name, "", CodeContext(setup.loop).model)
+    if calls > 1:
+        return (
+            f"# In your step the logits are the outputs of `{path}`, called {calls:,} times (a loop over the\n"
+            f"# positions): together they are as large as the loss's log-probabilities. Keep the input you give it\n"
+            f"# at each call instead, stacked along the positions as you stack the logits (hidden =\n"
+            f"# torch.stack(inputs, 1)), and where the loop reads a call's logits (an argmax feeding the next\n"
+            f"# input) compute them under torch.no_grad(); pass hidden, it as head, targets as the loss reads them:\n"
+            f"# loss = chunked_cross_entropy(hidden.flatten(0, 1), {path}, targets.flatten())\n"
+        )
     return (
         f"# In your step the logits are the output of `{path}` (its output is as large as the loss's\n"
         f"# log-probabilities): pass the input you give it as hidden and it as head, targets as the loss reads them:\n"
