@@ -103,7 +103,10 @@ def skip_reason(error: BaseException, phase: Phase | None = None) -> str:
         return f"an op cannot run on fake tensors (a custom kernel, a quantized or sparse tensor): {text}"
     if "not attached to a `Trainer`" in str(error):
         return f"the step reads self.trainer, which a replay does not attach: {text}"
-    return f"the step failed under fake tensors: {text}"
+    site = read_site(error)
+    if site is None:
+        return f"the step failed under fake tensors: {text}"
+    return f"the step failed under fake tensors at {site[0]}: {text}"
 
 
 ANOMALY_NOTE = (
