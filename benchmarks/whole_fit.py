@@ -9,16 +9,20 @@ replays, its end-of-run report, files and figures are all in it. Both runs log t
 (TensorBoard where installed) under a temporary folder. Prints wall seconds (median over rounds), the per-round ratio
 monitor / bare (median [min, max]), the monitor's seconds more than bare, and the same in the process's CPU seconds
 (every thread's: on a machine other work shares, the steadier figure). On the CPU, and on CUDA when there is a GPU.
-A benchmark: it prints, it asserts nothing.
+With ``--parts``, each monitored fit is also timed part by part (:data:`PARTS`: preflight, the sampled step's replays
+and trials, the fit table's searches in the simulator, the end-of-run report and its figures), with how often each
+ran, per monitored fit: where the monitor's extra seconds go. A benchmark: it prints, it asserts nothing.
 
     python benchmarks/whole_fit.py [--steps 45] [--rounds 3] [--models quickstart gpt2 gpt2-124m]
-        [--batch-size 8] [--tokens 128]
+        [--batch-size 8] [--tokens 128] [--parts]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib
 import importlib.util
 import io
 import statistics
@@ -26,7 +30,8 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,70 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vram import VramMonitor
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+
+PARTS: tuple[tuple[str, str, str | None, str], ...] = (
+    ("preflight (before step 0)", "lightning_vram.session.advisor", "Advisor", "preflight"),
+    ("sampled step: replays and trials", "lightning_vram.session.advisor", "Advisor", "replay"),
+    ("  the step and each change", "lightning_vram.prediction.predictor", "Predictor", "simulate"),
+    ("  fit table", "lightning_vram.prediction.predictor", "Predictor", "fit_table"),
+    ("    searches in the simulator", "lightning_vram.prediction.replay.fit_table", None, "largest_served"),
+    ("    scans in the simulator", "lightning_vram.prediction.replay.fit_table", None, "served_range"),
+    ("replays (each; preflight's too)", "lightning_vram.prediction.predictor", "Predictor", "replay"),
+    ("end-of-run report", "lightning_vram.session.core", "VramSession", "_finish"),
+    ("  figures", "lightning_vram.session.sinks", None, "report_pngs"),
+    ("  files", "lightning_vram.session.sinks", "Sinks", "_write_files"),
+)
+"""The monitor's parts ``--parts`` times: (label, module, class or ``None`` for the module's own name, attribute). A
+part is timed where it is called from (a function by the name the calling module holds it under); a call inside
+another call of the same part (a replay that replays the baseline first) counts once."""
+
+
+@dataclass
+class PartTime:
+    """One part's wall and CPU seconds (the process's) and its calls, summed over the fits timed."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    calls: int = 0
+
+
+@contextlib.contextmanager
+def part_timers() -> Iterator[dict[str, PartTime]]:
+    """Time each of :data:`PARTS` while the block runs (its functions wrapped, then put back); yields the times."""
+    times = {label: PartTime() for label, *_ in PARTS}
+    restore: list[tuple[object, str, object]] = []
+    for label, module_name, owner_name, name in PARTS:
+        module = importlib.import_module(module_name)
+        owner: object = module if owner_name is None else getattr(module, owner_name)
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        restore.append((owner, name, original))
+        setattr(owner, name, _timed(original, times[label]))
+    try:
+        yield times
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
+
+
+def _timed(function: Any, into: PartTime) -> Any:
+    depth = 0
+
+    @functools.wraps(function)
+    def timed(*arguments: Any, **keywords: Any) -> Any:
+        nonlocal depth
+        if depth:
+            return function(*arguments, **keywords)
+        depth += 1
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return function(*arguments, **keywords)
+        finally:
+            depth -= 1
+            into.wall += time.perf_counter() - wall
+            into.cpu += time.process_time() - cpu
+            into.calls += 1
+
+    return timed
 
 
 def quickstart_module() -> Any:
@@ -96,9 +165,24 @@ def gpt2_case(
 
 
 def fit_seconds(
-    build: Callable[[], pl.LightningModule], loader: DataLoader[Any], monitored: bool, steps: int, root: str
+    build: Callable[[], pl.LightningModule],
+    loader: DataLoader[Any],
+    monitored: bool,
+    steps: int,
+    root: str,
+    parts: dict[str, PartTime] | None = None,
 ) -> tuple[float, float]:
-    """Wall and CPU seconds (the process's, every thread's) from the Trainer's construction to ``fit``'s return."""
+    """Wall and CPU seconds (the process's, every thread's) from the Trainer's construction to ``fit``'s return.
+
+    ``parts``: a monitored fit's parts (:data:`PARTS`) are added to these.
+    """
+    if parts is not None and monitored:
+        with part_timers() as timed:
+            seconds = fit_seconds(build, loader, monitored, steps, root)
+        for label, part in timed.items():
+            total = parts.setdefault(label, PartTime())
+            total.wall, total.cpu, total.calls = total.wall + part.wall, total.cpu + part.cpu, total.calls + part.calls
+        return seconds
     torch.manual_seed(0)
     module = build()
     start, cpu = time.perf_counter(), time.process_time()
@@ -127,6 +211,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["quickstart", "gpt2"], choices=sorted(MODELS))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=None, help="tokens per sequence of the GPT-2 models")
+    parser.add_argument("--parts", action="store_true", help="also time the monitor's parts (PARTS) per monitored fit")
     arguments = parser.parse_args()
     warnings.filterwarnings("ignore")  # the monitor's and Lightning's advice on these set-ups is not the point
     on_gpu = torch.cuda.is_available()
@@ -137,13 +222,14 @@ def main() -> None:
     for name in arguments.models:
         build, loader = MODELS[name](arguments.batch_size, on_gpu, arguments.tokens)
         seconds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        parts: dict[str, PartTime] | None = {} if arguments.parts else None
         with tempfile.TemporaryDirectory() as root:
             for monitored in (False, True):  # warm-up: imports, kernels, allocator
                 fit_seconds(build, loader, monitored, arguments.steps, root)
             for round_index in range(arguments.rounds):
                 order = (False, True) if round_index % 2 == 0 else (True, False)
                 for monitored in order:
-                    seconds[monitored].append(fit_seconds(build, loader, monitored, arguments.steps, root))
+                    seconds[monitored].append(fit_seconds(build, loader, monitored, arguments.steps, root, parts))
         for column, clock in ((0, "wall"), (1, "cpu")):
             bare_runs = [run[column] for run in seconds[False]]
             monitor_runs = [run[column] for run in seconds[True]]
@@ -152,6 +238,12 @@ def main() -> None:
             print(
                 f"{name:<12} {clock:<4} {bare:>8.2f}s {monitor:>8.2f}s {monitor - bare:>+7.2f}s"
                 f" {statistics.median(ratios):>8.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+            )
+        for label, part in (parts or {}).items():
+            rounds = arguments.rounds
+            print(
+                f"  {label:<36} wall {part.wall / rounds:6.2f}s  cpu {part.cpu / rounds:6.2f}s"
+                f"  calls {part.calls / rounds:g}"
             )
 
 
