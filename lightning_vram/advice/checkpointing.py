@@ -28,7 +28,8 @@ input), so it stays as the last unit's does, and the next unit's input counts as
 
 Those are activations alone, which rank the plans. What the run's peak falls by, the advice's saving where no plan
 was replayed, is bounded from below (:func:`peak_saving`): after the change the peak moves into backward, to the
-recomputation of the first, widest units, where every gradient and the gradients flowing through the unit are held.
+recomputation of the first, widest units, where every gradient and the gradients flowing through the unit are held,
+with backward's temporaries as its live peak held them (what the loss and the modules after the units saved freed).
 """
 
 from __future__ import annotations
@@ -184,6 +185,13 @@ def peak_saving(units: Sequence[Unit], checkpointed: Sequence[bool], outside: Ou
     temporaries of the unit it runs, its input's and output's bytes (the gradient flowing in, the gradient
     it makes), or the measured phase's, the larger; in backward every gradient, made or not (conservative).
 
+    Backward's measured ``other`` is its live peak less the counted parts at their own highest, at backward's start,
+    which still holds what the loss and the modules after the units saved (``outside.after``: a head's input, the
+    log-probabilities). A live peak inside a unit's backward (an attention layer's, holding the scores' gradient)
+    comes after backward freed those, so its temporaries were ``other`` and those bytes: a unit's moment in
+    backward counts them so (taking ``other`` alone, an eager-attention stack was promised 539,108 bytes more than
+    it realised). Backward's start, all that forward kept with ``other``, is a moment too.
+
     >>> block = Unit(("b",), saved=20, input_bytes=2, input_held=False, input_saved=0, output_saved=0, output_bytes=2)
     >>> held = Held(forward=5, forward_other=0, backward=5, backward_other=1, peak=5 + 60 + 1)
     >>> modelled_saving([block] * 3, [True, True, False], Outside(0, 0))  # 60 saved, 24 at the recomputation
@@ -194,9 +202,13 @@ def peak_saving(units: Sequence[Unit], checkpointed: Sequence[bool], outside: Ou
     forward, backward = _moments(units, checkpointed, *outside)
     flowing = [(unit.input_bytes + unit.output_bytes) // unit.calls for unit in units]
     run = max((extra for extra, flag in zip(flowing, checkpointed, strict=True) if flag), default=0)
-    peaks = [held.forward + forward + max(held.forward_other, run)]
+    # The measured backward `other` is the live peak less the counted parts at their own highest, backward's start,
+    # which still held what the loss and the modules after the units saved; a live peak inside a unit's backward
+    # comes after backward freed those: its temporaries are the measured `other` and those bytes.
+    temporaries = held.backward_other + outside.after
+    peaks = [held.forward + forward + max(held.forward_other, run), held.backward + forward + held.backward_other]
     peaks += [
-        held.backward + held_there + max(held.backward_other, extra)
+        held.backward + held_there + max(temporaries, extra)
         for held_there, extra in zip(backward, flowing, strict=True)
     ]
     return min(modelled_saving(units, checkpointed, outside), held.peak - max(peaks))

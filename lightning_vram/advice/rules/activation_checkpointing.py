@@ -86,7 +86,8 @@ CHECKPOINT_MIN_SAVING_SHARE = 0.10
 MODELLED_CHECKPOINT = (
     "saving modelled storage by storage from the sampled step's saved tensors (not replayed): each checkpointed"
     " unit keeps its input, and backward recomputes one unit at a time, holding every gradient and the gradients"
-    " flowing through the unit (conservative: a bound from below)"
+    " flowing through the unit, with backward's temporaries as at its measured peak (conservative: a bound from"
+    " below)"
 )
 """How the checkpointing advice's evidence says its saving is known, when no candidate plan was replayed."""
 
