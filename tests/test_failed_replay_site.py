@@ -63,3 +63,53 @@ def test_a_replay_failing_in_an_op_names_where_the_op_was_called(tmp_path: Path)
 
 def test_a_failure_without_a_frame_outside_the_replay_keeps_the_plain_reason() -> None:
     assert skip_reason(RuntimeError("boom")) == "the step failed under fake tensors: RuntimeError: boom"
+
+
+@torch.library.custom_op("lightning_vram_tests::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """A custom op with no fake kernel: the real step runs it, a replay cannot."""
+    return x * 2
+
+
+doubled.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class CustomOpInALambda(pl.LightningModule):
+    """A custom op with no fake kernel, called from a lambda the module holds as its activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.activation = lambda x: doubled(x)  # the op's call site
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.activation(self.linear(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_custom_op_without_a_fake_kernel_is_said_to_fail_where_the_user_called_it(tmp_path: Path) -> None:
+    """A custom op (``torch.library.custom_op``) goes through torch's ``__call__`` for it on its way to dispatch: the
+    site is the user's lambda that called the op, not torch's machinery, and the run is the run without the monitor."""
+
+    def fit(callbacks: list[pl.Callback]) -> CustomOpInALambda:
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16, generator=generator), torch.randint(0, 4, (32,), generator=generator))
+        module = CustomOpInALambda()
+        trainer(tmp_path, callbacks, max_steps=3).fit(module, loader(data, 8))
+        return module
+
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    monitored = fit([monitor])
+    report = monitor.report
+    assert report is not None and report.simulation is not None and report.simulation.skipped is not None
+    line = monitored.activation.__code__.co_firstlineno
+    # before: "the step failed under fake tensors at torch/_library/custom_ops.py:863 (__call__): ..."
+    assert report.simulation.skipped.startswith(
+        f"the step failed under fake tensors at {__file__}:{line} (<lambda>): RuntimeError: "
+    ), report.simulation.skipped
+    plain = fit([])
+    assert all(torch.equal(a, b) for a, b in zip(monitored.parameters(), plain.parameters(), strict=True))

@@ -33,6 +33,10 @@ DISPATCH_FILES = (
 ``__torch_dispatch__`` of the replay's modes), where the fake tensor raises."""
 TENSOR_METHODS = "torch/_tensor.py"
 """The Python methods of ``Tensor`` (``__format__``, ``backward``): the code that called them is where a read is."""
+CUSTOM_OPS = "torch/_library/"
+"""torch's machinery for custom ops (``torch.library.custom_op``'s ``__call__``, its autograd's ``backward``): the
+code that called the op, or the backward formula the user registered, is where it failed (a custom op with no fake
+kernel was said to fail at ``torch/_library/custom_ops.py:863 (__call__)``, for every such op and caller)."""
 PACKAGE = Path(__file__).resolve().parents[2]
 """This package's directory: its frames run the replay, they are never where the user's step read a value."""
 LIBRARIES = tuple(
@@ -51,7 +55,8 @@ def read_site(error: BaseException) -> tuple[str, bool] | None:
     """Where the code that ``error``'s op was called from is, ``file:line (function)``, and whether it is the user's.
 
     The innermost frame of ``error``'s traceback before torch's dispatch (:data:`DISPATCH_FILES`, a
-    ``__torch_dispatch__``) that is neither this package's nor a ``Tensor`` method's; a library's file is named from
+    ``__torch_dispatch__``) that is neither this package's, a ``Tensor`` method's nor a custom op's machinery's
+    (:data:`CUSTOM_OPS`); a library's file is named from
     its install directory (``torch/optim/_adafactor.py``), the user's as Python gave it. ``None`` when no frame is.
     """
     site: tuple[str, bool] | None = None
@@ -60,7 +65,7 @@ def read_site(error: BaseException) -> tuple[str, bool] | None:
         if frame.name == "__torch_dispatch__" or any(part in name for part in DISPATCH_FILES):
             break
         path = Path(frame.filename).resolve()
-        if _within(path, PACKAGE) or name.endswith(TENSOR_METHODS):
+        if _within(path, PACKAGE) or name.endswith(TENSOR_METHODS) or CUSTOM_OPS in name:
             continue
         library = next((directory for directory in LIBRARIES if _within(path, directory)), None)
         shown = path.relative_to(library).as_posix() if library is not None else frame.filename
