@@ -114,3 +114,85 @@ def test_a_head_called_in_a_decoder_loop_is_named_and_the_change_saves_what_was_
     realised = report.peak.peak_bytes - after.peak.peak_bytes
     assert realised == pytest.approx(advice.estimated_saving_bytes, rel=0.10)
     assert all(advice.id is not AdviceId.CHUNKED_LOSS for advice in after.advice)
+
+
+class Looped(pl.LightningModule):
+    """The same encoder, decoder and head, their logits made otherwise than stacked for one cross-entropy:
+    ``halves``: the model run on two halves of the batch, their mean losses added; ``summed``: a cross-entropy a
+    position, added up in the loop; ``averaged``: the stacked hidden states through the head twice (a multi-sample
+    dropout), the outputs averaged; ``stacked``: the head's calls stacked for one cross-entropy, as above."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.source = nn.Embedding(VOCAB, WIDTH)
+        self.encoder = nn.GRU(WIDTH, WIDTH, batch_first=True)
+        self.target = nn.Embedding(VOCAB, WIDTH)
+        self.cell = nn.GRUCell(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB)
+        self.dropout = nn.Dropout(0.1)
+        self.how = how
+
+    def decoded(self, source: Tensor, target: Tensor, head: bool = False) -> tuple[list[Tensor], Tensor]:
+        """Each position's decoder state (or the head's logits), and the loss summed position by position."""
+        _, state = self.encoder(self.source(source))
+        state = state[-1]
+        outputs, loss = [], state.new_zeros(())
+        for position in range(1, target.shape[1]):
+            state = self.cell(self.target(target[:, position - 1]), state)
+            outputs.append(self.out(state) if head else state)
+            if self.how == "summed":
+                loss = loss + F.cross_entropy(outputs[-1], target[:, position])
+        return outputs, loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        source, target = batch
+        if self.how == "halves":
+            half = source.shape[0] // 2
+            return sum(
+                F.cross_entropy(torch.stack(self.decoded(s, t, head=True)[0], 1).flatten(0, 1), t[:, 1:].flatten())
+                for s, t in ((source[:half], target[:half]), (source[half:], target[half:]))
+            )
+        if self.how == "summed":
+            return self.decoded(source, target, head=True)[1]
+        if self.how == "averaged":
+            hidden = torch.stack(self.decoded(source, target)[0], 1)
+            logits = (self.out(self.dropout(hidden)) + self.out(self.dropout(hidden))) / 2
+            return F.cross_entropy(logits.flatten(0, 1).float(), target[:, 1:].flatten())
+        logits = torch.stack(self.decoded(source, target, head=True)[0], 1)
+        return F.cross_entropy(logits.flatten(0, 1).float(), target[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("how", "precision", "named"),
+    [
+        ("halves", "32-true", False),
+        ("summed", "32-true", False),
+        ("averaged", "bf16-mixed", False),
+        ("stacked", "bf16-mixed", True),
+    ],
+)
+def test_a_head_called_more_than_once_is_named_only_where_its_calls_are_one_cross_entropy_s_logits(
+    tmp_path: Path, how: str, precision: str, named: bool
+) -> None:
+    """Its calls' outputs total the log-probabilities' size in each case, but only stacked for one cross-entropy are
+    they the logits the printed lines keep the inputs of: the model run on two halves with two losses added (the
+    printed mean over every position is half the loss), a loss a position summed in the loop (one fifteenth), a
+    multi-sample dropout's two 16-bit outputs averaged (which no stack of inputs makes) were each told "`self.out`,
+    called N times (a loop over the positions)". The advice stays, with the helper alone."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randint(0, VOCAB, (48, SOURCE), generator=generator),
+        torch.randint(0, VOCAB, (48, TARGET), generator=generator),
+    )
+    monitor = VramMonitor(attribution_start_step=1, attribution_every_n_steps=None, console_summary=False)
+    trainer(tmp_path, [monitor], max_steps=3, precision=precision).fit(Looped(how), loader(data, 16))
+    report = monitor.report
+    assert report is not None
+    advice = next((advice for advice in report.advice if advice.id is AdviceId.CHUNKED_LOSS), None)
+    assert advice is not None, report.to_dict().get("not_advised")
+    # before: "halves", "summed" and "averaged" were told "`self.out`, called 2 (15, 2) times (a loop over the ..."
+    assert ("# In your step the logits are the outputs of `self.out`, called" in advice.detail) is named, advice.detail

@@ -191,7 +191,21 @@ def _fabric_lines(setup: TrainingSetup) -> str:
     return FABRIC_AUTOCAST.format(precision=f'precision="{setup.precision}"')
 
 
-def own_head(summary: RunSummary, setup: TrainingSetup, loss_bytes: int) -> tuple[str, int] | None:
+LOSS_READERS = ("nll_loss_forward", "nll_loss2d_forward")
+"""The ops of a cross-entropy (``F.cross_entropy``, ``F.nll_loss``), as a replay's counted work names them."""
+
+
+def _cross_entropies(baseline: ReplayedStep) -> int | None:
+    """How many cross-entropies the replayed forward ran (recomputations aside); ``None``: its ops were not counted."""
+    if baseline.work is None:
+        return None
+    forward = baseline.work.in_phase(Phase.FORWARD).groups
+    return sum(group.count for group in forward if group.op in LOSS_READERS and not group.recomputed)
+
+
+def own_head(
+    summary: RunSummary, setup: TrainingSetup, loss_bytes: int, cross_entropies: int | None = 1
+) -> tuple[str, int] | None:
     """The module whose output the loss read as logits, by name, with its calls; ``None`` where no module shows it.
 
     The one module of the sampled step (not the trained module itself, called once) whose output is as large as the
@@ -203,12 +217,23 @@ def own_head(summary: RunSummary, setup: TrainingSetup, loss_bytes: int) -> tupl
     Several such modules, or none (logits from a function of the weights, a tied embedding's ``h @ emb.weight.T``),
     name none; nor is a head inside a ``transformers`` model named (its loss is computed inside the model, whose own
     lines follow).
+
+    A head called more than once is named only where its calls' outputs can be the logits of one cross-entropy
+    stacked: the replayed forward ran one (``cross_entropies``, its ``nll_loss`` ops; ``None``: not counted, none
+    named), not one a call (a loss summed in the loop, or the model run on two halves of the batch and their losses
+    added, where the printed mean over the stacked positions is another loss); and at a mixed precision, where each
+    call makes 16-bit logits, its outputs total half the log-probabilities (a multi-sample dropout's two 16-bit
+    outputs averaged total as much as the float32 log-probabilities, and stacking them is another loss).
     """
     sizes = {loss_bytes, loss_bytes // 2} if _sixteen_bit(setup) else {loss_bytes}
+    looped = {loss_bytes // 2} if "mixed" in setup.precision else {loss_bytes}
     heads = [
         (profile.name, profile.calls)
         for profile in summary.modules
-        if profile.calls >= 1 and profile.output_bytes in sizes and profile.name not in (ROOT, OUTSIDE)
+        if profile.calls >= 1
+        and profile.output_bytes in (sizes if profile.calls == 1 else looped)
+        and (profile.calls == 1 or cross_entropies == 1)
+        and profile.name not in (ROOT, OUTSIDE)
     ]
     libraries = [switch.model for switch in setup.checkpointing_switches]
     if len(heads) != 1 or any(not model or heads[0][0].startswith(f"{model}.") for model in libraries):
@@ -295,7 +320,7 @@ def chunked_loss(summary: RunSummary, setup: TrainingSetup, simulation: Simulati
             "    if weight is None:\n"
             "        return total / counted.sum()\n"
             "    return total / (weight[torch.where(counted, targets, 0)] * counted).sum()\n\n"
-            f"{_head_lines(own_head(summary, setup, weighed.loss_bytes), setup)}"
+            f"{_head_lines(own_head(summary, setup, weighed.loss_bytes, _cross_entropies(baseline)), setup)}"
             "# A transformers model computes its loss inside model(..., labels=...): call its body and its head\n"
             "# instead (labels: -100 where no loss is taken; labels = ids where you pass the inputs). A model that\n"
             "# changes its logits before the loss needs it as logits_fn (Gemma 2: cap =\n"
