@@ -107,3 +107,52 @@ def test_a_block_two_lists_share_is_checkpointed_in_both_and_trains_the_same(tmp
     assert len({id(layer) for layer in [*module.network.encoder, *module.network.decoder]}) == 1  # one wrapper
     # seen: 23,674,880 B realised, as replayed
     assert_applied_saves_and_trains_the_same(tmp_path, report, advice, TwoLists, module)
+
+
+class DecoderLayer(nn.Module):
+    """A decoder layer of its own block, then the encoder's last block (held again here): the block shared inside."""
+
+    def __init__(self, shared: Block, width: int) -> None:
+        super().__init__()
+        self.mlp = Block(width)
+        self.inner = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.mlp(x))
+
+
+class BlockInsideAnotherUnit(nn.Module):
+    """An encoder's list whose last block a decoder's first layer holds too: one of its places inside another unit."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.inputs = nn.Linear(32, width)
+        shared = Block(width)
+        self.encoder = nn.ModuleList([Block(width), Block(width), shared])
+        self.decoder = nn.ModuleList([DecoderLayer(shared, width), Block(width), Block(width)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inputs(x)
+        for layer in [*self.encoder, *self.decoder]:
+            h = layer(h)
+        return self.head(h.mean(1))
+
+
+class SharedInside(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = BlockInsideAnotherUnit()
+
+
+def test_a_shared_block_s_place_inside_another_unit_is_left_to_that_unit(tmp_path: Path) -> None:
+    # Before: the printed loop also wrapped the block at `network.decoder.0.inner`, inside `Checkpointed(decoder.0)`:
+    # a checkpoint nested in another, the block recomputed twice in backward (wrapped: encoder.0-2, decoder.0,
+    # decoder.0.block.inner, decoder.1-2), which the replay did as printed.
+    report, advice = advised(tmp_path / "before", SharedInside)
+    assert "`network.encoder.0-2` and `network.decoder.0-2` (6 units)" in advice.title
+    module = applied(advice, SharedInside)
+    wrapped = [name for name, child in module.named_modules() if type(child).__name__ == "Checkpointed"]
+    assert wrapped == [*(f"network.encoder.{index}" for index in range(3)), *(f"network.decoder.{i}" for i in range(3))]
+    assert type(module.network.decoder[0].block.inner).__name__ == "Block"  # recomputed with its layer, once
+    assert_applied_saves_and_trains_the_same(tmp_path, report, advice, SharedInside, module)

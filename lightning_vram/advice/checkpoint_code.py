@@ -340,12 +340,15 @@ def _wrap_lines(names: list[str], root: str = "self", wrapper: str = "Checkpoint
     return [f"for index in {over}:", f"    {container}[index] = {wrapper}({container}[index])"]
 
 
-def _shared_lines(name: str, root: str, wrapper: str) -> list[str]:
+def _shared_lines(name: str, root: str, wrapper: str, others: bool = False) -> list[str]:
     r"""Lines putting one ``wrapper`` at every place of the model holding block ``name``, run as several layers.
 
     Every place, not only its list's: a block held by two lists (an encoder's and a decoder's) or by a list and an
     attribute is named once, under its first place, and the replay counts each of its calls; wrapped in one list
-    alone, the others' calls went unchecked (3 of 6: the plan was discarded and nothing was advised).
+    alone, the others' calls went unchecked (3 of 6: the plan was discarded and nothing was advised). With
+    ``others`` (the plan has other units, wrapped by the lines before these), but a place inside another unit's
+    wrapper: that unit's checkpoint recomputes the block there, and a wrapper inside it nested a checkpoint (a
+    decoder layer holding the encoder's last block: the block recomputed twice in backward).
 
     >>> print("\n".join(_shared_lines("net.layers.0", "self", "Checkpointed")))
     block = self.net.layers[0]
@@ -354,14 +357,31 @@ def _shared_lines(name: str, root: str, wrapper: str) -> list[str]:
         if module is block:
             parent, _, key = path.rpartition(".")
             setattr(self.get_submodule(parent), key, checkpointed)
+    >>> print("\n".join(_shared_lines("net.layers.0", "self", "Checkpointed", others=True)[2:6]))
+    inside = ()  # the paths under another unit's wrapper, which recomputes the block there
+    for path, module in list(self.named_modules(remove_duplicate=False)):
+        if isinstance(module, Checkpointed):
+            inside += (f"{path}.",)
     """
-    return [
-        f"block = {_code_path(name, '', root)}",
-        f"checkpointed = {wrapper}(block)  # one wrapper, at every place of the model holding the block",
+    places = [
         f"for path, module in list({root}.named_modules(remove_duplicate=False)):",
         "    if module is block:",
         '        parent, _, key = path.rpartition(".")',
         f"        setattr({root}.get_submodule(parent), key, checkpointed)",
+    ]
+    if others:
+        places = [
+            "inside = ()  # the paths under another unit's wrapper, which recomputes the block there",
+            places[0],
+            "    if isinstance(module, Checkpointed):",
+            '        inside += (f"{path}.",)',
+            "    elif module is block and not path.startswith(inside):",
+            *places[2:],
+        ]
+    return [
+        f"block = {_code_path(name, '', root)}",
+        f"checkpointed = {wrapper}(block)  # one wrapper, at every place of the model holding the block",
+        *places,
     ]
 
 
@@ -385,7 +405,9 @@ def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
     A unit of several modules stands at its first module, the others replaced by ``nn.Identity()``.
     """
     selective = set(plan.selective)
-    lines = []
+    lines: list[str] = []
+    shared: list[str] = []  # after every other unit's wrapper, so that a place inside one is left to it
+    others = len(plan.units) > 1
     for (_, kept, several), group in groupby(
         plan.units, key=lambda unit: (unit[0].rpartition(".")[0], unit[0] in selective, len(unit) > 1)
     ):
@@ -394,9 +416,15 @@ def _wrapper_snippet(plan: CheckpointPlan, context: CodeContext) -> str:
             lines += [line for unit in group for line in _unit_wrap_lines(unit, context.model, wrapper)]
             continue
         names = [unit[0] for unit in group]
-        lines += [line for name in names if name in plan.shared for line in _shared_lines(name, context.model, wrapper)]
+        shared += [
+            line
+            for name in names
+            if name in plan.shared
+            for line in _shared_lines(name, context.model, wrapper, others)
+        ]
         if own := [name for name in names if name not in plan.shared]:
             lines += _wrap_lines(own, context.model, wrapper)
+    lines += shared
     classes = f"{CHECKPOINTED_CLASS}\n\n{SELECTIVE}" if selective else CHECKPOINTED_CLASS
     then = " and `.then`" if any(len(unit) > 1 for unit in plan.units) else ""
     return (

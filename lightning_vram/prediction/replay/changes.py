@@ -64,6 +64,9 @@ class _CheckpointedCall(nn.Module):
         """The unit's modules, by their paths in the model."""
         self.calls: list[Call] = []
         """What the unit received and returned at each forward call (set against the step without the plan)."""
+        self.every_call = True
+        """Whether every call of the unit's first module runs through this wrapper: not where a shared block's place
+        lies inside another unit, whose checkpoint runs the block there (its calls are then some of the module's)."""
         self._forwarding = False
         self._checkpoint = checkpoint_saving_matmuls if selective else checkpoint_keeping_buffers
         self.first = first
@@ -143,13 +146,21 @@ class _Link:
     __rmatmul__ = __pow__ = __neg__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = used
 
 
-def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = False, shared: bool = False) -> None:
+def _checkpoint_unit(
+    root: nn.Module,
+    names: tuple[str, ...],
+    selective: bool = False,
+    shared: bool = False,
+    enclosed: frozenset[int] = frozenset(),
+) -> None:
     """Run the modules ``names`` (consecutive children of one parent) as one checkpointed unit.
 
     ``selective``: keeping the outputs of matrix products and attention, recomputing the other ops. ``shared``: a
     block of a layer list run as several layers (:attr:`~lightning_vram.records.CheckpointPlan.shared`): one
     wrapper at every place of the model holding it (two lists sharing it, a list and an attribute), as the printed
-    code puts it.
+    code puts it, but a place held by a module of ``enclosed`` (the ids of every module inside the plan's other
+    units): that unit's checkpoint recomputes the block there already, and a wrapper inside it would nest a
+    checkpoint (the block recomputed twice in backward).
     """
     modules = [_submodule(root, name, "the checkpointing plan") for name in names]
     passing: dict[int, tuple[_Link, Any]] = {}
@@ -162,7 +173,9 @@ def _checkpoint_unit(root: nn.Module, names: tuple[str, ...], selective: bool = 
         for place, held in list(holder._modules.items())
         if held is modules[0]
     ]  # every alias, in the whole model
-    for holder, place in places or [(parent, child)]:
+    outside = [(holder, place) for holder, place in places if id(holder) not in enclosed]
+    wrapper.every_call = len(outside) == len(places)
+    for holder, place in outside or [(parent, child)]:
         setattr(holder, place, wrapper)
     for module in modules[1:]:
         module.forward = _passing_once(module.forward, module, passing)
@@ -241,13 +254,24 @@ def apply_checkpoint_plan(module: nn.Module, plan: CheckpointPlan) -> None:
 
         container.forward = run_segments  # type: ignore[method-assign]
         return
+    firsts = {unit: _submodule(module, unit[0], "the checkpointing plan") for unit in plan.units}
     for unit in plan.units:
-        _checkpoint_unit(module, unit, unit[0] in plan.selective, unit[0] in plan.shared)
+        shared = unit[0] in plan.shared
+        others = [first for other, first in firsts.items() if other != unit] if shared else []
+        enclosed = frozenset(id(inner) for first in others for inner in first.modules())
+        _checkpoint_unit(module, unit, unit[0] in plan.selective, shared, enclosed)
 
 
-def checkpointed_calls(module: nn.Module) -> list[tuple[tuple[str, ...], list[Call]]]:
-    """Each checkpointed unit in ``module`` (a replay's copy, its plan applied) and its calls so far."""
-    return [(child.unit, child.calls) for child in module.modules() if isinstance(child, _CheckpointedCall)]
+def checkpointed_calls(module: nn.Module) -> list[tuple[tuple[str, ...], list[Call], bool]]:
+    """Each checkpointed unit in ``module`` (a replay's copy, its plan applied), its calls, and whether they are all.
+
+    All: every call of the unit's first module (:attr:`_CheckpointedCall.every_call`).
+    """
+    return [
+        (child.unit, child.calls, child.every_call)
+        for child in module.modules()
+        if isinstance(child, _CheckpointedCall)
+    ]
 
 
 def release_plan(module: nn.Module) -> None:

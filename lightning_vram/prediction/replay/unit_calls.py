@@ -92,21 +92,24 @@ class CallRecorder:
 
 
 def changed_unit(
-    baseline: Mapping[str, Sequence[Call]], units: Iterable[tuple[tuple[str, ...], Sequence[Call]]]
+    baseline: Mapping[str, Sequence[Call]], units: Iterable[tuple[tuple[str, ...], Sequence[Call], bool]]
 ) -> str | None:
     """Why a plan's units are not called as the step without checkpointing calls their modules; ``None`` where they are.
 
     ``baseline``: the calls of each module without the plan (:meth:`CallRecorder.by_name`); ``units``: each unit's
-    modules and its wrapper's calls. A unit must be called as often as its first module was, with what that module
-    received each time, and return what its last module returned; a unit whose first or last module's calls were not
-    recorded (a ``ScriptModule``) is not checked.
+    modules, its wrapper's calls, and whether those are every call of its first module. A unit must be called as
+    often as its first module was (where it has every call; else its calls are some of the module's, in order), with
+    what that module received each time, and return what its last module returned; a unit whose first or last
+    module's calls were not recorded (a ``ScriptModule``) is not checked.
     """
-    for names, calls in units:
+    for names, calls, every_call in units:
         if names[0] not in baseline or names[-1] not in baseline:
             continue
         first = baseline.get(names[0], ())
         last = baseline.get(names[-1], ())
         unit = f"`{names[0]}`" if len(names) == 1 else f"the unit `{names[0]}` to `{names[-1]}`"
+        if not every_call:
+            first = _matched_in_order(calls, first)
         if len(calls) != len(first):
             return (
                 f"its caller calls {unit} {len(calls)} time(s) with the plan, {len(first)} time(s) without: the printed"
@@ -125,6 +128,21 @@ def changed_unit(
                     " would train another model"
                 )
     return None
+
+
+def _matched_in_order(calls: Sequence[Call], first: Sequence[Call]) -> list[Call]:
+    """Of ``first`` (a module's calls without the plan), those ``calls`` (some of them, in order) match.
+
+    Matched by what each received, at its earliest; fewer than ``calls`` where one matches none.
+    """
+    matched: list[Call] = []
+    remaining = iter(first)
+    for received, _ in calls:
+        found = next((call for call in remaining if call[0] == received), None)
+        if found is None:
+            break
+        matched.append(found)
+    return matched
 
 
 class PlanChangesModelError(ValueError):
