@@ -187,3 +187,54 @@ def test_a_plan_with_fsdp2_rows_prints_the_code_that_shards_as_they_do() -> None
         "fsdp2 rows shard each of 6 blocks, then the root (torch's fully_shard under Lightning's"
         f" ModelParallelStrategy). To train as predicted, in your LightningModule: {usual_policy_code(Blocks())}"
     ]
+
+
+class TiedEmbeddings(pl.LightningModule):
+    """Source and target embeddings sharing one weight (``tgt.weight = src.weight``), two blocks after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src, self.tgt = nn.Embedding(64, 16), nn.Embedding(64, 16)
+        self.tgt.weight = self.src.weight
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.body(self.src(source) + self.tgt(target)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(*batch)  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_siblings_sharing_a_parameter_are_no_units() -> None:
+    # Before: ["src", "tgt", "body.0", "body.2", ""], and fully_shard refused tgt.weight ("shared with a parameter
+    # already managed by another FSDP group"): no fsdp2 row, and the printed configure_model failed the same way
+    assert unit_names(TiedEmbeddings()) == ["body.0", "body.2", ""]
+    tied = nn.Linear(4, 4)
+    entries = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)])
+    entries[1].weight = tied.weight  # an entry tied to a module outside the list
+    assert unit_names(nn.Sequential(entries, tied)) == ["0.0", "0.2", ""]
+    block = nn.Linear(4, 4)
+    assert unit_names(nn.Sequential(block, nn.Linear(4, 4), block)) == ["0", "1", ""]  # one module twice: not tied
+
+
+def test_a_list_holding_no_parameter_hides_no_blocks() -> None:
+    # Before: an empty nn.ModuleList (or one of activations) made the policy look for lists only: [""], every
+    # parameter in the root (on 2 gloo ranks, the printed code's backward peak 2,049,428 B where its blocks sharded
+    # hold 1,572,700)
+    layers = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(layers, nn.ModuleList(), nn.ModuleList([nn.ReLU(), nn.GELU()]))
+    assert unit_names(model) == ["0.0", "0.1", "0.3", ""]
+    with_list = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]), nn.ModuleList([nn.ReLU()]))
+    assert unit_names(with_list) == ["0.0", "0.1", ""]  # the activations are no units either
+
+
+@pytest.mark.replay
+def test_a_model_with_tied_sibling_embeddings_is_predicted_under_fsdp2() -> None:
+    batch = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    rank = predict_rank(Predictor(TiedEmbeddings(), None, batch), StrategySpec("fsdp2", 2))
+    assert isinstance(rank, RankStep), rank  # was ReplaySkipped: "... already managed by another FSDP group"

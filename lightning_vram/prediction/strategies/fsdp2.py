@@ -294,7 +294,14 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     share a class and hold parameters, two or more of them (an ``nn.Sequential`` of blocks, a ResNet stage's blocks,
     ``self.block1`` and ``self.block2``), containers (``nn.Sequential``, ``nn.ModuleDict``) looked into, never a
     unit. As Lightning's and torchtitan's ``configure_model`` shard each transformer block, then the model: before,
-    such a model was sharded as the root alone, every parameter gathered for the whole step.
+    such a model was sharded as the root alone, every parameter gathered for the whole step. A ``ModuleList``
+    holding no parameter (empty, or of activations) is no model's blocks: it neither shards its entries nor keeps
+    the siblings from being found (a model with an empty ``nn.ModuleList()`` of optional layers was sharded as the
+    root alone).
+
+    A block or entry sharing a parameter with a module outside it (tied embeddings ``tgt.weight = src.weight``) is
+    no unit, its parameters left to the unit above: ``fully_shard`` refuses a parameter two units manage
+    ("shared with a parameter already managed by another FSDP group"), which left such a model without FSDP2 rows.
 
     >>> class Block(nn.Module):
     ...     def __init__(self) -> None:
@@ -307,17 +314,40 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     >>> [name for unit in shard_units(model) for name, child in model.named_modules() if child is unit]
     ['2.0', '2.1', '']
     """
-    if any(isinstance(child, nn.ModuleList) for child in module.modules()):
-        return [*_list_entries(module), module]
-    return [*_sibling_blocks(module), module]
+    tied = _tied_modules(module)
+    if any(isinstance(child, nn.ModuleList) and _holds_parameters(child) for child in module.modules()):
+        return [*_list_entries(module, tied), module]
+    return [*_sibling_blocks(module, tied), module]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _tied_modules(module: nn.Module) -> set[int]:
+    """The ids of the modules under ``module`` holding a parameter that a module outside them holds too."""
+    holders: dict[int, set[int]] = {}
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for parameter in sub.parameters(recurse=False):
+            holders.setdefault(id(parameter), set()).add(id(sub))
+    tied: set[int] = set()
+    for sub in module.modules():
+        inside = {id(inner) for inner in sub.modules()}
+        shared = (holders[id(parameter)] for parameter in sub.parameters())
+        if any(not holding <= inside for holding in shared):
+            tied.add(id(sub))
+    return tied
 
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 """Modules that hold others and are never a block of the usual policy themselves (looked into)."""
 
 
-def _list_entries(module: nn.Module) -> list[nn.Module]:
-    """Each entry of every outermost ``nn.ModuleList`` under ``module`` (lists of lists looked into)."""
+def _list_entries(module: nn.Module, tied: set[int]) -> list[nn.Module]:
+    """Each entry of every outermost ``nn.ModuleList`` holding parameters under ``module``, but those in ``tied``.
+
+    Lists of lists are looked into.
+    """
     units: list[nn.Module] = []
     seen: set[int] = set()
     visited: set[int] = set()
@@ -326,14 +356,15 @@ def _list_entries(module: nn.Module) -> list[nn.Module]:
         for entry in modules:
             if isinstance(entry, nn.ModuleList):
                 entries(entry)
-            elif id(entry) not in seen:
+            elif id(entry) not in seen and id(entry) not in tied:
                 seen.add(id(entry))
                 units.append(entry)
 
     def visit(parent: nn.Module) -> None:
         for child in parent.children():
             if isinstance(child, nn.ModuleList):
-                entries(child)
+                if _holds_parameters(child):
+                    entries(child)
             elif id(child) not in visited:
                 visited.add(id(child))
                 visit(child)
@@ -342,8 +373,11 @@ def _list_entries(module: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _sibling_blocks(module: nn.Module) -> list[nn.Module]:
-    """The outermost siblings of one class holding parameters, two or more, under ``module`` (containers looked in)."""
+def _sibling_blocks(module: nn.Module, tied: set[int]) -> list[nn.Module]:
+    """The outermost siblings of one class holding parameters, two or more, under ``module``, none in ``tied``.
+
+    Containers are looked into.
+    """
     units: list[nn.Module] = []
     visited: set[int] = set()
 
@@ -353,12 +387,16 @@ def _sibling_blocks(module: nn.Module) -> list[nn.Module]:
             if id(child) not in visited:
                 visited.add(id(child))
                 children.append(child)
+        candidates = [
+            child
+            for child in children
+            if not isinstance(child, CONTAINERS) and _holds_parameters(child) and id(child) not in tied
+        ]
         counts: dict[type, int] = {}
+        for child in candidates:
+            counts[type(child)] = counts.get(type(child), 0) + 1
         for child in children:
-            if not isinstance(child, CONTAINERS) and next(child.parameters(), None) is not None:
-                counts[type(child)] = counts.get(type(child), 0) + 1
-        for child in children:
-            if counts.get(type(child), 0) >= 2 and not isinstance(child, CONTAINERS):
+            if child in candidates and counts[type(child)] >= 2:
                 units.append(child)
             else:
                 visit(child)
