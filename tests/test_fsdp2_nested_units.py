@@ -238,3 +238,40 @@ def test_a_model_with_tied_sibling_embeddings_is_predicted_under_fsdp2() -> None
     batch = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
     rank = predict_rank(Predictor(TiedEmbeddings(), None, batch), StrategySpec("fsdp2", 2))
     assert isinstance(rank, RankStep), rank  # was ReplaySkipped: "... already managed by another FSDP group"
+
+
+class PartsCalled(pl.LightningModule):
+    """Its parameters all in ``self.model``, whose parts ``training_step`` calls one by one (never ``self.model``)."""
+
+    def __init__(self, whole: bool) -> None:
+        super().__init__()
+        self.whole = whole
+        self.model = nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 64))
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        if self.whole:
+            logits = self.model(tokens)
+        else:
+            logits = self.model[3](self.model[2](self.model[1](self.model[0](tokens))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+@pytest.mark.replay
+def test_the_usual_policy_is_replayed_as_the_printed_code_runs_under_lightning() -> None:
+    # The printed configure_model shards the two Linears, then self.model; Lightning runs training_step directly, so
+    # a step calling self.model's parts never gathers the embedding and the LayerNorm: on 2 gloo ranks "RuntimeError:
+    # aten.embedding.default got mixed torch.Tensor and DTensor". The replay ran the step through the module's own
+    # forward, the module its root, and predicted a RankStep: the plan said it fit.
+    code = usual_policy_code(PartsCalled(whole=False))
+    assert code is not None and code.endswith("fully_shard(self.model, mesh=mesh)")
+    batch = (torch.randint(0, 64, (4, 8)),)
+    broken = predict_rank(Predictor(PartsCalled(whole=False), None, batch), StrategySpec("fsdp2", 2))
+    assert isinstance(broken, ReplaySkipped), broken  # was a RankStep
+    assert "mixed torch.Tensor and DTensor" in broken.reason
+    right = predict_rank(Predictor(PartsCalled(whole=True), None, batch), StrategySpec("fsdp2", 2))
+    assert isinstance(right, RankStep), right
+    assert right.lines[0].label.startswith("FSDP2 all-gather buffer (largest unit: ")

@@ -3,8 +3,10 @@
 The replay's fake copy of the module is sharded by ``fully_shard`` over a one-dimensional mesh of a fake process
 group of ``world_size`` ranks (``init_process_group("fake", ...)``: every collective returns at once, sends nothing
 and waits for no rank), as torchtitan's estimator does; the step then runs through the root module's ``forward``
-(under the usual policy, whose root unit is the module; a LightningModule sharding itself in ``configure_model`` has
-its ``training_step`` called directly, as ``ModelParallelStrategy`` calls it), so FSDP2's hooks all-gather and free
+(under the usual policy, whose root unit is the module, for a module other than a LightningModule; a LightningModule
+has its ``training_step`` called directly, as ``ModelParallelStrategy`` calls it, sharded by its own
+``configure_model`` or as the printed one shards it: a step that never calls the printed root fails as it fails
+there), so FSDP2's hooks all-gather and free
 each unit's parameters, reduce-scatter its gradients, and the optimizer steps on this rank's shards, all on fake
 tensors, counted as any replay (sharded parameters, gradients and state at this rank's shard; gathered parameters while
 gathered, as parameters; the all-gather and reduce-scatter buffers in ``other``).
@@ -54,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_vram.prediction.predictor import Predictor
-from lightning_vram.prediction.replay.step import StepFunction
+from lightning_vram.prediction.replay.step import StepFunction, lightning_training_step
 from lightning_vram.prediction.replay.unsharded import fsdp2_units
 from lightning_vram.prediction.strategies._shards import first_optimizer, flat_state_bytes, optimizer_like
 from lightning_vram.prediction.strategies.ddp import nccl_line
@@ -418,8 +420,13 @@ def meshes(world_size: int, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
     return flat, lightning
 
 
-def sharder(spec: StrategySpec, flat: DeviceMesh, lightning: DeviceMesh) -> Callable[[nn.Module], None]:
+def sharder(
+    spec: StrategySpec, flat: DeviceMesh, lightning: DeviceMesh, as_printed: bool = False
+) -> Callable[[nn.Module], None]:
     """The function that shards a replay's fake copy under ``spec`` over the fake group's meshes (:func:`meshes`).
+
+    Under the usual policy ``as_printed`` shards the root :func:`usual_policy_code` prints (:func:`usual_root`, a
+    LightningModule's ``self.model``) in place of the module itself, for a step run as Lightning runs it.
 
     With ``spec.offload`` every unit gets ``CPUOffloadPolicy(pin_memory=False)`` (a module sharding itself in
     ``configure_model``: as torch's default offload policy while it runs, :func:`offloading_by_default`).
@@ -439,7 +446,10 @@ def sharder(spec: StrategySpec, flat: DeviceMesh, lightning: DeviceMesh) -> Call
                     if isinstance(unit, FSDPModule):
                         unit.set_reshard_after_forward(reshard, recurse=False)
             return
-        for unit in shard_units(module):
+        units = shard_units(module)
+        if as_printed:
+            units[-1] = module.get_submodule(usual_root(module))
+        for unit in units:
             fully_shard(unit, mesh=flat, reshard_after_forward=reshard, offload_policy=policy)
 
     return shard
@@ -556,9 +566,16 @@ def predict(
     units: list[tuple[str, int]] = []
     shard: list[Callable[[nn.Module], None]] = []
 
+    # A LightningModule under the usual policy is sharded as the printed configure_model shards it and its
+    # training_step run as Lightning runs it: a step that never calls the printed root (self.model's parts called
+    # one by one; self.model called where the root is self) fails as it fails there ("got mixed torch.Tensor and
+    # DTensor"), and a root other than the module is named "" as the module's would be
+    as_printed = live is None and not _configures_itself(predictor.module) and _lightning_step(predictor)
+
     def shard_and_size(module: nn.Module) -> None:
         shard[0](module)
-        units[:] = unit_bytes(module, spec.world_size)
+        root = usual_root(module) if as_printed else ""
+        units[:] = [("" if name == root else name, size) for name, size in unit_bytes(module, spec.world_size)]
 
     if not callable(getattr(predictor.module, "configure_optimizers", None)) and (
         live is None or live.optimizer is None
@@ -570,7 +587,7 @@ def predict(
     # training_step called directly (the strategy's model is the LightningModule, so Lightning redirects nothing),
     # and FSDP2's hooks run only on the units the step calls. A step that calls ``self.model(...)`` after
     # ``fully_shard(self)`` fails there as in the run ("got mixed torch.Tensor and DTensor"), not "fits".
-    if live is None and _configures_itself(predictor.module):
+    if live is None and (_configures_itself(predictor.module) or as_printed):
         sharded.step_function = predictor.step_function
     else:
         sharded.step_function = redirected(predictor.step_function)
@@ -580,7 +597,7 @@ def predict(
     sharded.optimizers = None  # built by configure_optimizers on the sharded parameters (as Lightning does)
     if live is None:
         with fake_group(spec.world_size), rank_chunks():
-            shard.append(sharder(spec, *meshes(spec.world_size, device_type)))
+            shard.append(sharder(spec, *meshes(spec.world_size, device_type), as_printed))
             replayed = sharded.replay(change)
     else:
         with side_meshes(spec.world_size, live.rank, device_type) as (flat, lightning), rank_chunks():
@@ -737,14 +754,35 @@ def usual_policy_code(module: nn.Module) -> str | None:
             listed.append(f"*{_path(parent)}.children()")
         else:
             listed += [_path(member) for member in members]
-    holders = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
-    own = next(module.parameters(recurse=False), None) is not None
-    root = _path(holders[0]) if len(holders) == 1 and not own else "self"
+    root = _path(usual_root(module))
     units = f"[fully_shard(unit, mesh=mesh) for unit in ({', '.join(listed)},)]; " if listed else ""
     return (
         "def configure_model(self): from torch.distributed.fsdp import fully_shard;"
         f' mesh = self.device_mesh["data_parallel"]; {units}fully_shard({root}, mesh=mesh)'
     )
+
+
+def usual_root(module: nn.Module) -> str:
+    """The name of the root :func:`usual_policy_code` shards last: the one child holding the parameters, else ``""``.
+
+    >>> usual_root(nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    '1'
+    >>> usual_root(nn.Sequential(nn.Linear(2, 2), nn.Linear(4, 4)))
+    ''
+
+    """
+    holders = [name for name, child in module.named_children() if _holds_parameters(child)]
+    own = next(module.parameters(recurse=False), None) is not None
+    return holders[0] if len(holders) == 1 and not own else ""
+
+
+def _lightning_step(predictor: Predictor) -> bool:
+    """Whether ``predictor`` runs a LightningModule's own ``training_step``, as Lightning does."""
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:
+        return False
+    return isinstance(predictor.module, LightningModule) and predictor.step_function is lightning_training_step
 
 
 def _path(name: str) -> str:
