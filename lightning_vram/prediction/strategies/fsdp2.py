@@ -3,10 +3,10 @@
 The replay's fake copy of the module is sharded by ``fully_shard`` over a one-dimensional mesh of a fake process
 group of ``world_size`` ranks (``init_process_group("fake", ...)``: every collective returns at once, sends nothing
 and waits for no rank), as torchtitan's estimator does; the step then runs through the root module's ``forward``
-(under the usual policy, whose root unit is the module, for a module other than a LightningModule; a LightningModule
-has its ``training_step`` called directly, as ``ModelParallelStrategy`` calls it, sharded by its own
-``configure_model`` or as the printed one shards it: a step that never calls the printed root fails as it fails
-there), so FSDP2's hooks all-gather and free
+(under the usual policy, whose root unit is the module; a LightningModule has its ``training_step`` called
+directly, as ``ModelParallelStrategy`` calls it, where it shards itself in ``configure_model`` or where the printed
+``configure_model`` shards a child of it as the root, ``self.model``: a step that never calls that root fails as it
+fails there), so FSDP2's hooks all-gather and free
 each unit's parameters, reduce-scatter its gradients, and the optimizer steps on this rank's shards, all on fake
 tensors, counted as any replay (sharded parameters, gradients and state at this rank's shard; gathered parameters while
 gathered, as parameters; the all-gather and reduce-scatter buffers in ``other``).
@@ -566,11 +566,17 @@ def predict(
     units: list[tuple[str, int]] = []
     shard: list[Callable[[nn.Module], None]] = []
 
-    # A LightningModule under the usual policy is sharded as the printed configure_model shards it and its
-    # training_step run as Lightning runs it: a step that never calls the printed root (self.model's parts called
-    # one by one; self.model called where the root is self) fails as it fails there ("got mixed torch.Tensor and
-    # DTensor"), and a root other than the module is named "" as the module's would be
-    as_printed = live is None and not _configures_itself(predictor.module) and _lightning_step(predictor)
+    # A LightningModule under the usual policy whose printed root is a child (self.model) is sharded as the printed
+    # configure_model shards it and its training_step run as Lightning runs it: a step that never calls self.model
+    # (its parts called one by one) fails as it fails there ("got mixed torch.Tensor and DTensor"), the root named
+    # "" as the module's would be. Where the printed root is the module, the note asks for a training_step calling
+    # self(...), and the step is run so (redirected)
+    as_printed = (
+        live is None
+        and not _configures_itself(predictor.module)
+        and _lightning_step(predictor)
+        and usual_root(predictor.module) != ""
+    )
 
     def shard_and_size(module: nn.Module) -> None:
         shard[0](module)
