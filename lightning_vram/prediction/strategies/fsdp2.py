@@ -610,6 +610,14 @@ def predict(
             shard.append(live_sharder(live, flat, lightning))
             replayed = sharded.replay(change)
     if isinstance(replayed, ReplaySkipped):
+        if as_printed and MIXED_DTENSOR in replayed.reason:
+            root = _path(usual_root(predictor.module))
+            return replace(
+                replayed,
+                reason=f"fsdp2: training_step never calls {root}(...), the root the printed"
+                f" configure_model shards, so FSDP2 never gathers its parameters outside the blocks ({MIXED_DTENSOR}"
+                f" under ModelParallelStrategy too): call {root}(...) from training_step",
+            )
         return replayed
     lines = _lines(units, spec, device_type)
     phases, method = replayed.phases, METHOD
@@ -780,6 +788,10 @@ def usual_root(module: nn.Module) -> str:
     holders = [name for name, child in module.named_children() if _holds_parameters(child)]
     own = next(module.parameters(recurse=False), None) is not None
     return holders[0] if len(holders) == 1 and not own else ""
+
+
+MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+"""What torch raises where a step uses a parameter FSDP2 left sharded (its unit's forward never ran)."""
 
 
 def _lightning_step(predictor: Predictor) -> bool:
