@@ -255,6 +255,20 @@ def test_a_collective_in_the_step_runs_on_the_fake_group_only() -> None:
 
 
 @pytest.mark.replay
+def test_the_fake_group_leaves_the_processs_excepthook_as_it_was() -> None:
+    # init_process_group wraps sys.excepthook to prefix each traceback line with "[rank0]:" and
+    # destroy_process_group leaves it: after a plan of 8 fsdp2 replays the user's next uncaught exception was printed
+    # with every line prefixed "[rank0]: " 8 times
+    hook = sys.excepthook
+    for world_size in (2, 4):
+        rank = predict_rank(
+            Predictor(Classifier(network(), OPTIMIZERS["adam"]), None, BATCH), StrategySpec("fsdp2", world_size)
+        )
+        assert isinstance(rank, RankStep), rank
+    assert sys.excepthook is hook  # was torch's _distributed_excepthook, wrapped once per replay
+
+
+@pytest.mark.replay
 @pytest.mark.parametrize("module", [ShardedMlp, Classifier])
 def test_an_fsdp2_rank_with_cpu_offload_holds_its_shards_on_the_host(module: type[Classifier]) -> None:
     """torch's fully_shard runs with CPUOffloadPolicy(pin_memory=False); on the CPU the device's phases plus the

@@ -44,6 +44,7 @@ run's own groups runs (:mod:`~lightning_vram.prediction.containment.collectives`
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -85,17 +86,24 @@ the replay's copy made and changes as FSDP2 does): left out of the rank's notes.
 def fake_group(world_size: int) -> Iterator[None]:
     """The fake process group of ``world_size`` ranks as the default group, this process rank 0; destroyed after.
 
-    ``RuntimeError`` where a process group is initialized already (it is left as it was).
+    ``RuntimeError`` where a process group is initialized already (it is left as it was). ``init_process_group``
+    wraps ``sys.excepthook`` to prefix every line of an uncaught exception's traceback with ``[rank0]:``, and
+    ``destroy_process_group`` leaves it wrapped (torch 2.13): the hook is put back as it was, else each replay under a
+    fake group wrapped it once more (after a plan, the user's next traceback had every line prefixed 8 times).
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group is initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    excepthook = sys.excepthook
     try:
-        yield
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 class RankChunks(Sequence[torch.Tensor]):
