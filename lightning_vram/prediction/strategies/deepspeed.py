@@ -278,8 +278,12 @@ def _stage3(
         buffer = min(settings.stage3_prefetch_bucket_size, sum(numels)) * element
         forward_other = max(forward_live(predictor, replayed, resident, held, buffer, gathered) - sum(forward_parts), 0)
         last = last_module_bytes(predictor, replayed, element)
-        live = backward_live(replayed, resident, bucket, held, last, gathered)
-        backward_other = 0 if live is None else max(live - sum(backward_parts), 0)
+        wide = tuple(n * element for n in numels if n > settings.reduce_bucket_size)
+        live = backward_live(replayed, resident, bucket, held, last, gathered, wide)
+        if live is not None:
+            peak, whole_gradient = live
+            backward_parts = (parameters, gradients + bucket + whole_gradient, state, backward)
+            backward_other = max(peak - sum(backward_parts), 0)
     # the step's peak beyond its parts: a partition-sized temporary, the reduce bucket and the batch (fitted on gloo
     # with Adam and SGD). On the CPU the optimizer's own temporaries over the partition beyond the fp32 master, which
     # the live count misses until the step writes it, where they are more: AdamW scales the master first, then makes

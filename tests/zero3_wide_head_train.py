@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO-3 on 2 gloo CPU ranks training a model whose last layer is wider than the reduce bucket, each rank
+measured by VramSession: run by tests/test_zero3_wide_head.py, ``python tests/zero3_wide_head_train.py PORT OUT_DIR``.
+
+:class:`WideHead` (two 64-wide ``Linear`` layers, then a ``Linear(64, 2000)`` head: 128,000 weight elements, the
+reduce bucket 20,000) under Adam, the small buckets of tests/zero_fsdp1_ranks.py, 3 optimizer steps, the last
+sampled, at DeepSpeed's default ``stage3_prefetch_bucket_size`` (tests/zero3_prefetch_train.py's). Rank ``r`` writes
+``rank<r>.json``: each phase's peak, its counted parts and what gloo's thread released late of it
+(tests/late_releases.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+import torch.distributed as dist
+from forked_ranks import start_ranks
+from late_releases import released_late_of
+from lightning.pytorch import LightningModule
+from torch import nn
+from zero3_prefetch_train import config_with_prefetch
+
+from lightning_vram import VramSession
+
+STEPS = 3
+WORLD = 2
+CLASSES = 2000
+"""The head's width: its weight gradient (128,000 elements) is more than the runs' 20,000-element reduce bucket."""
+
+
+class WideHead(LightningModule):
+    """Two hidden ``Linear(64, 64)`` layers with ReLU, then a ``Linear(64, 2000)`` head, cross-entropy, Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, CLASSES)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch
+        return nn.functional.cross_entropy(self.head(self.body(inputs)), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def batch_of(generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of 8 inputs and their labels."""
+    return torch.randn(8, 64, generator=generator), torch.randint(0, CLASSES, (8,), generator=generator)
+
+
+def measured_step(rank: int) -> dict[str, Any]:
+    """:class:`WideHead` trained on this rank by DeepSpeed ZeRO-3: its last step's phases."""
+    import deepspeed  # type: ignore[import-untyped]
+
+    torch.manual_seed(0)
+    module = WideHead()
+    optimizer = module.configure_optimizers()
+    module.forward = module.training_step  # type: ignore[method-assign]  # the engine runs the step
+    config = config_with_prefetch(8)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, config=config, dist_init_required=False
+    )
+    session = VramSession(
+        attribution_start_step=STEPS - 1,
+        attribution_every_n_steps=None,
+        console_summary=False,
+        replay_budget_seconds=0.0,
+        preflight=False,
+    )
+    late = released_late_of(session)
+    session.start(module, [optimizer], device=torch.device("cpu"), wrapper=lambda: engine)
+    generator = torch.Generator().manual_seed(rank)
+    for index in range(STEPS):
+        batch = batch_of(generator)
+        session.batch_start(batch)
+        loss = engine(batch, index)
+        session.before_backward()
+        engine.backward(loss)
+        session.before_optimizer_step()
+        engine.step()
+        session.batch_end(index)
+    report = session.finish(gather_ranks=False)
+    assert report is not None
+    return {
+        phase.value: {
+            "peak": peak.peak_bytes,
+            **peak.breakdown.to_dict(),  # type: ignore[union-attr]
+            "released late": late.get(phase.value, 0),
+        }
+        for phase, peak in report.phases.items()
+    }
+
+
+def run_rank(rank: int, port: int, out: Path) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # DeepSpeed reads these
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    (out / f"rank{rank}.json").write_text(json.dumps(measured_step(rank)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    start_ranks(run_rank, (int(sys.argv[1]), Path(sys.argv[2])), WORLD, ("deepspeed",))
