@@ -31,12 +31,7 @@ PREFETCH = 50_000_000
 
 def config_of(name: str) -> dict[str, Any]:
     """The run's DeepSpeed config: ZeRO-3 with the small buckets, DeepSpeed's default prefetch bucket."""
-    return config_with_prefetch(batch_of(name)[0].shape[0])
-
-
-def config_with_prefetch(micro_batch: int) -> dict[str, Any]:
-    """ZeRO-3's config with the small buckets and DeepSpeed's default prefetch bucket, for ``micro_batch`` samples."""
-    config = {**zero_config(3), "train_micro_batch_size_per_gpu": micro_batch}
+    config = {**zero_config(3), "train_micro_batch_size_per_gpu": batch_of(name)[0].shape[0]}
     config["zero_optimization"] = {**config["zero_optimization"], "stage3_prefetch_bucket_size": PREFETCH}
     return config
 

@@ -1,11 +1,12 @@
 """DeepSpeed ZeRO-3 on 2 gloo CPU ranks training a model whose last layer is wider than the reduce bucket, each rank
-measured by VramSession: run by tests/test_zero3_wide_head.py, ``python tests/zero3_wide_head_train.py PORT OUT_DIR``.
+measured by VramSession: run by tests/test_zero3_wide_head.py.
 
 :class:`WideHead` (two 64-wide ``Linear`` layers, then a ``Linear(64, 2000)`` head: 128,000 weight elements, the
 reduce bucket 20,000) under Adam, the small buckets of tests/zero_fsdp1_ranks.py, 3 optimizer steps, the last
-sampled, at DeepSpeed's default ``stage3_prefetch_bucket_size`` (tests/zero3_prefetch_train.py's). Rank ``r`` writes
-``rank<r>.json``: each phase's peak, its counted parts and what gloo's thread released late of it
-(tests/late_releases.py).
+sampled, at the ``stage3_prefetch_bucket_size`` given in elements (``python tests/zero3_wide_head_train.py PORT
+OUT_DIR PREFETCH``: 20,000 as the other runs', or DeepSpeed's default as tests/zero3_prefetch_train.py's, both less
+than the head). Rank ``r`` writes ``rank<r>.json``: each phase's peak, its counted parts and what gloo's thread
+released late of it (tests/late_releases.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from forked_ranks import start_ranks
 from late_releases import released_late_of
 from lightning.pytorch import LightningModule
 from torch import nn
-from zero3_prefetch_train import config_with_prefetch
+from zero_fsdp1_ranks import zero_config
 
 from lightning_vram import VramSession
 
@@ -55,7 +56,7 @@ def batch_of(generator: torch.Generator | None = None) -> tuple[torch.Tensor, to
     return torch.randn(8, 64, generator=generator), torch.randint(0, CLASSES, (8,), generator=generator)
 
 
-def measured_step(rank: int) -> dict[str, Any]:
+def measured_step(rank: int, prefetch: int) -> dict[str, Any]:
     """:class:`WideHead` trained on this rank by DeepSpeed ZeRO-3: its last step's phases."""
     import deepspeed  # type: ignore[import-untyped]
 
@@ -63,7 +64,8 @@ def measured_step(rank: int) -> dict[str, Any]:
     module = WideHead()
     optimizer = module.configure_optimizers()
     module.forward = module.training_step  # type: ignore[method-assign]  # the engine runs the step
-    config = config_with_prefetch(8)
+    config = {**zero_config(3), "train_micro_batch_size_per_gpu": 8}
+    config["zero_optimization"] = {**config["zero_optimization"], "stage3_prefetch_bucket_size": prefetch}
     engine, optimizer, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, config=config, dist_init_required=False
     )
@@ -98,13 +100,13 @@ def measured_step(rank: int) -> dict[str, Any]:
     }
 
 
-def run_rank(rank: int, port: int, out: Path) -> None:
+def run_rank(rank: int, port: int, out: Path, prefetch: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # DeepSpeed reads these
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    (out / f"rank{rank}.json").write_text(json.dumps(measured_step(rank)))
+    (out / f"rank{rank}.json").write_text(json.dumps(measured_step(rank, prefetch)))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    start_ranks(run_rank, (int(sys.argv[1]), Path(sys.argv[2])), WORLD, ("deepspeed",))
+    start_ranks(run_rank, (int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])), WORLD, ("deepspeed",))

@@ -143,6 +143,11 @@ def crossing_bytes(numels: Sequence[int], start: int, end: int, element: int) ->
     return outside * element
 
 
+def fetched_numel(module: nn.Module) -> int:
+    """Elements of the parameters ``module`` holds itself (ZeRO-3 gathers them together at its fetch)."""
+    return sum(full_numel(parameter) for parameter in module.parameters(recurse=False))
+
+
 def gathered_direct_bytes(module: nn.Module, element: int) -> int:
     """Bytes of the parameters held directly by modules that have submodules (ZeRO-3 gathers them apart)."""
     total = 0
@@ -275,7 +280,9 @@ def _stage3(
         # (_zero3_peaks); the CPU's live count misses three of the partitions
         resident = parameters + gradients + state - unseen_partitions(replayed.device_type, share, element, FP32)
         held = sum(numels) * element - gathered
-        buffer = min(settings.stage3_prefetch_bucket_size, sum(numels)) * element
+        # a module's own parameters are gathered at its fetch in one all-gather, whatever the prefetch bucket
+        widest = max((fetched_numel(child) for child in predictor.module.modules()), default=0)
+        buffer = max(min(settings.stage3_prefetch_bucket_size, sum(numels)), widest) * element
         forward_other = max(forward_live(predictor, replayed, resident, held, buffer, gathered) - sum(forward_parts), 0)
         last = last_module_bytes(predictor, replayed, element)
         wide = tuple(n * element for n in numels if n > settings.reduce_bucket_size)
