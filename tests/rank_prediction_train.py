@@ -2,13 +2,14 @@
 ``python tests/rank_prediction_train.py OUT_DIR WORLD_SIZE STRATEGY MODEL [ACCUMULATE [SAMPLED]]``.
 
 STRATEGY is ``ddp`` or ``fsdp2`` (Lightning's ``ModelParallelStrategy``, the model's ``configure_model`` calling
-``fully_shard``); MODEL is ``gpt`` (a 2-block GPT-2-class language model from a transformers config) or ``cnn`` (the
-quickstart's CNN). Two optimizer steps of ACCUMULATE micro-batches each (``accumulate_grad_batches``, 1 unless
+``fully_shard``); MODEL is ``gpt`` (a 2-block GPT-2-class language model from a transformers config), ``cnn`` (the
+quickstart's CNN), ``blocks``, ``resnet`` or ``head`` (:class:`WideHead`; these three under the plan's printed FSDP2
+code). Two optimizer steps of ACCUMULATE micro-batches each (``accumulate_grad_batches``, 1 unless
 given); one micro-batch sampled (the monitor counts a micro-batch as a step): SAMPLED, by default the last (the
 second window's, with the optimizer step); replays off, the ranks only measure. A sampled micro-batch that does not
 step ends the run (the monitor would sample its window's stepping one too, and the report's phases would be that
-one's). Rank ``r`` writes ``rank<r>.json``: each phase's live peak and counted parts as its report has them, and of each
-live peak the bytes gloo's worker thread released late (``Record``).
+one's). Rank ``r`` writes ``rank<r>.json``: each phase's live peak and counted parts as its report has them, of each
+live peak the bytes gloo's worker thread released late, and the peak without gloo's reduce-scatter clones (``Record``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from forked_ranks import lightning_ranks
+from gloo_clones import peaks_without_gloo_clones
 from late_releases import released_late_of
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -31,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_vram import VramMonitor
 
 VOCAB, LENGTH = 1000, 32
-BATCH = {"gpt": 4, "cnn": 16, "blocks": 16, "resnet": 16}
+BATCH = {"gpt": 4, "cnn": 16, "blocks": 16, "resnet": 16, "head": 8}
 """Samples per rank and step."""
 
 
@@ -148,6 +150,26 @@ class Blocks(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+class WideHead(LightningModule):
+    """Two blocks and a wide head left in the root unit (the step calls ``self``), Adam: the root's reduce-scatter,
+    the last of backward, is the largest unit's (270,336 bytes), where backward peaks; under the printed FSDP2 code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(32), Block(32))
+        self.head = nn.Linear(32, 2048)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(inputs))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch
+        return nn.functional.cross_entropy(self(inputs)[:, :10], labels)  # a view of the root's output, not returned
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
 class Basic(nn.Module):
     """A ResNet basic block, a downsampling ``nn.Sequential`` of its own where it changes the width."""
 
@@ -204,7 +226,7 @@ def printed_code_applied(module: LightningModule) -> LightningModule:
 
 def model_named(name: str) -> LightningModule:
     torch.manual_seed(0)
-    return {"gpt": TinyGPT, "cnn": QuickstartCNN, "blocks": Blocks, "resnet": ResNet}[name]()
+    return {"gpt": TinyGPT, "cnn": QuickstartCNN, "blocks": Blocks, "resnet": ResNet, "head": WideHead}[name]()
 
 
 def samples(name: str, count: int) -> TensorDataset:
@@ -212,7 +234,7 @@ def samples(name: str, count: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     if name == "gpt":
         return TensorDataset(torch.randint(0, VOCAB, (count, LENGTH), generator=generator))
-    if name == "blocks":
+    if name in ("blocks", "head"):
         return TensorDataset(torch.randn(count, 32, generator=generator), torch.randint(0, 10, (count,)))
     return TensorDataset(torch.randn(count, 3, 32, 32, generator=generator), torch.randint(0, 10, (count,)))
 
@@ -223,13 +245,15 @@ def one_batch(name: str) -> list[torch.Tensor]:
 
 
 class Record(Callback):
-    """After the monitor's own train-end hook, in each rank's process: its report's phases, and of each phase's live
-    peak the bytes gloo's worker thread released late (tests/late_releases.py)."""
+    """After the monitor's own train-end hook, in each rank's process: its report's phases, of each phase's live peak
+    the bytes gloo's worker thread released late (tests/late_releases.py), and each phase's highest live bytes less
+    gloo's reduce-scatter clones alive at each instant (tests/gloo_clones.py)."""
 
     def __init__(self, out: Path, monitor: VramMonitor) -> None:
         self.out = out
         self.monitor = monitor
         self.late = released_late_of(monitor.session)
+        self.without_clones = peaks_without_gloo_clones()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         report = self.monitor.report
@@ -238,6 +262,7 @@ class Record(Callback):
             phase.value: {
                 "live peak": peak.peak_bytes,
                 "released late": self.late.get(phase.value, 0),
+                "without gloo's clones": self.without_clones.get(phase.value, peak.peak_bytes),
                 "parameters": b.parameters,
                 "gradients": b.gradients,
                 "optimizer_state": b.optimizer_state,
@@ -291,7 +316,7 @@ def main() -> None:
     )
     dataset = samples(name, 2 * accumulate * BATCH[name] * world_size)
     module = model_named(name)
-    if name in ("blocks", "resnet") and strategy == "fsdp2":
+    if name in ("blocks", "resnet", "head") and strategy == "fsdp2":
         module = printed_code_applied(module)
     trainer.fit(module, DataLoader(dataset, batch_size=BATCH[name]))
 

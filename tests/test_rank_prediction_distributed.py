@@ -35,6 +35,11 @@ MISS_KEY = operator.itemgetter(0, 1, 2)
 # suite, and 1 rank in 32 under load here, released late of that peak to the byte; docs/measurement.md). Each rank
 # records what was released late of each live peak (rank_prediction_train.py), and the live peak is held to the
 # range the step without that delay peaked in; what else varies is measured again (``measured_again.py``).
+# Gloo reduce-scatters by cloning the whole input, all-reducing the clone and copying this rank's chunk out; NCCL
+# has no such copy and the replay's fake group none either (the wide head's root reduce-scatter at backward's peak:
+# 1,579,844 bytes measured for 1,436,480 predicted, -9.1%; 1,436,484 without the 270,336-byte clone;
+# docs/measurement.md). The live peak is held to each rank's peak less gloo's clones alive at each instant
+# (tests/gloo_clones.py), and only those: every other figure as measured.
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "live peak")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.replay]
@@ -90,6 +95,7 @@ def predicted(
         ("fsdp2", 2, "cnn"),
         ("fsdp2", 2, "blocks"),
         ("fsdp2", 2, "resnet"),
+        ("fsdp2", 2, "head"),
     ],
 )
 def test_each_rank_is_within_5_percent_of_the_one_process_prediction(
@@ -134,8 +140,9 @@ def compare(
     title: str,
 ) -> list[tuple[int, str, str, int, int]]:
     """Every rank's every part and live peak of every phase against the prediction: the misses past 5%; the table
-    printed. A predicted live peak between the measured one with and without what gloo's worker thread released late
-    of it is on it (``peak_error``)."""
+    printed. The live peak is measured without gloo's reduce-scatter clones (``gloo_clones.py``; the measured peak
+    with them in brackets where they differ); a predicted live peak between it with and without what gloo's worker
+    thread released late of it is on it (``peak_error``)."""
     print(f"\n{title}: each rank measured, one rank predicted in one process (bytes)")
     print(f"{'rank':>4} {'phase':<9} {'part':<15} {'measured':>10} {'predicted':>10} {'error':>8} released late")
     failures = []
@@ -146,10 +153,13 @@ def compare(
             for part in PARTS:
                 value, guess = parts[part], prediction[phase][part]
                 if part == "live peak":
+                    value = parts["without gloo's clones"]
                     error = peak_error(phase, value, guess, late)
                 else:
                     error = abs(guess - value) / value if value else float(guess != 0)
                 released = f" {late[phase]}" if part == "live peak" and late[phase] else ""
+                if part == "live peak" and value != parts[part]:
+                    released += f" (with gloo's clones {parts[part]})"
                 print(f"{rank:>4} {phase:<9} {part:<15} {value:>10} {guess:>10} {error:>8.4%}{released}")
                 if error > TOLERANCE:
                     failures.append((rank, phase, part, value, guess))
