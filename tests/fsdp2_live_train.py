@@ -1,7 +1,7 @@
 """A live FSDP2 run on two CPU ranks (gloo), each rank's replay and advice beside its step.
 
 Run by tests/test_fsdp2_live.py: ``python tests/fsdp2_live_train.py OUT_DIR [no-monitor | preflight=FREE_BYTES]
-[offload]``.
+[offload] [root-self]``.
 
 Lightning's ``ModelParallelStrategy`` (data parallel 2, tensor parallel 1): the module's ``configure_model`` calls
 ``fully_shard`` on each linear layer of an MLP with LeakyReLU out of place, then on the MLP (its advice:
@@ -13,7 +13,9 @@ the RNG's state. With ``no-monitor`` the same run
 trains without the monitor. With ``preflight=FREE_BYTES`` each rank's monitor reads a scripted CUDA device with that
 many bytes free (``ScriptedProbe``) and rank ``r`` writes ``preflight<r>.json`` instead: the rows the ranks agreed
 on, its own verdict and the monitor's warnings. With ``offload`` every unit is sharded with
-``CPUOffloadPolicy(pin_memory=False)``.
+``CPUOffloadPolicy(pin_memory=False)``. With ``root-self`` the root unit is the LightningModule itself
+(``fully_shard(self)``, as the plan's printed ``configure_model`` shards a module whose step calls ``self``), not
+the MLP, and the step calls ``self``.
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ BATCH, WIDTH = 64, 128
 class ShardedMLP(LightningModule):
     """The MLP, each linear layer and then the whole an FSDP2 unit (offloaded to the CPU with ``offload``); Adam."""
 
-    def __init__(self, offload: bool = False) -> None:
+    def __init__(self, offload: bool = False, root_self: bool = False) -> None:
         super().__init__()
         self.network = activation_mlp(nn.LeakyReLU, width=WIDTH)
         self.offload = offload
+        self.root_self = root_self
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        return nn.functional.cross_entropy(self.network(inputs), targets)
+        return nn.functional.cross_entropy((self if self.root_self else self.network)(inputs), targets)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.network(inputs)  # type: ignore[no-any-return]
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -63,7 +69,7 @@ class ShardedMLP(LightningModule):
         for layer in self.network:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh, offload_policy=policy)
-        fully_shard(self.network, mesh=mesh, offload_policy=policy)
+        fully_shard(self if self.root_self else self.network, mesh=mesh, offload_policy=policy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -136,7 +142,8 @@ def main() -> None:
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", VramMonitorWarning)
-        trainer.fit(ShardedMLP("offload" in mode), loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
+        module = ShardedMLP("offload" in mode, "root-self" in mode)
+        trainer.fit(module, loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
     if free:
         session = monitor.session
         record = preflight_record(session, caught)

@@ -153,3 +153,17 @@ def test_each_fsdp2_rank_offloading_to_the_cpu_replays_its_step_within_5_percent
 def offloading(out: Path) -> list[dict[str, Any]]:
     """Each rank's record of a monitored run offloading to the CPU, made in ``out``."""
     return live_ranks.monitored(SCRIPT, out, "offload")
+
+
+def test_each_fsdp2_rank_whose_root_unit_is_the_lightning_module_replays_its_step(tmp_path: Path) -> None:
+    """``fully_shard(self)`` (the plan's printed ``configure_model`` for a step calling ``self``) on 2 gloo ranks:
+    each rank's replay copies the root unit unsharded without its Trainer. Before, every rank skipped: "the step
+    failed under fake tensors at copy.py:161 (deepcopy): TypeError: cannot pickle '_thread.RLock' object"."""
+    _, ranks = trusted(tmp_path / "root-self", lambda out: live_ranks.monitored(SCRIPT, out, "root-self"))
+    for rank, record in enumerate(ranks):
+        assert record["skipped"] is None, (rank, record["skipped"])
+        assert record["notes"][-1] == NOTE
+        for phase, part, measured, replayed in record["match"]:
+            if part != "live peak":
+                assert replayed == measured, (rank, phase, part)
+    assert misses(ranks) == []

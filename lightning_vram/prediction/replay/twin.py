@@ -136,6 +136,11 @@ def fake_module(module: nn.Module, mode: FakeTensorMode, substitutes: Substitute
     fabric = getattr(module, "fabric", None)
     if fabric is not None:
         memo[id(fabric)] = None
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        # Copied as None, as LightningModule's __getstate__ copies it; an FSDP2 unit's attributes are copied past
+        # that hook (Unsharding.fill): the printed configure_model's fully_shard(self) reached the Trainer's locks.
+        memo[id(trainer)] = None
     sharded = sharded_live(module)
     if not sharded:
         _fake_parameters(module, mode, memo)
