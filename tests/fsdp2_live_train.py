@@ -15,7 +15,9 @@ many bytes free (``ScriptedProbe``) and rank ``r`` writes ``preflight<r>.json`` 
 on, its own verdict and the monitor's warnings. With ``offload`` every unit is sharded with
 ``CPUOffloadPolicy(pin_memory=False)``. With ``root-self`` the root unit is the LightningModule itself
 (``fully_shard(self)``, as the plan's printed ``configure_model`` shards a module whose step calls ``self``), not
-the MLP, and the step calls ``self``.
+the MLP, and the step calls ``self``. With ``wide-head`` the module is tests/rank_prediction_train.py's
+``WideHead`` under the plan's printed ``configure_model`` (its root unit's reduce-scatter, the largest, at backward's
+peak: gloo's copy of its input counts there), 8 samples of width 32 a step.
 """
 
 from __future__ import annotations
@@ -142,8 +144,13 @@ def main() -> None:
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", VramMonitorWarning)
-        module = ShardedMLP("offload" in mode, "root-self" in mode)
-        trainer.fit(module, loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
+        if "wide-head" in mode:
+            from rank_prediction_train import WideHead, printed_code_applied
+
+            trainer.fit(printed_code_applied(WideHead()), loader(features(4 * 8 * WORLD_SIZE, 32), 8))
+        else:
+            module = ShardedMLP("offload" in mode, "root-self" in mode)
+            trainer.fit(module, loader(features(4 * BATCH * WORLD_SIZE, WIDTH), BATCH))
     if free:
         session = monitor.session
         record = preflight_record(session, caught)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, overload
@@ -154,6 +154,34 @@ def rank_chunks() -> Iterator[None]:
         yield
     finally:
         setattr(_fsdp_param, CHUNKING, original)
+
+
+@contextmanager
+def gloo_reduce_scatter_copies() -> Iterator[None]:
+    """Each reduce-scatter of the replay holding a copy of its whole input while it runs, as gloo's does.
+
+    Gloo has no reduce-scatter of its own: ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` (what
+    ``dist.reduce_scatter_single`` reaches, torch 2.13) clones the whole input on the calling thread, all-reduces the
+    clone and copies this rank's chunk out; the fake groups allocate nothing, NCCL reduce-scatters in place. A live
+    rank on gloo holds that clone beside FSDP2's reduce-scatter input and output (docs/measurement.md, "Why an FSDP2
+    gloo rank's backward peak has more than its replay"): its replay holds one too, freed when the call returns (the
+    runs measured freed the rank's on its own thread after the peak, nothing released late).
+    """
+    reduce_scatter = dist.reduce_scatter_single
+
+    def copying(*args: Any, **kwargs: Any) -> Any:
+        source = kwargs["input"] if "input" in kwargs else args[1]
+        copy = source.clone()  # gloo's: held while the collective runs
+        try:
+            return reduce_scatter(*args, **kwargs)
+        finally:
+            del copy
+
+    dist.reduce_scatter_single = copying
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
 
 
 TIMEOUT = timedelta(minutes=1)
@@ -614,7 +642,9 @@ def predict(
             shard.append(sharder(spec, *meshes(spec.world_size, device_type), as_printed))
             replayed = sharded.replay(change)
     else:
-        with side_meshes(spec.world_size, live.rank, device_type) as (flat, lightning), rank_chunks():
+        gloo = dist.get_backend() == "gloo"  # the run's group: its reduce-scatters copy their inputs
+        copies = gloo_reduce_scatter_copies() if gloo else nullcontext()
+        with side_meshes(spec.world_size, live.rank, device_type) as (flat, lightning), rank_chunks(), copies:
             shard.append(live_sharder(live, flat, lightning))
             replayed = sharded.replay(change)
     if isinstance(replayed, ReplaySkipped):
