@@ -121,22 +121,14 @@ class DecoderLayer(nn.Module):
         return self.inner(self.mlp(x))
 
 
-class BlockInsideAnotherUnit(nn.Module):
+class BlockInsideAnotherUnit(TwoListsOneBlock):
     """An encoder's list whose last block a decoder's first layer holds too: one of its places inside another unit."""
 
     def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.inputs = nn.Linear(32, width)
+        super().__init__(width)
         shared = Block(width)
         self.encoder = nn.ModuleList([Block(width), Block(width), shared])
         self.decoder = nn.ModuleList([DecoderLayer(shared, width), Block(width), Block(width)])
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inputs(x)
-        for layer in [*self.encoder, *self.decoder]:
-            h = layer(h)
-        return self.head(h.mean(1))
 
 
 class SharedInside(Classifier):

@@ -22,15 +22,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.distributed as dist
 from forked_ranks import start_ranks
-from late_releases import released_late_of
 from lightning.pytorch import LightningModule
 from torch import nn
 from zero_fsdp1_ranks import zero_config
+from zero_module_optimizer_train import WORLD, deepspeed_step
 
-from lightning_vram import VramSession
-
-STEPS = 3
-WORLD = 2
 CLASSES = 2000
 """The head's width: its weight gradient (128,000 elements) is more than the runs' 20,000-element reduce bucket."""
 
@@ -58,46 +54,9 @@ def batch_of(generator: torch.Generator | None = None) -> tuple[torch.Tensor, to
 
 def measured_step(rank: int, prefetch: int) -> dict[str, Any]:
     """:class:`WideHead` trained on this rank by DeepSpeed ZeRO-3: its last step's phases."""
-    import deepspeed  # type: ignore[import-untyped]
-
-    torch.manual_seed(0)
-    module = WideHead()
-    optimizer = module.configure_optimizers()
-    module.forward = module.training_step  # type: ignore[method-assign]  # the engine runs the step
     config = {**zero_config(3), "train_micro_batch_size_per_gpu": 8}
     config["zero_optimization"] = {**config["zero_optimization"], "stage3_prefetch_bucket_size": prefetch}
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, config=config, dist_init_required=False
-    )
-    session = VramSession(
-        attribution_start_step=STEPS - 1,
-        attribution_every_n_steps=None,
-        console_summary=False,
-        replay_budget_seconds=0.0,
-        preflight=False,
-    )
-    late = released_late_of(session)
-    session.start(module, [optimizer], device=torch.device("cpu"), wrapper=lambda: engine)
-    generator = torch.Generator().manual_seed(rank)
-    for index in range(STEPS):
-        batch = batch_of(generator)
-        session.batch_start(batch)
-        loss = engine(batch, index)
-        session.before_backward()
-        engine.backward(loss)
-        session.before_optimizer_step()
-        engine.step()
-        session.batch_end(index)
-    report = session.finish(gather_ranks=False)
-    assert report is not None
-    return {
-        phase.value: {
-            "peak": peak.peak_bytes,
-            **peak.breakdown.to_dict(),  # type: ignore[union-attr]
-            "released late": late.get(phase.value, 0),
-        }
-        for phase, peak in report.phases.items()
-    }
+    return deepspeed_step(WideHead, batch_of, rank, config)
 
 
 def run_rank(rank: int, port: int, out: Path, prefetch: int) -> None:

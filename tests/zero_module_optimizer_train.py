@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,18 @@ def train(name: str, rank: int) -> dict[str, Any]:
 
 def measured_step(name: str, rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """The module ``name`` trained on this rank by DeepSpeed under ``config``: its last step's phases."""
+    return deepspeed_step(MODULES[name], lambda generator: batch_of(name, generator), rank, config)
+
+
+def deepspeed_step(
+    build: Callable[[], Any], batches: Callable[[torch.Generator], Any], rank: int, config: dict[str, Any]
+) -> dict[str, Any]:
+    """The LightningModule ``build`` makes (under seed 0) trained on this rank by DeepSpeed under ``config``, each
+    batch drawn by ``batches`` from the rank's generator: its last step's phases (bytes)."""
     import deepspeed  # type: ignore[import-untyped]
 
     torch.manual_seed(0)
-    module = MODULES[name]()
+    module = build()
     optimizer = module.configure_optimizers()
     module.forward = module.training_step  # the engine runs the step
     engine, optimizer, _, _ = deepspeed.initialize(
@@ -59,7 +68,7 @@ def measured_step(name: str, rank: int, config: dict[str, Any]) -> dict[str, Any
     session.start(module, [optimizer], device=torch.device("cpu"), wrapper=lambda: engine)
     generator = torch.Generator().manual_seed(rank)
     for index in range(STEPS):
-        batch = batch_of(name, generator)
+        batch = batches(generator)
         session.batch_start(batch)
         loss = engine(batch, index)
         session.before_backward()
